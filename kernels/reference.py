@@ -1,0 +1,152 @@
+"""Pure-torch reference for every kernel.
+
+These are the definitions the Triton kernels are tested against, and the kernels the
+engine runs on a machine without a GPU. They favour clarity over speed, but avoid
+per-token Python loops so the CPU engine stays usable.
+
+Layouts shared with the Triton kernels and the runtime:
+    hidden / activations        [num_tokens, hidden]
+    q                           [num_tokens, num_heads, head_dim]
+    k, v                        [num_tokens, num_kv_heads, head_dim]
+    k_cache, v_cache            [num_blocks, num_kv_heads, block_size, head_dim]
+    slot_mapping                [num_tokens] int64, slot = block_id * block_size + offset, -1 = skip
+    block_tables                [num_seqs, max_blocks_per_seq] int32
+    seq_lens                    [num_seqs] int32, context length including this step's tokens
+    query_start_loc             [num_seqs + 1] int32, prefix sums of the query lengths
+    cos_sin_cache               [max_positions, rotary_dim], cos in the first half, sin in the second
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension, computed in fp32 and scaled in x's dtype (as HF does)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual' = x + residual; returns (rms_norm(residual'), residual')."""
+    new_residual = x + residual
+    return rms_norm(new_residual, weight, eps), new_residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, 2 * d] holding (gate, up) -> silu(gate) * up: [num_tokens, d]."""
+    d = x.shape[-1] // 2
+    return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+
+
+def _rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [num_tokens, heads, rotary_dim]; cos/sin: [num_tokens, 1, rotary_dim // 2]
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate the first rotary_dim features of q and k (GPT-NeoX / HF Llama 'rotate_half' style).
+
+    Returns new tensors; q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim].
+    """
+    rotary_dim = cos_sin_cache.shape[-1]
+    cs = cos_sin_cache[positions].to(q.dtype)  # [num_tokens, rotary_dim]
+    cos, sin = cs[:, None, : rotary_dim // 2], cs[:, None, rotary_dim // 2 :]
+
+    def apply(x: torch.Tensor) -> torch.Tensor:
+        if rotary_dim == x.shape[-1]:
+            return _rotate_neox(x, cos, sin)
+        return torch.cat((_rotate_neox(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
+
+    return apply(q), apply(k)
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter this step's K/V into the paged cache; tokens with slot -1 are not written."""
+    block_size = k_cache.shape[2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, :, offsets] = k[keep].to(k_cache.dtype)
+    v_cache[blocks, :, offsets] = v[keep].to(v_cache.dtype)
+
+
+def rotary_and_write_kv(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Rotate q and k, write rotated k and v into the cache; returns the rotated q."""
+    q, k = rotary_embedding(positions, q, k, cos_sin_cache)
+    write_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Read one sequence's first seq_len cached tokens: [num_kv_heads, seq_len, head_dim]."""
+    block_size = cache.shape[2]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = cache[block_table[:num_blocks].long()]  # [n, kv_heads, block_size, head_dim]
+    return blocks.transpose(0, 1).reshape(cache.shape[1], num_blocks * block_size, -1)[:, :seq_len]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole paged context.
+
+    Sequence i owns query rows query_start_loc[i]:query_start_loc[i+1]; they are the last
+    tokens of its context of seq_lens[i] tokens, whose K/V are already in the cache. One
+    query row sees every cached token up to and including its own position. Decode
+    (one query per sequence), prefill and prefill over a cached prefix are all this one
+    function. Returns [num_tokens, num_heads, head_dim] in q's dtype.
+    """
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        q_start, q_end = starts[i], starts[i + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        k = gather_kv(k_cache, block_tables[i], seq_len).float()
+        v = gather_kv(v_cache, block_tables[i], seq_len).float()
+        if group > 1:
+            k = k.repeat_interleave(group, dim=0)
+            v = v.repeat_interleave(group, dim=0)
+        qi = q[q_start:q_end].transpose(0, 1).float()  # [num_heads, q_len, head_dim]
+        scores = torch.matmul(qi, k.transpose(1, 2)) * scale  # [num_heads, q_len, seq_len]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        scores.masked_fill_(k_pos > q_pos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_start:q_end] = torch.matmul(probs, v).transpose(0, 1).to(q.dtype)
+    return out
+
+
