@@ -1,0 +1,308 @@
+"""Sampler: greedy, warpers against transformers' own processors, penalties, seeds, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from pagecast.runtime.request import Request
+from pagecast.runtime.sampler import _apply_penalties, _sample_rows, prompt_logprobs, sample
+from pagecast.runtime.sampling_params import SamplingParams
+
+VOCAB = 97  # odd, not a power of two
+
+
+def make_request(
+    prompt: list[int] | None = None, output: list[int] | None = None, index: int = 0, **params
+) -> Request:
+    request = Request(f"r{index}", prompt or [1, 2, 3], SamplingParams(**params), index=index)
+    for token in output or []:
+        request.append_output_token(token)
+    return request
+
+
+def random_logits(rows: int, vocab: int = VOCAB, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, vocab, generator=generator) * scale
+
+
+def allowed_by_transformers(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The tokens transformers' warpers leave unmasked, in the order generate() applies them."""
+    if params.temperature == 0.0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).bool()
+    scores = logits.clone()
+    ids = torch.zeros(logits.shape[0], 1, dtype=torch.long)
+    scores = TemperatureLogitsWarper(float(params.temperature))(ids, scores)
+    if params.top_k:
+        scores = TopKLogitsWarper(params.top_k)(ids, scores)
+    if params.top_p < 1.0:
+        scores = TopPLogitsWarper(params.top_p)(ids, scores)
+    if params.min_p > 0.0:
+        scores = MinPLogitsWarper(params.min_p)(ids, scores)
+    return scores > float("-inf")
+
+
+# --- greedy ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_is_argmax(dtype: torch.dtype) -> None:
+    logits = random_logits(9).to(dtype)
+    before = logits.clone()
+    requests = [make_request(index=i, temperature=0.0) for i in range(9)]
+    out = sample(logits, requests)
+    assert out.token_ids == logits.float().argmax(-1).tolist()
+    assert out.logprobs == [None] * 9
+    assert torch.equal(logits, before), "the sampler must not modify the caller's logits"
+
+
+def test_empty_batch_and_bad_shape() -> None:
+    assert sample(torch.empty(0, VOCAB), []).token_ids == []
+    with pytest.raises(ValueError, match="one row per request"):
+        sample(torch.zeros(2, VOCAB), [make_request()])
+
+
+# --- warpers against transformers --------------------------------------------------------------
+
+WARPER_CASES = [
+    dict(temperature=0.7, top_k=5),
+    dict(temperature=1.0, top_k=1),
+    dict(temperature=1.3, top_p=0.8),
+    dict(temperature=0.5, top_p=0.3),
+    dict(temperature=1.0, min_p=0.1),
+    dict(temperature=1.8, min_p=0.3),
+    dict(temperature=0.9, top_k=20, top_p=0.9, min_p=0.05),
+    dict(temperature=1.0, top_k=40, top_p=0.5),
+]
+
+
+@pytest.mark.parametrize("case", WARPER_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_sampling_never_picks_a_token_transformers_masks(case: dict) -> None:
+    params = SamplingParams(**case)
+    logits = random_logits(16, seed=1)
+    allowed = allowed_by_transformers(logits, params)
+    requests = [make_request(index=i, **case) for i in range(16)]
+    torch.manual_seed(0)
+    for _ in range(40):
+        out = sample(logits, requests)
+        for row, token in enumerate(out.token_ids):
+            assert allowed[row, token], f"row {row} picked masked token {token}"
+
+
+def test_mixed_batch_rows_use_their_own_parameters() -> None:
+    # One batch holding every case (and greedy rows): each row must obey its own warpers.
+    cases = WARPER_CASES + [dict(temperature=0.0), dict(temperature=1.0)]
+    logits = random_logits(len(cases), seed=2)
+    requests = [make_request(index=i, **case) for i, case in enumerate(cases)]
+    allowed = [
+        allowed_by_transformers(logits[i : i + 1], SamplingParams(**case))[0] for i, case in enumerate(cases)
+    ]
+    torch.manual_seed(0)
+    seen: list[set[int]] = [set() for _ in cases]
+    for _ in range(60):
+        for row, token in enumerate(sample(logits, requests).token_ids):
+            assert allowed[row][token]
+            seen[row].add(token)
+    assert seen[len(cases) - 2] == {int(logits[len(cases) - 2].argmax())}
+    assert len(seen[len(cases) - 1]) > 1, "an untruncated row should not collapse onto one token"
+
+
+def test_truncation_keeps_the_exact_transformers_support() -> None:
+    # Sample many times with a flat-ish distribution: the set of tokens seen is the whole
+    # support transformers leaves (so we mask no more than it does either).
+    params = dict(temperature=1.0, top_k=6, top_p=0.95)
+    logits = random_logits(1, seed=3, scale=0.3)
+    allowed = allowed_by_transformers(logits, SamplingParams(**params))[0]
+    request = make_request(**params)
+    torch.manual_seed(0)
+    seen = {sample(logits, [request]).token_ids[0] for _ in range(400)}
+    assert seen == set(allowed.nonzero().flatten().tolist())
+
+
+# --- penalties ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.7])
+def test_repetition_penalty_matches_transformers(penalty: float) -> None:
+    logits = random_logits(3, seed=4)
+    prompts = [[5, 6, 7, 5], [0, 96], [10]]
+    outputs = [[8, 8, 9], [], [11, 10, 50]]
+    requests = [
+        make_request(p, o, index=i, repetition_penalty=penalty) for i, (p, o) in enumerate(zip(prompts, outputs))
+    ]
+    ours = _apply_penalties(logits, requests)
+    for row, (p, o) in enumerate(zip(prompts, outputs)):
+        ids = torch.tensor([p + o])
+        expected = RepetitionPenaltyLogitsProcessor(penalty)(ids, logits[row : row + 1].clone())
+        torch.testing.assert_close(ours[row : row + 1], expected, rtol=0, atol=0)
+
+
+def test_presence_and_frequency_follow_the_openai_formula() -> None:
+    logits = random_logits(2, seed=5)
+    prompt = [1, 2, 3, 4]  # prompt tokens must not count
+    output = [4, 7, 7, 7, 9]
+    requests = [
+        make_request(prompt, output, index=0, presence_penalty=0.5, frequency_penalty=0.25),
+        make_request(prompt, output, index=1, presence_penalty=-1.0, frequency_penalty=1.5),
+    ]
+    ours = _apply_penalties(logits, requests)
+    for row, request in enumerate(requests):
+        expected = logits[row].clone()
+        params = request.sampling_params
+        for token in set(output):
+            count = output.count(token)
+            expected[token] -= params.presence_penalty * (count > 0) + params.frequency_penalty * count
+        torch.testing.assert_close(ours[row], expected)
+
+
+def test_penalties_apply_to_greedy_rows_and_only_to_penalised_rows() -> None:
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 10] = 5.0
+    logits[:, 11] = 4.0
+    requests = [
+        make_request([10], [10, 10], index=0, temperature=0.0, frequency_penalty=1.0),
+        make_request([10], [10, 10], index=1, temperature=0.0),
+    ]
+    assert sample(logits, requests).token_ids == [11, 10]
+
+
+# --- seeds and the distribution ----------------------------------------------------------------
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent() -> None:
+    logits = random_logits(6, seed=6, scale=1.0)
+
+    def run(rows: list[int]) -> list[int]:
+        requests = [
+            make_request(index=0, temperature=1.0, seed=1234) if r == 0 else make_request(index=r) for r in rows
+        ]
+        tokens = []
+        for _ in range(20):
+            tokens.append(sample(logits[rows], requests).token_ids[rows.index(0)])
+        return tokens
+
+    alone = run([0])
+    torch.manual_seed(99)  # the other rows' shared randomness must not matter
+    assert run([0]) == alone
+    assert run([3, 0, 5]) == alone
+    assert run([2, 4, 1, 0]) == alone
+    assert len(set(alone)) > 1
+    # Truncation on another row (which sorts the batch) must not change the seeded row either.
+    requests = [make_request(index=0, temperature=1.0, seed=1234), make_request(index=1, top_k=3, top_p=0.5)]
+    assert [sample(logits[[0, 1]], requests).token_ids[0] for _ in range(20)] == alone
+
+
+def test_n_choices_with_one_seed_differ_but_repeat() -> None:
+    logits = random_logits(1, seed=7, scale=0.5)
+    streams = []
+    for _ in range(2):
+        requests = [make_request(index=i, seed=5) for i in range(3)]
+        streams.append([tuple(sample(logits.expand(3, -1), requests).token_ids) for _ in range(10)])
+    assert streams[0] == streams[1]
+    assert len({column for column in zip(*streams[0])}) == 3
+
+
+def test_unseeded_sampling_matches_softmax() -> None:
+    vocab = 6
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    expected = torch.softmax(logits[0], -1)
+    rows = 2000
+    requests = [make_request(index=i, temperature=1.0) for i in range(rows)]
+    torch.manual_seed(0)
+    counts = torch.zeros(vocab)
+    for _ in range(10):
+        tokens = torch.tensor(sample(logits.expand(rows, -1), requests).token_ids)
+        counts += torch.bincount(tokens, minlength=vocab)
+    total = counts.sum()
+    chi2 = float((((counts - total * expected) ** 2) / (total * expected)).sum())
+    assert chi2 < 20.5, f"chi-square {chi2:.1f} over 5 degrees of freedom (p < 0.001)"
+
+
+def test_temperature_sharpens_and_flattens() -> None:
+    logits = torch.tensor([[1.0, 0.0, -1.0, -2.0]])
+    torch.manual_seed(0)
+    for temperature, low, high in [(0.3, 0.93, 1.0), (2.0, 0.35, 0.55)]:
+        requests = [make_request(index=i, temperature=temperature) for i in range(4000)]
+        tokens = torch.tensor(sample(logits.expand(4000, -1), requests).token_ids)
+        share = float((tokens == 0).float().mean())
+        p0 = float(torch.softmax(logits[0] / temperature, -1)[0])
+        assert low < share < high and abs(share - p0) < 0.03
+
+
+def test_sample_rows_handles_masked_tokens_with_zero_noise() -> None:
+    # A masked token (-inf) must never win, even if its exponential draw is tiny.
+    logits = torch.full((64, VOCAB), float("-inf"))
+    logits[:, 3] = 0.0
+    requests = [make_request(index=i) for i in range(64)]
+    assert _sample_rows(logits, requests).tolist() == [3] * 64
+
+
+# --- logprobs ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logprobs_are_raw_log_softmax_with_ranks(dtype: torch.dtype) -> None:
+    logits = random_logits(4, seed=8).to(dtype)
+    requests = [
+        make_request(index=0, temperature=0.0, logprobs=5),
+        make_request(index=1, temperature=0.5, top_k=3, logprobs=0),
+        make_request(index=2, temperature=1.0, logprobs=None),
+        make_request(index=3, temperature=1.0, repetition_penalty=1.9, presence_penalty=2.0, logprobs=2),
+    ]
+    torch.manual_seed(0)
+    out = sample(logits, requests)
+    reference = torch.log_softmax(logits.float(), -1)
+    order = reference.argsort(-1, descending=True)
+    assert out.logprobs[2] is None
+    for row, k in [(0, 5), (1, 0), (3, 2)]:
+        entry = out.logprobs[row]
+        assert entry is not None
+        token = out.token_ids[row]
+        assert next(iter(entry)) == token, "the chosen token comes first"
+        chosen_rank = int((order[row] == token).nonzero()) + 1
+        assert entry[token].rank == chosen_rank
+        top = order[row, :k].tolist()
+        assert set(entry) == set(top) | {token}
+        for tid, lp in entry.items():
+            assert math.isclose(lp.logprob, float(reference[row, tid]), abs_tol=1e-5)
+            assert lp.decoded_token is None
+            if tid in top and tid != token:
+                assert lp.rank == top.index(tid) + 1
+    assert out.logprobs[0][out.token_ids[0]].rank == 1  # greedy picks rank 1
+
+
+def test_prompt_logprobs() -> None:
+    logits = random_logits(7, seed=9)
+    targets = [5, 0, 96, 40, 40, 3, 12]
+    reference = torch.log_softmax(logits, -1)
+    for num_top in (0, 1, 4):
+        entries = prompt_logprobs(logits, targets, num_top)
+        assert len(entries) == len(targets)
+        for j, (entry, target) in enumerate(zip(entries, targets)):
+            assert next(iter(entry)) == target
+            assert math.isclose(entry[target].logprob, float(reference[j, target]), abs_tol=1e-5)
+            assert entry[target].rank == int((reference[j] > reference[j, target]).sum()) + 1
+            top = reference[j].topk(num_top).indices.tolist() if num_top else []
+            assert set(entry) == set(top) | {target}
+            assert len(entry) <= num_top + 1
+    with pytest.raises(ValueError):
+        prompt_logprobs(logits, targets[:3], 1)
+
+
+def test_prompt_logprobs_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pagecast.runtime.sampler as sampler_module
+
+    logits = random_logits(11, seed=10)
+    targets = list(range(11))
+    whole = prompt_logprobs(logits, targets, 2)
+    monkeypatch.setattr(sampler_module, "_PROMPT_LOGPROBS_CHUNK", 4)
+    assert prompt_logprobs(logits, targets, 2) == whole
