@@ -137,7 +137,8 @@ def test_repetition_penalty_matches_transformers(penalty: float) -> None:
     prompts = [[5, 6, 7, 5], [0, 96], [10]]
     outputs = [[8, 8, 9], [], [11, 10, 50]]
     requests = [
-        make_request(p, o, index=i, repetition_penalty=penalty) for i, (p, o) in enumerate(zip(prompts, outputs))
+        make_request(prompt, output, index=i, repetition_penalty=penalty)
+        for i, (prompt, output) in enumerate(zip(prompts, outputs))
     ]
     ours = _apply_penalties(logits, requests)
     for row, (p, o) in enumerate(zip(prompts, outputs)):
@@ -183,7 +184,8 @@ def test_seeded_sampling_is_reproducible_and_batch_independent() -> None:
 
     def run(rows: list[int]) -> list[int]:
         requests = [
-            make_request(index=0, temperature=1.0, seed=1234) if r == 0 else make_request(index=r) for r in rows
+            make_request(index=0, temperature=1.0, seed=1234) if r == 0 else make_request(index=r)
+            for r in rows
         ]
         tokens = []
         for _ in range(20):
