@@ -1,0 +1,301 @@
+"""Paged attention for decode: one new query token per sequence (flash-decoding).
+
+Each program owns one (sequence, KV head, context split): it reads its slice of the
+sequence's paged K/V once and serves every query head of that KV head's group with one
+tl.dot (the group is padded to 16 rows, the smallest dot tile; decode is bound by the
+K/V bytes, so the idle rows cost nothing measurable). When the context is split, each
+program writes a normalised partial output and its log-sum-exp, and a second kernel
+merges the splits. Every sequence's context is divided into the same number of splits,
+so the grid depends on shapes only and the launch is safe to capture in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import triton
+import triton.language as tl
+
+from pagecast.kernels.tuning import KernelConfig, num_sms
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
+def _paged_decode_kernel(
+    q_ptr,  # q: [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # k_cache: [num_blocks, num_kv_heads, block_size, head_dim]
+    v_cache_ptr,  # v_cache: [num_blocks, num_kv_heads, block_size, head_dim]
+    block_tables_ptr,  # block_tables: [num_seqs, max_blocks] int32
+    seq_lens_ptr,  # seq_lens: [num_seqs] int32
+    query_start_loc_ptr,  # query_start_loc: [num_seqs + 1] int32
+    out_ptr,  # out: [num_tokens, num_heads, head_dim]
+    part_out_ptr,  # part_out: [num_seqs, num_heads, num_splits, HEAD_DIM_PAD] fp32
+    part_lse_ptr,  # part_lse: [num_seqs, num_heads, num_splits] fp32 (log2 domain)
+    qk_scale,  # softmax scale * log2(e)
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(1) * GROUP
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    # A padded batch slot (no query this step) has nothing to compute or merge.
+    if q_len > 0:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        num_tiles = tl.cdiv(seq_len, BLOCK_N)
+        tiles_per_split = tl.cdiv(num_tiles, num_splits)
+        tile_lo = split * tiles_per_split
+        tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+        offs_g = tl.arange(0, GROUP_PAD)
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        heads = kv_head * GROUP + offs_g
+        if HEAD_DIM_PAD == HEAD_DIM:
+            q_mask = (offs_g < GROUP)[:, None]
+        else:
+            q_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
+        q = tl.load(
+            q_ptr + q_start.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=q_mask,
+            other=0.0,
+        )
+
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+        block_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        k_base = k_cache_ptr + kv_head * stride_kh + offs_d[None, :]
+        v_base = v_cache_ptr + kv_head * stride_vh + offs_d[None, :]
+        for tile in range(tile_lo, tile_hi):
+            offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < seq_len
+            if HEAD_DIM_PAD == HEAD_DIM:
+                kv_mask = n_mask[:, None]
+            else:
+                kv_mask = n_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+            block = tl.load(block_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+            slot = offs_n % BLOCK_SIZE
+            # k, v: [BLOCK_N, HEAD_DIM_PAD], rows gathered through the block table
+            k = tl.load(k_base + block[:, None] * stride_kb + slot[:, None] * stride_kt, mask=kv_mask, other=0.0)
+            v = tl.load(v_base + block[:, None] * stride_vb + slot[:, None] * stride_vt, mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, BLOCK_N]
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+
+        # l_i is 0 only for an empty split or an empty context: write 0 / -inf, never NaN.
+        has = l_i > 0.0
+        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        if DIRECT:
+            tl.store(
+                out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                o.to(out_ptr.dtype.element_ty),
+                mask=q_mask,
+            )
+        else:
+            lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+            part = (seq.to(tl.int64) * num_heads + heads) * num_splits + split  # [GROUP_PAD]
+            g_mask = offs_g < GROUP
+            tl.store(part_lse_ptr + part, lse, mask=g_mask)
+            tl.store(part_out_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :], o, mask=g_mask[:, None])
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_merge_kernel(
+    part_out_ptr,  # part_out: [num_seqs, num_heads, num_splits, HEAD_DIM_PAD] fp32
+    part_lse_ptr,  # part_lse: [num_seqs, num_heads, num_splits] fp32 (log2 domain)
+    query_start_loc_ptr,  # query_start_loc: [num_seqs + 1] int32
+    out_ptr,  # out: [num_tokens, num_heads, head_dim]
+    num_splits,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_len > 0:
+        base = (seq.to(tl.int64) * num_heads + head) * num_splits
+        offs_s = tl.arange(0, SPLIT_CHUNK)
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        lse_max = tl.full([SPLIT_CHUNK], float("-inf"), tl.float32)
+        for s0 in range(0, num_splits, SPLIT_CHUNK):
+            lse = tl.load(part_lse_ptr + base + s0 + offs_s, mask=s0 + offs_s < num_splits, other=float("-inf"))
+            lse_max = tl.maximum(lse_max, lse)
+        lse_top = tl.max(lse_max, 0)
+        # all splits empty (an empty context): weights are 0, the output is 0
+        lse_ref = tl.where(lse_top == float("-inf"), 0.0, lse_top)
+        acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
+        denom = tl.zeros([SPLIT_CHUNK], tl.float32)
+        for s0 in range(0, num_splits, SPLIT_CHUNK):
+            s_mask = s0 + offs_s < num_splits
+            lse = tl.load(part_lse_ptr + base + s0 + offs_s, mask=s_mask, other=float("-inf"))
+            w = tl.exp2(lse - lse_ref)  # [SPLIT_CHUNK]
+            o = tl.load(
+                part_out_ptr + (base + s0 + offs_s)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+                mask=s_mask[:, None],
+                other=0.0,
+            )
+            acc += tl.sum(w[:, None] * o, 0)
+            denom += w
+        total = tl.sum(denom, 0)
+        out = acc / tl.where(total > 0.0, total, 1.0)
+        tl.store(
+            out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+            out.to(out_ptr.dtype.element_ty),
+            mask=offs_d < HEAD_DIM,
+        )
+
+
+# Kernel variants (tile of context tokens, warps, pipeline depth); num_splits is a launch
+# argument, so it costs no compilation.
+_VARIANTS = [
+    (64, 4, 2),
+    (32, 4, 2),
+    (64, 4, 3),
+    (128, 4, 2),
+    (128, 8, 2),
+    (64, 8, 3),
+    (32, 2, 3),
+    (128, 8, 3),
+]
+_SPLITS = (1, 2, 4, 8, 16, 32, 64)
+MAX_SPLITS = _SPLITS[-1]
+
+CONFIG_SPACE: list[KernelConfig] = [
+    KernelConfig({"BLOCK_N": n, "num_splits": s}, num_warps=w, num_stages=st)
+    for s in _SPLITS
+    for (n, w, st) in _VARIANTS
+]
+
+
+def prune_configs(
+    configs: list[KernelConfig], num_seqs: int, max_seq_len: int, num_kv_heads: int, sms: int
+) -> list[KernelConfig]:
+    """Drop configs that cannot win: splits with no tile to read, or more splits than fill the GPU.
+
+    A split count s is kept when halving it would still leave the GPU short of 4 programs
+    per multiprocessor; 1 is always kept.
+    """
+    kept = []
+    for cfg in configs:
+        s, n = cfg["num_splits"], cfg["BLOCK_N"]
+        if s == 1:
+            kept.append(cfg)
+        elif s <= triton.cdiv(max_seq_len, n) and num_seqs * num_kv_heads * (s // 2) < 4 * sms:
+            kept.append(cfg)
+    return kept
+
+
+def default_config(num_seqs: int, max_seq_len: int, num_kv_heads: int, sms: int | None = None) -> KernelConfig:
+    """A config for a shape bucket the tuning table lacks: split until about 2 programs per SM."""
+    sms = sms or num_sms()
+    block_n = 64
+    programs = max(1, num_seqs * num_kv_heads)
+    splits = 1
+    max_useful = max(1, triton.cdiv(max_seq_len, 4 * block_n))  # at least 4 tiles per split
+    while splits < MAX_SPLITS and programs * splits < 2 * sms and splits * 2 <= max_useful:
+        splits *= 2
+    return KernelConfig({"BLOCK_N": block_n, "num_splits": splits}, num_warps=4, num_stages=2)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+    config: Mapping[str, int] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of each sequence's single new token over its paged context.
+
+    Sequence i's query row is q[query_start_loc[i]] (a sequence with no query row is skipped),
+    its context the first seq_lens[i] tokens of its blocks. max_seq_len (an upper bound of
+    seq_lens, known on the host) only sizes the split count. Capture-safe: no host syncs,
+    allocations depend on shapes only. Returns [num_tokens, num_heads, head_dim] in q's dtype.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, num_kv_heads, block_size, cache_head_dim = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    if v_cache.shape != k_cache.shape or cache_head_dim != head_dim:
+        raise ValueError(f"cache shapes {tuple(k_cache.shape)}/{tuple(v_cache.shape)} do not match q {tuple(q.shape)}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"q ({q.dtype}) and the caches ({k_cache.dtype}, {v_cache.dtype}) must share a dtype")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("q and the caches need a contiguous last (head_dim) dimension")
+    if block_tables.shape[0] != num_seqs or query_start_loc.shape[0] != num_seqs + 1:
+        raise ValueError("block_tables, seq_lens and query_start_loc disagree on the number of sequences")
+    block_tables = block_tables.to(torch.int32)
+    seq_lens = seq_lens.to(torch.int32)
+    query_start_loc = query_start_loc.to(torch.int32)
+    if out is None:
+        out = torch.empty_like(q)
+    if num_seqs == 0 or num_tokens == 0:
+        return out
+
+    cfg = KernelConfig.coerce(config) or default_config(num_seqs, max_seq_len, num_kv_heads)
+    block_n = cfg["BLOCK_N"]
+    num_splits = max(1, min(int(cfg["num_splits"]), MAX_SPLITS))
+    group = num_heads // num_kv_heads
+    group_pad = max(16, triton.next_power_of_2(group))
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    direct = num_splits == 1
+    if direct:
+        part_out = part_lse = out  # unused by the DIRECT variant
+    else:
+        part_out = torch.empty((num_seqs, num_heads, num_splits, head_dim_pad), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse,
+        scale * _LOG2E, num_splits,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=direct,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if not direct:
+        _decode_merge_kernel[(num_seqs, num_heads)](
+            part_out, part_lse, query_start_loc, out, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLIT_CHUNK=16, num_warps=4,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,254 @@
+"""Paged attention for prefill, chunked prefill and mixed batches (flash-attention style).
+
+Every sequence's new tokens attend causally to themselves and to the sequence's cached
+prefix, all read through the block table (this step's K/V are already in the cache). One
+launch covers the whole batch: the grid's first axis enumerates query tiles of all
+sequences (each program finds its sequence by a binary search over query_start_loc), the
+second the KV heads. A tile packs BLOCK_Q query tokens x the GQA group's query heads into
+BLOCK_M rows, so each K/V tile is read once per KV head; a decode row (query length 1) is
+just a short tile, which is how mixed batches run in this kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import triton
+import triton.language as tl
+
+from pagecast.kernels.tuning import KernelConfig
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc, q_pos, start, kv_end, block_row, k_base, v_base,
+    stride_kb, stride_kt, stride_vb, stride_vt,
+    qk_scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):  # fmt: skip
+    # One BLOCK_N tile of keys for all rows of the query tile; CAUSAL masks keys past each
+    # row's position (and past kv_end), otherwise every key of the tile is visible.
+    offs_n = start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    if CAUSAL:
+        n_mask = offs_n < kv_end
+        block = tl.load(block_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        if HEAD_DIM_PAD == HEAD_DIM:
+            kv_mask = n_mask[:, None]
+        else:
+            kv_mask = n_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(k_base + block[:, None] * stride_kb + (offs_n % BLOCK_SIZE)[:, None] * stride_kt, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + block[:, None] * stride_vb + (offs_n % BLOCK_SIZE)[:, None] * stride_vt, mask=kv_mask, other=0.0)
+    else:
+        block = tl.load(block_row + offs_n // BLOCK_SIZE).to(tl.int64)
+        if HEAD_DIM_PAD == HEAD_DIM:
+            k = tl.load(k_base + block[:, None] * stride_kb + (offs_n % BLOCK_SIZE)[:, None] * stride_kt)
+            v = tl.load(v_base + block[:, None] * stride_vb + (offs_n % BLOCK_SIZE)[:, None] * stride_vt)
+        else:
+            d_mask = (offs_d < HEAD_DIM)[None, :]
+            k = tl.load(k_base + block[:, None] * stride_kb + (offs_n % BLOCK_SIZE)[:, None] * stride_kt, mask=d_mask, other=0.0)
+            v = tl.load(v_base + block[:, None] * stride_vb + (offs_n % BLOCK_SIZE)[:, None] * stride_vt, mask=d_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if CAUSAL:
+        s = tl.where((offs_n[None, :] <= q_pos[:, None]) & (offs_n < kv_end)[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
+def _paged_prefill_kernel(
+    q_ptr,  # q: [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # k_cache: [num_blocks, num_kv_heads, block_size, head_dim]
+    v_cache_ptr,  # v_cache: [num_blocks, num_kv_heads, block_size, head_dim]
+    block_tables_ptr,  # block_tables: [num_seqs, max_blocks] int32
+    seq_lens_ptr,  # seq_lens: [num_seqs] int32
+    query_start_loc_ptr,  # query_start_loc: [num_seqs + 1] int32
+    out_ptr,  # out: [num_tokens, num_heads, head_dim]
+    qk_scale,  # softmax scale * log2(e)
+    num_seqs,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+
+    # Sequence s owns programs [qsl[s] // BLOCK_Q + s, qsl[s+1] // BLOCK_Q + s + 1): find the
+    # last s whose first program is <= pid.
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    seq = lo - 1
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    tile = pid - (q_start // BLOCK_Q + seq)
+    if tile * BLOCK_Q < q_len:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        prefix = seq_len - q_len  # cached tokens before this step's queries
+
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        tok = tile * BLOCK_Q + offs_m // GROUP_PAD  # query index within the sequence
+        g = offs_m % GROUP_PAD
+        row_mask = (tok < q_len) & (g < GROUP)
+        if HEAD_DIM_PAD == HEAD_DIM:
+            io_mask = row_mask[:, None]
+        else:
+            io_mask = row_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+        rows = (q_start + tok).to(tl.int64)
+        heads = kv_head * GROUP + g
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=io_mask, other=0.0)
+        q_pos = prefix + tok  # [BLOCK_M] position of each row in its sequence
+
+        last_tok = tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len) - 1
+        kv_end = prefix + last_tok + 1  # keys the tile's last row sees
+        kv_full = prefix + tile * BLOCK_Q + 1  # keys every row of the tile sees
+        full_end = (kv_full // BLOCK_N) * BLOCK_N
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+        block_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        k_base = k_cache_ptr + kv_head * stride_kh + offs_d[None, :]
+        v_base = v_cache_ptr + kv_head * stride_vh + offs_d[None, :]
+        for start in range(0, full_end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, q_pos, start, kv_end, block_row, k_base, v_base,
+                stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
+                HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, CAUSAL=False,
+            )  # fmt: skip
+        for start in range(full_end, kv_end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, q_pos, start, kv_end, block_row, k_base, v_base,
+                stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
+                HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, CAUSAL=True,
+            )  # fmt: skip
+
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=io_mask,
+        )
+
+
+# (BLOCK_M rows = query tokens x padded group, BLOCK_N keys, warps, stages)
+_VARIANTS = [
+    (64, 64, 4, 2),
+    (64, 32, 4, 2),
+    (128, 64, 8, 2),
+    (128, 32, 4, 2),
+    (128, 64, 4, 2),
+    (128, 64, 8, 3),
+    (64, 64, 4, 3),
+    (128, 128, 8, 2),
+]
+
+CONFIG_SPACE: list[KernelConfig] = [
+    KernelConfig({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for (m, n, w, s) in _VARIANTS
+]
+
+
+def prune_configs(configs: list[KernelConfig], group: int, head_dim: int) -> list[KernelConfig]:
+    """Drop tiles whose rows cannot hold one token's whole GQA group, and 128x128 tiles at head_dim > 128."""
+    group_pad = max(1, triton.next_power_of_2(group))
+    return [
+        c
+        for c in configs
+        if c["BLOCK_M"] >= group_pad and not (head_dim > 128 and c["BLOCK_M"] * c["BLOCK_N"] > 128 * 64)
+    ]
+
+
+def default_config(group: int, head_dim: int) -> KernelConfig:
+    return prune_configs(CONFIG_SPACE, group, head_dim)[0] if group <= 64 else CONFIG_SPACE[0]
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    config: Mapping[str, int] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens (rows query_start_loc[i]:[i+1] of q) over
+    its whole paged context of seq_lens[i] tokens, whose K/V are already in the cache.
+
+    Capture-safe (no host syncs; the grid depends on shapes only). Returns
+    [num_tokens, num_heads, head_dim] in q's dtype.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, num_kv_heads, block_size, cache_head_dim = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    if v_cache.shape != k_cache.shape or cache_head_dim != head_dim:
+        raise ValueError(f"cache shapes {tuple(k_cache.shape)}/{tuple(v_cache.shape)} do not match q {tuple(q.shape)}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"q ({q.dtype}) and the caches ({k_cache.dtype}, {v_cache.dtype}) must share a dtype")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("q and the caches need a contiguous last (head_dim) dimension")
+    if block_tables.shape[0] != num_seqs or query_start_loc.shape[0] != num_seqs + 1:
+        raise ValueError("block_tables, seq_lens and query_start_loc disagree on the number of sequences")
+    block_tables = block_tables.to(torch.int32)
+    seq_lens = seq_lens.to(torch.int32)
+    query_start_loc = query_start_loc.to(torch.int32)
+    if out is None:
+        out = torch.empty_like(q)
+    if num_seqs == 0 or num_tokens == 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    cfg = KernelConfig.coerce(config) or default_config(group, head_dim)
+    block_m = max(cfg["BLOCK_M"], group_pad, 16)
+    block_q = block_m // group_pad
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _paged_prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        scale * _LOG2E, num_seqs,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out

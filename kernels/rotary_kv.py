@@ -1,0 +1,161 @@
+"""Rotary embedding on q and k fused with writing this step's K (rotated) and V into the paged cache.
+
+One program per token: it reads the token's cos/sin row once, rotates all its query and
+key heads (GPT-NeoX rotate-half over the first rotary_dim features), writes the rotated q
+to a new tensor and the rotated k and v to the token's cache slot (slot -1: not written).
+Every rope variant (default, linear, llama3) is already folded into cos_sin_cache.
+Like the reference (and transformers), cos and sin are rounded to q's dtype first; the
+rotation itself is computed in fp32 and rounded once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import triton
+import triton.language as tl
+
+from pagecast.kernels.tuning import KernelConfig
+
+
+@triton.jit
+def _rotate(x_ptr, heads, offs_d, partner, cos, sin, num_heads, HEAD_DIM: tl.constexpr):
+    # x_ptr points at one token's [num_heads, head_dim] rows (head stride applied by caller).
+    mask = (heads < num_heads)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    x = tl.load(x_ptr + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    x_partner = tl.load(x_ptr + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    return x * cos[None, :] + x_partner * sin[None, :], mask
+
+
+@triton.jit
+def _rotary_kv_kernel(
+    positions_ptr,  # positions: [num_tokens] int64
+    q_ptr,  # q: [num_tokens, num_heads, head_dim]
+    k_ptr,  # k: [num_tokens, num_kv_heads, head_dim]
+    v_ptr,  # v: [num_tokens, num_kv_heads, head_dim]
+    cos_sin_ptr,  # cos_sin_cache: [max_positions, rotary_dim] fp32 (cos half, sin half)
+    k_cache_ptr,  # k_cache: [num_blocks, num_kv_heads, block_size, head_dim]
+    v_cache_ptr,  # v_cache: [num_blocks, num_kv_heads, block_size, head_dim]
+    slot_mapping_ptr,  # slot_mapping: [num_tokens] int64, -1 = skip
+    q_out_ptr,  # q_out: [num_tokens, num_heads, head_dim]
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cos,
+    stride_kcb,
+    stride_kch,
+    stride_kct,
+    stride_vcb,
+    stride_vch,
+    stride_vct,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    KV_HEADS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    ROTARY_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token)
+    HALF: tl.constexpr = ROTARY_DIM // 2
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    rotated = offs_d < ROTARY_DIM
+    first = offs_d < HALF
+    # feature d pairs with d + half (first half, negated) or d - half (second half)
+    partner = tl.where(rotated, tl.where(first, offs_d + HALF, offs_d - HALF), offs_d)
+    freq = tl.where(first, offs_d, offs_d - HALF)
+    cs_row = cos_sin_ptr + pos * stride_cos
+    dtype = q_out_ptr.dtype.element_ty
+    cos = tl.load(cs_row + freq, mask=rotated, other=1.0).to(dtype).to(tl.float32)
+    sin = tl.load(cs_row + HALF + freq, mask=rotated, other=0.0).to(dtype).to(tl.float32)
+    sin = tl.where(first, -sin, sin)
+    sin = tl.where(rotated, sin, 0.0)
+
+    heads = tl.arange(0, HEADS_PAD)
+    q_rows = q_ptr + token * stride_qt + heads[:, None] * stride_qh
+    q_rot, q_mask = _rotate(q_rows, heads, offs_d, partner, cos, sin, NUM_HEADS, HEAD_DIM)
+    tl.store(q_out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_d[None, :], q_rot.to(dtype), mask=q_mask)
+
+    slot = tl.load(slot_mapping_ptr + token)
+    if slot >= 0:
+        block = slot // BLOCK_SIZE
+        offset = slot % BLOCK_SIZE
+        kv_heads = tl.arange(0, KV_HEADS_PAD)
+        k_rows = k_ptr + token * stride_kt + kv_heads[:, None] * stride_kh
+        k_rot, kv_mask = _rotate(k_rows, kv_heads, offs_d, partner, cos, sin, NUM_KV_HEADS, HEAD_DIM)
+        kc = k_cache_ptr + block * stride_kcb + kv_heads[:, None] * stride_kch + offset * stride_kct + offs_d[None, :]
+        tl.store(kc, k_rot.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+        v = tl.load(v_ptr + token * stride_vt + kv_heads[:, None] * stride_vh + offs_d[None, :], mask=kv_mask)
+        vc = v_cache_ptr + block * stride_vcb + kv_heads[:, None] * stride_vch + offset * stride_vct + offs_d[None, :]
+        tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+
+
+CONFIG_SPACE: list[KernelConfig] = [KernelConfig({}, num_warps=w, num_stages=1) for w in (4, 1, 2, 8)]
+
+
+def prune_configs(configs: list[KernelConfig], num_heads: int, head_dim: int) -> list[KernelConfig]:
+    """Keep warp counts that have at least one 16-byte vector of q per thread."""
+    elems = triton.next_power_of_2(num_heads) * triton.next_power_of_2(head_dim)
+    return [c for c in configs if c.num_warps * 32 * 8 <= max(elems, 256)]
+
+
+def default_config() -> KernelConfig:
+    return CONFIG_SPACE[0]
+
+
+def rotary_and_write_kv(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    config: Mapping[str, int] | None = None,
+) -> torch.Tensor:
+    """Rotate q and k, write rotated k and v into the cache at slot_mapping; returns the rotated q."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    rotary_dim = cos_sin_cache.shape[-1]
+    if k.shape != (num_tokens, num_kv_heads, head_dim) or v.shape != k.shape:
+        raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)}")
+    if k_cache.shape[1] != num_kv_heads or k_cache.shape[3] != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(f"cache {tuple(k_cache.shape)} does not match k {tuple(k.shape)}")
+    if rotary_dim % 2 or rotary_dim > head_dim:
+        raise ValueError(f"rotary_dim {rotary_dim} must be even and at most head_dim {head_dim}")
+    if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.stride(-1) != 1:
+        raise ValueError("cos_sin_cache must be contiguous fp32 [max_positions, rotary_dim]")
+    for name, t in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous last (head_dim) dimension")
+    if slot_mapping.shape[0] != num_tokens or positions.shape[0] != num_tokens:
+        raise ValueError("positions and slot_mapping need one entry per token")
+    positions = positions.to(torch.int64)
+    slot_mapping = slot_mapping.to(torch.int64)
+    q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return q_out
+    cfg = KernelConfig.coerce(config) or default_config()
+    _rotary_kv_kernel[(num_tokens,)](
+        positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, q_out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos_sin_cache.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q_out.stride(0), q_out.stride(1),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
+        HEADS_PAD=triton.next_power_of_2(num_heads), KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        ROTARY_DIM=rotary_dim, BLOCK_SIZE=k_cache.shape[2],
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return q_out
