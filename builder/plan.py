@@ -1,0 +1,225 @@
+"""Pass 4, plan: dtype, device, context length, the artifact's tensor layout and the memory plan.
+
+The tensor layout fuses q/k/v into one ``qkv_proj`` and gate/up into one ``gate_up_proj``
+(one GEMM each instead of three and two). Every tensor records the checkpoint tensors it is
+made of and, for tensor parallelism (a later issue), the shard it holds; with tp=1 each
+tensor is whole on rank 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from pagecast.builder.ir import BuildState, ModelIR, Plan, TensorPlan
+from pagecast.runtime.errors import BuildError
+
+# Known build targets: compute capability and memory, used when the GPU is not present.
+GPUS: dict[str, dict[str, Any]] = {
+    "h200": {"compute_capability": (9, 0), "memory_bytes": 143_771 * 2**20},
+    "h100": {"compute_capability": (9, 0), "memory_bytes": 81_559 * 2**20},
+    "a100": {"compute_capability": (8, 0), "memory_bytes": 81_920 * 2**20},
+    "l40s": {"compute_capability": (8, 9), "memory_bytes": 46_068 * 2**20},
+}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+MEMORY_FRACTIONS = (0.5, 0.7, 0.8, 0.85, 0.9, 0.95)
+
+
+def gpu_short_name(device_name: str) -> str:
+    """'NVIDIA H200' -> 'h200'; unknown GPUs keep a lower-case slug of their name."""
+    lowered = device_name.lower()
+    for short in GPUS:
+        if short in lowered.replace(" ", ""):
+            return short
+    return lowered.replace("nvidia", "").strip().replace(" ", "-")
+
+
+def resolve_target(gpu: str) -> tuple[str, str, tuple[int, int] | None, bool]:
+    """--gpu -> (device, gpu name, compute capability, whether that GPU is present here)."""
+    present = torch.cuda.is_available()
+    here = gpu_short_name(torch.cuda.get_device_name(0)) if present else None
+    if gpu == "cpu" or (gpu == "auto" and not present):
+        return "cpu", "cpu", None, True
+    if gpu == "auto":
+        gpu = here  # type: ignore[assignment]
+    gpu = gpu.lower()
+    if gpu == here:
+        return "cuda", gpu, tuple(torch.cuda.get_device_capability(0)), True  # type: ignore[return-value]
+    if gpu not in GPUS:
+        raise BuildError(f"--gpu {gpu}: unknown GPU; give auto, cpu or one of {', '.join(GPUS)}")
+    return "cuda", gpu, GPUS[gpu]["compute_capability"], False
+
+
+def resolve_dtype(option: str, device: str, config: Any) -> str:
+    if option != "auto":
+        if device == "cpu" and option == "bfloat16":
+            return option  # slow but correct on CPU
+        return option
+    if device == "cpu":
+        return "float32"
+    declared = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "bfloat16")
+    declared = declared.replace("torch.", "")
+    return declared if declared in ("float16", "bfloat16") else "bfloat16"
+
+
+def tensor_layout(model: ModelIR) -> list[TensorPlan]:
+    a, mlp, h = model.attention, model.mlp, model.hidden_size
+    q_out, kv_out = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    tensors = [TensorPlan("embed_tokens.weight", (model.embed_name,), (model.vocab_size, h))]
+    for layer in model.layers:
+        p, o = layer.hf_prefix, f"layers.{layer.index}"
+        attn = f"{p}.self_attn"
+        tensors += [
+            TensorPlan(f"{o}.input_norm.weight", (f"{p}.input_layernorm.weight",), (h,)),
+            TensorPlan(
+                f"{o}.qkv_proj.weight",
+                (f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight"),
+                (q_out + 2 * kv_out, h),
+            ),
+        ]
+        if a.qkv_bias:
+            tensors.append(
+                TensorPlan(
+                    f"{o}.qkv_proj.bias",
+                    (f"{attn}.q_proj.bias", f"{attn}.k_proj.bias", f"{attn}.v_proj.bias"),
+                    (q_out + 2 * kv_out,),
+                )
+            )
+        if a.qk_norm:
+            tensors += [
+                TensorPlan(f"{o}.q_norm.weight", (f"{attn}.q_norm.weight",), (a.head_dim,)),
+                TensorPlan(f"{o}.k_norm.weight", (f"{attn}.k_norm.weight",), (a.head_dim,)),
+            ]
+        tensors.append(TensorPlan(f"{o}.o_proj.weight", (f"{attn}.o_proj.weight",), (h, q_out)))
+        if a.o_bias:
+            tensors.append(TensorPlan(f"{o}.o_proj.bias", (f"{attn}.o_proj.bias",), (h,)))
+        tensors += [
+            TensorPlan(f"{o}.post_attn_norm.weight", (f"{p}.post_attention_layernorm.weight",), (h,)),
+            TensorPlan(
+                f"{o}.gate_up_proj.weight",
+                (f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"),
+                (2 * mlp.intermediate_size, h),
+            ),
+            TensorPlan(f"{o}.down_proj.weight", (f"{p}.mlp.down_proj.weight",), (h, mlp.intermediate_size)),
+        ]
+        if mlp.bias:
+            tensors += [
+                TensorPlan(
+                    f"{o}.gate_up_proj.bias",
+                    (f"{p}.mlp.gate_proj.bias", f"{p}.mlp.up_proj.bias"),
+                    (2 * mlp.intermediate_size,),
+                ),
+                TensorPlan(f"{o}.down_proj.bias", (f"{p}.mlp.down_proj.bias",), (h,)),
+            ]
+    tensors.append(TensorPlan("norm.weight", (model.final_norm_name,), (h,)))
+    if model.lm_head_name is not None:
+        tensors.append(TensorPlan("lm_head.weight", (model.lm_head_name,), (model.vocab_size, h)))
+    return tensors
+
+
+def check_shapes(tensors: list[TensorPlan], shapes: dict[str, tuple[int, ...]]) -> None:
+    """Every source tensor must exist with the shape the IR expects (sources concatenate on dim 0)."""
+    for t in tensors:
+        rows = 0
+        for src in t.sources:
+            if src not in shapes:
+                raise BuildError(f"checkpoint is missing tensor {src!r} (needed for {t.name}); is it complete?")
+            shape = shapes[src]
+            if tuple(shape[1:]) != tuple(t.shape[1:]):
+                raise BuildError(f"tensor {src!r} has shape {list(shape)}, expected [*, {', '.join(map(str, t.shape[1:]))}]")
+            rows += shape[0] if shape else 0
+        if rows != t.shape[0]:
+            raise BuildError(f"tensors {', '.join(t.sources)} give {rows} rows, expected {t.shape[0]} for {t.name}")
+
+
+def memory_plan(
+    model: ModelIR, dtype: str, block_size: int, max_model_len: int, max_num_seqs: int, memory_bytes: int | None
+) -> dict[str, Any]:
+    a = model.attention
+    elt = DTYPE_BYTES[dtype]
+    bytes_per_token = 2 * model.num_layers * a.num_kv_heads * a.head_dim * elt  # K and V, every layer
+    bytes_per_block = bytes_per_token * block_size
+    n_params = sum(_numel(t.shape) for t in tensor_layout(model))
+    weight_bytes = n_params * elt
+    # Activations of the largest step: logits in fp32 plus the MLP's widest intermediates, with slack for
+    # the allocator and CUDA graph pools.
+    max_batched_tokens = max(2048, max_num_seqs)
+    activation_bytes = max_batched_tokens * (
+        4 * model.vocab_size // 8 + elt * (4 * model.mlp.intermediate_size + 6 * model.hidden_size)
+    ) + (512 << 20)
+    plan: dict[str, Any] = {
+        "bytes_per_token": bytes_per_token,
+        "bytes_per_block": bytes_per_block,
+        "block_size": block_size,
+        "weight_bytes": weight_bytes,
+        "num_parameters": n_params,
+        "activation_bytes": activation_bytes,
+        "max_model_len": max_model_len,
+        "device_memory_bytes": memory_bytes,
+        "budgets": [],
+    }
+    if memory_bytes:
+        for fraction in MEMORY_FRACTIONS:
+            kv = int(memory_bytes * fraction) - weight_bytes - activation_bytes
+            blocks = max(0, kv // bytes_per_block)
+            plan["budgets"].append(
+                {
+                    "gpu_memory_utilization": fraction,
+                    "kv_bytes": max(0, kv),
+                    "num_blocks": blocks,
+                    "max_tokens": blocks * block_size,
+                    "max_seqs_at_max_model_len": blocks * block_size // max_model_len,
+                }
+            )
+    return plan
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def run(state: BuildState) -> BuildState:
+    opts, ckpt, model = state.options, state.checkpoint, state.model
+    assert model is not None
+    device, gpu_name, cc, present = resolve_target(opts.gpu)
+    dtype = resolve_dtype(opts.dtype, device, ckpt.config)
+    max_len = opts.max_model_len or model.max_position_embeddings
+    if opts.max_model_len and opts.max_model_len > model.max_position_embeddings:
+        raise BuildError(
+            f"--max-model-len {opts.max_model_len} exceeds the model's max_position_embeddings "
+            f"{model.max_position_embeddings}"
+        )
+    notes = []
+    window = getattr(ckpt.config, "sliding_window", None)
+    if getattr(ckpt.config, "use_sliding_window", True) and isinstance(window, int) and window < max_len:
+        # Within the window sliding-window attention equals full attention; beyond it we would be wrong.
+        notes.append(f"max_model_len capped from {max_len} to the sliding window {window}")
+        max_len = window
+    tensors = tensor_layout(model)
+    if not ckpt.dummy:
+        check_shapes(tensors, ckpt.tensor_shapes)
+    memory_bytes = None
+    if device == "cuda":
+        memory_bytes = torch.cuda.get_device_properties(0).total_memory if present else GPUS[gpu_name]["memory_bytes"]
+    plan = Plan(
+        dtype=dtype,
+        device=device,
+        gpu_name=gpu_name,
+        compute_capability=cc,
+        block_size=opts.block_size,
+        tp=opts.tp,
+        quant=opts.quant,
+        max_model_len=max_len,
+        max_num_seqs=opts.max_num_seqs,
+        tensors=tuple(tensors),
+        memory=memory_plan(model, dtype, opts.block_size, max_len, opts.max_num_seqs, memory_bytes),
+    )
+    report = dict(state.report)
+    report["plan_notes"] = notes
+    report["gpu_present"] = present
+    return dataclasses.replace(state, plan=plan, report=report)

@@ -1,0 +1,136 @@
+"""The engine artifact: the only contract between enginebuild and the runtime.
+
+An artifact is a directory:
+
+    manifest.json     this module's Manifest, with the sha256 of every other file
+    model.py          model code rendered by the builder for this model and rank layout
+    weights/rank{r}.safetensors
+    tokenizer/        tokenizer files and chat template
+    tuning.json       kernel -> shape bucket -> launch config
+    memory_plan.json  KV bytes per block and blocks per memory budget
+    report.md         human-readable build report
+
+The builder writes it; the runtime reads it through ``load_manifest`` and ``verify_files``
+and refuses anything it cannot run correctly, saying what to do instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pagecast.runtime.errors import ArtifactError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class TargetDevice:
+    """What the artifact was built (and tuned) for."""
+
+    kind: str  # "cpu" or "cuda"
+    name: str  # "cpu", "h200", ...
+    compute_capability: tuple[int, int] | None = None  # CUDA only; the runtime refuses another one
+    tuned: bool = False  # True when tuning ran on this GPU, False when a shipped default table was used
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything the runtime needs to know about an artifact, and nothing it must infer."""
+
+    format_version: int
+    name: str
+    family: str  # "llama", "qwen2", "qwen3", "mistral"
+    architecture: str  # the HF architecture class the checkpoint declared
+    dims: dict[str, Any]  # hidden_size, num_layers, num_heads, num_kv_heads, head_dim, vocab_size, ...
+    dtype: str  # weights and KV cache dtype: "float32" | "float16" | "bfloat16"
+    block_size: int
+    tp: int
+    quant: str | None
+    max_model_len: int
+    target: TargetDevice
+    eos_token_ids: list[int]  # every token id that ends generation (generation config + GGUF metadata)
+    bos_token_id: int | None
+    versions: dict[str, str]  # pagecast, torch, triton, transformers at build time
+    build_options: dict[str, Any]
+    files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Manifest:
+        data = dict(data)
+        target = dict(data.pop("target"))
+        if target.get("compute_capability") is not None:
+            target["compute_capability"] = tuple(target["compute_capability"])
+        return cls(target=TargetDevice(**target), **data)
+
+
+def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def hash_tree(root: Path) -> dict[str, str]:
+    """sha256 of every file under root except the manifest, keyed by relative POSIX path."""
+    out: dict[str, str] = {}
+    for dirpath, _, filenames in os.walk(root):
+        for fn in sorted(filenames):
+            path = Path(dirpath) / fn
+            rel = path.relative_to(root).as_posix()
+            if rel != MANIFEST:
+                out[rel] = sha256_file(path)
+    return dict(sorted(out.items()))
+
+
+def load_manifest(artifact_dir: str | os.PathLike[str]) -> Manifest:
+    root = Path(artifact_dir)
+    path = root / MANIFEST
+    if not root.is_dir():
+        raise ArtifactError(f"{root} is not a directory: pass the directory enginebuild wrote (artifacts/NAME)")
+    if not path.is_file():
+        raise ArtifactError(f"{root} has no {MANIFEST}: it is not a pagecast artifact; build one with enginebuild")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ArtifactError(f"{path} is not valid JSON ({e}); rebuild the artifact with enginebuild") from e
+    version = data.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ArtifactError(
+            f"{root}: artifact format_version {version!r} is not supported by this pagecast "
+            f"(it reads format_version {FORMAT_VERSION}); rebuild the artifact with this version's enginebuild"
+        )
+    try:
+        return Manifest.from_dict(data)
+    except TypeError as e:
+        raise ArtifactError(f"{path} is malformed ({e}); rebuild the artifact with enginebuild") from e
+
+
+def verify_files(artifact_dir: str | os.PathLike[str], manifest: Manifest, hash_weights: bool = True) -> None:
+    """Check that every file the manifest lists is present and unchanged.
+
+    ``hash_weights=False`` only checks that weight files are present (a fast start for large
+    models: hashing 16 GB of weights takes seconds); everything else is always hashed.
+    """
+    root = Path(artifact_dir)
+    for rel, expected in manifest.files.items():
+        path = root / rel
+        if not path.is_file():
+            raise ArtifactError(f"{root}: file {rel} listed in the manifest is missing; rebuild the artifact")
+        if not hash_weights and rel.startswith("weights/"):
+            continue
+        actual = sha256_file(path)
+        if actual != expected:
+            raise ArtifactError(
+                f"{root}: file {rel} does not match the manifest (sha256 {actual[:12]}… expected "
+                f"{expected[:12]}…): the artifact was modified or corrupted; rebuild it with enginebuild"
+            )
