@@ -1,0 +1,196 @@
+"""The Starlette application: routes, API-key check, error rendering, lifespan and draining.
+
+    app = create_app({"llama": engine}, api_key=None, max_queue=256)
+    uvicorn.run(app)
+
+The engines' loops run in their own threads (``engine.start()`` in the lifespan), so the
+event loop only parses requests and moves outputs; nothing here blocks it for long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from importlib import metadata
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from pagecast.runtime.server import errors
+from pagecast.runtime.server.errors import APIError
+from pagecast.runtime.server.serving import ServerState
+from pagecast.runtime.server.serving_chat import create_chat_completion
+from pagecast.runtime.server.serving_completions import create_completion
+
+logger = logging.getLogger("pagecast.server")
+
+Handler = Callable[[Request, ServerState], Awaitable[Response]]
+
+
+def pagecast_version() -> str:
+    try:
+        return metadata.version("pagecast")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def create_app(
+    engines: Mapping[str, Any],
+    api_key: str | None = None,
+    max_queue: int = 256,
+    *,
+    manage_engines: bool = True,
+) -> Starlette:
+    """An app serving ``engines`` (served model name -> AsyncEngine).
+
+    ``api_key``: when set, every /v1 route needs ``Authorization: Bearer <api_key>``
+    (/health, /version and /metrics stay open for probes and scrapers).
+    ``max_queue``: sequences that may wait for a slot, per model, beyond the engine's
+    ``max_num_seqs`` running ones; more get 429 with Retry-After.
+    ``manage_engines``: start the engines when the app starts and shut them down when it
+    stops (turn off to share engines between apps).
+    """
+    state = ServerState(engines, api_key, max_queue)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if manage_engines:
+            for engine in engines.values():
+                if not engine.is_alive():
+                    engine.start()
+        try:
+            yield
+        finally:
+            if manage_engines:
+                for engine in engines.values():
+                    engine.shutdown()
+
+    routes = [
+        Route("/v1/completions", _api(state, create_completion), methods=["POST"]),
+        Route("/v1/chat/completions", _api(state, create_chat_completion), methods=["POST"]),
+        Route("/v1/models", _api(state, _list_models), methods=["GET"]),
+        Route("/v1/models/{model:path}", _api(state, _get_model), methods=["GET"]),
+        Route("/health", _open(state, _health), methods=["GET"]),
+        Route("/version", _open(state, _version), methods=["GET"]),
+        Route("/metrics", _open(state, _metrics), methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_exception})
+    app.state.server = state
+    return app
+
+
+def server_state(app: Starlette) -> ServerState:
+    return app.state.server  # type: ignore[no-any-return]
+
+
+async def drain(state: ServerState, timeout_s: float, grace_s: float = 5.0) -> None:
+    """Stop admitting (503), wait up to ``timeout_s`` for running requests to finish, then
+    abort what is left and give its responses ``grace_s`` to end cleanly."""
+    state.draining = True
+    deadline = time.monotonic() + timeout_s
+    while state.runs and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if state.runs:
+        logger.warning("shutdown timeout reached: aborting %d request(s)", len(state.runs))
+        state.abort_all()
+        deadline = time.monotonic() + grace_s
+        while state.runs and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+
+def _check_api_key(state: ServerState, request: Request) -> None:
+    if state.api_key is None:
+        return
+    header = request.headers.get("authorization")
+    if not header:
+        raise errors.unauthorized("Missing API key: send `Authorization: Bearer <key>`.")
+    scheme, _, key = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), state.api_key.encode()):
+        raise errors.unauthorized("Incorrect API key provided.")
+
+
+def _error_response(state: ServerState, exc: APIError) -> Response:
+    state.metrics.request_errors.labels(str(exc.status_code), exc.code or exc.type).inc()
+    return exc.response()
+
+
+def _api(state: ServerState, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+    """A /v1 endpoint: API key checked, every failure answered in OpenAI's error shape."""
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            _check_api_key(state, request)
+            return await handler(request, state)
+        except APIError as exc:
+            return _error_response(state, exc)
+        except Exception as exc:
+            logger.exception("unhandled error in %s", request.url.path)
+            return _error_response(state, errors.internal_error(f"{type(exc).__name__}: {exc}"))
+
+    return endpoint
+
+
+def _open(state: ServerState, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
+        return await handler(request, state)
+
+    return endpoint
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    """Unknown routes and wrong methods, in the same error shape as everything else."""
+    assert isinstance(exc, HTTPException)  # only registered for it
+    message = "Not found." if exc.status_code == 404 else str(exc.detail)
+    if exc.status_code == 404:
+        message = f"Unknown route {request.method} {request.url.path}."
+    elif exc.status_code == 405:
+        message = f"Method {request.method} is not allowed on {request.url.path}."
+    return APIError(exc.status_code, message, code="not_found" if exc.status_code == 404 else None).response()
+
+
+def _model_card(state: ServerState, name: str) -> dict[str, Any]:
+    model = state.models[name]
+    return {
+        "id": name,
+        "object": "model",
+        "created": model.created,
+        "owned_by": "pagecast",
+        "max_model_len": int(model.engine.max_model_len),
+    }
+
+
+async def _list_models(request: Request, state: ServerState) -> Response:
+    return JSONResponse({"object": "list", "data": [_model_card(state, name) for name in state.models]})
+
+
+async def _get_model(request: Request, state: ServerState) -> Response:
+    name = request.path_params["model"]
+    state.resolve(name)
+    return JSONResponse(_model_card(state, name))
+
+
+async def _health(request: Request, state: ServerState) -> Response:
+    dead = [name for name, m in state.models.items() if not m.engine.is_alive()]
+    if dead:
+        return JSONResponse({"status": "error", "dead_engines": dead}, status_code=503)
+    if state.draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+async def _version(request: Request, state: ServerState) -> Response:
+    return JSONResponse({"version": pagecast_version()})
+
+
+async def _metrics(request: Request, state: ServerState) -> Response:
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

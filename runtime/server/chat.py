@@ -1,0 +1,37 @@
+"""Chat prompts: the artifact's chat template, rendered as transformers renders it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jinja2
+
+from pagecast.runtime.server.errors import APIError, invalid_request
+from pagecast.runtime.server.protocol import ChatMessage
+
+
+def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of the conversation rendered by the tokenizer's chat template.
+
+    The rendered text is tokenised without special tokens: the template writes its own BOS
+    and turn markers, and adding them again would double the BOS.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(
+            400,
+            "This model has no chat template, so /v1/chat/completions cannot format a conversation; "
+            "use /v1/completions with a plain prompt.",
+            param="messages",
+            code="no_chat_template",
+        )
+    conversation = [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)} for i, m in enumerate(messages)
+    ]
+    try:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except jinja2.TemplateError as exc:
+        # Templates reject conversations they cannot format (e.g. roles that do not alternate).
+        raise invalid_request(f"The chat template rejected the conversation: {exc}", "messages") from None
+    if not isinstance(text, str):  # some transformers versions return a list for batched input
+        text = text[0]
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -1,0 +1,150 @@
+"""OpenAI-shaped errors: every failure the server reports is one ``APIError`` rendered as
+``{"error": {"message", "type", "param", "code"}}`` with the matching HTTP status.
+
+User input never reaches a 500: validation failures (pydantic, ``SamplingParams``, the
+engine's ``InvalidRequestError``) are all turned into 400s here, naming the parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.responses import JSONResponse
+
+from pagecast.runtime.errors import EngineDeadError, InvalidRequestError
+
+
+class APIError(Exception):
+    """An error answered to the client as is. ``type`` follows OpenAI's vocabulary:
+    ``invalid_request_error`` (4xx caused by the request), ``authentication_error``,
+    ``rate_limit_error``, ``server_error``."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+
+
+def invalid_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def unsupported(param: str, detail: str = "") -> APIError:
+    message = f"The parameter `{param}` is not supported by this server" + (f": {detail}" if detail else ".")
+    return APIError(400, message, param=param, code="unsupported_parameter")
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(
+        404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
+    )
+
+
+def unauthorized(message: str) -> APIError:
+    return APIError(401, message, type="authentication_error", code="invalid_api_key")
+
+
+def queue_full(retry_after_s: int) -> APIError:
+    return APIError(
+        429,
+        "The server is at capacity (too many requests waiting); retry later.",
+        type="rate_limit_error",
+        code="queue_full",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def shutting_down() -> APIError:
+    return APIError(
+        503, "The server is shutting down and no longer accepts requests.", type="server_error",
+        code="shutting_down",
+    )
+
+
+def engine_dead(model: str, detail: str = "") -> APIError:
+    message = f"The engine serving `{model}` has stopped" + (f": {detail}" if detail else ".")
+    return APIError(503, message, type="server_error", code="engine_dead")
+
+
+def internal_error(detail: str) -> APIError:
+    return APIError(500, f"Internal server error: {detail}", type="server_error", code="internal_error")
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "json-or-python"}
+
+
+def _param_from_loc(loc: tuple[int | str, ...]) -> tuple[str | None, bool]:
+    """``("messages", 0, "content")`` -> ``messages[0].content``. Pydantic puts the union
+    member it tried into ``loc`` (``"str"``, ``"list[TextPart]"``); the path stops there, and
+    the second value says so."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in _TYPE_TAGS or "[" in part or "-" in part:
+            return out or None, True
+        else:
+            out += f".{part}" if out else str(part)
+    return out or None, False
+
+
+def from_validation_error(exc: ValidationError) -> APIError:
+    """The first pydantic error, as a 400 that names the parameter and says what was wrong."""
+    err = exc.errors(include_url=False)[0]
+    if err["type"] == "json_invalid":
+        return invalid_request(f"The request body is not valid JSON: {err['msg']}", code="invalid_json")
+    loc = tuple(err.get("loc", ()))
+    param, in_union = _param_from_loc(loc)
+    if err["type"] == "model_type" and not loc:
+        return invalid_request("The request body must be a JSON object.", code="invalid_json")
+    msg = err["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    if in_union:
+        msg = f"wrong type ({msg[:1].lower() + msg[1:]}, or one of the other accepted types)"
+    code = "missing_required_parameter" if err["type"] == "missing" else "invalid_value"
+    return invalid_request(f"Invalid value for `{param}`: {msg}", param=param, code=code)
+
+
+def from_sampling_value_error(exc: ValueError, rename: Mapping[str, str] | None = None) -> APIError:
+    """SamplingParams raises ``ValueError("<field> <message>")``; the field is renamed to the
+    API's parameter name where they differ (chat's ``top_logprobs`` is ``logprobs`` there)."""
+    text = str(exc)
+    field, _, rest = text.partition(" ")
+    param = (rename or {}).get(field, field)
+    return invalid_request(f"Invalid value for `{param}`: {rest or text}", param=param, code="invalid_value")
+
+
+def from_engine_error(exc: BaseException, model: str) -> APIError:
+    """Errors the engine raises while admitting or running a request."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return invalid_request(exc.message, param=exc.param, code=exc.code)
+    if isinstance(exc, EngineDeadError):
+        return engine_dead(model, str(exc))
+    if isinstance(exc, ValueError):
+        # SamplingParams and tokenizers raise ValueError for bad input; it is the request's fault.
+        return invalid_request(str(exc), code="invalid_value")
+    return internal_error(f"{type(exc).__name__}: {exc}")

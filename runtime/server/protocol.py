@@ -1,0 +1,289 @@
+"""Request models of the OpenAI-compatible API and the limits shared by every endpoint.
+
+Parsing is strict (a string where a number belongs is a 400, not a silent cast) and every
+range is checked here, so an error names the parameter as the client spelled it.
+``SamplingParams`` checks again, as a backstop; the two are kept in step by the constants
+below.
+
+Parameters OpenAI defines that this server does not implement are declared too, so that
+using them gets a 400 that says so instead of being ignored. Unknown extra fields are
+ignored, as vLLM does, so newer clients keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from pagecast.runtime.sampling_params import SamplingParams
+from pagecast.runtime.server.errors import (
+    APIError,
+    from_sampling_value_error,
+    from_validation_error,
+    invalid_request,
+    unsupported,
+)
+
+# Shared field limits.
+MAX_N = 128
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 64
+MAX_PROMPTS = 1024  # prompts in one completions request (lm-eval batches several)
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.0, 2.0
+MIN_PENALTY, MAX_PENALTY = -2.0, 2.0
+MAX_REPETITION_PENALTY = 2.0
+# The engine derives one torch seed per choice as seed * 1_000_003 + index, which must stay
+# inside a 64-bit integer; 32-bit seeds are what clients send in practice.
+MIN_SEED, MAX_SEED = -(2**31), 2**32 - 1
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields common to /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
+    presence_penalty: float | None = Field(None, ge=MIN_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float | None = Field(None, ge=MIN_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=MAX_REPETITION_PENALTY)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # OpenAI parameters we do not implement: declared so that they are refused, not ignored.
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: str | list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        stops = [value] if isinstance(value, str) else value
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return stops
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_token_ids(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and any(t < 0 for t in value):
+            raise ValueError("token ids must be >= 0")
+        return value
+
+    def check_common(self) -> None:
+        if self.logit_bias:
+            raise unsupported("logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise invalid_request("`stream_options` is only allowed when `stream` is true.", "stream_options")
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None, rename: dict[str, str]
+    ) -> SamplingParams:
+        kwargs: dict[str, Any] = {
+            "n": self.n,
+            "max_tokens": max_tokens,
+            "min_tokens": self.min_tokens,
+            "stop": list(self.stop or []),
+            "stop_token_ids": list(self.stop_token_ids or []),
+            "ignore_eos": self.ignore_eos,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": self.skip_special_tokens,
+            "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
+            "seed": self.seed,
+        }
+        # None means "the default": leave it to SamplingParams so there is one default per field.
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                kwargs[name] = value
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as exc:
+            raise from_sampling_value_error(exc, rename) from None
+
+
+class CompletionRequest(_SamplingRequest):
+    """POST /v1/completions. ``prompt`` is a string, a list of strings, a list of token ids
+    or a list of token-id lists (what lm-evaluation-harness sends)."""
+
+    prompt: Any = None
+    max_tokens: int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=0)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> list[str] | list[list[int]]:
+        """Normalised to a list of prompts, each all-text or all-token-ids."""
+        if value is None:
+            raise ValueError("a prompt is required")
+        if isinstance(value, str):
+            return [value]
+        if not isinstance(value, list) or not value:
+            raise ValueError("must be a string, a list of strings, a list of token ids or a list of such lists")
+        if len(value) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+        if all(isinstance(p, str) for p in value):
+            return list(value)
+        if all(_is_token_id(t) for t in value):
+            return [list(value)]
+        if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in value):
+            return [list(p) for p in value]
+        raise ValueError(
+            "must be a string, a list of strings, a non-empty list of token ids (integers >= 0) "
+            "or a list of such lists"
+        )
+
+    def check(self) -> None:
+        self.check_common()
+        if self.suffix:
+            raise unsupported("suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            if self.best_of < self.n:
+                raise invalid_request("`best_of` must be greater than or equal to `n`.", "best_of")
+            raise unsupported("best_of", "best_of > n is not implemented; use n")
+        if self.max_tokens == 0 and not self.echo:
+            raise invalid_request("`max_tokens` must be at least 1 unless `echo` is true.", "max_tokens")
+        if self.stream and self.max_tokens == 0:
+            raise invalid_request("`max_tokens` 0 (scoring the prompt only) cannot be streamed.", "max_tokens")
+
+    @property
+    def prompts(self) -> list[str] | list[list[int]]:
+        return self.prompt  # type: ignore[no-any-return]
+
+    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs, {})
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+
+    def text(self, index: int) -> str:
+        """The message's content as one string (text parts joined)."""
+        where = f"messages[{index}]"
+        if self.role in ("tool", "function"):
+            raise unsupported(f"{where}.role", f"role `{self.role}` (tool calling is not implemented)")
+        if self.tool_calls:
+            raise unsupported(f"{where}.tool_calls", "tool calling is not implemented")
+        if self.content is None:
+            if self.role == "assistant":
+                return ""
+            raise invalid_request(f"`{where}.content` is required for role `{self.role}`.", f"{where}.content")
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for j, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise unsupported(f"{where}.content[{j}].type", f"content part type `{part.type}` (text only)")
+            texts.append(part.text)
+        return "".join(texts)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    # Not implemented: refused with a 400 that says so.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    audio: Any = None
+    prediction: Any = None
+
+    def check(self) -> None:
+        self.check_common()
+        for name in ("tools", "functions", "audio", "prediction"):
+            if getattr(self, name):
+                raise unsupported(name)
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                raise unsupported(name)
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise unsupported("response_format", "only {\"type\": \"text\"}")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid_request("`top_logprobs` requires `logprobs` to be true.", "top_logprobs")
+
+    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs, None, {"logprobs": "top_logprobs"})
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def parse_request(model_cls: type[_SamplingRequest], body: bytes) -> Any:
+    """Parse and check a request body; every problem is an APIError (400)."""
+    if not body.strip():
+        raise invalid_request("The request body is empty; send a JSON object.", code="invalid_json")
+    try:
+        request = model_cls.model_validate_json(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+    request.check()  # type: ignore[attr-defined]
+    return request
+
+
+__all__ = [
+    "APIError",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "StreamOptions",
+    "parse_request",
+]

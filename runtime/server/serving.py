@@ -1,0 +1,436 @@
+"""What every generation endpoint shares: the served models, admission (429 when the queue
+is full, 503 while draining), and ``GenerationRun``, which drives the engine requests of one
+HTTP request, aborts them when the client leaves, and records metrics and the log line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from pagecast.runtime.outputs import RequestOutput
+from pagecast.runtime.sampling_params import SamplingParams
+from pagecast.runtime.server import errors
+from pagecast.runtime.server.errors import APIError
+from pagecast.runtime.server.logs import log_request
+from pagecast.runtime.server.metrics import RequestRecorder, ServerMetrics
+from pagecast.runtime.server.sse import SSEResponse
+
+T = TypeVar("T")
+
+DEFAULT_MAX_NUM_SEQS = 256
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class ServedModel:
+    """One engine under the name clients use for it."""
+
+    name: str
+    engine: Any  # AsyncEngine
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def max_running(self) -> int:
+        """Sequences the engine runs at once; beyond that they wait in its queue."""
+        engine = self.engine
+        for holder in (engine, getattr(engine, "config", None), getattr(engine, "scheduler_config", None)):
+            value = getattr(holder, "max_num_seqs", None) if holder is not None else None
+            if isinstance(value, int) and value > 0:
+                return value
+        return DEFAULT_MAX_NUM_SEQS
+
+    def tokenize(self, prompt: str) -> list[int]:
+        """Token ids of a text prompt, exactly as the engine itself would tokenise it."""
+        tokenize = getattr(self.engine, "tokenize", None)
+        if callable(tokenize):
+            return list(tokenize(prompt))
+        return list(self.engine.tokenizer(prompt)["input_ids"])
+
+    @property
+    def vocab_size(self) -> int:
+        size = getattr(self.engine, "vocab_size", None)
+        return int(size) if size else len(self.engine.tokenizer)
+
+
+class ServerState:
+    """Everything the app keeps across requests. All methods run on the event loop, except
+    ``begin_drain``-driven waits, which are awaited there too: no locks needed."""
+
+    def __init__(self, engines: Mapping[str, Any], api_key: str | None, max_queue: int):
+        if not engines:
+            raise ValueError("engines must name at least one engine")
+        if max_queue < 0:
+            raise ValueError("max_queue must be >= 0")
+        self.models = {name: ServedModel(name, engine) for name, engine in engines.items()}
+        self.api_key = api_key
+        self.max_queue = max_queue
+        self.draining = False
+        self._in_flight: dict[str, int] = {name: 0 for name in engines}
+        self.runs: set[GenerationRun] = set()
+        self.metrics = ServerMetrics(engines, lambda: dict(self._in_flight))
+
+    def resolve(self, model: str | None) -> ServedModel:
+        if model is None:
+            if len(self.models) == 1:
+                return next(iter(self.models.values()))
+            raise errors.invalid_request(
+                "`model` is required: this server serves " + ", ".join(sorted(self.models)) + ".",
+                "model", "missing_required_parameter",
+            )
+        served = self.models.get(model)
+        if served is None:
+            raise errors.model_not_found(model)
+        return served
+
+    def admit(self, model: ServedModel, num_seqs: int) -> None:
+        """Reserve ``num_seqs`` sequences, or refuse: the engine runs ``max_running`` at once
+        and ``max_queue`` more may wait. A request larger than that is still admitted when
+        nothing else is in flight, so that it cannot starve."""
+        if self.draining:
+            raise errors.shutting_down()
+        if not model.engine.is_alive():
+            raise errors.engine_dead(model.name)
+        in_flight = self._in_flight[model.name]
+        if in_flight > 0 and in_flight + num_seqs > model.max_running + self.max_queue:
+            raise errors.queue_full(RETRY_AFTER_S)
+        self._in_flight[model.name] = in_flight + num_seqs
+
+    def release(self, model: ServedModel, num_seqs: int) -> None:
+        self._in_flight[model.name] -= num_seqs
+
+    @property
+    def num_in_flight(self) -> int:
+        return sum(self._in_flight.values())
+
+    def abort_all(self) -> None:
+        for run in list(self.runs):
+            run.abort()
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response was complete."""
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work`` unless the client disconnects first; then cancel it (which aborts the
+    engine requests it drives) and raise ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    raise ClientDisconnected
+
+
+async def respond(
+    request: Request,
+    run: GenerationRun,
+    stream: bool,
+    make_stream: Callable[[], AsyncIterator[bytes]],
+    make_body: Callable[[list[RequestOutput]], dict[str, Any]],
+) -> Response:
+    """Run ``run`` and answer: an SSE stream of ``make_stream()``, or the JSON body
+    ``make_body(final outputs)``. The run is closed on every path (an error, a client
+    gone, a stream never started), exactly once."""
+    headers = {"X-Request-Id": run.request_id}
+
+    async def start_and_collect() -> list[RequestOutput] | None:
+        await run.start()
+        return None if stream else await run.collect()
+
+    try:
+        finals = await cancel_on_disconnect(request, start_and_collect())
+        if stream:
+            return SSEResponse(make_stream(), on_close=lambda gone: run.close(499 if gone else None),
+                               headers=headers)
+        body = make_body(finals)  # type: ignore[arg-type]
+    except ClientDisconnected:
+        await run.close(499)
+        return Response(status_code=499)  # nobody reads it; 499 is what the log says
+    except BaseException as exc:
+        await run.close(exc.status_code if isinstance(exc, APIError) else 500)
+        raise
+    await run.close(200)
+    return JSONResponse(body, headers=headers)
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class GenerationRun:
+    """The engine requests (one per prompt) behind one HTTP request.
+
+    ``start`` submits them all and waits for each one's first output, so that an engine
+    error about the input (context too long, ...) becomes a 400 before any byte of a
+    stream is sent. ``outputs`` then yields ``(prompt_index, RequestOutput)`` as the
+    engine produces them (cumulative). ``close`` always runs: it aborts whatever did not
+    finish, releases the admission, records metrics and writes the request's log line.
+    """
+
+    def __init__(
+        self,
+        state: ServerState,
+        model: ServedModel,
+        request_id: str,
+        endpoint: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+    ):
+        self.state = state
+        self.model = model
+        self.request_id = request_id
+        self.endpoint = endpoint
+        self.prompts = prompts
+        self.params = params
+        self.engine_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        self.recorders: list[RequestRecorder] = [state.metrics.follow(model.name) for _ in prompts]
+        self.num_seqs = len(prompts) * params.n
+        self.start_time = time.monotonic()
+        self._streams: list[AsyncIterator[RequestOutput]] = []
+        self._first: list[RequestOutput] = []
+        self._closed = False
+        self._admitted = False
+        self.status = 200  # what the client was answered; set by the endpoint on errors
+
+    @property
+    def last_outputs(self) -> list[RequestOutput | None]:
+        return [r.last for r in self.recorders]
+
+    async def start(self) -> None:
+        self.state.admit(self.model, self.num_seqs)
+        self._admitted = True
+        self.state.runs.add(self)
+        engine = self.model.engine
+        self._streams = [
+            engine.generate(ids, self.params, request_id=rid) for ids, rid in zip(self.prompts, self.engine_ids)
+        ]
+        try:
+            if len(self._streams) == 1:
+                self._first = [await _first_output(self._streams[0])]
+            else:
+                self._first = await _gather_cancelling([_first_output(s) for s in self._streams])
+        except Exception as exc:
+            raise errors.from_engine_error(exc, self.model.name) from exc
+        for recorder, out in zip(self.recorders, self._first):
+            recorder.update(out)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        for i, out in enumerate(self._first):
+            yield i, out
+        pending = [i for i, out in enumerate(self._first) if not out.finished]
+        try:
+            if len(pending) == 1:
+                i = pending[0]
+                async for out in self._streams[i]:
+                    self.recorders[i].update(out)
+                    yield i, out
+            elif pending:
+                async for i, out in _merge({i: self._streams[i] for i in pending}):
+                    self.recorders[i].update(out)
+                    yield i, out
+        except (APIError, asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as exc:
+            raise errors.from_engine_error(exc, self.model.name) from exc
+
+    async def collect(self) -> list[RequestOutput]:
+        """Run every engine request to its end; the final output of each prompt."""
+        async for _ in self.outputs():
+            pass
+        finals = self.last_outputs
+        if any(out is None or not out.finished for out in finals):
+            # The engine stream ended without a finished output: it was aborted under us.
+            raise errors.engine_dead(self.model.name, "a request ended without a result")
+        return finals  # type: ignore[return-value]
+
+    def abort(self) -> None:
+        for rid, out in zip(self.engine_ids, self.last_outputs):
+            if out is None or not out.finished:
+                self.model.engine.abort(rid)
+
+    async def close(self, status: int | None = None) -> None:
+        """Idempotent. The bookkeeping is done before the first await, so that a cancelled
+        caller cannot skip it."""
+        if self._closed:
+            return
+        self._closed = True
+        if status is not None:
+            self.status = status
+        self.abort()
+        self.state.runs.discard(self)
+        if self._admitted:
+            self.state.release(self.model, self.num_seqs)
+        reasons = []
+        for recorder in self.recorders:
+            reason = _request_finish_reason(recorder.last, self.status)
+            reasons.append(reason)
+            recorder.finish(reason)
+        self._log(self.status, reasons)
+        for stream in self._streams:
+            with contextlib.suppress(Exception):
+                await stream.aclose()  # type: ignore[attr-defined]
+
+    def _log(self, status: int, reasons: list[str]) -> None:
+        finals = [out for out in self.last_outputs if out is not None]
+        first_token_times = [
+            out.metrics.first_token_time for out in finals if out.metrics and out.metrics.first_token_time
+        ]
+        arrivals = [out.metrics.arrival_time for out in finals if out.metrics]
+        ttft = min(first_token_times) - min(arrivals) if first_token_times and arrivals else None
+        log_request(
+            request_id=self.request_id,
+            model=self.model.name,
+            endpoint=self.endpoint,
+            status=status,
+            prompt_tokens=sum(len(ids) for ids in self.prompts),
+            completion_tokens=sum(len(o.token_ids) for out in finals for o in out.outputs),
+            ttft_s=ttft,
+            total_s=time.monotonic() - self.start_time,
+            finish_reason=",".join(sorted(set(reasons))),
+        )
+
+
+def _request_finish_reason(out: RequestOutput | None, status: int) -> str:
+    """One reason per engine request: an error or abort of any choice wins."""
+    if out is None:
+        return "error" if status >= 500 else "abort"
+    reasons = [o.finish_reason for o in out.outputs]
+    for worst in ("error", "abort"):
+        if worst in reasons:
+            return worst
+    if any(r is None for r in reasons):
+        return "error" if status >= 500 else "abort"
+    return reasons[0] or "abort"
+
+
+async def _first_output(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        raise RuntimeError("the engine ended a request without any output") from None
+
+
+async def _gather_cancelling(coros: list[Awaitable[T]]) -> list[T]:
+    """Like asyncio.gather, but the first failure cancels the others."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+    for t in tasks:
+        if t.done() and not t.cancelled() and t.exception() is not None:
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise t.exception()  # type: ignore[misc]
+    return [t.result() for t in tasks]
+
+
+async def _merge(streams: dict[int, AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several engine streams as their outputs arrive."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out, None))
+        except Exception as exc:
+            queue.put_nowait((i, None, exc))
+            return
+        queue.put_nowait((i, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in streams.items()]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, out, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if out is None:
+                remaining -= 1
+                continue
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# JSON has no -inf; -9999.0 is what vLLM and OpenAI clients already handle for "impossible".
+MIN_LOGPROB = -9999.0
+
+
+def clamp_logprob(value: float) -> float:
+    return value if value == value and value > MIN_LOGPROB else MIN_LOGPROB
+
+
+class TokenTexts:
+    """The text of single tokens (for logprobs), decoded once per id per request."""
+
+    def __init__(self, tokenizer: Any):
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int, decoded: str | None = None) -> str:
+        if decoded is not None:
+            return decoded
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            self._cache[token_id] = text
+        return text
+
+    def decode(self, token_ids: list[int]) -> str:
+        return str(self._tokenizer.decode(token_ids, skip_special_tokens=False))
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def check_prompt_fits(model: ServedModel, prompt_ids: list[int], max_tokens: int | None, param: str) -> None:
+    """400 ``context_length_exceeded`` before the engine is involved, with the numbers."""
+    if not prompt_ids:
+        raise errors.invalid_request("The prompt is empty (it has no tokens).", param)
+    max_model_len = int(model.engine.max_model_len)
+    needed = len(prompt_ids) + (max_tokens if max_tokens is not None else 1)
+    if needed > max_model_len:
+        wanted = f"{len(prompt_ids)} in the prompt" + (
+            f", {max_tokens} for the completion" if max_tokens is not None else ", at least 1 for the completion"
+        )
+        raise errors.invalid_request(
+            f"This model's maximum context length is {max_model_len} tokens; this request needs {needed} "
+            f"({wanted}). Shorten the prompt or reduce max_tokens.",
+            param,
+            "context_length_exceeded",
+        )

@@ -1,0 +1,175 @@
+"""POST /v1/chat/completions: the conversation rendered by the artifact's chat template,
+generated as one prompt, answered (or streamed) in OpenAI's chat format."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from pagecast.runtime.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pagecast.runtime.server import errors
+from pagecast.runtime.server.chat import render_chat_prompt
+from pagecast.runtime.server.errors import APIError
+from pagecast.runtime.server.protocol import ChatCompletionRequest, parse_request
+from pagecast.runtime.server.serving import (
+    GenerationRun,
+    ServerState,
+    TokenTexts,
+    check_prompt_fits,
+    clamp_logprob,
+    new_request_id,
+    respond,
+    usage,
+)
+from pagecast.runtime.server.sse import DONE, sse_event
+
+ENDPOINT = "/v1/chat/completions"
+
+
+async def create_chat_completion(request: Request, state: ServerState) -> Response:
+    req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await request.body())
+    model = state.resolve(req.model)
+    prompt_ids = render_chat_prompt(model.engine.tokenizer, req.messages, req.add_generation_prompt)
+    max_tokens = req.requested_max_tokens
+    check_prompt_fits(model, prompt_ids, max_tokens, "messages")
+    params = req.to_sampling_params(max_tokens)
+
+    run = GenerationRun(state, model, new_request_id("chatcmpl"), ENDPOINT, [prompt_ids], params)
+    created = int(time.time())
+    texts = TokenTexts(model.engine.tokenizer)
+    return await respond(
+        request,
+        run,
+        req.stream,
+        lambda: _stream(req, run, model.name, created, texts),
+        lambda finals: _response(req, run, model.name, created, finals[0], texts),
+    )
+
+
+def _logprob_entries(
+    o: CompletionOutput, start: int, stop: int, k: int, texts: TokenTexts
+) -> list[dict[str, Any]]:
+    """Chat logprobs of tokens ``start:stop``: each with its ``top_logprobs`` (the k best)."""
+    entries = []
+    for j in range(start, stop):
+        if o.logprobs is None or j >= len(o.logprobs):
+            raise errors.internal_error("the engine returned fewer logprobs than tokens")
+        position: PositionLogprobs = o.logprobs[j]
+        token_id = o.token_ids[j]
+        chosen = position.get(token_id)
+        if chosen is None:
+            raise errors.internal_error(f"the engine returned no logprob for token {token_id}")
+        text = texts(token_id, chosen.decoded_token)
+        top = [
+            _token_logprob(texts(tid, lp.decoded_token), lp.logprob)
+            for tid, lp in sorted(position.items(), key=lambda item: item[1].rank)
+            if lp.rank <= k
+        ]
+        entries.append({**_token_logprob(text, chosen.logprob), "top_logprobs": top[:k]})
+    return entries
+
+
+def _token_logprob(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": clamp_logprob(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def _response(
+    req: ChatCompletionRequest,
+    run: GenerationRun,
+    model_name: str,
+    created: int,
+    out: RequestOutput,
+    texts: TokenTexts,
+) -> dict[str, Any]:
+    choices = []
+    for o in sorted(out.outputs, key=lambda o: o.index):
+        if o.finish_reason == "error":
+            raise errors.internal_error("the engine failed while generating")
+        logprobs = None
+        if req.logprobs:
+            logprobs = {"content": _logprob_entries(o, 0, len(o.token_ids), req.top_logprobs or 0, texts),
+                        "refusal": None}
+        choices.append({
+            "index": o.index,
+            "message": {"role": "assistant", "content": o.text, "refusal": None},
+            "logprobs": logprobs,
+            "finish_reason": o.finish_reason,
+        })
+    return {
+        "id": run.request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model_name,
+        "choices": choices,
+        "usage": usage(len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs)),
+    }
+
+
+async def _stream(
+    req: ChatCompletionRequest, run: GenerationRun, model_name: str, created: int, texts: TokenTexts
+) -> AsyncIterator[bytes]:
+    """OpenAI's chunk sequence per choice: a first delta with the role, content deltas, then
+    an empty delta carrying ``finish_reason``; a usage-only chunk last when asked."""
+
+    def chunk(index: int, delta: dict[str, Any], logprobs: Any, finish_reason: str | None) -> bytes:
+        payload: dict[str, Any] = {
+            "id": run.request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model_name,
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
+        }
+        if req.include_usage:
+            payload["usage"] = None
+        return sse_event(payload)
+
+    num_chars: dict[int, int] = {}
+    num_tokens: dict[int, int] = {}
+    finished: set[int] = set()
+    prompt_tokens = 0
+    k = req.top_logprobs or 0
+    try:
+        async for _, out in run.outputs():
+            prompt_tokens = len(out.prompt_token_ids)
+            for o in out.outputs:
+                if o.finish_reason == "error":
+                    raise errors.internal_error("the engine failed while generating")
+                index = o.index
+                if index in finished:
+                    continue
+                if index not in num_chars:
+                    num_chars[index] = num_tokens[index] = 0
+                    yield chunk(index, {"role": "assistant", "content": ""}, None, None)
+                delta = o.text[num_chars[index] :]
+                logprobs = None
+                if req.logprobs and len(o.token_ids) > num_tokens[index]:
+                    logprobs = {"content": _logprob_entries(o, num_tokens[index], len(o.token_ids), k, texts),
+                                "refusal": None}
+                num_chars[index] = len(o.text)
+                num_tokens[index] = len(o.token_ids)
+                if delta or logprobs is not None:
+                    yield chunk(index, {"content": delta}, logprobs, None)
+                if o.finished:
+                    finished.add(index)
+                    yield chunk(index, {}, None, o.finish_reason)
+        if req.include_usage:
+            yield sse_event({
+                "id": run.request_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model_name,
+                "choices": [],
+                "usage": usage(prompt_tokens, sum(num_tokens.values())),
+            })
+    except APIError as exc:
+        run.status = exc.status_code
+        yield sse_event(exc.body())
+    except Exception as exc:  # a bug of ours: still end the stream with a message
+        error = errors.internal_error(f"{type(exc).__name__}: {exc}")
+        run.status = error.status_code
+        yield sse_event(error.body())
+    yield DONE

@@ -1,0 +1,292 @@
+"""POST /v1/completions: text completion, also the scoring interface lm-evaluation-harness's
+``local-completions`` uses (token-id prompts, ``echo``, ``logprobs``, ``max_tokens`` 0 or 1).
+
+Choices are numbered ``prompt_index * n + choice_index``, as OpenAI numbers them for a list
+of prompts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from pagecast.runtime.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pagecast.runtime.server import errors
+from pagecast.runtime.server.errors import APIError
+from pagecast.runtime.server.protocol import CompletionRequest, parse_request
+from pagecast.runtime.server.serving import (
+    GenerationRun,
+    ServedModel,
+    ServerState,
+    TokenTexts,
+    check_prompt_fits,
+    clamp_logprob,
+    new_request_id,
+    respond,
+    usage,
+)
+from pagecast.runtime.server.sse import DONE, sse_event
+
+ENDPOINT = "/v1/completions"
+
+
+async def create_completion(request: Request, state: ServerState) -> Response:
+    req: CompletionRequest = parse_request(CompletionRequest, await request.body())
+    model = state.resolve(req.model)
+    prompt_ids, prompt_texts = _tokenize_prompts(req, model)
+    # max_tokens 0 with echo scores the prompt only: generate one token (the engine needs
+    # one step to compute prompt logprobs) and leave it out of the answer.
+    score_only = req.max_tokens == 0
+    max_tokens = 1 if score_only else req.max_tokens
+    for ids in prompt_ids:
+        check_prompt_fits(model, ids, max_tokens, "prompt")
+    params = req.to_sampling_params(max_tokens)
+
+    run = GenerationRun(state, model, new_request_id("cmpl"), ENDPOINT, prompt_ids, params)
+    created = int(time.time())
+    texts = TokenTexts(model.engine.tokenizer)
+    return await respond(
+        request,
+        run,
+        req.stream,
+        lambda: _stream(req, run, model.name, created, prompt_texts, texts),
+        lambda finals: _response(req, run, model.name, created, finals, prompt_texts, texts, score_only),
+    )
+
+
+def _tokenize_prompts(req: CompletionRequest, model: ServedModel) -> tuple[list[list[int]], list[str | None]]:
+    """Token ids of every prompt and, for text prompts, the text (echoed as sent)."""
+    ids: list[list[int]] = []
+    texts: list[str | None] = []
+    vocab_size = model.vocab_size
+    for prompt in req.prompts:
+        if isinstance(prompt, str):
+            ids.append(model.tokenize(prompt))
+            texts.append(prompt)
+        else:
+            bad = next((t for t in prompt if t >= vocab_size), None)
+            if bad is not None:
+                raise errors.invalid_request(
+                    f"Token id {bad} in `prompt` is out of range: the vocabulary has {vocab_size} tokens.", "prompt"
+                )
+            ids.append(list(prompt))
+            texts.append(None)
+    return ids, texts
+
+
+@dataclass
+class _LegacyLogprobs:
+    """The completions API's logprobs object: four parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+    @classmethod
+    def empty(cls) -> _LegacyLogprobs:
+        return cls([], [], [], [])
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens,
+            "token_logprobs": self.token_logprobs,
+            "top_logprobs": self.top_logprobs,
+            "text_offset": self.text_offset,
+        }
+
+    def add(self, texts: TokenTexts, token_id: int, position: PositionLogprobs, k: int, offset: int) -> int:
+        """Append one token; returns the text offset of the next one."""
+        chosen = position.get(token_id)
+        if chosen is None:
+            raise errors.internal_error(f"the engine returned no logprob for token {token_id}")
+        text = texts(token_id, chosen.decoded_token)
+        self.tokens.append(text)
+        self.token_logprobs.append(clamp_logprob(chosen.logprob))
+        # The top k by rank plus the chosen token (as vLLM does), so a client can always
+        # compare the chosen logprob with the best one (lm-eval's is_greedy check).
+        top: dict[str, float] = {}
+        for tid, lp in sorted(position.items(), key=lambda item: item[1].rank):
+            if lp.rank <= k or tid == token_id:
+                top.setdefault(texts(tid, lp.decoded_token), clamp_logprob(lp.logprob))
+        self.top_logprobs.append(top)
+        self.text_offset.append(offset)
+        return offset + len(text)
+
+    def add_first_prompt_token(self, texts: TokenTexts, token_id: int) -> int:
+        # The first prompt token has no context, hence no logprob: OpenAI and vLLM answer
+        # null there. lm-eval reads top_logprobs as dicts (DESIGN.md: dicts, never null), so
+        # the first token is reported as given: log-probability 0.0 (probability 1) and a
+        # one-entry dict that agrees with it. Summing token_logprobs over the prompt then
+        # gives the log-likelihood of the rest, and `logprob == max(top.values())` holds.
+        text = texts(token_id)
+        self.tokens.append(text)
+        self.token_logprobs.append(0.0)
+        self.top_logprobs.append({text: 0.0})
+        self.text_offset.append(0)
+        return len(text)
+
+
+def _prompt_logprobs(out: RequestOutput, k: int, texts: TokenTexts) -> _LegacyLogprobs:
+    """Logprobs of the echoed prompt, one entry per prompt token."""
+    result = _LegacyLogprobs.empty()
+    ids = out.prompt_token_ids
+    positions = out.prompt_logprobs
+    if positions is None or len(positions) != len(ids):
+        raise errors.internal_error("the engine returned no prompt logprobs for an echo request")
+    offset = result.add_first_prompt_token(texts, ids[0])
+    for i in range(1, len(ids)):
+        position = positions[i]
+        if position is None:
+            raise errors.internal_error(f"the engine returned no logprob for prompt position {i}")
+        offset = result.add(texts, ids[i], position, k, offset)
+    return result
+
+
+def _echo_text(out: RequestOutput, prompt_text: str | None, texts: TokenTexts) -> str:
+    if prompt_text is not None:
+        return prompt_text
+    return texts.decode(out.prompt_token_ids)
+
+
+def _response(
+    req: CompletionRequest,
+    run: GenerationRun,
+    model_name: str,
+    created: int,
+    finals: list[RequestOutput],
+    prompt_texts: list[str | None],
+    texts: TokenTexts,
+    score_only: bool,
+) -> dict[str, Any]:
+    choices = []
+    num_prompt_tokens = num_completion_tokens = 0
+    for i, out in enumerate(finals):
+        num_prompt_tokens += len(out.prompt_token_ids)
+        echo = _echo_text(out, prompt_texts[i], texts) if req.echo else ""
+        for o in sorted(out.outputs, key=lambda o: o.index):
+            if o.finish_reason == "error":
+                raise errors.internal_error("the engine failed while generating")
+            token_ids = [] if score_only else o.token_ids
+            num_completion_tokens += len(token_ids)
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = _prompt_logprobs(out, req.logprobs, texts) if req.echo else _LegacyLogprobs.empty()
+                offset = len(echo)  # completion tokens are offsets into the echoed text + completion
+                for j, tid in enumerate(token_ids):
+                    offset = logprobs.add(texts, tid, _position(o, j), req.logprobs, offset)
+            choices.append({
+                "index": i * req.n + o.index,
+                "text": echo + ("" if score_only else o.text),
+                "logprobs": None if logprobs is None else logprobs.as_dict(),
+                "finish_reason": o.finish_reason,
+            })
+    return {
+        "id": run.request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model_name,
+        "choices": choices,
+        "usage": usage(num_prompt_tokens, num_completion_tokens),
+    }
+
+
+def _position(o: CompletionOutput, j: int) -> PositionLogprobs:
+    if o.logprobs is None or j >= len(o.logprobs):
+        raise errors.internal_error("the engine returned fewer logprobs than tokens")
+    return o.logprobs[j]
+
+
+@dataclass
+class _ChoiceState:
+    """What has been streamed of one choice so far."""
+
+    num_chars: int = 0
+    num_tokens: int = 0
+    offset: int = 0  # text offset of the next token, for logprobs
+    started: bool = False
+    finished: bool = False
+
+
+async def _stream(
+    req: CompletionRequest,
+    run: GenerationRun,
+    model_name: str,
+    created: int,
+    prompt_texts: list[str | None],
+    texts: TokenTexts,
+) -> AsyncIterator[bytes]:
+    def chunk(index: int, text: str, logprobs: _LegacyLogprobs | None, finish_reason: str | None) -> bytes:
+        payload: dict[str, Any] = {
+            "id": run.request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": model_name,
+            "choices": [{
+                "index": index,
+                "text": text,
+                "logprobs": None if logprobs is None else logprobs.as_dict(),
+                "finish_reason": finish_reason,
+            }],
+        }
+        if req.include_usage:
+            payload["usage"] = None
+        return sse_event(payload)
+
+    states: dict[int, _ChoiceState] = {}
+    prompt_tokens: dict[int, int] = {}
+    try:
+        async for i, out in run.outputs():
+            prompt_tokens[i] = len(out.prompt_token_ids)
+            for o in out.outputs:
+                if o.finish_reason == "error":
+                    raise errors.internal_error("the engine failed while generating")
+                index = i * req.n + o.index
+                st = states.setdefault(index, _ChoiceState())
+                if st.finished:
+                    continue
+                prefix = ""
+                logprobs = _LegacyLogprobs.empty() if req.logprobs is not None else None
+                if not st.started:
+                    st.started = True
+                    if req.echo:
+                        prefix = _echo_text(out, prompt_texts[i], texts)
+                        if logprobs is not None:
+                            logprobs = _prompt_logprobs(out, req.logprobs or 0, texts)
+                        st.offset = len(prefix)
+                delta = o.text[st.num_chars :]
+                st.num_chars = len(o.text)
+                if logprobs is not None:
+                    for j in range(st.num_tokens, len(o.token_ids)):
+                        st.offset = logprobs.add(texts, o.token_ids[j], _position(o, j), req.logprobs or 0,
+                                                 st.offset)
+                new_tokens = len(o.token_ids) > st.num_tokens
+                st.num_tokens = len(o.token_ids)
+                if o.finished:
+                    st.finished = True
+                    yield chunk(index, prefix + delta, logprobs, o.finish_reason)
+                elif prefix or delta or (logprobs is not None and new_tokens):
+                    yield chunk(index, prefix + delta, logprobs, None)
+        if req.include_usage:
+            completion_tokens = sum(st.num_tokens for st in states.values())
+            yield sse_event({
+                "id": run.request_id,
+                "object": "text_completion",
+                "created": created,
+                "model": model_name,
+                "choices": [],
+                "usage": usage(sum(prompt_tokens.values()), completion_tokens),
+            })
+    except APIError as exc:
+        run.status = exc.status_code
+        yield sse_event(exc.body())
+    except Exception as exc:  # a bug of ours: still end the stream with a message
+        error = errors.internal_error(f"{type(exc).__name__}: {exc}")
+        run.status = error.status_code
+        yield sse_event(error.body())
+    yield DONE
