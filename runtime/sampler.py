@@ -22,6 +22,7 @@ whatever else is in the batch.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from dataclasses import dataclass
 
@@ -138,16 +139,22 @@ def _prompt_ids(request: Request, device: torch.device) -> torch.Tensor:
     return ids
 
 
-def _token_matrix(
-    id_lists: list[torch.Tensor], vocab: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row index, token id) pairs for a ragged list of per-row token ids, ids outside the
-    vocabulary dropped, ready for one ``index_put_`` into a ``[rows, vocab]`` tensor."""
-    lengths = torch.tensor([len(t) for t in id_lists], device=device)
-    rows = torch.repeat_interleave(torch.arange(len(id_lists), device=device), lengths)
-    tokens = torch.cat(id_lists) if id_lists else torch.empty(0, dtype=torch.long, device=device)
-    keep = (tokens >= 0) & (tokens < vocab)
-    return rows[keep], tokens[keep]
+def _row_index(lengths: list[int], device: torch.device) -> torch.Tensor:
+    """Row i repeated lengths[i] times: the row of each entry of a flattened ragged batch."""
+    return torch.repeat_interleave(
+        torch.arange(len(lengths), device=device),
+        torch.tensor(lengths, device=device),
+        output_size=sum(lengths),  # known on the host: no device sync to size the result
+    )
+
+
+def _token_counts(rows: torch.Tensor, tokens: torch.Tensor, num_rows: int, vocab: int) -> torch.Tensor:
+    """``[num_rows, vocab]`` counts of each token per row. Ids outside the vocabulary land in a
+    spare column that is dropped, rather than being filtered out with a device sync."""
+    counts = torch.zeros(num_rows, vocab + 1, dtype=torch.float32, device=tokens.device)
+    tokens = torch.where((tokens >= 0) & (tokens < vocab), tokens, vocab)
+    counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
+    return counts[:, :vocab]
 
 
 def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -155,25 +162,25 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
     num_rows, vocab = logits.shape
     device = logits.device
     params = [r.sampling_params for r in requests]
-    outputs = [torch.tensor(r.output_token_ids, dtype=torch.long, device=device) for r in requests]
+    # All rows' output ids in one host-to-device copy (a tensor per row would be a copy per row).
+    output_tokens = torch.tensor(
+        list(itertools.chain.from_iterable(r.output_token_ids for r in requests)), dtype=torch.long
+    ).to(device)
+    output_rows = _row_index([r.num_output_tokens for r in requests], device)
 
     if any(p.repetition_penalty != 1.0 for p in params):
         # HF semantics: every token seen in prompt or output, counted once; positive logits are
         # divided by the penalty and negative ones multiplied, so both move towards "less likely".
-        seen = torch.zeros(num_rows, vocab, dtype=torch.bool, device=device)
-        rows, tokens = _token_matrix(
-            [torch.cat([_prompt_ids(r, device), out]) for r, out in zip(requests, outputs)], vocab, device
-        )
-        seen[rows, tokens] = True
+        rows = torch.cat([_row_index([r.num_prompt_tokens for r in requests], device), output_rows])
+        tokens = torch.cat([_prompt_ids(r, device) for r in requests] + [output_tokens])
+        seen = _token_counts(rows, tokens, num_rows, vocab) > 0
         penalty = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
         penalised = torch.where(logits < 0, logits * penalty, logits / penalty)
         logits = torch.where(seen, penalised, logits)
 
     if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
         # OpenAI semantics: output tokens only; logit -= presence * (count > 0) + frequency * count.
-        counts = torch.zeros(num_rows, vocab, dtype=torch.float32, device=device)
-        rows, tokens = _token_matrix(outputs, vocab, device)
-        counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
+        counts = _token_counts(output_rows, output_tokens, num_rows, vocab)
         presence = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
         frequency = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
         logits = logits - presence * (counts > 0).float() - frequency * counts

@@ -176,6 +176,15 @@ def test_penalties_apply_to_greedy_rows_and_only_to_penalised_rows() -> None:
     assert sample(logits, requests).token_ids == [11, 10]
 
 
+def test_penalties_ignore_ids_outside_the_logits_vocabulary() -> None:
+    # The model's logits may be narrower than the tokenizer (or a prompt may hold odd ids).
+    logits = random_logits(1, seed=11)
+    request = make_request([VOCAB + 5, 4], [VOCAB, 4], repetition_penalty=1.5, frequency_penalty=1.0)
+    ours = _apply_penalties(logits, [request])
+    changed = (ours != logits).nonzero()[:, 1].tolist()
+    assert changed == [4]
+
+
 # --- seeds and the distribution ----------------------------------------------------------------
 
 
@@ -308,3 +317,28 @@ def test_prompt_logprobs_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     whole = prompt_logprobs(logits, targets, 2)
     monkeypatch.setattr(sampler_module, "_PROMPT_LOGPROBS_CHUNK", 4)
     assert prompt_logprobs(logits, targets, 2) == whole
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_seeded_rows_masks_and_logprobs() -> None:
+    vocab = 151_936
+    logits = (torch.randn(256, vocab, device="cuda") * 3).to(torch.bfloat16)
+    cases = [dict(temperature=0.0), dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, logprobs=5)]
+
+    def requests_for(rows: int) -> list[Request]:
+        return [make_request(index=i, seed=7 if i == 1 else None, **cases[i % 2]) for i in range(rows)]
+
+    first = sample(logits, requests_for(256))
+    again = sample(logits, requests_for(256))
+    alone = sample(logits[1:2], [make_request(index=1, seed=7, **cases[1])])
+    assert first.token_ids[1] == again.token_ids[1] == alone.token_ids[0]
+    assert first.token_ids[::2] == logits[::2].float().argmax(-1).tolist()
+    allowed = allowed_by_transformers(logits[1::2].float(), SamplingParams(**cases[1]))
+    for row, token in enumerate(first.token_ids[1::2]):
+        assert allowed[row, token]
+    reference = torch.log_softmax(logits.float(), -1)
+    entry = first.logprobs[1]
+    assert entry is not None and len(entry) >= 5
+    for token, lp in entry.items():
+        assert math.isclose(lp.logprob, float(reference[1, token]), abs_tol=1e-4)
