@@ -1,12 +1,78 @@
-"""Shared fixtures. Kernel tests run the Triton kernels through the interpreter when no GPU is present."""
+"""Shared fixtures: tiny random checkpoints and the artifacts enginebuild makes of them.
+
+Kernel tests run the Triton kernels through the interpreter when no GPU is present.
+"""
 
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import make_checkpoint, smollm2_dir  # noqa: E402
+
+
+def build_artifact(checkpoint: Path | str, output: Path, **options) -> Path:  # type: ignore[no-untyped-def]
+    from pagecast.builder.ir import BuildOptions
+    from pagecast.builder.pipeline import build
+
+    return build(BuildOptions(model=str(checkpoint), output=output, force=True, quiet=True, **options))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint_factory(tmp_path_factory):  # type: ignore[no-untyped-def]
+    cache: dict[tuple, Path] = {}
+
+    def make(family: str = "llama", **overrides) -> Path:  # type: ignore[no-untyped-def]
+        key = (family, repr(sorted(overrides.items(), key=str)))
+        if key not in cache:
+            path = tmp_path_factory.mktemp(f"ckpt-{family}")
+            cache[key] = make_checkpoint(path, family, **overrides)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact_factory(tmp_path_factory, tiny_checkpoint_factory):  # type: ignore[no-untyped-def]
+    cache: dict[tuple, Path] = {}
+
+    def make(family: str = "llama", **overrides) -> Path:  # type: ignore[no-untyped-def]
+        key = (family, repr(sorted(overrides.items(), key=str)))
+        if key not in cache:
+            ckpt = tiny_checkpoint_factory(family, **overrides)
+            cache[key] = build_artifact(ckpt, tmp_path_factory.mktemp(f"art-{family}") / "engine")
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_checkpoint(tiny_checkpoint_factory) -> Path:  # type: ignore[no-untyped-def]
+    return tiny_checkpoint_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_artifact(tiny_artifact_factory) -> Path:  # type: ignore[no-untyped-def]
+    """A tiny random Llama (6 query / 2 KV heads of 16, 3 layers) with the SmolLM2 tokenizer."""
+    return tiny_artifact_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint() -> Path:
+    """The embedded default model as an HF directory (converted from its GGUF once, then cached)."""
+    return smollm2_dir()
+
+
+@pytest.fixture(scope="session")
+def smollm2_artifact(tmp_path_factory, smollm2_checkpoint) -> Path:  # type: ignore[no-untyped-def]
+    return build_artifact("smollm2-135m", tmp_path_factory.mktemp("art-smollm2") / "smollm2-135m")

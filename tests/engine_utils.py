@@ -1,0 +1,32 @@
+"""Test helpers that reach into the engine: logits of a prompt, the transformers reference."""
+
+from __future__ import annotations
+
+import torch
+
+from pagecast.runtime.engine import LLMEngine
+from pagecast.runtime.request import Request
+from pagecast.runtime.sampling_params import SamplingParams
+from pagecast.runtime.scheduler import SchedulerOutput
+
+
+def engine_last_logits(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
+    """Prefill token_ids through the paged engine and return the last position's logits."""
+    req = Request("logits-probe", token_ids, SamplingParams(max_tokens=1))
+    assert engine.block_pool.allocate_slots(req, len(token_ids))
+    try:
+        out = SchedulerOutput([req], [len(token_ids)], len(token_ids))
+        batch = engine.runner.prepare(out)
+        with torch.inference_mode():
+            hidden = engine.runner.model.forward(batch.input_ids, batch.positions, batch.ctx)
+            return engine.runner.model.compute_logits(hidden[-1:])[0]
+    finally:
+        engine.block_pool.free(req)
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id=None) -> list[int]:  # type: ignore[no-untyped-def]
+    kwargs = {"eos_token_id": eos_token_id} if eos_token_id is not None else {"min_new_tokens": max_new_tokens}
+    out = model.generate(
+        torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, **kwargs
+    )
+    return out[0, len(prompt_ids) :].tolist()
