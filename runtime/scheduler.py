@@ -1,0 +1,254 @@
+"""Token-budget continuous batching: which requests run this step, and how many tokens each.
+
+There are no prefill and decode phases. A request has ``num_tokens`` (prompt plus output so far)
+and ``num_computed_tokens`` (tokens whose K/V are cached); each step hands every scheduled request
+``num_scheduled_tokens`` more under a token budget. A decode is a request one token behind, a
+prefill chunk is a request many tokens behind, and both share one batch. When KV blocks run out
+the newest running request is preempted: its blocks are freed and it later recomputes all its
+tokens (prefix cache hits make that cheap). The scheduler never looks at the model or the device.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pagecast.runtime.block_pool import BlockPool
+from pagecast.runtime.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one engine step.
+
+    ``max_num_seqs`` bounds the batch (and the decode CUDA graphs); ``max_num_batched_tokens``
+    bounds the tokens of one forward pass (activation memory, step latency); ``max_model_len``
+    bounds a request's prompt plus output.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    max_model_len: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
+                f"({self.max_num_seqs}) so that every running request can decode in one step; "
+                f"raise max_num_batched_tokens or lower max_num_seqs"
+            )
+
+
+@dataclass
+class SchedulerOutput:
+    """What the model runner computes this step. Valid until ``update_from_output`` is called
+    with it: until then each scheduled request's ``num_computed_tokens`` and ``block_ids`` are
+    the ones this step was planned with."""
+
+    # Batch order: the runner lays out their tokens in this order. Request i computes tokens
+    # all_token_ids[num_computed_tokens : num_computed_tokens + num_scheduled_tokens[i]].
+    scheduled_requests: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    # Sum of num_scheduled_tokens: the size of the flat token batch.
+    total_num_scheduled_tokens: int = 0
+    # Requests preempted this step: their blocks are freed and their K/V is gone, so a runner
+    # keeping per-request device state must drop it. They are back in the waiting queue.
+    preempted_requests: list[Request] = field(default_factory=list)
+    # Ids of requests that finished or were aborted since the previous step, for the same reason.
+    finished_request_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to run (e.g. every request is waiting for blocks or there are none)."""
+        return self.total_num_scheduled_tokens == 0
+
+
+class Scheduler:
+    """Decides each step's batch and keeps the running and waiting queues.
+
+    Call ``schedule()``, run the model on its output, then ``update_from_output()`` with the
+    sampled tokens, in that order, once per step. ``running`` is in admission order (the newest
+    last, which is the one preempted first); ``waiting`` is first-come first-served, with
+    preempted requests put back at the front.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_pool: BlockPool):
+        self.config = config
+        self.block_pool = block_pool
+        self.running: list[Request] = []
+        self.waiting: deque[Request] = deque()
+        # Unfinished requests by id, for finish_requests().
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._finished_request_ids: set[str] = set()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request behind those already waiting."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_tokens == 0:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        if request.num_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r} has {request.num_tokens} prompt tokens, more than "
+                f"max_model_len ({self.config.max_model_len})"
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step: running requests first (in order), then waiting ones (FCFS)."""
+        pool = self.block_pool
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[Request] = []
+        counts: list[int] = []
+        preempted: list[Request] = []
+        running = self.running
+
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:  # nothing to compute until it gets a token; cannot happen normally
+                i += 1
+                continue
+            while not pool.allocate_slots(request, num_new):
+                victim = running.pop()  # the newest; never one already scheduled (index >= i)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(request)
+                counts.append(num_new)
+                budget -= num_new
+                i += 1
+
+        # After a preemption blocks are short: admitting anyone now would only thrash.
+        if not preempted:
+            max_num_seqs = self.config.max_num_seqs
+            waiting = self.waiting
+            while waiting and budget > 0 and len(running) < max_num_seqs:
+                request = waiting[0]
+                computed_blocks, num_cached = pool.get_computed_blocks(request)
+                num_new = min(request.num_tokens - num_cached, budget)
+                if not pool.allocate_slots(request, num_new, computed_blocks):
+                    break  # FCFS: nobody overtakes the head of the queue
+                waiting.popleft()
+                self._admit(request, num_cached)
+                running.append(request)
+                scheduled.append(request)
+                counts.append(num_new)
+                budget -= num_new
+
+        finished_ids, self._finished_request_ids = self._finished_request_ids, set()
+        return SchedulerOutput(
+            scheduled_requests=scheduled,
+            num_scheduled_tokens=counts,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            preempted_requests=preempted,
+            finished_request_ids=finished_ids,
+        )
+
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+        """Advance the scheduled requests by what the runner computed and append sampled tokens.
+
+        ``sampled_token_ids`` maps request id to the token sampled for it. A token is taken only
+        from a request whose computed tokens now reach ``num_tokens`` (a partial prefill chunk's
+        sample is meaningless and ignored). Returns the requests that received a token, in batch
+        order, finished ones included; finished requests have left ``running`` and their blocks
+        are freed.
+        """
+        pool = self.block_pool
+        max_model_len = self.config.max_model_len
+        now = time.monotonic()
+        updated: list[Request] = []
+        any_finished = False
+        for request, num_new in zip(output.scheduled_requests, output.num_scheduled_tokens):
+            if request.status != RequestStatus.RUNNING:
+                continue  # finished via finish_requests() while the step ran
+            request.num_computed_tokens += num_new
+            pool.cache_full_blocks(request)
+            token_id = sampled_token_ids.get(request.request_id)
+            if token_id is None or request.num_computed_tokens != request.num_tokens:
+                continue
+            request.append_output_token(token_id)
+            metrics = request.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            status = request.check_stop(max_model_len)
+            if status is not None:
+                request.status = status
+                metrics.finished_time = now
+                pool.free(request)
+                del self.requests[request.request_id]
+                self._finished_request_ids.add(request.request_id)
+                any_finished = True
+            updated.append(request)
+        if any_finished:
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        return updated
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside the step (client abort, stop string): free their blocks and
+        drop them from the queues. Unknown or already finished ids are ignored."""
+        if not status.finished:
+            raise ValueError(f"finish_requests needs a finished status, got {status.name}")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        now = time.monotonic()
+        any_running = any_waiting = False
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                any_running = True
+            else:
+                any_waiting = True
+            request.status = status
+            request.metrics.finished_time = now
+            self.block_pool.free(request)
+            self._finished_request_ids.add(request_id)
+        # One pass per queue, however many requests were aborted at once.
+        if any_running:
+            self.running = [r for r in self.running if not r.status.finished]
+        if any_waiting:
+            self.waiting = deque(r for r in self.waiting if not r.status.finished)
+
+    def _admit(self, request: Request, num_cached: int) -> None:
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_cached
+        metrics = request.metrics
+        if metrics.first_scheduled_time is None:
+            # First admission: the prefix hit is what usage reports as cached prompt tokens.
+            metrics.first_scheduled_time = time.monotonic()
+            request.num_cached_tokens = num_cached
+            metrics.num_cached_tokens = num_cached
+
+    def _preempt(self, request: Request) -> None:
+        self.block_pool.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
