@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from pagecast.runtime.errors import EngineDeadError, InvalidRequestError
 from pagecast.runtime.server import errors
 from pagecast.runtime.server.errors import APIError
 from pagecast.runtime.server.serving import ServerState
@@ -131,6 +132,8 @@ def _api(state: ServerState, handler: Handler) -> Callable[[Request], Awaitable[
             return await handler(request, state)
         except APIError as exc:
             return _error_response(state, exc)
+        except (InvalidRequestError, EngineDeadError) as exc:
+            return _error_response(state, errors.from_engine_error(exc, "the requested model"))
         except Exception as exc:
             logger.exception("unhandled error in %s", request.url.path)
             return _error_response(state, errors.internal_error(f"{type(exc).__name__}: {exc}"))

@@ -71,6 +71,8 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's extension: also answer the prompt's and each choice's token ids.
+    return_token_ids: bool = False
     # OpenAI parameters we do not implement: declared so that they are refused, not ignored.
     logit_bias: dict[str, float] | None = None
 

@@ -39,25 +39,27 @@ class ServedModel:
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
+    def _core(self) -> Any:
+        """The synchronous LLMEngine inside the AsyncEngine (its options, its tokenisation)."""
+        return getattr(self.engine, "engine", self.engine)
+
+    @property
     def max_running(self) -> int:
         """Sequences the engine runs at once; beyond that they wait in its queue."""
-        engine = self.engine
-        for holder in (engine, getattr(engine, "config", None), getattr(engine, "scheduler_config", None)):
-            value = getattr(holder, "max_num_seqs", None) if holder is not None else None
-            if isinstance(value, int) and value > 0:
-                return value
-        return DEFAULT_MAX_NUM_SEQS
+        options = getattr(self._core, "options", None)
+        value = getattr(options, "max_num_seqs", None)
+        return value if isinstance(value, int) and value > 0 else DEFAULT_MAX_NUM_SEQS
 
     def tokenize(self, prompt: str) -> list[int]:
-        """Token ids of a text prompt, exactly as the engine itself would tokenise it."""
-        tokenize = getattr(self.engine, "tokenize", None)
+        """Token ids of a text prompt, exactly as the engine (and LLM.generate) tokenises it."""
+        tokenize = getattr(self._core, "tokenize", None)
         if callable(tokenize):
-            return list(tokenize(prompt))
-        return list(self.engine.tokenizer(prompt)["input_ids"])
+            return list(tokenize(prompt)[1])
+        return list(self.engine.tokenizer.encode(prompt, add_special_tokens=False))
 
     @property
     def vocab_size(self) -> int:
-        size = getattr(self.engine, "vocab_size", None)
+        size = getattr(self._core, "vocab_size", None)
         return int(size) if size else len(self.engine.tokenizer)
 
 
@@ -425,6 +427,8 @@ def check_prompt_fits(model: ServedModel, prompt_ids: list[int], max_tokens: int
     max_model_len = int(model.engine.max_model_len)
     needed = len(prompt_ids) + (max_tokens if max_tokens is not None else 1)
     if needed > max_model_len:
+        if max_tokens is not None and len(prompt_ids) < max_model_len:
+            param = "max_tokens"  # the prompt fits; the completion asked for is what does not
         wanted = f"{len(prompt_ids)} in the prompt" + (
             f", {max_tokens} for the completion" if max_tokens is not None else ", at least 1 for the completion"
         )

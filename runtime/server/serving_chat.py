@@ -93,13 +93,16 @@ def _response(
         if req.logprobs:
             logprobs = {"content": _logprob_entries(o, 0, len(o.token_ids), req.top_logprobs or 0, texts),
                         "refusal": None}
-        choices.append({
+        choice: dict[str, Any] = {
             "index": o.index,
             "message": {"role": "assistant", "content": o.text, "refusal": None},
             "logprobs": logprobs,
             "finish_reason": o.finish_reason,
-        })
-    return {
+        }
+        if req.return_token_ids:
+            choice["token_ids"] = o.token_ids
+        choices.append(choice)
+    body: dict[str, Any] = {
         "id": run.request_id,
         "object": "chat.completion",
         "created": created,
@@ -107,6 +110,9 @@ def _response(
         "choices": choices,
         "usage": usage(len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs)),
     }
+    if req.return_token_ids:
+        body["prompt_token_ids"] = out.prompt_token_ids
+    return body
 
 
 async def _stream(
@@ -115,13 +121,18 @@ async def _stream(
     """OpenAI's chunk sequence per choice: a first delta with the role, content deltas, then
     an empty delta carrying ``finish_reason``; a usage-only chunk last when asked."""
 
-    def chunk(index: int, delta: dict[str, Any], logprobs: Any, finish_reason: str | None) -> bytes:
+    def chunk(
+        index: int, delta: dict[str, Any], logprobs: Any, finish_reason: str | None, token_ids: list[int] | None = None
+    ) -> bytes:
+        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        if req.return_token_ids and token_ids is not None:
+            choice["token_ids"] = token_ids
         payload: dict[str, Any] = {
             "id": run.request_id,
             "object": "chat.completion.chunk",
             "created": created,
             "model": model_name,
-            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
+            "choices": [choice],
         }
         if req.include_usage:
             payload["usage"] = None
@@ -149,10 +160,11 @@ async def _stream(
                 if req.logprobs and len(o.token_ids) > num_tokens[index]:
                     logprobs = {"content": _logprob_entries(o, num_tokens[index], len(o.token_ids), k, texts),
                                 "refusal": None}
+                new_ids = o.token_ids[num_tokens[index] :]
                 num_chars[index] = len(o.text)
                 num_tokens[index] = len(o.token_ids)
-                if delta or logprobs is not None:
-                    yield chunk(index, {"content": delta}, logprobs, None)
+                if delta or logprobs is not None or (new_ids and req.return_token_ids):
+                    yield chunk(index, {"content": delta}, logprobs, None, new_ids)
                 if o.finished:
                     finished.add(index)
                     yield chunk(index, {}, None, o.finish_reason)

@@ -180,12 +180,16 @@ def _response(
                 offset = len(echo)  # completion tokens are offsets into the echoed text + completion
                 for j, tid in enumerate(token_ids):
                     offset = logprobs.add(texts, tid, _position(o, j), req.logprobs, offset)
-            choices.append({
+            choice: dict[str, Any] = {
                 "index": i * req.n + o.index,
                 "text": echo + ("" if score_only else o.text),
                 "logprobs": None if logprobs is None else logprobs.as_dict(),
                 "finish_reason": o.finish_reason,
-            })
+            }
+            if req.return_token_ids:
+                choice["prompt_token_ids"] = out.prompt_token_ids
+                choice["token_ids"] = token_ids
+            choices.append(choice)
     return {
         "id": run.request_id,
         "object": "text_completion",
@@ -221,18 +225,23 @@ async def _stream(
     prompt_texts: list[str | None],
     texts: TokenTexts,
 ) -> AsyncIterator[bytes]:
-    def chunk(index: int, text: str, logprobs: _LegacyLogprobs | None, finish_reason: str | None) -> bytes:
+    def chunk(
+        index: int, text: str, logprobs: _LegacyLogprobs | None, finish_reason: str | None, token_ids: list[int]
+    ) -> bytes:
+        choice: dict[str, Any] = {
+            "index": index,
+            "text": text,
+            "logprobs": None if logprobs is None else logprobs.as_dict(),
+            "finish_reason": finish_reason,
+        }
+        if req.return_token_ids:
+            choice["token_ids"] = token_ids
         payload: dict[str, Any] = {
             "id": run.request_id,
             "object": "text_completion",
             "created": created,
             "model": model_name,
-            "choices": [{
-                "index": index,
-                "text": text,
-                "logprobs": None if logprobs is None else logprobs.as_dict(),
-                "finish_reason": finish_reason,
-            }],
+            "choices": [choice],
         }
         if req.include_usage:
             payload["usage"] = None
@@ -265,13 +274,13 @@ async def _stream(
                     for j in range(st.num_tokens, len(o.token_ids)):
                         st.offset = logprobs.add(texts, o.token_ids[j], _position(o, j), req.logprobs or 0,
                                                  st.offset)
-                new_tokens = len(o.token_ids) > st.num_tokens
+                new_ids = o.token_ids[st.num_tokens :]
                 st.num_tokens = len(o.token_ids)
                 if o.finished:
                     st.finished = True
-                    yield chunk(index, prefix + delta, logprobs, o.finish_reason)
-                elif prefix or delta or (logprobs is not None and new_tokens):
-                    yield chunk(index, prefix + delta, logprobs, None)
+                    yield chunk(index, prefix + delta, logprobs, o.finish_reason, new_ids)
+                elif prefix or delta or (new_ids and (logprobs is not None or req.return_token_ids)):
+                    yield chunk(index, prefix + delta, logprobs, None, new_ids)
         if req.include_usage:
             completion_tokens = sum(st.num_tokens for st in states.values())
             yield sse_event({

@@ -1,0 +1,189 @@
+"""engine-serve: serve one or more engine artifacts behind the OpenAI-compatible API.
+
+    engine-serve artifacts/llama3-8b --port 8000
+    engine-serve artifacts/a artifacts/b --served-model-name a --served-model-name b
+
+SIGTERM (or Ctrl-C) drains: new requests get 503, running ones finish (at most
+--shutdown-timeout seconds, then they are aborted), and the process exits 0. A second
+signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import click
+
+logger = logging.getLogger("pagecast.server")
+
+# Left unset, an engine option takes the engine's own default (EngineOptions).
+_ENGINE_OPTIONS = (
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "gpu_memory_utilization",
+    "kv_cache_memory",
+    "max_model_len",
+)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("artifacts", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 for all).")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port to bind.")
+@click.option("--api-key", envvar="PAGECAST_API_KEY", default=None,
+              help="Require `Authorization: Bearer KEY` on /v1 routes (also from PAGECAST_API_KEY).")
+@click.option("--served-model-name", "served_model_names", multiple=True,
+              help="Name clients use in `model`; once per artifact, in order (default: the artifact's name).")
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=None,
+              help="Most sequences running at once, per engine [engine default: 256].")
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=None,
+              help="Token budget of one engine step [engine default: 2048].")
+@click.option("--gpu-memory-utilization", type=click.FloatRange(0.0, 1.0, min_open=True), default=None,
+              help="Fraction of GPU memory the engine may use; the KV cache gets what is left [default: 0.9].")
+@click.option("--kv-cache-memory", default=None,
+              help="KV-cache size such as 512MiB or 4GB (instead of --gpu-memory-utilization).")
+@click.option("--max-model-len", type=click.IntRange(min=1), default=None,
+              help="Cap on prompt + output tokens (at most the artifact's).")
+@click.option("--no-prefix-caching", is_flag=True, help="Do not reuse KV blocks of common prompt prefixes.")
+@click.option("--max-queue", default=256, show_default=True, type=click.IntRange(min=0),
+              help="Sequences that may wait for a slot, per model, beyond --max-num-seqs; more get 429.")
+@click.option("--shutdown-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0.0),
+              help="Seconds running requests get to finish after SIGTERM before they are aborted.")
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              help="Log lines as text or as one JSON object each.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              show_default=True)
+def main(
+    artifacts: tuple[Path, ...],
+    host: str,
+    port: int,
+    api_key: str | None,
+    served_model_names: tuple[str, ...],
+    no_prefix_caching: bool,
+    max_queue: int,
+    shutdown_timeout: float,
+    log_format: str,
+    log_level: str,
+    **engine_kwargs: Any,
+) -> None:
+    """Serve engine ARTIFACTS (directories written by enginebuild) over the OpenAI API."""
+    from pagecast.runtime.server.logs import configure_logging
+
+    log_config = configure_logging(log_format, getattr(logging, log_level.upper()))
+    if served_model_names and len(served_model_names) != len(artifacts):
+        _fail(f"--served-model-name was given {len(served_model_names)} time(s) for {len(artifacts)} artifact(s): "
+              "give it once per artifact, in the same order")
+    options = {k: v for k, v in engine_kwargs.items() if k in _ENGINE_OPTIONS and v is not None}
+    if no_prefix_caching:
+        options["enable_prefix_caching"] = False
+    engines = _load_engines(artifacts, served_model_names, options)
+
+    import uvicorn
+
+    from pagecast.runtime.server.app import create_app, server_state
+
+    app = create_app(engines, api_key=api_key or None, max_queue=max_queue)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_config=log_config,
+        access_log=False,  # the request log line replaces it
+        timeout_graceful_shutdown=5,  # after our own drain, only to flush responses
+    )
+    server = _DrainingServer(config, lambda: server_state(app), shutdown_timeout)
+    server.run()
+    if not server.started:
+        sys.exit(1)
+
+
+def _fail(message: str) -> None:
+    click.echo(f"engine-serve: error: {message}", err=True)
+    sys.exit(2)
+
+
+def _load_engines(artifacts: tuple[Path, ...], names: tuple[str, ...], options: dict[str, Any]) -> dict[str, Any]:
+    from pagecast.runtime import AsyncEngine
+    from pagecast.runtime.errors import ArtifactError
+
+    engines: dict[str, Any] = {}
+    for i, path in enumerate(artifacts):
+        if not path.exists():
+            _fail(f"{path}: no such artifact directory (build one with `enginebuild --model ... --output {path}`)")
+        logger.info("loading %s", path)
+        try:
+            engine = AsyncEngine.from_artifact(path, **options)
+        except ArtifactError as exc:
+            _fail(f"cannot load {path}: {exc}")
+        except ValueError as exc:
+            _fail(f"cannot start the engine for {path}: {exc}")
+        name = names[i] if names else engine.model_name
+        if name in engines:
+            _fail(f"two artifacts are both served as `{name}`: give --served-model-name once per artifact")
+        engines[name] = engine
+        logger.info("serving %s as `%s` (max_model_len %d)", path, name, engine.max_model_len)
+    return engines
+
+
+class _DrainingServer:
+    """uvicorn's Server with pagecast's shutdown: on the first SIGTERM/SIGINT stop admitting,
+    wait for running requests (bounded), then let uvicorn close; exit status 0.
+
+    uvicorn's own handler would close the listening socket at once (so new clients get
+    connection refused instead of a 503 they can retry elsewhere) and re-raise the signal
+    after shutdown (so the exit status would be 143, not 0).
+    """
+
+    def __init__(self, config: Any, get_state: Any, shutdown_timeout: float):
+        import uvicorn
+
+        outer = self
+
+        class Server(uvicorn.Server):
+            async def serve(self, sockets: Any = None) -> None:
+                outer.loop = asyncio.get_running_loop()
+                await super().serve(sockets)
+
+            def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+                outer.on_signal(sig)
+
+        self.server = Server(config)
+        self.get_state = get_state
+        self.shutdown_timeout = shutdown_timeout
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.draining = False
+
+    @property
+    def started(self) -> bool:
+        return bool(self.server.started)
+
+    def run(self) -> None:
+        self.server.run()
+
+    def on_signal(self, sig: int) -> None:
+        if self.draining or self.loop is None:
+            self.server.should_exit = True
+            self.server.force_exit = True
+            return
+        self.draining = True
+        logger.info("received %s: draining (up to %.0f s), new requests get 503", signal.Signals(sig).name,
+                    self.shutdown_timeout)
+        self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._drain()))  # type: ignore[union-attr]
+
+    async def _drain(self) -> None:
+        from pagecast.runtime.server.app import drain
+
+        try:
+            await drain(self.get_state(), self.shutdown_timeout)
+        finally:
+            self.server.should_exit = True
+
+
+if __name__ == "__main__":
+    main()

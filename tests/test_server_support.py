@@ -1,0 +1,122 @@
+"""Helpers for the server tests (no tests here): a real uvicorn server on 127.0.0.1 in a
+thread, the reference model, and small HTTP utilities."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+# Small on purpose: the tiny model needs a few MiB, and the disconnect/load tests want a pool
+# whose usage is easy to read.
+KV_CACHE_MEMORY = "16MiB"
+
+
+def make_engine(artifact: Path, **options: Any) -> Any:
+    from pagecast.runtime import AsyncEngine
+
+    options.setdefault("kv_cache_memory", KV_CACHE_MEMORY)
+    return AsyncEngine.from_artifact(artifact, **options)
+
+
+class ServerThread:
+    """uvicorn serving ``app`` on a free port of 127.0.0.1, in a daemon thread."""
+
+    def __init__(self, app: Any):
+        import uvicorn
+
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True)
+
+    def start(self) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(30)
+        self._sock.close()
+
+
+@contextmanager
+def serve(engines: Mapping[str, Any], **app_options: Any) -> Iterator[ServerThread]:
+    from pagecast.runtime.server.app import create_app
+
+    server = ServerThread(create_app(engines, **app_options)).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def metric_samples(base_url: str, headers: Mapping[str, str] | None = None) -> dict[tuple[str, tuple], float]:
+    """/metrics parsed with prometheus_client's parser: (sample name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{base_url}/metrics", headers=dict(headers or {}), timeout=30).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def metric(samples: Mapping[tuple[str, tuple], float], name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def wait_for(predicate: Any, timeout: float = 30.0, interval: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(interval)
+
+
+class ReferenceModel:
+    """transformers' model on the checkpoint the artifact was built from, in fp32."""
+
+    def __init__(self, checkpoint: Path):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+
+    @torch.no_grad()
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        """``[len(token_ids), vocab]``: row j predicts token j + 1."""
+        return self.model(torch.tensor([token_ids])).logits[0].float()
+
+    def logprobs(self, token_ids: list[int]) -> torch.Tensor:
+        return torch.log_softmax(self.logits(token_ids), dim=-1)
+
+    @torch.no_grad()
+    def greedy(self, prompt: list[int], max_tokens: int, processors: list[Any]) -> list[int]:
+        """Greedy decoding with transformers' logits processors applied at each step."""
+        ids = list(prompt)
+        out = []
+        for _ in range(max_tokens):
+            scores = self.logits(ids)[-1:].clone()
+            input_ids = torch.tensor([ids])
+            for proc in processors:
+                scores = proc(input_ids, scores)
+            token = int(scores.argmax(-1))
+            out.append(token)
+            ids.append(token)
+        return out
