@@ -1,45 +1,87 @@
 """The kernel entry points the generated model code calls.
 
 Each op runs the Triton kernel when its tensors are on a CUDA device (with the launch
-config from the artifact's tuning table) and the pure-torch reference otherwise.
+config from the artifact's tuning table, or the launcher's own default for a shape bucket
+the table lacks) and the pure-torch reference otherwise. The dispatch is a bucket bisect
+and a dict lookup per call; the launchers never sync with the host, so decode steps can be
+captured in CUDA graphs. Triton is imported only on the first CUDA call, so the CPU
+runtime does not need it.
 """
 
 from __future__ import annotations
 
+import functools
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from pagecast.kernels import reference
+from pagecast.kernels.tuning import KernelConfig, decode_bucket, lookup, prefill_bucket, token_bucket
 
 # kernel name -> shape bucket -> config, loaded from the artifact's tuning.json by the runtime.
 _tuning: dict[str, Any] = {}
 _use_triton = True
+_configs: dict[tuple[str, str], KernelConfig | None] = {}
 
 
 def configure(tuning: dict[str, Any] | None = None, use_triton: bool = True) -> None:
-    """Install the artifact's tuning table; ``use_triton=False`` forces the torch reference."""
+    """Install the artifact's tuning table; ``use_triton=False`` forces the torch reference.
+
+    ``tuning`` is the whole tuning.json ({"kernels": {...}, ...}) or its "kernels" part.
+    """
     global _tuning, _use_triton
     _tuning = dict(tuning or {})
     _use_triton = use_triton
+    _configs.clear()
 
 
 def _triton(x: torch.Tensor) -> bool:
     return _use_triton and x.is_cuda
 
 
+def _config(kernel: str, bucket: str) -> KernelConfig | None:
+    key = (kernel, bucket)
+    try:
+        return _configs[key]
+    except KeyError:
+        cfg = _configs[key] = KernelConfig.coerce(lookup(_tuning, kernel, bucket))
+        return cfg
+
+
+@functools.cache
+def _kernels() -> SimpleNamespace:
+    from pagecast.kernels import activation, paged_decode_attention, paged_prefill_attention, rms_norm, rotary_kv
+
+    return SimpleNamespace(
+        decode=paged_decode_attention.paged_decode_attention,
+        prefill=paged_prefill_attention.paged_prefill_attention,
+        rotary=rotary_kv.rotary_and_write_kv,
+        rms_norm=rms_norm.rms_norm,
+        fused_add_rms_norm=rms_norm.fused_add_rms_norm,
+        silu_and_mul=activation.silu_and_mul,
+    )
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return reference.rms_norm(x, weight, eps)
+    if not _triton(x):
+        return reference.rms_norm(x, weight, eps)
+    return _kernels().rms_norm(x, weight, eps, _config("rms_norm", token_bucket(x.shape[0])))
 
 
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return reference.fused_add_rms_norm(x, residual, weight, eps)
+    if not _triton(x):
+        return reference.fused_add_rms_norm(x, residual, weight, eps)
+    cfg = _config("fused_add_rms_norm", token_bucket(x.shape[0]))
+    return _kernels().fused_add_rms_norm(x, residual, weight, eps, cfg)  # type: ignore[no-any-return]
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    return reference.silu_and_mul(x)
+    if not _triton(x):
+        return reference.silu_and_mul(x)
+    return _kernels().silu_and_mul(x, _config("silu_and_mul", token_bucket(x.shape[0])))  # type: ignore[no-any-return]
 
 
 def rotary_and_write_kv(
@@ -52,7 +94,10 @@ def rotary_and_write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
-    return reference.rotary_and_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    if not _triton(q):
+        return reference.rotary_and_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    cfg = _config("rotary_kv", token_bucket(q.shape[0]))
+    return _kernels().rotary(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, cfg)  # type: ignore[no-any-return]
 
 
 def paged_attention(
@@ -66,4 +111,14 @@ def paged_attention(
     max_query_len: int,
     max_seq_len: int,
 ) -> torch.Tensor:
-    return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    """Decode batches (max_query_len == 1) take the split-context decode kernel; anything
+    else (prefill, chunked prefill, mixed batches) the prefill kernel over all rows."""
+    if not _triton(q):
+        return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    if max_query_len == 1:
+        cfg = _config("paged_decode_attention", decode_bucket(seq_lens.shape[0], max_seq_len))
+        return _kernels().decode(  # type: ignore[no-any-return]
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len, cfg
+        )
+    cfg = _config("paged_prefill_attention", prefill_bucket(q.shape[0]))
+    return _kernels().prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, cfg)  # type: ignore[no-any-return]

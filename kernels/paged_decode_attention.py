@@ -202,17 +202,15 @@ CONFIG_SPACE: list[KernelConfig] = [
 def prune_configs(
     configs: list[KernelConfig], num_seqs: int, max_seq_len: int, num_kv_heads: int, sms: int
 ) -> list[KernelConfig]:
-    """Drop configs that cannot win: splits with no tile to read, or more splits than fill the GPU.
+    """Drop configs that cannot win: splits with no tile to read, or far more programs than SMs.
 
-    A split count s is kept when halving it would still leave the GPU short of 4 programs
-    per multiprocessor; 1 is always kept.
+    Splitting also evens out the last wave of programs, so split counts up to ~32 programs
+    per multiprocessor stay in; 1 (no merge kernel) is always kept.
     """
     kept = []
     for cfg in configs:
         s, n = cfg["num_splits"], cfg["BLOCK_N"]
-        if s == 1:
-            kept.append(cfg)
-        elif s <= triton.cdiv(max_seq_len, n) and num_seqs * num_kv_heads * (s // 2) < 4 * sms:
+        if s == 1 or (s <= triton.cdiv(max_seq_len, n) and num_seqs * num_kv_heads * s <= 32 * sms):
             kept.append(cfg)
     return kept
 

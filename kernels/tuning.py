@@ -175,3 +175,211 @@ def num_sms(device: torch.device | int | None = None) -> int:
     else:
         index = device if isinstance(device, int) else (torch.device(device).index or 0)
     return _device_sms(index)
+
+
+# ---------------------------------------------------------------------------- timing
+
+
+def time_launches(launch: Callable[[int], object], launches: int, reps: int = 10) -> float:
+    """Median microseconds per launch of ``launch(i)`` for i in range(launches).
+
+    The launches are captured in one CUDA graph (as the runtime runs decode steps) and each
+    of ``reps`` replays is timed with CUDA events; without a capture it times them eagerly.
+    """
+    launch(0)  # compile and warm up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for i in range(launches):
+                launch(i)
+        run: Callable[[], object] = graph.replay
+    except Exception:  # noqa: BLE001 - a launch that cannot be captured is still timed
+        torch.cuda.synchronize()
+
+        def run() -> object:
+            return [launch(i) for i in range(launches)]
+
+    run()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / launches)
+    del graph
+    return statistics.median(samples)
+
+
+def measure_copy_bandwidth(device: torch.device | str = "cuda", nbytes: int = 2 << 30, reps: int = 10) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * nbytes / statistics.median(samples) / 1e9
+
+
+# ---------------------------------------------------------------------------- tuning
+
+MAX_TUNE_KV_BYTES = 8 << 30  # larger decode buckets reuse the config of a smaller context
+ALTERNATIVES_KEPT = 5
+
+
+def tune(
+    kernel_names: list[str] | tuple[str, ...],
+    shapes: ModelShapes,
+    budget_s: float,
+    device: torch.device | str = "cuda",
+    reps: int = 10,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Time each kernel's config space over its shape buckets on ``device`` and keep the winners.
+
+    Returns a JSON-able table (see the module docstring). Each entry holds the winning
+    config, its median time, ``alternatives`` (the next fastest configs and their times) and
+    ``tuned`` (False when the budget ran out first and the launcher's default was kept, or
+    when the entry was derived from a smaller bucket). Every config in the table has been
+    launched on ``device``, so its compiled kernel is in TRITON_CACHE_DIR.
+    """
+    from pagecast.kernels import problems
+
+    unknown = [k for k in kernel_names if k not in KERNELS]
+    if unknown:
+        raise ValueError(f"unknown kernels {unknown}; known: {KERNELS}")
+    device = torch.device(device)
+    deadline = time.monotonic() + budget_s
+    table: dict[str, Any] = {
+        "kernels": {},
+        "device": torch.cuda.get_device_name(device),
+        "tuned": True,
+        "shapes": {**shapes.__dict__, "dtype": str(shapes.torch_dtype).removeprefix("torch.")},
+        "versions": {"torch": torch.__version__, "triton": _triton_version()},
+    }
+    for kernel in kernel_names:
+        entries: dict[str, Any] = {}
+        table["kernels"][kernel] = entries
+        for bucket, dims in problems.buckets(kernel, shapes):
+            nbytes, _ = problems.problem_size(kernel, shapes, dims)
+            if kernel == "paged_decode_attention" and nbytes > MAX_TUNE_KV_BYTES:
+                smaller = [b for b, d in problems.buckets(kernel, shapes) if d["num_seqs"] == dims["num_seqs"] and b in entries]
+                if smaller:
+                    entries[bucket] = {
+                        "config": entries[smaller[-1]]["config"],
+                        "time_us": None,
+                        "alternatives": [],
+                        "tuned": False,
+                        "derived_from": smaller[-1],
+                    }
+                    continue
+            torch.manual_seed(0)
+            problem = problems.make_problem(kernel, shapes, dims, device, seed=0)
+            launches = problem.launches_per_sample()
+            results: list[tuple[float, int, KernelConfig]] = []
+            configs = problems.config_space(kernel, shapes, dims)
+            if time.monotonic() > deadline:
+                configs = [problems.default_config(kernel, shapes, dims)]
+            for order, cfg in enumerate(configs):
+                try:
+                    t_us = time_launches(lambda i, cfg=cfg: problem.launch(cfg, i), launches, reps)
+                except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: skip this config
+                    if log:
+                        log(f"{kernel} {bucket} {cfg.as_dict()}: {type(exc).__name__}: {str(exc)[:120]}")
+                    torch.cuda.synchronize()
+                    continue
+                results.append((t_us, order, cfg))
+                if time.monotonic() > deadline and results:
+                    break
+            if not results:
+                raise RuntimeError(f"no config of {kernel} ran at bucket {bucket}")
+            best = results[0]
+            for r in results[1:]:
+                if r[0] < best[0] * (1 - TIE_TOLERANCE):
+                    best = r
+            others = sorted((r for r in results if r is not best), key=lambda r: (r[0], r[1]))
+            entries[bucket] = {
+                "config": best[2].as_dict(),
+                "time_us": round(best[0], 2),
+                "alternatives": [{"config": c.as_dict(), "time_us": round(t, 2)} for t, _, c in others[:ALTERNATIVES_KEPT]],
+                "tuned": len(results) > 1 or len(configs) == 1,
+            }
+            if log:
+                log(f"{kernel} {bucket}: {best[0]:.2f} us {best[2].as_dict()} ({len(results)} configs)")
+            del problem
+            torch.cuda.empty_cache()
+    return table
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+
+        return str(triton.__version__)
+    except ImportError:
+        return "none"
+
+
+# ---------------------------------------------------------------------------- shipped tables and reports
+
+
+def gpu_key(gpu_name: str) -> str:
+    """'NVIDIA H200' -> 'h200', 'NVIDIA A100-SXM4-80GB' -> 'a100', 'h100' -> 'h100'."""
+    name = gpu_name.lower().replace("nvidia", " ").replace("-", " ").replace("_", " ")
+    for token in name.split():
+        if any(ch.isdigit() for ch in token):
+            return token
+    return name.strip()
+
+
+def default_table(gpu_name: str) -> dict[str, Any] | None:
+    """The shipped table for a GPU (kernels/tuning_defaults/<gpu>.json), or None when there is none.
+
+    A shipped table's "tuned" says whether it was measured on that GPU (true) or is a guess.
+    """
+    path = _DEFAULTS_DIR / f"{gpu_key(gpu_name)}.json"
+    if not path.is_file():
+        return None
+    with path.open() as f:
+        table: dict[str, Any] = json.load(f)
+    return table
+
+
+def bandwidth_report(table: Mapping[str, Any], shapes: ModelShapes, copy_bandwidth_gbs: float) -> list[dict[str, Any]]:
+    """One row per kernel and bucket: time, bytes moved, achieved GB/s and its fraction of copy
+    bandwidth (and TFLOP/s for attention), for the artifact's report.md."""
+    from pagecast.kernels import problems
+
+    rows = []
+    for kernel, entries in table.get("kernels", {}).items():
+        dims_by_bucket = dict(problems.buckets(kernel, shapes))
+        for bucket, entry in entries.items():
+            t_us = entry.get("time_us")
+            if bucket not in dims_by_bucket or not t_us:
+                continue
+            nbytes, flops = problems.problem_size(kernel, shapes, dims_by_bucket[bucket])
+            gbs = nbytes / (t_us * 1e-6) / 1e9
+            rows.append(
+                {
+                    "kernel": kernel,
+                    "bucket": bucket,
+                    "time_us": t_us,
+                    "bytes": nbytes,
+                    "gb_s": round(gbs, 1),
+                    "fraction_of_copy": round(gbs / copy_bandwidth_gbs, 3) if copy_bandwidth_gbs else None,
+                    "tflop_s": round(flops / (t_us * 1e-6) / 1e12, 1) if flops else None,
+                    "config": entry.get("config"),
+                }
+            )
+    return rows

@@ -1,0 +1,272 @@
+"""Kernel problems: random inputs at one shape bucket, the bytes and FLOPs each launch needs, and
+the config space and default config that apply there.
+
+The tuner, the K1 benchmark and the GPU tests share these, so a config is timed on exactly
+the launch the runtime will make (same dtypes, strides and specialisations, hence the
+same compiled kernels in TRITON_CACHE_DIR). Attention problems place K/V in randomly chosen
+blocks of a pool of at least ``COLD_BYTES`` and rotate through several block tables, so
+the KV a timed launch reads is not sitting in L2 from the launch before (in a real decode
+step every layer reads its own cache).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from pagecast.kernels.tuning import (
+    DECODE_BATCH_BUCKETS,
+    DECODE_CONTEXT_BUCKETS,
+    PREFILL_TOKEN_BUCKETS,
+    TOKEN_BUCKETS,
+    KernelConfig,
+    ModelShapes,
+    num_sms,
+)
+
+COLD_BYTES = 256 << 20  # about 4x the H100/H200 L2
+MAX_LAUNCHES = 64
+PREFILL_SEQ_LEN = 2048  # prefill buckets are sequences of this many tokens (or fewer)
+
+
+@dataclass
+class Problem:
+    """One kernel at one shape: ``launch(config, i)`` runs it on input set ``i % num_sets``."""
+
+    kernel: str
+    bucket: str
+    launch: Callable[[KernelConfig | None, int], object]
+    num_sets: int  # distinct input sets; a timed sample launches at least this many
+    bytes: int  # fewest bytes one launch must move through device memory
+    flops: int  # matmul FLOPs of one launch (attention), 0 for elementwise kernels
+
+    def launches_per_sample(self, est_bandwidth: float = 3e12) -> int:
+        """Launches per timed sample: every input set, and at least ~100 us of work."""
+        est_s = max(self.bytes / est_bandwidth, 2e-6)
+        return max(self.num_sets, min(MAX_LAUNCHES, math.ceil(100e-6 / est_s)))
+
+
+# ---------------------------------------------------------------------------- buckets and sizes
+
+
+def buckets(kernel: str, shapes: ModelShapes) -> list[tuple[str, dict[str, int]]]:
+    """The (bucket name, dims) a kernel is tuned over for this model: up to max_num_seqs /
+    max_model_len (the first bucket covering each), every token bucket otherwise."""
+
+    def upto(values: tuple[int, ...], limit: int) -> tuple[int, ...]:
+        kept = tuple(v for v in values if v < limit)
+        return kept + tuple(v for v in values if v >= limit)[:1]
+
+    if kernel == "paged_decode_attention":
+        return [
+            (f"{b}x{c}", {"num_seqs": b, "max_seq_len": c})
+            for b in upto(DECODE_BATCH_BUCKETS, shapes.max_num_seqs)
+            for c in upto(DECODE_CONTEXT_BUCKETS, shapes.max_model_len)
+        ]
+    if kernel == "paged_prefill_attention":
+        return [(f"t{t}", {"num_tokens": t}) for t in PREFILL_TOKEN_BUCKETS]
+    return [(f"t{t}", {"num_tokens": t}) for t in TOKEN_BUCKETS]
+
+
+def _elt(shapes: ModelShapes) -> int:
+    return torch.empty((), dtype=shapes.torch_dtype).element_size()
+
+
+def problem_size(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> tuple[int, int]:
+    """(bytes, flops) of one launch at a bucket: each input read once, each output written once."""
+    e = _elt(shapes)
+    h, kvh, d = shapes.num_heads, shapes.num_kv_heads, shapes.head_dim
+    if kernel == "paged_decode_attention":
+        b, c = dims["num_seqs"], dims["max_seq_len"]
+        return b * c * 2 * kvh * d * e + 2 * b * h * d * e, 4 * b * h * c * d
+    t = dims["num_tokens"]
+    if kernel == "paged_prefill_attention":
+        n = min(t, PREFILL_SEQ_LEN)
+        seqs = max(1, t // n)
+        return seqs * n * (2 * h + 2 * kvh) * d * e, seqs * 2 * h * d * n * n  # causal: half of 4*h*d*n*n
+    if kernel == "rotary_kv":
+        return t * (2 * h + 4 * kvh) * d * e, 0
+    if kernel == "rms_norm":
+        return 2 * t * shapes.hidden * e, 0
+    if kernel == "fused_add_rms_norm":
+        return 4 * t * shapes.hidden * e, 0
+    if kernel == "silu_and_mul":
+        return 3 * t * shapes.intermediate * e, 0
+    raise ValueError(f"unknown kernel {kernel!r}")
+
+
+# ---------------------------------------------------------------------------- config spaces
+
+
+def config_space(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> list[KernelConfig]:
+    """The pruned configs to time for a kernel at a bucket, in preference order."""
+    from pagecast.kernels import activation, paged_decode_attention, paged_prefill_attention, rms_norm, rotary_kv
+
+    if kernel == "paged_decode_attention":
+        m = paged_decode_attention
+        return m.prune_configs(m.CONFIG_SPACE, dims["num_seqs"], dims["max_seq_len"], shapes.num_kv_heads, num_sms())
+    if kernel == "paged_prefill_attention":
+        m2 = paged_prefill_attention
+        return m2.prune_configs(m2.CONFIG_SPACE, shapes.num_heads // shapes.num_kv_heads, shapes.head_dim)
+    if kernel == "rotary_kv":
+        return rotary_kv.prune_configs(rotary_kv.CONFIG_SPACE, shapes.num_heads, shapes.head_dim)
+    if kernel in ("rms_norm", "fused_add_rms_norm"):
+        return rms_norm.prune_configs(rms_norm.CONFIG_SPACE, shapes.hidden)
+    if kernel == "silu_and_mul":
+        return activation.prune_configs(activation.CONFIG_SPACE, shapes.intermediate)
+    raise ValueError(f"unknown kernel {kernel!r}")
+
+
+def default_config(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> KernelConfig:
+    """The config a launcher picks by itself for this bucket (what runs when the table lacks it)."""
+    from pagecast.kernels import activation, paged_decode_attention, paged_prefill_attention, rms_norm, rotary_kv
+
+    if kernel == "paged_decode_attention":
+        return paged_decode_attention.default_config(dims["num_seqs"], dims["max_seq_len"], shapes.num_kv_heads)
+    if kernel == "paged_prefill_attention":
+        return paged_prefill_attention.default_config(shapes.num_heads // shapes.num_kv_heads, shapes.head_dim)
+    if kernel == "rotary_kv":
+        return rotary_kv.default_config()
+    if kernel in ("rms_norm", "fused_add_rms_norm"):
+        return rms_norm.default_config(shapes.hidden)
+    if kernel == "silu_and_mul":
+        return activation.default_config()
+    raise ValueError(f"unknown kernel {kernel!r}")
+
+
+# ---------------------------------------------------------------------------- inputs
+
+
+def random_block_tables(
+    num_seqs: int, blocks_per_seq: int, num_blocks: int, generator: torch.Generator, device: torch.device
+) -> torch.Tensor:
+    """[num_seqs, blocks_per_seq] int32 of distinct blocks drawn at random from a pool."""
+    need = num_seqs * blocks_per_seq
+    perm = torch.randperm(num_blocks, generator=generator)[:need]
+    return perm.view(num_seqs, blocks_per_seq).to(device=device, dtype=torch.int32)
+
+
+def decode_inputs(
+    shapes: ModelShapes,
+    num_seqs: int,
+    context: int,
+    device: torch.device | str,
+    seed: int = 0,
+    num_sets: int | None = None,
+) -> dict[str, object]:
+    """Random decode inputs: one query per sequence, every sequence `context` tokens long,
+    K/V in random blocks of a pool of at least COLD_BYTES, ``num_sets`` block tables."""
+    device = torch.device(device)
+    dtype = shapes.torch_dtype
+    g = torch.Generator().manual_seed(seed)
+    bs, kvh, d = shapes.block_size, shapes.num_kv_heads, shapes.head_dim
+    bytes_per_token = 2 * kvh * d * _elt(shapes)
+    kv_bytes = num_seqs * context * bytes_per_token
+    if num_sets is None:
+        num_sets = max(1, min(MAX_LAUNCHES, math.ceil(COLD_BYTES / kv_bytes)))
+    blocks_per_seq = math.ceil(context / bs)
+    pool_blocks = max(num_seqs * blocks_per_seq, math.ceil(COLD_BYTES / (bs * bytes_per_token))) + 1
+    dg = torch.Generator(device=device).manual_seed(seed)
+    k_cache = torch.randn((pool_blocks, kvh, bs, d), generator=dg, device=device, dtype=dtype)
+    v_cache = torch.randn((pool_blocks, kvh, bs, d), generator=dg, device=device, dtype=dtype)
+    tables = [random_block_tables(num_seqs, blocks_per_seq, pool_blocks, g, device) for _ in range(num_sets)]
+    q = torch.randn((num_seqs, shapes.num_heads, d), generator=dg, device=device, dtype=dtype)
+    return {
+        "q": q,
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "block_tables": tables,
+        "seq_lens": torch.full((num_seqs,), context, dtype=torch.int32, device=device),
+        "query_start_loc": torch.arange(num_seqs + 1, dtype=torch.int32, device=device),
+        "out": torch.empty_like(q),
+        "scale": d**-0.5,
+        "max_seq_len": context,
+    }
+
+
+def make_problem(
+    kernel: str, shapes: ModelShapes, dims: dict[str, int], device: torch.device | str, seed: int = 0
+) -> Problem:
+    """Random inputs on ``device`` for one kernel at one bucket, and how to launch it."""
+    from pagecast.kernels import activation, paged_decode_attention, paged_prefill_attention, rms_norm, rotary_kv
+
+    device = torch.device(device)
+    dtype = shapes.torch_dtype
+    nbytes, flops = problem_size(kernel, shapes, dims)
+    bucket = next(name for name, dm in buckets(kernel, shapes) + [("?", dims)] if dm == dims)
+    dg = torch.Generator(device=device).manual_seed(seed)
+    h, kvh, d = shapes.num_heads, shapes.num_kv_heads, shapes.head_dim
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=dg, device=device, dtype=dtype)
+
+    if kernel == "paged_decode_attention":
+        x = decode_inputs(shapes, dims["num_seqs"], dims["max_seq_len"], device, seed)
+        tables: list[torch.Tensor] = x["block_tables"]  # type: ignore[assignment]
+
+        def decode(cfg: KernelConfig | None, i: int) -> object:
+            return paged_decode_attention.paged_decode_attention(
+                x["q"], x["k_cache"], x["v_cache"], tables[i % len(tables)], x["seq_lens"],  # type: ignore[arg-type]
+                x["query_start_loc"], x["scale"], x["max_seq_len"], config=cfg, out=x["out"],  # type: ignore[arg-type]
+            )  # fmt: skip
+
+        return Problem(kernel, bucket, decode, len(tables), nbytes, flops)
+
+    t = dims["num_tokens"]
+    if kernel == "paged_prefill_attention":
+        n = min(t, PREFILL_SEQ_LEN)
+        seqs = max(1, t // n)
+        blocks_per_seq = math.ceil(n / shapes.block_size)
+        num_blocks = seqs * blocks_per_seq
+        k_cache = randn(num_blocks, kvh, shapes.block_size, d)
+        v_cache = randn(num_blocks, kvh, shapes.block_size, d)
+        g = torch.Generator().manual_seed(seed)
+        table = random_block_tables(seqs, blocks_per_seq, num_blocks, g, device)
+        q = randn(seqs * n, h, d)
+        seq_lens = torch.full((seqs,), n, dtype=torch.int32, device=device)
+        qsl = torch.arange(0, seqs * n + 1, n, dtype=torch.int32, device=device)
+        out = torch.empty_like(q)
+
+        def prefill(cfg: KernelConfig | None, i: int) -> object:
+            return paged_prefill_attention.paged_prefill_attention(
+                q, k_cache, v_cache, table, seq_lens, qsl, d**-0.5, config=cfg, out=out
+            )
+
+        return Problem(kernel, bucket, prefill, 1, nbytes, flops)
+
+    if kernel == "rotary_kv":
+        from pagecast.kernels import rope
+
+        max_pos = max(shapes.max_model_len, t)
+        cos_sin = rope.cos_sin_cache({"rope_type": "default", "rope_theta": 500000.0}, d, max_pos).to(device)
+        qkv = randn(t, (h + 2 * kvh) * d)  # q, k, v as views of one fused projection, as the model has them
+        q = qkv[:, : h * d].view(t, h, d)
+        k = qkv[:, h * d : (h + kvh) * d].view(t, kvh, d)
+        v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
+        num_blocks = math.ceil(t / shapes.block_size) + 1
+        k_cache = randn(num_blocks, kvh, shapes.block_size, d)
+        v_cache = randn(num_blocks, kvh, shapes.block_size, d)
+        positions = torch.randint(0, max_pos, (t,), generator=dg, device=device)
+        slots = torch.randperm(num_blocks * shapes.block_size, generator=dg, device=device)[:t]
+
+        def rotary(cfg: KernelConfig | None, i: int) -> object:
+            return rotary_kv.rotary_and_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slots, config=cfg)
+
+        return Problem(kernel, bucket, rotary, 1, nbytes, flops)
+
+    if kernel in ("rms_norm", "fused_add_rms_norm"):
+        x, res, w = randn(t, shapes.hidden), randn(t, shapes.hidden), randn(shapes.hidden)
+        if kernel == "rms_norm":
+            return Problem(kernel, bucket, lambda cfg, i: rms_norm.rms_norm(x, w, 1e-5, config=cfg), 1, nbytes, 0)
+        return Problem(
+            kernel, bucket, lambda cfg, i: rms_norm.fused_add_rms_norm(x, res, w, 1e-5, config=cfg), 1, nbytes, 0
+        )
+
+    if kernel == "silu_and_mul":
+        x = randn(t, 2 * shapes.intermediate)
+        return Problem(kernel, bucket, lambda cfg, i: activation.silu_and_mul(x, config=cfg), 1, nbytes, 0)
+
+    raise ValueError(f"unknown kernel {kernel!r}")

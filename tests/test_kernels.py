@@ -1,0 +1,267 @@
+"""Triton kernels against their pure-torch references, on the CPU through the Triton interpreter.
+
+Shapes are tiny and odd on purpose (group sizes 1/3/4, seq_lens that are not multiples of
+the block size, several sequences of different lengths in one launch, cached prefixes,
+slot -1). bf16 is checked on the GPU only (tests/test_kernels_gpu.py): the interpreter's
+bf16 tl.dot is wrong.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU kernel tests run under the Triton interpreter"
+)
+
+triton = pytest.importorskip("triton")
+
+from pagecast.kernels import ops, reference, rope, tuning  # noqa: E402
+from pagecast.kernels.activation import silu_and_mul  # noqa: E402
+from pagecast.kernels.paged_decode_attention import paged_decode_attention  # noqa: E402
+from pagecast.kernels.paged_prefill_attention import paged_prefill_attention  # noqa: E402
+from pagecast.kernels.rms_norm import fused_add_rms_norm, rms_norm  # noqa: E402
+from pagecast.kernels.rotary_kv import rotary_and_write_kv  # noqa: E402
+
+
+def _interpreter_index_fix() -> None:
+    # triton 3.6's interpreter turns scalars (1-element arrays) into loop bounds with
+    # int(array), which numpy >= 2.4 refuses for arrays of ndim > 0. Read the element.
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_pagecast_index_fix", False):
+        return
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):  # type: ignore[no-untyped-def]
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+    interpreter._pagecast_index_fix = True
+
+
+_interpreter_index_fix()
+
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 1e-2)}
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+def paged_inputs(
+    seq_lens: list[int], q_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+    dtype: torch.dtype, seed: int = 0,
+) -> dict:  # fmt: skip
+    """Random caches with each sequence's blocks scattered through a pool, plus spare columns in the table."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = [-(-s // block_size) for s in seq_lens]
+    pool = sum(blocks) + 3
+    k_cache = torch.randn(pool, num_kv_heads, block_size, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(pool, num_kv_heads, block_size, head_dim, generator=g).to(dtype)
+    perm = torch.randperm(pool, generator=g)
+    table = torch.full((len(seq_lens), max(blocks) + 2), 7, dtype=torch.int32)  # junk past the end
+    used = 0
+    for i, n in enumerate(blocks):
+        table[i, :n] = perm[used : used + n]
+        used += n
+    qsl = torch.tensor([0, *np.cumsum(q_lens).tolist()], dtype=torch.int32)
+    q = torch.randn(int(qsl[-1]), num_heads, head_dim, generator=g).to(dtype)
+    return {
+        "q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": table,
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32), "query_start_loc": qsl,
+    }  # fmt: skip
+
+
+def ref_attention(x: dict, scale: float) -> torch.Tensor:
+    return reference.paged_attention(
+        x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["seq_lens"], x["query_start_loc"], scale
+    )
+
+
+# ---------------------------------------------------------------------------- decode attention
+
+DECODE_CASES = [
+    # (num_heads, num_kv_heads, head_dim, block_size, seq_lens, config)
+    pytest.param(4, 4, 16, 8, [1, 9, 41], {"BLOCK_N": 16, "num_splits": 1}, id="mha-direct"),
+    pytest.param(9, 3, 64, 16, [1, 9, 41, 341], {"BLOCK_N": 32, "num_splits": 4}, id="group3-split4"),
+    pytest.param(8, 2, 16, 8, [341, 9], {"BLOCK_N": 16, "num_splits": 8}, id="group4-split8"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,seq_lens,config", DECODE_CASES)
+def test_decode_attention(num_heads, num_kv_heads, head_dim, block_size, seq_lens, config, dtype):
+    x = paged_inputs(seq_lens, [1] * len(seq_lens), num_heads, num_kv_heads, head_dim, block_size, dtype)
+    scale = head_dim**-0.5
+    out = paged_decode_attention(**x, scale=scale, max_seq_len=max(seq_lens), config=config)
+    close(out, ref_attention(x, scale), dtype)
+
+
+def test_decode_attention_skips_slots_without_a_query():
+    # A padded batch slot (query length 0) writes nothing; the other rows are unaffected.
+    x = paged_inputs([9, 41, 17], [1, 0, 1], 4, 2, 16, 8, torch.float32)
+    poison = torch.full_like(x["q"], float("nan"))
+    out = paged_decode_attention(**x, scale=0.25, max_seq_len=41, config={"BLOCK_N": 16, "num_splits": 2}, out=poison)
+    close(out, ref_attention(x, 0.25), torch.float32)
+
+
+def test_decode_attention_default_config():
+    x = paged_inputs([5, 70], [1, 1], 4, 1, 16, 16, torch.float32)
+    close(paged_decode_attention(**x, scale=0.3, max_seq_len=70), ref_attention(x, 0.3), torch.float32)
+
+
+# ---------------------------------------------------------------------------- prefill attention
+
+PREFILL_CASES = [
+    # (num_heads, num_kv_heads, head_dim, block_size, seq_lens, q_lens, config)
+    pytest.param(4, 4, 16, 8, [9, 41, 17], [9, 41, 17], {"BLOCK_M": 16, "BLOCK_N": 16}, id="mha-prefill"),
+    pytest.param(9, 3, 64, 16, [50, 41, 9], [7, 1, 9], {"BLOCK_M": 32, "BLOCK_N": 16}, id="group3-prefix-mixed"),
+    pytest.param(8, 2, 16, 8, [1, 90, 33], [1, 37, 20], {"BLOCK_M": 16, "BLOCK_N": 32}, id="group4-chunked"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,seq_lens,q_lens,config", PREFILL_CASES)
+def test_prefill_attention(num_heads, num_kv_heads, head_dim, block_size, seq_lens, q_lens, config, dtype):
+    x = paged_inputs(seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype)
+    scale = head_dim**-0.5
+    out = paged_prefill_attention(**x, scale=scale, config=config)
+    close(out, ref_attention(x, scale), dtype)
+
+
+def test_prefill_attention_empty_query_and_default_config():
+    x = paged_inputs([12, 30, 5], [4, 0, 5], 6, 2, 16, 8, torch.float32)
+    poison = torch.full_like(x["q"], float("nan"))
+    close(paged_prefill_attention(**x, scale=0.2, out=poison), ref_attention(x, 0.2), torch.float32)
+
+
+# ---------------------------------------------------------------------------- rotary + KV write
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rotary_dim,rope_type", [(16, "default"), (8, "llama3")])
+def test_rotary_and_write_kv(dtype, rotary_dim, rope_type):
+    num_tokens, num_heads, num_kv_heads, head_dim, block_size = 7, 6, 2, 16, 8
+    g = torch.Generator().manual_seed(1)
+    params = {"rope_type": rope_type, "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 16}  # fmt: skip
+    cos_sin = rope.cos_sin_cache(params, rotary_dim, 64)
+    positions = torch.randint(0, 64, (num_tokens,), generator=g)
+    # q, k, v as views of one fused qkv projection (strided, as the model passes them)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(dtype)
+    q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    slots = torch.tensor([3, 9, -1, 0, 17, 30, -1])
+    k_cache = torch.randn(5, num_kv_heads, block_size, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(5, num_kv_heads, block_size, head_dim, generator=g).to(dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    q_ref = reference.rotary_and_write_kv(positions, q, k, v, cos_sin, k_ref, v_ref, slots)
+    q_out = rotary_and_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slots)
+    close(q_out, q_ref, dtype)
+    close(k_cache, k_ref, dtype)  # slot -1 rows untouched: the random cache contents must still match
+    torch.testing.assert_close(v_cache, v_ref, atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------- norms and activation
+
+
+@pytest.mark.parametrize("dtype,weight_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
+                                                (torch.float16, torch.float32)])  # fmt: skip
+@pytest.mark.parametrize("hidden", [40, 576])
+def test_rms_norm(dtype, weight_dtype, hidden):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, hidden, generator=g).to(dtype)
+    residual = torch.randn(5, hidden, generator=g).to(dtype)
+    w = torch.randn(hidden, generator=g).to(weight_dtype)
+    out = rms_norm(x, w, 1e-6)
+    expected = reference.rms_norm(x, w, 1e-6)
+    assert out.dtype == expected.dtype
+    close(out, expected, dtype)
+    out, new_residual = fused_add_rms_norm(x, residual, w, 1e-6)
+    expected, expected_residual = reference.fused_add_rms_norm(x, residual, w, 1e-6)
+    assert out.dtype == expected.dtype and new_residual.dtype == expected_residual.dtype
+    close(out, expected, dtype)
+    torch.testing.assert_close(new_residual, expected_residual, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("d,config", [(40, {"BLOCK": 16, "num_warps": 1}), (100, None)])
+def test_silu_and_mul(dtype, d, config):
+    x = torch.randn(3, 2 * d, generator=torch.Generator().manual_seed(3)).to(dtype)
+    close(silu_and_mul(x, config), reference.silu_and_mul(x), dtype)
+
+
+# ---------------------------------------------------------------------------- dispatch and tuning tables
+
+
+def test_ops_use_the_reference_on_cpu(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("a Triton launcher was called for CPU tensors")
+
+    monkeypatch.setattr(ops, "_kernels", fail)
+    x = paged_inputs([9, 20], [1, 1], 4, 2, 16, 8, torch.float32)
+    out = ops.paged_attention(**x, scale=0.25, max_query_len=1, max_seq_len=20)
+    torch.testing.assert_close(out, ref_attention(x, 0.25))
+    h = torch.randn(2, 32)
+    torch.testing.assert_close(ops.rms_norm(h, torch.ones(32), 1e-6), reference.rms_norm(h, torch.ones(32), 1e-6))
+
+
+def test_buckets_and_lookup():
+    assert tuning.decode_bucket(1, 1) == "1x512"
+    assert tuning.decode_bucket(40, 1000) == "64x2048"
+    assert tuning.decode_bucket(1000, 100_000) == "256x32768"
+    assert tuning.token_bucket(3) == "t8" and tuning.token_bucket(20_000) == "t16384"
+    assert tuning.prefill_bucket(300) == "t512"
+    cfg = {"BLOCK_N": 64, "num_splits": 4, "num_warps": 4, "num_stages": 2}
+    table = {"kernels": {"paged_decode_attention": {"64x2048": {"config": cfg, "time_us": 1.0}}}, "tuned": True}
+    assert tuning.lookup(table, "paged_decode_attention", "64x2048") == cfg
+    assert tuning.lookup(table["kernels"], "paged_decode_attention", "64x2048") == cfg
+    assert tuning.lookup(table, "paged_decode_attention", "1x512") is None
+    kc = tuning.KernelConfig.coerce(cfg)
+    assert kc is not None and kc["num_splits"] == 4 and kc.num_warps == 4 and kc.as_dict() == cfg
+    ops.configure(table)
+    try:
+        assert ops._config("paged_decode_attention", "64x2048") == kc
+        assert ops._config("paged_decode_attention", "8x512") is None
+    finally:
+        ops.configure(None)
+
+
+def test_shipped_tables_and_report():
+    assert tuning.gpu_key("NVIDIA H200") == "h200" and tuning.gpu_key("NVIDIA A100-SXM4-80GB") == "a100"
+    assert tuning.default_table("NVIDIA GeForce GT 710") is None
+    shapes = tuning.ModelShapes(32, 8, 128, 4096, 14336, 16, "bfloat16", 8192, 256)
+    for gpu in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "NVIDIA L40S"):
+        table = tuning.default_table(gpu)
+        assert table is not None and set(table["kernels"]) == set(tuning.KERNELS), gpu
+        entry = table["kernels"]["paged_decode_attention"]["64x2048"]
+        assert {"BLOCK_N", "num_splits", "num_warps", "num_stages"} <= set(entry["config"])
+    rows = tuning.bandwidth_report(tuning.default_table("h200"), shapes, 4262.0)
+    decode = {r["bucket"]: r for r in rows if r["kernel"] == "paged_decode_attention"}
+    if decode:  # measured tables carry times
+        row = decode["64x2048"]
+        assert row["bytes"] == 64 * 2048 * 2 * 8 * 128 * 2 + 2 * 64 * 32 * 128 * 2
+        assert 0 < row["fraction_of_copy"] < 1.5
+
+
+def test_config_spaces_prune():
+    from pagecast.kernels import paged_decode_attention as dec
+
+    small = dec.prune_configs(dec.CONFIG_SPACE, 1, 32768, 8, 132)
+    large = dec.prune_configs(dec.CONFIG_SPACE, 256, 8192, 8, 132)
+    assert max(c["num_splits"] for c in small) == 64
+    assert {c["num_splits"] for c in large} == {1, 2}
+    assert dec.default_config(256, 8192, 8, 132)["num_splits"] == 1
+    assert dec.default_config(1, 32768, 8, 132)["num_splits"] >= 32
+    with pytest.raises(ValueError):
+        tuning.ModelShapes(9, 2, 64, 576, 1536, 16)
+    with pytest.raises(ValueError):
+        tuning.tune(["no_such_kernel"], tuning.ModelShapes(9, 3, 64, 576, 1536, 16), 1.0, "cpu")
