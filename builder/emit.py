@@ -94,8 +94,8 @@ def render_report(state: BuildState, manifest: Manifest) -> str:
         lines += ["", "| kernel | bucket | config | time (us) | GB/s | fraction of copy bandwidth |", "|---|---|---|---|---|---|"]
         for r in rows:
             lines.append(
-                f"| {r.get('kernel')} | {r.get('bucket')} | {r.get('config')} | {r.get('time_us', 0):.1f} | "
-                f"{r.get('gbs', 0):.0f} | {r.get('fraction', 0):.0%} |"
+                f"| {r.get('kernel')} | {r.get('bucket')} | {r.get('config')} | {r.get('time_us') or 0:.1f} | "
+                f"{r.get('gb_s') or 0:,.0f} | {r.get('fraction_of_copy') or 0:.0%} |"
             )
     if mem["budgets"]:
         lines += ["", "## Memory plan", "", "| gpu_memory_utilization | KV blocks | tokens | seqs at max_model_len |",

@@ -60,11 +60,17 @@ def run(state: BuildState) -> BuildState:
 
     from pagecast.kernels import tuning
 
-    shapes = model_shapes(state)
+    shapes = tuning.ModelShapes(**model_shapes(state))
     if report.get("gpu_present"):
         with triton_cache_at(state.staging_dir / TRITON_CACHE_SUBDIR):
-            table = tuning.tune(None, shapes, budget_s=state.options.tune_budget_s, device="cuda")
-        report["tuning_note"] = f"tuned on this {plan.gpu_name} within {state.options.tune_budget_s:.0f} s"
+            table = tuning.tune(tuning.KERNELS, shapes, budget_s=state.options.tune_budget_s, device="cuda")
+        copy_gbs = tuning.measure_copy_bandwidth("cuda")
+        table["copy_bandwidth_gbs"] = round(copy_gbs, 1)
+        report["bandwidth_rows"] = tuning.bandwidth_report(table, shapes, copy_gbs)
+        report["tuning_note"] = (
+            f"tuned on this {plan.gpu_name} within {state.options.tune_budget_s:.0f} s; "
+            f"measured copy bandwidth {copy_gbs:,.0f} GB/s"
+        )
     else:
         table = tuning.default_table(plan.gpu_name) or {"device": plan.gpu_name, "tuned": False, "kernels": {}}
         table = dict(table, tuned=False)
