@@ -137,7 +137,7 @@ class CompletionRequest(_SamplingRequest):
     """POST /v1/completions. ``prompt`` is a string, a list of strings, a list of token ids
     or a list of token-id lists (what lm-evaluation-harness sends)."""
 
-    prompt: Any = None
+    prompt: Any
     max_tokens: int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=0)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
