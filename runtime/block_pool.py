@@ -205,7 +205,7 @@ class BlockPool:
             hashes.append(parent)
 
     def free(self, request: Request) -> None:
-        """Drop the request's references; ``request.block_ids`` becomes empty.
+        """Drop the request's references; ``request.block_ids`` and ``block_hashes`` become empty.
 
         Blocks nobody holds any more become free. Uncached ones go to the head of the free list
         (reused first); cached ones to the tail, tail blocks of the sequence first, so a
@@ -222,6 +222,8 @@ class BlockPool:
                 if block_keys[block_id] is None:
                     free.move_to_end(block_id, last=False)
         request.block_ids = []
+        # The hash chain describes blocks it no longer holds; a resumption starts a new one.
+        request.block_hashes = []
         if request is self._last_queried:
             self._last_queried = None
 

@@ -126,7 +126,8 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            # len(all_token_ids) rather than num_tokens: this loop runs for every request, every step.
+            num_new = min(len(request.all_token_ids) - request.num_computed_tokens, budget)
             if num_new <= 0:  # nothing to compute until it gets a token; cannot happen normally
                 i += 1
                 continue
@@ -148,7 +149,13 @@ class Scheduler:
             waiting = self.waiting
             while waiting and budget > 0 and len(running) < max_num_seqs:
                 request = waiting[0]
-                computed_blocks, num_cached = pool.get_computed_blocks(request)
+                computed_blocks: list[int]
+                if _needs_prompt_logprobs(request):
+                    # Cached positions are never run, so their logits (which score the prompt)
+                    # would be missing: compute the whole prompt, cache what it produces.
+                    computed_blocks, num_cached = [], 0
+                else:
+                    computed_blocks, num_cached = pool.get_computed_blocks(request)
                 num_new = min(request.num_tokens - num_cached, budget)
                 if not pool.allocate_slots(request, num_new, computed_blocks):
                     break  # FCFS: nobody overtakes the head of the queue
@@ -180,15 +187,16 @@ class Scheduler:
         pool = self.block_pool
         max_model_len = self.config.max_model_len
         now = time.monotonic()
+        running_status = RequestStatus.RUNNING
         updated: list[Request] = []
         any_finished = False
         for request, num_new in zip(output.scheduled_requests, output.num_scheduled_tokens):
-            if request.status != RequestStatus.RUNNING:
+            if request.status is not running_status:
                 continue  # finished via finish_requests() while the step ran
             request.num_computed_tokens += num_new
             pool.cache_full_blocks(request)
             token_id = sampled_token_ids.get(request.request_id)
-            if token_id is None or request.num_computed_tokens != request.num_tokens:
+            if token_id is None or request.num_computed_tokens != len(request.all_token_ids):
                 continue
             request.append_output_token(token_id)
             metrics = request.metrics
@@ -205,7 +213,7 @@ class Scheduler:
                 any_finished = True
             updated.append(request)
         if any_finished:
-            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+            self.running = [r for r in self.running if r.status is running_status]
         return updated
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
@@ -252,3 +260,10 @@ class Scheduler:
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+
+def _needs_prompt_logprobs(request: Request) -> bool:
+    """Whether prompt logprobs are asked for and not all recorded yet (the list holds one entry
+    per prompt token, the first None, once complete)."""
+    entries = request.prompt_logprobs
+    return entries is not None and len(entries) < request.num_prompt_tokens

@@ -100,6 +100,7 @@ def test_shared_prefix_shares_physical_blocks_with_ref_counts() -> None:
     assert [pool.ref_count(i) for i in range(4)] == [2, 2, 1, 1]
     assert pool.num_used_blocks == 4
     pool.free(a)
+    assert a.block_ids == [] and a.block_hashes == []  # a resumption starts a new chain
     assert [pool.ref_count(i) for i in range(4)] == [1, 1, 0, 1]
     assert pool.num_used_blocks == 3
     pool.free(b)

@@ -329,6 +329,41 @@ def test_admission_records_cached_tokens_and_times() -> None:
     assert sched.block_pool.num_prefix_hits == 8
 
 
+def test_prompt_logprobs_requests_compute_their_whole_prompt() -> None:
+    # Positions served from the prefix cache are never run, so their logits (which score the
+    # prompt) would be missing: such a request reads no cache until its prompt is scored.
+    sched = make_scheduler()
+    a = make_request("a", list(range(9)))
+    sched.add_request(a)
+    step(sched)
+    echo = make_request("echo", list(range(9)), prompt_logprobs=0)
+    sched.add_request(echo)
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == [1, 9]
+    assert echo.num_cached_tokens == 0 and echo.block_ids == [3, 4, 5]
+    assert sched.block_pool.num_prefix_queries == 9  # a's lookup only
+
+
+def test_prompt_logprobs_request_resumes_from_the_cache_once_its_prompt_is_scored() -> None:
+    sched = make_scheduler(num_blocks=6, max_num_batched_tokens=32)
+    a = make_request("a", list(range(100, 108)), max_tokens=5)
+    echo = make_request("echo", list(range(9)), prompt_logprobs=0)
+    sched.add_request(a)
+    sched.add_request(echo)
+    step(sched)
+    assert echo.prompt_logprobs is not None
+    echo.prompt_logprobs.extend([{}] * 8)  # what the runner records: one entry per prompt token
+    for _ in range(3):
+        step(sched)
+    assert (a.block_ids, echo.block_ids) == ([0, 1, 5], [2, 3, 4])
+    out, _ = step(sched)  # echo needs a fourth block, none is free: it preempts itself
+    assert out.preempted_requests == [echo] and a.is_finished
+    out, _ = step(sched)
+    # 13 tokens, the first 12 (its own three blocks) found in the cache.
+    assert (ids(out.scheduled_requests), out.num_scheduled_tokens) == (["echo"], [1])
+    assert echo.block_ids == [2, 3, 4, 5]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
