@@ -75,6 +75,11 @@ def _elt(shapes: ModelShapes) -> int:
     return torch.empty((), dtype=shapes.torch_dtype).element_size()
 
 
+def kv_bytes(shapes: ModelShapes, dims: dict[str, int]) -> int:
+    """Bytes of K and V a decode bucket reads (the pool a tuning problem has to allocate)."""
+    return dims["num_seqs"] * dims["max_seq_len"] * 2 * shapes.num_kv_heads * shapes.head_dim * _elt(shapes)
+
+
 def problem_size(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> tuple[int, int]:
     """(bytes, flops) of one launch at a bucket: each input read once, each output written once."""
     e = _elt(shapes)

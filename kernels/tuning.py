@@ -104,10 +104,14 @@ class ModelShapes:
         return torch_dtype(self.dtype)
 
 
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+
+
 def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     name = str(dtype).removeprefix("torch.")
+    name = _DTYPE_ALIASES.get(name, name)
     value = getattr(torch, name, None)
     if not isinstance(value, torch.dtype):
         raise ValueError(f"unknown dtype {dtype!r}")
@@ -272,8 +276,7 @@ def tune(
         entries: dict[str, Any] = {}
         table["kernels"][kernel] = entries
         for bucket, dims in problems.buckets(kernel, shapes):
-            nbytes, _ = problems.problem_size(kernel, shapes, dims)
-            if kernel == "paged_decode_attention" and nbytes > MAX_TUNE_KV_BYTES:
+            if kernel == "paged_decode_attention" and problems.kv_bytes(shapes, dims) > MAX_TUNE_KV_BYTES:
                 smaller = [b for b, d in problems.buckets(kernel, shapes) if d["num_seqs"] == dims["num_seqs"] and b in entries]
                 if smaller:
                     entries[bucket] = {
