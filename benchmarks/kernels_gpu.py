@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from pagecast.kernels import problems, tuning
 
 LLAMA3_8B = tuning.ModelShapes(
@@ -43,19 +42,22 @@ def sdpa_baseline(shapes: tuning.ModelShapes, copy_gbs: float) -> list[dict]:
     for batch, ctx in ((64, 2048), (128, 2048), (256, 8192), (1, 32768)):
         h, kvh, d = shapes.num_heads, shapes.num_kv_heads, shapes.head_dim
         q = torch.randn(batch, h, 1, d, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(batch, kvh, ctx, d, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        fn = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
+        kv = torch.randn(2, batch, kvh, ctx, d, device="cuda", dtype=torch.bfloat16)
+
+        def sdpa(i: int, q: torch.Tensor = q, kv: torch.Tensor = kv) -> torch.Tensor:
+            return torch.nn.functional.scaled_dot_product_attention(q, kv[0], kv[1], enable_gqa=True)
+
         try:
-            t_us = tuning.time_launches(lambda i: fn(), 1, reps=20)
+            t_us = tuning.time_launches(sdpa, 1, reps=20)
         except Exception as exc:  # noqa: BLE001
             log(f"sdpa {batch}x{ctx}: {type(exc).__name__}: {exc}")
             continue
-        nbytes, _ = problems.problem_size("paged_decode_attention", shapes, {"num_seqs": batch, "max_seq_len": ctx})
+        nbytes, _ = problems.problem_size(
+            "paged_decode_attention", shapes, {"num_seqs": batch, "max_seq_len": ctx}
+        )
         gbs = nbytes / (t_us * 1e-6) / 1e9
         rows.append({"case": f"{batch}x{ctx}", "time_us": round(t_us, 2), "gb_s": round(gbs, 1),
                      "fraction_of_copy": round(gbs / copy_gbs, 3)})  # fmt: skip
-        del q, k, v
     torch.cuda.empty_cache()
     return rows
 
@@ -74,13 +76,19 @@ def cmd_tune(args: argparse.Namespace) -> None:
     (out / f"tuning_{tuning.gpu_key(name)}.json").write_text(json.dumps(table, indent=1))
     rows = tuning.bandwidth_report(table, LLAMA3_8B, copy_gbs)
     baseline = sdpa_baseline(LLAMA3_8B, copy_gbs)
-    (out / "report.json").write_text(json.dumps({"copy_gbs": copy_gbs, "rows": rows, "sdpa": baseline}, indent=1))
+    (out / "report.json").write_text(
+        json.dumps({"copy_gbs": copy_gbs, "rows": rows, "sdpa": baseline}, indent=1)
+    )
     log("\nkernel                   bucket      time_us     GB/s  copy%  TFLOP/s  config")
     for r in rows:
         tf = f"{r['tflop_s']:7.1f}" if r["tflop_s"] else "      -"
-        log(f"{r['kernel']:24s} {r['bucket']:10s} {r['time_us']:9.2f} {r['gb_s']:8.0f} {r['fraction_of_copy']:6.1%} {tf}  {r['config']}")
+        log(
+            f"{r['kernel']:24s} {r['bucket']:10s} {r['time_us']:9.2f} {r['gb_s']:8.0f} {r['fraction_of_copy']:6.1%} {tf}  {r['config']}"
+        )
     for b in baseline:
-        log(f"sdpa (contiguous KV)     {b['case']:10s} {b['time_us']:9.2f} {b['gb_s']:8.0f} {b['fraction_of_copy']:6.1%}")
+        log(
+            f"sdpa (contiguous KV)     {b['case']:10s} {b['time_us']:9.2f} {b['gb_s']:8.0f} {b['fraction_of_copy']:6.1%}"
+        )
 
 
 def cmd_summary(args: argparse.Namespace) -> None:
@@ -92,7 +100,11 @@ def cmd_summary(args: argparse.Namespace) -> None:
         e = bench["extra_info"]
         copy = e["copy_gb_s"]
         c = e["config"]
-        cfg = f"{c['BLOCK_N']}, {c['num_splits']}, {c['num_warps']}, {c['num_stages']}" if isinstance(c, dict) else c
+        cfg = (
+            f"{c['BLOCK_N']}, {c['num_splits']}, {c['num_warps']}, {c['num_stages']}"
+            if isinstance(c, dict)
+            else c
+        )
         case = bench["name"].split("[")[-1].rstrip("]")
         lines.append(f"| {case} | {e['bytes'] / 2**20:.1f} | {e['time_us']:.1f} | {e['gb_s']:.0f} | "
                      f"{e['fraction_of_copy']:.1%} | {cfg} |")  # fmt: skip
@@ -100,7 +112,9 @@ def cmd_summary(args: argparse.Namespace) -> None:
     print("\n".join(lines))
     if args.report and Path(args.report).is_file():
         for b in json.loads(Path(args.report).read_text()).get("sdpa", []):
-            print(f"sdpa contiguous {b['case']}: {b['time_us']} us, {b['gb_s']} GB/s, {b['fraction_of_copy']:.1%}")
+            print(
+                f"sdpa contiguous {b['case']}: {b['time_us']} us, {b['gb_s']} GB/s, {b['fraction_of_copy']:.1%}"
+            )
 
 
 def cmd_guess(args: argparse.Namespace) -> None:
@@ -129,7 +143,9 @@ def cmd_guess(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("tune")
     p.add_argument("--out", required=True)

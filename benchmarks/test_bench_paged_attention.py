@@ -24,7 +24,7 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="K1 needs a CUDA GPU")
 
-from pagecast.kernels import problems, tuning  # noqa: E402
+from pagecast.kernels import problems, tuning
 
 SHAPES = tuning.ModelShapes(
     num_heads=32, num_kv_heads=8, head_dim=128, hidden=4096, intermediate=14336, block_size=16,
@@ -50,7 +50,9 @@ def table() -> dict | None:
 @pytest.mark.parametrize("batch,context", CASES, ids=[f"{b}x{c}" for b, c in CASES])
 def test_k1_paged_decode(benchmark, batch, context, copy_bandwidth_gbs, table):  # type: ignore[no-untyped-def]
     dims = {"num_seqs": batch, "max_seq_len": context}
-    config = tuning.KernelConfig.coerce(tuning.lookup(table, "paged_decode_attention", tuning.decode_bucket(batch, context)))
+    config = tuning.KernelConfig.coerce(
+        tuning.lookup(table, "paged_decode_attention", tuning.decode_bucket(batch, context))
+    )
     problem = problems.make_problem("paged_decode_attention", SHAPES, dims, "cuda", seed=0)
     launches = problem.launches_per_sample()
     nbytes = problem.bytes
@@ -83,5 +85,3 @@ def test_k1_paged_decode(benchmark, batch, context, copy_bandwidth_gbs, table): 
         }
     )
     print(f"\nK1 {batch}x{context}: {t_us:.1f} us, {gbs:.0f} GB/s = {gbs / copy_bandwidth_gbs:.1%} of copy")
-    del graph, problem
-    torch.cuda.empty_cache()

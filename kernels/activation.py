@@ -11,7 +11,6 @@ from collections.abc import Mapping
 import torch
 import triton
 import triton.language as tl
-
 from pagecast.kernels.tuning import KernelConfig
 
 
@@ -31,7 +30,9 @@ def _silu_and_mul_kernel(
     up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0)
     g = gate.to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        out_ptr + row * stride_o + cols, (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask
+    )
 
 
 CONFIG_SPACE: list[KernelConfig] = [

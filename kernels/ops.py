@@ -15,7 +15,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-
 from pagecast.kernels import reference
 from pagecast.kernels.tuning import KernelConfig, decode_bucket, lookup, prefill_bucket, token_bucket
 
@@ -51,7 +50,13 @@ def _config(kernel: str, bucket: str) -> KernelConfig | None:
 
 @functools.cache
 def _kernels() -> SimpleNamespace:
-    from pagecast.kernels import activation, paged_decode_attention, paged_prefill_attention, rms_norm, rotary_kv
+    from pagecast.kernels import (
+        activation,
+        paged_decode_attention,
+        paged_prefill_attention,
+        rms_norm,
+        rotary_kv,
+    )
 
     return SimpleNamespace(
         decode=paged_decode_attention.paged_decode_attention,
@@ -95,7 +100,9 @@ def rotary_and_write_kv(
     slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
     if not _triton(q):
-        return reference.rotary_and_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
+        return reference.rotary_and_write_kv(
+            positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping
+        )
     cfg = _config("rotary_kv", token_bucket(q.shape[0]))
     return _kernels().rotary(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, cfg)  # type: ignore[no-any-return]
 

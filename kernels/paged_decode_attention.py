@@ -16,7 +16,6 @@ from collections.abc import Mapping
 import torch
 import triton
 import triton.language as tl
-
 from pagecast.kernels.tuning import KernelConfig, num_sms
 
 _LOG2E = 1.4426950408889634
@@ -98,8 +97,12 @@ def _paged_decode_kernel(
             block = tl.load(block_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
             slot = offs_n % BLOCK_SIZE
             # k, v: [BLOCK_N, HEAD_DIM_PAD], rows gathered through the block table
-            k = tl.load(k_base + block[:, None] * stride_kb + slot[:, None] * stride_kt, mask=kv_mask, other=0.0)
-            v = tl.load(v_base + block[:, None] * stride_vb + slot[:, None] * stride_vt, mask=kv_mask, other=0.0)
+            k = tl.load(
+                k_base + block[:, None] * stride_kb + slot[:, None] * stride_kt, mask=kv_mask, other=0.0
+            )
+            v = tl.load(
+                v_base + block[:, None] * stride_vb + slot[:, None] * stride_vt, mask=kv_mask, other=0.0
+            )
             s = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, BLOCK_N]
             s = tl.where(n_mask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -150,7 +153,9 @@ def _decode_merge_kernel(
         offs_d = tl.arange(0, HEAD_DIM_PAD)
         lse_max = tl.full([SPLIT_CHUNK], float("-inf"), tl.float32)
         for s0 in range(0, num_splits, SPLIT_CHUNK):
-            lse = tl.load(part_lse_ptr + base + s0 + offs_s, mask=s0 + offs_s < num_splits, other=float("-inf"))
+            lse = tl.load(
+                part_lse_ptr + base + s0 + offs_s, mask=s0 + offs_s < num_splits, other=float("-inf")
+            )
             lse_max = tl.maximum(lse_max, lse)
         lse_top = tl.max(lse_max, 0)
         # all splits empty (an empty context): weights are 0, the output is 0
@@ -215,7 +220,9 @@ def prune_configs(
     return kept
 
 
-def default_config(num_seqs: int, max_seq_len: int, num_kv_heads: int, sms: int | None = None) -> KernelConfig:
+def default_config(
+    num_seqs: int, max_seq_len: int, num_kv_heads: int, sms: int | None = None
+) -> KernelConfig:
     """A config for a shape bucket the tuning table lacks: split until about 2 programs per SM."""
     sms = sms or num_sms()
     block_n = 64
@@ -247,14 +254,18 @@ def paged_decode_attention(
     allocations depend on shapes only. Returns [num_tokens, num_heads, head_dim] in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
-    num_blocks, num_kv_heads, block_size, cache_head_dim = k_cache.shape
+    _, num_kv_heads, block_size, cache_head_dim = k_cache.shape
     num_seqs = seq_lens.shape[0]
     if v_cache.shape != k_cache.shape or cache_head_dim != head_dim:
-        raise ValueError(f"cache shapes {tuple(k_cache.shape)}/{tuple(v_cache.shape)} do not match q {tuple(q.shape)}")
+        raise ValueError(
+            f"cache shapes {tuple(k_cache.shape)}/{tuple(v_cache.shape)} do not match q {tuple(q.shape)}"
+        )
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"q ({q.dtype}) and the caches ({k_cache.dtype}, {v_cache.dtype}) must share a dtype")
+        raise ValueError(
+            f"q ({q.dtype}) and the caches ({k_cache.dtype}, {v_cache.dtype}) must share a dtype"
+        )
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("q and the caches need a contiguous last (head_dim) dimension")
     if block_tables.shape[0] != num_seqs or query_start_loc.shape[0] != num_seqs + 1:
@@ -277,7 +288,9 @@ def paged_decode_attention(
     if direct:
         part_out = part_lse = out  # unused by the DIRECT variant
     else:
-        part_out = torch.empty((num_seqs, num_heads, num_splits, head_dim_pad), dtype=torch.float32, device=q.device)
+        part_out = torch.empty(
+            (num_seqs, num_heads, num_splits, head_dim_pad), dtype=torch.float32, device=q.device
+        )
         part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse,

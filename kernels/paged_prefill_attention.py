@@ -16,7 +16,6 @@ from collections.abc import Mapping
 import torch
 import triton
 import triton.language as tl
-
 from pagecast.kernels.tuning import KernelConfig
 
 _LOG2E = 1.4426950408889634
@@ -41,8 +40,16 @@ def _attend_tile(
             kv_mask = n_mask[:, None]
         else:
             kv_mask = n_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
-        k = tl.load(k_base + block[:, None] * stride_kb + (offs_n % BLOCK_SIZE)[:, None] * stride_kt, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + block[:, None] * stride_vb + (offs_n % BLOCK_SIZE)[:, None] * stride_vt, mask=kv_mask, other=0.0)
+        k = tl.load(
+            k_base + block[:, None] * stride_kb + (offs_n % BLOCK_SIZE)[:, None] * stride_kt,
+            mask=kv_mask,
+            other=0.0,
+        )
+        v = tl.load(
+            v_base + block[:, None] * stride_vb + (offs_n % BLOCK_SIZE)[:, None] * stride_vt,
+            mask=kv_mask,
+            other=0.0,
+        )
     else:
         block = tl.load(block_row + offs_n // BLOCK_SIZE).to(tl.int64)
         if HEAD_DIM_PAD == HEAD_DIM:
@@ -50,8 +57,16 @@ def _attend_tile(
             v = tl.load(v_base + block[:, None] * stride_vb + (offs_n % BLOCK_SIZE)[:, None] * stride_vt)
         else:
             d_mask = (offs_d < HEAD_DIM)[None, :]
-            k = tl.load(k_base + block[:, None] * stride_kb + (offs_n % BLOCK_SIZE)[:, None] * stride_kt, mask=d_mask, other=0.0)
-            v = tl.load(v_base + block[:, None] * stride_vb + (offs_n % BLOCK_SIZE)[:, None] * stride_vt, mask=d_mask, other=0.0)
+            k = tl.load(
+                k_base + block[:, None] * stride_kb + (offs_n % BLOCK_SIZE)[:, None] * stride_kt,
+                mask=d_mask,
+                other=0.0,
+            )
+            v = tl.load(
+                v_base + block[:, None] * stride_vb + (offs_n % BLOCK_SIZE)[:, None] * stride_vt,
+                mask=d_mask,
+                other=0.0,
+            )
     s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N]
     if CAUSAL:
         s = tl.where((offs_n[None, :] <= q_pos[:, None]) & (offs_n < kv_end)[None, :], s, float("-inf"))
@@ -128,7 +143,11 @@ def _paged_prefill_kernel(
             io_mask = row_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
         rows = (q_start + tok).to(tl.int64)
         heads = kv_head * GROUP + g
-        q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=io_mask, other=0.0)
+        q = tl.load(
+            q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=io_mask,
+            other=0.0,
+        )
         q_pos = prefix + tok  # [BLOCK_M] position of each row in its sequence
 
         last_tok = tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len) - 1
@@ -212,14 +231,18 @@ def paged_prefill_attention(
     [num_tokens, num_heads, head_dim] in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
-    num_blocks, num_kv_heads, block_size, cache_head_dim = k_cache.shape
+    _, num_kv_heads, block_size, cache_head_dim = k_cache.shape
     num_seqs = seq_lens.shape[0]
     if v_cache.shape != k_cache.shape or cache_head_dim != head_dim:
-        raise ValueError(f"cache shapes {tuple(k_cache.shape)}/{tuple(v_cache.shape)} do not match q {tuple(q.shape)}")
+        raise ValueError(
+            f"cache shapes {tuple(k_cache.shape)}/{tuple(v_cache.shape)} do not match q {tuple(q.shape)}"
+        )
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"q ({q.dtype}) and the caches ({k_cache.dtype}, {v_cache.dtype}) must share a dtype")
+        raise ValueError(
+            f"q ({q.dtype}) and the caches ({k_cache.dtype}, {v_cache.dtype}) must share a dtype"
+        )
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("q and the caches need a contiguous last (head_dim) dimension")
     if block_tables.shape[0] != num_seqs or query_start_loc.shape[0] != num_seqs + 1:

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
 from pagecast.kernels.tuning import (
     DECODE_BATCH_BUCKETS,
     DECODE_CONTEXT_BUCKETS,
@@ -108,11 +107,19 @@ def problem_size(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> tupl
 
 def config_space(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> list[KernelConfig]:
     """The pruned configs to time for a kernel at a bucket, in preference order."""
-    from pagecast.kernels import activation, paged_decode_attention, paged_prefill_attention, rms_norm, rotary_kv
+    from pagecast.kernels import (
+        activation,
+        paged_decode_attention,
+        paged_prefill_attention,
+        rms_norm,
+        rotary_kv,
+    )
 
     if kernel == "paged_decode_attention":
         m = paged_decode_attention
-        return m.prune_configs(m.CONFIG_SPACE, dims["num_seqs"], dims["max_seq_len"], shapes.num_kv_heads, num_sms())
+        return m.prune_configs(
+            m.CONFIG_SPACE, dims["num_seqs"], dims["max_seq_len"], shapes.num_kv_heads, num_sms()
+        )
     if kernel == "paged_prefill_attention":
         m2 = paged_prefill_attention
         return m2.prune_configs(m2.CONFIG_SPACE, shapes.num_heads // shapes.num_kv_heads, shapes.head_dim)
@@ -127,12 +134,22 @@ def config_space(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> list
 
 def default_config(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> KernelConfig:
     """The config a launcher picks by itself for this bucket (what runs when the table lacks it)."""
-    from pagecast.kernels import activation, paged_decode_attention, paged_prefill_attention, rms_norm, rotary_kv
+    from pagecast.kernels import (
+        activation,
+        paged_decode_attention,
+        paged_prefill_attention,
+        rms_norm,
+        rotary_kv,
+    )
 
     if kernel == "paged_decode_attention":
-        return paged_decode_attention.default_config(dims["num_seqs"], dims["max_seq_len"], shapes.num_kv_heads)
+        return paged_decode_attention.default_config(
+            dims["num_seqs"], dims["max_seq_len"], shapes.num_kv_heads
+        )
     if kernel == "paged_prefill_attention":
-        return paged_prefill_attention.default_config(shapes.num_heads // shapes.num_kv_heads, shapes.head_dim)
+        return paged_prefill_attention.default_config(
+            shapes.num_heads // shapes.num_kv_heads, shapes.head_dim
+        )
     if kernel == "rotary_kv":
         return rotary_kv.default_config()
     if kernel in ("rms_norm", "fused_add_rms_norm"):
@@ -196,7 +213,13 @@ def make_problem(
     kernel: str, shapes: ModelShapes, dims: dict[str, int], device: torch.device | str, seed: int = 0
 ) -> Problem:
     """Random inputs on ``device`` for one kernel at one bucket, and how to launch it."""
-    from pagecast.kernels import activation, paged_decode_attention, paged_prefill_attention, rms_norm, rotary_kv
+    from pagecast.kernels import (
+        activation,
+        paged_decode_attention,
+        paged_prefill_attention,
+        rms_norm,
+        rotary_kv,
+    )
 
     device = torch.device(device)
     dtype = shapes.torch_dtype
@@ -258,16 +281,25 @@ def make_problem(
         slots = torch.randperm(num_blocks * shapes.block_size, generator=dg, device=device)[:t]
 
         def rotary(cfg: KernelConfig | None, i: int) -> object:
-            return rotary_kv.rotary_and_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slots, config=cfg)
+            return rotary_kv.rotary_and_write_kv(
+                positions, q, k, v, cos_sin, k_cache, v_cache, slots, config=cfg
+            )
 
         return Problem(kernel, bucket, rotary, 1, nbytes, flops)
 
     if kernel in ("rms_norm", "fused_add_rms_norm"):
         x, res, w = randn(t, shapes.hidden), randn(t, shapes.hidden), randn(shapes.hidden)
         if kernel == "rms_norm":
-            return Problem(kernel, bucket, lambda cfg, i: rms_norm.rms_norm(x, w, 1e-5, config=cfg), 1, nbytes, 0)
+            return Problem(
+                kernel, bucket, lambda cfg, i: rms_norm.rms_norm(x, w, 1e-5, config=cfg), 1, nbytes, 0
+            )
         return Problem(
-            kernel, bucket, lambda cfg, i: rms_norm.fused_add_rms_norm(x, res, w, 1e-5, config=cfg), 1, nbytes, 0
+            kernel,
+            bucket,
+            lambda cfg, i: rms_norm.fused_add_rms_norm(x, res, w, 1e-5, config=cfg),
+            1,
+            nbytes,
+            0,
         )
 
     if kernel == "silu_and_mul":

@@ -12,7 +12,6 @@ from collections.abc import Mapping
 import torch
 import triton
 import triton.language as tl
-
 from pagecast.kernels.tuning import KernelConfig
 
 
@@ -63,7 +62,9 @@ def default_config(hidden: int) -> KernelConfig:
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
     if x.dim() != 2 or weight.shape != (x.shape[1],):
-        raise ValueError(f"x must be [num_tokens, hidden] and weight [hidden], got {tuple(x.shape)}, {tuple(weight.shape)}")
+        raise ValueError(
+            f"x must be [num_tokens, hidden] and weight [hidden], got {tuple(x.shape)}, {tuple(weight.shape)}"
+        )
     if x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError("x and weight need a contiguous last dimension")
 
@@ -101,7 +102,9 @@ def fused_add_rms_norm(
     """residual' = x + residual; returns (rms_norm(residual'), residual') as new tensors."""
     _check(x, weight)
     if residual.shape != x.shape or residual.stride(-1) != 1:
-        raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)} with a contiguous last dim")
+        raise ValueError(
+            f"residual {tuple(residual.shape)} must match x {tuple(x.shape)} with a contiguous last dim"
+        )
     sum_dtype = torch.promote_types(x.dtype, residual.dtype)
     residual_out = torch.empty(x.shape, dtype=sum_dtype, device=x.device)
     out = torch.empty(x.shape, dtype=torch.promote_types(sum_dtype, weight.dtype), device=x.device)

@@ -15,7 +15,6 @@ from collections.abc import Mapping
 import torch
 import triton
 import triton.language as tl
-
 from pagecast.kernels.tuning import KernelConfig
 
 
@@ -82,7 +81,11 @@ def _rotary_kv_kernel(
     heads = tl.arange(0, HEADS_PAD)
     q_rows = q_ptr + token * stride_qt + heads[:, None] * stride_qh
     q_rot, q_mask = _rotate(q_rows, heads, offs_d, partner, cos, sin, NUM_HEADS, HEAD_DIM)
-    tl.store(q_out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_d[None, :], q_rot.to(dtype), mask=q_mask)
+    tl.store(
+        q_out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+        q_rot.to(dtype),
+        mask=q_mask,
+    )
 
     slot = tl.load(slot_mapping_ptr + token)
     if slot >= 0:
@@ -91,10 +94,22 @@ def _rotary_kv_kernel(
         kv_heads = tl.arange(0, KV_HEADS_PAD)
         k_rows = k_ptr + token * stride_kt + kv_heads[:, None] * stride_kh
         k_rot, kv_mask = _rotate(k_rows, kv_heads, offs_d, partner, cos, sin, NUM_KV_HEADS, HEAD_DIM)
-        kc = k_cache_ptr + block * stride_kcb + kv_heads[:, None] * stride_kch + offset * stride_kct + offs_d[None, :]
+        kc = (
+            k_cache_ptr
+            + block * stride_kcb
+            + kv_heads[:, None] * stride_kch
+            + offset * stride_kct
+            + offs_d[None, :]
+        )
         tl.store(kc, k_rot.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
         v = tl.load(v_ptr + token * stride_vt + kv_heads[:, None] * stride_vh + offs_d[None, :], mask=kv_mask)
-        vc = v_cache_ptr + block * stride_vcb + kv_heads[:, None] * stride_vch + offset * stride_vct + offs_d[None, :]
+        vc = (
+            v_cache_ptr
+            + block * stride_vcb
+            + kv_heads[:, None] * stride_vch
+            + offset * stride_vct
+            + offs_d[None, :]
+        )
         tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
 
 

@@ -93,7 +93,9 @@ class ModelShapes:
 
     def __post_init__(self) -> None:
         if self.num_heads <= 0 or self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads {self.num_heads} must be a positive multiple of num_kv_heads {self.num_kv_heads}")
+            raise ValueError(
+                f"num_heads {self.num_heads} must be a positive multiple of num_kv_heads {self.num_kv_heads}"
+            )
         for name in ("head_dim", "hidden", "intermediate", "block_size", "max_model_len", "max_num_seqs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -104,7 +106,13 @@ class ModelShapes:
         return torch_dtype(self.dtype)
 
 
-_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+_DTYPE_ALIASES = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float": "float32",
+}
 
 
 def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -114,7 +122,7 @@ def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     name = _DTYPE_ALIASES.get(name, name)
     value = getattr(torch, name, None)
     if not isinstance(value, torch.dtype):
-        raise ValueError(f"unknown dtype {dtype!r}")
+        raise ValueError(f"unknown dtype {dtype!r}")  # noqa: TRY004 - a bad value, not a bad type
     return value
 
 
@@ -128,7 +136,9 @@ def _ceil_bucket(buckets: tuple[int, ...], value: int) -> int:
 
 def decode_bucket(num_seqs: int, max_seq_len: int) -> str:
     """'<batch>x<context>' for the decode kernel, e.g. decode_bucket(40, 1000) == '64x2048'."""
-    return f"{_ceil_bucket(DECODE_BATCH_BUCKETS, num_seqs)}x{_ceil_bucket(DECODE_CONTEXT_BUCKETS, max_seq_len)}"
+    return (
+        f"{_ceil_bucket(DECODE_BATCH_BUCKETS, num_seqs)}x{_ceil_bucket(DECODE_CONTEXT_BUCKETS, max_seq_len)}"
+    )
 
 
 def token_bucket(num_tokens: int) -> str:
@@ -218,7 +228,9 @@ def time_launches(launch: Callable[[int], object], launches: int, reps: int = 10
     return statistics.median(samples)
 
 
-def measure_copy_bandwidth(device: torch.device | str = "cuda", nbytes: int = 2 << 30, reps: int = 10) -> float:
+def measure_copy_bandwidth(
+    device: torch.device | str = "cuda", nbytes: int = 2 << 30, reps: int = 10
+) -> float:
     """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
@@ -277,7 +289,11 @@ def tune(
         table["kernels"][kernel] = entries
         for bucket, dims in problems.buckets(kernel, shapes):
             if kernel == "paged_decode_attention" and problems.kv_bytes(shapes, dims) > MAX_TUNE_KV_BYTES:
-                smaller = [b for b, d in problems.buckets(kernel, shapes) if d["num_seqs"] == dims["num_seqs"] and b in entries]
+                smaller = [
+                    b
+                    for b, d in problems.buckets(kernel, shapes)
+                    if d["num_seqs"] == dims["num_seqs"] and b in entries
+                ]
                 if smaller:
                     entries[bucket] = {
                         "config": entries[smaller[-1]]["config"],
@@ -296,7 +312,7 @@ def tune(
                 configs = [problems.default_config(kernel, shapes, dims)]
             for order, cfg in enumerate(configs):
                 try:
-                    t_us = time_launches(lambda i, cfg=cfg: problem.launch(cfg, i), launches, reps)
+                    t_us = time_launches(functools.partial(problem.launch, cfg), launches, reps)
                 except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: skip this config
                     if log:
                         log(f"{kernel} {bucket} {cfg.as_dict()}: {type(exc).__name__}: {str(exc)[:120]}")
@@ -315,13 +331,13 @@ def tune(
             entries[bucket] = {
                 "config": best[2].as_dict(),
                 "time_us": round(best[0], 2),
-                "alternatives": [{"config": c.as_dict(), "time_us": round(t, 2)} for t, _, c in others[:ALTERNATIVES_KEPT]],
+                "alternatives": [
+                    {"config": c.as_dict(), "time_us": round(t, 2)} for t, _, c in others[:ALTERNATIVES_KEPT]
+                ],
                 "tuned": len(results) > 1 or len(configs) == 1,
             }
             if log:
                 log(f"{kernel} {bucket}: {best[0]:.2f} us {best[2].as_dict()} ({len(results)} configs)")
-            del problem
-            torch.cuda.empty_cache()
     return table
 
 
@@ -359,7 +375,9 @@ def default_table(gpu_name: str) -> dict[str, Any] | None:
     return table
 
 
-def bandwidth_report(table: Mapping[str, Any], shapes: ModelShapes, copy_bandwidth_gbs: float) -> list[dict[str, Any]]:
+def bandwidth_report(
+    table: Mapping[str, Any], shapes: ModelShapes, copy_bandwidth_gbs: float
+) -> list[dict[str, Any]]:
     """One row per kernel and bucket: time, bytes moved, achieved GB/s and its fraction of copy
     bandwidth (and TFLOP/s for attention), for the artifact's report.md."""
     from pagecast.kernels import problems

@@ -20,12 +20,12 @@ pytestmark = pytest.mark.skipif(
 
 triton = pytest.importorskip("triton")
 
-from pagecast.kernels import ops, reference, rope, tuning  # noqa: E402
-from pagecast.kernels.activation import silu_and_mul  # noqa: E402
-from pagecast.kernels.paged_decode_attention import paged_decode_attention  # noqa: E402
-from pagecast.kernels.paged_prefill_attention import paged_prefill_attention  # noqa: E402
-from pagecast.kernels.rms_norm import fused_add_rms_norm, rms_norm  # noqa: E402
-from pagecast.kernels.rotary_kv import rotary_and_write_kv  # noqa: E402
+from pagecast.kernels import ops, reference, rope, tuning
+from pagecast.kernels.activation import silu_and_mul
+from pagecast.kernels.paged_decode_attention import paged_decode_attention
+from pagecast.kernels.paged_prefill_attention import paged_prefill_attention
+from pagecast.kernels.rms_norm import fused_add_rms_norm, rms_norm
+from pagecast.kernels.rotary_kv import rotary_and_write_kv
 
 
 def _interpreter_index_fix() -> None:
@@ -108,7 +108,9 @@ def test_decode_attention_skips_slots_without_a_query():
     # A padded batch slot (query length 0) writes nothing; the other rows are unaffected.
     x = paged_inputs([9, 41, 17], [1, 0, 1], 4, 2, 16, 8, torch.float32)
     poison = torch.full_like(x["q"], float("nan"))
-    out = paged_decode_attention(**x, scale=0.25, max_seq_len=41, config={"BLOCK_N": 16, "num_splits": 2}, out=poison)
+    out = paged_decode_attention(
+        **x, scale=0.25, max_seq_len=41, config={"BLOCK_N": 16, "num_splits": 2}, out=poison
+    )
     close(out, ref_attention(x, 0.25), torch.float32)
 
 
@@ -122,7 +124,9 @@ def test_decode_attention_default_config():
 PREFILL_CASES = [
     # (num_heads, num_kv_heads, head_dim, block_size, seq_lens, q_lens, config)
     pytest.param(4, 4, 16, 8, [9, 41, 17], [9, 41, 17], {"BLOCK_M": 16, "BLOCK_N": 16}, id="mha-prefill"),
-    pytest.param(9, 3, 64, 16, [50, 41, 9], [7, 1, 9], {"BLOCK_M": 32, "BLOCK_N": 16}, id="group3-prefix-mixed"),
+    pytest.param(
+        9, 3, 64, 16, [50, 41, 9], [7, 1, 9], {"BLOCK_M": 32, "BLOCK_N": 16}, id="group3-prefix-mixed"
+    ),
     pytest.param(8, 2, 16, 8, [1, 90, 33], [1, 37, 20], {"BLOCK_M": 16, "BLOCK_N": 32}, id="group4-chunked"),
 ]
 
@@ -157,7 +161,9 @@ def test_rotary_and_write_kv(dtype, rotary_dim, rope_type):
     # q, k, v as views of one fused qkv projection (strided, as the model passes them)
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(dtype)
     q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
-    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(
+        num_tokens, num_kv_heads, head_dim
+    )
     v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, head_dim)
     slots = torch.tensor([3, 9, -1, 0, 17, 30, -1])
     k_cache = torch.randn(5, num_kv_heads, block_size, head_dim, generator=g).to(dtype)
@@ -211,7 +217,9 @@ def test_ops_use_the_reference_on_cpu(monkeypatch):
     out = ops.paged_attention(**x, scale=0.25, max_query_len=1, max_seq_len=20)
     torch.testing.assert_close(out, ref_attention(x, 0.25))
     h = torch.randn(2, 32)
-    torch.testing.assert_close(ops.rms_norm(h, torch.ones(32), 1e-6), reference.rms_norm(h, torch.ones(32), 1e-6))
+    torch.testing.assert_close(
+        ops.rms_norm(h, torch.ones(32), 1e-6), reference.rms_norm(h, torch.ones(32), 1e-6)
+    )
 
 
 def test_buckets_and_lookup():
@@ -221,7 +229,10 @@ def test_buckets_and_lookup():
     assert tuning.token_bucket(3) == "t8" and tuning.token_bucket(20_000) == "t16384"
     assert tuning.prefill_bucket(300) == "t512"
     cfg = {"BLOCK_N": 64, "num_splits": 4, "num_warps": 4, "num_stages": 2}
-    table = {"kernels": {"paged_decode_attention": {"64x2048": {"config": cfg, "time_us": 1.0}}}, "tuned": True}
+    table = {
+        "kernels": {"paged_decode_attention": {"64x2048": {"config": cfg, "time_us": 1.0}}},
+        "tuned": True,
+    }
     assert tuning.lookup(table, "paged_decode_attention", "64x2048") == cfg
     assert tuning.lookup(table["kernels"], "paged_decode_attention", "64x2048") == cfg
     assert tuning.lookup(table, "paged_decode_attention", "1x512") is None

@@ -15,7 +15,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-from pagecast.kernels import ops, reference, rope, tuning  # noqa: E402
+from pagecast.kernels import ops, reference, rope, tuning
 
 LLAMA = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
 SMOL = {"num_heads": 9, "num_kv_heads": 3, "head_dim": 64}
@@ -61,8 +61,11 @@ DECODE_LENS = [1, 17, 129, 2049, 4000, 9, 700, 3333]
 @pytest.mark.parametrize("block_size", [16, 128])
 @pytest.mark.parametrize(
     "config",
-    [None, {"BLOCK_N": 64, "num_splits": 1, "num_warps": 4, "num_stages": 2},
-     {"BLOCK_N": 32, "num_splits": 16, "num_warps": 4, "num_stages": 3}],  # fmt: skip
+    [
+        None,
+        {"BLOCK_N": 64, "num_splits": 1, "num_warps": 4, "num_stages": 2},
+        {"BLOCK_N": 32, "num_splits": 16, "num_warps": 4, "num_stages": 3},
+    ],
     ids=["default", "direct", "split16"],
 )
 def test_decode_attention(model, block_size, config):
@@ -132,8 +135,12 @@ def test_norms_and_activation(hidden, intermediate):
 def test_ops_dispatch_with_a_tuning_table():
     table = {
         "kernels": {
-            "paged_decode_attention": {"8x8192": {"config": {"BLOCK_N": 128, "num_splits": 8, "num_warps": 8, "num_stages": 2}}},
-            "paged_prefill_attention": {"t2048": {"config": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}}},
+            "paged_decode_attention": {
+                "8x8192": {"config": {"BLOCK_N": 128, "num_splits": 8, "num_warps": 8, "num_stages": 2}}
+            },
+            "paged_prefill_attention": {
+                "t2048": {"config": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}}
+            },
             "rms_norm": {"t8": {"config": {"num_warps": 8, "num_stages": 1}}},
         }
     }
