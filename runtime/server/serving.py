@@ -289,10 +289,11 @@ class GenerationRun:
         if self._admitted:
             self.state.release(self.model, self.num_seqs)
         reasons = []
-        for recorder in self.recorders:
-            reason = _request_finish_reason(recorder.last, self.status)
-            reasons.append(reason)
-            recorder.finish(reason)
+        if self._admitted:  # a refused request never reached the engine: no engine metrics
+            for recorder in self.recorders:
+                reason = _request_finish_reason(recorder.last, self.status)
+                reasons.append(reason)
+                recorder.finish(reason)
         self._log(self.status, reasons)
         for stream in self._streams:
             with contextlib.suppress(Exception):
@@ -314,7 +315,7 @@ class GenerationRun:
             completion_tokens=sum(len(o.token_ids) for out in finals for o in out.outputs),
             ttft_s=ttft,
             total_s=time.monotonic() - self.start_time,
-            finish_reason=",".join(sorted(set(reasons))),
+            finish_reason=",".join(sorted(set(reasons))) or None,
         )
 
 

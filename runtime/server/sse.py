@@ -44,6 +44,7 @@ class SSEResponse(StreamingResponse):
         # first; the generator's own ``finally`` would not run if it was never started.
         self._on_close = on_close
         self._disconnected = False
+        self._completed = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -52,13 +53,15 @@ class SSEResponse(StreamingResponse):
                 async def stream_then_stop() -> None:
                     try:
                         await self.stream_response(send)
+                        self._completed = True
                     except OSError:
                         self._disconnected = True
                     task_group.cancel_scope.cancel()
 
                 async def watch_disconnect() -> None:
                     await self.listen_for_disconnect(receive)
-                    self._disconnected = True
+                    # Servers also report http.disconnect once the response is complete.
+                    self._disconnected = not self._completed
                     task_group.cancel_scope.cancel()
 
                 task_group.start_soon(stream_then_stop)

@@ -1,0 +1,138 @@
+"""engine-serve: bad input stops it with a clear message; SIGTERM drains (503 for new
+requests, running ones finish or are aborted at --shutdown-timeout) and exits 0; JSON logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from click.testing import CliRunner
+
+from pagecast.runtime.cli import main
+
+
+def test_missing_artifact_is_a_clear_error(tmp_path):  # type: ignore[no-untyped-def]
+    result = CliRunner().invoke(main, [str(tmp_path / "nope")])
+    assert result.exit_code == 2
+    assert "no such artifact directory" in result.output and "enginebuild" in result.output
+
+
+def test_directory_that_is_not_an_artifact(tmp_path):  # type: ignore[no-untyped-def]
+    result = CliRunner().invoke(main, [str(tmp_path)])
+    assert result.exit_code == 2
+    assert "manifest.json" in result.output and "enginebuild" in result.output
+
+
+def test_served_model_names_must_match_artifacts(tmp_path):  # type: ignore[no-untyped-def]
+    result = CliRunner().invoke(main, [str(tmp_path), "--served-model-name", "a", "--served-model-name", "b"])
+    assert result.exit_code == 2
+    assert "once per artifact" in result.output
+
+
+def test_bad_option_values_are_usage_errors(tmp_path):  # type: ignore[no-untyped-def]
+    for args in (["--max-queue", "-1"], ["--gpu-memory-utilization", "1.5"], ["--log-format", "xml"]):
+        result = CliRunner().invoke(main, [str(tmp_path), *args])
+        assert result.exit_code == 2, args
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _stream(url: str, body: dict, out: dict, first: threading.Event) -> None:  # type: ignore[type-arg]
+    events = []
+    with httpx.stream("POST", url, json=body, headers={"Authorization": "Bearer k"}, timeout=60) as r:
+        out["status"] = r.status_code
+        for line in r.iter_lines():
+            if line:
+                events.append(line)
+                first.set()
+    first.set()
+    out["events"] = events
+
+
+def test_sigterm_drains_then_exits_zero(tiny_llama_artifact, tmp_path):  # type: ignore[no-untyped-def]
+    port = _free_port()
+    exe = Path(sys.executable).with_name("engine-serve")
+    cmd = [str(exe) if exe.exists() else sys.executable, *([] if exe.exists() else ["-m", "pagecast.runtime.cli"]),
+           str(tiny_llama_artifact), "--port", str(port), "--served-model-name", "tiny", "--kv-cache-memory", "16MiB",
+           "--log-format", "json", "--shutdown-timeout", "1"]
+    log_path = tmp_path / "stderr.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log,
+                                env={**os.environ, "PAGECAST_API_KEY": "k"})
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, log_path.read_text()
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "engine-serve did not come up"
+            time.sleep(0.2)
+        # The API key comes from PAGECAST_API_KEY.
+        assert httpx.post(f"{base}/v1/completions", json={"prompt": "x"}, timeout=30).status_code == 401
+
+        url = f"{base}/v1/completions"
+        long_out: dict = {}
+        short_out: dict = {}
+        long_first, short_first = threading.Event(), threading.Event()
+        long_body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True, "stream": True}
+        short_body = {"model": "tiny", "prompt": [8, 9], "max_tokens": 30, "ignore_eos": True, "stream": True}
+        threads = [threading.Thread(target=_stream, args=(url, long_body, long_out, long_first)),
+                   threading.Thread(target=_stream, args=(url, short_body, short_out, short_first))]
+        threads[0].start()
+        assert long_first.wait(30)
+        threads[1].start()
+        assert short_first.wait(30)
+
+        proc.send_signal(signal.SIGTERM)
+        # Draining: the listener stays up and answers 503, so clients can go elsewhere.
+        time.sleep(0.2)
+        r = httpx.post(url, json={"model": "tiny", "prompt": "x"}, headers={"Authorization": "Bearer k"}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+        assert httpx.get(f"{base}/health", timeout=30).status_code == 503
+
+        for t in threads:
+            t.join(60)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    def finish(out: dict) -> tuple[str | None, str]:  # type: ignore[type-arg]
+        chunks = [json.loads(e[len("data: "):]) for e in out["events"][:-1]]
+        return chunks[-1]["choices"][0]["finish_reason"], out["events"][-1]
+
+    assert short_out["status"] == long_out["status"] == 200
+    assert finish(short_out) == ("length", "data: [DONE]")  # finished within the timeout
+    assert finish(long_out) == ("abort", "data: [DONE]")    # cut at --shutdown-timeout, cleanly
+
+    lines = []
+    for raw in log_path.read_text().splitlines():
+        try:
+            lines.append(json.loads(raw))
+        except ValueError:
+            continue
+    requests = [line for line in lines if line.get("message") == "request finished" and line.get("status") == 200]
+    by_tokens = {line["completion_tokens"]: line for line in requests}
+    short = by_tokens.get(30) or pytest.fail(str(requests) + log_path.read_text()[-4000:])
+    assert short["model"] == "tiny" and short["finish_reason"] == "length" and short["prompt_tokens"] == 2
+    assert short["request_id"].startswith("cmpl-") and 0 <= short["ttft_s"] <= short["total_s"]
+    assert any(line["finish_reason"] == "abort" for line in requests)
+    assert any(line.get("logger", "").startswith("uvicorn") for line in lines)  # uvicorn logs as JSON too
