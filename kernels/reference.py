@@ -127,6 +127,8 @@ def paged_attention(
     """
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     group = num_heads // num_kv_heads
+    if q.shape[0] == seq_lens.shape[0]:  # one query per sequence: decode, batched over sequences
+        return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -150,3 +152,34 @@ def paged_attention(
     return out
 
 
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """paged_attention for one query token per sequence (the last of its context), all sequences
+    in one batched gather and matmul instead of a loop: this is the CPU engine's decode path."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    max_len = int(seq_lens.max())
+    num_blocks = (max_len + block_size - 1) // block_size
+    table = block_tables[:, :num_blocks].long()
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        # [num_seqs, num_blocks, kv_heads, block_size, head_dim] -> [num_seqs, kv_heads, tokens, head_dim]
+        blocks = cache[table].transpose(1, 2)
+        return blocks.reshape(num_seqs, num_kv_heads, num_blocks * block_size, head_dim).float()
+
+    k, v = gather(k_cache), gather(v_cache)
+    qg = q.float().view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.matmul(qg, k.transpose(2, 3)) * scale  # [num_seqs, kv_heads, group, tokens]
+    valid = torch.arange(num_blocks * block_size, device=q.device)[None, :] < seq_lens[:, None]
+    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v).view(num_seqs, num_heads, head_dim).to(q.dtype)

@@ -57,6 +57,11 @@ class EngineOptions:
             raise ValueError(f"max_num_seqs must be positive (got {self.max_num_seqs})")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be positive (got {self.max_num_batched_tokens})")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
+                f"({self.max_num_seqs}), so every running request can decode in one step"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
         if self.kv_cache_memory is not None and parse_size(self.kv_cache_memory) <= 0:
