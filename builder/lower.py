@@ -22,6 +22,12 @@ _ATTENTION_CORE_OPS = {
     "scaled_dot_product_attention", "contiguous", "to",
 }  # fmt: skip
 _ACTIVATIONS = {"silu": "silu"}
+# The HF rotary module only builds its cos/sin table (the engine builds its own from the config);
+# depending on the transformers version those ops are traced inside a no_grad region or inline.
+_ROTARY_TABLE_OPS = {
+    "no_grad_region", "unsqueeze", "expand", "to", "_to_copy", "float", "matmul", "bmm", "transpose", "cat",
+    "cos", "sin", "mul", "view", "reshape", "slice", "contiguous", "clone", "autocast", "_set_grad_enabled",
+}  # fmt: skip
 
 
 def _unsupported(mod: ModuleTrace, op: str, role: str) -> BuildError:
@@ -98,7 +104,7 @@ def lower(trace: TraceSummary, config: Any, family: str, architecture: str) -> M
     m.take("", "causal LM wrapper")
     rotary = m.take("model.rotary_emb", "rotary table", required=False)
     if rotary is not None:
-        m.only(rotary, {"no_grad_region"}, "rotary table")
+        m.only(rotary, _ROTARY_TABLE_OPS, "rotary table")
 
     layers = []
     for i in range(config.num_hidden_layers):
