@@ -51,6 +51,7 @@ class EngineOptions:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     verify_weights: bool = True  # hash weight files on load (slow for large models)
+    cuda_graphs: bool = True  # capture decode graphs at start-up (GPU only)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -128,6 +129,8 @@ class LLMEngine:
             self.block_pool,
         )
         self.runner = ModelRunner(self.artifact.model, self.artifact.device, self.block_size)
+        if self.options.cuda_graphs:
+            self.runner.capture_cuda_graphs(min(self.options.max_num_seqs, 512), self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.num_prompt_tokens = 0

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from pagecast.runtime.cuda_graphs import DecodeGraphs
 from pagecast.runtime.forward_context import ForwardContext
 from pagecast.runtime.outputs import PositionLogprobs
 from pagecast.runtime.request import Request
@@ -45,6 +46,14 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.block_size = block_size
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> float:
+        """Capture decode graphs (GPU only); returns the seconds it took."""
+        if self.device.type != "cuda":
+            return 0.0
+        self.graphs = DecodeGraphs(self.model, self.device, max_batch, max_model_len, self.block_size)
+        return self.graphs.capture()
 
     def prepare(self, out: SchedulerOutput) -> _Batch:
         bs = self.block_size
@@ -104,14 +113,32 @@ class ModelRunner:
             prompt_lp=prompt_lp,
         )
 
+    def _use_graph(self, batch: _Batch, num_seqs: int) -> bool:
+        # A graph computes logits for every row: usable when each row is one token that samples.
+        return (
+            self.graphs is not None
+            and batch.ctx.max_query_len == 1
+            and len(batch.sample_rows) == num_seqs
+            and not batch.prompt_lp
+            and self.graphs.can_run(num_seqs, batch.ctx.max_seq_len)
+        )
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         batch = self.prepare(out)
-        hidden = self.model.forward(batch.input_ids, batch.positions, batch.ctx)
         result = RunnerOutput()
-        if batch.ctx.logits_indices.numel() == 0:
-            return result
-        logits = self.model.compute_logits(hidden[batch.ctx.logits_indices])
+        num_seqs = len(out.scheduled_requests)
+        if self._use_graph(batch, num_seqs):
+            assert self.graphs is not None
+            ctx = batch.ctx
+            logits = self.graphs.run(
+                batch.input_ids, batch.positions, ctx.slot_mapping, ctx.block_tables, ctx.seq_lens, ctx.max_seq_len
+            )
+        else:
+            hidden = self.model.forward(batch.input_ids, batch.positions, batch.ctx)
+            if batch.ctx.logits_indices.numel() == 0:
+                return result
+            logits = self.model.compute_logits(hidden[batch.ctx.logits_indices])
         if batch.sample_requests:
             rows = torch.tensor(batch.sample_rows, device=logits.device)
             sampled = sample(logits[rows], batch.sample_requests)

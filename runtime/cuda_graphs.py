@@ -1,0 +1,109 @@
+"""CUDA graphs for decode steps: the whole forward pass of a decode batch replays as one
+graph, so a step costs one launch instead of a few hundred and no Python runs per layer.
+
+Graphs are captured at start-up for a set of batch sizes and context-length buckets (the
+attention kernel's split count depends on the context bucket). A batch is padded up to the
+next captured size: padding rows write no KV (slot -1) and attend to nothing (length 0).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from typing import Any
+
+import torch
+
+from pagecast.runtime.forward_context import ForwardContext
+
+logger = logging.getLogger("pagecast.engine")
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+CONTEXT_BUCKETS = (2048, 8192)
+
+
+class DecodeGraphs:
+    """Captured decode graphs over persistent input buffers; ``run`` fills the buffers and replays."""
+
+    def __init__(self, model: Any, device: torch.device, max_batch: int, max_model_len: int, block_size: int):
+        self.model = model
+        self.device = device
+        self.batch_sizes = [b for b in DEFAULT_BATCH_SIZES if b <= max_batch] or [1]
+        self.contexts = sorted({c for c in CONTEXT_BUCKETS if c < max_model_len} | {max_model_len})
+        self.max_batch = self.batch_sizes[-1]
+        self.max_blocks = (max_model_len + block_size - 1) // block_size
+        n = self.max_batch
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros((n, self.max_blocks), dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.logits_indices = torch.arange(n, dtype=torch.int64, device=device)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.pool = None
+
+    def _forward(self, batch: int, context: int) -> torch.Tensor:
+        ctx = ForwardContext(
+            slot_mapping=self.slot_mapping[:batch],
+            block_tables=self.block_tables[:batch],
+            seq_lens=self.seq_lens[:batch],
+            query_start_loc=self.query_start_loc[: batch + 1],
+            max_query_len=1,
+            max_seq_len=context,
+            logits_indices=self.logits_indices[:batch],
+        )
+        hidden = self.model.forward(self.input_ids[:batch], self.positions[:batch], ctx)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> float:
+        start = time.perf_counter()
+        # Largest first, so the shared memory pool is sized once.
+        for context in reversed(self.contexts):
+            for batch in reversed(self.batch_sizes):
+                self._forward(batch, context)  # warm-up: kernel selection, allocator
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    out = self._forward(batch, context)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[(batch, context)] = graph
+                self.outputs[(batch, context)] = out
+        torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - start
+        logger.info("captured %d decode CUDA graphs in %.1f s", len(self.graphs), elapsed)
+        return elapsed
+
+    def can_run(self, num_seqs: int, max_seq_len: int) -> bool:
+        return num_seqs <= self.max_batch and max_seq_len <= self.contexts[-1]
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_seq_len: int,
+    ) -> torch.Tensor:
+        """All inputs on the device, one row per sequence; returns logits [num_seqs, vocab]."""
+        n = input_ids.shape[0]
+        batch = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
+        context = self.contexts[bisect.bisect_left(self.contexts, max_seq_len)]
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(slot_mapping)
+        self.seq_lens[:n].copy_(seq_lens)
+        width = block_tables.shape[1]
+        self.block_tables[:n, :width].copy_(block_tables)
+        if batch > n:  # padding rows: no KV write, empty context
+            self.slot_mapping[n:batch].fill_(-1)
+            self.seq_lens[n:batch].zero_()
+            self.input_ids[n:batch].zero_()
+            self.positions[n:batch].zero_()
+        self.graphs[(batch, context)].replay()
+        return self.outputs[(batch, context)][:n]
