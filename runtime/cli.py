@@ -36,29 +36,72 @@ _ENGINE_OPTIONS = (
 @click.argument("artifacts", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 for all).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port to bind.")
-@click.option("--api-key", envvar="PAGECAST_API_KEY", default=None,
-              help="Require `Authorization: Bearer KEY` on /v1 routes (also from PAGECAST_API_KEY).")
-@click.option("--served-model-name", "served_model_names", multiple=True,
-              help="Name clients use in `model`; once per artifact, in order (default: the artifact's name).")
-@click.option("--max-num-seqs", type=click.IntRange(min=1), default=None,
-              help="Most sequences running at once, per engine [engine default: 256].")
-@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=None,
-              help="Token budget of one engine step [engine default: 2048].")
-@click.option("--gpu-memory-utilization", type=click.FloatRange(0.0, 1.0, min_open=True), default=None,
-              help="Fraction of GPU memory the engine may use; the KV cache gets what is left [default: 0.9].")
-@click.option("--kv-cache-memory", default=None,
-              help="KV-cache size such as 512MiB or 4GB (instead of --gpu-memory-utilization).")
-@click.option("--max-model-len", type=click.IntRange(min=1), default=None,
-              help="Cap on prompt + output tokens (at most the artifact's).")
+@click.option(
+    "--api-key",
+    envvar="PAGECAST_API_KEY",
+    default=None,
+    help="Require `Authorization: Bearer KEY` on /v1 routes (also from PAGECAST_API_KEY).",
+)
+@click.option(
+    "--served-model-name",
+    "served_model_names",
+    multiple=True,
+    help="Name clients use in `model`; once per artifact, in order (default: the artifact's name).",
+)
+@click.option(
+    "--max-num-seqs",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Most sequences running at once, per engine [engine default: 256].",
+)
+@click.option(
+    "--max-num-batched-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Token budget of one engine step [engine default: 2048].",
+)
+@click.option(
+    "--gpu-memory-utilization",
+    type=click.FloatRange(0.0, 1.0, min_open=True),
+    default=None,
+    help="Fraction of GPU memory the engine may use; the KV cache gets what is left [default: 0.9].",
+)
+@click.option(
+    "--kv-cache-memory",
+    default=None,
+    help="KV-cache size such as 512MiB or 4GB (instead of --gpu-memory-utilization).",
+)
+@click.option(
+    "--max-model-len",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Cap on prompt + output tokens (at most the artifact's).",
+)
 @click.option("--no-prefix-caching", is_flag=True, help="Do not reuse KV blocks of common prompt prefixes.")
-@click.option("--max-queue", default=256, show_default=True, type=click.IntRange(min=0),
-              help="Sequences that may wait for a slot, per model, beyond --max-num-seqs; more get 429.")
-@click.option("--shutdown-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0.0),
-              help="Seconds running requests get to finish after SIGTERM before they are aborted.")
-@click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
-              help="Log lines as text or as one JSON object each.")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
-              show_default=True)
+@click.option(
+    "--max-queue",
+    default=256,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Sequences that may wait for a slot, per model, beyond --max-num-seqs; more get 429.",
+)
+@click.option(
+    "--shutdown-timeout",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(min=0.0),
+    help="Seconds running requests get to finish after SIGTERM before they are aborted.",
+)
+@click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    help="Log lines as text or as one JSON object each.",
+)
+@click.option(
+    "--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True
+)
 def main(
     artifacts: tuple[Path, ...],
     host: str,
@@ -77,8 +120,10 @@ def main(
 
     log_config = configure_logging(log_format, getattr(logging, log_level.upper()))
     if served_model_names and len(served_model_names) != len(artifacts):
-        _fail(f"--served-model-name was given {len(served_model_names)} time(s) for {len(artifacts)} artifact(s): "
-              "give it once per artifact, in the same order")
+        _fail(
+            f"--served-model-name was given {len(served_model_names)} time(s) for {len(artifacts)} "
+            "artifact(s): give it once per artifact, in the same order"
+        )
     options = {k: v for k, v in engine_kwargs.items() if k in _ENGINE_OPTIONS and v is not None}
     if no_prefix_caching:
         options["enable_prefix_caching"] = False
@@ -108,14 +153,19 @@ def _fail(message: str) -> None:
     sys.exit(2)
 
 
-def _load_engines(artifacts: tuple[Path, ...], names: tuple[str, ...], options: dict[str, Any]) -> dict[str, Any]:
+def _load_engines(
+    artifacts: tuple[Path, ...], names: tuple[str, ...], options: dict[str, Any]
+) -> dict[str, Any]:
     from pagecast.runtime import AsyncEngine
     from pagecast.runtime.errors import ArtifactError
 
     engines: dict[str, Any] = {}
     for i, path in enumerate(artifacts):
         if not path.exists():
-            _fail(f"{path}: no such artifact directory (build one with `enginebuild --model ... --output {path}`)")
+            _fail(
+                f"{path}: no such artifact directory "
+                f"(build one with `enginebuild --model ... --output {path}`)"
+            )
         logger.info("loading %s", path)
         try:
             engine = AsyncEngine.from_artifact(path, **options)
@@ -172,8 +222,11 @@ class _DrainingServer:
             self.server.force_exit = True
             return
         self.draining = True
-        logger.info("received %s: draining (up to %.0f s), new requests get 503", signal.Signals(sig).name,
-                    self.shutdown_timeout)
+        logger.info(
+            "received %s: draining (up to %.0f s), new requests get 503",
+            signal.Signals(sig).name,
+            self.shutdown_timeout,
+        )
         self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._drain()))  # type: ignore[union-attr]
 
     async def _drain(self) -> None:

@@ -65,13 +65,26 @@ def _stream(url: str, body: dict, out: dict, first: threading.Event) -> None:  #
 def test_sigterm_drains_then_exits_zero(tiny_llama_artifact, tmp_path):  # type: ignore[no-untyped-def]
     port = _free_port()
     exe = Path(sys.executable).with_name("engine-serve")
-    cmd = [str(exe) if exe.exists() else sys.executable, *([] if exe.exists() else ["-m", "pagecast.runtime.cli"]),
-           str(tiny_llama_artifact), "--port", str(port), "--served-model-name", "tiny", "--kv-cache-memory", "16MiB",
-           "--log-format", "json", "--shutdown-timeout", "1"]
+    cmd = [
+        str(exe) if exe.exists() else sys.executable,
+        *([] if exe.exists() else ["-m", "pagecast.runtime.cli"]),
+        str(tiny_llama_artifact),
+        "--port",
+        str(port),
+        "--served-model-name",
+        "tiny",
+        "--kv-cache-memory",
+        "16MiB",
+        "--log-format",
+        "json",
+        "--shutdown-timeout",
+        "1",
+    ]
     log_path = tmp_path / "stderr.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log,
-                                env={**os.environ, "PAGECAST_API_KEY": "k"})
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, "PAGECAST_API_KEY": "k"}
+        )
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
@@ -91,10 +104,18 @@ def test_sigterm_drains_then_exits_zero(tiny_llama_artifact, tmp_path):  # type:
         long_out: dict = {}
         short_out: dict = {}
         long_first, short_first = threading.Event(), threading.Event()
-        long_body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True, "stream": True}
+        long_body = {
+            "model": "tiny",
+            "prompt": [5, 6, 7],
+            "max_tokens": 500,
+            "ignore_eos": True,
+            "stream": True,
+        }
         short_body = {"model": "tiny", "prompt": [8, 9], "max_tokens": 30, "ignore_eos": True, "stream": True}
-        threads = [threading.Thread(target=_stream, args=(url, long_body, long_out, long_first)),
-                   threading.Thread(target=_stream, args=(url, short_body, short_out, short_first))]
+        threads = [
+            threading.Thread(target=_stream, args=(url, long_body, long_out, long_first)),
+            threading.Thread(target=_stream, args=(url, short_body, short_out, short_first)),
+        ]
         threads[0].start()
         assert long_first.wait(30)
         threads[1].start()
@@ -103,7 +124,9 @@ def test_sigterm_drains_then_exits_zero(tiny_llama_artifact, tmp_path):  # type:
         proc.send_signal(signal.SIGTERM)
         # Draining: the listener stays up and answers 503, so clients can go elsewhere.
         time.sleep(0.2)
-        r = httpx.post(url, json={"model": "tiny", "prompt": "x"}, headers={"Authorization": "Bearer k"}, timeout=30)
+        r = httpx.post(
+            url, json={"model": "tiny", "prompt": "x"}, headers={"Authorization": "Bearer k"}, timeout=30
+        )
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
         assert httpx.get(f"{base}/health", timeout=30).status_code == 503
 
@@ -116,12 +139,12 @@ def test_sigterm_drains_then_exits_zero(tiny_llama_artifact, tmp_path):  # type:
             proc.wait()
 
     def finish(out: dict) -> tuple[str | None, str]:  # type: ignore[type-arg]
-        chunks = [json.loads(e[len("data: "):]) for e in out["events"][:-1]]
+        chunks = [json.loads(e[len("data: ") :]) for e in out["events"][:-1]]
         return chunks[-1]["choices"][0]["finish_reason"], out["events"][-1]
 
     assert short_out["status"] == long_out["status"] == 200
     assert finish(short_out) == ("length", "data: [DONE]")  # finished within the timeout
-    assert finish(long_out) == ("abort", "data: [DONE]")    # cut at --shutdown-timeout, cleanly
+    assert finish(long_out) == ("abort", "data: [DONE]")  # cut at --shutdown-timeout, cleanly
 
     lines = []
     for raw in log_path.read_text().splitlines():
@@ -129,7 +152,9 @@ def test_sigterm_drains_then_exits_zero(tiny_llama_artifact, tmp_path):  # type:
             lines.append(json.loads(raw))
         except ValueError:
             continue
-    requests = [line for line in lines if line.get("message") == "request finished" and line.get("status") == 200]
+    requests = [
+        line for line in lines if line.get("message") == "request finished" and line.get("status") == 200
+    ]
     by_tokens = {line["completion_tokens"]: line for line in requests}
     short = by_tokens.get(30) or pytest.fail(str(requests) + log_path.read_text()[-4000:])
     assert short["model"] == "tiny" and short["finish_reason"] == "length" and short["prompt_tokens"] == 2

@@ -25,12 +25,23 @@ def server(tiny_llama_artifact):  # type: ignore[no-untyped-def]
 
 
 def post(server, path: str, body=None, content: bytes | None = None, headers=None) -> httpx.Response:  # type: ignore[no-untyped-def]
-    return httpx.post(f"{server.url}{path}", json=body, content=content, headers=AUTH if headers is None else headers,
-                      timeout=60)
+    return httpx.post(
+        f"{server.url}{path}",
+        json=body,
+        content=content,
+        headers=AUTH if headers is None else headers,
+        timeout=60,
+    )
 
 
-def assert_error(r: httpx.Response, status: int, type_: str, param: str | None = None, code: str | None = None,
-                 says: str = "") -> dict:
+def assert_error(
+    r: httpx.Response,
+    status: int,
+    type_: str,
+    param: str | None = None,
+    code: str | None = None,
+    says: str = "",
+) -> dict:
     assert r.status_code == status, r.text
     assert r.headers["content-type"].startswith("application/json")
     body = r.json()
@@ -48,10 +59,20 @@ def assert_error(r: httpx.Response, status: int, type_: str, param: str | None =
 
 def test_api_key(server):  # type: ignore[no-untyped-def]
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
-    assert_error(post(server, "/v1/completions", body, headers={}), 401, "authentication_error", code="invalid_api_key",
-                 says="missing")
-    assert_error(post(server, "/v1/completions", body, headers={"Authorization": "Bearer nope"}), 401,
-                 "authentication_error", code="invalid_api_key", says="incorrect")
+    assert_error(
+        post(server, "/v1/completions", body, headers={}),
+        401,
+        "authentication_error",
+        code="invalid_api_key",
+        says="missing",
+    )
+    assert_error(
+        post(server, "/v1/completions", body, headers={"Authorization": "Bearer nope"}),
+        401,
+        "authentication_error",
+        code="invalid_api_key",
+        says="incorrect",
+    )
     assert_error(httpx.get(f"{server.url}/v1/models"), 401, "authentication_error")
     assert post(server, "/v1/completions", body).status_code == 200
     # Probes and scrapers need no key.
@@ -61,87 +82,152 @@ def test_api_key(server):  # type: ignore[no-untyped-def]
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
 
 
-@pytest.mark.parametrize("body, param, says", [
-    ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, "temperature", "valid number"),
-    ({"model": MODEL, "prompt": "hi", "temperature": 2.5}, "temperature", "less than or equal to 2"),
-    ({"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p", "greater than 0"),
-    ({"model": MODEL, "prompt": "hi", "top_k": -2}, "top_k", ""),
-    ({"model": MODEL, "prompt": "hi", "min_p": 1.5}, "min_p", ""),
-    ({"model": MODEL, "prompt": "hi", "n": 0}, "n", ""),
-    ({"model": MODEL, "prompt": "hi", "n": True}, "n", "integer"),
-    ({"model": MODEL, "prompt": "hi", "max_tokens": -1}, "max_tokens", ""),
-    ({"model": MODEL, "prompt": "hi", "max_tokens": "ten"}, "max_tokens", ""),
-    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens", "echo"),
-    ({"model": MODEL, "prompt": "hi", "logprobs": 21}, "logprobs", ""),
-    ({"model": MODEL, "prompt": "hi", "presence_penalty": -3}, "presence_penalty", ""),
-    ({"model": MODEL, "prompt": "hi", "frequency_penalty": 2.1}, "frequency_penalty", ""),
-    ({"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", ""),
-    ({"model": MODEL, "prompt": "hi", "seed": 2**70}, "seed", ""),
-    ({"model": MODEL, "prompt": "hi", "stop": 5}, "stop", "wrong type"),
-    ({"model": MODEL, "prompt": "hi", "stop": [""]}, "stop", "empty"),
-    ({"model": MODEL, "prompt": "hi", "stop": ["s"] * 17}, "stop", "at most 16"),
-    ({"model": MODEL, "prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids", ""),
-    ({"model": MODEL, "prompt": "hi", "stream": "yes"}, "stream", ""),
-    ({"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options", "stream"),
-    ({"model": MODEL}, "prompt", "required"),
-    ({"model": MODEL, "prompt": []}, "prompt", ""),
-    ({"model": MODEL, "prompt": [1, "a"]}, "prompt", ""),
-    ({"model": MODEL, "prompt": [[1, 2], []]}, "prompt", ""),
-    ({"model": MODEL, "prompt": [1, -5]}, "prompt", ""),
-    ({"model": MODEL, "prompt": [10**9]}, "prompt", "out of range"),
-    ({"model": 5, "prompt": "hi"}, "model", ""),
-])
+@pytest.mark.parametrize(
+    "body, param, says",
+    [
+        ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, "temperature", "valid number"),
+        ({"model": MODEL, "prompt": "hi", "temperature": 2.5}, "temperature", "less than or equal to 2"),
+        ({"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p", "greater than 0"),
+        ({"model": MODEL, "prompt": "hi", "top_k": -2}, "top_k", ""),
+        ({"model": MODEL, "prompt": "hi", "min_p": 1.5}, "min_p", ""),
+        ({"model": MODEL, "prompt": "hi", "n": 0}, "n", ""),
+        ({"model": MODEL, "prompt": "hi", "n": True}, "n", "integer"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": -1}, "max_tokens", ""),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": "ten"}, "max_tokens", ""),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens", "echo"),
+        ({"model": MODEL, "prompt": "hi", "logprobs": 21}, "logprobs", ""),
+        ({"model": MODEL, "prompt": "hi", "presence_penalty": -3}, "presence_penalty", ""),
+        ({"model": MODEL, "prompt": "hi", "frequency_penalty": 2.1}, "frequency_penalty", ""),
+        ({"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", ""),
+        ({"model": MODEL, "prompt": "hi", "seed": 2**70}, "seed", ""),
+        ({"model": MODEL, "prompt": "hi", "stop": 5}, "stop", "wrong type"),
+        ({"model": MODEL, "prompt": "hi", "stop": [""]}, "stop", "empty"),
+        ({"model": MODEL, "prompt": "hi", "stop": ["s"] * 17}, "stop", "at most 16"),
+        ({"model": MODEL, "prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids", ""),
+        ({"model": MODEL, "prompt": "hi", "stream": "yes"}, "stream", ""),
+        (
+            {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}},
+            "stream_options",
+            "stream",
+        ),
+        ({"model": MODEL}, "prompt", "required"),
+        ({"model": MODEL, "prompt": []}, "prompt", ""),
+        ({"model": MODEL, "prompt": [1, "a"]}, "prompt", ""),
+        ({"model": MODEL, "prompt": [[1, 2], []]}, "prompt", ""),
+        ({"model": MODEL, "prompt": [1, -5]}, "prompt", ""),
+        ({"model": MODEL, "prompt": [10**9]}, "prompt", "out of range"),
+        ({"model": 5, "prompt": "hi"}, "model", ""),
+    ],
+)
 def test_completions_bad_values_are_400_naming_the_param(server, body, param, says):  # type: ignore[no-untyped-def]
     assert_error(post(server, "/v1/completions", body), 400, "invalid_request_error", param=param, says=says)
 
 
-@pytest.mark.parametrize("body, param, says", [
-    ({"model": MODEL}, "messages", "required"),
-    ({"model": MODEL, "messages": []}, "messages", ""),
-    ({"model": MODEL, "messages": "hi"}, "messages", ""),
-    ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role", ""),
-    ({"model": MODEL, "messages": [{"role": "user", "content": 3}]}, "messages[0].content", ""),
-    ({"model": MODEL, "messages": [{"role": "user"}]}, "messages[0].content", "required"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs",
-     "logprobs"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 30},
-     "top_logprobs", ""),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
-     "max_completion_tokens", ""),
-])
+@pytest.mark.parametrize(
+    "body, param, says",
+    [
+        ({"model": MODEL}, "messages", "required"),
+        ({"model": MODEL, "messages": []}, "messages", ""),
+        ({"model": MODEL, "messages": "hi"}, "messages", ""),
+        ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role", ""),
+        ({"model": MODEL, "messages": [{"role": "user", "content": 3}]}, "messages[0].content", ""),
+        ({"model": MODEL, "messages": [{"role": "user"}]}, "messages[0].content", "required"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+            "top_logprobs",
+            "logprobs",
+        ),
+        (
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "logprobs": True,
+                "top_logprobs": 30,
+            },
+            "top_logprobs",
+            "",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+            "max_completion_tokens",
+            "",
+        ),
+    ],
+)
 def test_chat_bad_values_are_400_naming_the_param(server, body, param, says):  # type: ignore[no-untyped-def]
-    assert_error(post(server, "/v1/chat/completions", body), 400, "invalid_request_error", param=param, says=says)
+    assert_error(
+        post(server, "/v1/chat/completions", body), 400, "invalid_request_error", param=param, says=says
+    )
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "suffix": "tail"}, "suffix"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": 3}, "best_of"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"50": 5}}, "logit_bias"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                              "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                              "response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]},
-     "messages[0].content[0].type"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "suffix": "tail"}, "suffix"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": 3}, "best_of"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"50": 5}}, "logit_bias"),
+        (
+            "/v1/chat/completions",
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+            },
+            "tools",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "response_format": {"type": "json_object"},
+            },
+            "response_format",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]},
+            "messages[0].role",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "model": MODEL,
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}
+                ],
+            },
+            "messages[0].content[0].type",
+        ),
+    ],
+)
 def test_unsupported_parameters_say_so(server, path, body, param):  # type: ignore[no-untyped-def]
-    assert_error(post(server, path, body), 400, "invalid_request_error", param=param, code="unsupported_parameter",
-                 says="not supported")
+    assert_error(
+        post(server, path, body),
+        400,
+        "invalid_request_error",
+        param=param,
+        code="unsupported_parameter",
+        says="not supported",
+    )
 
 
 def test_best_of_equal_to_n_is_accepted(server):  # type: ignore[no-untyped-def]
-    r = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": 2, "n": 2, "max_tokens": 2})
+    r = post(
+        server, "/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": 2, "n": 2, "max_tokens": 2}
+    )
     assert r.status_code == 200 and len(r.json()["choices"]) == 2
 
 
-@pytest.mark.parametrize("content, says", [
-    (b"{not json", "not valid json"),
-    (b"", "empty"),
-    (b"[1, 2]", "json object"),
-    (b'"just a string"', "json object"),
-])
+@pytest.mark.parametrize(
+    "content, says",
+    [
+        (b"{not json", "not valid json"),
+        (b"", "empty"),
+        (b"[1, 2]", "json object"),
+        (b'"just a string"', "json object"),
+    ],
+)
 def test_malformed_json(server, content, says):  # type: ignore[no-untyped-def]
     r = post(server, "/v1/completions", content=content, headers={**AUTH, "Content-Type": "application/json"})
     assert_error(r, 400, "invalid_request_error", param=None, says=says)
@@ -149,17 +235,41 @@ def test_malformed_json(server, content, says):  # type: ignore[no-untyped-def]
 
 def test_context_length_exceeded(server):  # type: ignore[no-untyped-def]
     # max_model_len is 256 here.
-    err = assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": [5] * 200, "max_tokens": 100}),
-                       400, "invalid_request_error", param="max_tokens", code="context_length_exceeded", says="256")
+    err = assert_error(
+        post(server, "/v1/completions", {"model": MODEL, "prompt": [5] * 200, "max_tokens": 100}),
+        400,
+        "invalid_request_error",
+        param="max_tokens",
+        code="context_length_exceeded",
+        says="256",
+    )
     assert "300" in err["message"]
-    assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": [5] * 300}), 400,
-                 "invalid_request_error", param="prompt", code="context_length_exceeded")
-    assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": [5] * 200, "max_tokens": 100,
-                                                  "stream": True}),
-                 400, "invalid_request_error", param="max_tokens", code="context_length_exceeded")
+    assert_error(
+        post(server, "/v1/completions", {"model": MODEL, "prompt": [5] * 300}),
+        400,
+        "invalid_request_error",
+        param="prompt",
+        code="context_length_exceeded",
+    )
+    assert_error(
+        post(
+            server,
+            "/v1/completions",
+            {"model": MODEL, "prompt": [5] * 200, "max_tokens": 100, "stream": True},
+        ),
+        400,
+        "invalid_request_error",
+        param="max_tokens",
+        code="context_length_exceeded",
+    )
     long_chat = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 400}]}
-    assert_error(post(server, "/v1/chat/completions", long_chat), 400, "invalid_request_error", param="messages",
-                 code="context_length_exceeded")
+    assert_error(
+        post(server, "/v1/chat/completions", long_chat),
+        400,
+        "invalid_request_error",
+        param="messages",
+        code="context_length_exceeded",
+    )
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt=[5] * 200, max_tokens=100)
@@ -167,20 +277,41 @@ def test_context_length_exceeded(server):  # type: ignore[no-untyped-def]
 
 
 def test_unknown_model_is_404(server):  # type: ignore[no-untyped-def]
-    err = assert_error(post(server, "/v1/completions", {"model": "gpt-5", "prompt": "hi"}), 404,
-                       "invalid_request_error", param="model", code="model_not_found", says="gpt-5")
+    err = assert_error(
+        post(server, "/v1/completions", {"model": "gpt-5", "prompt": "hi"}),
+        404,
+        "invalid_request_error",
+        param="model",
+        code="model_not_found",
+        says="gpt-5",
+    )
     assert "does not exist" in err["message"]
-    assert_error(post(server, "/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}),
-                 404, "invalid_request_error", param="model", code="model_not_found")
-    assert_error(httpx.get(f"{server.url}/v1/models/nope", headers=AUTH), 404, "invalid_request_error",
-                 param="model", code="model_not_found")
+    assert_error(
+        post(
+            server, "/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}
+        ),
+        404,
+        "invalid_request_error",
+        param="model",
+        code="model_not_found",
+    )
+    assert_error(
+        httpx.get(f"{server.url}/v1/models/nope", headers=AUTH),
+        404,
+        "invalid_request_error",
+        param="model",
+        code="model_not_found",
+    )
     with pytest.raises(openai.NotFoundError):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0).completions.create(
-            model="nope", prompt="x")
+            model="nope", prompt="x"
+        )
 
 
 def test_unknown_route_and_method(server):  # type: ignore[no-untyped-def]
-    assert_error(httpx.get(f"{server.url}/v1/nothing", headers=AUTH), 404, "invalid_request_error", code="not_found")
+    assert_error(
+        httpx.get(f"{server.url}/v1/nothing", headers=AUTH), 404, "invalid_request_error", code="not_found"
+    )
     assert_error(httpx.get(f"{server.url}/v1/completions", headers=AUTH), 405, "invalid_request_error")
 
 
@@ -191,8 +322,10 @@ def test_queue_full_is_429_with_retry_after(server):  # type: ignore[no-untyped-
     stop = threading.Event()
 
     def hold_stream() -> None:
-        with httpx.Client(timeout=60) as c, c.stream("POST", f"{server.url}/v1/completions", json=body,
-                                                      headers=AUTH) as r:
+        with (
+            httpx.Client(timeout=60) as c,
+            c.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH) as r,
+        ):
             assert r.status_code == 200
             stop.wait(60)  # read nothing more; leaving closes the connection
 
@@ -200,22 +333,32 @@ def test_queue_full_is_429_with_retry_after(server):  # type: ignore[no-untyped-
     for t in threads:
         t.start()
     try:
-        wait_for(lambda: metric(metric_samples(server.url), "pagecast_server_sequences_in_flight",
-                                model_name=MODEL) == 3)
+        wait_for(
+            lambda: (
+                metric(metric_samples(server.url), "pagecast_server_sequences_in_flight", model_name=MODEL)
+                == 3
+            )
+        )
         r = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1})
         assert_error(r, 429, "rate_limit_error", code="queue_full")
         assert int(r.headers["Retry-After"]) >= 1
         with pytest.raises(openai.RateLimitError):
             openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0).completions.create(
-                model=MODEL, prompt="hi", max_tokens=1)
+                model=MODEL, prompt="hi", max_tokens=1
+            )
     finally:
         stop.set()
         for t in threads:
             t.join(60)
     # The streams' clients left: their sequences are released and requests are admitted again.
-    wait_for(lambda: metric(metric_samples(server.url), "pagecast_server_sequences_in_flight",
-                            model_name=MODEL) == 0)
-    assert post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1}).status_code == 200
+    wait_for(
+        lambda: (
+            metric(metric_samples(server.url), "pagecast_server_sequences_in_flight", model_name=MODEL) == 0
+        )
+    )
+    assert (
+        post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1}).status_code == 200
+    )
 
 
 # -- an engine that fails --------------------------------------------------------------------------
@@ -249,7 +392,7 @@ def test_engine_failure_is_503_not_a_hang(dying_server):  # type: ignore[no-unty
     assert events[-1] == "data: [DONE]"
     import json
 
-    err = json.loads(events[-2][len("data: "):])["error"]
+    err = json.loads(events[-2][len("data: ") :])["error"]
     assert err["type"] == "server_error" and "simulated device failure" in err["message"]
 
     wait_for(lambda: not engine.is_alive())
@@ -257,12 +400,16 @@ def test_engine_failure_is_503_not_a_hang(dying_server):  # type: ignore[no-unty
     assert health.status_code == 503 and health.json()["status"] == "error"
     r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
     assert_error(r, 503, "server_error", code="engine_dead", says="stopped")
-    r = httpx.post(f"{server.url}/v1/chat/completions",
-                   json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True}, timeout=30)
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True},
+        timeout=30,
+    )
     assert_error(r, 503, "server_error", code="engine_dead")
     with pytest.raises(openai.InternalServerError):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0).completions.create(
-            model=MODEL, prompt="x")
+            model=MODEL, prompt="x"
+        )
     # /metrics keeps answering and says the engine is down.
     text = httpx.get(f"{server.url}/metrics").text
     assert 'pagecast_engine_alive{model_name="tiny"} 0.0' in text
@@ -281,6 +428,9 @@ def test_engine_failure_during_non_streaming_request(tiny_llama_artifact):  # ty
             return real_step()
 
         core.step = failing_step
-        r = httpx.post(f"{server.url}/v1/completions",
-                       json={"model": MODEL, "prompt": [5, 6], "max_tokens": 400, "ignore_eos": True}, timeout=30)
+        r = httpx.post(
+            f"{server.url}/v1/completions",
+            json={"model": MODEL, "prompt": [5, 6], "max_tokens": 400, "ignore_eos": True},
+            timeout=30,
+        )
         assert_error(r, 503, "server_error", code="engine_dead", says="simulated device failure")

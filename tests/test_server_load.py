@@ -34,7 +34,9 @@ def blocks_used(server, model: str = LLAMA) -> float:  # type: ignore[no-untyped
 
 
 def aborted(server, model: str = LLAMA) -> float:  # type: ignore[no-untyped-def]
-    return metric(metric_samples(server.url), "pagecast_requests_total", model_name=model, finish_reason="abort")
+    return metric(
+        metric_samples(server.url), "pagecast_requests_total", model_name=model, finish_reason="abort"
+    )
 
 
 def test_two_artifacts_answer_under_their_own_names(server, artifacts):  # type: ignore[no-untyped-def]
@@ -43,7 +45,9 @@ def test_two_artifacts_answer_under_their_own_names(server, artifacts):  # type:
     prompt = "The meaning of life is"
     texts = {}
     for name, path in artifacts.items():
-        expected = LLM(path, kv_cache_memory="16MiB").generate([prompt], SamplingParams(temperature=0, max_tokens=8))
+        expected = LLM(path, kv_cache_memory="16MiB").generate(
+            [prompt], SamplingParams(temperature=0, max_tokens=8)
+        )
         resp = client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0)
         assert resp.model == name
         assert resp.choices[0].text == expected[0].text
@@ -66,14 +70,24 @@ def test_64_concurrent_streaming_clients(server, artifacts):  # type: ignore[no-
     before = metric_samples(server.url)
 
     async def main() -> list[tuple[str, str | None, int]]:
-        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120,
-                                    http_client=openai.DefaultAsyncHttpxClient(
-                                        limits=httpx.Limits(max_connections=64)))
+        client = openai.AsyncOpenAI(
+            base_url=f"{server.url}/v1",
+            api_key="x",
+            max_retries=0,
+            timeout=120,
+            http_client=openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=64)),
+        )
 
         async def one(prompt: str) -> tuple[str, str | None, int]:
             stream = await client.completions.create(
-                model=LLAMA, prompt=prompt, max_tokens=16, temperature=0, stream=True,
-                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                model=LLAMA,
+                prompt=prompt,
+                max_tokens=16,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
             text, reason, used = "", None, -1
             async for chunk in stream:
                 if chunk.choices:
@@ -93,10 +107,14 @@ def test_64_concurrent_streaming_clients(server, artifacts):  # type: ignore[no-
     assert all(r[1] == "length" and r[2] == 16 for r in results)
     after = metric_samples(server.url)
     labels = {"model_name": LLAMA}
-    assert metric(after, "pagecast_requests_total", finish_reason="length", **labels) == \
-        metric(before, "pagecast_requests_total", finish_reason="length", **labels) + 64
-    assert metric(after, "pagecast_generation_tokens_total", **labels) == \
-        metric(before, "pagecast_generation_tokens_total", **labels) + 64 * 16
+    assert (
+        metric(after, "pagecast_requests_total", finish_reason="length", **labels)
+        == metric(before, "pagecast_requests_total", finish_reason="length", **labels) + 64
+    )
+    assert (
+        metric(after, "pagecast_generation_tokens_total", **labels)
+        == metric(before, "pagecast_generation_tokens_total", **labels) + 64 * 16
+    )
     assert metric(after, "pagecast_kv_cache_blocks_used", **labels) == 0
     assert metric(after, "pagecast_num_requests_running", **labels) == 0
 
@@ -107,8 +125,10 @@ LONG = {"model": LLAMA, "prompt": [11, 12, 13, 14], "max_tokens": 480, "ignore_e
 def test_streaming_client_disconnect_frees_blocks(server):  # type: ignore[no-untyped-def]
     wait_for(lambda: blocks_used(server) == 0)
     before = aborted(server)
-    with httpx.Client(timeout=30) as c, c.stream("POST", f"{server.url}/v1/completions",
-                                                  json={**LONG, "stream": True}) as r:
+    with (
+        httpx.Client(timeout=30) as c,
+        c.stream("POST", f"{server.url}/v1/completions", json={**LONG, "stream": True}) as r,
+    ):
         lines = r.iter_lines()
         for _ in range(3):
             next(lines)
@@ -122,8 +142,10 @@ def test_non_streaming_client_disconnect_frees_blocks(server):  # type: ignore[n
     wait_for(lambda: blocks_used(server) == 0)
     before = aborted(server)
     body = httpx.Request("POST", f"{server.url}/v1/completions", json=LONG)
-    raw = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-           f"Content-Length: {len(body.content)}\r\n\r\n").encode() + body.content
+    raw = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body.content)}\r\n\r\n"
+    ).encode() + body.content
     sock = socket.create_connection(("127.0.0.1", server.port))
     try:
         sock.sendall(raw)

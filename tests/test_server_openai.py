@@ -23,7 +23,9 @@ PROMPTS = ["The quick brown fox", "Once upon a time", "In 1492, Columbus"]
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_artifact):  # type: ignore[no-untyped-def]
-    with serve({MODEL: make_engine(tiny_llama_artifact)}) as srv:
+    # A small token budget: prompts longer than 32 tokens are prefilled in chunks, as long ones
+    # are in production, and every result must still match LLM.generate's.
+    with serve({MODEL: make_engine(tiny_llama_artifact, max_num_seqs=32, max_num_batched_tokens=32)}) as srv:
         yield srv
 
 
@@ -45,7 +47,9 @@ def client(server):  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="module")
 def aclient_factory(server):  # type: ignore[no-untyped-def]
     # One client per event loop: httpx's async pool is bound to the loop that made it.
-    return lambda: openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return lambda: openai.AsyncOpenAI(
+        base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60
+    )
 
 
 def greedy(max_tokens: int, **kwargs) -> SamplingParams:  # type: ignore[no-untyped-def]
@@ -79,10 +83,16 @@ def test_completions_sync_match_llm_generate(client, llm):  # type: ignore[no-un
 
 def test_completions_sync_stream_matches_and_reports_usage(client, llm):  # type: ignore[no-untyped-def]
     expected = llm.generate([PROMPTS[0]], greedy(20))[0]
-    chunks = list(client.completions.create(
-        model=MODEL, prompt=PROMPTS[0], max_tokens=20, temperature=0, stream=True,
-        stream_options={"include_usage": True},
-    ))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPTS[0],
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     choice_chunks = [c for c in chunks if c.choices]
     assert "".join(c.choices[0].text for c in choice_chunks) == expected.text
     assert [c.choices[0].finish_reason for c in choice_chunks][-1] == expected.finish_reason
@@ -96,7 +106,10 @@ def test_completions_sync_stream_matches_and_reports_usage(client, llm):  # type
 
 
 def test_chat_sync_and_stream_match_llm_generate(client, llm):  # type: ignore[no-untyped-def]
-    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say something."}]
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Say something."},
+    ]
     ids = chat_ids(llm, messages)
     expected = llm.generate([ids], greedy(16))[0]
 
@@ -108,10 +121,16 @@ def test_chat_sync_and_stream_match_llm_generate(client, llm):  # type: ignore[n
     assert resp.usage.prompt_tokens == len(ids)
     assert resp.usage.completion_tokens == len(expected.token_ids)
 
-    chunks = list(client.chat.completions.create(
-        model=MODEL, messages=messages, max_completion_tokens=16, temperature=0, stream=True,
-        stream_options={"include_usage": True},
-    ))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_completion_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     choice_chunks = [c for c in chunks if c.choices]
     assert "".join(c.choices[0].delta.content or "" for c in choice_chunks) == expected.text
@@ -135,16 +154,19 @@ def test_async_client_streaming_and_not(aclient_factory, llm):  # type: ignore[n
 
         async def complete_stream(prompt: str) -> str:
             stream = await aclient.completions.create(
-                model=MODEL, prompt=prompt, max_tokens=10, temperature=0, stream=True)
+                model=MODEL, prompt=prompt, max_tokens=10, temperature=0, stream=True
+            )
             return "".join([c.choices[0].text async for c in stream])
 
         async def chat(stream: bool) -> str:
             if not stream:
                 resp = await aclient.chat.completions.create(
-                    model=MODEL, messages=messages, max_tokens=10, temperature=0)
+                    model=MODEL, messages=messages, max_tokens=10, temperature=0
+                )
                 return resp.choices[0].message.content or ""
             chunks = await aclient.chat.completions.create(
-                model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True)
+                model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True
+            )
             return "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
 
         results = await asyncio.gather(
@@ -167,13 +189,19 @@ def test_exact_sse_bytes(server, llm):  # type: ignore[no-untyped-def]
     messages = [{"role": "user", "content": "Hi"}]
     ids = chat_ids(llm, messages)
     expected = llm.generate([ids], greedy(1))[0]
-    body = {"model": MODEL, "messages": messages, "max_tokens": 1, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": 1,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         raw = b"".join(r.iter_bytes())
-    first = json.loads(raw.split(b"\n\n")[0][len(b"data: "):])
+    first = json.loads(raw.split(b"\n\n")[0][len(b"data: ") :])
     rid, created = first["id"], first["created"]
     head = f'"id":"{rid}","object":"chat.completion.chunk","created":{created},"model":"{MODEL}"'
     content = json.dumps(expected.text, ensure_ascii=False)
@@ -195,7 +223,7 @@ def test_exact_sse_bytes(server, llm):  # type: ignore[no-untyped-def]
     expected = llm.generate([PROMPTS[1]], greedy(1))[0]
     body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 1, "temperature": 0, "stream": True}
     raw = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).content
-    first = json.loads(raw.split(b"\n\n")[0][len(b"data: "):])
+    first = json.loads(raw.split(b"\n\n")[0][len(b"data: ") :])
     text = json.dumps(expected.text, ensure_ascii=False)
     want = (
         f'data: {{"id":"{first["id"]}","object":"text_completion","created":{first["created"]},'
@@ -222,21 +250,30 @@ def test_stop_strings_streamed_and_not(client, llm):  # type: ignore[no-untyped-
     tok = llm.tokenizer
     pieces = [tok.decode(full.token_ids[: i + 1]) for i in range(len(full.token_ids))]
     # A stop string that spans two tokens: the end of one token's text and the start of the next.
-    k = next(i for i in range(3, len(pieces) - 1)
-             if len(pieces[i]) - len(pieces[i - 1]) >= 2 and len(pieces[i + 1]) - len(pieces[i]) >= 2)
+    k = next(
+        i
+        for i in range(3, len(pieces) - 1)
+        if len(pieces[i]) - len(pieces[i - 1]) >= 2 and len(pieces[i + 1]) - len(pieces[i]) >= 2
+    )
     boundary = len(pieces[k])
     spanning = full.text[boundary - 2 : boundary + 2]
     assert len(spanning) == 4
     cases = [
-        [spanning],                                   # spans two tokens
+        [spanning],  # spans two tokens
         ["\x00never\x00", spanning, full.text[-3:]],  # several: the earliest match wins
-        [full.text[:3]],                              # matches at the very start
+        [full.text[:3]],  # matches at the very start
     ]
     for stops in cases:
         cut = min(full.text.find(s) for s in stops if s in full.text)
         want = full.text[:cut]
-        kwargs = dict(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=stops,
-                      extra_body={"ignore_eos": True})
+        kwargs = {
+            "model": MODEL,
+            "prompt": prompt,
+            "max_tokens": 24,
+            "temperature": 0,
+            "stop": stops,
+            "extra_body": {"ignore_eos": True},
+        }
         resp = client.completions.create(**kwargs)
         assert resp.choices[0].text == want
         assert resp.choices[0].finish_reason == "stop"
@@ -254,7 +291,14 @@ def test_stop_strings_streamed_and_not(client, llm):  # type: ignore[no-untyped-
 
 
 def test_n3_with_seed_is_reproducible_streamed_and_not(client):  # type: ignore[no-untyped-def]
-    kwargs = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=1.0, n=3, seed=1234)
+    kwargs = {
+        "model": MODEL,
+        "prompt": PROMPTS[0],
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "n": 3,
+        "seed": 1234,
+    }
     first = client.completions.create(**kwargs)
     second = client.completions.create(**kwargs)
     assert [c.index for c in first.choices] == [0, 1, 2]
@@ -271,8 +315,14 @@ def test_n3_with_seed_is_reproducible_streamed_and_not(client):  # type: ignore[
     assert finished == [c.finish_reason for c in first.choices]
     assert first.usage.completion_tokens == 36
 
-    chat_kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=1.0,
-                       n=3, seed=7)
+    chat_kwargs = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "n": 3,
+        "seed": 7,
+    }
     a = client.chat.completions.create(**chat_kwargs)
     b = client.chat.completions.create(**chat_kwargs)
     assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
@@ -292,19 +342,33 @@ def test_n3_with_seed_is_reproducible_streamed_and_not(client):  # type: ignore[
 
 def test_completion_logprobs_match_reference(client, reference):  # type: ignore[no-untyped-def]
     ids = [1, 504, 2812, 28, 99, 7, 3000]
-    resp = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0, logprobs=5,
-                                     extra_body={"return_token_ids": True})
+    resp = client.completions.create(
+        model=MODEL,
+        prompt=ids,
+        max_tokens=6,
+        temperature=0,
+        logprobs=5,
+        extra_body={"return_token_ids": True},
+    )
     choice = resp.choices[0]
     out_ids = choice.model_extra["token_ids"]
     ref = reference.logprobs(ids + out_ids)
     lp = choice.logprobs
-    assert len(lp.token_logprobs) == len(out_ids) == len(lp.top_logprobs) == len(lp.tokens) == len(lp.text_offset)
+    assert (
+        len(lp.token_logprobs)
+        == len(out_ids)
+        == len(lp.top_logprobs)
+        == len(lp.tokens)
+        == len(lp.text_offset)
+    )
     for j, tok in enumerate(out_ids):
         row = ref[len(ids) - 1 + j]
         assert tok == int(row.argmax())  # greedy
         assert lp.token_logprobs[j] == pytest.approx(float(row[tok]), abs=1e-4)
         top = torch.topk(row, 5)
-        assert sorted(lp.top_logprobs[j].values(), reverse=True) == pytest.approx(top.values.tolist(), abs=1e-4)
+        assert sorted(lp.top_logprobs[j].values(), reverse=True) == pytest.approx(
+            top.values.tolist(), abs=1e-4
+        )
     assert lp.text_offset[0] == 0
     assert "".join(lp.tokens) == choice.text
 
@@ -314,12 +378,22 @@ def test_echo_prompt_logprobs_lm_eval_shape(client, reference):  # type: ignore[
     prompts, echo, logprobs=1, max_tokens=1, temperature=0. Each choice has prompt length + 1
     entries, top_logprobs are dicts (never null), and values match the reference."""
     prompts = [[1, 504, 2812, 28, 99], [1, 77, 3000, 12], [9, 8, 7, 6, 5, 4]]
-    resp = httpx.post(f"{client.base_url}completions", json={
-        "model": MODEL, "prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0,
-        "seed": 1234, "return_token_ids": True,
-    }, timeout=60).json()
+    resp = httpx.post(
+        f"{client.base_url}completions",
+        json={
+            "model": MODEL,
+            "prompt": prompts,
+            "echo": True,
+            "logprobs": 1,
+            "max_tokens": 1,
+            "temperature": 0,
+            "seed": 1234,
+            "return_token_ids": True,
+        },
+        timeout=60,
+    ).json()
     assert [c["index"] for c in resp["choices"]] == [0, 1, 2]
-    for ids, choice in zip(prompts, resp["choices"]):
+    for ids, choice in zip(prompts, resp["choices"], strict=True):
         lp = choice["logprobs"]
         gen = choice["token_ids"]
         assert len(gen) == 1
@@ -335,23 +409,62 @@ def test_echo_prompt_logprobs_lm_eval_shape(client, reference):  # type: ignore[
             assert max(lp["top_logprobs"][i].values()) == pytest.approx(float(ref[i - 1].max()), abs=1e-4)
         # lm-eval's slice [ctxlen:-1] works on these lists
         assert sum(lp["token_logprobs"][1:-1]) == pytest.approx(
-            sum(float(ref[i - 1, ids[i]]) for i in range(1, len(ids))), abs=1e-3)
+            sum(float(ref[i - 1, ids[i]]) for i in range(1, len(ids))), abs=1e-3
+        )
     assert resp["usage"]["prompt_tokens"] == sum(map(len, prompts))
     assert resp["usage"]["completion_tokens"] == 3
 
     # max_tokens=0 scores the prompt only: prompt-length entries and no completion tokens.
-    resp = httpx.post(f"{client.base_url}completions", json={
-        "model": MODEL, "prompt": prompts[0], "echo": True, "logprobs": 0, "max_tokens": 0, "temperature": 0,
-    }, timeout=60).json()
+    resp = httpx.post(
+        f"{client.base_url}completions",
+        json={
+            "model": MODEL,
+            "prompt": prompts[0],
+            "echo": True,
+            "logprobs": 0,
+            "max_tokens": 0,
+            "temperature": 0,
+        },
+        timeout=60,
+    ).json()
     assert len(resp["choices"][0]["logprobs"]["token_logprobs"]) == len(prompts[0])
     assert resp["usage"]["completion_tokens"] == 0
+
+
+def test_echo_logprobs_of_a_long_prompt_streamed_and_not(client):  # type: ignore[no-untyped-def]
+    """A prompt prefilled in several chunks (the server's budget is 32 tokens): streamed and
+    non-streamed answers carry the same echo, logprobs and text."""
+    ids = [(7 * i + 3) % 5000 + 10 for i in range(100)]
+    kwargs = {"model": MODEL, "prompt": ids, "echo": True, "logprobs": 2, "max_tokens": 4, "temperature": 0}
+    whole = client.completions.create(**kwargs)
+    choice = whole.choices[0]
+    assert len(choice.logprobs.token_logprobs) == len(ids) + 4
+    text, token_logprobs, top, tokens = "", [], [], []
+    for chunk in client.completions.create(stream=True, **kwargs):
+        c = chunk.choices[0]
+        text += c.text
+        if c.logprobs:
+            token_logprobs += c.logprobs.token_logprobs
+            top += c.logprobs.top_logprobs
+            tokens += c.logprobs.tokens
+    assert text == choice.text
+    assert tokens == choice.logprobs.tokens
+    assert token_logprobs == pytest.approx(choice.logprobs.token_logprobs, abs=1e-6)
+    assert [sorted(t) for t in top] == [sorted(t) for t in choice.logprobs.top_logprobs]
 
 
 def test_chat_logprobs_match_reference(client, llm, reference):  # type: ignore[no-untyped-def]
     messages = [{"role": "user", "content": "Count to three."}]
     ids = chat_ids(llm, messages)
-    resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
-                                          logprobs=True, top_logprobs=3, extra_body={"return_token_ids": True})
+    resp = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"return_token_ids": True},
+    )
     out_ids = resp.choices[0].model_extra["token_ids"]
     ref = reference.logprobs(ids + out_ids)
     content = resp.choices[0].logprobs.content
@@ -360,11 +473,20 @@ def test_chat_logprobs_match_reference(client, llm, reference):  # type: ignore[
         row = ref[len(ids) - 1 + j]
         assert entry.logprob == pytest.approx(float(row[out_ids[j]]), abs=1e-4)
         assert len(entry.top_logprobs) == 3
-        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(torch.topk(row, 3).values.tolist(), abs=1e-4)
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(
+            torch.topk(row, 3).values.tolist(), abs=1e-4
+        )
         assert bytes(entry.bytes) == entry.token.encode()
     streamed = []
-    for chunk in client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
-                                                logprobs=True, top_logprobs=3, stream=True):
+    for chunk in client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        stream=True,
+    ):
         if chunk.choices and chunk.choices[0].logprobs:
             streamed += [e.logprob for e in chunk.choices[0].logprobs.content]
     assert streamed == pytest.approx([e.logprob for e in content], abs=1e-6)
@@ -381,38 +503,61 @@ class _OpenAIPenalties:
         self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        counts = torch.bincount(input_ids[0, self.prompt_len:], minlength=scores.shape[-1]).float()
+        counts = torch.bincount(input_ids[0, self.prompt_len :], minlength=scores.shape[-1]).float()
         return scores - self.presence * (counts > 0).float() - self.frequency * counts
 
 
-@pytest.mark.parametrize("penalties", [
-    {"repetition_penalty": 1.8},
-    {"presence_penalty": 1.5},
-    {"frequency_penalty": 1.2},
-    {"presence_penalty": 0.5, "frequency_penalty": 0.7, "repetition_penalty": 1.3},
-])
+@pytest.mark.parametrize(
+    "penalties",
+    [
+        {"repetition_penalty": 1.8},
+        {"presence_penalty": 1.5},
+        {"frequency_penalty": 1.2},
+        {"presence_penalty": 0.5, "frequency_penalty": 0.7, "repetition_penalty": 1.3},
+    ],
+)
 def test_penalties_match_transformers_processors(client, reference, penalties):  # type: ignore[no-untyped-def]
     ids = [1, 42, 42, 42, 3000, 3000, 17]
-    resp = client.completions.create(model=MODEL, prompt=ids, max_tokens=16, temperature=0,
-                                     extra_body={"return_token_ids": True, "ignore_eos": True, **penalties})
+    resp = client.completions.create(
+        model=MODEL,
+        prompt=ids,
+        max_tokens=16,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True, **penalties},
+    )
     got = resp.choices[0].model_extra["token_ids"]
     processors = []
     if "repetition_penalty" in penalties:
         processors.append(RepetitionPenaltyLogitsProcessor(penalties["repetition_penalty"]))
     if "presence_penalty" in penalties or "frequency_penalty" in penalties:
-        processors.append(_OpenAIPenalties(len(ids), penalties.get("presence_penalty", 0.0),
-                                           penalties.get("frequency_penalty", 0.0)))
+        processors.append(
+            _OpenAIPenalties(
+                len(ids), penalties.get("presence_penalty", 0.0), penalties.get("frequency_penalty", 0.0)
+            )
+        )
     assert got == reference.greedy(ids, 16, processors)
-    plain = client.completions.create(model=MODEL, prompt=ids, max_tokens=16, temperature=0,
-                                      extra_body={"return_token_ids": True, "ignore_eos": True})
+    plain = client.completions.create(
+        model=MODEL,
+        prompt=ids,
+        max_tokens=16,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     assert plain.choices[0].model_extra["token_ids"] == reference.greedy(ids, 16, [])
 
 
 def test_min_p_samples_only_what_transformers_allows(client, reference):  # type: ignore[no-untyped-def]
     ids = [1, 504, 2812, 28]
     min_p = 0.2
-    resp = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=1.0, n=6, seed=3,
-                                     extra_body={"return_token_ids": True, "min_p": min_p})
+    resp = client.completions.create(
+        model=MODEL,
+        prompt=ids,
+        max_tokens=8,
+        temperature=1.0,
+        n=6,
+        seed=3,
+        extra_body={"return_token_ids": True, "min_p": min_p},
+    )
     warper = MinPLogitsWarper(min_p)
     for choice in resp.choices:
         seq = list(ids)
@@ -443,14 +588,19 @@ def test_model_may_be_omitted_with_one_model(server):  # type: ignore[no-untyped
 def test_metrics_move_and_request_log_line(client, server, caplog):  # type: ignore[no-untyped-def]
     before = metric_samples(server.url)
     with caplog.at_level("INFO", logger="pagecast.server.requests"):
-        resp = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0,
-                                         extra_body={"ignore_eos": True})
+        resp = client.completions.create(
+            model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+        )
     after = metric_samples(server.url)
     labels = {"model_name": MODEL}
-    assert metric(after, "pagecast_requests_total", finish_reason="length", **labels) == \
-        metric(before, "pagecast_requests_total", finish_reason="length", **labels) + 1
-    for name, delta in [("pagecast_prompt_tokens_total", resp.usage.prompt_tokens),
-                        ("pagecast_generation_tokens_total", 5)]:
+    assert (
+        metric(after, "pagecast_requests_total", finish_reason="length", **labels)
+        == metric(before, "pagecast_requests_total", finish_reason="length", **labels) + 1
+    )
+    for name, delta in [
+        ("pagecast_prompt_tokens_total", resp.usage.prompt_tokens),
+        ("pagecast_generation_tokens_total", 5),
+    ]:
         assert metric(after, name, **labels) == metric(before, name, **labels) + delta
     for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
         name = f"pagecast_{hist}_count"
@@ -464,5 +614,10 @@ def test_metrics_move_and_request_log_line(client, server, caplog):  # type: ign
     assert len(records) == 1
     rec = records[0]
     assert (rec.model, rec.prompt_tokens, rec.completion_tokens, rec.finish_reason, rec.status) == (
-        MODEL, resp.usage.prompt_tokens, 5, "length", 200)
+        MODEL,
+        resp.usage.prompt_tokens,
+        5,
+        "length",
+        200,
+    )
     assert rec.ttft_s is not None and 0 <= rec.ttft_s <= rec.total_s

@@ -26,38 +26,70 @@ def test_sse_framing_is_openais():
     assert DONE == b"data: [DONE]\n\n"
 
 
-@pytest.mark.parametrize("prompt, want", [
-    ("hi", ["hi"]),
-    (["a", "b"], ["a", "b"]),
-    ([1, 2, 3], [[1, 2, 3]]),
-    ([[1, 2], [3]], [[1, 2], [3]]),
-    ("", [""]),
-])
+@pytest.mark.parametrize(
+    "prompt, want",
+    [
+        ("hi", ["hi"]),
+        (["a", "b"], ["a", "b"]),
+        ([1, 2, 3], [[1, 2, 3]]),
+        ([[1, 2], [3]], [[1, 2], [3]]),
+        ("", [""]),
+    ],
+)
 def test_prompt_forms_are_normalised(prompt, want):  # type: ignore[no-untyped-def]
     assert parse(CompletionRequest, {"prompt": prompt}).prompts == want
 
 
 def test_sampling_params_from_a_completion_request():
-    req = parse(CompletionRequest, {"prompt": "x", "temperature": 0, "top_k": -1, "stop": "END", "n": 2,
-                                    "seed": 5, "echo": True, "logprobs": 2, "max_tokens": 7})
+    req = parse(
+        CompletionRequest,
+        {
+            "prompt": "x",
+            "temperature": 0,
+            "top_k": -1,
+            "stop": "END",
+            "n": 2,
+            "seed": 5,
+            "echo": True,
+            "logprobs": 2,
+            "max_tokens": 7,
+        },
+    )
     params = req.to_sampling_params(req.max_tokens)
     assert (params.temperature, params.top_k, params.stop, params.n, params.seed) == (0.0, 0, ["END"], 2, 5)
     assert (params.logprobs, params.prompt_logprobs, params.max_tokens) == (2, 2, 7)
     # Unset fields take SamplingParams' own defaults.
     params = parse(CompletionRequest, {"prompt": "x"}).to_sampling_params(16)
-    assert (params.temperature, params.top_p, params.repetition_penalty, params.logprobs) == (1.0, 1.0, 1.0, None)
+    assert (params.temperature, params.top_p, params.repetition_penalty, params.logprobs) == (
+        1.0,
+        1.0,
+        1.0,
+        None,
+    )
 
 
 def test_chat_request_maps_logprobs_and_max_tokens():
-    req = parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
-                                                                                  {"type": "text", "text": "b"}]}],
-                                        "logprobs": True, "top_logprobs": 4, "max_tokens": 9,
-                                        "max_completion_tokens": 5})
+    req = parse(
+        ChatCompletionRequest,
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+            ],
+            "logprobs": True,
+            "top_logprobs": 4,
+            "max_tokens": 9,
+            "max_completion_tokens": 5,
+        },
+    )
     assert req.messages[0].text(0) == "ab"
     assert req.requested_max_tokens == 5
     assert req.to_sampling_params(5).logprobs == 4
-    assert parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "logprobs": True}
-                 ).to_sampling_params(None).logprobs == 0
+    assert (
+        parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "logprobs": True})
+        .to_sampling_params(None)
+        .logprobs
+        == 0
+    )
 
 
 def test_unknown_fields_are_ignored():
@@ -67,18 +99,27 @@ def test_unknown_fields_are_ignored():
 
 def test_errors_name_the_param_as_the_client_spelled_it():
     with pytest.raises(APIError) as info:
-        parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}, {"role": "user", "content": 1}]})
+        parse(
+            ChatCompletionRequest,
+            {"messages": [{"role": "user", "content": "x"}, {"role": "user", "content": 1}]},
+        )
     assert info.value.param == "messages[1].content" and info.value.status_code == 400
     # SamplingParams' own check, renamed to the chat API's name.
-    err = errors.from_sampling_value_error(ValueError("logprobs must be in [0, 20]"), {"logprobs": "top_logprobs"})
+    err = errors.from_sampling_value_error(
+        ValueError("logprobs must be in [0, 20]"), {"logprobs": "top_logprobs"}
+    )
     assert (err.param, err.status_code) == ("top_logprobs", 400)
     assert "must be in [0, 20]" in err.message
 
 
 def test_engine_errors_map_to_statuses():
     e = errors.from_engine_error(InvalidRequestError("too long", "prompt", "context_length_exceeded"), "m")
-    assert (e.status_code, e.param, e.code, e.type) == (400, "prompt", "context_length_exceeded",
-                                                          "invalid_request_error")
+    assert (e.status_code, e.param, e.code, e.type) == (
+        400,
+        "prompt",
+        "context_length_exceeded",
+        "invalid_request_error",
+    )
     e = errors.from_engine_error(EngineDeadError("boom"), "m")
     assert (e.status_code, e.code, e.type) == (503, "engine_dead", "server_error")
     assert "boom" in e.message and "`m`" in e.message
@@ -88,8 +129,9 @@ def test_engine_errors_map_to_statuses():
 
 def test_error_body_shape_and_headers():
     e = errors.queue_full(3)
-    assert e.body() == {"error": {"message": e.message, "type": "rate_limit_error", "param": None,
-                                  "code": "queue_full"}}
+    assert e.body() == {
+        "error": {"message": e.message, "type": "rate_limit_error", "param": None, "code": "queue_full"}
+    }
     r = e.response()
     assert r.status_code == 429 and r.headers["retry-after"] == "3"
 
@@ -106,16 +148,41 @@ def test_json_log_line_has_the_fields():
     old_level = request_logger.level
     request_logger.setLevel(logging.INFO)
     try:
-        log_request(request_id="cmpl-1", model="m", endpoint="/v1/completions", status=200, prompt_tokens=3,
-                    completion_tokens=4, ttft_s=0.0123456789, total_s=0.5, finish_reason="stop")
+        log_request(
+            request_id="cmpl-1",
+            model="m",
+            endpoint="/v1/completions",
+            status=200,
+            prompt_tokens=3,
+            completion_tokens=4,
+            ttft_s=0.0123456789,
+            total_s=0.5,
+            finish_reason="stop",
+        )
     finally:
         request_logger.removeHandler(handler)
         request_logger.setLevel(old_level)
     line = json.loads(JSONFormatter().format(records[0]))
     assert line["message"] == "request finished" and line["level"] == "info"
-    assert {k: line[k] for k in ("request_id", "model", "prompt_tokens", "completion_tokens", "ttft_s", "total_s",
-                                 "finish_reason", "status")} == {
-        "request_id": "cmpl-1", "model": "m", "prompt_tokens": 3, "completion_tokens": 4, "ttft_s": 0.012346,
-        "total_s": 0.5, "finish_reason": "stop", "status": 200}
+    keys = (
+        "request_id",
+        "model",
+        "prompt_tokens",
+        "completion_tokens",
+        "ttft_s",
+        "total_s",
+        "finish_reason",
+        "status",
+    )
+    assert {k: line[k] for k in keys} == {
+        "request_id": "cmpl-1",
+        "model": "m",
+        "prompt_tokens": 3,
+        "completion_tokens": 4,
+        "ttft_s": 0.012346,
+        "total_s": 0.5,
+        "finish_reason": "stop",
+        "status": 200,
+    }
     text = records[0].getMessage()
     assert "request_id=cmpl-1" in text and "finish_reason=stop" in text and "ttft_s=0.012346" in text

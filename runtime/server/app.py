@@ -89,7 +89,8 @@ def create_app(
 
 
 def server_state(app: Starlette) -> ServerState:
-    return app.state.server  # type: ignore[no-any-return]
+    state: ServerState = app.state.server
+    return state
 
 
 async def drain(state: ServerState, timeout_s: float, grace_s: float = 5.0) -> None:

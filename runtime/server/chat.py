@@ -10,7 +10,9 @@ from pagecast.runtime.server.errors import APIError, invalid_request
 from pagecast.runtime.server.protocol import ChatMessage
 
 
-def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+def render_chat_prompt(
+    tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool = True
+) -> list[int]:
     """Token ids of the conversation rendered by the tokenizer's chat template.
 
     The rendered text is tokenised without special tokens: the template writes its own BOS
@@ -25,10 +27,13 @@ def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage], add_generati
             code="no_chat_template",
         )
     conversation = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)} for i, m in enumerate(messages)
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
+        for i, m in enumerate(messages)
     ]
     try:
-        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
     except jinja2.TemplateError as exc:
         # Templates reject conversations they cannot format (e.g. roles that do not alternate).
         raise invalid_request(f"The chat template rejected the conversation: {exc}", "messages") from None

@@ -56,9 +56,7 @@ def unsupported(param: str, detail: str = "") -> APIError:
 
 
 def model_not_found(model: str) -> APIError:
-    return APIError(
-        404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
-    )
+    return APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
 
 def unauthorized(message: str) -> APIError:
@@ -77,7 +75,9 @@ def queue_full(retry_after_s: int) -> APIError:
 
 def shutting_down() -> APIError:
     return APIError(
-        503, "The server is shutting down and no longer accepts requests.", type="server_error",
+        503,
+        "The server is shutting down and no longer accepts requests.",
+        type="server_error",
         code="shutting_down",
     )
 
@@ -119,8 +119,7 @@ def from_validation_error(exc: ValidationError) -> APIError:
     if err["type"] == "model_type" and not loc:
         return invalid_request("The request body must be a JSON object.", code="invalid_json")
     msg = err["msg"]
-    if msg.startswith("Value error, "):
-        msg = msg[len("Value error, ") :]
+    msg = msg.removeprefix("Value error, ")
     if in_union:
         msg = f"wrong type ({msg[:1].lower() + msg[1:]}, or one of the other accepted types)"
     code = "missing_required_parameter" if err["type"] == "missing" else "invalid_value"

@@ -24,14 +24,16 @@ from pagecast.runtime.outputs import RequestOutput
 
 PREFIX = "pagecast"
 
+# fmt: off
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0)
-_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
-                0.75, 1.0, 2.5, 5.0)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                0.5, 0.75, 1.0, 2.5, 5.0)
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                 60.0, 120.0, 240.0, 480.0)
 _QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
                   160.0)
+# fmt: on
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -44,28 +46,44 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         self.requests = Counter(
-            f"{PREFIX}_requests", "Finished engine requests (one per prompt), by finish reason.",
-            ["model_name", "finish_reason"], registry=self.registry,
+            f"{PREFIX}_requests",
+            "Finished engine requests (one per prompt), by finish reason.",
+            ["model_name", "finish_reason"],
+            registry=self.registry,
         )
         self.request_errors = Counter(
-            f"{PREFIX}_request_errors", "Requests answered with an error, by HTTP status and error code.",
-            ["status", "code"], registry=self.registry,
+            f"{PREFIX}_request_errors",
+            "Requests answered with an error, by HTTP status and error code.",
+            ["status", "code"],
+            registry=self.registry,
         )
         self.time_to_first_token = Histogram(
-            f"{PREFIX}_time_to_first_token_seconds", "Arrival to first generated token.", labels,
-            buckets=_TTFT_BUCKETS, registry=self.registry,
+            f"{PREFIX}_time_to_first_token_seconds",
+            "Arrival to first generated token.",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
         )
         self.inter_token_latency = Histogram(
-            f"{PREFIX}_inter_token_latency_seconds", "Time between consecutive generated tokens.", labels,
-            buckets=_ITL_BUCKETS, registry=self.registry,
+            f"{PREFIX}_inter_token_latency_seconds",
+            "Time between consecutive generated tokens.",
+            labels,
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
         )
         self.e2e_latency = Histogram(
-            f"{PREFIX}_e2e_request_latency_seconds", "Arrival to finish of an engine request.", labels,
-            buckets=_E2E_BUCKETS, registry=self.registry,
+            f"{PREFIX}_e2e_request_latency_seconds",
+            "Arrival to finish of an engine request.",
+            labels,
+            buckets=_E2E_BUCKETS,
+            registry=self.registry,
         )
         self.queue_time = Histogram(
-            f"{PREFIX}_request_queue_time_seconds", "Arrival to first scheduled (time spent waiting).",
-            labels, buckets=_QUEUE_BUCKETS, registry=self.registry,
+            f"{PREFIX}_request_queue_time_seconds",
+            "Arrival to first scheduled (time spent waiting).",
+            labels,
+            buckets=_QUEUE_BUCKETS,
+            registry=self.registry,
         )
         for name in engines:
             for reason in FINISH_REASONS:
@@ -97,7 +115,9 @@ class RequestRecorder:
         if num_tokens <= self._num_tokens:
             return
         m = out.metrics
-        now = (m.last_token_time if m is not None and m.last_token_time is not None else None) or time.monotonic()
+        now = (
+            m.last_token_time if m is not None and m.last_token_time is not None else None
+        ) or time.monotonic()
         if self._last_time is not None and self._num_tokens > 0:
             new = num_tokens - self._num_tokens
             gap = max(0.0, now - self._last_time) / new
@@ -124,7 +144,7 @@ class RequestRecorder:
 
 class _EngineCollector(Collector):
     """Engine state, read at scrape time. A dead engine's stats are skipped, not an error:
-    /metrics must keep answering while /health reports the failure."""
+    /metrics keeps answering (with ``pagecast_engine_alive`` 0) while /health reports it."""
 
     def __init__(self, engines: Mapping[str, Any], in_flight: Any):
         self._engines = engines
@@ -139,8 +159,12 @@ class _EngineCollector(Collector):
 
         alive = gauge("engine_alive", "1 while the engine loop runs, else 0.")
         running = gauge("num_requests_running", "Sequences being generated.")
-        waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled (preempted ones included).")
-        in_flight = gauge("server_sequences_in_flight", "Sequences the server has admitted and not yet finished.")
+        waiting = gauge(
+            "num_requests_waiting", "Sequences waiting to be scheduled (preempted ones included)."
+        )
+        in_flight = gauge(
+            "server_sequences_in_flight", "Sequences the server has admitted and not yet finished."
+        )
         blocks_used = gauge("kv_cache_blocks_used", "KV-cache blocks in use.")
         blocks_total = gauge("kv_cache_blocks_total", "KV-cache blocks in the pool.")
         usage = gauge("kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0 to 1).")
@@ -155,20 +179,34 @@ class _EngineCollector(Collector):
             is_alive = bool(engine.is_alive())
             alive.add_metric([name], 1.0 if is_alive else 0.0)
             in_flight.add_metric([name], float(admitted.get(name, 0)))
-            try:
-                s = engine.stats()
-            except Exception:  # a dead engine: its state is unknown
-                continue
+            if not is_alive:
+                continue  # a dead engine's state is whatever it was when it failed: not reported
+            s = engine.stats()
             running.add_metric([name], s.num_running)
             waiting.add_metric([name], s.num_waiting)
             blocks_used.add_metric([name], s.num_kv_blocks_used)
             blocks_total.add_metric([name], s.num_kv_blocks_total)
             usage.add_metric([name], s.kv_usage)
-            hit_rate.add_metric([name], s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0)
+            hit_rate.add_metric(
+                [name], s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
+            )
             queries.add_metric([name], s.prefix_cache_queries)
             hits.add_metric([name], s.prefix_cache_hits)
             prompt_tokens.add_metric([name], s.num_prompt_tokens)
             generation_tokens.add_metric([name], s.num_generation_tokens)
             preemptions.add_metric([name], s.num_preemptions)
-        yield from (alive, running, waiting, in_flight, blocks_used, blocks_total, usage, hit_rate, queries, hits,
-                    prompt_tokens, generation_tokens, preemptions)
+        yield from (
+            alive,
+            running,
+            waiting,
+            in_flight,
+            blocks_used,
+            blocks_total,
+            usage,
+            hit_rate,
+            queries,
+            hits,
+            prompt_tokens,
+            generation_tokens,
+            preemptions,
+        )

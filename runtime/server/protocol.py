@@ -106,7 +106,11 @@ class _SamplingRequest(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def _sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None, rename: dict[str, str]
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        rename: dict[str, str],
     ) -> SamplingParams:
         kwargs: dict[str, Any] = {
             "n": self.n,
@@ -122,8 +126,15 @@ class _SamplingRequest(BaseModel):
             "seed": self.seed,
         }
         # None means "the default": leave it to SamplingParams so there is one default per field.
-        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
             value = getattr(self, name)
             if value is not None:
                 kwargs[name] = value
@@ -153,7 +164,9 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(value, str):
             return [value]
         if not isinstance(value, list) or not value:
-            raise ValueError("must be a string, a list of strings, a list of token ids or a list of such lists")
+            raise ValueError(
+                "must be a string, a list of strings, a list of token ids or a list of such lists"
+            )
         if len(value) > MAX_PROMPTS:
             raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
         if all(isinstance(p, str) for p in value):
@@ -178,7 +191,9 @@ class CompletionRequest(_SamplingRequest):
         if self.max_tokens == 0 and not self.echo:
             raise invalid_request("`max_tokens` must be at least 1 unless `echo` is true.", "max_tokens")
         if self.stream and self.max_tokens == 0:
-            raise invalid_request("`max_tokens` 0 (scoring the prompt only) cannot be streamed.", "max_tokens")
+            raise invalid_request(
+                "`max_tokens` 0 (scoring the prompt only) cannot be streamed.", "max_tokens"
+            )
 
     @property
     def prompts(self) -> list[str] | list[list[int]]:
@@ -218,13 +233,17 @@ class ChatMessage(BaseModel):
         if self.content is None:
             if self.role == "assistant":
                 return ""
-            raise invalid_request(f"`{where}.content` is required for role `{self.role}`.", f"{where}.content")
+            raise invalid_request(
+                f"`{where}.content` is required for role `{self.role}`.", f"{where}.content"
+            )
         if isinstance(self.content, str):
             return self.content
         texts = []
         for j, part in enumerate(self.content):
             if part.type != "text" or part.text is None:
-                raise unsupported(f"{where}.content[{j}].type", f"content part type `{part.type}` (text only)")
+                raise unsupported(
+                    f"{where}.content[{j}].type", f"content part type `{part.type}` (text only)"
+                )
             texts.append(part.text)
         return "".join(texts)
 
@@ -256,7 +275,7 @@ class ChatCompletionRequest(_SamplingRequest):
             if getattr(self, name) not in (None, "none"):
                 raise unsupported(name)
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise unsupported("response_format", "only {\"type\": \"text\"}")
+            raise unsupported("response_format", 'only {"type": "text"}')
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid_request("`top_logprobs` requires `logprobs` to be true.", "top_logprobs")
 

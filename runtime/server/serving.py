@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -76,7 +77,7 @@ class ServerState:
         self.api_key = api_key
         self.max_queue = max_queue
         self.draining = False
-        self._in_flight: dict[str, int] = {name: 0 for name in engines}
+        self._in_flight: dict[str, int] = dict.fromkeys(engines, 0)
         self.runs: set[GenerationRun] = set()
         self.metrics = ServerMetrics(engines, lambda: dict(self._in_flight))
 
@@ -86,7 +87,8 @@ class ServerState:
                 return next(iter(self.models.values()))
             raise errors.invalid_request(
                 "`model` is required: this server serves " + ", ".join(sorted(self.models)) + ".",
-                "model", "missing_required_parameter",
+                "model",
+                "missing_required_parameter",
             )
         served = self.models.get(model)
         if served is None:
@@ -168,8 +170,9 @@ async def respond(
     try:
         finals = await cancel_on_disconnect(request, start_and_collect())
         if stream:
-            return SSEResponse(make_stream(), on_close=lambda gone: run.close(499 if gone else None),
-                               headers=headers)
+            return SSEResponse(
+                make_stream(), on_close=lambda gone: run.close(499 if gone else None), headers=headers
+            )
         body = make_body(finals)  # type: ignore[arg-type]
     except ClientDisconnected:
         await run.close(499)
@@ -210,7 +213,9 @@ class GenerationRun:
         self.endpoint = endpoint
         self.prompts = prompts
         self.params = params
-        self.engine_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        self.engine_ids = (
+            [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        )
         self.recorders: list[RequestRecorder] = [state.metrics.follow(model.name) for _ in prompts]
         self.num_seqs = len(prompts) * params.n
         self.start_time = time.monotonic()
@@ -230,7 +235,8 @@ class GenerationRun:
         self.state.runs.add(self)
         engine = self.model.engine
         self._streams = [
-            engine.generate(ids, self.params, request_id=rid) for ids, rid in zip(self.prompts, self.engine_ids)
+            engine.generate(ids, self.params, request_id=rid)
+            for ids, rid in zip(self.prompts, self.engine_ids, strict=True)
         ]
         try:
             if len(self._streams) == 1:
@@ -239,7 +245,7 @@ class GenerationRun:
                 self._first = await _gather_cancelling([_first_output(s) for s in self._streams])
         except Exception as exc:
             raise errors.from_engine_error(exc, self.model.name) from exc
-        for recorder, out in zip(self.recorders, self._first):
+        for recorder, out in zip(self.recorders, self._first, strict=True):
             recorder.update(out)
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -269,10 +275,10 @@ class GenerationRun:
         if any(out is None or not out.finished for out in finals):
             # The engine stream ended without a finished output: it was aborted under us.
             raise errors.engine_dead(self.model.name, "a request ended without a result")
-        return finals  # type: ignore[return-value]
+        return [out for out in finals if out is not None]
 
     def abort(self) -> None:
-        for rid, out in zip(self.engine_ids, self.last_outputs):
+        for rid, out in zip(self.engine_ids, self.last_outputs, strict=True):
             if out is None or not out.finished:
                 self.model.engine.abort(rid)
 
@@ -355,7 +361,9 @@ async def _gather_cancelling(coros: list[Awaitable[T]]) -> list[T]:
     return [t.result() for t in tasks]
 
 
-async def _merge(streams: dict[int, AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merge(
+    streams: dict[int, AsyncIterator[RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several engine streams as their outputs arrive."""
     queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
 
@@ -363,7 +371,7 @@ async def _merge(streams: dict[int, AsyncIterator[RequestOutput]]) -> AsyncItera
         try:
             async for out in stream:
                 queue.put_nowait((i, out, None))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
             queue.put_nowait((i, None, exc))
             return
         queue.put_nowait((i, None, None))
@@ -390,7 +398,7 @@ MIN_LOGPROB = -9999.0
 
 
 def clamp_logprob(value: float) -> float:
-    return value if value == value and value > MIN_LOGPROB else MIN_LOGPROB
+    return MIN_LOGPROB if math.isnan(value) or value < MIN_LOGPROB else value
 
 
 class TokenTexts:
@@ -431,7 +439,9 @@ def check_prompt_fits(model: ServedModel, prompt_ids: list[int], max_tokens: int
         if max_tokens is not None and len(prompt_ids) < max_model_len:
             param = "max_tokens"  # the prompt fits; the completion asked for is what does not
         wanted = f"{len(prompt_ids)} in the prompt" + (
-            f", {max_tokens} for the completion" if max_tokens is not None else ", at least 1 for the completion"
+            f", {max_tokens} for the completion"
+            if max_tokens is not None
+            else ", at least 1 for the completion"
         )
         raise errors.invalid_request(
             f"This model's maximum context length is {max_model_len} tokens; this request needs {needed} "

@@ -91,8 +91,10 @@ def _response(
             raise errors.internal_error("the engine failed while generating")
         logprobs = None
         if req.logprobs:
-            logprobs = {"content": _logprob_entries(o, 0, len(o.token_ids), req.top_logprobs or 0, texts),
-                        "refusal": None}
+            logprobs = {
+                "content": _logprob_entries(o, 0, len(o.token_ids), req.top_logprobs or 0, texts),
+                "refusal": None,
+            }
         choice: dict[str, Any] = {
             "index": o.index,
             "message": {"role": "assistant", "content": o.text, "refusal": None},
@@ -122,9 +124,18 @@ async def _stream(
     an empty delta carrying ``finish_reason``; a usage-only chunk last when asked."""
 
     def chunk(
-        index: int, delta: dict[str, Any], logprobs: Any, finish_reason: str | None, token_ids: list[int] | None = None
+        index: int,
+        delta: dict[str, Any],
+        logprobs: Any,
+        finish_reason: str | None,
+        token_ids: list[int] | None = None,
     ) -> bytes:
-        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice: dict[str, Any] = {
+            "index": index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
         if req.return_token_ids and token_ids is not None:
             choice["token_ids"] = token_ids
         payload: dict[str, Any] = {
@@ -158,8 +169,10 @@ async def _stream(
                 delta = o.text[num_chars[index] :]
                 logprobs = None
                 if req.logprobs and len(o.token_ids) > num_tokens[index]:
-                    logprobs = {"content": _logprob_entries(o, num_tokens[index], len(o.token_ids), k, texts),
-                                "refusal": None}
+                    logprobs = {
+                        "content": _logprob_entries(o, num_tokens[index], len(o.token_ids), k, texts),
+                        "refusal": None,
+                    }
                 new_ids = o.token_ids[num_tokens[index] :]
                 num_chars[index] = len(o.text)
                 num_tokens[index] = len(o.token_ids)
@@ -169,18 +182,20 @@ async def _stream(
                     finished.add(index)
                     yield chunk(index, {}, None, o.finish_reason)
         if req.include_usage:
-            yield sse_event({
-                "id": run.request_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model_name,
-                "choices": [],
-                "usage": usage(prompt_tokens, sum(num_tokens.values())),
-            })
+            yield sse_event(
+                {
+                    "id": run.request_id,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": model_name,
+                    "choices": [],
+                    "usage": usage(prompt_tokens, sum(num_tokens.values())),
+                }
+            )
     except APIError as exc:
         run.status = exc.status_code
         yield sse_event(exc.body())
-    except Exception as exc:  # a bug of ours: still end the stream with a message
+    except Exception as exc:  # noqa: BLE001 - a bug of ours: still end the stream with a message
         error = errors.internal_error(f"{type(exc).__name__}: {exc}")
         run.status = error.status_code
         yield sse_event(error.body())

@@ -72,7 +72,8 @@ def _tokenize_prompts(req: CompletionRequest, model: ServedModel) -> tuple[list[
             bad = next((t for t in prompt if t >= vocab_size), None)
             if bad is not None:
                 raise errors.invalid_request(
-                    f"Token id {bad} in `prompt` is out of range: the vocabulary has {vocab_size} tokens.", "prompt"
+                    f"Token id {bad} in `prompt` is out of range: the vocabulary has {vocab_size} tokens.",
+                    "prompt",
                 )
             ids.append(list(prompt))
             texts.append(None)
@@ -146,6 +147,10 @@ def _prompt_logprobs(out: RequestOutput, k: int, texts: TokenTexts) -> _LegacyLo
             raise errors.internal_error(f"the engine returned no logprob for prompt position {i}")
         offset = result.add(texts, ids[i], position, k, offset)
     return result
+
+
+def _prompt_logprobs_done(out: RequestOutput) -> bool:
+    return out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(out.prompt_token_ids)
 
 
 def _echo_text(out: RequestOutput, prompt_text: str | None, texts: TokenTexts) -> str:
@@ -226,7 +231,11 @@ async def _stream(
     texts: TokenTexts,
 ) -> AsyncIterator[bytes]:
     def chunk(
-        index: int, text: str, logprobs: _LegacyLogprobs | None, finish_reason: str | None, token_ids: list[int]
+        index: int,
+        text: str,
+        logprobs: _LegacyLogprobs | None,
+        finish_reason: str | None,
+        token_ids: list[int],
     ) -> bytes:
         choice: dict[str, Any] = {
             "index": index,
@@ -262,6 +271,8 @@ async def _stream(
                 prefix = ""
                 logprobs = _LegacyLogprobs.empty() if req.logprobs is not None else None
                 if not st.started:
+                    if req.echo and logprobs is not None and not _prompt_logprobs_done(out):
+                        continue  # a chunked prefill is still under way; later outputs hold it all
                     st.started = True
                     if req.echo:
                         prefix = _echo_text(out, prompt_texts[i], texts)
@@ -272,8 +283,9 @@ async def _stream(
                 st.num_chars = len(o.text)
                 if logprobs is not None:
                     for j in range(st.num_tokens, len(o.token_ids)):
-                        st.offset = logprobs.add(texts, o.token_ids[j], _position(o, j), req.logprobs or 0,
-                                                 st.offset)
+                        st.offset = logprobs.add(
+                            texts, o.token_ids[j], _position(o, j), req.logprobs or 0, st.offset
+                        )
                 new_ids = o.token_ids[st.num_tokens :]
                 st.num_tokens = len(o.token_ids)
                 if o.finished:
@@ -283,18 +295,20 @@ async def _stream(
                     yield chunk(index, prefix + delta, logprobs, None, new_ids)
         if req.include_usage:
             completion_tokens = sum(st.num_tokens for st in states.values())
-            yield sse_event({
-                "id": run.request_id,
-                "object": "text_completion",
-                "created": created,
-                "model": model_name,
-                "choices": [],
-                "usage": usage(sum(prompt_tokens.values()), completion_tokens),
-            })
+            yield sse_event(
+                {
+                    "id": run.request_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model_name,
+                    "choices": [],
+                    "usage": usage(sum(prompt_tokens.values()), completion_tokens),
+                }
+            )
     except APIError as exc:
         run.status = exc.status_code
         yield sse_event(exc.body())
-    except Exception as exc:  # a bug of ours: still end the stream with a message
+    except Exception as exc:  # noqa: BLE001 - a bug of ours: still end the stream with a message
         error = errors.internal_error(f"{type(exc).__name__}: {exc}")
         run.status = error.status_code
         yield sse_event(error.body())
