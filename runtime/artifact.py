@@ -21,7 +21,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from pagecast.runtime.errors import ArtifactError
 
@@ -115,22 +115,24 @@ def load_manifest(artifact_dir: str | os.PathLike[str]) -> Manifest:
         raise ArtifactError(f"{path} is malformed ({e}); rebuild the artifact with enginebuild") from e
 
 
-def verify_files(artifact_dir: str | os.PathLike[str], manifest: Manifest, hash_weights: bool = True) -> None:
-    """Check that every file the manifest lists is present and unchanged.
-
-    ``hash_weights=False`` only checks that weight files are present (a fast start for large
-    models: hashing 16 GB of weights takes seconds); everything else is always hashed.
-    """
+def verify_files(
+    artifact_dir: str | os.PathLike[str], manifest: Manifest, include: Callable[[str], bool] = lambda rel: True
+) -> None:
+    """Check that every file the manifest lists (and ``include`` accepts) is present and unchanged."""
     root = Path(artifact_dir)
     for rel, expected in manifest.files.items():
+        if not include(rel):
+            continue
         path = root / rel
         if not path.is_file():
             raise ArtifactError(f"{root}: file {rel} listed in the manifest is missing; rebuild the artifact")
-        if not hash_weights and rel.startswith("weights/"):
-            continue
         actual = sha256_file(path)
         if actual != expected:
             raise ArtifactError(
                 f"{root}: file {rel} does not match the manifest (sha256 {actual[:12]}… expected "
                 f"{expected[:12]}…): the artifact was modified or corrupted; rebuild it with enginebuild"
             )
+
+
+def is_weight_file(rel: str) -> bool:
+    return rel.startswith("weights/")

@@ -131,6 +131,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.artifact.model, self.artifact.device, self.block_size)
         if self.options.cuda_graphs:
             self.runner.capture_cuda_graphs(min(self.options.max_num_seqs, 512), self.max_model_len)
+        self.artifact.wait_verified()  # refuse a modified artifact before serving anything
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.num_prompt_tokens = 0

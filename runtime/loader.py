@@ -11,13 +11,14 @@ import importlib.util
 import json
 import os
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pagecast.runtime.artifact import Manifest, load_manifest, verify_files
+from pagecast.runtime.artifact import Manifest, is_weight_file, load_manifest, verify_files
 from pagecast.runtime.errors import ArtifactError
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -32,6 +33,14 @@ class LoadedArtifact:
     device: torch.device
     dtype: torch.dtype
     memory_plan: dict[str, Any]
+    # Weight files are hashed in a background thread while the rest of start-up runs (16 GB take
+    # ~10 s to hash); the engine calls wait_verified() before it serves anything.
+    weights_verified: Future[None] | None = None
+
+    def wait_verified(self) -> None:
+        if self.weights_verified is not None:
+            self.weights_verified.result()
+            self.weights_verified = None
 
 
 def check_device(manifest: Manifest) -> torch.device:
@@ -81,10 +90,20 @@ def load_weights(path: Path, device: torch.device, rank: int = 0) -> dict[str, t
 
 
 def load_artifact(artifact_dir: str | os.PathLike[str], verify_weights: bool = True) -> LoadedArtifact:
+    """Check and load an artifact. With ``verify_weights`` the weight files are hashed in the
+    background; call ``wait_verified()`` on the result before serving (LLMEngine does)."""
     path = Path(artifact_dir)
     manifest = load_manifest(path)
-    verify_files(path, manifest, hash_weights=verify_weights)
+    verify_files(path, manifest, include=lambda rel: not is_weight_file(rel))
+    for rel in manifest.files:
+        if is_weight_file(rel) and not (path / rel).is_file():
+            raise ArtifactError(f"{path}: file {rel} listed in the manifest is missing; rebuild the artifact")
     device = check_device(manifest)
+    verified = None
+    if verify_weights:
+        verified = ThreadPoolExecutor(1, thread_name_prefix="pagecast-verify").submit(
+            verify_files, path, manifest, is_weight_file
+        )
     triton_cache = path / "triton_cache"
     if triton_cache.is_dir():
         os.environ["TRITON_CACHE_DIR"] = str(triton_cache)
@@ -109,4 +128,5 @@ def load_artifact(artifact_dir: str | os.PathLike[str], verify_weights: bool = T
         device=device,
         dtype=TORCH_DTYPES[manifest.dtype],
         memory_plan=json.loads((path / "memory_plan.json").read_text()),
+        weights_verified=verified,
     )

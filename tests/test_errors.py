@@ -189,3 +189,13 @@ def test_existing_output_needs_force(tmp_path, tiny_llama_checkpoint):  # type: 
     build_artifact(tiny_llama_checkpoint, out)
     with pytest.raises(BuildError, match=r"already exists; pass --force"):
         build(BuildOptions(model=str(tiny_llama_checkpoint), output=out, quiet=True))
+
+
+def test_changed_weights_are_refused(tmp_path, tiny_llama_checkpoint):  # type: ignore[no-untyped-def]
+    art = build_artifact(tiny_llama_checkpoint, tmp_path / "art")
+    weights = art / "weights" / "rank0.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0xFF  # inside the last tensor's data: the file still loads, but it is not what was built
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match=r"file weights/rank0\.safetensors does not match the manifest"):
+        LLM(art)
