@@ -62,13 +62,16 @@ def _stream(url: str, body: dict, out: dict, first: threading.Event) -> None:  #
     out["events"] = events
 
 
-def test_sigterm_drains_then_exits_zero(tiny_llama_artifact, tmp_path):  # type: ignore[no-untyped-def]
+def test_sigterm_drains_then_exits_zero(tiny_artifact_factory, tmp_path):  # type: ignore[no-untyped-def]
+    # A long context, so that the long request below is still running at --shutdown-timeout
+    # (1 s after SIGTERM) on any machine: 2000 tokens take seconds.
+    artifact = tiny_artifact_factory("llama", max_position_embeddings=2048)
     port = _free_port()
     exe = Path(sys.executable).with_name("engine-serve")
     cmd = [
         str(exe) if exe.exists() else sys.executable,
         *([] if exe.exists() else ["-m", "pagecast.runtime.cli"]),
-        str(tiny_llama_artifact),
+        str(artifact),
         "--port",
         str(port),
         "--served-model-name",
@@ -107,7 +110,7 @@ def test_sigterm_drains_then_exits_zero(tiny_llama_artifact, tmp_path):  # type:
         long_body = {
             "model": "tiny",
             "prompt": [5, 6, 7],
-            "max_tokens": 500,
+            "max_tokens": 2000,
             "ignore_eos": True,
             "stream": True,
         }

@@ -431,6 +431,19 @@ def test_echo_prompt_logprobs_lm_eval_shape(client, reference):  # type: ignore[
     assert resp["usage"]["completion_tokens"] == 0
 
 
+def test_echo_of_a_text_prompt(client, llm):  # type: ignore[no-untyped-def]
+    expected = llm.generate([PROMPTS[0]], greedy(5))[0]
+    resp = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0, echo=True)
+    assert resp.choices[0].text == PROMPTS[0] + expected.text
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0, echo=True, stream=True
+        )
+    )
+    assert streamed == PROMPTS[0] + expected.text
+
+
 def test_echo_logprobs_of_a_long_prompt_streamed_and_not(client):  # type: ignore[no-untyped-def]
     """A prompt prefilled in several chunks (the server's budget is 32 tokens): streamed and
     non-streamed answers carry the same echo, logprobs and text."""

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from importlib import metadata
 from typing import Any
 
+import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -72,7 +73,7 @@ def create_app(
         finally:
             if manage_engines:
                 for engine in engines.values():
-                    engine.shutdown()
+                    await anyio.to_thread.run_sync(engine.shutdown)  # joins the loop thread
 
     routes = [
         Route("/v1/completions", _api(state, create_completion), methods=["POST"]),

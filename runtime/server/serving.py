@@ -65,8 +65,9 @@ class ServedModel:
 
 
 class ServerState:
-    """Everything the app keeps across requests. All methods run on the event loop, except
-    ``begin_drain``-driven waits, which are awaited there too: no locks needed."""
+    """Everything the app keeps across requests: the models, the sequences admitted per model,
+    the runs in flight (for draining) and the metrics. Only the event loop touches it, so it
+    needs no locks."""
 
     def __init__(self, engines: Mapping[str, Any], api_key: str | None, max_queue: int):
         if not engines:
@@ -110,10 +111,6 @@ class ServerState:
 
     def release(self, model: ServedModel, num_seqs: int) -> None:
         self._in_flight[model.name] -= num_seqs
-
-    @property
-    def num_in_flight(self) -> int:
-        return sum(self._in_flight.values())
 
     def abort_all(self) -> None:
         for run in list(self.runs):
@@ -262,7 +259,7 @@ class GenerationRun:
                 async for i, out in _merge({i: self._streams[i] for i in pending}):
                     self.recorders[i].update(out)
                     yield i, out
-        except (APIError, asyncio.CancelledError, GeneratorExit):
+        except APIError:
             raise
         except Exception as exc:
             raise errors.from_engine_error(exc, self.model.name) from exc
