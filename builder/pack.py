@@ -23,7 +23,8 @@ def _materialise(state: BuildState, t: TensorPlan, dtype: torch.dtype, gen: torc
     if gen is not None:
         if t.name.endswith("norm.weight"):
             return torch.ones(t.shape, dtype=dtype)
-        return (torch.randn(t.shape, generator=gen, dtype=torch.float32) * 0.02).to(dtype)
+        # Drawn on the GPU when there is one: 8B random numbers take minutes on a CPU.
+        return (torch.randn(t.shape, generator=gen, dtype=torch.float32, device=gen.device) * 0.02).to(dtype).cpu()
     parts = [state.checkpoint.tensor(src) for src in t.sources]
     tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     if not torch.isfinite(tensor).all():
@@ -35,7 +36,9 @@ def write_weights(state: BuildState, out_dir: Path) -> None:
     plan = state.plan
     assert plan is not None
     dtype = TORCH_DTYPES[plan.dtype]
-    gen = torch.Generator().manual_seed(state.options.seed) if state.checkpoint.dummy else None
+    gen = None
+    if state.checkpoint.dummy:
+        gen = torch.Generator("cuda" if torch.cuda.is_available() else "cpu").manual_seed(state.options.seed)
     (out_dir / "weights").mkdir(parents=True, exist_ok=True)
     for rank in range(plan.tp):
         tensors = [t for t in plan.tensors if t.rank == rank]

@@ -27,6 +27,6 @@ def engine_last_logits(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id=None) -> list[int]:  # type: ignore[no-untyped-def]
     kwargs = {"eos_token_id": eos_token_id} if eos_token_id is not None else {"min_new_tokens": max_new_tokens}
     out = model.generate(
-        torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, **kwargs
+        torch.tensor([prompt_ids], device=model.device), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, **kwargs
     )
     return out[0, len(prompt_ids) :].tolist()

@@ -48,8 +48,9 @@ def tiny_config(family: str, **overrides):  # type: ignore[no-untyped-def]
     raise ValueError(family)
 
 
-def make_checkpoint(path: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:  # type: ignore[no-untyped-def]
-    """Save a tiny random checkpoint of ``family`` (weights, config, tokenizer) to ``path``."""
+def make_checkpoint(path: Path, family: str = "llama", seed: int = 0, tokenizer: bool = True, **overrides) -> Path:  # type: ignore[no-untyped-def]
+    """Save a tiny random checkpoint of ``family`` (weights, config and, unless ``tokenizer`` is
+    False, the SmolLM2 tokenizer) to ``path``."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -61,6 +62,8 @@ def make_checkpoint(path: Path, family: str = "llama", seed: int = 0, **override
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
     model.save_pretrained(str(path))
+    if not tokenizer:
+        return path
     src = smollm2_dir()
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
         if (src / name).is_file():

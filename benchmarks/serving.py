@@ -1,0 +1,280 @@
+"""End-to-end GPU benchmarks (PERFORMANCE.md W1, W2, W4 and engine start-up) with the
+transformers baseline timed in the same run, on the same weights.
+
+Builds a Llama-3-8B-shaped engine with random bf16 weights (--load-format dummy) for the GPU
+present, then:
+
+  start   engine-serve on the artifact: seconds from process start to the first served token,
+          and whether any kernel was compiled (new files in the Triton cache)
+  base    transformers generate on the same weights: one static batch of 256 (ISL 512 / OSL 256),
+          and one static batch of 64 of W2's requests (useful tokens)
+  W1      1,024 requests, prompt 512 random tokens, 256 output tokens, all at once
+  W2      256 requests, prompt 512, output uniform in 16..512 (useful output tokens/s)
+  W4      one request, prompt 128, output 512: inter-token latency
+
+    python benchmarks/serving.py --out OUTDIR [--phases start,base,W1,W2,W4]
+
+Prints a table at the end and one JSON line per figure (also written to OUTDIR/serving.jsonl).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+LLAMA3_8B = dict(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    bos_token_id=128000,
+    eos_token_id=128001,
+    torch_dtype="bfloat16",
+)
+
+RESULTS: list[dict] = []
+
+
+def emit(out: Path, **row: object) -> None:
+    RESULTS.append(row)
+    line = json.dumps(row)
+    print(line, flush=True)
+    with open(out / "serving.jsonl", "a") as f:
+        f.write(line + "\n")
+
+
+def build(out: Path, artifact: Path, max_model_len: int, tune_budget: float) -> None:
+    from pagecast.builder.ir import BuildOptions
+    from pagecast.builder.pipeline import build as run_build
+
+    if (artifact / "manifest.json").is_file():
+        return
+    cfg_dir = out / "llama3-8b-config"
+    cfg_dir.mkdir(parents=True, exist_ok=True)
+    (cfg_dir / "config.json").write_text(json.dumps(LLAMA3_8B))
+    start = time.perf_counter()
+    run_build(
+        BuildOptions(model=str(cfg_dir), output=artifact, gpu="auto", load_format="dummy",
+                     max_model_len=max_model_len, tune_budget_s=tune_budget, force=True, quiet=True, max_num_seqs=512),
+        log=lambda line: print("  build", line, flush=True),
+    )
+    emit(out, figure="enginebuild_seconds", value=round(time.perf_counter() - start, 1))
+
+
+def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, 120000) for _ in range(length)] for _ in range(n)]
+
+
+def phase_start(out: Path, artifact: Path) -> None:
+    cache = artifact / "triton_cache"
+    before = sum(1 for _ in cache.rglob("*")) if cache.is_dir() else 0
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagecast.runtime.cli", str(artifact), "--port", str(port), "--max-num-seqs", "256"],
+        stdout=subprocess.DEVNULL, stderr=open(out / "engine_serve.log", "w"),
+    )
+    body = json.dumps({"model": "llama3-8b-config", "prompt": [1000, 2000, 3000], "max_tokens": 1}).encode()
+    first_token = None
+    try:
+        while time.perf_counter() - start < 300 and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                    if r.status != 200:
+                        raise OSError
+                models = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5))
+                name = models["data"][0]["id"]
+                body = json.dumps({"model": name, "prompt": [1000, 2000, 3000], "max_tokens": 1}).encode()
+                req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                             headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    json.load(r)
+                first_token = time.perf_counter() - start
+                break
+            except OSError:
+                time.sleep(0.1)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    after = sum(1 for _ in cache.rglob("*")) if cache.is_dir() else 0
+    emit(out, figure="engine_serve_first_token_seconds", value=round(first_token, 2) if first_token else None,
+         target="<= 20", new_triton_cache_files=after - before, exit_code=proc.returncode)
+
+
+def hf_model_from_artifact(artifact: Path):  # type: ignore[no-untyped-def]
+    """transformers' Llama with the artifact's weights (split back out of the fused layout)."""
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**{k: v for k, v in LLAMA3_8B.items() if k not in ("architectures", "model_type")})
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    w = load_file(str(artifact / "weights" / "rank0.safetensors"), device="cuda")
+    q, kv = 32 * 128, 8 * 128
+    sd = {"model.embed_tokens.weight": w.pop("embed_tokens.weight"), "model.norm.weight": w.pop("norm.weight"),
+          "lm_head.weight": w.pop("lm_head.weight")}
+    for i in range(32):
+        p, o = f"model.layers.{i}", f"layers.{i}"
+        qkv = w.pop(f"{o}.qkv_proj.weight")
+        sd[f"{p}.self_attn.q_proj.weight"], sd[f"{p}.self_attn.k_proj.weight"], sd[f"{p}.self_attn.v_proj.weight"] = (
+            qkv[:q], qkv[q : q + kv], qkv[q + kv :])
+        gu = w.pop(f"{o}.gate_up_proj.weight")
+        sd[f"{p}.mlp.gate_proj.weight"], sd[f"{p}.mlp.up_proj.weight"] = gu[:14336], gu[14336:]
+        sd[f"{p}.mlp.down_proj.weight"] = w.pop(f"{o}.down_proj.weight")
+        sd[f"{p}.self_attn.o_proj.weight"] = w.pop(f"{o}.o_proj.weight")
+        sd[f"{p}.input_layernorm.weight"] = w.pop(f"{o}.input_norm.weight")
+        sd[f"{p}.post_attention_layernorm.weight"] = w.pop(f"{o}.post_attn_norm.weight")
+    model.load_state_dict(sd, assign=True, strict=True)
+    model.model.rotary_emb = type(model.model.rotary_emb)(cfg, device="cuda")
+    return model.eval()
+
+
+def hf_generate(model, prompts: list[list[int]], new_tokens: int) -> float:  # type: ignore[no-untyped-def]
+    ids = torch.tensor(prompts, device="cuda")
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def w2_lengths() -> list[int]:
+    rng = random.Random(2)
+    return [rng.randint(16, 512) for _ in range(256)]
+
+
+def phase_base(out: Path, artifact: Path) -> None:
+    model = hf_model_from_artifact(artifact)
+    hf_generate(model, random_prompts(4, 512, 9), 8)  # warm-up
+    secs = hf_generate(model, random_prompts(256, 512, 1), 256)
+    emit(out, figure="transformers_static_b256_tok_s", value=round(256 * 256 / secs, 1), seconds=round(secs, 1),
+         published_baseline=2757)
+    lengths = w2_lengths()[:64]
+    secs = hf_generate(model, random_prompts(256, 512, 2)[:64], max(lengths))
+    emit(out, figure="transformers_static_b64_w2_useful_tok_s", value=round(sum(lengths) / secs, 1),
+         seconds=round(secs, 1), published_baseline=611)
+    del model
+    torch.cuda.empty_cache()
+
+
+def run_engine(engine, prompts, params_list, sample_kv: bool = False):  # type: ignore[no-untyped-def]
+    """Drive the engine; returns (seconds, outputs by id, first-token times, peak KV use stats)."""
+    for i, (p, sp) in enumerate(zip(prompts, params_list)):
+        engine.add_request(f"r{i}", p, sp)
+    start = time.perf_counter()
+    done: dict[str, object] = {}
+    first: dict[str, float] = {}
+    kv_samples = []
+    steps = 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.request_id not in first and o.outputs[0].token_ids:
+                first[o.request_id] = time.perf_counter() - start
+            if o.finished:
+                done[o.request_id] = o
+        steps += 1
+        if sample_kv and steps % 16 == 0:
+            pool = engine.block_pool
+            used = pool.num_used_blocks
+            live = sum(r.num_computed_tokens for r in engine.scheduler.running)
+            if used:
+                kv_samples.append((live / (used * pool.block_size), pool.usage))
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, done, first, kv_samples, steps
+
+
+def phase_ours(out: Path, artifact: Path, phases: set[str]) -> None:
+    from pagecast.runtime.engine import LLMEngine
+    from pagecast.runtime.sampling_params import SamplingParams
+
+    start = time.perf_counter()
+    engine = LLMEngine(artifact, max_num_seqs=1024, max_num_batched_tokens=8192, gpu_memory_utilization=0.92)
+    emit(out, figure="engine_init_seconds", value=round(time.perf_counter() - start, 1),
+         kv_blocks=engine.block_pool.num_blocks, kv_tokens=engine.block_pool.num_blocks * engine.block_size)
+    run_engine(engine, random_prompts(8, 64, 5), [SamplingParams(max_tokens=8, ignore_eos=True)] * 8)  # warm-up
+    if "W4" in phases:
+        secs, done, first, _, _ = run_engine(engine, random_prompts(1, 128, 4), [SamplingParams(max_tokens=512, ignore_eos=True, temperature=0)])
+        itl = (secs - first["r0"]) / 511 * 1000
+        emit(out, figure="W4_inter_token_latency_ms", value=round(itl, 3), ttft_ms=round(first["r0"] * 1000, 1),
+             target="<= 4.5", roofline_ms=3.79)
+    if "W1" in phases:
+        params = [SamplingParams(max_tokens=256, ignore_eos=True, temperature=0)] * 1024
+        secs, done, _, kv, steps = run_engine(engine, random_prompts(1024, 512, 1), params, sample_kv=True)
+        n = sum(len(o.outputs[0].token_ids) for o in done.values())
+        emit(out, figure="W1_output_tok_s", value=round(n / secs, 1), seconds=round(secs, 1), steps=steps,
+             output_tokens=n, target=">= 11500",
+             kv_live_fraction_min=round(min(k[0] for k in kv), 4) if kv else None,
+             kv_live_fraction_median=round(sorted(k[0] for k in kv)[len(kv) // 2], 4) if kv else None,
+             preemptions=engine.scheduler.num_preemptions)
+    if "W2" in phases:
+        lengths = w2_lengths()
+        params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0) for n in lengths]
+        secs, done, _, _, steps = run_engine(engine, random_prompts(256, 512, 2), params)
+        n = sum(len(o.outputs[0].token_ids) for o in done.values())
+        assert n == sum(lengths)
+        emit(out, figure="W2_useful_tok_s", value=round(n / secs, 1), seconds=round(secs, 1), steps=steps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path("bench-out"))
+    ap.add_argument("--artifact", type=Path, default=None)
+    ap.add_argument("--phases", default="start,base,W4,W1,W2")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--tune-budget", type=float, default=90.0)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    artifact = args.artifact or args.out / "llama3-8b-dummy"
+    phases = set(args.phases.split(","))
+    emit(args.out, figure="machine", value=torch.cuda.get_device_name(0), torch=torch.__version__,
+         date=time.strftime("%Y-%m-%d"), commit=os.environ.get("PAGECAST_COMMIT", "unknown"))
+    build(args.out, artifact, args.max_model_len, args.tune_budget)
+    for name, fn in (("start", lambda: phase_start(args.out, artifact)), ("base", lambda: phase_base(args.out, artifact))):
+        if name in phases:
+            try:
+                fn()
+            except Exception as e:  # keep going: one failed phase must not cost the others
+                emit(args.out, figure=f"{name}_failed", value=f"{type(e).__name__}: {e}")
+    if phases & {"W1", "W2", "W4"}:
+        try:
+            phase_ours(args.out, artifact, phases)
+        except Exception as e:
+            import traceback
+
+            traceback.print_exc()
+            emit(args.out, figure="engine_failed", value=f"{type(e).__name__}: {e}")
+    print("\n| figure | value | details |\n|---|---|---|")
+    for r in RESULTS:
+        details = {k: v for k, v in r.items() if k not in ("figure", "value")}
+        print(f"| {r['figure']} | {r['value']} | {details} |")
+
+
+if __name__ == "__main__":
+    main()
