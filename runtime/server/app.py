@@ -15,16 +15,17 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from importlib import metadata
 from typing import Any
 
 import anyio
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from pagecast.runtime import __version__
 from pagecast.runtime.errors import EngineDeadError, InvalidRequestError
 from pagecast.runtime.server import errors
 from pagecast.runtime.server.errors import APIError
@@ -35,13 +36,6 @@ from pagecast.runtime.server.serving_completions import create_completion
 logger = logging.getLogger("pagecast.server")
 
 Handler = Callable[[Request, ServerState], Awaitable[Response]]
-
-
-def pagecast_version() -> str:
-    try:
-        return metadata.version("pagecast")
-    except metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def create_app(
@@ -152,13 +146,14 @@ def _open(state: ServerState, handler: Handler) -> Callable[[Request], Awaitable
 
 async def _http_exception(request: Request, exc: Exception) -> Response:
     """Unknown routes and wrong methods, in the same error shape as everything else."""
-    assert isinstance(exc, HTTPException)  # only registered for it
-    message = "Not found." if exc.status_code == 404 else str(exc.detail)
-    if exc.status_code == 404:
-        message = f"Unknown route {request.method} {request.url.path}."
-    elif exc.status_code == 405:
-        message = f"Method {request.method} is not allowed on {request.url.path}."
-    return APIError(exc.status_code, message, code="not_found" if exc.status_code == 404 else None).response()
+    status = getattr(exc, "status_code", 500)
+    if status == 404:
+        return APIError(
+            404, f"Unknown route {request.method} {request.url.path}.", code="not_found"
+        ).response()
+    if status == 405:
+        return APIError(405, f"Method {request.method} is not allowed on {request.url.path}.").response()
+    return APIError(status, str(getattr(exc, "detail", exc))).response()
 
 
 def _model_card(state: ServerState, name: str) -> dict[str, Any]:
@@ -192,10 +187,8 @@ async def _health(request: Request, state: ServerState) -> Response:
 
 
 async def _version(request: Request, state: ServerState) -> Response:
-    return JSONResponse({"version": pagecast_version()})
+    return JSONResponse({"version": __version__})
 
 
 async def _metrics(request: Request, state: ServerState) -> Response:
-    from prometheus_client import CONTENT_TYPE_LATEST
-
     return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
