@@ -31,7 +31,9 @@ def versions() -> dict[str, str]:
     return out
 
 
-def make_manifest(state: BuildState, files: dict[str, str]) -> Manifest:
+def make_manifest(
+    state: BuildState, files: dict[str, str], chunk_hashes: dict[str, list[str]] | None = None
+) -> Manifest:
     model, plan, ckpt, opts = state.model, state.plan, state.checkpoint, state.options
     assert model is not None and plan is not None
     a = model.attention
@@ -66,6 +68,7 @@ def make_manifest(state: BuildState, files: dict[str, str]) -> Manifest:
         versions=versions(),
         build_options={k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(opts).items()},
         files=files,
+        chunk_hashes=chunk_hashes or {},
     )
 
 
@@ -114,7 +117,7 @@ def run(state: BuildState) -> BuildState:
     # The report is hashed like every other file, so it is written first with a provisional manifest view.
     provisional = make_manifest(state, {})
     (staging / "report.md").write_text(render_report(state, provisional))
-    manifest = make_manifest(state, hash_tree(staging))
+    manifest = make_manifest(state, *hash_tree(staging))
     (staging / MANIFEST).write_text(manifest.to_json())
     staging.chmod(0o755)  # mkdtemp made it private; an artifact is an ordinary directory
     if output.exists():

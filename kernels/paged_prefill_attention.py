@@ -27,7 +27,7 @@ def _attend_tile(
     stride_kb, stride_kt, stride_vb, stride_vt,
     qk_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     # One BLOCK_N tile of keys for all rows of the query tile; CAUSAL masks keys past each
     # row's position (and past kv_end), otherwise every key of the tile is visible.
@@ -67,14 +67,14 @@ def _attend_tile(
                 mask=d_mask,
                 other=0.0,
             )
-    s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N]
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
     if CAUSAL:
         s = tl.where((offs_n[None, :] <= q_pos[:, None]) & (offs_n < kv_end)[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -107,6 +107,7 @@ def _paged_prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 engines (exact), "tf32" (ignored) for half types
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     pid = tl.program_id(0)
@@ -165,13 +166,13 @@ def _paged_prefill_kernel(
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, q_pos, start, kv_end, block_row, k_base, v_base,
                 stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
-                HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, CAUSAL=False,
+                HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, CAUSAL=False, DOT_PRECISION=DOT_PRECISION,
             )  # fmt: skip
         for start in range(full_end, kv_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, q_pos, start, kv_end, block_row, k_base, v_base,
                 stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
-                HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, CAUSAL=True,
+                HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, CAUSAL=True, DOT_PRECISION=DOT_PRECISION,
             )  # fmt: skip
 
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -272,6 +273,7 @@ def paged_prefill_attention(
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out

@@ -6,11 +6,14 @@ artifact (triton_cache/) and Triton's cache is pointed there before any kernel l
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import sys
+import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,7 +109,12 @@ def load_artifact(artifact_dir: str | os.PathLike[str], verify_weights: bool = T
         )
     triton_cache = path / "triton_cache"
     if triton_cache.is_dir():
-        os.environ["TRITON_CACHE_DIR"] = str(triton_cache)
+        # Triton rewrites index files in its cache when it loads kernels: serve from a private copy so
+        # the artifact stays exactly as built (and its hashes keep matching).
+        private = Path(tempfile.mkdtemp(prefix="pagecast-triton-"))
+        shutil.copytree(triton_cache, private, dirs_exist_ok=True)
+        atexit.register(shutil.rmtree, private, True)
+        os.environ["TRITON_CACHE_DIR"] = str(private)
 
     from pagecast.kernels import ops
 

@@ -199,3 +199,19 @@ def test_changed_weights_are_refused(tmp_path, tiny_llama_checkpoint):  # type: 
     weights.write_bytes(bytes(data))
     with pytest.raises(ArtifactError, match=r"file weights/rank0\.safetensors does not match the manifest"):
         LLM(art)
+
+
+def test_changed_weights_are_refused_by_chunk_hashes(tmp_path, tiny_llama_checkpoint, monkeypatch):  # type: ignore[no-untyped-def]
+    import pagecast.runtime.artifact as artifact
+
+    monkeypatch.setattr(artifact, "CHUNK_BYTES", 1 << 22)  # 4 MiB chunks: the tiny weights get several
+    art = build_artifact(tiny_llama_checkpoint, tmp_path / "art")
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert len(manifest["chunk_hashes"]["weights/rank0.safetensors"]) >= 3
+    LLM(art)  # unchanged: verifies chunk by chunk and loads
+    weights = art / "weights" / "rank0.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[(1 << 22) + 100] ^= 0x01  # one bit in the second chunk
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match=r"file weights/rank0\.safetensors does not match the manifest"):
+        LLM(art)
