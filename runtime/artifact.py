@@ -94,10 +94,11 @@ def hash_file(path: Path) -> tuple[str, list[str] | None]:
     chunks: list[str] = []
     piece = hashlib.sha256()
     in_piece = 0
+    read = min(_READ, CHUNK_BYTES)  # both powers of two: a block never straddles two chunks
     with open(path, "rb") as f:
-        while block := f.read(_READ):
+        while block := f.read(read):
             whole.update(block)
-            piece.update(block)  # _READ divides CHUNK_BYTES, so a block never straddles two chunks
+            piece.update(block)
             in_piece += len(block)
             if in_piece == CHUNK_BYTES:
                 chunks.append(piece.hexdigest())
