@@ -19,7 +19,9 @@ from pagecast.runtime.forward_context import ForwardContext
 
 logger = logging.getLogger("pagecast.engine")
 
-DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+DEFAULT_BATCH_SIZES = (
+    1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024,
+)  # fmt: skip
 CONTEXT_BUCKETS = (2048, 8192)
 
 
@@ -55,8 +57,9 @@ class DecodeGraphs:
             max_seq_len=context,
             logits_indices=self.logits_indices[:batch],
         )
-        hidden = self.model.forward(self.input_ids[:batch], self.positions[:batch], ctx)
-        return self.model.compute_logits(hidden)
+        # The LM head stays outside the graph: one large GEMM gains nothing from replay, and a
+        # [batch, vocab] fp32 output per captured graph would cost gigabytes.
+        return self.model.forward(self.input_ids[:batch], self.positions[:batch], ctx)
 
     @torch.inference_mode()
     def capture(self) -> float:
@@ -90,7 +93,8 @@ class DecodeGraphs:
         seq_lens: torch.Tensor,
         max_seq_len: int,
     ) -> torch.Tensor:
-        """All inputs on the device, one row per sequence; returns logits [num_seqs, vocab]."""
+        """All inputs on the device, one row per sequence; returns the final hidden states
+        [num_seqs, hidden] (valid until the next replay)."""
         n = input_ids.shape[0]
         batch = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
         context = self.contexts[bisect.bisect_left(self.contexts, max_seq_len)]

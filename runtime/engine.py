@@ -130,7 +130,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.artifact.model, self.artifact.device, self.block_size)
         if self.options.cuda_graphs:
-            self.runner.capture_cuda_graphs(min(self.options.max_num_seqs, 512), self.max_model_len)
+            self.runner.capture_cuda_graphs(self.options.max_num_seqs, self.max_model_len)
         self.artifact.wait_verified()  # refuse a modified artifact before serving anything
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -248,14 +248,18 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, only_finished: bool = False) -> list[RequestOutput]:
+        """Run one step; returns the outputs of the requests it advanced (with ``only_finished``,
+        of those it finished)."""
         scheduled = self.scheduler.schedule()
         if scheduled.total_num_scheduled_tokens == 0:
             return []
         result = self.runner.execute(scheduled)
         updated = self.scheduler.update_from_output(scheduled, result.sampled)
         self.num_generation_tokens += len(result.sampled)
-        outputs, stopped = self.output_processor.process(updated, result.logprobs, result.prompt_logprobs)
+        outputs, stopped = self.output_processor.process(
+            updated, result.logprobs, result.prompt_logprobs, only_finished=only_finished
+        )
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
             touched = {self.output_processor.children[rid].parent_id for rid in stopped}

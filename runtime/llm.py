@@ -50,7 +50,7 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         try:
             while len(finished) < len(ids):
-                for out in self.engine.step():
+                for out in self.engine.step(only_finished=True):
                     if out.finished:
                         finished[out.request_id] = out
                 if not self.engine.has_unfinished_requests() and len(finished) < len(ids):

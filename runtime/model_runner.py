@@ -71,10 +71,17 @@ class ModelRunner:
             start = req.num_computed_tokens
             end = start + n
             row0 = len(input_ids)
-            input_ids.extend(req.all_token_ids[start:end])
-            positions.extend(range(start, end))
+            if n == 1:
+                input_ids.append(req.all_token_ids[start])
+                positions.append(start)
+            else:
+                input_ids.extend(req.all_token_ids[start:end])
+                positions.extend(range(start, end))
             block_ids = req.block_ids
-            slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
+            if n == 1:
+                slots.append(block_ids[start // bs] * bs + start % bs)
+            else:
+                slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
             seq_lens.append(end)
             query_start_loc.append(len(input_ids))
             max_blocks = max(max_blocks, len(block_ids))
@@ -90,10 +97,9 @@ class ModelRunner:
                 sample_requests.append(req)
                 sample_rows.append(len(logits_rows))
                 logits_rows.append(row0 + n - 1)
-        block_tables = torch.zeros((len(seq_lens), max_blocks), dtype=torch.int32)
-        for i, req in enumerate(out.scheduled_requests):
-            if req.block_ids:
-                block_tables[i, : len(req.block_ids)] = torch.tensor(req.block_ids, dtype=torch.int32)
+        block_tables = torch.tensor(
+            [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in out.scheduled_requests], dtype=torch.int32
+        )
         dev = self.device
         ctx = ForwardContext(
             slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
@@ -131,9 +137,10 @@ class ModelRunner:
         if self._use_graph(batch, num_seqs):
             assert self.graphs is not None
             ctx = batch.ctx
-            logits = self.graphs.run(
+            hidden = self.graphs.run(
                 batch.input_ids, batch.positions, ctx.slot_mapping, ctx.block_tables, ctx.seq_lens, ctx.max_seq_len
             )
+            logits = self.model.compute_logits(hidden)
         else:
             hidden = self.model.forward(batch.input_ids, batch.positions, batch.ctx)
             if batch.ctx.logits_indices.numel() == 0:

@@ -56,9 +56,12 @@ class OutputProcessor:
         updated: list[Request],
         logprobs: dict[str, PositionLogprobs],
         prompt_logprobs: dict[str, list[PositionLogprobs]],
+        only_finished: bool = False,
     ) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the outputs of every parent touched this step and the ids of children that a
-        stop string finished (the engine must release them in the scheduler)."""
+        """Returns the outputs of every parent touched this step (only the finished ones with
+        ``only_finished``: offline batches need no intermediate outputs, and building them costs
+        a copy of every sequence every step) and the ids of children that a stop string finished
+        (the engine must release them in the scheduler)."""
         touched: dict[str, ParentRequest] = {}
         stopped: list[str] = []
         for rid, entries in prompt_logprobs.items():
@@ -87,7 +90,8 @@ class OutputProcessor:
             elif stop is not None:  # finished by length on the same token: the stop string wins
                 child.stop_reason = stop
                 child.status = RequestStatus.FINISHED_STOPPED
-        return [self.make_output(p) for p in touched.values()], stopped
+        parents = [p for p in touched.values() if p.finished] if only_finished else touched.values()
+        return [self.make_output(p) for p in parents], stopped
 
     def finish(self, child: Request) -> None:
         """A child finished outside the token path (stop string, abort): flush its text."""
