@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from pagecast.kernels import problems, tuning
 
 LLAMA3_8B = tuning.ModelShapes(

@@ -12,8 +12,8 @@ import json
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from pagecast.builder import emit, load, lower, pack, plan, render, trace, tune
 from pagecast.builder.ir import BuildOptions, BuildState

@@ -9,8 +9,8 @@ the artifact is marked untuned. CPU artifacts run the torch reference and need n
 from __future__ import annotations
 
 import dataclasses
-import os
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+
 from pagecast.kernels import reference
 from pagecast.kernels.tuning import KernelConfig, decode_bucket, lookup, prefill_bucket, token_bucket
 

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 import torch
 import triton
 import triton.language as tl
+
 from pagecast.kernels.tuning import KernelConfig, num_sms
 
 _LOG2E = 1.4426950408889634

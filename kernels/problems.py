@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
 from pagecast.kernels.tuning import (
     DECODE_BATCH_BUCKETS,
     DECODE_CONTEXT_BUCKETS,

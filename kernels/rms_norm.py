@@ -12,6 +12,7 @@ from collections.abc import Mapping
 import torch
 import triton
 import triton.language as tl
+
 from pagecast.kernels.tuning import KernelConfig
 
 

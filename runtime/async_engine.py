@@ -14,7 +14,8 @@ import logging
 import os
 import threading
 import uuid
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from pagecast.runtime.engine import EngineStats, LLMEngine
 from pagecast.runtime.errors import EngineDeadError, PagecastError

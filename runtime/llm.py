@@ -9,7 +9,8 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from pagecast.runtime.engine import LLMEngine
 from pagecast.runtime.outputs import RequestOutput

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pagecast.runtime.block_pool import BlockPool
 from pagecast.runtime.request import Request
 from pagecast.runtime.sampling_params import SamplingParams

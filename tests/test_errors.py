@@ -8,13 +8,13 @@ import subprocess
 import sys
 
 import pytest
-from safetensors.torch import load_file, save_file
-
 from conftest import build_artifact
+from safetensors.torch import load_file, save_file
+from tiny_models import make_checkpoint
+
 from pagecast.builder.ir import BuildOptions
 from pagecast.runtime import LLM, SamplingParams
 from pagecast.runtime.errors import ArtifactError, BuildError, InvalidRequestError
-from tiny_models import make_checkpoint
 
 
 def test_unsupported_architecture(tmp_path, tiny_llama_checkpoint):  # type: ignore[no-untyped-def]

@@ -7,11 +7,11 @@ import json
 
 import pytest
 import torch
-
 from conftest import build_artifact
 from engine_utils import hf_greedy
-from pagecast.runtime import LLM, SamplingParams
 from tiny_models import make_checkpoint
+
+from pagecast.runtime import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_utils import engine_last_logits, hf_greedy
 from transformers import AutoModelForCausalLM
 
-from engine_utils import engine_last_logits, hf_greedy
 from pagecast.runtime import LLM, SamplingParams
 
 PROMPTS = [

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+
 from pagecast.runtime.block_pool import BlockPool
 from pagecast.runtime.request import Request, RequestStatus
 from pagecast.runtime.sampling_params import SamplingParams

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 import torch
+from engine_utils import hf_greedy
 from transformers import AutoModelForCausalLM
 
-from engine_utils import hf_greedy
 from pagecast.runtime import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
