@@ -70,9 +70,13 @@ def _kernels() -> SimpleNamespace:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension; x may have extra leading dims (Qwen3's per-head q/k norm
+    passes [num_tokens, heads, head_dim])."""
     if not _triton(x):
         return reference.rms_norm(x, weight, eps)
-    return _kernels().rms_norm(x, weight, eps, _config("rms_norm", token_bucket(x.shape[0])))
+    rows = x.reshape(-1, x.shape[-1])
+    out = _kernels().rms_norm(rows, weight, eps, _config("rms_norm", token_bucket(rows.shape[0])))
+    return out.view(x.shape)  # type: ignore[no-any-return]
 
 
 def fused_add_rms_norm(
