@@ -68,6 +68,18 @@ class AsyncEngine:
     def eos_token_ids(self) -> frozenset[int]:
         return self.engine.eos_token_ids
 
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.engine.options.max_num_seqs
+
+    def tokenize(self, prompt: str) -> list[int]:
+        """Token ids of a text prompt exactly as generate() tokenizes it (no special tokens added)."""
+        return self.engine.tokenize(prompt)[1]
+
     def start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=f"pagecast-engine-{self.model_name}", daemon=True)

@@ -81,7 +81,7 @@ class Request:
         if sampling_params.seed is not None:
             self.generator = torch.Generator()
             # Each of the n choices gets its own stream, reproducible from (seed, index).
-            self.generator.manual_seed(sampling_params.seed * 1_000_003 + index)
+            self.generator.manual_seed((sampling_params.seed * 1_000_003 + index) % 2**64)
         self.logprobs: list[PositionLogprobs] | None = [] if sampling_params.logprobs is not None else None
         self.prompt_logprobs: list[PositionLogprobs | None] | None = (
             [None] if sampling_params.prompt_logprobs is not None else None

@@ -10,7 +10,7 @@ import time
 import httpx
 import openai
 import pytest
-from test_server_support import make_engine, metric, metric_samples, serve, wait_for
+from server_support import make_engine, metric, metric_samples, serve, wait_for
 
 from pagecast.runtime import LLM, SamplingParams
 

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 import torch
-from test_server_support import ReferenceModel, make_engine, metric, metric_samples, serve
+from server_support import ReferenceModel, make_engine, metric, metric_samples, serve
 from transformers import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
 
 from pagecast.runtime import LLM, SamplingParams

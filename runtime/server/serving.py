@@ -27,7 +27,6 @@ from pagecast.runtime.server.sse import SSEResponse
 
 T = TypeVar("T")
 
-DEFAULT_MAX_NUM_SEQS = 256
 RETRY_AFTER_S = 1
 
 
@@ -40,28 +39,17 @@ class ServedModel:
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
-    def _core(self) -> Any:
-        """The synchronous LLMEngine inside the AsyncEngine (its options, its tokenisation)."""
-        return getattr(self.engine, "engine", self.engine)
-
-    @property
     def max_running(self) -> int:
         """Sequences the engine runs at once; beyond that they wait in its queue."""
-        options = getattr(self._core, "options", None)
-        value = getattr(options, "max_num_seqs", None)
-        return value if isinstance(value, int) and value > 0 else DEFAULT_MAX_NUM_SEQS
+        return int(self.engine.max_num_seqs)
 
     def tokenize(self, prompt: str) -> list[int]:
         """Token ids of a text prompt, exactly as the engine (and LLM.generate) tokenises it."""
-        tokenize = getattr(self._core, "tokenize", None)
-        if callable(tokenize):
-            return list(tokenize(prompt)[1])
-        return list(self.engine.tokenizer.encode(prompt, add_special_tokens=False))
+        return list(self.engine.tokenize(prompt))
 
     @property
     def vocab_size(self) -> int:
-        size = getattr(self._core, "vocab_size", None)
-        return int(size) if size else len(self.engine.tokenizer)
+        return int(self.engine.vocab_size)
 
 
 class ServerState:
