@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagecast.kernels.paged_attention_args import check_paged_attention_args
 from pagecast.kernels.tuning import KernelConfig, num_sms
 
 _LOG2E = 1.4426950408889634
@@ -256,27 +257,11 @@ def paged_decode_attention(
     allocations depend on shapes only. Returns [num_tokens, num_heads, head_dim] in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
-    _, num_kv_heads, block_size, cache_head_dim = k_cache.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
-    if v_cache.shape != k_cache.shape or cache_head_dim != head_dim:
-        raise ValueError(
-            f"cache shapes {tuple(k_cache.shape)}/{tuple(v_cache.shape)} do not match q {tuple(q.shape)}"
-        )
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
-        raise ValueError(
-            f"q ({q.dtype}) and the caches ({k_cache.dtype}, {v_cache.dtype}) must share a dtype"
-        )
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("q and the caches need a contiguous last (head_dim) dimension")
-    if block_tables.shape[0] != num_seqs or query_start_loc.shape[0] != num_seqs + 1:
-        raise ValueError("block_tables, seq_lens and query_start_loc disagree on the number of sequences")
-    block_tables = block_tables.to(torch.int32)
-    seq_lens = seq_lens.to(torch.int32)
-    query_start_loc = query_start_loc.to(torch.int32)
-    if out is None:
-        out = torch.empty_like(q)
+    block_tables, seq_lens, query_start_loc, out = check_paged_attention_args(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out
+    )
     if num_seqs == 0 or num_tokens == 0:
         return out
 

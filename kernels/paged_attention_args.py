@@ -1,0 +1,42 @@
+"""Argument checks shared by the paged attention launchers (decode and prefill): one place
+that says what the kernels accept."""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_paged_attention_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raise ValueError on inconsistent shapes, dtypes or strides; returns (block_tables,
+    seq_lens, query_start_loc) as int32 and the output tensor (``out`` or a new one)."""
+    _, num_heads, head_dim = q.shape
+    _, num_kv_heads, _, cache_head_dim = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    if v_cache.shape != k_cache.shape or cache_head_dim != head_dim:
+        raise ValueError(
+            f"cache shapes {tuple(k_cache.shape)}/{tuple(v_cache.shape)} do not match q {tuple(q.shape)}"
+        )
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+        raise ValueError(
+            f"q ({q.dtype}) and the caches ({k_cache.dtype}, {v_cache.dtype}) must share a dtype"
+        )
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("q and the caches need a contiguous last (head_dim) dimension")
+    if block_tables.shape[0] != num_seqs or query_start_loc.shape[0] != num_seqs + 1:
+        raise ValueError("block_tables, seq_lens and query_start_loc disagree on the number of sequences")
+    return (
+        block_tables.to(torch.int32),
+        seq_lens.to(torch.int32),
+        query_start_loc.to(torch.int32),
+        torch.empty_like(q) if out is None else out,
+    )
