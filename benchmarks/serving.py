@@ -74,7 +74,7 @@ def build(out: Path, artifact: Path, max_model_len: int, tune_budget: float) -> 
     start = time.perf_counter()
     run_build(
         BuildOptions(model=str(cfg_dir), output=artifact, gpu="auto", load_format="dummy",
-                     max_model_len=max_model_len, tune_budget_s=tune_budget, force=True, quiet=True, max_num_seqs=512),
+                     max_model_len=max_model_len, tune_budget_s=tune_budget, force=True, quiet=True, max_num_seqs=1024),
         log=lambda line: print("  build", line, flush=True),
     )
     emit(out, figure="enginebuild_seconds", value=round(time.perf_counter() - start, 1))

@@ -24,6 +24,10 @@ GPUS: dict[str, dict[str, Any]] = {
     "l40s": {"compute_capability": (8, 9), "memory_bytes": 46_068 * 2**20},
 }
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# Decode batch sizes that get a CUDA graph (up to --max-num-seqs); a batch is padded up to the next one.
+GRAPH_BATCH_SIZES = (
+    1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024,
+)  # fmt: skip
 MEMORY_FRACTIONS = (0.5, 0.7, 0.8, 0.85, 0.9, 0.95)
 
 
@@ -157,6 +161,7 @@ def memory_plan(
         "num_parameters": n_params,
         "activation_bytes": activation_bytes,
         "max_model_len": max_model_len,
+        "cuda_graph_batch_sizes": [b for b in GRAPH_BATCH_SIZES if b < max_num_seqs] + [max_num_seqs],
         "device_memory_bytes": memory_bytes,
         "budgets": [],
     }

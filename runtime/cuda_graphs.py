@@ -1,7 +1,8 @@
 """CUDA graphs for decode steps: the whole forward pass of a decode batch replays as one
 graph, so a step costs one launch instead of a few hundred and no Python runs per layer.
 
-Graphs are captured at start-up for a set of batch sizes and context-length buckets (the
+Graphs are captured at start-up for the batch sizes the artifact's plan lists (up to the
+engine's max_num_seqs) and for context-length buckets (the
 attention kernel's split count depends on the context bucket). A batch is padded up to the
 next captured size: padding rows write no KV (slot -1) and attend to nothing (length 0).
 """
@@ -19,19 +20,18 @@ from pagecast.runtime.forward_context import ForwardContext
 
 logger = logging.getLogger("pagecast.engine")
 
-DEFAULT_BATCH_SIZES = (
-    1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024,
-)  # fmt: skip
 CONTEXT_BUCKETS = (2048, 8192)
 
 
 class DecodeGraphs:
     """Captured decode graphs over persistent input buffers; ``run`` fills the buffers and replays."""
 
-    def __init__(self, model: Any, device: torch.device, max_batch: int, max_model_len: int, block_size: int):
+    def __init__(
+        self, model: Any, device: torch.device, batch_sizes: list[int], max_model_len: int, block_size: int
+    ):
         self.model = model
         self.device = device
-        self.batch_sizes = [b for b in DEFAULT_BATCH_SIZES if b <= max_batch] or [1]
+        self.batch_sizes = sorted(batch_sizes) or [1]
         self.contexts = sorted({c for c in CONTEXT_BUCKETS if c < max_model_len} | {max_model_len})
         self.max_batch = self.batch_sizes[-1]
         self.max_blocks = (max_model_len + block_size - 1) // block_size

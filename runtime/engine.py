@@ -130,7 +130,10 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.artifact.model, self.artifact.device, self.block_size)
         if self.options.cuda_graphs:
-            self.runner.capture_cuda_graphs(self.options.max_num_seqs, self.max_model_len)
+            # The plan's batch sizes, up to this engine's max_num_seqs; larger decode batches run eagerly.
+            planned = self.artifact.memory_plan.get("cuda_graph_batch_sizes") or [1]
+            sizes = [b for b in planned if b <= self.options.max_num_seqs]
+            self.runner.capture_cuda_graphs(sizes, self.max_model_len)
         self.artifact.wait_verified()  # refuse a modified artifact before serving anything
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

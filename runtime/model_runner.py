@@ -48,11 +48,11 @@ class ModelRunner:
         self.block_size = block_size
         self.graphs: DecodeGraphs | None = None
 
-    def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> float:
+    def capture_cuda_graphs(self, batch_sizes: list[int], max_model_len: int) -> float:
         """Capture decode graphs (GPU only); returns the seconds it took."""
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or not batch_sizes:
             return 0.0
-        self.graphs = DecodeGraphs(self.model, self.device, max_batch, max_model_len, self.block_size)
+        self.graphs = DecodeGraphs(self.model, self.device, batch_sizes, max_model_len, self.block_size)
         return self.graphs.capture()
 
     def prepare(self, out: SchedulerOutput) -> _Batch:
