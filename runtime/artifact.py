@@ -172,9 +172,8 @@ def verify_files(
         pieces = manifest.chunk_hashes.get(rel)
         if pieces:
             with ThreadPoolExecutor(min(len(pieces), os.cpu_count() or 1, 16)) as pool:
-                actual_pieces = list(
-                    pool.map(lambda i: _sha256_range(path, i * CHUNK_BYTES, CHUNK_BYTES), range(len(pieces)))
-                )
+                offsets = [i * CHUNK_BYTES for i in range(len(pieces))]
+                actual_pieces = list(pool.map(_sha256_range, [path] * len(pieces), offsets, [CHUNK_BYTES] * len(pieces)))
             ok = actual_pieces == pieces and path.stat().st_size <= len(pieces) * CHUNK_BYTES
             actual = expected if ok else "chunk-mismatch"
         else:
