@@ -76,3 +76,24 @@ def smollm2_checkpoint() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_artifact(tmp_path_factory, smollm2_checkpoint) -> Path:  # type: ignore[no-untyped-def]
     return build_artifact("smollm2-135m", tmp_path_factory.mktemp("art-smollm2") / "smollm2-135m")
+
+
+@pytest.fixture(autouse=True)
+def every_block_is_free_after_the_test(monkeypatch):  # type: ignore[no-untyped-def]
+    """After every test, every LLM it created holds no KV block and no request (a leak of
+    blocks would slowly starve a long-running server)."""
+    from pagecast.runtime.llm import LLM
+
+    created: list = []
+    original = LLM.__init__
+
+    def tracking_init(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        original(self, *args, **kwargs)
+        created.append(self)
+
+    monkeypatch.setattr(LLM, "__init__", tracking_init)
+    yield
+    for llm in created:
+        engine = llm.engine
+        assert engine.block_pool.num_used_blocks == 0, "KV blocks still in use after the test"
+        assert not engine.has_unfinished_requests(), "requests left unfinished after the test"
