@@ -55,3 +55,24 @@ def test_bf16_batch_is_consistent_with_single_requests(tmp_path):  # type: ignor
     # bf16 batching changes reduction order; the first tokens must agree.
     for a, b in zip(alone, batched):
         assert a.token_ids[:4] == b.token_ids[:4]
+
+
+def test_smollm2_fp32_greedy_matches_transformers_on_gpu(tmp_path, smollm2_checkpoint):  # type: ignore[no-untyped-def]
+    """The embedded default model, built for the GPU in fp32 (tuned Triton kernels, CUDA graphs),
+    gives transformers' greedy tokens on the same converted checkpoint, up to its EOS."""
+    from transformers import AutoModelForCausalLM
+
+    art = build_artifact("smollm2-135m", tmp_path / "art", gpu="auto", dtype="float32", tune_budget_s=20.0)
+    llm = LLM(art, max_num_batched_tokens=256, max_num_seqs=8, kv_cache_memory="512MiB")
+    assert llm.engine.runner.graphs is not None
+    prompts = ["The quick brown fox", "我喜欢吃北京烤鸭，因为", "def add(a, b):", "The meaning of life is"]
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    prompts.append(llm.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48))
+    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_checkpoint), dtype=torch.float32).cuda().eval()
+    for prompt, out in zip(prompts, outs):
+        ids = llm.tokenizer.encode(prompt, add_special_tokens=False)
+        assert out.token_ids == hf_greedy(hf, ids, 48, eos_token_id=2), prompt
+    assert "Paris" in outs[-1].text and outs[-1].finish_reason == "stop"
+    del llm, hf
+    torch.cuda.empty_cache()
