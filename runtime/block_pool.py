@@ -179,7 +179,9 @@ class BlockPool:
         if not self.enable_prefix_caching:
             return
         hashes = request.block_hashes
-        num_full = request.num_computed_tokens // self.block_size
+        # Only tokens whose ids are known: a pending token (asynchronous scheduling) may already
+        # count as computed.
+        num_full = min(request.num_computed_tokens, len(request.all_token_ids)) // self.block_size
         first = len(hashes)
         if first >= num_full:
             return

@@ -29,6 +29,7 @@ _ENGINE_OPTIONS = (
     "gpu_memory_utilization",
     "kv_cache_memory",
     "max_model_len",
+    "async_scheduling",
 )
 
 
@@ -78,6 +79,11 @@ _ENGINE_OPTIONS = (
     help="Cap on prompt + output tokens (at most the artifact's).",
 )
 @click.option("--no-prefix-caching", is_flag=True, help="Do not reuse KV blocks of common prompt prefixes.")
+@click.option(
+    "--async-scheduling/--no-async-scheduling",
+    default=None,
+    help="Plan the next step while the device runs the current one [default: on for GPUs].",
+)
 @click.option(
     "--max-queue",
     default=256,

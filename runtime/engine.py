@@ -18,12 +18,12 @@ import torch
 from pagecast.runtime.block_pool import BlockPool
 from pagecast.runtime.errors import InvalidRequestError
 from pagecast.runtime.loader import LoadedArtifact, load_artifact
-from pagecast.runtime.model_runner import ModelRunner
+from pagecast.runtime.model_runner import LaunchedStep, ModelRunner, RunnerOutput
 from pagecast.runtime.output_processor import OutputProcessor, ParentRequest
 from pagecast.runtime.outputs import RequestOutput
 from pagecast.runtime.request import Request, RequestStatus
 from pagecast.runtime.sampling_params import SamplingParams
-from pagecast.runtime.scheduler import Scheduler, SchedulerConfig
+from pagecast.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
@@ -52,6 +52,9 @@ class EngineOptions:
     enable_prefix_caching: bool = True
     verify_weights: bool = True  # hash weight files on load (slow for large models)
     cuda_graphs: bool = True  # capture decode graphs at start-up (GPU only)
+    # Plan step N+1 while step N runs on the device (default: on for GPUs). Steps with requests
+    # that ask for logprobs, prompt logprobs or penalties run synchronously.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -139,6 +142,10 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        async_default = self.artifact.device.type == "cuda"
+        self.async_scheduling = async_default if self.options.async_scheduling is None else self.options.async_scheduling
+        self._inflight: LaunchedStep | None = None  # launched, tokens not collected yet
+        self._host_sampling: set[str] = set()  # parents whose sampling needs the host (synchronous steps)
 
     def _num_kv_blocks(self) -> int:
         bytes_per_block = int(self.artifact.memory_plan["bytes_per_block"])
@@ -223,6 +230,8 @@ class LLMEngine:
             for i in range(params.n)
         ]
         self.output_processor.add(ParentRequest(request_id, text, ids, children))
+        if params.logprobs is not None or params.prompt_logprobs is not None or params.has_penalties:
+            self._host_sampling.add(request_id)
         self.num_prompt_tokens += len(ids)
         for child in children:
             self.scheduler.add_request(child)
@@ -244,7 +253,7 @@ class LLMEngine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._inflight is not None
 
     def num_unfinished(self) -> int:
         return len(self.output_processor.parents)
@@ -253,13 +262,46 @@ class LLMEngine:
 
     def step(self, only_finished: bool = False) -> list[RequestOutput]:
         """Run one step; returns the outputs of the requests it advanced (with ``only_finished``,
-        of those it finished)."""
+        of those it finished).
+
+        With asynchronous scheduling a step launches step N on the device, then waits for step
+        N-1 and returns its outputs: the host plans and books while the device computes."""
+        if self.async_scheduling and not self._needs_host_sampling():
+            scheduled = self.scheduler.schedule()
+            launched = None
+            if scheduled.total_num_scheduled_tokens:
+                launched = self.runner.launch(scheduled, self._inflight)
+                self.scheduler.mark_computed(scheduled)
+            outputs = self._collect_inflight(only_finished)
+            self._inflight = launched
+            if launched is not None and not self.scheduler.has_unfinished_requests():
+                # Everything it computed belongs to requests that have just finished (a stop
+                # token or string): wait for it now, so the engine is idle when it says so.
+                outputs += self._collect_inflight(only_finished)
+            return outputs
+        outputs = self._collect_inflight(only_finished)  # leaving asynchronous mode
         scheduled = self.scheduler.schedule()
         if scheduled.total_num_scheduled_tokens == 0:
-            return []
+            return outputs
         result = self.runner.execute(scheduled)
-        updated = self.scheduler.update_from_output(scheduled, result.sampled)
-        self.num_generation_tokens += len(result.sampled)
+        self.scheduler.mark_computed(scheduled)
+        return outputs + self._book(scheduled, result, only_finished)
+
+    def _needs_host_sampling(self) -> bool:
+        if self._host_sampling:
+            self._host_sampling.intersection_update(self.output_processor.parents)
+        return bool(self._host_sampling)
+
+    def _collect_inflight(self, only_finished: bool) -> list[RequestOutput]:
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return []
+        return self._book(inflight.scheduled, self.runner.collect(inflight), only_finished)
+
+    def _book(self, scheduled: SchedulerOutput, result: RunnerOutput, only_finished: bool) -> list[RequestOutput]:
+        """Append a finished step's tokens to its requests and make their outputs."""
+        updated = self.scheduler.add_sampled_tokens(scheduled, result.sampled)
+        self.num_generation_tokens += len(updated)
         outputs, stopped = self.output_processor.process(
             updated, result.logprobs, result.prompt_logprobs, only_finished=only_finished
         )

@@ -18,7 +18,7 @@ from pagecast.runtime.cuda_graphs import DecodeGraphs
 from pagecast.runtime.forward_context import ForwardContext
 from pagecast.runtime.outputs import PositionLogprobs
 from pagecast.runtime.request import Request
-from pagecast.runtime.sampler import prompt_logprobs, sample
+from pagecast.runtime.sampler import prompt_logprobs, sample, sample_token_ids
 from pagecast.runtime.scheduler import SchedulerOutput
 
 
@@ -27,6 +27,20 @@ class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
     logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)  # request id -> the new token's logprobs
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)  # new prompt entries
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose sampling was queued on the device (asynchronous scheduling); ``collect``
+    waits for it. ``token_ids`` stays on the device: the next step reads its decode inputs
+    from there before this step's tokens reach the host."""
+
+    scheduled: SchedulerOutput
+    sample_requests: list[Request]
+    rows: dict[str, int]  # request id -> row of token_ids
+    token_ids: torch.Tensor | None  # [len(sample_requests)] on the device
+    host_token_ids: torch.Tensor | None  # pinned copy, filled when ``ready`` fires
+    ready: torch.cuda.Event | None
 
 
 @dataclass
@@ -55,8 +69,18 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.device, batch_sizes, max_model_len, self.block_size)
         return self.graphs.capture()
 
-    def prepare(self, out: SchedulerOutput) -> _Batch:
+    def _to_device(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return torch.tensor(values, dtype=dtype)
+        # Through pinned memory, so the copy is queued without waiting for the running step.
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
+
+    def prepare(self, out: SchedulerOutput, prev: LaunchedStep | None = None) -> _Batch:
+        """The flat batch of a step. A decode whose input token is still pending (sampled by
+        ``prev``, the step before, still on the device) reads it from ``prev.token_ids``."""
         bs = self.block_size
+        from_prev: list[int] = []  # rows whose input id comes from prev
+        prev_rows: list[int] = []
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -72,7 +96,15 @@ class ModelRunner:
             end = start + n
             row0 = len(input_ids)
             if n == 1:
-                input_ids.append(req.all_token_ids[start])
+                known = req.all_token_ids
+                if start < len(known):
+                    input_ids.append(known[start])
+                else:  # the pending token sampled by the previous step
+                    if prev is None or req.request_id not in prev.rows:
+                        raise RuntimeError(f"request {req.request_id!r}: its input token was never sampled")
+                    from_prev.append(row0)
+                    prev_rows.append(prev.rows[req.request_id])
+                    input_ids.append(0)
                 positions.append(start)
             else:
                 input_ids.extend(req.all_token_ids[start:end])
@@ -93,26 +125,28 @@ class ModelRunner:
                 if last > first:
                     prompt_lp.append((req, len(logits_rows), last - first))
                     logits_rows.extend(range(row0 + first - start, row0 + last - start))
-            if end == req.num_tokens:
+            if end == len(req.all_token_ids) + req.num_pending_tokens:
                 sample_requests.append(req)
                 sample_rows.append(len(logits_rows))
                 logits_rows.append(row0 + n - 1)
-        block_tables = torch.tensor(
-            [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in out.scheduled_requests], dtype=torch.int32
-        )
-        dev = self.device
+        block_tables = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in out.scheduled_requests]
+        to_dev = self._to_device
         ctx = ForwardContext(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
-            block_tables=block_tables.to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32).to(dev, non_blocking=True),
+            slot_mapping=to_dev(slots, torch.int64),
+            block_tables=to_dev(block_tables, torch.int32),  # type: ignore[arg-type]
+            seq_lens=to_dev(seq_lens, torch.int32),
+            query_start_loc=to_dev(query_start_loc, torch.int32),
             max_query_len=max(out.num_scheduled_tokens),
             max_seq_len=max(seq_lens),
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64).to(dev, non_blocking=True),
+            logits_indices=to_dev(logits_rows, torch.int64),
         )
+        ids = to_dev(input_ids, torch.int64)
+        if from_prev:
+            assert prev is not None and prev.token_ids is not None
+            ids[to_dev(from_prev, torch.int64)] = prev.token_ids[to_dev(prev_rows, torch.int64)]
         return _Batch(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True),
-            positions=torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True),
+            input_ids=ids,
+            positions=to_dev(positions, torch.int64),
             ctx=ctx,
             sample_requests=sample_requests,
             sample_rows=sample_rows,
@@ -129,26 +163,35 @@ class ModelRunner:
             and self.graphs.can_run(num_seqs, batch.ctx.max_seq_len)
         )
 
-    @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        batch = self.prepare(out)
-        result = RunnerOutput()
-        num_seqs = len(out.scheduled_requests)
+    def _logits(self, batch: _Batch, num_seqs: int) -> torch.Tensor | None:
+        """Forward pass (a decode graph when one fits) and the logits rows the step needs."""
         if self._use_graph(batch, num_seqs):
             assert self.graphs is not None
             ctx = batch.ctx
             hidden = self.graphs.run(
                 batch.input_ids, batch.positions, ctx.slot_mapping, ctx.block_tables, ctx.seq_lens, ctx.max_seq_len
             )
-            logits = self.model.compute_logits(hidden)
-        else:
-            hidden = self.model.forward(batch.input_ids, batch.positions, batch.ctx)
-            if batch.ctx.logits_indices.numel() == 0:
-                return result
-            logits = self.model.compute_logits(hidden[batch.ctx.logits_indices])
+            return self.model.compute_logits(hidden)
+        hidden = self.model.forward(batch.input_ids, batch.positions, batch.ctx)
+        if batch.ctx.logits_indices.numel() == 0:
+            return None
+        return self.model.compute_logits(hidden[batch.ctx.logits_indices])
+
+    def _sampling_logits(self, logits: torch.Tensor, batch: _Batch) -> torch.Tensor:
+        if len(batch.sample_rows) == logits.shape[0]:
+            return logits  # every logits row samples, in order (decode steps)
+        return logits[self._to_device(batch.sample_rows, torch.int64)]
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run a step and wait for it: every sampling feature (logprobs, penalties, prompt logprobs)."""
+        batch = self.prepare(out)
+        result = RunnerOutput()
+        logits = self._logits(batch, len(out.scheduled_requests))
+        if logits is None:
+            return result
         if batch.sample_requests:
-            rows = torch.tensor(batch.sample_rows, device=logits.device)
-            sampled = sample(logits[rows], batch.sample_requests)
+            sampled = sample(self._sampling_logits(logits, batch), batch.sample_requests)
             for req, token, lp in zip(batch.sample_requests, sampled.token_ids, sampled.logprobs):
                 result.sampled[req.request_id] = token
                 if lp is not None:
@@ -158,4 +201,36 @@ class ModelRunner:
             targets = req.prompt_token_ids[first_target : first_target + count]
             num_top = req.sampling_params.prompt_logprobs or 0
             result.prompt_logprobs[req.request_id] = prompt_logprobs(logits[row0 : row0 + count], targets, num_top)
+        return result
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, prev: LaunchedStep | None) -> LaunchedStep:
+        """Queue a step on the device and return without waiting for it (asynchronous
+        scheduling). Its requests must not ask for logprobs, prompt logprobs or penalties:
+        those need the host (``execute``)."""
+        batch = self.prepare(out, prev)
+        step = LaunchedStep(out, batch.sample_requests, {}, None, None, None)
+        logits = self._logits(batch, len(out.scheduled_requests))
+        if logits is None or not batch.sample_requests:
+            return step
+        step.token_ids = sample_token_ids(self._sampling_logits(logits, batch), batch.sample_requests)
+        step.rows = {req.request_id: i for i, req in enumerate(batch.sample_requests)}
+        if self.device.type == "cuda":
+            step.host_token_ids = torch.empty(step.token_ids.shape, dtype=torch.int64, pin_memory=True)
+            step.host_token_ids.copy_(step.token_ids, non_blocking=True)
+            step.ready = torch.cuda.Event()
+            step.ready.record()
+        return step
+
+    def collect(self, step: LaunchedStep) -> RunnerOutput:
+        """Wait for a launched step's tokens (only for them: later steps may still run)."""
+        result = RunnerOutput()
+        if step.token_ids is None:
+            return result
+        if step.ready is not None:
+            step.ready.synchronize()
+            tokens = step.host_token_ids.tolist()  # type: ignore[union-attr]
+        else:
+            tokens = step.token_ids.tolist()
+        result.sampled = {req.request_id: t for req, t in zip(step.sample_requests, tokens)}
         return result

@@ -70,6 +70,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens sampled by a step still running on the device (asynchronous scheduling): they
+        # count as the request's tokens for scheduling, and join all_token_ids once known.
+        self.num_pending_tokens = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.block_ids: list[int] = []

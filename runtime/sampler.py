@@ -70,6 +70,22 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         )
     if not requests:
         return SamplerOutput(token_ids=[], logprobs=[])
+    token_ids = sample_token_ids(logits, requests)
+    chosen = token_ids.tolist()
+    logprobs: list[PositionLogprobs | None] = [None] * len(requests)
+    wanted = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+    if wanted:
+        rows = torch.tensor(wanted, device=logits.device)
+        num_top = [requests[i].sampling_params.logprobs or 0 for i in wanted]
+        entries = _position_logprobs(logits[rows], token_ids[rows], max(num_top))
+        for i, k, entry in zip(wanted, num_top, entries):
+            logprobs[i] = _trim(entry, k)
+    return SamplerOutput(token_ids=chosen, logprobs=logprobs)
+
+
+def sample_token_ids(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """The next token of each row, as a tensor on the logits' device: no host synchronisation,
+    so the engine can plan the next step while this one runs."""
     device = logits.device
     # Work in fp32: bf16 has too few mantissa bits for top-p cumulative sums and penalties.
     # Every step below is out of place, so the caller's logits (and the raw logprobs) survive.
@@ -89,17 +105,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
             rows = torch.tensor(sampled, device=device)
             picked = _sample_rows(work[rows], [requests[i] for i in sampled])
             token_ids = token_ids.index_copy(0, rows, picked)
-
-    chosen = token_ids.tolist()
-    logprobs: list[PositionLogprobs | None] = [None] * len(requests)
-    wanted = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
-    if wanted:
-        rows = torch.tensor(wanted, device=device)
-        num_top = [requests[i].sampling_params.logprobs or 0 for i in wanted]
-        entries = _position_logprobs(logits[rows], token_ids[rows], max(num_top))
-        for i, k, entry in zip(wanted, num_top, entries):
-            logprobs[i] = _trim(entry, k)
-    return SamplerOutput(token_ids=chosen, logprobs=logprobs)
+    return token_ids
 
 
 def prompt_logprobs(

@@ -127,7 +127,11 @@ class Scheduler:
         while i < len(running) and budget > 0:
             request = running[i]
             # len(all_token_ids) rather than num_tokens: this loop runs for every request, every step.
-            num_new = min(len(request.all_token_ids) - request.num_computed_tokens, budget)
+            pending = request.num_pending_tokens
+            if pending and self._ends_with_pending(request):
+                i += 1  # its last token is being sampled: nothing more to compute
+                continue
+            num_new = min(len(request.all_token_ids) + pending - request.num_computed_tokens, budget)
             if num_new <= 0:  # nothing to compute until it gets a token; cannot happen normally
                 i += 1
                 continue
@@ -149,6 +153,8 @@ class Scheduler:
             waiting = self.waiting
             while waiting and budget > 0 and len(running) < max_num_seqs:
                 request = waiting[0]
+                if request.num_pending_tokens:
+                    break  # preempted while a token of its was being sampled: wait for it
                 computed_blocks: list[int]
                 if _needs_prompt_logprobs(request):
                     # Cached positions are never run, so their logits (which score the prompt)
@@ -176,7 +182,8 @@ class Scheduler:
         )
 
     def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
-        """Advance the scheduled requests by what the runner computed and append sampled tokens.
+        """Advance the scheduled requests by what the runner computed and append sampled tokens
+        (``mark_computed`` then ``add_sampled_tokens``: the synchronous step).
 
         ``sampled_token_ids`` maps request id to the token sampled for it. A token is taken only
         from a request whose computed tokens now reach ``num_tokens`` (a partial prefill chunk's
@@ -184,37 +191,72 @@ class Scheduler:
         order, finished ones included; finished requests have left ``running`` and their blocks
         are freed.
         """
+        self.mark_computed(output)
+        return self.add_sampled_tokens(output, sampled_token_ids)
+
+    def mark_computed(self, output: SchedulerOutput) -> None:
+        """The step is launched: its tokens count as computed, and each request it brings to its
+        end has one more token pending (sampled on the device, not known here yet).
+
+        With asynchronous scheduling the next step is planned before this one's tokens are
+        known: a pending token is scheduled like a known one, and the runner takes its id from
+        the device. ``add_sampled_tokens`` resolves the pending tokens once the step is done.
+        """
+        pool = self.block_pool
+        running_status = RequestStatus.RUNNING
+        for request, num_new in zip(output.scheduled_requests, output.num_scheduled_tokens):
+            if request.status is not running_status:
+                continue  # finished via finish_requests() after it was scheduled
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens == len(request.all_token_ids) + request.num_pending_tokens:
+                request.num_pending_tokens += 1
+            pool.cache_full_blocks(request)
+
+    def add_sampled_tokens(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+        """Resolve the tokens ``output``'s step sampled (it was passed to ``mark_computed``):
+        append them, stop requests that are done, free their blocks. Returns the requests that
+        received a token, in batch order, finished ones included."""
         pool = self.block_pool
         max_model_len = self.config.max_model_len
         now = time.monotonic()
         running_status = RequestStatus.RUNNING
         updated: list[Request] = []
         any_finished = False
-        for request, num_new in zip(output.scheduled_requests, output.num_scheduled_tokens):
-            if request.status is not running_status:
-                continue  # finished via finish_requests() while the step ran
-            request.num_computed_tokens += num_new
-            pool.cache_full_blocks(request)
+        for request in output.scheduled_requests:
+            if not request.num_pending_tokens or request.status.finished:
+                continue  # no token from this step (partial prefill), or aborted / stopped meanwhile
             token_id = sampled_token_ids.get(request.request_id)
-            if token_id is None or request.num_computed_tokens != len(request.all_token_ids):
-                continue
+            if token_id is None:
+                continue  # its pending token comes from a later step (its last prefill chunk ran there)
+            request.num_pending_tokens -= 1
             request.append_output_token(token_id)
+            pool.cache_full_blocks(request)
             metrics = request.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             metrics.last_token_time = now
             status = request.check_stop(max_model_len)
             if status is not None:
+                preempted = request.status is not running_status
                 request.status = status
                 metrics.finished_time = now
                 pool.free(request)
                 del self.requests[request.request_id]
                 self._finished_request_ids.add(request.request_id)
-                any_finished = True
+                if preempted:  # preempted while its last token was being sampled
+                    self.waiting = deque(r for r in self.waiting if r is not request)
+                else:
+                    any_finished = True
             updated.append(request)
         if any_finished:
             self.running = [r for r in self.running if r.status is running_status]
         return updated
+
+    def _ends_with_pending(self, request: Request) -> bool:
+        """Whether the request's pending tokens finish it by length (so it needs no more steps)."""
+        num_output = len(request.output_token_ids) + request.num_pending_tokens
+        num_tokens = len(request.all_token_ids) + request.num_pending_tokens
+        return num_output >= request.max_tokens or num_tokens >= self.config.max_model_len
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """End requests from outside the step (client abort, stop string): free their blocks and

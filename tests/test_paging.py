@@ -8,6 +8,9 @@ from pagecast.runtime import LLM, SamplingParams
 from pagecast.runtime.engine import LLMEngine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+# Every test runs with the synchronous step and with asynchronous scheduling (step N+1 planned
+# while step N runs, decode inputs read from the device): outputs must not change.
+BOTH_MODES = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 PROMPTS = [
     "The history of the Roman empire begins with",
     "In computer science, a hash table is",
@@ -25,10 +28,12 @@ def reference(tiny_llama_artifact):  # type: ignore[no-untyped-def]
     return {p: llm.generate(p, GREEDY)[0].token_ids for p in PROMPTS}
 
 
-def test_preemption_keeps_outputs(tiny_llama_artifact, reference):  # type: ignore[no-untyped-def]
+@BOTH_MODES
+def test_preemption_keeps_outputs(tiny_llama_artifact, reference, async_scheduling):  # type: ignore[no-untyped-def]
     # 12 blocks of 16 tokens cannot hold six ~40-token sequences: the newest are preempted and recomputed.
     llm = LLM(
         tiny_llama_artifact,
+        async_scheduling=async_scheduling,
         kv_cache_memory=12 * llm_block_bytes(tiny_llama_artifact),
         max_model_len=64,
         enable_prefix_caching=False,
@@ -39,8 +44,9 @@ def test_preemption_keeps_outputs(tiny_llama_artifact, reference):  # type: igno
     assert llm.engine.block_pool.num_used_blocks == 0
 
 
-def test_shared_prefix_is_served_from_cached_blocks(tiny_llama_artifact, reference):  # type: ignore[no-untyped-def]
-    llm = LLM(tiny_llama_artifact)
+@BOTH_MODES
+def test_shared_prefix_is_served_from_cached_blocks(tiny_llama_artifact, reference, async_scheduling):  # type: ignore[no-untyped-def]
+    llm = LLM(tiny_llama_artifact, async_scheduling=async_scheduling)
     system = "You are a careful assistant who answers in one short sentence. " * 3
     prompts = [system + q for q in ("What is rain?", "Why is the sky blue?", "Name a prime.")]
     alone = {p: LLM(tiny_llama_artifact, enable_prefix_caching=False).generate(p, GREEDY)[0].token_ids
@@ -59,8 +65,9 @@ def test_shared_prefix_is_served_from_cached_blocks(tiny_llama_artifact, referen
     assert llm.engine.block_pool.num_used_blocks == 0
 
 
-def test_requests_added_while_others_run(tiny_llama_artifact, reference):  # type: ignore[no-untyped-def]
-    engine = LLMEngine(tiny_llama_artifact, max_num_batched_tokens=32, max_num_seqs=4)
+@BOTH_MODES
+def test_requests_added_while_others_run(tiny_llama_artifact, reference, async_scheduling):  # type: ignore[no-untyped-def]
+    engine = LLMEngine(tiny_llama_artifact, max_num_batched_tokens=32, max_num_seqs=4, async_scheduling=async_scheduling)
     lengths = {PROMPTS[0]: 40, PROMPTS[1]: 3, PROMPTS[2]: 24, PROMPTS[3]: 1, PROMPTS[4]: 10}
     finished_order: list[str] = []
     results: dict[str, list[int]] = {}
@@ -85,17 +92,19 @@ def test_requests_added_while_others_run(tiny_llama_artifact, reference):  # typ
     assert engine.block_pool.num_used_blocks == 0
 
 
-def test_chunked_prefill_of_a_long_prompt(tiny_llama_artifact):  # type: ignore[no-untyped-def]
+@BOTH_MODES
+def test_chunked_prefill_of_a_long_prompt(tiny_llama_artifact, async_scheduling):  # type: ignore[no-untyped-def]
     prompt = " ".join(f"word{i}" for i in range(120))
     whole = LLM(tiny_llama_artifact, max_num_batched_tokens=2048).generate(prompt, GREEDY)[0]
-    chunked_llm = LLM(tiny_llama_artifact, max_num_batched_tokens=16, max_num_seqs=4)
+    chunked_llm = LLM(tiny_llama_artifact, max_num_batched_tokens=16, max_num_seqs=4, async_scheduling=async_scheduling)
     chunked = chunked_llm.generate(prompt, GREEDY)[0]
     assert len(whole.prompt_token_ids) > 16 * 4
     assert chunked.token_ids == whole.token_ids
 
 
-def test_n_and_seed_are_reproducible(tiny_llama_artifact):  # type: ignore[no-untyped-def]
-    llm = LLM(tiny_llama_artifact)
+@BOTH_MODES
+def test_n_and_seed_are_reproducible(tiny_llama_artifact, async_scheduling):  # type: ignore[no-untyped-def]
+    llm = LLM(tiny_llama_artifact, async_scheduling=async_scheduling)
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
     a = llm.generate("Tell me a story", params)[0]
     b = llm.generate(["Tell me a story", "Something else"], [params, SamplingParams(temperature=1.0, max_tokens=5)])[0]
