@@ -17,7 +17,15 @@ from typing import Any
 import torch
 
 from pagecast.kernels import reference
-from pagecast.kernels.tuning import KernelConfig, decode_bucket, lookup, prefill_bucket, token_bucket
+from pagecast.kernels.tuning import (
+    SKINNY_ROW_BUCKETS,
+    KernelConfig,
+    decode_bucket,
+    lookup,
+    prefill_bucket,
+    skinny_bucket,
+    token_bucket,
+)
 
 # kernel name -> shape bucket -> config, loaded from the artifact's tuning.json by the runtime.
 _tuning: dict[str, Any] = {}
@@ -57,9 +65,11 @@ def _kernels() -> SimpleNamespace:
         paged_prefill_attention,
         rms_norm,
         rotary_kv,
+        skinny_gemm,
     )
 
     return SimpleNamespace(
+        skinny_gemm=skinny_gemm.skinny_gemm,
         decode=paged_decode_attention.paged_decode_attention,
         prefill=paged_prefill_attention.paged_prefill_attention,
         rotary=rotary_kv.rotary_and_write_kv,
@@ -67,6 +77,17 @@ def _kernels() -> SimpleNamespace:
         fused_add_rms_norm=rms_norm.fused_add_rms_norm,
         silu_and_mul=activation.silu_and_mul,
     )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, projection: str) -> torch.Tensor:
+    """A layer's projection (qkv, o, gate_up, down): F.linear, except for decode batches of up
+    to 16 rows where the tuning table chose the skinny GEMM kernel for this projection."""
+    if not _triton(x) or x.shape[0] > SKINNY_ROW_BUCKETS[-1]:
+        return reference.linear(x, weight, bias)
+    cfg = _config("skinny_gemm", skinny_bucket(projection, x.shape[0]))
+    if cfg is None or cfg.params.get("torch"):
+        return reference.linear(x, weight, bias)
+    return _kernels().skinny_gemm(x, weight, bias, cfg)  # type: ignore[no-any-return]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -21,10 +21,13 @@ from pagecast.kernels.tuning import (
     DECODE_BATCH_BUCKETS,
     DECODE_CONTEXT_BUCKETS,
     PREFILL_TOKEN_BUCKETS,
+    PROJECTIONS,
+    SKINNY_ROW_BUCKETS,
     TOKEN_BUCKETS,
     KernelConfig,
     ModelShapes,
     num_sms,
+    projection_dims,
 )
 
 COLD_BYTES = 256 << 20  # about 4x the H100/H200 L2
@@ -68,6 +71,13 @@ def buckets(kernel: str, shapes: ModelShapes) -> list[tuple[str, dict[str, int]]
         ]
     if kernel == "paged_prefill_attention":
         return [(f"t{t}", {"num_tokens": t}) for t in PREFILL_TOKEN_BUCKETS]
+    if kernel == "skinny_gemm":
+        nk = projection_dims(shapes)
+        return [
+            (f"{name}.m{m}", {"projection": i, "n": nk[name][0], "k": nk[name][1], "num_rows": m})
+            for i, name in enumerate(PROJECTIONS)
+            for m in upto(SKINNY_ROW_BUCKETS, shapes.max_num_seqs)
+        ]
     return [(f"t{t}", {"num_tokens": t}) for t in TOKEN_BUCKETS]
 
 
@@ -87,6 +97,9 @@ def problem_size(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> tupl
     if kernel == "paged_decode_attention":
         b, c = dims["num_seqs"], dims["max_seq_len"]
         return b * c * 2 * kvh * d * e + 2 * b * h * d * e, 4 * b * h * c * d
+    if kernel == "skinny_gemm":  # the weight once, the rows in and out
+        m, n, k = dims["num_rows"], dims["n"], dims["k"]
+        return (n * k + m * k + m * n) * e, 0
     t = dims["num_tokens"]
     if kernel == "paged_prefill_attention":
         n = min(t, PREFILL_SEQ_LEN)
@@ -130,6 +143,10 @@ def config_space(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> list
         return rms_norm.prune_configs(rms_norm.CONFIG_SPACE, shapes.hidden)
     if kernel == "silu_and_mul":
         return activation.prune_configs(activation.CONFIG_SPACE, shapes.intermediate)
+    if kernel == "skinny_gemm":
+        from pagecast.kernels import skinny_gemm
+
+        return skinny_gemm.prune_configs(skinny_gemm.CONFIG_SPACE, dims["n"], dims["k"])
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
@@ -157,6 +174,10 @@ def default_config(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> Ke
         return rms_norm.default_config(shapes.hidden)
     if kernel == "silu_and_mul":
         return activation.default_config()
+    if kernel == "skinny_gemm":
+        from pagecast.kernels import skinny_gemm
+
+        return skinny_gemm.TORCH
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
@@ -243,6 +264,20 @@ def make_problem(
             )  # fmt: skip
 
         return Problem(kernel, bucket, decode, len(tables), nbytes, flops)
+
+    if kernel == "skinny_gemm":
+        from pagecast.kernels import skinny_gemm
+
+        m, n, k = dims["num_rows"], dims["n"], dims["k"]
+        # Several weights, so a launch reads its weight from memory, not from the last launch's L2.
+        num_sets = max(1, min(MAX_LAUNCHES, math.ceil(COLD_BYTES / (n * k * _elt(shapes)))))
+        weights = [randn(n, k) * k**-0.5 for _ in range(num_sets)]
+        rows = randn(m, k)
+
+        def gemm(cfg: KernelConfig | None, i: int) -> object:
+            return skinny_gemm.skinny_gemm(rows, weights[i % num_sets], None, config=cfg)
+
+        return Problem(kernel, bucket, gemm, num_sets, nbytes, flops)
 
     t = dims["num_tokens"]
     if kernel == "paged_prefill_attention":

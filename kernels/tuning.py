@@ -35,6 +35,8 @@ DECODE_BATCH_BUCKETS = (1, 8, 32, 64, 128, 256)
 DECODE_CONTEXT_BUCKETS = (512, 2048, 8192, 32768)
 TOKEN_BUCKETS = (8, 64, 256, 1024, 4096, 16384)
 PREFILL_TOKEN_BUCKETS = (128, 512, 2048, 8192)
+SKINNY_ROW_BUCKETS = (1, 2, 4, 8, 16)  # decode batches whose projections may leave cuBLAS
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 KERNELS = (
     "paged_decode_attention",
@@ -43,6 +45,7 @@ KERNELS = (
     "rms_norm",
     "fused_add_rms_norm",
     "silu_and_mul",
+    "skinny_gemm",
 )
 
 TIE_TOLERANCE = 0.02  # a later config must beat the best so far by 2% to take its place
@@ -149,6 +152,23 @@ def token_bucket(num_tokens: int) -> str:
 def prefill_bucket(num_tokens: int) -> str:
     """'t<tokens>' for the prefill attention kernel (all query tokens of the batch)."""
     return f"t{_ceil_bucket(PREFILL_TOKEN_BUCKETS, num_tokens)}"
+
+
+def skinny_bucket(projection: str, num_rows: int) -> str:
+    """'<projection>.m<rows>' for the skinny GEMM, e.g. skinny_bucket('qkv', 3) == 'qkv.m4'."""
+    return f"{projection}.m{_ceil_bucket(SKINNY_ROW_BUCKETS, num_rows)}"
+
+
+def projection_dims(shapes: ModelShapes) -> dict[str, tuple[int, int]]:
+    """(out features N, in features K) of each projection of one layer on this rank."""
+    q = shapes.num_heads * shapes.head_dim
+    kv = shapes.num_kv_heads * shapes.head_dim
+    return {
+        "qkv": (q + 2 * kv, shapes.hidden),
+        "o": (shapes.hidden, q),
+        "gate_up": (2 * shapes.intermediate, shapes.hidden),
+        "down": (shapes.hidden, shapes.intermediate),
+    }
 
 
 def bucket_for(kernel: str, **dims: int) -> str:

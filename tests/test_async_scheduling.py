@@ -5,6 +5,7 @@ exactly what the synchronous engine gives them: the same tokens, stops, aborts a
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 
@@ -132,7 +133,7 @@ def test_streaming_through_the_async_engine(tiny_llama_artifact):  # type: ignor
     ref = LLM(tiny_llama_artifact, async_scheduling=False).generate(PROMPTS, params)
     for chunks, expected in zip(streams, ref):
         assert chunks[-1] == expected.token_ids
-        assert all(a == b[: len(a)] for a, b in zip(chunks, chunks[1:]))  # each output extends the last
+        assert all(a == b[: len(a)] for a, b in itertools.pairwise(chunks))  # each output extends the last
     assert engine.engine.block_pool.num_used_blocks == 0
 
 

@@ -26,6 +26,7 @@ from pagecast.kernels.paged_decode_attention import paged_decode_attention
 from pagecast.kernels.paged_prefill_attention import paged_prefill_attention
 from pagecast.kernels.rms_norm import fused_add_rms_norm, rms_norm
 from pagecast.kernels.rotary_kv import rotary_and_write_kv
+from pagecast.kernels.skinny_gemm import skinny_gemm
 
 
 def _interpreter_index_fix() -> None:
@@ -205,6 +206,30 @@ def test_silu_and_mul(dtype, d, config):
     close(silu_and_mul(x, config), reference.silu_and_mul(x), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("n,k,bias", [(40, 64, False), (48, 96, True)])
+def test_skinny_gemm(dtype, rows, n, k, bias):
+    g = torch.Generator().manual_seed(rows * n)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) * k**-0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    config = {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}
+    out = skinny_gemm(x, w, b, config)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    close(out, torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype), dtype)
+
+
+def test_skinny_gemm_falls_back_to_torch():
+    x, w = torch.randn(2, 48), torch.randn(24, 48)
+    expected = torch.nn.functional.linear(x, w)
+    # torch chosen by the table, no config, a K the tile does not divide, too many rows
+    for config in ({"torch": 1}, None, {"BLOCK_N": 16, "BLOCK_K": 32}):
+        torch.testing.assert_close(skinny_gemm(x, w, None, config), expected)
+    big = torch.randn(17, 48)
+    torch.testing.assert_close(skinny_gemm(big, w, None, {"BLOCK_N": 16, "BLOCK_K": 16}), torch.nn.functional.linear(big, w))
+
+
 # ---------------------------------------------------------------------------- dispatch and tuning tables
 
 
@@ -220,6 +245,8 @@ def test_ops_use_the_reference_on_cpu(monkeypatch):
     torch.testing.assert_close(
         ops.rms_norm(h, torch.ones(32), 1e-6), reference.rms_norm(h, torch.ones(32), 1e-6)
     )
+    w = torch.randn(8, 32)
+    torch.testing.assert_close(ops.linear(h, w, None, "qkv"), torch.nn.functional.linear(h, w))
 
 
 def test_buckets_and_lookup():
@@ -228,6 +255,8 @@ def test_buckets_and_lookup():
     assert tuning.decode_bucket(1000, 100_000) == "256x32768"
     assert tuning.token_bucket(3) == "t8" and tuning.token_bucket(20_000) == "t16384"
     assert tuning.prefill_bucket(300) == "t512"
+    assert tuning.skinny_bucket("qkv", 1) == "qkv.m1" and tuning.skinny_bucket("down", 3) == "down.m4"
+    assert tuning.skinny_bucket("o", 40) == "o.m16"
     cfg = {"BLOCK_N": 64, "num_splits": 4, "num_warps": 4, "num_stages": 2}
     table = {
         "kernels": {"paged_decode_attention": {"64x2048": {"config": cfg, "time_us": 1.0}}},
@@ -261,6 +290,22 @@ def test_shipped_tables_and_report():
         row = decode["64x2048"]
         assert row["bytes"] == 64 * 2048 * 2 * 8 * 128 * 2 + 2 * 64 * 32 * 128 * 2
         assert 0 < row["fraction_of_copy"] < 1.5
+
+
+def test_skinny_gemm_buckets_and_configs():
+    from pagecast.kernels import problems
+    from pagecast.kernels import skinny_gemm as sg
+
+    shapes = tuning.ModelShapes(32, 8, 128, 4096, 14336, 16, "bfloat16", 8192, 4)
+    buckets = dict(problems.buckets("skinny_gemm", shapes))
+    assert list(buckets) == [f"{p}.m{m}" for p in ("qkv", "o", "gate_up", "down") for m in (1, 2, 4)]
+    assert (buckets["qkv.m1"]["n"], buckets["qkv.m1"]["k"]) == (6144, 4096)
+    assert (buckets["down.m4"]["n"], buckets["down.m4"]["k"]) == (4096, 14336)
+    assert problems.problem_size("skinny_gemm", shapes, buckets["o.m1"])[0] == (4096 * 4096 + 2 * 4096) * 2
+    configs = problems.config_space("skinny_gemm", shapes, buckets["o.m1"])
+    assert configs[0] == sg.TORCH and len(configs) > 1  # cuBLAS is always a candidate
+    assert all(4096 % c["BLOCK_K"] == 0 and 4096 // c["BLOCK_N"] >= 128 or c["BLOCK_N"] == 16 for c in configs[1:])
+    assert problems.default_config("skinny_gemm", shapes, buckets["o.m1"]) == sg.TORCH
 
 
 def test_config_spaces_prune():

@@ -191,10 +191,49 @@ def test_decode_attention_in_a_cuda_graph():
 
 def test_tune_smoke():
     shapes = tuning.ModelShapes(9, 3, 64, 576, 1536, 16, "bfloat16", 2048, 8)
-    table = tuning.tune(["rms_norm", "paged_decode_attention"], shapes, budget_s=10.0)
+    table = tuning.tune(["rms_norm", "paged_decode_attention", "skinny_gemm"], shapes, budget_s=20.0)
     decode = table["kernels"]["paged_decode_attention"]
     assert set(decode) == {"1x512", "1x2048", "8x512", "8x2048"}
     for entry in decode.values():
         assert entry["time_us"] > 0 and "num_splits" in entry["config"]
     rows = tuning.bandwidth_report(table, shapes, tuning.measure_copy_bandwidth(nbytes=1 << 28))
-    assert {r["kernel"] for r in rows} == {"rms_norm", "paged_decode_attention"}
+    assert {r["kernel"] for r in rows} == {"rms_norm", "paged_decode_attention", "skinny_gemm"}
+    assert set(table["kernels"]["skinny_gemm"]) == {f"{p}.m{m}" for p in ("qkv", "o", "gate_up", "down") for m in (1, 2, 4, 8)}
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (4096, 14336), (960, 576)])
+def test_skinny_gemm_every_config(rows, n, k):
+    from pagecast.kernels import skinny_gemm as sg
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, k, device="cuda", dtype=DT, generator=g)
+    w = torch.randn(n, k, device="cuda", dtype=DT, generator=g) * k**-0.5
+    b = torch.randn(n, device="cuda", dtype=DT, generator=g)
+    expected = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    configs = sg.prune_configs(sg.CONFIG_SPACE, n, k)
+    assert len(configs) > 1
+    for cfg in configs:
+        assert rel_err(sg.skinny_gemm(x, w, b, cfg), expected) < 1e-2, cfg
+
+
+def test_skinny_gemm_through_ops_in_a_cuda_graph():
+    # The table picks the Triton kernel for qkv at batch 1 and cuBLAS for o; both replay in a graph.
+    cfg = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4}
+    ops.configure({"kernels": {"skinny_gemm": {"qkv.m1": {"config": cfg}, "o.m1": {"config": {"torch": 1}}}}})
+    try:
+        x = torch.randn(1, 4096, device="cuda", dtype=DT)
+        w_qkv = torch.randn(6144, 4096, device="cuda", dtype=DT) * 4096**-0.5
+        w_o = torch.randn(4096, 6144, device="cuda", dtype=DT) * 6144**-0.5
+        ops.linear(ops.linear(x, w_qkv, None, "qkv"), w_o, None, "o")  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = ops.linear(ops.linear(x, w_qkv, None, "qkv"), w_o, None, "o")
+        x.copy_(torch.randn(1, 4096, device="cuda", dtype=DT))
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = torch.nn.functional.linear(torch.nn.functional.linear(x.float(), w_qkv.float()), w_o.float())
+        assert rel_err(out, expected) < 2e-2
+    finally:
+        ops.configure(None)
