@@ -143,33 +143,15 @@ def paged_attention(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
-    num_decodes: int = 0,
-    max_decode_seq_len: int = 0,
 ) -> torch.Tensor:
-    """Decode batches (max_query_len == 1) take the split-context decode kernel, prefill and
-    chunked prefill the prefill kernel. A mixed batch whose first ``num_decodes`` sequences
-    have one query token each runs those through the decode kernel (which splits long contexts
-    across programs) and the rest through the prefill kernel, into one output."""
+    """Decode batches (max_query_len == 1) take the split-context decode kernel; anything
+    else (prefill, chunked prefill, mixed batches) the prefill kernel over all rows."""
     if not _triton(q):
         return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
-    kernels = _kernels()
     if max_query_len == 1:
         cfg = _config("paged_decode_attention", decode_bucket(seq_lens.shape[0], max_seq_len))
-        return kernels.decode(  # type: ignore[no-any-return]
+        return _kernels().decode(  # type: ignore[no-any-return]
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len, cfg
         )
-    if num_decodes == 0:
-        cfg = _config("paged_prefill_attention", prefill_bucket(q.shape[0]))
-        return kernels.prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, cfg)  # type: ignore[no-any-return]
-    n = num_decodes  # decode sequences = decode rows: one token each, first in the batch
-    out = torch.empty_like(q)
-    cfg = _config("paged_decode_attention", decode_bucket(n, max_decode_seq_len))
-    kernels.decode(
-        q[:n], k_cache, v_cache, block_tables[:n], seq_lens[:n], query_start_loc[: n + 1], scale,
-        max_decode_seq_len, cfg, out=out[:n],
-    )  # fmt: skip
-    cfg = _config("paged_prefill_attention", prefill_bucket(q.shape[0] - n))
-    kernels.prefill(
-        q[n:], k_cache, v_cache, block_tables[n:], seq_lens[n:], query_start_loc[n:] - n, scale, cfg, out=out[n:]
-    )
-    return out
+    cfg = _config("paged_prefill_attention", prefill_bucket(q.shape[0]))
+    return _kernels().prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, cfg)  # type: ignore[no-any-return]

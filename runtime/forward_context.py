@@ -20,7 +20,3 @@ class ForwardContext:
     max_query_len: int  # 1 for a pure decode batch: kernels pick the decode path from it
     max_seq_len: int  # longest context, for grid sizing
     logits_indices: torch.Tensor  # [num_logits] int64: rows of the hidden states to project to logits
-    # Mixed steps: the first num_decodes sequences have one query token each (the decode kernel
-    # takes them), the rest are prefill chunks. 0 when the step is all decodes or all prefill.
-    num_decodes: int = 0
-    max_decode_seq_len: int = 0  # longest context among those decodes

@@ -91,17 +91,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         prompt_lp: list[tuple[Request, int, int]] = []
         max_blocks = 1
-        pairs = list(zip(out.scheduled_requests, out.num_scheduled_tokens))
-        max_query_len = max(out.num_scheduled_tokens)
-        num_decodes = 0
-        if max_query_len > 1:
-            # Mixed step: decodes first, so attention runs them through the decode kernel and
-            # only the prefill chunks through the prefill kernel.
-            decodes = [p for p in pairs if p[1] == 1]
-            num_decodes = len(decodes)
-            if decodes:
-                pairs = decodes + [p for p in pairs if p[1] != 1]
-        for req, n in pairs:
+        for req, n in zip(out.scheduled_requests, out.num_scheduled_tokens):
             start = req.num_computed_tokens
             end = start + n
             row0 = len(input_ids)
@@ -139,18 +129,16 @@ class ModelRunner:
                 sample_requests.append(req)
                 sample_rows.append(len(logits_rows))
                 logits_rows.append(row0 + n - 1)
-        block_tables = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r, _ in pairs]
+        block_tables = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in out.scheduled_requests]
         to_dev = self._to_device
         ctx = ForwardContext(
             slot_mapping=to_dev(slots, torch.int64),
             block_tables=to_dev(block_tables, torch.int32),  # type: ignore[arg-type]
             seq_lens=to_dev(seq_lens, torch.int32),
             query_start_loc=to_dev(query_start_loc, torch.int32),
-            max_query_len=max_query_len,
+            max_query_len=max(out.num_scheduled_tokens),
             max_seq_len=max(seq_lens),
             logits_indices=to_dev(logits_rows, torch.int64),
-            num_decodes=num_decodes,
-            max_decode_seq_len=max(seq_lens[:num_decodes], default=0),
         )
         ids = to_dev(input_ids, torch.int64)
         if from_prev:

@@ -249,24 +249,6 @@ def test_ops_use_the_reference_on_cpu(monkeypatch):
     torch.testing.assert_close(ops.linear(h, w, None, "qkv"), torch.nn.functional.linear(h, w))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_mixed_batch_splits_decodes_and_prefill(monkeypatch, dtype):
-    # A mixed step (decodes first, then prefill chunks over cached prefixes) through ops: the
-    # decode rows take the decode kernel, the chunks the prefill kernel, into one output.
-    monkeypatch.setattr(ops, "_triton", lambda x: True)  # the interpreter runs the kernels on the CPU
-    calls = []
-    real = ops._kernels()
-    kernels = type(real)(**vars(real))
-    kernels.decode = lambda *a, **k: calls.append("decode") or real.decode(*a, **k)
-    kernels.prefill = lambda *a, **k: calls.append("prefill") or real.prefill(*a, **k)
-    monkeypatch.setattr(ops, "_kernels", lambda: kernels)
-    seq_lens, q_lens = [20, 33, 7, 12, 9, 40], [1, 1, 1, 5, 9, 17]
-    x = paged_inputs(seq_lens, q_lens, 6, 2, 16, 8, dtype)
-    out = ops.paged_attention(**x, scale=0.25, max_query_len=17, max_seq_len=40, num_decodes=3, max_decode_seq_len=33)
-    assert calls == ["decode", "prefill"]
-    close(out, ref_attention(x, 0.25), dtype)
-
-
 def test_buckets_and_lookup():
     assert tuning.decode_bucket(1, 1) == "1x512"
     assert tuning.decode_bucket(40, 1000) == "64x2048"
