@@ -22,9 +22,13 @@ def artifacts(tiny_llama_artifact, tiny_artifact_factory):  # type: ignore[no-un
     return {LLAMA: tiny_llama_artifact, QWEN: tiny_artifact_factory("qwen2")}
 
 
-@pytest.fixture(scope="module")
-def server(artifacts):  # type: ignore[no-untyped-def]
-    engines = {name: make_engine(path, max_num_seqs=64) for name, path in artifacts.items()}
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def server(artifacts, request):  # type: ignore[no-untyped-def]
+    # Every test runs against both engine loops: synchronous steps (the CPU default) and
+    # asynchronous scheduling (the GPU default), where a step is in flight while the last is booked.
+    engines = {
+        name: make_engine(path, max_num_seqs=64, async_scheduling=request.param) for name, path in artifacts.items()
+    }
     with serve(engines) as srv:
         yield srv
 

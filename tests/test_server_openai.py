@@ -21,11 +21,13 @@ MODEL = "tiny"
 PROMPTS = ["The quick brown fox", "Once upon a time", "In 1492, Columbus"]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama_artifact):  # type: ignore[no-untyped-def]
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def server(tiny_llama_artifact, request):  # type: ignore[no-untyped-def]
     # A small token budget: prompts longer than 32 tokens are prefilled in chunks, as long ones
-    # are in production, and every result must still match LLM.generate's.
-    with serve({MODEL: make_engine(tiny_llama_artifact, max_num_seqs=32, max_num_batched_tokens=32)}) as srv:
+    # are in production, and every result must still match LLM.generate's (synchronous steps),
+    # also with asynchronous scheduling (the GPU default).
+    engine = make_engine(tiny_llama_artifact, max_num_seqs=32, max_num_batched_tokens=32, async_scheduling=request.param)
+    with serve({MODEL: engine}) as srv:
         yield srv
 
 
