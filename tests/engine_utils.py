@@ -9,6 +9,16 @@ from pagecast.runtime.request import Request
 from pagecast.runtime.sampling_params import SamplingParams
 from pagecast.runtime.scheduler import SchedulerOutput
 
+# Text prompts of mixed lengths and scripts, for engine tests that compare runs with each other.
+PROMPTS = [
+    "The history of the Roman empire begins with",
+    "In computer science, a hash table is",
+    "My favourite recipe for pancakes needs",
+    "一个关于猫的故事：",
+    "Rain, wind and",
+    "List of prime numbers: 2, 3, 5, 7,",
+]
+
 
 def engine_last_logits(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
     """Prefill token_ids through the paged engine and return the last position's logits."""

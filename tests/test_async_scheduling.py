@@ -8,17 +8,12 @@ import asyncio
 import itertools
 
 import pytest
+from engine_utils import PROMPTS as ALL_PROMPTS
 
 from pagecast.runtime import LLM, AsyncEngine, SamplingParams
 from pagecast.runtime.engine import LLMEngine
 
-PROMPTS = [
-    "The history of the Roman empire begins with",
-    "In computer science, a hash table is",
-    "My favourite recipe for pancakes needs",
-    "一个关于猫的故事：",
-    "Rain, wind and",
-]
+PROMPTS = ALL_PROMPTS[:5]
 
 
 def run_both(artifact, prompts, params, **options):  # type: ignore[no-untyped-def]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from engine_utils import PROMPTS
 
 from pagecast.runtime import LLM, SamplingParams
 from pagecast.runtime.engine import LLMEngine
@@ -11,14 +12,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 # Every test runs with the synchronous step and with asynchronous scheduling (step N+1 planned
 # while step N runs, decode inputs read from the device): outputs must not change.
 BOTH_MODES = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-PROMPTS = [
-    "The history of the Roman empire begins with",
-    "In computer science, a hash table is",
-    "My favourite recipe for pancakes needs",
-    "一个关于猫的故事：",
-    "Rain, wind and",
-    "List of prime numbers: 2, 3, 5, 7,",
-]
 
 
 @pytest.fixture(scope="module")
