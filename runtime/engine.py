@@ -229,6 +229,9 @@ class LLMEngine:
             )
             for i in range(params.n)
         ]
+        if self.options.enable_prefix_caching and params.prompt_logprobs is None:
+            for child in children[1:]:  # the siblings share the first one's prompt blocks
+                child.prefill_after = children[0]
         self.output_processor.add(ParentRequest(request_id, text, ids, children))
         if params.logprobs is not None or params.prompt_logprobs is not None or params.has_penalties:
             self._host_sampling.add(request_id)

@@ -80,6 +80,9 @@ class Request:
         self.block_hashes: list[int] = []
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
         self.num_cached_tokens = 0
+        # For the 2nd..nth choice of an n > 1 request: the first choice, whose prompt blocks this
+        # one reuses from the prefix cache; it is admitted once that prompt is computed.
+        self.prefill_after: Request | None = None
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator()

@@ -155,6 +155,9 @@ class Scheduler:
                 request = waiting[0]
                 if request.num_pending_tokens:
                     break  # preempted while a token of its was being sampled: wait for it
+                lead = request.prefill_after
+                if lead is not None and not lead.is_finished and lead.num_computed_tokens < lead.num_prompt_tokens:
+                    break  # a sibling still computing the prompt: its blocks are about to be cached
                 computed_blocks: list[int]
                 if _needs_prompt_logprobs(request):
                     # Cached positions are never run, so their logits (which score the prompt)

@@ -107,6 +107,24 @@ def test_n_and_seed_are_reproducible(tiny_llama_artifact, async_scheduling):  # 
     assert llm.engine.block_pool.num_used_blocks == 0
 
 
+@BOTH_MODES
+def test_n_choices_compute_the_prompt_once(tiny_llama_artifact, async_scheduling):  # type: ignore[no-untyped-def]
+    # The 2nd..4th choices take the first one's prompt blocks from the prefix cache instead of
+    # prefilling the prompt three more times; the tokens are the ones computed without a cache.
+    prompt = " ".join(f"item{i}" for i in range(60))
+    params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)
+    llm = LLM(tiny_llama_artifact, async_scheduling=async_scheduling)
+    out = llm.generate(prompt, params)[0]
+    full_blocks = (len(out.prompt_token_ids) - 1) // 16
+    assert full_blocks >= 4
+    pool = llm.engine.block_pool
+    assert pool.num_prefix_hits >= 3 * full_blocks
+    assert llm.engine.stats().num_prompt_tokens == len(out.prompt_token_ids)
+    uncached = LLM(tiny_llama_artifact, enable_prefix_caching=False).generate(prompt, params)[0]
+    assert [o.token_ids for o in out.outputs] == [o.token_ids for o in uncached.outputs]
+    assert pool.num_used_blocks == 0
+
+
 def llm_block_bytes(artifact) -> int:  # type: ignore[no-untyped-def]
     import json
 
