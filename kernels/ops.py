@@ -81,12 +81,11 @@ def _kernels() -> SimpleNamespace:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, projection: str) -> torch.Tensor:
     """A layer's projection (qkv, o, gate_up, down): F.linear, except for decode batches of up
-    to 16 rows where the tuning table chose the skinny GEMM kernel for this projection."""
+    to 16 rows where the tuning table chose the skinny GEMM kernel for this projection (the
+    launcher itself falls back to F.linear for other batches and for the table's torch choice)."""
     if not _triton(x) or x.shape[0] > SKINNY_ROW_BUCKETS[-1]:
         return reference.linear(x, weight, bias)
     cfg = _config("skinny_gemm", skinny_bucket(projection, x.shape[0]))
-    if cfg is None or cfg.params.get("torch"):
-        return reference.linear(x, weight, bias)
     return _kernels().skinny_gemm(x, weight, bias, cfg)  # type: ignore[no-any-return]
 
 

@@ -17,6 +17,14 @@ from dataclasses import dataclass
 
 import torch
 
+from pagecast.kernels import (
+    activation,
+    paged_decode_attention,
+    paged_prefill_attention,
+    rms_norm,
+    rotary_kv,
+    skinny_gemm,
+)
 from pagecast.kernels.tuning import (
     DECODE_BATCH_BUCKETS,
     DECODE_CONTEXT_BUCKETS,
@@ -121,14 +129,6 @@ def problem_size(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> tupl
 
 def config_space(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> list[KernelConfig]:
     """The pruned configs to time for a kernel at a bucket, in preference order."""
-    from pagecast.kernels import (
-        activation,
-        paged_decode_attention,
-        paged_prefill_attention,
-        rms_norm,
-        rotary_kv,
-    )
-
     if kernel == "paged_decode_attention":
         m = paged_decode_attention
         return m.prune_configs(
@@ -144,22 +144,12 @@ def config_space(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> list
     if kernel == "silu_and_mul":
         return activation.prune_configs(activation.CONFIG_SPACE, shapes.intermediate)
     if kernel == "skinny_gemm":
-        from pagecast.kernels import skinny_gemm
-
         return skinny_gemm.prune_configs(skinny_gemm.CONFIG_SPACE, dims["n"], dims["k"])
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
 def default_config(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> KernelConfig:
     """The config a launcher picks by itself for this bucket (what runs when the table lacks it)."""
-    from pagecast.kernels import (
-        activation,
-        paged_decode_attention,
-        paged_prefill_attention,
-        rms_norm,
-        rotary_kv,
-    )
-
     if kernel == "paged_decode_attention":
         return paged_decode_attention.default_config(
             dims["num_seqs"], dims["max_seq_len"], shapes.num_kv_heads
@@ -175,8 +165,6 @@ def default_config(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> Ke
     if kernel == "silu_and_mul":
         return activation.default_config()
     if kernel == "skinny_gemm":
-        from pagecast.kernels import skinny_gemm
-
         return skinny_gemm.TORCH
     raise ValueError(f"unknown kernel {kernel!r}")
 
@@ -235,14 +223,6 @@ def make_problem(
     kernel: str, shapes: ModelShapes, dims: dict[str, int], device: torch.device | str, seed: int = 0
 ) -> Problem:
     """Random inputs on ``device`` for one kernel at one bucket, and how to launch it."""
-    from pagecast.kernels import (
-        activation,
-        paged_decode_attention,
-        paged_prefill_attention,
-        rms_norm,
-        rotary_kv,
-    )
-
     device = torch.device(device)
     dtype = shapes.torch_dtype
     nbytes, flops = problem_size(kernel, shapes, dims)
@@ -266,8 +246,6 @@ def make_problem(
         return Problem(kernel, bucket, decode, len(tables), nbytes, flops)
 
     if kernel == "skinny_gemm":
-        from pagecast.kernels import skinny_gemm
-
         m, n, k = dims["num_rows"], dims["n"], dims["k"]
         # Several weights, so a launch reads its weight from memory, not from the last launch's L2.
         num_sets = max(1, min(MAX_LAUNCHES, math.ceil(COLD_BYTES / (n * k * _elt(shapes)))))

@@ -19,9 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from pagecast.kernels.tuning import KernelConfig
+from pagecast.kernels import reference
+from pagecast.kernels.tuning import SKINNY_ROW_BUCKETS, KernelConfig
 
-MAX_ROWS = 16  # larger batches are GEMMs for cuBLAS
+MAX_ROWS = SKINNY_ROW_BUCKETS[-1]  # larger batches are GEMMs for cuBLAS
 
 
 @triton.jit
@@ -104,7 +105,7 @@ def skinny_gemm(
     m, k = x.shape
     n = weight.shape[0]
     if is_torch(cfg) or m > MAX_ROWS or k % cfg["BLOCK_K"] or x.stride(1) != 1 or weight.stride(1) != 1:  # type: ignore[index]
-        return torch.nn.functional.linear(x, weight, bias)
+        return reference.linear(x, weight, bias)
     assert cfg is not None
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_n = cfg["BLOCK_N"]

@@ -20,6 +20,7 @@ from pagecast.runtime.outputs import PositionLogprobs
 from pagecast.runtime.request import Request
 from pagecast.runtime.sampler import prompt_logprobs, sample, sample_token_ids
 from pagecast.runtime.scheduler import SchedulerOutput
+from pagecast.runtime.transfer import to_device
 
 
 @dataclass
@@ -68,12 +69,6 @@ class ModelRunner:
             return 0.0
         self.graphs = DecodeGraphs(self.model, self.device, batch_sizes, max_model_len, self.block_size)
         return self.graphs.capture()
-
-    def _to_device(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
-        if self.device.type != "cuda":
-            return torch.tensor(values, dtype=dtype)
-        # Through pinned memory, so the copy is queued without waiting for the running step.
-        return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
 
     def prepare(self, out: SchedulerOutput, prev: LaunchedStep | None = None) -> _Batch:
         """The flat batch of a step. A decode whose input token is still pending (sampled by
@@ -130,10 +125,12 @@ class ModelRunner:
                 sample_rows.append(len(logits_rows))
                 logits_rows.append(row0 + n - 1)
         block_tables = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in out.scheduled_requests]
-        to_dev = self._to_device
+        def to_dev(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return to_device(values, self.device, dtype)
+
         ctx = ForwardContext(
             slot_mapping=to_dev(slots, torch.int64),
-            block_tables=to_dev(block_tables, torch.int32),  # type: ignore[arg-type]
+            block_tables=to_dev(block_tables, torch.int32),
             seq_lens=to_dev(seq_lens, torch.int32),
             query_start_loc=to_dev(query_start_loc, torch.int32),
             max_query_len=max(out.num_scheduled_tokens),
@@ -180,7 +177,7 @@ class ModelRunner:
     def _sampling_logits(self, logits: torch.Tensor, batch: _Batch) -> torch.Tensor:
         if len(batch.sample_rows) == logits.shape[0]:
             return logits  # every logits row samples, in order (decode steps)
-        return logits[self._to_device(batch.sample_rows, torch.int64)]
+        return logits[to_device(batch.sample_rows, logits.device, torch.int64)]
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:

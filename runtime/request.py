@@ -126,9 +126,17 @@ class Request:
             if last in params.stop_token_ids:
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+        if self.length_reached(max_model_len):
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def length_reached(self, max_model_len: int, extra_tokens: int = 0) -> bool:
+        """Whether max_tokens or max_model_len is reached with ``extra_tokens`` more tokens
+        (e.g. the pending ones, sampled by a step still running)."""
+        return (
+            len(self.output_token_ids) + extra_tokens >= self.max_tokens
+            or len(self.all_token_ids) + extra_tokens >= max_model_len
+        )
 
     def __repr__(self) -> str:
         return (

@@ -30,6 +30,7 @@ import torch
 
 from pagecast.runtime.outputs import Logprob, PositionLogprobs
 from pagecast.runtime.request import Request
+from pagecast.runtime.transfer import to_device
 
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows to inf/nan.
 _SAMPLING_EPS = 1e-5
@@ -102,7 +103,7 @@ def sample_token_ids(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
         if len(sampled) == len(requests):
             token_ids = _sample_rows(work, requests)
         else:
-            rows = _device_tensor(sampled, device)
+            rows = to_device(sampled, device)
             picked = _sample_rows(work[rows], [requests[i] for i in sampled])
             token_ids = token_ids.index_copy(0, rows, picked)
     return token_ids
@@ -196,22 +197,13 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
 # --- sampling --------------------------------------------------------------------------------
 
 
-def _device_tensor(values: list[int] | list[float], device: torch.device) -> torch.Tensor:
-    """A small per-row parameter tensor on ``device``. On a GPU it goes through pinned memory
-    with a non-blocking copy: a plain copy would wait for the device, which would stall the
-    host while a step runs (asynchronous scheduling samples without waiting)."""
-    if device.type != "cuda":
-        return torch.tensor(values, device=device)
-    return torch.tensor(values, pin_memory=True).to(device, non_blocking=True)
-
-
 def _sample_rows(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p, then an exponential race; every row samples."""
     num_rows, vocab = logits.shape
     device = logits.device
     params = [r.sampling_params for r in requests]
 
-    temperature = _device_tensor([p.temperature for p in params], device).unsqueeze(1)
+    temperature = to_device([p.temperature for p in params], device).unsqueeze(1)
     logits = logits / temperature
 
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
@@ -225,7 +217,7 @@ def _sample_rows(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         # MinPLogitsWarper: drop tokens below min_p x the top probability (after temperature).
         # The top token always survives since min_p <= 1. No renormalisation: the race below is
         # invariant to scaling a row.
-        threshold = _device_tensor(min_p, device).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+        threshold = to_device(min_p, device).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < threshold, 0.0)
 
     noise = torch.empty_like(probs).exponential_()
@@ -249,11 +241,11 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     device = logits.device
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=False)
     # The k-th largest value sits at ascending position vocab - k; ties with it are kept.
-    kth_position = _device_tensor([vocab - k for k in top_k], device).unsqueeze(1)
+    kth_position = to_device([vocab - k for k in top_k], device).unsqueeze(1)
     kth_value = sorted_logits.gather(1, kth_position)
     remove = sorted_logits < kth_value
 
-    p = _device_tensor(top_p, device).unsqueeze(1)
+    p = to_device(top_p, device).unsqueeze(1)
     cumulative = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1).cumsum(dim=-1)
     # Rows with p = 1 only lose tokens of probability exactly 0, which can never be sampled.
     remove |= cumulative <= (1 - p)

@@ -128,7 +128,7 @@ class Scheduler:
             request = running[i]
             # len(all_token_ids) rather than num_tokens: this loop runs for every request, every step.
             pending = request.num_pending_tokens
-            if pending and self._ends_with_pending(request):
+            if pending and request.length_reached(self.config.max_model_len, pending):
                 i += 1  # its last token is being sampled: nothing more to compute
                 continue
             num_new = min(len(request.all_token_ids) + pending - request.num_computed_tokens, budget)
@@ -254,12 +254,6 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if r.status is running_status]
         return updated
-
-    def _ends_with_pending(self, request: Request) -> bool:
-        """Whether the request's pending tokens finish it by length (so it needs no more steps)."""
-        num_output = len(request.output_token_ids) + request.num_pending_tokens
-        num_tokens = len(request.all_token_ids) + request.num_pending_tokens
-        return num_output >= request.max_tokens or num_tokens >= self.config.max_model_len
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """End requests from outside the step (client abort, stop string): free their blocks and
