@@ -87,7 +87,7 @@ def print_top(kernels: list[tuple[str, float, int]], top: int) -> None:
         print(f"| {name[:90]} | {t:.4f} | {calls} | {t / calls * 1e6:.1f} |")
 
 
-def make_engine(args: argparse.Namespace, max_model_len: int):  # type: ignore[no-untyped-def]
+def make_engine(args: argparse.Namespace, max_model_len: int, **options):  # type: ignore[no-untyped-def]
     from pagecast.runtime.engine import LLMEngine
 
     return LLMEngine(
@@ -96,6 +96,7 @@ def make_engine(args: argparse.Namespace, max_model_len: int):  # type: ignore[n
         max_num_batched_tokens=max(args.max_num_batched_tokens, args.batch),
         max_model_len=max_model_len,
         **({"gpu_memory_utilization": 0.92} if torch.cuda.is_available() else {}),
+        **options,
     )
 
 
@@ -121,7 +122,9 @@ def activities() -> list[torch.profiler.ProfilerActivity]:
 
 
 def mode_step(args: argparse.Namespace) -> None:
-    engine = make_engine(args, args.context + 4 * args.steps + 8)
+    # The regions are timed one after the other, so the step must be synchronous (on a GPU the
+    # default is asynchronous: the next step's host work would overlap this one's device work).
+    engine = make_engine(args, args.context + 4 * args.steps + 8, async_scheduling=False)
     add_requests(engine, args.batch, args.context, 4 * args.steps + 4, 0)
     while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.num_waiting:
         engine.step(only_finished=True)  # prefill everything first
