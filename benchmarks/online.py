@@ -1,16 +1,29 @@
-"""W3: online serving through the HTTP server, Poisson arrivals, streaming.
+"""Online serving through the HTTP server (PERFORMANCE.md W3, W5, engine-serve start-up), with
+the same prompts through ``LLM.generate`` in the same run for the server/engine ratio.
 
-    python benchmarks/online.py --artifact ARTIFACT --rates 1,4,16 --duration 60 \
-        [--prompt-len 512 --output-len 256] [--base-url http://host:port/v1 --model NAME]
+    python benchmarks/online.py --out OUTDIR [--artifact ARTIFACT] [--phases start,W3,sat,W5,engine]
+        [--rates 16,24,32,40] [--duration 20] [--prompt-len 512 --output-len 256]
+    python benchmarks/online.py --base-url http://host:port/v1 --phases W3   # any OpenAI-compatible server
 
-Starts `engine-serve` on the artifact (unless --base-url points at a running server, e.g.
-`transformers serve --continuous-batching` as the baseline), then for each rate sends requests
-with exponential inter-arrival times for --duration seconds, each a streamed completion of
-random token ids with EOS ignored, and measures per request the time to first token and the
-gaps between streamed chunks (a chunk is one token unless text was held back); tokens are
-counted from the final usage chunk. Prints one table row and one JSON line per rate: completed req/s, output
-tok/s, TTFT p50/p99, inter-token latency p50/p99, and goodput (requests with TTFT <= --slo-ttft
-and inter-token p99 <= --slo-itl, per second).
+Without --artifact it builds the Llama-3-8B-shaped engine with random bf16 weights
+(benchmarks/serving.py's config, max_model_len 4096) for the GPU present. Phases:
+
+  start   engine-serve's start: seconds from the process start to /health 200 and to the first
+          served token; that first request's TTFT against the steady-state TTFT (median of the next
+          10 single requests); Triton kernels compiled while serving (the server logs the count)
+  W3      Poisson arrivals at each --rates for --duration seconds, streamed completions of random
+          token ids with EOS ignored: completed req/s, output tok/s, TTFT p50/p99, inter-token
+          p50/p99 (gaps between streamed chunks), goodput
+  sat     --num-sat requests sent at once (saturation): output tok/s through the server
+  W5      256 requests sharing a 2,048-token prefix plus 64 own tokens, output 128, Poisson at
+          --w5-rate: TTFT p50 and prefix-cache hit rate, with the server's prefix cache and again
+          on a server started with --no-prefix-caching
+  engine  the sat prompts through LLM.generate at the same max_num_seqs and token budget (after
+          the servers have stopped): the denominator of the server/engine ratio
+
+The load comes from --client-procs processes (the generator must not be what saturates), each
+sending its share of one arrival schedule. Prints a table and one JSON line per figure (also
+in OUTDIR/online.jsonl).
 """
 
 from __future__ import annotations
@@ -18,7 +31,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
+import os
 import random
+import re
 import socket
 import statistics
 import subprocess
@@ -26,8 +42,24 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+RESULTS: list[dict] = []
+MAX_NUM_SEQS = 256
+MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def emit(out: Path | None, **row: object) -> None:
+    RESULTS.append(row)
+    line = json.dumps(row)
+    print(line, flush=True)
+    if out is not None:
+        with open(out / "online.jsonl", "a") as f:
+            f.write(line + "\n")
 
 
 @dataclass
@@ -50,7 +82,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Result
     start = time.perf_counter()
     last = start
     try:
-        async with client.stream("POST", url, json=body, timeout=600) as response:
+        async with client.stream("POST", url, json=body, timeout=900) as response:
             if response.status_code != 200:
                 return result
             async for line in response.aiter_lines():
@@ -73,38 +105,45 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Result
     return result
 
 
-async def run_rate(base_url: str, model: str, rate: float, args: argparse.Namespace) -> dict:
-    rng = random.Random(int(rate * 1000))
-    url = f"{base_url}/completions"
-    tasks = []
-    limits = httpx.Limits(max_connections=10_000, max_keepalive_connections=10_000)
-    async with httpx.AsyncClient(limits=limits) as client:
-        start = time.perf_counter()
-        while time.perf_counter() - start < args.duration:
-            body = {
-                "model": model,
-                "prompt": [rng.randrange(1000, args.vocab) for _ in range(args.prompt_len)],
-                "max_tokens": args.output_len,
-                "ignore_eos": True,
-                "temperature": 0,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            tasks.append(asyncio.create_task(one_request(client, url, body)))
-            await asyncio.sleep(rng.expovariate(rate))
-        sent_for = time.perf_counter() - start
-        results = await asyncio.gather(*tasks)
-        elapsed = time.perf_counter() - start
+def _client_proc(args: tuple) -> list[Result]:
+    """One load-generator process: its share of (offset s, body) pairs, sent at t0 + offset."""
+    url, schedule, t0 = args
+
+    async def run() -> list[Result]:
+        limits = httpx.Limits(max_connections=10_000, max_keepalive_connections=10_000)
+        async with httpx.AsyncClient(limits=limits) as client:
+            tasks = []
+            for offset, body in schedule:
+                delay = t0 + offset - time.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(one_request(client, url, body)))
+            return list(await asyncio.gather(*tasks))
+
+    return asyncio.run(run())
+
+
+def send_load(base_url: str, bodies: list[dict], offsets: list[float], procs: int) -> tuple[list[Result], float]:
+    """Send ``bodies`` at ``offsets`` seconds from now from ``procs`` processes; (results, seconds
+    from the first send to the last answer)."""
+    schedule = list(zip(offsets, bodies))
+    shares = [schedule[i::procs] for i in range(procs)]
+    t0 = time.time() + 1.0  # every process is up before the first send
+    with multiprocessing.get_context("fork").Pool(procs) as pool:
+        parts = pool.map(_client_proc, [(f"{base_url}/completions", share, t0) for share in shares])
+    elapsed = time.time() - t0
+    return [r for part in parts for r in part], elapsed
+
+
+def summarize(results: list[Result], elapsed: float, slo_ttft: float, slo_itl: float) -> dict:
     done = [r for r in results if r.ok and r.ttft is not None]
     ttfts = [r.ttft for r in done if r.ttft is not None]
     gaps = [g for r in done for g in r.gaps]
-    good = [r for r in done if r.ttft <= args.slo_ttft and (percentile(r.gaps, 0.99) or 0) <= args.slo_itl]
+    good = [r for r in done if r.ttft <= slo_ttft and (percentile(r.gaps, 0.99) or 0) <= slo_itl]
     ms = lambda v: round(v * 1000, 1) if v is not None else None  # noqa: E731
     return {
-        "rate": rate,
         "sent": len(results),
         "completed": len(done),
-        "sent_for_s": round(sent_for, 1),
         "completed_req_s": round(len(done) / elapsed, 2),
         "output_tok_s": round(sum(r.tokens for r in done) / elapsed, 1),
         "ttft_p50_ms": ms(percentile(ttfts, 0.5)),
@@ -115,64 +154,209 @@ async def run_rate(base_url: str, model: str, rate: float, args: argparse.Namesp
     }
 
 
-def start_server(artifact: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagecast.runtime.cli", artifact, "--port", str(port), *extra],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        if proc.poll() is not None:
-            raise RuntimeError(f"engine-serve exited with {proc.returncode}")
+def body(model: str, prompt: list[int], max_tokens: int) -> dict:
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+def poisson_offsets(n: int, rate: float, seed: int) -> list[float]:
+    rng = random.Random(seed)
+    t, offsets = 0.0, []
+    for _ in range(n):
+        offsets.append(t)
+        t += rng.expovariate(rate)
+    return offsets
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, vocab) for _ in range(length)] for _ in range(n)]
+
+
+class Server:
+    """engine-serve in a subprocess on a free port; its log goes to ``log``."""
+
+    def __init__(self, artifact: str, log: Path, extra: list[str]):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        self.start = time.perf_counter()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pagecast.runtime.cli", artifact, "--port", str(self.port),
+             "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
+             "--max-queue", "4096", *extra],
+            stdout=subprocess.DEVNULL, stderr=open(log, "w"),
+        )
+
+    def wait_healthy(self, timeout: float = 600) -> float:
+        while time.perf_counter() - self.start < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"engine-serve exited with {self.proc.returncode}: see {self.log}")
+            try:
+                with urllib.request.urlopen(self.base + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        return time.perf_counter() - self.start
+            except OSError:
+                pass
+            time.sleep(0.02)
+        raise RuntimeError("engine-serve did not become healthy")
+
+    def model(self) -> str:
+        return json.load(urllib.request.urlopen(self.base + "/v1/models"))["data"][0]["id"]
+
+    def complete(self, model: str, prompt: list[int], max_tokens: int = 1) -> float:
+        """A non-streamed request; seconds until its answer."""
+        data = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}).encode()
+        req = urllib.request.Request(self.base + "/v1/completions", data=data, headers={"Content-Type": "application/json"})
+        t = time.perf_counter()
+        with urllib.request.urlopen(req, timeout=120) as r:
+            json.load(r)
+        return time.perf_counter() - t
+
+    def metric(self, name: str) -> float:
+        text = urllib.request.urlopen(self.base + "/metrics", timeout=10).read().decode()
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def stop(self) -> int:
+        self.proc.terminate()
         try:
-            with urllib.request.urlopen(base + "/health", timeout=1) as r:
-                if r.status == 200:
-                    return proc, base + "/v1"
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("engine-serve did not become healthy in 300 s")
+            return self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def triton_compiles(log: Path) -> str:
+    found = re.findall(r"triton cache: (\d+) new file", log.read_text())
+    return found[-1] if found else "not logged"
+
+
+def phase_w5(out: Path | None, server: Server, model: str, args: argparse.Namespace, cached: bool) -> None:
+    rng = random.Random(5)
+    prefix = [rng.randrange(1000, args.vocab) for _ in range(2048)]
+    prompts = [prefix + [rng.randrange(1000, args.vocab) for _ in range(64)] for _ in range(256)]
+    queries0 = server.metric("pagecast_prefix_cache_queries_total")
+    hits0 = server.metric("pagecast_prefix_cache_hits_total")
+    results, elapsed = send_load(server.base + "/v1", [body(model, p, 128) for p in prompts],
+                                 poisson_offsets(len(prompts), args.w5_rate, 55), args.client_procs)
+    queries = server.metric("pagecast_prefix_cache_queries_total") - queries0
+    hits = server.metric("pagecast_prefix_cache_hits_total") - hits0
+    row = summarize(results, elapsed, args.slo_ttft, args.slo_itl)
+    emit(out, figure="W5", prefix_caching=cached, rate=args.w5_rate, hit_rate=round(hits / queries, 4) if queries else 0.0,
+         **row)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--artifact")
-    ap.add_argument("--base-url", help="an already running OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--artifact", help="default: build the Llama-3-8B-shaped dummy engine (also when the path holds none)")
+    ap.add_argument("--base-url", help="an already running OpenAI-compatible server (W3 only)")
     ap.add_argument("--model", help="model name (default: the server's first model)")
-    ap.add_argument("--rates", default="1,4,16")
-    ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate")
+    ap.add_argument("--phases", default="start,W3,sat,W5,engine")
+    ap.add_argument("--rates", default="16,24,32,40")
+    ap.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per rate")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--num-sat", type=int, default=640)
+    ap.add_argument("--w5-rate", type=float, default=16.0)
     ap.add_argument("--vocab", type=int, default=32000, help="prompt token ids are drawn below this")
     ap.add_argument("--slo-ttft", type=float, default=0.5, help="goodput: seconds to first token at most")
     ap.add_argument("--slo-itl", type=float, default=0.05, help="goodput: p99 inter-token seconds at most")
+    ap.add_argument("--client-procs", type=int, default=4)
     ap.add_argument("--server-arg", action="append", default=[], help="extra engine-serve argument")
     args = ap.parse_args()
-    proc = None
-    base_url = args.base_url
-    if base_url is None:
-        if not args.artifact:
-            ap.error("give --artifact or --base-url")
-        proc, base_url = start_server(args.artifact, args.server_arg)
-    try:
-        model = args.model or json.load(urllib.request.urlopen(base_url + "/models"))["data"][0]["id"]
-        rows = []
+    phases = set(args.phases.split(","))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+    if args.base_url:
+        model = args.model or json.load(urllib.request.urlopen(args.base_url + "/models"))["data"][0]["id"]
         for rate in (float(r) for r in args.rates.split(",")):
-            row = asyncio.run(run_rate(base_url, model, rate, args))
-            rows.append(row)
-            print(json.dumps({"benchmark": "W3", **row}), flush=True)
-        print("\n| rate | completed req/s | output tok/s | TTFT p50 / p99 (ms) | inter-token p50 / p99 (ms) | goodput req/s |")
-        print("|---|---|---|---|---|---|")
-        for r in rows:
-            print(f"| {r['rate']} | {r['completed_req_s']} | {r['output_tok_s']} | {r['ttft_p50_ms']} / {r['ttft_p99_ms']} "
-                  f"| {r['itl_p50_ms']} / {r['itl_p99_ms']} | {r['goodput_req_s']} |")
+            n = int(rate * args.duration)
+            prompts = random_prompts(n, args.prompt_len, args.vocab, int(rate * 1000))
+            results, elapsed = send_load(args.base_url, [body(model, p, args.output_len) for p in prompts],
+                                         poisson_offsets(n, rate, int(rate)), args.client_procs)
+            emit(args.out, figure="W3", rate=rate, **summarize(results, elapsed, args.slo_ttft, args.slo_itl))
+        print_table()
+        return
+    out = args.out or Path("bench-out")
+    out.mkdir(parents=True, exist_ok=True)
+    artifact = args.artifact or str(out / "llama3-8b-dummy")
+    if not (Path(artifact) / "manifest.json").is_file():
+        import serving
+
+        serving.build(out, Path(artifact), 4096, 90.0)
+        args.vocab = 120000
+    server = Server(artifact, out / "engine_serve.log", args.server_arg)
+    try:
+        healthy = server.wait_healthy()
+        model = args.model or server.model()
+        rng = random.Random(7)
+        first = server.complete(model, [rng.randrange(1000, args.vocab) for _ in range(args.prompt_len)])
+        if "start" in phases:
+            steady = [server.complete(model, [rng.randrange(1000, args.vocab) for _ in range(args.prompt_len)])
+                      for _ in range(10)]
+            emit(out, figure="start", health_s=round(healthy, 2), first_token_s=round(healthy + first, 2),
+                 first_request_ttft_ms=round(first * 1000, 1),
+                 steady_ttft_ms=round(statistics.median(steady) * 1000, 1), target_s=10)
+        if "W3" in phases:
+            for rate in (float(r) for r in args.rates.split(",")):
+                n = int(rate * args.duration)
+                prompts = random_prompts(n, args.prompt_len, args.vocab, int(rate * 1000))
+                results, elapsed = send_load(server.base + "/v1", [body(model, p, args.output_len) for p in prompts],
+                                             poisson_offsets(n, rate, int(rate)), args.client_procs)
+                emit(out, figure="W3", rate=rate, **summarize(results, elapsed, args.slo_ttft, args.slo_itl))
+        if "sat" in phases or "engine" in phases:
+            sat_prompts = random_prompts(args.num_sat, args.prompt_len, args.vocab, 640)
+        if "sat" in phases:
+            results, elapsed = send_load(server.base + "/v1", [body(model, p, args.output_len) for p in sat_prompts],
+                                         [0.0] * len(sat_prompts), args.client_procs)
+            emit(out, figure="saturation_server", **summarize(results, elapsed, args.slo_ttft, args.slo_itl))
+        if "W5" in phases:
+            phase_w5(out, server, model, args, cached=True)
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(60)
+        status = server.stop()
+    emit(out, figure="server_exit", exit_code=status, triton_new_files=triton_compiles(server.log))
+    if "W5" in phases:
+        server = Server(artifact, out / "engine_serve_nocache.log", [*args.server_arg, "--no-prefix-caching"])
+        try:
+            server.wait_healthy()
+            phase_w5(out, server, server.model(), args, cached=False)
+        finally:
+            server.stop()
+    if "engine" in phases:
+        from pagecast.runtime import LLM, SamplingParams
+
+        llm = LLM(artifact, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
+        params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0)
+        t = time.perf_counter()
+        outs = llm.generate(sat_prompts, params)
+        secs = time.perf_counter() - t
+        n = sum(len(o.token_ids) for o in outs)
+        emit(out, figure="saturation_engine", completed_req_s=round(len(outs) / secs, 2),
+             output_tok_s=round(n / secs, 1))
+        server_row = next((r for r in RESULTS if r.get("figure") == "saturation_server"), None)
+        if server_row:
+            emit(out, figure="server_engine_ratio", value=round(server_row["output_tok_s"] / (n / secs), 3), target=0.9)
+    print_table()
+
+
+def print_table() -> None:
+    print("\n| figure | figures |\n|---|---|")
+    for r in RESULTS:
+        print(f"| {r['figure']} | {json.dumps({k: v for k, v in r.items() if k != 'figure'})} |")
 
 
 if __name__ == "__main__":

@@ -27,33 +27,49 @@ from pagecast.kernels.tuning import (
     token_bucket,
 )
 
-# kernel name -> shape bucket -> config, loaded from the artifact's tuning.json by the runtime.
-_tuning: dict[str, Any] = {}
-_use_triton = True
-_configs: dict[tuple[str, str], KernelConfig | None] = {}
+class KernelTable:
+    """One engine's kernel configuration: its artifact's tuning table (kernel name -> shape
+    bucket -> launch config) and whether Triton runs at all (not for CPU artifacts). Engines
+    in one process each keep their own table and ``activate`` it around their forward passes
+    (and their CUDA-graph captures, which freeze the configs in force)."""
+
+    def __init__(self, tuning: dict[str, Any] | None = None, use_triton: bool = True):
+        self.tuning = dict(tuning or {})
+        self.use_triton = use_triton
+        self.configs: dict[tuple[str, str], KernelConfig | None] = {}
 
 
-def configure(tuning: dict[str, Any] | None = None, use_triton: bool = True) -> None:
-    """Install the artifact's tuning table; ``use_triton=False`` forces the torch reference.
+_active = KernelTable()
+
+
+def configure(tuning: dict[str, Any] | None = None, use_triton: bool = True) -> KernelTable:
+    """Make and activate a table; ``use_triton=False`` forces the torch reference.
 
     ``tuning`` is the whole tuning.json ({"kernels": {...}, ...}) or its "kernels" part.
     """
-    global _tuning, _use_triton
-    _tuning = dict(tuning or {})
-    _use_triton = use_triton
-    _configs.clear()
+    table = KernelTable(tuning, use_triton)
+    activate(table)
+    return table
+
+
+def activate(table: KernelTable) -> None:
+    """Use ``table`` for the ops called from now on (the model runner calls this before every
+    forward pass, so two engines in one process never use each other's configs)."""
+    global _active
+    _active = table
 
 
 def _triton(x: torch.Tensor) -> bool:
-    return _use_triton and x.is_cuda
+    return _active.use_triton and x.is_cuda
 
 
 def _config(kernel: str, bucket: str) -> KernelConfig | None:
     key = (kernel, bucket)
+    table = _active
     try:
-        return _configs[key]
+        return table.configs[key]
     except KeyError:
-        cfg = _configs[key] = KernelConfig.coerce(lookup(_tuning, kernel, bucket))
+        cfg = table.configs[key] = KernelConfig.coerce(lookup(table.tuning, kernel, bucket))
         return cfg
 
 

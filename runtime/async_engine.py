@@ -1,25 +1,39 @@
-"""AsyncEngine: the engine loop in its own thread, with an async stream per request.
+"""AsyncEngine: the server's side of an engine whose core runs in a process of its own.
 
-The step loop never runs on the event loop, so HTTP handling stays responsive while the
-model runs. Requests and aborts cross into the loop thread through queues; outputs come
-back through ``loop.call_soon_threadsafe``. A consumer that stops iterating (client
-disconnect, cancellation) aborts its request, which frees its KV blocks within one step.
+The core (scheduler, model runner, sampler) steps in an engine-core process
+(``core_process.py``) and sends one message per step with every sequence's new token ids.
+This side owns everything about text: it validates and tokenizes requests, mirrors each
+request's sequences, detokenizes their tokens, applies stop strings (telling the core to
+free a sequence a stop string ended), folds the n choices of a request into one
+``RequestOutput`` and hands it to the request's async stream. It all runs on the event loop
+that calls ``generate``, so it shares nothing with the step loop but the socket.
+
+A consumer that stops iterating (client disconnect, cancellation) aborts its request, which
+frees its KV blocks within one step. When the core process dies or stops answering, every
+waiting request gets ``EngineDeadError`` and ``is_alive()`` turns False.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import os
-import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
-from pagecast.runtime.engine import EngineStats, LLMEngine
-from pagecast.runtime.errors import EngineDeadError, PagecastError
-from pagecast.runtime.outputs import RequestOutput
+from pagecast.runtime.artifact import load_manifest
+from pagecast.runtime.core_process import CoreClient, position_logprobs
+from pagecast.runtime.engine import tokenize_prompt
+from pagecast.runtime.engine_core import EngineOptions, new_sequences, resolve_max_tokens
+from pagecast.runtime.errors import ArtifactError, EngineDeadError, InvalidRequestError, PagecastError
+from pagecast.runtime.loader import load_artifact_tokenizer
+from pagecast.runtime.messages import AbortRequests, AddRequest, CoreFailed, CoreMessage, EngineStats, StepOutputs
+from pagecast.runtime.output_processor import OutputProcessor, ParentRequest
+from pagecast.runtime.outputs import PositionLogprobs, RequestOutput
+from pagecast.runtime.request import Request, RequestStatus
 from pagecast.runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagecast.engine")
@@ -33,92 +47,143 @@ class _Stream:
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        self.queue.put_nowait(item)  # always called on the stream's own loop
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
+    """One served model: an engine-core process and the output side of its requests.
+
+    ``AsyncEngine(artifact, **options)`` starts the core process and returns at once (several
+    engines start in parallel); ``wait_ready()`` blocks until it serves, raising what stopped
+    it (``ArtifactError``, ``ValueError``). ``from_artifact`` does both.
+    """
+
+    def __init__(self, artifact: str | os.PathLike[str], **options: Any):
+        EngineOptions(**options)  # a bad option fails here, not in the child process
+        self.artifact_path = Path(artifact)
+        manifest = load_manifest(self.artifact_path)  # raises ArtifactError for a bad artifact
+        self._model_name = manifest.name
         self._streams: dict[str, _Stream] = {}
-        self._adds: collections.deque[tuple[str, Any, SamplingParams, Any]] = collections.deque()
-        self._aborts: collections.deque[str] = collections.deque()
-        self._wakeup = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None
+        self._stats: EngineStats | None = None
+        self._client = CoreClient(str(self.artifact_path), options, self._on_message, busy=lambda: bool(self._streams))
+        # Loaded while the core starts: the core itself never needs the tokenizer.
+        self._tokenizer = load_artifact_tokenizer(self.artifact_path)
+        self.output_processor = OutputProcessor(self._tokenizer)
+        self._ready: Any = None
 
     @classmethod
     def from_artifact(cls, artifact: str | os.PathLike[str], **options: Any) -> AsyncEngine:
-        return cls(LLMEngine(artifact, **options))
+        engine = cls(artifact, **options)
+        engine.wait_ready()
+        return engine
+
+    def wait_ready(self, timeout: float | None = None) -> AsyncEngine:
+        result = self._client.wait_ready(timeout)
+        if isinstance(result, CoreFailed):
+            self._client.shutdown(timeout=5)
+            if result.kind == "artifact":
+                raise ArtifactError(result.message)
+            if result.kind == "value":
+                raise ValueError(result.message)
+            raise EngineDeadError(f"the engine for {self._model_name} failed to start: {result.message}")
+        self._ready = result
+        self.eos_token_ids = frozenset(result.eos_token_ids)
+        return self
 
     # What the server reads.
     @property
     def model_name(self) -> str:
-        return self.engine.model_name
+        return self._model_name
 
     @property
     def tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        return self._tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        return self.engine.eos_token_ids
+        return int(self._ready.max_model_len)
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.vocab_size
+        return int(self._ready.vocab_size)
 
     @property
     def max_num_seqs(self) -> int:
-        return self.engine.options.max_num_seqs
+        return int(self._ready.max_num_seqs)
+
+    @property
+    def startup_info(self) -> Any:
+        """What the core reported when it became ready (device, KV blocks, start-up seconds)."""
+        return self._ready
 
     def tokenize(self, prompt: str) -> list[int]:
         """Token ids of a text prompt exactly as generate() tokenizes it (no special tokens added)."""
-        return self.engine.tokenize(prompt)[1]
+        return tokenize_prompt(self._tokenizer, prompt)[1]
+
+    def validate(self, prompt: str | list[int], params: SamplingParams) -> tuple[str | None, list[int], int]:
+        text, ids = tokenize_prompt(self._tokenizer, prompt)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt", code="empty_prompt")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token id {bad[0]} is out of range for this model's vocabulary of {self.vocab_size}",
+                param="prompt",
+                code="invalid_token_id",
+            )
+        return text, ids, resolve_max_tokens(len(ids), params, self.max_model_len)
 
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=f"pagecast-engine-{self.model_name}", daemon=True)
-            self._thread.start()
+        """The core runs from construction on; kept so servers can start engines uniformly."""
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
-        self._stop.set()
-        self._wakeup.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._client.shutdown(timeout if timeout is not None else 10.0)
 
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self._error is None
+        return self._ready is not None and self._error is None and self._client.is_alive()
 
     def num_unfinished(self) -> int:
         return len(self._streams)
 
     def stats(self) -> EngineStats:
-        return self.engine.stats()
+        """The core's statistics as of its last message (sent every step and after aborts)."""
+        if self._stats is None:
+            num_blocks = int(self._ready.num_kv_blocks) if self._ready is not None else 0
+            return EngineStats(0, 0, num_blocks, 0, 0.0, 0, 0, 0, 0, 0)
+        return self._stats
 
     def abort(self, request_id: str) -> None:
-        self._aborts.append(request_id)
-        self._wakeup.set()
+        """Abort a request (unknown or finished ids are ignored); call on the event loop."""
+        live = self.output_processor.live_sequences(request_id)
+        if live is None:
+            return
+        output = self.output_processor.abort(request_id)
+        if live and self._error is None:
+            self._client.send(AbortRequests(live))
+        self._deliver(output)
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs of one request; the last has ``finished`` set."""
         if not self.is_alive():
-            raise EngineDeadError(f"the engine for {self.model_name} is not running" + (
-                f" (it failed: {self._error})" if self._error else ""))
-        validated = self.engine.validate(prompt, params)  # raises InvalidRequestError before anything is queued
+            raise EngineDeadError(
+                f"the engine for {self.model_name} is not running" + (f" (it failed: {self._error})" if self._error else "")
+            )
+        text, ids, max_tokens = self.validate(prompt, params)  # raises InvalidRequestError before anything is queued
         request_id = request_id or f"cmpl-{uuid.uuid4().hex}"
-        stream = _Stream(asyncio.get_running_loop())
         if request_id in self._streams:
             raise PagecastError(f"request id {request_id} is already in use")
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        stream = _Stream(loop)
+        arrival = time.monotonic()
+        children = new_sequences(request_id, ids, params, self.eos_token_ids, max_tokens, arrival)
         self._streams[request_id] = stream
-        self._adds.append((request_id, prompt, params, validated))
-        self._wakeup.set()
+        self.output_processor.add(ParentRequest(request_id, text, ids, children))
+        self._client.send(AddRequest(request_id, ids, params, max_tokens, arrival))
         finished = False
         try:
             while True:
@@ -138,39 +203,101 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
-    # -- the loop thread ----------------------------------------------------------------------
+    # -- messages from the core (the receiver thread hands them to the event loop) --------------
+
+    def _on_message(self, msg: CoreMessage) -> None:
+        if isinstance(msg, StepOutputs):
+            self._stats = msg.stats  # read by /metrics from any thread: one reference swap
+            if not msg.updates and not msg.failed:
+                return
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            if isinstance(msg, CoreFailed):
+                self._error = EngineDeadError(f"the engine failed: {msg.message}")
+            return
+        try:
+            loop.call_soon_threadsafe(self._handle, msg)
+        except RuntimeError:  # the loop closed meanwhile: nobody waits for these outputs
+            if isinstance(msg, CoreFailed):
+                self._error = EngineDeadError(f"the engine failed: {msg.message}")
+
+    def _handle(self, msg: CoreMessage) -> None:
+        if isinstance(msg, CoreFailed):
+            self._fail_all(msg)
+            return
+        assert isinstance(msg, StepOutputs)
+        op = self.output_processor
+        for request_id, why in msg.failed.items():
+            if op.live_sequences(request_id) is not None:
+                op.abort(request_id)
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.put(PagecastError(why))
+        now = time.monotonic()
+        updated: list[Request] = []
+        logprobs: dict[str, PositionLogprobs] = {}
+        prompt_logprobs: dict[str, list[PositionLogprobs]] = {}
+        seen: set[str] = set()
+        for update in msg.updates:
+            child = op.children.get(update.sequence_id)
+            if child is None or child.is_finished:
+                continue  # aborted here, or ended by a stop string: the core learns it a step later
+            if update.sequence_id in seen:  # two tokens of one sequence in one message: one at a time
+                self._process(updated, logprobs, prompt_logprobs)
+                updated, logprobs, prompt_logprobs, seen = [], {}, {}, set()
+            seen.add(update.sequence_id)
+            metrics = child.metrics
+            metrics.first_scheduled_time = update.first_scheduled_time
+            metrics.num_cached_tokens = update.num_cached_tokens
+            metrics.num_preemptions = update.num_preemptions
+            if update.prompt_logprobs:
+                prompt_logprobs[child.request_id] = [position_logprobs(e) for e in update.prompt_logprobs]
+            if not update.new_token_ids:
+                continue
+            for token_id in update.new_token_ids:
+                child.append_output_token(token_id)
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            if update.status:
+                child.status = RequestStatus(update.status)
+                child.stop_reason = update.stop_reason
+                metrics.finished_time = now
+            if update.logprobs:
+                logprobs[child.request_id] = position_logprobs(update.logprobs[-1])
+            updated.append(child)
+        self._process(updated, logprobs, prompt_logprobs)
+
+    def _process(
+        self,
+        updated: list[Request],
+        logprobs: dict[str, PositionLogprobs],
+        prompt_logprobs: dict[str, list[PositionLogprobs]],
+    ) -> None:
+        if not updated and not prompt_logprobs:
+            return
+        op = self.output_processor
+        outputs, stopped = op.process(updated, logprobs, prompt_logprobs)
+        if stopped:
+            self._client.send(AbortRequests(stopped))
+            outputs = op.remake_outputs(outputs, stopped)
+        for out in outputs:
+            self._deliver(out)
 
     def _deliver(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)
         if stream is not None:
             stream.put(out)
 
-    def _drain_inputs(self) -> None:
-        while self._aborts:
-            for out in self.engine.abort_request([self._aborts.popleft()]):
-                self._deliver(out)
-        while self._adds:
-            request_id, prompt, params, validated = self._adds.popleft()
-            if request_id not in self._streams:
-                continue  # its consumer went away before the request reached the engine
-            try:
-                self.engine.add_request(request_id, prompt, params, validated=validated)
-            except PagecastError as e:
-                self._streams[request_id].put(e)
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self._wakeup.clear()
-                self._drain_inputs()
-                if not self.engine.has_unfinished_requests():
-                    self._wakeup.wait(0.5)
-                    continue
-                for out in self.engine.step():
-                    self._deliver(out)
-        except BaseException as e:  # the loop must report any failure to every waiting request
-            logger.exception("engine loop failed")
-            self._error = e
-            dead = EngineDeadError(f"the engine failed: {type(e).__name__}: {e}")
-            for stream in list(self._streams.values()):
-                stream.put(dead)
+    def _fail_all(self, failure: CoreFailed) -> None:
+        logger.error("engine %s failed: %s", self.model_name, failure.message)
+        self._error = EngineDeadError(f"the engine failed: {failure.message}")
+        op = self.output_processor
+        for request_id in list(op.parents):
+            parent = op.parents[request_id]
+            for child in parent.children:
+                if not child.is_finished:
+                    child.status = RequestStatus.FINISHED_ERROR
+            op.make_output(parent)  # forgets it
+        for stream in list(self._streams.values()):
+            stream.put(self._error)

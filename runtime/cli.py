@@ -149,7 +149,10 @@ def main(
         timeout_graceful_shutdown=5,  # after our own drain, only to flush responses
     )
     server = _DrainingServer(config, lambda: server_state(app), shutdown_timeout)
+    server.watch_engines = engines
     server.run()
+    if getattr(server.server, "exit_status", 0):
+        sys.exit(server.server.exit_status)
     if not server.started:
         sys.exit(1)
 
@@ -162,29 +165,95 @@ def _fail(message: str) -> None:
 def _load_engines(
     artifacts: tuple[Path, ...], names: tuple[str, ...], options: dict[str, Any]
 ) -> dict[str, Any]:
+    """Start one engine-core process per artifact, all at once, and wait until each serves."""
     from pagecast.runtime import AsyncEngine
+    from pagecast.runtime.artifact import load_manifest
     from pagecast.runtime.errors import ArtifactError
 
-    engines: dict[str, Any] = {}
-    for i, path in enumerate(artifacts):
+    for path in artifacts:
         if not path.exists():
             _fail(
                 f"{path}: no such artifact directory "
                 f"(build one with `enginebuild --model ... --output {path}`)"
             )
+    per_engine = [dict(options) for _ in artifacts]
+    try:
+        on_gpu = [i for i, path in enumerate(artifacts) if load_manifest(path).target.kind != "cpu"]
+    except ArtifactError as exc:
+        _fail(f"cannot load {exc}")
+    if len(on_gpu) > 1 and "kv_cache_memory" not in options:
+        # Engines sharing the GPU each get an explicit, equal share of it, whichever starts first.
+        share = options.get("gpu_memory_utilization", 0.9) / len(on_gpu)
+        for i in on_gpu:
+            per_engine[i]["gpu_memory_utilization"] = share
+        logger.info("%d GPU engines share the GPU: each may use %.0f%% of its memory", len(on_gpu), 100 * share)
+    started: list[Any] = []
+
+    def stop_started() -> None:
+        for engine in started:
+            engine.shutdown(timeout=5)
+
+    for path, engine_options in zip(artifacts, per_engine):
         logger.info("loading %s", path)
         try:
-            engine = AsyncEngine.from_artifact(path, **options)
+            started.append(AsyncEngine(path, **engine_options))
         except ArtifactError as exc:
+            stop_started()
             _fail(f"cannot load {path}: {exc}")
         except ValueError as exc:
+            stop_started()
             _fail(f"cannot start the engine for {path}: {exc}")
+    engines: dict[str, Any] = {}
+    for i, (path, engine) in enumerate(zip(artifacts, started)):
+        try:
+            engine.wait_ready()
+        except ArtifactError as exc:
+            stop_started()
+            _fail(f"cannot load {path}: {exc}")
+        except ValueError as exc:
+            stop_started()
+            _fail(f"cannot start the engine for {path}: {exc}")
+        except Exception as exc:
+            stop_started()
+            _fail(f"the engine for {path} failed to start: {exc}")
         name = names[i] if names else engine.model_name
         if name in engines:
+            stop_started()
             _fail(f"two artifacts are both served as `{name}`: give --served-model-name once per artifact")
         engines[name] = engine
-        logger.info("serving %s as `%s` (max_model_len %d)", path, name, engine.max_model_len)
+        info = engine.startup_info
+        kv_tokens = info.num_kv_blocks * info.block_size
+        logger.info(
+            "serving %s as `%s` on %s: KV cache %d blocks of %d (%d tokens), %d sequences of the full "
+            "%d-token context at once, up to %d running; started in %.1f s (%s)",
+            path,
+            name,
+            info.device,
+            info.num_kv_blocks,
+            info.block_size,
+            kv_tokens,
+            kv_tokens // engine.max_model_len,
+            engine.max_model_len,
+            engine.max_num_seqs,
+            info.startup_s.get("total", 0.0),
+            " ".join(f"{k}={v:.2f}" for k, v in info.startup_s.items() if k != "total"),
+        )
     return engines
+
+
+async def _exit_when_an_engine_dies(engines: dict[str, Any], server: Any, grace_s: float = 1.0) -> None:
+    """An engine that died is not restarted in place: its in-flight requests get an error, /health
+    says 503, and after ``grace_s`` (for those errors to reach their clients) the server exits
+    with status 1, so that its supervisor (systemd, Kubernetes) starts a fresh one."""
+    while not server.should_exit:
+        dead = [name for name, engine in engines.items() if not engine.is_alive()]
+        if dead:
+            logger.error("engine(s) %s died: exiting with status 1 so that a supervisor restarts the server", dead)
+            await asyncio.sleep(grace_s)
+            server.exit_status = 1
+            server.should_exit = True
+            return
+        await asyncio.sleep(0.25)
 
 
 class _DrainingServer:
@@ -204,7 +273,12 @@ class _DrainingServer:
         class Server(uvicorn.Server):
             async def serve(self, sockets: Any = None) -> None:
                 outer.loop = asyncio.get_running_loop()
+                watcher = None
+                if outer.watch_engines:
+                    watcher = outer.loop.create_task(_exit_when_an_engine_dies(outer.watch_engines, self))
                 await super().serve(sockets)
+                if watcher is not None:
+                    watcher.cancel()
 
             def handle_exit(self, sig: int, frame: FrameType | None) -> None:
                 outer.on_signal(sig)
@@ -214,6 +288,7 @@ class _DrainingServer:
         self.shutdown_timeout = shutdown_timeout
         self.loop: asyncio.AbstractEventLoop | None = None
         self.draining = False
+        self.watch_engines: dict[str, Any] = {}  # served engines: one dying ends the server (status 1)
 
     @property
     def started(self) -> bool:

@@ -14,13 +14,15 @@ import os
 import shutil
 import sys
 import tempfile
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pagecast.runtime import artifact
 from pagecast.runtime.artifact import Manifest, is_weight_file, load_manifest, verify_files
 from pagecast.runtime.errors import ArtifactError
 
@@ -36,8 +38,10 @@ class LoadedArtifact:
     device: torch.device
     dtype: torch.dtype
     memory_plan: dict[str, Any]
-    # Weight files are hashed in a background thread while the rest of start-up runs (16 GB take
-    # ~10 s to hash); the engine calls wait_verified() before it serves anything.
+    kernels: Any  # pagecast.kernels.ops.KernelTable: this artifact's tuning table, activated per forward
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per load phase, for start-up logs
+    # Kept for callers that hash weight files in the background; the loader checks them while
+    # reading them (load_weights), so it leaves this None.
     weights_verified: Future[None] | None = None
 
     def wait_verified(self) -> None:
@@ -82,19 +86,32 @@ def import_model_module(path: Path) -> Any:
     return module
 
 
-def load_weights(path: Path, device: torch.device, rank: int = 0) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def load_weights(
+    path: Path, device: torch.device, rank: int = 0, manifest: Manifest | None = None
+) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s weights on ``device``; with ``manifest``, checked against its hashes while
+    they are read (each byte is read once, on all cores)."""
+    from pagecast.runtime.weights import load_safetensors
 
-    file = path / "weights" / f"rank{rank}.safetensors"
+    rel = f"weights/rank{rank}.safetensors"
+    file = path / rel
+    hashes = None
+    if manifest is not None and rel in manifest.files:
+        hashes = manifest.chunk_hashes.get(rel) or [manifest.files[rel]]
     try:
-        return load_file(str(file), device=str(device))
-    except Exception as e:  # safetensors raises its own error types
+        return load_safetensors(file, device, artifact.CHUNK_BYTES, hashes, label=f"{path}: file {rel}")
+    except ArtifactError:
+        raise
+    except Exception as e:
         raise ArtifactError(f"{file} cannot be read ({e}); rebuild the artifact") from e
 
 
-def load_artifact(artifact_dir: str | os.PathLike[str], verify_weights: bool = True) -> LoadedArtifact:
+def load_artifact(
+    artifact_dir: str | os.PathLike[str], verify_weights: bool = True, load_tokenizer: bool = True
+) -> LoadedArtifact:
     """Check and load an artifact. With ``verify_weights`` the weight files are hashed in the
-    background; call ``wait_verified()`` on the result before serving (LLMEngine does)."""
+    background; call ``wait_verified()`` on the result before serving (LLMEngine does). An
+    engine-core process needs no tokenizer (the server detokenizes): ``load_tokenizer=False``."""
     path = Path(artifact_dir)
     manifest = load_manifest(path)
     verify_files(path, manifest, include=lambda rel: not is_weight_file(rel))
@@ -102,11 +119,8 @@ def load_artifact(artifact_dir: str | os.PathLike[str], verify_weights: bool = T
         if is_weight_file(rel) and not (path / rel).is_file():
             raise ArtifactError(f"{path}: file {rel} listed in the manifest is missing; rebuild the artifact")
     device = check_device(manifest)
-    verified = None
-    if verify_weights:
-        verified = ThreadPoolExecutor(1, thread_name_prefix="pagecast-verify").submit(
-            verify_files, path, manifest, is_weight_file
-        )
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
     triton_cache = path / "triton_cache"
     if triton_cache.is_dir():
         # Triton rewrites index files in its cache when it loads kernels: serve from a private copy so
@@ -115,19 +129,23 @@ def load_artifact(artifact_dir: str | os.PathLike[str], verify_weights: bool = T
         shutil.copytree(triton_cache, private, dirs_exist_ok=True)
         atexit.register(shutil.rmtree, private, True)
         os.environ["TRITON_CACHE_DIR"] = str(private)
+        timings["triton_cache_files_copied"] = float(sum(len(f) for _, _, f in os.walk(private)))
 
     from pagecast.kernels import ops
 
     tuning = json.loads((path / "tuning.json").read_text())
-    ops.configure(tuning.get("kernels"), use_triton=device.type == "cuda")
+    kernels = ops.configure(tuning.get("kernels"), use_triton=device.type == "cuda")
     module = import_model_module(path)
-    weights = load_weights(path, device)
+    timings["prepare"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    weights = load_weights(path, device, manifest=manifest if verify_weights else None)
+    timings["weights"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
     model = module.Model(weights, device)
-    tokenizer = None
-    if (path / "tokenizer").is_dir():
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(path / "tokenizer"))
+    timings["model"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    tokenizer = load_artifact_tokenizer(path) if load_tokenizer else None
+    timings["tokenizer"] = time.perf_counter() - t0
     return LoadedArtifact(
         path=path,
         manifest=manifest,
@@ -136,5 +154,15 @@ def load_artifact(artifact_dir: str | os.PathLike[str], verify_weights: bool = T
         device=device,
         dtype=TORCH_DTYPES[manifest.dtype],
         memory_plan=json.loads((path / "memory_plan.json").read_text()),
-        weights_verified=verified,
+        kernels=kernels,
+        timings=timings,
     )
+
+
+def load_artifact_tokenizer(path: Path) -> Any | None:
+    """The artifact's tokenizer (transformers), or None for a token-id-only artifact."""
+    if not (path / "tokenizer").is_dir():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path / "tokenizer"))

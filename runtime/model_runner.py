@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from pagecast.kernels import ops
 from pagecast.runtime.cuda_graphs import DecodeGraphs
 from pagecast.runtime.forward_context import ForwardContext
 from pagecast.runtime.outputs import PositionLogprobs
@@ -57,16 +58,22 @@ class _Batch:
 class ModelRunner:
     """Runs the generated model on one device. Stateless between steps except for the model."""
 
-    def __init__(self, model: Any, device: torch.device, block_size: int):
+    def __init__(self, model: Any, device: torch.device, block_size: int, kernels: Any = None):
         self.model = model
         self.device = device
         self.block_size = block_size
+        self.kernels = kernels  # the artifact's KernelTable, activated around each forward pass
         self.graphs: DecodeGraphs | None = None
+
+    def _activate_kernels(self) -> None:
+        if self.kernels is not None:
+            ops.activate(self.kernels)
 
     def capture_cuda_graphs(self, batch_sizes: list[int], max_model_len: int) -> float:
         """Capture decode graphs (GPU only); returns the seconds it took."""
         if self.device.type != "cuda" or not batch_sizes:
             return 0.0
+        self._activate_kernels()
         self.graphs = DecodeGraphs(self.model, self.device, batch_sizes, max_model_len, self.block_size)
         return self.graphs.capture()
 
@@ -162,6 +169,7 @@ class ModelRunner:
 
     def _logits(self, batch: _Batch, num_seqs: int) -> torch.Tensor | None:
         """Forward pass (a decode graph when one fits) and the logits rows the step needs."""
+        self._activate_kernels()
         if self._use_graph(batch, num_seqs):
             assert self.graphs is not None
             ctx = batch.ctx

@@ -29,8 +29,13 @@ class ParentRequest:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any | None):
+    """``records_prompt_logprobs``: append the prompt logprobs a step returns to the sequences.
+    Off when the sequences are the engine core's own objects (one process): the core has
+    appended them already, since it computes the next chunk's targets from them."""
+
+    def __init__(self, tokenizer: Any | None, records_prompt_logprobs: bool = True):
         self.tokenizer = tokenizer
+        self.records_prompt_logprobs = records_prompt_logprobs
         self.parents: dict[str, ParentRequest] = {}
         self.children: dict[str, Request] = {}
 
@@ -67,7 +72,9 @@ class OutputProcessor:
         for rid, entries in prompt_logprobs.items():
             child = self._child(rid)
             if child is not None and child.prompt_logprobs is not None:
-                child.prompt_logprobs.extend(self._annotate(e) for e in entries)
+                annotated = [self._annotate(e) for e in entries]
+                if self.records_prompt_logprobs:
+                    child.prompt_logprobs.extend(annotated)
                 touched[child.parent_id] = self.parents[child.parent_id]
         for child in updated:
             parent = self.parents.get(child.parent_id)
@@ -92,6 +99,44 @@ class OutputProcessor:
                 child.status = RequestStatus.FINISHED_STOPPED
         parents = [p for p in touched.values() if p.finished] if only_finished else touched.values()
         return [self.make_output(p) for p in parents], stopped
+
+    def live_sequences(self, parent_id: str) -> list[str] | None:
+        """Ids of a request's unfinished sequences; None for an unknown or finished request."""
+        parent = self.parents.get(parent_id)
+        if parent is None:
+            return None
+        return [c.request_id for c in parent.children if not c.is_finished]
+
+    def abort(self, parent_id: str) -> RequestOutput:
+        """Mark a request's unfinished sequences aborted; its final output."""
+        parent = self.parents[parent_id]
+        now = time.monotonic()
+        for child in parent.children:
+            if child.status == RequestStatus.FINISHED_ABORTED and child.metrics.finished_time is not None:
+                self.finish(child)  # aborted by the caller's scheduler just now
+            elif not child.is_finished:
+                child.status = RequestStatus.FINISHED_ABORTED
+                child.metrics.finished_time = now
+                self.finish(child)
+        return self.make_output(parent)
+
+    def remake_outputs(self, outputs: list[RequestOutput], stopped: list[str]) -> list[RequestOutput]:
+        """After ``process`` reported sequences ended by a stop string: mark them stopped (where
+        the caller has not) and replace their requests' outputs with up-to-date ones."""
+        now = time.monotonic()
+        touched = set()
+        for rid in stopped:
+            child = self.children[rid]
+            if not child.is_finished:
+                child.status = RequestStatus.FINISHED_STOPPED
+                child.metrics.finished_time = now
+            touched.add(child.parent_id)
+        outputs = [o for o in outputs if o.request_id not in touched]
+        for pid in touched:
+            parent = self.parents.get(pid)
+            if parent is not None:
+                outputs.append(self.make_output(parent))
+        return outputs
 
     def finish(self, child: Request) -> None:
         """A child finished outside the token path (stop string, abort): flush its text."""

@@ -68,13 +68,13 @@ def test_logprobs_and_penalties_switch_to_synchronous_steps(tiny_llama_artifact)
     for _ in range(3):
         for o in engine.step():
             results[o.request_id] = o
-    assert engine._inflight is not None  # running asynchronously
+    assert engine.core._inflight is not None  # running asynchronously
     engine.add_request("lp", PROMPTS[1], SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True))
     engine.add_request("pen", PROMPTS[2], SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.3, ignore_eos=True))
     while engine.has_unfinished_requests():
         for o in engine.step():
             results[o.request_id] = o
-        assert engine._inflight is None or not {"lp", "pen"} & set(engine.output_processor.parents)
+        assert engine.core._inflight is None or not {"lp", "pen"} & set(engine.output_processor.parents)
     ref = LLM(tiny_llama_artifact, async_scheduling=False)
     expected = ref.generate(
         PROMPTS[:3],
@@ -97,7 +97,7 @@ def test_abort_while_a_step_is_in_flight_frees_everything(tiny_llama_artifact): 
         engine.add_request(f"r{i}", p, params)
     for _ in range(4):
         engine.step()
-    assert engine._inflight is not None
+    assert engine.core._inflight is not None
     aborted = engine.abort_request(["r1"])
     assert aborted[0].finished and aborted[0].outputs[0].finish_reason == "abort"
     results = {}
@@ -111,7 +111,7 @@ def test_abort_while_a_step_is_in_flight_frees_everything(tiny_llama_artifact): 
 
 
 def test_streaming_through_the_async_engine(tiny_llama_artifact):  # type: ignore[no-untyped-def]
-    engine = AsyncEngine(LLMEngine(tiny_llama_artifact, async_scheduling=True))
+    engine = AsyncEngine.from_artifact(tiny_llama_artifact, async_scheduling=True)
     engine.start()
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -123,13 +123,13 @@ def test_streaming_through_the_async_engine(tiny_llama_artifact):  # type: ignor
 
     try:
         streams = asyncio.run(main())
+        assert engine.stats().num_kv_blocks_used == 0
     finally:
         engine.shutdown()
     ref = LLM(tiny_llama_artifact, async_scheduling=False).generate(PROMPTS, params)
     for chunks, expected in zip(streams, ref):
         assert chunks[-1] == expected.token_ids
         assert all(a == b[: len(a)] for a, b in itertools.pairwise(chunks))  # each output extends the last
-    assert engine.engine.block_pool.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("value", [True, False])

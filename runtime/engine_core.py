@@ -1,0 +1,374 @@
+"""EngineCore: the part of the engine that owns the device. add_request / finish / step.
+
+It holds the model, the KV cache, the block pool, the scheduler and the model runner, and
+knows nothing about text: a step returns the sequences that received tokens (and their
+logprobs). ``LLMEngine`` puts an output processor (detokenizer, stop strings, n-way
+folding) on top of it in one process; ``core_process`` runs it alone in an engine-core
+process and sends each step's tokens to the server, which detokenizes there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pagecast.runtime.block_pool import BlockPool
+from pagecast.runtime.errors import InvalidRequestError
+from pagecast.runtime.loader import LoadedArtifact, load_artifact
+from pagecast.runtime.messages import EngineStats
+from pagecast.runtime.model_runner import LaunchedStep, ModelRunner, RunnerOutput
+from pagecast.runtime.outputs import PositionLogprobs
+from pagecast.runtime.request import Request, RequestStatus
+from pagecast.runtime.sampling_params import SamplingParams
+from pagecast.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+logger = logging.getLogger("pagecast.engine")
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+
+
+def parse_size(value: int | str) -> int:
+    """'512MiB' / '2GB' / 1048576 -> bytes."""
+    if isinstance(value, int):
+        return value
+    m = _SIZE.match(value)
+    if not m:
+        raise ValueError(f"kv_cache_memory {value!r} is not a size such as 512MiB or 2GB")
+    unit = (m.group(2) or "").upper().rstrip("B")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Run-time options; what the artifact fixed (dtype, block size, ...) is not here."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # at most the artifact's
+    kv_cache_memory: int | str | None = None  # bytes for the KV cache; default: from gpu_memory_utilization
+    # Fraction of the GPU's memory this engine may use in all (weights, activations, graphs, KV
+    # cache). Engines that share a GPU each get their own fraction (engine-serve splits it).
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    verify_weights: bool = True  # hash weight files on load
+    cuda_graphs: bool = True  # capture decode graphs at start-up (GPU only)
+    # Plan step N+1 while step N runs on the device (default: on for GPUs). Steps with requests
+    # that ask for logprobs, prompt logprobs or penalties run synchronously.
+    async_scheduling: bool | None = None
+    # Run a prefill and a few decode steps before serving, so that the first request finds every
+    # kernel loaded and every lazily made buffer made (default: on for GPUs).
+    warm_up: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be positive (got {self.max_num_seqs})")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be positive (got {self.max_num_batched_tokens})")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
+                f"({self.max_num_seqs}), so every running request can decode in one step"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
+        if self.kv_cache_memory is not None and parse_size(self.kv_cache_memory) <= 0:
+            raise ValueError("kv_cache_memory must be positive")
+
+
+@dataclass
+class StepResult:
+    """The tokens one device step produced: the sequences that received a token (in batch
+    order, finished ones included) and the logprobs asked for."""
+
+    updated: list[Request] = field(default_factory=list)
+    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+class EngineCore:
+    """Owns the model, the KV cache, the scheduler and the sequences. Not thread-safe: one
+    thread calls add_request / finish / step."""
+
+    def __init__(
+        self, artifact: str | os.PathLike[str] | LoadedArtifact, options: EngineOptions, load_tokenizer: bool = True
+    ):
+        self.options = options
+        self.startup_s: dict[str, float] = {}
+        t0 = time.perf_counter()
+        self.artifact = artifact if isinstance(artifact, LoadedArtifact) else load_artifact(
+            artifact, verify_weights=options.verify_weights, load_tokenizer=load_tokenizer
+        )
+        self.startup_s["load"] = time.perf_counter() - t0
+        self.startup_s.update({f"load.{k}": v for k, v in self.artifact.timings.items()})
+        manifest = self.artifact.manifest
+        self.model_name = manifest.name
+        self.block_size = manifest.block_size
+        self.eos_token_ids = frozenset(manifest.eos_token_ids)
+        self.vocab_size = int(manifest.dims["vocab_size"])
+        self.max_model_len = min(manifest.max_model_len, options.max_model_len or manifest.max_model_len)
+
+        num_blocks = self._num_kv_blocks()
+        if num_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * self.block_size} tokens ({num_blocks} blocks), fewer than "
+                f"max_model_len {self.max_model_len}: give more KV memory (kv_cache_memory / "
+                f"gpu_memory_utilization) or a smaller max_model_len"
+            )
+        dims = manifest.dims
+        self.kv_cache = torch.zeros(
+            (dims["num_layers"], 2, num_blocks, dims["num_kv_heads"], self.block_size, dims["head_dim"]),
+            dtype=self.artifact.dtype,
+            device=self.artifact.device,
+        )
+        self.artifact.model.bind_kv_cache(self.kv_cache)
+        self.block_pool = BlockPool(num_blocks, self.block_size, options.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=options.max_num_seqs,
+                max_num_batched_tokens=max(options.max_num_batched_tokens, 1),
+                max_model_len=self.max_model_len,
+            ),
+            self.block_pool,
+        )
+        self.runner = ModelRunner(self.artifact.model, self.artifact.device, self.block_size, self.artifact.kernels)
+        if options.cuda_graphs:
+            # The plan's batch sizes, up to this engine's max_num_seqs; larger decode batches run eagerly.
+            planned = self.artifact.memory_plan.get("cuda_graph_batch_sizes") or [1]
+            sizes = [b for b in planned if b <= options.max_num_seqs]
+            self.startup_s["cuda_graphs"] = self.runner.capture_cuda_graphs(sizes, self.max_model_len)
+        t0 = time.perf_counter()
+        self.artifact.wait_verified()  # refuse a modified artifact before serving anything
+        self.startup_s["verify_wait"] = time.perf_counter() - t0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        is_gpu = self.artifact.device.type == "cuda"
+        self.async_scheduling = is_gpu if options.async_scheduling is None else options.async_scheduling
+        self._inflight: LaunchedStep | None = None  # launched, tokens not collected yet
+        self._parents: dict[str, list[Request]] = {}  # parent id -> its sequences, while one runs
+        # Parent id -> its sequences, for requests whose sampling needs the host (synchronous steps).
+        self._host_sampling: dict[str, list[Request]] = {}
+        if options.warm_up if options.warm_up is not None else is_gpu:
+            t0 = time.perf_counter()
+            self.warm_up()
+            self.startup_s["warm_up"] = time.perf_counter() - t0
+
+    def _num_kv_blocks(self) -> int:
+        bytes_per_block = int(self.artifact.memory_plan["bytes_per_block"])
+        if self.options.kv_cache_memory is not None:
+            budget = parse_size(self.options.kv_cache_memory)
+        elif self.artifact.device.type == "cuda":
+            # This engine's own share of the GPU, whatever other engines on it hold: its fraction
+            # of the total, less what it holds already (weights), less room for activations; and
+            # never more than is free now.
+            device = self.artifact.device
+            free, total = torch.cuda.mem_get_info(device)
+            reserve = int(self.artifact.memory_plan.get("activation_bytes", 1 << 30))
+            own = torch.cuda.memory_reserved(device)
+            budget = min(int(total * self.options.gpu_memory_utilization) - own, free) - reserve
+        else:
+            needed = self.options.max_num_seqs * self.max_model_len * bytes_per_block // self.block_size
+            budget = min(CPU_DEFAULT_KV_BYTES, max(needed, bytes_per_block))
+        return max(0, budget // bytes_per_block)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def check_prompt(self, ids: list[int], params: SamplingParams) -> int:
+        """Check token ids against the vocabulary and the context; returns the resolved max_tokens."""
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt", code="empty_prompt")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token id {bad[0]} is out of range for this model's vocabulary of {self.vocab_size}",
+                param="prompt",
+                code="invalid_token_id",
+            )
+        return resolve_max_tokens(len(ids), params, self.max_model_len)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        arrival_time: float | None = None,
+    ) -> list[Request]:
+        """Queue a checked request as its n sequences; returns them."""
+        if request_id in self._parents:
+            raise InvalidRequestError(f"request id {request_id!r} is already running", param="request_id")
+        children = new_sequences(request_id, prompt_token_ids, params, self.eos_token_ids, max_tokens, arrival_time)
+        if self.options.enable_prefix_caching and params.prompt_logprobs is None:
+            for child in children[1:]:  # the siblings share the first one's prompt blocks
+                child.prefill_after = children[0]
+        self._parents[request_id] = children
+        if params.logprobs is not None or params.prompt_logprobs is not None or params.has_penalties:
+            self._host_sampling[request_id] = children
+        self.num_prompt_tokens += len(prompt_token_ids)
+        for child in children:
+            self.scheduler.add_request(child)
+        return children
+
+    def finish(self, sequence_ids: list[str], status: RequestStatus) -> None:
+        """End sequences outside the token path (abort, a stop string found by the caller);
+        unknown or finished ids are ignored."""
+        self.scheduler.finish_requests(sequence_ids, status)
+        for sid in sequence_ids:
+            parent_id = sid.split("#", 1)[0]
+            children = self._parents.get(parent_id)
+            if children is not None and all(c.is_finished for c in children):
+                del self._parents[parent_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or self._inflight is not None
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[StepResult]:
+        """Run one step; returns what the device produced (usually one result; none when a
+        step only ran prefill chunks).
+
+        With asynchronous scheduling a step launches step N on the device, then waits for step
+        N-1 and returns its tokens: the host plans and books while the device computes."""
+        if self.async_scheduling and not self._needs_host_sampling():
+            scheduled = self.scheduler.schedule()
+            launched = None
+            if scheduled.total_num_scheduled_tokens:
+                launched = self.runner.launch(scheduled, self._inflight)
+                self.scheduler.mark_computed(scheduled)
+            results = self._collect_inflight()
+            self._inflight = launched
+            if launched is not None and not self.scheduler.has_unfinished_requests():
+                # Everything it computed belongs to requests that have just finished (a stop
+                # token or string): wait for it now, so the engine is idle when it says so.
+                results += self._collect_inflight()
+            return results
+        results = self._collect_inflight()  # leaving asynchronous mode
+        scheduled = self.scheduler.schedule()
+        if scheduled.total_num_scheduled_tokens == 0:
+            return results
+        output = self.runner.execute(scheduled)
+        self.scheduler.mark_computed(scheduled)
+        return results + [self._book(scheduled, output)]
+
+    def _needs_host_sampling(self) -> bool:
+        if self._host_sampling:
+            done = [pid for pid, children in self._host_sampling.items() if all(c.is_finished for c in children)]
+            for pid in done:
+                del self._host_sampling[pid]
+        return bool(self._host_sampling)
+
+    def _collect_inflight(self) -> list[StepResult]:
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return []
+        return [self._book(inflight.scheduled, self.runner.collect(inflight))]
+
+    def _book(self, scheduled: SchedulerOutput, output: RunnerOutput) -> StepResult:
+        for request in scheduled.scheduled_requests if output.prompt_logprobs else ():
+            entries = output.prompt_logprobs.get(request.request_id)
+            if entries and request.prompt_logprobs is not None:
+                # The next chunk's targets start where these end (and a preempted request
+                # does not compute them again).
+                request.prompt_logprobs.extend(entries)
+        updated = self.scheduler.add_sampled_tokens(scheduled, output.sampled)
+        self.num_generation_tokens += len(updated)
+        for request in updated:
+            if request.is_finished:
+                children = self._parents.get(request.parent_id)
+                if children is not None and all(c.is_finished for c in children):
+                    del self._parents[request.parent_id]
+        return StepResult(updated, output.logprobs, output.prompt_logprobs)
+
+    def warm_up(self) -> None:
+        """Run a full-budget prefill and a few decode steps of a throw-away request, then forget
+        it: the first real request then finds the prefill kernels loaded, cuBLAS's workspaces
+        made and the sampler's buffers allocated. Statistics and the prefix cache are reset."""
+        num_tokens = min(self.options.max_num_batched_tokens, self.max_model_len - 4)
+        if num_tokens < 1:
+            return
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        ids = [i % self.vocab_size for i in range(1, num_tokens + 1)]
+        self.add_request("pagecast-warm-up", ids, params, max_tokens=3)
+        while self.has_unfinished_requests():
+            self.step()
+        self.block_pool.reset_prefix_cache()
+        self.block_pool.num_prefix_queries = self.block_pool.num_prefix_hits = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    def stats(self) -> EngineStats:
+        pool = self.block_pool
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_kv_blocks_total=pool.num_blocks,
+            num_kv_blocks_used=pool.num_used_blocks,
+            kv_usage=pool.usage,
+            prefix_cache_queries=pool.num_prefix_queries,
+            prefix_cache_hits=pool.num_prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+        )
+
+
+def new_sequences(
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    eos_token_ids: frozenset[int],
+    max_tokens: int,
+    arrival_time: float | None,
+) -> list[Request]:
+    """The n sequences of a request, named ``id`` (n == 1) or ``id#i``; the server's output side
+    makes the same ones to mirror the core's."""
+    return [
+        Request(
+            request_id if params.n == 1 else f"{request_id}#{i}",
+            prompt_token_ids,
+            params,
+            eos_token_ids=eos_token_ids,
+            max_tokens=max_tokens,
+            parent_id=request_id,
+            index=i,
+            arrival_time=arrival_time,
+        )
+        for i in range(params.n)
+    ]
+
+
+def resolve_max_tokens(num_prompt_tokens: int, params: SamplingParams, max_model_len: int) -> int:
+    """max_tokens as asked (or the rest of the context), checked against the context length."""
+    n = num_prompt_tokens
+    if n >= max_model_len:
+        raise InvalidRequestError(
+            f"this model's maximum context length is {max_model_len} tokens, but the prompt has {n} tokens",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+    max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - n
+    if n + max_tokens > max_model_len:
+        raise InvalidRequestError(
+            f"this model's maximum context length is {max_model_len} tokens; the prompt has {n} tokens "
+            f"and {max_tokens} were requested for the completion ({n + max_tokens} in all): reduce the "
+            f"prompt or max_tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+def log_startup(name: str, startup_s: dict[str, Any]) -> None:
+    logger.info(
+        "engine %s started (seconds, counts): %s", name, " ".join(f"{k}={v:.2f}" for k, v in startup_s.items())
+    )

@@ -1,0 +1,110 @@
+"""What crosses the boundary between the server (front end) and an engine-core process.
+
+The front end sends ``AddRequest``, ``AbortRequests`` and ``Shutdown``; the core answers with
+``CoreReady`` once at start-up (or ``CoreFailed``), then one ``StepOutputs`` per engine step
+carrying every request's new tokens, and ``CoreFailed`` if its loop dies. Messages are msgspec
+structs with a fixed schema, encoded as msgpack: no pickled objects cross the boundary, so a
+message is cheap to encode and cannot run code when decoded.
+
+Request ids here are the engine's *sequence* ids: a request with ``n`` choices becomes ``n``
+sequences ``id#0 .. id#{n-1}`` (just ``id`` when n == 1), as ``LLMEngine`` names them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from pagecast.runtime.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineStats:
+    """A snapshot for metrics and health: counts are totals since start."""
+
+    num_running: int
+    num_waiting: int
+    num_kv_blocks_total: int
+    num_kv_blocks_used: int
+    kv_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+class AddRequest(msgspec.Struct, tag=True, array_like=True):
+    """A validated request: the prompt is already token ids and ``max_tokens`` resolved."""
+
+    request_id: str  # the parent id; the core names the n sequences after it
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    arrival_time: float  # time.monotonic() in the front end (the clock is shared by processes)
+
+
+class AbortRequests(msgspec.Struct, tag=True, array_like=True):
+    """Free these sequences (aborted by the client, or ended by a stop string the front end found)."""
+
+    sequence_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    """Stop the loop and exit."""
+
+
+class LogprobEntry(msgspec.Struct, array_like=True):
+    """One position's logprobs: parallel lists (the chosen token and the top alternatives)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+
+
+class SequenceUpdate(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one step did to one sequence."""
+
+    sequence_id: str
+    new_token_ids: list[int]
+    status: int = 0  # RequestStatus value when the sequence finished this step, else 0
+    stop_reason: int | None = None  # the stop token id that ended it
+    logprobs: list[LogprobEntry] | None = None  # one entry per new token, if asked for
+    prompt_logprobs: list[LogprobEntry] | None = None  # new prompt positions, if asked for
+    first_scheduled_time: float | None = None  # sent once, with the first update
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (with the first update)
+    num_preemptions: int = 0
+
+
+class StepOutputs(msgspec.Struct, tag=True, array_like=True):
+    """One engine step (or, when idle, only fresh statistics after aborts were applied)."""
+
+    updates: list[SequenceUpdate]
+    stats: EngineStats
+    failed: dict[str, str] = {}  # parent request id -> why the core refused it
+
+
+class CoreReady(msgspec.Struct, tag=True, array_like=True):
+    """Start-up finished: what the front end needs to validate and route requests."""
+
+    model_name: str
+    max_model_len: int
+    max_num_seqs: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    num_kv_blocks: int
+    block_size: int
+    device: str
+    startup_s: dict[str, float]  # where the start-up time went (load, verify, graphs, warm-up)
+
+
+class CoreFailed(msgspec.Struct, tag=True, array_like=True):
+    """The core could not start, or its loop died: ``kind`` says which error to raise."""
+
+    kind: str  # "artifact" | "value" | "engine"
+    message: str
+
+
+FrontEndMessage = AddRequest | AbortRequests | Shutdown
+CoreMessage = StepOutputs | CoreReady | CoreFailed
