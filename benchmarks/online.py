@@ -91,7 +91,9 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Result
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     result.tokens = chunk["usage"]["completion_tokens"]
-                if not chunk.get("choices") or not chunk["choices"][0].get("text"):
+                choices = chunk.get("choices")
+                # A chunk carries this step's tokens: their ids (return_token_ids), or at least text.
+                if not choices or not (choices[0].get("token_ids") or choices[0].get("text")):
                     continue
                 now = time.perf_counter()
                 if result.ttft is None:
@@ -163,6 +165,7 @@ def body(model: str, prompt: list[int], max_tokens: int) -> dict:
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        "return_token_ids": True,  # the dummy engine has no tokenizer: count tokens, not text
     }
 
 

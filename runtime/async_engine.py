@@ -53,12 +53,13 @@ class _Stream:
 class AsyncEngine:
     """One served model: an engine-core process and the output side of its requests.
 
-    ``AsyncEngine(artifact, **options)`` starts the core process and returns at once (several
-    engines start in parallel); ``wait_ready()`` blocks until it serves, raising what stopped
-    it (``ArtifactError``, ``ValueError``). ``from_artifact`` does both.
+    ``AsyncEngine(artifact, **options)`` starts the core process (or takes ``client``, one
+    already started with the same options) and returns at once, so several engines start in
+    parallel; ``wait_ready()`` blocks until it serves, raising what stopped it
+    (``ArtifactError``, ``ValueError``). ``from_artifact`` does both.
     """
 
-    def __init__(self, artifact: str | os.PathLike[str], **options: Any):
+    def __init__(self, artifact: str | os.PathLike[str], client: CoreClient | None = None, **options: Any):
         EngineOptions(**options)  # a bad option fails here, not in the child process
         self.artifact_path = Path(artifact)
         manifest = load_manifest(self.artifact_path)  # raises ArtifactError for a bad artifact
@@ -67,7 +68,10 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None
         self._stats: EngineStats | None = None
-        self._client = CoreClient(str(self.artifact_path), options, self._on_message, busy=lambda: bool(self._streams))
+        if client is None:
+            client = CoreClient(str(self.artifact_path), options)
+        client.attach(self._on_message, busy=lambda: bool(self._streams))
+        self._client = client
         # Loaded while the core starts: the core itself never needs the tokenizer.
         self._tokenizer = load_artifact_tokenizer(self.artifact_path)
         self.output_processor = OutputProcessor(self._tokenizer)

@@ -166,8 +166,10 @@ def _load_engines(
     artifacts: tuple[Path, ...], names: tuple[str, ...], options: dict[str, Any]
 ) -> dict[str, Any]:
     """Start one engine-core process per artifact, all at once, and wait until each serves."""
-    from pagecast.runtime import AsyncEngine
+    # Light imports only until the cores are started: their start-up (imports, CUDA, weights)
+    # then overlaps this process importing torch and the server.
     from pagecast.runtime.artifact import load_manifest
+    from pagecast.runtime.core_process import CoreClient
     from pagecast.runtime.errors import ArtifactError
 
     for path in artifacts:
@@ -187,16 +189,23 @@ def _load_engines(
         for i in on_gpu:
             per_engine[i]["gpu_memory_utilization"] = share
         logger.info("%d GPU engines share the GPU: each may use %.0f%% of its memory", len(on_gpu), 100 * share)
+    clients = []
+    for path, engine_options in zip(artifacts, per_engine):
+        logger.info("loading %s", path)
+        clients.append(CoreClient(str(path), engine_options))
+    from pagecast.runtime import AsyncEngine
+
     started: list[Any] = []
 
     def stop_started() -> None:
         for engine in started:
             engine.shutdown(timeout=5)
+        for client in clients[len(started):]:
+            client.shutdown(timeout=5)
 
-    for path, engine_options in zip(artifacts, per_engine):
-        logger.info("loading %s", path)
+    for path, engine_options, client in zip(artifacts, per_engine, clients):
         try:
-            started.append(AsyncEngine(path, **engine_options))
+            started.append(AsyncEngine(path, client=client, **engine_options))
         except ArtifactError as exc:
             stop_started()
             _fail(f"cannot load {path}: {exc}")

@@ -222,12 +222,14 @@ class CoreClient:
         self,
         artifact: str,
         options: dict[str, Any],
-        on_message: Callable[[CoreMessage], None],
-        busy: Callable[[], bool],
+        on_message: Callable[[CoreMessage], None] | None = None,
+        busy: Callable[[], bool] | None = None,
         hang_timeout_s: float = 120.0,
     ):
-        self._on_message = on_message
-        self._busy = busy
+        # The callbacks may be attached later (``attach``): engine-serve starts every core before it
+        # imports the rest of the server, so the cores' start-up overlaps that import.
+        self._on_message = on_message or (lambda msg: None)
+        self._busy = busy or (lambda: False)
         self._hang_timeout_s = hang_timeout_s
         base = os.path.join(tempfile.gettempdir(), f"pagecast-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self._ctx = zmq.Context()
@@ -259,6 +261,10 @@ class CoreClient:
         self.ready: CoreReady | None = None
         self._receiver = threading.Thread(target=self._receive, name=self.name + "-rx", daemon=True)
         self._receiver.start()
+
+    def attach(self, on_message: Callable[[CoreMessage], None], busy: Callable[[], bool]) -> None:
+        self._on_message = on_message
+        self._busy = busy
 
     def wait_ready(self, timeout: float | None = None) -> CoreReady | CoreFailed:
         if not self._ready.wait(timeout):

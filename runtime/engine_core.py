@@ -290,19 +290,24 @@ class EngineCore:
         return StepResult(updated, output.logprobs, output.prompt_logprobs)
 
     def warm_up(self) -> None:
-        """Run a full-budget prefill and a few decode steps of a throw-away request, then forget
-        it: the first real request then finds the prefill kernels loaded, cuBLAS's workspaces
-        made and the sampler's buffers allocated. Statistics and the prefix cache are reset."""
-        num_tokens = min(self.options.max_num_batched_tokens, self.max_model_len - 4)
-        if num_tokens < 1:
-            return
+        """Run a throw-away prefill of every size class the kernels are tuned for (each may use
+        its own kernel), then a few decode steps, and forget it all: the first real request
+        finds every kernel loaded, cuBLAS's workspaces made and the sampler's buffers
+        allocated. Statistics and the prefix cache are reset afterwards."""
+        from pagecast.kernels.tuning import PREFILL_TOKEN_BUCKETS, TOKEN_BUCKETS
+
+        budget = min(self.options.max_num_batched_tokens, self.max_model_len - 4)
+        sizes = sorted({n for n in (*TOKEN_BUCKETS, *PREFILL_TOKEN_BUCKETS) if n <= budget} | {max(1, budget)})
         params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-        ids = [i % self.vocab_size for i in range(1, num_tokens + 1)]
-        self.add_request("pagecast-warm-up", ids, params, max_tokens=3)
-        while self.has_unfinished_requests():
-            self.step()
+        for i, num_tokens in enumerate(sizes):
+            # Distinct ids per size, so no prompt is a prefix-cache hit on an earlier one.
+            ids = [(i * 7919 + j) % self.vocab_size for j in range(1, num_tokens + 1)]
+            self.add_request(f"pagecast-warm-up-{i}", ids, params, max_tokens=3)
+            while self.has_unfinished_requests():
+                self.step()
         self.block_pool.reset_prefix_cache()
         self.block_pool.num_prefix_queries = self.block_pool.num_prefix_hits = 0
+        self.scheduler.num_preemptions = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
 
