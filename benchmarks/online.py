@@ -68,6 +68,7 @@ class Result:
     ttft: float | None = None
     gaps: list[float] = field(default_factory=list)
     tokens: int = 0
+    error: str | None = None  # why it failed: the HTTP status and body, or the exception
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -84,6 +85,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Result
     try:
         async with client.stream("POST", url, json=body, timeout=900) as response:
             if response.status_code != 200:
+                result.error = f"{response.status_code}: {(await response.aread())[:200]!r}"
                 return result
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -102,8 +104,8 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Result
                     result.gaps.append(now - last)
                 last = now
         result.ok = True
-    except httpx.HTTPError:
-        pass
+    except httpx.HTTPError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
     return result
 
 
@@ -143,8 +145,11 @@ def summarize(results: list[Result], elapsed: float, slo_ttft: float, slo_itl: f
     gaps = [g for r in done for g in r.gaps]
     good = [r for r in done if r.ttft <= slo_ttft and (percentile(r.gaps, 0.99) or 0) <= slo_itl]
     ms = lambda v: round(v * 1000, 1) if v is not None else None  # noqa: E731
+    errors = [r.error for r in results if r.error]
     return {
         "sent": len(results),
+        "failed": len(errors),
+        "first_error": errors[0] if errors else None,
         "completed": len(done),
         "completed_req_s": round(len(done) / elapsed, 2),
         "output_tok_s": round(sum(r.tokens for r in done) / elapsed, 1),
@@ -249,11 +254,11 @@ def triton_compiles(log: Path) -> str:
 
 def phase_w5(out: Path | None, server: Server, model: str, args: argparse.Namespace, cached: bool) -> None:
     rng = random.Random(5)
-    prefix = [rng.randrange(1000, args.vocab) for _ in range(2048)]
-    prompts = [prefix + [rng.randrange(1000, args.vocab) for _ in range(64)] for _ in range(256)]
+    prefix = [rng.randrange(1000, args.vocab) for _ in range(args.w5_prefix)]
+    prompts = [prefix + [rng.randrange(1000, args.vocab) for _ in range(args.w5_own)] for _ in range(256)]
     queries0 = server.metric("pagecast_prefix_cache_queries_total")
     hits0 = server.metric("pagecast_prefix_cache_hits_total")
-    results, elapsed = send_load(server.base + "/v1", [body(model, p, 128) for p in prompts],
+    results, elapsed = send_load(server.base + "/v1", [body(model, p, args.w5_output) for p in prompts],
                                  poisson_offsets(len(prompts), args.w5_rate, 55), args.client_procs)
     queries = server.metric("pagecast_prefix_cache_queries_total") - queries0
     hits = server.metric("pagecast_prefix_cache_hits_total") - hits0
@@ -275,6 +280,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--num-sat", type=int, default=640)
     ap.add_argument("--w5-rate", type=float, default=16.0)
+    ap.add_argument("--w5-prefix", type=int, default=2048, help="W5: tokens of the shared prefix")
+    ap.add_argument("--w5-own", type=int, default=64, help="W5: tokens of each request's own part")
+    ap.add_argument("--w5-output", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=32000, help="prompt token ids are drawn below this")
     ap.add_argument("--slo-ttft", type=float, default=0.5, help="goodput: seconds to first token at most")
     ap.add_argument("--slo-itl", type=float, default=0.05, help="goodput: p99 inter-token seconds at most")
