@@ -73,6 +73,12 @@ def _config(kernel: str, bucket: str) -> KernelConfig | None:
         return cfg
 
 
+def decode_attention_config(num_seqs: int, max_seq_len: int) -> KernelConfig | None:
+    """The decode-attention launch config the active table picks for this batch and context
+    (None: the launcher's default). Decode CUDA graphs whose configs agree are one graph."""
+    return _config("paged_decode_attention", decode_bucket(num_seqs, max_seq_len))
+
+
 @functools.cache
 def _kernels() -> SimpleNamespace:
     from pagecast.kernels import (

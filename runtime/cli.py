@@ -225,6 +225,7 @@ def _load_engines(
         except Exception as exc:
             stop_started()
             _fail(f"the engine for {path} failed to start: {exc}")
+        _warm_front_end(engine)
         name = names[i] if names else engine.model_name
         if name in engines:
             stop_started()
@@ -248,6 +249,19 @@ def _load_engines(
             " ".join(f"{k}={v:.2f}" for k, v in info.startup_s.items() if k != "total"),
         )
     return engines
+
+
+def _warm_front_end(engine: Any) -> None:
+    """One short request through the server's side of the engine (validation, the output
+    processor, the detokenizer), so that /health turns 200 only when the first real request
+    runs at steady-state speed."""
+    from pagecast.runtime.sampling_params import SamplingParams
+
+    async def run() -> None:
+        async for _ in engine.generate([1, 2, 3, 4], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)):
+            pass
+
+    asyncio.run(run())
 
 
 async def _exit_when_an_engine_dies(engines: dict[str, Any], server: Any, grace_s: float = 1.0) -> None:

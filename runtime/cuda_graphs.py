@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from pagecast.kernels import ops
 from pagecast.runtime.forward_context import ForwardContext
 
 logger = logging.getLogger("pagecast.engine")
@@ -68,11 +69,23 @@ class DecodeGraphs:
         # that one empties the allocator's cache before every capture, which made each capture
         # free and re-allocate the warm-up's memory (0.16 s a graph for Llama-3-8B).
         stream = torch.cuda.Stream(self.device)
+        # A decode graph depends on the context bucket only through the attention kernel's launch
+        # config: contexts whose configs agree share one graph.
+        by_config: dict[tuple[int, str], tuple[int, int]] = {}
+        warm_s = capture_s = 0.0
         # Largest first, so the shared memory pool is sized once.
         for context in reversed(self.contexts):
             for batch in reversed(self.batch_sizes):
+                key = (batch, repr(ops.decode_attention_config(batch, context)))
+                same = by_config.get(key)
+                if same is not None:
+                    self.graphs[(batch, context)] = self.graphs[same]
+                    self.outputs[(batch, context)] = self.outputs[same]
+                    continue
+                t0 = time.perf_counter()
                 self._forward(batch, context)  # warm-up: kernel selection, allocator
                 torch.cuda.synchronize(self.device)
+                t1 = time.perf_counter()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.stream(stream):
                     graph.capture_begin(pool=self.pool)
@@ -80,13 +93,21 @@ class DecodeGraphs:
                         out = self._forward(batch, context)
                     finally:
                         graph.capture_end()
+                capture_s += time.perf_counter() - t1
+                warm_s += t1 - t0
                 if self.pool is None:
                     self.pool = graph.pool()
                 self.graphs[(batch, context)] = graph
                 self.outputs[(batch, context)] = out
+                by_config[key] = (batch, context)
         torch.cuda.synchronize(self.device)
+        self.num_captured = len(by_config)
+        self.timings = {"warm_up_forwards": warm_s, "captures": capture_s}
         elapsed = time.perf_counter() - start
-        logger.info("captured %d decode CUDA graphs in %.1f s", len(self.graphs), elapsed)
+        logger.info(
+            "captured %d decode CUDA graphs for %d (batch, context) buckets in %.1f s (eager warm-up %.1f s, capture %.1f s)",
+            self.num_captured, len(self.graphs), elapsed, warm_s, capture_s,
+        )
         return elapsed
 
     def can_run(self, num_seqs: int, max_seq_len: int) -> bool:

@@ -298,9 +298,13 @@ class EngineCore:
 
         budget = min(self.options.max_num_batched_tokens, self.max_model_len - 4)
         sizes = sorted({n for n in (*TOKEN_BUCKETS, *PREFILL_TOKEN_BUCKETS) if n <= budget} | {max(1, budget)})
-        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-        for i, num_tokens in enumerate(sizes):
-            # Distinct ids per size, so no prompt is a prefix-cache hit on an earlier one.
+        greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        # The sampler's other paths: random sampling with truncation, and logprobs with penalties.
+        sampled = SamplingParams(max_tokens=3, temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, ignore_eos=True)
+        scored = SamplingParams(max_tokens=3, temperature=0.0, logprobs=2, presence_penalty=0.5, ignore_eos=True)
+        runs = [(n, greedy) for n in sizes] + [(min(64, budget), sampled), (min(64, budget), scored)]
+        for i, (num_tokens, params) in enumerate(runs):
+            # Distinct ids per run, so no prompt is a prefix-cache hit on an earlier one.
             ids = [(i * 7919 + j) % self.vocab_size for j in range(1, num_tokens + 1)]
             self.add_request(f"pagecast-warm-up-{i}", ids, params, max_tokens=3)
             while self.has_unfinished_requests():
