@@ -88,7 +88,9 @@ class DecodeGraphs:
                 t1 = time.perf_counter()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.stream(stream):
-                    graph.capture_begin(pool=self.pool)
+                    # thread_local: the weights may still be streaming in on other threads (their
+                    # copies and event waits would break a global-mode capture).
+                    graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                     try:
                         out = self._forward(batch, context)
                     finally:

@@ -147,8 +147,8 @@ class EngineCore:
             sizes = [b for b in planned if b <= options.max_num_seqs]
             self.startup_s["cuda_graphs"] = self.runner.capture_cuda_graphs(sizes, self.max_model_len)
         t0 = time.perf_counter()
-        self.artifact.wait_verified()  # refuse a modified artifact before serving anything
-        self.startup_s["verify_wait"] = time.perf_counter() - t0
+        self.artifact.wait_verified()  # the weights are in, and are what was built
+        self.startup_s["weights_wait"] = time.perf_counter() - t0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         is_gpu = self.artifact.device.type == "cuda"

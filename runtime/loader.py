@@ -15,7 +15,8 @@ import shutil
 import sys
 import tempfile
 import time
-from concurrent.futures import Future
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,8 +41,9 @@ class LoadedArtifact:
     memory_plan: dict[str, Any]
     kernels: Any  # pagecast.kernels.ops.KernelTable: this artifact's tuning table, activated per forward
     timings: dict[str, float] = field(default_factory=dict)  # seconds per load phase, for start-up logs
-    # Kept for callers that hash weight files in the background; the loader checks them while
-    # reading them (load_weights), so it leaves this None.
+    # On a GPU the weights are read (and checked against the manifest's hashes) in the background
+    # while the engine allocates its KV cache and captures its CUDA graphs; wait_verified() waits
+    # for them and raises ArtifactError if they do not match. LLMEngine calls it before serving.
     weights_verified: Future[None] | None = None
 
     def wait_verified(self) -> None:
@@ -91,7 +93,17 @@ def load_weights(
 ) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s weights on ``device``; with ``manifest``, checked against its hashes while
     they are read (each byte is read once, on all cores)."""
-    from pagecast.runtime.weights import load_safetensors
+    tensors, fill = open_weights(path, device, rank, manifest)
+    fill()
+    return tensors
+
+
+def open_weights(
+    path: Path, device: torch.device, rank: int = 0, manifest: Manifest | None = None
+) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
+    """Rank ``rank``'s weight tensors, allocated on ``device``, and the ``fill`` that reads them
+    in (see weights.open_safetensors)."""
+    from pagecast.runtime.weights import open_safetensors
 
     rel = f"weights/rank{rank}.safetensors"
     file = path / rel
@@ -99,11 +111,21 @@ def load_weights(
     if manifest is not None and rel in manifest.files:
         hashes = manifest.chunk_hashes.get(rel) or [manifest.files[rel]]
     try:
-        return load_safetensors(file, device, artifact.CHUNK_BYTES, hashes, label=f"{path}: file {rel}")
+        tensors, fill = open_safetensors(file, device, artifact.CHUNK_BYTES, hashes, label=f"{path}: file {rel}")
     except ArtifactError:
         raise
     except Exception as e:
         raise ArtifactError(f"{file} cannot be read ({e}); rebuild the artifact") from e
+
+    def checked_fill() -> None:
+        try:
+            fill()
+        except ArtifactError:
+            raise
+        except Exception as e:
+            raise ArtifactError(f"{file} cannot be read ({e}); rebuild the artifact") from e
+
+    return tensors, checked_fill
 
 
 def load_artifact(
@@ -138,7 +160,15 @@ def load_artifact(
     module = import_model_module(path)
     timings["prepare"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    weights = load_weights(path, device, manifest=manifest if verify_weights else None)
+    weights, fill = open_weights(path, device, manifest=manifest if verify_weights else None)
+    loading: Future[None] | None = None
+    if device.type == "cuda":
+        # The weights stream in while the engine sets up (KV cache, CUDA-graph captures, which
+        # need the tensors' addresses, not their values); the engine waits for them before it
+        # runs anything real. Model.__init__ therefore must not read weight values.
+        loading = ThreadPoolExecutor(1, thread_name_prefix="pagecast-weights").submit(fill)
+    else:
+        fill()
     timings["weights"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     model = module.Model(weights, device)
@@ -156,6 +186,7 @@ def load_artifact(
         memory_plan=json.loads((path / "memory_plan.json").read_text()),
         kernels=kernels,
         timings=timings,
+        weights_verified=loading,
     )
 
 

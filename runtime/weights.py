@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import struct
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -76,6 +77,23 @@ def load_safetensors(
     """The tensors of ``path`` on ``device``. With ``chunk_hashes`` (the sha256 of each
     ``chunk_bytes`` piece of the file, as the manifest lists them) every piece is checked as it
     is read, and a mismatch raises ArtifactError before the tensors are returned."""
+    tensors, fill = open_safetensors(path, device, chunk_bytes, chunk_hashes, num_threads, label)
+    fill()
+    return tensors
+
+
+def open_safetensors(
+    path: Path,
+    device: torch.device,
+    chunk_bytes: int,
+    chunk_hashes: list[str] | None,
+    num_threads: int | None = None,
+    label: str | None = None,
+) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
+    """Allocate the tensors of ``path`` on ``device`` (their contents undefined) and return them
+    with ``fill``, which reads, checks and copies the bytes into them (raising ArtifactError on a
+    hash mismatch). ``fill`` may run in another thread while the tensors' addresses are used,
+    e.g. captured into CUDA graphs: only their values are not ready until it returns."""
     data_start, header = read_header(path)
     header.pop("__metadata__", None)
     file_size = path.stat().st_size
@@ -137,16 +155,18 @@ def load_safetensors(
             stream.synchronize()
         return digest.hexdigest()
 
-    workers = min(num_chunks, num_threads or min(16, os.cpu_count() or 1))
-    with ThreadPoolExecutor(workers, thread_name_prefix="pagecast-load") as pool:
-        actual = list(pool.map(load_chunk, range(num_chunks)))
-    if chunk_hashes is not None and actual != chunk_hashes:
-        bad = next(i for i, (a, b) in enumerate(zip(actual, chunk_hashes)) if a != b)
-        raise ArtifactError(
-            f"{label} does not match the manifest (bytes from {bad * chunk_bytes} on differ): the artifact was "
-            f"modified or corrupted; rebuild it with enginebuild"
-        )
-    return tensors
+    def fill() -> None:
+        workers = min(num_chunks, num_threads or min(16, os.cpu_count() or 1))
+        with ThreadPoolExecutor(workers, thread_name_prefix="pagecast-load") as pool:
+            actual = list(pool.map(load_chunk, range(num_chunks)))
+        if chunk_hashes is not None and actual != chunk_hashes:
+            bad = next(i for i, (a, b) in enumerate(zip(actual, chunk_hashes)) if a != b)
+            raise ArtifactError(
+                f"{label} does not match the manifest (bytes from {bad * chunk_bytes} on differ): the artifact "
+                f"was modified or corrupted; rebuild it with enginebuild"
+            )
+
+    return tensors, fill
 
 
 def _scatter(
