@@ -34,6 +34,7 @@ def test_sse_framing_is_openais():
         ([1, 2, 3], [[1, 2, 3]]),
         ([[1, 2], [3]], [[1, 2], [3]]),
         ("", [""]),
+        (list(range(3000)), [list(range(3000))]),  # one long prompt of ids is one prompt, not 3000
     ],
 )
 def test_prompt_forms_are_normalised(prompt, want):  # type: ignore[no-untyped-def]

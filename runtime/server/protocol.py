@@ -167,12 +167,12 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError(
                 "must be a string, a list of strings, a list of token ids or a list of such lists"
             )
+        if all(_is_token_id(t) for t in value):
+            return [list(value)]  # one prompt of token ids, however long (the context decides)
         if len(value) > MAX_PROMPTS:
             raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
         if all(isinstance(p, str) for p in value):
             return list(value)
-        if all(_is_token_id(t) for t in value):
-            return [list(value)]
         if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in value):
             return [list(p) for p in value]
         raise ValueError(
