@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import os
 import random
 import re
 import socket
@@ -144,7 +143,7 @@ def summarize(results: list[Result], elapsed: float, slo_ttft: float, slo_itl: f
     ttfts = [r.ttft for r in done if r.ttft is not None]
     gaps = [g for r in done for g in r.gaps]
     good = [r for r in done if r.ttft <= slo_ttft and (percentile(r.gaps, 0.99) or 0) <= slo_itl]
-    ms = lambda v: round(v * 1000, 1) if v is not None else None  # noqa: E731
+    ms = lambda v: round(v * 1000, 1) if v is not None else None
     errors = [r.error for r in results if r.error]
     return {
         "sent": len(results),

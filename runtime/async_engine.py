@@ -27,10 +27,17 @@ from typing import Any
 from pagecast.runtime.artifact import load_manifest
 from pagecast.runtime.core_process import CoreClient, position_logprobs
 from pagecast.runtime.engine import tokenize_prompt
-from pagecast.runtime.engine_core import EngineOptions, new_sequences, resolve_max_tokens
-from pagecast.runtime.errors import ArtifactError, EngineDeadError, InvalidRequestError, PagecastError
+from pagecast.runtime.engine_core import EngineOptions, check_prompt, new_sequences
+from pagecast.runtime.errors import ArtifactError, EngineDeadError, PagecastError
 from pagecast.runtime.loader import load_artifact_tokenizer
-from pagecast.runtime.messages import AbortRequests, AddRequest, CoreFailed, CoreMessage, EngineStats, StepOutputs
+from pagecast.runtime.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreFailed,
+    CoreMessage,
+    EngineStats,
+    StepOutputs,
+)
 from pagecast.runtime.output_processor import OutputProcessor, ParentRequest
 from pagecast.runtime.outputs import PositionLogprobs, RequestOutput
 from pagecast.runtime.request import Request, RequestStatus
@@ -128,16 +135,7 @@ class AsyncEngine:
 
     def validate(self, prompt: str | list[int], params: SamplingParams) -> tuple[str | None, list[int], int]:
         text, ids = tokenize_prompt(self._tokenizer, prompt)
-        if not ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt", code="empty_prompt")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"token id {bad[0]} is out of range for this model's vocabulary of {self.vocab_size}",
-                param="prompt",
-                code="invalid_token_id",
-            )
-        return text, ids, resolve_max_tokens(len(ids), params, self.max_model_len)
+        return text, ids, check_prompt(ids, params, self.vocab_size, self.max_model_len)
 
     def start(self) -> None:
         """The core runs from construction on; kept so servers can start engines uniformly."""

@@ -203,29 +203,26 @@ def _load_engines(
         for client in clients[len(started):]:
             client.shutdown(timeout=5)
 
+    def fail_to_start(path: Path, exc: Exception) -> None:
+        stop_started()
+        if isinstance(exc, ArtifactError):
+            _fail(f"cannot load {path}: {exc}")
+        if isinstance(exc, ValueError):
+            _fail(f"cannot start the engine for {path}: {exc}")
+        _fail(f"the engine for {path} failed to start: {exc}")
+
     for path, engine_options, client in zip(artifacts, per_engine, clients):
         try:
             started.append(AsyncEngine(path, client=client, **engine_options))
-        except ArtifactError as exc:
-            stop_started()
-            _fail(f"cannot load {path}: {exc}")
-        except ValueError as exc:
-            stop_started()
-            _fail(f"cannot start the engine for {path}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - every failure to start ends engine-serve with its message
+            fail_to_start(path, exc)
     engines: dict[str, Any] = {}
     for i, (path, engine) in enumerate(zip(artifacts, started)):
         try:
             engine.wait_ready()
-        except ArtifactError as exc:
-            stop_started()
-            _fail(f"cannot load {path}: {exc}")
-        except ValueError as exc:
-            stop_started()
-            _fail(f"cannot start the engine for {path}: {exc}")
-        except Exception as exc:
-            stop_started()
-            _fail(f"the engine for {path} failed to start: {exc}")
-        _warm_front_end(engine)
+            _warm_front_end(engine)
+        except Exception as exc:  # noqa: BLE001 - every failure to start ends engine-serve with its message
+            fail_to_start(path, exc)
         name = names[i] if names else engine.model_name
         if name in engines:
             stop_started()

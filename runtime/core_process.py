@@ -117,7 +117,7 @@ def run_engine_core(
         t0 = time.perf_counter()
         core = EngineCore(artifact, EngineOptions(**options), load_tokenizer=False)
         core.startup_s["total"] = time.perf_counter() - t0
-    except BaseException as exc:  # every failure to start is reported, then the process ends
+    except BaseException as exc:  # noqa: BLE001 - every failure to start is reported, then the process ends
         kind = "artifact" if isinstance(exc, ArtifactError) else "value" if isinstance(exc, ValueError) else "engine"
         message = str(exc) if kind != "engine" else f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
         outbox.send(encoder.encode(CoreFailed(kind, message)))
@@ -358,7 +358,7 @@ def _log_setup() -> tuple[str, int]:
     return ("json" if json_format else "text", level)
 
 
-__all__ = ["CoreClient", "run_engine_core", "position_logprobs", "EngineStats"]
+__all__ = ["CoreClient", "EngineStats", "position_logprobs", "run_engine_core"]
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from pagecast.runtime.outputs import RequestOutput
 from pagecast.runtime.request import RequestStatus
 from pagecast.runtime.sampling_params import SamplingParams
 
-__all__ = ["LLMEngine", "EngineOptions", "EngineStats", "parse_size", "tokenize_prompt"]
+__all__ = ["EngineOptions", "EngineStats", "LLMEngine", "parse_size", "tokenize_prompt"]
 
 
 def tokenize_prompt(tokenizer: Any | None, prompt: str | list[int]) -> tuple[str | None, list[int]]:

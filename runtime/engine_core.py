@@ -184,16 +184,7 @@ class EngineCore:
 
     def check_prompt(self, ids: list[int], params: SamplingParams) -> int:
         """Check token ids against the vocabulary and the context; returns the resolved max_tokens."""
-        if not ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt", code="empty_prompt")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"token id {bad[0]} is out of range for this model's vocabulary of {self.vocab_size}",
-                param="prompt",
-                code="invalid_token_id",
-            )
-        return resolve_max_tokens(len(ids), params, self.max_model_len)
+        return check_prompt(ids, params, self.vocab_size, self.max_model_len)
 
     def add_request(
         self,
@@ -354,6 +345,21 @@ def new_sequences(
         )
         for i in range(params.n)
     ]
+
+
+def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> int:
+    """Check a prompt's token ids against the vocabulary and the context (InvalidRequestError
+    names the problem); returns the resolved max_tokens."""
+    if not ids:
+        raise InvalidRequestError("the prompt is empty", param="prompt", code="empty_prompt")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            f"token id {bad[0]} is out of range for this model's vocabulary of {vocab_size}",
+            param="prompt",
+            code="invalid_token_id",
+        )
+    return resolve_max_tokens(len(ids), params, max_model_len)
 
 
 def resolve_max_tokens(num_prompt_tokens: int, params: SamplingParams, max_model_len: int) -> int:

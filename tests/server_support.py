@@ -120,3 +120,37 @@ class ReferenceModel:
             out.append(token)
             ids.append(token)
         return out
+
+
+def start_engine_serve(args: list[str], log: Path, env: Mapping[str, str] | None = None) -> tuple[Any, str]:
+    """engine-serve with ``args`` in a subprocess on a free port, stderr to ``log``; returns
+    (process, base URL) once /health answers 200 (fails the test if it exits or takes 120 s)."""
+    import os
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exe = Path(sys.executable).with_name("engine-serve")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "pagecast.runtime.cli"]
+    proc = subprocess.Popen(
+        [*cmd, *args, "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=open(log, "wb"),
+        env={**os.environ, **(env or {})},
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"engine-serve exited with {proc.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("engine-serve did not come up in 120 s")
+        time.sleep(0.2)

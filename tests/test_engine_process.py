@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_support import make_engine, serve, wait_for
+from server_support import make_engine, serve, start_engine_serve, wait_for
 
 MODEL = "tiny"
 
@@ -122,29 +122,11 @@ def test_a_killed_engine_process_ends_streams_with_an_error(tiny_llama_artifact)
 
 def test_engine_serve_exits_with_status_1_when_its_engine_dies(tiny_llama_artifact, tmp_path):  # type: ignore[no-untyped-def]
     artifact = faulty_artifact(tiny_llama_artifact, tmp_path / "faulty", after=2)
-    with __import__("socket").socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    exe = Path(sys.executable).with_name("engine-serve")
-    cmd = [str(exe) if exe.exists() else sys.executable, *([] if exe.exists() else ["-m", "pagecast.runtime.cli"])]
     log = tmp_path / "serve.log"
-    proc = subprocess.Popen(
-        [*cmd, str(artifact), "--port", str(port), "--served-model-name", MODEL, "--kv-cache-memory", "16MiB"],
-        stdout=subprocess.DEVNULL,
-        stderr=open(log, "wb"),
+    proc, base = start_engine_serve(
+        [str(artifact), "--served-model-name", MODEL, "--kv-cache-memory", "16MiB"], log
     )
     try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "engine-serve did not come up"
-            time.sleep(0.2)
         r = httpx.post(
             f"{base}/v1/completions", json={"model": MODEL, "prompt": [5, 6], "max_tokens": 50, "ignore_eos": True},
             timeout=60,

@@ -13,15 +13,18 @@ def test_each_engine_runs_with_its_own_kernel_table(tiny_artifact_factory):  # t
     tables = {id(a): a.engine.artifact.kernels, id(b): b.engine.artifact.kernels}
     assert tables[id(a)] is not tables[id(b)]
     seen: dict[int, list[object]] = {id(a): [], id(b): []}
-    for llm in (a, b):
+    def record_tables(llm: LLM) -> None:
         model = llm.engine.runner.model
         forward = model.forward
 
-        def recording(*args, _forward=forward, _key=id(llm), **kwargs):  # type: ignore[no-untyped-def]
-            seen[_key].append(ops._active)
-            return _forward(*args, **kwargs)
+        def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+            seen[id(llm)].append(ops._active)
+            return forward(*args, **kwargs)
 
         model.forward = recording
+
+    record_tables(a)
+    record_tables(b)
     params = SamplingParams(max_tokens=3, temperature=0)
     a.generate([[5, 6, 7]], params)
     b.generate([[5, 6, 7]], params)
