@@ -128,13 +128,16 @@ def phase_start(out: Path, artifact: Path) -> None:
 
 def hf_model_from_artifact(artifact: Path):  # type: ignore[no-untyped-def]
     """transformers' Llama with the artifact's weights (split back out of the fused layout)."""
-    from safetensors.torch import load_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(**{k: v for k, v in LLAMA3_8B.items() if k not in ("architectures", "model_type")})
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    w = load_file(str(artifact / "weights" / "rank0.safetensors"), device="cuda")
+    from pagecast.runtime.artifact import load_manifest
+    from pagecast.runtime.loader import rank_weights
+
+    # Dummy artifacts carry no weight files: the runtime draws the same seeded weights the engine uses.
+    w = rank_weights(artifact, load_manifest(artifact), torch.device("cuda"), 0)
     q, kv = 32 * 128, 8 * 128
     sd = {"model.embed_tokens.weight": w.pop("embed_tokens.weight"), "model.norm.weight": w.pop("norm.weight"),
           "lm_head.weight": w.pop("lm_head.weight")}

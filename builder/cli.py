@@ -18,7 +18,7 @@ from pagecast.runtime.errors import BuildError
               type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
               help="Weights and KV dtype; auto is float32 on CPU, the checkpoint's half type on GPU.")
 @click.option("--max-model-len", type=int, default=None, help="Longest context (prompt + output) to serve.")
-@click.option("--tp", default=1, show_default=True, type=int, help="Tensor-parallel degree (only 1 for now).")
+@click.option("--tp", default=1, show_default=True, type=int, help="Tensor-parallel degree: GPUs (one worker process each) the engine runs on.")
 @click.option("--quant", type=click.Choice(["awq", "gptq"]), default=None, help="Weight quantisation (not yet).")
 @click.option("--load-format", default="auto", show_default=True, type=click.Choice(["auto", "dummy"]),
               help="dummy: random weights from a config-only directory (benchmarks).")

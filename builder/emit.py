@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from pagecast.builder import shard
 from pagecast.builder.ir import BuildState
 from pagecast.runtime.artifact import FORMAT_VERSION, MANIFEST, Manifest, TargetDevice, hash_tree
 
@@ -69,6 +70,7 @@ def make_manifest(
         build_options={k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(opts).items()},
         files=files,
         chunk_hashes=chunk_hashes or {},
+        layout=shard.manifest_layout(model, plan.tp, plan.tensors, ckpt.dummy, opts.seed),
     )
 
 
@@ -86,6 +88,8 @@ def render_report(state: BuildState, manifest: Manifest) -> str:
         f"- block size {plan.block_size}, max_model_len {plan.max_model_len}, tp {plan.tp}, quant {plan.quant}",
         f"- weights {mem['weight_bytes'] / 2**20:,.1f} MiB; KV {mem['bytes_per_token'] / 1024:,.1f} KiB per token, "
         f"{mem['bytes_per_block'] / 2**20:,.2f} MiB per block",
+        *shard.report_lines(manifest.layout),
+        f"- weights: {manifest.layout['weights']}",
         f"- stop token ids: {manifest.eos_token_ids}",
         f"- tokenizer included: {state.report.get('has_tokenizer')}",
     ]

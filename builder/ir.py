@@ -35,10 +35,8 @@ class BuildOptions:
             raise ValueError(f"--block-size must be one of 8, 16, 32, 64, 128 (got {self.block_size})")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"--dtype must be auto, float32, float16 or bfloat16 (got {self.dtype!r})")
-        if self.tp != 1:
-            raise ValueError(
-                f"--tp {self.tp}: tensor parallelism is not implemented yet; build with --tp 1"
-            )
+        if self.tp < 1:
+            raise ValueError(f"--tp must be at least 1 (got {self.tp})")
         if self.quant is not None:
             raise ValueError(f"--quant {self.quant}: quantised builds (AWQ/GPTQ) are not implemented yet")
         if self.load_format not in ("auto", "dummy"):
@@ -125,6 +123,8 @@ class TensorPlan:
     shape: tuple[int, ...]
     rank: int = 0  # tensor-parallel rank this copy belongs to
     shard: tuple[int, int, int] | None = None  # (dim, index, count) of a TP split; None = whole
+    # Per source: (dim, index, count) of the piece this rank takes (builder.shard); () = all whole.
+    source_cuts: tuple[tuple[int, int, int] | None, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """Pass 7, pack: write the weights per rank (renamed, fused, cast), the tokenizer and the plans.
 
-Weights stream one tensor at a time from the checkpoint into weights/rank{r}.safetensors.
-With --load-format dummy they are random (seeded), for benchmarks where values do not
-matter.
+Weights stream one tensor at a time from the checkpoint into weights/rank{r}.safetensors,
+each rank's file holding only its slices (builder.shard cuts them). With --load-format dummy
+no weight file is written: the manifest marks the weights random and the runtime draws them
+(seeded) at load, so a 70B-shaped benchmark artifact fits any disk.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from pagecast.builder import shard
 from pagecast.builder.ir import BuildState, TensorPlan
 from pagecast.builder.safetensors_writer import StreamingSafetensorsWriter
 from pagecast.runtime.errors import BuildError
@@ -19,13 +21,9 @@ from pagecast.runtime.errors import BuildError
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def _materialise(state: BuildState, t: TensorPlan, dtype: torch.dtype, gen: torch.Generator | None) -> torch.Tensor:
-    if gen is not None:
-        if t.name.endswith("norm.weight"):
-            return torch.ones(t.shape, dtype=dtype)
-        # Drawn on the GPU when there is one: 8B random numbers take minutes on a CPU.
-        return (torch.randn(t.shape, generator=gen, dtype=torch.float32, device=gen.device) * 0.02).to(dtype).cpu()
-    parts = [state.checkpoint.tensor(src) for src in t.sources]
+def _materialise(state: BuildState, t: TensorPlan, dtype: torch.dtype) -> torch.Tensor:
+    cuts = t.source_cuts or (None,) * len(t.sources)
+    parts = [shard.cut_source(state.checkpoint.tensor(src), cut) for src, cut in zip(t.sources, cuts)]
     tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     if not torch.isfinite(tensor).all():
         raise BuildError(f"checkpoint tensor(s) {', '.join(t.sources)} contain NaN or inf; the checkpoint is corrupt")
@@ -36,16 +34,16 @@ def write_weights(state: BuildState, out_dir: Path) -> None:
     plan = state.plan
     assert plan is not None
     dtype = TORCH_DTYPES[plan.dtype]
-    gen = None
-    if state.checkpoint.dummy:
-        gen = torch.Generator("cuda" if torch.cuda.is_available() else "cpu").manual_seed(state.options.seed)
+    if state.checkpoint.dummy:  # random weights are drawn by the runtime (manifest layout.weights)
+        state.checkpoint.close()
+        return
     (out_dir / "weights").mkdir(parents=True, exist_ok=True)
     for rank in range(plan.tp):
         tensors = [t for t in plan.tensors if t.rank == rank]
         layout = [(t.name, t.shape, dtype) for t in tensors]
         with StreamingSafetensorsWriter(out_dir / "weights" / f"rank{rank}.safetensors", layout) as writer:
             for t in _progress(tensors, state.options.quiet, f"packing weights (rank {rank})"):
-                writer.write(t.name, _materialise(state, t, dtype, gen))
+                writer.write(t.name, _materialise(state, t, dtype))
     state.checkpoint.close()
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from pagecast.builder import shard
 from pagecast.builder.ir import BuildState, ModelIR, Plan, TensorPlan
 from pagecast.runtime.errors import BuildError
 
@@ -208,6 +209,8 @@ def run(state: BuildState) -> BuildState:
     tensors = tensor_layout(model)
     if not ckpt.dummy:
         check_shapes(tensors, ckpt.tensor_shapes)
+    layout = shard.plan_layout(model, opts.tp)
+    tensors = shard.shard_tensors(tensors, model, layout)
     memory_bytes = None
     if device == "cuda":
         memory_bytes = torch.cuda.get_device_properties(0).total_memory if present else GPUS[gpu_name]["memory_bytes"]
@@ -222,7 +225,10 @@ def run(state: BuildState) -> BuildState:
         max_model_len=max_len,
         max_num_seqs=opts.max_num_seqs,
         tensors=tuple(tensors),
-        memory=memory_plan(model, dtype, opts.block_size, max_len, opts.max_num_seqs, memory_bytes),
+        memory=shard.per_rank_memory(
+            memory_plan(model, dtype, opts.block_size, max_len, opts.max_num_seqs, memory_bytes), layout, tensors,
+            DTYPE_BYTES[dtype],
+        ),
     )
     report = dict(state.report)
     report["plan_notes"] = notes

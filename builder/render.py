@@ -7,6 +7,7 @@ from importlib import resources
 
 import jinja2
 
+from pagecast.builder import shard
 from pagecast.builder.ir import BuildState
 
 TEMPLATE = "model.py.j2"
@@ -19,6 +20,7 @@ def render_model(state: BuildState, rank: int = 0) -> str:
     assert model is not None and plan is not None
     a, mlp = model.attention, model.mlp
     layer = model.layers[0]
+    per_rank = shard.plan_layout(model, plan.tp)  # every rank holds the same shapes: one file serves all
     source = resources.files("pagecast.templates").joinpath(TEMPLATE).read_text()
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
     return env.from_string(source).render(
@@ -28,8 +30,8 @@ def render_model(state: BuildState, rank: int = 0) -> str:
         pagecast_version=__version__,
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
-        num_heads=a.num_heads,
-        num_kv_heads=a.num_kv_heads,
+        num_heads=per_rank.num_heads,
+        num_kv_heads=per_rank.num_kv_heads,
         head_dim=a.head_dim,
         intermediate_size=mlp.intermediate_size,
         activation=mlp.activation,

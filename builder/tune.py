@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pagecast.builder import shard
 from pagecast.builder.ir import BuildState
 from pagecast.runtime.errors import BuildError
 
@@ -26,12 +27,13 @@ def model_shapes(state: BuildState) -> dict[str, Any]:
     model, plan = state.model, state.plan
     assert model is not None and plan is not None
     a = model.attention
+    per_rank = shard.plan_layout(model, plan.tp)  # kernels run one rank's share
     return {
-        "num_heads": a.num_heads,
-        "num_kv_heads": a.num_kv_heads,
+        "num_heads": per_rank.num_heads,
+        "num_kv_heads": per_rank.num_kv_heads,
         "head_dim": a.head_dim,
         "hidden": model.hidden_size,
-        "intermediate": model.mlp.intermediate_size,
+        "intermediate": per_rank.intermediate_size,
         "block_size": plan.block_size,
         "dtype": plan.dtype,
         "max_model_len": plan.max_model_len,

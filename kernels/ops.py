@@ -37,6 +37,11 @@ class KernelTable:
         self.tuning = dict(tuning or {})
         self.use_triton = use_triton
         self.configs: dict[tuple[str, str], KernelConfig | None] = {}
+        # Tensor parallelism of the engine (set by runtime.parallel): its collectives run only
+        # while its table is active, so a one-rank engine beside it in the process runs none.
+        self.tp_rank = 0
+        self.tp_size = 1
+        self.tp_symm: tuple[torch.Tensor, str] | None = None  # (symmetric buffer, group name) or NCCL only
 
 
 _active = KernelTable()
@@ -176,3 +181,74 @@ def paged_attention(
         )
     cfg = _config("paged_prefill_attention", prefill_bucket(q.shape[0]))
     return _kernels().prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, cfg)  # type: ignore[no-any-return]
+
+
+# -- tensor parallelism ------------------------------------------------------------------------
+# The layers of a tensor-parallel model (STYLE 17): each holds its own shard (the builder cut
+# it) and does its collective here, so the generated model reads the same at any degree. With
+# one rank (the default) every collective is skipped.
+
+
+def active() -> KernelTable:
+    """The table in force (a runner without a table of its own runs under it)."""
+    return _active
+
+
+def set_tensor_parallel(
+    table: KernelTable, rank: int, size: int, symmetric: tuple[torch.Tensor, str] | None = None
+) -> None:
+    """Make ``table``'s engine rank ``rank`` of ``size`` (the default torch.distributed group);
+    ``symmetric``: a symmetric-memory buffer and its group for small all-reduces (runtime.parallel)."""
+    table.tp_rank, table.tp_size, table.tp_symm = rank, size, symmetric
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over the ranks, in place (NCCL's all-reduce is captured in decode CUDA graphs)."""
+    if _active.tp_size > 1:
+        symm = _active.tp_symm
+        if symm is not None and x.dtype == symm[0].dtype and x.numel() <= symm[0].numel() and x.is_contiguous():
+            # One-shot: each rank stages its part in its symmetric buffer and sums every peer's.
+            staged = symm[0][: x.numel()]
+            staged.copy_(x.view(-1))
+            torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", symm[1], x.view(-1))
+            return x
+        import torch.distributed as dist
+
+        dist.all_reduce(x)
+    return x
+
+
+def row_parallel_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, projection: str
+) -> torch.Tensor:
+    """o_proj / down_proj: each rank multiplies its input columns; the partial sums are
+    all-reduced and the (whole, replicated) bias is added once, after the sum."""
+    if _active.tp_size == 1:
+        return linear(x, weight, bias, projection)
+    out = all_reduce(linear(x, weight, None, projection))
+    return out if bias is None else out + bias
+
+
+def embedding(input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Vocab-parallel embedding: rank r holds rows [r * rows, (r + 1) * rows); ids outside give
+    zeros and the all-reduce fills in every row from the rank that holds it."""
+    if _active.tp_size == 1:
+        return torch.nn.functional.embedding(input_ids, weight)
+    rows = weight.shape[0]
+    local = input_ids - _active.tp_rank * rows
+    outside = (local < 0) | (local >= rows)
+    out = torch.nn.functional.embedding(local.clamp(0, rows - 1), weight)
+    return all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
+
+
+def lm_head(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """hidden: [rows, hidden] -> fp32 logits [rows, vocab_size]. Vocab-parallel: each rank
+    computes its vocabulary rows' logits, all ranks gather them (padding rows are cut off)."""
+    logits = torch.nn.functional.linear(hidden, weight)
+    if _active.tp_size > 1:
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(logits) for _ in range(_active.tp_size)]
+        dist.all_gather(parts, logits.contiguous())
+        logits = torch.cat(parts, dim=-1)
+    return logits[:, :vocab_size].float()

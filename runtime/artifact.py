@@ -64,6 +64,20 @@ class Manifest:
     # Files over CHUNK_BYTES also get the sha256 of each CHUNK_BYTES piece, so the runtime can
     # check 16 GB of weights on several cores at once instead of one (seconds off every start).
     chunk_hashes: dict[str, list[str]] = field(default_factory=dict)
+    # Tensor-parallel layout (builder.shard): per-rank heads, KV heads and their replication, MLP
+    # width, vocabulary rows; and "weights": "files" (weights/rank{r}.safetensors) or "random"
+    # (--load-format dummy: drawn at load from "seed" + rank with the shapes in "tensors").
+    # Empty in artifacts from before tensor parallelism: one rank, weights in files.
+    layout: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        """KV heads in one rank's cache (the KV cache of every rank has this shape)."""
+        return int(self.layout.get("num_kv_heads", self.dims["num_kv_heads"]))
+
+    @property
+    def random_weights(self) -> bool:
+        return self.layout.get("weights") == "random"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)

@@ -126,7 +126,7 @@ class EngineCore:
             )
         dims = manifest.dims
         self.kv_cache = torch.zeros(
-            (dims["num_layers"], 2, num_blocks, dims["num_kv_heads"], self.block_size, dims["head_dim"]),
+            (dims["num_layers"], 2, num_blocks, manifest.kv_heads_per_rank, self.block_size, dims["head_dim"]),
             dtype=self.artifact.dtype,
             device=self.artifact.device,
         )

@@ -69,7 +69,11 @@ def check_device(manifest: Manifest) -> torch.device:
             f"enginebuild --gpu auto (or --gpu NAME for this GPU)"
         )
     if torch.cuda.device_count() < manifest.tp:
-        raise ArtifactError(f"the artifact needs {manifest.tp} GPUs (tp={manifest.tp}); {torch.cuda.device_count()} visible")
+        raise ArtifactError(
+            f"the artifact was built with --tp {manifest.tp} and needs {manifest.tp} GPUs, but "
+            f"{torch.cuda.device_count()} are visible: make {manifest.tp} GPUs visible (CUDA_VISIBLE_DEVICES) "
+            f"or rebuild it with a smaller --tp"
+        )
     return torch.device("cuda", 0)
 
 
@@ -128,6 +132,51 @@ def open_weights(
     return tensors, checked_fill
 
 
+def random_weights(manifest: Manifest, device: torch.device, rank: int) -> dict[str, torch.Tensor]:
+    """--load-format dummy: the rank's tensors drawn from the manifest's seed (norms are ones),
+    on the device itself (70B-class shards take seconds there, minutes on a CPU)."""
+    dtype = TORCH_DTYPES[manifest.dtype]
+    gen = torch.Generator(device).manual_seed(int(manifest.layout.get("seed", 0)) + rank)
+    out = {}
+    for name, shape in manifest.layout["tensors"].items():
+        if name.endswith("norm.weight"):
+            out[name] = torch.ones(shape, dtype=dtype, device=device)
+        else:
+            out[name] = (torch.randn(shape, generator=gen, dtype=torch.float32, device=device) * 0.02).to(dtype)
+    return out
+
+
+def open_rank_weights(
+    path: Path, manifest: Manifest, device: torch.device, rank: int, verify: bool = True
+) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
+    """Rank ``rank``'s weights and the ``fill`` that reads them in (open_weights; checked against
+    the manifest's hashes with ``verify``), or random ones, already drawn, when the manifest says so."""
+    if manifest.random_weights:
+        return random_weights(manifest, device, rank), lambda: None
+    return open_weights(path, device, rank, manifest if verify else None)
+
+
+def rank_weights(path: Path, manifest: Manifest, device: torch.device, rank: int, verify: bool = True) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s weights, read in (or drawn)."""
+    tensors, fill = open_rank_weights(path, manifest, device, rank, verify)
+    fill()
+    return tensors
+
+
+def load_rank(artifact_dir: str | os.PathLike[str], rank: int, device: torch.device, verify: bool = True) -> Any:
+    """A tensor-parallel worker's model: rank ``rank``'s weights (hashes checked while read)
+    under the artifact's model code. Rank 0 (load_artifact) has checked the manifest and the
+    device and pointed Triton at the artifact's kernels (inherited through the environment)."""
+    from pagecast.kernels import ops
+
+    path = Path(artifact_dir)
+    manifest = load_manifest(path)
+    tuning = json.loads((path / "tuning.json").read_text())
+    ops.configure(tuning.get("kernels"), use_triton=device.type == "cuda")
+    module = import_model_module(path)
+    return module.Model(rank_weights(path, manifest, device, rank, verify), device)
+
+
 def load_artifact(
     artifact_dir: str | os.PathLike[str], verify_weights: bool = True, load_tokenizer: bool = True
 ) -> LoadedArtifact:
@@ -160,7 +209,7 @@ def load_artifact(
     module = import_model_module(path)
     timings["prepare"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    weights, fill = open_weights(path, device, manifest=manifest if verify_weights else None)
+    weights, fill = open_rank_weights(path, manifest, device, 0, verify_weights)
     loading: Future[None] | None = None
     if device.type == "cuda":
         # The weights stream in while the engine sets up (KV cache, CUDA-graph captures, which
@@ -172,6 +221,13 @@ def load_artifact(
     timings["weights"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     model = module.Model(weights, device)
+    if manifest.tp > 1:
+        from pagecast.runtime import parallel
+
+        # The ModelRunner starts the other ranks from this (in whichever process runs it).
+        model.tp_launch = parallel.TPLaunch(
+            str(path.resolve()), manifest.tp, device.type, verify_weights, manifest.dtype, parallel.ALL_REDUCE
+        )
     timings["model"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     tokenizer = load_artifact_tokenizer(path) if load_tokenizer else None

@@ -9,6 +9,7 @@ and prompt positions whose logprobs were asked for.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,7 @@ from pagecast.kernels import ops
 from pagecast.runtime.cuda_graphs import DecodeGraphs
 from pagecast.runtime.forward_context import ForwardContext
 from pagecast.runtime.outputs import PositionLogprobs
+from pagecast.runtime.parallel import WorkerGroup
 from pagecast.runtime.request import Request
 from pagecast.runtime.sampler import prompt_logprobs, sample, sample_token_ids
 from pagecast.runtime.scheduler import SchedulerOutput
@@ -64,6 +66,22 @@ class ModelRunner:
         self.block_size = block_size
         self.kernels = kernels  # the artifact's KernelTable, activated around each forward pass
         self.graphs: DecodeGraphs | None = None
+        # Tensor parallelism: the other ranks' processes mirror every forward pass (runtime.parallel).
+        self.workers: WorkerGroup | None = None
+        launch = getattr(model, "tp_launch", None)
+        if launch is not None:
+            self.workers = WorkerGroup(launch, device, kernels)
+            weakref.finalize(self, self.workers.close)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (if any); the runner cannot run steps afterwards."""
+        if self.workers is not None:
+            self.workers.close()
+
+    def _sync_workers(self) -> WorkerGroup | None:
+        if self.workers is not None and not self.workers.kv_cache_sent:
+            self.workers.send_kv_cache(self.model.k_caches)
+        return self.workers
 
     def _activate_kernels(self) -> None:
         if self.kernels is not None:
@@ -75,7 +93,12 @@ class ModelRunner:
             return 0.0
         self._activate_kernels()
         self.graphs = DecodeGraphs(self.model, self.device, batch_sizes, max_model_len, self.block_size)
-        return self.graphs.capture()
+        workers = self._sync_workers()
+        if workers is None:
+            return self.graphs.capture()
+        workers.capture(self.graphs.batch_sizes, max_model_len, self.block_size)
+        with workers.guard():
+            return self.graphs.capture()
 
     def prepare(self, out: SchedulerOutput, prev: LaunchedStep | None = None) -> _Batch:
         """The flat batch of a step. A decode whose input token is still pending (sampled by
@@ -168,9 +191,19 @@ class ModelRunner:
         )
 
     def _logits(self, batch: _Batch, num_seqs: int) -> torch.Tensor | None:
-        """Forward pass (a decode graph when one fits) and the logits rows the step needs."""
+        """Forward pass (a decode graph when one fits) and the logits rows the step needs; with
+        tensor parallelism every rank runs the same pass on the broadcast batch."""
         self._activate_kernels()
-        if self._use_graph(batch, num_seqs):
+        use_graph = self._use_graph(batch, num_seqs)
+        workers = self._sync_workers()
+        if workers is None:
+            return self._forward(batch, use_graph)
+        workers.send_step(batch.input_ids, batch.positions, batch.ctx, use_graph)
+        with workers.guard():
+            return self._forward(batch, use_graph)
+
+    def _forward(self, batch: _Batch, use_graph: bool) -> torch.Tensor | None:
+        if use_graph:
             assert self.graphs is not None
             ctx = batch.ctx
             hidden = self.graphs.run(

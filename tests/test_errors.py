@@ -160,7 +160,7 @@ def test_nonsense_sampling_values(kwargs, message):  # type: ignore[no-untyped-d
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"tp": 2}, r"--tp 2: tensor parallelism is not implemented yet; build with --tp 1"),
+        ({"tp": 0}, r"--tp must be at least 1 \(got 0\)"),
         ({"block_size": 12}, r"--block-size must be one of 8, 16, 32, 64, 128"),
         ({"dtype": "int8"}, r"--dtype must be auto, float32, float16 or bfloat16"),
     ],

@@ -1,0 +1,219 @@
+"""Tensor-parallel sharding: which slice of every weight each rank holds.
+
+The plan pass calls ``plan_layout`` (is the degree possible, and what does one rank hold)
+and ``shard_tensors`` (one TensorPlan per rank and tensor, each naming the slice of every
+checkpoint tensor it is cut from). The pack pass cuts with ``cut_source``. The rules:
+
+- column-parallel (output rows split): the fused ``qkv_proj`` (query heads split; KV heads
+  split when ``num_kv_heads >= tp``, else each KV head replicated on ``tp // num_kv_heads``
+  consecutive ranks), the fused ``gate_up_proj`` (gate and up each split, so every rank's
+  half-and-half layout is what ``silu_and_mul`` expects), and their biases alike;
+- row-parallel (input columns split, an all-reduce after): ``o_proj`` and ``down_proj``;
+  their biases stay whole on every rank and are added once, after the all-reduce;
+- vocab-parallel: the embedding and the LM head are split by vocabulary rows (padded with
+  zero rows up to a multiple of tp). Llama-3's LM head alone is 1-2 GiB: replicated, every
+  decode step on every rank would read all of it; split, each rank reads its share and the
+  [rows, vocab / tp] logits are gathered (a few MB at decode batch sizes);
+- everything else (norms, Qwen3's per-head q/k norms) is whole on every rank.
+
+Every rank's shard of a tensor has the same shape, so one rendered model.py serves all
+ranks. A quantised format makes its packed tensors splittable by giving them sources whose
+(dim, index, count) cuts are whole packing groups (see ``cut_source``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagecast.builder.ir import ModelIR, TensorPlan
+from pagecast.runtime.errors import BuildError
+
+Cut = tuple[int, int, int] | None  # (dim, index, count): take piece ``index`` of ``count``; None = whole
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """What one rank holds, recorded in the manifest as ``layout``; the same on every rank."""
+
+    tp: int
+    num_heads: int  # query heads per rank
+    num_kv_heads: int  # KV heads per rank (1 when replicated)
+    kv_head_replicas: int  # ranks holding each KV head: 1 when split, tp // num_kv_heads when replicated
+    intermediate_size: int  # MLP width per rank
+    vocab_size: int  # the model's vocabulary (logits are sliced back to it)
+    vocab_per_rank: int  # embedding / LM head rows per rank, padding included
+    embedding: str = "vocab-parallel"  # "vocab-parallel" or "whole" (tp == 1)
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ValueError(f"tp must be positive (got {self.tp})")
+
+    def to_manifest(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def plan_layout(model: ModelIR, tp: int) -> ShardLayout:
+    """The per-rank dimensions at degree ``tp``; a degree that cannot split the model is a BuildError."""
+    a, inter = model.attention, model.mlp.intermediate_size
+    if tp < 1:
+        raise BuildError(f"--tp {tp}: the tensor-parallel degree must be at least 1")
+    if a.num_heads % tp:
+        raise BuildError(
+            f"--tp {tp} cannot split this model's {a.num_heads} query heads ({a.num_kv_heads} KV heads): "
+            f"choose a degree that divides {a.num_heads}"
+        )
+    if a.num_kv_heads % tp and tp % a.num_kv_heads:
+        raise BuildError(
+            f"--tp {tp} cannot split this model's {a.num_kv_heads} KV heads ({a.num_heads} query heads): the "
+            f"degree must divide {a.num_kv_heads} or be a multiple of it (KV heads are then replicated)"
+        )
+    if inter % tp:
+        raise BuildError(f"--tp {tp} does not divide the MLP's intermediate size {inter}")
+    kv_replicas = max(1, tp // a.num_kv_heads)
+    return ShardLayout(
+        tp=tp,
+        num_heads=a.num_heads // tp,
+        num_kv_heads=max(1, a.num_kv_heads // tp),
+        kv_head_replicas=kv_replicas,
+        intermediate_size=inter // tp,
+        vocab_size=model.vocab_size,
+        vocab_per_rank=-(-model.vocab_size // tp),
+        embedding="vocab-parallel" if tp > 1 else "whole",
+    )
+
+
+def _source_cuts(name: str, t: TensorPlan, rank: int, layout: ShardLayout, num_kv_heads: int) -> tuple[Cut, ...]:
+    """One cut per source of tensor ``name`` for ``rank``."""
+    tp = layout.tp
+    whole: tuple[Cut, ...] = (None,) * len(t.sources)
+    if tp == 1:
+        return whole
+    leaf = name.split(".", 2)[-1] if name.startswith("layers.") else name
+    if leaf in ("qkv_proj.weight", "qkv_proj.bias"):
+        kv: Cut = (0, rank, tp) if layout.kv_head_replicas == 1 else (0, rank // layout.kv_head_replicas, num_kv_heads)
+        return ((0, rank, tp), kv, kv)
+    if leaf in ("gate_up_proj.weight", "gate_up_proj.bias"):
+        return ((0, rank, tp), (0, rank, tp))
+    if leaf in ("o_proj.weight", "down_proj.weight"):
+        return ((1, rank, tp),)
+    if leaf in ("embed_tokens.weight", "lm_head.weight"):
+        return ((0, rank, tp),)
+    return whole  # norms, row-parallel biases (added after the all-reduce)
+
+
+def _shard_shape(t: TensorPlan, cuts: tuple[Cut, ...], layout: ShardLayout, model: ModelIR) -> tuple[int, ...]:
+    if all(c is None for c in cuts):
+        return t.shape
+    if t.name in ("embed_tokens.weight", "lm_head.weight"):
+        return (layout.vocab_per_rank, *t.shape[1:])
+    if cuts[0] is not None and cuts[0][0] == 1:  # row-parallel: input columns split
+        return (t.shape[0], t.shape[1] // layout.tp)
+    if t.name.split(".", 2)[-1].startswith("qkv_proj"):
+        return ((layout.num_heads + 2 * layout.num_kv_heads) * model.attention.head_dim, *t.shape[1:])
+    return (t.shape[0] // layout.tp, *t.shape[1:])  # gate_up: both halves split alike
+
+
+def shard_tensors(tensors: list[TensorPlan], model: ModelIR, layout: ShardLayout) -> list[TensorPlan]:
+    """The artifact's tensors, one copy per rank with its cuts and per-rank shape (rank-major)."""
+    if layout.tp == 1:
+        return list(tensors)
+    out = []
+    for rank in range(layout.tp):
+        for t in tensors:
+            cuts = _source_cuts(t.name, t, rank, layout, model.attention.num_kv_heads)
+            out.append(dataclasses.replace(t, rank=rank, shape=_shard_shape(t, cuts, layout, model), source_cuts=cuts))
+    return out
+
+
+def cut_source(tensor: torch.Tensor, cut: Cut) -> torch.Tensor:
+    """Piece ``index`` of ``count`` equal pieces along ``dim``; pieces are ceil(size / count) long
+    and the last is padded with zeros (only the vocabulary ever needs it)."""
+    if cut is None:
+        return tensor
+    dim, index, count = cut
+    size = tensor.shape[dim]
+    piece = -(-size // count)
+    part = tensor.narrow(dim, min(index * piece, size), max(0, min(piece, size - index * piece)))
+    if part.shape[dim] < piece:
+        pad_shape = list(part.shape)
+        pad_shape[dim] = piece - part.shape[dim]
+        part = torch.cat([part, part.new_zeros(pad_shape)], dim=dim)
+    return part.contiguous()
+
+
+def rank_tensors(tensors: tuple[TensorPlan, ...] | list[TensorPlan], rank: int) -> list[TensorPlan]:
+    return [t for t in tensors if t.rank == rank]
+
+
+def rank_weight_bytes(tensors: tuple[TensorPlan, ...] | list[TensorPlan], elt: int) -> int:
+    """Bytes of rank 0's weights (every rank holds the same amount)."""
+    total = 0
+    for t in rank_tensors(tensors, 0):
+        n = 1
+        for s in t.shape:
+            n *= s
+        total += n * elt
+    return total
+
+
+def per_rank_memory(
+    plan: dict[str, Any], layout: ShardLayout, tensors: list[TensorPlan], elt: int
+) -> dict[str, Any]:
+    """The memory plan of one rank: its weights, its KV heads, the KV blocks that fit beside them.
+
+    ``plan`` is the whole-model plan; num_parameters stays the model's. Activations keep the
+    whole-model estimate (the gathered logits are full width on every rank)."""
+    if layout.tp == 1:
+        return plan
+    out = dict(plan)
+    global_kv_heads = layout.num_kv_heads * layout.tp // layout.kv_head_replicas
+    out["bytes_per_token"] = plan["bytes_per_token"] * layout.num_kv_heads // global_kv_heads
+    out["bytes_per_block"] = out["bytes_per_token"] * plan["block_size"]
+    out["weight_bytes"] = rank_weight_bytes(tensors, elt)
+    out["tp"] = layout.tp
+    out["per_rank"] = True
+    budgets = []
+    for b in plan["budgets"]:
+        kv = int(plan["device_memory_bytes"] * b["gpu_memory_utilization"]) - out["weight_bytes"] - plan["activation_bytes"]
+        blocks = max(0, kv // out["bytes_per_block"])
+        budgets.append(
+            dict(
+                b,
+                kv_bytes=max(0, kv),
+                num_blocks=blocks,
+                max_tokens=blocks * plan["block_size"],
+                max_seqs_at_max_model_len=blocks * plan["block_size"] // plan["max_model_len"],
+            )
+        )
+    out["budgets"] = budgets
+    return out
+
+
+def manifest_layout(model: ModelIR, tp: int, tensors: tuple[TensorPlan, ...], dummy: bool, seed: int) -> dict[str, Any]:
+    """The manifest's ``layout``: the degree, what each rank holds, and where the weights come from
+    ("files": weights/rank{r}.safetensors; "random": drawn at load from ``seed`` + rank, with the
+    per-rank tensor shapes listed here because no file carries them)."""
+    out = plan_layout(model, tp).to_manifest()
+    out["weights"] = "random" if dummy else "files"
+    if dummy:
+        out["seed"] = seed
+        out["tensors"] = {t.name: list(t.shape) for t in rank_tensors(tensors, 0)}
+    return out
+
+
+def report_lines(layout: dict[str, Any]) -> list[str]:
+    if layout.get("tp", 1) == 1:
+        return []
+    kv = f"{layout['num_kv_heads']} KV heads"
+    if layout["kv_head_replicas"] > 1:
+        kv += f" (each replicated on {layout['kv_head_replicas']} ranks)"
+    line = (
+        f"- tensor parallel: {layout['tp']} ranks, each with {layout['num_heads']} query heads, {kv}, MLP width "
+        f"{layout['intermediate_size']}, {layout['vocab_per_rank']} vocabulary rows ({layout['embedding']} embedding "
+        f"and LM head); memory figures are per rank"
+    )
+    return [line]

@@ -1,0 +1,349 @@
+"""The tensor-parallel worker group: rank 0 plus one spawned worker process per other rank.
+
+Rank 0 is whichever process runs the ModelRunner (the engine core): the scheduler and the
+sampler run there only. Ranks 1..tp-1 are worker processes (``tp_worker``) that each load
+their own weight shard and mirror rank 0's forward pass, so every collective in the model
+(``ops.all_reduce`` after row-parallel layers, the vocab-parallel embedding and the LM-head
+gather) meets its partners. torch.distributed runs NCCL on GPUs and gloo on the CPU.
+
+Messages, rank 0 -> every worker:
+
+- a control message over the worker's pipe (a small tuple, see ``Op``): what comes next and
+  its sizes. Workers block on the pipe while the engine is idle, so an idle server never
+  waits inside a collective (where NCCL and gloo time out);
+- for a step, one broadcast of the flat batch (token ids, positions, slot mapping, block
+  tables, sequence lengths, query starts, logits rows as one int64 tensor) on the group.
+
+Nothing comes back: rank 0 samples from the gathered logits. A worker that dies is noticed
+by the pipe (a broken pipe on the next message), by its process sentinel (a watchdog thread
+that aborts the process group, so a collective in flight fails instead of hanging), or by
+gloo itself (a closed connection); each becomes a ``WorkerDiedError`` naming the rank.
+Workers exit when rank 0 goes away (their pipe reaches end of file).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from pagecast.runtime.forward_context import ForwardContext
+
+logger = logging.getLogger("pagecast.engine")
+
+# Backstop for a collective whose partner neither answers nor dies (seconds).
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("PAGECAST_TP_TIMEOUT", "600"))
+# Experimental, GPU only: "symm_mem" all-reduces messages up to SYMM_MEM_BYTES with torch's
+# one-shot symmetric-memory kernel (NVLink peer loads, no multicast) instead of NCCL, whose
+# latency dominates decode steps of one token (two all-reduces per layer).
+ALL_REDUCE = os.environ.get("PAGECAST_TP_ALLREDUCE", "nccl")
+SYMM_MEM_BYTES = 8 << 20
+
+
+class Op:
+    """Control messages over the pipe: (op, *arguments)."""
+
+    KV_CACHE = "kv_cache"  # (op, shape, dtype name): allocate and bind this rank's KV cache
+    CAPTURE = "capture"  # (op, batch sizes, max_model_len, block size): capture decode CUDA graphs
+    STEP = "step"  # (op, StepHeader fields...): a broadcast of the flat batch follows
+    SHUTDOWN = "shutdown"  # (op,): exit
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker process is gone; the engine cannot run another step."""
+
+
+@dataclass(frozen=True)
+class TPLaunch:
+    """What rank 0 needs to start the other ranks; set on the loaded model by the loader."""
+
+    artifact_dir: str
+    tp: int
+    device_type: str  # "cpu" (gloo) or "cuda" (NCCL, rank r on cuda:r)
+    verify_weights: bool = True  # workers check their weight file's hashes while reading it
+    dtype: str = "float32"  # activations' dtype (the symmetric all-reduce buffer's)
+    all_reduce: str = "nccl"  # "nccl" or "symm_mem" (see ALL_REDUCE)
+
+    def __post_init__(self) -> None:
+        if self.all_reduce not in ("nccl", "symm_mem"):
+            raise ValueError(f"PAGECAST_TP_ALLREDUCE must be nccl or symm_mem (got {self.all_reduce!r})")
+
+
+@dataclass(frozen=True)
+class StepHeader:
+    """Sizes of one step's flat batch, so a worker can receive and split the broadcast."""
+
+    num_tokens: int
+    num_seqs: int
+    max_blocks: int  # block-table width
+    max_query_len: int
+    max_seq_len: int
+    num_logits: int  # rows projected to logits (0: no LM head this step)
+    use_graph: bool  # rank 0 replays a decode CUDA graph: so must every rank
+
+    @property
+    def payload_len(self) -> int:
+        t, s = self.num_tokens, self.num_seqs
+        return 3 * t + s * self.max_blocks + s + (s + 1) + self.num_logits
+
+
+def pack_step(input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    """One int64 tensor holding a step's batch (on rank 0's device), in StepHeader order."""
+    return torch.cat(
+        [
+            input_ids.to(torch.int64),
+            positions.to(torch.int64),
+            ctx.slot_mapping.to(torch.int64),
+            ctx.block_tables.to(torch.int64).flatten(),
+            ctx.seq_lens.to(torch.int64),
+            ctx.query_start_loc.to(torch.int64),
+            ctx.logits_indices.to(torch.int64),
+        ]
+    )
+
+
+def unpack_step(payload: torch.Tensor, h: StepHeader) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+    t, s = h.num_tokens, h.num_seqs
+    ids, pos, slots, tables, seq_lens, qsl, logits = payload.split(
+        [t, t, t, s * h.max_blocks, s, s + 1, h.num_logits]
+    )
+    ctx = ForwardContext(
+        slot_mapping=slots,
+        block_tables=tables.view(s, h.max_blocks).to(torch.int32),
+        seq_lens=seq_lens.to(torch.int32),
+        query_start_loc=qsl.to(torch.int32),
+        max_query_len=h.max_query_len,
+        max_seq_len=h.max_seq_len,
+        logits_indices=logits,
+    )
+    return ids, pos, ctx
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_group(backend: str, init_method: str, rank: int, world_size: int, device: torch.device) -> None:
+    import torch.distributed as dist
+
+    kwargs: dict[str, Any] = {}
+    if backend == "nccl":
+        kwargs["device_id"] = device  # connect now, not on the first collective (inside a graph capture)
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S), **kwargs,
+    )
+
+
+def symmetric_buffer(launch: TPLaunch, device: torch.device) -> tuple[torch.Tensor, str] | None:
+    """Every rank's all-reduce staging buffer in symmetric memory (collective: all ranks call it),
+    or None where NCCL does every all-reduce."""
+    if launch.all_reduce != "symm_mem" or device.type != "cuda":
+        return None
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    group_name = dist.group.WORLD.group_name
+    symm_mem.enable_symm_mem_for_group(group_name)
+    dtype = getattr(torch, launch.dtype)
+    buffer = symm_mem.empty(SYMM_MEM_BYTES // dtype.itemsize, dtype=dtype, device=device)
+    symm_mem.rendezvous(buffer, group_name)
+    return buffer, group_name
+
+
+class WorkerGroup:
+    """Rank 0's handle on the other ranks: starts them, sends them each step, stops them.
+
+    Used by one thread (the engine's); ``close`` may come from any thread or a finalizer."""
+
+    def __init__(self, launch: TPLaunch, device: torch.device, kernels: Any = None):
+        import torch.distributed as dist
+
+        from pagecast.kernels import ops
+
+        if dist.is_initialized():
+            raise RuntimeError(
+                "a tensor-parallel engine is already running in this process (torch.distributed is "
+                "initialised): run one tensor-parallel engine per process, or close the other one first"
+            )
+        self.launch = launch
+        self.device = device
+        self.backend = "nccl" if launch.device_type == "cuda" else "gloo"
+        self.failed: str | None = None
+        self.kv_cache_sent = False
+        self._closed = False
+        ctx = multiprocessing.get_context("spawn")  # never fork: CUDA and threads do not survive it
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        threads = max(1, torch.get_num_threads() // launch.tp)
+        self.conns: list[multiprocessing.connection.Connection] = []
+        self.procs: list[Any] = []
+        from pagecast.runtime import tp_worker
+
+        for rank in range(1, launch.tp):
+            ours, theirs = ctx.Pipe(duplex=True)
+            proc = ctx.Process(
+                target=tp_worker.main,
+                args=(launch, rank, theirs, init_method, threads),
+                name=f"pagecast-tp{rank}",
+                daemon=True,  # ends with this process even if close() never runs
+            )
+            proc.start()
+            theirs.close()
+            self.conns.append(ours)
+            self.procs.append(proc)
+        try:
+            self._wait_ready()
+            init_group(self.backend, init_method, 0, launch.tp, device)
+        except BaseException:
+            self.close()
+            raise
+        self.kernels = kernels if kernels is not None else ops.active()  # the engine's table carries its rank
+        ops.set_tensor_parallel(self.kernels, 0, launch.tp, symmetric_buffer(launch, device))
+        self._stop_r, self._stop_w = os.pipe()
+        self._watchdog = threading.Thread(target=self._watch, name="pagecast-tp-watchdog", daemon=True)
+        self._watchdog.start()
+
+    # -- start-up and health -------------------------------------------------------------------
+
+    def _wait_ready(self) -> None:
+        """Every worker loaded its shard (or failed to: its error is raised here)."""
+        pending = {c: r for r, c in enumerate(self.conns, start=1)}
+        sentinels = {p.sentinel: r for r, p in enumerate(self.procs, start=1)}
+        while pending:
+            for ready in multiprocessing.connection.wait([*pending, *sentinels]):
+                if ready in sentinels:
+                    rank = sentinels[ready]
+                    if self.conns[rank - 1] in pending and not self.conns[rank - 1].poll():
+                        code = self.procs[rank - 1].exitcode
+                        raise WorkerDiedError(f"tensor-parallel worker rank {rank} exited while loading (exit code {code})")
+                    continue
+                rank = pending.pop(ready)  # type: ignore[call-overload]
+                kind, detail = ready.recv()  # type: ignore[union-attr]
+                if kind != "ready":
+                    raise WorkerDiedError(f"tensor-parallel worker rank {rank} failed to load: {detail}")
+
+    def _watch(self) -> None:
+        """Notice a worker's death while rank 0 may be inside a collective and abort the group,
+        so the collective fails (an error) instead of waiting for a partner that is gone."""
+        sentinels = [p.sentinel for p in self.procs]
+        ready = multiprocessing.connection.wait([*sentinels, self._stop_r])
+        if self._stop_r in ready or self._closed:
+            return
+        self.failed = self._dead_message()
+        logger.error("%s; aborting the tensor-parallel group", self.failed)
+        if self.backend == "nccl":
+            with contextlib.suppress(Exception):
+                import torch.distributed as dist
+
+                dist.distributed_c10d._abort_process_group()  # unblocks NCCL kernels waiting on the dead rank
+
+    def _dead_message(self, wait_s: float = 2.0) -> str:
+        deadline = time.monotonic() + wait_s  # a process whose sentinel fired may not be reaped yet
+        while not any(p.exitcode is not None for p in self.procs) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        dead = [(r, p.exitcode) for r, p in enumerate(self.procs, start=1) if p.exitcode is not None]
+        if not dead:
+            return "a tensor-parallel worker stopped answering"
+        return "; ".join(f"tensor-parallel worker rank {r} died (exit code {c})" for r, c in dead)
+
+    def check(self) -> None:
+        """Raise WorkerDiedError if any worker is gone (a waitpid per worker: cheap)."""
+        if self._closed:
+            raise WorkerDiedError("the tensor-parallel worker group is closed")
+        if self.failed is None and any(p.exitcode is not None for p in self.procs):
+            self.failed = self._dead_message()
+        if self.failed is not None:
+            raise WorkerDiedError(self.failed + ": the engine cannot run; restart it")
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        self.check()
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                conn.send(message)
+            except OSError as e:  # broken pipe: the worker is gone
+                self.failed = self.failed or f"tensor-parallel worker rank {rank} is gone ({e})"
+                self.check()
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Turn a collective's failure into WorkerDiedError when a worker is the cause."""
+        try:
+            yield
+        except WorkerDiedError:
+            raise
+        except Exception as e:
+            message = self.failed or self._dead_message()
+            if self.failed is None and not any(p.exitcode is not None for p in self.procs):
+                raise
+            self.failed = message
+            raise WorkerDiedError(f"{self.failed}: the engine cannot run; restart it") from e
+
+    # -- messages ------------------------------------------------------------------------------
+
+    def send_kv_cache(self, k_caches: list[torch.Tensor]) -> None:
+        """Every worker allocates a KV cache of rank 0's shape (the builder made the shards equal)."""
+        shape = (len(k_caches), 2, *k_caches[0].shape)
+        self._send((Op.KV_CACHE, shape, str(k_caches[0].dtype).removeprefix("torch.")))
+        self.kv_cache_sent = True
+
+    def capture(self, batch_sizes: list[int], max_model_len: int, block_size: int) -> None:
+        """Workers capture the same decode graphs as rank 0, at the same time (the warm-up
+        passes' all-reduces pair up across ranks)."""
+        self._send((Op.CAPTURE, list(batch_sizes), max_model_len, block_size))
+
+    def send_step(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, use_graph: bool) -> None:
+        import torch.distributed as dist
+
+        header = StepHeader(
+            num_tokens=int(input_ids.shape[0]),
+            num_seqs=int(ctx.seq_lens.shape[0]),
+            max_blocks=int(ctx.block_tables.shape[1]),
+            max_query_len=ctx.max_query_len,
+            max_seq_len=ctx.max_seq_len,
+            num_logits=int(ctx.logits_indices.shape[0]),
+            use_graph=use_graph,
+        )
+        self._send((Op.STEP, header))
+        with self.guard():
+            dist.broadcast(pack_step(input_ids, positions, ctx), src=0)
+
+    def close(self) -> None:
+        """Stop the workers and leave the process group (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if hasattr(self, "_stop_w"):
+            with contextlib.suppress(OSError):
+                os.write(self._stop_w, b"x")
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                conn.send((Op.SHUTDOWN,))
+        for proc in self.procs:
+            proc.join(timeout=5)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join(timeout=5)
+        for conn in self.conns:
+            conn.close()
+        import torch.distributed as dist
+
+        from pagecast.kernels import ops
+
+        if hasattr(self, "kernels"):
+            ops.set_tensor_parallel(self.kernels, 0, 1)
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
