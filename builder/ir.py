@@ -39,8 +39,8 @@ class BuildOptions:
             raise ValueError(
                 f"--tp {self.tp}: tensor parallelism is not implemented yet; build with --tp 1"
             )
-        if self.quant is not None:
-            raise ValueError(f"--quant {self.quant}: quantised builds (AWQ/GPTQ) are not implemented yet")
+        if self.quant not in (None, "awq", "gptq"):
+            raise ValueError(f"--quant must be awq or gptq (got {self.quant!r})")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"--load-format must be auto or dummy (got {self.load_format!r})")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -125,6 +125,7 @@ class TensorPlan:
     shape: tuple[int, ...]
     rank: int = 0  # tensor-parallel rank this copy belongs to
     shard: tuple[int, int, int] | None = None  # (dim, index, count) of a TP split; None = whole
+    dtype: str | None = None  # stored dtype when not the plan's (int4 parts: "int32", "int8", scales)
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,7 @@ class Plan:
     max_num_seqs: int
     tensors: tuple[TensorPlan, ...]
     memory: dict[str, Any]  # memory_plan.json
+    quantization: Any = None  # builder.quant.QuantConfig of an AWQ/GPTQ build, None for half-type weights
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,13 @@ from pathlib import Path
 
 import torch
 
+from pagecast.builder import quant
 from pagecast.builder.ir import BuildState, TensorPlan
 from pagecast.builder.safetensors_writer import StreamingSafetensorsWriter
 from pagecast.runtime.errors import BuildError
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+STORED_DTYPES = {**TORCH_DTYPES, "int32": torch.int32, "int8": torch.int8}  # int4 parts (builder/quant.py)
 
 
 def _materialise(state: BuildState, t: TensorPlan, dtype: torch.dtype, gen: torch.Generator | None) -> torch.Tensor:
@@ -42,9 +44,15 @@ def write_weights(state: BuildState, out_dir: Path) -> None:
     (out_dir / "weights").mkdir(parents=True, exist_ok=True)
     for rank in range(plan.tp):
         tensors = [t for t in plan.tensors if t.rank == rank]
-        layout = [(t.name, t.shape, dtype) for t in tensors]
+        layout = [(t.name, t.shape, STORED_DTYPES[t.dtype] if t.dtype else dtype) for t in tensors]
+        int4 = None
+        if plan.quantization is not None:
+            int4 = quant.Materialiser(plan.quantization, state.checkpoint.tensor, plan.dtype, gen)
         with StreamingSafetensorsWriter(out_dir / "weights" / f"rank{rank}.safetensors", layout) as writer:
             for t in _progress(tensors, state.options.quiet, f"packing weights (rank {rank})"):
+                if int4 is not None and quant.is_quant_part(t):
+                    writer.write(t.name, int4(t))
+                    continue
                 writer.write(t.name, _materialise(state, t, dtype, gen))
     state.checkpoint.close()
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from pagecast.builder import quant
 from pagecast.builder.ir import BuildState, ModelIR, Plan, TensorPlan
 from pagecast.runtime.errors import BuildError
 
@@ -139,14 +140,15 @@ def check_shapes(tensors: list[TensorPlan], shapes: dict[str, tuple[int, ...]]) 
 
 
 def memory_plan(
-    model: ModelIR, dtype: str, block_size: int, max_model_len: int, max_num_seqs: int, memory_bytes: int | None
+    model: ModelIR, dtype: str, block_size: int, max_model_len: int, max_num_seqs: int, memory_bytes: int | None,
+    weight_bytes: int | None = None,
 ) -> dict[str, Any]:
     a = model.attention
     elt = DTYPE_BYTES[dtype]
     bytes_per_token = 2 * model.num_layers * a.num_kv_heads * a.head_dim * elt  # K and V, every layer
     bytes_per_block = bytes_per_token * block_size
     n_params = sum(_numel(t.shape) for t in tensor_layout(model))
-    weight_bytes = n_params * elt
+    weight_bytes = n_params * elt if weight_bytes is None else weight_bytes  # int4 builds pass their own
     # Activations of the largest step: logits in fp32 plus the MLP's widest intermediates, with slack for
     # the allocator and CUDA graph pools.
     max_batched_tokens = max(2048, max_num_seqs)
@@ -206,8 +208,12 @@ def run(state: BuildState) -> BuildState:
         notes.append(f"max_model_len capped from {max_len} to the sliding window {window}")
         max_len = window
     tensors = tensor_layout(model)
+    if ckpt.quant is not None:  # the projections become int4 parts (builder/quant.py)
+        tensors = quant.plan_tensors(tensors, ckpt.quant, dtype)
+        if not ckpt.dummy:
+            quant.check_tensors(tensors, ckpt.quant, ckpt.tensor_shapes)
     if not ckpt.dummy:
-        check_shapes(tensors, ckpt.tensor_shapes)
+        check_shapes([t for t in tensors if not quant.is_quant_part(t)], ckpt.tensor_shapes)
     memory_bytes = None
     if device == "cuda":
         memory_bytes = torch.cuda.get_device_properties(0).total_memory if present else GPUS[gpu_name]["memory_bytes"]
@@ -218,11 +224,15 @@ def run(state: BuildState) -> BuildState:
         compute_capability=cc,
         block_size=opts.block_size,
         tp=opts.tp,
-        quant=opts.quant,
+        quant=ckpt.quant.method if ckpt.quant is not None else None,
         max_model_len=max_len,
         max_num_seqs=opts.max_num_seqs,
         tensors=tuple(tensors),
-        memory=memory_plan(model, dtype, opts.block_size, max_len, opts.max_num_seqs, memory_bytes),
+        memory=memory_plan(
+            model, dtype, opts.block_size, max_len, opts.max_num_seqs, memory_bytes,
+            weight_bytes=quant.weight_bytes(tensors, DTYPE_BYTES[dtype]) if ckpt.quant is not None else None,
+        ),  # fmt: skip
+        quantization=ckpt.quant,
     )
     report = dict(state.report)
     report["plan_notes"] = notes

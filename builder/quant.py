@@ -533,3 +533,60 @@ def weight_bytes(tensors: list[Any], dtype_bytes: int) -> int:
             n *= s
         total += n * (sizes[t.dtype] if getattr(t, "dtype", None) else dtype_bytes)
     return total
+
+
+def read_checkpoint_config(path: Any, requested: str | None, dummy: bool) -> QuantConfig | None:
+    """``read_config`` on the checkpoint directory: ``quantization_config`` in config.json, or the
+    separate quantize_config.json / quant_config.json older AutoGPTQ / AutoAWQ releases wrote."""
+    import json
+    from pathlib import Path
+
+    root = Path(path)
+    qc = json.loads((root / "config.json").read_text()).get("quantization_config")
+    if not qc:
+        for name in ("quantize_config.json", "quant_config.json"):
+            if (root / name).is_file():
+                qc = json.loads((root / name).read_text())
+                qc.setdefault("quant_method", "awq" if name == "quant_config.json" else "gptq")
+                break
+    return read_config(qc, requested, dummy)
+
+
+def linear_method_source(cfg: QuantConfig | None) -> str:
+    """The model template's ``LINEAR = ...`` (kernels/quant_linear.py) for this build."""
+    if cfg is None:
+        return "quant_linear.DenseLinear()"
+    return f"quant_linear.Int4Linear(method={cfg.method!r}, group_size={cfg.group_size})"
+
+
+def report_lines(tuning: dict[str, Any] | None, cfg: QuantConfig | None) -> list[str]:
+    """report.md's section for an int4 build: the format, and per projection and row bucket the
+    W4A16 choice (Triton tile or dequantize + cuBLAS), its time and the half-type cuBLAS time."""
+    if cfg is None:
+        return []
+    g = "per channel" if cfg.group_size == -1 else f"group size {cfg.group_size}"
+    lines = [
+        "",
+        "## Quantisation",
+        "",
+        f"{cfg.method.upper()} ({cfg.checkpoint_format}), 4-bit, {g}, "
+        f"{'symmetric' if cfg.sym else 'asymmetric'}{', act-order folded into the layout' if cfg.desc_act else ''}; "
+        f"embedding and LM head in the half type.",
+    ]
+    entries = ((tuning or {}).get("kernels") or {}).get("w4a16_gemm") or {}
+    if not entries:
+        return lines + ["", "W4A16 GEMM not tuned here (CPU artifact or no GPU present): launcher defaults apply."]
+    lines += [
+        "",
+        "| projection.rows | chosen | time (us) | bf16 cuBLAS (us) | int4 / bf16 |",
+        "|---|---|---|---|---|",
+    ]
+    for bucket, entry in entries.items():
+        config = entry.get("config") or {}
+        chosen = "dequantize + cuBLAS" if config.get("dequant") else ", ".join(
+            f"{k}={v}" for k, v in config.items() if k not in ("num_stages",)
+        )
+        t, ref = entry.get("time_us"), entry.get("reference_us")
+        ratio = f"{t / ref:.2f}" if t and ref else "-"
+        lines.append(f"| {bucket} | {chosen} | {t or 0:.1f} | {ref or 0:.1f} | {ratio} |")
+    return lines

@@ -7,6 +7,7 @@ from importlib import resources
 
 import jinja2
 
+from pagecast.builder import quant
 from pagecast.builder.ir import BuildState
 
 TEMPLATE = "model.py.j2"
@@ -50,6 +51,7 @@ def render_model(state: BuildState, rank: int = 0) -> str:
         o_bias=a.o_bias,
         mlp_bias=mlp.bias,
         tie_word_embeddings=model.tie_word_embeddings,
+        linear_method=quant.linear_method_source(plan.quantization),
     )
 
 

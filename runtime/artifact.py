@@ -64,6 +64,9 @@ class Manifest:
     # Files over CHUNK_BYTES also get the sha256 of each CHUNK_BYTES piece, so the runtime can
     # check 16 GB of weights on several cores at once instead of one (seconds off every start).
     chunk_hashes: dict[str, list[str]] = field(default_factory=dict)
+    # AWQ/GPTQ builds: method, bits, group_size (-1 per channel), sym, desc_act, checkpoint_format of
+    # the source checkpoint; the weights are int4 in the one layout kernels/w4a16_gemm.py reads.
+    quantization: dict[str, Any] | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
