@@ -231,7 +231,7 @@ def run(state: BuildState) -> BuildState:
         memory=memory_plan(
             model, dtype, opts.block_size, max_len, opts.max_num_seqs, memory_bytes,
             weight_bytes=quant.weight_bytes(tensors, DTYPE_BYTES[dtype]) if ckpt.quant is not None else None,
-        ),  # fmt: skip
+        ),
         quantization=ckpt.quant,
     )
     report = dict(state.report)

@@ -152,7 +152,9 @@ def read_config(
             )
         sym, desc_act = bool(qc.get("sym", True)), bool(qc.get("desc_act", False))
         if qc.get("lm_head"):
-            raise BuildError("the checkpoint quantises lm_head (lm_head: true); a quantised LM head is not supported")
+            raise BuildError(
+                "the checkpoint quantises lm_head (lm_head: true); a quantised LM head is not supported"
+            )
         if qc.get("dynamic"):
             raise BuildError(
                 f"GPTQ 'dynamic' per-module overrides are not supported ({sorted(qc['dynamic'])}): every "
@@ -166,7 +168,9 @@ def read_config(
             f"q/k/v and gate/up into one quantised GEMM each and cannot honour that (quantise every "
             f"projection)"
         )
-    return QuantConfig(method=method, group_size=group_size, sym=sym, desc_act=desc_act, checkpoint_format=fmt)
+    return QuantConfig(
+        method=method, group_size=group_size, sym=sym, desc_act=desc_act, checkpoint_format=fmt
+    )
 
 
 # ---------------------------------------------------------------------------- unpacking and dequantizing
@@ -284,7 +288,11 @@ def module_tensor_names(cfg: QuantConfig, module: str) -> tuple[str, ...]:
 def expected_shapes(cfg: QuantConfig, module: str, k: int, n: int) -> dict[str, tuple[int, ...]]:
     groups = k // cfg.group_size_for(k)
     if cfg.method == "awq":
-        return {f"{module}.qweight": (k, n // 8), f"{module}.qzeros": (groups, n // 8), f"{module}.scales": (groups, n)}
+        return {
+            f"{module}.qweight": (k, n // 8),
+            f"{module}.qzeros": (groups, n // 8),
+            f"{module}.scales": (groups, n),
+        }
     return {
         f"{module}.qweight": (k // 8, n),
         f"{module}.qzeros": (groups, n // 8),
@@ -336,7 +344,9 @@ def read_module(cfg: QuantConfig, module: str, read: Any) -> Unpacked:
     if not torch.isfinite(scales).all():
         raise BuildError(f"{module}.scales contain NaN or inf; the checkpoint is corrupt")
     if g_idx.min() < 0 or g_idx.max() >= scales.shape[0]:
-        raise BuildError(f"{module}.g_idx names groups outside 0..{scales.shape[0] - 1}; the checkpoint is corrupt")
+        raise BuildError(
+            f"{module}.g_idx names groups outside 0..{scales.shape[0] - 1}; the checkpoint is corrupt"
+        )
     return Unpacked(q=q, z=z, s=scales, g_idx=g_idx.to(torch.int64))
 
 
@@ -381,7 +391,9 @@ def repack_projection(
     return pack_int4(q, z, s, perm, scale_dtype)
 
 
-def random_int4(cfg: QuantConfig, k: int, n: int, scale_dtype: torch.dtype, gen: torch.Generator) -> Int4Weight:
+def random_int4(
+    cfg: QuantConfig, k: int, n: int, scale_dtype: torch.dtype, gen: torch.Generator
+) -> Int4Weight:
     """Random weights in the artifact layout (``--load-format dummy``): uniform nibbles, zeros 8
     (symmetric) or uniform, scales that give weights of about 0.02 standard deviation."""
     device = gen.device
@@ -434,7 +446,10 @@ def split_int4(w: Int4Weight, dim: int, index: int, count: int) -> Int4Weight:
         perm = perm.to(torch.int32)
     g = groups // count
     return Int4Weight(
-        w.qweight[k0 // 8 : (k0 + k) // 8], w.scales[index * g : (index + 1) * g], w.zeros[index * g : (index + 1) * g], perm
+        w.qweight[k0 // 8 : (k0 + k) // 8],
+        w.scales[index * g : (index + 1) * g],
+        w.zeros[index * g : (index + 1) * g],
+        perm,
     )
 
 
@@ -464,11 +479,17 @@ def plan_tensors(tensors: list[Any], cfg: QuantConfig, dtype: str) -> list[Any]:
         modules = tuple(s.removesuffix(".weight") for s in t.sources)
         n, k = t.shape
         groups = k // cfg.group_size_for(k)
-        shapes = {"qweight": ((k // 8, n), "int32"), "scales": ((groups, n), scale_dtype), "zeros": ((groups, n), "int8")}
+        shapes = {
+            "qweight": ((k // 8, n), "int32"),
+            "scales": ((groups, n), scale_dtype),
+            "zeros": ((groups, n), "int8"),
+        }
         if cfg.desc_act:
             shapes["perm"] = ((k,), "int32")
         for part, (shape, part_dtype) in shapes.items():
-            out.append(dataclasses.replace(t, name=f"{base}.{part}", sources=modules, shape=shape, dtype=part_dtype))
+            out.append(
+                dataclasses.replace(t, name=f"{base}.{part}", sources=modules, shape=shape, dtype=part_dtype)
+            )
     return out
 
 
@@ -569,13 +590,18 @@ def report_lines(tuning: dict[str, Any] | None, cfg: QuantConfig | None) -> list
         "",
         "## Quantisation",
         "",
-        f"{cfg.method.upper()} ({cfg.checkpoint_format}), 4-bit, {g}, "
-        f"{'symmetric' if cfg.sym else 'asymmetric'}{', act-order folded into the layout' if cfg.desc_act else ''}; "
-        f"embedding and LM head in the half type.",
+        (
+            f"{cfg.method.upper()} ({cfg.checkpoint_format}), 4-bit, {g}, "
+            f"{'symmetric' if cfg.sym else 'asymmetric'}{', act-order folded into the layout' if cfg.desc_act else ''}; "
+            f"embedding and LM head in the half type."
+        ),
     ]
     entries = ((tuning or {}).get("kernels") or {}).get("w4a16_gemm") or {}
     if not entries:
-        return lines + ["", "W4A16 GEMM not tuned here (CPU artifact or no GPU present): launcher defaults apply."]
+        return lines + [
+            "",
+            "W4A16 GEMM not tuned here (CPU artifact or no GPU present): launcher defaults apply.",
+        ]
     lines += [
         "",
         "| projection.rows | chosen | time (us) | bf16 cuBLAS (us) | int4 / bf16 |",
@@ -583,9 +609,8 @@ def report_lines(tuning: dict[str, Any] | None, cfg: QuantConfig | None) -> list
     ]
     for bucket, entry in entries.items():
         config = entry.get("config") or {}
-        chosen = "dequantize + cuBLAS" if config.get("dequant") else ", ".join(
-            f"{k}={v}" for k, v in config.items() if k not in ("num_stages",)
-        )
+        tile = ", ".join(f"{k}={v}" for k, v in config.items())
+        chosen = "dequantize + cuBLAS" if config.get("dequant") else tile
         t, ref = entry.get("time_us"), entry.get("reference_us")
         ratio = f"{t / ref:.2f}" if t and ref else "-"
         lines.append(f"| {bucket} | {chosen} | {t or 0:.1f} | {ref or 0:.1f} | {ratio} |")

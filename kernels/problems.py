@@ -127,8 +127,6 @@ def problem_size(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> tupl
         m, n, k = dims["num_rows"], dims["n"], dims["k"]
         groups = k // _group_size(shapes, k)
         return n * k // 2 + 3 * groups * n + (m * k + m * n) * e, 2 * m * n * k
-    if kernel == "w4a16_gemm":
-        return _w4a16_problem(shapes, dims, bucket, device, dg, nbytes, flops)
 
     t = dims["num_tokens"]
     if kernel == "paged_prefill_attention":

@@ -70,6 +70,10 @@ class Int4Linear:
             assert isinstance(qweight, torch.Tensor) and isinstance(scales, torch.Tensor)
             zeros, perm = out.pop(prefix + ".zeros"), out.pop(prefix + ".perm", None)
             out[prefix + ".weight"] = Int4LinearWeight(
-                qweight, scales, zeros, perm, group_size=qweight.shape[0] * 8 // scales.shape[0]  # type: ignore[arg-type]
+                qweight,
+                scales,
+                zeros,
+                perm,
+                group_size=qweight.shape[0] * 8 // scales.shape[0],  # type: ignore[arg-type]
             )
         return out

@@ -78,14 +78,20 @@ def _w4a16_gemm_kernel(
             cols = tl.load(perm_ptr + offs_k, mask=k_ok, other=0)
         else:
             cols = offs_k
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
+        )
         # Each packed word once: [BLOCK_K / 8, BLOCK_N], then broadcast to its 8 rows.
         offs_kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         kw_ok = offs_kw < tl.cdiv(K, 8)
         packed = tl.load(
-            qw_ptr + offs_kw[:, None].to(tl.int64) * N + offs_n[None, :], mask=kw_ok[:, None] & n_ok[None, :], other=0
+            qw_ptr + offs_kw[:, None].to(tl.int64) * N + offs_n[None, :],
+            mask=kw_ok[:, None] & n_ok[None, :],
+            other=0,
         )
-        packed = tl.reshape(tl.broadcast_to(packed[:, None, :], (BLOCK_K // 8, 8, BLOCK_N)), (BLOCK_K, BLOCK_N))
+        packed = tl.reshape(
+            tl.broadcast_to(packed[:, None, :], (BLOCK_K // 8, 8, BLOCK_N)), (BLOCK_K, BLOCK_N)
+        )
         q = (packed >> shifts) & 0xF  # [BLOCK_K, BLOCK_N] int32
         if GROUP_SIZE % BLOCK_K == 0:
             # The whole tile lies in one group: one row of scales and zeros.
@@ -197,7 +203,9 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> KernelConfig:
     split = 1
     while split < 8 and tiles * split < 2 * num_sms and k // (bk * split * 2) >= 2:
         split *= 2
-    return KernelConfig({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}, num_warps=4, num_stages=4)
+    return KernelConfig(
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}, num_warps=4, num_stages=4
+    )
 
 
 def dequantize(
@@ -217,11 +225,17 @@ def check_shapes(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, perm: torch.Tensor | None,
     group_size: int, bias: torch.Tensor | None,
 ) -> None:  # fmt: skip
-    m, k = x.shape
+    k = x.shape[1]
     n = qweight.shape[1]
     if qweight.dtype != torch.int32 or qweight.shape[0] * 8 != k:
-        raise ValueError(f"qweight must be int32 [K/8={k // 8}, N], got {qweight.dtype} {tuple(qweight.shape)}")
-    if k % group_size or tuple(scales.shape) != (k // group_size, n) or tuple(zeros.shape) != (k // group_size, n):
+        raise ValueError(
+            f"qweight must be int32 [K/8={k // 8}, N], got {qweight.dtype} {tuple(qweight.shape)}"
+        )
+    if (
+        k % group_size
+        or tuple(scales.shape) != (k // group_size, n)
+        or tuple(zeros.shape) != (k // group_size, n)
+    ):
         raise ValueError(
             f"scales/zeros must be [K/G={k // group_size}, N={n}], got {tuple(scales.shape)} / {tuple(zeros.shape)}"
         )

@@ -10,8 +10,8 @@ with every projection replaced by its exact fp32 dequantization, for transformer
 from __future__ import annotations
 
 import json
-import zlib
 import shutil
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -82,7 +82,9 @@ def test_fused_parts_with_different_act_order_are_refused():
 
 def _packed(fmt: Format, n: int, k: int, seed: int = 0) -> quant.Int4Weight:
     parts, _ = quantise(torch.randn(n, k) * 0.05, fmt, seed=seed)
-    return quant.repack_projection(_cfg(fmt), "p", ("m",), lambda s: parts[s.removeprefix("m.")], torch.float32)
+    return quant.repack_projection(
+        _cfg(fmt), "p", ("m",), lambda s: parts[s.removeprefix("m.")], torch.float32
+    )
 
 
 def test_split_int4_column_and_row_parallel_compose_to_the_whole():
@@ -128,9 +130,13 @@ def test_unsupported_configs_are_refused_by_name(config, requested, message):  #
 
 def test_configs_that_are_read():
     assert quant.read_config(None, None) is None
-    awq = quant.read_config({"quant_method": "awq", "bits": 4, "group_size": 64, "modules_to_not_convert": ["visual"]}, "awq")
+    awq = quant.read_config(
+        {"quant_method": "awq", "bits": 4, "group_size": 64, "modules_to_not_convert": ["visual"]}, "awq"
+    )
     assert awq == quant.QuantConfig("awq", 64, sym=False, desc_act=False, checkpoint_format="gemm")
-    gptq = quant.read_config({"quant_method": "gptq", "bits": 4, "group_size": -1, "desc_act": True, "sym": False}, None)
+    gptq = quant.read_config(
+        {"quant_method": "gptq", "bits": 4, "group_size": -1, "desc_act": True, "sym": False}, None
+    )
     assert gptq is not None and gptq.group_size_for(576) == 576 and gptq.desc_act and not gptq.sym
     dummy = quant.read_config(None, "gptq", dummy=True)
     assert dummy is not None and dummy.group_size == 128 and dummy.sym
