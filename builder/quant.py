@@ -219,6 +219,8 @@ class Int4Weight:
     scales: torch.Tensor  # [K / G, N]
     zeros: torch.Tensor  # int8 [K / G, N]
     perm: torch.Tensor | None  # int32 [K] (act-order) or None
+    # Widths of the fused parts along N (q, k, v / gate, up), for a column-parallel split; None = one part.
+    sections: tuple[int, ...] | None = None
 
     @property
     def k(self) -> int:
@@ -388,7 +390,8 @@ def repack_projection(
     s = torch.cat([p.s for p in parts], dim=1)
     if cfg.desc_act and perm is None:
         perm = torch.arange(k)  # the layout planned a perm tensor; act-order that sorted to identity
-    return pack_int4(q, z, s, perm, scale_dtype)
+    packed = pack_int4(q, z, s, perm, scale_dtype)
+    return dataclasses.replace(packed, sections=tuple(p.q.shape[1] for p in parts))
 
 
 def random_int4(
@@ -411,19 +414,31 @@ def random_int4(
 # ---------------------------------------------------------------------------- tensor parallelism
 
 
-def split_int4(w: Int4Weight, dim: int, index: int, count: int) -> Int4Weight:
+def split_int4(
+    w: Int4Weight, dim: int, index: int, count: int, sections: tuple[int, ...] | None = None
+) -> Int4Weight:
     """Rank ``index`` of ``count``'s shard of an artifact-layout weight.
 
-    dim 0 (column-parallel: qkv, gate_up): a slice of the N output columns, any multiple.
+    dim 0 (column-parallel: qkv, gate_up): a slice of the N output columns, any multiple; a fused
+    weight passes its ``sections`` (q, k, v widths; gate, up widths) so each is split on its own
+    and the rank's pieces are concatenated, as the half-type layout splits them.
     dim 1 (row-parallel: o, down): a slice of the K inputs at whole groups (and whole packed words);
     with act-order each rank's slice must permute among itself (its activations are its own), and
     the perm is re-based to the slice.
     """
     if dim == 0:
-        if w.n % count:
-            raise BuildError(f"{w.n} output columns do not split into {count} equal shards")
-        n = w.n // count
-        cols = slice(index * n, (index + 1) * n)
+        sections = sections or (w.n,)
+        if sum(sections) != w.n or any(n % count for n in sections):
+            raise BuildError(
+                f"output sections {sections} of {w.n} columns do not split into {count} equal shards"
+            )
+        starts = [sum(sections[:i]) for i in range(len(sections))]
+        cols = torch.cat(
+            [
+                torch.arange(a + index * (n // count), a + (index + 1) * (n // count))
+                for a, n in zip(starts, sections)
+            ]
+        )
         return Int4Weight(w.qweight[:, cols], w.scales[:, cols], w.zeros[:, cols], w.perm)
     if dim != 1:
         raise ValueError(f"dim must be 0 (N) or 1 (K), got {dim}")
@@ -540,7 +555,7 @@ class Materialiser:
         tensor = self._weight.tensors()[part]
         if t.shard is not None:
             dim, index, count = t.shard
-            tensor = split_int4(self._weight, dim, index, count).tensors()[part]
+            tensor = split_int4(self._weight, dim, index, count, self._weight.sections).tensors()[part]
         return tensor
 
 

@@ -62,7 +62,7 @@ def test_repack_folds_act_order_and_fuses_along_n(fmt):  # type: ignore[no-untyp
     cfg = _cfg(fmt)
     packed = quant.repack_projection(cfg, "qkv_proj", ("q", "k", "v"), tensors.__getitem__, torch.float32)
     assert packed.qweight.shape == (16, 128) and packed.zeros.dtype == torch.int8
-    assert (packed.perm is not None) == fmt.desc_act
+    assert (packed.perm is not None) == fmt.desc_act and packed.sections == (64, 32, 32)
     assert torch.equal(quant.dequantize_int4(packed), torch.cat(dense))
     # The kernel's reference on the permuted layout gives the float product.
     x = torch.randn(3, 128)
@@ -97,6 +97,12 @@ def test_split_int4_column_and_row_parallel_compose_to_the_whole():
 
     cols = torch.cat([apply(quant.split_int4(w, 0, r, 2), x) for r in range(2)], dim=1)
     torch.testing.assert_close(cols, full)
+    # A fused weight (q 32 | k 8 | v 8 columns) splits each section: rank r holds q_r | k_r | v_r.
+    shards = [apply(quant.split_int4(w, 0, r, 2, sections=(32, 8, 8)), x) for r in range(2)]
+    q, k, v = full.split([32, 8, 8], dim=1)
+    for r, shard in enumerate(shards):
+        expected = torch.cat([part.chunk(2, dim=1)[r] for part in (q, k, v)], dim=1)
+        torch.testing.assert_close(shard, expected)
     rows = sum(apply(quant.split_int4(w, 1, r, 4), x[:, r * 64 : (r + 1) * 64]) for r in range(4))
     torch.testing.assert_close(rows, full, atol=1e-5, rtol=1e-5)
     with pytest.raises(BuildError, match="would cut a quantisation group"):
