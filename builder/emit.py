@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from pagecast.builder import shard
+from pagecast.builder import quant, shard
 from pagecast.builder.ir import BuildState
 from pagecast.runtime.artifact import FORMAT_VERSION, MANIFEST, Manifest, TargetDevice, hash_tree
 
@@ -70,7 +70,8 @@ def make_manifest(
         build_options={k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(opts).items()},
         files=files,
         chunk_hashes=chunk_hashes or {},
-        layout=shard.manifest_layout(model, plan.tp, plan.tensors, ckpt.dummy, opts.seed),
+        layout=shard.manifest_layout(model, plan.tp, plan.tensors, ckpt.dummy and plan.quantization is None, opts.seed),
+        quantization=plan.quantization.as_dict() if plan.quantization is not None else None,
     )
 
 
@@ -104,6 +105,7 @@ def render_report(state: BuildState, manifest: Manifest) -> str:
                 f"| {r.get('kernel')} | {r.get('bucket')} | {r.get('config')} | {r.get('time_us') or 0:.1f} | "
                 f"{r.get('gb_s') or 0:,.0f} | {r.get('fraction_of_copy') or 0:.0%} |"
             )
+    lines += quant.report_lines(state.tuning, plan.quantization)
     if mem["budgets"]:
         lines += ["", "## Memory plan", "", "| gpu_memory_utilization | KV blocks | tokens | seqs at max_model_len |",
                   "|---|---|---|---|"]

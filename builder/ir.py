@@ -37,8 +37,10 @@ class BuildOptions:
             raise ValueError(f"--dtype must be auto, float32, float16 or bfloat16 (got {self.dtype!r})")
         if self.tp < 1:
             raise ValueError(f"--tp must be at least 1 (got {self.tp})")
-        if self.quant is not None:
-            raise ValueError(f"--quant {self.quant}: quantised builds (AWQ/GPTQ) are not implemented yet")
+        if self.quant not in (None, "awq", "gptq"):
+            raise ValueError(f"--quant must be awq or gptq (got {self.quant!r})")
+        if self.quant is not None and self.tp > 1:
+            raise ValueError(f"--quant {self.quant} with --tp {self.tp}: int4 weights are not sharded yet; build with --tp 1")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"--load-format must be auto or dummy (got {self.load_format!r})")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -125,6 +127,7 @@ class TensorPlan:
     shard: tuple[int, int, int] | None = None  # (dim, index, count) of a TP split; None = whole
     # Per source: (dim, index, count) of the piece this rank takes (builder.shard); () = all whole.
     source_cuts: tuple[tuple[int, int, int] | None, ...] = ()
+    dtype: str | None = None  # stored dtype when not the plan's (int4 parts: "int32", "int8", scales)
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,7 @@ class Plan:
     max_num_seqs: int
     tensors: tuple[TensorPlan, ...]
     memory: dict[str, Any]  # memory_plan.json
+    quantization: Any = None  # builder.quant.QuantConfig of an AWQ/GPTQ build, None for half-type weights
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from pagecast.builder import quant
 from pagecast.builder.ir import BuildState
 from pagecast.runtime.errors import BuildError
 
@@ -52,6 +53,7 @@ class Checkpoint:
     bos_token_id: int | None
     has_tokenizer: bool
     dummy: bool
+    quant: Any = None  # builder.quant.QuantConfig when the build is AWQ/GPTQ (from quantization_config)
     tensor_files: dict[str, Path] = field(default_factory=dict)  # tensor name -> safetensors file
     tensor_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     _handles: dict[Path, Any] = field(default_factory=dict, repr=False)
@@ -221,6 +223,7 @@ def _index_weights(ckpt: Checkpoint) -> None:
 def run(state: BuildState) -> BuildState:
     path = resolve_model_path(state.options.model)
     ckpt = open_checkpoint(path, dummy=state.options.load_format == "dummy")
+    ckpt.quant = quant.read_checkpoint_config(path, state.options.quant, ckpt.dummy)
     if state.options.model in ALIASES:
         ckpt.name = state.options.model
     elif state.options.model.endswith(".gguf"):

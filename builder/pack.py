@@ -3,7 +3,8 @@
 Weights stream one tensor at a time from the checkpoint into weights/rank{r}.safetensors,
 each rank's file holding only its slices (builder.shard cuts them). With --load-format dummy
 no weight file is written: the manifest marks the weights random and the runtime draws them
-(seeded) at load, so a 70B-shaped benchmark artifact fits any disk.
+(seeded) at load, so a 70B-shaped benchmark artifact fits any disk; dummy int4 (--quant) weights
+are the exception, drawn here in the packed layout the kernels read.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ from pathlib import Path
 
 import torch
 
-from pagecast.builder import shard
+from pagecast.builder import quant, shard
 from pagecast.builder.ir import BuildState, TensorPlan
 from pagecast.builder.safetensors_writer import StreamingSafetensorsWriter
 from pagecast.runtime.errors import BuildError
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+STORED_DTYPES = {**TORCH_DTYPES, "int32": torch.int32, "int8": torch.int8}  # int4 parts (builder/quant.py)
 
 
 def _materialise(state: BuildState, t: TensorPlan, dtype: torch.dtype) -> torch.Tensor:
@@ -30,20 +32,38 @@ def _materialise(state: BuildState, t: TensorPlan, dtype: torch.dtype) -> torch.
     return tensor.to(dtype)
 
 
+def _random(t: TensorPlan, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    if t.name.endswith("norm.weight"):
+        return torch.ones(t.shape, dtype=dtype)
+    # Drawn on the GPU when there is one: billions of random numbers take minutes on a CPU.
+    return (torch.randn(t.shape, generator=gen, dtype=torch.float32, device=gen.device) * 0.02).to(dtype).cpu()
+
+
 def write_weights(state: BuildState, out_dir: Path) -> None:
     plan = state.plan
     assert plan is not None
     dtype = TORCH_DTYPES[plan.dtype]
-    if state.checkpoint.dummy:  # random weights are drawn by the runtime (manifest layout.weights)
-        state.checkpoint.close()
+    if state.checkpoint.dummy and plan.quantization is None:
+        state.checkpoint.close()  # random weights are drawn by the runtime (manifest layout.weights)
         return
+    gen = None
+    if state.checkpoint.dummy:  # int4 dummy weights are drawn here, in the artifact's packed layout
+        gen = torch.Generator("cuda" if torch.cuda.is_available() else "cpu").manual_seed(state.options.seed)
     (out_dir / "weights").mkdir(parents=True, exist_ok=True)
     for rank in range(plan.tp):
         tensors = [t for t in plan.tensors if t.rank == rank]
-        layout = [(t.name, t.shape, dtype) for t in tensors]
+        layout = [(t.name, t.shape, STORED_DTYPES[t.dtype] if t.dtype else dtype) for t in tensors]
+        int4 = None
+        if plan.quantization is not None:
+            int4 = quant.Materialiser(plan.quantization, state.checkpoint.tensor, plan.dtype, gen)
         with StreamingSafetensorsWriter(out_dir / "weights" / f"rank{rank}.safetensors", layout) as writer:
             for t in _progress(tensors, state.options.quiet, f"packing weights (rank {rank})"):
-                writer.write(t.name, _materialise(state, t, dtype))
+                if int4 is not None and quant.is_quant_part(t):
+                    writer.write(t.name, int4(t))
+                elif gen is not None:
+                    writer.write(t.name, _random(t, dtype, gen))
+                else:
+                    writer.write(t.name, _materialise(state, t, dtype))
     state.checkpoint.close()
 
 

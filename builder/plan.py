@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from pagecast.builder import shard
+from pagecast.builder import quant, shard
 from pagecast.builder.ir import BuildState, ModelIR, Plan, TensorPlan
 from pagecast.runtime.errors import BuildError
 
@@ -140,14 +140,15 @@ def check_shapes(tensors: list[TensorPlan], shapes: dict[str, tuple[int, ...]]) 
 
 
 def memory_plan(
-    model: ModelIR, dtype: str, block_size: int, max_model_len: int, max_num_seqs: int, memory_bytes: int | None
+    model: ModelIR, dtype: str, block_size: int, max_model_len: int, max_num_seqs: int, memory_bytes: int | None,
+    weight_bytes: int | None = None,
 ) -> dict[str, Any]:
     a = model.attention
     elt = DTYPE_BYTES[dtype]
     bytes_per_token = 2 * model.num_layers * a.num_kv_heads * a.head_dim * elt  # K and V, every layer
     bytes_per_block = bytes_per_token * block_size
     n_params = sum(_numel(t.shape) for t in tensor_layout(model))
-    weight_bytes = n_params * elt
+    weight_bytes = n_params * elt if weight_bytes is None else weight_bytes  # int4 builds pass their own
     # Activations of the largest step: logits in fp32 plus the MLP's widest intermediates, with slack for
     # the allocator and CUDA graph pools.
     max_batched_tokens = max(2048, max_num_seqs)
@@ -207,9 +208,13 @@ def run(state: BuildState) -> BuildState:
         notes.append(f"max_model_len capped from {max_len} to the sliding window {window}")
         max_len = window
     tensors = tensor_layout(model)
+    if ckpt.quant is not None:  # the projections become int4 parts (builder/quant.py)
+        tensors = quant.plan_tensors(tensors, ckpt.quant, dtype)
+        if not ckpt.dummy:
+            quant.check_tensors(tensors, ckpt.quant, ckpt.tensor_shapes)
     if not ckpt.dummy:
-        check_shapes(tensors, ckpt.tensor_shapes)
-    layout = shard.plan_layout(model, opts.tp)
+        check_shapes([t for t in tensors if not quant.is_quant_part(t)], ckpt.tensor_shapes)
+    layout = shard.plan_layout(model, opts.tp)  # --quant with --tp > 1 is refused (BuildOptions)
     tensors = shard.shard_tensors(tensors, model, layout)
     memory_bytes = None
     if device == "cuda":
@@ -221,14 +226,18 @@ def run(state: BuildState) -> BuildState:
         compute_capability=cc,
         block_size=opts.block_size,
         tp=opts.tp,
-        quant=opts.quant,
+        quant=ckpt.quant.method if ckpt.quant is not None else None,
         max_model_len=max_len,
         max_num_seqs=opts.max_num_seqs,
         tensors=tuple(tensors),
         memory=shard.per_rank_memory(
-            memory_plan(model, dtype, opts.block_size, max_len, opts.max_num_seqs, memory_bytes), layout, tensors,
-            DTYPE_BYTES[dtype],
+            memory_plan(
+                model, dtype, opts.block_size, max_len, opts.max_num_seqs, memory_bytes,
+                weight_bytes=quant.weight_bytes(tensors, DTYPE_BYTES[dtype]) if ckpt.quant is not None else None,
+            ),
+            layout, tensors, DTYPE_BYTES[dtype],
         ),
+        quantization=ckpt.quant,
     )
     report = dict(state.report)
     report["plan_notes"] = notes

@@ -7,7 +7,7 @@ from importlib import resources
 
 import jinja2
 
-from pagecast.builder import shard
+from pagecast.builder import quant, shard
 from pagecast.builder.ir import BuildState
 
 TEMPLATE = "model.py.j2"
@@ -52,6 +52,7 @@ def render_model(state: BuildState, rank: int = 0) -> str:
         o_bias=a.o_bias,
         mlp_bias=mlp.bias,
         tie_word_embeddings=model.tie_word_embeddings,
+        linear_method=quant.linear_method_source(plan.quantization),
     )
 
 

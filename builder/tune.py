@@ -38,6 +38,7 @@ def model_shapes(state: BuildState) -> dict[str, Any]:
         "dtype": plan.dtype,
         "max_model_len": plan.max_model_len,
         "max_num_seqs": plan.max_num_seqs,
+        "quant_group_size": plan.quantization.group_size if plan.quantization is not None else 0,
     }
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from pagecast.kernels import reference
+from pagecast.kernels.quant_linear import Int4LinearWeight
 from pagecast.kernels.tuning import (
     SKINNY_ROW_BUCKETS,
     KernelConfig,
@@ -25,7 +26,9 @@ from pagecast.kernels.tuning import (
     prefill_bucket,
     skinny_bucket,
     token_bucket,
+    w4a16_bucket,
 )
+
 
 class KernelTable:
     """One engine's kernel configuration: its artifact's tuning table (kernel name -> shape
@@ -93,10 +96,12 @@ def _kernels() -> SimpleNamespace:
         rms_norm,
         rotary_kv,
         skinny_gemm,
+        w4a16_gemm,
     )
 
     return SimpleNamespace(
         skinny_gemm=skinny_gemm.skinny_gemm,
+        w4a16_gemm=w4a16_gemm.w4a16_gemm,
         decode=paged_decode_attention.paged_decode_attention,
         prefill=paged_prefill_attention.paged_prefill_attention,
         rotary=rotary_kv.rotary_and_write_kv,
@@ -106,14 +111,28 @@ def _kernels() -> SimpleNamespace:
     )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, projection: str) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | Int4LinearWeight, bias: torch.Tensor | None, projection: str
+) -> torch.Tensor:
     """A layer's projection (qkv, o, gate_up, down): F.linear, except for decode batches of up
     to 16 rows where the tuning table chose the skinny GEMM kernel for this projection (the
-    launcher itself falls back to F.linear for other batches and for the table's torch choice)."""
+    launcher itself falls back to F.linear for other batches and for the table's torch choice).
+    An int4 weight (quant_linear.Int4Linear) runs the W4A16 GEMM with the table's config for
+    this projection and row bucket (dequantize + cuBLAS where that won)."""
+    if isinstance(weight, Int4LinearWeight):
+        return _int4_linear(x, weight, bias, projection)
     if not _triton(x) or x.shape[0] > SKINNY_ROW_BUCKETS[-1]:
         return reference.linear(x, weight, bias)
     cfg = _config("skinny_gemm", skinny_bucket(projection, x.shape[0]))
     return _kernels().skinny_gemm(x, weight, bias, cfg)  # type: ignore[no-any-return]
+
+
+def _int4_linear(x: torch.Tensor, w: Int4LinearWeight, bias: torch.Tensor | None, projection: str) -> torch.Tensor:
+    if not _triton(x):
+        xp = x if w.perm is None else x.index_select(-1, w.perm.long())
+        return reference.linear(xp, w.dense(x.dtype), bias)
+    cfg = _config("w4a16_gemm", w4a16_bucket(projection, x.shape[0]))
+    return _kernels().w4a16_gemm(x, w.qweight, w.scales, w.zeros, w.perm, w.group_size, bias, cfg)  # type: ignore[no-any-return]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

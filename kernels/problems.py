@@ -24,6 +24,7 @@ from pagecast.kernels import (
     rms_norm,
     rotary_kv,
     skinny_gemm,
+    w4a16_gemm,
 )
 from pagecast.kernels.tuning import (
     DECODE_BATCH_BUCKETS,
@@ -32,6 +33,7 @@ from pagecast.kernels.tuning import (
     PROJECTIONS,
     SKINNY_ROW_BUCKETS,
     TOKEN_BUCKETS,
+    W4A16_ROW_BUCKETS,
     KernelConfig,
     ModelShapes,
     num_sms,
@@ -53,6 +55,8 @@ class Problem:
     num_sets: int  # distinct input sets; a timed sample launches at least this many
     bytes: int  # fewest bytes one launch must move through device memory
     flops: int  # matmul FLOPs of one launch (attention), 0 for elementwise kernels
+    # The half-type baseline the kernel replaces (the W4A16 GEMM's bf16 cuBLAS GEMM), timed for the report.
+    reference: Callable[[KernelConfig | None, int], object] | None = None
 
     def launches_per_sample(self, est_bandwidth: float = 3e12) -> int:
         """Launches per timed sample: every input set, and at least ~100 us of work."""
@@ -79,7 +83,18 @@ def buckets(kernel: str, shapes: ModelShapes) -> list[tuple[str, dict[str, int]]
         ]
     if kernel == "paged_prefill_attention":
         return [(f"t{t}", {"num_tokens": t}) for t in PREFILL_TOKEN_BUCKETS]
+    if kernel == "w4a16_gemm":
+        if not shapes.quant_group_size:
+            return []
+        nk = projection_dims(shapes)
+        return [
+            (f"{name}.m{m}", {"projection": i, "n": nk[name][0], "k": nk[name][1], "num_rows": m})
+            for i, name in enumerate(PROJECTIONS)
+            for m in W4A16_ROW_BUCKETS
+        ]
     if kernel == "skinny_gemm":
+        if shapes.quant_group_size:
+            return []  # the projections are int4: the skinny GEMM never runs
         nk = projection_dims(shapes)
         return [
             (f"{name}.m{m}", {"projection": i, "n": nk[name][0], "k": nk[name][1], "num_rows": m})
@@ -108,6 +123,11 @@ def problem_size(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> tupl
     if kernel == "skinny_gemm":  # the weight once, the rows in and out
         m, n, k = dims["num_rows"], dims["n"], dims["k"]
         return (n * k + m * k + m * n) * e, 0
+    if kernel == "w4a16_gemm":  # packed weight, fp16 scales, int8 zeros once; the rows in and out
+        m, n, k = dims["num_rows"], dims["n"], dims["k"]
+        groups = k // _group_size(shapes, k)
+        return n * k // 2 + 3 * groups * n + (m * k + m * n) * e, 2 * m * n * k
+
     t = dims["num_tokens"]
     if kernel == "paged_prefill_attention":
         n = min(t, PREFILL_SEQ_LEN)
@@ -145,6 +165,8 @@ def config_space(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> list
         return activation.prune_configs(activation.CONFIG_SPACE, shapes.intermediate)
     if kernel == "skinny_gemm":
         return skinny_gemm.prune_configs(skinny_gemm.CONFIG_SPACE, dims["n"], dims["k"])
+    if kernel == "w4a16_gemm":
+        return w4a16_gemm.prune_configs(w4a16_gemm.CONFIG_SPACE, dims["num_rows"], dims["n"], dims["k"])
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
@@ -166,7 +188,13 @@ def default_config(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> Ke
         return activation.default_config()
     if kernel == "skinny_gemm":
         return skinny_gemm.TORCH
+    if kernel == "w4a16_gemm":
+        return w4a16_gemm.default_config(dims["num_rows"], dims["n"], dims["k"], num_sms())
     raise ValueError(f"unknown kernel {kernel!r}")
+
+
+def _group_size(shapes: ModelShapes, k: int) -> int:
+    return k if shapes.quant_group_size == -1 else shapes.quant_group_size
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -257,6 +285,9 @@ def make_problem(
 
         return Problem(kernel, bucket, gemm, num_sets, nbytes, flops)
 
+    if kernel == "w4a16_gemm":
+        return _w4a16_problem(shapes, dims, bucket, device, dg, nbytes, flops)
+
     t = dims["num_tokens"]
     if kernel == "paged_prefill_attention":
         n = min(t, PREFILL_SEQ_LEN)
@@ -321,3 +352,34 @@ def make_problem(
         return Problem(kernel, bucket, lambda cfg, i: activation.silu_and_mul(x, config=cfg), 1, nbytes, 0)
 
     raise ValueError(f"unknown kernel {kernel!r}")
+
+
+def _w4a16_problem(
+    shapes: ModelShapes, dims: dict[str, int], bucket: str, device: torch.device, dg: torch.Generator,
+    nbytes: int, flops: int,
+) -> Problem:  # fmt: skip
+    """Random int4 weights of one projection (several, so each launch reads its weight from memory),
+    and as the reference the same projection's half-type weights through F.linear (cuBLAS)."""
+    m, n, k = dims["num_rows"], dims["n"], dims["k"]
+    dtype = shapes.torch_dtype
+    g = _group_size(shapes, k)
+    num_sets = max(1, min(MAX_LAUNCHES, math.ceil(COLD_BYTES / (n * k // 2))))
+    weights = []
+    for _ in range(num_sets):
+        qweight = torch.randint(-(2**31), 2**31 - 1, (k // 8, n), generator=dg, device=device, dtype=torch.int32)
+        scales = (torch.rand((k // g, n), generator=dg, device=device) * 0.004 + 0.002).half()
+        zeros = torch.randint(0, 16, (k // g, n), generator=dg, device=device, dtype=torch.int8)
+        weights.append((qweight, scales, zeros))
+    rows = torch.randn((m, k), generator=dg, device=device, dtype=dtype)
+
+    def gemm(cfg: KernelConfig | None, i: int) -> object:
+        qweight, scales, zeros = weights[i % num_sets]
+        return w4a16_gemm.w4a16_gemm(rows, qweight, scales, zeros, None, g, None, config=cfg)
+
+    dense_sets = max(1, min(MAX_LAUNCHES, math.ceil(COLD_BYTES / (n * k * _elt(shapes)))))
+    dense = [torch.randn((n, k), generator=dg, device=device, dtype=dtype) for _ in range(dense_sets)]
+
+    def half_gemm(cfg: KernelConfig | None, i: int) -> object:
+        return torch.nn.functional.linear(rows, dense[i % dense_sets])
+
+    return Problem("w4a16_gemm", bucket, gemm, num_sets, nbytes, flops, reference=half_gemm)

@@ -188,3 +188,33 @@ def paged_decode_attention(
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The skinny GEMM's reference: y = x @ weight.T + bias."""
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def dequantize_int4(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """The W4A16 kernel's weight layout -> fp32 [N, K] (nn.Linear.weight, permuted input order).
+
+    qweight int32 [K/8, N] holds input 8r + i in nibble i of row r; scales and int8 zeros are
+    [K/G, N]; W[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n], exact in fp32."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device)
+    q = ((qweight[:, None, :] >> shifts[None, :, None]) & 0xF).reshape(-1, qweight.shape[1])  # [K, N]
+    groups = torch.arange(q.shape[0], device=q.device) // group_size
+    w = (q.float() - zeros.float()[groups]) * scales.float()[groups]
+    return w.t()
+
+
+def w4a16_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    perm: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The W4A16 GEMM's reference: x (columns in the weight's input order) @ dequant(W).T + bias,
+    the weight rounded to x's dtype as the kernel feeds it to the tensor cores."""
+    if perm is not None:
+        x = x.index_select(1, perm.long())
+    return linear(x, dequantize_int4(qweight, scales, zeros, group_size).to(x.dtype), bias)

@@ -37,6 +37,8 @@ TOKEN_BUCKETS = (8, 64, 256, 1024, 4096, 16384)
 PREFILL_TOKEN_BUCKETS = (128, 512, 2048, 8192)
 SKINNY_ROW_BUCKETS = (1, 2, 4, 8, 16)  # decode batches whose projections may leave cuBLAS
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
+# Rows of an int4 projection (decode batches to prefill chunks): the W4A16 GEMM's buckets.
+W4A16_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 8192)
 
 KERNELS = (
     "paged_decode_attention",
@@ -46,6 +48,7 @@ KERNELS = (
     "fused_add_rms_norm",
     "silu_and_mul",
     "skinny_gemm",
+    "w4a16_gemm",
 )
 
 TIE_TOLERANCE = 0.02  # a later config must beat the best so far by 2% to take its place
@@ -93,6 +96,7 @@ class ModelShapes:
     dtype: str | torch.dtype = "bfloat16"  # activation and KV-cache dtype
     max_model_len: int = 8192  # longest context: context buckets beyond it are not tuned
     max_num_seqs: int = 256  # largest decode batch: batch buckets beyond it are not tuned
+    quant_group_size: int = 0  # int4 projections' group size (-1 per channel); 0 = half-type weights
 
     def __post_init__(self) -> None:
         if self.num_heads <= 0 or self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
@@ -157,6 +161,11 @@ def prefill_bucket(num_tokens: int) -> str:
 def skinny_bucket(projection: str, num_rows: int) -> str:
     """'<projection>.m<rows>' for the skinny GEMM, e.g. skinny_bucket('qkv', 3) == 'qkv.m4'."""
     return f"{projection}.m{_ceil_bucket(SKINNY_ROW_BUCKETS, num_rows)}"
+
+
+def w4a16_bucket(projection: str, num_rows: int) -> str:
+    """'<projection>.m<rows>' for the W4A16 GEMM, e.g. w4a16_bucket('down', 100) == 'down.m128'."""
+    return f"{projection}.m{_ceil_bucket(W4A16_ROW_BUCKETS, num_rows)}"
 
 
 def projection_dims(shapes: ModelShapes) -> dict[str, tuple[int, int]]:
@@ -356,6 +365,10 @@ def tune(
                 ],
                 "tuned": len(results) > 1 or len(configs) == 1,
             }
+            if problem.reference is not None:  # the half-type baseline, for the report (never chosen)
+                entries[bucket]["reference_us"] = round(
+                    time_launches(functools.partial(problem.reference, None), launches, reps), 2
+                )
             if log:
                 log(f"{kernel} {bucket}: {best[0]:.2f} us {best[2].as_dict()} ({len(results)} configs)")
     return table

@@ -78,6 +78,9 @@ class Manifest:
     @property
     def random_weights(self) -> bool:
         return self.layout.get("weights") == "random"
+    # AWQ/GPTQ builds: method, bits, group_size (-1 per channel), sym, desc_act, checkpoint_format of
+    # the source checkpoint; the weights are int4 in the one layout kernels/w4a16_gemm.py reads.
+    quantization: dict[str, Any] | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)

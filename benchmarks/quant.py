@@ -1,0 +1,132 @@
+"""int4 against bf16 on one GPU, in the same run (issue 10): W4 inter-token latency and W1 throughput
+of a Llama-3-8B-shaped engine with random weights, for bf16, AWQ-G128 and GPTQ-G128.
+
+Each variant is built with --load-format dummy (``--quant awq|gptq`` gives random int4 weights
+of group size 128, tuned on this GPU: the W4A16 GEMM per projection and row bucket against
+dequantize + cuBLAS, with the bf16 cuBLAS time in report.md), then measured by
+benchmarks/serving.py's W4 and W1 phases in a fresh process (one engine holds most of the GPU's
+memory), so the figures are exactly the ones serving.py reports for bf16.
+
+    python benchmarks/quant.py --out OUTDIR [--variants bf16,awq,gptq] [--tune-budget 240]
+
+Artifacts are kept in OUTDIR and reused, so the variants can also be run one command at a time.
+Prints a table at the end (with int4 / bf16 ratios against the issue's targets: W4 <= 0.45x,
+W1 >= 0.9x) and one JSON line per figure (also in OUTDIR/quant.jsonl).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from serving import LLAMA3_8B
+
+VARIANTS = {"bf16": None, "awq": "awq", "gptq": "gptq"}
+
+
+def build(out: Path, variant: str, max_model_len: int, tune_budget: float) -> Path:
+    """The variant's artifact (built once; an existing one is reused)."""
+    from pagecast.builder.ir import BuildOptions
+    from pagecast.builder.pipeline import build as run_build
+
+    artifact = out / f"llama3-8b-{variant}"
+    if (artifact / "manifest.json").is_file():
+        return artifact
+    cfg_dir = out / "llama3-8b-config"
+    cfg_dir.mkdir(parents=True, exist_ok=True)
+    (cfg_dir / "config.json").write_text(json.dumps(LLAMA3_8B))
+    start = time.perf_counter()
+    run_build(
+        BuildOptions(model=str(cfg_dir), output=artifact, gpu="auto", load_format="dummy", quant=VARIANTS[variant],
+                     max_model_len=max_model_len, tune_budget_s=tune_budget, force=True, quiet=True,
+                     max_num_seqs=1024),
+        log=lambda line: print(f"  build {variant}", line, flush=True),
+    )  # fmt: skip
+    record(out, variant=variant, figure="enginebuild_seconds", value=round(time.perf_counter() - start, 1))
+    return artifact
+
+
+def record(out: Path, **row: object) -> dict[str, object]:
+    line = json.dumps(row)
+    print(line, flush=True)
+    with open(out / "quant.jsonl", "a") as f:
+        f.write(line + "\n")
+    return row
+
+
+def measure(out: Path, variant: str, artifact: Path) -> list[dict[str, object]]:
+    """serving.py's W4 and W1 phases on this artifact, in a fresh process; its JSON lines back."""
+    vdir = out / variant
+    vdir.mkdir(parents=True, exist_ok=True)
+    (vdir / "serving.jsonl").unlink(missing_ok=True)
+    code = (
+        "import sys; from pathlib import Path; sys.path.insert(0, 'benchmarks'); import serving; "
+        f"serving.phase_ours(Path({str(vdir)!r}), Path({str(artifact)!r}), {{'W4', 'W1'}})"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], check=False, cwd=Path(__file__).parent.parent)
+    rows = []
+    if (vdir / "serving.jsonl").is_file():
+        rows = [
+            json.loads(line) for line in (vdir / "serving.jsonl").read_text().splitlines() if line.strip()
+        ]
+    if proc.returncode != 0:
+        rows.append({"figure": "engine_failed", "value": f"exit {proc.returncode}"})
+    return [record(out, variant=variant, **r) for r in rows]
+
+
+def weight_bytes(artifact: Path) -> int:
+    return sum(f.stat().st_size for f in (artifact / "weights").glob("*.safetensors"))
+
+
+def main() -> None:
+    import torch
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path("bench-quant"))
+    ap.add_argument("--variants", default="bf16,awq,gptq")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--tune-budget", type=float, default=240.0)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; choose from {sorted(VARIANTS)}")
+    record(args.out, figure="machine", value=torch.cuda.get_device_name(0), torch=torch.__version__,
+           date=time.strftime("%Y-%m-%d"), commit=os.environ.get("PAGECAST_COMMIT", "unknown"))  # fmt: skip
+    results: dict[str, dict[str, object]] = {}
+    for variant in variants:
+        artifact = build(args.out, variant, args.max_model_len, args.tune_budget)
+        record(args.out, variant=variant, figure="weight_bytes", value=weight_bytes(artifact))
+        results[variant] = {r["figure"]: r["value"] for r in measure(args.out, variant, artifact)}  # type: ignore[misc]
+
+    # Ratios against bf16 from this run (or from an earlier run's quant.jsonl in the same OUTDIR).
+    earlier = [
+        json.loads(line) for line in (args.out / "quant.jsonl").read_text().splitlines() if line.strip()
+    ]
+    bf16 = {r["figure"]: r["value"] for r in earlier if r.get("variant") == "bf16"}
+    print(
+        "\n| variant | W4 inter-token (ms) | W4 / bf16 (target <= 0.45) | W1 (tok/s) | W1 / bf16 (target >= 0.9) |"
+    )
+    print("|---|---|---|---|---|")
+    for variant, figures in results.items():
+        w4, w1 = figures.get("W4_inter_token_latency_ms"), figures.get("W1_output_tok_s")
+        b4, b1 = bf16.get("W4_inter_token_latency_ms"), bf16.get("W1_output_tok_s")
+        r4 = f"{w4 / b4:.3f}" if isinstance(w4, float) and isinstance(b4, float) else "-"
+        r1 = f"{w1 / b1:.3f}" if isinstance(w1, float) and isinstance(b1, float) else "-"
+        print(f"| {variant} | {w4} | {r4} | {w1} | {r1} |")
+        if variant != "bf16" and r4 != "-":
+            record(args.out, variant=variant, figure="W4_ratio_to_bf16", value=float(r4), target="<= 0.45")
+        if variant != "bf16" and r1 != "-":
+            record(args.out, variant=variant, figure="W1_ratio_to_bf16", value=float(r1), target=">= 0.9")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,632 @@
+"""4-bit weight formats (AWQ "gemm", GPTQ v1/v2): the checkpoint rules, their exact dequantization,
+and the one layout the W4A16 kernel reads.
+
+Every format rule lives here, beside its reference dequantizer:
+
+- which ``quantization_config`` a build accepts (``read_config``), refusing with a message that
+  names what is unsupported (3-bit, exllama/marlin-only formats, ``modules_to_not_convert`` or
+  ``dynamic`` entries that would leave a fused projection half quantised, a quantised LM head);
+- how each format packs its nibbles (``unpack_awq``, ``unpack_gptq``) and the exact fp32
+  dequantization W[k, n] = (q[k, n] - z[g(k), n]) * s[g(k), n] (``dequantize``);
+- the repacked artifact layout (``Int4Weight``), written once at build time so serving repacks
+  nothing:
+
+      qweight  int32 [K / 8, N]   nibble i of row r is input 8r + i (of the permuted input order)
+      scales   half  [K / G, N]   the checkpoint's fp16 scales (fp32 for fp32 artifacts)
+      zeros    int8  [K / G, N]   zero points 0..15, unpacked (symmetric GPTQ holds 8)
+      perm     int32 [K]          act-order only: kernel input k reads activation column perm[k]
+
+  Input k of the (permuted) order belongs to group k // G, so a K-tile reads one group's
+  scales. GPTQ act-order (``desc_act``) is folded in by sorting the inputs by ``g_idx``.
+- how that layout splits for tensor parallelism (``split_int4``): column-parallel along N
+  anywhere; row-parallel along K only at whole groups, and with act-order only when each
+  rank's inputs permute among themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagecast.kernels import reference
+from pagecast.runtime.errors import BuildError
+
+METHODS = ("awq", "gptq")
+GROUP_SIZES = (32, 64, 128, 256, -1)  # -1: one group per output channel (per-channel scales)
+# AWQ "gemm" interleaves the 8 columns of a word: nibble i holds column 8j + AWQ_ORDER[i].
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+AWQ_INVERSE = tuple(AWQ_ORDER.index(c) for c in range(8))  # column c is nibble AWQ_INVERSE[c]
+# The projections the engine runs through the W4A16 GEMM (checkpoint module names within a layer).
+QUANTISED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Artifact projection -> the checkpoint modules it is fused from.
+FUSED = {
+    "qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o_proj": ("self_attn.o_proj",),
+    "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "down_proj": ("mlp.down_proj",),
+}
+PARTS = ("qweight", "scales", "zeros", "perm")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """A checkpoint's 4-bit quantisation as the build understands it (recorded in the manifest).
+
+    ``group_size`` is the checkpoint's value (-1 = per channel); ``group_size_for(K)`` is the
+    group length along an input dimension of K.
+    """
+
+    method: str  # "awq" or "gptq"
+    group_size: int
+    sym: bool  # GPTQ symmetric (zero 8); AWQ is always asymmetric (zero points stored)
+    desc_act: bool  # GPTQ act-order: inputs were quantised in a permuted order, g_idx unsorted
+    checkpoint_format: str  # "gemm" (AWQ), "gptq" (v1, zeros stored minus one) or "gptq_v2"
+    bits: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"quantisation method {self.method!r} is not one of {METHODS}")
+        if self.bits != 4:
+            raise ValueError(f"{self.bits}-bit weights are not supported; only 4-bit AWQ/GPTQ")
+        if self.group_size not in GROUP_SIZES:
+            raise ValueError(f"group size {self.group_size} is not supported (supported: {GROUP_SIZES})")
+        expected = ("gemm",) if self.method == "awq" else ("gptq", "gptq_v2")
+        if self.checkpoint_format not in expected:
+            raise ValueError(f"{self.method} format {self.checkpoint_format!r} is not one of {expected}")
+
+    def group_size_for(self, k: int) -> int:
+        return k if self.group_size == -1 else self.group_size
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------- reading the config
+
+
+def read_config(
+    quantization_config: dict[str, Any] | None, requested: str | None, dummy: bool = False
+) -> QuantConfig | None:
+    """The checkpoint's quantisation, checked against ``--quant``.
+
+    A checkpoint without ``quantization_config`` builds in the float path unless ``--quant`` asks
+    for one, which is refused (or, with ``--load-format dummy``, gives random int4 weights of
+    group size 128). A checkpoint with one builds quantised; ``--quant`` must then agree.
+    """
+    if not quantization_config:
+        if requested is None:
+            return None
+        if dummy:
+            return QuantConfig(
+                method=requested,
+                group_size=128,
+                sym=requested == "gptq",
+                desc_act=False,
+                checkpoint_format="gemm" if requested == "awq" else "gptq",
+            )
+        raise BuildError(
+            f"--quant {requested}: the checkpoint has no quantization_config, it is not {requested.upper()}-"
+            f"quantised; quantise it first (AutoAWQ, GPTQModel, AutoRound) or drop --quant to build it in "
+            f"its float type"
+        )
+    qc = dict(quantization_config)
+    method = str(qc.get("quant_method", "<none>")).lower()
+    if method not in METHODS:
+        raise BuildError(
+            f"the checkpoint's quantization_config has quant_method {method!r}; pagecast builds only "
+            f"4-bit AWQ ('awq') and GPTQ ('gptq') checkpoints"
+        )
+    if requested is not None and requested != method:
+        raise BuildError(
+            f"--quant {requested}: the checkpoint is {method.upper()}-quantised, not {requested.upper()}; "
+            f"pass --quant {method} or leave --quant out (it is read from the checkpoint)"
+        )
+    bits = int(qc.get("bits", qc.get("w_bit", 4)))
+    if bits != 4:
+        raise BuildError(f"the checkpoint is {bits}-bit {method.upper()}; only 4-bit weights are supported")
+    group_size = int(qc.get("group_size", qc.get("q_group_size", 128)))
+    if group_size not in GROUP_SIZES:
+        raise BuildError(
+            f"{method.upper()} group size {group_size} is not supported (supported: 32, 64, 128, 256 and -1 "
+            f"for per-channel)"
+        )
+    if method == "awq":
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise BuildError(
+                f"AWQ version {version!r} is not supported: only the 'gemm' layout is read (re-export the "
+                f"checkpoint with version='gemm'; 'gemv', 'exllama', 'marlin' and 'ipex' are not)"
+            )
+        if not qc.get("zero_point", True):
+            raise BuildError("AWQ without zero points (zero_point: false) is not supported")
+        fmt, sym, desc_act = "gemm", False, False
+    else:
+        fmt = str(qc.get("checkpoint_format", "gptq")).lower()
+        if fmt not in ("gptq", "gptq_v2"):
+            raise BuildError(
+                f"GPTQ checkpoint_format {fmt!r} is not supported (only 'gptq' and 'gptq_v2'; 'marlin', "
+                f"'bitblas' and exllama-only layouts are not)"
+            )
+        sym, desc_act = bool(qc.get("sym", True)), bool(qc.get("desc_act", False))
+        if qc.get("lm_head"):
+            raise BuildError(
+                "the checkpoint quantises lm_head (lm_head: true); a quantised LM head is not supported"
+            )
+        if qc.get("dynamic"):
+            raise BuildError(
+                f"GPTQ 'dynamic' per-module overrides are not supported ({sorted(qc['dynamic'])}): every "
+                f"projection must share one quantisation"
+            )
+    skipped = [str(m) for m in (qc.get("modules_to_not_convert") or [])]
+    blocking = [m for m in skipped if any(m.endswith(p) or f"{p}." in m or m in p for p in QUANTISED_MODULES)]
+    if blocking:
+        raise BuildError(
+            f"modules_to_not_convert {blocking} leave decoder projections unquantised; pagecast fuses "
+            f"q/k/v and gate/up into one quantised GEMM each and cannot honour that (quantise every "
+            f"projection)"
+        )
+    return QuantConfig(
+        method=method, group_size=group_size, sym=sym, desc_act=desc_act, checkpoint_format=fmt
+    )
+
+
+# ---------------------------------------------------------------------------- unpacking and dequantizing
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [..., W] -> int16 [..., W, 8]: nibble i of each word (bits 4i..4i+3)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    return ((packed.to(torch.int32)[..., None] >> shifts) & 0xF).to(torch.int16)
+
+
+def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """AWQ gemm qweight [K, N/8], qzeros [K/G, N/8] -> q [K, N], z [K/G, N] (int16, 0..15)."""
+    inverse = torch.tensor(AWQ_INVERSE, device=qweight.device)
+
+    def unpack(packed: torch.Tensor) -> torch.Tensor:
+        nib = _nibbles(packed)[..., inverse]  # [rows, N/8, 8], column c of each word at position c
+        return nib.reshape(packed.shape[0], -1)
+
+    return unpack(qweight), unpack(qzeros)
+
+
+def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, v2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ qweight [K/8, N], qzeros [groups, N/8] -> q [K, N], z [groups, N] (int16, 0..15).
+    v1 stores each zero minus one (symmetric files hold 7 for 8)."""
+    q = _nibbles(qweight).permute(0, 2, 1).reshape(-1, qweight.shape[1])  # row 8r + i is nibble i of row r
+    z = _nibbles(qzeros).reshape(qzeros.shape[0], -1)
+    if not v2:
+        z = (z + 1) & 0xF
+    return q, z
+
+
+def dequantize(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor, g_idx: torch.Tensor) -> torch.Tensor:
+    """The exact reference: W[k, n] = (q[k, n] - z[g_idx[k], n]) * s[g_idx[k], n] in fp32, [K, N]
+    (the transpose of nn.Linear.weight). fp32 holds every product of a 4-bit integer and an fp16
+    scale exactly, so this is the checkpoint's value, not an approximation of it."""
+    g = g_idx.long()
+    return (q.float() - z[g].float()) * s[g].float()
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    """One projection in the artifact layout (module docstring): what the W4A16 kernel reads."""
+
+    qweight: torch.Tensor  # int32 [K / 8, N]
+    scales: torch.Tensor  # [K / G, N]
+    zeros: torch.Tensor  # int8 [K / G, N]
+    perm: torch.Tensor | None  # int32 [K] (act-order) or None
+    # Widths of the fused parts along N (q, k, v / gate, up), for a column-parallel split; None = one part.
+    sections: tuple[int, ...] | None = None
+
+    @property
+    def k(self) -> int:
+        return self.qweight.shape[0] * 8
+
+    @property
+    def n(self) -> int:
+        return self.qweight.shape[1]
+
+    @property
+    def group_size(self) -> int:
+        return self.k // self.scales.shape[0]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {"qweight": self.qweight, "scales": self.scales, "zeros": self.zeros}
+        if self.perm is not None:
+            out["perm"] = self.perm
+        return out
+
+
+def pack_int4(
+    q: torch.Tensor, z: torch.Tensor, s: torch.Tensor, perm: torch.Tensor | None, scale_dtype: torch.dtype
+) -> Int4Weight:
+    """q [K, N] (already in the permuted input order), z/s [K/G, N] -> the artifact layout."""
+    k, n = q.shape
+    if k % 8:
+        raise BuildError(f"input dimension {k} is not a multiple of 8; it cannot hold packed int4 rows")
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    words = (q.to(torch.int64).view(k // 8, 8, n) << shifts[None, :, None]).sum(1)  # 0 .. 2**32 - 1
+    qweight = torch.where(words < 2**31, words, words - 2**32).to(torch.int32)
+    return Int4Weight(
+        qweight=qweight.contiguous(),
+        scales=s.to(scale_dtype).contiguous(),
+        zeros=z.to(torch.int8).contiguous(),
+        perm=None if perm is None else perm.to(torch.int32).contiguous(),
+    )
+
+
+def dequantize_int4(w: Int4Weight) -> torch.Tensor:
+    """Exact fp32 [N, K] (nn.Linear.weight, original input order) of an artifact-layout weight."""
+    wt = reference.dequantize_int4(w.qweight, w.scales, w.zeros, w.group_size)  # [N, K (permuted)]
+    if w.perm is not None:
+        dense = torch.empty_like(wt)
+        dense[:, w.perm.long()] = wt
+        wt = dense
+    return wt.contiguous()
+
+
+# ---------------------------------------------------------------------------- one projection from the checkpoint
+
+
+@dataclass(frozen=True)
+class Unpacked:
+    """One checkpoint module unpacked: q [K, N], z and s [groups, N], g_idx [K] (group of each input)."""
+
+    q: torch.Tensor
+    z: torch.Tensor
+    s: torch.Tensor
+    g_idx: torch.Tensor
+
+
+def module_tensor_names(cfg: QuantConfig, module: str) -> tuple[str, ...]:
+    names = (f"{module}.qweight", f"{module}.qzeros", f"{module}.scales")
+    return names + ((f"{module}.g_idx",) if cfg.method == "gptq" else ())
+
+
+def expected_shapes(cfg: QuantConfig, module: str, k: int, n: int) -> dict[str, tuple[int, ...]]:
+    groups = k // cfg.group_size_for(k)
+    if cfg.method == "awq":
+        return {
+            f"{module}.qweight": (k, n // 8),
+            f"{module}.qzeros": (groups, n // 8),
+            f"{module}.scales": (groups, n),
+        }
+    return {
+        f"{module}.qweight": (k // 8, n),
+        f"{module}.qzeros": (groups, n // 8),
+        f"{module}.scales": (groups, n),
+        f"{module}.g_idx": (k,),
+    }
+
+
+def check_module(cfg: QuantConfig, module: str, k: int, n: int, shapes: dict[str, tuple[int, ...]]) -> None:
+    """The checkpoint holds this module quantised in ``cfg``'s format with the IR's [K -> N] shape."""
+    g = cfg.group_size_for(k)
+    if k % g or k % 8 or n % 8:
+        raise BuildError(
+            f"{module}: in {k} / out {n} features do not fit {cfg.method.upper()} group size {cfg.group_size} "
+            f"(K must be a multiple of the group size and of 8, N of 8)"
+        )
+    if f"{module}.weight" in shapes and f"{module}.qweight" not in shapes:
+        raise BuildError(
+            f"{module} is stored unquantised ({module}.weight) in a {cfg.method.upper()} checkpoint; "
+            f"mixed quantised/float projections are not supported"
+        )
+    for name, shape in expected_shapes(cfg, module, k, n).items():
+        if name == f"{module}.g_idx" and name not in shapes:
+            continue  # GPTQ files without act-order may omit g_idx: groups are then k // G
+        if name not in shapes:
+            raise BuildError(f"the {cfg.method.upper()} checkpoint has no tensor {name!r}; is it complete?")
+        if tuple(shapes[name]) != shape:
+            raise BuildError(
+                f"{name} has shape {tuple(shapes[name])}, expected {shape} for a {k} -> {n} projection in "
+                f"{cfg.method.upper()} ({cfg.checkpoint_format}) with group size {cfg.group_size}"
+            )
+
+
+def read_module(cfg: QuantConfig, module: str, read: Any) -> Unpacked:
+    """Unpack one checkpoint module; ``read(name)`` returns a checkpoint tensor."""
+    qweight, qzeros, scales = read(f"{module}.qweight"), read(f"{module}.qzeros"), read(f"{module}.scales")
+    if cfg.method == "awq":
+        q, z = unpack_awq(qweight, qzeros)
+        g_idx = None
+    else:
+        q, z = unpack_gptq(qweight, qzeros, v2=cfg.checkpoint_format == "gptq_v2")
+        try:
+            g_idx = read(f"{module}.g_idx")
+        except BuildError:
+            g_idx = None
+    k = q.shape[0]
+    if g_idx is None:
+        g_idx = torch.arange(k, dtype=torch.int32) // cfg.group_size_for(k)
+    if not torch.isfinite(scales).all():
+        raise BuildError(f"{module}.scales contain NaN or inf; the checkpoint is corrupt")
+    if g_idx.min() < 0 or g_idx.max() >= scales.shape[0]:
+        raise BuildError(
+            f"{module}.g_idx names groups outside 0..{scales.shape[0] - 1}; the checkpoint is corrupt"
+        )
+    return Unpacked(q=q, z=z, s=scales, g_idx=g_idx.to(torch.int64))
+
+
+def act_order_perm(module: str, g_idx: torch.Tensor, group_size: int) -> torch.Tensor | None:
+    """The input order that makes groups contiguous (None when g_idx already is k // G).
+    Sorted by g_idx, input k must fall in group k // G: every group has G members."""
+    k = g_idx.shape[0]
+    plain = torch.arange(k) // group_size
+    if torch.equal(g_idx, plain):
+        return None
+    perm = torch.sort(g_idx, stable=True).indices
+    if not torch.equal(g_idx[perm], plain):
+        raise BuildError(
+            f"{module}.g_idx does not assign {group_size} inputs to each group; this act-order layout "
+            f"cannot be made contiguous"
+        )
+    return perm
+
+
+def repack_projection(
+    cfg: QuantConfig, artifact_name: str, modules: tuple[str, ...], read: Any, scale_dtype: torch.dtype
+) -> Int4Weight:
+    """Fuse checkpoint modules that share an input (q/k/v, gate/up) along N into one artifact weight,
+    with the act-order permutation folded in (the fused parts must share it)."""
+    parts = [read_module(cfg, m, read) for m in modules]
+    k = parts[0].q.shape[0]
+    group = cfg.group_size_for(k)
+    perms = [act_order_perm(m, p.g_idx, group) for m, p in zip(modules, parts, strict=True)]
+    perm = perms[0]
+    for m, p in zip(modules[1:], perms[1:], strict=True):
+        if (p is None) != (perm is None) or (p is not None and perm is not None and not torch.equal(p, perm)):
+            raise BuildError(
+                f"{artifact_name}: {modules[0]} and {m} use different act-order permutations; they share "
+                f"one input and are fused into one GEMM, which needs the same input order"
+            )
+    qs = [p.q if perm is None else p.q[perm] for p in parts]
+    q = torch.cat(qs, dim=1)
+    z = torch.cat([p.z for p in parts], dim=1)
+    s = torch.cat([p.s for p in parts], dim=1)
+    if cfg.desc_act and perm is None:
+        perm = torch.arange(k)  # the layout planned a perm tensor; act-order that sorted to identity
+    packed = pack_int4(q, z, s, perm, scale_dtype)
+    return dataclasses.replace(packed, sections=tuple(p.q.shape[1] for p in parts))
+
+
+def random_int4(
+    cfg: QuantConfig, k: int, n: int, scale_dtype: torch.dtype, gen: torch.Generator
+) -> Int4Weight:
+    """Random weights in the artifact layout (``--load-format dummy``): uniform nibbles, zeros 8
+    (symmetric) or uniform, scales that give weights of about 0.02 standard deviation."""
+    device = gen.device
+    g = cfg.group_size_for(k)
+    qweight = torch.randint(-(2**31), 2**31 - 1, (k // 8, n), generator=gen, dtype=torch.int32, device=device)
+    if cfg.sym:
+        zeros = torch.full((k // g, n), 8, dtype=torch.int8, device=device)
+    else:
+        zeros = torch.randint(4, 12, (k // g, n), generator=gen, dtype=torch.int8, device=device)
+    scales = (torch.rand((k // g, n), generator=gen, device=device) * 0.004 + 0.002).to(scale_dtype)
+    perm = torch.arange(k, dtype=torch.int32) if cfg.desc_act else None
+    return Int4Weight(qweight.cpu(), scales.cpu(), zeros.cpu(), perm)
+
+
+# ---------------------------------------------------------------------------- tensor parallelism
+
+
+def split_int4(
+    w: Int4Weight, dim: int, index: int, count: int, sections: tuple[int, ...] | None = None
+) -> Int4Weight:
+    """Rank ``index`` of ``count``'s shard of an artifact-layout weight.
+
+    dim 0 (column-parallel: qkv, gate_up): a slice of the N output columns, any multiple; a fused
+    weight passes its ``sections`` (q, k, v widths; gate, up widths) so each is split on its own
+    and the rank's pieces are concatenated, as the half-type layout splits them.
+    dim 1 (row-parallel: o, down): a slice of the K inputs at whole groups (and whole packed words);
+    with act-order each rank's slice must permute among itself (its activations are its own), and
+    the perm is re-based to the slice.
+    """
+    if dim == 0:
+        sections = sections or (w.n,)
+        if sum(sections) != w.n or any(n % count for n in sections):
+            raise BuildError(
+                f"output sections {sections} of {w.n} columns do not split into {count} equal shards"
+            )
+        starts = [sum(sections[:i]) for i in range(len(sections))]
+        cols = torch.cat(
+            [
+                torch.arange(a + index * (n // count), a + (index + 1) * (n // count))
+                for a, n in zip(starts, sections)
+            ]
+        )
+        return Int4Weight(w.qweight[:, cols], w.scales[:, cols], w.zeros[:, cols], w.perm)
+    if dim != 1:
+        raise ValueError(f"dim must be 0 (N) or 1 (K), got {dim}")
+    k = w.k // count
+    groups = w.scales.shape[0]
+    if w.k % count or k % w.group_size or k % 8 or groups % count:
+        raise BuildError(
+            f"row-parallel split of K={w.k} into {count} shards would cut a quantisation group of {w.group_size} "
+            f"inputs; use a --tp that divides K / group size ({groups})"
+        )
+    k0 = index * k
+    perm = None
+    if w.perm is not None:
+        perm = w.perm[k0 : k0 + k].long() - k0
+        if perm.min() < 0 or perm.max() >= k:
+            raise BuildError(
+                f"act-order permutation mixes inputs across tensor-parallel shards (K={w.k}, tp={count}); "
+                f"this GPTQ desc_act checkpoint cannot be split row-parallel: build it with --tp 1"
+            )
+        perm = perm.to(torch.int32)
+    g = groups // count
+    return Int4Weight(
+        w.qweight[k0 // 8 : (k0 + k) // 8],
+        w.scales[index * g : (index + 1) * g],
+        w.zeros[index * g : (index + 1) * g],
+        perm,
+    )
+
+
+# ---------------------------------------------------------------------------- the build's hooks
+
+
+def scale_dtype_for(dtype: str) -> torch.dtype:
+    """fp32 artifacts keep fp32 scales; half artifacts keep the checkpoint's fp16 scales (bf16 would
+    round them)."""
+    return torch.float32 if dtype == "float32" else torch.float16
+
+
+def plan_tensors(tensors: list[Any], cfg: QuantConfig, dtype: str) -> list[Any]:
+    """Replace each projection weight of the float layout by its artifact-layout parts.
+
+    ``tensors`` are builder.ir.TensorPlans; a projection ``layers.i.qkv_proj.weight`` of shape
+    [N, K] from sources ``model.layers.i.self_attn.{q,k,v}_proj.weight`` becomes
+    ``layers.i.qkv_proj.{qweight,scales,zeros[,perm]}`` whose sources are the checkpoint modules.
+    Embedding, norms, biases and the LM head stay as they are (half type)."""
+    out = []
+    scale_dtype = str(scale_dtype_for(dtype)).removeprefix("torch.")
+    for t in tensors:
+        base, _, leaf = t.name.rpartition(".")
+        if leaf != "weight" or base.rpartition(".")[2] not in FUSED:
+            out.append(t)
+            continue
+        modules = tuple(s.removesuffix(".weight") for s in t.sources)
+        n, k = t.shape
+        groups = k // cfg.group_size_for(k)
+        shapes = {
+            "qweight": ((k // 8, n), "int32"),
+            "scales": ((groups, n), scale_dtype),
+            "zeros": ((groups, n), "int8"),
+        }
+        if cfg.desc_act:
+            shapes["perm"] = ((k,), "int32")
+        for part, (shape, part_dtype) in shapes.items():
+            out.append(
+                dataclasses.replace(t, name=f"{base}.{part}", sources=modules, shape=shape, dtype=part_dtype)
+            )
+    return out
+
+
+def check_tensors(tensors: list[Any], cfg: QuantConfig, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Every quantised part's checkpoint modules exist in ``cfg``'s format with the planned shape."""
+    for t in tensors:
+        if t.name.endswith(".qweight"):
+            k = t.shape[0] * 8
+            n_total = t.shape[1]
+            # The fused parts' N are read from the checkpoint (q and k/v differ); their sum must match.
+            n_sum = 0
+            for module in t.sources:
+                scales = shapes.get(f"{module}.scales")
+                if scales is None:
+                    raise BuildError(f"the {cfg.method.upper()} checkpoint has no tensor '{module}.scales'")
+                check_module(cfg, module, k, scales[-1], shapes)
+                n_sum += scales[-1]
+            if n_sum != n_total:
+                raise BuildError(f"{', '.join(t.sources)} give {n_sum} output columns, expected {n_total}")
+
+
+def is_quant_part(t: Any) -> bool:
+    return t.name.rpartition(".")[2] in PARTS and t.name.rpartition(".")[0].rpartition(".")[2] in FUSED
+
+
+class Materialiser:
+    """Repacks each projection once and hands out its parts in the planned order (pack streams
+    tensors one at a time; a projection's parts are consecutive, so one repack is held at once)."""
+
+    def __init__(self, cfg: QuantConfig, read: Any, dtype: str, gen: torch.Generator | None):
+        self.cfg, self.read, self.gen = cfg, read, gen
+        self.scale_dtype = scale_dtype_for(dtype)
+        self._base: str | None = None
+        self._weight: Int4Weight | None = None
+
+    def __call__(self, t: Any) -> torch.Tensor:
+        base, _, part = t.name.rpartition(".")
+        if base != self._base:
+            self._base = base
+            if self.gen is not None:
+                k = t.shape[0] * 8 if part == "qweight" else None
+                if k is None:
+                    raise BuildError(f"internal: {base} parts out of order")
+                self._weight = random_int4(self.cfg, k, t.shape[1], self.scale_dtype, self.gen)
+            else:
+                self._weight = repack_projection(self.cfg, base, t.sources, self.read, self.scale_dtype)
+        assert self._weight is not None
+        tensor = self._weight.tensors()[part]
+        if t.shard is not None:
+            dim, index, count = t.shard
+            tensor = split_int4(self._weight, dim, index, count, self._weight.sections).tensors()[part]
+        return tensor
+
+
+def weight_bytes(tensors: list[Any], dtype_bytes: int) -> int:
+    """Bytes of the planned tensors (quantised parts at their own element size)."""
+    sizes = {"int32": 4, "int8": 1, "float16": 2, "bfloat16": 2, "float32": 4}
+    total = 0
+    for t in tensors:
+        n = 1
+        for s in t.shape:
+            n *= s
+        total += n * (sizes[t.dtype] if getattr(t, "dtype", None) else dtype_bytes)
+    return total
+
+
+def read_checkpoint_config(path: Any, requested: str | None, dummy: bool) -> QuantConfig | None:
+    """``read_config`` on the checkpoint directory: ``quantization_config`` in config.json, or the
+    separate quantize_config.json / quant_config.json older AutoGPTQ / AutoAWQ releases wrote."""
+    import json
+    from pathlib import Path
+
+    root = Path(path)
+    qc = json.loads((root / "config.json").read_text()).get("quantization_config")
+    if not qc:
+        for name in ("quantize_config.json", "quant_config.json"):
+            if (root / name).is_file():
+                qc = json.loads((root / name).read_text())
+                qc.setdefault("quant_method", "awq" if name == "quant_config.json" else "gptq")
+                break
+    return read_config(qc, requested, dummy)
+
+
+def linear_method_source(cfg: QuantConfig | None) -> str:
+    """The model template's ``LINEAR = ...`` (kernels/quant_linear.py) for this build."""
+    if cfg is None:
+        return "quant_linear.DenseLinear()"
+    return f"quant_linear.Int4Linear(method={cfg.method!r}, group_size={cfg.group_size})"
+
+
+def report_lines(tuning: dict[str, Any] | None, cfg: QuantConfig | None) -> list[str]:
+    """report.md's section for an int4 build: the format, and per projection and row bucket the
+    W4A16 choice (Triton tile or dequantize + cuBLAS), its time and the half-type cuBLAS time."""
+    if cfg is None:
+        return []
+    g = "per channel" if cfg.group_size == -1 else f"group size {cfg.group_size}"
+    lines = [
+        "",
+        "## Quantisation",
+        "",
+        (
+            f"{cfg.method.upper()} ({cfg.checkpoint_format}), 4-bit, {g}, "
+            f"{'symmetric' if cfg.sym else 'asymmetric'}{', act-order folded into the layout' if cfg.desc_act else ''}; "
+            f"embedding and LM head in the half type."
+        ),
+    ]
+    entries = ((tuning or {}).get("kernels") or {}).get("w4a16_gemm") or {}
+    if not entries:
+        return lines + [
+            "",
+            "W4A16 GEMM not tuned here (CPU artifact or no GPU present): launcher defaults apply.",
+        ]
+    lines += [
+        "",
+        "| projection.rows | chosen | time (us) | bf16 cuBLAS (us) | int4 / bf16 |",
+        "|---|---|---|---|---|",
+    ]
+    for bucket, entry in entries.items():
+        config = entry.get("config") or {}
+        tile = ", ".join(f"{k}={v}" for k, v in config.items())
+        chosen = "dequantize + cuBLAS" if config.get("dequant") else tile
+        t, ref = entry.get("time_us"), entry.get("reference_us")
+        ratio = f"{t / ref:.2f}" if t and ref else "-"
+        lines.append(f"| {bucket} | {chosen} | {t or 0:.1f} | {ref or 0:.1f} | {ratio} |")
+    return lines

@@ -1,0 +1,301 @@
+"""W4A16 GEMM: y = x @ dequant(W).T (+ b) with 4-bit weights dequantized in registers.
+
+The weight is in the artifact layout ``builder/quant.py`` writes (AWQ and GPTQ both repacked
+into it at build time):
+
+    qweight  int32 [K / 8, N]   nibble i of row r is input 8r + i
+    scales   half  [K / G, N]
+    zeros    int8  [K / G, N]   W[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n]
+    perm     int32 [K]          act-order only: input k multiplies activation column perm[k]
+
+One program owns a [BLOCK_M, BLOCK_N] tile of y and walks its share of K in BLOCK_K steps: it
+loads BLOCK_K / 8 rows of packed words, expands each word to its 8 nibbles with shifts and
+masks, subtracts the zero point and multiplies by the scale in fp32, casts to x's dtype for
+``tl.dot`` and accumulates in fp32. Decode batches have too few output tiles to fill the GPU,
+so the split-K path (SPLIT_K > 1) gives each of SPLIT_K programs a slice of K and writes fp32
+partial sums that one reduction adds up (deterministic, unlike atomics). Large token counts are
+compute-bound: there ``{"dequant": 1}`` dequantizes the weight once per call
+(``_dequantize_kernel``) and lets cuBLAS multiply. The build times both per projection and row
+bucket and keeps the faster (kernels/tuning.py); the default below is a reasonable guess.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import triton
+import triton.language as tl
+
+from pagecast.kernels import reference
+from pagecast.kernels.tuning import KernelConfig
+
+
+@triton.jit
+def _w4a16_gemm_kernel(
+    x_ptr,  # [M, K] activations
+    qw_ptr,  # int32 [K / 8, N]
+    s_ptr,  # [K / G, N]
+    z_ptr,  # int8 [K / G, N]
+    perm_ptr,  # int32 [K] or unused
+    b_ptr,  # [N] or unused
+    y_ptr,  # [M, N] (SPLIT_K == 1) or fp32 partials [SPLIT_K, M, N]
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_ym,
+    stride_ys,  # partials: stride between splits
+    GROUP_SIZE: tl.constexpr,
+    HAS_PERM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    K_ITERS: tl.constexpr,  # BLOCK_K steps per split (a constant of the projection's shape)
+    DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    # Row j of a K-tile is nibble j % 8 of packed row j // 8.
+    shifts = ((tl.arange(0, BLOCK_K) % 8) * 4)[:, None]  # [BLOCK_K, 1]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_begin = pid_k * (K_ITERS * BLOCK_K)
+    # The last split may run past K: those steps load nothing (masked) and add zeros.
+    for i in range(K_ITERS):
+        k0 = k_begin + i * BLOCK_K
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        if HAS_PERM:
+            cols = tl.load(perm_ptr + offs_k, mask=k_ok, other=0)
+        else:
+            cols = offs_k
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
+        )
+        # Each packed word once: [BLOCK_K / 8, BLOCK_N], then broadcast to its 8 rows.
+        offs_kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        kw_ok = offs_kw < tl.cdiv(K, 8)
+        packed = tl.load(
+            qw_ptr + offs_kw[:, None].to(tl.int64) * N + offs_n[None, :],
+            mask=kw_ok[:, None] & n_ok[None, :],
+            other=0,
+        )
+        packed = tl.reshape(
+            tl.broadcast_to(packed[:, None, :], (BLOCK_K // 8, 8, BLOCK_N)), (BLOCK_K, BLOCK_N)
+        )
+        q = (packed >> shifts) & 0xF  # [BLOCK_K, BLOCK_N] int32
+        if GROUP_SIZE % BLOCK_K == 0:
+            # The whole tile lies in one group: one row of scales and zeros.
+            g = k0 // GROUP_SIZE
+            gn_ok = n_ok & (k0 < K)
+            s = tl.load(s_ptr + g * N + offs_n, mask=gn_ok, other=0.0).to(tl.float32)[None, :]
+            z = tl.load(z_ptr + g * N + offs_n, mask=gn_ok, other=0).to(tl.int32)[None, :]
+        else:
+            g_rows = offs_k // GROUP_SIZE
+            gn_ok = k_ok[:, None] & n_ok[None, :]
+            s = tl.load(s_ptr + g_rows[:, None] * N + offs_n[None, :], mask=gn_ok, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g_rows[:, None] * N + offs_n[None, :], mask=gn_ok, other=0).to(tl.int32)
+        w = ((q - z).to(tl.float32) * s).to(x_ptr.dtype.element_ty)  # [BLOCK_K, BLOCK_N]
+        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        y_ptrs = y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
+        tl.store(y_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _dequantize_kernel(
+    qw_ptr,  # int32 [K / 8, N]
+    s_ptr,  # [K / G, N]
+    z_ptr,  # int8 [K / G, N]
+    w_ptr,  # [N, K] out: nn.Linear.weight in the permuted input order
+    N,
+    K,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (offs_k < K)[:, None] & (offs_n < N)[None, :]
+    packed = tl.load(qw_ptr + (offs_k // 8)[:, None].to(tl.int64) * N + offs_n[None, :], mask=ok, other=0)
+    q = (packed >> ((offs_k % 8) * 4)[:, None]) & 0xF
+    g = offs_k // GROUP_SIZE
+    s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=ok, other=0).to(tl.int32)
+    w = ((q - z).to(tl.float32) * s).to(w_ptr.dtype.element_ty)
+    tl.store(w_ptr + offs_n[None, :].to(tl.int64) * K + offs_k[:, None], w, mask=ok)
+
+
+DEQUANT = KernelConfig({"dequant": 1}, num_warps=0, num_stages=0)  # dequantize once, then cuBLAS
+
+_TILES = (
+    # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)
+    # decode batches: narrow M, split K so there are programs for every multiprocessor
+    (16, 64, 128, 1, 4, 4),
+    (16, 64, 128, 2, 4, 4),
+    (16, 64, 128, 4, 4, 4),
+    (16, 128, 128, 4, 4, 3),
+    (16, 32, 128, 8, 4, 4),
+    (16, 64, 64, 8, 4, 4),
+    (16, 128, 64, 2, 4, 4),
+    (16, 32, 64, 4, 2, 4),
+    # medium batches
+    (32, 64, 128, 2, 4, 4),
+    (32, 128, 64, 1, 4, 4),
+    (64, 64, 128, 1, 4, 4),
+    (64, 128, 64, 1, 4, 4),
+    (64, 128, 128, 1, 8, 3),
+    # prefill-sized: compute-bound tiles
+    (128, 128, 64, 1, 8, 4),
+    (128, 256, 64, 1, 8, 3),
+    (128, 128, 128, 1, 8, 3),
+    (64, 256, 64, 1, 8, 4),
+)
+
+CONFIG_SPACE: list[KernelConfig] = [DEQUANT] + [
+    KernelConfig({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": sk}, num_warps=w, num_stages=st)
+    for (m, n, k, sk, w, st) in _TILES
+]
+
+
+def prune_configs(configs: list[KernelConfig], m: int, n: int, k: int) -> list[KernelConfig]:
+    """Keep the dequant path, and tiles whose BLOCK_M fits the rows (no 128-row tile for 4 rows,
+    no 16-row tile for prefill), whose BLOCK_K is at most K, and whose splits each get K to do."""
+    m_tile = max(16, triton.next_power_of_2(m))
+    kept = []
+    for c in configs:
+        if is_dequant(c):
+            kept.append(c)
+            continue
+        bm, bk, sk = c["BLOCK_M"], c["BLOCK_K"], c["SPLIT_K"]
+        if bm > m_tile or (m > 256 and bm < 64) or bk > k or sk > 1 and k // (bk * sk) < 2:
+            continue
+        kept.append(c)
+    return kept
+
+
+def is_dequant(config: KernelConfig | None) -> bool:
+    return config is not None and bool(config.params.get("dequant"))
+
+
+def default_config(m: int, n: int, k: int, num_sms: int = 132) -> KernelConfig:
+    """Untuned choice: the dequant path for prefill-sized batches, else a tile with enough
+    splits of K to give about two programs per multiprocessor."""
+    if m > 256:
+        return DEQUANT
+    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+    bn, bk = 64, 128 if k >= 256 else 64
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    split = 1
+    while split < 8 and tiles * split < 2 * num_sms and k // (bk * split * 2) >= 2:
+        split *= 2
+    return KernelConfig(
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}, num_warps=4, num_stages=4
+    )
+
+
+def dequantize(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The weight as nn.Linear.weight [N, K] in ``dtype`` (permuted input order), one kernel."""
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    w = torch.empty((n, k), dtype=dtype, device=qweight.device)
+    block_n, block_k = 64, 64
+    _dequantize_kernel[(triton.cdiv(k, block_k), triton.cdiv(n, block_n))](
+        qweight, scales, zeros, w, n, k, GROUP_SIZE=group_size, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4
+    )
+    return w
+
+
+def check_shapes(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, perm: torch.Tensor | None,
+    group_size: int, bias: torch.Tensor | None,
+) -> None:  # fmt: skip
+    k = x.shape[1]
+    n = qweight.shape[1]
+    if qweight.dtype != torch.int32 or qweight.shape[0] * 8 != k:
+        raise ValueError(
+            f"qweight must be int32 [K/8={k // 8}, N], got {qweight.dtype} {tuple(qweight.shape)}"
+        )
+    if (
+        k % group_size
+        or tuple(scales.shape) != (k // group_size, n)
+        or tuple(zeros.shape) != (k // group_size, n)
+    ):
+        raise ValueError(
+            f"scales/zeros must be [K/G={k // group_size}, N={n}], got {tuple(scales.shape)} / {tuple(zeros.shape)}"
+        )
+    if zeros.dtype != torch.int8:
+        raise ValueError(f"zeros must be int8, got {zeros.dtype}")
+    if perm is not None and tuple(perm.shape) != (k,):
+        raise ValueError(f"perm must be [K={k}], got {tuple(perm.shape)}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"bias must be [N={n}], got {tuple(bias.shape)}")
+    for t in (qweight, scales, zeros):
+        if not t.is_contiguous():
+            raise ValueError("qweight, scales and zeros must be contiguous")
+
+
+def w4a16_gemm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    perm: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    config: Mapping[str, int] | KernelConfig | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ dequant(W).T (+ bias [N]) -> [M, N] in x's dtype, fp32 accumulation.
+
+    ``config`` None picks ``default_config``; ``{"dequant": 1}`` dequantizes and calls cuBLAS.
+    Capture-safe (no host syncs): split-K's partial buffer is allocated per call and reduced
+    with one torch sum."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    check_shapes(x, qweight, scales, zeros, perm, group_size, bias)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    cfg = KernelConfig.coerce(config) or default_config(m, n, k)
+    if is_dequant(cfg):
+        if perm is not None:
+            x = x.index_select(1, perm)
+        return reference.linear(x, dequantize(qweight, scales, zeros, group_size, x.dtype), bias)
+    bm, bn, bk, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
+    k_per_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
+    split = triton.cdiv(k, k_per_split)  # no empty split
+    if split == 1:
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        stride_ys = 0
+    else:
+        y = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        stride_ys = y.stride(0)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split)
+    _w4a16_gemm_kernel[grid](
+        x, qweight, scales, zeros, perm if perm is not None else qweight, bias if bias is not None else scales, y,
+        m, n, k, x.stride(0), n, stride_ys,
+        GROUP_SIZE=group_size, HAS_PERM=perm is not None, HAS_BIAS=bias is not None and split == 1,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, K_ITERS=k_per_split // bk,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if split == 1:
+        return y
+    out = y.sum(0)
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype)
