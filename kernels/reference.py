@@ -188,3 +188,61 @@ def paged_decode_attention(
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The skinny GEMM's reference: y = x @ weight.T + bias."""
     return torch.nn.functional.linear(x, weight, bias)
+
+
+# --- keyed noise (seeded sampling) -----------------------------------------------------------
+
+# Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11).
+PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
+PHILOX_W0, PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
+# One Philox call makes four words: the words of call j of a block of 4 * PHILOX_GROUP columns
+# go to columns j, j + G, j + 2G and j + 3G of that block. Part of the stream's definition (the
+# kernel's block is exactly one such group), so it must never change: seeded outputs would.
+PHILOX_GROUP = 256
+_MASK32 = 0xFFFFFFFF
+
+
+def _mulhilo32(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """High and low 32 bits of ``a * m`` for uint32 values held in int64 (the full product
+    would overflow int64, so ``m`` is split into 16-bit halves)."""
+    low = a * (m & 0xFFFF)
+    t = a * (m >> 16) + (low >> 16)
+    return t >> 16, ((t & 0xFFFF) << 16) | (low & 0xFFFF)
+
+
+def philox4x32(counter: list[torch.Tensor], key: list[torch.Tensor], rounds: int = 10) -> list[torch.Tensor]:
+    """Philox4x32 on uint32 words held in int64 tensors (broadcast together)."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for r in range(rounds):
+        if r:
+            k0, k1 = (k0 + PHILOX_W0) & _MASK32, (k1 + PHILOX_W1) & _MASK32
+        hi0, lo0 = _mulhilo32(c0, PHILOX_M0)
+        hi1, lo1 = _mulhilo32(c2, PHILOX_M1)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return [c0, c1, c2, c3]
+
+
+def keyed_exponential(keys: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise ``[rows, vocab]`` fp32, a pure function of (row key, row offset, column):
+    the reference of kernels/keyed_noise.py.
+
+    keys: [rows] int64, a 64-bit key per row (the seed); offsets: [rows] int64 in [0, 2**32),
+    e.g. the index of the output token being sampled. Column v of a row is word v // G % 4 of
+    Philox4x32-10 with key (key low, key high) and counter (block * G + v % G, offset, 0, 0),
+    block = v // (4 G), G = PHILOX_GROUP. The word's top 23 bits give u = (2 w + 1) / 2**24 in
+    (0, 1), exactly representable, so the noise -log(u) is finite and positive.
+    """
+    device = keys.device
+    keys = keys.long()
+    k0 = (keys & _MASK32).unsqueeze(1)
+    k1 = ((keys >> 32) & _MASK32).unsqueeze(1)
+    cols = torch.arange(vocab, device=device, dtype=torch.int64)
+    group = 4 * PHILOX_GROUP
+    call = cols // group * PHILOX_GROUP + cols % PHILOX_GROUP
+    lane = cols % group // PHILOX_GROUP
+    counter = [call.unsqueeze(0), (offsets.long() & _MASK32).unsqueeze(1), torch.zeros_like(k0), torch.zeros_like(k0)]
+    words = philox4x32(counter, [k0, k1])
+    word = torch.stack(torch.broadcast_tensors(*words)).gather(0, lane.expand(1, keys.shape[0], vocab))[0]
+    u = ((word >> 9) * 2 + 1).float() * 2.0**-24
+    return -torch.log(u)

@@ -188,18 +188,26 @@ def test_penalties_ignore_ids_outside_the_logits_vocabulary() -> None:
 # --- seeds and the distribution ----------------------------------------------------------------
 
 
+def generate(logits: torch.Tensor, requests: list[Request], steps: int) -> list[list[int]]:
+    """Sample ``steps`` tokens per row with fixed logits, appending each to its request (the
+    seeded noise is keyed by the index of the output token being sampled)."""
+    streams: list[list[int]] = [[] for _ in requests]
+    for _ in range(steps):
+        for request, stream, token in zip(requests, streams, sample(logits, requests).token_ids):
+            request.append_output_token(token)
+            stream.append(token)
+    return streams
+
+
 def test_seeded_sampling_is_reproducible_and_batch_independent() -> None:
     logits = random_logits(6, seed=6, scale=1.0)
 
-    def run(rows: list[int]) -> list[int]:
+    def run(rows: list[int], **other) -> list[int]:  # type: ignore[no-untyped-def]
         requests = [
-            make_request(index=0, temperature=1.0, seed=1234) if r == 0 else make_request(index=r)
+            make_request(index=0, temperature=1.0, seed=1234) if r == 0 else make_request(index=r, **other)
             for r in rows
         ]
-        tokens = []
-        for _ in range(20):
-            tokens.append(sample(logits[rows], requests).token_ids[rows.index(0)])
-        return tokens
+        return generate(logits[rows], requests, 20)[rows.index(0)]
 
     alone = run([0])
     torch.manual_seed(99)  # the other rows' shared randomness must not matter
@@ -207,19 +215,41 @@ def test_seeded_sampling_is_reproducible_and_batch_independent() -> None:
     assert run([3, 0, 5]) == alone
     assert run([2, 4, 1, 0]) == alone
     assert len(set(alone)) > 1
-    # Truncation on another row (which sorts the batch) must not change the seeded row either.
-    requests = [make_request(index=0, temperature=1.0, seed=1234), make_request(index=1, top_k=3, top_p=0.5)]
-    assert [sample(logits[[0, 1]], requests).token_ids[0] for _ in range(20)] == alone
+    # Truncation or a seed on another row must not change the seeded row either.
+    assert run([0, 1], top_k=3, top_p=0.5) == alone
+    assert run([1, 0], seed=99) == alone
+
+
+def test_seeded_noise_depends_on_seed_choice_and_position_only() -> None:
+    # The stream is a function of (seed, choice index, output position): a preempted request
+    # that recomputes its tokens, or the asynchronous engine, draws the same noise.
+    logits = random_logits(1, seed=12, scale=0.5)
+    a = make_request(index=0, seed=3)
+    b = make_request(index=0, seed=3)
+    for token in [5, 6, 7]:
+        b.append_output_token(token)
+    first = generate(logits, [a], 6)[0]
+    assert generate(logits, [b], 3)[0] == first[3:]
+    assert generate(logits, [make_request(index=0, seed=4)], 6)[0] != first
 
 
 def test_n_choices_with_one_seed_differ_but_repeat() -> None:
     logits = random_logits(1, seed=7, scale=0.5)
-    streams = []
-    for _ in range(2):
-        requests = [make_request(index=i, seed=5) for i in range(3)]
-        streams.append([tuple(sample(logits.expand(3, -1), requests).token_ids) for _ in range(10)])
+    streams = [generate(logits.expand(3, -1), [make_request(index=i, seed=5) for i in range(3)], 10) for _ in range(2)]
     assert streams[0] == streams[1]
-    assert len({column for column in zip(*streams[0])}) == 3
+    assert len({tuple(s) for s in streams[0]}) == 3
+
+
+def test_seeded_sampling_matches_softmax() -> None:
+    # Keyed noise gives the same distribution as the generator's: many seeds, one draw each.
+    vocab = 6
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    expected = torch.softmax(logits[0], -1)
+    rows = 4000
+    requests = [make_request(index=0, temperature=1.0, seed=s) for s in range(rows)]
+    counts = torch.bincount(torch.tensor(sample(logits.expand(rows, -1), requests).token_ids), minlength=vocab).float()
+    chi2 = float((((counts - rows * expected) ** 2) / (rows * expected)).sum())
+    assert chi2 < 20.5, f"chi-square {chi2:.1f} over 5 degrees of freedom (p < 0.001)"
 
 
 def test_unseeded_sampling_matches_softmax() -> None:
