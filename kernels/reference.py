@@ -18,6 +18,7 @@ Layouts shared with the Triton kernels and the runtime:
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -199,27 +200,23 @@ PHILOX_W0, PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
 # go to columns j, j + G, j + 2G and j + 3G of that block. Part of the stream's definition (the
 # kernel's block is exactly one such group), so it must never change: seeded outputs would.
 PHILOX_GROUP = 256
-_MASK32 = 0xFFFFFFFF
 
 
-def _mulhilo32(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """High and low 32 bits of ``a * m`` for uint32 values held in int64 (the full product
-    would overflow int64, so ``m`` is split into 16-bit halves)."""
-    low = a * (m & 0xFFFF)
-    t = a * (m >> 16) + (low >> 16)
-    return t >> 16, ((t & 0xFFFF) << 16) | (low & 0xFFFF)
-
-
-def philox4x32(counter: list[torch.Tensor], key: list[torch.Tensor], rounds: int = 10) -> list[torch.Tensor]:
-    """Philox4x32 on uint32 words held in int64 tensors (broadcast together)."""
-    c0, c1, c2, c3 = counter
-    k0, k1 = key
-    for r in range(rounds):
-        if r:
-            k0, k1 = (k0 + PHILOX_W0) & _MASK32, (k1 + PHILOX_W1) & _MASK32
-        hi0, lo0 = _mulhilo32(c0, PHILOX_M0)
-        hi1, lo1 = _mulhilo32(c2, PHILOX_M1)
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+def philox4x32(counter: list[np.ndarray], key: list[np.ndarray], rounds: int = 10) -> list[np.ndarray]:
+    """Philox4x32 on uint32 arrays (broadcast together). NumPy rather than torch: torch's CPU
+    shifts and xors on integer tensors are two orders of magnitude slower, and uint32
+    arithmetic wraps in NumPy as it does on the GPU."""
+    c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint32) for c in counter)
+    k0, k1 = (np.asarray(k, dtype=np.uint32) for k in key)
+    with np.errstate(over="ignore"):
+        for r in range(rounds):
+            if r:
+                k0, k1 = k0 + np.uint32(PHILOX_W0), k1 + np.uint32(PHILOX_W1)
+            p0 = c0.astype(np.uint64) * np.uint64(PHILOX_M0)
+            p1 = c2.astype(np.uint64) * np.uint64(PHILOX_M1)
+            hi0, lo0 = (p0 >> np.uint64(32)).astype(np.uint32), p0.astype(np.uint32)
+            hi1, lo1 = (p1 >> np.uint64(32)).astype(np.uint32), p1.astype(np.uint32)
+            c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
     return [c0, c1, c2, c3]
 
 
@@ -233,16 +230,16 @@ def keyed_exponential(keys: torch.Tensor, offsets: torch.Tensor, vocab: int) -> 
     block = v // (4 G), G = PHILOX_GROUP. The word's top 23 bits give u = (2 w + 1) / 2**24 in
     (0, 1), exactly representable, so the noise -log(u) is finite and positive.
     """
-    device = keys.device
-    keys = keys.long()
-    k0 = (keys & _MASK32).unsqueeze(1)
-    k1 = ((keys >> 32) & _MASK32).unsqueeze(1)
-    cols = torch.arange(vocab, device=device, dtype=torch.int64)
-    group = 4 * PHILOX_GROUP
-    call = cols // group * PHILOX_GROUP + cols % PHILOX_GROUP
-    lane = cols % group // PHILOX_GROUP
-    counter = [call.unsqueeze(0), (offsets.long() & _MASK32).unsqueeze(1), torch.zeros_like(k0), torch.zeros_like(k0)]
-    words = philox4x32(counter, [k0, k1])
-    word = torch.stack(torch.broadcast_tensors(*words)).gather(0, lane.expand(1, keys.shape[0], vocab))[0]
-    u = ((word >> 9) * 2 + 1).float() * 2.0**-24
-    return -torch.log(u)
+    rows = keys.shape[0]
+    key = keys.detach().cpu().numpy().astype(np.uint64)
+    offset = offsets.detach().cpu().numpy().astype(np.uint32)[:, None]
+    num_blocks = -(-vocab // (4 * PHILOX_GROUP))
+    calls = np.arange(num_blocks * PHILOX_GROUP, dtype=np.uint32)[None, :]
+    zero = np.zeros((rows, 1), dtype=np.uint32)
+    k0 = (key & np.uint64(0xFFFFFFFF)).astype(np.uint32)[:, None]
+    k1 = (key >> np.uint64(32)).astype(np.uint32)[:, None]
+    words = np.stack(np.broadcast_arrays(*philox4x32([calls, offset, zero, zero], [k0, k1])))
+    # [4, rows, blocks * G] -> [rows, blocks, 4, G]: word l of call (b, j) is column b*4G + l*G + j.
+    words = words.reshape(4, rows, num_blocks, PHILOX_GROUP).transpose(1, 2, 0, 3).reshape(rows, -1)[:, :vocab]
+    u = ((words >> np.uint32(9)) * np.uint32(2) + np.uint32(1)).astype(np.float32) * np.float32(2.0**-24)
+    return torch.from_numpy(-np.log(u)).to(keys.device)
