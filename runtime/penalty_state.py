@@ -90,7 +90,8 @@ class PenaltyState:
         self.prompt_seen[row].zero_()
         prompt = [t for t in set(request.prompt_token_ids) if 0 <= t < self.vocab]
         if prompt:
-            self.prompt_seen[row, to_device(prompt, self.device, torch.int64)] = True
+            ids = to_device(prompt, self.device, torch.int64)
+            self.prompt_seen[row].index_fill_(0, ids, True)
         output = [t for t in request.output_token_ids if 0 <= t < self.vocab]
         if output:  # e.g. rows given back when a request was preempted (not done today)
             ids = to_device(output, self.device, torch.int64)

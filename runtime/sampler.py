@@ -186,7 +186,9 @@ def _mask_stop_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Te
     if not rows:
         return logits
     index = (to_device(rows, logits.device, torch.int64), to_device(cols, logits.device, torch.int64))
-    return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
+    # The values are filled on the device: a tensor made from a host scalar would be a
+    # pageable copy, which may wait for the step in flight.
+    return logits.index_put(index, torch.full((len(rows),), float("-inf"), device=logits.device))
 
 
 # --- penalties -------------------------------------------------------------------------------
