@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving import build, random_prompts, run_engine  # noqa: E402
+from serving import build, random_prompts, run_engine
 
 NUM_REQUESTS, PROMPT_LEN, OUTPUT_LEN = 512, 512, 128
 SETTINGS = ["greedy", "sampling", "seeded", "logprobs5", "rep_penalty", "logprobs5_10pc"]
@@ -60,8 +60,8 @@ def emit(out: Path, **row: object) -> None:
 def params_for(setting: str, n: int):  # type: ignore[no-untyped-def]
     from pagecast.runtime.sampling_params import SamplingParams
 
-    common = dict(max_tokens=OUTPUT_LEN, ignore_eos=True)
-    sampled = dict(temperature=0.8, top_p=0.95, top_k=50, **common)
+    common = {"max_tokens": OUTPUT_LEN, "ignore_eos": True}
+    sampled = {"temperature": 0.8, "top_p": 0.95, "top_k": 50, **common}
     if setting == "greedy":
         return [SamplingParams(temperature=0, **common)] * n
     if setting == "sampling":
@@ -165,7 +165,7 @@ def main() -> None:
     build(args.out, artifact, args.max_model_len, args.tune_budget)
     try:
         check_modes_agree(args.out, artifact)
-    except Exception as e:  # keep going: the timings are still worth having
+    except Exception as e:  # noqa: BLE001 - keep going: the timings are still worth having
         emit(args.out, figure="sync_async_check_failed", value=f"{type(e).__name__}: {e}")
     table = run_all(args.out, artifact, args, async_scheduling=True)
     if args.also_sync:

@@ -130,7 +130,7 @@ MIXED = [
 
 @pytest.mark.parametrize(
     "options",
-    [dict(max_num_batched_tokens=32, max_num_seqs=4), dict(max_num_batched_tokens=256, max_num_seqs=8)],
+    [{"max_num_batched_tokens": 32, "max_num_seqs": 4}, {"max_num_batched_tokens": 256, "max_num_seqs": 8}],
     ids=["chunked", "roomy"],
 )
 def test_every_sampling_feature_matches_the_synchronous_engine(tiny_llama_artifact, options):  # type: ignore[no-untyped-def]
@@ -157,7 +157,7 @@ def test_seeded_penalised_requests_survive_preemption_in_both_modes(tiny_llama_a
                        logprobs=2, ignore_eos=True)
         for i in range(len(ALL_PROMPTS))
     ]
-    options = dict(kv_cache_memory=12 * llm_block_bytes(tiny_llama_artifact), max_model_len=64, enable_prefix_caching=False)
+    options = {"kv_cache_memory": 12 * llm_block_bytes(tiny_llama_artifact), "max_model_len": 64, "enable_prefix_caching": False}
     sync, got, llm = run_both(tiny_llama_artifact, ALL_PROMPTS, params, **options)
     assert llm.engine.scheduler.num_preemptions > 0
     alone = LLM(tiny_llama_artifact, async_scheduling=False).generate(ALL_PROMPTS, params)
