@@ -326,7 +326,60 @@ def keyed_exponential(keys: torch.Tensor, offsets: torch.Tensor, vocab: int) -> 
     return reference.keyed_exponential(keys, offsets, vocab)
 
 
+# With every row's top_k at most this, truncation starts from ``topk`` instead of a full sort of
+# the vocabulary (a [512, 128k] sort costs several milliseconds of a ~30 ms decode step).
+_TOP_K_FAST_MAX = 1024
+
+
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """TopKLogitsWarper then TopPLogitsWarper with per-row k and p."""
+    vocab = logits.shape[1]
+    if max(top_k) <= _TOP_K_FAST_MAX < vocab:
+        return _top_k_top_p_from_topk(logits, top_k, top_p)
+    return _top_k_top_p_sorted(logits, top_k, top_p)
+
+
+def _top_k_top_p_from_topk(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Truncation when every row has a small top_k: only the K = max(top_k) best tokens of each
+    row are sorted (``topk``), since top-p only ever looks at what top-k kept.
+
+    Tokens tied with a row's k-th value are kept by top-k, as transformers keeps them. Those tied
+    tokens that fall outside the K best come first in ascending order (they are the smallest
+    kept values, all equal): top-p removes as many of them as a full sort would. Probabilities
+    are summed over the kept tokens only, so they may differ from the full sort's in the last
+    bit.
+    """
+    device = logits.device
+    k = to_device(top_k, device, torch.int64).unsqueeze(1)
+    top_values, top_ids = logits.topk(max(top_k), dim=-1)  # [rows, K], descending
+    kth_value = top_values.gather(1, k - 1)
+    remove_top = top_values < kth_value  # [rows, K]: dropped by top-k
+    remove = logits < kth_value
+    if any(p < 1.0 for p in top_p):
+        # The kept values in ascending order, preceded by the group of kth-valued tokens
+        # outside the K best (weight = their count: usually 0).
+        outside = (logits == kth_value).sum(dim=-1, keepdim=True) - (top_values == kth_value).sum(dim=-1, keepdim=True)
+        values = torch.cat([kth_value, top_values.masked_fill(remove_top, float("-inf")).flip(1)], dim=1)
+        weights = torch.cat([outside.float(), torch.ones_like(top_values)], dim=1)
+        probs = weights * torch.exp(values - top_values[:, :1])
+        cumulative = (probs / probs.sum(dim=-1, keepdim=True)).cumsum(dim=-1)
+        p = to_device(top_p, device).unsqueeze(1)
+        # Rows with p = 1 only lose tokens of probability exactly 0, which can never be sampled.
+        nucleus_out = cumulative <= (1 - p)
+        remove_top = remove_top | nucleus_out[:, 1:].flip(1)
+        # The group's tokens j = 1..outside have cumulative j * q: the first (1 - p) / q of them
+        # go, as in a full sort (which equal tokens those are is arbitrary there; here the
+        # lowest ids).
+        q = cumulative[:, :1] / outside.clamp_min(1)
+        num_out = torch.minimum(torch.floor((1 - p) / q.clamp_min(torch.finfo(torch.float32).tiny)), outside.float())
+        tied = (logits == kth_value).scatter(1, top_ids, False)
+        remove = remove | (tied & (tied.cumsum(dim=-1, dtype=torch.int32) <= num_out))
+    remove_top[:, 0] = False  # always keep the most likely token
+    remove = remove.scatter(1, top_ids, remove_top)
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def _top_k_top_p_sorted(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """TopKLogitsWarper then TopPLogitsWarper with per-row k and p, from one ascending sort.
 
     The ascending order is kept for top-p (as transformers sorts it) so the cumulative sums, and

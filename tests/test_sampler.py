@@ -15,7 +15,14 @@ from transformers.generation.logits_process import (
 )
 
 from pagecast.runtime.request import Request
-from pagecast.runtime.sampler import _apply_penalties, _sample_rows, prompt_logprobs, sample
+from pagecast.runtime.sampler import (
+    _apply_penalties,
+    _sample_rows,
+    _top_k_top_p_from_topk,
+    _top_k_top_p_sorted,
+    prompt_logprobs,
+    sample,
+)
 from pagecast.runtime.sampling_params import SamplingParams
 
 VOCAB = 97  # odd, not a power of two
@@ -126,6 +133,36 @@ def test_truncation_keeps_the_exact_transformers_support() -> None:
     torch.manual_seed(0)
     seen = {sample(logits, [request]).token_ids[0] for _ in range(400)}
     assert seen == set(allowed.nonzero().flatten().tolist())
+
+
+@pytest.mark.parametrize("vocab", [VOCAB, 3000])
+def test_truncation_from_topk_matches_the_full_sort_and_transformers(vocab: int) -> None:
+    # Small top_k values take the topk path (no sort of the vocabulary): same masks.
+    rows = 12
+    logits = random_logits(rows, vocab=vocab, seed=13)
+    top_k = [1, 2, 5, 5, 20, 40, 50, 50, 3, 8, 13, 50]
+    top_p = [1.0, 0.5, 0.9, 1.0, 0.95, 0.3, 0.95, 0.99, 0.05, 0.8, 1.0, 0.6]
+    fast = _top_k_top_p_from_topk(logits, top_k, top_p)
+    assert torch.equal(fast, _top_k_top_p_sorted(logits, top_k, top_p))
+    for row, (k, p) in enumerate(zip(top_k, top_p)):
+        params = SamplingParams(temperature=1.0, top_k=k, top_p=p)
+        assert torch.equal(fast[row : row + 1] > float("-inf"), allowed_by_transformers(logits[row : row + 1], params))
+
+
+def test_truncation_from_topk_keeps_ties_with_the_kth_value() -> None:
+    # bf16 logits tie often: transformers' top-k keeps every token equal to the k-th value.
+    logits = torch.full((2, 3000), -5.0)
+    logits[:, :4] = torch.tensor([4.0, 3.0, 2.0, 1.0])
+    logits[:, 1000:1010] = 1.0  # nine more ties with the 4th value, beyond the K best
+    kept = _top_k_top_p_from_topk(logits, [4, 4], [1.0, 0.9]) > float("-inf")
+    assert kept[0].sum() == 14 and kept[0, 1000:1010].all()
+    assert torch.equal(kept[0], allowed_by_transformers(logits[:1], SamplingParams(top_k=4))[0])
+    # p = 0.9: the eleven 1.0 tokens come first in ascending order, ~0.024 of the mass each, so
+    # the first four fall within 1 - p = 0.1 and go. Which four of the equal tokens is arbitrary
+    # (sort order); how many is not.
+    expected = allowed_by_transformers(logits[1:], SamplingParams(top_k=4, top_p=0.9))[0]
+    assert kept[1].sum() == expected.sum() == 10
+    assert kept[1, :3].all() and expected[:3].all()
 
 
 # --- penalties ---------------------------------------------------------------------------------
