@@ -279,8 +279,8 @@ class EngineCore:
         budget = min(self.options.max_num_batched_tokens, self.max_model_len - 4)
         sizes = sorted({n for n in (*TOKEN_BUCKETS, *PREFILL_TOKEN_BUCKETS) if n <= budget} | {max(1, budget)})
         greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-        # The sampler's other paths: random sampling with truncation, and logprobs with penalties.
-        sampled = SamplingParams(max_tokens=3, temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, ignore_eos=True)
+        # The sampler's other paths: seeded sampling with truncation, and logprobs with penalties.
+        sampled = SamplingParams(max_tokens=3, temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, seed=0, ignore_eos=True)
         scored = SamplingParams(max_tokens=3, temperature=0.0, logprobs=2, presence_penalty=0.5, ignore_eos=True)
         runs = [(n, greedy) for n in sizes] + [(min(64, budget), sampled), (min(64, budget), scored)]
         for i, (num_tokens, params) in enumerate(runs):
