@@ -56,7 +56,7 @@ def test_eos_never_appears_before_min_tokens(tiny_llama_artifact, async_scheduli
     llm = LLM(tiny_llama_artifact, async_scheduling=async_scheduling)
     free = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     eos, stop = free[0].token_ids[2], free[1].token_ids[1]
-    llm.engine.eos_token_ids = frozenset({eos})  # what the model emits at step 3 ends the sequence
+    llm.engine.core.eos_token_ids = frozenset({eos})  # what the model emits at step 3 ends the sequence
     params = [SamplingParams(temperature=0, max_tokens=12, min_tokens=6),
               SamplingParams(temperature=0, max_tokens=12, min_tokens=6, stop_token_ids=[stop])]
     got = llm.generate(PROMPTS[:2], params)
@@ -68,7 +68,7 @@ def test_eos_never_appears_before_min_tokens(tiny_llama_artifact, async_scheduli
         assert len(tokens) >= 6
     if async_scheduling:
         sync = LLM(tiny_llama_artifact, async_scheduling=False)
-        sync.engine.eos_token_ids = frozenset({eos})
+        sync.engine.core.eos_token_ids = frozenset({eos})
         assert [o.token_ids for o in sync.generate(PROMPTS[:2], params)] == [o.token_ids for o in got]
 
 
