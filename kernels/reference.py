@@ -18,6 +18,7 @@ Layouts shared with the Triton kernels and the runtime:
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -218,3 +219,57 @@ def w4a16_linear(
     if perm is not None:
         x = x.index_select(1, perm.long())
     return linear(x, dequantize_int4(qweight, scales, zeros, group_size).to(x.dtype), bias)
+
+
+# --- keyed noise (seeded sampling) -----------------------------------------------------------
+
+# Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11).
+PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
+PHILOX_W0, PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
+# One Philox call makes four words: the words of call j of a block of 4 * PHILOX_GROUP columns
+# go to columns j, j + G, j + 2G and j + 3G of that block. Part of the stream's definition (the
+# kernel's block is exactly one such group), so it must never change: seeded outputs would.
+PHILOX_GROUP = 256
+
+
+def philox4x32(counter: list[np.ndarray], key: list[np.ndarray], rounds: int = 10) -> list[np.ndarray]:
+    """Philox4x32 on uint32 arrays (broadcast together). NumPy rather than torch: torch's CPU
+    shifts and xors on integer tensors are two orders of magnitude slower, and uint32
+    arithmetic wraps in NumPy as it does on the GPU."""
+    c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint32) for c in counter)
+    k0, k1 = (np.asarray(k, dtype=np.uint32) for k in key)
+    with np.errstate(over="ignore"):
+        for r in range(rounds):
+            if r:
+                k0, k1 = k0 + np.uint32(PHILOX_W0), k1 + np.uint32(PHILOX_W1)
+            p0 = c0.astype(np.uint64) * np.uint64(PHILOX_M0)
+            p1 = c2.astype(np.uint64) * np.uint64(PHILOX_M1)
+            hi0, lo0 = (p0 >> np.uint64(32)).astype(np.uint32), p0.astype(np.uint32)
+            hi1, lo1 = (p1 >> np.uint64(32)).astype(np.uint32), p1.astype(np.uint32)
+            c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return [c0, c1, c2, c3]
+
+
+def keyed_exponential(keys: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise ``[rows, vocab]`` fp32, a pure function of (row key, row offset, column):
+    the reference of kernels/keyed_noise.py.
+
+    keys: [rows] int64, a 64-bit key per row (the seed); offsets: [rows] int64 in [0, 2**32),
+    e.g. the index of the output token being sampled. Column v of a row is word v // G % 4 of
+    Philox4x32-10 with key (key low, key high) and counter (block * G + v % G, offset, 0, 0),
+    block = v // (4 G), G = PHILOX_GROUP. The word's top 23 bits give u = (2 w + 1) / 2**24 in
+    (0, 1), exactly representable, so the noise -log(u) is finite and positive.
+    """
+    rows = keys.shape[0]
+    key = keys.detach().cpu().numpy().astype(np.uint64)
+    offset = offsets.detach().cpu().numpy().astype(np.uint32)[:, None]
+    num_blocks = -(-vocab // (4 * PHILOX_GROUP))
+    calls = np.arange(num_blocks * PHILOX_GROUP, dtype=np.uint32)[None, :]
+    zero = np.zeros((rows, 1), dtype=np.uint32)
+    k0 = (key & np.uint64(0xFFFFFFFF)).astype(np.uint32)[:, None]
+    k1 = (key >> np.uint64(32)).astype(np.uint32)[:, None]
+    words = np.stack(np.broadcast_arrays(*philox4x32([calls, offset, zero, zero], [k0, k1])))
+    # [4, rows, blocks * G] -> [rows, blocks, 4, G]: word l of call (b, j) is column b*4G + l*G + j.
+    words = words.reshape(4, rows, num_blocks, PHILOX_GROUP).transpose(1, 2, 0, 3).reshape(rows, -1)[:, :vocab]
+    u = ((words >> np.uint32(9)) * np.uint32(2) + np.uint32(1)).astype(np.float32) * np.float32(2.0**-24)
+    return torch.from_numpy(-np.log(u)).to(keys.device)

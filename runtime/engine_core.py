@@ -59,8 +59,8 @@ class EngineOptions:
     enable_prefix_caching: bool = True
     verify_weights: bool = True  # hash weight files on load
     cuda_graphs: bool = True  # capture decode graphs at start-up (GPU only)
-    # Plan step N+1 while step N runs on the device (default: on for GPUs). Steps with requests
-    # that ask for logprobs, prompt logprobs or penalties run synchronously.
+    # Plan step N+1 while step N runs on the device (default: on for GPUs), for every request:
+    # logprobs, prompt logprobs and penalties are computed on the device too.
     async_scheduling: bool | None = None
     # Run a prefill and a few decode steps before serving, so that the first request finds every
     # kernel loaded and every lazily made buffer made (default: on for GPUs).
@@ -155,8 +155,6 @@ class EngineCore:
         self.async_scheduling = is_gpu if options.async_scheduling is None else options.async_scheduling
         self._inflight: LaunchedStep | None = None  # launched, tokens not collected yet
         self._parents: dict[str, list[Request]] = {}  # parent id -> its sequences, while one runs
-        # Parent id -> its sequences, for requests whose sampling needs the host (synchronous steps).
-        self._host_sampling: dict[str, list[Request]] = {}
         if options.warm_up if options.warm_up is not None else is_gpu:
             t0 = time.perf_counter()
             self.warm_up()
@@ -202,8 +200,6 @@ class EngineCore:
             for child in children[1:]:  # the siblings share the first one's prompt blocks
                 child.prefill_after = children[0]
         self._parents[request_id] = children
-        if params.logprobs is not None or params.prompt_logprobs is not None or params.has_penalties:
-            self._host_sampling[request_id] = children
         self.num_prompt_tokens += len(prompt_token_ids)
         for child in children:
             self.scheduler.add_request(child)
@@ -230,7 +226,7 @@ class EngineCore:
 
         With asynchronous scheduling a step launches step N on the device, then waits for step
         N-1 and returns its tokens: the host plans and books while the device computes."""
-        if self.async_scheduling and not self._needs_host_sampling():
+        if self.async_scheduling:
             scheduled = self.scheduler.schedule()
             launched = None
             if scheduled.total_num_scheduled_tokens:
@@ -243,20 +239,13 @@ class EngineCore:
                 # token or string): wait for it now, so the engine is idle when it says so.
                 results += self._collect_inflight()
             return results
-        results = self._collect_inflight()  # leaving asynchronous mode
+        results = self._collect_inflight()  # nothing in flight in synchronous mode
         scheduled = self.scheduler.schedule()
         if scheduled.total_num_scheduled_tokens == 0:
             return results
         output = self.runner.execute(scheduled)
         self.scheduler.mark_computed(scheduled)
         return results + [self._book(scheduled, output)]
-
-    def _needs_host_sampling(self) -> bool:
-        if self._host_sampling:
-            done = [pid for pid, children in self._host_sampling.items() if all(c.is_finished for c in children)]
-            for pid in done:
-                del self._host_sampling[pid]
-        return bool(self._host_sampling)
 
     def _collect_inflight(self) -> list[StepResult]:
         inflight, self._inflight = self._inflight, None
@@ -290,8 +279,8 @@ class EngineCore:
         budget = min(self.options.max_num_batched_tokens, self.max_model_len - 4)
         sizes = sorted({n for n in (*TOKEN_BUCKETS, *PREFILL_TOKEN_BUCKETS) if n <= budget} | {max(1, budget)})
         greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-        # The sampler's other paths: random sampling with truncation, and logprobs with penalties.
-        sampled = SamplingParams(max_tokens=3, temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, ignore_eos=True)
+        # The sampler's other paths: seeded sampling with truncation, and logprobs with penalties.
+        sampled = SamplingParams(max_tokens=3, temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, seed=0, ignore_eos=True)
         scored = SamplingParams(max_tokens=3, temperature=0.0, logprobs=2, presence_penalty=0.5, ignore_eos=True)
         runs = [(n, greedy) for n in sizes] + [(min(64, budget), sampled), (min(64, budget), scored)]
         for i, (num_tokens, params) in enumerate(runs):

@@ -20,8 +20,16 @@ from pagecast.runtime.cuda_graphs import DecodeGraphs
 from pagecast.runtime.forward_context import ForwardContext
 from pagecast.runtime.outputs import PositionLogprobs
 from pagecast.runtime.parallel import WorkerGroup
+from pagecast.runtime.penalty_state import PenaltyState
 from pagecast.runtime.request import Request
-from pagecast.runtime.sampler import prompt_logprobs, sample, sample_token_ids
+from pagecast.runtime.sampler import (
+    LogprobTensors,
+    logprob_tensors,
+    prompt_logprob_tensors,
+    prompt_logprobs,
+    sample,
+    sample_token_ids,
+)
 from pagecast.runtime.scheduler import SchedulerOutput
 from pagecast.runtime.transfer import to_device
 
@@ -37,7 +45,9 @@ class RunnerOutput:
 class LaunchedStep:
     """A step whose sampling was queued on the device (asynchronous scheduling); ``collect``
     waits for it. ``token_ids`` stays on the device: the next step reads its decode inputs
-    from there before this step's tokens reach the host."""
+    from there before this step's tokens reach the host. Logprobs travel like the tokens:
+    computed in the step, copied to pinned memory before ``ready``, turned into entries by
+    ``collect``."""
 
     scheduled: SchedulerOutput
     sample_requests: list[Request]
@@ -45,6 +55,10 @@ class LaunchedStep:
     token_ids: torch.Tensor | None  # [len(sample_requests)] on the device
     host_token_ids: torch.Tensor | None  # pinned copy, filled when ``ready`` fires
     ready: torch.cuda.Event | None
+    # (rows of sample_requests that asked for logprobs, their logprobs; host copies on a GPU).
+    logprobs: tuple[list[int], LogprobTensors] | None = None
+    # (request id, number of top tokens, the new prompt entries' logprobs; host copies on a GPU).
+    prompt_logprobs: list[tuple[str, int, LogprobTensors]] = field(default_factory=list)
 
 
 @dataclass
@@ -54,7 +68,9 @@ class _Batch:
     ctx: ForwardContext
     sample_requests: list[Request]
     sample_rows: list[int]  # index into logits rows
-    prompt_lp: list[tuple[Request, int, int]]  # (request, first logits row, number of rows)
+    # (request, first logits row, number of rows, first prompt position scored): logits row
+    # row0 + j scores prompt token first + 1 + j.
+    prompt_lp: list[tuple[Request, int, int, int]]
 
 
 class ModelRunner:
@@ -66,6 +82,8 @@ class ModelRunner:
         self.block_size = block_size
         self.kernels = kernels  # the artifact's KernelTable, activated around each forward pass
         self.graphs: DecodeGraphs | None = None
+        # Output token counts of penalised requests, for asynchronous steps (launch).
+        self.penalties = PenaltyState()
         # Tensor parallelism: the other ranks' processes mirror every forward pass (runtime.parallel).
         self.workers: WorkerGroup | None = None
         launch = getattr(model, "tp_launch", None)
@@ -114,7 +132,7 @@ class ModelRunner:
         logits_rows: list[int] = []
         sample_requests: list[Request] = []
         sample_rows: list[int] = []
-        prompt_lp: list[tuple[Request, int, int]] = []
+        prompt_lp: list[tuple[Request, int, int, int]] = []
         max_blocks = 1
         for req, n in zip(out.scheduled_requests, out.num_scheduled_tokens):
             start = req.num_computed_tokens
@@ -148,7 +166,7 @@ class ModelRunner:
                 first = max(start, len(req.prompt_logprobs) - 1)
                 last = min(end, req.num_prompt_tokens - 1)
                 if last > first:
-                    prompt_lp.append((req, len(logits_rows), last - first))
+                    prompt_lp.append((req, len(logits_rows), last - first, first))
                     logits_rows.extend(range(row0 + first - start, row0 + last - start))
             if end == len(req.all_token_ids) + req.num_pending_tokens:
                 sample_requests.append(req)
@@ -234,9 +252,8 @@ class ModelRunner:
                 result.sampled[req.request_id] = token
                 if lp is not None:
                     result.logprobs[req.request_id] = lp
-        for req, row0, count in batch.prompt_lp:
-            first_target = len(req.prompt_logprobs or [None])  # index of the first prompt token to score
-            targets = req.prompt_token_ids[first_target : first_target + count]
+        for req, row0, count, first in batch.prompt_lp:
+            targets = req.prompt_token_ids[first + 1 : first + 1 + count]
             num_top = req.sampling_params.prompt_logprobs or 0
             result.prompt_logprobs[req.request_id] = prompt_logprobs(logits[row0 : row0 + count], targets, num_top)
         return result
@@ -244,31 +261,51 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, prev: LaunchedStep | None) -> LaunchedStep:
         """Queue a step on the device and return without waiting for it (asynchronous
-        scheduling). Its requests must not ask for logprobs, prompt logprobs or penalties:
-        those need the host (``execute``)."""
+        scheduling): sampling, penalties (from ``self.penalties``), logprobs and prompt
+        logprobs are all computed in the step; ``collect`` reads them."""
         batch = self.prepare(out, prev)
+        self.penalties.drop(out.finished_request_ids)
         step = LaunchedStep(out, batch.sample_requests, {}, None, None, None)
         logits = self._logits(batch, len(out.scheduled_requests))
-        if logits is None or not batch.sample_requests:
+        if logits is None:
             return step
-        step.token_ids = sample_token_ids(self._sampling_logits(logits, batch), batch.sample_requests)
-        step.rows = {req.request_id: i for i, req in enumerate(batch.sample_requests)}
+        if batch.sample_requests:
+            sampling_logits = self._sampling_logits(logits, batch)
+            step.token_ids = sample_token_ids(sampling_logits, batch.sample_requests, self.penalties.inputs)
+            self.penalties.update(batch.sample_requests, step.token_ids)
+            step.rows = {req.request_id: i for i, req in enumerate(batch.sample_requests)}
+            step.logprobs = logprob_tensors(sampling_logits, step.token_ids, batch.sample_requests)
+        for req, row0, count, first in batch.prompt_lp:
+            targets = to_device(req.prompt_token_ids[first + 1 : first + 1 + count], logits.device, torch.int64)
+            num_top = req.sampling_params.prompt_logprobs or 0
+            step.prompt_logprobs.append(
+                (req.request_id, num_top, prompt_logprob_tensors(logits[row0 : row0 + count], targets, num_top))
+            )
         if self.device.type == "cuda":
-            step.host_token_ids = torch.empty(step.token_ids.shape, dtype=torch.int64, pin_memory=True)
-            step.host_token_ids.copy_(step.token_ids, non_blocking=True)
+            if step.token_ids is not None:
+                step.host_token_ids = torch.empty(step.token_ids.shape, dtype=torch.int64, pin_memory=True)
+                step.host_token_ids.copy_(step.token_ids, non_blocking=True)
+            if step.logprobs is not None:
+                step.logprobs = (step.logprobs[0], step.logprobs[1].to_host())
+            step.prompt_logprobs = [(rid, k, tensors.to_host()) for rid, k, tensors in step.prompt_logprobs]
             step.ready = torch.cuda.Event()
             step.ready.record()
         return step
 
     def collect(self, step: LaunchedStep) -> RunnerOutput:
-        """Wait for a launched step's tokens (only for them: later steps may still run)."""
+        """Wait for a launched step's results (only for them: later steps may still run)."""
         result = RunnerOutput()
-        if step.token_ids is None:
-            return result
         if step.ready is not None:
             step.ready.synchronize()
-            tokens = step.host_token_ids.tolist()  # type: ignore[union-attr]
-        else:
-            tokens = step.token_ids.tolist()
-        result.sampled = {req.request_id: t for req, t in zip(step.sample_requests, tokens)}
+        if step.token_ids is not None:
+            host = step.host_token_ids if step.host_token_ids is not None else step.token_ids
+            tokens = host.tolist()
+            result.sampled = {req.request_id: t for req, t in zip(step.sample_requests, tokens)}
+        if step.logprobs is not None:
+            rows, tensors = step.logprobs
+            requests = [step.sample_requests[i] for i in rows]
+            for req, entry in zip(requests, tensors.entries([r.sampling_params.logprobs or 0 for r in requests])):
+                result.logprobs[req.request_id] = entry
+        for rid, num_top, tensors in step.prompt_logprobs:
+            result.prompt_logprobs[rid] = tensors.entries([num_top] * tensors.token_ids.shape[0])
         return result

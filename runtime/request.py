@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 import time
 
-import torch
-
 from pagecast.runtime.outputs import PositionLogprobs, RequestMetrics
 from pagecast.runtime.sampling_params import SamplingParams
 
@@ -83,11 +81,13 @@ class Request:
         # For the 2nd..nth choice of an n > 1 request: the first choice, whose prompt blocks this
         # one reuses from the prefix cache; it is admitted once that prompt is computed.
         self.prefill_after: Request | None = None
-        self.generator: torch.Generator | None = None
+        # The key of a seeded request's noise (kernels/keyed_noise.py), as a signed 64-bit value
+        # so it fits an int64 tensor. Each of the n choices gets its own stream, reproducible
+        # from (seed, index); the sampler adds the index of the output token being sampled.
+        self.seed_key: int | None = None
         if sampling_params.seed is not None:
-            self.generator = torch.Generator()
-            # Each of the n choices gets its own stream, reproducible from (seed, index).
-            self.generator.manual_seed((sampling_params.seed * 1_000_003 + index) % 2**64)
+            key = (sampling_params.seed * 1_000_003 + index) % 2**64
+            self.seed_key = key - 2**64 if key >= 2**63 else key
         self.logprobs: list[PositionLogprobs] | None = [] if sampling_params.logprobs is not None else None
         self.prompt_logprobs: list[PositionLogprobs | None] | None = (
             [None] if sampling_params.prompt_logprobs is not None else None

@@ -15,19 +15,34 @@ Semantics follow the references users compare against:
   that order, each to the output of the previous one.
 
 Sampling is an exponential race: ``argmax(probs / E)`` with ``E ~ Exp(1)`` picks token ``i``
-with probability ``probs[i] / sum(probs)``, needs no normalisation after masking, and lets each
-seeded row draw its noise from its own generator, so a seeded request gives the same tokens
-whatever else is in the batch.
+with probability ``probs[i] / sum(probs)`` and needs no normalisation after masking. A seeded
+row's noise is keyed: a pure function of (the request's seed, the index of the output token
+being sampled, the column), computed for all seeded rows of a step in one launch
+(``kernels/keyed_noise.py``), so a seeded request gives the same tokens whatever else is in the
+batch, in either scheduling mode and after a preemption.
+
+Until a request has ``min_tokens`` output tokens, its stop token ids and (unless
+``ignore_eos``) the end-of-sequence ids are masked, as transformers' ``MinNewTokensLogitsProcessor``
+does, so they cannot be sampled early. Logprobs still describe the raw distribution.
+
+Two callers: ``sample`` (synchronous steps, everything back on the host at once; the reference)
+and the model runner's asynchronous ``launch``, which calls ``sample_token_ids`` with the
+penalty inputs it keeps on the device (``PenaltyState``) and ``logprob_tensors`` /
+``prompt_logprob_tensors``, copies the results to the host behind an event and turns them into
+entries one step later (``LogprobTensors.entries``). Both run the same tensor code, so both give
+the same tokens and logprobs.
 """
 
 from __future__ import annotations
 
 import itertools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from pagecast.kernels import reference
 from pagecast.runtime.outputs import Logprob, PositionLogprobs
 from pagecast.runtime.request import Request
 from pagecast.runtime.transfer import to_device
@@ -58,12 +73,8 @@ class SamplerOutput:
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
     """Pick the next token for each row of ``logits`` (``[num_rows, vocab]``, fp32 or bf16, any
-    device); row ``i`` belongs to ``requests[i]``.
-
-    ``logits`` is not modified. A seeded request's ``generator`` is moved to the logits' device
-    on first use (re-seeded from its initial seed), so seeded noise is drawn where the logits
-    live instead of being generated on the host and copied over.
-    """
+    device); row ``i`` belongs to ``requests[i]``. Penalties are computed from the requests'
+    token lists on the host. ``logits`` is not modified."""
     if logits.dim() != 2 or logits.shape[0] != len(requests):
         raise ValueError(
             f"logits must be [num_rows, vocab] with one row per request; got shape {tuple(logits.shape)} "
@@ -74,28 +85,44 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
     token_ids = sample_token_ids(logits, requests)
     chosen = token_ids.tolist()
     logprobs: list[PositionLogprobs | None] = [None] * len(requests)
-    wanted = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
-    if wanted:
-        rows = torch.tensor(wanted, device=logits.device)
-        num_top = [requests[i].sampling_params.logprobs or 0 for i in wanted]
-        entries = _position_logprobs(logits[rows], token_ids[rows], max(num_top))
-        for i, k, entry in zip(wanted, num_top, entries):
-            logprobs[i] = _trim(entry, k)
+    computed = logprob_tensors(logits, token_ids, requests)
+    if computed is not None:
+        wanted, tensors = computed
+        for i, entry in zip(wanted, tensors.entries([requests[i].sampling_params.logprobs or 0 for i in wanted])):
+            logprobs[i] = entry
     return SamplerOutput(token_ids=chosen, logprobs=logprobs)
 
 
-def sample_token_ids(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+# The penalty inputs of some rows: (seen, counts), both [rows, vocab] on the logits' device.
+# ``seen`` marks tokens of the prompt or the output (repetition penalty), ``counts`` holds how
+# often each token is in the output (presence / frequency penalties).
+PenaltyInputs = Callable[[list[Request], int, torch.device], tuple[torch.Tensor, torch.Tensor]]
+
+
+def sample_token_ids(
+    logits: torch.Tensor, requests: list[Request], penalty_inputs: PenaltyInputs | None = None
+) -> torch.Tensor:
     """The next token of each row, as a tensor on the logits' device: no host synchronisation,
-    so the engine can plan the next step while this one runs."""
+    so the engine can plan the next step while this one runs.
+
+    ``penalty_inputs(penalised_requests, vocab, device)`` gives the penalised rows' token sets; by
+    default they are built from the requests' token lists (``host_penalty_inputs``). The
+    asynchronous runner passes its device-side state instead, whose output tokens include those
+    still pending (sampled by the step in flight)."""
     device = logits.device
     # Work in fp32: bf16 has too few mantissa bits for top-p cumulative sums and penalties.
     # Every step below is out of place, so the caller's logits (and the raw logprobs) survive.
-    work = logits.float()
+    work = _mask_stop_tokens(logits.float(), requests)
 
     penalised = [i for i, r in enumerate(requests) if r.sampling_params.has_penalties]
     if penalised:
-        rows = torch.tensor(penalised, device=device)
-        work = work.index_copy(0, rows, _apply_penalties(work[rows], [requests[i] for i in penalised]))
+        chosen = [requests[i] for i in penalised]
+        seen, counts = (penalty_inputs or host_penalty_inputs)(chosen, work.shape[1], device)
+        if len(penalised) == len(requests):
+            work = _penalise(work, seen, counts, chosen)
+        else:
+            rows = to_device(penalised, device, torch.int64)
+            work = work.index_copy(0, rows, _penalise(work[rows], seen, counts, chosen))
 
     token_ids = work.argmax(dim=-1)
     sampled = [i for i, r in enumerate(requests) if r.sampling_params.temperature >= _SAMPLING_EPS]
@@ -123,12 +150,45 @@ def prompt_logprobs(
             f"logits must be [num_positions, vocab] with one row per target token; got shape "
             f"{tuple(logits.shape)} for {len(target_token_ids)} targets"
         )
-    out: list[PositionLogprobs] = []
-    targets = torch.tensor(target_token_ids, dtype=torch.long, device=logits.device)
-    for start in range(0, len(target_token_ids), _PROMPT_LOGPROBS_CHUNK):
-        end = start + _PROMPT_LOGPROBS_CHUNK
-        out.extend(_position_logprobs(logits[start:end], targets[start:end], num_top))
-    return out
+    targets = to_device(target_token_ids, logits.device, torch.int64)
+    return prompt_logprob_tensors(logits, targets, num_top).entries([num_top] * len(target_token_ids))
+
+
+def prompt_logprob_tensors(logits: torch.Tensor, targets: torch.Tensor, num_top: int) -> LogprobTensors:
+    """``prompt_logprobs`` without leaving the device: ``logits[j]`` scores ``targets[j]``."""
+    parts = [
+        _logprob_tensors(logits[start : start + _PROMPT_LOGPROBS_CHUNK], targets[start : start + _PROMPT_LOGPROBS_CHUNK], num_top)
+        for start in range(0, targets.shape[0], _PROMPT_LOGPROBS_CHUNK)
+    ]
+    if len(parts) == 1:
+        return parts[0]
+    return LogprobTensors(*(torch.cat(column) for column in zip(*(p.columns() for p in parts))))
+
+
+# --- min_tokens ------------------------------------------------------------------------------
+
+
+def _mask_stop_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """``-inf`` for the stop token ids (and end-of-sequence ids unless ``ignore_eos``) of rows
+    whose request has fewer than ``min_tokens`` output tokens, counting those still pending."""
+    rows: list[int] = []
+    cols: list[int] = []
+    vocab = logits.shape[1]
+    for i, request in enumerate(requests):
+        params = request.sampling_params
+        if params.min_tokens and request.num_output_tokens + request.num_pending_tokens < params.min_tokens:
+            stops = set(params.stop_token_ids)
+            if not params.ignore_eos:
+                stops |= request.eos_token_ids
+            ids = [t for t in stops if 0 <= t < vocab]
+            rows.extend([i] * len(ids))
+            cols.extend(ids)
+    if not rows:
+        return logits
+    index = (to_device(rows, logits.device, torch.int64), to_device(cols, logits.device, torch.int64))
+    # The values are filled on the device: a tensor made from a host scalar would be a
+    # pageable copy, which may wait for the step in flight.
+    return logits.index_put(index, torch.full((len(rows),), float("-inf"), device=logits.device))
 
 
 # --- penalties -------------------------------------------------------------------------------
@@ -164,32 +224,43 @@ def _token_counts(rows: torch.Tensor, tokens: torch.Tensor, num_rows: int, vocab
     return counts[:, :vocab]
 
 
+def host_penalty_inputs(requests: list[Request], vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(seen, counts) of ``requests`` from their token lists (known tokens only: the
+    synchronous path, where nothing is pending)."""
+    num_rows = len(requests)
+    # All rows' output ids in one host-to-device copy (a tensor per row would be a copy per row).
+    output_tokens = to_device(list(itertools.chain.from_iterable(r.output_token_ids for r in requests)), device, torch.int64)
+    output_rows = _row_index([r.num_output_tokens for r in requests], device)
+    counts = _token_counts(output_rows, output_tokens, num_rows, vocab)
+    if not any(r.sampling_params.repetition_penalty != 1.0 for r in requests):
+        return counts > 0, counts  # seen is only read by the repetition penalty
+    rows = torch.cat([_row_index([r.num_prompt_tokens for r in requests], device), output_rows])
+    tokens = torch.cat([_prompt_ids(r, device) for r in requests] + [output_tokens])
+    return _token_counts(rows, tokens, num_rows, vocab) > 0, counts
+
+
 def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """Repetition, then presence and frequency penalties, on ``[rows, vocab]`` fp32 logits."""
-    num_rows, vocab = logits.shape
+    """Repetition, then presence and frequency penalties, on ``[rows, vocab]`` fp32 logits,
+    from the requests' token lists."""
+    seen, counts = host_penalty_inputs(requests, logits.shape[1], logits.device)
+    return _penalise(logits, seen, counts, requests)
+
+
+def _penalise(logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """The penalty formulas, shared by both paths so they give the same floats."""
     device = logits.device
     params = [r.sampling_params for r in requests]
-    # All rows' output ids in one host-to-device copy (a tensor per row would be a copy per row).
-    output_tokens = torch.tensor(
-        list(itertools.chain.from_iterable(r.output_token_ids for r in requests)), dtype=torch.long
-    ).to(device)
-    output_rows = _row_index([r.num_output_tokens for r in requests], device)
-
     if any(p.repetition_penalty != 1.0 for p in params):
         # HF semantics: every token seen in prompt or output, counted once; positive logits are
         # divided by the penalty and negative ones multiplied, so both move towards "less likely".
-        rows = torch.cat([_row_index([r.num_prompt_tokens for r in requests], device), output_rows])
-        tokens = torch.cat([_prompt_ids(r, device) for r in requests] + [output_tokens])
-        seen = _token_counts(rows, tokens, num_rows, vocab) > 0
-        penalty = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
+        penalty = to_device([p.repetition_penalty for p in params], device).unsqueeze(1)
         penalised = torch.where(logits < 0, logits * penalty, logits / penalty)
         logits = torch.where(seen, penalised, logits)
 
     if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
         # OpenAI semantics: output tokens only; logit -= presence * (count > 0) + frequency * count.
-        counts = _token_counts(output_rows, output_tokens, num_rows, vocab)
-        presence = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
-        frequency = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
+        presence = to_device([p.presence_penalty for p in params], device).unsqueeze(1)
+        frequency = to_device([p.frequency_penalty for p in params], device).unsqueeze(1)
         logits = logits - presence * (counts > 0).float() - frequency * counts
     return logits
 
@@ -220,17 +291,95 @@ def _sample_rows(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         threshold = to_device(min_p, device).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < threshold, 0.0)
 
-    noise = torch.empty_like(probs).exponential_()
-    for i, request in enumerate(requests):
-        if request.generator is not None:
-            noise[i].exponential_(generator=_generator_on(request, device))
+    noise = _exponential_noise(requests, probs)
     # An exponential draw of exactly 0 would turn a masked token's 0 / 0 into nan, which argmax
     # would pick; the tiny floor keeps masked tokens at 0 and changes nothing else.
     noise.clamp_min_(torch.finfo(torch.float32).tiny)
     return (probs / noise).argmax(dim=-1)
 
 
+def _exponential_noise(requests: list[Request], like: torch.Tensor) -> torch.Tensor:
+    """Exp(1) noise shaped like ``like``: the device's generator for unseeded rows, keyed noise
+    for seeded rows (all of them in one launch)."""
+    seeded = [i for i, r in enumerate(requests) if r.seed_key is not None]
+    if not seeded:
+        return torch.empty_like(like).exponential_()
+    device = like.device
+    keys = to_device([requests[i].seed_key for i in seeded], device, torch.int64)
+    # The index of the output token being sampled: the same for a request whatever the batch,
+    # the scheduling mode (pending tokens are sampled but not booked yet) or a preemption.
+    offsets = to_device([requests[i].num_output_tokens + requests[i].num_pending_tokens for i in seeded], device, torch.int64)
+    keyed = keyed_exponential(keys, offsets, like.shape[1])
+    if len(seeded) == len(requests):
+        return keyed
+    noise = torch.empty_like(like).exponential_()
+    return noise.index_copy_(0, to_device(seeded, device, torch.int64), keyed)
+
+
+def keyed_exponential(keys: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The Triton kernel on a GPU, its torch reference elsewhere (same stream, up to the last
+    bit of the logarithm)."""
+    if keys.is_cuda:
+        from pagecast.kernels.keyed_noise import keyed_exponential as kernel
+
+        return kernel(keys, offsets, vocab)
+    return reference.keyed_exponential(keys, offsets, vocab)
+
+
+# With every row's top_k at most this, truncation starts from ``topk`` instead of a full sort of
+# the vocabulary (a [512, 128k] sort costs several milliseconds of a ~30 ms decode step).
+_TOP_K_FAST_MAX = 1024
+
+
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """TopKLogitsWarper then TopPLogitsWarper with per-row k and p."""
+    vocab = logits.shape[1]
+    if max(top_k) <= _TOP_K_FAST_MAX < vocab:
+        return _top_k_top_p_from_topk(logits, top_k, top_p)
+    return _top_k_top_p_sorted(logits, top_k, top_p)
+
+
+def _top_k_top_p_from_topk(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Truncation when every row has a small top_k: only the K = max(top_k) best tokens of each
+    row are sorted (``topk``), since top-p only ever looks at what top-k kept.
+
+    Tokens tied with a row's k-th value are kept by top-k, as transformers keeps them. Those tied
+    tokens that fall outside the K best come first in ascending order (they are the smallest
+    kept values, all equal): top-p removes as many of them as a full sort would. Probabilities
+    are summed over the kept tokens only, so they may differ from the full sort's in the last
+    bit.
+    """
+    device = logits.device
+    k = to_device(top_k, device, torch.int64).unsqueeze(1)
+    top_values, top_ids = logits.topk(max(top_k), dim=-1)  # [rows, K], descending
+    kth_value = top_values.gather(1, k - 1)
+    remove_top = top_values < kth_value  # [rows, K]: dropped by top-k
+    remove = logits < kth_value
+    if any(p < 1.0 for p in top_p):
+        # The kept values in ascending order, preceded by the group of kth-valued tokens
+        # outside the K best (weight = their count: usually 0).
+        outside = (logits == kth_value).sum(dim=-1, keepdim=True) - (top_values == kth_value).sum(dim=-1, keepdim=True)
+        values = torch.cat([kth_value, top_values.masked_fill(remove_top, float("-inf")).flip(1)], dim=1)
+        weights = torch.cat([outside.float(), torch.ones_like(top_values)], dim=1)
+        probs = weights * torch.exp(values - top_values[:, :1])
+        cumulative = (probs / probs.sum(dim=-1, keepdim=True)).cumsum(dim=-1)
+        p = to_device(top_p, device).unsqueeze(1)
+        # Rows with p = 1 only lose tokens of probability exactly 0, which can never be sampled.
+        nucleus_out = cumulative <= (1 - p)
+        remove_top = remove_top | nucleus_out[:, 1:].flip(1)
+        # The group's tokens j = 1..outside have cumulative j * q: the first (1 - p) / q of them
+        # go, as in a full sort (which equal tokens those are is arbitrary there; here the
+        # lowest ids).
+        q = cumulative[:, :1] / outside.clamp_min(1)
+        num_out = torch.minimum(torch.floor((1 - p) / q.clamp_min(torch.finfo(torch.float32).tiny)), outside.float())
+        tied = (logits == kth_value).scatter(1, top_ids, False)
+        remove = remove | (tied & (tied.cumsum(dim=-1, dtype=torch.int32) <= num_out))
+    remove_top[:, 0] = False  # always keep the most likely token
+    remove = remove.scatter(1, top_ids, remove_top)
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def _top_k_top_p_sorted(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """TopKLogitsWarper then TopPLogitsWarper with per-row k and p, from one ascending sort.
 
     The ascending order is kept for top-p (as transformers sorts it) so the cumulative sums, and
@@ -254,45 +403,70 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     return logits.masked_fill(remove, float("-inf"))
 
 
-def _generator_on(request: Request, device: torch.device) -> torch.Generator:
-    """The request's generator, on ``device``. Request makes a host generator (so the CPU
-    engine needs nothing more); on first use on another device it is replaced by one there
-    with the same seed, which starts the same logical stream since nothing was drawn yet."""
-    generator = request.generator
-    assert generator is not None  # callers only ask for seeded rows
-    if generator.device != device:
-        moved = torch.Generator(device=device)
-        moved.manual_seed(generator.initial_seed())
-        request.generator = moved
-        generator = moved
-    return generator
-
-
 # --- logprobs --------------------------------------------------------------------------------
 
 
-def _position_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> list[PositionLogprobs]:
-    """For each row: {token: its logprob and rank, then the num_top best tokens (rank 1..k)}."""
+@dataclass
+class LogprobTensors:
+    """Logprobs of some positions, as tensors (on the device until ``to_host``): the scored token
+    of each row with its logprob and rank, and the row's best tokens. Rows may ask for fewer
+    top tokens than were computed; ``entries`` trims."""
+
+    token_ids: torch.Tensor  # [rows] int64: the sampled (or prompt) token
+    logprobs: torch.Tensor  # [rows] fp32: its logprob
+    ranks: torch.Tensor  # [rows] int64: 1 + the number of tokens strictly more likely
+    top_logprobs: torch.Tensor  # [rows, k] fp32, best first
+    top_ids: torch.Tensor  # [rows, k] int64
+
+    def columns(self) -> tuple[torch.Tensor, ...]:
+        return (self.token_ids, self.logprobs, self.ranks, self.top_logprobs, self.top_ids)
+
+    def to_host(self) -> LogprobTensors:
+        """Copies into pinned host memory, queued behind the step (non-blocking: the caller
+        records an event after this and waits on it before reading). On the CPU, ``self``."""
+        if not self.token_ids.is_cuda:
+            return self
+
+        def pinned(t: torch.Tensor) -> torch.Tensor:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return host.copy_(t, non_blocking=True)
+
+        return LogprobTensors(*(pinned(t) for t in self.columns()))
+
+    def entries(self, num_top: list[int]) -> list[PositionLogprobs]:
+        """Row i: {token: its logprob and rank, then the num_top[i] best tokens (rank 1..k)}."""
+        out: list[PositionLogprobs] = []
+        for token, value, rank, values, ids, k in zip(
+            self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist(),
+            self.top_logprobs.tolist(), self.top_ids.tolist(), num_top,
+        ):
+            entry: PositionLogprobs = {token: Logprob(logprob=value, rank=rank)}
+            for position, (top_value, top_id) in enumerate(zip(values[:k], ids[:k]), start=1):
+                if top_id not in entry:
+                    entry[top_id] = Logprob(logprob=top_value, rank=position)
+            out.append(entry)
+        return out
+
+
+def logprob_tensors(
+    logits: torch.Tensor, token_ids: torch.Tensor, requests: list[Request]
+) -> tuple[list[int], LogprobTensors] | None:
+    """The logprobs of the rows whose request asks for them (their row indices and tensors),
+    computed on the raw logits; None when no row does."""
+    wanted = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+    if not wanted:
+        return None
+    num_top = max(requests[i].sampling_params.logprobs or 0 for i in wanted)
+    if len(wanted) == len(requests):
+        return wanted, _logprob_tensors(logits, token_ids, num_top)
+    rows = to_device(wanted, logits.device, torch.int64)
+    return wanted, _logprob_tensors(logits[rows], token_ids[rows], num_top)
+
+
+def _logprob_tensors(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> LogprobTensors:
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))
     # Rank = 1 + number of tokens strictly more likely, so ties share the better rank.
     ranks = (logprobs > chosen).sum(dim=-1) + 1
     top_values, top_ids = logprobs.topk(min(num_top, logprobs.shape[-1]), dim=-1)
-
-    entries: list[PositionLogprobs] = []
-    for token, value, rank, values, ids in zip(
-        token_ids.tolist(), chosen.squeeze(1).tolist(), ranks.tolist(), top_values.tolist(), top_ids.tolist()
-    ):
-        entry: PositionLogprobs = {token: Logprob(logprob=value, rank=rank)}
-        for position, (top_value, top_id) in enumerate(zip(values, ids), start=1):
-            if top_id not in entry:
-                entry[top_id] = Logprob(logprob=top_value, rank=position)
-        entries.append(entry)
-    return entries
-
-
-def _trim(entry: PositionLogprobs, num_top: int) -> PositionLogprobs:
-    """Keep the chosen token (first) and the tokens ranked 1..num_top: a batch computes the
-    largest k any row asked for, and each row gets its own k back."""
-    items = list(entry.items())
-    return dict(items[:1] + [(t, lp) for t, lp in items[1:] if lp.rank <= num_top])
+    return LogprobTensors(token_ids, chosen.squeeze(1), ranks, top_values, top_ids)

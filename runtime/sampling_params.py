@@ -23,7 +23,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     max_tokens: int | None = 16  # None: up to the context length
-    min_tokens: int = 0
+    min_tokens: int = 0  # until this many output tokens exist, eos and stop_token_ids are masked
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -53,6 +53,11 @@ class SamplingParams:
             "must be a positive integer",
         )
         _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "must be >= 0")
+        _check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}",
+        )
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(len(self.stop) <= 16, "stop", "at most 16 stop strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be token ids")

@@ -60,34 +60,111 @@ def test_the_next_step_is_launched_before_the_previous_one_is_read(tiny_llama_ar
     assert outputs[-1].finished and engine.block_pool.num_used_blocks == 0
 
 
-def test_logprobs_and_penalties_switch_to_synchronous_steps(tiny_llama_artifact):  # type: ignore[no-untyped-def]
+def assert_same_logprobs(got, ref) -> None:  # type: ignore[no-untyped-def]
+    """Same positions, same tokens in the same order, same ranks, logprobs within 1e-5."""
+    assert (got is None) == (ref is None)
+    if ref is None:
+        return
+    assert len(got) == len(ref)
+    for a, b in zip(got, ref):
+        if b is None:  # the first prompt position has no logprobs
+            assert a is None
+            continue
+        assert list(a) == list(b)
+        for token in a:
+            assert a[token].rank == b[token].rank
+            assert abs(a[token].logprob - b[token].logprob) < 1e-5
+            assert a[token].decoded_token == b[token].decoded_token
+
+
+def assert_same_outputs(got, ref) -> None:  # type: ignore[no-untyped-def]
+    assert len(got) == len(ref)
+    for g, r in zip(got, ref):
+        assert_same_logprobs(g.prompt_logprobs, r.prompt_logprobs)
+        assert len(g.outputs) == len(r.outputs)
+        for a, b in zip(g.outputs, r.outputs):
+            assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (b.token_ids, b.text, b.finish_reason, b.stop_reason)
+            assert_same_logprobs(a.logprobs, b.logprobs)
+            if b.cumulative_logprob is not None:
+                assert abs(a.cumulative_logprob - b.cumulative_logprob) < 1e-4
+
+
+def test_logprobs_and_penalties_run_asynchronously(tiny_llama_artifact):  # type: ignore[no-untyped-def]
+    # A request asking for logprobs or penalties no longer switches the engine to synchronous
+    # steps: every step after the first is launched before the previous one is read.
     engine = LLMEngine(tiny_llama_artifact, async_scheduling=True)
     plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    lp = SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)
+    pen = SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.3, ignore_eos=True)
     engine.add_request("plain", PROMPTS[0], plain)
     results = {}
     for _ in range(3):
         for o in engine.step():
             results[o.request_id] = o
     assert engine.core._inflight is not None  # running asynchronously
-    engine.add_request("lp", PROMPTS[1], SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True))
-    engine.add_request("pen", PROMPTS[2], SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.3, ignore_eos=True))
+    engine.add_request("lp", PROMPTS[1], lp)
+    engine.add_request("pen", PROMPTS[2], pen)
     while engine.has_unfinished_requests():
         for o in engine.step():
             results[o.request_id] = o
-        assert engine.core._inflight is None or not {"lp", "pen"} & set(engine.output_processor.parents)
-    ref = LLM(tiny_llama_artifact, async_scheduling=False)
-    expected = ref.generate(
-        PROMPTS[:3],
-        [plain, SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True),
-         SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.3, ignore_eos=True)],
-    )
-    assert [results[k].token_ids for k in ("plain", "lp", "pen")] == [o.token_ids for o in expected]
-    got_lp, ref_lp = results["lp"].outputs[0].logprobs, expected[1].outputs[0].logprobs
-    assert len(got_lp) == 6
-    for a, b in zip(got_lp, ref_lp):
-        assert a.keys() == b.keys()
-        assert all(abs(a[t].logprob - b[t].logprob) < 1e-5 for t in a)
+        assert engine.core._inflight is not None or not engine.scheduler.has_unfinished_requests()
+    expected = LLM(tiny_llama_artifact, async_scheduling=False).generate(PROMPTS[:3], [plain, lp, pen])
+    assert_same_outputs([results[k] for k in ("plain", "lp", "pen")], expected)
+    assert len(results["lp"].outputs[0].logprobs) == 6
     assert engine.block_pool.num_used_blocks == 0
+
+
+# Every sampling feature at once, in one batch with plain requests: the asynchronous engine
+# computes penalties, logprobs and prompt logprobs on the device and must give what the
+# synchronous engine (the reference, penalties from the host's token lists) gives.
+MIXED = [
+    SamplingParams(temperature=0, max_tokens=14, logprobs=5, ignore_eos=True),
+    SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=11, max_tokens=14, logprobs=3,
+                   repetition_penalty=1.4, presence_penalty=0.6, frequency_penalty=0.4, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=3, logprobs=0, frequency_penalty=1.5, ignore_eos=True),
+    SamplingParams(temperature=1.0, seed=7, n=2, max_tokens=12, presence_penalty=-1.0, logprobs=1, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+    SamplingParams(temperature=1.2, min_p=0.05, seed=3, max_tokens=10, repetition_penalty=0.8, ignore_eos=True),
+]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"max_num_batched_tokens": 32, "max_num_seqs": 4}, {"max_num_batched_tokens": 256, "max_num_seqs": 8}],
+    ids=["chunked", "roomy"],
+)
+def test_every_sampling_feature_matches_the_synchronous_engine(tiny_llama_artifact, options):  # type: ignore[no-untyped-def]
+    prompts = (ALL_PROMPTS * 2)[: len(MIXED)]
+    sync, got, llm = run_both(tiny_llama_artifact, prompts, MIXED, **options)
+    assert_same_outputs(got, sync)
+    assert got[2].prompt_logprobs is not None and len(got[2].prompt_logprobs) == len(got[2].prompt_token_ids)
+    assert got[3].outputs[0].token_ids != got[3].outputs[1].token_ids  # the n choices have their own streams
+    assert llm.engine.block_pool.num_used_blocks == 0
+    # Rows of penalty state are held only for finished requests (given back when rows are
+    # next needed), never more than the batch needs.
+    penalties = llm.engine.runner.penalties
+    assert all(r.is_finished for r, _ in penalties.rows.values())
+    assert penalties.num_rows <= 8
+
+
+def test_seeded_penalised_requests_survive_preemption_in_both_modes(tiny_llama_artifact):  # type: ignore[no-untyped-def]
+    # Preempted requests recompute their tokens; their penalty rows (output counts) and their
+    # seeded noise (keyed by output position) must carry on as if nothing happened.
+    from test_paging import llm_block_bytes
+
+    params = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=40, repetition_penalty=1.3, frequency_penalty=0.3,
+                       logprobs=2, ignore_eos=True)
+        for i in range(4)
+    ]
+    prompts = ALL_PROMPTS[:4]  # 12 blocks hold fewer than four 50-token sequences
+    options = {"kv_cache_memory": 12 * llm_block_bytes(tiny_llama_artifact), "max_model_len": 64, "enable_prefix_caching": False}
+    sync, got, llm = run_both(tiny_llama_artifact, prompts, params, **options)
+    assert llm.engine.scheduler.num_preemptions > 0
+    alone = LLM(tiny_llama_artifact, async_scheduling=False).generate(prompts, params)
+    assert_same_outputs(got, sync)
+    assert [o.token_ids for o in got] == [o.token_ids for o in alone]
+    assert llm.engine.block_pool.num_used_blocks == 0
 
 
 def test_abort_while_a_step_is_in_flight_frees_everything(tiny_llama_artifact):  # type: ignore[no-untyped-def]

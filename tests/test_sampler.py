@@ -15,7 +15,14 @@ from transformers.generation.logits_process import (
 )
 
 from pagecast.runtime.request import Request
-from pagecast.runtime.sampler import _apply_penalties, _sample_rows, prompt_logprobs, sample
+from pagecast.runtime.sampler import (
+    _apply_penalties,
+    _sample_rows,
+    _top_k_top_p_from_topk,
+    _top_k_top_p_sorted,
+    prompt_logprobs,
+    sample,
+)
 from pagecast.runtime.sampling_params import SamplingParams
 
 VOCAB = 97  # odd, not a power of two
@@ -128,6 +135,36 @@ def test_truncation_keeps_the_exact_transformers_support() -> None:
     assert seen == set(allowed.nonzero().flatten().tolist())
 
 
+@pytest.mark.parametrize("vocab", [VOCAB, 3000])
+def test_truncation_from_topk_matches_the_full_sort_and_transformers(vocab: int) -> None:
+    # Small top_k values take the topk path (no sort of the vocabulary): same masks.
+    rows = 12
+    logits = random_logits(rows, vocab=vocab, seed=13)
+    top_k = [1, 2, 5, 5, 20, 40, 50, 50, 3, 8, 13, 50]
+    top_p = [1.0, 0.5, 0.9, 1.0, 0.95, 0.3, 0.95, 0.99, 0.05, 0.8, 1.0, 0.6]
+    fast = _top_k_top_p_from_topk(logits, top_k, top_p)
+    assert torch.equal(fast, _top_k_top_p_sorted(logits, top_k, top_p))
+    for row, (k, p) in enumerate(zip(top_k, top_p)):
+        params = SamplingParams(temperature=1.0, top_k=k, top_p=p)
+        assert torch.equal(fast[row : row + 1] > float("-inf"), allowed_by_transformers(logits[row : row + 1], params))
+
+
+def test_truncation_from_topk_keeps_ties_with_the_kth_value() -> None:
+    # bf16 logits tie often: transformers' top-k keeps every token equal to the k-th value.
+    logits = torch.full((2, 3000), -5.0)
+    logits[:, :4] = torch.tensor([4.0, 3.0, 2.0, 1.0])
+    logits[:, 1000:1010] = 1.0  # nine more ties with the 4th value, beyond the K best
+    kept = _top_k_top_p_from_topk(logits, [4, 4], [1.0, 0.9]) > float("-inf")
+    assert kept[0].sum() == 14 and kept[0, 1000:1010].all()
+    assert torch.equal(kept[0], allowed_by_transformers(logits[:1], SamplingParams(top_k=4))[0])
+    # p = 0.9: the eleven 1.0 tokens come first in ascending order, ~0.024 of the mass each, so
+    # the first four fall within 1 - p = 0.1 and go. Which four of the equal tokens is arbitrary
+    # (sort order); how many is not.
+    expected = allowed_by_transformers(logits[1:], SamplingParams(top_k=4, top_p=0.9))[0]
+    assert kept[1].sum() == expected.sum() == 10
+    assert kept[1, :3].all() and expected[:3].all()
+
+
 # --- penalties ---------------------------------------------------------------------------------
 
 
@@ -188,18 +225,26 @@ def test_penalties_ignore_ids_outside_the_logits_vocabulary() -> None:
 # --- seeds and the distribution ----------------------------------------------------------------
 
 
+def generate(logits: torch.Tensor, requests: list[Request], steps: int) -> list[list[int]]:
+    """Sample ``steps`` tokens per row with fixed logits, appending each to its request (the
+    seeded noise is keyed by the index of the output token being sampled)."""
+    streams: list[list[int]] = [[] for _ in requests]
+    for _ in range(steps):
+        for request, stream, token in zip(requests, streams, sample(logits, requests).token_ids):
+            request.append_output_token(token)
+            stream.append(token)
+    return streams
+
+
 def test_seeded_sampling_is_reproducible_and_batch_independent() -> None:
     logits = random_logits(6, seed=6, scale=1.0)
 
-    def run(rows: list[int]) -> list[int]:
+    def run(rows: list[int], **other) -> list[int]:  # type: ignore[no-untyped-def]
         requests = [
-            make_request(index=0, temperature=1.0, seed=1234) if r == 0 else make_request(index=r)
+            make_request(index=0, temperature=1.0, seed=1234) if r == 0 else make_request(index=r, **other)
             for r in rows
         ]
-        tokens = []
-        for _ in range(20):
-            tokens.append(sample(logits[rows], requests).token_ids[rows.index(0)])
-        return tokens
+        return generate(logits[rows], requests, 20)[rows.index(0)]
 
     alone = run([0])
     torch.manual_seed(99)  # the other rows' shared randomness must not matter
@@ -207,19 +252,41 @@ def test_seeded_sampling_is_reproducible_and_batch_independent() -> None:
     assert run([3, 0, 5]) == alone
     assert run([2, 4, 1, 0]) == alone
     assert len(set(alone)) > 1
-    # Truncation on another row (which sorts the batch) must not change the seeded row either.
-    requests = [make_request(index=0, temperature=1.0, seed=1234), make_request(index=1, top_k=3, top_p=0.5)]
-    assert [sample(logits[[0, 1]], requests).token_ids[0] for _ in range(20)] == alone
+    # Truncation or a seed on another row must not change the seeded row either.
+    assert run([0, 1], top_k=3, top_p=0.5) == alone
+    assert run([1, 0], seed=99) == alone
+
+
+def test_seeded_noise_depends_on_seed_choice_and_position_only() -> None:
+    # The stream is a function of (seed, choice index, output position): a preempted request
+    # that recomputes its tokens, or the asynchronous engine, draws the same noise.
+    logits = random_logits(1, seed=12, scale=0.5)
+    a = make_request(index=0, seed=3)
+    b = make_request(index=0, seed=3)
+    for token in [5, 6, 7]:
+        b.append_output_token(token)
+    first = generate(logits, [a], 6)[0]
+    assert generate(logits, [b], 3)[0] == first[3:]
+    assert generate(logits, [make_request(index=0, seed=4)], 6)[0] != first
 
 
 def test_n_choices_with_one_seed_differ_but_repeat() -> None:
     logits = random_logits(1, seed=7, scale=0.5)
-    streams = []
-    for _ in range(2):
-        requests = [make_request(index=i, seed=5) for i in range(3)]
-        streams.append([tuple(sample(logits.expand(3, -1), requests).token_ids) for _ in range(10)])
+    streams = [generate(logits.expand(3, -1), [make_request(index=i, seed=5) for i in range(3)], 10) for _ in range(2)]
     assert streams[0] == streams[1]
-    assert len({column for column in zip(*streams[0])}) == 3
+    assert len({tuple(s) for s in streams[0]}) == 3
+
+
+def test_seeded_sampling_matches_softmax() -> None:
+    # Keyed noise gives the same distribution as the generator's: many seeds, one draw each.
+    vocab = 6
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    expected = torch.softmax(logits[0], -1)
+    rows = 4000
+    requests = [make_request(index=0, temperature=1.0, seed=s) for s in range(rows)]
+    counts = torch.bincount(torch.tensor(sample(logits.expand(rows, -1), requests).token_ids), minlength=vocab).float()
+    chi2 = float((((counts - rows * expected) ** 2) / (rows * expected)).sum())
+    assert chi2 < 20.5, f"chi-square {chi2:.1f} over 5 degrees of freedom (p < 0.001)"
 
 
 def test_unseeded_sampling_matches_softmax() -> None:
