@@ -202,5 +202,37 @@ def verify_files(
             )
 
 
+def check_no_unlisted_files(artifact_dir: str | os.PathLike[str], manifest: Manifest) -> None:
+    """Refuse an artifact holding files its manifest does not list.
+
+    Nothing is written into an artifact after enginebuild hashed it (the runtime compiles
+    model.py from its verified bytes and serves Triton's cache from a private copy), so an
+    extra file means the directory was changed. It is refused rather than ignored: a file
+    placed next to the hashed ones (bytecode that Python would prefer to model.py, a module
+    that shadows an import) is how an artifact is swapped without changing a hashed file.
+    """
+    root = Path(artifact_dir)
+    unlisted = []
+    for dirpath, _, filenames in os.walk(root):
+        for fn in filenames:
+            rel = (Path(dirpath) / fn).relative_to(root).as_posix()
+            if rel != MANIFEST and rel not in manifest.files:
+                unlisted.append(rel)
+    if not unlisted:
+        return
+    unlisted.sort()
+    shown = ", ".join(unlisted[:5]) + (f" and {len(unlisted) - 5} more" if len(unlisted) > 5 else "")
+    hint = ""
+    if any(rel.split("/")[0] == "__pycache__" for rel in unlisted):
+        hint = (
+            f" (__pycache__ is bytecode an older pagecast let Python write there: delete it with "
+            f"`rm -r {root / '__pycache__'}`)"
+        )
+    raise ArtifactError(
+        f"{root}: files not listed in the manifest: {shown}{hint}. An artifact must hold exactly the "
+        "files enginebuild wrote; remove the extra files or rebuild the artifact with enginebuild"
+    )
+
+
 def is_weight_file(rel: str) -> bool:
     return rel.startswith("weights/")

@@ -5,7 +5,8 @@
 
 SIGTERM (or Ctrl-C) drains: new requests get 503, running ones finish (at most
 --shutdown-timeout seconds, then they are aborted), and the process exits 0. A second
-signal exits at once.
+signal ends the open requests at once (streams get an error event and ``data: [DONE]``,
+the others a 503) and exits; a third exits without waiting for them.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from types import FrameType
 from typing import Any
 
 import click
+
+from pagecast.runtime.server.limits import DEFAULT_MAX_REQUEST_BYTES
 
 logger = logging.getLogger("pagecast.server")
 
@@ -92,6 +95,13 @@ _ENGINE_OPTIONS = (
     help="Sequences that may wait for a slot, per model, beyond --max-num-seqs; more get 429.",
 )
 @click.option(
+    "--max-request-bytes",
+    default=DEFAULT_MAX_REQUEST_BYTES,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Largest request body accepted; larger ones get 413 before they are parsed.",
+)
+@click.option(
     "--shutdown-timeout",
     default=30.0,
     show_default=True,
@@ -116,6 +126,7 @@ def main(
     served_model_names: tuple[str, ...],
     no_prefix_caching: bool,
     max_queue: int,
+    max_request_bytes: int,
     shutdown_timeout: float,
     log_format: str,
     log_level: str,
@@ -139,7 +150,7 @@ def main(
 
     from pagecast.runtime.server.app import create_app, server_state
 
-    app = create_app(engines, api_key=api_key or None, max_queue=max_queue)
+    app = create_app(engines, api_key=api_key or None, max_queue=max_queue, max_request_bytes=max_request_bytes)
     config = uvicorn.Config(
         app,
         host=host,
@@ -309,6 +320,7 @@ class _DrainingServer:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.draining = False
         self.watch_engines: dict[str, Any] = {}  # served engines: one dying ends the server (status 1)
+        self.cutting = False
 
     @property
     def started(self) -> bool:
@@ -318,9 +330,18 @@ class _DrainingServer:
         self.server.run()
 
     def on_signal(self, sig: int) -> None:
-        if self.draining or self.loop is None:
+        if self.loop is None:  # not serving yet: nothing to drain
             self.server.should_exit = True
             self.server.force_exit = True
+            return
+        if self.cutting:  # a third signal: stop without waiting for anything
+            self.server.should_exit = True
+            self.server.force_exit = True
+            return
+        if self.draining:
+            self.cutting = True
+            logger.info("received %s again: ending open requests now", signal.Signals(sig).name)
+            self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._cut()))  # type: ignore[union-attr]
             return
         self.draining = True
         logger.info(
@@ -335,6 +356,18 @@ class _DrainingServer:
 
         try:
             await drain(self.get_state(), self.shutdown_timeout)
+        finally:
+            self.server.should_exit = True
+
+    async def _cut(self) -> None:
+        """The second signal: end every open response now, with an error event and ``[DONE]``
+        for streams and a 503 for the others, then let uvicorn close. Cancelling them instead
+        (uvicorn's force exit) would cut streams mid-event, log their requests as 200 and
+        print a CancelledError traceback for each."""
+        from pagecast.runtime.server.app import cut
+
+        try:
+            await cut(self.get_state())
         finally:
             self.server.should_exit = True
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import atexit
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
 import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,7 +24,13 @@ from typing import Any
 import torch
 
 from pagecast.runtime import artifact
-from pagecast.runtime.artifact import Manifest, is_weight_file, load_manifest, verify_files
+from pagecast.runtime.artifact import (
+    Manifest,
+    check_no_unlisted_files,
+    is_weight_file,
+    load_manifest,
+    verify_files,
+)
 from pagecast.runtime.errors import ArtifactError
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -77,18 +83,43 @@ def check_device(manifest: Manifest) -> torch.device:
     return torch.device("cuda", 0)
 
 
-def import_model_module(path: Path) -> Any:
-    source = path / "model.py"
-    name = "pagecast_artifact_" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
-    spec = importlib.util.spec_from_file_location(name, source)
-    if spec is None or spec.loader is None:
-        raise ArtifactError(f"{source} cannot be imported")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
+MODEL_FILE = "model.py"
+
+
+def import_model_module(path: Path, manifest: Manifest | None = None) -> Any:
+    """Run the artifact's model.py as a fresh module and return it.
+
+    The file is read once; those bytes are checked against the manifest's sha256 and are the
+    bytes compiled and executed. Python's import machinery is not used: it would prefer a
+    ``__pycache__/model.*.pyc`` whose header matches model.py's mtime and size (bytecode
+    nobody hashed) and would write bytecode into the artifact. Here no bytecode is read from
+    or written to the artifact directory.
+    """
+    manifest = manifest if manifest is not None else load_manifest(path)
+    source_path = path / MODEL_FILE
+    expected = manifest.files.get(MODEL_FILE)
+    if expected is None:
+        raise ArtifactError(f"{path}: the manifest does not list {MODEL_FILE}; rebuild the artifact with enginebuild")
     try:
-        spec.loader.exec_module(module)
+        source = source_path.read_bytes()
+    except OSError as e:
+        raise ArtifactError(f"{source_path} cannot be read ({e}); rebuild the artifact") from e
+    actual = hashlib.sha256(source).hexdigest()
+    if actual != expected:
+        raise ArtifactError(
+            f"{path}: file {MODEL_FILE} does not match the manifest (sha256 {actual[:12]}… expected "
+            f"{expected[:12]}…): the artifact was modified or corrupted; rebuild it with enginebuild"
+        )
+    name = "pagecast_artifact_" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+    module = types.ModuleType(name)
+    module.__file__ = str(source_path)
+    sys.modules[name] = module  # dataclasses and typing look their module up by name
+    try:
+        code = compile(source, str(source_path), "exec", dont_inherit=True)
+        exec(code, module.__dict__)  # noqa: S102 - the verified model code of the artifact
     except Exception as e:
-        raise ArtifactError(f"{source} failed to import ({e}); rebuild the artifact with this pagecast") from e
+        sys.modules.pop(name, None)
+        raise ArtifactError(f"{source_path} failed to import ({e}); rebuild the artifact with this pagecast") from e
     return module
 
 
@@ -185,6 +216,7 @@ def load_artifact(
     engine-core process needs no tokenizer (the server detokenizes): ``load_tokenizer=False``."""
     path = Path(artifact_dir)
     manifest = load_manifest(path)
+    check_no_unlisted_files(path, manifest)
     verify_files(path, manifest, include=lambda rel: not is_weight_file(rel))
     for rel in manifest.files:
         if is_weight_file(rel) and not (path / rel).is_file():
@@ -206,7 +238,7 @@ def load_artifact(
 
     tuning = json.loads((path / "tuning.json").read_text())
     kernels = ops.configure(tuning.get("kernels"), use_triton=device.type == "cuda")
-    module = import_model_module(path)
+    module = import_model_module(path, manifest)
     timings["prepare"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     weights, fill = open_rank_weights(path, manifest, device, 0, verify_weights)

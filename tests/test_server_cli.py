@@ -50,7 +50,12 @@ def test_served_model_names_must_match_artifacts(tmp_path):  # type: ignore[no-u
 
 
 def test_bad_option_values_are_usage_errors(tmp_path):  # type: ignore[no-untyped-def]
-    for args in (["--max-queue", "-1"], ["--gpu-memory-utilization", "1.5"], ["--log-format", "xml"]):
+    for args in (
+        ["--max-queue", "-1"],
+        ["--gpu-memory-utilization", "1.5"],
+        ["--log-format", "xml"],
+        ["--max-request-bytes", "0"],
+    ):
         result = CliRunner().invoke(main, [str(tmp_path), *args])
         assert result.exit_code == 2, args
 
@@ -175,3 +180,99 @@ def test_sigterm_drains_then_exits_zero(tiny_artifact_factory, tmp_path):  # typ
     assert short["request_id"].startswith("cmpl-") and 0 <= short["ttft_s"] <= short["total_s"]
     assert any(line["finish_reason"] == "abort" for line in requests)
     assert any(line.get("logger", "").startswith("uvicorn") for line in lines)  # uvicorn logs as JSON too
+
+
+def _start_engine_serve(artifact: Path, log_path: Path, *args: str) -> tuple[subprocess.Popen, str]:  # type: ignore[type-arg]
+    """engine-serve on a free port, JSON logs to ``log_path``; returns (process, base URL)
+    once /health answers 200."""
+    port = _free_port()
+    exe = Path(sys.executable).with_name("engine-serve")
+    cmd = [
+        *([str(exe)] if exe.exists() else [sys.executable, "-m", "pagecast.runtime.cli"]),
+        str(artifact),
+        "--port",
+        str(port),
+        "--served-model-name",
+        "tiny",
+        "--kv-cache-memory",
+        "16MiB",
+        "--log-format",
+        "json",
+        *args,
+    ]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(log_path.read_text())
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("engine-serve did not come up")
+        time.sleep(0.2)
+
+
+def test_second_sigterm_ends_streams_with_an_error_event(tiny_artifact_factory, tmp_path):  # type: ignore[no-untyped-def]
+    """The second signal used to cut streams mid-response (no error, no [DONE]), log a
+    CancelledError traceback per request and log them as status 200."""
+    artifact = tiny_artifact_factory("llama", max_position_embeddings=2048)
+    log_path = tmp_path / "stderr.log"
+    proc, base = _start_engine_serve(artifact, log_path, "--shutdown-timeout", "60")
+    try:
+        url = f"{base}/v1/completions"
+        stream_out: dict = {}
+        stream_first = threading.Event()
+        long_body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2000, "ignore_eos": True}
+        streamer = threading.Thread(
+            target=_stream, args=(url, {**long_body, "stream": True}, stream_out, stream_first)
+        )
+        streamer.start()
+        assert stream_first.wait(30)
+        plain: dict = {}
+
+        def non_streaming() -> None:
+            r = httpx.post(url, json=long_body, timeout=60)
+            plain.update(status=r.status_code, body=r.json())
+
+        waiter = threading.Thread(target=non_streaming)
+        waiter.start()
+        time.sleep(0.5)
+
+        proc.send_signal(signal.SIGTERM)  # drain: both keep running (timeout 60 s)
+        time.sleep(0.5)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)  # now: end them
+        streamer.join(30)
+        waiter.join(30)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    assert stream_out["status"] == 200
+    events = stream_out["events"]
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2][len("data: ") :])["error"]
+    assert error["code"] == "shutting_down" and error["type"] == "server_error"
+    assert len(events) > 3  # it had streamed tokens before
+    assert plain["status"] == 503 and plain["body"]["error"]["code"] == "shutting_down"
+
+    text = log_path.read_text()
+    assert "Traceback" not in text and "CancelledError" not in text, text[-3000:]
+    finished = []
+    for raw in text.splitlines():
+        try:
+            line = json.loads(raw)
+        except ValueError:
+            continue
+        if line.get("message") == "request finished":
+            finished.append(line)
+    assert len(finished) == 2, finished
+    assert all(line["status"] == 503 for line in finished), finished

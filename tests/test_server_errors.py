@@ -50,6 +50,8 @@ def assert_error(
     assert set(err) == {"message", "type", "param", "code"}
     assert err["type"] == type_
     assert err["param"] == param
+    # Every 4xx and 5xx carries a machine-readable code (clients branch on it).
+    assert isinstance(err["code"], str) and err["code"], err
     if code is not None:
         assert err["code"] == code
     assert isinstance(err["message"], str) and err["message"]
@@ -158,6 +160,35 @@ def test_chat_bad_values_are_400_naming_the_param(server, body, param, says):  #
     assert_error(
         post(server, "/v1/chat/completions", body), 400, "invalid_request_error", param=param, says=says
     )
+
+
+@pytest.mark.parametrize(
+    "body, param, code",
+    [
+        ({"model": MODEL, "prompt": [[1, 2], [10**9]]}, "prompt", "invalid_token_id"),
+        ({"model": MODEL, "prompt": "", "max_tokens": 1}, "prompt", "invalid_value"),
+        ({"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens", "invalid_value"),
+    ],
+)
+def test_errors_that_had_no_code(server, body, param, code):  # type: ignore[no-untyped-def]
+    """These four answered ``code: null`` (issue 11)."""
+    assert_error(post(server, "/v1/completions", body), 400, "invalid_request_error", param=param, code=code)
+
+
+@pytest.mark.parametrize("name", ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"])
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_non_finite_numbers_are_named(server, name, literal):  # type: ignore[no-untyped-def]
+    """NaN fails every range check, so it used to be answered "should be <= 2"; it is named."""
+    content = f'{{"model": "{MODEL}", "prompt": "hi", "max_tokens": 1, "{name}": {literal}}}'.encode()
+    r = post(server, "/v1/completions", content=content, headers={**AUTH, "Content-Type": "application/json"})
+    err = assert_error(r, 400, "invalid_request_error", param=name, code="invalid_value", says="finite number")
+    assert "<=" not in err["message"] and ">=" not in err["message"]
+    chat = (
+        f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "hi"}}], "{name}": {literal}}}'
+    ).encode()
+    r = post(server, "/v1/chat/completions", content=chat, headers={**AUTH, "Content-Type": "application/json"})
+    assert_error(r, 400, "invalid_request_error", param=name, code="invalid_value", says="finite number")
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@ import anyio
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -29,6 +30,7 @@ from pagecast.runtime import __version__
 from pagecast.runtime.errors import EngineDeadError, InvalidRequestError
 from pagecast.runtime.server import errors
 from pagecast.runtime.server.errors import APIError
+from pagecast.runtime.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from pagecast.runtime.server.serving import ServerState
 from pagecast.runtime.server.serving_chat import create_chat_completion
 from pagecast.runtime.server.serving_completions import create_completion
@@ -44,6 +46,7 @@ def create_app(
     max_queue: int = 256,
     *,
     manage_engines: bool = True,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> Starlette:
     """An app serving ``engines`` (served model name -> AsyncEngine).
 
@@ -53,6 +56,7 @@ def create_app(
     ``max_num_seqs`` running ones; more get 429 with Retry-After.
     ``manage_engines``: start the engines when the app starts and shut them down when it
     stops (turn off to share engines between apps).
+    ``max_request_bytes``: larger request bodies get 413 before they are parsed.
     """
     state = ServerState(engines, api_key, max_queue)
 
@@ -78,7 +82,12 @@ def create_app(
         Route("/version", _open(state, _version), methods=["GET"]),
         Route("/metrics", _open(state, _metrics), methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_exception})
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={HTTPException: _http_exception},
+        middleware=[Middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)],
+    )
     app.state.server = state
     return app
 
@@ -101,6 +110,18 @@ async def drain(state: ServerState, timeout_s: float, grace_s: float = 5.0) -> N
         deadline = time.monotonic() + grace_s
         while state.runs and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+
+
+async def cut(state: ServerState, grace_s: float = 5.0) -> None:
+    """Stop now (the second signal): every open stream ends with an error event and
+    ``data: [DONE]``, every waiting non-streaming request gets a 503, and their engine
+    requests are aborted; returns when they have all answered (at most ``grace_s``)."""
+    state.draining = True
+    state.cutting = True
+    state.abort_all()
+    deadline = time.monotonic() + grace_s
+    while state.runs and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
 
 
 def _check_api_key(state: ServerState, request: Request) -> None:
@@ -127,6 +148,8 @@ def _api(state: ServerState, handler: Handler) -> Callable[[Request], Awaitable[
             _check_api_key(state, request)
             return await handler(request, state)
         except APIError as exc:
+            if state.cutting and exc.status_code >= 500:
+                exc = errors.cut_by_shutdown()  # aborted by the second signal, not an engine fault
             return _error_response(state, exc)
         except (InvalidRequestError, EngineDeadError) as exc:
             return _error_response(state, errors.from_engine_error(exc, "the requested model"))
@@ -152,7 +175,9 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
             404, f"Unknown route {request.method} {request.url.path}.", code="not_found"
         ).response()
     if status == 405:
-        return APIError(405, f"Method {request.method} is not allowed on {request.url.path}.").response()
+        return APIError(
+            405, f"Method {request.method} is not allowed on {request.url.path}.", code="method_not_allowed"
+        ).response()
     return APIError(status, str(getattr(exc, "detail", exc))).response()
 
 

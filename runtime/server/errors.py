@@ -7,6 +7,7 @@ engine's ``InvalidRequestError``) are all turned into 400s here, naming the para
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,6 +15,17 @@ from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
 from pagecast.runtime.errors import EngineDeadError, InvalidRequestError
+
+_STATUS_CODES = {
+    400: "invalid_value",
+    401: "invalid_api_key",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+    429: "queue_full",
+    500: "internal_error",
+    503: "unavailable",
+}
 
 
 class APIError(Exception):
@@ -36,7 +48,8 @@ class APIError(Exception):
         self.message = message
         self.type = type
         self.param = param
-        self.code = code
+        # Clients branch on the code; an error raised without one still gets the status's.
+        self.code = code if code is not None else _STATUS_CODES.get(status_code, "error")
         self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
@@ -46,8 +59,30 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
 
 
-def invalid_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+def invalid_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
+    """A 400. Every 4xx carries a ``code`` clients can branch on; ``invalid_value`` is the
+    generic one (as OpenAI uses it), more specific ones are passed where they exist."""
     return APIError(400, message, param=param, code=code)
+
+
+def body_too_large(limit: int) -> APIError:
+    return APIError(
+        413,
+        f"The request body is larger than this server accepts ({limit:,} bytes; engine-serve "
+        "--max-request-bytes). Send fewer or shorter prompts per request.",
+        code="request_too_large",
+    )
+
+
+def too_many_sequences(num_seqs: int, limit: int, num_prompts: int | None = None, n: int | None = None) -> APIError:
+    detail = f" ({num_prompts} prompt(s) x n={n})" if num_prompts is not None else ""
+    return APIError(
+        400,
+        f"This request asks for {num_seqs} sequences{detail}; this server takes at most {limit} per "
+        "request (--max-num-seqs + --max-queue). Split it into smaller requests.",
+        param=("n" if num_prompts == 1 else "prompt") if num_prompts is not None else None,
+        code="too_many_sequences",
+    )
 
 
 def unsupported(param: str, detail: str = "") -> APIError:
@@ -77,6 +112,15 @@ def shutting_down() -> APIError:
     return APIError(
         503,
         "The server is shutting down and no longer accepts requests.",
+        type="server_error",
+        code="shutting_down",
+    )
+
+
+def cut_by_shutdown() -> APIError:
+    return APIError(
+        503,
+        "The server was told to stop at once (a second signal) and cut this response short.",
         type="server_error",
         code="shutting_down",
     )
@@ -118,12 +162,23 @@ def from_validation_error(exc: ValidationError) -> APIError:
     param, in_union = _param_from_loc(loc)
     if err["type"] == "model_type" and not loc:
         return invalid_request("The request body must be a JSON object.", code="invalid_json")
+    if err["type"] == "finite_number" or _is_non_finite(err.get("input")):
+        # NaN fails every range check, so pydantic would say "should be <= 2": name the real problem.
+        return invalid_request(
+            f"Invalid value for `{param}`: must be a finite number (got {err.get('input')!r}).",
+            param=param,
+            code="invalid_value",
+        )
     msg = err["msg"]
     msg = msg.removeprefix("Value error, ")
     if in_union:
         msg = f"wrong type ({msg[:1].lower() + msg[1:]}, or one of the other accepted types)"
     code = "missing_required_parameter" if err["type"] == "missing" else "invalid_value"
     return invalid_request(f"Invalid value for `{param}`: {msg}", param=param, code=code)
+
+
+def _is_non_finite(value: Any) -> bool:
+    return isinstance(value, float) and not math.isfinite(value)
 
 
 def from_sampling_value_error(exc: ValueError, rename: Mapping[str, str] | None = None) -> APIError:
@@ -140,7 +195,7 @@ def from_engine_error(exc: BaseException, model: str) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, InvalidRequestError):
-        return invalid_request(exc.message, param=exc.param, code=exc.code)
+        return invalid_request(exc.message, param=exc.param, code=exc.code or "invalid_value")
     if isinstance(exc, EngineDeadError):
         return engine_dead(model, str(exc))
     if isinstance(exc, ValueError):

@@ -40,8 +40,16 @@ MIN_SEED, MAX_SEED = -(2**31), 2**32 - 1
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 
+# NaN and infinities are refused by name ("must be a finite number") instead of failing a
+# range check with a confusing message (NaN is neither <= 2 nor >= 0).
+_CONFIG = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    """``include_usage``: a usage-only chunk before ``[DONE]``. ``continuous_usage_stats``:
+    also the usage so far in every chunk (vLLM's extension)."""
+
+    model_config = _CONFIG
 
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -50,7 +58,7 @@ class StreamOptions(BaseModel):
 class _SamplingRequest(BaseModel):
     """Fields common to /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = _CONFIG
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -104,6 +112,10 @@ class _SamplingRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
     def _sampling_params(
         self,
@@ -209,14 +221,14 @@ def _is_token_id(value: Any) -> bool:
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = _CONFIG
 
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = _CONFIG
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None

@@ -66,6 +66,8 @@ class ServerState:
         self.api_key = api_key
         self.max_queue = max_queue
         self.draining = False
+        # Set by a second shutdown signal: open streams end at once with an error event.
+        self.cutting = False
         self._in_flight: dict[str, int] = dict.fromkeys(engines, 0)
         self.runs: set[GenerationRun] = set()
         self.metrics = ServerMetrics(engines, lambda: dict(self._in_flight))
@@ -84,16 +86,32 @@ class ServerState:
             raise errors.model_not_found(model)
         return served
 
+    def max_request_seqs(self, model: ServedModel) -> int:
+        """The most sequences one request may ask for: what the engine runs at once plus what
+        may wait. A larger request could only be admitted by locking every other client out
+        until it is done, so it is refused instead."""
+        return model.max_running + self.max_queue
+
+    def check_request_size(self, model: ServedModel, num_prompts: int, n: int) -> None:
+        """400 ``too_many_sequences`` for a request that can never be admitted (safe from any
+        thread: it reads only configuration)."""
+        limit = self.max_request_seqs(model)
+        if num_prompts * n > limit:
+            raise errors.too_many_sequences(num_prompts * n, limit, num_prompts, n)
+
     def admit(self, model: ServedModel, num_seqs: int) -> None:
         """Reserve ``num_seqs`` sequences, or refuse: the engine runs ``max_running`` at once
-        and ``max_queue`` more may wait. A request larger than that is still admitted when
-        nothing else is in flight, so that it cannot starve."""
+        and ``max_queue`` more may wait. A request that could never fit is a 400 (it would
+        starve everyone else while it runs); one that does not fit now is a 429."""
         if self.draining:
             raise errors.shutting_down()
         if not model.engine.is_alive():
             raise errors.engine_dead(model.name)
+        limit = self.max_request_seqs(model)
+        if num_seqs > limit:
+            raise errors.too_many_sequences(num_seqs, limit)
         in_flight = self._in_flight[model.name]
-        if in_flight > 0 and in_flight + num_seqs > model.max_running + self.max_queue:
+        if in_flight + num_seqs > limit:
             raise errors.queue_full(RETRY_AFTER_S)
         self._in_flight[model.name] = in_flight + num_seqs
 

@@ -7,16 +7,20 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 from starlette.requests import Request
 from starlette.responses import Response
 
 from pagecast.runtime.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pagecast.runtime.sampling_params import SamplingParams
 from pagecast.runtime.server import errors
 from pagecast.runtime.server.chat import render_chat_prompt
 from pagecast.runtime.server.errors import APIError
+from pagecast.runtime.server.limits import check_text_size
 from pagecast.runtime.server.protocol import ChatCompletionRequest, parse_request
 from pagecast.runtime.server.serving import (
     GenerationRun,
+    ServedModel,
     ServerState,
     TokenTexts,
     check_prompt_fits,
@@ -31,13 +35,10 @@ ENDPOINT = "/v1/chat/completions"
 
 
 async def create_chat_completion(request: Request, state: ServerState) -> Response:
-    req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await request.body())
-    model = state.resolve(req.model)
-    prompt_ids = render_chat_prompt(model.engine.tokenizer, req.messages, req.add_generation_prompt)
-    max_tokens = req.requested_max_tokens
-    check_prompt_fits(model, prompt_ids, max_tokens, "messages")
-    params = req.to_sampling_params(max_tokens)
-
+    body = await request.body()
+    # Parsing, templating and tokenizing cost time proportional to the request: off the event
+    # loop, so /health and running streams keep their pace whatever one request sends.
+    req, model, prompt_ids, params = await anyio.to_thread.run_sync(_prepare, body, state)
     run = GenerationRun(state, model, new_request_id("chatcmpl"), ENDPOINT, [prompt_ids], params)
     created = int(time.time())
     texts = TokenTexts(model.engine.tokenizer)
@@ -45,9 +46,26 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         request,
         run,
         req.stream,
-        lambda: _stream(req, run, model.name, created, texts),
-        lambda finals: _response(req, run, model.name, created, finals[0], texts),
+        lambda: _stream(req, run, model.name, created, texts, state),
+        lambda finals: _response(req, run, model.name, created, finals[0], texts, state),
     )
+
+
+def _prepare(body: bytes, state: ServerState) -> tuple[ChatCompletionRequest, ServedModel, list[int], SamplingParams]:
+    """Everything before the engine, in a worker thread (touches no shared mutable state)."""
+    req: ChatCompletionRequest = parse_request(ChatCompletionRequest, body)
+    model = state.resolve(req.model)
+    state.check_request_size(model, 1, req.n)
+    tokenizer = model.engine.tokenizer
+    if tokenizer is not None:
+        # The template writes every message's text into the prompt: if the texts alone are too
+        # long for the context, refuse before rendering and tokenizing them.
+        chars = sum(len(m.text(i)) for i, m in enumerate(req.messages))
+        check_text_size(chars, tokenizer, int(model.engine.max_model_len), "messages")
+    prompt_ids = render_chat_prompt(tokenizer, req.messages, req.add_generation_prompt)
+    max_tokens = req.requested_max_tokens
+    check_prompt_fits(model, prompt_ids, max_tokens, "messages")
+    return req, model, prompt_ids, req.to_sampling_params(max_tokens)
 
 
 def _logprob_entries(
@@ -84,7 +102,10 @@ def _response(
     created: int,
     out: RequestOutput,
     texts: TokenTexts,
+    state: ServerState,
 ) -> dict[str, Any]:
+    if state.cutting:
+        raise errors.cut_by_shutdown()  # the outputs were cut short by the second signal
     choices = []
     for o in sorted(out.outputs, key=lambda o: o.index):
         if o.finish_reason == "error":
@@ -118,7 +139,12 @@ def _response(
 
 
 async def _stream(
-    req: ChatCompletionRequest, run: GenerationRun, model_name: str, created: int, texts: TokenTexts
+    req: ChatCompletionRequest,
+    run: GenerationRun,
+    model_name: str,
+    created: int,
+    texts: TokenTexts,
+    state: ServerState,
 ) -> AsyncIterator[bytes]:
     """OpenAI's chunk sequence per choice: a first delta with the role, content deltas, then
     an empty delta carrying ``finish_reason``; a usage-only chunk last when asked."""
@@ -145,7 +171,9 @@ async def _stream(
             "model": model_name,
             "choices": [choice],
         }
-        if req.include_usage:
+        if req.continuous_usage:
+            payload["usage"] = usage(prompt_tokens, sum(num_tokens.values()))
+        elif req.include_usage:
             payload["usage"] = None
         return sse_event(payload)
 
@@ -156,6 +184,8 @@ async def _stream(
     k = req.top_logprobs or 0
     try:
         async for _, out in run.outputs():
+            if state.cutting:
+                raise errors.cut_by_shutdown()
             prompt_tokens = len(out.prompt_token_ids)
             for o in out.outputs:
                 if o.finish_reason == "error":

@@ -12,12 +12,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 from starlette.requests import Request
 from starlette.responses import Response
 
 from pagecast.runtime.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pagecast.runtime.sampling_params import SamplingParams
 from pagecast.runtime.server import errors
 from pagecast.runtime.server.errors import APIError
+from pagecast.runtime.server.limits import check_text_size
 from pagecast.runtime.server.protocol import CompletionRequest, parse_request
 from pagecast.runtime.server.serving import (
     GenerationRun,
@@ -36,17 +39,12 @@ ENDPOINT = "/v1/completions"
 
 
 async def create_completion(request: Request, state: ServerState) -> Response:
-    req: CompletionRequest = parse_request(CompletionRequest, await request.body())
-    model = state.resolve(req.model)
-    prompt_ids, prompt_texts = _tokenize_prompts(req, model)
-    # max_tokens 0 with echo scores the prompt only: generate one token (the engine needs
-    # one step to compute prompt logprobs) and leave it out of the answer.
-    score_only = req.max_tokens == 0
-    max_tokens = 1 if score_only else req.max_tokens
-    for ids in prompt_ids:
-        check_prompt_fits(model, ids, max_tokens, "prompt")
-    params = req.to_sampling_params(max_tokens)
-
+    body = await request.body()
+    # Parsing and tokenizing cost time proportional to the request: off the event loop, so
+    # /health and running streams keep their pace whatever one request sends.
+    req, model, prompt_ids, prompt_texts, score_only, params = await anyio.to_thread.run_sync(
+        _prepare, body, state
+    )
     run = GenerationRun(state, model, new_request_id("cmpl"), ENDPOINT, prompt_ids, params)
     created = int(time.time())
     texts = TokenTexts(model.engine.tokenizer)
@@ -54,18 +52,42 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         request,
         run,
         req.stream,
-        lambda: _stream(req, run, model.name, created, prompt_texts, texts),
-        lambda finals: _response(req, run, model.name, created, finals, prompt_texts, texts, score_only),
+        lambda: _stream(req, run, model.name, created, prompt_texts, texts, state),
+        lambda finals: _response(req, run, model.name, created, finals, prompt_texts, texts, score_only, state),
     )
 
 
+def _prepare(
+    body: bytes, state: ServerState
+) -> tuple[CompletionRequest, ServedModel, list[list[int]], list[str | None], bool, SamplingParams]:
+    """Everything before the engine: parse, check the request's size, tokenize, check that
+    each prompt fits. Runs in a worker thread; touches no shared mutable state."""
+    req: CompletionRequest = parse_request(CompletionRequest, body)
+    model = state.resolve(req.model)
+    state.check_request_size(model, len(req.prompts), req.n)
+    # max_tokens 0 with echo scores the prompt only: generate one token (the engine needs
+    # one step to compute prompt logprobs) and leave it out of the answer.
+    score_only = req.max_tokens == 0
+    max_tokens = 1 if score_only else req.max_tokens
+    prompt_ids, prompt_texts = _tokenize_prompts(req, model)
+    for ids in prompt_ids:
+        check_prompt_fits(model, ids, max_tokens, "prompt")
+    params = req.to_sampling_params(max_tokens)
+    return req, model, prompt_ids, prompt_texts, score_only, params
+
+
 def _tokenize_prompts(req: CompletionRequest, model: ServedModel) -> tuple[list[list[int]], list[str | None]]:
-    """Token ids of every prompt and, for text prompts, the text (echoed as sent)."""
+    """Token ids of every prompt and, for text prompts, the text (echoed as sent). A text
+    too long to fit the context whatever its tokens is refused before it is tokenized."""
     ids: list[list[int]] = []
     texts: list[str | None] = []
     vocab_size = model.vocab_size
+    max_model_len = int(model.engine.max_model_len)
     for prompt in req.prompts:
         if isinstance(prompt, str):
+            tokenizer = model.engine.tokenizer
+            if tokenizer is not None:
+                check_text_size(len(prompt), tokenizer, max_model_len, "prompt")
             ids.append(model.tokenize(prompt))
             texts.append(prompt)
         else:
@@ -74,6 +96,7 @@ def _tokenize_prompts(req: CompletionRequest, model: ServedModel) -> tuple[list[
                 raise errors.invalid_request(
                     f"Token id {bad} in `prompt` is out of range: the vocabulary has {vocab_size} tokens.",
                     "prompt",
+                    "invalid_token_id",
                 )
             ids.append(list(prompt))
             texts.append(None)
@@ -168,7 +191,10 @@ def _response(
     prompt_texts: list[str | None],
     texts: TokenTexts,
     score_only: bool,
+    state: ServerState,
 ) -> dict[str, Any]:
+    if state.cutting:
+        raise errors.cut_by_shutdown()  # the outputs were cut short by the second signal
     choices = []
     num_prompt_tokens = num_completion_tokens = 0
     for i, out in enumerate(finals):
@@ -229,6 +255,7 @@ async def _stream(
     created: int,
     prompt_texts: list[str | None],
     texts: TokenTexts,
+    state: ServerState,
 ) -> AsyncIterator[bytes]:
     def chunk(
         index: int,
@@ -252,7 +279,11 @@ async def _stream(
             "model": model_name,
             "choices": [choice],
         }
-        if req.include_usage:
+        if req.continuous_usage:
+            payload["usage"] = usage(
+                sum(prompt_tokens.values()), sum(st.num_tokens for st in states.values())
+            )
+        elif req.include_usage:
             payload["usage"] = None
         return sse_event(payload)
 
@@ -260,6 +291,8 @@ async def _stream(
     prompt_tokens: dict[int, int] = {}
     try:
         async for i, out in run.outputs():
+            if state.cutting:
+                raise errors.cut_by_shutdown()
             prompt_tokens[i] = len(out.prompt_token_ids)
             for o in out.outputs:
                 if o.finish_reason == "error":
