@@ -1,0 +1,115 @@
+"""Default sampling from the checkpoint's ``generation_config.json``, as its authors meant it.
+
+A model's authors often ship recommended sampling settings (Llama 3 Instruct: temperature 0.6,
+top_p 0.9; Qwen2.5: a repetition penalty). enginebuild copies the sampling keys into the
+artifact's ``generation_config.json`` under pagecast's names; ``LLM`` and ``engine-serve``
+use them for every field a request leaves unset, as vLLM does. A request that sets a field
+always wins.
+
+    {"sampling_defaults": {"temperature": 0.6, "top_p": 0.9}, "ignored": {}}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Any
+
+from pagecast.runtime.sampling_params import SamplingParams
+
+FILENAME = "generation_config.json"
+
+# Hugging Face generation-config key -> SamplingParams field. Only keys that change which
+# tokens are sampled or how many: the stop tokens are in the manifest already.
+HF_SAMPLING_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def from_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """What enginebuild records: the sampling keys of a Hugging Face generation config,
+    renamed to SamplingParams fields. A value SamplingParams refuses is set aside under
+    ``ignored`` (with the reason) instead of failing the build or every request later."""
+    defaults: dict[str, Any] = {}
+    ignored: dict[str, str] = {}
+    for hf_key, name in HF_SAMPLING_KEYS.items():
+        value = raw.get(hf_key)
+        if value is None:
+            continue
+        try:
+            SamplingParams(**{name: value})
+        except (ValueError, TypeError) as exc:
+            ignored[hf_key] = f"{value!r}: {exc}"
+            continue
+        defaults[name] = value
+    return {"sampling_defaults": defaults, "ignored": ignored}
+
+
+def load_defaults(artifact_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The artifact's default sampling fields; empty for artifacts built before they were
+    recorded, or for checkpoints that ship none."""
+    path = Path(artifact_dir) / FILENAME
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    known = {f.name for f in fields(SamplingParams)}
+    return {k: v for k, v in (data.get("sampling_defaults") or {}).items() if k in known}
+
+
+def default_sampling_params(defaults: Mapping[str, Any]) -> SamplingParams:
+    """SamplingParams with the artifact's defaults where it has them, pagecast's elsewhere."""
+    return SamplingParams(**defaults)
+
+
+def apply_defaults(params: SamplingParams, defaults: Mapping[str, Any], unset: set[str]) -> SamplingParams:
+    """``params`` with the artifact's default for each field in ``unset`` (the fields the
+    request did not give)."""
+    changes = {name: value for name, value in defaults.items() if name in unset}
+    return replace(params, **changes) if changes else params
+
+
+def engine_defaults(engine: Any) -> dict[str, Any]:
+    """The defaults of the artifact ``engine`` serves, found from what the engine exposes:
+    its own ``generation_defaults`` when it has them, else the artifact directory (the
+    in-process engine's, or the parent of the tokenizer's directory, which the front end of a
+    split engine has too). Read once per engine."""
+    cached = getattr(engine, "_pagecast_generation_defaults", None)
+    if cached is not None:
+        return dict(cached)
+    own = getattr(engine, "generation_defaults", None)
+    if isinstance(own, Mapping):
+        return dict(own)
+    found: dict[str, Any] = {}
+    for directory in _artifact_dirs(engine):
+        if (directory / FILENAME).is_file():
+            found = load_defaults(directory)
+            break
+    try:
+        engine._pagecast_generation_defaults = found
+    except AttributeError:  # an engine with __slots__: read it each time
+        pass
+    return dict(found)
+
+
+def _artifact_dirs(engine: Any) -> list[Path]:
+    candidates: list[Path] = []
+    inner = getattr(engine, "engine", engine)
+    artifact = getattr(inner, "artifact", None)
+    if getattr(artifact, "path", None) is not None:
+        candidates.append(Path(artifact.path))
+    tokenizer = getattr(engine, "tokenizer", None)
+    name = getattr(tokenizer, "name_or_path", None)
+    if name:
+        candidates.append(Path(name).parent)
+    return candidates
