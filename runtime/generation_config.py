@@ -113,3 +113,23 @@ def _artifact_dirs(engine: Any) -> list[Path]:
     if name:
         candidates.append(Path(name).parent)
     return candidates
+
+
+# Request fields (None when the client left them out) that a generation config may default.
+REQUEST_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def for_request(params: SamplingParams, request: Any, engine: Any, prompt_lens: list[int]) -> SamplingParams:
+    """The server's SamplingParams of ``request`` with the artifact's defaults for the sampling
+    fields the client left out. ``max_tokens`` takes the default only where the endpoint's own
+    default is "up to the context" (chat without max_tokens), capped at the room the longest
+    prompt leaves; /v1/completions keeps OpenAI's default of 16."""
+    defaults = engine_defaults(engine)
+    if not defaults:
+        return params
+    unset = {name for name in REQUEST_SAMPLING_FIELDS if getattr(request, name, None) is None}
+    changes = {name: defaults[name] for name in unset if name in defaults}
+    if params.max_tokens is None and "max_tokens" in defaults and prompt_lens:
+        room = int(engine.max_model_len) - max(prompt_lens)
+        changes["max_tokens"] = max(1, min(int(defaults["max_tokens"]), room))
+    return replace(params, **changes) if changes else params

@@ -10,6 +10,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from pagecast.runtime import generation_config
 from pagecast.runtime.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagecast.runtime.server import errors
 from pagecast.runtime.server.chat import render_chat_prompt
@@ -37,6 +38,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     max_tokens = req.requested_max_tokens
     check_prompt_fits(model, prompt_ids, max_tokens, "messages")
     params = req.to_sampling_params(max_tokens)
+    params = generation_config.for_request(params, req, model.engine, [len(prompt_ids)])  # checkpoint defaults
 
     run = GenerationRun(state, model, new_request_id("chatcmpl"), ENDPOINT, [prompt_ids], params)
     created = int(time.time())

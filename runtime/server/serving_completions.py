@@ -15,6 +15,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from pagecast.runtime import generation_config
 from pagecast.runtime.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagecast.runtime.server import errors
 from pagecast.runtime.server.errors import APIError
@@ -46,6 +47,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     for ids in prompt_ids:
         check_prompt_fits(model, ids, max_tokens, "prompt")
     params = req.to_sampling_params(max_tokens)
+    params = generation_config.for_request(params, req, model.engine, [len(ids) for ids in prompt_ids])  # checkpoint defaults
 
     run = GenerationRun(state, model, new_request_id("cmpl"), ENDPOINT, prompt_ids, params)
     created = int(time.time())
