@@ -29,6 +29,8 @@ build_if_missing() {
     fi
     echo "pagecast-entrypoint: building $PAGECAST_MODEL into $PAGECAST_ARTIFACT (${PAGECAST_GPU:-auto})" >&2
     # A replica sharing the volume may finish the same build first: its artifact is as good.
+    # PAGECAST_BUILD_ARGS is split into words on purpose (extra enginebuild options).
+    # shellcheck disable=SC2086
     if ! enginebuild --model "$PAGECAST_MODEL" --gpu "${PAGECAST_GPU:-auto}" --output "$PAGECAST_ARTIFACT" \
         ${PAGECAST_BUILD_ARGS:-}; then
         if [ -f "$PAGECAST_ARTIFACT/manifest.json" ]; then
