@@ -13,16 +13,16 @@ from collections.abc import Iterator
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-# What each pass is doing, in the words a user waiting on it needs.
+# What each pass is doing, in the words a user waiting on it needs (short: one terminal line).
 DESCRIPTIONS = {
-    "load": "reading the checkpoint (a GGUF is dequantised once, then cached)",
-    "trace": "tracing the model with torch.export on the meta device",
-    "lower": "matching the trace against the supported decoder pattern",
-    "plan": "choosing dtype, weight layout and the KV-cache memory plan",
-    "tune": "tuning the kernels for the target",
-    "render": "rendering model.py",
+    "load": "reading the checkpoint (a GGUF once)",
+    "trace": "torch.export of the model, on meta",
+    "lower": "matching the decoder pattern",
+    "plan": "dtype, weight layout, KV memory",
+    "tune": "kernel configs for the target",
+    "render": "writing model.py",
     "pack": "writing the weights",
-    "emit": "hashing the files and writing the manifest",
+    "emit": "hashing files, writing the manifest",
 }
 
 
