@@ -18,7 +18,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def first_python_example() -> str:
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
     assert blocks, "the README has no python example"
     return blocks[0]
 
