@@ -11,8 +11,10 @@ always wins.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import weakref
 from collections.abc import Mapping
 from dataclasses import fields, replace
 from pathlib import Path
@@ -21,6 +23,8 @@ from typing import Any
 from pagecast.runtime.sampling_params import SamplingParams
 
 FILENAME = "generation_config.json"
+
+_CACHE: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 # Hugging Face generation-config key -> SamplingParams field. Only keys that change which
 # tokens are sampled or how many: the stop tokens are in the manifest already.
@@ -72,33 +76,27 @@ def default_sampling_params(defaults: Mapping[str, Any]) -> SamplingParams:
     return SamplingParams(**defaults)
 
 
-def apply_defaults(params: SamplingParams, defaults: Mapping[str, Any], unset: set[str]) -> SamplingParams:
-    """``params`` with the artifact's default for each field in ``unset`` (the fields the
-    request did not give)."""
-    changes = {name: value for name, value in defaults.items() if name in unset}
-    return replace(params, **changes) if changes else params
-
-
 def engine_defaults(engine: Any) -> dict[str, Any]:
     """The defaults of the artifact ``engine`` serves, found from what the engine exposes:
     its own ``generation_defaults`` when it has them, else the artifact directory (the
     in-process engine's, or the parent of the tokenizer's directory, which the front end of a
     split engine has too). Read once per engine."""
-    cached = getattr(engine, "_pagecast_generation_defaults", None)
-    if cached is not None:
-        return dict(cached)
     own = getattr(engine, "generation_defaults", None)
     if isinstance(own, Mapping):
         return dict(own)
+    try:
+        cached = _CACHE.get(engine)
+    except TypeError:  # not weak-referenceable: read it each time
+        cached = None
+    if cached is not None:
+        return dict(cached)
     found: dict[str, Any] = {}
     for directory in _artifact_dirs(engine):
         if (directory / FILENAME).is_file():
             found = load_defaults(directory)
             break
-    try:
-        engine._pagecast_generation_defaults = found
-    except AttributeError:  # an engine with __slots__: read it each time
-        pass
+    with contextlib.suppress(TypeError):
+        _CACHE[engine] = found
     return dict(found)
 
 
