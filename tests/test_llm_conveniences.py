@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
+import conveniences_support
 import pytest
 
 from pagecast.runtime import LLM, SamplingParams
@@ -22,16 +22,7 @@ def llm(tiny_llama_artifact: Path) -> LLM:
 
 @pytest.fixture(scope="module")
 def defaults_artifact(tiny_llama_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Llama with a generation config that samples from the top token only (so
-    sampling is greedy) and stops at 7 new tokens."""
-    from conftest import build_artifact
-
-    checkpoint = tmp_path_factory.mktemp("gen-config-ckpt") / "ckpt"
-    shutil.copytree(tiny_llama_checkpoint, checkpoint)
-    config = json.loads((checkpoint / "generation_config.json").read_text())
-    config.update({"do_sample": True, "temperature": 0.9, "top_k": 1, "max_new_tokens": 7})
-    (checkpoint / "generation_config.json").write_text(json.dumps(config))
-    return build_artifact(checkpoint, tmp_path_factory.mktemp("gen-config-art") / "engine")
+    return conveniences_support.defaults_artifact(tiny_llama_checkpoint, tmp_path_factory)
 
 
 def test_progress_bar_counts_prompts_on_stderr(llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import conveniences_support
 import httpx
 import pytest
 from click.testing import CliRunner
@@ -125,15 +125,8 @@ def server_tokenizer_dir(server: Any) -> Path:
 @pytest.fixture(scope="module")
 def defaults_server(tiny_llama_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     """A server whose artifact's generation config samples from the top token only and
-    stops at 5 new tokens."""
-    from conftest import build_artifact
-
-    checkpoint = tmp_path_factory.mktemp("srv-gen-ckpt") / "ckpt"
-    shutil.copytree(tiny_llama_checkpoint, checkpoint)
-    config = json.loads((checkpoint / "generation_config.json").read_text())
-    config.update({"temperature": 1.0, "top_k": 1, "max_new_tokens": 5})
-    (checkpoint / "generation_config.json").write_text(json.dumps(config))
-    artifact = build_artifact(checkpoint, tmp_path_factory.mktemp("srv-gen-art") / "engine")
+    stops at 7 new tokens (conveniences_support.SAMPLING_DEFAULTS)."""
+    artifact = conveniences_support.defaults_artifact(tiny_llama_checkpoint, tmp_path_factory)
     with serve({"tiny": make_engine(artifact)}) as running:
         yield running
 
@@ -154,10 +147,10 @@ def test_server_applies_generation_defaults_unless_the_request_sets_them(default
     # is nearly flat, so seeded sampling from all tokens leaves the greedy path at once.
     own = _tokens(defaults_server, "/v1/completions", {"prompt": prompt, "temperature": 1.0, "top_k": 0, "seed": 3})
     assert own != greedy[: len(own)]
-    # Chat without max_tokens takes the generation config's max_new_tokens (5).
+    # Chat without max_tokens takes the generation config's max_new_tokens (7).
     chat = _tokens(defaults_server, "/v1/chat/completions", {"messages": CONVERSATION})
-    assert len(chat) <= 5
-    assert len(_tokens(defaults_server, "/v1/chat/completions", {"messages": CONVERSATION, "max_tokens": 9})) > 5
+    assert len(chat) <= 7
+    assert len(_tokens(defaults_server, "/v1/chat/completions", {"messages": CONVERSATION, "max_tokens": 12})) > 7
 
 
 def test_for_request_fills_only_unset_fields() -> None:
