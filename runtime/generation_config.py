@@ -78,9 +78,9 @@ def default_sampling_params(defaults: Mapping[str, Any]) -> SamplingParams:
 
 def engine_defaults(engine: Any) -> dict[str, Any]:
     """The defaults of the artifact ``engine`` serves, found from what the engine exposes:
-    its own ``generation_defaults`` when it has them, else the artifact directory (the
-    in-process engine's, or the parent of the tokenizer's directory, which the front end of a
-    split engine has too). Read once per engine."""
+    its own ``generation_defaults`` when it has them, else the artifact directory (AsyncEngine's
+    ``artifact_path``, LLMEngine's ``artifact.path``, or the parent of the tokenizer's
+    directory). Read once per engine."""
     own = getattr(engine, "generation_defaults", None)
     if isinstance(own, Mapping):
         return dict(own)
@@ -102,6 +102,8 @@ def engine_defaults(engine: Any) -> dict[str, Any]:
 
 def _artifact_dirs(engine: Any) -> list[Path]:
     candidates: list[Path] = []
+    if getattr(engine, "artifact_path", None) is not None:  # AsyncEngine (the server side)
+        candidates.append(Path(engine.artifact_path))
     inner = getattr(engine, "engine", engine)
     artifact = getattr(inner, "artifact", None)
     if getattr(artifact, "path", None) is not None:
