@@ -35,13 +35,17 @@ def test_first_example_answers_in_seconds_on_a_cpu(smollm2_artifact: Path) -> No
     with serve({"smollm2-135m": engine}) as server:
         code = code.replace("http://localhost:8000/v1", f"{server.url}/v1")
         # The SDK's own limits, tightened: a runaway reply fails here instead of retrying.
-        code = code.replace('api_key="unused")', 'api_key="unused", timeout=60, max_retries=0)')
+        code = code.replace('api_key="unused")', 'api_key="unused", timeout=300, max_retries=0)')
         out = io.StringIO()
+        names: dict[str, object] = {}
         start = time.perf_counter()
         with contextlib.redirect_stdout(out):
-            exec(compile(code, "README.md", "exec"), {})  # noqa: S102 - the README's own example
+            exec(compile(code, "README.md", "exec"), names)  # noqa: S102 - the README's own example
         elapsed = time.perf_counter() - start
     answer = out.getvalue().strip()
     assert answer, "the example printed nothing"
-    # Under a second on an idle laptop; a generous bound for a shared 2-core CI machine.
-    assert elapsed < 30, f"the README example took {elapsed:.1f} s"
+    reply = names["reply"]
+    # The reply is bounded (what keeps it short whatever the sampler draws) ...
+    assert reply.usage.completion_tokens <= 64  # type: ignore[attr-defined]
+    # ... and quick: under a second on an idle laptop; the bound is for a loaded 2-core CI machine.
+    assert elapsed < 120, f"the README example took {elapsed:.1f} s"
