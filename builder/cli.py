@@ -11,7 +11,11 @@ from pagecast.runtime.errors import BuildError
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--model", required=True, help="Local HF directory, a .gguf file, or the alias smollm2-135m.")
+@click.option(
+    "--model",
+    required=True,
+    help="Local HF directory, a .gguf file, a model id already in the local HF cache (org/name), or smollm2-135m.",
+)
 @click.option("--gpu", default="auto", show_default=True, help="auto, cpu, or a GPU name (h200, h100, a100, l40s).")
 @click.option("--block-size", default=16, show_default=True, type=int, help="KV-cache block size in tokens.")
 @click.option("--dtype", default="auto", show_default=True,
@@ -34,11 +38,13 @@ def main(dump_ir: Path | None, **kwargs: object) -> None:
     """Build a self-contained pagecast engine artifact."""
     from pagecast.builder.ir import BuildOptions
     from pagecast.builder.pipeline import build
+    from pagecast.builder.progress import PassProgress
 
     try:
         options = BuildOptions(**kwargs)  # type: ignore[arg-type]
         log = None if options.quiet else (lambda line: click.echo(f"  {line}", err=True))
-        path = build(options, dump_ir=dump_ir, log=log)
+        progress = None if options.quiet else PassProgress().running
+        path = build(options, dump_ir=dump_ir, log=log, progress=progress)
     except (BuildError, ValueError) as e:
         click.echo(f"enginebuild: error: {e}", err=True)
         sys.exit(2)

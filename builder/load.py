@@ -2,7 +2,10 @@
 
 --model may be a local Hugging Face directory (safetensors, sharded or not), a .gguf file
 (dequantised once by transformers into an HF directory under the pagecast cache), or the
-alias of the embedded default model. Weights are never read here, only their headers.
+alias of the embedded default model, or a Hugging Face model id already in the local HF cache
+(``HuggingFaceTB/SmolLM2-135M-Instruct``; found offline, never downloaded). Weights are never
+read here, only their headers. The checkpoint's sampling defaults (generation_config.json)
+are recorded in the artifact here, since nothing later changes them.
 """
 
 from __future__ import annotations
@@ -87,15 +90,75 @@ def resolve_model_path(model: str) -> Path:
         return convert_gguf(Path(spec.origin).parent / filename)
     path = Path(model).expanduser()
     if not path.exists():
+        cached = hf_cache_snapshot(model)
+        if cached is not None:
+            return cached
+        hint = (
+            f"; {model!r} is not in the local Hugging Face cache either: download it first with "
+            f"`hf download {model}` (or huggingface-cli download), or set HF_HOME / HF_HUB_CACHE to the "
+            "cache that holds it"
+            if _looks_like_hub_id(model)
+            else ""
+        )
         raise BuildError(
             f"--model {model}: no such file or directory (give a local Hugging Face directory, a .gguf file, "
-            f"or one of the aliases {sorted(ALIASES)}; model hubs are not contacted)"
+            f"a model id already in the local Hugging Face cache, or one of the aliases {sorted(ALIASES)}; "
+            f"model hubs are not contacted){hint}"
         )
     if path.is_file():
         if path.suffix != ".gguf":
             raise BuildError(f"--model {model}: a file must be a .gguf checkpoint; for HF checkpoints give the directory")
         return convert_gguf(path)
     return path
+
+
+def _looks_like_hub_id(model: str) -> bool:
+    """``org/name`` (optionally ``@revision``): what a Hugging Face model id looks like."""
+    repo = model.split("@", 1)[0]
+    parts = repo.split("/")
+    return len(parts) == 2 and all(parts) and not model.startswith((".", "/", "~"))
+
+
+def hf_cache_snapshot(model: str) -> Path | None:
+    """The local snapshot directory of Hugging Face model id ``model`` (``org/name`` or
+    ``org/name@revision``), looked up in the local cache only (HF_HOME / HF_HUB_CACHE), or
+    None when it is not there. Nothing is downloaded: builds must be reproducible offline."""
+    if not _looks_like_hub_id(model):
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    except ImportError:
+        return None
+    repo_id, _, revision = model.partition("@")
+    try:
+        path = Path(snapshot_download(repo_id, revision=revision or None, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, FileNotFoundError, ValueError):
+        return None
+    if not (path / "config.json").is_file():
+        # Only part of the repository is cached (e.g. just its README): not a usable checkpoint.
+        raise BuildError(
+            f"--model {model}: the local Hugging Face cache has {path} but no config.json in it; "
+            f"download the whole model with `hf download {repo_id}`"
+        )
+    return path
+
+
+def record_generation_defaults(checkpoint_dir: Path, staging_dir: Path) -> dict[str, Any]:
+    """Copy the checkpoint's sampling defaults (generation_config.json) into the artifact,
+    where LLM and engine-serve read them (pagecast.runtime.generation_config)."""
+    from pagecast.runtime.generation_config import FILENAME, from_hf
+
+    raw: dict[str, Any] = {}
+    source = checkpoint_dir / "generation_config.json"
+    if source.is_file():
+        try:
+            raw = json.loads(source.read_text())
+        except json.JSONDecodeError as e:
+            raise BuildError(f"{source} is not valid JSON ({e}); fix or delete it") from e
+    recorded = from_hf(raw)
+    (staging_dir / FILENAME).write_text(json.dumps(recorded, indent=2, sort_keys=True) + "\n")
+    return recorded
 
 
 def convert_gguf(gguf_path: Path) -> Path:
@@ -228,4 +291,8 @@ def run(state: BuildState) -> BuildState:
         ckpt.name = state.options.model
     elif state.options.model.endswith(".gguf"):
         ckpt.name = Path(state.options.model).stem
+    elif not Path(state.options.model).expanduser().exists():  # a hub id: name it, not its snapshot hash
+        ckpt.name = state.options.model.split("@", 1)[0].rsplit("/", 1)[-1]
+    if state.staging_dir is not None:
+        record_generation_defaults(path, state.staging_dir)
     return dataclasses.replace(state, checkpoint=ckpt)

@@ -8,11 +8,13 @@ pass, for debugging a build.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 from pagecast.builder import emit, load, lower, pack, plan, render, trace, tune
@@ -39,9 +41,15 @@ def default_output(options: BuildOptions) -> Path:
 
 
 def build(
-    options: BuildOptions, dump_ir: Path | None = None, log: Callable[[str], None] | None = None
+    options: BuildOptions,
+    dump_ir: Path | None = None,
+    log: Callable[[str], None] | None = None,
+    progress: Callable[[int, int, str], AbstractContextManager[object]] | None = None,
 ) -> Path:
-    """Build an artifact; returns its directory. Raises BuildError with an actionable message."""
+    """Build an artifact; returns its directory. Raises BuildError with an actionable message.
+
+    ``log`` gets one line per finished pass (its time); ``progress(index, total, name)`` is
+    entered around each pass, to show what runs now (builder/progress.py)."""
     output = (options.output or default_output(options)).resolve()
     if output.exists() and not options.force:
         raise BuildError(f"{output} already exists; pass --force to replace it")
@@ -49,9 +57,10 @@ def build(
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
     state = BuildState(options=options, staging_dir=staging, output_dir=output)
     try:
-        for name, run in PASSES:
+        for index, (name, run) in enumerate(PASSES, start=1):
             start = time.perf_counter()
-            state = run(state)
+            with progress(index, len(PASSES), name) if progress is not None else contextlib.nullcontext():
+                state = run(state)
             if log is not None:
                 log(f"{name:<7} {time.perf_counter() - start:6.2f} s")
             if dump_ir is not None:

@@ -33,6 +33,7 @@ _ENGINE_OPTIONS = (
     "kv_cache_memory",
     "max_model_len",
     "async_scheduling",
+    "cuda_graphs",
 )
 
 
@@ -88,6 +89,34 @@ _ENGINE_OPTIONS = (
     help="Plan the next step while the device runs the current one [default: on for GPUs].",
 )
 @click.option(
+    "--cuda-graphs/--no-cuda-graphs",
+    default=None,
+    help="Replay decode steps from CUDA graphs; --no-cuda-graphs runs eagerly (debugging, profiling) [default: on].",
+)
+@click.option(
+    "--chat-template",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Jinja chat template file used instead of the artifact's (every served model).",
+)
+@click.option("--ssl-keyfile", type=click.Path(exists=True, dir_okay=False), default=None, help="TLS private key (PEM).")
+@click.option("--ssl-certfile", type=click.Path(exists=True, dir_okay=False), default=None, help="TLS certificate (PEM).")
+@click.option(
+    "--ssl-ca-certs",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="CA bundle to verify client certificates with (mutual TLS; clients must then present one).",
+)
+@click.option(
+    "--allowed-origins",
+    "allowed_origins",
+    multiple=True,
+    help="Origin browsers may call from (CORS), e.g. https://app.example.com or *; repeat or comma-separate.",
+)
+@click.option("--allowed-methods", multiple=True, help="HTTP methods allowed cross-origin [default: *].")
+@click.option("--allowed-headers", multiple=True, help="Request headers allowed cross-origin [default: *].")
+@click.option("--allow-credentials", is_flag=True, help="Let cross-origin requests carry credentials.")
+@click.option(
     "--max-queue",
     default=256,
     show_default=True,
@@ -130,6 +159,14 @@ def main(
     shutdown_timeout: float,
     log_format: str,
     log_level: str,
+    chat_template: Path | None,
+    ssl_keyfile: str | None,
+    ssl_certfile: str | None,
+    ssl_ca_certs: str | None,
+    allowed_origins: tuple[str, ...],
+    allowed_methods: tuple[str, ...],
+    allowed_headers: tuple[str, ...],
+    allow_credentials: bool,
     **engine_kwargs: Any,
 ) -> None:
     """Serve engine ARTIFACTS (directories written by enginebuild) over the OpenAI API."""
@@ -141,16 +178,39 @@ def main(
             f"--served-model-name was given {len(served_model_names)} time(s) for {len(artifacts)} "
             "artifact(s): give it once per artifact, in the same order"
         )
+    if bool(ssl_keyfile) != bool(ssl_certfile):
+        _fail("TLS needs both --ssl-keyfile and --ssl-certfile")
+    if ssl_ca_certs and not ssl_certfile:
+        _fail("--ssl-ca-certs (client certificates) needs TLS: give --ssl-keyfile and --ssl-certfile too")
+    template = _read_chat_template(chat_template)
     options = {k: v for k, v in engine_kwargs.items() if k in _ENGINE_OPTIONS and v is not None}
     if no_prefix_caching:
         options["enable_prefix_caching"] = False
     engines = _load_engines(artifacts, served_model_names, options)
 
+    import ssl
+
     import uvicorn
 
-    from pagecast.runtime.server.app import create_app, server_state
+    from pagecast.runtime.server.app import add_cors, create_app, server_state
 
+    if template is not None:
+        from pagecast.runtime.server.chat_template import use_chat_template
+
+        try:
+            use_chat_template(engines, template)
+        except ValueError as exc:
+            _fail(f"--chat-template: {exc}")
     app = create_app(engines, api_key=api_key or None, max_queue=max_queue, max_request_bytes=max_request_bytes)
+    origins = _split_list(allowed_origins)
+    if origins:
+        add_cors(
+            app,
+            origins,
+            _split_list(allowed_methods) or ["*"],
+            _split_list(allowed_headers) or ["*"],
+            allow_credentials,
+        )
     config = uvicorn.Config(
         app,
         host=host,
@@ -158,6 +218,10 @@ def main(
         log_config=log_config,
         access_log=False,  # the request log line replaces it
         timeout_graceful_shutdown=5,  # after our own drain, only to flush responses
+        ssl_keyfile=ssl_keyfile,
+        ssl_certfile=ssl_certfile,
+        ssl_ca_certs=ssl_ca_certs,
+        ssl_cert_reqs=ssl.CERT_REQUIRED if ssl_ca_certs else ssl.CERT_NONE,
     )
     server = _DrainingServer(config, lambda: server_state(app), shutdown_timeout)
     server.watch_engines = engines
@@ -166,6 +230,24 @@ def main(
         sys.exit(server.server.exit_status)
     if not server.started:
         sys.exit(1)
+
+
+def _read_chat_template(path: Path | None) -> str | None:
+    """--chat-template, read and checked before any engine loads (a typo fails in a second)."""
+    if path is None:
+        return None
+    from pagecast.runtime.server.chat_template import read_chat_template
+
+    try:
+        return read_chat_template(path)
+    except ValueError as exc:
+        _fail(f"--chat-template: {exc}")
+    return None
+
+
+def _split_list(values: tuple[str, ...]) -> list[str]:
+    """Repeated and comma-separated option values, flattened."""
+    return [item.strip() for value in values for item in value.split(",") if item.strip()]
 
 
 def _fail(message: str) -> None:

@@ -4,16 +4,22 @@
     llm = LLM("artifacts/smollm2-135m")
     outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
     print(outputs[0].text)
+    replies = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=32))
+
+Without SamplingParams, the checkpoint's own sampling defaults (its generation_config.json,
+recorded in the artifact) apply; ``get_default_sampling_params`` shows them.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pagecast.runtime import chat_prompts, generation_config
 from pagecast.runtime.engine import LLMEngine
 from pagecast.runtime.outputs import RequestOutput
+from pagecast.runtime.progress import GenerateProgress
 from pagecast.runtime.sampling_params import SamplingParams
 
 
@@ -28,16 +34,44 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` use when given no SamplingParams: the checkpoint's
+        generation_config.json values where it has them, SamplingParams' defaults elsewhere."""
+        return generation_config.default_sampling_params(generation_config.engine_defaults(self.engine))
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or to
+        a list of conversations, each rendered with the artifact's chat template (or
+        ``chat_template``, a Jinja template string) exactly as engine-serve renders
+        /v1/chat/completions. One RequestOutput per conversation, in order."""
+        conversations = chat_prompts.as_conversations(messages)
+        prompts = [
+            chat_prompts.render(self.tokenizer, c, chat_template, add_generation_prompt) for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def generate(
         self,
         prompts: str | list[int] | Sequence[str | list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in prompt order. ``use_tqdm``: show a progress bar
+        (prompts finished, tokens per second) on stderr while the batch runs."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = (
             [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         )
@@ -49,14 +83,18 @@ class LLM:
             self.engine.add_request(None, p, sp, validated=v) for p, sp, v in zip(prompts, params, validated)
         ]
         finished: dict[str, RequestOutput] = {}
+        progress = GenerateProgress(len(ids), enabled=use_tqdm)
         try:
             while len(finished) < len(ids):
                 for out in self.engine.step(only_finished=True):
                     if out.finished:
                         finished[out.request_id] = out
+                        progress.update(out)
                 if not self.engine.has_unfinished_requests() and len(finished) < len(ids):
                     raise RuntimeError("the engine has no work left but some requests did not finish")
         except BaseException:
             self.engine.abort_request([i for i in ids if i not in finished])
             raise
+        finally:
+            progress.close()
         return [finished[i] for i in ids]

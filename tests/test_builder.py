@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from conftest import build_artifact
+
 from pagecast.builder.ir import BuildOptions
 from pagecast.builder.pipeline import PASSES, build
 

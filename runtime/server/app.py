@@ -14,7 +14,7 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -34,6 +34,7 @@ from pagecast.runtime.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitM
 from pagecast.runtime.server.serving import ServerState
 from pagecast.runtime.server.serving_chat import create_chat_completion
 from pagecast.runtime.server.serving_completions import create_completion
+from pagecast.runtime.server.serving_tokenize import detokenize, tokenize
 
 logger = logging.getLogger("pagecast.server")
 
@@ -78,6 +79,8 @@ def create_app(
         Route("/v1/chat/completions", _api(state, create_chat_completion), methods=["POST"]),
         Route("/v1/models", _api(state, _list_models), methods=["GET"]),
         Route("/v1/models/{model:path}", _api(state, _get_model), methods=["GET"]),
+        Route("/tokenize", _api(state, tokenize), methods=["POST"]),
+        Route("/detokenize", _api(state, detokenize), methods=["POST"]),
         Route("/health", _open(state, _health), methods=["GET"]),
         Route("/version", _open(state, _version), methods=["GET"]),
         Route("/metrics", _open(state, _metrics), methods=["GET"]),
@@ -90,6 +93,27 @@ def create_app(
     )
     app.state.server = state
     return app
+
+
+def add_cors(
+    app: Starlette,
+    allowed_origins: Sequence[str],
+    allowed_methods: Sequence[str] = ("*",),
+    allowed_headers: Sequence[str] = ("*",),
+    allow_credentials: bool = False,
+) -> None:
+    """Let browsers on ``allowed_origins`` call the API (CORS). Call before the app starts.
+    Preflight (OPTIONS) requests are answered by the middleware, before the API-key check,
+    as browsers send them without credentials."""
+    from starlette.middleware.cors import CORSMiddleware
+
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=list(allowed_origins),
+        allow_methods=list(allowed_methods),
+        allow_headers=list(allowed_headers),
+        allow_credentials=allow_credentials,
+    )
 
 
 def server_state(app: Starlette) -> ServerState:

@@ -11,6 +11,7 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import Response
 
+from pagecast.runtime import generation_config
 from pagecast.runtime.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagecast.runtime.sampling_params import SamplingParams
 from pagecast.runtime.server import errors
@@ -65,7 +66,9 @@ def _prepare(body: bytes, state: ServerState) -> tuple[ChatCompletionRequest, Se
     prompt_ids = render_chat_prompt(tokenizer, req.messages, req.add_generation_prompt)
     max_tokens = req.requested_max_tokens
     check_prompt_fits(model, prompt_ids, max_tokens, "messages")
-    return req, model, prompt_ids, req.to_sampling_params(max_tokens)
+    params = req.to_sampling_params(max_tokens)
+    params = generation_config.for_request(params, req, model.engine, [len(prompt_ids)])  # checkpoint defaults
+    return req, model, prompt_ids, params
 
 
 def _logprob_entries(

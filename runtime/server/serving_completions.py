@@ -16,6 +16,7 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import Response
 
+from pagecast.runtime import generation_config
 from pagecast.runtime.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagecast.runtime.sampling_params import SamplingParams
 from pagecast.runtime.server import errors
@@ -73,6 +74,7 @@ def _prepare(
     for ids in prompt_ids:
         check_prompt_fits(model, ids, max_tokens, "prompt")
     params = req.to_sampling_params(max_tokens)
+    params = generation_config.for_request(params, req, model.engine, [len(ids) for ids in prompt_ids])  # checkpoint defaults
     return req, model, prompt_ids, prompt_texts, score_only, params
 
 

@@ -1,0 +1,101 @@
+"""POST /tokenize and POST /detokenize, shaped as vLLM's: what a prompt costs in tokens, and
+what token ids read as, with the served model's own tokenizer.
+
+    POST /tokenize    {"model", "prompt"} or {"model", "messages", "add_generation_prompt"}
+                      -> {"count", "max_model_len", "tokens", "token_strs"}
+    POST /detokenize  {"model", "tokens"} -> {"prompt"}
+
+A plain prompt is tokenised as /v1/completions tokenises it (no special tokens added unless
+``add_special_tokens`` is true); messages are rendered as /v1/chat/completions renders them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from pagecast.runtime.server import errors
+from pagecast.runtime.server.chat import render_chat_prompt
+from pagecast.runtime.server.protocol import ChatMessage
+from pagecast.runtime.server.serving import ServedModel, ServerState
+
+MAX_TOKENIZE_CHARS = 1 << 22  # 4 MiB of text: larger bodies are a mistake, not a prompt
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = Field(None, max_length=MAX_TOKENIZE_CHARS)
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of `prompt` or `messages`")
+        if self.messages is not None and not self.messages:
+            raise ValueError("`messages` must not be empty")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    tokens: list[int] = Field(..., max_length=1 << 20)
+
+
+def _parse(model_cls: type[BaseModel], body: bytes) -> Any:
+    if not body.strip():
+        raise errors.invalid_request("The request body is empty; send a JSON object.", code="invalid_json")
+    try:
+        return model_cls.model_validate_json(body)
+    except ValidationError as exc:
+        raise errors.from_validation_error(exc) from None
+
+
+def _tokenizer(model: ServedModel) -> Any:
+    tokenizer = model.engine.tokenizer
+    if tokenizer is None:
+        raise errors.invalid_request(
+            f"Model `{model.name}` has no tokenizer (its artifact was built without one).", "model"
+        )
+    return tokenizer
+
+
+async def tokenize(request: Request, state: ServerState) -> Response:
+    req: TokenizeRequest = _parse(TokenizeRequest, await request.body())
+    model = state.resolve(req.model)
+    tokenizer = _tokenizer(model)
+    if req.messages is not None:
+        ids = render_chat_prompt(tokenizer, req.messages, req.add_generation_prompt)
+    else:
+        ids = list(tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+    body: dict[str, Any] = {
+        "count": len(ids),
+        "max_model_len": int(model.engine.max_model_len),
+        "tokens": ids,
+        "token_strs": tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None,
+    }
+    return JSONResponse(body)
+
+
+async def detokenize(request: Request, state: ServerState) -> Response:
+    req: DetokenizeRequest = _parse(DetokenizeRequest, await request.body())
+    model = state.resolve(req.model)
+    tokenizer = _tokenizer(model)
+    vocab_size = int(model.engine.vocab_size)
+    for i, token in enumerate(req.tokens):
+        if not 0 <= token < vocab_size:
+            raise errors.invalid_request(
+                f"`tokens[{i}]` is {token}, not a token id of this model (0 to {vocab_size - 1}).",
+                f"tokens[{i}]",
+                "invalid_value",
+            )
+    return JSONResponse({"prompt": tokenizer.decode(req.tokens)})
