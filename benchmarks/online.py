@@ -286,6 +286,8 @@ def main() -> None:
     ap.add_argument("--slo-ttft", type=float, default=0.5, help="goodput: seconds to first token at most")
     ap.add_argument("--slo-itl", type=float, default=0.05, help="goodput: p99 inter-token seconds at most")
     ap.add_argument("--client-procs", type=int, default=4)
+    ap.add_argument("--weights", choices=["random", "files"], default="random",
+                    help="when building: random (dummy artifact, weights drawn at load) or files (read and hashed at start)")
     ap.add_argument("--server-arg", action="append", default=[], help="extra engine-serve argument")
     args = ap.parse_args()
     phases = set(args.phases.split(","))
@@ -307,7 +309,7 @@ def main() -> None:
     if not (Path(artifact) / "manifest.json").is_file():
         import serving
 
-        serving.build(out, Path(artifact), 4096, 90.0)
+        serving.build(out, Path(artifact), 4096, 90.0, args.weights)
         args.vocab = 120000
     server = Server(artifact, out / "engine_serve.log", args.server_arg)
     try:

@@ -62,18 +62,60 @@ def emit(out: Path, **row: object) -> None:
         f.write(line + "\n")
 
 
-def build(out: Path, artifact: Path, max_model_len: int, tune_budget: float) -> None:
+def random_checkpoint(cfg_dir: Path, config: dict, shard_bytes: int = 5 << 30) -> None:
+    """A Hugging Face Llama checkpoint of random bf16 weights (safetensors shards, as
+    save_pretrained writes them): an artifact built from it carries weight files that
+    engine-serve reads and hashes at start, as a real model's would."""
+    from safetensors.torch import save_file
+
+    h, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    q = config["num_attention_heads"] * config["head_dim"]
+    kv = config["num_key_value_heads"] * config["head_dim"]
+    shapes = {"model.embed_tokens.weight": (config["vocab_size"], h)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        })
+    shapes.update({"model.norm.weight": (h,), "lm_head.weight": (config["vocab_size"], h)})
+    gen = torch.Generator("cuda").manual_seed(0)
+    shard: dict[str, torch.Tensor] = {}
+    size, index = 0, 0
+    for name, shape in shapes.items():
+        if name.endswith("norm.weight"):
+            t = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            t = (torch.randn(shape, generator=gen, device="cuda") * 0.02).to(torch.bfloat16).cpu()
+        shard[name] = t
+        size += t.numel() * 2
+        if size >= shard_bytes or name == "lm_head.weight":
+            index += 1
+            save_file(shard, str(cfg_dir / f"model-{index:05d}.safetensors"), metadata={"format": "pt"})
+            shard, size = {}, 0
+
+
+def build(out: Path, artifact: Path, max_model_len: int, tune_budget: float, weights: str = "random") -> None:
+    """The Llama-3-8B-shaped artifact; weights "random": --load-format dummy (drawn at load, no
+    weight files), "files": built from a random checkpoint on disk (start-up reads and hashes)."""
     from pagecast.builder.ir import BuildOptions
     from pagecast.builder.pipeline import build as run_build
 
     if (artifact / "manifest.json").is_file():
         return
-    cfg_dir = out / "llama3-8b-config"
+    cfg_dir = out / f"llama3-8b-config-{weights}"
     cfg_dir.mkdir(parents=True, exist_ok=True)
     (cfg_dir / "config.json").write_text(json.dumps(LLAMA3_8B))
     start = time.perf_counter()
+    if weights == "files":
+        random_checkpoint(cfg_dir, LLAMA3_8B)
+        emit(out, figure="random_checkpoint_seconds", value=round(time.perf_counter() - start, 1))
+        start = time.perf_counter()
     run_build(
-        BuildOptions(model=str(cfg_dir), output=artifact, gpu="auto", load_format="dummy",
+        BuildOptions(model=str(cfg_dir), output=artifact, gpu="auto", load_format="dummy" if weights == "random" else "auto",
                      max_model_len=max_model_len, tune_budget_s=tune_budget, force=True, quiet=True, max_num_seqs=1024),
         log=lambda line: print("  build", line, flush=True),
     )
@@ -253,13 +295,15 @@ def main() -> None:
     ap.add_argument("--phases", default="start,base,W4,W1,W2")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--tune-budget", type=float, default=90.0)
+    ap.add_argument("--weights", choices=["random", "files"], default="random",
+                    help="random: dummy artifact (weights drawn at load); files: built from a random checkpoint")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     artifact = args.artifact or args.out / "llama3-8b-dummy"
     phases = set(args.phases.split(","))
     emit(args.out, figure="machine", value=torch.cuda.get_device_name(0), torch=torch.__version__,
          date=time.strftime("%Y-%m-%d"), commit=os.environ.get("PAGECAST_COMMIT", "unknown"))
-    build(args.out, artifact, args.max_model_len, args.tune_budget)
+    build(args.out, artifact, args.max_model_len, args.tune_budget, args.weights)
     for name, fn in (("start", lambda: phase_start(args.out, artifact)), ("base", lambda: phase_base(args.out, artifact))):
         if name in phases:
             try:
