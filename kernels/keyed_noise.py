@@ -19,6 +19,10 @@ import triton.language as tl
 
 from pagecast.kernels.reference import PHILOX_GROUP, PHILOX_M0, PHILOX_M1, PHILOX_W0, PHILOX_W1
 
+# A compiled kernel may read module globals only when they are constexprs.
+_M0, _M1 = tl.constexpr(PHILOX_M0), tl.constexpr(PHILOX_M1)
+_W0, _W1 = tl.constexpr(PHILOX_W0), tl.constexpr(PHILOX_W1)
+
 
 @triton.jit
 def _keyed_exponential_kernel(
@@ -38,12 +42,12 @@ def _keyed_exponential_kernel(
     c1 = tl.zeros([GROUP], dtype=tl.uint32) + tl.load(offsets_ptr + row).to(tl.uint32)
     c2 = tl.zeros([GROUP], dtype=tl.uint32)
     c3 = tl.zeros([GROUP], dtype=tl.uint32)
-    m0 = tl.full([GROUP], PHILOX_M0, tl.uint32)
-    m1 = tl.full([GROUP], PHILOX_M1, tl.uint32)
+    m0 = tl.full([GROUP], _M0, tl.uint32)
+    m1 = tl.full([GROUP], _M1, tl.uint32)
     for r in tl.static_range(10):
         if r > 0:
-            k0 = k0 + PHILOX_W0
-            k1 = k1 + PHILOX_W1
+            k0 = k0 + _W0
+            k1 = k1 + _W1
         hi0 = tl.umulhi(m0, c0)
         lo0 = m0 * c0
         hi1 = tl.umulhi(m1, c2)
