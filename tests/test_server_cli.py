@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 from click.testing import CliRunner
+from server_support import start_engine_serve
 
 from pagecast.runtime.cli import main
 
@@ -183,39 +184,9 @@ def test_sigterm_drains_then_exits_zero(tiny_artifact_factory, tmp_path):  # typ
 
 
 def _start_engine_serve(artifact: Path, log_path: Path, *args: str) -> tuple[subprocess.Popen, str]:  # type: ignore[type-arg]
-    """engine-serve on a free port, JSON logs to ``log_path``; returns (process, base URL)
-    once /health answers 200."""
-    port = _free_port()
-    exe = Path(sys.executable).with_name("engine-serve")
-    cmd = [
-        *([str(exe)] if exe.exists() else [sys.executable, "-m", "pagecast.runtime.cli"]),
-        str(artifact),
-        "--port",
-        str(port),
-        "--served-model-name",
-        "tiny",
-        "--kv-cache-memory",
-        "16MiB",
-        "--log-format",
-        "json",
-        *args,
-    ]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError(log_path.read_text())
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError("engine-serve did not come up")
-        time.sleep(0.2)
+    """engine-serve (model name "tiny", JSON logs to ``log_path``) once /health answers 200."""
+    serve_args = [str(artifact), "--served-model-name", "tiny", "--kv-cache-memory", "16MiB", "--log-format", "json"]
+    return start_engine_serve([*serve_args, *args], log_path)
 
 
 def test_second_sigterm_ends_streams_with_an_error_event(tiny_artifact_factory, tmp_path):  # type: ignore[no-untyped-def]
