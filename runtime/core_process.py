@@ -155,7 +155,7 @@ def run_engine_core(
                     break  # the server is gone: nobody will read our outputs
                 continue
             failed: dict[str, str] = {}
-            changed = False
+            aborted: list[str] = []
             stop = False
             while True:  # every message waiting now, without blocking
                 try:
@@ -171,10 +171,11 @@ def run_engine_core(
                     except Exception as exc:  # noqa: BLE001 - the request fails, the engine goes on
                         failed[msg.request_id] = str(exc)
                 elif isinstance(msg, AbortRequests):
-                    core.finish(msg.sequence_ids, RequestStatus.FINISHED_ABORTED)
-                    changed = True
+                    aborted.extend(msg.sequence_ids)
                 else:
                     stop = True
+            if aborted:  # one pass over the queues for a storm of disconnects, not one per message
+                core.finish(aborted, RequestStatus.FINISHED_ABORTED)
             if stop:
                 break
             sent = False
@@ -182,7 +183,7 @@ def run_engine_core(
                 for result in core.step():
                     outbox.send(encoder.encode(StepOutputs(step_updates(result), core.stats(), failed)))
                     failed, sent = {}, True
-            if not sent and (changed or failed):
+            if not sent and (aborted or failed):
                 outbox.send(encoder.encode(StepOutputs([], core.stats(), failed)))
     except BaseException as exc:  # the loop died: say why, then end (the server fails in-flight requests)
         logger.exception("engine core loop failed")
