@@ -244,7 +244,7 @@ def test_slow_tokenizing_does_not_stall_health_or_a_running_stream(server, engin
     assert t1 - t0 >= slow_s  # the slow request really took that long
     assert max(health_s) < slow_s / 2, health_s
     # Until the slow request is done, or the stream if a fast machine finished it before that.
-    end = min(t1, *stream_ended)
+    end = min([t1, *stream_ended])
     during = [t for t in event_times if t0 <= t <= end]
     gaps = [b - a for a, b in zip([t0, *during], [*during, end], strict=True)]
     assert max(gaps) < slow_s / 2, gaps  # the stream kept producing tokens meanwhile
