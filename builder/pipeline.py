@@ -35,8 +35,7 @@ PASSES: list[tuple[str, Callable[[BuildState], BuildState]]] = [
 
 def default_output(options: BuildOptions) -> Path:
     name = Path(options.model.rstrip("/")).name
-    if name.endswith(".gguf"):
-        name = name[: -len(".gguf")]
+    name = name.removesuffix(".gguf")
     return Path("artifacts") / name
 
 

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "AsyncEngine", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "AsyncEngine", "CompletionOutput", "LLMEngine", "RequestOutput", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
     from pagecast.runtime.async_engine import AsyncEngine

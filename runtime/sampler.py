@@ -270,7 +270,7 @@ def _penalise(logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor, re
 
 def _sample_rows(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p, then an exponential race; every row samples."""
-    num_rows, vocab = logits.shape
+    vocab = logits.shape[1]
     device = logits.device
     params = [r.sampling_params for r in requests]
 
@@ -386,7 +386,7 @@ def _top_k_top_p_sorted(logits: torch.Tensor, top_k: list[int], top_p: list[floa
     therefore the masks, are the same floats transformers computes. Top-k masks exactly the
     smallest values, so the sorted order also stays valid for the top-k-masked logits.
     """
-    num_rows, vocab = logits.shape
+    vocab = logits.shape[1]
     device = logits.device
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=False)
     # The k-th largest value sits at ascending position vocab - k; ties with it are kept.

@@ -5,7 +5,6 @@ exception classes. Also: an engine whose loop dies answers 503, never a hung con
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import openai
