@@ -80,9 +80,11 @@ def _stream(url: str, body: dict, out: dict, first: threading.Event) -> None:  #
 
 
 def test_sigterm_drains_then_exits_zero(tiny_artifact_factory, tmp_path):  # type: ignore[no-untyped-def]
-    # A long context, so that the long request below is still running at --shutdown-timeout
-    # (1 s after SIGTERM) on any machine: 2000 tokens take seconds.
-    artifact = tiny_artifact_factory("llama", max_position_embeddings=2048)
+    # --shutdown-timeout 10: long enough for the 4-token request to finish on an oversubscribed
+    # machine (a loaded 2-core box ran this tiny model at 3 tokens/s per stream: 1 s and 30 tokens
+    # failed there), and a long context so that the 8,000-token request is still running at the
+    # timeout on any machine (seconds even at 1 ms a step).
+    artifact = tiny_artifact_factory("llama", max_position_embeddings=8192)
     port = _free_port()
     exe = Path(sys.executable).with_name("engine-serve")
     cmd = [
@@ -98,7 +100,7 @@ def test_sigterm_drains_then_exits_zero(tiny_artifact_factory, tmp_path):  # typ
         "--log-format",
         "json",
         "--shutdown-timeout",
-        "1",
+        "10",
     ]
     log_path = tmp_path / "stderr.log"
     with open(log_path, "wb") as log:
@@ -127,11 +129,11 @@ def test_sigterm_drains_then_exits_zero(tiny_artifact_factory, tmp_path):  # typ
         long_body = {
             "model": "tiny",
             "prompt": [5, 6, 7],
-            "max_tokens": 2000,
+            "max_tokens": 8000,
             "ignore_eos": True,
             "stream": True,
         }
-        short_body = {"model": "tiny", "prompt": [8, 9], "max_tokens": 30, "ignore_eos": True, "stream": True}
+        short_body = {"model": "tiny", "prompt": [8, 9], "max_tokens": 4, "ignore_eos": True, "stream": True}
         threads = [
             threading.Thread(target=_stream, args=(url, long_body, long_out, long_first)),
             threading.Thread(target=_stream, args=(url, short_body, short_out, short_first)),
@@ -176,7 +178,7 @@ def test_sigterm_drains_then_exits_zero(tiny_artifact_factory, tmp_path):  # typ
         line for line in lines if line.get("message") == "request finished" and line.get("status") == 200
     ]
     by_tokens = {line["completion_tokens"]: line for line in requests}
-    short = by_tokens.get(30) or pytest.fail(str(requests) + log_path.read_text()[-4000:])
+    short = by_tokens.get(4) or pytest.fail(str(requests) + log_path.read_text()[-4000:])
     assert short["model"] == "tiny" and short["finish_reason"] == "length" and short["prompt_tokens"] == 2
     assert short["request_id"].startswith("cmpl-") and 0 <= short["ttft_s"] <= short["total_s"]
     assert any(line["finish_reason"] == "abort" for line in requests)
