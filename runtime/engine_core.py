@@ -27,6 +27,7 @@ from pagecast.runtime.outputs import PositionLogprobs
 from pagecast.runtime.request import Request, RequestStatus
 from pagecast.runtime.sampling_params import SamplingParams
 from pagecast.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagecast.runtime.structured_output import GrammarState, tokenizer_loader
 
 logger = logging.getLogger("pagecast.engine")
 
@@ -141,6 +142,11 @@ class EngineCore:
             self.block_pool,
         )
         self.runner = ModelRunner(self.artifact.model, self.artifact.device, self.block_size, self.artifact.kernels)
+        # Structured output: nothing is loaded or compiled until a constrained request arrives.
+        self.grammar = GrammarState(
+            tokenizer_loader(self.artifact.path, self.artifact.tokenizer), self.vocab_size, self.eos_token_ids
+        )
+        self.runner.grammar = self.grammar
         if options.cuda_graphs:
             # The plan's batch sizes, up to this engine's max_num_seqs; larger decode batches run eagerly.
             planned = self.artifact.memory_plan.get("cuda_graph_batch_sizes") or [1]
@@ -196,6 +202,11 @@ class EngineCore:
         if request_id in self._parents:
             raise InvalidRequestError(f"request id {request_id!r} is already running", param="request_id")
         children = new_sequences(request_id, prompt_token_ids, params, self.eos_token_ids, max_tokens, arrival_time)
+        if params.structured_output is not None:
+            try:
+                self.grammar.add(children)  # compiles the grammar on its first use (then cached)
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc), param="response_format", code="invalid_json_schema") from None
         if self.options.enable_prefix_caching and params.prompt_logprobs is None:
             for child in children[1:]:  # the siblings share the first one's prompt blocks
                 child.prefill_after = children[0]
@@ -209,6 +220,8 @@ class EngineCore:
         """End sequences outside the token path (abort, a stop string found by the caller);
         unknown or finished ids are ignored."""
         self.scheduler.finish_requests(sequence_ids, status)
+        if self.grammar.active:
+            self.grammar.drop(sequence_ids)
         for sid in sequence_ids:
             parent_id = sid.split("#", 1)[0]
             children = self._parents.get(parent_id)
@@ -264,6 +277,8 @@ class EngineCore:
         self.num_generation_tokens += len(updated)
         for request in updated:
             if request.is_finished:
+                if self.grammar.active:
+                    self.grammar.drop([request.request_id])
                 children = self._parents.get(request.parent_id)
                 if children is not None and all(c.is_finished for c in children):
                     del self._parents[request.parent_id]

@@ -31,6 +31,7 @@ from pagecast.runtime.sampler import (
     sample_token_ids,
 )
 from pagecast.runtime.scheduler import SchedulerOutput
+from pagecast.runtime.structured_output import GrammarState
 from pagecast.runtime.transfer import to_device
 
 
@@ -84,6 +85,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # Output token counts of penalised requests, for asynchronous steps (launch).
         self.penalties = PenaltyState()
+        # Structured output: the engine core's grammar matchers (set by the core; None: none ever).
+        self.grammar: GrammarState | None = None
         # Tensor parallelism: the other ranks' processes mirror every forward pass (runtime.parallel).
         self.workers: WorkerGroup | None = None
         launch = getattr(model, "tp_launch", None)
@@ -247,7 +250,8 @@ class ModelRunner:
         if logits is None:
             return result
         if batch.sample_requests:
-            sampled = sample(self._sampling_logits(logits, batch), batch.sample_requests)
+            bitmask = self.grammar.bitmask(batch.sample_requests) if self.grammar and self.grammar.active else None
+            sampled = sample(self._sampling_logits(logits, batch), batch.sample_requests, bitmask)
             for req, token, lp in zip(batch.sample_requests, sampled.token_ids, sampled.logprobs):
                 result.sampled[req.request_id] = token
                 if lp is not None:
@@ -271,7 +275,15 @@ class ModelRunner:
             return step
         if batch.sample_requests:
             sampling_logits = self._sampling_logits(logits, batch)
-            step.token_ids = sample_token_ids(sampling_logits, batch.sample_requests, self.penalties.inputs)
+            bitmask = None
+            if self.grammar is not None and self.grammar.active:
+                # The forward pass is queued: wait for the previous step's tokens (only now, and
+                # only for constrained requests), feed them to the matchers and mask this step's
+                # rows while the device computes.
+                bitmask = self.grammar.bitmask(batch.sample_requests, _pending_tokens(prev))
+            step.token_ids = sample_token_ids(
+                sampling_logits, batch.sample_requests, self.penalties.inputs, token_bitmask=bitmask
+            )
             self.penalties.update(batch.sample_requests, step.token_ids)
             step.rows = {req.request_id: i for i, req in enumerate(batch.sample_requests)}
             step.logprobs = logprob_tensors(sampling_logits, step.token_ids, batch.sample_requests)
@@ -309,3 +321,22 @@ class ModelRunner:
         for rid, num_top, tensors in step.prompt_logprobs:
             result.prompt_logprobs[rid] = tensors.entries([num_top] * tensors.token_ids.shape[0])
         return result
+
+
+def _pending_tokens(prev: LaunchedStep | None) -> Any:
+    """Looks up a request's token sampled by ``prev`` (the step in flight), waiting for it on
+    first use: what a constrained request's matcher needs before its next token is masked."""
+    host: list[int] | None = None
+
+    def token(request: Request) -> int:
+        nonlocal host
+        if prev is None or prev.token_ids is None or request.request_id not in prev.rows:
+            raise RuntimeError(f"request {request.request_id!r}: its pending token was not sampled by the last step")
+        if host is None:
+            if prev.ready is not None:
+                prev.ready.synchronize()
+            tokens = prev.host_token_ids if prev.host_token_ids is not None else prev.token_ids
+            host = tokens.tolist()
+        return host[prev.rows[request.request_id]]
+
+    return token

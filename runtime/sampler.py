@@ -71,7 +71,9 @@ class SamplerOutput:
     logprobs: list[PositionLogprobs | None]
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+def sample(
+    logits: torch.Tensor, requests: list[Request], token_bitmask: TokenBitmask | None = None
+) -> SamplerOutput:
     """Pick the next token for each row of ``logits`` (``[num_rows, vocab]``, fp32 or bf16, any
     device); row ``i`` belongs to ``requests[i]``. Penalties are computed from the requests'
     token lists on the host. ``logits`` is not modified."""
@@ -82,7 +84,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         )
     if not requests:
         return SamplerOutput(token_ids=[], logprobs=[])
-    token_ids = sample_token_ids(logits, requests)
+    token_ids = sample_token_ids(logits, requests, token_bitmask=token_bitmask)
     chosen = token_ids.tolist()
     logprobs: list[PositionLogprobs | None] = [None] * len(requests)
     computed = logprob_tensors(logits, token_ids, requests)
@@ -97,10 +99,15 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
 # ``seen`` marks tokens of the prompt or the output (repetition penalty), ``counts`` holds how
 # often each token is in the output (presence / frequency penalties).
 PenaltyInputs = Callable[[list[Request], int, torch.device], tuple[torch.Tensor, torch.Tensor]]
+# Structured output: (rows that are constrained, their xgrammar bitmask [len(rows), words] on the host).
+TokenBitmask = tuple[list[int], torch.Tensor]
 
 
 def sample_token_ids(
-    logits: torch.Tensor, requests: list[Request], penalty_inputs: PenaltyInputs | None = None
+    logits: torch.Tensor,
+    requests: list[Request],
+    penalty_inputs: PenaltyInputs | None = None,
+    token_bitmask: TokenBitmask | None = None,
 ) -> torch.Tensor:
     """The next token of each row, as a tensor on the logits' device: no host synchronisation,
     so the engine can plan the next step while this one runs.
@@ -108,11 +115,22 @@ def sample_token_ids(
     ``penalty_inputs(penalised_requests, vocab, device)`` gives the penalised rows' token sets; by
     default they are built from the requests' token lists (``host_penalty_inputs``). The
     asynchronous runner passes its device-side state instead, whose output tokens include those
-    still pending (sampled by the step in flight)."""
+    still pending (sampled by the step in flight).
+
+    ``token_bitmask`` (structured output) rules out, on its rows only, every token its grammar
+    does not allow next; the other rows are left exactly as they are."""
     device = logits.device
     # Work in fp32: bf16 has too few mantissa bits for top-p cumulative sums and penalties.
     # Every step below is out of place, so the caller's logits (and the raw logprobs) survive.
     work = _mask_stop_tokens(logits.float(), requests)
+    if token_bitmask is not None:
+        from pagecast.runtime.structured_output import apply_bitmask
+
+        constrained, bitmask = token_bitmask
+        rows = to_device(constrained, device, torch.int64)
+        masked = work[rows]  # a copy: masked in place, then put back out of place
+        apply_bitmask(masked, bitmask)
+        work = work.index_copy(0, rows, masked)
 
     penalised = [i for i, r in enumerate(requests) if r.sampling_params.has_penalties]
     if penalised:

@@ -2,7 +2,45 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Constrain the output to JSON (``response_format``): ``type`` is ``"json_object"`` (any
+    JSON object) or ``"json_schema"`` (``json_schema``: the schema, as a dict or JSON text).
+
+    The schema is kept as canonical JSON text (sorted keys), which is also the key of the
+    engine's cache of compiled grammars, and checked here with the grammar library, so a schema
+    it cannot compile is a ``ValueError`` that says why before the request reaches the engine.
+    """
+
+    type: str = "json_object"
+    json_schema: Any = None  # dict or JSON text; stored as canonical JSON text
+
+    def __post_init__(self) -> None:
+        _check(self.type in ("json_object", "json_schema"), "structured_output", "type must be json_object or json_schema")
+        if self.type == "json_object":
+            _check(self.json_schema is None, "structured_output", "json_object takes no json_schema")
+            return
+        schema = self.json_schema
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise ValueError(f"structured_output json_schema is not valid JSON: {exc}") from None
+        _check(isinstance(schema, dict), "structured_output", "json_schema must be a JSON object (a schema)")
+        object.__setattr__(self, "json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")))
+        from pagecast.runtime.structured_output import check_json_schema
+
+        check_json_schema(self.json_schema)  # ValueError("structured_output ...") naming the problem
+
+    @property
+    def key(self) -> tuple[str, str | None]:
+        """What identifies the compiled grammar."""
+        return (self.type, self.json_schema)
 
 
 @dataclass
@@ -31,6 +69,8 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per generated token; 0 = only the chosen
     prompt_logprobs: int | None = None  # same for prompt tokens (echo)
     skip_special_tokens: bool = True
+    # JSON mode / a JSON schema (``response_format``): a grammar masks the tokens that would break it.
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -65,6 +105,12 @@ class SamplingParams:
             value = getattr(self, name)
             _check(value is None or (isinstance(value, int) and 0 <= value <= 20), name, "must be in [0, 20]")
         _check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+        if self.structured_output is not None:
+            _check(isinstance(self.structured_output, StructuredOutput), "structured_output", "must be a StructuredOutput")
+            # The grammar ends the output with an end-of-sequence token once the JSON is complete:
+            # both options would make it continue past that, where every token is masked.
+            _check(not self.ignore_eos, "structured_output", "cannot be combined with ignore_eos")
+            _check(self.min_tokens == 0, "structured_output", "cannot be combined with min_tokens")
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,194 @@
+"""Constrained decoding (``response_format``): grammars, matchers and token bitmasks (xgrammar).
+
+A request with ``SamplingParams.structured_output`` gets a grammar matcher in the engine core.
+Before each of its tokens is sampled, the matcher writes the set of tokens that keep the output
+valid into a bitmask row (on the host); the sampler sets every other token's logit to ``-inf``
+on those rows only, and the matcher then accepts the token that was sampled. Unconstrained rows
+are never touched, so their tokens are the same as without a constrained neighbour.
+
+Asynchronous scheduling launches step N+1 before step N's tokens reach the host, but a matcher
+must see token N before it can mask token N+1. The runner therefore queues step N+1's forward
+pass first, then (only when the step samples a constrained request) waits for step N's tokens
+(the engine waits for them right after the launch anyway), feeds them to the matchers, fills
+the bitmask while the device runs the forward pass, and queues the sampling behind it. The cost
+is the host's mask work on the step's critical path when it is longer than the forward pass.
+
+Grammars are compiled in the engine core, once per distinct schema (``GrammarCompiler`` keeps
+a cache); the tokenizer information xgrammar needs is built from the artifact's tokenizer the
+first time a constrained request arrives, so a server that never sees one pays nothing at start.
+Schemas are checked without a tokenizer where the request is made (``check_json_schema``), so a
+schema the library cannot compile is refused there with the library's reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagecast.runtime.request import Request
+
+# xgrammar's messages start with "[hh:mm:ss] /project/cpp/file.cc:123: "; users need the rest.
+_LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+# The JSON the grammars allow: compact (no free whitespace), so that a model cannot fill its
+# budget with blanks between tokens, which the default "any whitespace" grammar allows.
+_COMPILE_OPTIONS: dict[str, Any] = {"any_whitespace": False}
+# json_object: any object, with any keys.
+_ANY_OBJECT = '{"type":"object"}'
+
+
+def _reason(exc: BaseException) -> str:
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    text = _LOCATION.sub("", lines[0] if lines else type(exc).__name__)
+    return text.replace("Check failed: (error.empty()) is false: ", "")
+
+
+@functools.lru_cache(maxsize=256)
+def check_json_schema(schema: str) -> None:
+    """Raise ``ValueError("structured_output ...")`` when xgrammar cannot compile ``schema`` (JSON
+    text); cached, so a schema sent again costs a dictionary look-up."""
+    import xgrammar
+
+    try:
+        xgrammar.Grammar.from_json_schema(schema, **_COMPILE_OPTIONS)
+    except Exception as exc:  # noqa: BLE001 - the library reports every schema problem as RuntimeError
+        raise ValueError(f"structured_output the JSON schema cannot be compiled: {_reason(exc)}") from None
+
+
+class _Constrained:
+    """One constrained sequence: its matcher and how many of its output tokens it has accepted."""
+
+    __slots__ = ("request", "matcher", "fed")
+
+    def __init__(self, request: Request, matcher: Any):
+        self.request = request
+        self.matcher = matcher
+        self.fed = 0
+
+
+class GrammarState:
+    """The engine core's matchers, one per live constrained sequence, and the compiler.
+
+    ``tokenizer_source`` gives the artifact's transformers tokenizer; it is called once, when
+    the first constrained request arrives (the engine-core process loads no tokenizer at start).
+    """
+
+    def __init__(self, tokenizer_source: Callable[[], Any], vocab_size: int, eos_token_ids: frozenset[int]):
+        self._tokenizer_source = tokenizer_source
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self._compiler: Any = None
+        self._lock = threading.Lock()
+        self.matchers: dict[str, _Constrained] = {}
+        self._bitmask: torch.Tensor | None = None  # [rows, words] int32 on the host, reused
+
+    @property
+    def active(self) -> bool:
+        return bool(self.matchers)
+
+    def compiler(self) -> Any:
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar
+
+                tokenizer = self._tokenizer_source()
+                if tokenizer is None:
+                    raise ValueError("structured_output needs the artifact's tokenizer, and this artifact has none")
+                info = xgrammar.TokenizerInfo.from_huggingface(
+                    tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids or None
+                )
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=2)
+            return self._compiler
+
+    def compile(self, key: tuple[str, str | None]) -> Any:
+        """The compiled grammar of a ``StructuredOutput.key`` (the compiler caches it)."""
+        kind, schema = key
+        try:
+            return self.compiler().compile_json_schema(
+                _ANY_OBJECT if kind == "json_object" else schema,
+                strict_mode=kind != "json_object",
+                **_COMPILE_OPTIONS,
+            )
+        except ValueError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - compile errors are the schema's
+            raise ValueError(f"structured_output the JSON schema cannot be compiled: {_reason(exc)}") from None
+
+    def add(self, requests: list[Request]) -> None:
+        """Give each sequence of one request a matcher (compiling its grammar if needed)."""
+        import xgrammar
+
+        so = requests[0].sampling_params.structured_output
+        assert so is not None
+        compiled = self.compile(so.key)
+        for request in requests:
+            self.matchers[request.request_id] = _Constrained(request, xgrammar.GrammarMatcher(compiled))
+
+    def drop(self, request_ids: list[str] | set[str]) -> None:
+        for request_id in request_ids:
+            self.matchers.pop(request_id, None)
+
+    def bitmask(
+        self, requests: list[Request], pending_token: Callable[[Request], int] | None = None
+    ) -> tuple[list[int], torch.Tensor] | None:
+        """(rows of ``requests`` that are constrained, their bitmask ``[len(rows), words]`` on the
+        host), or None when none is. Each matcher first accepts the output tokens it has not
+        seen: those on the request, then the one still pending (sampled by the step in flight,
+        given by ``pending_token``)."""
+        import xgrammar
+
+        rows: list[int] = []
+        states: list[_Constrained] = []
+        for i, request in enumerate(requests):
+            state = self.matchers.get(request.request_id)
+            if state is not None and state.request is request:
+                rows.append(i)
+                states.append(state)
+        if not rows:
+            return None
+        shape = xgrammar.get_bitmask_shape(len(rows), self.vocab_size)
+        if self._bitmask is None or self._bitmask.shape[0] < shape[0]:
+            self._bitmask = xgrammar.allocate_token_bitmask(max(shape[0], 8), self.vocab_size)
+        bitmask = self._bitmask[: shape[0]]
+        for j, state in enumerate(states):
+            request = state.request
+            tokens = request.output_token_ids[state.fed :]
+            if request.num_pending_tokens:
+                if pending_token is None:
+                    raise RuntimeError(f"request {request.request_id!r}: its pending token is not known")
+                tokens = [*tokens, pending_token(request)]
+            for token in tokens:
+                # Every token was sampled under this matcher's mask, so it is accepted; a stop
+                # token ends the matcher, and the request with it.
+                state.matcher.accept_token(token)
+            state.fed += len(tokens)
+            if state.matcher.is_terminated():
+                # It accepted its stop token in the step in flight: the request ends when that
+                # token is booked, and what this step samples for it is never used.
+                bitmask[j].fill_(-1)
+            else:
+                state.matcher.fill_next_token_bitmask(bitmask, j)
+        return rows, bitmask
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """``-inf`` in place for the tokens ``bitmask`` (one row per row of ``logits``) rules out."""
+    import xgrammar
+
+    if logits.device.type == "cpu":
+        # Its C++ kernel: the default on the CPU compiles a torch function on first use (slow).
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask, backend="cpu")
+        return
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True))
+
+
+def tokenizer_loader(artifact_path: Path, loaded: Any) -> Callable[[], Any]:
+    """The artifact's tokenizer: the one already loaded, or loaded from disk on first call."""
+    from pagecast.runtime.loader import load_artifact_tokenizer
+
+    return lambda: loaded if loaded is not None else load_artifact_tokenizer(Path(artifact_path))

@@ -1,0 +1,100 @@
+"""Structured output (``response_format`` / ``SamplingParams.structured_output``) on a tiny random
+model: whatever the model would say, the constrained output parses and validates, in both
+scheduling modes, and unconstrained neighbours are unchanged."""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import pytest
+from pydantic import BaseModel, Field
+
+from pagecast.runtime.llm import LLM
+from pagecast.runtime.sampling_params import SamplingParams, StructuredOutput
+
+PROMPTS = ["The weather today is", "Once upon a time", "def main():", "1, 2, 3,"]
+
+
+class Address(BaseModel):
+    zip_code: int = Field(ge=10000, le=99999)
+    country: Literal["FR", "DE", "US"]
+
+
+class Person(BaseModel):
+    """Nested object, array, enum, integer with bounds, boolean: no free strings, so a random model
+    cannot run out of tokens inside one, and the grammar must complete within max_tokens."""
+
+    age: int = Field(ge=0, le=120)
+    active: bool
+    role: Literal["admin", "user", "guest"]
+    address: Address
+    scores: list[Literal[1, 2, 3]] = Field(max_length=3)
+
+
+PERSON = StructuredOutput("json_schema", Person.model_json_schema())
+
+
+def test_json_schema_outputs_validate_in_both_scheduling_modes(tiny_llama_artifact):  # type: ignore[no-untyped-def]
+    params = [
+        SamplingParams(max_tokens=200, temperature=0.0, structured_output=PERSON),
+        SamplingParams(max_tokens=200, temperature=1.0, seed=3, structured_output=PERSON),
+    ]
+    outputs = {}
+    for async_scheduling in (False, True):
+        llm = LLM(tiny_llama_artifact, async_scheduling=async_scheduling)
+        outs = llm.generate(PROMPTS[:2], params)
+        for out in outs:
+            choice = out.outputs[0]
+            assert choice.finish_reason == "stop", choice.text
+            Person.model_validate_json(choice.text)  # raises when it does not validate
+        outputs[async_scheduling] = [o.outputs[0].token_ids for o in outs]
+    assert outputs[True] == outputs[False]
+
+
+def test_an_unconstrained_neighbour_gets_the_same_greedy_tokens(tiny_llama_artifact):  # type: ignore[no-untyped-def]
+    plain = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    constrained = SamplingParams(max_tokens=200, temperature=0.0, structured_output=PERSON)
+    for async_scheduling in (False, True):
+        llm = LLM(tiny_llama_artifact, async_scheduling=async_scheduling)
+        alone = llm.generate([PROMPTS[0], PROMPTS[2]], plain)
+        mixed = llm.generate(PROMPTS, [plain, constrained, plain, constrained])
+        assert [o.outputs[0].token_ids for o in alone] == [mixed[0].outputs[0].token_ids, mixed[2].outputs[0].token_ids]
+        for out in (mixed[1], mixed[3]):
+            Person.model_validate_json(out.outputs[0].text)
+
+
+def test_json_object_mode_gives_an_object(tiny_llama_artifact):  # type: ignore[no-untyped-def]
+    llm = LLM(tiny_llama_artifact, async_scheduling=True)
+    params = SamplingParams(max_tokens=64, temperature=0.0, n=2, structured_output=StructuredOutput("json_object"))
+    out = llm.generate(PROMPTS[1], params)
+    for choice in out[0].outputs:
+        assert choice.text.startswith("{")
+        # Free keys and values: a random model may still be inside a string after 64 tokens.
+        if choice.finish_reason == "stop":
+            assert isinstance(json.loads(choice.text), dict)
+        else:
+            assert choice.finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "schema, reason",
+    [
+        ({"type": "strin"}, "Unsupported type"),
+        ({"type": "integer", "minimum": 5, "maximum": 2}, "minimum greater than maximum"),
+        ({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}, "nowhere"),
+    ],
+)
+def test_a_schema_the_library_cannot_compile_is_refused(schema, reason):  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=reason) as info:
+        StructuredOutput("json_schema", schema)
+    assert str(info.value).startswith("structured_output ")
+
+
+def test_options_that_would_outrun_the_grammar_are_refused():  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match="ignore_eos"):
+        SamplingParams(ignore_eos=True, structured_output=StructuredOutput())
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=2, structured_output=StructuredOutput())
+    with pytest.raises(ValueError, match="type"):
+        StructuredOutput("regex")
