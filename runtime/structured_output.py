@@ -63,7 +63,7 @@ def check_json_schema(schema: str) -> None:
 class _Constrained:
     """One constrained sequence: its matcher and how many of its output tokens it has accepted."""
 
-    __slots__ = ("request", "matcher", "fed")
+    __slots__ = ("fed", "matcher", "request")
 
     def __init__(self, request: Request, matcher: Any):
         self.request = request

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from pagecast.runtime.sampling_params import SamplingParams
+from pagecast.runtime.sampling_params import SamplingParams, StructuredOutput
 from pagecast.runtime.server.errors import (
     APIError,
     from_sampling_value_error,
@@ -136,6 +136,7 @@ class _SamplingRequest(BaseModel):
             "logprobs": logprobs,
             "prompt_logprobs": prompt_logprobs,
             "seed": self.seed,
+            "structured_output": structured_output(getattr(self, "response_format", None)),
         }
         # None means "the default": leave it to SamplingParams so there is one default per field.
         for name in (
@@ -166,6 +167,8 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
+    # As on chat (vLLM accepts it here too): JSON mode or a JSON schema.
+    response_format: dict[str, Any] | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -286,8 +289,6 @@ class ChatCompletionRequest(_SamplingRequest):
         for name in ("tool_choice", "function_call"):
             if getattr(self, name) not in (None, "none"):
                 raise unsupported(name)
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise unsupported("response_format", 'only {"type": "text"}')
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid_request("`top_logprobs` requires `logprobs` to be true.", "top_logprobs")
 
@@ -298,6 +299,39 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def structured_output(response_format: dict[str, Any] | None) -> StructuredOutput | None:
+    """``response_format`` as the engine's ``StructuredOutput`` (None for plain text): a shape
+    that is not OpenAI's, or a schema the grammar library cannot compile, is a 400 that says why
+    (code ``invalid_json_schema`` for the schema). Runs in the request's worker thread: the
+    schema check compiles a grammar (cached per schema)."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind != "json_schema":
+        raise invalid_request(
+            f"Invalid value for `response_format.type`: {kind!r}; use 'text', 'json_object' or 'json_schema'.",
+            "response_format",
+        )
+    spec = response_format.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise invalid_request(
+            "`response_format.json_schema.schema` must be a JSON schema (an object), as in "
+            '{"type": "json_schema", "json_schema": {"name": "...", "schema": {...}}}.',
+            "response_format",
+            code="invalid_json_schema",
+        )
+    try:
+        return StructuredOutput("json_schema", schema)
+    except ValueError as exc:
+        reason = str(exc).removeprefix("structured_output ")
+        raise invalid_request(f"Invalid `response_format`: {reason}", "response_format", code="invalid_json_schema") from None
 
 
 def parse_request(model_cls: type[_SamplingRequest], body: bytes) -> Any:

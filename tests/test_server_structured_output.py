@@ -1,0 +1,152 @@
+"""``response_format`` through engine-serve (its engine-core process loads the tokenizer for the
+grammar only when the first constrained request arrives), driven by the official openai SDK:
+JSON mode and JSON schemas on chat and completions, streamed and not, and bad schemas."""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel, Field
+from server_support import start_engine_serve
+
+MODEL = "tiny"
+
+
+class Item(BaseModel):
+    kind: Literal["book", "pen", "cup"]
+    count: int = Field(ge=1, le=5)
+
+
+class Order(BaseModel):
+    """Nested objects, an array, enums, bounded integers and a boolean: no free strings, so the
+    grammar completes well within max_tokens whatever a random model prefers."""
+
+    priority: Literal["low", "high"]
+    paid: bool
+    items: list[Item] = Field(min_length=1, max_length=2)
+    total: int = Field(ge=0, le=1000)
+
+
+ORDER_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "order", "schema": Order.model_json_schema(), "strict": True},
+}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_artifact, tmp_path_factory):  # type: ignore[no-untyped-def]
+    log = tmp_path_factory.mktemp("structured") / "serve.log"
+    proc, base = start_engine_serve(
+        [str(tiny_llama_artifact), "--served-model-name", MODEL, "--kv-cache-memory", "16MiB", "--async-scheduling"],
+        log,
+    )
+    try:
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def client(server):  # type: ignore[no-untyped-def]
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+MESSAGES = [{"role": "user", "content": "Order two books."}]
+
+
+def test_chat_json_schema_validates_streamed_and_not(client):  # type: ignore[no-untyped-def]
+    resp = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=150, temperature=0.8, seed=1, n=2, response_format=ORDER_FORMAT
+    )
+    for choice in resp.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        Order.model_validate_json(choice.message.content)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=150, temperature=0, response_format=ORDER_FORMAT, stream=True
+    )
+    text, finish = "", None
+    for chunk in stream:
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    assert finish == "stop"
+    Order.model_validate_json(text)
+
+
+def test_the_sdk_parse_helper_gets_a_pydantic_object(client):  # type: ignore[no-untyped-def]
+    class Flags(BaseModel):
+        ok: bool
+        level: Literal["a", "b", "c"]
+
+    resp = client.chat.completions.parse(model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0, response_format=Flags)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, Flags)
+
+
+def test_completions_json_schema_and_json_object(client):  # type: ignore[no-untyped-def]
+    resp = client.completions.create(
+        model=MODEL, prompt=["An order:", "Another:"], max_tokens=150, temperature=0, extra_body={"response_format": ORDER_FORMAT}
+    )
+    for choice in resp.choices:
+        assert choice.finish_reason == "stop"
+        Order.model_validate_json(choice.text)
+    stream = client.completions.create(
+        model=MODEL, prompt="An order:", max_tokens=150, temperature=0, stream=True,
+        extra_body={"response_format": ORDER_FORMAT},
+    )
+    text = "".join(c.choices[0].text for c in stream if c.choices)
+    Order.model_validate_json(text)
+    obj = client.completions.create(
+        model=MODEL, prompt="JSON:", max_tokens=48, temperature=0, extra_body={"response_format": {"type": "json_object"}}
+    ).choices[0]
+    assert obj.text.startswith("{")
+    # Free keys and strings: a random model may still be inside one when max_tokens runs out.
+    if obj.finish_reason == "stop":
+        assert isinstance(json.loads(obj.text), dict)
+    else:
+        assert obj.finish_reason == "length"
+
+
+def test_an_unconstrained_request_is_unchanged_beside_constrained_ones(client, server):  # type: ignore[no-untyped-def]
+    plain = {"model": MODEL, "prompt": "The weather today is", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    alone = httpx.post(f"{server}/v1/completions", json=plain, timeout=120).json()["choices"][0]["text"]
+    import concurrent.futures
+
+    constrained = {**plain, "prompt": "An order:", "max_tokens": 150, "ignore_eos": False, "response_format": ORDER_FORMAT}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(httpx.post, f"{server}/v1/completions", json=body, timeout=120) for body in (constrained, plain, constrained)]
+        results = [f.result().json()["choices"][0]["text"] for f in futures]
+    assert results[1] == alone
+    Order.model_validate_json(results[0])
+
+
+@pytest.mark.parametrize(
+    "response_format, reason",
+    [
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}, "Unsupported type"),
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer", "minimum": 3, "maximum": 1}}},
+            "minimum greater than maximum",
+        ),
+        ({"type": "json_schema", "json_schema": {"name": "x"}}, "must be a JSON schema"),
+    ],
+)
+def test_a_schema_that_cannot_be_compiled_is_a_400_that_says_why(client, response_format, reason):  # type: ignore[no-untyped-def]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, response_format=response_format)
+    error = info.value.body
+    assert info.value.status_code == 400
+    assert error["code"] == "invalid_json_schema" and error["param"] == "response_format"
+    assert reason in error["message"]
+
+
+def test_an_unknown_response_format_type_is_a_400(client):  # type: ignore[no-untyped-def]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, response_format={"type": "regex"})
+    assert info.value.body["param"] == "response_format"
