@@ -150,3 +150,12 @@ def test_an_unknown_response_format_type_is_a_400(client):  # type: ignore[no-un
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, response_format={"type": "regex"})
     assert info.value.body["param"] == "response_format"
+
+
+def test_options_the_grammar_cannot_honour_are_a_400_naming_response_format(client):  # type: ignore[no-untyped-def]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=8, response_format={"type": "json_object"},
+            extra_body={"ignore_eos": True},
+        )
+    assert info.value.body["param"] == "response_format" and "ignore_eos" in info.value.body["message"]

@@ -154,7 +154,7 @@ class _SamplingRequest(BaseModel):
         try:
             return SamplingParams(**kwargs)
         except ValueError as exc:
-            raise from_sampling_value_error(exc, rename) from None
+            raise from_sampling_value_error(exc, {**rename, "structured_output": "response_format"}) from None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -314,10 +314,7 @@ def structured_output(response_format: dict[str, Any] | None) -> StructuredOutpu
     if kind == "json_object":
         return StructuredOutput("json_object")
     if kind != "json_schema":
-        raise invalid_request(
-            f"Invalid value for `response_format.type`: {kind!r}; use 'text', 'json_object' or 'json_schema'.",
-            "response_format",
-        )
+        raise unsupported("response_format", f"type {kind!r}; use 'text', 'json_object' or 'json_schema'")
     spec = response_format.get("json_schema")
     schema = spec.get("schema") if isinstance(spec, dict) else None
     if not isinstance(schema, dict):
