@@ -96,3 +96,25 @@ def test_options_that_would_outrun_the_grammar_are_refused():  # type: ignore[no
         SamplingParams(min_tokens=2, structured_output=StructuredOutput())
     with pytest.raises(ValueError, match="type"):
         StructuredOutput("regex")
+
+
+def test_constrained_requests_survive_preemption(tiny_llama_artifact):  # type: ignore[no-untyped-def]
+    # A preempted request recomputes its tokens; its matcher keeps the tokens it has accepted and
+    # must carry on as if nothing happened (seeded noise: the same tokens as without preemption).
+    from test_paging import llm_block_bytes
+
+    flags = StructuredOutput(
+        "json_schema",
+        {"type": "object", "properties": {"flags": {"type": "array", "items": {"type": "boolean"},
+                                                   "minItems": 12, "maxItems": 12}}, "required": ["flags"]},
+    )
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=60, structured_output=flags) for i in range(4)]
+    options = {"kv_cache_memory": 10 * llm_block_bytes(tiny_llama_artifact), "max_model_len": 80, "enable_prefix_caching": False}
+    alone = LLM(tiny_llama_artifact, async_scheduling=False).generate(PROMPTS, params)
+    llm = LLM(tiny_llama_artifact, async_scheduling=True, **options)  # the harder mode: pending tokens
+    got = llm.generate(PROMPTS, params)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in alone]
+    for out in got:
+        assert out.outputs[0].finish_reason == "stop"
+        assert len(json.loads(out.outputs[0].text)["flags"]) == 12
