@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ _LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 _COMPILE_OPTIONS: dict[str, Any] = {"any_whitespace": False}
 # json_object: any object, with any keys.
 _ANY_OBJECT = '{"type":"object"}'
+_CACHE_SIZE = 512  # compiled grammars kept in the engine core
 
 
 def _reason(exc: BaseException) -> str:
@@ -86,6 +88,8 @@ class GrammarState:
         self._lock = threading.Lock()
         self.matchers: dict[str, _Constrained] = {}
         self._bitmask: torch.Tensor | None = None  # [rows, words] int32 on the host, reused
+        self._compiled: OrderedDict[tuple[str, str | None], Any] = OrderedDict()
+        self.num_compiled = 0
 
     @property
     def active(self) -> bool:
@@ -106,8 +110,21 @@ class GrammarState:
             return self._compiler
 
     def compile(self, key: tuple[str, str | None]) -> Any:
-        """The compiled grammar of a ``StructuredOutput.key`` (the compiler caches it)."""
+        """The compiled grammar of a ``StructuredOutput.key``: compiled once per distinct schema,
+        the most recently used ``_CACHE_SIZE`` kept."""
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            self._compiled.move_to_end(key)
+            return compiled
+        compiled = self._compile(key)
+        self._compiled[key] = compiled
+        if len(self._compiled) > _CACHE_SIZE:
+            self._compiled.popitem(last=False)
+        return compiled
+
+    def _compile(self, key: tuple[str, str | None]) -> Any:
         kind, schema = key
+        self.num_compiled += 1
         try:
             return self.compiler().compile_json_schema(
                 _ANY_OBJECT if kind == "json_object" else schema,

@@ -47,6 +47,10 @@ def test_json_schema_outputs_validate_in_both_scheduling_modes(tiny_llama_artifa
             assert choice.finish_reason == "stop", choice.text
             Person.model_validate_json(choice.text)  # raises when it does not validate
         outputs[async_scheduling] = [o.outputs[0].token_ids for o in outs]
+        # The same schema again (an equal dict, keys in another order): compiled once per engine.
+        again = StructuredOutput("json_schema", dict(reversed(list(Person.model_json_schema().items()))))
+        llm.generate(PROMPTS[1], SamplingParams(max_tokens=2, structured_output=again))
+        assert llm.engine.core.grammar.num_compiled == 1
     assert outputs[True] == outputs[False]
 
 
