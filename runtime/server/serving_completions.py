@@ -74,6 +74,9 @@ def _prepare(
     for ids in prompt_ids:
         check_prompt_fits(model, ids, max_tokens, "prompt")
     params = req.to_sampling_params(max_tokens)
+    if params.structured_output is not None and model.engine.tokenizer is None:
+        # The grammar's vocabulary comes from the tokenizer: a token-id-only artifact has none.
+        raise errors.unsupported("response_format", "this model's artifact has no tokenizer")
     params = generation_config.for_request(params, req, model.engine, [len(ids) for ids in prompt_ids])  # checkpoint defaults
     return req, model, prompt_ids, prompt_texts, score_only, params
 
