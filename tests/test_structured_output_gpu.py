@@ -1,7 +1,7 @@
 """Structured output on a GPU (run with `pytest -m gpu` on the accelerator): CUDA graphs, the
 asynchronous engine (the in-flight token fed to the matcher after the forward pass is queued)
 and xgrammar's bitmask kernel on the device. Constrained outputs validate and are the same in
-both scheduling modes; unconstrained neighbours get the tokens they get alone."""
+both scheduling modes (the same batches, so the same tokens)."""
 
 from __future__ import annotations
 
@@ -33,9 +33,9 @@ def test_structured_output_on_gpu_in_both_modes(tmp_path):  # type: ignore[no-un
     for mode in (False, True):
         llm = LLM(art, async_scheduling=mode, max_num_seqs=16, kv_cache_memory="256MiB")
         assert llm.engine.runner.graphs is not None
-        alone = llm.generate(prompts[::2], plain)
         mixed = llm.generate(prompts, params)
-        assert [o.outputs[0].token_ids for o in alone] == [o.outputs[0].token_ids for o in mixed[::2]]
+        # (Unconstrained neighbours against a run without constrained ones is the CPU test's: on a
+        # GPU a different batch size may pick another GEMM algorithm, so greedy ties may differ.)
         for out in mixed[1::2]:
             assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
             Person.model_validate_json(out.outputs[0].text)
