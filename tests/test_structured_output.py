@@ -64,6 +64,7 @@ def test_an_unconstrained_neighbour_gets_the_same_greedy_tokens(tiny_llama_artif
         assert [o.outputs[0].token_ids for o in alone] == [mixed[0].outputs[0].token_ids, mixed[2].outputs[0].token_ids]
         for out in (mixed[1], mixed[3]):
             Person.model_validate_json(out.outputs[0].text)
+        assert not llm.engine.core.grammar.matchers  # every finished request's matcher is gone
 
 
 def test_json_object_mode_gives_an_object(tiny_llama_artifact):  # type: ignore[no-untyped-def]
@@ -122,3 +123,17 @@ def test_constrained_requests_survive_preemption(tiny_llama_artifact):  # type: 
     for out in got:
         assert out.outputs[0].finish_reason == "stop"
         assert len(json.loads(out.outputs[0].text)["flags"]) == 12
+
+
+def test_an_aborted_constrained_request_leaves_no_matcher(tiny_llama_artifact):  # type: ignore[no-untyped-def]
+    from pagecast.runtime.engine import LLMEngine
+
+    engine = LLMEngine(tiny_llama_artifact, async_scheduling=True, kv_cache_memory="16MiB")
+    engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=50, n=2, structured_output=PERSON))
+    for _ in range(3):
+        engine.step()
+    assert len(engine.core.grammar.matchers) == 2
+    engine.abort_request(["a"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not engine.core.grammar.matchers and engine.block_pool.num_used_blocks == 0
