@@ -16,7 +16,7 @@ The target of issue 13 is <= 10% throughput loss at 50% constrained requests. Be
 32 requests with a small schema and room to finish are checked: every output must be valid
 JSON of that schema, in both scheduling modes.
 
-    python benchmarks/structured.py --out OUTDIR [--artifact DIR]
+    python benchmarks/structured.py --out OUTDIR [--artifact DIR | --model NAME_OR_CHECKPOINT_DIR]
 
 Prints a table at the end and one JSON line per figure (also written to OUTDIR/structured.jsonl).
 """
@@ -146,7 +146,8 @@ def main() -> None:
     global NUM_REQUESTS, OUTPUT_LEN, PROMPT_LEN
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--artifact", type=Path, default=None, help="an artifact with a tokenizer (default: build SmolLM2)")
+    ap.add_argument("--artifact", type=Path, default=None, help="an artifact with a tokenizer (default: build --model)")
+    ap.add_argument("--model", default="smollm2-135m", help="what to build when no --artifact: a name or checkpoint dir")
     ap.add_argument("--num-requests", type=int, default=NUM_REQUESTS, help="smaller for a CPU smoke run")
     ap.add_argument("--output-len", type=int, default=OUTPUT_LEN)
     ap.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
@@ -158,9 +159,9 @@ def main() -> None:
         from pagecast.builder.ir import BuildOptions
         from pagecast.builder.pipeline import build
 
-        artifact = args.out / "smollm2-135m"
+        artifact = args.out / Path(args.model).name
         if not (artifact / "manifest.json").exists():
-            build(BuildOptions(model="smollm2-135m", output=artifact, force=True, quiet=True))
+            build(BuildOptions(model=args.model, output=artifact, force=True, quiet=True))
     check_outputs(args.out, artifact)
     table = {setting: run(args.out, artifact, setting) for setting in ("plain", "half_json", "all_json")}
     base = table["plain"]["output_tok_s"]
