@@ -5,6 +5,7 @@ Kernel tests run the Triton kernels through the interpreter when no GPU is prese
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -97,3 +98,14 @@ def every_block_is_free_after_the_test(monkeypatch):  # type: ignore[no-untyped-
         engine = llm.engine
         assert engine.block_pool.num_used_blocks == 0, "KV blocks still in use after the test"
         assert not engine.has_unfinished_requests(), "requests left unfinished after the test"
+
+
+@pytest.fixture
+def restore_root_logging():  # type: ignore[no-untyped-def]
+    """engine-serve's main() installs its own root log handler (on CliRunner's stderr, closed
+    afterwards): put the root logger back as it was."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)

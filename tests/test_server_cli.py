@@ -4,7 +4,6 @@ requests, running ones finish or are aborted at --shutdown-timeout) and exits 0;
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import socket
@@ -23,13 +22,8 @@ from pagecast.runtime.cli import main
 
 
 @pytest.fixture(autouse=True)
-def _restore_logging():  # type: ignore[no-untyped-def]
-    """main() installs its own root log handler (on CliRunner's stderr, closed afterwards)."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
+def _restore_logging(restore_root_logging):  # type: ignore[no-untyped-def]
+    """main() installs its own root log handler; conftest puts it back after each test."""
 
 
 def test_missing_artifact_is_a_clear_error(tmp_path):  # type: ignore[no-untyped-def]

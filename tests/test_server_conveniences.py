@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import signal
@@ -28,13 +27,8 @@ CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "co
 
 
 @pytest.fixture(autouse=True)
-def _restore_logging():  # type: ignore[no-untyped-def]
-    """engine-serve's main() installs its own root log handler."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
+def _restore_logging(restore_root_logging):  # type: ignore[no-untyped-def]
+    """main() installs its own root log handler; conftest puts it back after each test."""
 
 
 @pytest.fixture(scope="module")

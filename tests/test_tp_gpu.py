@@ -18,6 +18,7 @@ import sys
 import time
 
 import pytest
+import test_tp
 import torch
 from conftest import build_artifact
 from engine_utils import hf_greedy
@@ -32,28 +33,27 @@ if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
 
 PROMPTS = [[1 + (i * 37 + j * 11) % 4000 for j in range(n)] for i, n in enumerate([5, 17, 33, 64, 100, 3, 250, 9])]
 ENGINE = {"max_num_batched_tokens": 128, "max_num_seqs": 8, "kv_cache_memory": "256MiB"}
-CASES = {
-    "gqa-kv-split": ("llama", {}),
-    "one-kv-replicated": (
-        "llama",
-        {"num_key_value_heads": 1, "vocab_size": 49155, "tie_word_embeddings": False,
-         "attention_bias": True, "mlp_bias": True},
-    ),
-    "qwen2-qkv-bias": ("qwen2", {}),
-    "qwen3-qk-norm": ("qwen3", {}),
-}
+CASES = test_tp.CASES  # the same layouts as the CPU (gloo) tests
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_tp2_fp32_greedy_matches_transformers(tmp_path, case):  # type: ignore[no-untyped-def]
-    from transformers import AutoModelForCausalLM
 
     family, overrides = CASES[case]
     ckpt = make_checkpoint(tmp_path / "ckpt", family, tokenizer=False, **overrides)
     art = build_artifact(ckpt, tmp_path / "art", gpu="auto", dtype="float32", tp=2, tune_budget_s=10.0)
+    # Decode steps replay graphs with NCCL all-reduces inside.
+    _assert_greedy_matches_transformers(ckpt, art, lambda llm: llm.engine.runner.graphs is not None)
+
+
+def _assert_greedy_matches_transformers(ckpt, art, engine_check) -> None:  # type: ignore[no-untyped-def]
+    """fp32 TP=2 greedy tokens of PROMPTS equal transformers' on the checkpoint; ``engine_check``
+    asserts what the engine must be using (graphs, the all-reduce kind) before it generates."""
+    from transformers import AutoModelForCausalLM
+
     llm = LLM(art, **ENGINE)
     try:
-        assert llm.engine.runner.graphs is not None  # decode steps replay graphs with NCCL all-reduces inside
+        assert engine_check(llm)
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     finally:
         llm.engine.runner.close()
@@ -90,22 +90,13 @@ def test_tp2_bf16_equals_tp1_on_the_first_tokens(tmp_path):  # type: ignore[no-u
 def test_tp2_symmetric_memory_all_reduce_matches_nccl(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
     """PAGECAST_TP_ALLREDUCE=symm_mem (one-shot all-reduce in symmetric memory, captured in the
     decode graphs) gives the tokens NCCL gives, in fp32 against transformers too."""
-    from transformers import AutoModelForCausalLM
 
     from pagecast.runtime import parallel
 
     ckpt = make_checkpoint(tmp_path / "ckpt", "llama", tokenizer=False)
     art = build_artifact(ckpt, tmp_path / "art", gpu="auto", dtype="float32", tp=2, tune_budget_s=5.0)
     monkeypatch.setattr(parallel, "ALL_REDUCE", "symm_mem")
-    llm = LLM(art, **ENGINE)
-    try:
-        assert llm.engine.runner.kernels.tp_symm is not None
-        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-    finally:
-        llm.engine.runner.close()
-    hf = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).cuda().eval()
-    for ids, out in zip(PROMPTS, outs):
-        assert out.token_ids == hf_greedy(hf, ids, 24), ids
+    _assert_greedy_matches_transformers(ckpt, art, lambda llm: llm.engine.runner.kernels.tp_symm is not None)
 
 
 @pytest.mark.timeout(300)
