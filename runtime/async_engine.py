@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from pagecast.runtime import generation_config
 from pagecast.runtime.artifact import load_manifest
 from pagecast.runtime.core_process import CoreClient, position_logprobs
 from pagecast.runtime.engine import tokenize_prompt
@@ -71,6 +72,7 @@ class AsyncEngine:
         self.artifact_path = Path(artifact)
         manifest = load_manifest(self.artifact_path)  # raises ArtifactError for a bad artifact
         self._model_name = manifest.name
+        self.generation_defaults = generation_config.load_defaults(self.artifact_path)
         self._streams: dict[str, _Stream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None

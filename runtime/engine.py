@@ -13,6 +13,7 @@ import itertools
 import os
 from typing import Any
 
+from pagecast.runtime import generation_config
 from pagecast.runtime.engine_core import EngineCore, EngineOptions, StepResult, parse_size
 from pagecast.runtime.errors import InvalidRequestError
 from pagecast.runtime.loader import LoadedArtifact
@@ -50,6 +51,7 @@ class LLMEngine:
         self.artifact = self.core.artifact
         self.model_name = self.core.model_name
         self.tokenizer = self.artifact.tokenizer
+        self.generation_defaults = generation_config.load_defaults(self.artifact.path)
         self.block_size = self.core.block_size
         self.eos_token_ids = self.core.eos_token_ids
         self.vocab_size = self.core.vocab_size

@@ -11,10 +11,8 @@ always wins.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import weakref
 from collections.abc import Mapping
 from dataclasses import fields, replace
 from pathlib import Path
@@ -24,7 +22,6 @@ from pagecast.runtime.sampling_params import SamplingParams
 
 FILENAME = "generation_config.json"
 
-_CACHE: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 # Hugging Face generation-config key -> SamplingParams field. Only keys that change which
 # tokens are sampled or how many: the stop tokens are in the manifest already.
@@ -77,42 +74,9 @@ def default_sampling_params(defaults: Mapping[str, Any]) -> SamplingParams:
 
 
 def engine_defaults(engine: Any) -> dict[str, Any]:
-    """The defaults of the artifact ``engine`` serves, found from what the engine exposes:
-    its own ``generation_defaults`` when it has them, else the artifact directory (AsyncEngine's
-    ``artifact_path``, LLMEngine's ``artifact.path``, or the parent of the tokenizer's
-    directory). Read once per engine."""
-    own = getattr(engine, "generation_defaults", None)
-    if isinstance(own, Mapping):
-        return dict(own)
-    try:
-        cached = _CACHE.get(engine)
-    except TypeError:  # not weak-referenceable: read it each time
-        cached = None
-    if cached is not None:
-        return dict(cached)
-    found: dict[str, Any] = {}
-    for directory in _artifact_dirs(engine):
-        if (directory / FILENAME).is_file():
-            found = load_defaults(directory)
-            break
-    with contextlib.suppress(TypeError):
-        _CACHE[engine] = found
-    return dict(found)
-
-
-def _artifact_dirs(engine: Any) -> list[Path]:
-    candidates: list[Path] = []
-    if getattr(engine, "artifact_path", None) is not None:  # AsyncEngine (the server side)
-        candidates.append(Path(engine.artifact_path))
-    inner = getattr(engine, "engine", engine)
-    artifact = getattr(inner, "artifact", None)
-    if getattr(artifact, "path", None) is not None:
-        candidates.append(Path(artifact.path))
-    tokenizer = getattr(engine, "tokenizer", None)
-    name = getattr(tokenizer, "name_or_path", None)
-    if name:
-        candidates.append(Path(name).parent)
-    return candidates
+    """The defaults of the artifact ``engine`` serves: its ``generation_defaults``, read from
+    the artifact once when the engine was made (LLMEngine, AsyncEngine); none for other objects."""
+    return dict(getattr(engine, "generation_defaults", None) or {})
 
 
 # Request fields (None when the client left them out) that a generation config may default.
