@@ -247,7 +247,7 @@ class Server:
 
 
 def triton_compiles(log: Path) -> str:
-    found = re.findall(r"triton cache: (\d+) new file", log.read_text())
+    found = re.findall(r"triton: (\d+) kernels compiled while serving", log.read_text())
     return found[-1] if found else "not logged"
 
 
@@ -340,7 +340,7 @@ def main() -> None:
             phase_w5(out, server, model, args, cached=True)
     finally:
         status = server.stop()
-    emit(out, figure="server_exit", exit_code=status, triton_new_files=triton_compiles(server.log))
+    emit(out, figure="server_exit", exit_code=status, triton_compiles_while_serving=triton_compiles(server.log))
     if "W5" in phases:
         server = Server(artifact, out / "engine_serve_nocache.log", [*args.server_arg, "--no-prefix-caching"])
         try:

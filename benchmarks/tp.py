@@ -93,7 +93,7 @@ def run_config(out: Path, config: str, w1_requests: int, tune_budget: float, ser
         rows = [json.loads(line) for line in (out / "serving.jsonl").read_text().splitlines()]
         last = [r for r in rows if r["figure"] == "engine_serve_first_token_seconds"][-1]
         emit(out, config=config, figure="engine_serve_first_token_seconds", value=last["value"],
-             new_triton_cache_files=last.get("new_triton_cache_files"), exit_code=last.get("exit_code"))
+             triton_compiles_at_start=last.get("triton_compiles_at_start"), exit_code=last.get("exit_code"))
     start = time.perf_counter()
     engine = LLMEngine(artifact, max_num_seqs=1024, max_num_batched_tokens=8192, gpu_memory_utilization=0.9)
     emit(out, config=config, figure="engine_init_seconds", value=round(time.perf_counter() - start, 1),

@@ -30,6 +30,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from pagecast.runtime.kernel_cache import TritonCompiles
 from pagecast.runtime.messages import (
     AbortRequests,
     AddRequest,
@@ -113,6 +114,8 @@ def run_engine_core(
     from pagecast.runtime.errors import ArtifactError
     from pagecast.runtime.request import RequestStatus
 
+    # Every kernel the start-up and the serving compile (0 when the artifact's cache has them all).
+    compiles = TritonCompiles()
     try:
         t0 = time.perf_counter()
         core = EngineCore(artifact, EngineOptions(**options), load_tokenizer=False)
@@ -124,11 +127,13 @@ def run_engine_core(
         outbox.close()
         ctx.term()
         os._exit(2)
-    cache_files_at_start = _triton_cache_files()
-    # Files the start-up itself added to the private copy of the artifact's cache (0: nothing compiled).
-    copied = core.startup_s.pop("load.triton_cache_files_copied", None)
-    if copied is not None:
-        core.startup_s["triton_new_files_at_start"] = cache_files_at_start - copied
+    compiled_at_start = compiles.count
+    core.startup_s["triton_compiles_at_start"] = compiled_at_start
+    if compiled_at_start:
+        logger.warning(
+            "compiled %d Triton kernels at start (the artifact's cache missed them): %s",
+            compiled_at_start, ", ".join(sorted(set(compiles.names))),
+        )
     log_startup(core.model_name, core.startup_s)
     outbox.send(
         encoder.encode(
@@ -195,17 +200,13 @@ def run_engine_core(
         ctx.term()
         os._exit(1)
     # A kernel compiled while serving means the artifact's triton_cache missed it: say so.
-    logger.info("triton cache: %d new files while serving", _triton_cache_files() - cache_files_at_start)
+    logger.info(
+        "triton: %d kernels compiled while serving%s", compiles.count - compiled_at_start,
+        f" ({', '.join(sorted(set(compiles.names[compiled_at_start:])))})" if compiles.count > compiled_at_start else "",
+    )
     outbox.close()
     inbox.close()
     ctx.term()
-
-
-def _triton_cache_files() -> int:
-    cache = os.environ.get("TRITON_CACHE_DIR")
-    if not cache or not os.path.isdir(cache):
-        return 0
-    return sum(len(files) for _, _, files in os.walk(cache))
 
 
 # -- the server side --------------------------------------------------------------------------

@@ -6,13 +6,10 @@ artifact (triton_cache/) and Triton's cache is pointed there before any kernel l
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 import types
 from collections.abc import Callable
@@ -32,6 +29,7 @@ from pagecast.runtime.artifact import (
     verify_files,
 )
 from pagecast.runtime.errors import ArtifactError
+from pagecast.runtime.kernel_cache import private_cache_copy
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -226,13 +224,7 @@ def load_artifact(
     t0 = time.perf_counter()
     triton_cache = path / "triton_cache"
     if triton_cache.is_dir():
-        # Triton rewrites index files in its cache when it loads kernels: serve from a private copy so
-        # the artifact stays exactly as built (and its hashes keep matching).
-        private = Path(tempfile.mkdtemp(prefix="pagecast-triton-"))
-        shutil.copytree(triton_cache, private, dirs_exist_ok=True)
-        atexit.register(shutil.rmtree, private, True)
-        os.environ["TRITON_CACHE_DIR"] = str(private)
-        timings["triton_cache_files_copied"] = float(sum(len(f) for _, _, f in os.walk(private)))
+        os.environ["TRITON_CACHE_DIR"] = str(private_cache_copy(triton_cache))
 
     from pagecast.kernels import ops
 
