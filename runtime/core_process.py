@@ -93,9 +93,17 @@ def step_updates(result: Any) -> list[SequenceUpdate]:
 
 
 def run_engine_core(
-    artifact: str, options: dict[str, Any], input_addr: str, output_addr: str, log_setup: tuple[str, int]
+    artifact: str,
+    options: dict[str, Any],
+    input_addr: str,
+    output_addr: str,
+    log_setup: tuple[str, int],
+    spawned_at: float | None = None,
 ) -> None:
-    """The engine-core process: start the core, say ready, then loop over messages and steps."""
+    """The engine-core process: start the core, say ready, then loop over messages and steps.
+    ``spawned_at`` (the server's ``time.time()`` when it started this process) times the
+    interpreter's own start for the start-up log."""
+    entered = time.time()
     from pagecast.runtime.server.logs import configure_logging
 
     configure_logging(*log_setup)
@@ -114,12 +122,19 @@ def run_engine_core(
     from pagecast.runtime.errors import ArtifactError
     from pagecast.runtime.request import RequestStatus
 
+    # Where the seconds before the engine's own go: the interpreter and this module's imports,
+    # then torch and the engine's (the core's clock starts after them).
+    before_core = {"import": time.time() - entered}
+    if spawned_at is not None:
+        before_core = {"spawn": entered - spawned_at, **before_core}
+
     # Every kernel the start-up and the serving compile (0 when the artifact's cache has them all).
     compiles = TritonCompiles()
     try:
         t0 = time.perf_counter()
         core = EngineCore(artifact, EngineOptions(**options), load_tokenizer=False)
         core.startup_s["total"] = time.perf_counter() - t0
+        core.startup_s = {**before_core, **core.startup_s}
     except BaseException as exc:  # noqa: BLE001 - every failure to start is reported, then the process ends
         kind = "artifact" if isinstance(exc, ArtifactError) else "value" if isinstance(exc, ValueError) else "engine"
         message = str(exc) if kind != "engine" else f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
@@ -255,6 +270,7 @@ class CoreClient:
                 "input_addr": self._inbox_addr,
                 "output_addr": self._outbox_addr,
                 "log_setup": _log_setup(),
+                "spawned_at": time.time(),
             }
         )
         self.name = f"pagecast-core-{os.path.basename(os.path.normpath(artifact))}"
@@ -366,5 +382,6 @@ __all__ = ["CoreClient", "EngineStats", "position_logprobs", "run_engine_core"]
 if __name__ == "__main__":
     _args = json.loads(sys.argv[1])
     run_engine_core(
-        _args["artifact"], _args["options"], _args["input_addr"], _args["output_addr"], tuple(_args["log_setup"])
+        _args["artifact"], _args["options"], _args["input_addr"], _args["output_addr"], tuple(_args["log_setup"]),
+        _args.get("spawned_at"),
     )

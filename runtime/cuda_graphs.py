@@ -72,7 +72,7 @@ class DecodeGraphs:
         # A decode graph depends on the context bucket only through the attention kernel's launch
         # config: contexts whose configs agree share one graph.
         by_config: dict[tuple[int, str], tuple[int, int]] = {}
-        warm_s = capture_s = 0.0
+        warm_s = sync_s = capture_s = 0.0
         # Largest first, so the shared memory pool is sized once.
         for context in reversed(self.contexts):
             for batch in reversed(self.batch_sizes):
@@ -84,8 +84,10 @@ class DecodeGraphs:
                     continue
                 t0 = time.perf_counter()
                 self._forward(batch, context)  # warm-up: kernel selection, allocator
+                t_launched = time.perf_counter()
                 torch.cuda.synchronize(self.device)
                 t1 = time.perf_counter()
+                sync_s += t1 - t_launched
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.stream(stream):
                     # thread_local: the weights may still be streaming in on other threads (their
@@ -104,11 +106,13 @@ class DecodeGraphs:
                 by_config[key] = (batch, context)
         torch.cuda.synchronize(self.device)
         self.num_captured = len(by_config)
-        self.timings = {"warm_up_forwards": warm_s, "captures": capture_s}
+        # warm_up_sync: of the warm-up forwards, the time spent waiting for the device.
+        self.timings = {"warm_up_forwards": warm_s, "warm_up_sync": sync_s, "captures": capture_s}
         elapsed = time.perf_counter() - start
         logger.info(
-            "captured %d decode CUDA graphs for %d (batch, context) buckets in %.1f s (eager warm-up %.1f s, capture %.1f s)",
-            self.num_captured, len(self.graphs), elapsed, warm_s, capture_s,
+            "captured %d decode CUDA graphs for %d (batch, context) buckets in %.1f s (eager warm-up %.1f s of which "
+            "%.1f s waiting for the device, capture %.1f s)",
+            self.num_captured, len(self.graphs), elapsed, warm_s, sync_s, capture_s,
         )
         return elapsed
 

@@ -152,6 +152,8 @@ class EngineCore:
             planned = self.artifact.memory_plan.get("cuda_graph_batch_sizes") or [1]
             sizes = [b for b in planned if b <= options.max_num_seqs]
             self.startup_s["cuda_graphs"] = self.runner.capture_cuda_graphs(sizes, self.max_model_len)
+            graphs = getattr(self.runner, "graphs", None)
+            self.startup_s.update({f"cuda_graphs.{k}": v for k, v in getattr(graphs, "timings", {}).items()})
         t0 = time.perf_counter()
         self.artifact.wait_verified()  # the weights are in, and are what was built
         self.startup_s["weights_wait"] = time.perf_counter() - t0
