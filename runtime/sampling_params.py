@@ -6,24 +6,58 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+STRUCTURED_OUTPUT_TYPES = ("json_object", "json_schema", "regex", "choice", "grammar")
+
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """Constrain the output to JSON (``response_format``): ``type`` is ``"json_object"`` (any
-    JSON object) or ``"json_schema"`` (``json_schema``: the schema, as a dict or JSON text).
+    """Constrain the output (``response_format``, vLLM's ``guided_*`` fields, tool calls).
 
-    The schema is kept as canonical JSON text (sorted keys), which is also the key of the
-    engine's cache of compiled grammars, and checked here with the grammar library, so a schema
-    it cannot compile is a ``ValueError`` that says why before the request reaches the engine.
+    ``type`` says which of the other fields holds the constraint:
+
+    - ``"json_object"``: any JSON object (no other field);
+    - ``"json_schema"``: ``json_schema``, the schema, as a dict or JSON text;
+    - ``"regex"``: ``regex``, a regular expression the whole output matches;
+    - ``"choice"``: ``choice``, the output is exactly one of these strings;
+    - ``"grammar"``: ``grammar``, an EBNF grammar in xgrammar's dialect (rule ``root``).
+
+    The constraint is kept in a canonical text form (a schema as JSON with sorted keys), which is
+    also the key of the engine's cache of compiled grammars, and checked here with the grammar
+    library, so one it cannot compile is a ``ValueError`` that says why before the request
+    reaches the engine.
     """
 
     type: str = "json_object"
     json_schema: Any = None  # dict or JSON text; stored as canonical JSON text
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None  # any sequence of strings; stored as a tuple
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
-        _check(self.type in ("json_object", "json_schema"), "structured_output", "type must be json_object or json_schema")
+        _check(self.type in STRUCTURED_OUTPUT_TYPES, "structured_output", f"type must be one of {', '.join(STRUCTURED_OUTPUT_TYPES)}")
+        for name in ("json_schema", "regex", "choice", "grammar"):
+            if name != self.type:
+                _check(getattr(self, name) is None, "structured_output", f"type {self.type} takes no {name}")
+        from pagecast.runtime import structured_output as grammars
+
         if self.type == "json_object":
-            _check(self.json_schema is None, "structured_output", "json_object takes no json_schema")
+            return
+        if self.type == "regex":
+            _check(isinstance(self.regex, str) and bool(self.regex), "structured_output", "regex must be a non-empty string")
+            grammars.check_regex(self.regex)
+            return
+        if self.type == "grammar":
+            _check(isinstance(self.grammar, str) and bool(self.grammar.strip()), "structured_output", "grammar must be a non-empty string")
+            grammars.check_grammar(self.grammar)
+            return
+        if self.type == "choice":
+            choice = self.choice
+            _check(
+                isinstance(choice, (list, tuple)) and bool(choice) and all(isinstance(c, str) and c for c in choice),
+                "structured_output",
+                "choice must be a non-empty list of non-empty strings",
+            )
+            object.__setattr__(self, "choice", tuple(choice))  # type: ignore[arg-type]
             return
         schema = self.json_schema
         if isinstance(schema, str):
@@ -33,14 +67,14 @@ class StructuredOutput:
                 raise ValueError(f"structured_output json_schema is not valid JSON: {exc}") from None
         _check(isinstance(schema, dict), "structured_output", "json_schema must be a JSON object (a schema)")
         object.__setattr__(self, "json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")))
-        from pagecast.runtime.structured_output import check_json_schema
-
-        check_json_schema(self.json_schema)  # ValueError("structured_output ...") naming the problem
+        grammars.check_json_schema(self.json_schema)  # ValueError("structured_output ...") naming the problem
 
     @property
     def key(self) -> tuple[str, str | None]:
-        """What identifies the compiled grammar."""
-        return (self.type, self.json_schema)
+        """What identifies the compiled grammar: the type and the constraint as text."""
+        if self.type == "choice":
+            return (self.type, json.dumps(list(self.choice or ())))
+        return (self.type, {"json_schema": self.json_schema, "regex": self.regex, "grammar": self.grammar}.get(self.type))
 
 
 @dataclass
@@ -69,7 +103,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per generated token; 0 = only the chosen
     prompt_logprobs: int | None = None  # same for prompt tokens (echo)
     skip_special_tokens: bool = True
-    # JSON mode / a JSON schema (``response_format``): a grammar masks the tokens that would break it.
+    # JSON mode, a JSON schema, a regex, a choice or a grammar: a grammar masks the tokens that would break it.
     structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:

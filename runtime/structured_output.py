@@ -23,6 +23,7 @@ schema the library cannot compile is refused there with the library's reason.
 from __future__ import annotations
 
 import functools
+import json
 import re
 import threading
 from collections import OrderedDict
@@ -60,6 +61,49 @@ def check_json_schema(schema: str) -> None:
         xgrammar.Grammar.from_json_schema(schema, **_COMPILE_OPTIONS)
     except Exception as exc:  # noqa: BLE001 - the library reports every schema problem as RuntimeError
         raise ValueError(f"structured_output the JSON schema cannot be compiled: {_reason(exc)}") from None
+
+
+@functools.lru_cache(maxsize=256)
+def check_regex(pattern: str) -> None:
+    """Raise ``ValueError("structured_output ...")`` when xgrammar cannot compile ``pattern``."""
+    import xgrammar
+
+    try:
+        xgrammar.Grammar.from_regex(pattern)
+    except Exception as exc:  # noqa: BLE001 - the library reports every problem as RuntimeError
+        raise ValueError(f"structured_output the regex cannot be compiled: {_reason(exc)}") from None
+
+
+@functools.lru_cache(maxsize=256)
+def check_grammar(ebnf: str) -> None:
+    """Raise ``ValueError("structured_output ...")`` when xgrammar cannot parse ``ebnf``."""
+    import xgrammar
+
+    try:
+        xgrammar.Grammar.from_ebnf(ebnf)
+    except Exception as exc:  # noqa: BLE001 - the library reports every problem as RuntimeError
+        raise ValueError(f"structured_output the grammar cannot be compiled: {_reason(exc)}") from None
+
+
+_EBNF_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def ebnf_literal(text: str) -> str:
+    """``text`` as a quoted string of xgrammar's EBNF."""
+    out = []
+    for ch in text:
+        if ch in _EBNF_ESCAPES:
+            out.append(_EBNF_ESCAPES[ch])
+        elif ord(ch) < 0x20:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def choice_grammar(choices: list[str] | tuple[str, ...]) -> str:
+    """An EBNF grammar whose only sentences are ``choices`` (vLLM's ``guided_choice``)."""
+    return "root ::= " + " | ".join(ebnf_literal(c) for c in choices)
 
 
 class _Constrained:
@@ -126,7 +170,14 @@ class GrammarState:
         kind, schema = key
         self.num_compiled += 1
         try:
-            return self.compiler().compile_json_schema(
+            compiler = self.compiler()
+            if kind == "regex":
+                return compiler.compile_regex(schema)
+            if kind == "choice":
+                return compiler.compile_grammar(choice_grammar(json.loads(schema or "[]")))
+            if kind == "grammar":
+                return compiler.compile_grammar(schema)
+            return compiler.compile_json_schema(
                 _ANY_OBJECT if kind == "json_object" else schema,
                 strict_mode=kind != "json_object",
                 **_COMPILE_OPTIONS,
@@ -134,7 +185,8 @@ class GrammarState:
         except ValueError:
             raise
         except Exception as exc:  # noqa: BLE001 - compile errors are the schema's
-            raise ValueError(f"structured_output the JSON schema cannot be compiled: {_reason(exc)}") from None
+            what = {"regex": "regex", "choice": "choice", "grammar": "grammar"}.get(kind, "JSON schema")
+            raise ValueError(f"structured_output the {what} cannot be compiled: {_reason(exc)}") from None
 
     def add(self, requests: list[Request]) -> None:
         """Give each sequence of one request a matcher (compiling its grammar if needed)."""
