@@ -8,12 +8,18 @@ import jinja2
 
 from pagecast.runtime.server.errors import APIError, invalid_request
 from pagecast.runtime.server.protocol import ChatMessage
+from pagecast.runtime.server.tool_calls import template_tool_calls
 
 
 def render_chat_prompt(
-    tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool = True
+    tokenizer: Any,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Token ids of the conversation rendered by the tokenizer's chat template.
+    """Token ids of the conversation rendered by the tokenizer's chat template, with ``tools``
+    (OpenAI function tools) passed to it as transformers passes them; a template that does not
+    read ``tools`` leaves them out.
 
     The rendered text is tokenised without special tokens: the template writes its own BOS
     and turn markers, and adding them again would double the BOS.
@@ -26,13 +32,10 @@ def render_chat_prompt(
             param="messages",
             code="no_chat_template",
         )
-    conversation = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
-        for i, m in enumerate(messages)
-    ]
+    conversation = [_template_message(m, i) for i, m in enumerate(messages)]
     try:
         text = tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+            conversation, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt
         )
     except jinja2.TemplateError as exc:
         # Templates reject conversations they cannot format (e.g. roles that do not alternate).
@@ -40,3 +43,19 @@ def render_chat_prompt(
     if not isinstance(text, str):  # some transformers versions return a list for batched input
         text = text[0]
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
+    """One message as chat templates read it: tool calls with their arguments decoded, tool
+    results with the id of the call they answer."""
+    out: dict[str, Any] = {
+        "role": "system" if message.role == "developer" else message.role,
+        "content": message.text(index),
+    }
+    if message.tool_calls:
+        out["tool_calls"] = template_tool_calls(message.tool_calls)
+    if message.role == "tool":
+        out["tool_call_id"] = message.tool_call_id
+        if message.name:
+            out["name"] = message.name
+    return out

@@ -24,6 +24,13 @@ from pagecast.runtime.server.errors import (
     invalid_request,
     unsupported,
 )
+from pagecast.runtime.server.tool_calls import (
+    MessageToolCall,
+    Tool,
+    ToolChoice,
+    check_tool_choice,
+    check_tools,
+)
 
 # Shared field limits.
 MAX_N = 128
@@ -55,6 +62,19 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: one of ``json``, ``json_object``, ``regex``, ``choice``,
+    ``grammar``."""
+
+    model_config = _CONFIG
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class _SamplingRequest(BaseModel):
     """Fields common to /v1/completions and /v1/chat/completions."""
 
@@ -81,6 +101,12 @@ class _SamplingRequest(BaseModel):
     user: str | None = None
     # vLLM's extension: also answer the prompt's and each choice's token ids.
     return_token_ids: bool = False
+    # vLLM's structured output extensions (the older guided_* fields and the newer object).
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
     # OpenAI parameters we do not implement: declared so that they are refused, not ignored.
     logit_bias: dict[str, float] | None = None
 
@@ -117,13 +143,59 @@ class _SamplingRequest(BaseModel):
     def continuous_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
+    def structured_output(self) -> tuple[StructuredOutput | None, str]:
+        """The request's output constraint and the parameter it came from: ``response_format``,
+        a ``guided_*`` field or ``structured_outputs`` (at most one of them; 400 otherwise)."""
+        sources: list[tuple[str, Any]] = []
+        response_format = getattr(self, "response_format", None)
+        if response_format is not None and response_format.get("type", "text") != "text":
+            sources.append(("response_format", response_format))
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
+            if getattr(self, name) is not None:
+                sources.append((name, getattr(self, name)))
+        if not sources:
+            return structured_output(response_format), "response_format"
+        if len(sources) > 1:
+            names = ", ".join(f"`{n}`" for n, _ in sources)
+            raise invalid_request(f"Give at most one output constraint; this request has {names}.", sources[1][0])
+        name, value = sources[0]
+        if name == "response_format":
+            return structured_output(value), name
+        if name == "structured_outputs":
+            given = {k: v for k, v in value.model_dump(by_alias=True).items() if v not in (None, False)}
+            if len(given) != 1:
+                raise invalid_request(
+                    "`structured_outputs` takes exactly one of `json`, `json_object`, `regex`, `choice`, `grammar`.",
+                    name,
+                )
+            kind, spec = next(iter(given.items()))
+        else:
+            kind, spec = name.removeprefix("guided_"), value
+        try:
+            if kind == "json_object":
+                return StructuredOutput("json_object"), name
+            if kind == "json":
+                return StructuredOutput("json_schema", spec), name
+            return StructuredOutput(kind, **{kind: spec}), name
+        except ValueError as exc:
+            reason = str(exc).removeprefix("structured_output ")
+            code = "invalid_json_schema" if kind == "json" else "invalid_value"
+            raise invalid_request(f"Invalid `{name}`: {reason}", name, code=code) from None
+
     def _sampling_params(
         self,
         max_tokens: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None,
         rename: dict[str, str],
+        forced: StructuredOutput | None = None,
+        forced_by: str = "tool_choice",
     ) -> SamplingParams:
+        constraint, source = self.structured_output()
+        if forced is not None:
+            if constraint is not None:
+                raise invalid_request(f"`{source}` cannot be combined with `{forced_by}` {self._forced_name()}.", source)
+            constraint, source = forced, forced_by
         kwargs: dict[str, Any] = {
             "n": self.n,
             "max_tokens": max_tokens,
@@ -136,7 +208,7 @@ class _SamplingRequest(BaseModel):
             "logprobs": logprobs,
             "prompt_logprobs": prompt_logprobs,
             "seed": self.seed,
-            "structured_output": structured_output(getattr(self, "response_format", None)),
+            "structured_output": constraint,
         }
         # None means "the default": leave it to SamplingParams so there is one default per field.
         for name in (
@@ -154,7 +226,10 @@ class _SamplingRequest(BaseModel):
         try:
             return SamplingParams(**kwargs)
         except ValueError as exc:
-            raise from_sampling_value_error(exc, {**rename, "structured_output": "response_format"}) from None
+            raise from_sampling_value_error(exc, {**rename, "structured_output": source}) from None
+
+    def _forced_name(self) -> str:
+        return "required or a named function"
 
 
 class CompletionRequest(_SamplingRequest):
@@ -236,15 +311,20 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this message answers
 
     def text(self, index: int) -> str:
         """The message's content as one string (text parts joined)."""
         where = f"messages[{index}]"
-        if self.role in ("tool", "function"):
-            raise unsupported(f"{where}.role", f"role `{self.role}` (tool calling is not implemented)")
-        if self.tool_calls:
-            raise unsupported(f"{where}.tool_calls", "tool calling is not implemented")
+        if self.role == "function":
+            raise unsupported(f"{where}.role", "role `function` (deprecated by OpenAI; use `tool` messages)")
+        if self.tool_calls and self.role != "assistant":
+            raise invalid_request(f"`{where}.tool_calls` is only allowed on `assistant` messages.", f"{where}.tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise invalid_request(
+                f"`{where}.tool_call_id` is required for role `tool`.", f"{where}.tool_call_id", "missing_required_parameter"
+            )
         if self.content is None:
             if self.role == "assistant":
                 return ""
@@ -272,29 +352,34 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # "auto" when tools are given, else "none"
+    # False: at most one call (the grammar of a forced call allows one; "auto" reports the first).
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
     # Not implemented: refused with a 400 that says so.
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     audio: Any = None
     prediction: Any = None
 
     def check(self) -> None:
         self.check_common()
-        for name in ("tools", "functions", "audio", "prediction"):
+        for name in ("functions", "audio", "prediction"):
             if getattr(self, name):
-                raise unsupported(name)
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none"):
-                raise unsupported(name)
+                raise unsupported(name, "use `tools`" if name == "functions" else "")
+        if self.function_call not in (None, "none"):
+            raise unsupported("function_call", "use `tool_choice`")
+        if self.tools:
+            check_tools(self.tools)
+        check_tool_choice(self.tools, self.tool_choice)
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid_request("`top_logprobs` requires `logprobs` to be true.", "top_logprobs")
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int | None, forced: StructuredOutput | None = None) -> SamplingParams:
+        """``forced``: the grammar of a forced tool call (tool_choice required or named)."""
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs, None, {"logprobs": "top_logprobs"})
+        return self._sampling_params(max_tokens, logprobs, None, {"logprobs": "top_logprobs"}, forced)
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -31,6 +31,8 @@ from pagecast.runtime.server.serving import (
     usage,
 )
 from pagecast.runtime.server.sse import DONE, sse_event
+from pagecast.runtime.server.tool_calls import ToolPlan, plan_tools
+from pagecast.runtime.server.tool_parsers import ToolCallParser, finish_reason_with_calls
 
 ENDPOINT = "/v1/chat/completions"
 
@@ -39,7 +41,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     body = await request.body()
     # Parsing, templating and tokenizing cost time proportional to the request: off the event
     # loop, so /health and running streams keep their pace whatever one request sends.
-    req, model, prompt_ids, params = await anyio.to_thread.run_sync(_prepare, body, state)
+    req, model, prompt_ids, params, tools = await anyio.to_thread.run_sync(_prepare, body, state)
     run = GenerationRun(state, model, new_request_id("chatcmpl"), ENDPOINT, [prompt_ids], params)
     created = int(time.time())
     texts = TokenTexts(model.engine.tokenizer)
@@ -47,12 +49,14 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         request,
         run,
         req.stream,
-        lambda: _stream(req, run, model.name, created, texts, state),
-        lambda finals: _response(req, run, model.name, created, finals[0], texts, state),
+        lambda: _stream(req, run, model.name, created, texts, state, tools),
+        lambda finals: _response(req, run, model.name, created, finals[0], texts, state, tools),
     )
 
 
-def _prepare(body: bytes, state: ServerState) -> tuple[ChatCompletionRequest, ServedModel, list[int], SamplingParams]:
+def _prepare(
+    body: bytes, state: ServerState
+) -> tuple[ChatCompletionRequest, ServedModel, list[int], SamplingParams, ToolPlan | None]:
     """Everything before the engine, in a worker thread (touches no shared mutable state)."""
     req: ChatCompletionRequest = parse_request(ChatCompletionRequest, body)
     model = state.resolve(req.model)
@@ -63,12 +67,13 @@ def _prepare(body: bytes, state: ServerState) -> tuple[ChatCompletionRequest, Se
         # long for the context, refuse before rendering and tokenizing them.
         chars = sum(len(m.text(i)) for i, m in enumerate(req.messages))
         check_text_size(chars, tokenizer, int(model.engine.max_model_len), "messages")
-    prompt_ids = render_chat_prompt(tokenizer, req.messages, req.add_generation_prompt)
+    tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, getattr(tokenizer, "chat_template", None))
+    prompt_ids = render_chat_prompt(tokenizer, req.messages, req.add_generation_prompt, tools.tools if tools else None)
     max_tokens = req.requested_max_tokens
     check_prompt_fits(model, prompt_ids, max_tokens, "messages")
-    params = req.to_sampling_params(max_tokens)
+    params = req.to_sampling_params(max_tokens, tools.structured_output if tools else None)
     params = generation_config.for_request(params, req, model.engine, [len(prompt_ids)])  # checkpoint defaults
-    return req, model, prompt_ids, params
+    return req, model, prompt_ids, params, tools
 
 
 def _logprob_entries(
@@ -106,6 +111,7 @@ def _response(
     out: RequestOutput,
     texts: TokenTexts,
     state: ServerState,
+    tools: ToolPlan | None,
 ) -> dict[str, Any]:
     if state.cutting:
         raise errors.cut_by_shutdown()  # the outputs were cut short by the second signal
@@ -119,11 +125,20 @@ def _response(
                 "content": _logprob_entries(o, 0, len(o.token_ids), req.top_logprobs or 0, texts),
                 "refusal": None,
             }
+        message: dict[str, Any] = {"role": "assistant", "content": o.text, "refusal": None}
+        finish_reason = o.finish_reason
+        if tools is not None:
+            parser = ToolCallParser(tools.format, tools.max_calls)
+            parser.feed(o.text)
+            parser.finish()
+            if parser.tool_calls:
+                message.update(content=parser.content, tool_calls=parser.tool_calls)
+                finish_reason = finish_reason_with_calls(finish_reason)
         choice: dict[str, Any] = {
             "index": o.index,
-            "message": {"role": "assistant", "content": o.text, "refusal": None},
+            "message": message,
             "logprobs": logprobs,
-            "finish_reason": o.finish_reason,
+            "finish_reason": finish_reason,
         }
         if req.return_token_ids:
             choice["token_ids"] = o.token_ids
@@ -148,9 +163,11 @@ async def _stream(
     created: int,
     texts: TokenTexts,
     state: ServerState,
+    tools: ToolPlan | None,
 ) -> AsyncIterator[bytes]:
-    """OpenAI's chunk sequence per choice: a first delta with the role, content deltas, then
-    an empty delta carrying ``finish_reason``; a usage-only chunk last when asked."""
+    """OpenAI's chunk sequence per choice: a first delta with the role, content (and, with
+    tools, tool-call) deltas, then an empty delta carrying ``finish_reason``; a usage-only chunk
+    last when asked."""
 
     def chunk(
         index: int,
@@ -183,6 +200,7 @@ async def _stream(
     num_chars: dict[int, int] = {}
     num_tokens: dict[int, int] = {}
     finished: set[int] = set()
+    parsers: dict[int, ToolCallParser] = {}
     prompt_tokens = 0
     k = req.top_logprobs or 0
     try:
@@ -209,11 +227,20 @@ async def _stream(
                 new_ids = o.token_ids[num_tokens[index] :]
                 num_chars[index] = len(o.text)
                 num_tokens[index] = len(o.token_ids)
-                if delta or logprobs is not None or (new_ids and req.return_token_ids):
-                    yield chunk(index, {"content": delta}, logprobs, None, new_ids)
+                deltas = [{"content": delta}] if delta else []
+                if tools is not None:
+                    parser = parsers.setdefault(index, ToolCallParser(tools.format, tools.max_calls))
+                    deltas = parser.feed(delta) + (parser.finish() if o.finished else [])
+                if not deltas and (logprobs is not None or (new_ids and req.return_token_ids)):
+                    deltas = [{"content": ""}]
+                for j, d in enumerate(deltas):
+                    yield chunk(index, d, logprobs if j == 0 else None, None, new_ids if j == 0 else None)
                 if o.finished:
                     finished.add(index)
-                    yield chunk(index, {}, None, o.finish_reason)
+                    reason = o.finish_reason
+                    if index in parsers and parsers[index].tool_calls:
+                        reason = finish_reason_with_calls(reason)
+                    yield chunk(index, {}, None, reason)
         if req.include_usage:
             yield sse_event(
                 {

@@ -431,6 +431,12 @@ class ToolCallParser:
         return True
 
 
+def finish_reason_with_calls(finish_reason: str | None) -> str | None:
+    """A choice that made calls and stopped on its own ends with ``"tool_calls"``, as OpenAI's
+    do; one cut by ``max_tokens`` keeps ``"length"``."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
 def parse_tool_calls(text: str, fmt: str, max_calls: int | None = None) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool_calls) of a whole output: what a non-streamed answer carries."""
     parser = ToolCallParser(fmt, max_calls)
