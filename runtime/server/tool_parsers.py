@@ -411,9 +411,14 @@ class ToolCallParser:
     def _on_whole(self, final: bool) -> bool:
         buf = self._buf
         if self.fmt == HERMES:
-            at = buf.find(_HERMES_END)
+            # The call ends at the first "</tool_call>" after which its text decodes (an earlier
+            # one may lie inside a string); when none does, at the first one, once the output ends.
+            ends = [i for i in range(len(buf)) if buf.startswith(_HERMES_END, i)]
+            at = next((i for i in ends if _decode_calls(buf[:i], separated=False)), -1)
             if at < 0 and not final:
                 return False
+            if at < 0 and ends:
+                at = ends[0]
             body, rest, closer = (buf[:at], buf[at + len(_HERMES_END) :], _HERMES_END) if at >= 0 else (buf, "", "")
         else:
             if not final:
