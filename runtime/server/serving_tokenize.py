@@ -1,7 +1,7 @@
 """POST /tokenize and POST /detokenize, shaped as vLLM's: what a prompt costs in tokens, and
 what token ids read as, with the served model's own tokenizer.
 
-    POST /tokenize    {"model", "prompt"} or {"model", "messages", "add_generation_prompt"}
+    POST /tokenize    {"model", "prompt"} or {"model", "messages", "add_generation_prompt", "tools"}
                       -> {"count", "max_model_len", "tokens", "token_strs"}
     POST /detokenize  {"model", "tokens"} -> {"prompt"}
 
@@ -21,6 +21,7 @@ from pagecast.runtime.server import errors
 from pagecast.runtime.server.chat import render_chat_prompt
 from pagecast.runtime.server.protocol import ChatMessage
 from pagecast.runtime.server.serving import ServedModel, ServerState
+from pagecast.runtime.server.tool_calls import Tool
 
 MAX_TOKENIZE_CHARS = 1 << 22  # 4 MiB of text: larger bodies are a mistake, not a prompt
 
@@ -32,6 +33,7 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = Field(None, max_length=MAX_TOKENIZE_CHARS)
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None  # with messages: rendered as chat requests render them
     add_special_tokens: bool = False
     return_token_strs: bool = False
 
@@ -74,7 +76,8 @@ async def tokenize(request: Request, state: ServerState) -> Response:
     model = state.resolve(req.model)
     tokenizer = _tokenizer(model)
     if req.messages is not None:
-        ids = render_chat_prompt(tokenizer, req.messages, req.add_generation_prompt)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        ids = render_chat_prompt(tokenizer, req.messages, req.add_generation_prompt, tools)
     else:
         ids = list(tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
     body: dict[str, Any] = {
