@@ -201,9 +201,9 @@ def test_non_finite_numbers_are_named(server, name, literal):  # type: ignore[no
             {
                 "model": MODEL,
                 "messages": [{"role": "user", "content": "hi"}],
-                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "functions": [{"name": "f"}],
             },
-            "tools",
+            "functions",
         ),
         (
             "/v1/chat/completions",
@@ -216,7 +216,7 @@ def test_non_finite_numbers_are_named(server, name, literal):  # type: ignore[no
         ),
         (
             "/v1/chat/completions",
-            {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]},
+            {"model": MODEL, "messages": [{"role": "function", "name": "f", "content": "x"}]},
             "messages[0].role",
         ),
         (
