@@ -100,7 +100,16 @@ def test_options_that_would_outrun_the_grammar_are_refused():  # type: ignore[no
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(min_tokens=2, structured_output=StructuredOutput())
     with pytest.raises(ValueError, match="type"):
+        StructuredOutput("xml")
+    with pytest.raises(ValueError, match="regex must be"):
         StructuredOutput("regex")
+    with pytest.raises(ValueError, match="takes no json_schema"):
+        StructuredOutput("choice", {"type": "object"}, choice=["a"])
+    with pytest.raises(ValueError, match="regex cannot be compiled: .*Unclosed"):
+        StructuredOutput("regex", regex="a[")
+    with pytest.raises(ValueError, match="grammar cannot be compiled: .*not defined"):
+        StructuredOutput("grammar", grammar="root ::= missing")
+    assert StructuredOutput("choice", choice=["a", "b"]).key == ("choice", '["a", "b"]')
 
 
 def test_constrained_requests_survive_preemption(tiny_llama_artifact):  # type: ignore[no-untyped-def]
