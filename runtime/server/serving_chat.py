@@ -32,7 +32,7 @@ from pagecast.runtime.server.serving import (
 )
 from pagecast.runtime.server.sse import DONE, sse_event
 from pagecast.runtime.server.tool_calls import ToolPlan, plan_tools
-from pagecast.runtime.server.tool_parsers import ToolCallParser, finish_reason_with_calls
+from pagecast.runtime.server.tool_parsers import ToolCallParser, finish_reason_with_calls, parse_tool_calls
 
 ENDPOINT = "/v1/chat/completions"
 
@@ -128,11 +128,9 @@ def _response(
         message: dict[str, Any] = {"role": "assistant", "content": o.text, "refusal": None}
         finish_reason = o.finish_reason
         if tools is not None:
-            parser = ToolCallParser(tools.format, tools.max_calls)
-            parser.feed(o.text)
-            parser.finish()
-            if parser.tool_calls:
-                message.update(content=parser.content, tool_calls=parser.tool_calls)
+            content, calls = parse_tool_calls(o.text, tools.format, tools.max_calls)
+            if calls:
+                message.update(content=content, tool_calls=calls)
                 finish_reason = finish_reason_with_calls(finish_reason)
         choice: dict[str, Any] = {
             "index": o.index,
