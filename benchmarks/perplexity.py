@@ -20,8 +20,10 @@ SmolLM2's hidden size 576 rules out group 128. The text scored is license-clean 
 topics of the Python language reference shipped with the interpreter (``pydoc_data.topics``, PSF
 licence), each document cut at a paragraph boundary, about ``--tokens`` tokens in all; lm-eval
 reads it through a custom task (``dataset_path: json``, ``loglikelihood_rolling``) written into
-WORK. Both sides use the same rolling windows of ``--max-length`` tokens: lm-eval's API model
-keeps one position for the generated token, so it is given ``--max-length`` + 1.
+WORK. Both sides score the same rolling windows (``--max-length`` tokens predicted after one of
+context): lm-eval's API model takes one position off its ``max_length`` for the generated token
+and another off its rolling windows, so it is given ``--max-length`` + 2 (with + 1 its windows are
+one token shorter than hf's and the float control differs by ~0.04%).
 
 The reference (``--reference``): ``checkpoint`` (default) is transformers loading the int4
 checkpoint itself (gptqmodel's CPU kernels, via ``quantization_config``); ``dequant`` is the
@@ -48,6 +50,7 @@ installed at run time; the constraints keep torch, transformers and numpy as the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -60,6 +63,7 @@ import sys
 import tempfile
 import time
 import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,10 +76,13 @@ TASK = "pagecast_pydoc_ppl"
 # ----------------------------------------------------------------------------- text
 
 
-def corpus(work: Path, tokenizer_dir: Path, tokens: int, max_chars: int) -> tuple[Path, list[str], dict[str, Any]]:
+def corpus(
+    work: Path, tokenizer_dir: Path, tokens: int, max_chars: int
+) -> tuple[Path, list[str], dict[str, Any]]:
     """Write the scored text (WORK/text/pydoc.jsonl) and return it with calibration documents
     (the topics not scored) and its description (documents, tokens, words, sha256)."""
     from pydoc_data.topics import topics
+
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
@@ -88,7 +95,7 @@ def corpus(work: Path, tokenizer_dir: Path, tokens: int, max_chars: int) -> tupl
         n_tokens += len(tok.encode(text, add_special_tokens=False))
         if n_tokens >= tokens:
             break
-    calibration = [_cut(topics[k], 1200) for k in keys[1::2]][:16]  # ~4k tokens: minutes on 2 cores
+    calibration = [topics[k][:1200] for k in keys[1::2]][:16]  # ~4k tokens: minutes on 2 cores
     path = work / "text" / "pydoc.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     body = "".join(json.dumps({"text": d}) + "\n" for d in docs)
@@ -272,22 +279,25 @@ def dequantize_checkpoint(src: Path, dst: Path) -> Path:
     raw: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(str(file), "pt") as f:
-            for key in f.keys():
-                raw[key] = f.get_tensor(key)
+            names = list(f.keys())
+            for name in names:
+                raw[name] = f.get_tensor(name)
     for key, value in raw.items():
         if not key.endswith(".qweight"):
             if not key.endswith((".qzeros", ".scales", ".g_idx")):
                 tensors[key] = value.float()
             continue
         module = key.removesuffix(".qweight")
-        qweight, qzeros, scales = raw[key], raw[f"{module}.qzeros"], raw[f"{module}.scales"].float()
+        qweight, qzeros, scales = value, raw[f"{module}.qzeros"], raw[f"{module}.scales"].float()
         if method == "awq":
             q = _nibbles(qweight)[..., awq_order].reshape(qweight.shape[0], -1)  # [K, N]
             z = _nibbles(qzeros)[..., awq_order].reshape(qzeros.shape[0], -1)  # [K/G, N]
             group = q.shape[0] // scales.shape[0]
             g_idx = torch.arange(q.shape[0]) // group
         elif method == "gptq":
-            q = _nibbles(qweight.t()).reshape(qweight.shape[1], -1).t()  # [K, N]: nibble i of row r is input 8r+i
+            q = (
+                _nibbles(qweight.t()).reshape(qweight.shape[1], -1).t()
+            )  # [K, N]: nibble i of row r is input 8r+i
             z = _nibbles(qzeros).reshape(qzeros.shape[0], -1) + (0 if v2 else 1)
             g_key = f"{module}.g_idx"
             group = q.shape[0] // scales.shape[0]
@@ -324,7 +334,9 @@ def build(work: Path, variant: str, ckpt: Path, gpu: str, max_length: int, extra
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        raise RuntimeError(f"enginebuild failed for {variant} (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise RuntimeError(
+            f"enginebuild failed for {variant} (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+        )
     print(f"[{variant}] built in {time.perf_counter() - start:.0f} s", flush=True)
     return artifact
 
@@ -334,44 +346,42 @@ def _script(name: str) -> str:
     return str(exe) if exe.exists() else name
 
 
-class Server:
-    """engine-serve on a free local port, stopped on exit."""
+@contextlib.contextmanager
+def serving(artifact: Path, name: str, log: Path) -> Iterator[str]:
+    """engine-serve on a free local port for the block; yields its base URL, stops it after."""
+    import httpx
 
-    def __init__(self, artifact: Path, name: str, log: Path):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        self.proc = subprocess.Popen(
-            [_script("engine-serve"), str(artifact), "--port", str(self.port), "--served-model-name", name,
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = f"http://127.0.0.1:{port}"
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(
+            [_script("engine-serve"), str(artifact), "--port", str(port), "--served-model-name", name,
              "--log-level", "warning"],
-            stdout=subprocess.DEVNULL, stderr=open(log, "wb"),
+            stdout=subprocess.DEVNULL, stderr=err,
         )  # fmt: skip
-
-    def __enter__(self) -> Server:
-        import httpx
-
+    try:
         deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"engine-serve exited with {self.proc.returncode}:\n{_tail(self.log)}")
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"engine-serve exited with {proc.returncode}:\n{_tail(log)}")
             try:
-                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
-                    return self
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
             except httpx.TransportError:
                 pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"engine-serve did not come up in 600 s:\n{_tail(log)}")
             time.sleep(0.5)
-        self.proc.kill()
-        raise RuntimeError(f"engine-serve did not come up in 600 s:\n{_tail(self.log)}")
-
-    def __exit__(self, *exc: object) -> None:
-        self.proc.terminate()
+        yield base
+    finally:
+        proc.terminate()
         try:
-            self.proc.wait(timeout=60)
+            proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            proc.kill()
+            proc.wait()
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -398,12 +408,14 @@ def evaluate(tasks: Path, model: str, model_args: dict[str, Any]) -> dict[str, f
     }
 
 
-def score_pagecast(tasks: Path, artifact: Path, tokenizer: Path, log: Path, max_length: int, batch: int) -> dict[str, float]:
-    with Server(artifact, "pagecast", log) as server:
+def score_pagecast(
+    tasks: Path, artifact: Path, tokenizer: Path, log: Path, max_length: int, batch: int
+) -> dict[str, float]:
+    with serving(artifact, "pagecast", log) as base:
         return evaluate(
             tasks, "local-completions",
-            {"model": "pagecast", "base_url": f"{server.base}/v1/completions", "tokenizer": str(tokenizer),
-             "tokenizer_backend": "huggingface", "tokenized_requests": True, "max_length": max_length + 1,
+            {"model": "pagecast", "base_url": f"{base}/v1/completions", "tokenizer": str(tokenizer),
+             "tokenizer_backend": "huggingface", "tokenized_requests": True, "max_length": max_length + 2,
              "batch_size": batch, "num_concurrent": 1, "max_retries": 1, "timeout": 1800},
         )  # fmt: skip
 
@@ -424,13 +436,23 @@ def score_transformers(tasks: Path, ckpt: Path, device: str, max_length: int, ba
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--work", type=Path, default=None, help="Working directory (kept and reused); default: a temp dir.")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"Comma-separated subset of {','.join(VARIANTS)}.")
-    parser.add_argument("--extra-build-flags", default="", help='Extra enginebuild flags, e.g. "--kv-cache-dtype fp8".')
+    parser.add_argument(
+        "--work", type=Path, default=None, help="Working directory (kept and reused); default: a temp dir."
+    )
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"Comma-separated subset of {','.join(VARIANTS)}."
+    )
+    parser.add_argument(
+        "--extra-build-flags", default="", help='Extra enginebuild flags, e.g. "--kv-cache-dtype fp8".'
+    )
     parser.add_argument("--gpu", default="cpu", help="enginebuild --gpu (cpu here; auto on a GPU machine).")
-    parser.add_argument("--hf-device", default="cpu", help="Device of the transformers reference (cpu or cuda).")
+    parser.add_argument(
+        "--hf-device", default="cpu", help="Device of the transformers reference (cpu or cuda)."
+    )
     parser.add_argument("--reference", choices=["checkpoint", "dequant", "both"], default="checkpoint")
-    parser.add_argument("--tokens", type=int, default=12000, help="About this many tokens of text are scored.")
+    parser.add_argument(
+        "--tokens", type=int, default=12000, help="About this many tokens of text are scored."
+    )
     parser.add_argument("--max-chars", type=int, default=6000, help="Longest document (characters).")
     parser.add_argument("--max-length", type=int, default=1024, help="Rolling window in tokens (both sides).")
     parser.add_argument("--batch-size", type=int, default=4, help="Windows per request / forward.")
@@ -476,7 +498,11 @@ def main() -> None:
             refs = [ckpt]
         for ref in refs:
             theirs = score_transformers(tasks, ref, args.hf_device, args.max_length, args.batch_size)
-            kind = "dequant" if ref.name.endswith("-dequant") else ("float" if variant == "float" else "checkpoint")
+            kind = (
+                "dequant"
+                if ref.name.endswith("-dequant")
+                else ("float" if variant == "float" else "checkpoint")
+            )
             rows.append(record(work, variant, kind, extra, text, ours, theirs))
     print_table(rows, extra)
 
