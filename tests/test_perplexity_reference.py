@@ -18,7 +18,7 @@ from tiny_models import make_checkpoint
 from pagecast.builder import quant
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-from perplexity import dequantize_checkpoint  # noqa: E402
+from perplexity import dequantize_checkpoint
 
 FIXTURES = Path(__file__).parent / "fixtures" / "quant"
 FORMATS = [
