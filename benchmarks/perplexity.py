@@ -135,9 +135,9 @@ def task_dir(work: Path, data: Path) -> Path:
         'doc_to_text: ""\n'
         'doc_to_target: "{{text}}"\n'
         "metric_list:\n"
-        "  - metric: word_perplexity\n"
-        "  - metric: byte_perplexity\n"
-        "  - metric: bits_per_byte\n"
+        "  - {metric: word_perplexity, aggregation: weighted_perplexity, higher_is_better: false}\n"
+        "  - {metric: byte_perplexity, aggregation: weighted_perplexity, higher_is_better: false}\n"
+        "  - {metric: bits_per_byte, aggregation: bits_per_byte, higher_is_better: false}\n"
         "metadata:\n"
         "  version: 1.0\n"
     )
