@@ -3,7 +3,15 @@ by the real tools, built by enginebuild, served by engine-serve and scored with 
 ``local-completions``, against lm-eval's ``hf`` model running the same checkpoint in transformers.
 
     python benchmarks/perplexity.py [--work DIR] [--variants float,awq-g64,gptq-g64,gptq-g32-act]
-                                    [--extra-build-flags "--kv-cache-dtype fp8"] [--gpu cpu|auto]
+                                    [--extra-build-flags "--kv-cache-dtype fp8"] [--tokens 12000]
+                                    [--reference checkpoint|dequant|both]
+                                    [--gpu auto --hf-device cuda --hf-dtype bfloat16]
+
+On the CPU (the default) both sides run fp32, and pagecast's int4 projections take the
+dequantize + F.linear path, so the parity checks the checkpoint reader and the build's repacking
+(act-order permutation, fused qkv/gate_up); with ``--gpu auto`` the artifact runs the Triton
+W4A16 GEMM. The FP8 KV cache's perplexity change is the difference between a run with
+``--extra-build-flags "--kv-cache-dtype fp8"`` and one without (artifacts are kept per flag set).
 
 Variants (the quantised checkpoints are made once into WORK/checkpoints and reused):
 
@@ -420,13 +428,15 @@ def score_pagecast(
         )  # fmt: skip
 
 
-def score_transformers(tasks: Path, ckpt: Path, device: str, max_length: int, batch: int) -> dict[str, float]:
+def score_transformers(
+    tasks: Path, ckpt: Path, device: str, dtype: str, max_length: int, batch: int
+) -> dict[str, float]:
     if "quantization_config" in json.loads((ckpt / "config.json").read_text()):
         os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
         stub_torchvision()
     return evaluate(
         tasks, "hf",
-        {"pretrained": str(ckpt), "dtype": "float32", "device": device, "max_length": max_length,
+        {"pretrained": str(ckpt), "dtype": dtype, "device": device, "max_length": max_length,
          "batch_size": batch},
     )  # fmt: skip
 
@@ -448,6 +458,11 @@ def main() -> None:
     parser.add_argument("--gpu", default="cpu", help="enginebuild --gpu (cpu here; auto on a GPU machine).")
     parser.add_argument(
         "--hf-device", default="cpu", help="Device of the transformers reference (cpu or cuda)."
+    )
+    parser.add_argument(
+        "--hf-dtype",
+        default="float32",
+        help="dtype of the transformers reference (float32 as pagecast on the CPU).",
     )
     parser.add_argument("--reference", choices=["checkpoint", "dequant", "both"], default="checkpoint")
     parser.add_argument(
@@ -497,7 +512,9 @@ def main() -> None:
         elif variant == "float" and args.reference == "dequant":
             refs = [ckpt]
         for ref in refs:
-            theirs = score_transformers(tasks, ref, args.hf_device, args.max_length, args.batch_size)
+            theirs = score_transformers(
+                tasks, ref, args.hf_device, args.hf_dtype, args.max_length, args.batch_size
+            )
             kind = (
                 "dequant"
                 if ref.name.endswith("-dequant")
