@@ -242,7 +242,7 @@ def checkpoint(work: Path, variant: str, src: Path, calibration: list[str]) -> P
         proc = subprocess.run(
             [sys.executable, __file__, "--quantise-one", variant, "--src", str(src), "--dst", str(dst),
              "--calibration", str(calib)],
-            stdout=f, stderr=subprocess.STDOUT, check=False,
+            stdout=f, stderr=subprocess.STDOUT, check=False, cwd=work,  # gptqmodel writes logs/ into its cwd
         )  # fmt: skip
     if proc.returncode != 0:
         raise RuntimeError(f"quantising {variant} failed (exit {proc.returncode}); see {log}:\n{_tail(log)}")
