@@ -240,8 +240,8 @@ def checkpoint(work: Path, variant: str, src: Path, calibration: list[str]) -> P
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as f:
         proc = subprocess.run(
-            [sys.executable, __file__, "--quantise-one", variant, "--src", str(src), "--dst", str(dst),
-             "--calibration", str(calib)],
+            [sys.executable, str(Path(__file__).resolve()), "--quantise-one", variant, "--src", str(src),
+             "--dst", str(dst), "--calibration", str(calib)],
             stdout=f, stderr=subprocess.STDOUT, check=False, cwd=work,  # gptqmodel writes logs/ into its cwd
         )  # fmt: skip
     if proc.returncode != 0:
@@ -489,7 +489,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
     extra = shlex.split(args.extra_build_flags)
-    work = args.work or Path(tempfile.mkdtemp(prefix="pagecast-ppl-"))
+    work = (args.work or Path(tempfile.mkdtemp(prefix="pagecast-ppl-"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
     (work / "logs").mkdir(exist_ok=True)
 
