@@ -192,23 +192,22 @@ def _w4a16_gemv_kernel(
             tl.atomic_xchg(lock, 0)  # ready for the next launch
 
 
-# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps): few enough to time at every small-batch bucket within the
-# build's budget. SPLIT_K is an upper bound: the launcher lowers it to give each split >= 2 steps.
-_TILES = (
-    (128, 128, 4, 4),
-    (64, 128, 4, 4),
-    (128, 128, 8, 4),
-    (64, 256, 2, 4),
-    (256, 64, 8, 4),
-    (64, 128, 1, 4),
-    (32, 128, 1, 4),
-    (128, 256, 16, 8),
+# (BLOCK_N, BLOCK_K, num_warps). Triton gives each thread 4 adjacent columns per 128 a warp
+# covers, so BLOCK_N / (32 * num_warps) columns a thread: 8 in each tile here, over which one
+# activation load, conversion and sum are shared. BLOCK_K / 8 packed rows a step keep the
+# accumulators at 2 * BLOCK_K / 8 * 8 registers a thread. w4a16_gemm.gemv_configs adds the
+# splits of K for the shape.
+TILES = (
+    (1024, 32, 4),
+    (512, 32, 2),
+    (512, 64, 2),
 )
 
-CONFIG_SPACE: list[KernelConfig] = [
-    KernelConfig({"gemv": 1, "BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": sk}, num_warps=w, num_stages=1)
-    for (n, k, sk, w) in _TILES
-]
+
+def make_config(block_n: int, block_k: int, split_k: int, num_warps: int = 4) -> KernelConfig:
+    return KernelConfig(
+        {"gemv": 1, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k}, num_warps=num_warps, num_stages=1
+    )
 
 
 def is_gemv(config: KernelConfig | None) -> bool:
@@ -216,14 +215,14 @@ def is_gemv(config: KernelConfig | None) -> bool:
 
 
 def default_config(m: int, n: int, k: int, num_sms: int = 132) -> KernelConfig:
-    """Untuned choice: 128 columns by 128 inputs a step, and enough splits of K for about four
-    programs per multiprocessor."""
-    bn, bk = 128, 128 if k >= 256 else 64
+    """Untuned choice: 512 columns by 32 inputs a step on two warps, and enough splits of K for
+    about two programs a multiprocessor."""
+    bn, bk = 512, 32
     tiles = triton.cdiv(n, bn) * m
     split = 1
-    while split < 16 and tiles * split < 4 * num_sms and k // (bk * split * 2) >= 2:
+    while tiles * split < 2 * num_sms and split * 2 <= k // 128:
         split *= 2
-    return KernelConfig({"gemv": 1, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}, num_warps=4, num_stages=1)
+    return make_config(bn, bk, split, 2)
 
 
 _LOCKS: dict[torch.device, torch.Tensor] = {}
