@@ -206,7 +206,9 @@ TILES = (
 
 def make_config(block_n: int, block_k: int, split_k: int, num_warps: int = 4) -> KernelConfig:
     return KernelConfig(
-        {"gemv": 1, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k}, num_warps=num_warps, num_stages=1
+        {"gemv": 1, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k},
+        num_warps=num_warps,
+        num_stages=1,
     )
 
 

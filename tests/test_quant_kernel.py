@@ -92,13 +92,17 @@ def test_w4a16_gemv_split_k_is_deterministic_and_leaves_counters_at_zero():
     assert not w4a16_gemv._LOCKS[x.device].any()
     second = w4a16_gemm.w4a16_gemm(x, qweight, scales, zeros, None, 64, None, cfg)
     assert torch.equal(first, second)
-    torch.testing.assert_close(first, reference.w4a16_linear(x, qweight, scales, zeros, None, 64), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        first, reference.w4a16_linear(x, qweight, scales, zeros, None, 64), atol=1e-4, rtol=1e-4
+    )
 
 
 def test_w4a16_gemv_refuses_group_sizes_not_divisible_by_8():
     qweight, scales, zeros, _ = _weights(16, 48, 12, False)
     with pytest.raises(ValueError, match="divisible by 8"):
-        w4a16_gemm.w4a16_gemm(torch.randn(1, 48), qweight, scales, zeros, None, 12, None, w4a16_gemv.make_config(16, 16, 1, 2))
+        w4a16_gemm.w4a16_gemm(
+            torch.randn(1, 48), qweight, scales, zeros, None, 12, None, w4a16_gemv.make_config(16, 16, 1, 2)
+        )
 
 
 def test_dequantize_path_matches_reference():
@@ -131,7 +135,9 @@ def test_prune_keeps_dequant_and_fitting_tiles():
     # give every multiprocessor a program and hold whole groups (K / 128 at most).
     assert gemv and decode[: len(gemv)] == gemv and len(gemv) <= 6
     assert all(-(-6144 // c["BLOCK_N"]) * c["SPLIT_K"] >= 132 and c["SPLIT_K"] <= 4096 // 128 for c in gemv)
-    assert not any(w4a16_gemv.is_gemv(c) for c in w4a16_gemm.prune_configs(w4a16_gemm.CONFIG_SPACE, 16, 6144, 4096))
+    assert not any(
+        w4a16_gemv.is_gemv(c) for c in w4a16_gemm.prune_configs(w4a16_gemm.CONFIG_SPACE, 16, 6144, 4096)
+    )
     assert not any(w4a16_gemv.is_gemv(c) for c in prefill)
     decode = [c for c in decode if not w4a16_gemv.is_gemv(c)]
     assert all(c["BLOCK_M"] == 16 for c in decode if not w4a16_gemm.is_dequant(c))
