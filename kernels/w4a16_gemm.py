@@ -200,11 +200,10 @@ def prune_configs(
 
 def gemv_configs(m: int, n: int, k: int, num_sms: int = 132) -> list[KernelConfig]:
     """The GEMV's candidates at this shape: each tile of w4a16_gemv.TILES with the smallest
-    power-of-two split giving every multiprocessor a program, and twice that. A split holds
-    whole groups when a group is a few steps (the launcher rounds it so), hence at most
-    K / 128 splits."""
+    power-of-two split giving every multiprocessor a program, and twice that. Splits hold whole
+    outer steps (the launcher rounds them so), hence at most K / OUTER_K."""
     out: list[KernelConfig] = []
-    max_split = max(1, k // 128)
+    max_split = max(1, k // w4a16_gemv.OUTER_K)
     for bn, bk, warps in w4a16_gemv.TILES:
         if bk > k:
             continue

@@ -8,18 +8,24 @@ At 1..8 rows a projection is a matrix-vector product: the time is the int4 weigh
 K * N / 2 bytes, as long as the per-weight arithmetic keeps up with memory. An H200 streams
 ~8e12 int4 weights a second, about 33 a clock per multiprocessor, and a multiprocessor issues
 128 lane-instructions a clock: the budget is under 4 instructions per weight. The tensor-core
-kernel spends more than that unpacking (shift, mask, subtract, int-to-float and float-to-bf16
-conversions, whose units run at a quarter rate) and pads one row to 16. This kernel uses no
-tl.dot and no conversion instruction per weight:
+kernel spends ~11 at 16 rows (sm_90 SASS of its loop: shifts, masks, int-to-float and
+float-to-bf16 conversions at quarter rate, and a shared-memory round trip to reach the
+tensor-core operand layout). This kernel uses no tl.dot and no conversion per weight (~3.6
+instructions a weight in its loop):
 
-- A nibble is moved to bits 16..19 (one shift, none for nibble 4) and or-ed into the bits of
-  1.0f (one lop3 with the mask): as a float that is v = 1 + q / 128, exact.
-- One FMA per weight and row: T += x * v. Over the 8 inputs of a packed word,
-  sum x * (q - z) = 128 * (T - xs * (1 + z / 128)) with xs = sum x, so zero point and scale
-  cost two FMAs per packed word (8 weights), not per weight. fp32 throughout; T stays near xs,
-  so the cancellation costs ~7 of fp32's 24 bits, far below the half-type output's rounding.
-- Each thread keeps its own rows of K in a [BLOCK_M, BLOCK_K / 8, BLOCK_N] accumulator and the
-  rows are summed once at the end, so the loop has no cross-thread reduction.
+- A nibble is moved to bits 12..15 or 16..19 (four shifts a packed word) and or-ed into the
+  bits of 1.0f with its mask (one lop3): as a float that is v = 1 + q / 2048 or 1 + q / 128,
+  exact. Activations of the first kind are scaled by 16 once, for every column they meet.
+- One FMA per weight and row: t += x' * v. Over a group, sum x * (q - z) =
+  128 * (t - 15 xl - xs * (1 + z / 128)) with xs the sum of x and xl that of the 16-scaled x,
+  so zero point and scale cost two FMAs per packed word, not per weight. fp32 throughout;
+  t stays near the sum of x', so the cancellation costs ~11 of fp32's 24 bits (relative
+  error ~1e-5), far below the half-type output's rounding.
+- Each thread keeps its own packed rows in a [BLOCK_K / 8, BLOCK_N] accumulator, summed once
+  at the end, so the loop has no cross-thread reduction; a thread holds 8 columns, over which
+  each activation load, conversion and sum is shared.
+- One row a program: rows are a grid axis (varying fastest, so the programs of one weight
+  tile run together and rows after the first read it from L2).
 
 A decode projection has too few columns to give every multiprocessor a program (Llama-3-8B's
 o_proj: 4096 columns), so SPLIT_K programs share a column tile, each over a slice of K. The
@@ -42,31 +48,35 @@ import triton.language as tl
 
 from pagecast.kernels.tuning import KernelConfig
 
+# Nibbles 0, 2, 3 and 5 land at bits 12..15 ("low": v = 1 + q / 2048, their activations are
+# scaled by 16 to match), 1, 4, 6 and 7 at bits 16..19 ("high": v = 1 + q / 128). Four shifts
+# place all eight (packed << 12 holds nibbles 0 and 1, packed itself 3 and 4, packed >> 8 holds
+# 5 and 6), where one position for all would take seven. Bit i of LOW_NIBBLES marks nibble i low.
+LOW_NIBBLES = tl.constexpr(0b00101101)
+
 
 @triton.jit
 def _nibbles_as_floats(packed, USE_ASM: tl.constexpr):
-    """The 8 nibbles of each int32 as floats 1 + q / 128 (q at bits 16..19 under the bits of 1.0f).
+    """The 8 nibbles of each int32 as floats: 1 + q / 2048 for the low nibbles (q at bits 12..15
+    of the bits of 1.0f), 1 + q / 128 for the high ones (bits 16..19); exact.
 
-    On the GPU one shift and one lop3 ((a & b) | c) a nibble, in inline PTX: from the plain
-    expression ptxas emits two lop3s (it does not fold two immediates into one). The interpreter
-    runs the plain expression, which computes the same bits."""
+    On the GPU four shifts and eight lop3s ((a & b) | c) a word, in inline PTX: from the plain
+    expression ptxas emits two lop3s a nibble (it does not fold two immediates into one). The
+    interpreter runs the plain expression, which computes the same bits."""
     if USE_ASM:
         return tl.inline_asm_elementwise(
             asm="""
             {
             .reg .b32 t;
-            shl.b32 t, $8, 16;
-            lop3.b32 $0, t, 0x000F0000, 0x3F800000, 0xEA;
             shl.b32 t, $8, 12;
+            lop3.b32 $0, t, 0x0000F000, 0x3F800000, 0xEA;
             lop3.b32 $1, t, 0x000F0000, 0x3F800000, 0xEA;
-            shl.b32 t, $8, 8;
-            lop3.b32 $2, t, 0x000F0000, 0x3F800000, 0xEA;
             shl.b32 t, $8, 4;
-            lop3.b32 $3, t, 0x000F0000, 0x3F800000, 0xEA;
+            lop3.b32 $2, t, 0x0000F000, 0x3F800000, 0xEA;
+            lop3.b32 $3, $8, 0x0000F000, 0x3F800000, 0xEA;
             lop3.b32 $4, $8, 0x000F0000, 0x3F800000, 0xEA;
-            shr.u32 t, $8, 4;
-            lop3.b32 $5, t, 0x000F0000, 0x3F800000, 0xEA;
             shr.u32 t, $8, 8;
+            lop3.b32 $5, t, 0x0000F000, 0x3F800000, 0xEA;
             lop3.b32 $6, t, 0x000F0000, 0x3F800000, 0xEA;
             shr.u32 t, $8, 12;
             lop3.b32 $7, t, 0x000F0000, 0x3F800000, 0xEA;
@@ -78,20 +88,23 @@ def _nibbles_as_floats(packed, USE_ASM: tl.constexpr):
             is_pure=True,
             pack=1,
         )
-    v0 = (((packed << 16) & 0x000F0000) | 0x3F800000).to(tl.float32, bitcast=True)
-    v1 = (((packed << 12) & 0x000F0000) | 0x3F800000).to(tl.float32, bitcast=True)
-    v2 = (((packed << 8) & 0x000F0000) | 0x3F800000).to(tl.float32, bitcast=True)
-    v3 = (((packed << 4) & 0x000F0000) | 0x3F800000).to(tl.float32, bitcast=True)
+    a = packed << 12
+    c = packed >> 8  # arithmetic: the sign bits land above the masks
+    v0 = ((a & 0x0000F000) | 0x3F800000).to(tl.float32, bitcast=True)
+    v1 = ((a & 0x000F0000) | 0x3F800000).to(tl.float32, bitcast=True)
+    v2 = (((packed << 4) & 0x0000F000) | 0x3F800000).to(tl.float32, bitcast=True)
+    v3 = ((packed & 0x0000F000) | 0x3F800000).to(tl.float32, bitcast=True)
     v4 = ((packed & 0x000F0000) | 0x3F800000).to(tl.float32, bitcast=True)
-    v5 = (((packed >> 4) & 0x000F0000) | 0x3F800000).to(tl.float32, bitcast=True)
-    v6 = (((packed >> 8) & 0x000F0000) | 0x3F800000).to(tl.float32, bitcast=True)
+    v5 = ((c & 0x0000F000) | 0x3F800000).to(tl.float32, bitcast=True)
+    v6 = ((c & 0x000F0000) | 0x3F800000).to(tl.float32, bitcast=True)
     v7 = (((packed >> 12) & 0x000F0000) | 0x3F800000).to(tl.float32, bitcast=True)
     return v0, v1, v2, v3, v4, v5, v6, v7
 
 
 @triton.jit
-def _dot8(x_row, perm_ptr, rows, r_ok, packed, t, xs, HAS_PERM: tl.constexpr, USE_ASM: tl.constexpr):
-    """t += sum over a packed word's 8 inputs of x * (1 + q / 128); xs += sum of those x."""
+def _dot8(x_row, perm_ptr, rows, r_ok, packed, t, xs, xl, HAS_PERM: tl.constexpr, USE_ASM: tl.constexpr):
+    """t += sum over a packed word's 8 inputs of x' * v (x' = 16 x for the low nibbles);
+    xs += the sum of those x, xl += the sum of the low nibbles' x."""
     v = _nibbles_as_floats(packed, USE_ASM)
     for i in tl.static_range(8):
         ks = rows * 8 + i  # [ROWS] input index of nibble i
@@ -99,8 +112,11 @@ def _dot8(x_row, perm_ptr, rows, r_ok, packed, t, xs, HAS_PERM: tl.constexpr, US
             ks = tl.load(perm_ptr + ks, mask=r_ok, other=0)
         xi = tl.load(x_row + ks, mask=r_ok, other=0.0).to(tl.float32)  # [ROWS]
         xs += xi
+        if (LOW_NIBBLES >> i) & 1:
+            xl += xi
+            xi = xi * 16.0
         t += xi[:, None] * v[i]
-    return t, xs
+    return t, xs, xl
 
 
 @triton.jit
@@ -146,6 +162,7 @@ def _w4a16_gemv_kernel(
         k0 = k_begin + it * (INNER * BLOCK_K)
         t = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
         xs = tl.zeros((ROWS,), dtype=tl.float32)
+        xl = tl.zeros((ROWS,), dtype=tl.float32)
         for j in tl.static_range(INNER):
             rows = (k0 + j * BLOCK_K) // 8 + offs_r  # [ROWS]
             r_ok = rows < k_rows
@@ -154,8 +171,9 @@ def _w4a16_gemv_kernel(
                 mask=r_ok[:, None] & n_ok[None, :],
                 other=0,
             )  # [ROWS, BLOCK_N] int32
-            t, xs = _dot8(x_row, perm_ptr, rows, r_ok, packed, t, xs, HAS_PERM, USE_ASM)
-        # sum x * (q - z) = 128 * (t - xs * (1 + z / 128)), times the scale
+            t, xs, xl = _dot8(x_row, perm_ptr, rows, r_ok, packed, t, xs, xl, HAS_PERM, USE_ASM)
+        # t = sum x' + sum x * q / 128 and sum x' = xs + 15 xl, so
+        # sum x * (q - z) = 128 * (t - 15 xl - xs * (1 + z / 128)); times the scale
         if GROUP_SIZE % BLOCK_K == 0:  # the block lies in one group: one row of scales and zeros
             g = k0 // GROUP_SIZE
             gn_ok = n_ok & (k0 < K)
@@ -168,7 +186,7 @@ def _w4a16_gemv_kernel(
             gn_ok = r_ok[:, None] & n_ok[None, :]
             s = tl.load(s_ptr + g_rows[:, None] * N + offs_n[None, :], mask=gn_ok, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + g_rows[:, None] * N + offs_n[None, :], mask=gn_ok, other=0).to(tl.float32)
-        acc += (s * 128.0) * (t - xs[:, None] * (z * (1.0 / 128.0) + 1.0))
+        acc += (s * 128.0) * ((t - (xl * 15.0)[:, None]) - xs[:, None] * (z * (1.0 / 128.0) + 1.0))
     out = tl.sum(acc, axis=0)  # [BLOCK_N]
     y_ptrs = y_ptr + pid_m * stride_ym + offs_n
     if SPLIT_K == 1:
@@ -193,15 +211,18 @@ def _w4a16_gemv_kernel(
 
 
 # (BLOCK_N, BLOCK_K, num_warps). Triton gives each thread 4 adjacent columns per 128 a warp
-# covers, so BLOCK_N / (32 * num_warps) columns a thread: 8 in each tile here, over which one
-# activation load, conversion and sum are shared. BLOCK_K / 8 packed rows a step keep the
-# accumulators at 2 * BLOCK_K / 8 * 8 registers a thread. w4a16_gemm.gemv_configs adds the
-# splits of K for the shape.
+# covers, so BLOCK_N / (32 * num_warps) = 8 columns a thread in each tile here, over which one
+# activation load, conversion and sum are shared (4 would double that overhead). An outer step
+# loads at most OUTER_K inputs (all its loads are issued before the arithmetic: 64 words a
+# thread in flight); more spills registers (sm_90 SASS, counted: 16 or 32 inputs a step, 3.6
+# to 3.7 instructions a weight, against ~11 and a shared-memory round trip for the tl.dot
+# kernel at 16 rows). w4a16_gemm.gemv_configs adds the splits of K for the shape.
 TILES = (
-    (1024, 32, 4),
+    (512, 16, 2),
+    (1024, 16, 4),
     (512, 32, 2),
-    (512, 64, 2),
 )
+OUTER_K = 64
 
 
 def make_config(block_n: int, block_k: int, split_k: int, num_warps: int = 4) -> KernelConfig:
@@ -217,12 +238,12 @@ def is_gemv(config: KernelConfig | None) -> bool:
 
 
 def default_config(m: int, n: int, k: int, num_sms: int = 132) -> KernelConfig:
-    """Untuned choice: 512 columns by 32 inputs a step on two warps, and enough splits of K for
+    """Untuned choice: 512 columns by 16 inputs a step on two warps, and enough splits of K for
     about two programs a multiprocessor."""
-    bn, bk = 512, 32
+    bn, bk = 512, 16
     tiles = triton.cdiv(n, bn) * m
     split = 1
-    while tiles * split < 2 * num_sms and split * 2 <= k // 128:
+    while tiles * split < 2 * num_sms and split * 2 <= k // OUTER_K:
         split *= 2
     return make_config(bn, bk, split, 2)
 
@@ -263,8 +284,11 @@ def w4a16_gemv(
     if group_size % 8:
         raise ValueError(f"the W4A16 GEMV needs a group size divisible by 8, got {group_size}")
     bn, bk, split = config["BLOCK_N"], config["BLOCK_K"], config["SPLIT_K"]
-    # A whole group per outer step when it is a few BLOCK_K: scales and zeros once a group.
-    inner = group_size // bk if group_size % bk == 0 and group_size // bk <= 8 else 1
+    # Several BLOCK_K steps (up to OUTER_K inputs, inside one group) per application of the
+    # scales and zeros, when BLOCK_K divides the group.
+    inner = 1
+    while group_size % (inner * 2 * bk) == 0 and inner * 2 * bk <= OUTER_K:
+        inner *= 2
     step = inner * bk
     k_per_split = triton.cdiv(triton.cdiv(k, split), step) * step
     split = triton.cdiv(k, k_per_split)  # no empty split

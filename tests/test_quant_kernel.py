@@ -61,7 +61,7 @@ GEMV_CASES = [
     (3, 72, 576, 32, True, False, (64, 64, 2)),  # G < BLOCK_K: scales per packed row
     (8, 24, 256, 128, False, True, (16, 32, 1)),  # no split: stored directly
     (1, 104, 576, 576, True, True, (32, 128, 2)),  # per channel, 576 % 128 != 0
-    (3, 40, 512, 128, True, True, (32, 64, 8)),  # splits capped at whole groups (4)
+    (3, 40, 512, 128, True, True, (32, 64, 8)),  # 8 splits of one step each
     (2, 40, 576, 64, False, True, None),  # the launcher's default for 2 rows is the GEMV
 ]
 
@@ -132,9 +132,9 @@ def test_prune_keeps_dequant_and_fitting_tiles():
     assert w4a16_gemm.DEQUANT in decode and w4a16_gemm.DEQUANT in prefill
     gemv = [c for c in decode if w4a16_gemv.is_gemv(c)]
     # The GEMV first (a tie keeps it), few enough to time at every small bucket, splits that
-    # give every multiprocessor a program and hold whole groups (K / 128 at most).
+    # give every multiprocessor a program and hold whole outer steps (K / 64 at most).
     assert gemv and decode[: len(gemv)] == gemv and len(gemv) <= 6
-    assert all(-(-6144 // c["BLOCK_N"]) * c["SPLIT_K"] >= 132 and c["SPLIT_K"] <= 4096 // 128 for c in gemv)
+    assert all(-(-6144 // c["BLOCK_N"]) * c["SPLIT_K"] >= 132 and c["SPLIT_K"] <= 4096 // 64 for c in gemv)
     assert not any(
         w4a16_gemv.is_gemv(c) for c in w4a16_gemm.prune_configs(w4a16_gemm.CONFIG_SPACE, 16, 6144, 4096)
     )
