@@ -72,7 +72,7 @@ def candidates(m: int, n: int, k: int, sms: int) -> dict[str, list[tuning.Kernel
     }
     if m <= w4a16_gemm.GEMV_MAX_ROWS:
         gemv = [c for c in space if w4a16_gemv.is_gemv(c)] + [w4a16_gemv.default_config(m, n, k, sms)]
-        out["gemv"] = list(dict.fromkeys(gemv))
+        out["gemv"] = list({json.dumps(c.as_dict()): c for c in gemv}.values())
     return out
 
 
@@ -149,6 +149,52 @@ def best(
     return t_us, cfg
 
 
+def summarize(
+    table: list[dict[str, object]],
+    names: list[str],
+    groups: list[int],
+    rows_list: list[int],
+    out: Path | None,
+) -> None:
+    """The markdown table, and the decode-step sums over the four projections."""
+    print(
+        "\n| projection | G | rows | gemm us (GB/s) | gemv us (GB/s) | dequant us | bf16 us (GB/s) | best int4 / bf16 |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    by_key: dict[tuple[str, int, int], dict[str, dict[str, object]]] = {}
+    for r in table:
+        by_key.setdefault((str(r["projection"]), int(r["group_size"]), int(r["rows"])), {})[
+            str(r["variant"])
+        ] = r  # type: ignore[call-overload]
+    for (name, g, m), v in by_key.items():
+
+        def cell(key: str, v: dict[str, dict[str, object]] = v) -> str:
+            r = v.get(key)
+            return f"{r['time_us']} ({r['gb_s']})" if r else "-"
+
+        int4 = min(float(v[key]["time_us"]) for key in ("gemm", "gemv", "dequant") if key in v)  # type: ignore[arg-type]
+        print(f"| {name} | {g} | {m} | {cell('gemm')} | {cell('gemv')} | {v['dequant']['time_us']} | {cell('bf16')} | "
+              f"{int4 / float(v['bf16']['time_us']):.3f} |")  # type: ignore[arg-type]  # fmt: skip
+    # A decode step's four projections of one layer, best int4 path each, against bf16.
+    if set(names) == set(PROJECTIONS):
+        for g in groups:
+            for m in rows_list:
+                keys = [(p, g, m) for p in names]
+                int4 = sum(
+                    min(
+                        float(by_key[key][v]["time_us"])
+                        for v in ("gemm", "gemv", "dequant")
+                        if v in by_key[key]
+                    )
+                    for key in keys
+                )  # type: ignore[arg-type]
+                bf16 = sum(float(by_key[key]["bf16"]["time_us"]) for key in keys)  # type: ignore[arg-type]
+                gemv = sum(float(by_key[key]["gemv"]["time_us"]) for key in keys if "gemv" in by_key[key])  # type: ignore[arg-type]
+                record(out, {"figure": "layer_projections_us", "group_size": g, "rows": m,
+                                  "best_int4_us": round(int4, 2), "gemv_us": round(gemv, 2) if gemv else None,
+                                  "bf16_us": round(bf16, 2), "ratio_to_bf16": round(int4 / bf16, 3)})  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
@@ -202,42 +248,7 @@ def main() -> None:
         del dense
         torch.cuda.empty_cache()
 
-    print(
-        "\n| projection | G | rows | gemm us (GB/s) | gemv us (GB/s) | dequant us | bf16 us (GB/s) | best int4 / bf16 |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    by_key: dict[tuple[str, int, int], dict[str, dict[str, object]]] = {}
-    for r in table:
-        by_key.setdefault((str(r["projection"]), int(r["group_size"]), int(r["rows"])), {})[
-            str(r["variant"])
-        ] = r  # type: ignore[call-overload]
-    for (name, g, m), v in by_key.items():
-
-        def cell(key: str, v: dict[str, dict[str, object]] = v) -> str:
-            r = v.get(key)
-            return f"{r['time_us']} ({r['gb_s']})" if r else "-"
-
-        int4 = min(float(v[key]["time_us"]) for key in ("gemm", "gemv", "dequant") if key in v)  # type: ignore[arg-type]
-        print(f"| {name} | {g} | {m} | {cell('gemm')} | {cell('gemv')} | {v['dequant']['time_us']} | {cell('bf16')} | "
-              f"{int4 / float(v['bf16']['time_us']):.3f} |")  # type: ignore[arg-type]  # fmt: skip
-    # A decode step's four projections of one layer, best int4 path each, against bf16.
-    if set(names) == set(PROJECTIONS):
-        for g in groups:
-            for m in rows_list:
-                keys = [(p, g, m) for p in names]
-                int4 = sum(
-                    min(
-                        float(by_key[key][v]["time_us"])
-                        for v in ("gemm", "gemv", "dequant")
-                        if v in by_key[key]
-                    )
-                    for key in keys
-                )  # type: ignore[arg-type]
-                bf16 = sum(float(by_key[key]["bf16"]["time_us"]) for key in keys)  # type: ignore[arg-type]
-                gemv = sum(float(by_key[key]["gemv"]["time_us"]) for key in keys if "gemv" in by_key[key])  # type: ignore[arg-type]
-                record(args.out, {"figure": "layer_projections_us", "group_size": g, "rows": m,
-                                  "best_int4_us": round(int4, 2), "gemv_us": round(gemv, 2) if gemv else None,
-                                  "bf16_us": round(bf16, 2), "ratio_to_bf16": round(int4 / bf16, 3)})  # fmt: skip
+    summarize(table, names, groups, rows_list, args.out)
     record(args.out, {"figure": "elapsed_s", "value": round(time.perf_counter() - start, 1)})
 
 

@@ -206,18 +206,20 @@ def test_kernels_compile_for_sm90():
 @pytest.mark.parametrize("m", [1, 7, 16, 64, 300, 2048])
 @pytest.mark.parametrize("n,k,g", [(6144, 4096, 128), (4096, 14336, 128), (1728, 576, 64), (1536, 576, 32)])
 def test_w4a16_gemm_bf16_on_gpu(m, n, k, g):  # type: ignore[no-untyped-def]
-    """bf16 at Llama-3-8B and SmolLM2 shapes, every config the tuner may pick, against the reference."""
+    """bf16 at Llama-3-8B and SmolLM2 shapes, every config the tuner may pick (the GEMV's with
+    its inline PTX up to 8 rows), with bias and act-order, against the reference."""
     from pagecast.kernels import problems
     from pagecast.kernels.tuning import ModelShapes
 
     qweight, scales, zeros, _ = _weights(n, k, g, False, device="cuda")
     perm = torch.randperm(k, device="cuda").to(torch.int32)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    ref = reference.w4a16_linear(x.float(), qweight, scales, zeros, perm, g)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    ref = reference.w4a16_linear(x.float(), qweight, scales, zeros, perm, g, bias.float())
     shapes = ModelShapes(32, 8, 128, k, n // 2, 16, "bfloat16", quant_group_size=g)
     configs = problems.config_space("w4a16_gemm", shapes, {"num_rows": m, "n": n, "k": k}) + [None]
     for cfg in configs:
-        y = w4a16_gemm.w4a16_gemm(x, qweight, scales, zeros, perm, g, None, cfg)
+        y = w4a16_gemm.w4a16_gemm(x, qweight, scales, zeros, perm, g, bias, cfg)
         torch.testing.assert_close(
             y.float(), ref, atol=2e-2 * ref.abs().max().item(), rtol=2e-2, msg=str(cfg)
         )
