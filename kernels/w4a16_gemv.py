@@ -42,6 +42,8 @@ on different streams of one device must not overlap (the engine runs one stream 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -249,6 +251,8 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> KernelConfig:
 
 
 _LOCKS: dict[torch.device, torch.Tensor] = {}
+# Outgrown buffers stay allocated: a CUDA graph captured earlier still points at them.
+_RETIRED: list[torch.Tensor] = []
 
 
 def _locks(device: torch.device, size: int) -> torch.Tensor:
@@ -260,6 +264,8 @@ def _locks(device: torch.device, size: int) -> torch.Tensor:
                 "w4a16_gemv: the split-K counters must be allocated before CUDA-graph capture; "
                 "run the same batch eagerly once first (the runtime's warm-up forward does)"
             )
+        if locks is not None:
+            _RETIRED.append(locks)
         locks = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
         _LOCKS[device] = locks
     return locks
@@ -304,7 +310,7 @@ def w4a16_gemv(
         y, partials, locks, m, n, k, x.stride(0), y.stride(0),
         GROUP_SIZE=group_size, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
         BLOCK_N=bn, BLOCK_K=bk, INNER=inner, SPLIT_K=split, K_ITERS=k_per_split // step,
-        USE_ASM=x.is_cuda,
+        USE_ASM=x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return y
