@@ -66,7 +66,10 @@ GEMV_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype,atol,rtol", [(torch.float32, 1e-4, 1e-4), (torch.float16, 2e-2, 1e-2)])
+# fp32: the GEMV's sums run ~11 bits above the product (t ~ sum x' + sum x * q / 128, see
+# kernels/w4a16_gemv.py), so fp32 activations match to ~1e-4 of the largest output, below fp16's
+# rounding and far below bf16's; half-type activations are as tight as the tl.dot kernel's.
+@pytest.mark.parametrize("dtype,atol,rtol", [(torch.float32, 1e-3, 1e-3), (torch.float16, 2e-2, 1e-2)])
 @pytest.mark.parametrize("m,n,k,g,perm,bias,tile", GEMV_CASES)
 def test_w4a16_gemv_matches_reference(m, n, k, g, perm, bias, tile, dtype, atol, rtol):  # type: ignore[no-untyped-def]
     qweight, scales, zeros, p = _weights(n, k, g, perm, seed=m + n)
