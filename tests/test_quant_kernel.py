@@ -95,9 +95,8 @@ def test_w4a16_gemv_split_k_is_deterministic_and_leaves_counters_at_zero():
     assert not w4a16_gemv._LOCKS[x.device].any()
     second = w4a16_gemm.w4a16_gemm(x, qweight, scales, zeros, None, 64, None, cfg)
     assert torch.equal(first, second)
-    torch.testing.assert_close(
-        first, reference.w4a16_linear(x, qweight, scales, zeros, None, 64), atol=1e-4, rtol=1e-4
-    )
+    ref = reference.w4a16_linear(x, qweight, scales, zeros, None, 64)
+    torch.testing.assert_close(first, ref, atol=1e-3 * ref.abs().max().item(), rtol=1e-3)
 
 
 def test_w4a16_gemv_refuses_group_sizes_not_divisible_by_8():
