@@ -166,7 +166,9 @@ def config_space(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> list
     if kernel == "skinny_gemm":
         return skinny_gemm.prune_configs(skinny_gemm.CONFIG_SPACE, dims["n"], dims["k"])
     if kernel == "w4a16_gemm":
-        return w4a16_gemm.prune_configs(w4a16_gemm.CONFIG_SPACE, dims["num_rows"], dims["n"], dims["k"])
+        return w4a16_gemm.prune_configs(
+            w4a16_gemm.CONFIG_SPACE, dims["num_rows"], dims["n"], dims["k"], num_sms()
+        )
     raise ValueError(f"unknown kernel {kernel!r}")
 
 

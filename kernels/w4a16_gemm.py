@@ -17,6 +17,9 @@ partial sums that one reduction adds up (deterministic, unlike atomics). Large t
 compute-bound: there ``{"dequant": 1}`` dequantizes the weight once per call
 (``_dequantize_kernel``) and lets cuBLAS multiply. The build times both per projection and row
 bucket and keeps the faster (kernels/tuning.py); the default below is a reasonable guess.
+Decode batches of a few rows have a third choice, ``{"gemv": 1, ...}``: the CUDA-core GEMV
+of kernels/w4a16_gemv.py, which spends fewer instructions a weight than this kernel's unpacking
+and reduces its split-K partials inside the one launch.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagecast.kernels import reference
+from pagecast.kernels import reference, w4a16_gemv
 from pagecast.kernels.tuning import KernelConfig
 
 
@@ -172,11 +175,18 @@ CONFIG_SPACE: list[KernelConfig] = [DEQUANT] + [
 ]
 
 
-def prune_configs(configs: list[KernelConfig], m: int, n: int, k: int) -> list[KernelConfig]:
+GEMV_MAX_ROWS = 8  # the GEMV re-reads the weight (from L2) and re-unpacks it for every row
+
+
+def prune_configs(
+    configs: list[KernelConfig], m: int, n: int, k: int, num_sms: int = 132
+) -> list[KernelConfig]:
     """Keep the dequant path, and tiles whose BLOCK_M fits the rows (no 128-row tile for 4 rows,
-    no 16-row tile for prefill), whose BLOCK_K is at most K, and whose splits each get K to do."""
+    no 16-row tile for prefill), whose BLOCK_K is at most K, and whose splits each get K to do.
+    Up to GEMV_MAX_ROWS rows the GEMV's tiles come first, each at the two split counts that
+    give at least one and two programs a multiprocessor (its config space is shape-dependent)."""
+    kept = gemv_configs(m, n, k, num_sms) if m <= GEMV_MAX_ROWS else []
     m_tile = max(16, triton.next_power_of_2(m))
-    kept = []
     for c in configs:
         if is_dequant(c):
             kept.append(c)
@@ -188,15 +198,35 @@ def prune_configs(configs: list[KernelConfig], m: int, n: int, k: int) -> list[K
     return kept
 
 
+def gemv_configs(m: int, n: int, k: int, num_sms: int = 132) -> list[KernelConfig]:
+    """The GEMV's candidates at this shape: each tile of w4a16_gemv.TILES with the smallest
+    power-of-two split giving every multiprocessor a program, and twice that. Splits hold whole
+    outer steps (the launcher rounds them so), hence at most K / OUTER_K."""
+    out: list[KernelConfig] = []
+    max_split = max(1, k // w4a16_gemv.OUTER_K)
+    for bn, bk, warps in w4a16_gemv.TILES:
+        if bk > k:
+            continue
+        tiles = triton.cdiv(n, bn) * m
+        split = 1
+        while tiles * split < num_sms and split * 2 <= max_split:
+            split *= 2
+        for s in sorted({split, min(split * 2, max_split)}):
+            out.append(w4a16_gemv.make_config(bn, bk, s, warps))
+    return out
+
+
 def is_dequant(config: KernelConfig | None) -> bool:
     return config is not None and bool(config.params.get("dequant"))
 
 
 def default_config(m: int, n: int, k: int, num_sms: int = 132) -> KernelConfig:
-    """Untuned choice: the dequant path for prefill-sized batches, else a tile with enough
-    splits of K to give about two programs per multiprocessor."""
+    """Untuned choice: the dequant path for prefill-sized batches, the GEMV up to 4 rows, else a
+    tile with enough splits of K to give about two programs per multiprocessor."""
     if m > 256:
         return DEQUANT
+    if m <= 4:
+        return w4a16_gemv.default_config(m, n, k, num_sms)
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
     bn, bk = 64, 128 if k >= 256 else 64
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
@@ -271,6 +301,8 @@ def w4a16_gemm(
     if x.stride(1) != 1:
         x = x.contiguous()
     cfg = KernelConfig.coerce(config) or default_config(m, n, k)
+    if w4a16_gemv.is_gemv(cfg):
+        return w4a16_gemv.w4a16_gemv(x, qweight, scales, zeros, perm, group_size, bias, cfg)
     if is_dequant(cfg):
         if perm is not None:
             x = x.index_select(1, perm)

@@ -23,11 +23,11 @@ CHILD = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from pagecast.kernels import keyed_noise, w4a16_gemm
+    from pagecast.kernels import keyed_noise, w4a16_gemm, w4a16_gemv
 
     kernel, signature, constexprs = json.loads(sys.argv[1])
     fn = {"keyed_noise": keyed_noise._keyed_exponential_kernel, "w4a16_gemm": w4a16_gemm._w4a16_gemm_kernel,
-          "dequantize": w4a16_gemm._dequantize_kernel}[kernel]
+          "dequantize": w4a16_gemm._dequantize_kernel, "w4a16_gemv": w4a16_gemv._w4a16_gemv_kernel}[kernel]
     sig = dict(signature, **{name: "constexpr" for name in constexprs})
     asm = triton.compile(ASTSource(fn, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32)).asm
     print(sorted(asm))
@@ -80,4 +80,29 @@ def test_dequantize_kernel_compiles_for_sm90() -> None:
         {"qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*i8", "w_ptr": "*bf16", "N": "i32", "K": "i32"},
         {"GROUP_SIZE": 128, "BLOCK_N": 64, "BLOCK_K": 64},
     )
+    assert "cubin" in asm
+
+
+@pytest.mark.parametrize(
+    "split_k,has_perm,group_size,block_k,inner",
+    [(1, False, 128, 32, 4), (32, True, 128, 32, 4), (4, False, 32, 64, 1), (2, True, 576, 128, 1)],
+)
+def test_w4a16_gemv_kernel_compiles_for_sm90(
+    split_k: int, has_perm: bool, group_size: int, block_k: int, inner: int
+) -> None:
+    """The decode GEMV with its inline-PTX unpacking (the interpreter runs the plain expression
+    instead), the ticket-counter split-K epilogue and both scale paths (a group per outer step,
+    scales per packed row)."""
+    asm = compile_sm90(
+        "w4a16_gemv",
+        {
+            "x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*i8", "perm_ptr": "*i32",
+            "b_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "lock_ptr": "*i32",
+            "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_ym": "i32",
+        },
+        {
+            "GROUP_SIZE": group_size, "HAS_PERM": has_perm, "HAS_BIAS": True, "BLOCK_N": 512,
+            "BLOCK_K": block_k, "INNER": inner, "SPLIT_K": split_k, "K_ITERS": 2, "USE_ASM": True,
+        },
+    )  # fmt: skip
     assert "cubin" in asm

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagecast.kernels import reference, w4a16_gemm
+from pagecast.kernels import reference, w4a16_gemm, w4a16_gemv
 from pagecast.kernels.tuning import KernelConfig
 
 
@@ -53,6 +53,60 @@ def test_w4a16_gemm_matches_reference(m, n, k, g, perm, cfg, dtype, atol, rtol):
     torch.testing.assert_close(y.float(), ref, atol=atol * ref.abs().max().item(), rtol=rtol)
 
 
+# The decode GEMV (kernels/w4a16_gemv.py): (M, N, K, G, perm, bias, (BLOCK_N, BLOCK_K, SPLIT_K)).
+# K = 576 is not a multiple of 128; N = 40 / 72 / 104 / 24 leave partial column tiles; the
+# launcher rounds the splits to whole steps (576 / 4 -> 3 splits of 192 at G = 64).
+GEMV_CASES = [
+    (1, 40, 576, 64, False, True, (32, 32, 4)),  # a group is 2 steps; 3 splits
+    (3, 72, 576, 32, True, False, (64, 64, 2)),  # G < BLOCK_K: scales per packed row
+    (8, 24, 256, 128, False, True, (16, 32, 1)),  # no split: stored directly
+    (1, 104, 576, 576, True, True, (32, 128, 2)),  # per channel, 576 % 128 != 0
+    (3, 40, 512, 128, True, True, (32, 64, 8)),  # 8 splits of one step each
+    (2, 40, 576, 64, False, True, None),  # the launcher's default for 2 rows is the GEMV
+]
+
+
+# fp32: the GEMV's sums run ~11 bits above the product (t ~ sum x' + sum x * q / 128, see
+# kernels/w4a16_gemv.py), so fp32 activations match to ~1e-4 of the largest output, below fp16's
+# rounding and far below bf16's; half-type activations are as tight as the tl.dot kernel's.
+@pytest.mark.parametrize("dtype,atol,rtol", [(torch.float32, 1e-3, 1e-3), (torch.float16, 2e-2, 1e-2)])
+@pytest.mark.parametrize("m,n,k,g,perm,bias,tile", GEMV_CASES)
+def test_w4a16_gemv_matches_reference(m, n, k, g, perm, bias, tile, dtype, atol, rtol):  # type: ignore[no-untyped-def]
+    qweight, scales, zeros, p = _weights(n, k, g, perm, seed=m + n)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    cfg = w4a16_gemv.make_config(*tile, num_warps=2) if tile else None
+    if cfg is None:
+        assert w4a16_gemv.is_gemv(w4a16_gemm.default_config(m, n, k))
+    y = w4a16_gemm.w4a16_gemm(x, qweight, scales, zeros, p, g, b, cfg)
+    ref = reference.w4a16_linear(x.float(), qweight, scales, zeros, p, g, b.float() if bias else None)
+    assert y.dtype == dtype and y.shape == (m, n)
+    torch.testing.assert_close(y.float(), ref, atol=atol * ref.abs().max().item(), rtol=rtol)
+
+
+def test_w4a16_gemv_split_k_is_deterministic_and_leaves_counters_at_zero():
+    """The last program of a tile adds the partials in split order: a second launch reuses the
+    counters (reset by the first) and gives the same bits."""
+    qweight, scales, zeros, _ = _weights(72, 1024, 64, False)
+    x = torch.randn(2, 1024)
+    cfg = w4a16_gemv.make_config(32, 32, 8, num_warps=2)
+    first = w4a16_gemm.w4a16_gemm(x, qweight, scales, zeros, None, 64, None, cfg)
+    assert not w4a16_gemv._LOCKS[x.device].any()
+    second = w4a16_gemm.w4a16_gemm(x, qweight, scales, zeros, None, 64, None, cfg)
+    assert torch.equal(first, second)
+    ref = reference.w4a16_linear(x, qweight, scales, zeros, None, 64)
+    torch.testing.assert_close(first, ref, atol=1e-3 * ref.abs().max().item(), rtol=1e-3)
+
+
+def test_w4a16_gemv_refuses_group_sizes_not_divisible_by_8():
+    qweight, scales, zeros, _ = _weights(16, 48, 12, False)
+    with pytest.raises(ValueError, match="divisible by 8"):
+        w4a16_gemm.w4a16_gemm(
+            torch.randn(1, 48), qweight, scales, zeros, None, 12, None, w4a16_gemv.make_config(16, 16, 1, 2)
+        )
+
+
 def test_dequantize_path_matches_reference():
     qweight, scales, zeros, p = _weights(40, 576, 64, True)
     x = torch.randn(5, 576)
@@ -78,6 +132,16 @@ def test_prune_keeps_dequant_and_fitting_tiles():
     decode = w4a16_gemm.prune_configs(w4a16_gemm.CONFIG_SPACE, 1, 6144, 4096)
     prefill = w4a16_gemm.prune_configs(w4a16_gemm.CONFIG_SPACE, 2048, 6144, 4096)
     assert w4a16_gemm.DEQUANT in decode and w4a16_gemm.DEQUANT in prefill
+    gemv = [c for c in decode if w4a16_gemv.is_gemv(c)]
+    # The GEMV first (a tie keeps it), few enough to time at every small bucket, splits that
+    # give every multiprocessor a program and hold whole outer steps (K / 64 at most).
+    assert gemv and decode[: len(gemv)] == gemv and len(gemv) <= 6
+    assert all(-(-6144 // c["BLOCK_N"]) * c["SPLIT_K"] >= 132 and c["SPLIT_K"] <= 4096 // 64 for c in gemv)
+    assert not any(
+        w4a16_gemv.is_gemv(c) for c in w4a16_gemm.prune_configs(w4a16_gemm.CONFIG_SPACE, 16, 6144, 4096)
+    )
+    assert not any(w4a16_gemv.is_gemv(c) for c in prefill)
+    decode = [c for c in decode if not w4a16_gemv.is_gemv(c)]
     assert all(c["BLOCK_M"] == 16 for c in decode if not w4a16_gemm.is_dequant(c))
     assert all(c["BLOCK_M"] >= 64 for c in prefill if not w4a16_gemm.is_dequant(c))
     assert any(c["SPLIT_K"] > 1 for c in decode if not w4a16_gemm.is_dequant(c))
@@ -144,18 +208,20 @@ def test_kernels_compile_for_sm90():
 @pytest.mark.parametrize("m", [1, 7, 16, 64, 300, 2048])
 @pytest.mark.parametrize("n,k,g", [(6144, 4096, 128), (4096, 14336, 128), (1728, 576, 64), (1536, 576, 32)])
 def test_w4a16_gemm_bf16_on_gpu(m, n, k, g):  # type: ignore[no-untyped-def]
-    """bf16 at Llama-3-8B and SmolLM2 shapes, every config the tuner may pick, against the reference."""
+    """bf16 at Llama-3-8B and SmolLM2 shapes, every config the tuner may pick (the GEMV's with
+    its inline PTX up to 8 rows), with bias and act-order, against the reference."""
     from pagecast.kernels import problems
     from pagecast.kernels.tuning import ModelShapes
 
     qweight, scales, zeros, _ = _weights(n, k, g, False, device="cuda")
     perm = torch.randperm(k, device="cuda").to(torch.int32)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    ref = reference.w4a16_linear(x.float(), qweight, scales, zeros, perm, g)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    ref = reference.w4a16_linear(x.float(), qweight, scales, zeros, perm, g, bias.float())
     shapes = ModelShapes(32, 8, 128, k, n // 2, 16, "bfloat16", quant_group_size=g)
     configs = problems.config_space("w4a16_gemm", shapes, {"num_rows": m, "n": n, "k": k}) + [None]
     for cfg in configs:
-        y = w4a16_gemm.w4a16_gemm(x, qweight, scales, zeros, perm, g, None, cfg)
+        y = w4a16_gemm.w4a16_gemm(x, qweight, scales, zeros, perm, g, bias, cfg)
         torch.testing.assert_close(
             y.float(), ref, atol=2e-2 * ref.abs().max().item(), rtol=2e-2, msg=str(cfg)
         )

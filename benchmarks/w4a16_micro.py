@@ -1,0 +1,256 @@
+"""W4A16 GEMM micro-benchmark at the Llama-3-8B projection shapes (issue 10: the int4 decode path).
+
+For each projection (qkv K=4096 N=6144, o 4096x4096, gate_up 4096x28672, down 14336x4096),
+group size (128, 64) and row count (1, 2, 4, 8, 16, 64), times on one GPU:
+
+- ``gemm``: the tl.dot kernel of kernels/w4a16_gemm.py, best of its configs the tuner would try;
+- ``gemv``: the CUDA-core GEMV of kernels/w4a16_gemv.py, best of its configs (up to 8 rows);
+- ``dequant``: dequantize the weight then cuBLAS (what the tuner may pick for prefill);
+- ``bf16``: torch.nn.functional.linear on bf16 weights of the same shape (cuBLAS).
+
+Each figure is the median over replays of a CUDA graph of many launches (kernels/tuning.py's
+``time_launches``, as the build's tuner times them), rotating through enough weight copies
+that every launch reads its weight from memory rather than L2. GB/s counts the weight bytes
+(int4 + fp16 scales + int8 zeros; bf16 for cuBLAS) over the time. Every variant's best config
+is checked against the pure-torch reference first.
+
+    python benchmarks/w4a16_micro.py [--out DIR] [--rows 1,2,4,8,16,64] [--groups 128,64]
+                                     [--projections qkv,o,gate_up,down]
+
+One JSON line per figure (also in DIR/w4a16_micro.jsonl), a table at the end, and per group size
+the decode-step sum over the four projections at each row count (what W4 inter-token latency
+pays per layer) with its ratio to bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+
+from pagecast.kernels import reference, tuning, w4a16_gemm, w4a16_gemv
+
+PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+COLD_BYTES = 512 << 20  # weight copies a sample rotates through: ~10x the H200's L2
+MAX_SETS = 64
+
+
+def record(out: Path | None, row: dict[str, object]) -> None:
+    line = json.dumps(row)
+    print(line, flush=True)
+    if out is not None:
+        with open(out / "w4a16_micro.jsonl", "a") as f:
+            f.write(line + "\n")
+
+
+def int4_weights(n: int, k: int, g: int, sets: int, gen: torch.Generator) -> list[tuple[torch.Tensor, ...]]:
+    out = []
+    for _ in range(sets):
+        qweight = torch.randint(
+            -(2**31), 2**31 - 1, (k // 8, n), generator=gen, device="cuda", dtype=torch.int32
+        )
+        scales = (torch.rand((k // g, n), generator=gen, device="cuda") * 0.004 + 0.002).half()
+        zeros = torch.randint(0, 16, (k // g, n), generator=gen, device="cuda", dtype=torch.int8)
+        out.append((qweight, scales, zeros))
+    return out
+
+
+def candidates(m: int, n: int, k: int, sms: int) -> dict[str, list[tuning.KernelConfig]]:
+    """The configs each int4 variant is timed over at this shape (the tuner's, plus the GEMV's
+    untuned default)."""
+    space = w4a16_gemm.prune_configs(w4a16_gemm.CONFIG_SPACE, m, n, k, sms)
+    out = {
+        "gemm": [c for c in space if not w4a16_gemv.is_gemv(c) and not w4a16_gemm.is_dequant(c)],
+        "dequant": [w4a16_gemm.DEQUANT],
+    }
+    if m <= w4a16_gemm.GEMV_MAX_ROWS:
+        gemv = [c for c in space if w4a16_gemv.is_gemv(c)] + [w4a16_gemv.default_config(m, n, k, sms)]
+        out["gemv"] = list({json.dumps(c.as_dict()): c for c in gemv}.values())
+    return out
+
+
+def _compile(task: tuple[int, int, int, int, dict[str, int]]) -> str:
+    """One launch in a worker process: compiles the kernel into the shared Triton disk cache."""
+    n, k, g, m, cfg = task
+    x = torch.zeros((m, k), device="cuda", dtype=torch.bfloat16)
+    q = torch.zeros((k // 8, n), device="cuda", dtype=torch.int32)
+    s = torch.ones((k // g, n), device="cuda", dtype=torch.float16)
+    z = torch.zeros((k // g, n), device="cuda", dtype=torch.int8)
+    try:
+        w4a16_gemm.w4a16_gemm(x, q, s, z, None, g, None, tuning.KernelConfig.coerce(cfg))
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 - timed (and reported) again in the main process
+        return f"{type(exc).__name__}: {str(exc)[:80]}"
+    return ""
+
+
+def precompile(names: list[str], groups: list[int], rows: list[int], sms: int, jobs: int) -> None:
+    """Compile every kernel the sweep launches in ``jobs`` processes first: one at a time in the
+    main process the compiles alone would take several minutes. Triton specialises the row
+    count only as 1, a multiple of 16 or other, and N (a multiple of 16 here) not at all, so
+    one launch per (K, G, row class, config) covers the sweep."""
+    tasks: dict[tuple[object, ...], tuple[int, int, int, int, dict[str, int]]] = {}
+    for name in names:
+        n, k = PROJECTIONS[name]
+        for g in groups:
+            for m in rows:
+                row_class = 1 if m == 1 else (16 if m % 16 == 0 else 2)
+                for configs in candidates(m, n, k, sms).values():
+                    for cfg in configs:
+                        key = (k, g, row_class, json.dumps(cfg.as_dict()))
+                        tasks.setdefault(key, (n, k, g, m, cfg.as_dict()))
+    start = time.perf_counter()
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+        failed = [err for err in pool.map(_compile, tasks.values(), chunksize=1) if err]
+    print(f"compiled {len(tasks)} kernels in {time.perf_counter() - start:.0f} s with {jobs} processes"
+          f"{f' ({len(failed)} failed: {failed[0]})' if failed else ''}", flush=True)  # fmt: skip
+
+
+def time_dense(x: torch.Tensor, dense: list[torch.Tensor]) -> float:
+    """cuBLAS on bf16 weights of the same shape: median microseconds a launch."""
+
+    def launch(i: int) -> object:
+        return torch.nn.functional.linear(x, dense[i % len(dense)])
+
+    return tuning.time_launches(launch, max(len(dense), 16), reps=10)
+
+
+def best(
+    configs: list[tuning.KernelConfig], x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], g: int
+) -> tuple[float, tuning.KernelConfig | None]:
+    """Fastest config (median microseconds a launch), after checking it against the reference."""
+    results = []
+    for cfg in configs:
+        try:
+
+            def launch(i: int, cfg: tuning.KernelConfig = cfg) -> object:
+                q, s, z = weights[i % len(weights)]
+                return w4a16_gemm.w4a16_gemm(x, q, s, z, None, g, None, cfg)
+
+            results.append((tuning.time_launches(launch, max(len(weights), 16), reps=10), cfg))
+        except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: report and skip
+            print(f"  skipped {cfg.as_dict()}: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+            torch.cuda.synchronize()
+    if not results:
+        return math.nan, None
+    t_us, cfg = min(results, key=lambda r: r[0])
+    q, s, z = weights[0]
+    y = w4a16_gemm.w4a16_gemm(x, q, s, z, None, g, None, cfg).float()
+    ref = reference.w4a16_linear(x.float(), q, s, z, None, g)
+    torch.testing.assert_close(y, ref, atol=2e-2 * ref.abs().max().item(), rtol=2e-2, msg=str(cfg))
+    return t_us, cfg
+
+
+def summarize(
+    table: list[dict[str, object]],
+    names: list[str],
+    groups: list[int],
+    rows_list: list[int],
+    out: Path | None,
+) -> None:
+    """The markdown table, and the decode-step sums over the four projections."""
+    print(
+        "\n| projection | G | rows | gemm us (GB/s) | gemv us (GB/s) | dequant us | bf16 us (GB/s) | best int4 / bf16 |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    by_key: dict[tuple[str, int, int], dict[str, dict[str, object]]] = {}
+    for r in table:
+        by_key.setdefault((str(r["projection"]), int(r["group_size"]), int(r["rows"])), {})[
+            str(r["variant"])
+        ] = r  # type: ignore[call-overload]
+    for (name, g, m), v in by_key.items():
+
+        def cell(key: str, v: dict[str, dict[str, object]] = v) -> str:
+            r = v.get(key)
+            return f"{r['time_us']} ({r['gb_s']})" if r else "-"
+
+        int4 = min(float(v[key]["time_us"]) for key in ("gemm", "gemv", "dequant") if key in v)  # type: ignore[arg-type]
+        print(f"| {name} | {g} | {m} | {cell('gemm')} | {cell('gemv')} | {v['dequant']['time_us']} | {cell('bf16')} | "
+              f"{int4 / float(v['bf16']['time_us']):.3f} |")  # type: ignore[arg-type]  # fmt: skip
+    # A decode step's four projections of one layer, best int4 path each, against bf16.
+    if set(names) == set(PROJECTIONS):
+        for g in groups:
+            for m in rows_list:
+                keys = [(p, g, m) for p in names]
+                int4 = sum(
+                    min(
+                        float(by_key[key][v]["time_us"])
+                        for v in ("gemm", "gemv", "dequant")
+                        if v in by_key[key]
+                    )
+                    for key in keys
+                )  # type: ignore[arg-type]
+                bf16 = sum(float(by_key[key]["bf16"]["time_us"]) for key in keys)  # type: ignore[arg-type]
+                gemv = sum(float(by_key[key]["gemv"]["time_us"]) for key in keys if "gemv" in by_key[key])  # type: ignore[arg-type]
+                record(out, {"figure": "layer_projections_us", "group_size": g, "rows": m,
+                                  "best_int4_us": round(int4, 2), "gemv_us": round(gemv, 2) if gemv else None,
+                                  "bf16_us": round(bf16, 2), "ratio_to_bf16": round(int4 / bf16, 3)})  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--rows", default="1,2,4,8,16,64")
+    ap.add_argument("--groups", default="128,64")
+    ap.add_argument("--projections", default=",".join(PROJECTIONS))
+    ap.add_argument("--jobs", type=int, default=min(12, os.cpu_count() or 1), help="compile processes")
+    args = ap.parse_args()
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+    rows_list = [int(r) for r in args.rows.split(",")]
+    groups = [int(g) for g in args.groups.split(",")]
+    names = [p for p in args.projections.split(",") if p]
+    sms = tuning.num_sms()
+    record(args.out, {"figure": "machine", "gpu": torch.cuda.get_device_name(0), "sms": sms,
+                      "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M")})  # fmt: skip
+    start = time.perf_counter()
+    if args.jobs > 1:
+        precompile(names, groups, rows_list, sms, args.jobs)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    table: list[dict[str, object]] = []
+    for name in names:
+        n, k = PROJECTIONS[name]
+        dense_sets = max(1, min(MAX_SETS, math.ceil(COLD_BYTES / (n * k * 2))))
+        dense = [
+            torch.randn((n, k), generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(dense_sets)
+        ]
+        for g in groups:
+            int4_bytes = n * k // 2 + 3 * (k // g) * n
+            sets = max(1, min(MAX_SETS, math.ceil(COLD_BYTES / int4_bytes)))
+            weights = int4_weights(n, k, g, sets, gen)
+            for m in rows_list:
+                x = torch.randn((m, k), generator=gen, device="cuda", dtype=torch.bfloat16)
+                bf16_us = time_dense(x, dense)
+                variants: dict[str, tuple[float, tuning.KernelConfig | None]] = {
+                    variant: best(configs, x, weights, g)
+                    for variant, configs in candidates(m, n, k, sms).items()
+                }
+                variants["bf16"] = (bf16_us, None)
+                for variant, (t_us, cfg) in variants.items():
+                    nbytes = n * k * 2 if variant == "bf16" else int4_bytes
+                    row = {
+                        "projection": name, "n": n, "k": k, "group_size": g, "rows": m, "variant": variant,
+                        "time_us": round(t_us, 2), "weight_bytes": nbytes,
+                        "gb_s": round(nbytes / (t_us * 1e-6) / 1e9, 1), "ratio_to_bf16": round(t_us / bf16_us, 3),
+                        "config": cfg.as_dict() if cfg is not None else None,
+                    }  # fmt: skip
+                    record(args.out, row)
+                    table.append(row)
+            del weights
+        del dense
+        torch.cuda.empty_cache()
+
+    summarize(table, names, groups, rows_list, args.out)
+    record(args.out, {"figure": "elapsed_s", "value": round(time.perf_counter() - start, 1)})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,317 @@
+"""W4A16 GEMV: y = x @ dequant(W).T (+ b) for decode batches of a few rows, at the weight's
+read bandwidth.
+
+Same weight layout as kernels/w4a16_gemm.py (qweight int32 [K / 8, N], nibble i of row r is
+input 8r + i; scales [K / G, N]; int8 zeros [K / G, N]; optional act-order perm [K]).
+
+At 1..8 rows a projection is a matrix-vector product: the time is the int4 weight read once,
+K * N / 2 bytes, as long as the per-weight arithmetic keeps up with memory. An H200 streams
+~8e12 int4 weights a second, about 33 a clock per multiprocessor, and a multiprocessor issues
+128 lane-instructions a clock: the budget is under 4 instructions per weight. The tensor-core
+kernel spends ~11 at 16 rows (sm_90 SASS of its loop: shifts, masks, int-to-float and
+float-to-bf16 conversions at quarter rate, and a shared-memory round trip to reach the
+tensor-core operand layout). This kernel uses no tl.dot and no conversion per weight (~3.6
+instructions a weight in its loop):
+
+- A nibble is moved to bits 12..15 or 16..19 (four shifts a packed word) and or-ed into the
+  bits of 1.0f with its mask (one lop3): as a float that is v = 1 + q / 2048 or 1 + q / 128,
+  exact. Activations of the first kind are scaled by 16 once, for every column they meet.
+- One FMA per weight and row: t += x' * v. Over a group, sum x * (q - z) =
+  128 * (t - 15 xl - xs * (1 + z / 128)) with xs the sum of x and xl that of the 16-scaled x,
+  so zero point and scale cost two FMAs per packed word, not per weight. fp32 throughout;
+  t stays near the sum of x', so the cancellation costs ~11 of fp32's 24 bits (relative
+  error ~1e-5), far below the half-type output's rounding.
+- Each thread keeps its own packed rows in a [BLOCK_K / 8, BLOCK_N] accumulator, summed once
+  at the end, so the loop has no cross-thread reduction; a thread holds 8 columns, over which
+  each activation load, conversion and sum is shared.
+- One row a program: rows are a grid axis (varying fastest, so the programs of one weight
+  tile run together and rows after the first read it from L2).
+
+A decode projection has too few columns to give every multiprocessor a program (Llama-3-8B's
+o_proj: 4096 columns), so SPLIT_K programs share a column tile, each over a slice of K. The
+split-K reduction stays inside this kernel: each program writes its fp32 partial tile, then
+takes a ticket from the tile's counter (atomic, acq_rel at GPU scope, after a CTA barrier so
+every thread's partial is ordered before it); the program that draws the last ticket adds the
+partials up in split order (deterministic, whichever program finishes last), adds the bias,
+writes y and resets the counter for the next launch. One launch per projection, no memset, no
+second kernel: at batch 1 o_proj's int4 weight is ~2.4 us of reading at ~3.5 TB/s, the order
+of what one more dependent launch costs (an estimate, not measured here).
+
+The counters live in a per-device int32 buffer that every launch leaves at zero. Two launches
+on different streams of one device must not overlap (the engine runs one stream a device).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from pagecast.kernels.tuning import KernelConfig
+
+# Nibbles 0, 2, 3 and 5 land at bits 12..15 ("low": v = 1 + q / 2048, their activations are
+# scaled by 16 to match), 1, 4, 6 and 7 at bits 16..19 ("high": v = 1 + q / 128). Four shifts
+# place all eight (packed << 12 holds nibbles 0 and 1, packed itself 3 and 4, packed >> 8 holds
+# 5 and 6), where one position for all would take seven. Bit i of LOW_NIBBLES marks nibble i low.
+LOW_NIBBLES = tl.constexpr(0b00101101)
+
+
+@triton.jit
+def _nibbles_as_floats(packed, USE_ASM: tl.constexpr):
+    """The 8 nibbles of each int32 as floats: 1 + q / 2048 for the low nibbles (q at bits 12..15
+    of the bits of 1.0f), 1 + q / 128 for the high ones (bits 16..19); exact.
+
+    On the GPU four shifts and eight lop3s ((a & b) | c) a word, in inline PTX: from the plain
+    expression ptxas emits two lop3s a nibble (it does not fold two immediates into one). The
+    interpreter runs the plain expression, which computes the same bits."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 t;
+            shl.b32 t, $8, 12;
+            lop3.b32 $0, t, 0x0000F000, 0x3F800000, 0xEA;
+            lop3.b32 $1, t, 0x000F0000, 0x3F800000, 0xEA;
+            shl.b32 t, $8, 4;
+            lop3.b32 $2, t, 0x0000F000, 0x3F800000, 0xEA;
+            lop3.b32 $3, $8, 0x0000F000, 0x3F800000, 0xEA;
+            lop3.b32 $4, $8, 0x000F0000, 0x3F800000, 0xEA;
+            shr.u32 t, $8, 8;
+            lop3.b32 $5, t, 0x0000F000, 0x3F800000, 0xEA;
+            lop3.b32 $6, t, 0x000F0000, 0x3F800000, 0xEA;
+            shr.u32 t, $8, 12;
+            lop3.b32 $7, t, 0x000F0000, 0x3F800000, 0xEA;
+            }
+            """,
+            constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
+            args=[packed],
+            dtype=(tl.float32,) * 8,
+            is_pure=True,
+            pack=1,
+        )
+    a = packed << 12
+    c = packed >> 8  # arithmetic: the sign bits land above the masks
+    v0 = ((a & 0x0000F000) | 0x3F800000).to(tl.float32, bitcast=True)
+    v1 = ((a & 0x000F0000) | 0x3F800000).to(tl.float32, bitcast=True)
+    v2 = (((packed << 4) & 0x0000F000) | 0x3F800000).to(tl.float32, bitcast=True)
+    v3 = ((packed & 0x0000F000) | 0x3F800000).to(tl.float32, bitcast=True)
+    v4 = ((packed & 0x000F0000) | 0x3F800000).to(tl.float32, bitcast=True)
+    v5 = ((c & 0x0000F000) | 0x3F800000).to(tl.float32, bitcast=True)
+    v6 = ((c & 0x000F0000) | 0x3F800000).to(tl.float32, bitcast=True)
+    v7 = (((packed >> 12) & 0x000F0000) | 0x3F800000).to(tl.float32, bitcast=True)
+    return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
+def _dot8(x_row, perm_ptr, rows, r_ok, packed, t, xs, xl, HAS_PERM: tl.constexpr, USE_ASM: tl.constexpr):
+    """t += sum over a packed word's 8 inputs of x' * v (x' = 16 x for the low nibbles);
+    xs += the sum of those x, xl += the sum of the low nibbles' x."""
+    v = _nibbles_as_floats(packed, USE_ASM)
+    for i in tl.static_range(8):
+        ks = rows * 8 + i  # [ROWS] input index of nibble i
+        if HAS_PERM:
+            ks = tl.load(perm_ptr + ks, mask=r_ok, other=0)
+        xi = tl.load(x_row + ks, mask=r_ok, other=0.0).to(tl.float32)  # [ROWS]
+        xs += xi
+        if (LOW_NIBBLES >> i) & 1:
+            xl += xi
+            xi = xi * 16.0
+        t += xi[:, None] * v[i]
+    return t, xs, xl
+
+
+@triton.jit
+def _w4a16_gemv_kernel(
+    x_ptr,  # [M, K] activations
+    qw_ptr,  # int32 [K / 8, N]
+    s_ptr,  # [K / G, N]
+    z_ptr,  # int8 [K / G, N]
+    perm_ptr,  # int32 [K] or unused
+    b_ptr,  # [N] or unused
+    y_ptr,  # [M, N]
+    part_ptr,  # fp32 [SPLIT_K, M, N] partial sums (SPLIT_K > 1) or unused
+    lock_ptr,  # int32 [M * column tiles] tickets, zero between launches (SPLIT_K > 1)
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_ym,
+    GROUP_SIZE: tl.constexpr,
+    HAS_PERM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INNER: tl.constexpr,  # BLOCK_K steps per scale/zero application (all inside one group when > 1)
+    SPLIT_K: tl.constexpr,
+    K_ITERS: tl.constexpr,  # INNER * BLOCK_K blocks per split
+    USE_ASM: tl.constexpr,
+):
+    # Rows vary fastest: the programs of one weight tile for every row run back to back, so
+    # rows after the first read the tile from L2.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    ROWS: tl.constexpr = BLOCK_K // 8  # packed rows a step reads
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, ROWS)
+    n_ok = offs_n < N
+    k_rows = K // 8
+    x_row = x_ptr + pid_m * stride_xm
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    k_begin = pid_k * (K_ITERS * INNER * BLOCK_K)
+    for it in range(K_ITERS):
+        k0 = k_begin + it * (INNER * BLOCK_K)
+        t = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        xs = tl.zeros((ROWS,), dtype=tl.float32)
+        xl = tl.zeros((ROWS,), dtype=tl.float32)
+        for j in tl.static_range(INNER):
+            rows = (k0 + j * BLOCK_K) // 8 + offs_r  # [ROWS]
+            r_ok = rows < k_rows
+            packed = tl.load(
+                qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :],
+                mask=r_ok[:, None] & n_ok[None, :],
+                other=0,
+            )  # [ROWS, BLOCK_N] int32
+            t, xs, xl = _dot8(x_row, perm_ptr, rows, r_ok, packed, t, xs, xl, HAS_PERM, USE_ASM)
+        # t = sum x' + sum x * q / 128 and sum x' = xs + 15 xl, so
+        # sum x * (q - z) = 128 * (t - 15 xl - xs * (1 + z / 128)); times the scale
+        if GROUP_SIZE % BLOCK_K == 0:  # the block lies in one group: one row of scales and zeros
+            g = k0 // GROUP_SIZE
+            gn_ok = n_ok & (k0 < K)
+            s = tl.load(s_ptr + g * N + offs_n, mask=gn_ok, other=0.0).to(tl.float32)[None, :]
+            z = tl.load(z_ptr + g * N + offs_n, mask=gn_ok, other=0).to(tl.float32)[None, :]
+        else:  # a packed row's 8 inputs share a group (G % 8 == 0); rows may not (INNER == 1)
+            rows = k0 // 8 + offs_r
+            r_ok = rows < k_rows
+            g_rows = (rows * 8) // GROUP_SIZE
+            gn_ok = r_ok[:, None] & n_ok[None, :]
+            s = tl.load(s_ptr + g_rows[:, None] * N + offs_n[None, :], mask=gn_ok, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g_rows[:, None] * N + offs_n[None, :], mask=gn_ok, other=0).to(tl.float32)
+        acc += (s * 128.0) * ((t - (xl * 15.0)[:, None]) - xs[:, None] * (z * (1.0 / 128.0) + 1.0))
+    out = tl.sum(acc, axis=0)  # [BLOCK_N]
+    y_ptrs = y_ptr + pid_m * stride_ym + offs_n
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            out += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        part = part_ptr + pid_m * N + offs_n
+        split_stride = M * N
+        tl.store(part + pid_k * split_stride, out, mask=n_ok)
+        tl.debug_barrier()  # every thread's partial is written before the ticket is taken
+        lock = lock_ptr + pid_m * tl.num_programs(1) + pid_n
+        ticket = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:  # the last program of this tile: add the partials in split order
+            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for sk in range(SPLIT_K):
+                total += tl.load(part + sk * split_stride, mask=n_ok, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=n_ok)
+            tl.atomic_xchg(lock, 0)  # ready for the next launch
+
+
+# (BLOCK_N, BLOCK_K, num_warps). Triton gives each thread 4 adjacent columns per 128 a warp
+# covers, so BLOCK_N / (32 * num_warps) = 8 columns a thread in each tile here, over which one
+# activation load, conversion and sum are shared (4 would double that overhead). An outer step
+# loads at most OUTER_K inputs (all its loads are issued before the arithmetic: 64 words a
+# thread in flight); more spills registers (sm_90 SASS, counted: 16 or 32 inputs a step, 3.6
+# to 3.7 instructions a weight, against ~11 and a shared-memory round trip for the tl.dot
+# kernel at 16 rows). w4a16_gemm.gemv_configs adds the splits of K for the shape.
+TILES = (
+    (512, 16, 2),
+    (1024, 16, 4),
+    (512, 32, 2),
+)
+OUTER_K = 64
+
+
+def make_config(block_n: int, block_k: int, split_k: int, num_warps: int = 4) -> KernelConfig:
+    return KernelConfig(
+        {"gemv": 1, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k},
+        num_warps=num_warps,
+        num_stages=1,
+    )
+
+
+def is_gemv(config: KernelConfig | None) -> bool:
+    return config is not None and bool(config.params.get("gemv"))
+
+
+def default_config(m: int, n: int, k: int, num_sms: int = 132) -> KernelConfig:
+    """Untuned choice: 512 columns by 16 inputs a step on two warps, and enough splits of K for
+    about two programs a multiprocessor."""
+    bn, bk = 512, 16
+    tiles = triton.cdiv(n, bn) * m
+    split = 1
+    while tiles * split < 2 * num_sms and split * 2 <= k // OUTER_K:
+        split *= 2
+    return make_config(bn, bk, split, 2)
+
+
+_LOCKS: dict[torch.device, torch.Tensor] = {}
+# Outgrown buffers stay allocated: a CUDA graph captured earlier still points at them.
+_RETIRED: list[torch.Tensor] = []
+
+
+def _locks(device: torch.device, size: int) -> torch.Tensor:
+    """The device's ticket counters (zero between launches), grown outside CUDA-graph capture."""
+    locks = _LOCKS.get(device)
+    if locks is None or locks.numel() < size:
+        if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "w4a16_gemv: the split-K counters must be allocated before CUDA-graph capture; "
+                "run the same batch eagerly once first (the runtime's warm-up forward does)"
+            )
+        if locks is not None:
+            _RETIRED.append(locks)
+        locks = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
+        _LOCKS[device] = locks
+    return locks
+
+
+def w4a16_gemv(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    perm: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None,
+    config: KernelConfig,
+) -> torch.Tensor:
+    """x [M, K] (contiguous rows) @ dequant(W).T (+ bias) -> [M, N] in x's dtype, one launch.
+
+    Shapes are checked by the caller (w4a16_gemm.w4a16_gemm). Capture-safe once the same batch
+    ran eagerly (the counters are allocated then); partials are allocated per call."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    if group_size % 8:
+        raise ValueError(f"the W4A16 GEMV needs a group size divisible by 8, got {group_size}")
+    bn, bk, split = config["BLOCK_N"], config["BLOCK_K"], config["SPLIT_K"]
+    # Several BLOCK_K steps (up to OUTER_K inputs, inside one group) per application of the
+    # scales and zeros, when BLOCK_K divides the group.
+    inner = 1
+    while group_size % (inner * 2 * bk) == 0 and inner * 2 * bk <= OUTER_K:
+        inner *= 2
+    step = inner * bk
+    k_per_split = triton.cdiv(triton.cdiv(k, split), step) * step
+    split = triton.cdiv(k, k_per_split)  # no empty split
+    tiles_n = triton.cdiv(n, bn)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if split > 1:
+        partials = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        locks = _locks(x.device, tiles_n * m)
+    else:
+        partials = locks = y
+    _w4a16_gemv_kernel[(m, tiles_n, split)](
+        x, qweight, scales, zeros, perm if perm is not None else qweight, bias if bias is not None else scales,
+        y, partials, locks, m, n, k, x.stride(0), y.stride(0),
+        GROUP_SIZE=group_size, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
+        BLOCK_N=bn, BLOCK_K=bk, INNER=inner, SPLIT_K=split, K_ITERS=k_per_split // step,
+        USE_ASM=x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    return y
