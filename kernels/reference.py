@@ -14,6 +14,8 @@ Layouts shared with the Triton kernels and the runtime:
     seq_lens                    [num_seqs] int32, context length including this step's tokens
     query_start_loc             [num_seqs + 1] int32, prefix sums of the query lengths
     cos_sin_cache               [max_positions, rotary_dim], cos in the first half, sin in the second
+    k_scale, v_scale            floats: an fp8 (e4m3fn) cache holds fp8(x / scale), read back as fp8 * scale;
+                                1.0 (and unused) for a cache in the model's own dtype
 """
 
 from __future__ import annotations
@@ -69,20 +71,36 @@ def rotary_embedding(
     return apply(q), apply(k)
 
 
+FP8_DTYPE = torch.float8_e4m3fn  # OCP e4m3 without infinities (Triton's tl.float8e4nv)
+FP8_MAX = 448.0  # its largest finite value: stored values saturate here
+
+
+def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """x as the cache stores it: cast to a half/fp32 cache's dtype; for an fp8 cache
+    fp8(x / scale) in fp32 (as x * fp32(1 / scale), the kernel's multiply), saturated to +-448
+    rather than overflowing to NaN."""
+    if cache_dtype != FP8_DTYPE:
+        return x.to(cache_dtype)
+    inv = torch.tensor(1.0 / scale, dtype=torch.float32, device=x.device)
+    return (x.float() * inv).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
 def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Scatter this step's K/V into the paged cache; tokens with slot -1 are not written."""
     block_size = k_cache.shape[2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, :, offsets] = k[keep].to(k_cache.dtype)
-    v_cache[blocks, :, offsets] = v[keep].to(v_cache.dtype)
+    k_cache[blocks, :, offsets] = quantize_kv(k[keep], k_cache.dtype, k_scale)
+    v_cache[blocks, :, offsets] = quantize_kv(v[keep], v_cache.dtype, v_scale)
 
 
 def rotary_and_write_kv(
@@ -94,10 +112,12 @@ def rotary_and_write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Rotate q and k, write rotated k and v into the cache; returns the rotated q."""
     q, k = rotary_embedding(positions, q, k, cos_sin_cache)
-    write_kv(k, v, k_cache, v_cache, slot_mapping)
+    write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q
 
 
@@ -117,6 +137,8 @@ def paged_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context.
 
@@ -124,12 +146,14 @@ def paged_attention(
     tokens of its context of seq_lens[i] tokens, whose K/V are already in the cache. One
     query row sees every cached token up to and including its own position. Decode
     (one query per sequence), prefill and prefill over a cached prefix are all this one
-    function. Returns [num_tokens, num_heads, head_dim] in q's dtype.
+    function. An fp8 cache is read as fp8 * scale: the K scale multiplies the scores, the V
+    scale the output (as the kernels fold them). Returns [num_tokens, num_heads, head_dim] in
+    q's dtype.
     """
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     group = num_heads // num_kv_heads
     if q.shape[0] == seq_lens.shape[0]:  # one query per sequence: decode, batched over sequences
-        return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -144,15 +168,13 @@ def paged_attention(
             k = k.repeat_interleave(group, dim=0)
             v = v.repeat_interleave(group, dim=0)
         qi = q[q_start:q_end].transpose(0, 1).float()  # [num_heads, q_len, head_dim]
-        scores = torch.matmul(qi, k.transpose(1, 2)) * scale  # [num_heads, q_len, seq_len]
+        scores = torch.matmul(qi, k.transpose(1, 2)) * (scale * k_scale)  # [num_heads, q_len, seq_len]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
         k_pos = torch.arange(seq_len, device=q.device)[None, :]
         scores.masked_fill_(k_pos > q_pos, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        out[q_start:q_end] = torch.matmul(probs, v).transpose(0, 1).to(q.dtype)
+        out[q_start:q_end] = (torch.matmul(probs, v) * v_scale).transpose(0, 1).to(q.dtype)
     return out
-
-
 
 
 def paged_decode_attention(
@@ -162,6 +184,8 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """paged_attention for one query token per sequence (the last of its context), all sequences
     in one batched gather and matmul instead of a loop: this is the CPU engine's decode path."""
@@ -179,11 +203,11 @@ def paged_decode_attention(
 
     k, v = gather(k_cache), gather(v_cache)
     qg = q.float().view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.matmul(qg, k.transpose(2, 3)) * scale  # [num_seqs, kv_heads, group, tokens]
+    scores = torch.matmul(qg, k.transpose(2, 3)) * (scale * k_scale)  # [num_seqs, kv_heads, group, tokens]
     valid = torch.arange(num_blocks * block_size, device=q.device)[None, :] < seq_lens[:, None]
     scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, v).view(num_seqs, num_heads, head_dim).to(q.dtype)
+    return (torch.matmul(probs, v) * v_scale).view(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
