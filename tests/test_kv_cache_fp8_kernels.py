@@ -195,10 +195,17 @@ def test_rotary_writes_fp8_cache(dtype, k_scale, v_scale):  # type: ignore[no-un
     assert k_cache.dtype == v_cache.dtype == FP8_DTYPE
     assert torch.isfinite(k_cache.float()).all() and torch.isfinite(v_cache.float()).all()
     # V is a scaled copy: the same fp8 codes. K went through the rotation, which the kernel
-    # computes in fp32 and the reference in q's dtype: at most one fp8 code apart, and rarely.
+    # computes in fp32 and the reference in q's dtype: in fp32 at most one fp8 code apart, and
+    # rarely; in fp16 the reference's own rounding (2**-11 of |k|) can move a small value by a
+    # few codes, so the dequantised values are compared within that plus one fp8 step.
     assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
-    steps = _fp8_steps_apart(k_cache, k_ref)
-    assert int(steps.max()) <= 1
-    assert float((steps > 0).float().mean()) < (0.02 if dtype == torch.float16 else 0.005)
+    if dtype == torch.float32:
+        steps = _fp8_steps_apart(k_cache, k_ref)
+        assert int(steps.max()) <= 1
+        assert float((steps > 0).float().mean()) < 0.005
+    else:
+        torch.testing.assert_close(
+            k_cache.float() * k_scale, k_ref.float() * k_scale, rtol=2**-3, atol=float(k.abs().max()) * 2**-9
+        )
     if k_scale < 1.0:
         assert (k_cache.float().abs() == FP8_MAX).any()  # the saturating case was exercised
