@@ -83,7 +83,7 @@ def _interpreter_fp8_fix() -> None:
             x = torch.from_numpy(np.frombuffer(input.tobytes(), dtype=floats[input_dtype][0]).copy())
             return x.to(FP8_DTYPE).view(torch.uint8).numpy().reshape(input.shape)
         if input_dtype == tl.float8e4nv and output_dtype in floats:
-            np_float, np_uint, torch_float = floats[output_dtype]
+            _, np_uint, torch_float = floats[output_dtype]
             x = torch.from_numpy(np.frombuffer(input.tobytes(), dtype=np.uint8).copy()).view(FP8_DTYPE)
             return x.to(torch_float).numpy().view(np_uint).reshape(input.shape)
         return original(input, input_dtype, output_dtype, rounding_mode)
@@ -209,3 +209,25 @@ def test_rotary_writes_fp8_cache(dtype, k_scale, v_scale):  # type: ignore[no-un
         )
     if k_scale < 1.0:
         assert (k_cache.float().abs() == FP8_MAX).any()  # the saturating case was exercised
+
+
+# --------------------------------------------------------------------------- tuning problems
+
+
+def test_tuning_problems_use_the_kv_cache_dtype():
+    """The tuner times the attention kernels and the KV write on caches of the artifact's KV dtype,
+    and the report's bandwidth counts fp8 bytes: half a bf16 cache's."""
+    from pagecast.kernels import problems, tuning
+
+    half = tuning.ModelShapes(32, 8, 128, 4096, 14336, 16, "bfloat16", 8192, 256)
+    fp8 = tuning.ModelShapes(32, 8, 128, 4096, 14336, 16, "bfloat16", 8192, 256, kv_cache_dtype="float8_e4m3fn")
+    assert fp8.kv_torch_dtype == FP8_DTYPE and half.kv_torch_dtype == torch.bfloat16
+    dims = {"num_seqs": 64, "max_seq_len": 2048}
+    kv = 64 * 2048 * 2 * 8 * 128
+    assert problems.problem_size("paged_decode_attention", fp8, dims)[0] == kv + 2 * 64 * 32 * 128 * 2
+    assert problems.problem_size("paged_decode_attention", half, dims)[0] == 2 * kv + 2 * 64 * 32 * 128 * 2
+    assert problems.kv_bytes(fp8, dims) * 2 == problems.kv_bytes(half, dims)
+    x = problems.decode_inputs(tuning.ModelShapes(4, 2, 16, 64, 128, 8, "float32", kv_cache_dtype="float8_e4m3fn"), 2, 40, "cpu")
+    assert x["k_cache"].dtype == x["v_cache"].dtype == FP8_DTYPE and x["q"].dtype == torch.float32
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        tuning.ModelShapes(32, 8, 128, 4096, 14336, 16, "bfloat16", kv_cache_dtype="float16")
