@@ -88,12 +88,16 @@ def parse_option(value: str) -> str | None:
     return OPTIONS[key]
 
 
-def read_scales(checkpoint: Any, num_layers: int, layer_prefixes: list[str]) -> tuple[list[float], list[float], tuple[str, str]] | None:
+def read_scales(
+    checkpoint: Any, num_layers: int, layer_prefixes: list[str]
+) -> tuple[list[float], list[float], tuple[str, str]] | None:
     """Per-layer (K scales, V scales, the name pair used) from the checkpoint's tensors, or None
     when it carries none. Scales on some layers only, or unusable values, are a BuildError."""
     names: dict[str, Any] = getattr(checkpoint, "tensor_shapes", {}) or {}
     for k_name, v_name in SCALE_NAMES:
-        found = [f"{p}.self_attn.{k_name}" in names and f"{p}.self_attn.{v_name}" in names for p in layer_prefixes]
+        found = [
+            f"{p}.self_attn.{k_name}" in names and f"{p}.self_attn.{v_name}" in names for p in layer_prefixes
+        ]
         if not any(found):
             continue
         if not all(found):
@@ -118,12 +122,22 @@ def _scalar(checkpoint: Any, name: str) -> float:
         )
     value = float(t.float().reshape(()))
     if not (math.isfinite(value) and value > 0):
-        raise BuildError(f"KV-cache scale {name!r} is {value}; a scale must be positive and finite: re-export the checkpoint")
+        raise BuildError(
+            f"KV-cache scale {name!r} is {value}; a scale must be positive and finite: re-export the checkpoint"
+        )
     return value
 
 
-def plan_kv_cache(option: str, model_dtype: str, device: str, compute_capability: tuple[int, int] | None,
-                  gpu_name: str, checkpoint: Any, num_layers: int, layer_prefixes: list[str]) -> tuple[KVCachePlan, list[str]]:  # fmt: skip
+def plan_kv_cache(
+    option: str,
+    model_dtype: str,
+    device: str,
+    compute_capability: tuple[int, int] | None,
+    gpu_name: str,
+    checkpoint: Any,
+    num_layers: int,
+    layer_prefixes: list[str],
+) -> tuple[KVCachePlan, list[str]]:
     """The KV cache plan and notes for report.md."""
     dtype = parse_option(option)
     if dtype is None:
@@ -134,7 +148,9 @@ def plan_kv_cache(option: str, model_dtype: str, device: str, compute_capability
             f"{'.'.join(map(str, FP8_MIN_CAPABILITY))} or newer (Ada, Hopper); {gpu_name} is "
             f"{'.'.join(map(str, compute_capability))}: build with --kv-cache-dtype auto"
         )
-    found = None if getattr(checkpoint, "dummy", False) else read_scales(checkpoint, num_layers, layer_prefixes)
+    found = (
+        None if getattr(checkpoint, "dummy", False) else read_scales(checkpoint, num_layers, layer_prefixes)
+    )
     if found is None:
         ones = (DEFAULT_SCALE,) * num_layers
         note = (

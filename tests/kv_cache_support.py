@@ -64,7 +64,9 @@ def logit_agreement(test: torch.Tensor, base: torch.Tensor) -> dict[str, float]:
     }
 
 
-def add_kv_scales(checkpoint: Path, k_scales: list[float], v_scales: list[float], style: str = "compressed-tensors") -> None:
+def add_kv_scales(
+    checkpoint: Path, k_scales: list[float], v_scales: list[float], style: str = "compressed-tensors"
+) -> None:
     """Write per-layer KV scales into ``checkpoint``'s safetensors the way a calibration tool does:
     ``compressed-tensors`` (llm-compressor: self_attn.k_scale / v_scale), ``modelopt``
     (self_attn.k_proj.k_scale / v_proj.v_scale) or ``kv_scale`` (one self_attn.kv_scale; K's used)."""

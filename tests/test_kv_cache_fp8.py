@@ -52,7 +52,9 @@ def test_fp8_cache_logits_close_to_fp32_cache(family, fp8_artifacts, tiny_artifa
 
     base = tiny_artifact_factory(family)
     fp8 = fp8_artifacts(family, kv_cache_dtype="fp8")
-    agreement = logit_agreement(teacher_forced_logits(fp8, TOKENS, PREFILL), teacher_forced_logits(base, TOKENS, PREFILL))
+    agreement = logit_agreement(
+        teacher_forced_logits(fp8, TOKENS, PREFILL), teacher_forced_logits(base, TOKENS, PREFILL)
+    )
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     prompts = [TOKENS[:20], TOKENS[20:45]]
     ref = [o.token_ids for o in LLM(str(base)).generate(prompts, params, use_tqdm=False)]
@@ -65,7 +67,9 @@ def test_fp8_cache_logits_close_to_fp32_cache(family, fp8_artifacts, tiny_artifa
     assert agreement["top1_agreement"] >= MIN_TOP1, agreement
 
 
-def test_calibrated_scales_are_read_and_applied(tmp_path, tiny_checkpoint_factory, fp8_artifacts, tiny_artifact_factory):  # type: ignore[no-untyped-def]
+def test_calibrated_scales_are_read_and_applied(
+    tmp_path, tiny_checkpoint_factory, fp8_artifacts, tiny_artifact_factory
+):  # type: ignore[no-untyped-def]
     """Scales in the checkpoint (llm-compressor names) land in the manifest and model.py and are
     what the cache is written and read with: calibrated ones (amax / 448 of the transformers
     model's K and V) keep the logits close; scales 1,000 times too small saturate every value
@@ -91,7 +95,9 @@ def test_calibrated_scales_are_read_and_applied(tmp_path, tiny_checkpoint_factor
     saturating = tmp_path / "saturating"
     shutil.copytree(source, saturating)
     add_kv_scales(saturating, [s / 1000 for s in k_scales], [s / 1000 for s in v_scales])
-    bad = logit_agreement(teacher_forced_logits(fp8_artifacts("llama", saturating, kv_cache_dtype="fp8"), TOKENS, PREFILL), base)
+    bad = logit_agreement(
+        teacher_forced_logits(fp8_artifacts("llama", saturating, kv_cache_dtype="fp8"), TOKENS, PREFILL), base
+    )
     assert bad["max_rel_diff"] > MAX_REL_DIFF, bad
 
 
@@ -146,7 +152,9 @@ def test_memory_plan_holds_twice_the_tokens(fp8_artifacts):  # type: ignore[no-u
 def test_fp8_needs_ada_or_newer(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
     from pagecast.runtime.errors import BuildError
 
-    with pytest.raises(BuildError, match=r"compute capability 8\.9 or newer.*a100 is 8\.0.*--kv-cache-dtype auto"):
+    with pytest.raises(
+        BuildError, match=r"compute capability 8\.9 or newer.*a100 is 8\.0.*--kv-cache-dtype auto"
+    ):
         build_artifact(tiny_checkpoint_factory("llama"), tmp_path / "a100", gpu="a100", kv_cache_dtype="fp8")
 
 
@@ -166,11 +174,15 @@ def test_manifest_and_runtime_round_trip(fp8_artifacts):  # type: ignore[no-unty
     del data["kv_cache"]
     assert Manifest.from_dict(data).kv_cache_dtype == manifest.dtype == "float32"
 
-    llm = LLM(str(art), kv_cache_memory="1MiB", kv_cache_dtype="fp8")  # naming the artifact's own dtype is fine
+    llm = LLM(
+        str(art), kv_cache_memory="1MiB", kv_cache_dtype="fp8"
+    )  # naming the artifact's own dtype is fine
     cache = llm.engine.kv_cache
     assert cache.dtype == torch.float8_e4m3fn
     memory_plan = json.loads((art / "memory_plan.json").read_text())
-    assert cache[0, 0, 0].numel() * cache.element_size() * 2 * cache.shape[0] == memory_plan["bytes_per_block"]
+    assert (
+        cache[0, 0, 0].numel() * cache.element_size() * 2 * cache.shape[0] == memory_plan["bytes_per_block"]
+    )
     assert cache.shape[2] == (1 << 20) // memory_plan["bytes_per_block"]
 
 
@@ -178,7 +190,9 @@ def test_bad_option_values_are_clear_errors(tiny_llama_artifact, fp8_artifacts, 
     from pagecast.builder.ir import BuildOptions
     from pagecast.runtime import LLM
 
-    with pytest.raises(ValueError, match=r"--kv-cache-dtype must be one of auto, fp8, fp8_e4m3 \(got 'int8'\)"):
+    with pytest.raises(
+        ValueError, match=r"--kv-cache-dtype must be one of auto, fp8, fp8_e4m3 \(got 'int8'\)"
+    ):
         BuildOptions(model="x", kv_cache_dtype="int8")
     proc = subprocess.run(
         [sys.executable, "-m", "pagecast.builder.cli", "--model", str(tiny_llama_checkpoint), "--kv-cache-dtype", "fp9"],
@@ -188,7 +202,9 @@ def test_bad_option_values_are_clear_errors(tiny_llama_artifact, fp8_artifacts, 
     assert "--kv-cache-dtype" in proc.stderr and "fp8" in proc.stderr and "auto" in proc.stderr
 
     # The cache's dtype is the artifact's: asking the runtime for another one says how to get it.
-    with pytest.raises(ValueError, match=r"KV cache is float32.*rebuild it with enginebuild --kv-cache-dtype fp8"):
+    with pytest.raises(
+        ValueError, match=r"KV cache is float32.*rebuild it with enginebuild --kv-cache-dtype fp8"
+    ):
         LLM(str(tiny_llama_artifact), kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match=r"KV cache is float8_e4m3fn.*--kv-cache-dtype auto"):
         LLM(str(fp8_artifacts("llama", kv_cache_dtype="fp8")), kv_cache_dtype="float32")

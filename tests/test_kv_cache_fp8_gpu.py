@@ -33,7 +33,9 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
-def fp8_paged_inputs(seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, k_scale, v_scale, seed=0):  # type: ignore[no-untyped-def]
+def fp8_paged_inputs(
+    seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, k_scale, v_scale, seed=0
+):  # type: ignore[no-untyped-def]
     g = torch.Generator(device="cuda").manual_seed(seed)
     blocks = [-(-s // block_size) for s in seq_lens]
     pool = sum(blocks) + 5
@@ -67,10 +69,14 @@ def test_decode_every_config_over_fp8(shape):  # type: ignore[no-untyped-def]
 
     k_scale, v_scale = 0.02, 0.05
     seq_lens = [1, 17, 300, 2049, 4000]
-    x = fp8_paged_inputs(seq_lens, [1] * len(seq_lens), **shape, block_size=16, k_scale=k_scale, v_scale=v_scale)
+    x = fp8_paged_inputs(
+        seq_lens, [1] * len(seq_lens), **shape, block_size=16, k_scale=k_scale, v_scale=v_scale
+    )
     scale = shape["head_dim"] ** -0.5
     expected = ref(x, scale, k_scale, v_scale)
-    configs = dec.prune_configs(dec.CONFIG_SPACE, len(seq_lens), max(seq_lens), shape["num_kv_heads"], tuning.num_sms())
+    configs = dec.prune_configs(
+        dec.CONFIG_SPACE, len(seq_lens), max(seq_lens), shape["num_kv_heads"], tuning.num_sms()
+    )
     assert {c["num_splits"] for c in configs} > {1}
     for cfg in configs:
         out = dec.paged_decode_attention(**x, scale=scale, max_seq_len=max(seq_lens), config=cfg,
@@ -83,7 +89,9 @@ def test_prefill_every_config_over_fp8(shape):  # type: ignore[no-untyped-def]
     from pagecast.kernels import paged_prefill_attention as pre
 
     k_scale, v_scale = 0.03, 0.01
-    x = fp8_paged_inputs([700, 33, 2048], [300, 33, 1], **shape, block_size=16, k_scale=k_scale, v_scale=v_scale)
+    x = fp8_paged_inputs(
+        [700, 33, 2048], [300, 33, 1], **shape, block_size=16, k_scale=k_scale, v_scale=v_scale
+    )
     scale = shape["head_dim"] ** -0.5
     expected = ref(x, scale, k_scale, v_scale)
     group = shape["num_heads"] // shape["num_kv_heads"]
@@ -100,12 +108,18 @@ def test_rotary_fp8_write_matches_reference():
     cos_sin = rope.cos_sin_cache({"rope_type": "default", "rope_theta": 500000.0}, d, 4096).cuda()
     positions = torch.randint(0, 4096, (t,), generator=g, device="cuda")
     qkv = torch.randn(t, (h + 2 * kvh) * d, generator=g, device="cuda").to(DT) * 8
-    q, k, v = qkv[:, : h * d].view(t, h, d), qkv[:, h * d : (h + kvh) * d].view(t, kvh, d), qkv[:, (h + kvh) * d :].view(t, kvh, d)
+    q, k, v = (
+        qkv[:, : h * d].view(t, h, d),
+        qkv[:, h * d : (h + kvh) * d].view(t, kvh, d),
+        qkv[:, (h + kvh) * d :].view(t, kvh, d),
+    )
     slots = torch.randperm(40 * bs, generator=g, device="cuda")[:t]
     caches = [torch.zeros(40, kvh, bs, d, dtype=FP8_DTYPE, device="cuda") for _ in range(4)]
     k_scale, v_scale = 0.01, 0.02  # |x| / scale reaches 448: saturation is exercised
     reference.rotary_and_write_kv(positions, q, k, v, cos_sin, caches[0], caches[1], slots, k_scale, v_scale)
-    rotary_and_write_kv(positions, q, k, v, cos_sin, caches[2], caches[3], slots, k_scale=k_scale, v_scale=v_scale)
+    rotary_and_write_kv(
+        positions, q, k, v, cos_sin, caches[2], caches[3], slots, k_scale=k_scale, v_scale=v_scale
+    )
     assert torch.equal(caches[3].view(torch.uint8), caches[1].view(torch.uint8))  # V: scaled copy, same codes
     assert (caches[3].float().abs() == 448).any() and torch.isfinite(caches[2].float()).all()
     # K: rotated in fp32 by the kernel, in bf16 by the reference
@@ -114,7 +128,9 @@ def test_rotary_fp8_write_matches_reference():
 
 def test_tune_on_fp8_cache():
     shapes = tuning.ModelShapes(9, 3, 64, 576, 1536, 16, "bfloat16", 2048, 8, kv_cache_dtype="float8_e4m3fn")
-    table = tuning.tune(["paged_decode_attention", "paged_prefill_attention", "rotary_kv"], shapes, budget_s=30.0)
+    table = tuning.tune(
+        ["paged_decode_attention", "paged_prefill_attention", "rotary_kv"], shapes, budget_s=30.0
+    )
     assert table["shapes"]["kv_cache_dtype"] == "float8_e4m3fn"
     assert set(table["kernels"]["paged_decode_attention"]) == {"1x512", "1x2048", "8x512", "8x2048"}
     assert all(e["time_us"] > 0 for e in table["kernels"]["paged_prefill_attention"].values())
@@ -126,11 +142,15 @@ def test_fp8_engine_on_gpu(tmp_path, family):  # type: ignore[no-untyped-def]
 
     ckpt = make_checkpoint(tmp_path / "ckpt", family, tokenizer=False)
     base = build_artifact(ckpt, tmp_path / "base", gpu="auto", dtype="bfloat16", tune_budget_s=10.0)
-    fp8 = build_artifact(ckpt, tmp_path / "fp8", gpu="auto", dtype="bfloat16", tune_budget_s=10.0, kv_cache_dtype="fp8")
+    fp8 = build_artifact(
+        ckpt, tmp_path / "fp8", gpu="auto", dtype="bfloat16", tune_budget_s=10.0, kv_cache_dtype="fp8"
+    )
     manifest = json.loads((fp8 / "manifest.json").read_text())
     assert manifest["kv_cache"]["dtype"] == "float8_e4m3fn" and manifest["target"]["tuned"]
     tokens = torch.randint(3, 49000, (200,), generator=torch.Generator().manual_seed(0)).tolist()
-    agreement = logit_agreement(teacher_forced_logits(fp8, tokens, 160), teacher_forced_logits(base, tokens, 160))
+    agreement = logit_agreement(
+        teacher_forced_logits(fp8, tokens, 160), teacher_forced_logits(base, tokens, 160)
+    )
     print(f"{family} bf16: fp8 KV vs bf16 KV: {agreement}")
     assert agreement["max_rel_diff"] <= 0.75 and agreement["top1_agreement"] >= 0.8, agreement
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
@@ -148,7 +168,11 @@ def test_fp8_engine_on_gpu(tmp_path, family):  # type: ignore[no-untyped-def]
 def test_smollm2_perplexity_with_fp8_cache(tmp_path, smollm2_checkpoint):  # type: ignore[no-untyped-def]
     from transformers import AutoTokenizer
 
-    text = (smollm2_checkpoint / "README.md").read_text()[:4000] if (smollm2_checkpoint / "README.md").is_file() else ""
+    text = (
+        (smollm2_checkpoint / "README.md").read_text()[:4000]
+        if (smollm2_checkpoint / "README.md").is_file()
+        else ""
+    )
     text = text or " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 40)
     tok = AutoTokenizer.from_pretrained(str(smollm2_checkpoint))
     ids = tok(text)["input_ids"][:1024]
@@ -160,5 +184,7 @@ def test_smollm2_perplexity_with_fp8_cache(tmp_path, smollm2_checkpoint):  # typ
         nll = -torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None]).mean()
         results[kv] = math.exp(float(nll))
     change = results["fp8"] / results["auto"] - 1
-    print(f"SmolLM2 bf16 perplexity: bf16 KV {results['auto']:.4f}, fp8 KV {results['fp8']:.4f} ({change:+.2%})")
+    print(
+        f"SmolLM2 bf16 perplexity: bf16 KV {results['auto']:.4f}, fp8 KV {results['fp8']:.4f} ({change:+.2%})"
+    )
     assert abs(change) < 0.02

@@ -76,7 +76,10 @@ def _interpreter_fp8_fix() -> None:
     if getattr(interpreter, "_pagecast_fp8_fix", False):
         return
     original = interpreter._convert_float
-    floats = {tl.float32: (np.float32, np.uint32, torch.float32), tl.float16: (np.float16, np.uint16, torch.float16)}
+    floats = {
+        tl.float32: (np.float32, np.uint32, torch.float32),
+        tl.float16: (np.float16, np.uint16, torch.float16),
+    }
 
     def convert(input, input_dtype, output_dtype, rounding_mode):  # type: ignore[no-untyped-def]
         if output_dtype == tl.float8e4nv and input_dtype in floats:
@@ -104,7 +107,9 @@ def _fp8_steps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.where(sa == sb, mag.abs(), (ai & 0x7F) + (bi & 0x7F))
 
 
-def _paged_fp8_inputs(seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, k_scale, v_scale):  # type: ignore[no-untyped-def]
+def _paged_fp8_inputs(
+    seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, k_scale, v_scale
+):  # type: ignore[no-untyped-def]
     from test_kernels import paged_inputs
 
     x = paged_inputs(seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype)
@@ -151,14 +156,20 @@ def test_decode_attention_fp8_cache(num_heads, num_kv_heads, head_dim, block_siz
     "num_heads,num_kv_heads,head_dim,block_size,seq_lens,q_lens,config",
     [
         pytest.param(4, 4, 16, 8, [9, 41, 17], [9, 41, 17], {"BLOCK_M": 16, "BLOCK_N": 16}, id="mha-prefill"),
-        pytest.param(9, 3, 64, 16, [50, 41, 9], [7, 1, 9], {"BLOCK_M": 32, "BLOCK_N": 16}, id="group3-prefix-mixed"),
+        pytest.param(
+            9, 3, 64, 16, [50, 41, 9], [7, 1, 9], {"BLOCK_M": 32, "BLOCK_N": 16}, id="group3-prefix-mixed"
+        ),
     ],
 )
-def test_prefill_attention_fp8_cache(num_heads, num_kv_heads, head_dim, block_size, seq_lens, q_lens, config, dtype):  # type: ignore[no-untyped-def]
+def test_prefill_attention_fp8_cache(
+    num_heads, num_kv_heads, head_dim, block_size, seq_lens, q_lens, config, dtype
+):  # type: ignore[no-untyped-def]
     from pagecast.kernels.paged_prefill_attention import paged_prefill_attention
 
     k_scale, v_scale = 0.02, 0.3
-    x = _paged_fp8_inputs(seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, k_scale, v_scale)
+    x = _paged_fp8_inputs(
+        seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, k_scale, v_scale
+    )
     scale = head_dim**-0.5
     out = paged_prefill_attention(**x, scale=scale, config=config, k_scale=k_scale, v_scale=v_scale)
     expected = reference.paged_attention(
@@ -182,14 +193,18 @@ def test_rotary_writes_fp8_cache(dtype, k_scale, v_scale):  # type: ignore[no-un
     # values up to ~100x the scale: many saturate at 448 when the scale is small
     qkv = (torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g) * 6).to(dtype)
     q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
-    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(
+        num_tokens, num_kv_heads, head_dim
+    )
     v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, head_dim)
     slots = torch.tensor([3, 9, -1, 0, 17, 30, -1])
     k_cache = quantize_kv(torch.randn(5, num_kv_heads, block_size, head_dim, generator=g), FP8_DTYPE)
     v_cache = quantize_kv(torch.randn(5, num_kv_heads, block_size, head_dim, generator=g), FP8_DTYPE)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     q_ref = reference.rotary_and_write_kv(positions, q, k, v, cos_sin, k_ref, v_ref, slots, k_scale, v_scale)
-    q_out = rotary_and_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slots, k_scale=k_scale, v_scale=v_scale)
+    q_out = rotary_and_write_kv(
+        positions, q, k, v, cos_sin, k_cache, v_cache, slots, k_scale=k_scale, v_scale=v_scale
+    )
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(q_out.float(), q_ref.float(), atol=atol, rtol=rtol)
     assert k_cache.dtype == v_cache.dtype == FP8_DTYPE
@@ -220,14 +235,18 @@ def test_tuning_problems_use_the_kv_cache_dtype():
     from pagecast.kernels import problems, tuning
 
     half = tuning.ModelShapes(32, 8, 128, 4096, 14336, 16, "bfloat16", 8192, 256)
-    fp8 = tuning.ModelShapes(32, 8, 128, 4096, 14336, 16, "bfloat16", 8192, 256, kv_cache_dtype="float8_e4m3fn")
+    fp8 = tuning.ModelShapes(
+        32, 8, 128, 4096, 14336, 16, "bfloat16", 8192, 256, kv_cache_dtype="float8_e4m3fn"
+    )
     assert fp8.kv_torch_dtype == FP8_DTYPE and half.kv_torch_dtype == torch.bfloat16
     dims = {"num_seqs": 64, "max_seq_len": 2048}
     kv = 64 * 2048 * 2 * 8 * 128
     assert problems.problem_size("paged_decode_attention", fp8, dims)[0] == kv + 2 * 64 * 32 * 128 * 2
     assert problems.problem_size("paged_decode_attention", half, dims)[0] == 2 * kv + 2 * 64 * 32 * 128 * 2
     assert problems.kv_bytes(fp8, dims) * 2 == problems.kv_bytes(half, dims)
-    x = problems.decode_inputs(tuning.ModelShapes(4, 2, 16, 64, 128, 8, "float32", kv_cache_dtype="float8_e4m3fn"), 2, 40, "cpu")
+    x = problems.decode_inputs(
+        tuning.ModelShapes(4, 2, 16, 64, 128, 8, "float32", kv_cache_dtype="float8_e4m3fn"), 2, 40, "cpu"
+    )
     assert x["k_cache"].dtype == x["v_cache"].dtype == FP8_DTYPE and x["q"].dtype == torch.float32
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         tuning.ModelShapes(32, 8, 128, 4096, 14336, 16, "bfloat16", kv_cache_dtype="float16")
