@@ -112,8 +112,8 @@ def main() -> None:
 
     print("\n| KV cache | KV tokens | W1 (tok/s) | W1 / bf16 | W6 (tok/s) | W6 / bf16 | W1 >= 11,500 | W6 >= 24,000 |")
     print("|---|---|---|---|---|---|---|---|")
-    for variant in results:
-        init = results[variant].get("engine_init_seconds", {})
+    for variant, figures in results.items():
+        init = figures.get("engine_init_seconds", {})
         row = [variant, f"{init.get('kv_tokens', '-'):,}" if isinstance(init.get("kv_tokens"), int) else "-"]
         for figure in ("W1_output_tok_s", "W6_output_tok_s"):
             ours, base = value(variant, figure), value("bf16", figure)
