@@ -214,3 +214,20 @@ def test_bad_option_values_are_clear_errors(tiny_llama_artifact, fp8_artifacts, 
     loaded = load_artifact(fp8_artifacts("llama", kv_cache_dtype="fp8"), load_tokenizer=False)
     with pytest.raises(ValueError, match="KV cache is torch.float8_e4m3fn"):
         loaded.model.bind_kv_cache(torch.zeros(3, 2, 4, 2, 16, 16))
+
+
+def test_tensor_parallel_fp8_cache(fp8_artifacts):  # type: ignore[no-untyped-def]
+    """TP=2 (gloo on the CPU): the worker allocates its KV cache in the artifact's fp8 dtype (it is
+    told rank 0's) and the greedy tokens are TP=1's with the same fp8 cache."""
+    from pagecast.runtime import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [TOKENS[:9], TOKENS[9:40]]
+    one = [o.token_ids for o in LLM(str(fp8_artifacts("llama", kv_cache_dtype="fp8"))).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(fp8_artifacts("llama", tp=2, kv_cache_dtype="fp8")), kv_cache_memory="1MiB")
+    try:
+        assert llm.engine.kv_cache.dtype == torch.float8_e4m3fn
+        two = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.engine.runner.close()
+    assert two == one
