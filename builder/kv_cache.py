@@ -80,6 +80,25 @@ class KVCachePlan:
         return out
 
 
+def is_kv_cache_only(quantization_config: dict[str, Any] | None) -> bool:
+    """Whether a checkpoint's quantization_config quantises the KV cache and nothing else: a
+    compressed-tensors config (llm-compressor) with a ``kv_cache_scheme`` and no weight groups.
+    Its weights are in the float type and its calibrated scales are self_attn.k_scale / v_scale,
+    so it builds as an ordinary checkpoint. A KV scheme other than per-tensor fp8 is refused."""
+    qc = quantization_config or {}
+    if str(qc.get("quant_method", "")).lower() != "compressed-tensors" or qc.get("config_groups"):
+        return False
+    scheme = qc.get("kv_cache_scheme")
+    if not scheme:
+        return False
+    if int(scheme.get("num_bits", 0)) != 8 or scheme.get("type") != "float" or scheme.get("strategy", "tensor") != "tensor":
+        raise BuildError(
+            f"the checkpoint's kv_cache_scheme {scheme} is not per-tensor 8-bit float; pagecast's fp8 KV cache takes "
+            f"one e4m3 scale per layer: re-calibrate with strategy 'tensor', num_bits 8, type 'float'"
+        )
+    return True
+
+
 def parse_option(value: str) -> str | None:
     """--kv-cache-dtype -> a torch dtype name, or None for the model's dtype."""
     key = value.lower()
@@ -141,7 +160,12 @@ def plan_kv_cache(
     """The KV cache plan and notes for report.md."""
     dtype = parse_option(option)
     if dtype is None:
-        return KVCachePlan(dtype=model_dtype, k_scales=(1.0,) * num_layers, v_scales=(1.0,) * num_layers), []
+        notes = []
+        names = getattr(checkpoint, "tensor_shapes", {}) or {}
+        suffixes = tuple(f".self_attn.{k}" for k, _ in SCALE_NAMES)
+        if any(name.endswith(suffixes) for name in names):
+            notes.append("the checkpoint carries calibrated KV-cache scales: build with --kv-cache-dtype fp8 to use them")
+        return KVCachePlan(dtype=model_dtype, k_scales=(1.0,) * num_layers, v_scales=(1.0,) * num_layers), notes
     if device == "cuda" and compute_capability is not None and tuple(compute_capability) < FP8_MIN_CAPABILITY:
         raise BuildError(
             f"--kv-cache-dtype {option}: the fp8 KV cache needs compute capability "

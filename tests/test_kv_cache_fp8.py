@@ -231,3 +231,37 @@ def test_tensor_parallel_fp8_cache(fp8_artifacts):  # type: ignore[no-untyped-de
     finally:
         llm.engine.runner.close()
     assert two == one
+
+
+def test_llm_compressor_kv_cache_only_checkpoint(tmp_path, tiny_checkpoint_factory):  # type: ignore[no-untyped-def]
+    """A checkpoint whose compressed-tensors quantization_config quantises only the KV cache
+    (llm-compressor's kv_cache_scheme, no weight groups) builds: float weights, its scales used
+    with --kv-cache-dtype fp8, a note pointing at the option without it. Other KV schemes and
+    weight-quantised compressed-tensors checkpoints are refused."""
+    from pagecast.runtime.errors import BuildError
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint_factory("llama"), ckpt)
+    add_kv_scales(ckpt, [0.01, 0.02, 0.03], [0.04, 0.05, 0.06])
+    config = json.loads((ckpt / "config.json").read_text())
+    scheme = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "config_groups": {}, "kv_cache_scheme": scheme,
+        "format": "dense", "ignore": ["lm_head"], "quantization_status": "compressed",
+    }  # fmt: skip
+    (ckpt / "config.json").write_text(json.dumps(config))
+    art = build_artifact(ckpt, tmp_path / "fp8", kv_cache_dtype="fp8")
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["quant"] is None and manifest["kv_cache"]["k_scales"] == pytest.approx([0.01, 0.02, 0.03])
+    plain = build_artifact(ckpt, tmp_path / "auto")
+    assert "build with --kv-cache-dtype fp8 to use them" in (plain / "report.md").read_text()
+
+    config["quantization_config"]["kv_cache_scheme"] = dict(scheme, type="int")
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(BuildError, match="not per-tensor 8-bit float"):
+        build_artifact(ckpt, tmp_path / "int8", kv_cache_dtype="fp8")
+    config["quantization_config"]["kv_cache_scheme"] = scheme
+    config["quantization_config"]["config_groups"] = {"group_0": {"targets": ["Linear"]}}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(BuildError, match="compressed-tensors"):
+        build_artifact(ckpt, tmp_path / "w8", kv_cache_dtype="fp8")
