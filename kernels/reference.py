@@ -85,6 +85,12 @@ def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -
     return (x.float() * inv).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
+def _bytes(cache: torch.Tensor) -> torch.Tensor:
+    """An fp8 cache as uint8 for indexing (gathers and scatters copy bytes; not every device's
+    index kernels take the fp8 types), any other cache as itself."""
+    return cache.view(torch.uint8) if cache.dtype == FP8_DTYPE else cache
+
+
 def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -99,8 +105,8 @@ def write_kv(
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, :, offsets] = quantize_kv(k[keep], k_cache.dtype, k_scale)
-    v_cache[blocks, :, offsets] = quantize_kv(v[keep], v_cache.dtype, v_scale)
+    _bytes(k_cache)[blocks, :, offsets] = _bytes(quantize_kv(k[keep], k_cache.dtype, k_scale))
+    _bytes(v_cache)[blocks, :, offsets] = _bytes(quantize_kv(v[keep], v_cache.dtype, v_scale))
 
 
 def rotary_and_write_kv(
@@ -125,7 +131,7 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
     """Read one sequence's first seq_len cached tokens: [num_kv_heads, seq_len, head_dim]."""
     block_size = cache.shape[2]
     num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = cache[block_table[:num_blocks].long()]  # [n, kv_heads, block_size, head_dim]
+    blocks = _bytes(cache)[block_table[:num_blocks].long()].view(cache.dtype)  # [n, kv_heads, block_size, head_dim]
     return blocks.transpose(0, 1).reshape(cache.shape[1], num_blocks * block_size, -1)[:, :seq_len]
 
 
@@ -198,7 +204,7 @@ def paged_decode_attention(
 
     def gather(cache: torch.Tensor) -> torch.Tensor:
         # [num_seqs, num_blocks, kv_heads, block_size, head_dim] -> [num_seqs, kv_heads, tokens, head_dim]
-        blocks = cache[table].transpose(1, 2)
+        blocks = _bytes(cache)[table].view(cache.dtype).transpose(1, 2)
         return blocks.reshape(num_seqs, num_kv_heads, num_blocks * block_size, head_dim).float()
 
     k, v = gather(k_cache), gather(v_cache)

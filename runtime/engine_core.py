@@ -20,7 +20,7 @@ import torch
 
 from pagecast.runtime.block_pool import BlockPool
 from pagecast.runtime.errors import InvalidRequestError
-from pagecast.runtime.loader import LoadedArtifact, load_artifact
+from pagecast.runtime.loader import LoadedArtifact, load_artifact, zeros_kv_cache
 from pagecast.runtime.messages import EngineStats
 from pagecast.runtime.model_runner import LaunchedStep, ModelRunner, RunnerOutput
 from pagecast.runtime.outputs import PositionLogprobs
@@ -147,10 +147,10 @@ class EngineCore:
                 f"gpu_memory_utilization) or a smaller max_model_len"
             )
         dims = manifest.dims
-        self.kv_cache = torch.zeros(
+        self.kv_cache = zeros_kv_cache(
             (dims["num_layers"], 2, num_blocks, manifest.kv_heads_per_rank, self.block_size, dims["head_dim"]),
-            dtype=self.artifact.kv_cache_dtype,
-            device=self.artifact.device,
+            self.artifact.kv_cache_dtype,
+            self.artifact.device,
         )
         self.artifact.model.bind_kv_cache(self.kv_cache)
         self.block_pool = BlockPool(num_blocks, self.block_size, options.enable_prefix_caching)

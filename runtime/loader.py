@@ -35,6 +35,14 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 KV_CACHE_DTYPES = {**TORCH_DTYPES, "float8_e4m3fn": torch.float8_e4m3fn}
 
 
+def zeros_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed KV cache; a one-byte (fp8) cache is made as uint8 and viewed as its dtype, so it
+    does not depend on the device's fill kernels covering the fp8 types."""
+    if dtype.itemsize == 1:
+        return torch.zeros(shape, dtype=torch.uint8, device=device).view(dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 @dataclass
 class LoadedArtifact:
     path: Path
