@@ -11,6 +11,8 @@ present, then:
   W1      1,024 requests, prompt 512 random tokens, 256 output tokens, all at once
   W2      256 requests, prompt 512, output uniform in 16..512 (useful output tokens/s)
   W4      one request, prompt 128, output 512: inter-token latency
+  W6      512 requests, prompt 128, output 1,024 (decode-heavy), all at once (not in the default
+          phases; benchmarks/kvcache.py runs it for the bf16 and fp8 KV caches)
 
     python benchmarks/serving.py --out OUTDIR [--phases start,base,W1,W2,W4]
 
@@ -281,6 +283,13 @@ def phase_ours(out: Path, artifact: Path, phases: set[str]) -> None:
              kv_live_fraction_min=round(min(k[0] for k in kv), 4) if kv else None,
              kv_live_fraction_median=round(sorted(k[0] for k in kv)[len(kv) // 2], 4) if kv else None,
              preemptions=engine.scheduler.num_preemptions)
+    if "W6" in phases:
+        params = [SamplingParams(max_tokens=1024, ignore_eos=True, temperature=0)] * 512
+        secs, done, _, kv, steps = run_engine(engine, random_prompts(512, 128, 6), params, sample_kv=True)
+        n = sum(len(o.outputs[0].token_ids) for o in done.values())
+        emit(out, figure="W6_output_tok_s", value=round(n / secs, 1), seconds=round(secs, 1), steps=steps,
+             output_tokens=n, target=">= 24000", preemptions=engine.scheduler.num_preemptions,
+             kv_use_max=round(max(k[1] for k in kv), 4) if kv else None)
     if "W2" in phases:
         lengths = w2_lengths()
         params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0) for n in lengths]

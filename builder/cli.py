@@ -28,6 +28,9 @@ from pagecast.runtime.errors import BuildError
               help="dummy: random weights from a config-only directory (benchmarks).")
 @click.option("--max-num-seqs", default=256, show_default=True, type=int,
               help="Most concurrent sequences the plan (and CUDA graphs) are sized for.")
+@click.option("--kv-cache-dtype", default="auto", show_default=True,
+              type=click.Choice(["auto", "fp8", "fp8_e4m3"], case_sensitive=False),
+              help="KV-cache storage: auto (the model's dtype) or fp8 (e4m3, per-layer scales; twice the tokens).")
 @click.option("--tune-budget", "tune_budget_s", default=300.0, show_default=True, type=float,
               help="Seconds tuning may take on the GPU.")
 @click.option("--output", type=click.Path(path_type=Path), default=None, help="Artifact directory.")

@@ -72,6 +72,7 @@ def make_manifest(
         chunk_hashes=chunk_hashes or {},
         layout=shard.manifest_layout(model, plan.tp, plan.tensors, ckpt.dummy and plan.quantization is None, opts.seed),
         quantization=plan.quantization.as_dict() if plan.quantization is not None else None,
+        kv_cache=plan.kv_cache.as_manifest() if plan.kv_cache is not None else {"dtype": plan.dtype},
     )
 
 
@@ -87,6 +88,7 @@ def render_report(state: BuildState, manifest: Manifest) -> str:
         f"- target: {plan.device} / {plan.gpu_name}, compute capability {plan.compute_capability}, "
         f"tuned: {manifest.target.tuned}",
         f"- block size {plan.block_size}, max_model_len {plan.max_model_len}, tp {plan.tp}, quant {plan.quant}",
+        f"- KV cache {manifest.kv_cache_dtype}",
         f"- weights {mem['weight_bytes'] / 2**20:,.1f} MiB; KV {mem['bytes_per_token'] / 1024:,.1f} KiB per token, "
         f"{mem['bytes_per_block'] / 2**20:,.2f} MiB per block",
         *shard.report_lines(manifest.layout),

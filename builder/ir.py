@@ -26,6 +26,7 @@ class BuildOptions:
     load_format: str = "auto"  # "auto" (read weights) or "dummy" (random weights from a config-only dir)
     max_num_seqs: int = 256
     tune_budget_s: float = 300.0
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "fp8" / "fp8_e4m3" (builder/kv_cache.py)
     force: bool = False
     quiet: bool = False
     seed: int = 0
@@ -47,6 +48,9 @@ class BuildOptions:
             raise ValueError(f"--max-model-len must be at least 2 (got {self.max_model_len})")
         if self.max_num_seqs < 1:
             raise ValueError(f"--max-num-seqs must be positive (got {self.max_num_seqs})")
+        from pagecast.builder.kv_cache import parse_option
+
+        parse_option(self.kv_cache_dtype)  # ValueError naming the accepted values
 
 
 @dataclass(frozen=True)
@@ -144,6 +148,7 @@ class Plan:
     tensors: tuple[TensorPlan, ...]
     memory: dict[str, Any]  # memory_plan.json
     quantization: Any = None  # builder.quant.QuantConfig of an AWQ/GPTQ build, None for half-type weights
+    kv_cache: Any = None  # builder.kv_cache.KVCachePlan: the cache's dtype and per-layer fp8 scales
 
 
 @dataclass(frozen=True)

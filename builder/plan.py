@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from pagecast.builder import quant, shard
+from pagecast.builder import kv_cache, quant, shard
 from pagecast.builder.ir import BuildState, ModelIR, Plan, TensorPlan
 from pagecast.runtime.errors import BuildError
 
@@ -141,11 +141,14 @@ def check_shapes(tensors: list[TensorPlan], shapes: dict[str, tuple[int, ...]]) 
 
 def memory_plan(
     model: ModelIR, dtype: str, block_size: int, max_model_len: int, max_num_seqs: int, memory_bytes: int | None,
-    weight_bytes: int | None = None,
+    weight_bytes: int | None = None, kv_cache_dtype: str | None = None,
 ) -> dict[str, Any]:
+    """``kv_cache_dtype``: the KV cache's dtype when not the model's (fp8: one byte per element)."""
     a = model.attention
     elt = DTYPE_BYTES[dtype]
-    bytes_per_token = 2 * model.num_layers * a.num_kv_heads * a.head_dim * elt  # K and V, every layer
+    kv_dtype = kv_cache_dtype or dtype
+    kv_elt = 1 if kv_dtype == kv_cache.FP8 else DTYPE_BYTES[kv_dtype]
+    bytes_per_token = 2 * model.num_layers * a.num_kv_heads * a.head_dim * kv_elt  # K and V, every layer
     bytes_per_block = bytes_per_token * block_size
     n_params = sum(_numel(t.shape) for t in tensor_layout(model))
     weight_bytes = n_params * elt if weight_bytes is None else weight_bytes  # int4 builds pass their own
@@ -156,6 +159,7 @@ def memory_plan(
         4 * model.vocab_size // 8 + elt * (4 * model.mlp.intermediate_size + 6 * model.hidden_size)
     ) + (512 << 20)
     plan: dict[str, Any] = {
+        "kv_cache_dtype": kv_dtype,
         "bytes_per_token": bytes_per_token,
         "bytes_per_block": bytes_per_block,
         "block_size": block_size,
@@ -216,6 +220,10 @@ def run(state: BuildState) -> BuildState:
         check_shapes([t for t in tensors if not quant.is_quant_part(t)], ckpt.tensor_shapes)
     layout = shard.plan_layout(model, opts.tp)  # --quant with --tp > 1 is refused (BuildOptions)
     tensors = shard.shard_tensors(tensors, model, layout)
+    kv_plan, kv_notes = kv_cache.plan_kv_cache(
+        opts.kv_cache_dtype, dtype, device, cc, gpu_name, ckpt, model.num_layers, [layer.hf_prefix for layer in model.layers]
+    )
+    notes += kv_notes
     memory_bytes = None
     if device == "cuda":
         memory_bytes = torch.cuda.get_device_properties(0).total_memory if present else GPUS[gpu_name]["memory_bytes"]
@@ -234,10 +242,12 @@ def run(state: BuildState) -> BuildState:
             memory_plan(
                 model, dtype, opts.block_size, max_len, opts.max_num_seqs, memory_bytes,
                 weight_bytes=quant.weight_bytes(tensors, DTYPE_BYTES[dtype]) if ckpt.quant is not None else None,
+                kv_cache_dtype=kv_plan.dtype,
             ),
             layout, tensors, DTYPE_BYTES[dtype],
         ),
         quantization=ckpt.quant,
+        kv_cache=kv_plan,
     )
     report = dict(state.report)
     report["plan_notes"] = notes

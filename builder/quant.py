@@ -585,6 +585,10 @@ def read_checkpoint_config(path: Any, requested: str | None, dummy: bool) -> Qua
                 qc = json.loads((root / name).read_text())
                 qc.setdefault("quant_method", "awq" if name == "quant_config.json" else "gptq")
                 break
+    from pagecast.builder import kv_cache
+
+    if kv_cache.is_kv_cache_only(qc):  # float weights; the KV scales are read by --kv-cache-dtype fp8
+        qc = None
     return read_config(qc, requested, dummy)
 
 

@@ -9,6 +9,7 @@ import jinja2
 
 from pagecast.builder import quant, shard
 from pagecast.builder.ir import BuildState
+from pagecast.builder.kv_cache import KVCachePlan
 
 TEMPLATE = "model.py.j2"
 
@@ -21,6 +22,7 @@ def render_model(state: BuildState, rank: int = 0) -> str:
     a, mlp = model.attention, model.mlp
     layer = model.layers[0]
     per_rank = shard.plan_layout(model, plan.tp)  # every rank holds the same shapes: one file serves all
+    kv = plan.kv_cache or KVCachePlan(plan.dtype, (1.0,) * model.num_layers, (1.0,) * model.num_layers)
     source = resources.files("pagecast.templates").joinpath(TEMPLATE).read_text()
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
     return env.from_string(source).render(
@@ -53,6 +55,9 @@ def render_model(state: BuildState, rank: int = 0) -> str:
         mlp_bias=mlp.bias,
         tie_word_embeddings=model.tie_word_embeddings,
         linear_method=quant.linear_method_source(plan.quantization),
+        kv_cache_dtype=kv.dtype,
+        k_scales=repr(list(kv.k_scales)),
+        v_scales=repr(list(kv.v_scales)),
     )
 
 

@@ -39,6 +39,8 @@ def model_shapes(state: BuildState) -> dict[str, Any]:
         "max_model_len": plan.max_model_len,
         "max_num_seqs": plan.max_num_seqs,
         "quant_group_size": plan.quantization.group_size if plan.quantization is not None else 0,
+        # The attention kernels and the KV write are tuned on caches of the artifact's KV dtype.
+        "kv_cache_dtype": plan.kv_cache.dtype if plan.kv_cache is not None else None,
     }
 
 

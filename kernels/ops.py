@@ -169,13 +169,18 @@ def rotary_and_write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
+    """Rotary on q and k, this step's K/V written to the cache (fp8 caches: x / scale, saturated)."""
     if not _triton(q):
         return reference.rotary_and_write_kv(
-            positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping
+            positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale
         )
     cfg = _config("rotary_kv", token_bucket(q.shape[0]))
-    return _kernels().rotary(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, cfg)  # type: ignore[no-any-return]
+    return _kernels().rotary(  # type: ignore[no-any-return]
+        positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, cfg, k_scale=k_scale, v_scale=v_scale
+    )
 
 
 def paged_attention(
@@ -188,18 +193,26 @@ def paged_attention(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Decode batches (max_query_len == 1) take the split-context decode kernel; anything
-    else (prefill, chunked prefill, mixed batches) the prefill kernel over all rows."""
+    else (prefill, chunked prefill, mixed batches) the prefill kernel over all rows. An fp8
+    cache is read as fp8 * k_scale / v_scale."""
     if not _triton(q):
-        return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+        return reference.paged_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale
+        )
     if max_query_len == 1:
         cfg = _config("paged_decode_attention", decode_bucket(seq_lens.shape[0], max_seq_len))
         return _kernels().decode(  # type: ignore[no-any-return]
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len, cfg
-        )
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len, cfg,
+            k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
     cfg = _config("paged_prefill_attention", prefill_bucket(q.shape[0]))
-    return _kernels().prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, cfg)  # type: ignore[no-any-return]
+    return _kernels().prefill(  # type: ignore[no-any-return]
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, cfg, k_scale=k_scale, v_scale=v_scale
+    )
 
 
 # -- tensor parallelism ------------------------------------------------------------------------

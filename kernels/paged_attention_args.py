@@ -14,6 +14,8 @@ def check_paged_attention_args(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     out: torch.Tensor | None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Raise ValueError on inconsistent shapes, dtypes or strides; returns (block_tables,
     seq_lens, query_start_loc) as int32 and the output tensor (``out`` or a new one)."""
@@ -26,10 +28,12 @@ def check_paged_attention_args(
         )
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+    if v_cache.dtype != k_cache.dtype or k_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
         raise ValueError(
-            f"q ({q.dtype}) and the caches ({k_cache.dtype}, {v_cache.dtype}) must share a dtype"
+            f"the caches ({k_cache.dtype}, {v_cache.dtype}) must both be q's dtype ({q.dtype}) or float8_e4m3fn"
         )
+    if not (k_scale > 0 and v_scale > 0):
+        raise ValueError(f"k_scale {k_scale} and v_scale {v_scale} must be positive")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("q and the caches need a contiguous last (head_dim) dimension")
     if block_tables.shape[0] != num_seqs or query_start_loc.shape[0] != num_seqs + 1:

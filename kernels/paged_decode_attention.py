@@ -7,6 +7,11 @@ K/V bytes, so the idle rows cost nothing measurable). When the context is split,
 program writes a normalised partial output and its log-sum-exp, and a second kernel
 merges the splits. Every sequence's context is divided into the same number of splits,
 so the grid depends on shapes only and the launch is safe to capture in a CUDA graph.
+
+An fp8 (e4m3fn) cache halves the bytes read: K and V tiles are upcast to q's dtype in
+registers (exact: every e4m3 value is a bf16/fp16 value) and both dots run in q's dtype, as
+for a half-type cache; no fp8 tl.dot, so q is never rounded to fp8. The per-layer K scale is
+folded into the softmax scale and the V scale multiplies the normalised output.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ def _paged_decode_kernel(
     out_ptr,  # out: [num_tokens, num_heads, head_dim]
     part_out_ptr,  # part_out: [num_seqs, num_heads, num_splits, HEAD_DIM_PAD] fp32
     part_lse_ptr,  # part_lse: [num_seqs, num_heads, num_splits] fp32 (log2 domain)
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * k_scale * log2(e)
+    v_scale,  # V's dequantisation scale (fp8 cache; 1.0 otherwise)
     num_splits,
     stride_qt,
     stride_qh,
@@ -106,6 +112,8 @@ def _paged_decode_kernel(
             v = tl.load(
                 v_base + block[:, None] * stride_vb + slot[:, None] * stride_vt, mask=kv_mask, other=0.0
             )
+            k = k.to(q.dtype)  # fp8 cache: upcast in registers (a no-op for a cache in q's dtype)
+            v = v.to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N]
             s = tl.where(n_mask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -117,7 +125,7 @@ def _paged_decode_kernel(
 
         # l_i is 0 only for an empty split or an empty context: write 0 / -inf, never NaN.
         has = l_i > 0.0
-        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        o = acc / tl.where(has, l_i, 1.0)[:, None] * v_scale
         if DIRECT:
             tl.store(
                 out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -248,19 +256,22 @@ def paged_decode_attention(
     max_seq_len: int,
     config: Mapping[str, int] | None = None,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of each sequence's single new token over its paged context.
 
     Sequence i's query row is q[query_start_loc[i]] (a sequence with no query row is skipped),
     its context the first seq_lens[i] tokens of its blocks. max_seq_len (an upper bound of
     seq_lens, known on the host) only sizes the split count. Capture-safe: no host syncs,
-    allocations depend on shapes only. Returns [num_tokens, num_heads, head_dim] in q's dtype.
+    allocations depend on shapes only. The caches are in q's dtype, or fp8 e4m3fn read as
+    fp8 * k_scale / v_scale. Returns [num_tokens, num_heads, head_dim] in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
     block_tables, seq_lens, query_start_loc, out = check_paged_attention_args(
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, k_scale, v_scale
     )
     if num_seqs == 0 or num_tokens == 0:
         return out
@@ -281,7 +292,7 @@ def paged_decode_attention(
         part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse,
-        scale * _LOG2E, num_splits,
+        scale * k_scale * _LOG2E, v_scale, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

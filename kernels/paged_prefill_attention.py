@@ -7,6 +7,9 @@ sequences (each program finds its sequence by a binary search over query_start_l
 second the KV heads. A tile packs BLOCK_Q query tokens x the GQA group's query heads into
 BLOCK_M rows, so each K/V tile is read once per KV head; a decode row (query length 1) is
 just a short tile, which is how mixed batches run in this kernel.
+
+An fp8 (e4m3fn) cache is read as the decode kernel reads it: tiles upcast to q's dtype in
+registers, the K scale folded into the softmax scale, the V scale applied to the output.
 """
 
 from __future__ import annotations
@@ -69,6 +72,8 @@ def _attend_tile(
                 mask=d_mask,
                 other=0.0,
             )
+    k = k.to(q.dtype)  # fp8 cache: upcast in registers (a no-op for a cache in q's dtype)
+    v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
     if CAUSAL:
         s = tl.where((offs_n[None, :] <= q_pos[:, None]) & (offs_n < kv_end)[None, :], s, float("-inf"))
@@ -89,7 +94,8 @@ def _paged_prefill_kernel(
     seq_lens_ptr,  # seq_lens: [num_seqs] int32
     query_start_loc_ptr,  # query_start_loc: [num_seqs + 1] int32
     out_ptr,  # out: [num_tokens, num_heads, head_dim]
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * k_scale * log2(e)
+    v_scale,  # V's dequantisation scale (fp8 cache; 1.0 otherwise)
     num_seqs,
     stride_qt,
     stride_qh,
@@ -177,7 +183,7 @@ def _paged_prefill_kernel(
                 HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, CAUSAL=True, DOT_PRECISION=DOT_PRECISION,
             )  # fmt: skip
 
-        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None] * v_scale
         tl.store(
             out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
             o.to(out_ptr.dtype.element_ty),
@@ -226,9 +232,12 @@ def paged_prefill_attention(
     scale: float,
     config: Mapping[str, int] | None = None,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens (rows query_start_loc[i]:[i+1] of q) over
-    its whole paged context of seq_lens[i] tokens, whose K/V are already in the cache.
+    its whole paged context of seq_lens[i] tokens, whose K/V are already in the cache (in q's
+    dtype, or fp8 e4m3fn read as fp8 * k_scale / v_scale).
 
     Capture-safe (no host syncs; the grid depends on shapes only). Returns
     [num_tokens, num_heads, head_dim] in q's dtype.
@@ -237,7 +246,7 @@ def paged_prefill_attention(
     _, num_kv_heads, block_size, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
     block_tables, seq_lens, query_start_loc, out = check_paged_attention_args(
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, k_scale, v_scale
     )
     if num_seqs == 0 or num_tokens == 0:
         return out
@@ -251,7 +260,7 @@ def paged_prefill_attention(
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _paged_prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        scale * _LOG2E, num_seqs,
+        scale * k_scale * _LOG2E, v_scale, num_seqs,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

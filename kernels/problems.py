@@ -108,18 +108,28 @@ def _elt(shapes: ModelShapes) -> int:
     return torch.empty((), dtype=shapes.torch_dtype).element_size()
 
 
+def _kv_elt(shapes: ModelShapes) -> int:
+    return torch.empty((), dtype=shapes.kv_torch_dtype).element_size()
+
+
 def kv_bytes(shapes: ModelShapes, dims: dict[str, int]) -> int:
     """Bytes of K and V a decode bucket reads (the pool a tuning problem has to allocate)."""
-    return dims["num_seqs"] * dims["max_seq_len"] * 2 * shapes.num_kv_heads * shapes.head_dim * _elt(shapes)
+    return dims["num_seqs"] * dims["max_seq_len"] * 2 * shapes.num_kv_heads * shapes.head_dim * _kv_elt(shapes)
+
+
+def random_cache(shape: tuple[int, ...], shapes: ModelShapes, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """A random K or V cache in the KV dtype (an fp8 cache holds N(0, 1) values, as with scale 1)."""
+    x = torch.randn(shape, generator=generator, device=device, dtype=shapes.torch_dtype)
+    return x.to(shapes.kv_torch_dtype)
 
 
 def problem_size(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> tuple[int, int]:
     """(bytes, flops) of one launch at a bucket: each input read once, each output written once."""
-    e = _elt(shapes)
+    e, kv_e = _elt(shapes), _kv_elt(shapes)
     h, kvh, d = shapes.num_heads, shapes.num_kv_heads, shapes.head_dim
     if kernel == "paged_decode_attention":
         b, c = dims["num_seqs"], dims["max_seq_len"]
-        return b * c * 2 * kvh * d * e + 2 * b * h * d * e, 4 * b * h * c * d
+        return b * c * 2 * kvh * d * kv_e + 2 * b * h * d * e, 4 * b * h * c * d
     if kernel == "skinny_gemm":  # the weight once, the rows in and out
         m, n, k = dims["num_rows"], dims["n"], dims["k"]
         return (n * k + m * k + m * n) * e, 0
@@ -132,9 +142,9 @@ def problem_size(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> tupl
     if kernel == "paged_prefill_attention":
         n = min(t, PREFILL_SEQ_LEN)
         seqs = max(1, t // n)
-        return seqs * n * (2 * h + 2 * kvh) * d * e, seqs * 2 * h * d * n * n  # causal: half of 4*h*d*n*n
-    if kernel == "rotary_kv":
-        return t * (2 * h + 4 * kvh) * d * e, 0
+        return seqs * n * (2 * h * e + 2 * kvh * kv_e) * d, seqs * 2 * h * d * n * n  # causal: half of 4*h*d*n*n
+    if kernel == "rotary_kv":  # q in and out, k and v in, k and v written to the cache
+        return t * ((2 * h + 2 * kvh) * e + 2 * kvh * kv_e) * d, 0
     if kernel == "rms_norm":
         return 2 * t * shapes.hidden * e, 0
     if kernel == "fused_add_rms_norm":
@@ -225,15 +235,15 @@ def decode_inputs(
     dtype = shapes.torch_dtype
     g = torch.Generator().manual_seed(seed)
     bs, kvh, d = shapes.block_size, shapes.num_kv_heads, shapes.head_dim
-    bytes_per_token = 2 * kvh * d * _elt(shapes)
+    bytes_per_token = 2 * kvh * d * _kv_elt(shapes)
     kv_bytes = num_seqs * context * bytes_per_token
     if num_sets is None:
         num_sets = max(1, min(MAX_LAUNCHES, math.ceil(COLD_BYTES / kv_bytes)))
     blocks_per_seq = math.ceil(context / bs)
     pool_blocks = max(num_seqs * blocks_per_seq, math.ceil(COLD_BYTES / (bs * bytes_per_token))) + 1
     dg = torch.Generator(device=device).manual_seed(seed)
-    k_cache = torch.randn((pool_blocks, kvh, bs, d), generator=dg, device=device, dtype=dtype)
-    v_cache = torch.randn((pool_blocks, kvh, bs, d), generator=dg, device=device, dtype=dtype)
+    k_cache = random_cache((pool_blocks, kvh, bs, d), shapes, dg, device)
+    v_cache = random_cache((pool_blocks, kvh, bs, d), shapes, dg, device)
     tables = [random_block_tables(num_seqs, blocks_per_seq, pool_blocks, g, device) for _ in range(num_sets)]
     q = torch.randn((num_seqs, shapes.num_heads, d), generator=dg, device=device, dtype=dtype)
     return {
@@ -296,8 +306,8 @@ def make_problem(
         seqs = max(1, t // n)
         blocks_per_seq = math.ceil(n / shapes.block_size)
         num_blocks = seqs * blocks_per_seq
-        k_cache = randn(num_blocks, kvh, shapes.block_size, d)
-        v_cache = randn(num_blocks, kvh, shapes.block_size, d)
+        k_cache = random_cache((num_blocks, kvh, shapes.block_size, d), shapes, dg, device)
+        v_cache = random_cache((num_blocks, kvh, shapes.block_size, d), shapes, dg, device)
         g = torch.Generator().manual_seed(seed)
         table = random_block_tables(seqs, blocks_per_seq, num_blocks, g, device)
         q = randn(seqs * n, h, d)
@@ -322,8 +332,8 @@ def make_problem(
         k = qkv[:, h * d : (h + kvh) * d].view(t, kvh, d)
         v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
         num_blocks = math.ceil(t / shapes.block_size) + 1
-        k_cache = randn(num_blocks, kvh, shapes.block_size, d)
-        v_cache = randn(num_blocks, kvh, shapes.block_size, d)
+        k_cache = random_cache((num_blocks, kvh, shapes.block_size, d), shapes, dg, device)
+        v_cache = random_cache((num_blocks, kvh, shapes.block_size, d), shapes, dg, device)
         positions = torch.randint(0, max_pos, (t,), generator=dg, device=device)
         slots = torch.randperm(num_blocks * shapes.block_size, generator=dg, device=device)[:t]
 

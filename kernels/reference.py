@@ -14,6 +14,8 @@ Layouts shared with the Triton kernels and the runtime:
     seq_lens                    [num_seqs] int32, context length including this step's tokens
     query_start_loc             [num_seqs + 1] int32, prefix sums of the query lengths
     cos_sin_cache               [max_positions, rotary_dim], cos in the first half, sin in the second
+    k_scale, v_scale            floats: an fp8 (e4m3fn) cache holds fp8(x / scale), read back as fp8 * scale;
+                                1.0 (and unused) for a cache in the model's own dtype
 """
 
 from __future__ import annotations
@@ -69,20 +71,42 @@ def rotary_embedding(
     return apply(q), apply(k)
 
 
+FP8_DTYPE = torch.float8_e4m3fn  # OCP e4m3 without infinities (Triton's tl.float8e4nv)
+FP8_MAX = 448.0  # its largest finite value: stored values saturate here
+
+
+def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """x as the cache stores it: cast to a half/fp32 cache's dtype; for an fp8 cache
+    fp8(x / scale) in fp32 (as x * fp32(1 / scale), the kernel's multiply), saturated to +-448
+    rather than overflowing to NaN."""
+    if cache_dtype != FP8_DTYPE:
+        return x.to(cache_dtype)
+    inv = torch.tensor(1.0 / scale, dtype=torch.float32, device=x.device)
+    return (x.float() * inv).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def _bytes(cache: torch.Tensor) -> torch.Tensor:
+    """An fp8 cache as uint8 for indexing (gathers and scatters copy bytes; not every device's
+    index kernels take the fp8 types), any other cache as itself."""
+    return cache.view(torch.uint8) if cache.dtype == FP8_DTYPE else cache
+
+
 def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Scatter this step's K/V into the paged cache; tokens with slot -1 are not written."""
     block_size = k_cache.shape[2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, :, offsets] = k[keep].to(k_cache.dtype)
-    v_cache[blocks, :, offsets] = v[keep].to(v_cache.dtype)
+    _bytes(k_cache)[blocks, :, offsets] = _bytes(quantize_kv(k[keep], k_cache.dtype, k_scale))
+    _bytes(v_cache)[blocks, :, offsets] = _bytes(quantize_kv(v[keep], v_cache.dtype, v_scale))
 
 
 def rotary_and_write_kv(
@@ -94,10 +118,12 @@ def rotary_and_write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Rotate q and k, write rotated k and v into the cache; returns the rotated q."""
     q, k = rotary_embedding(positions, q, k, cos_sin_cache)
-    write_kv(k, v, k_cache, v_cache, slot_mapping)
+    write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q
 
 
@@ -105,7 +131,7 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
     """Read one sequence's first seq_len cached tokens: [num_kv_heads, seq_len, head_dim]."""
     block_size = cache.shape[2]
     num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = cache[block_table[:num_blocks].long()]  # [n, kv_heads, block_size, head_dim]
+    blocks = _bytes(cache)[block_table[:num_blocks].long()].view(cache.dtype)  # [n, kv_heads, block_size, head_dim]
     return blocks.transpose(0, 1).reshape(cache.shape[1], num_blocks * block_size, -1)[:, :seq_len]
 
 
@@ -117,6 +143,8 @@ def paged_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context.
 
@@ -124,12 +152,14 @@ def paged_attention(
     tokens of its context of seq_lens[i] tokens, whose K/V are already in the cache. One
     query row sees every cached token up to and including its own position. Decode
     (one query per sequence), prefill and prefill over a cached prefix are all this one
-    function. Returns [num_tokens, num_heads, head_dim] in q's dtype.
+    function. An fp8 cache is read as fp8 * scale: the K scale multiplies the scores, the V
+    scale the output (as the kernels fold them). Returns [num_tokens, num_heads, head_dim] in
+    q's dtype.
     """
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     group = num_heads // num_kv_heads
     if q.shape[0] == seq_lens.shape[0]:  # one query per sequence: decode, batched over sequences
-        return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -144,15 +174,13 @@ def paged_attention(
             k = k.repeat_interleave(group, dim=0)
             v = v.repeat_interleave(group, dim=0)
         qi = q[q_start:q_end].transpose(0, 1).float()  # [num_heads, q_len, head_dim]
-        scores = torch.matmul(qi, k.transpose(1, 2)) * scale  # [num_heads, q_len, seq_len]
+        scores = torch.matmul(qi, k.transpose(1, 2)) * (scale * k_scale)  # [num_heads, q_len, seq_len]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
         k_pos = torch.arange(seq_len, device=q.device)[None, :]
         scores.masked_fill_(k_pos > q_pos, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        out[q_start:q_end] = torch.matmul(probs, v).transpose(0, 1).to(q.dtype)
+        out[q_start:q_end] = (torch.matmul(probs, v) * v_scale).transpose(0, 1).to(q.dtype)
     return out
-
-
 
 
 def paged_decode_attention(
@@ -162,6 +190,8 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """paged_attention for one query token per sequence (the last of its context), all sequences
     in one batched gather and matmul instead of a loop: this is the CPU engine's decode path."""
@@ -174,16 +204,16 @@ def paged_decode_attention(
 
     def gather(cache: torch.Tensor) -> torch.Tensor:
         # [num_seqs, num_blocks, kv_heads, block_size, head_dim] -> [num_seqs, kv_heads, tokens, head_dim]
-        blocks = cache[table].transpose(1, 2)
+        blocks = _bytes(cache)[table].view(cache.dtype).transpose(1, 2)
         return blocks.reshape(num_seqs, num_kv_heads, num_blocks * block_size, head_dim).float()
 
     k, v = gather(k_cache), gather(v_cache)
     qg = q.float().view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.matmul(qg, k.transpose(2, 3)) * scale  # [num_seqs, kv_heads, group, tokens]
+    scores = torch.matmul(qg, k.transpose(2, 3)) * (scale * k_scale)  # [num_seqs, kv_heads, group, tokens]
     valid = torch.arange(num_blocks * block_size, device=q.device)[None, :] < seq_lens[:, None]
     scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, v).view(num_seqs, num_heads, head_dim).to(q.dtype)
+    return (torch.matmul(probs, v) * v_scale).view(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

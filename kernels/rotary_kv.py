@@ -5,7 +5,9 @@ key heads (GPT-NeoX rotate-half over the first rotary_dim features), writes the 
 to a new tensor and the rotated k and v to the token's cache slot (slot -1: not written).
 Every rope variant (default, linear, llama3) is already folded into cos_sin_cache.
 Like the reference (and transformers), cos and sin are rounded to q's dtype first; the
-rotation itself is computed in fp32 and rounded once.
+rotation itself is computed in fp32 and rounded once. An fp8 (e4m3fn) cache gets
+fp8(x * (1 / scale)) with one K and one V scale per layer, saturated to +-448 (an
+out-of-range value stays finite instead of becoming NaN).
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
+from pagecast.kernels.reference import FP8_DTYPE
 from pagecast.kernels.tuning import KernelConfig
+
+FP8_MAX: tl.constexpr = tl.constexpr(448.0)  # largest finite e4m3fn value (reference.FP8_MAX)
 
 
 @triton.jit
@@ -39,6 +44,8 @@ def _rotary_kv_kernel(
     v_cache_ptr,  # v_cache: [num_blocks, num_kv_heads, block_size, head_dim]
     slot_mapping_ptr,  # slot_mapping: [num_tokens] int64, -1 = skip
     q_out_ptr,  # q_out: [num_tokens, num_heads, head_dim]
+    k_inv_scale,  # 1 / k_scale (fp8 cache; 1.0 otherwise)
+    v_inv_scale,  # 1 / v_scale
     stride_qt,
     stride_qh,
     stride_kt,
@@ -62,6 +69,7 @@ def _rotary_kv_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     ROTARY_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr,  # the caches are float8e4nv: scale and saturate before the cast
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token)
@@ -102,8 +110,11 @@ def _rotary_kv_kernel(
             + offset * stride_kct
             + offs_d[None, :]
         )
-        tl.store(kc, k_rot.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
         v = tl.load(v_ptr + token * stride_vt + kv_heads[:, None] * stride_vh + offs_d[None, :], mask=kv_mask)
+        if KV_FP8:
+            k_rot = tl.minimum(tl.maximum(k_rot * k_inv_scale, -FP8_MAX), FP8_MAX)
+            v = tl.minimum(tl.maximum(v.to(tl.float32) * v_inv_scale, -FP8_MAX), FP8_MAX)
+        tl.store(kc, k_rot.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
         vc = (
             v_cache_ptr
             + block * stride_vcb
@@ -137,8 +148,12 @@ def rotary_and_write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     config: Mapping[str, int] | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Rotate q and k, write rotated k and v into the cache at slot_mapping; returns the rotated q."""
+    """Rotate q and k, write rotated k and v into the cache at slot_mapping; returns the rotated q.
+
+    The caches are in q's dtype, or fp8 e4m3fn holding fp8(x / k_scale) and fp8(v / v_scale)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     rotary_dim = cos_sin_cache.shape[-1]
@@ -148,6 +163,11 @@ def rotary_and_write_kv(
         raise ValueError(f"cache {tuple(k_cache.shape)} does not match k {tuple(k.shape)}")
     if rotary_dim % 2 or rotary_dim > head_dim:
         raise ValueError(f"rotary_dim {rotary_dim} must be even and at most head_dim {head_dim}")
+    kv_fp8 = k_cache.dtype == FP8_DTYPE
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must share a dtype")
+    if not (k_scale > 0 and v_scale > 0):
+        raise ValueError(f"k_scale {k_scale} and v_scale {v_scale} must be positive")
     if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.stride(-1) != 1:
         raise ValueError("cos_sin_cache must be contiguous fp32 [max_positions, rotary_dim]")
     for name, t in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -162,7 +182,7 @@ def rotary_and_write_kv(
         return q_out
     cfg = KernelConfig.coerce(config) or default_config()
     _rotary_kv_kernel[(num_tokens,)](
-        positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, q_out,
+        positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, q_out, 1.0 / k_scale, 1.0 / v_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -171,7 +191,7 @@ def rotary_and_write_kv(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         HEADS_PAD=triton.next_power_of_2(num_heads), KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        ROTARY_DIM=rotary_dim, BLOCK_SIZE=k_cache.shape[2],
+        ROTARY_DIM=rotary_dim, BLOCK_SIZE=k_cache.shape[2], KV_FP8=kv_fp8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return q_out

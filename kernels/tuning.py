@@ -97,6 +97,7 @@ class ModelShapes:
     max_model_len: int = 8192  # longest context: context buckets beyond it are not tuned
     max_num_seqs: int = 256  # largest decode batch: batch buckets beyond it are not tuned
     quant_group_size: int = 0  # int4 projections' group size (-1 per channel); 0 = half-type weights
+    kv_cache_dtype: str | None = None  # the KV cache's dtype when not ``dtype`` ("float8_e4m3fn")
 
     def __post_init__(self) -> None:
         if self.num_heads <= 0 or self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
@@ -107,10 +108,19 @@ class ModelShapes:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         torch_dtype(self.dtype)
+        if self.kv_cache_dtype is not None and torch_dtype(self.kv_cache_dtype) not in (
+            torch_dtype(self.dtype), torch.float8_e4m3fn
+        ):
+            raise ValueError(f"kv_cache_dtype must be the model's dtype or float8_e4m3fn (got {self.kv_cache_dtype!r})")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return torch_dtype(self.dtype)
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The KV cache's dtype (the model's unless an fp8 cache was asked for)."""
+        return torch_dtype(self.kv_cache_dtype or self.dtype)
 
 
 _DTYPE_ALIASES = {
@@ -310,7 +320,11 @@ def tune(
         "kernels": {},
         "device": torch.cuda.get_device_name(device),
         "tuned": True,
-        "shapes": {**shapes.__dict__, "dtype": str(shapes.torch_dtype).removeprefix("torch.")},
+        "shapes": {
+            **shapes.__dict__,
+            "dtype": str(shapes.torch_dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(shapes.kv_torch_dtype).removeprefix("torch."),
+        },
         "versions": {"torch": torch.__version__, "triton": _triton_version()},
     }
     for kernel in kernel_names:

@@ -50,7 +50,7 @@ class Manifest:
     family: str  # "llama", "qwen2", "qwen3", "mistral"
     architecture: str  # the HF architecture class the checkpoint declared
     dims: dict[str, Any]  # hidden_size, num_layers, num_heads, num_kv_heads, head_dim, vocab_size, ...
-    dtype: str  # weights and KV cache dtype: "float32" | "float16" | "bfloat16"
+    dtype: str  # weights and activations dtype: "float32" | "float16" | "bfloat16" (the KV cache: kv_cache)
     block_size: int
     tp: int
     quant: str | None
@@ -81,6 +81,16 @@ class Manifest:
     # AWQ/GPTQ builds: method, bits, group_size (-1 per channel), sym, desc_act, checkpoint_format of
     # the source checkpoint; the weights are int4 in the one layout kernels/w4a16_gemm.py reads.
     quantization: dict[str, Any] | None = None
+    # KV cache storage (builder.kv_cache): "dtype" (a torch dtype name: the model's, or
+    # "float8_e4m3fn") and for fp8 the per-layer "k_scales" / "v_scales" (fp32; the cache holds
+    # fp8(x / scale)) and "scales_source" ("checkpoint" or "default"). Empty in artifacts from
+    # before fp8 KV caches: the cache is in ``dtype``.
+    kv_cache: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The KV cache's dtype name (the artifact decides it; the runtime allocates this)."""
+        return str(self.kv_cache.get("dtype", self.dtype))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)

@@ -20,7 +20,7 @@ import torch
 
 from pagecast.runtime.block_pool import BlockPool
 from pagecast.runtime.errors import InvalidRequestError
-from pagecast.runtime.loader import LoadedArtifact, load_artifact
+from pagecast.runtime.loader import LoadedArtifact, load_artifact, zeros_kv_cache
 from pagecast.runtime.messages import EngineStats
 from pagecast.runtime.model_runner import LaunchedStep, ModelRunner, RunnerOutput
 from pagecast.runtime.outputs import PositionLogprobs
@@ -66,6 +66,10 @@ class EngineOptions:
     # Run a prefill and a few decode steps before serving, so that the first request finds every
     # kernel loaded and every lazily made buffer made (default: on for GPUs).
     warm_up: bool | None = None
+    # The KV cache's dtype is fixed at build time (enginebuild --kv-cache-dtype); None or "auto"
+    # takes the artifact's. Anything else must name the artifact's ("fp8" for an fp8 build), else
+    # the engine refuses to start and says how to rebuild.
+    kv_cache_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -94,6 +98,22 @@ class StepResult:
 
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
+_KV_DTYPE_NAMES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "bf16": "bfloat16", "fp16": "float16",
+                   "half": "float16", "fp32": "float32"}  # fmt: skip
+
+
+def check_kv_cache_option(asked: str | None, artifact_dtype: str) -> None:
+    """A kv_cache_dtype engine option other than the artifact's is refused: the cache's dtype is
+    compiled into the artifact (its kernels, its scales, its memory plan), never switched at serve time."""
+    if asked is None or asked.lower() == "auto":
+        return
+    name = _KV_DTYPE_NAMES.get(asked.lower(), asked.lower().removeprefix("torch."))
+    if name != artifact_dtype:
+        flag = "fp8" if name == "float8_e4m3fn" else "auto"
+        raise ValueError(
+            f"kv_cache_dtype {asked!r}: this artifact's KV cache is {artifact_dtype}, fixed when it was built; "
+            f"rebuild it with enginebuild --kv-cache-dtype {flag} (or leave kv_cache_dtype out to use the artifact's)"
+        )
 
 
 class EngineCore:
@@ -117,6 +137,7 @@ class EngineCore:
         self.eos_token_ids = frozenset(manifest.eos_token_ids)
         self.vocab_size = int(manifest.dims["vocab_size"])
         self.max_model_len = min(manifest.max_model_len, options.max_model_len or manifest.max_model_len)
+        check_kv_cache_option(options.kv_cache_dtype, manifest.kv_cache_dtype)
 
         num_blocks = self._num_kv_blocks()
         if num_blocks * self.block_size < self.max_model_len:
@@ -126,10 +147,10 @@ class EngineCore:
                 f"gpu_memory_utilization) or a smaller max_model_len"
             )
         dims = manifest.dims
-        self.kv_cache = torch.zeros(
+        self.kv_cache = zeros_kv_cache(
             (dims["num_layers"], 2, num_blocks, manifest.kv_heads_per_rank, self.block_size, dims["head_dim"]),
-            dtype=self.artifact.dtype,
-            device=self.artifact.device,
+            self.artifact.kv_cache_dtype,
+            self.artifact.device,
         )
         self.artifact.model.bind_kv_cache(self.kv_cache)
         self.block_pool = BlockPool(num_blocks, self.block_size, options.enable_prefix_caching)

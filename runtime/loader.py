@@ -32,6 +32,15 @@ from pagecast.runtime.errors import ArtifactError
 from pagecast.runtime.kernel_cache import private_cache_copy
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+KV_CACHE_DTYPES = {**TORCH_DTYPES, "float8_e4m3fn": torch.float8_e4m3fn}
+
+
+def zeros_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed KV cache; a one-byte (fp8) cache is made as uint8 and viewed as its dtype, so it
+    does not depend on the device's fill kernels covering the fp8 types."""
+    if dtype.itemsize == 1:
+        return torch.zeros(shape, dtype=torch.uint8, device=device).view(dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 @dataclass
@@ -49,6 +58,11 @@ class LoadedArtifact:
     # while the engine allocates its KV cache and captures its CUDA graphs; wait_verified() waits
     # for them and raises ArtifactError if they do not match. LLMEngine calls it before serving.
     weights_verified: Future[None] | None = None
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The dtype the KV cache is allocated in (the artifact's choice; see Manifest.kv_cache)."""
+        return KV_CACHE_DTYPES[self.manifest.kv_cache_dtype]
 
     def wait_verified(self) -> None:
         if self.weights_verified is not None:
@@ -231,6 +245,7 @@ def load_artifact(
     tuning = json.loads((path / "tuning.json").read_text())
     kernels = ops.configure(tuning.get("kernels"), use_triton=device.type == "cuda")
     module = import_model_module(path, manifest)
+    check_kv_cache(path, manifest, module)
     timings["prepare"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     weights, fill = open_rank_weights(path, manifest, device, 0, verify_weights)
@@ -268,6 +283,22 @@ def load_artifact(
         timings=timings,
         weights_verified=loading,
     )
+
+
+def check_kv_cache(path: Path, manifest: Manifest, module: Any) -> None:
+    """The manifest's KV-cache dtype must be one this runtime allocates and the one the model code
+    was rendered for (an fp8 cache needs Ada/Hopper or newer; check_device has matched the GPU)."""
+    name = manifest.kv_cache_dtype
+    if name not in KV_CACHE_DTYPES:
+        raise ArtifactError(
+            f"{path}: KV-cache dtype {name!r} is not supported by this pagecast (it supports "
+            f"{', '.join(KV_CACHE_DTYPES)}); rebuild the artifact with this version's enginebuild"
+        )
+    rendered = getattr(module, "KV_CACHE_DTYPE", TORCH_DTYPES.get(manifest.dtype))
+    if rendered != KV_CACHE_DTYPES[name]:
+        raise ArtifactError(
+            f"{path}: the manifest's KV cache ({name}) and model.py's ({rendered}) disagree; rebuild the artifact"
+        )
 
 
 def load_artifact_tokenizer(path: Path) -> Any | None:

@@ -37,7 +37,9 @@ class Worker:
         self.kv_cache: torch.Tensor | None = None
 
     def kv_cache_op(self, shape: tuple[int, ...], dtype: str) -> None:
-        self.kv_cache = torch.zeros(shape, dtype=getattr(torch, dtype), device=self.device)
+        from pagecast.runtime.loader import zeros_kv_cache
+
+        self.kv_cache = zeros_kv_cache(shape, getattr(torch, dtype), self.device)
         self.model.bind_kv_cache(self.kv_cache)
 
     def capture_op(self, batch_sizes: list[int], max_model_len: int, block_size: int) -> None:

@@ -23,14 +23,19 @@ CHILD = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from pagecast.kernels import keyed_noise, w4a16_gemm, w4a16_gemv
+    from pagecast.kernels import keyed_noise, paged_decode_attention, paged_prefill_attention, rotary_kv, w4a16_gemm
+    from pagecast.kernels import w4a16_gemv
 
     kernel, signature, constexprs = json.loads(sys.argv[1])
     fn = {"keyed_noise": keyed_noise._keyed_exponential_kernel, "w4a16_gemm": w4a16_gemm._w4a16_gemm_kernel,
-          "dequantize": w4a16_gemm._dequantize_kernel, "w4a16_gemv": w4a16_gemv._w4a16_gemv_kernel}[kernel]
+          "dequantize": w4a16_gemm._dequantize_kernel, "w4a16_gemv": w4a16_gemv._w4a16_gemv_kernel,
+          "rotary_kv": rotary_kv._rotary_kv_kernel,
+          "paged_decode": paged_decode_attention._paged_decode_kernel,
+          "paged_prefill": paged_prefill_attention._paged_prefill_kernel}[kernel]
     sig = dict(signature, **{name: "constexpr" for name in constexprs})
     asm = triton.compile(ASTSource(fn, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32)).asm
     print(sorted(asm))
+    print("ptx converts e4m3" if "e4m3" in asm.get("ptx", "") else "ptx without e4m3")
     """
 )
 
@@ -106,3 +111,62 @@ def test_w4a16_gemv_kernel_compiles_for_sm90(
         },
     )  # fmt: skip
     assert "cubin" in asm
+
+
+# FP8 (e4m3) KV cache variants: the rotary kernel writes float8e4nv, the attention kernels read
+# it and upcast to bf16 in registers (no fp8 tl.dot, so max_num_imprecise_acc does not apply).
+_PAGED_STRIDES = ("stride_qt", "stride_qh", "stride_kb", "stride_kh", "stride_kt", "stride_vb", "stride_vh",
+                  "stride_vt", "stride_bt", "stride_ot", "stride_oh")  # fmt: skip
+
+
+def _paged_signature(cache: str) -> dict[str, str]:
+    return {
+        "q_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache, "block_tables_ptr": "*i32",
+        "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "out_ptr": "*bf16",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_paged_decode_kernel_with_fp8_cache_compiles_for_sm90(direct: bool) -> None:
+    sig = dict(
+        _paged_signature("*fp8e4nv"), part_out_ptr="*fp32", part_lse_ptr="*fp32", qk_scale="fp32", v_scale="fp32",
+        num_splits="i32", **{s: "i32" for s in _PAGED_STRIDES},
+    )  # fmt: skip
+    asm = compile_sm90(
+        "paged_decode", sig,
+        {"GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128, "BLOCK_SIZE": 16, "BLOCK_N": 64,
+         "DIRECT": direct, "DOT_PRECISION": "tf32"},
+    )  # fmt: skip
+    assert "cubin" in asm and "ptx converts e4m3" in asm
+
+
+def test_paged_prefill_kernel_with_fp8_cache_compiles_for_sm90() -> None:
+    sig = dict(
+        _paged_signature("*fp8e4nv"), qk_scale="fp32", v_scale="fp32", num_seqs="i32",
+        **{s: "i32" for s in _PAGED_STRIDES},
+    )  # fmt: skip
+    asm = compile_sm90(
+        "paged_prefill", sig,
+        {"GROUP": 4, "GROUP_PAD": 4, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128, "BLOCK_SIZE": 16, "BLOCK_M": 64,
+         "BLOCK_N": 64, "DOT_PRECISION": "tf32"},
+    )  # fmt: skip
+    assert "cubin" in asm and "ptx converts e4m3" in asm
+
+
+@pytest.mark.parametrize("cache,fp8", [("*fp8e4nv", True), ("*bf16", False)])
+def test_rotary_kv_kernel_compiles_for_sm90(cache: str, fp8: bool) -> None:
+    strides = ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_cos",
+               "stride_kcb", "stride_kch", "stride_kct", "stride_vcb", "stride_vch", "stride_vct", "stride_ot",
+               "stride_oh")  # fmt: skip
+    sig = {
+        "positions_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "cos_sin_ptr": "*fp32",
+        "k_cache_ptr": cache, "v_cache_ptr": cache, "slot_mapping_ptr": "*i64", "q_out_ptr": "*bf16",
+        "k_inv_scale": "fp32", "v_inv_scale": "fp32", **{s: "i32" for s in strides},
+    }  # fmt: skip
+    asm = compile_sm90(
+        "rotary_kv", sig,
+        {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HEADS_PAD": 32, "KV_HEADS_PAD": 8, "HEAD_DIM": 128,
+         "HEAD_DIM_PAD": 128, "ROTARY_DIM": 128, "BLOCK_SIZE": 16, "KV_FP8": fp8},
+    )  # fmt: skip
+    assert "cubin" in asm
+    assert ("ptx converts e4m3" in asm) == fp8

@@ -1,0 +1,129 @@
+"""FP8 KV cache against the bf16 KV cache on one GPU, in the same run (issue 10): W1 and W6 of a
+Llama-3-8B-shaped engine with random bf16 weights, built twice (--kv-cache-dtype auto and fp8).
+
+Each variant is built with --load-format dummy and a short tune budget (the decode and prefill
+attention kernels are tuned first, on caches of the variant's KV dtype), then measured by
+benchmarks/serving.py's W1 and W6 phases in a fresh process (one engine holds most of the GPU's
+memory), so the figures are exactly the ones serving.py reports.
+
+    python benchmarks/kvcache.py --out OUTDIR [--variants bf16,fp8] [--tune-budget 60]
+
+About 7-8 minutes on an H200 with the defaults (two builds of ~1.5 min, two engines of ~2 min).
+Artifacts are kept in OUTDIR and reused. Prints a table at the end (fp8 / bf16 ratios and the
+issue's targets: W6 >= 24,000 and W1 >= 11,500 output tok/s with the fp8 cache) and one JSON
+line per figure (also in OUTDIR/kvcache.jsonl).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from serving import LLAMA3_8B
+
+VARIANTS = {"bf16": "auto", "fp8": "fp8"}
+TARGETS = {"W1_output_tok_s": 11500.0, "W6_output_tok_s": 24000.0}
+
+
+def record(out: Path, **row: object) -> dict[str, object]:
+    line = json.dumps(row)
+    print(line, flush=True)
+    with open(out / "kvcache.jsonl", "a") as f:
+        f.write(line + "\n")
+    return row
+
+
+def build(out: Path, variant: str, max_model_len: int, tune_budget: float) -> Path:
+    """The variant's artifact (built once; an existing one is reused)."""
+    from pagecast.builder.ir import BuildOptions
+    from pagecast.builder.pipeline import build as run_build
+
+    artifact = out / f"llama3-8b-kv-{variant}"
+    if (artifact / "manifest.json").is_file():
+        return artifact
+    cfg_dir = out / "llama3-8b-config"
+    cfg_dir.mkdir(parents=True, exist_ok=True)
+    (cfg_dir / "config.json").write_text(json.dumps(LLAMA3_8B))
+    start = time.perf_counter()
+    run_build(
+        BuildOptions(model=str(cfg_dir), output=artifact, gpu="auto", load_format="dummy", max_model_len=max_model_len,
+                     tune_budget_s=tune_budget, force=True, quiet=True, max_num_seqs=1024,
+                     kv_cache_dtype=VARIANTS[variant]),
+        log=lambda line: print(f"  build {variant}", line, flush=True),
+    )  # fmt: skip
+    record(out, variant=variant, figure="enginebuild_seconds", value=round(time.perf_counter() - start, 1))
+    return artifact
+
+
+def measure(out: Path, variant: str, artifact: Path) -> list[dict[str, object]]:
+    """serving.py's W1 and W6 phases on this artifact, in a fresh process; its JSON lines back."""
+    vdir = out / variant
+    vdir.mkdir(parents=True, exist_ok=True)
+    (vdir / "serving.jsonl").unlink(missing_ok=True)
+    code = (
+        "import sys; from pathlib import Path; sys.path.insert(0, 'benchmarks'); import serving; "
+        f"serving.phase_ours(Path({str(vdir)!r}), Path({str(artifact)!r}), {{'W1', 'W6'}})"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], check=False, cwd=Path(__file__).parent.parent)
+    rows = []
+    if (vdir / "serving.jsonl").is_file():
+        rows = [json.loads(line) for line in (vdir / "serving.jsonl").read_text().splitlines() if line.strip()]
+    if proc.returncode != 0:
+        rows.append({"figure": "engine_failed", "value": f"exit {proc.returncode}"})
+    return [record(out, variant=variant, **r) for r in rows]
+
+
+def main() -> None:
+    import torch
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path("bench-kvcache"))
+    ap.add_argument("--variants", default="bf16,fp8")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--tune-budget", type=float, default=60.0)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; choose from {sorted(VARIANTS)}")
+    record(args.out, figure="machine", value=torch.cuda.get_device_name(0), torch=torch.__version__,
+           date=time.strftime("%Y-%m-%d"), commit=os.environ.get("PAGECAST_COMMIT", "unknown"))  # fmt: skip
+    results: dict[str, dict[str, object]] = {}
+    started = time.perf_counter()
+    for variant in variants:
+        artifact = build(args.out, variant, args.max_model_len, args.tune_budget)
+        plan = json.loads((artifact / "memory_plan.json").read_text())
+        record(args.out, variant=variant, figure="kv_bytes_per_token", value=plan["bytes_per_token"],
+               kv_cache_dtype=plan.get("kv_cache_dtype"))  # fmt: skip
+        results[variant] = {r["figure"]: r for r in measure(args.out, variant, artifact)}  # type: ignore[misc]
+    record(args.out, figure="total_seconds", value=round(time.perf_counter() - started, 1))
+
+    def value(variant: str, figure: str) -> float | None:
+        v = results.get(variant, {}).get(figure, {}).get("value")  # type: ignore[union-attr]
+        return v if isinstance(v, (int, float)) else None
+
+    print("\n| KV cache | KV tokens | W1 (tok/s) | W1 / bf16 | W6 (tok/s) | W6 / bf16 | W1 >= 11,500 | W6 >= 24,000 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for variant, figures in results.items():
+        init = figures.get("engine_init_seconds", {})
+        row = [variant, f"{init.get('kv_tokens', '-'):,}" if isinstance(init.get("kv_tokens"), int) else "-"]
+        for figure in ("W1_output_tok_s", "W6_output_tok_s"):
+            ours, base = value(variant, figure), value("bf16", figure)
+            ratio = ours / base if ours and base else None
+            row += [f"{ours:,.0f}" if ours else "-", f"{ratio:.3f}" if ratio else "-"]
+            if ratio and variant != "bf16":
+                record(args.out, variant=variant, figure=f"{figure.split('_')[0]}_ratio_to_bf16_kv", value=round(ratio, 4))
+        row += [("yes" if (value(variant, f) or 0) >= t else "no") for f, t in TARGETS.items()]
+        print("| " + " | ".join(row) + " |")
+
+
+if __name__ == "__main__":
+    main()
