@@ -282,7 +282,7 @@ def race(
     tokens = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
     if rows == 0:
         return torch.empty(0, dtype=torch.int64, device=logits.device)
-    prefix = scores  # a placeholder pointer when there is no tie group to place
+    prefix = tokens  # an int32 placeholder when there is no tie group to place (TIES off)
     if tie_counts is not None:
         counts = tie_counts.to(torch.int32)
         prefix = (counts.cumsum(1, dtype=torch.int32) - counts).contiguous()

@@ -1,9 +1,14 @@
 """The sampler: turns one row of logits per request into the next token, and reports logprobs.
 
-Everything is vectorised over the batch (the GPU engine samples 256 rows a step): per-row
-parameters become ``[num_rows, 1]`` tensors, greedy rows share one argmax, and the penalty and
-truncation work (one sort of the sampled rows) only happens when some row asks for it. The only
-Python loops run over rows, never over the vocabulary.
+Everything is vectorised over the batch (the GPU engine samples 512 rows a step): per-row
+parameters become ``[num_rows]`` tensors, greedy rows share one argmax, and the penalty and
+truncation work only happens when some row asks for it. The only Python loops run over rows,
+never over the vocabulary. A row of logits is read a few times, never copied unless masks or
+penalties change it: truncation is a ``topk`` plus arithmetic on the candidates that yields a
+per-row cutoff (``truncation.py``), and one Triton kernel applies temperature, the cutoff and
+min-p, draws the noise and runs the race as it streams the row (``kernels/sampling.py``);
+logprobs are one more streaming pass (max, sum of exponentials, rank) and a ``topk``. On the
+CPU the same steps run their torch references (``kernels/reference.py``).
 
 Semantics follow the references users compare against:
 
@@ -14,12 +19,15 @@ Semantics follow the references users compare against:
 - temperature, top-k, top-p and min-p are transformers' warpers of the same names, applied in
   that order, each to the output of the previous one.
 
-Sampling is an exponential race: ``argmax(probs / E)`` with ``E ~ Exp(1)`` picks token ``i``
-with probability ``probs[i] / sum(probs)`` and needs no normalisation after masking. A seeded
-row's noise is keyed: a pure function of (the request's seed, the index of the output token
-being sampled, the column), computed for all seeded rows of a step in one launch
-(``kernels/keyed_noise.py``), so a seeded request gives the same tokens whatever else is in the
-batch, in either scheduling mode and after a preemption.
+Sampling is an exponential race: ``argmax(p / E)`` with ``E ~ Exp(1)`` and
+``p = exp(x - max x)`` over the kept tokens picks token ``i`` with probability
+``p[i] / sum(p)`` and needs no normalisation after masking (min-p compares ``p`` itself, the
+probability relative to the most likely token's, with ``min_p``). Among tokens tied at a
+truncation boundary the lowest ids are dropped first. A seeded row's noise is keyed: a pure
+function of (the request's seed, the index of the output token being sampled, the column), the
+stream of ``kernels/keyed_noise.py``, so a seeded request gives the same tokens whatever else is
+in the batch, in either scheduling mode and after a preemption. On a GPU the race kernel draws
+that noise itself, for unseeded rows from a key drawn on the device each step.
 
 Until a request has ``min_tokens`` output tokens, its stop token ids and (unless
 ``ignore_eos``) the end-of-sequence ids are masked, as transformers' ``MinNewTokensLogitsProcessor``
