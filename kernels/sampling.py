@@ -243,12 +243,15 @@ def num_splits(vocab: int, chunks: int = CHUNKS) -> int:
     return max(1, triton.cdiv(triton.cdiv(vocab, CHUNK), chunks))
 
 
-def _check_logits(logits: torch.Tensor, rows_like: dict[str, torch.Tensor]) -> None:
-    if logits.dim() != 2 or logits.stride(1) != 1:
-        raise ValueError(f"logits must be [rows, vocab] with contiguous rows; got shape {tuple(logits.shape)}")
+def _check_logits(logits: torch.Tensor, rows_like: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``logits`` with unit column stride (any row stride: a row slice of a wider tensor is
+    read in place), after checking the per-row tensors' shapes."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [rows, vocab]; got shape {tuple(logits.shape)}")
     for name, t in rows_like.items():
         if t.shape != (logits.shape[0],):
             raise ValueError(f"{name} must be [rows] = [{logits.shape[0]}]; got {tuple(t.shape)}")
+    return logits if logits.stride(1) == 1 else logits.contiguous()
 
 
 def race(
@@ -271,9 +274,9 @@ def race(
     only when some row has ``tie_drop > 0``: it places each split within the row's tie group.
     Per-row tensors are fp32 except ``cut_token``, ``tie_drop``, ``keys`` and ``offsets``
     (int64)."""
-    _check_logits(logits, {"temperature": temperature, "cut_value": cut_value, "cut_token": cut_token,
-                           "tie_drop": tie_drop, "row_max": row_max, "min_p": min_p, "keys": keys,
-                           "offsets": offsets})  # fmt: skip
+    logits = _check_logits(logits, {"temperature": temperature, "cut_value": cut_value, "cut_token": cut_token,
+                                    "tie_drop": tie_drop, "row_max": row_max, "min_p": min_p, "keys": keys,
+                                    "offsets": offsets})  # fmt: skip
     rows, vocab = logits.shape
     splits = num_splits(vocab, chunks)
     if tie_counts is not None and tie_counts.shape != (rows, splits):
@@ -303,7 +306,7 @@ def count_ties(
 ) -> torch.Tensor:
     """Per row and split, how many columns have ``logits / temperature == value`` (``[rows,
     num_splits(vocab, chunks)]`` int32; rows not ``wanted`` give 0 without being read)."""
-    _check_logits(logits, {"temperature": temperature, "value": value, "wanted": wanted})
+    logits = _check_logits(logits, {"temperature": temperature, "value": value, "wanted": wanted})
     rows, vocab = logits.shape
     splits = num_splits(vocab, chunks)
     counts = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
@@ -321,7 +324,7 @@ def logprob_stats(
     """Per row and split ``[rows, splits]``: the max logit, ``sum(exp(logit - max))`` and the
     number of logits strictly greater than ``scored`` ([rows] fp32); see
     ``reference.logprob_stats``, which gives the same with one split."""
-    _check_logits(logits, {"scored": scored})
+    logits = _check_logits(logits, {"scored": scored})
     rows, vocab = logits.shape
     splits = num_splits(vocab, chunks)
     maxes = torch.empty(rows, splits, dtype=torch.float32, device=logits.device)
