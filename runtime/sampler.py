@@ -310,10 +310,18 @@ def _sample_rows(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     Truncation becomes a per-row cutoff (``truncation.from_topk``: a ``topk`` and arithmetic on
     the candidates), and the race applies it, temperature and min-p while it reads each row
     once (``race``). Rows that ask for top-p without top-k, or a top_k above
-    ``_TOP_K_FAST_MAX``, take a full sort that masks a copy of the logits instead."""
+    ``_TOP_K_FAST_MAX``, take a full sort that masks a copy of their logits instead; in a batch
+    that mixes both, only those rows are sorted."""
     vocab = logits.shape[1]
     device = logits.device
     params = [r.sampling_params for r in requests]
+    sort = [(p.top_p < 1.0 and not 0 < p.top_k < vocab) or _TOP_K_FAST_MAX < p.top_k < vocab for p in params]
+    if any(sort) and not all(sort):
+        token_ids = torch.empty(len(requests), dtype=torch.int64, device=device)
+        for part in ([i for i, s in enumerate(sort) if s], [i for i, s in enumerate(sort) if not s]):
+            rows = to_device(part, device, torch.int64)
+            token_ids.index_copy_(0, rows, _sample_rows(logits[rows], [requests[i] for i in part]))
+        return token_ids
     per_row = to_device([[p.temperature, p.min_p] for p in params], device, torch.float32)
     temperature, min_p = per_row[:, 0], per_row[:, 1]
 
@@ -323,7 +331,7 @@ def _sample_rows(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     if not any(truncated):
         # max(logits / t) = max(logits) / t: the division is monotone and rounds the same.
         cutoffs = Cutoffs.keep_all(logits.amax(dim=1).float() / temperature)
-    elif all(k < vocab and k <= _TOP_K_FAST_MAX for k, cut in zip(top_k, truncated) if cut):
+    elif not any(sort):
         cutoffs = truncation.from_topk(logits, temperature, top_k, top_p)
     else:
         x = logits.float() / temperature[:, None]
