@@ -51,16 +51,22 @@ def _reason(exc: BaseException) -> str:
     return text.replace("Check failed: (error.empty()) is false: ", "")
 
 
+def _check(what: str, compile_grammar: Callable[[], Any]) -> None:
+    """Raise ``ValueError("structured_output the WHAT cannot be compiled: ...")`` when xgrammar
+    refuses it; the library reports every problem as RuntimeError, so any exception counts."""
+    try:
+        compile_grammar()
+    except Exception as exc:  # noqa: BLE001
+        raise ValueError(f"structured_output the {what} cannot be compiled: {_reason(exc)}") from None
+
+
 @functools.lru_cache(maxsize=256)
 def check_json_schema(schema: str) -> None:
     """Raise ``ValueError("structured_output ...")`` when xgrammar cannot compile ``schema`` (JSON
     text); cached, so a schema sent again costs a dictionary look-up."""
     import xgrammar
 
-    try:
-        xgrammar.Grammar.from_json_schema(schema, **_COMPILE_OPTIONS)
-    except Exception as exc:  # noqa: BLE001 - the library reports every schema problem as RuntimeError
-        raise ValueError(f"structured_output the JSON schema cannot be compiled: {_reason(exc)}") from None
+    _check("JSON schema", lambda: xgrammar.Grammar.from_json_schema(schema, **_COMPILE_OPTIONS))
 
 
 @functools.lru_cache(maxsize=256)
@@ -68,10 +74,7 @@ def check_regex(pattern: str) -> None:
     """Raise ``ValueError("structured_output ...")`` when xgrammar cannot compile ``pattern``."""
     import xgrammar
 
-    try:
-        xgrammar.Grammar.from_regex(pattern)
-    except Exception as exc:  # noqa: BLE001 - the library reports every problem as RuntimeError
-        raise ValueError(f"structured_output the regex cannot be compiled: {_reason(exc)}") from None
+    _check("regex", lambda: xgrammar.Grammar.from_regex(pattern))
 
 
 @functools.lru_cache(maxsize=256)
@@ -79,10 +82,7 @@ def check_grammar(ebnf: str) -> None:
     """Raise ``ValueError("structured_output ...")`` when xgrammar cannot parse ``ebnf``."""
     import xgrammar
 
-    try:
-        xgrammar.Grammar.from_ebnf(ebnf)
-    except Exception as exc:  # noqa: BLE001 - the library reports every problem as RuntimeError
-        raise ValueError(f"structured_output the grammar cannot be compiled: {_reason(exc)}") from None
+    _check("grammar", lambda: xgrammar.Grammar.from_ebnf(ebnf))
 
 
 _EBNF_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
