@@ -303,3 +303,60 @@ def keyed_exponential(keys: torch.Tensor, offsets: torch.Tensor, vocab: int) -> 
     words = words.reshape(4, rows, num_blocks, PHILOX_GROUP).transpose(1, 2, 0, 3).reshape(rows, -1)[:, :vocab]
     u = ((words >> np.uint32(9)) * np.uint32(2) + np.uint32(1)).astype(np.float32) * np.float32(2.0**-24)
     return torch.from_numpy(-np.log(u)).to(keys.device)
+
+
+# --- sampling and logprobs (kernels/sampling.py) ---------------------------------------------
+
+
+def truncation_keep(x: torch.Tensor, cut_value: torch.Tensor, cut_token: torch.Tensor, tie_drop: torch.Tensor) -> torch.Tensor:
+    """The tokens a per-row truncation cutoff keeps (``[rows, vocab]`` bool), on ``x`` (the
+    logits after temperature): a token is kept when its ``x`` is above ``cut_value``, or equal to
+    it, with an id of at least ``cut_token`` and at least ``tie_drop`` tokens of that value
+    before it (those tied at the cutoff go lowest id first). ``cut_value`` -inf keeps every token.
+    Per-row arguments are ``[rows]``."""
+    at = x == cut_value[:, None]
+    ids = torch.arange(x.shape[1], device=x.device)
+    tie_index = at.cumsum(dim=1) - at.long()  # tokens of the cutoff value at lower ids
+    return (x > cut_value[:, None]) | (at & (ids >= cut_token[:, None]) & (tie_index >= tie_drop[:, None]))
+
+
+def race(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    cut_value: torch.Tensor,
+    cut_token: torch.Tensor,
+    tie_drop: torch.Tensor,
+    row_max: torch.Tensor,
+    min_p: torch.Tensor,
+    noise: torch.Tensor,
+) -> torch.Tensor:
+    """The sampled token of each row ([rows] int64): an exponential race ``argmax(p / noise)``.
+
+    ``x = logits / temperature`` (fp32), ``p = exp(x - row_max)`` for the tokens
+    ``truncation_keep`` keeps and whose ``p`` is at least ``min_p`` (min-p: ``p`` is the
+    probability relative to the most likely token's), none for the others; ``noise`` is
+    ``[rows, vocab]`` Exp(1), e.g. ``keyed_exponential``. Equal scores go to the lowest id.
+    Per-row arguments are ``[rows]``."""
+    x = logits.float() / temperature[:, None]
+    p = torch.exp(x - row_max[:, None])
+    keep = truncation_keep(x, cut_value, cut_token, tie_drop) & (p >= min_p[:, None])
+    # A draw of exactly 0 (torch's generator can make one) would turn 0 / 0 into nan.
+    score = torch.where(keep, p / noise.clamp_min(torch.finfo(torch.float32).tiny), -1.0)
+    return score.argmax(dim=1)
+
+
+def count_ties(logits: torch.Tensor, temperature: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``[rows, 1]`` int32: how many tokens of each row have ``logits / temperature == value``."""
+    x = logits.float() / temperature[:, None]
+    return (x == value[:, None]).sum(dim=1, keepdim=True, dtype=torch.int32)
+
+
+def logprob_stats(logits: torch.Tensor, scored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[rows, 1]`` each: the max logit, ``sum(exp(logit - max))`` and the number of logits
+    strictly greater than ``scored`` ([rows] fp32, the scored token's logit). The logprob of a
+    token is ``(logit - max) - log(sum)``, its rank ``1 + greater``."""
+    x = logits.float()
+    m = x.amax(dim=1, keepdim=True)
+    total = torch.exp(x - m).sum(dim=1, keepdim=True)
+    greater = (x > scored[:, None]).sum(dim=1, keepdim=True, dtype=torch.int32)
+    return m, total, greater

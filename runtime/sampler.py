@@ -1,9 +1,14 @@
 """The sampler: turns one row of logits per request into the next token, and reports logprobs.
 
-Everything is vectorised over the batch (the GPU engine samples 256 rows a step): per-row
-parameters become ``[num_rows, 1]`` tensors, greedy rows share one argmax, and the penalty and
-truncation work (one sort of the sampled rows) only happens when some row asks for it. The only
-Python loops run over rows, never over the vocabulary.
+Everything is vectorised over the batch (the GPU engine samples 512 rows a step): per-row
+parameters become ``[num_rows]`` tensors, greedy rows share one argmax, and the penalty and
+truncation work only happens when some row asks for it. The only Python loops run over rows,
+never over the vocabulary. A row of logits is read a few times, never copied unless masks or
+penalties change it: truncation is a ``topk`` plus arithmetic on the candidates that yields a
+per-row cutoff (``truncation.py``), and one Triton kernel applies temperature, the cutoff and
+min-p, draws the noise and runs the race as it streams the row (``kernels/sampling.py``);
+logprobs are one more streaming pass (max, sum of exponentials, rank) and a ``topk``. On the
+CPU the same steps run their torch references (``kernels/reference.py``).
 
 Semantics follow the references users compare against:
 
@@ -14,12 +19,15 @@ Semantics follow the references users compare against:
 - temperature, top-k, top-p and min-p are transformers' warpers of the same names, applied in
   that order, each to the output of the previous one.
 
-Sampling is an exponential race: ``argmax(probs / E)`` with ``E ~ Exp(1)`` picks token ``i``
-with probability ``probs[i] / sum(probs)`` and needs no normalisation after masking. A seeded
-row's noise is keyed: a pure function of (the request's seed, the index of the output token
-being sampled, the column), computed for all seeded rows of a step in one launch
-(``kernels/keyed_noise.py``), so a seeded request gives the same tokens whatever else is in the
-batch, in either scheduling mode and after a preemption.
+Sampling is an exponential race: ``argmax(p / E)`` with ``E ~ Exp(1)`` and
+``p = exp(x - max x)`` over the kept tokens picks token ``i`` with probability
+``p[i] / sum(p)`` and needs no normalisation after masking (min-p compares ``p`` itself, the
+probability relative to the most likely token's, with ``min_p``). Among tokens tied at a
+truncation boundary the lowest ids are dropped first. A seeded row's noise is keyed: a pure
+function of (the request's seed, the index of the output token being sampled, the column), the
+stream of ``kernels/keyed_noise.py``, so a seeded request gives the same tokens whatever else is
+in the batch, in either scheduling mode and after a preemption. On a GPU the race kernel draws
+that noise itself, for unseeded rows from a key drawn on the device each step.
 
 Until a request has ``min_tokens`` output tokens, its stop token ids and (unless
 ``ignore_eos``) the end-of-sequence ids are masked, as transformers' ``MinNewTokensLogitsProcessor``
@@ -43,9 +51,11 @@ from dataclasses import dataclass
 import torch
 
 from pagecast.kernels import reference
+from pagecast.runtime import truncation
 from pagecast.runtime.outputs import Logprob, PositionLogprobs
 from pagecast.runtime.request import Request
 from pagecast.runtime.transfer import to_device
+from pagecast.runtime.truncation import Cutoffs
 
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows to inf/nan.
 _SAMPLING_EPS = 1e-5
@@ -120,14 +130,17 @@ def sample_token_ids(
     ``token_bitmask`` (structured output) rules out, on its rows only, every token its grammar
     does not allow next; the other rows are left exactly as they are."""
     device = logits.device
-    # Work in fp32: bf16 has too few mantissa bits for top-p cumulative sums and penalties.
-    # Every step below is out of place, so the caller's logits (and the raw logprobs) survive.
-    work = _mask_stop_tokens(logits.float(), requests)
+    # The logits are read as they are (bf16 values are exact in fp32, and the kernels and the
+    # truncation work in fp32); only masks and penalties make an fp32 copy, since bf16 has too
+    # few mantissa bits for penalties. Every step below is out of place, so the caller's logits
+    # (and the raw logprobs) survive.
+    work = _mask_stop_tokens(logits, requests)
     if token_bitmask is not None:
         from pagecast.runtime.structured_output import apply_bitmask
 
         constrained, bitmask = token_bitmask
         rows = to_device(constrained, device, torch.int64)
+        work = work.float()
         masked = work[rows]  # a copy: masked in place, then put back out of place
         apply_bitmask(masked, bitmask)
         work = work.index_copy(0, rows, masked)
@@ -136,21 +149,21 @@ def sample_token_ids(
     if penalised:
         chosen = [requests[i] for i in penalised]
         seen, counts = (penalty_inputs or host_penalty_inputs)(chosen, work.shape[1], device)
+        work = work.float()
         if len(penalised) == len(requests):
             work = _penalise(work, seen, counts, chosen)
         else:
             rows = to_device(penalised, device, torch.int64)
             work = work.index_copy(0, rows, _penalise(work[rows], seen, counts, chosen))
 
-    token_ids = work.argmax(dim=-1)
     sampled = [i for i, r in enumerate(requests) if r.sampling_params.temperature >= _SAMPLING_EPS]
+    if len(sampled) == len(requests):
+        return _sample_rows(work, requests)
+    token_ids = work.argmax(dim=-1)  # greedy (the first of equal maxima, in any dtype)
     if sampled:
-        if len(sampled) == len(requests):
-            token_ids = _sample_rows(work, requests)
-        else:
-            rows = to_device(sampled, device)
-            picked = _sample_rows(work[rows], [requests[i] for i in sampled])
-            token_ids = token_ids.index_copy(0, rows, picked)
+        rows = to_device(sampled, device)
+        picked = _sample_rows(work[rows], [requests[i] for i in sampled])
+        token_ids = token_ids.index_copy(0, rows, picked)
     return token_ids
 
 
@@ -188,7 +201,8 @@ def prompt_logprob_tensors(logits: torch.Tensor, targets: torch.Tensor, num_top:
 
 def _mask_stop_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """``-inf`` for the stop token ids (and end-of-sequence ids unless ``ignore_eos``) of rows
-    whose request has fewer than ``min_tokens`` output tokens, counting those still pending."""
+    whose request has fewer than ``min_tokens`` output tokens, counting those still pending
+    (an fp32 copy; ``logits`` itself when no row needs it)."""
     rows: list[int] = []
     cols: list[int] = []
     vocab = logits.shape[1]
@@ -206,7 +220,7 @@ def _mask_stop_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Te
     index = (to_device(rows, logits.device, torch.int64), to_device(cols, logits.device, torch.int64))
     # The values are filled on the device: a tensor made from a host scalar would be a
     # pageable copy, which may wait for the step in flight.
-    return logits.index_put(index, torch.full((len(rows),), float("-inf"), device=logits.device))
+    return logits.float().index_put(index, torch.full((len(rows),), float("-inf"), device=logits.device))
 
 
 # --- penalties -------------------------------------------------------------------------------
@@ -285,52 +299,103 @@ def _penalise(logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor, re
 
 # --- sampling --------------------------------------------------------------------------------
 
+# With every row's top_k at most this, truncation starts from ``topk`` instead of a full sort of
+# the vocabulary (a [512, 128k] sort costs several milliseconds of a ~30 ms decode step).
+_TOP_K_FAST_MAX = 1024
+
 
 def _sample_rows(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p, then an exponential race; every row samples."""
+    """Temperature, top-k, top-p, min-p, then an exponential race; every row samples.
+
+    Truncation becomes a per-row cutoff (``truncation.from_topk``: a ``topk`` and arithmetic on
+    the candidates), and the race applies it, temperature and min-p while it reads each row
+    once (``race``). Rows that ask for top-p without top-k, or a top_k above
+    ``_TOP_K_FAST_MAX``, take a full sort that masks a copy of their logits instead; in a batch
+    that mixes both, only those rows are sorted."""
     vocab = logits.shape[1]
     device = logits.device
     params = [r.sampling_params for r in requests]
-
-    temperature = to_device([p.temperature for p in params], device).unsqueeze(1)
-    logits = logits / temperature
+    sort = [(p.top_p < 1.0 and not 0 < p.top_k < vocab) or _TOP_K_FAST_MAX < p.top_k < vocab for p in params]
+    if any(sort) and not all(sort):
+        token_ids = torch.empty(len(requests), dtype=torch.int64, device=device)
+        for part in ([i for i, s in enumerate(sort) if s], [i for i, s in enumerate(sort) if not s]):
+            rows = to_device(part, device, torch.int64)
+            token_ids.index_copy_(0, rows, _sample_rows(logits[rows], [requests[i] for i in part]))
+        return token_ids
+    per_row = to_device([[p.temperature, p.min_p] for p in params], device, torch.float32)
+    temperature, min_p = per_row[:, 0], per_row[:, 1]
 
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     top_p = [p.top_p for p in params]
-    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
-        logits = _top_k_top_p(logits, top_k, top_p)
+    truncated = [k < vocab or p < 1.0 for k, p in zip(top_k, top_p)]
+    if not any(truncated):
+        # max(logits / t) = max(logits) / t: the division is monotone and rounds the same.
+        cutoffs = Cutoffs.keep_all(logits.amax(dim=1).float() / temperature)
+    elif not any(sort):
+        cutoffs = truncation.from_topk(logits, temperature, top_k, top_p)
+    else:
+        x = logits.float() / temperature[:, None]
+        logits = _top_k_top_p_sorted(x, top_k, top_p)  # already divided: the race uses t = 1
+        temperature = torch.ones_like(temperature)
+        cutoffs = Cutoffs.keep_all(x.amax(dim=1))
+    return _race(logits, temperature, cutoffs, min_p, requests)
 
-    probs = logits.softmax(dim=-1)
-    min_p = [p.min_p for p in params]
-    if any(m > 0.0 for m in min_p):
-        # MinPLogitsWarper: drop tokens below min_p x the top probability (after temperature).
-        # The top token always survives since min_p <= 1. No renormalisation: the race below is
-        # invariant to scaling a row.
-        threshold = to_device(min_p, device).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
-        probs = probs.masked_fill(probs < threshold, 0.0)
 
-    noise = _exponential_noise(requests, probs)
-    # An exponential draw of exactly 0 would turn a masked token's 0 / 0 into nan, which argmax
-    # would pick; the tiny floor keeps masked tokens at 0 and changes nothing else.
-    noise.clamp_min_(torch.finfo(torch.float32).tiny)
-    return (probs / noise).argmax(dim=-1)
+def _race(
+    logits: torch.Tensor, temperature: torch.Tensor, cutoffs: Cutoffs, min_p: torch.Tensor, requests: list[Request]
+) -> torch.Tensor:
+    """``reference.race`` on the truncated rows: in one kernel on a GPU, with every row's noise
+    keyed (seeded rows by their seed, the others by a key drawn on the device each step, so
+    nothing waits for the host); in torch elsewhere, where unseeded rows draw from torch's
+    generator."""
+    if truncation.use_kernels(logits):
+        from pagecast.kernels.sampling import race
+
+        keys, offsets = _noise_keys(requests, logits.device)
+        return race(
+            logits, temperature, cutoffs.value, cutoffs.token, cutoffs.tie_drop, cutoffs.tie_counts, cutoffs.row_max,
+            min_p, keys, offsets,
+        )  # fmt: skip
+    noise = _exponential_noise(requests, logits)
+    return reference.race(logits, temperature, cutoffs.value, cutoffs.token, cutoffs.tie_drop, cutoffs.row_max, min_p, noise)
+
+
+def _noise_offsets(requests: list[Request]) -> list[int]:
+    # The index of the output token being sampled: the same for a request whatever the batch,
+    # the scheduling mode (pending tokens are sampled but not booked yet) or a preemption.
+    return [r.num_output_tokens + r.num_pending_tokens for r in requests]
+
+
+def _noise_keys(requests: list[Request], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's noise key and offset ([rows] int64): the seed's key and the output index for
+    seeded rows, a fresh random key (from torch's generator on ``device``) for the others."""
+    seeded = [i for i, r in enumerate(requests) if r.seed_key is not None]
+    chosen = [requests[i] for i in seeded]
+    if len(seeded) == len(requests):
+        keys_offsets = to_device([[r.seed_key for r in chosen], _noise_offsets(chosen)], device, torch.int64)
+        return keys_offsets[0], keys_offsets[1]
+    keys = torch.empty(len(requests), dtype=torch.int64, device=device).random_()
+    offsets = torch.zeros(len(requests), dtype=torch.int64, device=device)
+    if seeded:
+        rows_keys_offsets = to_device([seeded, [r.seed_key for r in chosen], _noise_offsets(chosen)], device, torch.int64)
+        keys = keys.index_copy(0, rows_keys_offsets[0], rows_keys_offsets[1])
+        offsets = offsets.index_copy(0, rows_keys_offsets[0], rows_keys_offsets[2])
+    return keys, offsets
 
 
 def _exponential_noise(requests: list[Request], like: torch.Tensor) -> torch.Tensor:
-    """Exp(1) noise shaped like ``like``: the device's generator for unseeded rows, keyed noise
-    for seeded rows (all of them in one launch)."""
+    """Exp(1) noise ``[rows, vocab]`` fp32 for ``like`` (the CPU path): the generator for
+    unseeded rows, keyed noise for seeded rows (all of them at once)."""
     seeded = [i for i, r in enumerate(requests) if r.seed_key is not None]
     if not seeded:
-        return torch.empty_like(like).exponential_()
+        return torch.empty(like.shape, dtype=torch.float32, device=like.device).exponential_()
     device = like.device
     keys = to_device([requests[i].seed_key for i in seeded], device, torch.int64)
-    # The index of the output token being sampled: the same for a request whatever the batch,
-    # the scheduling mode (pending tokens are sampled but not booked yet) or a preemption.
-    offsets = to_device([requests[i].num_output_tokens + requests[i].num_pending_tokens for i in seeded], device, torch.int64)
+    offsets = to_device(_noise_offsets([requests[i] for i in seeded]), device, torch.int64)
     keyed = keyed_exponential(keys, offsets, like.shape[1])
     if len(seeded) == len(requests):
         return keyed
-    noise = torch.empty_like(like).exponential_()
+    noise = torch.empty(like.shape, dtype=torch.float32, device=device).exponential_()
     return noise.index_copy_(0, to_device(seeded, device, torch.int64), keyed)
 
 
@@ -342,59 +407,6 @@ def keyed_exponential(keys: torch.Tensor, offsets: torch.Tensor, vocab: int) -> 
 
         return kernel(keys, offsets, vocab)
     return reference.keyed_exponential(keys, offsets, vocab)
-
-
-# With every row's top_k at most this, truncation starts from ``topk`` instead of a full sort of
-# the vocabulary (a [512, 128k] sort costs several milliseconds of a ~30 ms decode step).
-_TOP_K_FAST_MAX = 1024
-
-
-def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """TopKLogitsWarper then TopPLogitsWarper with per-row k and p."""
-    vocab = logits.shape[1]
-    if max(top_k) <= _TOP_K_FAST_MAX < vocab:
-        return _top_k_top_p_from_topk(logits, top_k, top_p)
-    return _top_k_top_p_sorted(logits, top_k, top_p)
-
-
-def _top_k_top_p_from_topk(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Truncation when every row has a small top_k: only the K = max(top_k) best tokens of each
-    row are sorted (``topk``), since top-p only ever looks at what top-k kept.
-
-    Tokens tied with a row's k-th value are kept by top-k, as transformers keeps them. Those tied
-    tokens that fall outside the K best come first in ascending order (they are the smallest
-    kept values, all equal): top-p removes as many of them as a full sort would. Probabilities
-    are summed over the kept tokens only, so they may differ from the full sort's in the last
-    bit.
-    """
-    device = logits.device
-    k = to_device(top_k, device, torch.int64).unsqueeze(1)
-    top_values, top_ids = logits.topk(max(top_k), dim=-1)  # [rows, K], descending
-    kth_value = top_values.gather(1, k - 1)
-    remove_top = top_values < kth_value  # [rows, K]: dropped by top-k
-    remove = logits < kth_value
-    if any(p < 1.0 for p in top_p):
-        # The kept values in ascending order, preceded by the group of kth-valued tokens
-        # outside the K best (weight = their count: usually 0).
-        outside = (logits == kth_value).sum(dim=-1, keepdim=True) - (top_values == kth_value).sum(dim=-1, keepdim=True)
-        values = torch.cat([kth_value, top_values.masked_fill(remove_top, float("-inf")).flip(1)], dim=1)
-        weights = torch.cat([outside.float(), torch.ones_like(top_values)], dim=1)
-        probs = weights * torch.exp(values - top_values[:, :1])
-        cumulative = (probs / probs.sum(dim=-1, keepdim=True)).cumsum(dim=-1)
-        p = to_device(top_p, device).unsqueeze(1)
-        # Rows with p = 1 only lose tokens of probability exactly 0, which can never be sampled.
-        nucleus_out = cumulative <= (1 - p)
-        remove_top = remove_top | nucleus_out[:, 1:].flip(1)
-        # The group's tokens j = 1..outside have cumulative j * q: the first (1 - p) / q of them
-        # go, as in a full sort (which equal tokens those are is arbitrary there; here the
-        # lowest ids).
-        q = cumulative[:, :1] / outside.clamp_min(1)
-        num_out = torch.minimum(torch.floor((1 - p) / q.clamp_min(torch.finfo(torch.float32).tiny)), outside.float())
-        tied = (logits == kth_value).scatter(1, top_ids, False)
-        remove = remove | (tied & (tied.cumsum(dim=-1, dtype=torch.int32) <= num_out))
-    remove_top[:, 0] = False  # always keep the most likely token
-    remove = remove.scatter(1, top_ids, remove_top)
-    return logits.masked_fill(remove, float("-inf"))
 
 
 def _top_k_top_p_sorted(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
@@ -482,9 +494,22 @@ def logprob_tensors(
 
 
 def _logprob_tensors(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> LogprobTensors:
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+    """log_softmax's values without its tensor: one pass per row for the max, the sum of
+    exponentials and the rank (a kernel on a GPU), then ``topk`` of the raw logits (the best
+    logits are the best logprobs) and ``(logit - max) - log(sum)`` on the few values kept."""
+    scored = logits.gather(1, token_ids.unsqueeze(1)).float()  # [rows, 1]
+    if truncation.use_kernels(logits):
+        from pagecast.kernels.sampling import logprob_stats
+
+        maxes, sums, greater = logprob_stats(logits, scored.squeeze(1))
+    else:
+        maxes, sums, greater = reference.logprob_stats(logits, scored.squeeze(1))
+    # The splits' partial sums, rescaled to the row's max.
+    row_max = maxes.amax(dim=1, keepdim=True)
+    log_total = torch.log((sums * torch.exp(maxes - row_max)).sum(dim=1, keepdim=True))
+    chosen = (scored - row_max) - log_total
     # Rank = 1 + number of tokens strictly more likely, so ties share the better rank.
-    ranks = (logprobs > chosen).sum(dim=-1) + 1
-    top_values, top_ids = logprobs.topk(min(num_top, logprobs.shape[-1]), dim=-1)
-    return LogprobTensors(token_ids, chosen.squeeze(1), ranks, top_values, top_ids)
+    ranks = greater.sum(dim=1, dtype=torch.int64) + 1
+    top_values, top_ids = logits.topk(min(num_top, logits.shape[-1]), dim=-1)
+    top_logprobs = (top_values.float() - row_max) - log_total
+    return LogprobTensors(token_ids, chosen.squeeze(1), ranks, top_logprobs, top_ids)

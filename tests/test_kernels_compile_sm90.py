@@ -23,15 +23,16 @@ CHILD = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from pagecast.kernels import keyed_noise, paged_decode_attention, paged_prefill_attention, rotary_kv, w4a16_gemm
-    from pagecast.kernels import w4a16_gemv
+    from pagecast.kernels import keyed_noise, paged_decode_attention, paged_prefill_attention, rotary_kv, sampling
+    from pagecast.kernels import w4a16_gemm, w4a16_gemv
 
     kernel, signature, constexprs = json.loads(sys.argv[1])
     fn = {"keyed_noise": keyed_noise._keyed_exponential_kernel, "w4a16_gemm": w4a16_gemm._w4a16_gemm_kernel,
           "dequantize": w4a16_gemm._dequantize_kernel, "w4a16_gemv": w4a16_gemv._w4a16_gemv_kernel,
           "rotary_kv": rotary_kv._rotary_kv_kernel,
           "paged_decode": paged_decode_attention._paged_decode_kernel,
-          "paged_prefill": paged_prefill_attention._paged_prefill_kernel}[kernel]
+          "paged_prefill": paged_prefill_attention._paged_prefill_kernel, "race": sampling._race_kernel,
+          "count_ties": sampling._count_ties_kernel, "logprob_stats": sampling._logprob_stats_kernel}[kernel]
     sig = dict(signature, **{name: "constexpr" for name in constexprs})
     asm = triton.compile(ASTSource(fn, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32)).asm
     print(sorted(asm))
@@ -113,6 +114,25 @@ def test_w4a16_gemv_kernel_compiles_for_sm90(
     assert "cubin" in asm
 
 
+# The sampling kernels (kernels/sampling.py), with bf16 and fp32 logits.
+@pytest.mark.parametrize("logits", ["*bf16", "*fp32"])
+@pytest.mark.parametrize("ties", [False, True])
+def test_race_kernel_compiles_for_sm90(logits: str, ties: bool) -> None:
+    from pagecast.kernels.reference import PHILOX_GROUP
+
+    asm = compile_sm90(
+        "race",
+        {
+            "logits_ptr": logits, "temperature_ptr": "*fp32", "cut_value_ptr": "*fp32", "cut_token_ptr": "*i64",
+            "tie_drop_ptr": "*i64", "tie_prefix_ptr": "*i32", "row_max_ptr": "*fp32", "min_p_ptr": "*fp32",
+            "keys_ptr": "*i64", "offsets_ptr": "*i64", "score_ptr": "*fp32", "token_ptr": "*i32",
+            "stride_row": "i32", "vocab": "i32", "splits": "i32",
+        },
+        {"GROUP": PHILOX_GROUP, "CHUNKS": 8, "TIES": ties, "PRECISE": True},
+    )  # fmt: skip
+    assert "cubin" in asm
+
+
 # FP8 (e4m3) KV cache variants: the rotary kernel writes float8e4nv, the attention kernels read
 # it and upcast to bf16 in registers (no fp8 tl.dot, so max_num_imprecise_acc does not apply).
 _PAGED_STRIDES = ("stride_qt", "stride_qh", "stride_kb", "stride_kh", "stride_kt", "stride_vb", "stride_vh",
@@ -170,3 +190,20 @@ def test_rotary_kv_kernel_compiles_for_sm90(cache: str, fp8: bool) -> None:
     )  # fmt: skip
     assert "cubin" in asm
     assert ("ptx converts e4m3" in asm) == fp8
+
+
+def test_count_ties_and_logprob_stats_kernels_compile_for_sm90() -> None:
+    asm = compile_sm90(
+        "count_ties",
+        {"logits_ptr": "*bf16", "temperature_ptr": "*fp32", "value_ptr": "*fp32", "wanted_ptr": "*i1",
+         "counts_ptr": "*i32", "stride_row": "i32", "vocab": "i32", "splits": "i32"},
+        {"BLOCK": 1024, "CHUNKS": 8},
+    )  # fmt: skip
+    assert "cubin" in asm
+    asm = compile_sm90(
+        "logprob_stats",
+        {"logits_ptr": "*bf16", "scored_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32", "greater_ptr": "*i32",
+         "stride_row": "i32", "vocab": "i32", "splits": "i32"},
+        {"BLOCK": 1024, "CHUNKS": 8},
+    )  # fmt: skip
+    assert "cubin" in asm

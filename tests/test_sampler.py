@@ -14,11 +14,12 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from pagecast.kernels import reference
+from pagecast.runtime import truncation
 from pagecast.runtime.request import Request
 from pagecast.runtime.sampler import (
     _apply_penalties,
     _sample_rows,
-    _top_k_top_p_from_topk,
     _top_k_top_p_sorted,
     prompt_logprobs,
     sample,
@@ -40,6 +41,13 @@ def make_request(
 def random_logits(rows: int, vocab: int = VOCAB, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(rows, vocab, generator=generator) * scale
+
+
+def truncated_from_topk(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """The logits with what truncation.from_topk's cutoffs drop set to -inf (temperature 1)."""
+    cutoffs = truncation.from_topk(logits, torch.ones(logits.shape[0]), top_k, top_p)
+    keep = reference.truncation_keep(logits, cutoffs.value, cutoffs.token, cutoffs.tie_drop)
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 def allowed_by_transformers(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -142,7 +150,7 @@ def test_truncation_from_topk_matches_the_full_sort_and_transformers(vocab: int)
     logits = random_logits(rows, vocab=vocab, seed=13)
     top_k = [1, 2, 5, 5, 20, 40, 50, 50, 3, 8, 13, 50]
     top_p = [1.0, 0.5, 0.9, 1.0, 0.95, 0.3, 0.95, 0.99, 0.05, 0.8, 1.0, 0.6]
-    fast = _top_k_top_p_from_topk(logits, top_k, top_p)
+    fast = truncated_from_topk(logits, top_k, top_p)
     assert torch.equal(fast, _top_k_top_p_sorted(logits, top_k, top_p))
     for row, (k, p) in enumerate(zip(top_k, top_p)):
         params = SamplingParams(temperature=1.0, top_k=k, top_p=p)
@@ -154,15 +162,16 @@ def test_truncation_from_topk_keeps_ties_with_the_kth_value() -> None:
     logits = torch.full((2, 3000), -5.0)
     logits[:, :4] = torch.tensor([4.0, 3.0, 2.0, 1.0])
     logits[:, 1000:1010] = 1.0  # nine more ties with the 4th value, beyond the K best
-    kept = _top_k_top_p_from_topk(logits, [4, 4], [1.0, 0.9]) > float("-inf")
+    kept = truncated_from_topk(logits, [4, 4], [1.0, 0.9]) > float("-inf")
     assert kept[0].sum() == 14 and kept[0, 1000:1010].all()
     assert torch.equal(kept[0], allowed_by_transformers(logits[:1], SamplingParams(top_k=4))[0])
     # p = 0.9: the eleven 1.0 tokens come first in ascending order, ~0.024 of the mass each, so
     # the first four fall within 1 - p = 0.1 and go. Which four of the equal tokens is arbitrary
-    # (sort order); how many is not.
+    # in transformers (sort order); here the lowest ids; how many is the same.
     expected = allowed_by_transformers(logits[1:], SamplingParams(top_k=4, top_p=0.9))[0]
     assert kept[1].sum() == expected.sum() == 10
     assert kept[1, :3].all() and expected[:3].all()
+    assert kept[1].nonzero().flatten().tolist() == [0, 1, 2] + list(range(1003, 1010))
 
 
 # --- penalties ---------------------------------------------------------------------------------

@@ -53,3 +53,87 @@ def test_async_engine_matches_sync_with_every_feature_on_gpu(tmp_path):  # type:
         del llm
         torch.cuda.empty_cache()
     assert_same_outputs(outputs[1], outputs[0])
+
+
+# --- the fused sampling kernels (kernels/sampling.py) in bf16 at Llama-3's vocabulary -----------
+
+LLAMA3_VOCAB = 128_256
+
+
+def _bf16_logits(rows: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(rows, LLAMA3_VOCAB, device="cuda", generator=generator) * 3).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("batch", ["mixed", "ties"])
+def test_race_kernel_matches_reference_in_bf16(batch: str) -> None:
+    # The kernel's noise is the keyed-noise kernel's, bit for bit, and its exp and divisions are
+    # torch's: same tokens as the torch reference on the same cutoffs and keys. "ties": top_k 50
+    # with top_p from 0.9 to 0.99999, so some rows' cutoff falls inside a bf16 tie group at the
+    # 50th value that reaches past the candidates.
+    from pagecast.kernels import sampling
+    from pagecast.kernels.keyed_noise import keyed_exponential
+    from pagecast.runtime import truncation
+
+    rows = 512
+    logits = _bf16_logits(rows, 0)
+    if batch == "mixed":
+        settings = [(0.8, 50, 0.95, 0.0), (1.0, 1, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.0, 20, 0.9, 0.05),
+                    (1.0, 0, 1.0, 0.1), (1.5, 1000, 0.99, 0.0), (1.0, 4, 0.5, 0.0), (0.5, 64, 0.999, 0.0)]  # fmt: skip
+        per_row = [settings[i % len(settings)] for i in range(rows)]
+    else:
+        per_row = [(1.0, 50, 1 - 10 ** (-1 - 4 * i / rows), 0.0) for i in range(rows)]
+    temperature = torch.tensor([s[0] for s in per_row], device="cuda")
+    min_p = torch.tensor([s[3] for s in per_row], device="cuda")
+    top_k = [s[1] if s[1] else LLAMA3_VOCAB for s in per_row]
+    cutoffs = truncation.from_topk(logits, temperature, top_k, [s[2] for s in per_row])
+    keys = torch.randint(-(2**63), 2**63 - 1, (rows,), device="cuda")
+    offsets = torch.randint(0, 2**32, (rows,), device="cuda")
+    got = sampling.race(logits, temperature, cutoffs.value, cutoffs.token, cutoffs.tie_drop, cutoffs.tie_counts,
+                        cutoffs.row_max, min_p, keys, offsets)  # fmt: skip
+    noise = keyed_exponential(keys, offsets, LLAMA3_VOCAB)
+    expected = reference.race(logits, temperature, cutoffs.value, cutoffs.token, cutoffs.tie_drop, cutoffs.row_max,
+                              min_p, noise)  # fmt: skip
+    assert got.tolist() == expected.tolist()
+    every = torch.ones(rows, dtype=torch.bool, device="cuda")
+    counts = sampling.count_ties(logits, temperature, cutoffs.value, every).sum(dim=1)
+    assert counts.tolist() == reference.count_ties(logits, temperature, cutoffs.value).squeeze(1).tolist()
+    if batch == "ties":
+        assert int((cutoffs.tie_drop > 0).sum()) > 0, "no row dropped part of a tie group past the candidates"
+
+
+def test_sampler_kernel_path_matches_its_reference_in_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    import math
+
+    from pagecast.runtime import truncation
+    from pagecast.runtime.request import Request
+    from pagecast.runtime.sampler import sample
+
+    logits = _bf16_logits(96, 1)
+    cases = [dict(temperature=0.0, logprobs=5), dict(temperature=0.8, top_p=0.95, top_k=50, logprobs=5),
+             dict(temperature=1.0, min_p=0.05), dict(temperature=1.3, top_p=0.8), dict(temperature=0.7, top_k=5),
+             dict(temperature=1.0, logprobs=0)]  # fmt: skip
+
+    def run():  # type: ignore[no-untyped-def]
+        requests = [Request(f"r{i}", [1, 2], SamplingParams(seed=i, **cases[i % len(cases)]), index=i) for i in range(96)]
+        return sample(logits, requests)
+
+    new = run()
+    monkeypatch.setattr(truncation, "use_kernels", lambda t: False)
+    ref = run()
+    assert new.token_ids == ref.token_ids
+    exact = torch.log_softmax(logits.float(), dim=-1).cpu()
+    for row, (entry, ref_entry) in enumerate(zip(new.logprobs, ref.logprobs)):
+        if entry is None:
+            assert ref_entry is None
+            continue
+        assert {t: lp.rank for t, lp in entry.items()} == {t: lp.rank for t, lp in ref_entry.items()}
+        for token, lp in entry.items():
+            assert math.isclose(lp.logprob, float(exact[row, token]), abs_tol=1e-5)
+        chosen = new.token_ids[row]
+        assert entry[chosen].rank == int((exact[row] > exact[row, chosen]).sum()) + 1
+        k = cases[row % len(cases)]["logprobs"]
+        others = [t for t in entry if t != chosen]
+        assert len(others) in (k, k - 1)
+        if k:  # the others are the k best (equal values may swap places)
+            assert all(exact[row, t] >= exact[row].topk(k).values[-1] for t in others)

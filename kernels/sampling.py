@@ -1,0 +1,338 @@
+"""Sampling and logprobs in one streaming pass over each row of logits.
+
+The sampler's per-token work used to be a dozen full-vocabulary torch passes (an fp32 copy,
+temperature, masks, softmax, a noise tensor, a divide, an argmax; log_softmax, a gather and a
+comparison for logprobs). Here each of the three full-row jobs reads the logits once, in their
+own dtype, and keeps nothing per token:
+
+- ``race``: the exponential race ``argmax(p / E)`` of the sampler. ``x = logit / temperature``,
+  truncation is a per-row cutoff (see ``reference.truncation_keep``), ``p = exp(x - row_max)``,
+  min-p drops ``p < min_p``, and ``E`` is the keyed Philox Exp(1) noise of
+  ``kernels/keyed_noise.py`` drawn in the kernel, only in chunks that hold a kept token.
+- ``count_ties``: how many tokens of a row have ``x`` equal to its cutoff (top-p needs the size
+  of the tie group at the k-th value when it reaches past the top-k candidates).
+- ``logprob_stats``: the row's max, ``sum(exp(logit - max))`` and how many logits are strictly
+  greater than the scored token's: logsumexp and rank without a log-softmax tensor.
+
+A row is cut into splits of ``CHUNKS`` chunks of ``CHUNK`` columns, one program per (row, split),
+so 512 rows of 128k columns keep every SM busy; each program writes one partial result per
+split and a few torch ops on ``[rows, splits]`` finish the reduction. A chunk is one Philox
+block of ``reference.keyed_exponential`` (4 words x ``PHILOX_GROUP`` calls), so the in-kernel
+noise of column ``v`` is bit for bit the keyed noise kernel's.
+
+The arithmetic matches the torch references in ``kernels/reference.py`` operation for operation
+(IEEE divisions, libdevice ``exp`` on the GPU), so on the same inputs and noise keys the kernels
+pick the same tokens as the references.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from pagecast.kernels.reference import PHILOX_GROUP, PHILOX_M0, PHILOX_M1, PHILOX_W0, PHILOX_W1
+
+# A compiled kernel may read module globals only when they are constexprs.
+_M0, _M1 = tl.constexpr(PHILOX_M0), tl.constexpr(PHILOX_M1)
+_W0, _W1 = tl.constexpr(PHILOX_W0), tl.constexpr(PHILOX_W1)
+
+# Columns per chunk: one Philox block (PHILOX_GROUP calls of four words each).
+CHUNK = 4 * PHILOX_GROUP
+# Chunks per program: 8 x 1024 columns, so a 128k row is 16 programs.
+CHUNKS = 8
+
+
+@triton.jit
+def _exp(x, PRECISE: tl.constexpr):
+    # libdevice's expf is the CUDA math library's (what torch.exp runs); tl.exp is ex2.approx.
+    # The interpreter has no libdevice, and its tl.exp is NumPy's.
+    if PRECISE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _noise(word):
+    # Exactly kernels/keyed_noise.py's _store_exponential: u in (0, 1), exact in fp32.
+    u = ((word >> 9) * 2 + 1).to(tl.float32) * 5.9604644775390625e-08
+    return -tl.log(u)
+
+
+@triton.jit
+def _race_slice(
+    logits, cols, valid, word, temperature, cut_value, cut_token, tie_drop, ties_before, row_max, min_p,
+    best_score, best_col, TIES: tl.constexpr, PRECISE: tl.constexpr,
+):
+    """One quarter of a chunk: update the running (best score, its column) and tie count."""
+    x = tl.math.div_rn(logits, temperature)
+    at = (x == cut_value) & valid
+    keep = valid & ((x > cut_value) | (at & (cols >= cut_token)))
+    if TIES:
+        # Tokens tied at the cutoff are dropped lowest column first: the first tie_drop of them.
+        index = ties_before + tl.cumsum(at.to(tl.int32), 0) - at.to(tl.int32)
+        keep = keep & (~at | (index >= tie_drop))
+        ties_before += tl.sum(at.to(tl.int32), 0)
+    p = _exp(x - row_max, PRECISE)
+    keep = keep & (p >= min_p)
+    score = tl.where(keep, tl.math.div_rn(p, _noise(word)), -1.0)
+    top = tl.max(score, 0)
+    if top > best_score:  # strictly: on equal scores the lower column (seen first) stays
+        best_score = top
+        best_col = tl.min(tl.where(score == top, cols, 2147483647), 0)
+    return best_score, best_col, ties_before
+
+
+@triton.jit
+def _race_kernel(
+    logits_ptr,  # logits: [rows, vocab] fp32 / fp16 / bf16, unit column stride
+    temperature_ptr,  # [rows] fp32
+    cut_value_ptr,  # [rows] fp32: the truncation cutoff in x = logits / temperature
+    cut_token_ptr,  # [rows] int64: tokens at the cutoff value with a lower id are dropped
+    tie_drop_ptr,  # [rows] int64: how many tokens at the cutoff value are dropped, lowest first
+    tie_prefix_ptr,  # [rows, splits] int32: tokens at the cutoff value before each split (TIES)
+    row_max_ptr,  # [rows] fp32: max of x
+    min_p_ptr,  # [rows] fp32
+    keys_ptr,  # [rows] int64: noise key
+    offsets_ptr,  # [rows] int64 in [0, 2**32): noise offset
+    score_ptr,  # out: [rows, splits] fp32, the best score of the split (-1: nothing kept)
+    token_ptr,  # out: [rows, splits] int32, its column
+    stride_row,
+    vocab,
+    splits,
+    GROUP: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    TIES: tl.constexpr,
+    PRECISE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    temperature = tl.load(temperature_ptr + row)
+    cut_value = tl.load(cut_value_ptr + row)
+    cut_token = tl.load(cut_token_ptr + row).to(tl.int32)
+    tie_drop = tl.load(tie_drop_ptr + row).to(tl.int32)
+    row_max = tl.load(row_max_ptr + row)
+    min_p = tl.load(min_p_ptr + row)
+    key = tl.load(keys_ptr + row)
+    k0_start = (key & 0xFFFFFFFF).to(tl.uint32)
+    k1_start = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    offset = tl.load(offsets_ptr + row).to(tl.uint32)
+    ties_before = tl.zeros([], dtype=tl.int32)
+    if TIES:
+        ties_before += tl.load(tie_prefix_ptr + row * splits + split)
+    j = tl.arange(0, GROUP)
+    best_score = tl.full([], -2.0, tl.float32)
+    best_col = tl.zeros([], dtype=tl.int32)
+    row_ptr = logits_ptr + row * stride_row
+    for c in range(CHUNKS):
+        chunk = split * CHUNKS + c
+        base = chunk * 4 * GROUP
+        cols0 = base + j
+        cols1 = cols0 + GROUP
+        cols2 = cols1 + GROUP
+        cols3 = cols2 + GROUP
+        l0 = tl.load(row_ptr + cols0, mask=cols0 < vocab, other=float("-inf")).to(tl.float32)
+        l1 = tl.load(row_ptr + cols1, mask=cols1 < vocab, other=float("-inf")).to(tl.float32)
+        l2 = tl.load(row_ptr + cols2, mask=cols2 < vocab, other=float("-inf")).to(tl.float32)
+        l3 = tl.load(row_ptr + cols3, mask=cols3 < vocab, other=float("-inf")).to(tl.float32)
+        chunk_max = tl.max(tl.maximum(tl.maximum(l0, l1), tl.maximum(l2, l3)), 0)
+        # x is monotone in the logit, so a chunk whose largest x is below the cutoff keeps
+        # nothing and holds no tie: skip its noise (almost every chunk under top-k).
+        if (tl.math.div_rn(chunk_max, temperature) >= cut_value) & (base < vocab):
+            # Philox4x32-10, counter (chunk * GROUP + j, offset, 0, 0): reference.keyed_exponential.
+            k0 = k0_start
+            k1 = k1_start
+            c0 = (chunk * GROUP + j).to(tl.uint32)
+            c1 = tl.zeros([GROUP], dtype=tl.uint32) + offset
+            c2 = tl.zeros([GROUP], dtype=tl.uint32)
+            c3 = tl.zeros([GROUP], dtype=tl.uint32)
+            m0 = tl.full([GROUP], _M0, tl.uint32)
+            m1 = tl.full([GROUP], _M1, tl.uint32)
+            for r in tl.static_range(10):
+                if r > 0:
+                    k0 = k0 + _W0
+                    k1 = k1 + _W1
+                hi0 = tl.umulhi(m0, c0)
+                lo0 = m0 * c0
+                hi1 = tl.umulhi(m1, c2)
+                lo1 = m1 * c2
+                c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+            best_score, best_col, ties_before = _race_slice(
+                l0, cols0, cols0 < vocab, c0, temperature, cut_value, cut_token, tie_drop, ties_before, row_max,
+                min_p, best_score, best_col, TIES, PRECISE)
+            best_score, best_col, ties_before = _race_slice(
+                l1, cols1, cols1 < vocab, c1, temperature, cut_value, cut_token, tie_drop, ties_before, row_max,
+                min_p, best_score, best_col, TIES, PRECISE)
+            best_score, best_col, ties_before = _race_slice(
+                l2, cols2, cols2 < vocab, c2, temperature, cut_value, cut_token, tie_drop, ties_before, row_max,
+                min_p, best_score, best_col, TIES, PRECISE)
+            best_score, best_col, ties_before = _race_slice(
+                l3, cols3, cols3 < vocab, c3, temperature, cut_value, cut_token, tie_drop, ties_before, row_max,
+                min_p, best_score, best_col, TIES, PRECISE)
+    tl.store(score_ptr + row * splits + split, best_score)
+    tl.store(token_ptr + row * splits + split, best_col)
+
+
+@triton.jit
+def _count_ties_kernel(
+    logits_ptr,  # logits: [rows, vocab], unit column stride
+    temperature_ptr,  # [rows] fp32
+    value_ptr,  # [rows] fp32: the value (of x = logits / temperature) to count
+    wanted_ptr,  # [rows] bool: rows to count; the others get 0 without reading their row
+    counts_ptr,  # out: [rows, splits] int32
+    stride_row,
+    vocab,
+    splits,
+    BLOCK: tl.constexpr,
+    CHUNKS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    count = tl.zeros([], dtype=tl.int32)
+    if tl.load(wanted_ptr + row) != 0:
+        temperature = tl.load(temperature_ptr + row)
+        value = tl.load(value_ptr + row)
+        row_ptr = logits_ptr + row * stride_row
+        for c in range(CHUNKS):
+            cols = (split * CHUNKS + c) * BLOCK + tl.arange(0, BLOCK)
+            valid = cols < vocab
+            logits = tl.load(row_ptr + cols, mask=valid, other=float("-inf")).to(tl.float32)
+            if tl.math.div_rn(tl.max(logits, 0), temperature) >= value:
+                x = tl.math.div_rn(logits, temperature)
+                count += tl.sum(((x == value) & valid).to(tl.int32), 0)
+    tl.store(counts_ptr + row * splits + split, count)
+
+
+@triton.jit
+def _logprob_stats_kernel(
+    logits_ptr,  # logits: [rows, vocab], unit column stride
+    scored_ptr,  # [rows] fp32: the scored token's logit
+    max_ptr,  # out: [rows, splits] fp32, max logit of the split
+    sum_ptr,  # out: [rows, splits] fp32, sum of exp(logit - that max)
+    greater_ptr,  # out: [rows, splits] int32, logits strictly greater than the scored one
+    stride_row,
+    vocab,
+    splits,
+    BLOCK: tl.constexpr,
+    CHUNKS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    scored = tl.load(scored_ptr + row)
+    row_ptr = logits_ptr + row * stride_row
+    # Finite start: exp(-inf - (-inf)) would be nan; a split of -inf logits then sums to 0.
+    m = tl.full([], -3.4028234663852886e38, tl.float32)
+    total = tl.zeros([], dtype=tl.float32)
+    greater = tl.zeros([], dtype=tl.int32)
+    for c in range(CHUNKS):
+        cols = (split * CHUNKS + c) * BLOCK + tl.arange(0, BLOCK)
+        logits = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+        new_m = tl.maximum(m, tl.max(logits, 0))
+        total = total * tl.exp(m - new_m) + tl.sum(tl.exp(logits - new_m), 0)
+        m = new_m
+        greater += tl.sum((logits > scored).to(tl.int32), 0)
+    tl.store(max_ptr + row * splits + split, m)
+    tl.store(sum_ptr + row * splits + split, total)
+    tl.store(greater_ptr + row * splits + split, greater)
+
+
+def num_splits(vocab: int, chunks: int = CHUNKS) -> int:
+    """Programs per row: the width of ``count_ties``'s result, which ``race`` takes back."""
+    return max(1, triton.cdiv(triton.cdiv(vocab, CHUNK), chunks))
+
+
+def _check_logits(logits: torch.Tensor, rows_like: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``logits`` with unit column stride (any row stride: a row slice of a wider tensor is
+    read in place), after checking the per-row tensors' shapes."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [rows, vocab]; got shape {tuple(logits.shape)}")
+    for name, t in rows_like.items():
+        if t.shape != (logits.shape[0],):
+            raise ValueError(f"{name} must be [rows] = [{logits.shape[0]}]; got {tuple(t.shape)}")
+    return logits if logits.stride(1) == 1 else logits.contiguous()
+
+
+def race(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    cut_value: torch.Tensor,
+    cut_token: torch.Tensor,
+    tie_drop: torch.Tensor,
+    tie_counts: torch.Tensor | None,
+    row_max: torch.Tensor,
+    min_p: torch.Tensor,
+    keys: torch.Tensor,
+    offsets: torch.Tensor,
+    chunks: int = CHUNKS,
+) -> torch.Tensor:
+    """The sampled token of each row ([rows] int64): ``reference.race`` with the noise
+    ``reference.keyed_exponential(keys, offsets, vocab)`` drawn in the kernel.
+
+    ``tie_counts`` ([rows, num_splits(vocab, chunks)] int32, ``count_ties``'s result) is needed
+    only when some row has ``tie_drop > 0``: it places each split within the row's tie group.
+    Per-row tensors are fp32 except ``cut_token``, ``tie_drop``, ``keys`` and ``offsets``
+    (int64)."""
+    logits = _check_logits(logits, {"temperature": temperature, "cut_value": cut_value, "cut_token": cut_token,
+                                    "tie_drop": tie_drop, "row_max": row_max, "min_p": min_p, "keys": keys,
+                                    "offsets": offsets})  # fmt: skip
+    rows, vocab = logits.shape
+    splits = num_splits(vocab, chunks)
+    if tie_counts is not None and tie_counts.shape != (rows, splits):
+        raise ValueError(f"tie_counts must be [rows, splits] = [{rows}, {splits}]; got {tuple(tie_counts.shape)}")
+    scores = torch.empty(rows, splits, dtype=torch.float32, device=logits.device)
+    tokens = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
+    if rows == 0:
+        return torch.empty(0, dtype=torch.int64, device=logits.device)
+    prefix = tokens  # an int32 placeholder when there is no tie group to place (TIES off)
+    if tie_counts is not None:
+        counts = tie_counts.to(torch.int32)
+        prefix = (counts.cumsum(1, dtype=torch.int32) - counts).contiguous()
+    _race_kernel[(rows, splits)](
+        logits, temperature.float().contiguous(), cut_value.float().contiguous(), cut_token.long().contiguous(),
+        tie_drop.long().contiguous(), prefix, row_max.float().contiguous(), min_p.float().contiguous(),
+        keys.long().contiguous(), offsets.long().contiguous(), scores, tokens, logits.stride(0), vocab, splits,
+        GROUP=PHILOX_GROUP, CHUNKS=chunks, TIES=tie_counts is not None, PRECISE=logits.is_cuda,
+    )  # fmt: skip
+    # The first split holding the best score: torch's argmax keeps the first maximum, as the
+    # kernel does within a split, so ties go to the lowest column as in reference.race.
+    best = scores.argmax(dim=1, keepdim=True)
+    return tokens.gather(1, best).squeeze(1).long()
+
+
+def count_ties(
+    logits: torch.Tensor, temperature: torch.Tensor, value: torch.Tensor, wanted: torch.Tensor, chunks: int = CHUNKS
+) -> torch.Tensor:
+    """Per row and split, how many columns have ``logits / temperature == value`` (``[rows,
+    num_splits(vocab, chunks)]`` int32; rows not ``wanted`` give 0 without being read)."""
+    logits = _check_logits(logits, {"temperature": temperature, "value": value, "wanted": wanted})
+    rows, vocab = logits.shape
+    splits = num_splits(vocab, chunks)
+    counts = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
+    if rows:
+        _count_ties_kernel[(rows, splits)](
+            logits, temperature.float().contiguous(), value.float().contiguous(), wanted.bool().contiguous(), counts,
+            logits.stride(0), vocab, splits, BLOCK=CHUNK, CHUNKS=chunks,
+        )  # fmt: skip
+    return counts
+
+
+def logprob_stats(
+    logits: torch.Tensor, scored: torch.Tensor, chunks: int = CHUNKS
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row and split ``[rows, splits]``: the max logit, ``sum(exp(logit - max))`` and the
+    number of logits strictly greater than ``scored`` ([rows] fp32); see
+    ``reference.logprob_stats``, which gives the same with one split."""
+    logits = _check_logits(logits, {"scored": scored})
+    rows, vocab = logits.shape
+    splits = num_splits(vocab, chunks)
+    maxes = torch.empty(rows, splits, dtype=torch.float32, device=logits.device)
+    sums = torch.empty(rows, splits, dtype=torch.float32, device=logits.device)
+    greater = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
+    if rows:
+        _logprob_stats_kernel[(rows, splits)](
+            logits, scored.float().contiguous(), maxes, sums, greater, logits.stride(0), vocab, splits,
+            BLOCK=CHUNK, CHUNKS=chunks,
+        )  # fmt: skip
+    return maxes, sums, greater
