@@ -71,15 +71,36 @@ def _tune_main(shapes_json: str, budget_s: str) -> None:
 
 def _compile_untuned_kernels() -> None:
     """Kernels with nothing to tune still go into the artifact's Triton cache, so serving
-    compiles nothing: the seeded-sampling noise (kernels/keyed_noise.py), once for vocabulary
-    widths divisible by 16 and once for the others (Triton specialises integer arguments so)."""
+    compiles nothing: the seeded-sampling noise (kernels/keyed_noise.py) and the sampler's
+    kernels."""
     import torch
 
     from pagecast.kernels.keyed_noise import keyed_exponential
 
+    from pagecast.runtime.request import Request
+    from pagecast.runtime.sampler import sample
+    from pagecast.runtime.sampling_params import SamplingParams
+
     zeros = torch.zeros(2, dtype=torch.int64, device="cuda")
     for vocab in (4096, 4097):
         keyed_exponential(zeros, zeros, vocab)
+    # The sampler's kernels (kernels/sampling.py: race, tie counts, logprob statistics), run the
+    # way the engine runs them: bf16 logits, and fp32 ones (penalties, min_tokens and grammars
+    # make an fp32 copy), rows that sample with truncation, seeded rows, min-p, logprobs.
+    settings = [
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=1),
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=1.0, min_p=0.05, logprobs=1),
+    ]
+    # Triton specialises the vocabulary (and the row stride) and the sampler's programs per row on
+    # "equals 1" and "divisible by 16": these widths cover every combination.
+    for vocab in (4096, 4097, 49152, 49153, 131072, 131071):
+        for dtype in (torch.bfloat16, torch.float32):
+            for rows in (1, 3):
+                requests = [Request(f"r{i}", [1, 2, 3], settings[i % len(settings)]) for i in range(rows * 4)]
+                sample(torch.randn(len(requests), vocab, device="cuda").to(dtype), requests)
+                sample(torch.randn(rows, vocab, device="cuda").to(dtype), requests[1 : rows + 1])
     torch.cuda.synchronize()
 
 
