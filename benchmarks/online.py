@@ -13,7 +13,10 @@ Without --artifact it builds the Llama-3-8B-shaped engine with random bf16 weigh
           10 single requests); Triton kernels compiled while serving (the server logs the count)
   W3      Poisson arrivals at each --rates for --duration seconds, streamed completions of random
           token ids with EOS ignored: completed req/s, output tok/s, TTFT p50/p99, inter-token
-          p50/p99 (gaps between streamed chunks), goodput
+          p50/p99 (gaps between streamed chunks), goodput; with --json-fractions, once per
+          fraction, that share of the requests constrained to a JSON schema (issue 13's overhead:
+          an array of --output-len bounded integers, so a constrained request also makes
+          --output-len tokens), with the constrained and plain requests' figures also apart
   sat     --num-sat requests sent at once (saturation): output tok/s through the server
   W5      256 requests sharing a 2,048-token prefix plus 64 own tokens, output 128, Poisson at
           --w5-rate: TTFT p50 and prefix-cache hit rate, with the server's prefix cache and again
@@ -68,6 +71,7 @@ class Result:
     gaps: list[float] = field(default_factory=list)
     tokens: int = 0
     error: str | None = None  # why it failed: the HTTP status and body, or the exception
+    constrained: bool = False  # the request had a response_format (--json-fractions)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -78,7 +82,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Result:
-    result = Result()
+    result = Result(constrained="response_format" in body)
     start = time.perf_counter()
     last = start
     try:
@@ -160,8 +164,8 @@ def summarize(results: list[Result], elapsed: float, slo_ttft: float, slo_itl: f
     }
 
 
-def body(model: str, prompt: list[int], max_tokens: int) -> dict:
-    return {
+def body(model: str, prompt: list[int], max_tokens: int, constrained: bool = False) -> dict:
+    request = {
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -171,6 +175,32 @@ def body(model: str, prompt: list[int], max_tokens: int) -> dict:
         "stream_options": {"include_usage": True},
         "return_token_ids": True,  # the dummy engine has no tokenizer: count tokens, not text
     }
+    if constrained:
+        # At least max_tokens integers: the grammar never lets the request end before its budget,
+        # so constrained and plain requests make the same number of tokens (ignore_eos cannot be
+        # combined with a response_format).
+        schema = {"type": "object", "required": ["values"], "properties": {"values": {
+            "type": "array", "minItems": max_tokens, "items": {"type": "integer", "minimum": 0, "maximum": 999}}}}
+        del request["ignore_eos"]
+        request["response_format"] = {"type": "json_schema", "json_schema": {"name": "values", "schema": schema}}
+    return request
+
+
+def bodies(model: str, prompts: list[list[int]], max_tokens: int, json_fraction: float) -> list[dict]:
+    """One body per prompt, ``json_fraction`` of them (spread evenly) constrained to a schema."""
+    return [body(model, p, max_tokens, int((i + 1) * json_fraction) > int(i * json_fraction))
+            for i, p in enumerate(prompts)]
+
+
+def summarize_by_kind(out: Path | None, results: list[Result], elapsed: float, args: argparse.Namespace,
+                      **labels: object) -> None:
+    """The phase's figures over all requests, then (when some were constrained) for the
+    constrained and the plain requests apart."""
+    emit(out, **labels, **summarize(results, elapsed, args.slo_ttft, args.slo_itl))
+    if any(r.constrained for r in results):
+        for kind, part in (("constrained", [r for r in results if r.constrained]),
+                           ("plain", [r for r in results if not r.constrained])):
+            emit(out, **labels, requests=kind, **summarize(part, elapsed, args.slo_ttft, args.slo_itl))
 
 
 def poisson_offsets(n: int, rate: float, seed: int) -> list[float]:
@@ -286,6 +316,8 @@ def main() -> None:
     ap.add_argument("--slo-ttft", type=float, default=0.5, help="goodput: seconds to first token at most")
     ap.add_argument("--slo-itl", type=float, default=0.05, help="goodput: p99 inter-token seconds at most")
     ap.add_argument("--client-procs", type=int, default=4)
+    ap.add_argument("--json-fractions", default="0",
+                    help="W3 and sat: shares of requests constrained to a JSON schema, e.g. 0,0.5 (needs a tokenizer)")
     ap.add_argument("--weights", choices=["random", "files"], default="random",
                     help="when building: random (dummy artifact, weights drawn at load) or files (read and hashed at start)")
     ap.add_argument("--server-arg", action="append", default=[], help="extra engine-serve argument")
@@ -323,19 +355,24 @@ def main() -> None:
             emit(out, figure="start", health_s=round(healthy, 2), first_token_s=round(healthy + first, 2),
                  first_request_ttft_ms=round(first * 1000, 1),
                  steady_ttft_ms=round(statistics.median(steady) * 1000, 1), target_s=10)
+        fractions = [float(f) for f in args.json_fractions.split(",")]
+        if any(fractions):  # the core loads the tokenizer and compiles the schema for the first one
+            send_load(server.base + "/v1", bodies(model, [[1000] * 8], args.output_len, 1.0), [0.0], 1)
         if "W3" in phases:
-            for rate in (float(r) for r in args.rates.split(",")):
-                n = int(rate * args.duration)
-                prompts = random_prompts(n, args.prompt_len, args.vocab, int(rate * 1000))
-                results, elapsed = send_load(server.base + "/v1", [body(model, p, args.output_len) for p in prompts],
-                                             poisson_offsets(n, rate, int(rate)), args.client_procs)
-                emit(out, figure="W3", rate=rate, **summarize(results, elapsed, args.slo_ttft, args.slo_itl))
+            for fraction in fractions:
+                for rate in (float(r) for r in args.rates.split(",")):
+                    n = int(rate * args.duration)
+                    prompts = random_prompts(n, args.prompt_len, args.vocab, int(rate * 1000))
+                    results, elapsed = send_load(server.base + "/v1", bodies(model, prompts, args.output_len, fraction),
+                                                 poisson_offsets(n, rate, int(rate)), args.client_procs)
+                    summarize_by_kind(out, results, elapsed, args, figure="W3", rate=rate, json_fraction=fraction)
         if "sat" in phases or "engine" in phases:
             sat_prompts = random_prompts(args.num_sat, args.prompt_len, args.vocab, 640)
         if "sat" in phases:
-            results, elapsed = send_load(server.base + "/v1", [body(model, p, args.output_len) for p in sat_prompts],
-                                         [0.0] * len(sat_prompts), args.client_procs)
-            emit(out, figure="saturation_server", **summarize(results, elapsed, args.slo_ttft, args.slo_itl))
+            for fraction in fractions:
+                results, elapsed = send_load(server.base + "/v1", bodies(model, sat_prompts, args.output_len, fraction),
+                                             [0.0] * len(sat_prompts), args.client_procs)
+                summarize_by_kind(out, results, elapsed, args, figure="saturation_server", json_fraction=fraction)
         if "W5" in phases:
             phase_w5(out, server, model, args, cached=True)
     finally:

@@ -233,7 +233,7 @@ _prompt_ids_cache: weakref.WeakKeyDictionary[Request, torch.Tensor] = weakref.We
 def _prompt_ids(request: Request, device: torch.device) -> torch.Tensor:
     ids = _prompt_ids_cache.get(request)
     if ids is None or ids.device != device:
-        ids = torch.tensor(request.prompt_token_ids, dtype=torch.long, device=device)
+        ids = to_device(request.prompt_token_ids, device, torch.int64)
         _prompt_ids_cache[request] = ids
     return ids
 
@@ -242,7 +242,7 @@ def _row_index(lengths: list[int], device: torch.device) -> torch.Tensor:
     """Row i repeated lengths[i] times: the row of each entry of a flattened ragged batch."""
     return torch.repeat_interleave(
         torch.arange(len(lengths), device=device),
-        torch.tensor(lengths, device=device),
+        to_device(lengths, device, torch.int64),
         output_size=sum(lengths),  # known on the host: no device sync to size the result
     )
 

@@ -84,9 +84,8 @@ def from_topk(logits: torch.Tensor, temperature: torch.Tensor, top_k: list[int],
     per_row = to_device([[min(k, width) - 1, int(not lim)] for k, lim in zip(top_k, limited)], device, torch.int64)
     kth = x.gather(1, per_row[:, :1])  # [rows, 1]: the k-th largest x
     unlimited = per_row[:, 1].bool()
-    neg_inf = torch.tensor(float("-inf"), device=device)
     if all(p >= 1.0 for p in top_p):
-        value = torch.where(unlimited, neg_inf, kth.squeeze(1))
+        value = torch.where(unlimited, float("-inf"), kth.squeeze(1))
         zeros = torch.zeros_like(per_row[:, 0])
         return Cutoffs(value, zeros, zeros, None, row_max)
 
@@ -126,7 +125,7 @@ def from_topk(logits: torch.Tensor, temperature: torch.Tensor, top_k: list[int],
     # Part of the group kept, all of it among the candidates: the first kept tie's id.
     tied_ids = ids.masked_fill(~at, vocab).sort(dim=1).values
     token_tied = tied_ids.gather(1, tie_drop.clamp(max=width - 1)).squeeze(1)
-    value = torch.where(unlimited, neg_inf, torch.where(group_gone, value_above, kth.squeeze(1)))
+    value = torch.where(unlimited, float("-inf"), torch.where(group_gone, value_above, kth.squeeze(1)))
     token = torch.where(group_gone, token_above, torch.where(overflow, 0, token_tied)).masked_fill(unlimited, 0)
     # A group reaching past the candidates is dropped by count, lowest ids first, in the race.
     tie_drop = torch.where(overflow & ~group_gone, tie_drop.squeeze(1), 0)

@@ -55,6 +55,74 @@ def test_async_engine_matches_sync_with_every_feature_on_gpu(tmp_path):  # type:
     assert_same_outputs(outputs[1], outputs[0])
 
 
+
+def _steps_waiting_for_the_device(engine) -> list[str]:  # type: ignore[no-untyped-def]
+    """Run ``engine`` to the end under torch's sync debug mode and return the Python stack of
+    every operation that made the host wait for the device (a pageable copy, ``.item()``, a
+    data-dependent shape...). The engine's one intended wait, for the previous step's sampled
+    tokens, is a CUDA event wait, which the debug mode does not count."""
+    import traceback
+    import warnings
+
+    found: list[str] = []
+
+    def record(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]
+        if "synchroniz" in str(message):
+            found.append(f"{message}\n" + "".join(traceback.format_stack(limit=12)[:-1]))
+
+    original = warnings.showwarning
+    warnings.showwarning = record
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            while engine.has_unfinished_requests():
+                engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = original
+    return found
+
+
+@pytest.mark.parametrize("setting", ["greedy", "sampling", "every_feature"])
+def test_asynchronous_steps_never_wait_for_the_device(tmp_path, setting: str) -> None:  # type: ignore[no-untyped-def]
+    # Issue 14: every request runs under asynchronous scheduling, so nothing in a step may block
+    # the host on the device: one hidden wait (a host scalar copied to the GPU, an .item()) lets
+    # the GPU run dry every step, which costs end-to-end throughput that the sampler's own
+    # timing does not show.
+    from pagecast.runtime.engine import LLMEngine
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", "llama", tokenizer=False)
+    art = build_artifact(ckpt, tmp_path / "art", gpu="auto", dtype="bfloat16", tune_budget_s=10.0)
+    if setting == "greedy":
+        params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True) for _ in PROMPTS]
+    elif setting == "sampling":
+        params = [SamplingParams(temperature=0.8, top_p=0.95, top_k=50, max_tokens=24, ignore_eos=True) for _ in PROMPTS]
+    else:
+        params = [
+            SamplingParams(temperature=0.8 if i % 4 else 0, top_p=0.95 if i % 2 else 1.0, top_k=50 if i % 3 else -1,
+                           min_p=0.05 if i % 5 == 2 else 0.0, seed=i if i % 2 else None, max_tokens=24,
+                           ignore_eos=True, logprobs=5 if i % 2 else None, prompt_logprobs=2 if i % 3 == 0 else None,
+                           repetition_penalty=1.2 if i % 3 == 1 else 1.0, presence_penalty=0.5 if i % 4 == 0 else 0.0,
+                           frequency_penalty=0.4 if i % 4 == 1 else 0.0, min_tokens=10 if i % 5 == 0 else 0,
+                           stop_token_ids=[7] if i % 5 == 0 else [])
+            for i in range(len(PROMPTS))
+        ]  # fmt: skip
+    engine = LLMEngine(art, async_scheduling=True, max_num_batched_tokens=512, max_num_seqs=8, kv_cache_memory="256MiB")
+    # A first batch warms up everything a first call does once (allocator, cuBLAS handles,
+    # Triton kernels' first launch).
+    for i, (prompt, p) in enumerate(zip(PROMPTS, params)):
+        engine.add_request(f"warm-up-{i}", prompt, p)
+    while engine.has_unfinished_requests():
+        engine.step()
+    for i, (prompt, p) in enumerate(zip(PROMPTS, params)):
+        engine.add_request(str(i), prompt, p)
+    waits = _steps_waiting_for_the_device(engine)
+    assert not waits, f"{len(waits)} host waits on the device; the first:\n{waits[0]}"
+    assert engine.block_pool.num_used_blocks == 0
+
+
 # --- the fused sampling kernels (kernels/sampling.py) in bf16 at Llama-3's vocabulary -----------
 
 LLAMA3_VOCAB = 128_256
