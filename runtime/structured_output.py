@@ -43,6 +43,22 @@ _COMPILE_OPTIONS: dict[str, Any] = {"any_whitespace": False}
 # json_object: any object, with any keys.
 _ANY_OBJECT = '{"type":"object"}'
 _CACHE_SIZE = 512  # compiled grammars kept in the engine core
+# xgrammar (0.2.9) writes the characters of a string with minLength / maxLength as the class
+# below, which lets the control characters U+0000-U+001F other than CR and LF through raw; JSON
+# requires them escaped, so such an output fails json.loads (seen: a vertical tab in a name with
+# "maxLength": 12). Its unbounded strings already exclude them. Every JSON-schema grammar is
+# rewritten with the class JSON allows unescaped.
+_LOOSE_STRING_CHARS = r'[^\"\\\r\n]'
+_JSON_STRING_CHARS = r'[^\0-\x1f\"\\]'
+
+
+def json_schema_ebnf(schema: str, strict_mode: bool = True) -> str:
+    """The EBNF of xgrammar's grammar for ``schema`` (JSON text), compact, with every string
+    character class admitting only what JSON allows unescaped."""
+    import xgrammar
+
+    text = str(xgrammar.Grammar.from_json_schema(schema, strict_mode=strict_mode, **_COMPILE_OPTIONS))
+    return text.replace(_LOOSE_STRING_CHARS, _JSON_STRING_CHARS)
 
 
 def _reason(exc: BaseException) -> str:
@@ -177,10 +193,8 @@ class GrammarState:
                 return compiler.compile_grammar(choice_grammar(json.loads(schema or "[]")))
             if kind == "grammar":
                 return compiler.compile_grammar(schema)
-            return compiler.compile_json_schema(
-                _ANY_OBJECT if kind == "json_object" else schema,
-                strict_mode=kind != "json_object",
-                **_COMPILE_OPTIONS,
+            return compiler.compile_grammar(
+                json_schema_ebnf(_ANY_OBJECT if kind == "json_object" else schema or "", strict_mode=kind != "json_object")
             )
         except ValueError:
             raise

@@ -85,16 +85,21 @@ def _steps_waiting_for_the_device(engine) -> list[str]:  # type: ignore[no-untyp
     return found
 
 
+@pytest.fixture(scope="module")
+def bf16_artifact(tmp_path_factory):  # type: ignore[no-untyped-def]
+    tmp = tmp_path_factory.mktemp("bf16")
+    ckpt = make_checkpoint(tmp / "ckpt", "llama", tokenizer=False)
+    return build_artifact(ckpt, tmp / "art", gpu="auto", dtype="bfloat16", tune_budget_s=10.0)
+
+
 @pytest.mark.parametrize("setting", ["greedy", "sampling", "every_feature"])
-def test_asynchronous_steps_never_wait_for_the_device(tmp_path, setting: str) -> None:  # type: ignore[no-untyped-def]
+def test_asynchronous_steps_never_wait_for_the_device(bf16_artifact, setting: str) -> None:  # type: ignore[no-untyped-def]
     # Issue 14: every request runs under asynchronous scheduling, so nothing in a step may block
     # the host on the device: one hidden wait (a host scalar copied to the GPU, an .item()) lets
     # the GPU run dry every step, which costs end-to-end throughput that the sampler's own
     # timing does not show.
     from pagecast.runtime.engine import LLMEngine
 
-    ckpt = make_checkpoint(tmp_path / "ckpt", "llama", tokenizer=False)
-    art = build_artifact(ckpt, tmp_path / "art", gpu="auto", dtype="bfloat16", tune_budget_s=10.0)
     if setting == "greedy":
         params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True) for _ in PROMPTS]
     elif setting == "sampling":
@@ -109,7 +114,7 @@ def test_asynchronous_steps_never_wait_for_the_device(tmp_path, setting: str) ->
                            stop_token_ids=[7] if i % 5 == 0 else [])
             for i in range(len(PROMPTS))
         ]  # fmt: skip
-    engine = LLMEngine(art, async_scheduling=True, max_num_batched_tokens=512, max_num_seqs=8, kv_cache_memory="256MiB")
+    engine = LLMEngine(bf16_artifact, async_scheduling=True, max_num_batched_tokens=512, max_num_seqs=8, kv_cache_memory="256MiB")
     # A first batch warms up everything a first call does once (allocator, cuBLAS handles,
     # Triton kernels' first launch).
     for i, (prompt, p) in enumerate(zip(PROMPTS, params)):
@@ -119,7 +124,8 @@ def test_asynchronous_steps_never_wait_for_the_device(tmp_path, setting: str) ->
     for i, (prompt, p) in enumerate(zip(PROMPTS, params)):
         engine.add_request(str(i), prompt, p)
     waits = _steps_waiting_for_the_device(engine)
-    assert not waits, f"{len(waits)} host waits on the device; the first:\n{waits[0]}"
+    distinct = list(dict.fromkeys(waits))
+    assert not waits, f"{len(waits)} host waits on the device, {len(distinct)} distinct:\n" + "\n".join(distinct[:4])
     assert engine.block_pool.num_used_blocks == 0
 
 

@@ -146,3 +146,38 @@ def test_an_aborted_constrained_request_leaves_no_matcher(tiny_llama_artifact): 
     while engine.has_unfinished_requests():
         engine.step()
     assert not engine.core.grammar.matchers and engine.block_pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize(
+    "string_schema", [{"type": "string", "maxLength": 12}, {"type": "string", "minLength": 1}, {"type": "string"}]
+)
+def test_strings_never_admit_a_raw_control_character(string_schema):  # type: ignore[no-untyped-def]
+    # JSON strings may not hold U+0000-U+001F unescaped: json.loads refuses them. xgrammar's
+    # strings with length bounds let them through (a random SmolLM2-shaped model wrote a
+    # vertical tab into a "maxLength": 12 name on the GPU); every token whose text holds one
+    # must be ruled out inside a string, while ordinary text stays allowed.
+    import xgrammar
+    from tiny_models import tokenizer_dir
+    from transformers import AutoTokenizer
+
+    from pagecast.runtime.structured_output import json_schema_ebnf
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir())
+    vocab = len(tokenizer)
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab)
+    schema = {"type": "object", "properties": {"name": string_schema}, "required": ["name"]}
+    compiled = xgrammar.GrammarCompiler(info).compile_grammar(json_schema_ebnf(json.dumps(schema)))
+    matcher = xgrammar.GrammarMatcher(compiled)
+    assert matcher.accept_string('{"name": "')
+    bitmask = xgrammar.allocate_token_bitmask(1, vocab)
+    matcher.fill_next_token_bitmask(bitmask)
+    words = bitmask[0].tolist()
+
+    def allowed(token: int) -> bool:
+        return bool((words[token // 32] >> (token % 32)) & 1)
+
+    special = set(tokenizer.all_special_ids)
+    control = [t for t in range(vocab) if t not in special and any(ord(c) < 0x20 for c in tokenizer.decode([t]))]
+    assert control, "the tokenizer has tokens with control characters"
+    assert [t for t in control if allowed(t)] == []
+    assert allowed(tokenizer.convert_tokens_to_ids("hello"))

@@ -204,6 +204,8 @@ def call_grammar(fmt: str, specs: str, parallel: bool) -> str:
     Cached: one build per distinct set of tools."""
     import xgrammar
 
+    from pagecast.runtime.structured_output import json_schema_ebnf
+
     key = "arguments" if fmt == HERMES else "parameters"
     calls = [
         {
@@ -216,7 +218,7 @@ def call_grammar(fmt: str, specs: str, parallel: bool) -> str:
     ]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     try:
-        call = str(xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
+        call = json_schema_ebnf(json.dumps(schema))
     except Exception as exc:  # noqa: BLE001 - every schema problem is a RuntimeError there
         raise APIError(400, f"The tools' schemas cannot be combined into a grammar: {exc}", param="tools") from None
     content = {"type": "grammar", "grammar": call}
