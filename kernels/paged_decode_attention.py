@@ -8,9 +8,10 @@ program writes a normalised partial output and its log-sum-exp, and a second ker
 merges the splits. Every sequence's context is divided into the same number of splits,
 so the grid depends on shapes only and the launch is safe to capture in a CUDA graph.
 
-An fp8 (e4m3fn) cache halves the bytes read: K and V tiles are upcast to q's dtype in
-registers (exact: every e4m3 value is a bf16/fp16 value) and both dots run in q's dtype, as
-for a half-type cache; no fp8 tl.dot, so q is never rounded to fp8. The per-layer K scale is
+An fp8 (e4m3fn) cache halves the bytes read: K and V tiles are upcast in registers (exact:
+every e4m3 value is a bf16/fp16 value) and both dots run with fp32 accumulation, in fp16 for
+a bf16 engine (e4m3 converts to fp16 in one instruction per pair, to bf16 through fp32), in
+q's dtype otherwise; no fp8 tl.dot, so q is never rounded to fp8. The per-layer K scale is
 folded into the softmax scale and the V scale multiplies the normalised output.
 """
 
@@ -90,6 +91,12 @@ def _paged_decode_kernel(
             other=0.0,
         )
 
+        if k_cache_ptr.dtype.element_ty == tl.float8e4nv and q_ptr.dtype.element_ty == tl.bfloat16:
+            # fp8 cache of a bf16 engine: both dots in fp16, which e4m3 converts to in one
+            # instruction per pair (bf16 has no such conversion: it goes through fp32). q and p
+            # lose nothing: bf16 values in fp16's range are exact there, and p <= 1. An fp32
+            # engine keeps fp32 (exact).
+            q = q.to(tl.float16)
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)

@@ -118,7 +118,7 @@ def run_engine_core(
     encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(FrontEndMessage)
 
-    from pagecast.runtime.engine_core import EngineCore, EngineOptions, log_startup
+    from pagecast.runtime.engine_core import EngineCore, EngineOptions, log_startup, relax_gc
     from pagecast.runtime.errors import ArtifactError
     from pagecast.runtime.request import RequestStatus
 
@@ -150,6 +150,7 @@ def run_engine_core(
             compiled_at_start, ", ".join(sorted(set(compiles.names))),
         )
     log_startup(core.model_name, core.startup_s)
+    relax_gc(freeze=True)  # this process serves this one engine until it exits
     outbox.send(
         encoder.encode(
             CoreReady(

@@ -67,7 +67,7 @@ def _steps_waiting_for_the_device(engine) -> list[str]:  # type: ignore[no-untyp
     found: list[str] = []
 
     def record(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]
-        if "synchroniz" in str(message):
+        if "called a synchronizing CUDA operation" in str(message):
             found.append(f"{message}\n" + "".join(traceback.format_stack(limit=12)[:-1]))
 
     original = warnings.showwarning
