@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -43,6 +44,10 @@ _COMPILE_OPTIONS: dict[str, Any] = {"any_whitespace": False}
 # json_object: any object, with any keys.
 _ANY_OBJECT = '{"type":"object"}'
 _CACHE_SIZE = 512  # compiled grammars kept in the engine core
+# Threads xgrammar's BatchGrammarMatcher fills a step's mask rows with: half the cores (the
+# engine loop and the grammar compiles need the rest), at most 8 (a step's constrained rows
+# take well under a millisecond each; more threads cost more to wake than they save).
+DEFAULT_FILL_THREADS = min(8, max(1, (os.cpu_count() or 2) // 2))
 
 
 def _reason(exc: BaseException) -> str:
@@ -124,7 +129,13 @@ class GrammarState:
     the first constrained request arrives (the engine-core process loads no tokenizer at start).
     """
 
-    def __init__(self, tokenizer_source: Callable[[], Any], vocab_size: int, eos_token_ids: frozenset[int]):
+    def __init__(
+        self,
+        tokenizer_source: Callable[[], Any],
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        fill_threads: int = DEFAULT_FILL_THREADS,
+    ):
         self._tokenizer_source = tokenizer_source
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
@@ -132,6 +143,8 @@ class GrammarState:
         self._lock = threading.Lock()
         self.matchers: dict[str, _Constrained] = {}
         self._bitmask: torch.Tensor | None = None  # [rows, words] int32 on the host, reused
+        self.fill_threads = fill_threads
+        self._batch_matcher: Any = None  # xgrammar.BatchGrammarMatcher, made on the first mask
         self._compiled: OrderedDict[tuple[str, str | None], Any] = OrderedDict()
         self.num_compiled = 0
 
@@ -224,6 +237,8 @@ class GrammarState:
         if self._bitmask is None or self._bitmask.shape[0] < shape[0]:
             self._bitmask = xgrammar.allocate_token_bitmask(max(shape[0], 8), self.vocab_size)
         bitmask = self._bitmask[: shape[0]]
+        live: list[Any] = []  # the matchers that still mask, and their rows of ``bitmask``
+        live_rows: list[int] = []
         for j, state in enumerate(states):
             request = state.request
             tokens = request.output_token_ids[state.fed :]
@@ -241,7 +256,14 @@ class GrammarState:
                 # token is booked, and what this step samples for it is never used.
                 bitmask[j].fill_(-1)
             else:
-                state.matcher.fill_next_token_bitmask(bitmask, j)
+                live.append(state.matcher)
+                live_rows.append(j)
+        if live:
+            # Every row at once, on xgrammar's threads with the GIL released: the same masks as
+            # filling the rows one by one with each matcher's fill_next_token_bitmask.
+            if self._batch_matcher is None:
+                self._batch_matcher = xgrammar.BatchGrammarMatcher(max_threads=self.fill_threads)
+            self._batch_matcher.batch_fill_next_token_bitmask(live, bitmask, live_rows)
         return rows, bitmask
 
 

@@ -146,3 +146,93 @@ def test_an_aborted_constrained_request_leaves_no_matcher(tiny_llama_artifact): 
     while engine.has_unfinished_requests():
         engine.step()
     assert not engine.core.grammar.matchers and engine.block_pool.num_used_blocks == 0
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer():  # type: ignore[no-untyped-def]
+    from tiny_models import tokenizer_dir
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir()))
+
+
+def _allowed(bitmask_row, vocab: int) -> list[int]:  # type: ignore[no-untyped-def]
+    import torch
+
+    bits = (bitmask_row.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
+    return [t for t in bits.flatten().nonzero().flatten().tolist() if t < vocab]
+
+
+def test_batched_masks_are_the_serial_masks(smol_tokenizer):  # type: ignore[no-untyped-def]
+    """The bitmask filled for a whole step at once (xgrammar's BatchGrammarMatcher, on several
+    threads) is, row for row, what each matcher's own fill_next_token_bitmask gives: matchers of
+    different grammars at different points, one that has ended (all tokens allowed: its row is
+    never used), one whose last token is still pending, and an unconstrained row in between."""
+    import random
+
+    import torch
+    import xgrammar
+
+    from pagecast.runtime.request import Request
+    from pagecast.runtime.structured_output import GrammarState
+
+    vocab, eos = 49152, 2
+    grammar = GrammarState(lambda: smol_tokenizer, vocab, frozenset({eos}), fill_threads=3)
+    constraints = [
+        PERSON,
+        StructuredOutput("json_schema", {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}),
+        StructuredOutput("regex", regex="[a-z]{2,6}@[a-z]{2,5}\\.(com|org)"),
+        StructuredOutput("choice", choice=["yes", "no"]),
+        StructuredOutput("json_object"),
+    ]
+    rng = random.Random(7)
+    requests, advanced = [], []
+    scratch = xgrammar.allocate_token_bitmask(1, vocab)
+    for i in range(10):
+        so = constraints[i % len(constraints)]
+        request = Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=64, structured_output=so), frozenset({eos}))
+        grammar.add([request])
+        # Walk a matcher of the same grammar i tokens along allowed tokens (random ones).
+        walker = xgrammar.GrammarMatcher(grammar.compile(so.key))
+        tokens: list[int] = []
+        for _ in range(i):
+            walker.fill_next_token_bitmask(scratch, 0)
+            token = rng.choice(_allowed(scratch[0], vocab))
+            tokens.append(token)
+            walker.accept_token(token)
+            if walker.is_terminated():
+                break
+        for token in tokens:
+            request.append_output_token(token)
+        advanced.append(tokens)
+        requests.append(request)
+    # "yes" and the stop token: the choice matcher has ended.
+    done = Request("ended", [1], SamplingParams(max_tokens=8, structured_output=constraints[3]), frozenset({eos}))
+    grammar.add([done])
+    for token in [*smol_tokenizer.encode("yes", add_special_tokens=False), eos]:
+        done.append_output_token(token)
+    # Its last token sampled by the step in flight (asynchronous scheduling), not on the request yet.
+    pending = requests[6]
+    pending_token = pending.output_token_ids.pop()
+    pending.all_token_ids.pop()
+    pending.num_pending_tokens = 1
+    plain = Request("plain", [1, 2], SamplingParams(max_tokens=8), frozenset({eos}))
+    batch = [*requests[:5], plain, *requests[5:], done]
+
+    rows, batched = grammar.bitmask(batch, lambda r: pending_token)
+
+    assert rows == [i for i, r in enumerate(batch) if r is not plain]
+    serial = xgrammar.allocate_token_bitmask(len(rows), vocab)
+    for j, row in enumerate(rows):
+        request = batch[row]
+        matcher = xgrammar.GrammarMatcher(grammar.compile(request.sampling_params.structured_output.key))
+        tokens = [*request.output_token_ids, *([pending_token] if request is pending else [])]
+        for token in tokens:
+            assert matcher.accept_token(token)
+        if matcher.is_terminated():
+            serial[j].fill_(-1)
+        else:
+            matcher.fill_next_token_bitmask(serial, j)
+    assert torch.equal(batched, serial)
+    assert torch.all(batched[-1] == -1)  # the ended matcher's row
+    assert len({tuple(row.tolist()) for row in batched}) >= 6  # the rows really are in different states
