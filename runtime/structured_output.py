@@ -137,7 +137,8 @@ class GrammarState:
     and ``add`` the request's matchers. The compiler itself (the artifact's tokenizer, loaded
     by ``tokenizer_source``, and xgrammar's tokenizer information) is built on that pool too,
     by the first compile: the engine-core process loads no tokenizer at start, and the step
-    loop never waits for one. xgrammar compiles with the GIL released, so the loop keeps running.
+    loop never waits for one. xgrammar's compiles release the GIL, so the loop runs on beside
+    them (loading the tokenizer is Python: it shares the GIL with the loop, in slices).
 
     Thread use: everything but ``_compile`` (and the compiler it builds) runs on the engine
     loop's thread; the cache and the table of compiles in progress are that thread's alone.
@@ -155,7 +156,8 @@ class GrammarState:
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self._compiler: Any = None
-        self._lock = threading.Lock()  # the compiler is built once, whichever compile needs it first
+        # Taken by the compile threads: the compiler is built once, whichever compile needs it first.
+        self._lock = threading.Lock()
         self.matchers: dict[str, _Constrained] = {}
         self._bitmask: torch.Tensor | None = None  # [rows, words] int32 on the host, reused
         self.fill_threads = fill_threads
