@@ -71,8 +71,8 @@ def _tune_main(shapes_json: str, budget_s: str) -> None:
 
 def _compile_untuned_kernels() -> None:
     """Kernels with nothing to tune still go into the artifact's Triton cache, so serving
-    compiles nothing: the seeded-sampling noise (kernels/keyed_noise.py) and the sampler's
-    kernels."""
+    compiles nothing: the seeded-sampling noise (kernels/keyed_noise.py), the sampler's kernels
+    and xgrammar's grammar mask kernel."""
     import torch
 
     from pagecast.kernels.keyed_noise import keyed_exponential
@@ -101,7 +101,44 @@ def _compile_untuned_kernels() -> None:
                 requests = [Request(f"r{i}", [1, 2, 3], settings[i % len(settings)]) for i in range(rows * 4)]
                 sample(torch.randn(len(requests), vocab, device="cuda").to(dtype), requests)
                 sample(torch.randn(rows, vocab, device="cuda").to(dtype), requests[1 : rows + 1])
+    compile_grammar_mask_kernels("cuda")
     torch.cuda.synchronize()
+
+
+# xgrammar's kernel that masks a grammar's tokens (apply_token_bitmask_inplace_kernel) is
+# specialised by Triton on its row count (1, a multiple of 16, any other), and on the vocabulary
+# (also the logits' row stride) and the bitmask's row stride (ceil(vocab / 32) words), each
+# divisible by 16 or not. These widths give the four combinations of the last two
+# (16 | vocab, 16 | words): yes yes, yes no, no no, no yes.
+GRAMMAR_MASK_VOCABS = (49152, 32000, 49153, 49151)
+GRAMMAR_MASK_ROWS = (1, 3, 16)
+
+
+def compile_grammar_mask_kernels(device: str) -> None:
+    """Run xgrammar's mask kernel the way the sampler runs it, at every specialisation, so that
+    it goes into the artifact's Triton cache (serving would compile it at the first constrained
+    requests otherwise). Through the sampler itself: it masks an fp32 copy of the constrained
+    rows, whatever the logits' dtype (the engine's are fp32; bf16 ones are run too, in case).
+    Nothing to do without xgrammar (structured output then refuses every request)."""
+    try:
+        import xgrammar
+    except ImportError:
+        return
+    import torch
+
+    from pagecast.runtime.request import Request
+    from pagecast.runtime.sampler import sample_token_ids
+    from pagecast.runtime.sampling_params import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0)
+    for vocab in GRAMMAR_MASK_VOCABS:
+        for rows in GRAMMAR_MASK_ROWS:
+            requests = [Request(f"r{i}", [1, 2, 3], greedy) for i in range(rows + 1)]
+            bitmask = xgrammar.allocate_token_bitmask(rows, vocab)  # every token allowed
+            for dtype in (torch.float32, torch.bfloat16):
+                logits = torch.randn(rows + 1, vocab, device=device).to(dtype)
+                # Every row but the first is constrained: the kernel sees ``rows`` rows.
+                sample_token_ids(logits, requests, token_bitmask=(list(range(1, rows + 1)), bitmask))
 
 
 def run(state: BuildState) -> BuildState:

@@ -201,7 +201,11 @@ def run_engine_core(
                 break
             sent = False
             if core.has_unfinished_requests():
-                for result in core.step():
+                results = core.step()
+                # Requests whose grammar failed to compile in the background end like those that
+                # add_request refused: with their error, in this step's message.
+                failed.update((rid, str(exc)) for rid, exc in core.take_failed().items())
+                for result in results:
                     outbox.send(encoder.encode(StepOutputs(step_updates(result), core.stats(), failed)))
                     failed, sent = {}, True
             if not sent and (aborted or failed):

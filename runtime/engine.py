@@ -129,9 +129,26 @@ class LLMEngine:
 
     def step(self, only_finished: bool = False) -> list[RequestOutput]:
         """Run one step; returns the outputs of the requests it advanced (with ``only_finished``,
-        of those it finished)."""
+        of those it finished).
+
+        A constrained request's grammar compiles in the background (add_request returns at
+        once, unless the compile is already over): when it fails, the request is ended and
+        forgotten, and the step that finds it raises ``InvalidRequestError`` (param
+        ``response_format``, code ``invalid_json_schema``), its message naming the request. Such
+        a step does nothing else; the other requests go on at the next one."""
         outputs: list[RequestOutput] = []
-        for result in self.core.step():
+        results = self.core.step()
+        failed = self.core.take_failed()
+        if failed:
+            assert not results  # the core's step stops at a failure, before any device work
+            for request_id in failed:
+                parent = self.output_processor.parents.get(request_id)
+                if parent is not None:
+                    self.output_processor.make_output(parent)  # every sequence has ended: forgets it
+            first = next(iter(failed.values()))
+            message = "; ".join(f"request {request_id!r}: {exc.message}" for request_id, exc in failed.items())
+            raise InvalidRequestError(message, param=first.param, code=first.code)
+        for result in results:
             outputs += self._process(result, only_finished)
         return outputs
 

@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import time
+from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +29,7 @@ from pagecast.runtime.outputs import PositionLogprobs
 from pagecast.runtime.request import Request, RequestStatus
 from pagecast.runtime.sampling_params import SamplingParams
 from pagecast.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from pagecast.runtime.structured_output import GrammarState, tokenizer_loader
+from pagecast.runtime.structured_output import GrammarKey, GrammarState, tokenizer_loader
 
 logger = logging.getLogger("pagecast.engine")
 
@@ -97,6 +98,21 @@ class StepResult:
     logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
 
+
+@dataclass
+class _AwaitingGrammar:
+    """A constrained request whose grammar is compiling: its sequences (those not aborted), not
+    yet in the scheduler."""
+
+    key: GrammarKey
+    future: futures.Future[Any]
+    children: list[Request]
+
+
+# How long a step that has nothing to run but requests waiting for their grammar waits for one of
+# the compiles to end: it returns as soon as one does, and the engine-core loop reads new
+# messages between two waits, so a request arriving meanwhile is held up by at most this.
+GRAMMAR_WAIT_S = 0.002
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 _KV_DTYPE_NAMES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "bf16": "bfloat16", "fp16": "float16",
@@ -185,6 +201,10 @@ class EngineCore:
         self.async_scheduling = is_gpu if options.async_scheduling is None else options.async_scheduling
         self._inflight: LaunchedStep | None = None  # launched, tokens not collected yet
         self._parents: dict[str, list[Request]] = {}  # parent id -> its sequences, while one runs
+        # Constrained requests whose grammar compiles (parent id -> them, in arrival order), and
+        # those whose grammar failed to compile since the caller last asked (take_failed).
+        self._awaiting_grammar: dict[str, _AwaitingGrammar] = {}
+        self._failed: dict[str, InvalidRequestError] = {}
         if options.warm_up if options.warm_up is not None else is_gpu:
             t0 = time.perf_counter()
             self.warm_up()
@@ -227,23 +247,65 @@ class EngineCore:
         if request_id in self._parents:
             raise InvalidRequestError(f"request id {request_id!r} is already running", param="request_id")
         children = new_sequences(request_id, prompt_token_ids, params, self.eos_token_ids, max_tokens, arrival_time)
-        if params.structured_output is not None:
-            try:
-                self.grammar.add(children)  # compiles the grammar on its first use (then cached)
-            except ValueError as exc:
-                raise InvalidRequestError(str(exc), param="response_format", code="invalid_json_schema") from None
         if self.options.enable_prefix_caching and params.prompt_logprobs is None:
             for child in children[1:]:  # the siblings share the first one's prompt blocks
                 child.prefill_after = children[0]
+        if params.structured_output is not None:
+            key = params.structured_output.key
+            future = self.grammar.prepare(key)  # done at once when the grammar is cached
+            if not future.done():
+                # It compiles on the grammar pool: the request waits outside the scheduler, and
+                # the steps admit it once its grammar is ready (_admit_compiled).
+                self._awaiting_grammar[request_id] = _AwaitingGrammar(key, future, children)
+                self._parents[request_id] = children
+                return children
+            self._add_matchers(children, key, future)  # raises InvalidRequestError
         self._parents[request_id] = children
-        self.num_prompt_tokens += len(prompt_token_ids)
+        self._schedule(children)
+        return children
+
+    def _add_matchers(self, children: list[Request], key: GrammarKey, future: futures.Future[Any]) -> None:
+        try:
+            self.grammar.add(children, self.grammar.collect(key, future))
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param="response_format", code="invalid_json_schema") from None
+
+    def _schedule(self, children: list[Request]) -> None:
+        self.num_prompt_tokens += len(children[0].prompt_token_ids)
         for child in children:
             self.scheduler.add_request(child)
-        return children
+
+    def _admit_compiled(self) -> None:
+        """Schedule the requests whose grammar has compiled since the last step (in arrival order),
+        and end those whose grammar failed with their error (``take_failed``). Never blocks."""
+        for parent_id, waiting in list(self._awaiting_grammar.items()):
+            if not waiting.future.done():
+                continue
+            del self._awaiting_grammar[parent_id]
+            try:
+                self._add_matchers(waiting.children, waiting.key, waiting.future)
+            except InvalidRequestError as exc:
+                now = time.monotonic()
+                for child in waiting.children:
+                    child.status = RequestStatus.FINISHED_ERROR
+                    child.metrics.finished_time = now
+                self._failed[parent_id] = exc
+                self._parents.pop(parent_id, None)
+                continue
+            self._schedule(waiting.children)
+        self.grammar.poll()  # compiles nobody waits for any more (aborted) go into the cache
+
+    def take_failed(self) -> dict[str, InvalidRequestError]:
+        """The requests (parent id -> why) that ended with an error since the last call, outside
+        add_request: a grammar that failed to compile in the background. They hold nothing."""
+        failed, self._failed = self._failed, {}
+        return failed
 
     def finish(self, sequence_ids: list[str], status: RequestStatus) -> None:
         """End sequences outside the token path (abort, a stop string found by the caller);
         unknown or finished ids are ignored."""
+        if self._awaiting_grammar:
+            self._finish_awaiting(sequence_ids, status)
         self.scheduler.finish_requests(sequence_ids, status)
         if self.grammar.active:
             self.grammar.drop(sequence_ids)
@@ -253,8 +315,30 @@ class EngineCore:
             if children is not None and all(c.is_finished for c in children):
                 del self._parents[parent_id]
 
+    def _finish_awaiting(self, sequence_ids: list[str], status: RequestStatus) -> None:
+        """End sequences still waiting for their grammar (the scheduler has never seen them: they
+        hold no block and no matcher). A compile nobody waits for any more is cancelled when it
+        has not started."""
+        now = time.monotonic()
+        for sid in sequence_ids:
+            parent_id = sid.split("#", 1)[0]
+            waiting = self._awaiting_grammar.get(parent_id)
+            if waiting is None:
+                continue
+            for child in waiting.children:
+                if child.request_id == sid:
+                    child.status = status
+                    child.metrics.finished_time = now
+            waiting.children = [c for c in waiting.children if not c.is_finished]
+            if not waiting.children:
+                del self._awaiting_grammar[parent_id]
+                if not any(w.future is waiting.future for w in self._awaiting_grammar.values()):
+                    self.grammar.forget(waiting.key, waiting.future)
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._inflight is not None
+        return (
+            self.scheduler.has_unfinished_requests() or self._inflight is not None or bool(self._awaiting_grammar)
+        )
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -263,7 +347,23 @@ class EngineCore:
         step only ran prefill chunks).
 
         With asynchronous scheduling a step launches step N on the device, then waits for step
-        N-1 and returns its tokens: the host plans and books while the device computes."""
+        N-1 and returns its tokens: the host plans and books while the device computes.
+
+        Constrained requests whose grammar has compiled join the scheduler first. A step that
+        finds a grammar that failed to compile does nothing else: it returns no result, and the
+        caller reports the failure (``take_failed``) before stepping on."""
+        if self._awaiting_grammar:
+            if not self.scheduler.has_unfinished_requests() and self._inflight is None:
+                # Nothing else to run: wait for a compile to end, briefly (no hot loop, and the
+                # engine-core loop reads its messages between two waits).
+                futures.wait(
+                    [w.future for w in self._awaiting_grammar.values()],
+                    timeout=GRAMMAR_WAIT_S,
+                    return_when=futures.FIRST_COMPLETED,
+                )
+            self._admit_compiled()
+            if self._failed:
+                return []
         if self.async_scheduling:
             scheduled = self.scheduler.schedule()
             launched = None

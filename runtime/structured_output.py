@@ -13,9 +13,12 @@ pass first, then (only when the step samples a constrained request) waits for st
 the bitmask while the device runs the forward pass, and queues the sampling behind it. The cost
 is the host's mask work on the step's critical path when it is longer than the forward pass.
 
-Grammars are compiled in the engine core, once per distinct schema (``GrammarCompiler`` keeps
-a cache); the tokenizer information xgrammar needs is built from the artifact's tokenizer the
-first time a constrained request arrives, so a server that never sees one pays nothing at start.
+Grammars are compiled in the engine core, once per distinct schema (the compiled grammars are
+cached), on a thread pool of their own: a constrained request whose grammar is not compiled yet
+waits outside the scheduler while every other request keeps running, and joins the batch once
+its grammar is ready. The tokenizer information xgrammar needs is built on that pool too, from
+the artifact's tokenizer, when the first constrained request arrives, so a server that never
+sees one pays nothing at start.
 Schemas are checked without a tokenizer where the request is made (``check_json_schema``), so a
 schema the library cannot compile is refused there with the library's reason.
 """
@@ -24,10 +27,13 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +65,13 @@ def json_schema_ebnf(schema: str, strict_mode: bool = True) -> str:
 
     text = str(xgrammar.Grammar.from_json_schema(schema, strict_mode=strict_mode, **_COMPILE_OPTIONS))
     return text.replace(_LOOSE_STRING_CHARS, _JSON_STRING_CHARS)
+
+
+GrammarKey = tuple[str, str | None]  # StructuredOutput.key: the type and the constraint as text
+# Threads xgrammar's BatchGrammarMatcher fills a step's mask rows with: half the cores (the
+# engine loop and the grammar compiles need the rest), at most 8 (a step's constrained rows
+# take well under a millisecond each; more threads cost more to wake than they save).
+DEFAULT_FILL_THREADS = min(8, max(1, (os.cpu_count() or 2) // 2))
 
 
 def _reason(exc: BaseException) -> str:
@@ -136,19 +149,43 @@ class _Constrained:
 class GrammarState:
     """The engine core's matchers, one per live constrained sequence, and the compiler.
 
-    ``tokenizer_source`` gives the artifact's transformers tokenizer; it is called once, when
-    the first constrained request arrives (the engine-core process loads no tokenizer at start).
+    Grammars compile on a small thread pool of their own, never on the engine loop's thread:
+    ``prepare`` returns a future of the compiled grammar (done at once when it is cached), the
+    core holds the request back until that future is done, then ``collect`` gives the grammar
+    and ``add`` the request's matchers. The compiler itself (the artifact's tokenizer, loaded
+    by ``tokenizer_source``, and xgrammar's tokenizer information) is built on that pool too,
+    by the first compile: the engine-core process loads no tokenizer at start, and the step
+    loop never waits for one. xgrammar's compiles release the GIL, so the loop runs on beside
+    them (loading the tokenizer is Python: it shares the GIL with the loop, in slices).
+
+    Thread use: everything but ``_compile`` (and the compiler it builds) runs on the engine
+    loop's thread; the cache and the table of compiles in progress are that thread's alone.
     """
 
-    def __init__(self, tokenizer_source: Callable[[], Any], vocab_size: int, eos_token_ids: frozenset[int]):
+    def __init__(
+        self,
+        tokenizer_source: Callable[[], Any],
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        fill_threads: int = DEFAULT_FILL_THREADS,
+        compile_threads: int = 2,
+    ):
         self._tokenizer_source = tokenizer_source
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self._compiler: Any = None
+        # Taken by the compile threads: the compiler is built once, whichever compile needs it first.
         self._lock = threading.Lock()
         self.matchers: dict[str, _Constrained] = {}
         self._bitmask: torch.Tensor | None = None  # [rows, words] int32 on the host, reused
-        self._compiled: OrderedDict[tuple[str, str | None], Any] = OrderedDict()
+        self.fill_threads = fill_threads
+        self._batch_matcher: Any = None  # xgrammar.BatchGrammarMatcher, made on the first mask
+        self._compiled: OrderedDict[GrammarKey, Any] = OrderedDict()
+        self.compile_threads = compile_threads
+        self._pool: ThreadPoolExecutor | None = None  # made on the first compile
+        # Compiles in progress (or done and not yet moved into the cache), one per distinct key:
+        # requests with the same schema that arrive while it compiles share it.
+        self.compiling: dict[GrammarKey, Future[Any]] = {}
         self.num_compiled = 0
 
     @property
@@ -169,22 +206,62 @@ class GrammarState:
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=2)
             return self._compiler
 
-    def compile(self, key: tuple[str, str | None]) -> Any:
-        """The compiled grammar of a ``StructuredOutput.key``: compiled once per distinct schema,
-        the most recently used ``_CACHE_SIZE`` kept."""
+    def prepare(self, key: GrammarKey) -> Future[Any]:
+        """A future of the compiled grammar of a ``StructuredOutput.key``: already done when it is
+        cached, else the compile in progress for that key, or a new one on the compile pool.
+        Its exception, when it fails, is ``ValueError("structured_output ...")``."""
+        self.poll()
         compiled = self._compiled.get(key)
         if compiled is not None:
             self._compiled.move_to_end(key)
-            return compiled
-        compiled = self._compile(key)
+            done: Future[Any] = Future()
+            done.set_result(compiled)
+            return done
+        future = self.compiling.get(key)
+        if future is None:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.compile_threads, thread_name_prefix="pagecast-grammar")
+            future = self.compiling[key] = self._pool.submit(self._compile, key)
+        return future
+
+    def poll(self) -> None:
+        """Move finished compiles into the cache (failed or cancelled ones are only forgotten:
+        their requests read the error from the future they hold)."""
+        for key, future in list(self.compiling.items()):
+            if future.done():
+                del self.compiling[key]
+                if not future.cancelled() and future.exception() is None:
+                    self._remember(key, future.result())
+
+    def collect(self, key: GrammarKey, future: Future[Any]) -> Any:
+        """The compiled grammar of a done ``prepare(key)`` future (``ValueError`` when it failed)."""
+        self.poll()
+        return future.result()
+
+    def forget(self, key: GrammarKey, future: Future[Any]) -> None:
+        """No request waits for ``future`` any more: cancel its compile when it has not started
+        (one that has runs to its end, and its grammar is cached for the next request)."""
+        if self.compiling.get(key) is future and future.cancel():
+            del self.compiling[key]
+
+    def compile(self, key: GrammarKey) -> Any:
+        """The compiled grammar of a ``StructuredOutput.key``, waiting for it: compiled once per
+        distinct schema, the most recently used ``_CACHE_SIZE`` kept."""
+        future = self.prepare(key)
+        futures.wait([future])
+        return self.collect(key, future)
+
+    def _remember(self, key: GrammarKey, compiled: Any) -> None:
         self._compiled[key] = compiled
+        self._compiled.move_to_end(key)
         if len(self._compiled) > _CACHE_SIZE:
             self._compiled.popitem(last=False)
-        return compiled
 
-    def _compile(self, key: tuple[str, str | None]) -> Any:
+    def _compile(self, key: GrammarKey) -> Any:
+        """Runs on the compile pool."""
         kind, schema = key
-        self.num_compiled += 1
+        with self._lock:
+            self.num_compiled += 1
         try:
             compiler = self.compiler()
             if kind == "regex":
@@ -202,13 +279,10 @@ class GrammarState:
             what = {"regex": "regex", "choice": "choice", "grammar": "grammar"}.get(kind, "JSON schema")
             raise ValueError(f"structured_output the {what} cannot be compiled: {_reason(exc)}") from None
 
-    def add(self, requests: list[Request]) -> None:
-        """Give each sequence of one request a matcher (compiling its grammar if needed)."""
+    def add(self, requests: list[Request], compiled: Any) -> None:
+        """Give each sequence of one request a matcher of its ``compiled`` grammar."""
         import xgrammar
 
-        so = requests[0].sampling_params.structured_output
-        assert so is not None
-        compiled = self.compile(so.key)
         for request in requests:
             self.matchers[request.request_id] = _Constrained(request, xgrammar.GrammarMatcher(compiled))
 
@@ -238,6 +312,8 @@ class GrammarState:
         if self._bitmask is None or self._bitmask.shape[0] < shape[0]:
             self._bitmask = xgrammar.allocate_token_bitmask(max(shape[0], 8), self.vocab_size)
         bitmask = self._bitmask[: shape[0]]
+        live: list[Any] = []  # the matchers that still mask, and their rows of ``bitmask``
+        live_rows: list[int] = []
         for j, state in enumerate(states):
             request = state.request
             tokens = request.output_token_ids[state.fed :]
@@ -255,7 +331,14 @@ class GrammarState:
                 # token is booked, and what this step samples for it is never used.
                 bitmask[j].fill_(-1)
             else:
-                state.matcher.fill_next_token_bitmask(bitmask, j)
+                live.append(state.matcher)
+                live_rows.append(j)
+        if live:
+            # Every row at once, on xgrammar's threads with the GIL released: the same masks as
+            # filling the rows one by one with each matcher's fill_next_token_bitmask.
+            if self._batch_matcher is None:
+                self._batch_matcher = xgrammar.BatchGrammarMatcher(max_threads=self.fill_threads)
+            self._batch_matcher.batch_fill_next_token_bitmask(live, bitmask, live_rows)
         return rows, bitmask
 
 

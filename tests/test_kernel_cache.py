@@ -77,3 +77,42 @@ def test_relinking_ignores_files_that_are_not_groups(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "abc" / "__grp__j.json").read_text()) == {
         "child_paths": {"j.cubin": str(tmp_path / "abc" / "j.cubin")}
     }
+
+
+def test_the_build_runs_the_grammar_mask_kernel_at_every_specialisation(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """enginebuild runs xgrammar's mask kernel (apply_token_bitmask_inplace_kernel) through the
+    sampler so that it lands in the artifact's Triton cache: every Triton specialisation a server
+    can launch must be among those runs, or the first constrained requests compile it while
+    serving. Here on the CPU, the sampler's calls are recorded, and each is specialised the way
+    Triton would specialise the kernel's arguments for it."""
+    pytest.importorskip("xgrammar")
+    import torch
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    from pagecast.builder import tune
+    from pagecast.runtime import structured_output
+
+    calls = []
+    monkeypatch.setattr(structured_output, "apply_bitmask", lambda logits, bitmask: calls.append((logits, bitmask)))
+    tune.compile_grammar_mask_kernels("cpu")
+
+    def spec(arg):  # type: ignore[no-untyped-def]
+        return native_specialize_impl(BaseBackend, arg, False, True, True)
+
+    keys = set()
+    for logits, bitmask in calls:
+        # The kernel's arguments as xgrammar's launcher passes them (no row indices; the bitmask
+        # copied to the device, contiguous): pointers, rows, vocabulary, the two row strides.
+        device_bitmask = bitmask.contiguous()
+        vocab = min(logits.shape[-1], device_bitmask.shape[-1] * 32)
+        args = (logits, device_bitmask, logits.shape[0], vocab, logits.stride(0), device_bitmask.stride(0))
+        keys.add(tuple(spec(a) for a in args))
+    # The sampler masks an fp32 copy whatever the logits' dtype: fp32 is what the kernel gets.
+    assert {k[0][0] for k in keys} == {"*fp32"} and all(k[1] == ("*i32", "D") for k in keys)
+    ints = {(k[2], k[3], k[4], k[5]) for k in keys}
+    rows = [("constexpr", 1), ("i32", "D"), ("i32", "")]
+    for num_rows in rows:
+        for vocab in (("i32", "D"), ("i32", "")):
+            for words in (("i32", "D"), ("i32", "")):
+                assert (num_rows, vocab, vocab, words) in ints, (num_rows, vocab, words)

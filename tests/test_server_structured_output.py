@@ -159,3 +159,88 @@ def test_options_the_grammar_cannot_honour_are_a_400_naming_response_format(clie
             extra_body={"ignore_eos": True},
         )
     assert info.value.body["param"] == "response_format" and "ignore_eos" in info.value.body["message"]
+
+
+# Planted in the engine core (its model.py, which only the core process runs): grammar compiles
+# that take seconds (schemas titled "slow-grammar") or fail there (titled "broken-grammar"),
+# although the server's own check, which compiles without the tokenizer, accepts both.
+COMPILE_DELAY_S = 4.0
+PLANTED = f'''
+
+# -- planted by tests/test_server_structured_output.py: slow and failing grammar compiles --
+import time as _planted_time
+
+from pagecast.runtime import structured_output as _planted_so
+
+_planted_compile = _planted_so.GrammarState._compile
+
+
+def _planted_slow_compile(self, key):
+    if '"slow-grammar"' in (key[1] or ""):
+        _planted_time.sleep({COMPILE_DELAY_S})
+    if '"broken-grammar"' in (key[1] or ""):
+        raise ValueError("structured_output the JSON schema cannot be compiled: planted failure")
+    return _planted_compile(self, key)
+
+
+_planted_so.GrammarState._compile = _planted_slow_compile
+'''
+
+
+def planted_artifact(src, dst):  # type: ignore[no-untyped-def]
+    """A copy of ``src`` whose engine core compiles grammars as PLANTED says, its manifest re-hashed."""
+    import hashlib
+    import shutil
+
+    shutil.copytree(src, dst)
+    model = dst / "model.py"
+    model.write_text(model.read_text() + PLANTED)
+    manifest = json.loads((dst / "manifest.json").read_text())
+    manifest["files"]["model.py"] = hashlib.sha256(model.read_bytes()).hexdigest()
+    (dst / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    return dst
+
+
+def _titled(title: str) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "order", "schema": {**Order.model_json_schema(), "title": title}}}
+
+
+def test_a_slow_grammar_compile_in_the_core_holds_up_no_other_request(tiny_llama_artifact, tmp_path):  # type: ignore[no-untyped-def]
+    import concurrent.futures
+    import time
+
+    from server_support import make_engine, serve
+
+    engine = make_engine(planted_artifact(tiny_llama_artifact, tmp_path / "planted"), async_scheduling=True)
+    try:
+        with serve({MODEL: engine}) as server:
+            url = f"{server.url}/v1/completions"
+
+            def post(body):  # type: ignore[no-untyped-def]
+                r = httpx.post(url, json=body, timeout=120)
+                return r, time.monotonic()
+
+            plain = {"model": MODEL, "prompt": "The weather today is", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+            constrained = {"model": MODEL, "prompt": "An order:", "max_tokens": 150, "temperature": 0,
+                           "response_format": _titled("slow-grammar")}  # fmt: skip
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                start = time.monotonic()
+                slow = pool.submit(post, constrained)
+                time.sleep(0.3)  # the constrained request reaches the core first
+                fast = pool.submit(post, plain)
+                (plain_r, plain_at), (slow_r, slow_at) = fast.result(), slow.result()
+            # The unconstrained request was served while the core compiled the grammar.
+            assert plain_at - start < COMPILE_DELAY_S <= slow_at - start
+            assert slow_r.status_code == 200 and slow_r.json()["choices"][0]["finish_reason"] == "stop"
+            Order.model_validate_json(slow_r.json()["choices"][0]["text"])
+            alone = httpx.post(url, json=plain, timeout=120).json()["choices"][0]["text"]
+            assert plain_r.json()["choices"][0]["text"] == alone
+
+            # A grammar that fails to compile in the core ends its request with the reason, as a
+            # failure the core reports for a request always has (a server error, today); the
+            # engine serves on.
+            broken = httpx.post(url, json={**constrained, "response_format": _titled("broken-grammar")}, timeout=120)
+            assert broken.status_code >= 400 and "planted failure" in broken.json()["error"]["message"], broken.text
+            assert httpx.post(url, json=plain, timeout=120).json()["choices"][0]["text"] == alone
+    finally:
+        engine.shutdown()

@@ -139,6 +139,8 @@ def test_an_aborted_constrained_request_leaves_no_matcher(tiny_llama_artifact): 
 
     engine = LLMEngine(tiny_llama_artifact, async_scheduling=True, kv_cache_memory="16MiB")
     engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=50, n=2, structured_output=PERSON))
+    while not engine.core.grammar.matchers:  # its grammar compiles in the background
+        engine.step()
     for _ in range(3):
         engine.step()
     assert len(engine.core.grammar.matchers) == 2
@@ -181,3 +183,235 @@ def test_strings_never_admit_a_raw_control_character(string_schema):  # type: ig
     assert control, "the tokenizer has tokens with control characters"
     assert [t for t in control if allowed(t)] == []
     assert allowed(tokenizer.convert_tokens_to_ids("hello"))
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer():  # type: ignore[no-untyped-def]
+    from tiny_models import tokenizer_dir
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir()))
+
+
+def _allowed(bitmask_row, vocab: int) -> list[int]:  # type: ignore[no-untyped-def]
+    import torch
+
+    bits = (bitmask_row.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
+    return [t for t in bits.flatten().nonzero().flatten().tolist() if t < vocab]
+
+
+def test_batched_masks_are_the_serial_masks(smol_tokenizer):  # type: ignore[no-untyped-def]
+    """The bitmask filled for a whole step at once (xgrammar's BatchGrammarMatcher, on several
+    threads) is, row for row, what each matcher's own fill_next_token_bitmask gives: matchers of
+    different grammars at different points, one that has ended (all tokens allowed: its row is
+    never used), one whose last token is still pending, and an unconstrained row in between."""
+    import random
+
+    import torch
+    import xgrammar
+
+    from pagecast.runtime.request import Request
+    from pagecast.runtime.structured_output import GrammarState
+
+    vocab, eos = 49152, 2
+    grammar = GrammarState(lambda: smol_tokenizer, vocab, frozenset({eos}), fill_threads=3)
+    constraints = [
+        PERSON,
+        StructuredOutput("json_schema", {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}),
+        StructuredOutput("regex", regex="[a-z]{2,6}@[a-z]{2,5}\\.(com|org)"),
+        StructuredOutput("choice", choice=["yes", "no"]),
+        StructuredOutput("json_object"),
+    ]
+    rng = random.Random(7)
+    requests, advanced = [], []
+    scratch = xgrammar.allocate_token_bitmask(1, vocab)
+    for i in range(10):
+        so = constraints[i % len(constraints)]
+        request = Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=64, structured_output=so), frozenset({eos}))
+        grammar.add([request], grammar.compile(so.key))
+        # Walk a matcher of the same grammar i tokens along allowed tokens (random ones).
+        walker = xgrammar.GrammarMatcher(grammar.compile(so.key))
+        tokens: list[int] = []
+        for _ in range(i):
+            walker.fill_next_token_bitmask(scratch, 0)
+            token = rng.choice(_allowed(scratch[0], vocab))
+            tokens.append(token)
+            walker.accept_token(token)
+            if walker.is_terminated():
+                break
+        for token in tokens:
+            request.append_output_token(token)
+        advanced.append(tokens)
+        requests.append(request)
+    # "yes" and the stop token: the choice matcher has ended.
+    done = Request("ended", [1], SamplingParams(max_tokens=8, structured_output=constraints[3]), frozenset({eos}))
+    grammar.add([done], grammar.compile(constraints[3].key))
+    for token in [*smol_tokenizer.encode("yes", add_special_tokens=False), eos]:
+        done.append_output_token(token)
+    # Its last token sampled by the step in flight (asynchronous scheduling), not on the request yet.
+    pending = requests[6]
+    pending_token = pending.output_token_ids.pop()
+    pending.all_token_ids.pop()
+    pending.num_pending_tokens = 1
+    plain = Request("plain", [1, 2], SamplingParams(max_tokens=8), frozenset({eos}))
+    batch = [*requests[:5], plain, *requests[5:], done]
+
+    rows, batched = grammar.bitmask(batch, lambda r: pending_token)
+
+    assert rows == [i for i, r in enumerate(batch) if r is not plain]
+    serial = xgrammar.allocate_token_bitmask(len(rows), vocab)
+    for j, row in enumerate(rows):
+        request = batch[row]
+        matcher = xgrammar.GrammarMatcher(grammar.compile(request.sampling_params.structured_output.key))
+        tokens = [*request.output_token_ids, *([pending_token] if request is pending else [])]
+        for token in tokens:
+            assert matcher.accept_token(token)
+        if matcher.is_terminated():
+            serial[j].fill_(-1)
+        else:
+            matcher.fill_next_token_bitmask(serial, j)
+    assert torch.equal(batched, serial)
+    assert torch.all(batched[-1] == -1)  # the ended matcher's row
+    assert len({tuple(row.tolist()) for row in batched}) >= 6  # the rows really are in different states
+
+
+class _GatedCompiles:
+    """Every grammar compile waits until ``gate`` is set (at most 20 s): a compile as slow as the
+    test wants. ``started`` lists the keys whose compile began."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.gate = threading.Event()
+        self.started: list = []
+
+
+@pytest.fixture
+def gated_compiles(monkeypatch):  # type: ignore[no-untyped-def]
+    from pagecast.runtime.structured_output import GrammarState
+
+    gated = _GatedCompiles()
+    original = GrammarState._compile
+
+    def slow_compile(self, key):  # type: ignore[no-untyped-def]
+        gated.started.append(key)
+        assert gated.gate.wait(20), "the gate was never opened"
+        return original(self, key)
+
+    monkeypatch.setattr(GrammarState, "_compile", slow_compile)
+    yield gated
+    gated.gate.set()  # a compile still waiting ends now, not in 20 s
+
+
+def _run(engine, request_id, prompt, params):  # type: ignore[no-untyped-def]
+    """``engine`` runs one more request to its end; its final output."""
+    engine.add_request(request_id, prompt, params)
+    while True:
+        for out in engine.step():
+            if out.request_id == request_id and out.finished:
+                return out
+
+
+PLAIN = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_slow_grammar_compile_holds_up_no_other_request(tiny_llama_artifact, gated_compiles, async_scheduling):  # type: ignore[no-untyped-def]
+    import time
+
+    from pagecast.runtime.engine import LLMEngine
+    from pagecast.runtime.engine_core import GRAMMAR_WAIT_S
+
+    engine = LLMEngine(tiny_llama_artifact, async_scheduling=async_scheduling, kv_cache_memory="16MiB")
+    constrained = SamplingParams(max_tokens=200, temperature=0.0, structured_output=PERSON)
+    engine.add_request("c", PROMPTS[1], constrained)  # returns at once: its grammar compiles aside
+    engine.add_request("p", PROMPTS[0], PLAIN)
+    done = {}
+    while "p" not in done:
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    # The unconstrained request has all its tokens; the constrained one is still compiling, and
+    # waits outside the scheduler.
+    assert gated_compiles.started == [PERSON.key] and not gated_compiles.gate.is_set()
+    assert engine.has_unfinished_requests() and not engine.scheduler.has_unfinished_requests()
+    assert not engine.core.grammar.matchers
+    # With nothing else to do, a step waits for the compile (briefly) instead of spinning.
+    steps, start = 0, time.monotonic()
+    while time.monotonic() - start < 0.1:
+        assert engine.step() == []
+        steps += 1
+    assert steps <= 0.1 / GRAMMAR_WAIT_S + 2
+    gated_compiles.gate.set()
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    got = done["c"].outputs[0]
+    assert got.finish_reason == "stop"
+    Person.model_validate_json(got.text)
+    # Both are what they would have been alone (greedy); the grammar was compiled once.
+    assert done["p"].outputs[0].token_ids == _run(engine, "p-alone", PROMPTS[0], PLAIN).outputs[0].token_ids
+    assert got.token_ids == _run(engine, "c-alone", PROMPTS[1], constrained).outputs[0].token_ids
+    assert engine.core.grammar.num_compiled == 1 and not engine.core.grammar.compiling
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_aborting_requests_whose_grammar_compiles_leaves_nothing(tiny_llama_artifact, gated_compiles, async_scheduling):  # type: ignore[no-untyped-def]
+    from concurrent import futures
+
+    from pagecast.runtime.engine import LLMEngine
+
+    engine = LLMEngine(tiny_llama_artifact, async_scheduling=async_scheduling, kv_cache_memory="16MiB")
+    grammar = engine.core.grammar
+    grammar.compile_threads = 1  # the second grammar's compile queues behind the first
+    word = StructuredOutput("regex", regex="[a-z]{3,8}")
+    engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=50, n=2, structured_output=PERSON))
+    engine.add_request("b", PROMPTS[1], SamplingParams(max_tokens=50, structured_output=word))
+    engine.add_request("p", PROMPTS[2], PLAIN)
+    for _ in range(3):
+        engine.step()
+    running, queued = grammar.compiling[PERSON.key], grammar.compiling[word.key]
+    aborted = engine.abort_request(["a", "b"])
+    assert [c.finish_reason for o in aborted for c in o.outputs] == ["abort", "abort", "abort"]
+    # Nobody waits for the queued compile: it is cancelled; the running one runs to its end.
+    assert queued.cancelled() and list(grammar.compiling) == [PERSON.key]
+    while engine.has_unfinished_requests():  # until the unconstrained request ends: nothing else is left
+        engine.step()
+    assert engine.num_unfinished() == 0 and not engine.scheduler.has_unfinished_requests()
+    assert not grammar.matchers and engine.block_pool.num_used_blocks == 0
+    gated_compiles.gate.set()
+    futures.wait([running])
+    grammar.poll()
+    # The finished compile is cached (not compiled again for the next request with that schema).
+    assert not grammar.compiling and gated_compiles.started == [PERSON.key]
+    out = _run(engine, "again", PROMPTS[0], SamplingParams(max_tokens=200, temperature=0.0, structured_output=PERSON))
+    Person.model_validate_json(out.outputs[0].text)
+    assert grammar.num_compiled == 1
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_grammar_that_fails_to_compile_in_the_background_ends_its_request(tiny_llama_artifact, gated_compiles, monkeypatch, async_scheduling):  # type: ignore[no-untyped-def]
+    from pagecast.runtime.engine import LLMEngine
+    from pagecast.runtime.errors import InvalidRequestError
+    from pagecast.runtime.structured_output import GrammarState
+
+    class Refusing:  # xgrammar's compiler, refusing every JSON schema the way it does
+        def compile_json_schema(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            raise RuntimeError("[10:42:00] /project/cpp/json_schema_converter.cc:712: this schema is not for us")
+
+    monkeypatch.setattr(GrammarState, "compiler", lambda self: Refusing())
+    engine = LLMEngine(tiny_llama_artifact, async_scheduling=async_scheduling, kv_cache_memory="16MiB")
+    engine.add_request("bad", PROMPTS[1], SamplingParams(max_tokens=50, n=2, structured_output=PERSON))
+    engine.add_request("p", PROMPTS[0], PLAIN)
+    for _ in range(2):
+        engine.step()
+    gated_compiles.gate.set()  # the compile goes on, and fails
+    errors, done = [], {}
+    while engine.has_unfinished_requests():
+        try:
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+        except InvalidRequestError as exc:
+            errors.append(exc)
+    assert len(errors) == 1
+    assert errors[0].param == "response_format" and errors[0].code == "invalid_json_schema"
+    assert str(errors[0]) == "request 'bad': structured_output the JSON schema cannot be compiled: this schema is not for us"
+    assert list(done) == ["p"] and done["p"].outputs[0].token_ids == _run(engine, "p-alone", PROMPTS[0], PLAIN).outputs[0].token_ids
+    assert engine.num_unfinished() == 0 and not engine.core.grammar.matchers and not engine.core.grammar.compiling
+    assert engine.block_pool.num_used_blocks == 0
