@@ -25,6 +25,27 @@ _W0, _W1 = tl.constexpr(PHILOX_W0), tl.constexpr(PHILOX_W1)
 
 
 @triton.jit
+def philox4x32_10(c0, c1, k0, k1, GROUP: tl.constexpr):
+    """Philox4x32-10 of the counters (c0, c1, 0, 0) ([GROUP] uint32 each) under the key (k0, k1):
+    four [GROUP] uint32 words, ``reference.keyed_exponential``'s stream. Shared by this module's
+    kernel and the sampler's race, which draws the same noise in place."""
+    c2 = tl.zeros([GROUP], dtype=tl.uint32)
+    c3 = tl.zeros([GROUP], dtype=tl.uint32)
+    m0 = tl.full([GROUP], _M0, tl.uint32)
+    m1 = tl.full([GROUP], _M1, tl.uint32)
+    for r in tl.static_range(10):
+        if r > 0:
+            k0 = k0 + _W0
+            k1 = k1 + _W1
+        hi0 = tl.umulhi(m0, c0)
+        lo0 = m0 * c0
+        hi1 = tl.umulhi(m1, c2)
+        lo1 = m1 * c2
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return c0, c1, c2, c3
+
+
+@triton.jit
 def _keyed_exponential_kernel(
     out_ptr,  # out: [rows, vocab] fp32
     keys_ptr,  # keys: [rows, 2] int64, the key's low and high 32 bits
@@ -40,19 +61,7 @@ def _keyed_exponential_kernel(
     k1 = tl.load(keys_ptr + row * 2 + 1).to(tl.uint32)
     c0 = (block * GROUP + j).to(tl.uint32)
     c1 = tl.zeros([GROUP], dtype=tl.uint32) + tl.load(offsets_ptr + row).to(tl.uint32)
-    c2 = tl.zeros([GROUP], dtype=tl.uint32)
-    c3 = tl.zeros([GROUP], dtype=tl.uint32)
-    m0 = tl.full([GROUP], _M0, tl.uint32)
-    m1 = tl.full([GROUP], _M1, tl.uint32)
-    for r in tl.static_range(10):
-        if r > 0:
-            k0 = k0 + _W0
-            k1 = k1 + _W1
-        hi0 = tl.umulhi(m0, c0)
-        lo0 = m0 * c0
-        hi1 = tl.umulhi(m1, c2)
-        lo1 = m1 * c2
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    c0, c1, c2, c3 = philox4x32_10(c0, c1, k0, k1, GROUP)
     base = out_ptr + row * stride_out + block * 4 * GROUP + j
     limit = vocab - block * 4 * GROUP
     _store_exponential(base, c0, j < limit)

@@ -32,11 +32,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from pagecast.kernels.reference import PHILOX_GROUP, PHILOX_M0, PHILOX_M1, PHILOX_W0, PHILOX_W1
-
-# A compiled kernel may read module globals only when they are constexprs.
-_M0, _M1 = tl.constexpr(PHILOX_M0), tl.constexpr(PHILOX_M1)
-_W0, _W1 = tl.constexpr(PHILOX_W0), tl.constexpr(PHILOX_W1)
+from pagecast.kernels.keyed_noise import philox4x32_10
+from pagecast.kernels.reference import PHILOX_GROUP
 
 # Columns per chunk: one Philox block (PHILOX_GROUP calls of four words each).
 CHUNK = 4 * PHILOX_GROUP
@@ -142,23 +139,10 @@ def _race_kernel(
         # nothing and holds no tie: skip its noise (almost every chunk under top-k).
         if (tl.math.div_rn(chunk_max, temperature) >= cut_value) & (base < vocab):
             # Philox4x32-10, counter (chunk * GROUP + j, offset, 0, 0): reference.keyed_exponential.
-            k0 = k0_start
-            k1 = k1_start
-            c0 = (chunk * GROUP + j).to(tl.uint32)
-            c1 = tl.zeros([GROUP], dtype=tl.uint32) + offset
-            c2 = tl.zeros([GROUP], dtype=tl.uint32)
-            c3 = tl.zeros([GROUP], dtype=tl.uint32)
-            m0 = tl.full([GROUP], _M0, tl.uint32)
-            m1 = tl.full([GROUP], _M1, tl.uint32)
-            for r in tl.static_range(10):
-                if r > 0:
-                    k0 = k0 + _W0
-                    k1 = k1 + _W1
-                hi0 = tl.umulhi(m0, c0)
-                lo0 = m0 * c0
-                hi1 = tl.umulhi(m1, c2)
-                lo1 = m1 * c2
-                c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+            c0, c1, c2, c3 = philox4x32_10(
+                (chunk * GROUP + j).to(tl.uint32), tl.zeros([GROUP], dtype=tl.uint32) + offset, k0_start, k1_start,
+                GROUP,
+            )
             best_score, best_col, ties_before = _race_slice(
                 l0, cols0, cols0 < vocab, c0, temperature, cut_value, cut_token, tie_drop, ties_before, row_max,
                 min_p, best_score, best_col, TIES, PRECISE)
