@@ -236,7 +236,7 @@ class AsyncEngine:
                 op.abort(request_id)
             stream = self._streams.get(request_id)
             if stream is not None:
-                stream.put(PagecastError(why))
+                stream.put(why.error())
         now = time.monotonic()
         updated: list[Request] = []
         logprobs: dict[str, PositionLogprobs] = {}

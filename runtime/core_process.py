@@ -40,6 +40,7 @@ from pagecast.runtime.messages import (
     EngineStats,
     FrontEndMessage,
     LogprobEntry,
+    RequestFailure,
     SequenceUpdate,
     Shutdown,
     StepOutputs,
@@ -175,7 +176,7 @@ def run_engine_core(
                 if os.getppid() != server_pid:
                     break  # the server is gone: nobody will read our outputs
                 continue
-            failed: dict[str, str] = {}
+            failed: dict[str, RequestFailure] = {}
             aborted: list[str] = []
             stop = False
             while True:  # every message waiting now, without blocking
@@ -190,7 +191,7 @@ def run_engine_core(
                             msg.request_id, msg.prompt_token_ids, msg.params, msg.max_tokens, msg.arrival_time
                         )
                     except Exception as exc:  # noqa: BLE001 - the request fails, the engine goes on
-                        failed[msg.request_id] = str(exc)
+                        failed[msg.request_id] = RequestFailure.of(exc)
                 elif isinstance(msg, AbortRequests):
                     aborted.extend(msg.sequence_ids)
                 else:
@@ -204,7 +205,7 @@ def run_engine_core(
                 results = core.step()
                 # Requests whose grammar failed to compile in the background end like those that
                 # add_request refused: with their error, in this step's message.
-                failed.update((rid, str(exc)) for rid, exc in core.take_failed().items())
+                failed.update((rid, RequestFailure.of(exc)) for rid, exc in core.take_failed().items())
                 for result in results:
                     outbox.send(encoder.encode(StepOutputs(step_updates(result), core.stats(), failed)))
                     failed, sent = {}, True

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from pagecast.runtime.errors import InvalidRequestError, PagecastError
 from pagecast.runtime.sampling_params import SamplingParams
 
 
@@ -77,12 +78,32 @@ class SequenceUpdate(msgspec.Struct, array_like=True, omit_defaults=True):
     num_preemptions: int = 0
 
 
+class RequestFailure(msgspec.Struct, array_like=True):
+    """Why the core refused or ended a request. ``invalid``: the request itself is at fault (an
+    ``InvalidRequestError``: HTTP 400 with ``param`` and ``code``), not the engine."""
+
+    message: str
+    invalid: bool = False
+    param: str | None = None
+    code: str | None = None
+
+    @classmethod
+    def of(cls, exc: BaseException) -> RequestFailure:
+        if isinstance(exc, InvalidRequestError):
+            return cls(exc.message, True, exc.param, exc.code)
+        return cls(str(exc))
+
+    def error(self) -> Exception:
+        """The exception the request's stream raises."""
+        return InvalidRequestError(self.message, self.param, self.code) if self.invalid else PagecastError(self.message)
+
+
 class StepOutputs(msgspec.Struct, tag=True, array_like=True):
     """One engine step (or, when idle, only fresh statistics after aborts were applied)."""
 
     updates: list[SequenceUpdate]
     stats: EngineStats
-    failed: dict[str, str] = {}  # parent request id -> why the core refused it
+    failed: dict[str, RequestFailure] = {}  # parent request id -> why the core refused or ended it
 
 
 class CoreReady(msgspec.Struct, tag=True, array_like=True):

@@ -236,11 +236,13 @@ def test_a_slow_grammar_compile_in_the_core_holds_up_no_other_request(tiny_llama
             alone = httpx.post(url, json=plain, timeout=120).json()["choices"][0]["text"]
             assert plain_r.json()["choices"][0]["text"] == alone
 
-            # A grammar that fails to compile in the core ends its request with the reason, as a
-            # failure the core reports for a request always has (a server error, today); the
+            # A grammar that fails to compile in the core ends its request with a 400 that names
+            # response_format and says why (the user's schema is at fault, not the server); the
             # engine serves on.
             broken = httpx.post(url, json={**constrained, "response_format": _titled("broken-grammar")}, timeout=120)
-            assert broken.status_code >= 400 and "planted failure" in broken.json()["error"]["message"], broken.text
+            assert broken.status_code == 400, broken.text
+            error = broken.json()["error"]
+            assert "planted failure" in error["message"] and error["param"] == "response_format", error
             assert httpx.post(url, json=plain, timeout=120).json()["choices"][0]["text"] == alone
     finally:
         engine.shutdown()
