@@ -320,13 +320,13 @@ class EngineCore:
         hold no block and no matcher). A compile nobody waits for any more is cancelled when it
         has not started."""
         now = time.monotonic()
-        for sid in sequence_ids:
-            parent_id = sid.split("#", 1)[0]
-            waiting = self._awaiting_grammar.get(parent_id)
-            if waiting is None:
+        ending = set(sequence_ids)
+        # Matched on the sequences' own ids: a caller's request id may itself contain "#".
+        for parent_id, waiting in list(self._awaiting_grammar.items()):
+            if not any(child.request_id in ending for child in waiting.children):
                 continue
             for child in waiting.children:
-                if child.request_id == sid:
+                if child.request_id in ending:
                     child.status = status
                     child.metrics.finished_time = now
             waiting.children = [c for c in waiting.children if not c.is_finished]

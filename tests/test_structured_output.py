@@ -392,9 +392,9 @@ def test_a_grammar_that_fails_to_compile_in_the_background_ends_its_request(tiny
     from pagecast.runtime.errors import InvalidRequestError
     from pagecast.runtime.structured_output import GrammarState
 
-    class Refusing:  # xgrammar's compiler, refusing every JSON schema the way it does
-        def compile_json_schema(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-            raise RuntimeError("[10:42:00] /project/cpp/json_schema_converter.cc:712: this schema is not for us")
+    class Refusing:  # xgrammar's compiler, refusing every grammar the way it does
+        def compile_grammar(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            raise RuntimeError("[10:42:00] /project/cpp/grammar_compiler.cc:712: this schema is not for us")
 
     monkeypatch.setattr(GrammarState, "compiler", lambda self: Refusing())
     engine = LLMEngine(tiny_llama_artifact, async_scheduling=async_scheduling, kv_cache_memory="16MiB")
