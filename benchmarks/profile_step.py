@@ -3,7 +3,8 @@
     python benchmarks/profile_step.py --artifact ARTIFACT --batch 1024 --context 512 --steps 8
     python benchmarks/profile_step.py --artifact ARTIFACT --mode run --batch 1024 --context 512 --output 256
 
-``--mode step`` (default) fills the engine with ``batch`` requests of ``context`` random prompt
+``--sampling`` picks the requests' settings (greedy, the default; sampling; logprobs5;
+rep_penalty: benchmarks/sampling.py's rows). ``--mode step`` (default) fills the engine with ``batch`` requests of ``context`` random prompt
 tokens, runs their prefill, then times ``steps`` decode steps region by region (schedule, batch
 preparation + forward + logits + sampling, bookkeeping, outputs) and profiles the same steps.
 
@@ -105,11 +106,21 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+# --sampling: the requests' settings (benchmarks/sampling.py's rows).
+SAMPLING = {
+    "greedy": {"temperature": 0.0},
+    "sampling": {"temperature": 0.8, "top_p": 0.95, "top_k": 50},
+    "logprobs5": {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "logprobs": 5},
+    "rep_penalty": {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "repetition_penalty": 1.1},
+}
+SETTING = "greedy"
+
+
 def add_requests(engine, n: int, context: int, max_tokens: int, seed: int) -> None:  # type: ignore[no-untyped-def]
     from pagecast.runtime.sampling_params import SamplingParams
 
     rng = random.Random(seed)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **SAMPLING[SETTING])
     for i in range(n):
         engine.add_request(f"s{seed}-{i}", [rng.randrange(10, engine.vocab_size) for _ in range(context)], params)
 
@@ -208,7 +219,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy", help="the requests' sampling settings")
     args = ap.parse_args()
+    global SETTING
+    SETTING = args.sampling
     (mode_run if args.mode == "run" else mode_step)(args)
 
 
