@@ -639,7 +639,8 @@ def plan_tensors(
     out: list[Any] = []
     scale_dtype = str(scale_dtype_for(dtype)).removeprefix("torch.")
     layouts: dict[str, list[RowShard]] = {}
-    padded: list[tuple[str, int, int]] = []  # (projection, inputs per rank, inputs held)
+    padded: list[tuple[int, int, int]] = []  # per padded o_proj: (degree, inputs per rank, inputs held)
+    row_parallel = 0
     for t in tensors:
         if not is_projection(t):
             out.append(t)
@@ -655,8 +656,9 @@ def plan_tensors(
                 whole = k * count
                 order = input_order(cfg, modules[0], read) if read is not None and proj == "o_proj" else None
                 layouts[base] = row_layout(order, whole, cfg.group_size_for(whole), count, f"{base} ({modules[0]})")
+                row_parallel += proj == "o_proj"
                 if layouts[base][0].slots.shape[0] > k:
-                    padded.append((base, k, layouts[base][0].slots.shape[0]))
+                    padded.append((count, k, layouts[base][0].slots.shape[0]))
             layout = layouts[base][index]
             k_local, groups = layout.slots.shape[0], layout.groups.shape[0]
         else:
@@ -680,13 +682,14 @@ def plan_tensors(
             )
     notes = []
     if padded:
+        count, per_rank = padded[0][0], padded[0][1]
         held = sorted({h for _, _, h in padded})
-        per_rank = padded[0][1]
+        inputs = str(held[0]) if len(held) == 1 else f"{held[0]} to {held[-1]}"
         notes.append(
-            f"act-order o_proj at this --tp: each quantisation group's inputs are spread over the ranks' heads, "
-            f"so each rank holds its {per_rank} inputs of {len(padded)} layer(s) padded with zero weights to whole "
-            f"groups of {cfg.group_size}: {'/'.join(map(str, held))} inputs per rank "
-            f"({max(held) / per_rank:.2f}x that projection's per-rank weight)"
+            f"act-order o_proj at --tp {count}: its quantisation groups' inputs are spread over the ranks' heads, "
+            f"so in {len(padded)} of {row_parallel} layers each rank's {per_rank} inputs are padded with zero "
+            f"weights to whole groups of {cfg.group_size}: {inputs} "
+            f"inputs per rank (up to {held[-1] / per_rank:.2f}x that projection's weight and time per rank)"
         )
     return out, notes
 
@@ -856,9 +859,10 @@ def linear_method_source(cfg: QuantConfig | None) -> str:
     return f"quant_linear.Int4Linear(method={cfg.method!r}, group_size={cfg.group_size})"
 
 
-def report_lines(tuning: dict[str, Any] | None, cfg: QuantConfig | None) -> list[str]:
-    """report.md's section for an int4 build: the format, and per projection and row bucket the
-    W4A16 choice (Triton tile or dequantize + cuBLAS), its time and the half-type cuBLAS time."""
+def report_lines(tuning: dict[str, Any] | None, cfg: QuantConfig | None, tp: int = 1) -> list[str]:
+    """report.md's section for an int4 build: the format, how the ranks split it, and per
+    projection and row bucket the W4A16 choice (Triton tile or dequantize + cuBLAS), its time and
+    the half-type cuBLAS time."""
     if cfg is None:
         return []
     g = "per channel" if cfg.group_size == -1 else f"group size {cfg.group_size}"
@@ -872,6 +876,19 @@ def report_lines(tuning: dict[str, Any] | None, cfg: QuantConfig | None) -> list
             f"embedding and LM head in the half type."
         ),
     ]
+    if tp > 1:
+        lines += [
+            "",
+            f"Tensor parallel ({tp} ranks): qkv_proj and gate_up_proj int4 weights split by output columns "
+            f"(each fused part on its own, as the heads), o_proj and down_proj by inputs in whole "
+            f"{'per-channel slices' if cfg.group_size == -1 else f'groups of {cfg.group_size}'}"
+            + (
+                "; down_proj's act-order is folded into gate_up_proj's output order, o_proj's is kept per rank"
+                if cfg.desc_act
+                else ""
+            )
+            + ".",
+        ]
     entries = ((tuning or {}).get("kernels") or {}).get("w4a16_gemm") or {}
     if not entries:
         return lines + [
