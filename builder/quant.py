@@ -526,7 +526,9 @@ def row_layout(perm: torch.Tensor | None, k: int, group: int, count: int, name: 
     inputs padded with zero weights to the group size, and every rank is padded to the same
     number of groups (one model.py serves all ranks)."""
     if k % count:
-        raise BuildError(f"--tp {count}: {name} is row-parallel and its {k} inputs do not split into {count} equal slices")
+        raise BuildError(
+            f"--tp {count}: {name} is row-parallel and its {k} inputs do not split into {count} equal slices"
+        )
     k_rank = k // count
     if group == k:  # per channel: every input shares the scales, so a slice is one group of k / count
         if k_rank % 8:
@@ -540,9 +542,11 @@ def row_layout(perm: torch.Tensor | None, k: int, group: int, count: int, name: 
             f"not a multiple of the quantisation group size {group}: a rank's slice would cut a group. Choose a "
             f"--tp for which {k} / tp is a multiple of {group}, or build with --tp 1"
         )
-    owner = (torch.arange(k) if perm is None else perm.long()) // k_rank  # the rank whose activation input i reads
+    # The rank whose activation each input reads.
+    owner = (torch.arange(k) if perm is None else perm.long()) // k_rank
     if group == k:
-        return [RowShard(torch.nonzero(owner == r).flatten(), torch.zeros(1, dtype=torch.int64), k_rank) for r in range(count)]
+        one = torch.zeros(1, dtype=torch.int64)
+        return [RowShard(torch.nonzero(owner == r).flatten(), one, k_rank) for r in range(count)]
     held = []
     for r in range(count):
         pos = torch.nonzero(owner == r).flatten()  # ascending, so its groups are consecutive
@@ -573,7 +577,8 @@ def row_shard(w: Int4Weight, layout: RowShard, index: int, k_rank: int) -> Int4W
     scales = torch.where(real, w.scales[layout.groups.clamp_min(0)], torch.zeros((), dtype=w.scales.dtype))
     local_group = torch.arange(layout.slots.shape[0]) // layout.group_size
     q = torch.where(member[:, None], unpack_rows(w.qweight)[src], zeros[local_group].to(torch.int16))
-    contiguous = bool(member.all()) and torch.equal(layout.slots, torch.arange(index * k_rank, (index + 1) * k_rank))
+    own = torch.arange(index * k_rank, (index + 1) * k_rank)
+    contiguous = bool(member.all()) and torch.equal(layout.slots, own)
     perm = None
     if w.perm is not None or not contiguous:
         act = (torch.arange(w.k) if w.perm is None else w.perm.long())[src] - index * k_rank
@@ -655,7 +660,8 @@ def plan_tensors(
             if base not in layouts:
                 whole = k * count
                 order = input_order(cfg, modules[0], read) if read is not None and proj == "o_proj" else None
-                layouts[base] = row_layout(order, whole, cfg.group_size_for(whole), count, f"{base} ({modules[0]})")
+                name = f"{base} ({modules[0]})"
+                layouts[base] = row_layout(order, whole, cfg.group_size_for(whole), count, name)
                 row_parallel += proj == "o_proj"
                 if layouts[base][0].slots.shape[0] > k:
                     padded.append((count, k, layouts[base][0].slots.shape[0]))
@@ -782,7 +788,8 @@ class Materialiser:
         proj = base.rpartition(".")[2]
         if self.gen is not None:
             n, k, sections = self.dims[base]
-            return dataclasses.replace(random_int4(self.cfg, k, n, self.scale_dtype, self.gen), sections=sections)
+            drawn = random_int4(self.cfg, k, n, self.scale_dtype, self.gen)
+            return dataclasses.replace(drawn, sections=sections)
         w = repack_projection(self.cfg, base, t.sources, self.read, self.scale_dtype)
         if proj == "gate_up_proj":
             order = self._mlp_order(t.sources[0])
@@ -815,7 +822,9 @@ class Materialiser:
             parts.append(shard.cut_source(bias if order is None else bias[order], cut))
         tensor = torch.cat(parts)
         if not torch.isfinite(tensor).all():
-            raise BuildError(f"checkpoint tensor(s) {', '.join(t.sources)} contain NaN or inf; the checkpoint is corrupt")
+            raise BuildError(
+                f"checkpoint tensor(s) {', '.join(t.sources)} contain NaN or inf; the checkpoint is corrupt"
+            )
         return tensor.to(getattr(torch, self.dtype))
 
 
