@@ -516,7 +516,8 @@ class RowShard:
 
 def row_layout(perm: torch.Tensor | None, k: int, group: int, count: int, name: str) -> list[RowShard]:
     """Every rank's ``RowShard`` of a row-parallel weight with ``k`` inputs in groups of ``group``
-    (``group == k``: per channel) split ``count`` ways. Rank r computes activations
+    (``group == k``: per channel, or one group spanning every input, which is the same) split
+    ``count`` ways. Rank r computes activations
     [r k / count, (r + 1) k / count) (the column-parallel layer before it made them); kernel input
     i reads activation ``perm[i]`` (None: i).
 
@@ -534,7 +535,7 @@ def row_layout(perm: torch.Tensor | None, k: int, group: int, count: int, name: 
         if k_rank % 8:
             raise BuildError(
                 f"--tp {count}: {name} is row-parallel (per-channel scales) and {k} / {count} = {k_rank} inputs per "
-                f"rank is not a multiple of 8 (packed int4 words); choose a --tp that keeps it one"
+                f"rank is not a multiple of 8 (packed int4 words); choose a --tp for which {k} / tp is one"
             )
     elif k_rank % group:
         raise BuildError(
@@ -569,23 +570,30 @@ def row_shard(w: Int4Weight, layout: RowShard, index: int, k_rank: int) -> Int4W
     """Rank ``index``'s part of a row-parallel weight as ``layout`` says: its inputs' nibbles,
     its groups' scales and zeros, padding with the group's zero point as nibble (weight exactly
     0; fully padded groups get scale 0), and the perm re-based to the rank's own activations
-    (padding reads activation 0). No perm when the weight has none and the slice is contiguous."""
+    (padding reads activation 0). A contiguous slice of whole groups is cut from the packed rows
+    as it is, with no perm when the weight has none."""
     member = layout.slots >= 0
+    own = torch.arange(index * k_rank, (index + 1) * k_rank)
+    if bool(member.all()) and torch.equal(layout.slots, own):  # whole groups in place: slice the packed rows
+        rows = slice(index * k_rank // 8, (index + 1) * k_rank // 8)
+        groups = layout.groups
+        perm = None if w.perm is None else (w.perm[own].long() - index * k_rank).to(torch.int32)
+        if perm is not None and bool(((perm < 0) | (perm >= k_rank)).any()):
+            raise BuildError("internal: a row-parallel shard reads another rank's activations")
+        return Int4Weight(
+            w.qweight[rows].contiguous(), w.scales[groups].contiguous(), w.zeros[groups].contiguous(),
+            None if perm is None else perm.contiguous(),
+        )  # fmt: skip
     src = layout.slots.clamp_min(0)
     real = (layout.groups >= 0)[:, None]
     zeros = torch.where(real, w.zeros[layout.groups.clamp_min(0)], torch.zeros((), dtype=w.zeros.dtype))
     scales = torch.where(real, w.scales[layout.groups.clamp_min(0)], torch.zeros((), dtype=w.scales.dtype))
     local_group = torch.arange(layout.slots.shape[0]) // layout.group_size
     q = torch.where(member[:, None], unpack_rows(w.qweight)[src], zeros[local_group].to(torch.int16))
-    own = torch.arange(index * k_rank, (index + 1) * k_rank)
-    contiguous = bool(member.all()) and torch.equal(layout.slots, own)
-    perm = None
-    if w.perm is not None or not contiguous:
-        act = (torch.arange(w.k) if w.perm is None else w.perm.long())[src] - index * k_rank
-        if bool(((act < 0) | (act >= k_rank))[member].any()):
-            raise BuildError("internal: a row-parallel shard reads another rank's activations")
-        perm = torch.where(member, act, 0)
-    return pack_int4(q, zeros, scales, perm, w.scales.dtype)
+    act = (torch.arange(w.k) if w.perm is None else w.perm.long())[src] - index * k_rank
+    if bool(((act < 0) | (act >= k_rank))[member].any()):
+        raise BuildError("internal: a row-parallel shard reads another rank's activations")
+    return pack_int4(q, zeros, scales, torch.where(member, act, 0), w.scales.dtype)
 
 
 def split_int4(
