@@ -106,6 +106,16 @@ def test_tp2_act_order_matches_its_tp1_build(quantised_tp2, tmp_path):  # type: 
     assert _generate(tp2, PROMPTS, MAX_TOKENS) == _generate(tp1, PROMPTS, MAX_TOKENS)
 
 
+def test_tp2_of_a_real_tool_checkpoint_matches_its_tp1_build(tmp_path):  # type: ignore[no-untyped-def]
+    """auto-round's GPTQ export (tests/fixtures/quant; its TP=1 build equals transformers in
+    test_quant_fixtures.py) gives the same greedy tokens at TP=2."""
+    fixture = Path(__file__).parent / "fixtures" / "quant" / "autoround-gptq-g64-asym"
+    tp2 = build_artifact(fixture, tmp_path / "tp2", gpu="cpu", tp=2)
+    tp1 = build_artifact(fixture, tmp_path / "tp1", gpu="cpu")
+    prompts = [[1, 50, 200, 7, 300, 11], [400, 3, 99], list(range(20, 60))]  # its vocabulary is 512
+    assert _generate(tp2, prompts, MAX_TOKENS) == _generate(tp1, prompts, MAX_TOKENS)
+
+
 def _shapes(artifact: Path, rank: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     with safe_open(str(artifact / "weights" / f"rank{rank}.safetensors"), "pt") as f:
         return {k: (tuple(f.get_slice(k).get_shape()), f.get_tensor(k).dtype) for k in f.keys()}  # noqa: SIM118
