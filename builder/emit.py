@@ -107,7 +107,7 @@ def render_report(state: BuildState, manifest: Manifest) -> str:
                 f"| {r.get('kernel')} | {r.get('bucket')} | {r.get('config')} | {r.get('time_us') or 0:.1f} | "
                 f"{r.get('gb_s') or 0:,.0f} | {r.get('fraction_of_copy') or 0:.0%} |"
             )
-    lines += quant.report_lines(state.tuning, plan.quantization)
+    lines += quant.report_lines(state.tuning, plan.quantization, plan.tp)
     if mem["budgets"]:
         lines += ["", "## Memory plan", "", "| gpu_memory_utilization | KV blocks | tokens | seqs at max_model_len |",
                   "|---|---|---|---|"]

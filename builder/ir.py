@@ -40,8 +40,6 @@ class BuildOptions:
             raise ValueError(f"--tp must be at least 1 (got {self.tp})")
         if self.quant not in (None, "awq", "gptq"):
             raise ValueError(f"--quant must be awq or gptq (got {self.quant!r})")
-        if self.quant is not None and self.tp > 1:
-            raise ValueError(f"--quant {self.quant} with --tp {self.tp}: int4 weights are not sharded yet; build with --tp 1")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"--load-format must be auto or dummy (got {self.load_format!r})")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -9,6 +9,7 @@ are the exception, drawn here in the packed layout the kernels read.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -40,6 +41,9 @@ def _random(t: TensorPlan, dtype: torch.dtype, gen: torch.Generator) -> torch.Te
 
 
 def write_weights(state: BuildState, out_dir: Path) -> None:
+    """Every rank's weights/rank{r}.safetensors, written side by side: tensor i of every rank,
+    then tensor i + 1 (each rank's plan lists the same names in the same order), so an int4
+    projection is repacked once and handed to all ranks (quant.Materialiser)."""
     plan = state.plan
     assert plan is not None
     dtype = TORCH_DTYPES[plan.dtype]
@@ -50,15 +54,27 @@ def write_weights(state: BuildState, out_dir: Path) -> None:
     if state.checkpoint.dummy:  # int4 dummy weights are drawn here, in the artifact's packed layout
         gen = torch.Generator("cuda" if torch.cuda.is_available() else "cpu").manual_seed(state.options.seed)
     (out_dir / "weights").mkdir(parents=True, exist_ok=True)
-    for rank in range(plan.tp):
-        tensors = [t for t in plan.tensors if t.rank == rank]
-        layout = [(t.name, t.shape, STORED_DTYPES[t.dtype] if t.dtype else dtype) for t in tensors]
-        int4 = None
-        if plan.quantization is not None:
-            int4 = quant.Materialiser(plan.quantization, state.checkpoint.tensor, plan.dtype, gen)
-        with StreamingSafetensorsWriter(out_dir / "weights" / f"rank{rank}.safetensors", layout) as writer:
-            for t in _progress(tensors, state.options.quiet, f"packing weights (rank {rank})"):
-                if int4 is not None and quant.is_quant_part(t):
+    ranks = [[t for t in plan.tensors if t.rank == rank] for rank in range(plan.tp)]
+    if any([t.name for t in r] != [t.name for t in ranks[0]] for r in ranks):
+        raise BuildError("internal: the ranks' tensor plans differ")
+    int4 = None
+    if plan.quantization is not None:
+        int4 = quant.Materialiser(plan.quantization, state.checkpoint.tensor, plan.dtype, gen, state.model)
+    with contextlib.ExitStack() as stack:
+        writers = [
+            stack.enter_context(
+                StreamingSafetensorsWriter(
+                    out_dir / "weights" / f"rank{rank}.safetensors",
+                    [(t.name, t.shape, STORED_DTYPES[t.dtype] if t.dtype else dtype) for t in tensors],
+                )
+            )
+            for rank, tensors in enumerate(ranks)
+        ]
+        label = "packing weights" + (f" ({plan.tp} ranks)" if plan.tp > 1 else "")
+        for i in _progress(list(range(len(ranks[0]))), state.options.quiet, label):
+            for writer, tensors in zip(writers, ranks, strict=True):
+                t = tensors[i]
+                if int4 is not None and int4.handles(t):
                     writer.write(t.name, int4(t))
                 elif gen is not None:
                     writer.write(t.name, _random(t, dtype, gen))
@@ -67,7 +83,7 @@ def write_weights(state: BuildState, out_dir: Path) -> None:
     state.checkpoint.close()
 
 
-def _progress(items: list[TensorPlan], quiet: bool, description: str):  # type: ignore[no-untyped-def]
+def _progress(items: list[int], quiet: bool, description: str):  # type: ignore[no-untyped-def]
     if quiet:
         return items
     from rich.progress import track

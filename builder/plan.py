@@ -2,8 +2,9 @@
 
 The tensor layout fuses q/k/v into one ``qkv_proj`` and gate/up into one ``gate_up_proj``
 (one GEMM each instead of three and two). Every tensor records the checkpoint tensors it is
-made of and, for tensor parallelism (a later issue), the shard it holds; with tp=1 each
-tensor is whole on rank 0.
+made of and, for tensor parallelism, the shard it holds (builder/shard.py); with tp=1 each
+tensor is whole on rank 0. An AWQ/GPTQ build plans the float layout, cuts it per rank, then
+turns each rank's projections into int4 parts (builder/quant.py).
 """
 
 from __future__ import annotations
@@ -212,14 +213,15 @@ def run(state: BuildState) -> BuildState:
         notes.append(f"max_model_len capped from {max_len} to the sliding window {window}")
         max_len = window
     tensors = tensor_layout(model)
-    if ckpt.quant is not None:  # the projections become int4 parts (builder/quant.py)
-        tensors = quant.plan_tensors(tensors, ckpt.quant, dtype)
-        if not ckpt.dummy:
-            quant.check_tensors(tensors, ckpt.quant, ckpt.tensor_shapes)
     if not ckpt.dummy:
-        check_shapes([t for t in tensors if not quant.is_quant_part(t)], ckpt.tensor_shapes)
-    layout = shard.plan_layout(model, opts.tp)  # --quant with --tp > 1 is refused (BuildOptions)
+        if ckpt.quant is not None:  # the projections are AWQ/GPTQ modules, checked in their format
+            quant.check_tensors(tensors, ckpt.quant, ckpt.tensor_shapes)
+        check_shapes([t for t in tensors if ckpt.quant is None or not quant.is_projection(t)], ckpt.tensor_shapes)
+    layout = shard.plan_layout(model, opts.tp)
     tensors = shard.shard_tensors(tensors, model, layout)
+    if ckpt.quant is not None:  # each rank's projections become int4 parts (builder/quant.py)
+        tensors, quant_notes = quant.plan_tensors(tensors, ckpt.quant, dtype, None if ckpt.dummy else ckpt.tensor)
+        notes += quant_notes
     kv_plan, kv_notes = kv_cache.plan_kv_cache(
         opts.kv_cache_dtype, dtype, device, cc, gpu_name, ckpt, model.num_layers, [layer.hf_prefix for layer in model.layers]
     )

@@ -18,9 +18,15 @@ Every format rule lives here, beside its reference dequantizer:
 
   Input k of the (permuted) order belongs to group k // G, so a K-tile reads one group's
   scales. GPTQ act-order (``desc_act``) is folded in by sorting the inputs by ``g_idx``.
-- how that layout splits for tensor parallelism (``split_int4``): column-parallel along N
-  anywhere; row-parallel along K only at whole groups, and with act-order only when each
-  rank's inputs permute among themselves.
+- how that layout splits for tensor parallelism (``column_shard``, ``row_layout``,
+  ``row_shard``): column-parallel (qkv, gate_up) along N, each fused section on its own as the
+  half-type heads are cut (KV heads replicated where the degree exceeds them); row-parallel
+  (o_proj, down_proj) along K in whole groups only, a split that would cut a group refused by
+  name. Act-order is folded in before the split: down_proj's input order becomes gate_up's
+  output order (the intermediate channels are renumbered, so down_proj needs no perm and each
+  rank's K slice is whole groups, at any degree); o_proj's inputs are attention heads, which
+  cannot be renumbered across ranks, so each rank holds, for every group its heads touch, its
+  own members of that group padded with zero weights to the group size (``row_layout``).
 """
 
 from __future__ import annotations
@@ -384,6 +390,8 @@ def repack_projection(
                 f"{artifact_name}: {modules[0]} and {m} use different act-order permutations; they share "
                 f"one input and are fused into one GEMM, which needs the same input order"
             )
+    if perm is not None and not cfg.desc_act:
+        raise BuildError(_unsorted_g_idx(modules[0]))
     qs = [p.q if perm is None else p.q[perm] for p in parts]
     q = torch.cat(qs, dim=1)
     z = torch.cat([p.z for p in parts], dim=1)
@@ -392,6 +400,29 @@ def repack_projection(
         perm = torch.arange(k)  # the layout planned a perm tensor; act-order that sorted to identity
     packed = pack_int4(q, z, s, perm, scale_dtype)
     return dataclasses.replace(packed, sections=tuple(p.q.shape[1] for p in parts))
+
+
+def _unsorted_g_idx(module: str) -> str:
+    return (
+        f"{module}.g_idx is not in group order although the quantization_config has desc_act: false; "
+        f"the checkpoint is act-order: set desc_act: true in its quantization_config"
+    )
+
+
+def input_order(cfg: QuantConfig, module: str, read: Any) -> torch.Tensor | None:
+    """The act-order input order of a checkpoint module (``act_order_perm`` of its g_idx, exactly
+    what ``repack_projection`` folds in), read from g_idx alone; None without act-order."""
+    if cfg.method != "gptq":
+        return None
+    try:
+        g_idx = read(f"{module}.g_idx")
+    except BuildError:
+        return None  # GPTQ files without act-order may omit g_idx
+    k = g_idx.shape[0]
+    perm = act_order_perm(module, g_idx.to(torch.int64), cfg.group_size_for(k))
+    if perm is not None and not cfg.desc_act:
+        raise BuildError(_unsorted_g_idx(module))
+    return perm
 
 
 def random_int4(
@@ -413,59 +444,174 @@ def random_int4(
 
 # ---------------------------------------------------------------------------- tensor parallelism
 
+Cut = tuple[int, int, int] | None  # as builder.shard: (dim, index, count) of the float [N, K] weight
+
+
+def unpack_rows(qweight: torch.Tensor) -> torch.Tensor:
+    """Artifact-layout int32 [K / 8, N] -> int16 [K, N]: row k holds input k's nibbles."""
+    return _nibbles(qweight).permute(0, 2, 1).reshape(-1, qweight.shape[1])
+
+
+def column_shard(w: Int4Weight, cuts: tuple[Cut, ...]) -> Int4Weight:
+    """Column-parallel (qkv, gate_up): the output columns one rank computes.
+
+    ``cuts`` holds one entry per fused section (q, k, v / gate, up), as builder.shard cuts the
+    float weight's sources: (0, index, count) takes piece ``index`` of ``count`` equal pieces of
+    the section (replicated KV heads: several ranks take the same piece), None all of it. The
+    inputs, and with them the act-order perm, stay whole."""
+    sections = w.sections or (w.n,)
+    if len(cuts) != len(sections) or sum(sections) != w.n:
+        raise BuildError(f"internal: cuts {cuts} do not match the output sections {sections} of {w.n} columns")
+    cols, widths, start = [], [], 0
+    for n, cut in zip(sections, cuts, strict=True):
+        lo, hi = start, start + n
+        if cut is not None:
+            dim, index, count = cut
+            if dim != 0:
+                raise ValueError(f"a column-parallel cut splits dim 0 (output features), got {cut}")
+            if n % count:
+                raise BuildError(f"an output section of {n} columns does not split into {count} equal pieces")
+            lo, hi = start + index * (n // count), start + (index + 1) * (n // count)
+        cols.append(torch.arange(lo, hi))
+        widths.append(hi - lo)
+        start += n
+    idx = torch.cat(cols)
+    return Int4Weight(
+        w.qweight[:, idx].contiguous(), w.scales[:, idx].contiguous(), w.zeros[:, idx].contiguous(), w.perm,
+        tuple(widths),
+    )  # fmt: skip
+
+
+def permute_sections(w: Int4Weight, order: torch.Tensor) -> Int4Weight:
+    """The output columns of every section (gate, up) renumbered: new column j of a section is
+    its old column ``order[j]``. gate_up takes down_proj's act-order input order this way, so
+    the intermediate activations come out in the order down_proj's rows were sorted into."""
+    sections = w.sections or (w.n,)
+    if any(n != order.shape[0] for n in sections):
+        raise BuildError(f"internal: an order of {order.shape[0]} does not fit output sections {sections}")
+    idx = torch.cat([start + order.long() for start in (sum(sections[:i]) for i in range(len(sections)))])
+    return Int4Weight(
+        w.qweight[:, idx].contiguous(), w.scales[:, idx].contiguous(), w.zeros[:, idx].contiguous(), w.perm,
+        w.sections,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RowShard:
+    """The inputs one rank holds of a row-parallel weight, as whole groups.
+
+    ``slots[j]``: the whole weight's input (in its permuted order) that local input j is, -1 for
+    padding (a zero weight); ``groups[g]``: the whole weight's group local group g is, -1 for a
+    group of padding only; ``group_size``: the local group length (the checkpoint's, or K / tp
+    for per-channel weights)."""
+
+    slots: torch.Tensor  # int64 [K_local]
+    groups: torch.Tensor  # int64 [K_local / group_size]
+    group_size: int
+
+    @property
+    def padded(self) -> int:
+        return int((self.slots < 0).sum())
+
+
+def row_layout(perm: torch.Tensor | None, k: int, group: int, count: int, name: str) -> list[RowShard]:
+    """Every rank's ``RowShard`` of a row-parallel weight with ``k`` inputs in groups of ``group``
+    (``group == k``: per channel, or one group spanning every input, which is the same) split
+    ``count`` ways. Rank r computes activations
+    [r k / count, (r + 1) k / count) (the column-parallel layer before it made them); kernel input
+    i reads activation ``perm[i]`` (None: i).
+
+    Without act-order rank r holds its contiguous k / count inputs, which must be whole groups
+    (else a BuildError naming ``name``, the sizes and the group size). With act-order a group's
+    inputs are spread over the ranks: rank r holds, for each group it has inputs of, those
+    inputs padded with zero weights to the group size, and every rank is padded to the same
+    number of groups (one model.py serves all ranks)."""
+    if k % count:
+        raise BuildError(
+            f"--tp {count}: {name} is row-parallel and its {k} inputs do not split into {count} equal slices"
+        )
+    k_rank = k // count
+    if group == k:  # per channel: every input shares the scales, so a slice is one group of k / count
+        if k_rank % 8:
+            raise BuildError(
+                f"--tp {count}: {name} is row-parallel (per-channel scales) and {k} / {count} = {k_rank} inputs per "
+                f"rank is not a multiple of 8 (packed int4 words); choose a --tp for which {k} / tp is one"
+            )
+    elif k_rank % group:
+        raise BuildError(
+            f"--tp {count}: {name} is row-parallel and {k} inputs / {count} ranks = {k_rank} inputs per rank is "
+            f"not a multiple of the quantisation group size {group}: a rank's slice would cut a group. Choose a "
+            f"--tp for which {k} / tp is a multiple of {group}, or build with --tp 1"
+        )
+    # The rank whose activation each input reads.
+    owner = (torch.arange(k) if perm is None else perm.long()) // k_rank
+    if group == k:
+        one = torch.zeros(1, dtype=torch.int64)
+        return [RowShard(torch.nonzero(owner == r).flatten(), one, k_rank) for r in range(count)]
+    held = []
+    for r in range(count):
+        pos = torch.nonzero(owner == r).flatten()  # ascending, so its groups are consecutive
+        touched, sizes = torch.unique_consecutive(pos // group, return_counts=True)
+        held.append((pos, touched, sizes))
+    width = max(len(touched) for _, touched, _ in held)
+    out = []
+    for pos, touched, sizes in held:
+        local = torch.repeat_interleave(torch.arange(len(touched)), sizes)  # each input's local group
+        first = torch.cumsum(sizes, 0) - sizes
+        slots = torch.full((width * group,), -1, dtype=torch.int64)
+        slots[local * group + torch.arange(len(pos)) - first[local]] = pos
+        groups = torch.full((width,), -1, dtype=torch.int64)
+        groups[: len(touched)] = touched
+        out.append(RowShard(slots, groups, group))
+    return out
+
+
+def row_shard(w: Int4Weight, layout: RowShard, index: int, k_rank: int) -> Int4Weight:
+    """Rank ``index``'s part of a row-parallel weight as ``layout`` says: its inputs' nibbles,
+    its groups' scales and zeros, padding with the group's zero point as nibble (weight exactly
+    0; fully padded groups get scale 0), and the perm re-based to the rank's own activations
+    (padding reads activation 0). A contiguous slice of whole groups is cut from the packed rows
+    as it is, with no perm when the weight has none."""
+    member = layout.slots >= 0
+    own = torch.arange(index * k_rank, (index + 1) * k_rank)
+    if bool(member.all()) and torch.equal(layout.slots, own):  # whole groups in place: slice the packed rows
+        rows = slice(index * k_rank // 8, (index + 1) * k_rank // 8)
+        groups = layout.groups
+        perm = None if w.perm is None else (w.perm[own].long() - index * k_rank).to(torch.int32)
+        if perm is not None and bool(((perm < 0) | (perm >= k_rank)).any()):
+            raise BuildError("internal: a row-parallel shard reads another rank's activations")
+        return Int4Weight(
+            w.qweight[rows].contiguous(), w.scales[groups].contiguous(), w.zeros[groups].contiguous(),
+            None if perm is None else perm.contiguous(),
+        )  # fmt: skip
+    src = layout.slots.clamp_min(0)
+    real = (layout.groups >= 0)[:, None]
+    zeros = torch.where(real, w.zeros[layout.groups.clamp_min(0)], torch.zeros((), dtype=w.zeros.dtype))
+    scales = torch.where(real, w.scales[layout.groups.clamp_min(0)], torch.zeros((), dtype=w.scales.dtype))
+    local_group = torch.arange(layout.slots.shape[0]) // layout.group_size
+    q = torch.where(member[:, None], unpack_rows(w.qweight)[src], zeros[local_group].to(torch.int16))
+    act = (torch.arange(w.k) if w.perm is None else w.perm.long())[src] - index * k_rank
+    if bool(((act < 0) | (act >= k_rank))[member].any()):
+        raise BuildError("internal: a row-parallel shard reads another rank's activations")
+    return pack_int4(q, zeros, scales, torch.where(member, act, 0), w.scales.dtype)
+
 
 def split_int4(
-    w: Int4Weight, dim: int, index: int, count: int, sections: tuple[int, ...] | None = None
+    w: Int4Weight, dim: int, index: int, count: int, sections: tuple[int, ...] | None = None, name: str = "weight"
 ) -> Int4Weight:
-    """Rank ``index`` of ``count``'s shard of an artifact-layout weight.
+    """Rank ``index`` of ``count``'s shard of an artifact-layout weight (a whole one).
 
-    dim 0 (column-parallel: qkv, gate_up): a slice of the N output columns, any multiple; a fused
-    weight passes its ``sections`` (q, k, v widths; gate, up widths) so each is split on its own
-    and the rank's pieces are concatenated, as the half-type layout splits them.
-    dim 1 (row-parallel: o, down): a slice of the K inputs at whole groups (and whole packed words);
-    with act-order each rank's slice must permute among itself (its activations are its own), and
-    the perm is re-based to the slice.
-    """
+    dim 0 (column-parallel: qkv, gate_up): every output section (``sections`` or the weight's
+    own: q, k, v widths; gate, up widths) split ``count`` ways, the rank's pieces concatenated,
+    as the half-type layout splits them (``column_shard``). dim 1 (row-parallel: o, down): the
+    inputs whose activations rank ``index`` computes, in whole groups (``row_layout``)."""
     if dim == 0:
-        sections = sections or (w.n,)
-        if sum(sections) != w.n or any(n % count for n in sections):
-            raise BuildError(
-                f"output sections {sections} of {w.n} columns do not split into {count} equal shards"
-            )
-        starts = [sum(sections[:i]) for i in range(len(sections))]
-        cols = torch.cat(
-            [
-                torch.arange(a + index * (n // count), a + (index + 1) * (n // count))
-                for a, n in zip(starts, sections)
-            ]
-        )
-        return Int4Weight(w.qweight[:, cols], w.scales[:, cols], w.zeros[:, cols], w.perm)
+        sections = sections or w.sections or (w.n,)
+        return column_shard(dataclasses.replace(w, sections=sections), tuple((0, index, count) for _ in sections))
     if dim != 1:
         raise ValueError(f"dim must be 0 (N) or 1 (K), got {dim}")
-    k = w.k // count
-    groups = w.scales.shape[0]
-    if w.k % count or k % w.group_size or k % 8 or groups % count:
-        raise BuildError(
-            f"row-parallel split of K={w.k} into {count} shards would cut a quantisation group of {w.group_size} "
-            f"inputs; use a --tp that divides K / group size ({groups})"
-        )
-    k0 = index * k
-    perm = None
-    if w.perm is not None:
-        perm = w.perm[k0 : k0 + k].long() - k0
-        if perm.min() < 0 or perm.max() >= k:
-            raise BuildError(
-                f"act-order permutation mixes inputs across tensor-parallel shards (K={w.k}, tp={count}); "
-                f"this GPTQ desc_act checkpoint cannot be split row-parallel: build it with --tp 1"
-            )
-        perm = perm.to(torch.int32)
-    g = groups // count
-    return Int4Weight(
-        w.qweight[k0 // 8 : (k0 + k) // 8],
-        w.scales[index * g : (index + 1) * g],
-        w.zeros[index * g : (index + 1) * g],
-        perm,
-    )
+    layout = row_layout(w.perm, w.k, w.group_size, count, name)[index]
+    return row_shard(w, layout, index, w.k // count)
 
 
 # ---------------------------------------------------------------------------- the build's hooks
@@ -477,46 +623,101 @@ def scale_dtype_for(dtype: str) -> torch.dtype:
     return torch.float32 if dtype == "float32" else torch.float16
 
 
-def plan_tensors(tensors: list[Any], cfg: QuantConfig, dtype: str) -> list[Any]:
-    """Replace each projection weight of the float layout by its artifact-layout parts.
+def is_projection(t: Any) -> bool:
+    """A float-layout projection weight (``layers.i.qkv_proj.weight`` ...): what becomes int4 parts."""
+    base, _, leaf = t.name.rpartition(".")
+    return leaf == "weight" and base.rpartition(".")[2] in FUSED
 
-    ``tensors`` are builder.ir.TensorPlans; a projection ``layers.i.qkv_proj.weight`` of shape
-    [N, K] from sources ``model.layers.i.self_attn.{q,k,v}_proj.weight`` becomes
-    ``layers.i.qkv_proj.{qweight,scales,zeros[,perm]}`` whose sources are the checkpoint modules.
-    Embedding, norms, biases and the LM head stay as they are (half type)."""
-    out = []
+
+def _row_cut(t: Any) -> tuple[int, int] | None:
+    """(index, count) of a row-parallel TensorPlan's input split, None when its inputs are whole."""
+    cut = t.source_cuts[0] if t.source_cuts else None
+    return None if cut is None or cut[0] != 1 else (cut[1], cut[2])
+
+
+def plan_tensors(
+    tensors: list[Any], cfg: QuantConfig, dtype: str, read: Any = None
+) -> tuple[list[Any], list[str]]:
+    """Replace each projection weight of the float layout (already cut per rank by builder.shard)
+    by its artifact-layout parts, and the notes report.md gets.
+
+    ``tensors`` are builder.ir.TensorPlans; a projection ``layers.i.qkv_proj.weight`` of (per-rank)
+    shape [N, K] from sources ``model.layers.i.self_attn.{q,k,v}_proj.weight`` becomes
+    ``layers.i.qkv_proj.{qweight,scales,zeros[,perm]}`` whose sources are the checkpoint modules,
+    keeping the float plan's cuts. A row-parallel projection's parts hold the rank's whole groups
+    (``row_layout``; refused where a slice would cut a group); o_proj's act-order layout is read
+    from the checkpoint's g_idx (``read``; None for dummy weights). down_proj holds no perm: its
+    act-order is folded into gate_up's output order. Embedding, norms, biases and the LM head stay
+    as they are (half type)."""
+    out: list[Any] = []
     scale_dtype = str(scale_dtype_for(dtype)).removeprefix("torch.")
+    layouts: dict[str, list[RowShard]] = {}
+    padded: list[tuple[int, int, int]] = []  # per padded o_proj: (degree, inputs per rank, inputs held)
+    row_parallel = 0
     for t in tensors:
-        base, _, leaf = t.name.rpartition(".")
-        if leaf != "weight" or base.rpartition(".")[2] not in FUSED:
+        if not is_projection(t):
             out.append(t)
             continue
+        base = t.name.rpartition(".")[0]
+        proj = base.rpartition(".")[2]
         modules = tuple(s.removesuffix(".weight") for s in t.sources)
         n, k = t.shape
-        groups = k // cfg.group_size_for(k)
+        row = _row_cut(t)
+        if row is not None:
+            index, count = row
+            if base not in layouts:
+                whole = k * count
+                order = input_order(cfg, modules[0], read) if read is not None and proj == "o_proj" else None
+                name = f"{base} ({modules[0]})"
+                layouts[base] = row_layout(order, whole, cfg.group_size_for(whole), count, name)
+                row_parallel += proj == "o_proj"
+                if layouts[base][0].slots.shape[0] > k:
+                    padded.append((count, k, layouts[base][0].slots.shape[0]))
+            layout = layouts[base][index]
+            k_local, groups = layout.slots.shape[0], layout.groups.shape[0]
+        else:
+            g = cfg.group_size_for(k)
+            if k % g or k % 8:
+                raise BuildError(
+                    f"{base}: {k} inputs do not hold whole {cfg.method.upper()} groups of {g} (K must be a "
+                    f"multiple of the group size and of 8)"
+                )
+            k_local, groups = k, k // g
         shapes = {
-            "qweight": ((k // 8, n), "int32"),
+            "qweight": ((k_local // 8, n), "int32"),
             "scales": ((groups, n), scale_dtype),
             "zeros": ((groups, n), "int8"),
         }
-        if cfg.desc_act:
-            shapes["perm"] = ((k,), "int32")
+        if cfg.desc_act and proj != "down_proj":
+            shapes["perm"] = ((k_local,), "int32")
         for part, (shape, part_dtype) in shapes.items():
             out.append(
                 dataclasses.replace(t, name=f"{base}.{part}", sources=modules, shape=shape, dtype=part_dtype)
             )
-    return out
+    notes = []
+    if padded:
+        count, per_rank = padded[0][0], padded[0][1]
+        held = sorted({h for _, _, h in padded})
+        inputs = str(held[0]) if len(held) == 1 else f"{held[0]} to {held[-1]}"
+        notes.append(
+            f"act-order o_proj at --tp {count}: its quantisation groups' inputs are spread over the ranks' heads, "
+            f"so in {len(padded)} of {row_parallel} layers each rank's {per_rank} inputs are padded with zero "
+            f"weights to whole groups of {cfg.group_size}: {inputs} "
+            f"inputs per rank (up to {held[-1] / per_rank:.2f}x that projection's weight and time per rank)"
+        )
+    return out, notes
 
 
 def check_tensors(tensors: list[Any], cfg: QuantConfig, shapes: dict[str, tuple[int, ...]]) -> None:
-    """Every quantised part's checkpoint modules exist in ``cfg``'s format with the planned shape."""
+    """Every projection's checkpoint modules exist in ``cfg``'s format with the planned [N, K]
+    (the whole float layout, before any tensor-parallel cut)."""
     for t in tensors:
-        if t.name.endswith(".qweight"):
-            k = t.shape[0] * 8
-            n_total = t.shape[1]
+        if is_projection(t):
+            n_total, k = t.shape
             # The fused parts' N are read from the checkpoint (q and k/v differ); their sum must match.
             n_sum = 0
-            for module in t.sources:
+            for source in t.sources:
+                module = source.removesuffix(".weight")
                 scales = shapes.get(f"{module}.scales")
                 if scales is None:
                     raise BuildError(f"the {cfg.method.upper()} checkpoint has no tensor '{module}.scales'")
@@ -530,33 +731,109 @@ def is_quant_part(t: Any) -> bool:
     return t.name.rpartition(".")[2] in PARTS and t.name.rpartition(".")[0].rpartition(".")[2] in FUSED
 
 
-class Materialiser:
-    """Repacks each projection once and hands out its parts in the planned order (pack streams
-    tensors one at a time; a projection's parts are consecutive, so one repack is held at once)."""
+def projection_dims(model: Any) -> dict[str, tuple[int, int, tuple[int, ...] | None]]:
+    """Artifact projection -> (N, K, fused sections) of the whole model (builder.ir.ModelIR)."""
+    a, inter, h = model.attention, model.mlp.intermediate_size, model.hidden_size
+    q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    out: dict[str, tuple[int, int, tuple[int, ...] | None]] = {}
+    for layer in model.layers:
+        o = f"layers.{layer.index}"
+        out[f"{o}.qkv_proj"] = (q + 2 * kv, h, (q, kv, kv))
+        out[f"{o}.o_proj"] = (h, q, None)
+        out[f"{o}.gate_up_proj"] = (2 * inter, h, (inter, inter))
+        out[f"{o}.down_proj"] = (h, inter, None)
+    return out
 
-    def __init__(self, cfg: QuantConfig, read: Any, dtype: str, gen: torch.Generator | None):
+
+class Materialiser:
+    """Repacks each projection once and hands out every rank's parts in the planned order.
+
+    pack writes the ranks' files side by side, tensor by tensor, so a projection's parts for all
+    ranks are consecutive: one whole repacked projection and its per-rank shards are held at
+    once. gate_up's output columns (and bias) take down_proj's act-order input order; down_proj
+    drops its perm (its rows are already in that order)."""
+
+    def __init__(
+        self, cfg: QuantConfig, read: Any, dtype: str, gen: torch.Generator | None, model: Any = None
+    ):
         self.cfg, self.read, self.gen = cfg, read, gen
+        self.dtype = dtype
         self.scale_dtype = scale_dtype_for(dtype)
+        self.dims = projection_dims(model) if model is not None else {}
         self._base: str | None = None
         self._weight: Int4Weight | None = None
+        self._shards: dict[int, Int4Weight] = {}
+        self._layouts: list[RowShard] | None = None
+        self._orders: dict[str, torch.Tensor | None] = {}
+
+    def handles(self, t: Any) -> bool:
+        """Whether pack takes ``t`` from here: the int4 parts, and gate_up's bias (reordered)."""
+        return is_quant_part(t) or (self.gen is None and t.name.endswith(".gate_up_proj.bias"))
 
     def __call__(self, t: Any) -> torch.Tensor:
         base, _, part = t.name.rpartition(".")
+        if part == "bias":
+            return self._bias(t)
         if base != self._base:
-            self._base = base
-            if self.gen is not None:
-                k = t.shape[0] * 8 if part == "qweight" else None
-                if k is None:
-                    raise BuildError(f"internal: {base} parts out of order")
-                self._weight = random_int4(self.cfg, k, t.shape[1], self.scale_dtype, self.gen)
-            else:
-                self._weight = repack_projection(self.cfg, base, t.sources, self.read, self.scale_dtype)
-        assert self._weight is not None
-        tensor = self._weight.tensors()[part]
-        if t.shard is not None:
-            dim, index, count = t.shard
-            tensor = split_int4(self._weight, dim, index, count, self._weight.sections).tensors()[part]
-        return tensor
+            self._base, self._weight, self._shards, self._layouts = base, self._whole(base, t), {}, None
+        shard = self._shards.get(t.rank)
+        if shard is None:
+            assert self._weight is not None
+            shard = self._shards[t.rank] = self._shard(base, self._weight, t)
+        tensors = shard.tensors()
+        if part not in tensors:
+            raise BuildError(f"internal: {base} has no {part} (planned {t.shape})")
+        return tensors[part]
+
+    def _mlp_order(self, mlp_module: str) -> torch.Tensor | None:
+        """down_proj's act-order input order for the MLP holding ``mlp_module`` (gate or up)."""
+        prefix = mlp_module.rpartition(".")[0]
+        if prefix not in self._orders:
+            self._orders = {prefix: input_order(self.cfg, f"{prefix}.down_proj", self.read)}
+        return self._orders[prefix]
+
+    def _whole(self, base: str, t: Any) -> Int4Weight:
+        proj = base.rpartition(".")[2]
+        if self.gen is not None:
+            n, k, sections = self.dims[base]
+            drawn = random_int4(self.cfg, k, n, self.scale_dtype, self.gen)
+            return dataclasses.replace(drawn, sections=sections)
+        w = repack_projection(self.cfg, base, t.sources, self.read, self.scale_dtype)
+        if proj == "gate_up_proj":
+            order = self._mlp_order(t.sources[0])
+            if order is not None:
+                w = permute_sections(w, order)
+        elif proj == "down_proj":
+            w = dataclasses.replace(w, perm=None)  # its rows are in the order gate_up now computes
+        return w
+
+    def _shard(self, base: str, w: Int4Weight, t: Any) -> Int4Weight:
+        cuts = tuple(t.source_cuts)
+        if all(c is None for c in cuts):
+            return w
+        row = _row_cut(t)
+        if row is None:
+            return column_shard(w, cuts)
+        index, count = row
+        if self._layouts is None:
+            self._layouts = row_layout(w.perm, w.k, w.group_size, count, f"{base} ({t.sources[0]})")
+        return row_shard(w, self._layouts[index], index, w.k // count)
+
+    def _bias(self, t: Any) -> torch.Tensor:
+        from pagecast.builder import shard
+
+        order = self._mlp_order(t.sources[0].removesuffix(".bias"))
+        cuts = t.source_cuts or (None,) * len(t.sources)
+        parts = []
+        for source, cut in zip(t.sources, cuts, strict=True):
+            bias = self.read(source)
+            parts.append(shard.cut_source(bias if order is None else bias[order], cut))
+        tensor = torch.cat(parts)
+        if not torch.isfinite(tensor).all():
+            raise BuildError(
+                f"checkpoint tensor(s) {', '.join(t.sources)} contain NaN or inf; the checkpoint is corrupt"
+            )
+        return tensor.to(getattr(torch, self.dtype))
 
 
 def weight_bytes(tensors: list[Any], dtype_bytes: int) -> int:
@@ -599,9 +876,10 @@ def linear_method_source(cfg: QuantConfig | None) -> str:
     return f"quant_linear.Int4Linear(method={cfg.method!r}, group_size={cfg.group_size})"
 
 
-def report_lines(tuning: dict[str, Any] | None, cfg: QuantConfig | None) -> list[str]:
-    """report.md's section for an int4 build: the format, and per projection and row bucket the
-    W4A16 choice (Triton tile or dequantize + cuBLAS), its time and the half-type cuBLAS time."""
+def report_lines(tuning: dict[str, Any] | None, cfg: QuantConfig | None, tp: int = 1) -> list[str]:
+    """report.md's section for an int4 build: the format, how the ranks split it, and per
+    projection and row bucket the W4A16 choice (Triton tile or dequantize + cuBLAS), its time and
+    the half-type cuBLAS time."""
     if cfg is None:
         return []
     g = "per channel" if cfg.group_size == -1 else f"group size {cfg.group_size}"
@@ -615,6 +893,19 @@ def report_lines(tuning: dict[str, Any] | None, cfg: QuantConfig | None) -> list
             f"embedding and LM head in the half type."
         ),
     ]
+    if tp > 1:
+        lines += [
+            "",
+            f"Tensor parallel ({tp} ranks): qkv_proj and gate_up_proj int4 weights split by output columns "
+            f"(each fused part on its own, as the heads), o_proj and down_proj by inputs in whole "
+            f"{'per-channel slices' if cfg.group_size == -1 else f'groups of {cfg.group_size}'}"
+            + (
+                "; down_proj's act-order is folded into gate_up_proj's output order, o_proj's is kept per rank"
+                if cfg.desc_act
+                else ""
+            )
+            + ".",
+        ]
     entries = ((tuning or {}).get("kernels") or {}).get("w4a16_gemm") or {}
     if not entries:
         return lines + [

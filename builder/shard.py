@@ -17,8 +17,9 @@ checkpoint tensor it is cut from). The pack pass cuts with ``cut_source``. The r
 - everything else (norms, Qwen3's per-head q/k norms) is whole on every rank.
 
 Every rank's shard of a tensor has the same shape, so one rendered model.py serves all
-ranks. A quantised format makes its packed tensors splittable by giving them sources whose
-(dim, index, count) cuts are whole packing groups (see ``cut_source``).
+ranks. AWQ/GPTQ builds cut the float layout here too; builder/quant.py then turns each rank's
+projection into int4 parts that keep these cuts (column-parallel: per-section output columns;
+row-parallel: the rank's inputs, in whole quantisation groups).
 """
 
 from __future__ import annotations
@@ -149,14 +150,18 @@ def rank_tensors(tensors: tuple[TensorPlan, ...] | list[TensorPlan], rank: int) 
     return [t for t in tensors if t.rank == rank]
 
 
+STORED_BYTES = {"int32": 4, "int8": 1, "float16": 2, "bfloat16": 2, "float32": 4}  # TensorPlan.dtype
+
+
 def rank_weight_bytes(tensors: tuple[TensorPlan, ...] | list[TensorPlan], elt: int) -> int:
-    """Bytes of rank 0's weights (every rank holds the same amount)."""
+    """Bytes of rank 0's weights (every rank holds the same amount); ``elt`` per element of the
+    plan's dtype, int4 parts at their own stored size."""
     total = 0
     for t in rank_tensors(tensors, 0):
         n = 1
         for s in t.shape:
             n *= s
-        total += n * elt
+        total += n * (STORED_BYTES[t.dtype] if t.dtype else elt)
     return total
 
 

@@ -41,7 +41,18 @@ def model_shapes(state: BuildState) -> dict[str, Any]:
         "quant_group_size": plan.quantization.group_size if plan.quantization is not None else 0,
         # The attention kernels and the KV write are tuned on caches of the artifact's KV dtype.
         "kv_cache_dtype": plan.kv_cache.dtype if plan.kv_cache is not None else None,
+        "o_proj_inputs": o_proj_inputs(plan, per_rank.num_heads * a.head_dim),
     }
+
+
+def o_proj_inputs(plan: Any, q_size: int) -> int:
+    """o_proj's int4 inputs on one rank (the widest layer's) when an act-order shard is padded to
+    whole groups (builder/quant.py, row_layout), else 0: the rank's ``q_size`` query columns."""
+    widest = max(
+        (t.shape[0] * 8 for t in shard.rank_tensors(plan.tensors, 0) if t.name.endswith(".o_proj.qweight")),
+        default=q_size,
+    )
+    return 0 if widest == q_size else widest
 
 
 def tune_in_subprocess(shapes: dict[str, Any], budget_s: float, cache_dir: Path) -> tuple[dict[str, Any], list[Any]]:

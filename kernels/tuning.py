@@ -98,6 +98,9 @@ class ModelShapes:
     max_num_seqs: int = 256  # largest decode batch: batch buckets beyond it are not tuned
     quant_group_size: int = 0  # int4 projections' group size (-1 per channel); 0 = half-type weights
     kv_cache_dtype: str | None = None  # the KV cache's dtype when not ``dtype`` ("float8_e4m3fn")
+    # o_proj's int4 inputs on this rank when not num_heads * head_dim: an act-order checkpoint's
+    # row-parallel shard padded to whole groups (builder/quant.py, row_layout); 0 = not padded.
+    o_proj_inputs: int = 0
 
     def __post_init__(self) -> None:
         if self.num_heads <= 0 or self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
@@ -184,7 +187,7 @@ def projection_dims(shapes: ModelShapes) -> dict[str, tuple[int, int]]:
     kv = shapes.num_kv_heads * shapes.head_dim
     return {
         "qkv": (q + 2 * kv, shapes.hidden),
-        "o": (shapes.hidden, q),
+        "o": (shapes.hidden, shapes.o_proj_inputs or q),
         "gate_up": (2 * shapes.intermediate, shapes.hidden),
         "down": (shapes.hidden, shapes.intermediate),
     }

@@ -8,6 +8,10 @@ into it at build time):
     zeros    int8  [K / G, N]   W[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n]
     perm     int32 [K]          act-order only: input k multiplies activation column perm[k]
 
+K is the weight's (qweight's rows times 8). Without a perm the activations have K columns; with
+one they may have fewer: a row-parallel act-order shard (builder/quant.py, row_layout) pads its
+inputs to whole groups with zero weights whose perm entries read column 0.
+
 One program owns a [BLOCK_M, BLOCK_N] tile of y and walks its share of K in BLOCK_K steps: it
 loads BLOCK_K / 8 rows of packed words, expands each word to its 8 nibbles with shifts and
 masks, subtracts the zero point and multiplies by the scale in fp32, casts to x's dtype for
@@ -255,11 +259,12 @@ def check_shapes(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, perm: torch.Tensor | None,
     group_size: int, bias: torch.Tensor | None,
 ) -> None:  # fmt: skip
-    k = x.shape[1]
+    k = qweight.shape[0] * 8
     n = qweight.shape[1]
-    if qweight.dtype != torch.int32 or qweight.shape[0] * 8 != k:
+    if qweight.dtype != torch.int32 or (perm is None and x.shape[1] != k):
         raise ValueError(
-            f"qweight must be int32 [K/8={k // 8}, N], got {qweight.dtype} {tuple(qweight.shape)}"
+            f"qweight must be int32 [K/8={x.shape[1] // 8}, N] (K = x's columns without a perm), got "
+            f"{qweight.dtype} {tuple(qweight.shape)}"
         )
     if (
         k % group_size
@@ -290,12 +295,13 @@ def w4a16_gemm(
     bias: torch.Tensor | None = None,
     config: Mapping[str, int] | KernelConfig | None = None,
 ) -> torch.Tensor:
-    """x [M, K] @ dequant(W).T (+ bias [N]) -> [M, N] in x's dtype, fp32 accumulation.
+    """x [M, K] @ dequant(W).T (+ bias [N]) -> [M, N] in x's dtype, fp32 accumulation (with a
+    perm, x [M, any width]: input k reads column perm[k]).
 
     ``config`` None picks ``default_config``; ``{"dequant": 1}`` dequantizes and calls cuBLAS.
     Capture-safe (no host syncs): split-K's partial buffer is allocated per call and reduced
     with one torch sum."""
-    m, k = x.shape
+    m, k = x.shape[0], qweight.shape[0] * 8
     n = qweight.shape[1]
     check_shapes(x, qweight, scales, zeros, perm, group_size, bias)
     if x.stride(1) != 1:

@@ -286,7 +286,7 @@ def w4a16_gemv(
 
     Shapes are checked by the caller (w4a16_gemm.w4a16_gemm). Capture-safe once the same batch
     ran eagerly (the counters are allocated then); partials are allocated per call."""
-    m, k = x.shape
+    m, k = x.shape[0], qweight.shape[0] * 8  # with a perm x may be narrower than K (w4a16_gemm)
     n = qweight.shape[1]
     if group_size % 8:
         raise ValueError(f"the W4A16 GEMV needs a group size divisible by 8, got {group_size}")

@@ -3,6 +3,8 @@ its tensor-parallel split, and the configs refused at build time (with messages 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from quant_writer import Format, quantise
@@ -87,29 +89,102 @@ def _packed(fmt: Format, n: int, k: int, seed: int = 0) -> quant.Int4Weight:
     )
 
 
+def _apply(s: quant.Int4Weight, xs: torch.Tensor) -> torch.Tensor:
+    return reference.w4a16_linear(xs, s.qweight, s.scales, s.zeros, s.perm, s.group_size)
+
+
 def test_split_int4_column_and_row_parallel_compose_to_the_whole():
     w = _packed(Format("awq", 32), 48, 256)
     x = torch.randn(2, 256)
-    full = reference.w4a16_linear(x, w.qweight, w.scales, w.zeros, w.perm, w.group_size)
-
-    def apply(s: quant.Int4Weight, xs: torch.Tensor) -> torch.Tensor:
-        return reference.w4a16_linear(xs, s.qweight, s.scales, s.zeros, s.perm, s.group_size)
-
-    cols = torch.cat([apply(quant.split_int4(w, 0, r, 2), x) for r in range(2)], dim=1)
+    full = _apply(w, x)
+    cols = torch.cat([_apply(quant.split_int4(w, 0, r, 2), x) for r in range(2)], dim=1)
     torch.testing.assert_close(cols, full)
     # A fused weight (q 32 | k 8 | v 8 columns) splits each section: rank r holds q_r | k_r | v_r.
-    shards = [apply(quant.split_int4(w, 0, r, 2, sections=(32, 8, 8)), x) for r in range(2)]
+    shards = [_apply(quant.split_int4(w, 0, r, 2, sections=(32, 8, 8)), x) for r in range(2)]
     q, k, v = full.split([32, 8, 8], dim=1)
     for r, shard in enumerate(shards):
         expected = torch.cat([part.chunk(2, dim=1)[r] for part in (q, k, v)], dim=1)
         torch.testing.assert_close(shard, expected)
-    rows = sum(apply(quant.split_int4(w, 1, r, 4), x[:, r * 64 : (r + 1) * 64]) for r in range(4))
-    torch.testing.assert_close(rows, full, atol=1e-5, rtol=1e-5)
-    with pytest.raises(BuildError, match="would cut a quantisation group"):
-        quant.split_int4(w, 1, 0, 16)  # 16 inputs per rank < group of 32
-    actorder = _packed(Format("gptq", 32, sym=True, desc_act=True), 48, 256)
-    with pytest.raises(BuildError, match="act-order permutation mixes inputs"):
-        quant.split_int4(actorder, 1, 0, 2)
+    # KV heads replicated (more ranks than KV heads): both ranks take the whole k and v sections.
+    fused = dataclasses.replace(w, sections=(32, 8, 8))
+    for r in range(2):
+        rep = quant.column_shard(fused, ((0, r, 2), None, None))
+        assert rep.sections == (16, 8, 8)
+        torch.testing.assert_close(_apply(rep, x), torch.cat([q.chunk(2, dim=1)[r], k, v], dim=1))
+    rows = [quant.split_int4(w, 1, r, 4) for r in range(4)]
+    assert all(s.perm is None and s.k == 64 and s.group_size == 32 for s in rows)  # contiguous whole groups
+    torch.testing.assert_close(sum(_apply(s, x[:, r * 64 : (r + 1) * 64]) for r, s in enumerate(rows)), full,
+                               atol=1e-5, rtol=1e-5)  # fmt: skip
+    with pytest.raises(
+        BuildError,
+        match=r"--tp 16: layers.0.o_proj is row-parallel and 256 inputs / 16 ranks = 16 inputs per rank is not "
+        r"a multiple of the quantisation group size 32",
+    ):
+        quant.split_int4(w, 1, 0, 16, name="layers.0.o_proj")
+
+
+@pytest.mark.parametrize("count", [2, 4])
+def test_act_order_row_split_holds_whole_groups_padded_with_zero_weights(count):  # type: ignore[no-untyped-def]
+    """o_proj's act-order spreads every group over the ranks: each rank holds its own inputs of
+    every group it touches, padded with zero weights, and the ranks' partial products sum to the
+    whole product."""
+    w = _packed(Format("gptq", 32, sym=False, desc_act=True), 48, 256)
+    assert w.perm is not None
+    x = torch.randn(3, 256)
+    k_rank = 256 // count
+    shards = [quant.split_int4(w, 1, r, count) for r in range(count)]
+    assert len({s.qweight.shape for s in shards}) == 1  # one shape on every rank
+    dense = quant.dequantize_int4(w)  # [N, K], original input order
+    for r, s in enumerate(shards):
+        assert s.group_size == 32 and s.k % 32 == 0 and s.perm is not None
+        assert int(s.perm.min()) >= 0 and int(s.perm.max()) < k_rank  # the rank's own activations only
+        local = quant.reference.dequantize_int4(s.qweight, s.scales, s.zeros, s.group_size)  # [N, K_local]
+        # Each of the rank's activations is read by exactly one non-zero input, with the whole weight's
+        # column; the padding is exactly zero.
+        real = local.abs().sum(0) > 0
+        assert sorted(s.perm[real].tolist()) == list(range(k_rank))
+        torch.testing.assert_close(local[:, real], dense[:, r * k_rank + s.perm[real].long()], atol=0, rtol=0)
+    total = sum(_apply(s, x[:, r * k_rank : (r + 1) * k_rank]) for r, s in enumerate(shards))
+    torch.testing.assert_close(total, _apply(w, x), atol=1e-5, rtol=1e-5)
+
+
+def test_per_channel_row_split_is_one_group_per_rank():
+    w = _packed(Format("gptq", -1, sym=False, desc_act=True), 40, 192)
+    x = torch.randn(2, 192)
+    shards = [quant.split_int4(w, 1, r, 2) for r in range(2)]
+    assert [s.group_size for s in shards] == [96, 96] and all(s.scales.shape == (1, 40) for s in shards)
+    total = sum(_apply(s, x[:, r * 96 : (r + 1) * 96]) for r, s in enumerate(shards))
+    torch.testing.assert_close(total, _apply(w, x), atol=1e-5, rtol=1e-5)
+    with pytest.raises(BuildError, match=r"per-channel scales\) and 192 / 64 = 3 inputs per rank is not a multiple of 8"):
+        quant.split_int4(w, 1, 0, 64, name="down")
+
+
+def test_down_proj_act_order_folds_into_gate_up_output_order():
+    """gate_up's columns renumbered by down_proj's act-order input order make the MLP's
+    intermediate come out in the order down_proj's rows were sorted into: down_proj needs no perm."""
+    fmt = Format("gptq", 32, sym=True, desc_act=True)
+    gate, up, down = (torch.randn(n, k) * 0.05 for n, k in ((64, 96), (64, 96), (96, 64)))
+    parts: dict[str, torch.Tensor] = {}
+    for name, wt, seed in (("gate", gate, 1), ("up", up, 1), ("down", down, 2)):
+        parts.update({f"{name}.{p}": t for p, t in quantise(wt, fmt, seed=seed)[0].items()})
+    cfg = _cfg(fmt)
+    gu = quant.repack_projection(cfg, "gate_up", ("gate", "up"), parts.__getitem__, torch.float32)
+    dn = quant.repack_projection(cfg, "down", ("down",), parts.__getitem__, torch.float32)
+    order = quant.input_order(cfg, "down", parts.__getitem__)
+    assert order is not None and dn.perm is not None and torch.equal(order, dn.perm.long())
+    x = torch.randn(5, 96)
+    expected = _apply(dn, reference.silu_and_mul(_apply(gu, x)))
+    folded = _apply(dataclasses.replace(dn, perm=None), reference.silu_and_mul(_apply(quant.permute_sections(gu, order), x)))
+    torch.testing.assert_close(folded, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_unsorted_g_idx_without_desc_act_is_refused():
+    fmt = Format("gptq", 32, sym=True, desc_act=True)
+    parts, _ = quantise(torch.randn(32, 64), fmt, seed=5)
+    cfg = dataclasses.replace(_cfg(fmt), desc_act=False)
+    read = {f"m.{p}": t for p, t in parts.items()}.__getitem__
+    with pytest.raises(BuildError, match="m.g_idx is not in group order although the quantization_config has desc_act: false"):
+        quant.repack_projection(cfg, "p", ("m",), read, torch.float32)
 
 
 @pytest.mark.parametrize(

@@ -118,6 +118,25 @@ def test_dequantize_path_matches_reference():
     assert torch.equal(w, reference.dequantize_int4(qweight, scales, zeros, 64))
 
 
+@pytest.mark.parametrize(
+    "cfg",
+    [_cfg(16, 32, 64, 2), w4a16_gemv.make_config(32, 32, 2, num_warps=2), w4a16_gemm.DEQUANT],
+    ids=["tile-split-k", "gemv", "dequant"],
+)
+def test_a_perm_may_read_fewer_columns_than_the_weight_has_inputs(cfg):  # type: ignore[no-untyped-def]
+    """A row-parallel act-order shard (builder/quant.py row_layout) holds more inputs than its
+    rank has activations: the perm maps its K = 256 inputs onto x's 192 columns (padding reads
+    column 0 with a zero weight). Every path takes K from the weight, not from x."""
+    qweight, scales, zeros, _ = _weights(40, 256, 64, False, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    perm = torch.randint(0, 192, (256,), generator=gen).to(torch.int32)
+    x = torch.randn(3, 192, generator=gen)
+    y = w4a16_gemm.w4a16_gemm(x, qweight, scales, zeros, perm, 64, None, cfg)
+    ref = reference.w4a16_linear(x, qweight, scales, zeros, perm, 64)
+    assert y.shape == (3, 40)
+    torch.testing.assert_close(y, ref, atol=1e-3 * ref.abs().max().item(), rtol=1e-3)
+
+
 def test_launcher_refuses_mismatched_shapes():
     qweight, scales, zeros, _ = _weights(40, 576, 64, False)
     with pytest.raises(ValueError, match="qweight must be int32"):
