@@ -6,7 +6,8 @@ tuned Triton kernels at per-rank shapes, all-reduces inside the decode CUDA grap
 - a bf16 model at TP=2 gives TP=1's first tokens;
 - the experimental symmetric-memory all-reduce gives the same tokens;
 - a killed worker is an error within seconds (the NCCL group is aborted), not a hang;
-- fewer visible GPUs than the degree is refused at load.
+- fewer visible GPUs than the degree is refused at load;
+- AWQ / GPTQ int4 shards at TP=2 give transformers' tokens on the exactly dequantized checkpoint.
 """
 
 from __future__ import annotations
@@ -128,3 +129,20 @@ def test_fewer_visible_gpus_than_tp_is_refused(tmp_path):  # type: ignore[no-unt
     )
     assert proc.returncode != 0
     assert "built with --tp 2 and needs 2 GPUs, but 1 are visible" in proc.stderr
+
+
+@pytest.mark.parametrize("case", ["awq-g64-qwen2-bias", "gptq-g64-sym-actorder-mlp-bias", "gptq_v2-g32-asym-one-kv-replicated"])
+def test_tp2_int4_fp32_greedy_matches_transformers_on_the_exact_dequantization(tmp_path, case):  # type: ignore[no-untyped-def]
+    # int4 shards on two GPUs (test_quant_tp.py's cases, run there on gloo): the W4A16 kernels
+    # at per-rank shapes (o_proj's act-order shard padded to whole groups), NCCL all-reduces in
+    # the decode graphs; fp32 activations, so the tokens must be transformers' on the checkpoint
+    # dequantized exactly.
+    import test_quant_tp
+    from quant_writer import write
+
+    family, overrides, fmt = test_quant_tp.CASES[case]
+    src = make_checkpoint(tmp_path / "float", family, tokenizer=False, **{**test_quant_tp.SHAPE, **overrides})
+    src = test_quant_tp._with_random_biases(src, tmp_path / "biased")
+    ckpt, deq = write(src, tmp_path / case, fmt)
+    art = build_artifact(ckpt, tmp_path / "art", gpu="auto", dtype="float32", tp=2, tune_budget_s=10.0)
+    _assert_greedy_matches_transformers(deq, art, lambda llm: llm.engine.runner.graphs is not None)
