@@ -18,71 +18,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from serving import LLAMA3_8B
+import variant_runs
 
 VARIANTS = {"bf16": "auto", "fp8": "fp8"}
 TARGETS = {"W1_output_tok_s": 11500.0, "W6_output_tok_s": 24000.0}
 
 
-def record(out: Path, **row: object) -> dict[str, object]:
-    line = json.dumps(row)
-    print(line, flush=True)
-    with open(out / "kvcache.jsonl", "a") as f:
-        f.write(line + "\n")
-    return row
-
-
-def build(out: Path, variant: str, max_model_len: int, tune_budget: float) -> Path:
-    """The variant's artifact (built once; an existing one is reused)."""
-    from pagecast.builder.ir import BuildOptions
-    from pagecast.builder.pipeline import build as run_build
-
-    artifact = out / f"llama3-8b-kv-{variant}"
-    if (artifact / "manifest.json").is_file():
-        return artifact
-    cfg_dir = out / "llama3-8b-config"
-    cfg_dir.mkdir(parents=True, exist_ok=True)
-    (cfg_dir / "config.json").write_text(json.dumps(LLAMA3_8B))
-    start = time.perf_counter()
-    run_build(
-        BuildOptions(model=str(cfg_dir), output=artifact, gpu="auto", load_format="dummy", max_model_len=max_model_len,
-                     tune_budget_s=tune_budget, force=True, quiet=True, max_num_seqs=1024,
-                     kv_cache_dtype=VARIANTS[variant]),
-        log=lambda line: print(f"  build {variant}", line, flush=True),
-    )  # fmt: skip
-    record(out, variant=variant, figure="enginebuild_seconds", value=round(time.perf_counter() - start, 1))
-    return artifact
-
-
-def measure(out: Path, variant: str, artifact: Path) -> list[dict[str, object]]:
-    """serving.py's W1 and W6 phases on this artifact, in a fresh process; its JSON lines back."""
-    vdir = out / variant
-    vdir.mkdir(parents=True, exist_ok=True)
-    (vdir / "serving.jsonl").unlink(missing_ok=True)
-    code = (
-        "import sys; from pathlib import Path; sys.path.insert(0, 'benchmarks'); import serving; "
-        f"serving.phase_ours(Path({str(vdir)!r}), Path({str(artifact)!r}), {{'W1', 'W6'}})"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], check=False, cwd=Path(__file__).parent.parent)
-    rows = []
-    if (vdir / "serving.jsonl").is_file():
-        rows = [json.loads(line) for line in (vdir / "serving.jsonl").read_text().splitlines() if line.strip()]
-    if proc.returncode != 0:
-        rows.append({"figure": "engine_failed", "value": f"exit {proc.returncode}"})
-    return [record(out, variant=variant, **r) for r in rows]
-
-
 def main() -> None:
-    import torch
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("bench-kvcache"))
     ap.add_argument("--variants", default="bf16,fp8")
@@ -90,21 +38,21 @@ def main() -> None:
     ap.add_argument("--tune-budget", type=float, default=60.0)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    variants = [v for v in args.variants.split(",") if v]
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        raise SystemExit(f"unknown variants {unknown}; choose from {sorted(VARIANTS)}")
-    record(args.out, figure="machine", value=torch.cuda.get_device_name(0), torch=torch.__version__,
-           date=time.strftime("%Y-%m-%d"), commit=os.environ.get("PAGECAST_COMMIT", "unknown"))  # fmt: skip
+    variants = variant_runs.chosen_variants(args.variants, VARIANTS)
+    record = variant_runs.Recorder(args.out, "kvcache.jsonl")
+    record.machine()
     results: dict[str, dict[str, object]] = {}
     started = time.perf_counter()
     for variant in variants:
-        artifact = build(args.out, variant, args.max_model_len, args.tune_budget)
+        artifact = variant_runs.build(
+            args.out, args.out / f"llama3-8b-kv-{variant}", variant, record, args.max_model_len, args.tune_budget,
+            kv_cache_dtype=VARIANTS[variant],
+        )
         plan = json.loads((artifact / "memory_plan.json").read_text())
-        record(args.out, variant=variant, figure="kv_bytes_per_token", value=plan["bytes_per_token"],
+        record(variant=variant, figure="kv_bytes_per_token", value=plan["bytes_per_token"],
                kv_cache_dtype=plan.get("kv_cache_dtype"))  # fmt: skip
-        results[variant] = {r["figure"]: r for r in measure(args.out, variant, artifact)}  # type: ignore[misc]
-    record(args.out, figure="total_seconds", value=round(time.perf_counter() - started, 1))
+        results[variant] = {r["figure"]: r for r in variant_runs.measure(args.out, variant, artifact, {"W1", "W6"}, record)}  # type: ignore[misc]
+    record(figure="total_seconds", value=round(time.perf_counter() - started, 1))
 
     def value(variant: str, figure: str) -> float | None:
         v = results.get(variant, {}).get(figure, {}).get("value")  # type: ignore[union-attr]
@@ -120,7 +68,7 @@ def main() -> None:
             ratio = ours / base if ours and base else None
             row += [f"{ours:,.0f}" if ours else "-", f"{ratio:.3f}" if ratio else "-"]
             if ratio and variant != "bf16":
-                record(args.out, variant=variant, figure=f"{figure.split('_')[0]}_ratio_to_bf16_kv", value=round(ratio, 4))
+                record(variant=variant, figure=f"{figure.split('_')[0]}_ratio_to_bf16_kv", value=round(ratio, 4))
         row += [("yes" if (value(variant, f) or 0) >= t else "no") for f, t in TARGETS.items()]
         print("| " + " | ".join(row) + " |")
 

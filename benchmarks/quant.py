@@ -18,67 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from serving import LLAMA3_8B
+import variant_runs
 
 VARIANTS = {"bf16": None, "awq": "awq", "gptq": "gptq"}
-
-
-def build(out: Path, variant: str, max_model_len: int, tune_budget: float) -> Path:
-    """The variant's artifact (built once; an existing one is reused)."""
-    from pagecast.builder.ir import BuildOptions
-    from pagecast.builder.pipeline import build as run_build
-
-    artifact = out / f"llama3-8b-{variant}"
-    if (artifact / "manifest.json").is_file():
-        return artifact
-    cfg_dir = out / "llama3-8b-config"
-    cfg_dir.mkdir(parents=True, exist_ok=True)
-    (cfg_dir / "config.json").write_text(json.dumps(LLAMA3_8B))
-    start = time.perf_counter()
-    run_build(
-        BuildOptions(model=str(cfg_dir), output=artifact, gpu="auto", load_format="dummy", quant=VARIANTS[variant],
-                     max_model_len=max_model_len, tune_budget_s=tune_budget, force=True, quiet=True,
-                     max_num_seqs=1024),
-        log=lambda line: print(f"  build {variant}", line, flush=True),
-    )  # fmt: skip
-    record(out, variant=variant, figure="enginebuild_seconds", value=round(time.perf_counter() - start, 1))
-    return artifact
-
-
-def record(out: Path, **row: object) -> dict[str, object]:
-    line = json.dumps(row)
-    print(line, flush=True)
-    with open(out / "quant.jsonl", "a") as f:
-        f.write(line + "\n")
-    return row
-
-
-def measure(out: Path, variant: str, artifact: Path) -> list[dict[str, object]]:
-    """serving.py's W4 and W1 phases on this artifact, in a fresh process; its JSON lines back."""
-    vdir = out / variant
-    vdir.mkdir(parents=True, exist_ok=True)
-    (vdir / "serving.jsonl").unlink(missing_ok=True)
-    code = (
-        "import sys; from pathlib import Path; sys.path.insert(0, 'benchmarks'); import serving; "
-        f"serving.phase_ours(Path({str(vdir)!r}), Path({str(artifact)!r}), {{'W4', 'W1'}})"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], check=False, cwd=Path(__file__).parent.parent)
-    rows = []
-    if (vdir / "serving.jsonl").is_file():
-        rows = [
-            json.loads(line) for line in (vdir / "serving.jsonl").read_text().splitlines() if line.strip()
-        ]
-    if proc.returncode != 0:
-        rows.append({"figure": "engine_failed", "value": f"exit {proc.returncode}"})
-    return [record(out, variant=variant, **r) for r in rows]
 
 
 def weight_bytes(artifact: Path) -> int:
@@ -86,8 +33,6 @@ def weight_bytes(artifact: Path) -> int:
 
 
 def main() -> None:
-    import torch
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("bench-quant"))
     ap.add_argument("--variants", default="bf16,awq,gptq")
@@ -95,17 +40,17 @@ def main() -> None:
     ap.add_argument("--tune-budget", type=float, default=240.0)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    variants = [v for v in args.variants.split(",") if v]
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        raise SystemExit(f"unknown variants {unknown}; choose from {sorted(VARIANTS)}")
-    record(args.out, figure="machine", value=torch.cuda.get_device_name(0), torch=torch.__version__,
-           date=time.strftime("%Y-%m-%d"), commit=os.environ.get("PAGECAST_COMMIT", "unknown"))  # fmt: skip
+    variants = variant_runs.chosen_variants(args.variants, VARIANTS)
+    record = variant_runs.Recorder(args.out, "quant.jsonl")
+    record.machine()
     results: dict[str, dict[str, object]] = {}
     for variant in variants:
-        artifact = build(args.out, variant, args.max_model_len, args.tune_budget)
-        record(args.out, variant=variant, figure="weight_bytes", value=weight_bytes(artifact))
-        results[variant] = {r["figure"]: r["value"] for r in measure(args.out, variant, artifact)}  # type: ignore[misc]
+        artifact = variant_runs.build(
+            args.out, args.out / f"llama3-8b-{variant}", variant, record, args.max_model_len, args.tune_budget,
+            quant=VARIANTS[variant],
+        )
+        record(variant=variant, figure="weight_bytes", value=weight_bytes(artifact))
+        results[variant] = {r["figure"]: r["value"] for r in variant_runs.measure(args.out, variant, artifact, {"W4", "W1"}, record)}  # type: ignore[misc]
 
     # Ratios against bf16 from this run (or from an earlier run's quant.jsonl in the same OUTDIR).
     earlier = [
@@ -123,9 +68,9 @@ def main() -> None:
         r1 = f"{w1 / b1:.3f}" if isinstance(w1, float) and isinstance(b1, float) else "-"
         print(f"| {variant} | {w4} | {r4} | {w1} | {r1} |")
         if variant != "bf16" and r4 != "-":
-            record(args.out, variant=variant, figure="W4_ratio_to_bf16", value=float(r4), target="<= 0.45")
+            record(variant=variant, figure="W4_ratio_to_bf16", value=float(r4), target="<= 0.45")
         if variant != "bf16" and r1 != "-":
-            record(args.out, variant=variant, figure="W1_ratio_to_bf16", value=float(r1), target=">= 0.9")
+            record(variant=variant, figure="W1_ratio_to_bf16", value=float(r1), target=">= 0.9")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,87 @@
+"""What benchmarks/kvcache.py and benchmarks/quant.py share: build variants of the
+Llama-3-8B-shaped dummy engine that differ in one build option, measure each with
+benchmarks/serving.py's phases in a fresh process (one engine holds most of the GPU's memory),
+and record every figure as a JSON line (printed and appended to OUTDIR/NAME.jsonl)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from serving import LLAMA3_8B
+
+
+class Recorder:
+    """Figures as JSON lines: printed and appended to ``out / name``."""
+
+    def __init__(self, out: Path, name: str):
+        self.path = out / name
+
+    def __call__(self, **row: object) -> dict[str, object]:
+        line = json.dumps(row)
+        print(line, flush=True)
+        with open(self.path, "a") as f:
+            f.write(line + "\n")
+        return row
+
+    def machine(self) -> None:
+        import torch
+
+        self(figure="machine", value=torch.cuda.get_device_name(0), torch=torch.__version__,
+             date=time.strftime("%Y-%m-%d"), commit=os.environ.get("PAGECAST_COMMIT", "unknown"))  # fmt: skip
+
+
+def chosen_variants(names: str, known: dict[str, Any]) -> list[str]:
+    variants = [v for v in names.split(",") if v]
+    unknown = [v for v in variants if v not in known]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; choose from {sorted(known)}")
+    return variants
+
+
+def build(out: Path, artifact: Path, variant: str, record: Recorder, max_model_len: int, tune_budget: float,
+          **options: Any) -> Path:  # fmt: skip
+    """The variant's artifact (built once; an existing one is reused): random weights
+    (``--load-format dummy``), this GPU, ``options`` on top."""
+    from pagecast.builder.ir import BuildOptions
+    from pagecast.builder.pipeline import build as run_build
+
+    if (artifact / "manifest.json").is_file():
+        return artifact
+    cfg_dir = out / "llama3-8b-config"
+    cfg_dir.mkdir(parents=True, exist_ok=True)
+    (cfg_dir / "config.json").write_text(json.dumps(LLAMA3_8B))
+    start = time.perf_counter()
+    run_build(
+        BuildOptions(model=str(cfg_dir), output=artifact, gpu="auto", load_format="dummy", max_model_len=max_model_len,
+                     tune_budget_s=tune_budget, force=True, quiet=True, max_num_seqs=1024, **options),
+        log=lambda line: print(f"  build {variant}", line, flush=True),
+    )  # fmt: skip
+    record(variant=variant, figure="enginebuild_seconds", value=round(time.perf_counter() - start, 1))
+    return artifact
+
+
+def measure(out: Path, variant: str, artifact: Path, phases: set[str], record: Recorder) -> list[dict[str, object]]:
+    """serving.py's ``phases`` on this artifact, in a fresh process; its JSON lines, recorded
+    with the variant's name (an ``engine_failed`` row when the process failed)."""
+    vdir = out / variant
+    vdir.mkdir(parents=True, exist_ok=True)
+    (vdir / "serving.jsonl").unlink(missing_ok=True)
+    code = (
+        "import sys; from pathlib import Path; sys.path.insert(0, 'benchmarks'); import serving; "
+        f"serving.phase_ours(Path({str(vdir)!r}), Path({str(artifact)!r}), set({sorted(phases)!r}))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], check=False, cwd=Path(__file__).parent.parent)
+    rows = []
+    if (vdir / "serving.jsonl").is_file():
+        rows = [json.loads(line) for line in (vdir / "serving.jsonl").read_text().splitlines() if line.strip()]
+    if proc.returncode != 0:
+        rows.append({"figure": "engine_failed", "value": f"exit {proc.returncode}"})
+    return [record(variant=variant, **r) for r in rows]
