@@ -20,17 +20,10 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
+from test_kernels_gpu import DT, LLAMA, SMOL, rel_err  # the half-cache GPU tests' shapes and measure
+
 from pagecast.kernels import reference, rope, tuning
 from pagecast.kernels.reference import FP8_DTYPE, quantize_kv
-
-LLAMA = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
-SMOL = {"num_heads": 9, "num_kv_heads": 3, "head_dim": 64}
-DT = torch.bfloat16
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    assert not actual.isnan().any(), "NaN in the output"
-    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
 def fp8_paged_inputs(

@@ -122,6 +122,16 @@ def _paged_fp8_inputs(
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (3e-3, 1e-2)}
 
 
+def _assert_matches_reference(out, x, scale, k_scale, v_scale, dtype) -> None:  # type: ignore[no-untyped-def]
+    """``out`` equals the torch reference's attention over the same fp8 cache, within TOL[dtype]."""
+    expected = reference.paged_attention(
+        x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["seq_lens"], x["query_start_loc"], scale,
+        k_scale, v_scale,
+    )  # fmt: skip
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)
+
+
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
@@ -141,12 +151,7 @@ def test_decode_attention_fp8_cache(num_heads, num_kv_heads, head_dim, block_siz
     out = paged_decode_attention(
         **x, scale=scale, max_seq_len=max(seq_lens), config=config, k_scale=k_scale, v_scale=v_scale
     )
-    expected = reference.paged_attention(
-        x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["seq_lens"], x["query_start_loc"], scale,
-        k_scale, v_scale,
-    )  # fmt: skip
-    atol, rtol = TOL[dtype]
-    torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)
+    _assert_matches_reference(out, x, scale, k_scale, v_scale, dtype)
     assert out.dtype == dtype
 
 
@@ -172,12 +177,7 @@ def test_prefill_attention_fp8_cache(
     )
     scale = head_dim**-0.5
     out = paged_prefill_attention(**x, scale=scale, config=config, k_scale=k_scale, v_scale=v_scale)
-    expected = reference.paged_attention(
-        x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["seq_lens"], x["query_start_loc"], scale,
-        k_scale, v_scale,
-    )  # fmt: skip
-    atol, rtol = TOL[dtype]
-    torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)
+    _assert_matches_reference(out, x, scale, k_scale, v_scale, dtype)
 
 
 @interpreted
