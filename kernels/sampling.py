@@ -13,6 +13,12 @@ own dtype, and keeps nothing per token:
   of the tie group at the k-th value when it reaches past the top-k candidates).
 - ``logprob_stats``: the row's max, ``sum(exp(logit - max))`` and how many logits are strictly
   greater than the scored token's: logsumexp and rank without a log-softmax tensor.
+- ``top_candidates``: the ``width`` largest logits of each row (``torch.topk``'s values), for
+  truncation. ``torch.topk`` on [512, 128k] bf16 spends ~550 us in radix-select passes; here two
+  streaming passes shrink each row to the few columns at or above a threshold that is known to
+  leave at least ``width`` of them (the ``width``-th largest maximum of 128-column blocks), and
+  ``torch.topk`` finishes on those. A row with more than ``CAPACITY`` such columns (a flat or
+  masked row) is selected exactly by a per-row radix search instead.
 
 A row is cut into splits of ``CHUNKS`` chunks of ``CHUNK`` columns, one program per (row, split),
 so 512 rows of 128k columns keep every SM busy; each program writes one partial result per
@@ -320,3 +326,169 @@ def logprob_stats(
             BLOCK=CHUNK, CHUNKS=chunks,
         )  # fmt: skip
     return maxes, sums, greater
+
+
+# --- top_candidates ---------------------------------------------------------------------------
+
+# Columns per block whose maxima give each row's threshold, and block maxima per program.
+TOPK_BLOCK = 128
+TOPK_BLOCKS = 64
+# Columns per program of the collecting pass.
+TOPK_SPAN = 4096
+# Columns at or above the threshold kept per row; a row with more goes to the exact search.
+CAPACITY = 1024
+
+
+@triton.jit
+def _block_max_kernel(
+    logits_ptr,  # [rows, vocab], unit column stride
+    out_ptr,  # out: [rows, num_blocks] fp32, the max of each BLOCK columns
+    stride_row,
+    vocab,
+    num_blocks,
+    BLOCK: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    cols = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    x = tl.load(logits_ptr + row * stride_row + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+    tl.store(out_ptr + row * num_blocks + blocks, tl.max(x, 1), mask=blocks < num_blocks)
+
+
+@triton.jit
+def _collect_kernel(
+    logits_ptr,  # [rows, vocab], unit column stride
+    threshold_ptr,  # [rows] fp32
+    count_ptr,  # [rows] int32, zeroed: columns at or above the threshold (all of them, kept or not)
+    values_ptr,  # out: [rows, capacity] fp32, the first ``capacity`` such columns' logits
+    ids_ptr,  # out: [rows, capacity] int32, and their columns
+    stride_row,
+    vocab,
+    capacity,
+    SPAN: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * SPAN + tl.arange(0, SPAN)
+    valid = cols < vocab
+    x = tl.load(logits_ptr + row * stride_row + cols, mask=valid, other=float("-inf")).to(tl.float32)
+    hit = (x >= tl.load(threshold_ptr + row)) & valid
+    n = tl.sum(hit.to(tl.int32), 0)
+    if n > 0:
+        # Slots are reserved per program, so the columns land in no particular order.
+        slot = tl.atomic_add(count_ptr + row, n) + tl.cumsum(hit.to(tl.int32), 0) - 1
+        keep = hit & (slot < capacity)
+        tl.store(values_ptr + row * capacity + slot, x, mask=keep)
+        tl.store(ids_ptr + row * capacity + slot, cols, mask=keep)
+
+
+@triton.jit
+def _order_key(x, LOW_BIT: tl.constexpr):
+    """An fp32's bits as an int64 in [0, 2**(32 - LOW_BIT)) that orders as the floats do (-0.0
+    as +0.0), without the LOW_BIT low bits, which the logits' own dtype leaves 0 (negative
+    values' keys are their bits inverted, so the dropped bits are not 0 there)."""
+    bits = (x + 0.0).to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, (~bits).to(tl.int64), bits.to(tl.int64) + 2147483648) >> LOW_BIT
+
+
+@triton.jit
+def _select_kernel(
+    logits_ptr,  # [rows, vocab], unit column stride
+    count_ptr,  # [rows] int32: _collect_kernel's counts; rows within capacity are skipped
+    values_ptr,  # out: [rows, width] fp32, the row's width largest logits, in no order
+    ids_ptr,  # out: [rows, width] int32, their columns (among equal values, the lowest)
+    stride_row,
+    vocab,
+    capacity,
+    width,
+    LOW_BIT: tl.constexpr,  # the key bits below this are 0 for the logits' dtype
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    if tl.load(count_ptr + row) > capacity:
+        row_ptr = logits_ptr + row * stride_row
+        # The width-th largest key, one bit at a time from the top: the largest key with at
+        # least ``width`` keys at or above it.
+        kth = tl.zeros([], dtype=tl.int64)
+        for i in range(32 - LOW_BIT):
+            candidate = kth | (tl.full([], 1, tl.int64) << (31 - LOW_BIT - i))
+            n = tl.zeros([], dtype=tl.int32)
+            for start in range(0, vocab, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                valid = cols < vocab
+                key = _order_key(tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32), LOW_BIT)
+                n += tl.sum(((key >= candidate) & valid).to(tl.int32), 0)
+            if n >= width:
+                kth = candidate
+        # Every column above it (fewer than width), then the lowest columns equal to it.
+        above = tl.zeros([], dtype=tl.int32)
+        for start in range(0, vocab, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            valid = cols < vocab
+            x = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+            hit = (_order_key(x, LOW_BIT) > kth) & valid
+            slot = above + tl.cumsum(hit.to(tl.int32), 0) - 1
+            tl.store(values_ptr + row * width + slot, x, mask=hit & (slot < width))  # always: fewer than width
+            tl.store(ids_ptr + row * width + slot, cols, mask=hit & (slot < width))
+            above += tl.sum(hit.to(tl.int32), 0)
+        filled = above
+        for start in range(0, vocab, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            valid = cols < vocab
+            x = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+            hit = (_order_key(x, LOW_BIT) == kth) & valid
+            slot = filled + tl.cumsum(hit.to(tl.int32), 0) - 1
+            tl.store(values_ptr + row * width + slot, x, mask=hit & (slot < width))
+            tl.store(ids_ptr + row * width + slot, cols, mask=hit & (slot < width))
+            filled += tl.sum(hit.to(tl.int32), 0)
+
+
+def top_candidates_apply(vocab: int, width: int, capacity: int) -> bool:
+    """Whether ``top_candidates`` takes its threshold path for this shape (otherwise it is
+    ``torch.topk``): a row wider than the capacity, with enough blocks for a threshold."""
+    return vocab > capacity and triton.cdiv(vocab, TOPK_BLOCK) >= width and width <= capacity // 4
+
+
+def top_candidates(
+    logits: torch.Tensor, width: int, capacity: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``width`` largest logits of each row, descending (fp32), and their columns (int64):
+    ``torch.topk(logits, width)``'s values, and columns holding them (which of several equal
+    values at the last place are chosen is not specified, as for ``torch.topk``). ``capacity``
+    (default ``CAPACITY``) is how many columns per row the threshold may leave before the row is
+    searched exactly instead."""
+    logits = _check_logits(logits, {})
+    rows, vocab = logits.shape
+    capacity = CAPACITY if capacity is None else capacity
+    if not top_candidates_apply(vocab, width, capacity) or rows == 0:
+        values, ids = logits.topk(width, dim=1)
+        return values.float(), ids
+    device = logits.device
+    num_blocks = triton.cdiv(vocab, TOPK_BLOCK)
+    maxima = torch.empty(rows, num_blocks, dtype=torch.float32, device=device)
+    _block_max_kernel[(rows, triton.cdiv(num_blocks, TOPK_BLOCKS))](
+        logits, maxima, logits.stride(0), vocab, num_blocks, BLOCK=TOPK_BLOCK, BLOCKS=TOPK_BLOCKS,
+    )  # fmt: skip
+    # Block maxima are distinct columns, so at least width columns are at or above the
+    # width-th largest of them.
+    threshold = maxima.topk(width, dim=1, sorted=False).values.amin(dim=1)
+    counts = torch.zeros(rows, dtype=torch.int32, device=device)
+    values = torch.full((rows, capacity), float("-inf"), dtype=torch.float32, device=device)
+    ids = torch.zeros(rows, capacity, dtype=torch.int32, device=device)
+    _collect_kernel[(rows, triton.cdiv(vocab, TOPK_SPAN))](
+        logits, threshold, counts, values, ids, logits.stride(0), vocab, capacity, SPAN=TOPK_SPAN, num_warps=8,
+    )  # fmt: skip
+    top, where = values.topk(width, dim=1)
+    top_ids = ids.gather(1, where)
+    # Rows past the capacity: the exact search (every other row returns at once).
+    exact_values = torch.full((rows, width), float("-inf"), dtype=torch.float32, device=device)
+    exact_ids = torch.zeros(rows, width, dtype=torch.int32, device=device)
+    low_bit = {torch.bfloat16: 16, torch.float16: 13}.get(logits.dtype, 0)
+    _select_kernel[(rows,)](
+        logits, counts, exact_values, exact_ids, logits.stride(0), vocab, capacity, width, LOW_BIT=low_bit,
+        BLOCK=1024, num_warps=8,
+    )  # fmt: skip
+    exact_values, order = exact_values.sort(dim=1, descending=True)
+    exact_ids = exact_ids.gather(1, order)
+    overflow = (counts > capacity).unsqueeze(1)
+    return torch.where(overflow, exact_values, top), torch.where(overflow, exact_ids, top_ids).long()

@@ -65,6 +65,17 @@ def count_ties(logits: torch.Tensor, temperature: torch.Tensor, value: torch.Ten
     return reference.count_ties(logits, temperature, value)
 
 
+def top_candidates(logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``width`` largest logits of each row, descending, and their columns: the threshold
+    kernels on a GPU (``kernels.sampling.top_candidates``), ``torch.topk`` elsewhere. Which of
+    equal values at the last place are chosen is unspecified; ``from_topk`` does not depend on it."""
+    if use_kernels(logits):
+        from pagecast.kernels.sampling import top_candidates as kernel
+
+        return kernel(logits, width)
+    return logits.topk(width, dim=1)
+
+
 def from_topk(logits: torch.Tensor, temperature: torch.Tensor, top_k: list[int], top_p: list[float]) -> Cutoffs:
     """The cutoffs of ``logits`` (``[rows, vocab]``, any float dtype, not modified) under
     ``temperature`` ([rows] fp32 on its device) and per-row ``top_k`` (``vocab`` = none) and
@@ -77,7 +88,7 @@ def from_topk(logits: torch.Tensor, temperature: torch.Tensor, top_k: list[int],
     if any(p < 1.0 and not lim for p, lim in zip(top_p, limited)):
         raise ValueError("from_topk needs a top_k on every row with top_p < 1")
     width = max((k for k, lim in zip(top_k, limited) if lim), default=0) + 1  # <= vocab
-    raw, ids = logits.topk(width, dim=1)  # [rows, K + 1], descending
+    raw, ids = top_candidates(logits, width)  # [rows, K + 1], descending
     # The same division as the full row's in the race, so the values compare equal.
     x = raw.float() / temperature[:, None]
     row_max = x[:, 0]

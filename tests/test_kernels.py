@@ -28,26 +28,6 @@ from pagecast.kernels.rms_norm import fused_add_rms_norm, rms_norm
 from pagecast.kernels.rotary_kv import rotary_and_write_kv
 from pagecast.kernels.skinny_gemm import skinny_gemm
 
-
-def _interpreter_index_fix() -> None:
-    # triton 3.6's interpreter turns scalars (1-element arrays) into loop bounds with
-    # int(array), which numpy >= 2.4 refuses for arrays of ndim > 0. Read the element.
-    from triton.runtime import interpreter
-
-    if getattr(interpreter, "_pagecast_index_fix", False):
-        return
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):  # type: ignore[no-untyped-def]
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-    interpreter._pagecast_index_fix = True
-
-
-_interpreter_index_fix()
-
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 1e-2)}
 
 

@@ -268,3 +268,68 @@ def test_sampler_kernel_path_mixed_rows_and_unseeded(kernel_path: None) -> None:
     for row, case in enumerate(cases):
         params = SamplingParams(**{k: v for k, v in case.items() if k != "seed"})
         assert allowed_by_transformers(logits[row : row + 1], params)[0, tokens[row]]
+
+
+# --- top_candidates ----------------------------------------------------------------------------
+
+
+def awkward_rows(vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows a threshold can get wrong: bf16-rounded (ties everywhere), flat (every column ties),
+    mostly masked (fewer finite columns than candidates), signed zeros at the top, and a
+    plateau of equal maxima wider than the candidates."""
+    logits = tied_logits(7, vocab, seed=vocab, dtype=torch.float32)
+    logits[1] = 0.5
+    logits[2] = float("-inf")
+    logits[2, torch.arange(3, vocab, vocab // 9)[:9]] = torch.arange(9, dtype=torch.float32)
+    logits[3] = -logits[3].abs()
+    logits[3, ::5] = -0.0
+    logits[3, 2::5] = 0.0
+    logits[4, ::7] = 9.0
+    logits[5, -300:] = 20.0
+    return logits.to(dtype)
+
+
+@pytest.mark.parametrize("width", [1, 51, 100])
+@pytest.mark.parametrize("capacity", [64 * 8, 1024])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_top_candidates_are_topk(width: int, capacity: int, dtype: torch.dtype) -> None:
+    vocab = 13_001
+    logits = awkward_rows(vocab, dtype)
+    assert kernels().top_candidates_apply(vocab, width, capacity)
+    values, ids = kernels().top_candidates(logits, width, capacity)
+    expected = logits.float().topk(width, dim=1).values
+    assert values.dtype == torch.float32 and ids.dtype == torch.int64
+    assert torch.equal(values, expected)
+    for row in range(logits.shape[0]):
+        assert len(set(ids[row].tolist())) == width, f"row {row}: a column twice"
+        assert torch.equal(logits[row, ids[row]].float(), values[row]), f"row {row}: columns do not hold the values"
+
+
+def test_top_candidates_exact_search_takes_the_lowest_tied_columns() -> None:
+    # A flat row holds 13,001 candidates: past any capacity, so the per-row search picks them,
+    # lowest columns first among equal values.
+    logits = torch.zeros(2, 13_001)
+    logits[1, 7] = 1.0
+    values, ids = kernels().top_candidates(logits, 51, capacity=256)
+    assert ids[0].sort().values.tolist() == list(range(51))
+    assert ids[1, 0] == 7 and sorted(ids[1, 1:].tolist()) == list(range(7)) + list(range(8, 51))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_sampler_kernel_path_with_threshold_candidates(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Small blocks and capacity, so a 2,500-column row takes the threshold path (with one flat,
+    # exactly-searched row): the same tokens and logprobs as the reference path.
+    monkeypatch.setattr(kernels(), "TOPK_BLOCK", 16)
+    monkeypatch.setattr(kernels(), "CAPACITY", 256)
+    vocab = 2500
+    logits = tied_logits(len(SAMPLER_CASES), vocab, seed=12, dtype=dtype)
+    logits[1] = 1.0
+    assert kernels().top_candidates_apply(vocab, 51, 256)
+    requests = lambda: [make_request(index=i, seed=100 + i, **case) for i, case in enumerate(SAMPLER_CASES)]  # noqa: E731
+    expected = sample(logits, requests()).token_ids
+    monkeypatch.setattr(truncation, "use_kernels", lambda t: True)
+    calls = []
+    original = kernels().top_candidates
+    monkeypatch.setattr(kernels(), "top_candidates", lambda *a, **k: calls.append(1) or original(*a, **k))
+    assert sample(logits, requests()).token_ids == expected
+    assert calls, "the sampler did not use top_candidates"
