@@ -129,21 +129,27 @@ def _race_kernel(
     best_score = tl.full([], -2.0, tl.float32)
     best_col = tl.zeros([], dtype=tl.int32)
     row_ptr = logits_ptr + row * stride_row
+    # Every chunk's largest logit from one load of the whole split (all its bytes in flight at
+    # once): the loop below then reads again, from cache, only the chunks that can keep a token.
+    in_split = tl.arange(0, CHUNKS)
+    split_cols = (split * CHUNKS + in_split)[:, None] * (4 * GROUP) + tl.arange(0, 4 * GROUP)[None, :]
+    split_logits = tl.load(row_ptr + split_cols, mask=split_cols < vocab, other=float("-inf"))
+    chunk_maxes = tl.max(split_logits.to(tl.float32), 1)  # [CHUNKS]
     for c in range(CHUNKS):
         chunk = split * CHUNKS + c
         base = chunk * 4 * GROUP
-        cols0 = base + j
-        cols1 = cols0 + GROUP
-        cols2 = cols1 + GROUP
-        cols3 = cols2 + GROUP
-        l0 = tl.load(row_ptr + cols0, mask=cols0 < vocab, other=float("-inf")).to(tl.float32)
-        l1 = tl.load(row_ptr + cols1, mask=cols1 < vocab, other=float("-inf")).to(tl.float32)
-        l2 = tl.load(row_ptr + cols2, mask=cols2 < vocab, other=float("-inf")).to(tl.float32)
-        l3 = tl.load(row_ptr + cols3, mask=cols3 < vocab, other=float("-inf")).to(tl.float32)
-        chunk_max = tl.max(tl.maximum(tl.maximum(l0, l1), tl.maximum(l2, l3)), 0)
+        chunk_max = tl.max(tl.where(in_split == c, chunk_maxes, float("-inf")), 0)
         # x is monotone in the logit, so a chunk whose largest x is below the cutoff keeps
-        # nothing and holds no tie: skip its noise (almost every chunk under top-k).
+        # nothing and holds no tie: skip it (almost every chunk under top-k).
         if (tl.math.div_rn(chunk_max, temperature) >= cut_value) & (base < vocab):
+            cols0 = base + j
+            cols1 = cols0 + GROUP
+            cols2 = cols1 + GROUP
+            cols3 = cols2 + GROUP
+            l0 = tl.load(row_ptr + cols0, mask=cols0 < vocab, other=float("-inf")).to(tl.float32)
+            l1 = tl.load(row_ptr + cols1, mask=cols1 < vocab, other=float("-inf")).to(tl.float32)
+            l2 = tl.load(row_ptr + cols2, mask=cols2 < vocab, other=float("-inf")).to(tl.float32)
+            l3 = tl.load(row_ptr + cols3, mask=cols3 < vocab, other=float("-inf")).to(tl.float32)
             # Philox4x32-10, counter (chunk * GROUP + j, offset, 0, 0): reference.keyed_exponential.
             c0, c1, c2, c3 = philox4x32_10(
                 (chunk * GROUP + j).to(tl.uint32), tl.zeros([GROUP], dtype=tl.uint32) + offset, k0_start, k1_start,
@@ -283,7 +289,7 @@ def race(
         logits, temperature.float().contiguous(), cut_value.float().contiguous(), cut_token.long().contiguous(),
         tie_drop.long().contiguous(), prefix, row_max.float().contiguous(), min_p.float().contiguous(),
         keys.long().contiguous(), offsets.long().contiguous(), scores, tokens, logits.stride(0), vocab, splits,
-        GROUP=PHILOX_GROUP, CHUNKS=chunks, TIES=tie_counts is not None, PRECISE=logits.is_cuda,
+        GROUP=PHILOX_GROUP, CHUNKS=chunks, TIES=tie_counts is not None, PRECISE=logits.is_cuda, num_warps=8,
     )  # fmt: skip
     # The first split holding the best score: torch's argmax keeps the first maximum, as the
     # kernel does within a split, so ties go to the lowest column as in reference.race.
@@ -391,7 +397,7 @@ def _order_key(x, LOW_BIT: tl.constexpr):
     return tl.where(bits < 0, (~bits).to(tl.int64), bits.to(tl.int64) + 2147483648) >> LOW_BIT
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["width"])  # one compiled kernel for every top_k
 def _select_kernel(
     logits_ptr,  # [rows, vocab], unit column stride
     count_ptr,  # [rows] int32: _collect_kernel's counts; rows within capacity are skipped

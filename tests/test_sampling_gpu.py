@@ -211,3 +211,19 @@ def test_sampler_kernel_path_matches_its_reference_in_bf16(monkeypatch: pytest.M
         assert len(others) in (k, k - 1)
         if k:  # the others are the k best (equal values may swap places)
             assert all(exact[row, t] >= exact[row].topk(k).values[-1] for t in others)
+
+
+@pytest.mark.parametrize("width", [2, 51, 256])
+def test_top_candidates_are_topk_in_bf16(width: int) -> None:
+    # 512 bf16 rows at Llama-3's vocabulary and the rows a threshold can get wrong (flat, masked,
+    # signed zeros, plateaus: the exact search): torch.topk's values, at columns that hold them.
+    from test_sampling_kernels import awkward_rows
+
+    from pagecast.kernels import sampling
+
+    logits = torch.cat([_bf16_logits(512, 2), awkward_rows(LLAMA3_VOCAB, torch.bfloat16).cuda()])
+    assert sampling.top_candidates_apply(LLAMA3_VOCAB, width, sampling.CAPACITY)
+    values, ids = sampling.top_candidates(logits, width)
+    assert torch.equal(values, logits.topk(width, dim=1).values.float())
+    assert torch.equal(logits.gather(1, ids).float(), values)
+    assert bool((ids.sort(dim=1).values.diff(dim=1) > 0).all()), "a column twice in a row"
