@@ -14,11 +14,12 @@ own dtype, and keeps nothing per token:
 - ``logprob_stats``: the row's max, ``sum(exp(logit - max))`` and how many logits are strictly
   greater than the scored token's: logsumexp and rank without a log-softmax tensor.
 - ``top_candidates``: the ``width`` largest logits of each row (``torch.topk``'s values), for
-  truncation. ``torch.topk`` on [512, 128k] bf16 spends ~550 us in radix-select passes; here two
-  streaming passes shrink each row to the few columns at or above a threshold that is known to
-  leave at least ``width`` of them (the ``width``-th largest maximum of 128-column blocks), and
-  ``torch.topk`` finishes on those. A row with more than ``CAPACITY`` such columns (a flat or
-  masked row) is selected exactly by a per-row radix search instead.
+  truncation. ``torch.topk`` on [512, 128k] bf16 spends ~550 us in radix-select passes; here one
+  streaming pass takes the maximum of every 128 columns, the ``width``-th largest of those is a
+  threshold that leaves at least ``width`` columns, only the blocks that reach it are read again
+  to collect those columns, and ``torch.topk`` finishes on them. A row with more than
+  ``CAPACITY`` such columns (a flat or masked row) is selected exactly by a per-row radix search
+  instead. The block maxima also let ``race`` skip chunks without reading them.
 
 A row is cut into splits of ``CHUNKS`` chunks of ``CHUNK`` columns, one program per (row, split),
 so 512 rows of 128k columns keep every SM busy; each program writes one partial result per
@@ -100,15 +101,19 @@ def _race_kernel(
     min_p_ptr,  # [rows] fp32
     keys_ptr,  # [rows] int64: noise key
     offsets_ptr,  # [rows] int64 in [0, 2**32): noise offset
+    block_max_ptr,  # [rows, num_blocks] fp32: max logit of each TOPK_BLOCK columns (BLOCK_MAX)
     score_ptr,  # out: [rows, splits] fp32, the best score of the split (-1: nothing kept)
     token_ptr,  # out: [rows, splits] int32, its column
     stride_row,
     vocab,
     splits,
+    num_blocks,
     GROUP: tl.constexpr,
     CHUNKS: tl.constexpr,
     TIES: tl.constexpr,
     PRECISE: tl.constexpr,
+    BLOCK_MAX: tl.constexpr,
+    MAX_PER_CHUNK: tl.constexpr,  # block maxima per chunk
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -129,16 +134,18 @@ def _race_kernel(
     best_score = tl.full([], -2.0, tl.float32)
     best_col = tl.zeros([], dtype=tl.int32)
     row_ptr = logits_ptr + row * stride_row
-    # Every chunk's largest logit from one load of the whole split (all its bytes in flight at
-    # once): the loop below then reads again, from cache, only the chunks that can keep a token.
-    in_split = tl.arange(0, CHUNKS)
-    split_cols = (split * CHUNKS + in_split)[:, None] * (4 * GROUP) + tl.arange(0, 4 * GROUP)[None, :]
-    split_logits = tl.load(row_ptr + split_cols, mask=split_cols < vocab, other=float("-inf"))
-    chunk_maxes = tl.max(split_logits.to(tl.float32), 1)  # [CHUNKS]
     for c in range(CHUNKS):
         chunk = split * CHUNKS + c
         base = chunk * 4 * GROUP
-        chunk_max = tl.max(tl.where(in_split == c, chunk_maxes, float("-inf")), 0)
+        if BLOCK_MAX:
+            # The chunk's largest logit from top_candidates' block maxima: a chunk that keeps
+            # nothing is never read.
+            blocks = chunk * MAX_PER_CHUNK + tl.arange(0, MAX_PER_CHUNK)
+            chunk_max = tl.max(tl.load(block_max_ptr + row * num_blocks + blocks, mask=blocks < num_blocks,
+                                       other=float("-inf")), 0)  # fmt: skip
+        else:
+            chunk_max = tl.max(tl.load(row_ptr + base + tl.arange(0, 4 * GROUP), mask=base + tl.arange(0, 4 * GROUP) < vocab,
+                                       other=float("-inf")).to(tl.float32), 0)  # fmt: skip
         # x is monotone in the logit, so a chunk whose largest x is below the cutoff keeps
         # nothing and holds no tie: skip it (almost every chunk under top-k).
         if (tl.math.div_rn(chunk_max, temperature) >= cut_value) & (base < vocab):
@@ -262,9 +269,13 @@ def race(
     keys: torch.Tensor,
     offsets: torch.Tensor,
     chunks: int = CHUNKS,
+    block_max: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The sampled token of each row ([rows] int64): ``reference.race`` with the noise
     ``reference.keyed_exponential(keys, offsets, vocab)`` drawn in the kernel.
+
+    ``block_max`` (``top_candidates``' maxima of every ``TOPK_BLOCK`` columns, fp32) lets the
+    kernel skip chunks without reading them.
 
     ``tie_counts`` ([rows, num_splits(vocab, chunks)] int32, ``count_ties``'s result) is needed
     only when some row has ``tie_drop > 0``: it places each split within the row's tie group.
@@ -285,11 +296,15 @@ def race(
     if tie_counts is not None:
         counts = tie_counts.to(torch.int32)
         prefix = (counts.cumsum(1, dtype=torch.int32) - counts).contiguous()
+    if block_max is not None and block_max.shape != (rows, triton.cdiv(vocab, TOPK_BLOCK)):
+        raise ValueError(f"block_max must be [rows, cdiv(vocab, {TOPK_BLOCK})]; got {tuple(block_max.shape)}")
     _race_kernel[(rows, splits)](
         logits, temperature.float().contiguous(), cut_value.float().contiguous(), cut_token.long().contiguous(),
         tie_drop.long().contiguous(), prefix, row_max.float().contiguous(), min_p.float().contiguous(),
-        keys.long().contiguous(), offsets.long().contiguous(), scores, tokens, logits.stride(0), vocab, splits,
-        GROUP=PHILOX_GROUP, CHUNKS=chunks, TIES=tie_counts is not None, PRECISE=logits.is_cuda, num_warps=8,
+        keys.long().contiguous(), offsets.long().contiguous(), scores if block_max is None else block_max, scores,
+        tokens, logits.stride(0), vocab, splits, triton.cdiv(vocab, TOPK_BLOCK), GROUP=PHILOX_GROUP, CHUNKS=chunks,
+        TIES=tie_counts is not None, PRECISE=logits.is_cuda, BLOCK_MAX=block_max is not None,
+        MAX_PER_CHUNK=CHUNK // TOPK_BLOCK,
     )  # fmt: skip
     # The first split holding the best score: torch's argmax keeps the first maximum, as the
     # kernel does within a split, so ties go to the lowest column as in reference.race.
@@ -336,11 +351,12 @@ def logprob_stats(
 
 # --- top_candidates ---------------------------------------------------------------------------
 
-# Columns per block whose maxima give each row's threshold, and block maxima per program.
+# Columns per block whose maxima give each row's threshold (a divisor of CHUNK: the race reads
+# them too), and block maxima per program.
 TOPK_BLOCK = 128
 TOPK_BLOCKS = 64
-# Columns per program of the collecting pass.
-TOPK_SPAN = 4096
+# Blocks per program of the collecting pass.
+COLLECT_BLOCKS = 8
 # Columns at or above the threshold kept per row; a row with more goes to the exact search.
 CAPACITY = 1024
 
@@ -363,38 +379,75 @@ def _block_max_kernel(
 
 
 @triton.jit
-def _collect_kernel(
-    logits_ptr,  # [rows, vocab], unit column stride
-    threshold_ptr,  # [rows] fp32
-    count_ptr,  # [rows] int32, zeroed: columns at or above the threshold (all of them, kept or not)
-    values_ptr,  # out: [rows, capacity] fp32, the first ``capacity`` such columns' logits
-    ids_ptr,  # out: [rows, capacity] int32, and their columns
-    stride_row,
-    vocab,
-    capacity,
-    SPAN: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * SPAN + tl.arange(0, SPAN)
-    valid = cols < vocab
-    x = tl.load(logits_ptr + row * stride_row + cols, mask=valid, other=float("-inf")).to(tl.float32)
-    hit = (x >= tl.load(threshold_ptr + row)) & valid
-    n = tl.sum(hit.to(tl.int32), 0)
-    if n > 0:
-        # Slots are reserved per program, so the columns land in no particular order.
-        slot = tl.atomic_add(count_ptr + row, n) + tl.cumsum(hit.to(tl.int32), 0) - 1
-        keep = hit & (slot < capacity)
-        tl.store(values_ptr + row * capacity + slot, x, mask=keep)
-        tl.store(ids_ptr + row * capacity + slot, cols, mask=keep)
-
-
-@triton.jit
 def _order_key(x, LOW_BIT: tl.constexpr):
     """An fp32's bits as an int64 in [0, 2**(32 - LOW_BIT)) that orders as the floats do (-0.0
     as +0.0), without the LOW_BIT low bits, which the logits' own dtype leaves 0 (negative
     values' keys are their bits inverted, so the dropped bits are not 0 there)."""
     bits = (x + 0.0).to(tl.int32, bitcast=True)
     return tl.where(bits < 0, (~bits).to(tl.int64), bits.to(tl.int64) + 2147483648) >> LOW_BIT
+
+
+@triton.jit
+def _kth_key(keys, valid, width, LOW_BIT: tl.constexpr):
+    """The width-th largest of ``keys`` (where ``valid``): the largest key with at least
+    ``width`` keys at or above it, found one bit at a time from the top."""
+    kth = tl.zeros([], dtype=tl.int64)
+    for i in range(32 - LOW_BIT):
+        candidate = kth | (tl.full([], 1, tl.int64) << (31 - LOW_BIT - i))
+        if tl.sum(((keys >= candidate) & valid).to(tl.int32), 0) >= width:
+            kth = candidate
+    return kth
+
+
+@triton.jit(do_not_specialize=["width"])
+def _threshold_kernel(
+    block_max_ptr,  # [rows, num_blocks] fp32
+    threshold_ptr,  # out: [rows] fp32, the width-th largest block maximum
+    num_blocks,
+    width,
+    NUM_BLOCKS_PAD: tl.constexpr,
+    LOW_BIT: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    blocks = tl.arange(0, NUM_BLOCKS_PAD)
+    valid = blocks < num_blocks
+    maxima = tl.load(block_max_ptr + row * num_blocks + blocks, mask=valid, other=float("-inf"))
+    kth = _kth_key(_order_key(maxima, LOW_BIT), valid, width, LOW_BIT)
+    # The maximum with that key (any of them: equal keys are equal values).
+    hit = (_order_key(maxima, LOW_BIT) == kth) & valid
+    tl.store(threshold_ptr + row, tl.max(tl.where(hit, maxima, float("-inf")), 0))
+
+
+@triton.jit
+def _collect_kernel(
+    logits_ptr,  # [rows, vocab], unit column stride
+    block_max_ptr,  # [rows, num_blocks] fp32
+    threshold_ptr,  # [rows] fp32
+    count_ptr,  # [rows] int32, zeroed: columns at or above the threshold (all of them, kept or not)
+    values_ptr,  # out: [rows, capacity] fp32, the first ``capacity`` such columns' logits
+    ids_ptr,  # out: [rows, capacity] int32, and their columns
+    stride_row,
+    vocab,
+    num_blocks,
+    capacity,
+    BLOCK: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    threshold = tl.load(threshold_ptr + row)
+    # Only blocks whose maximum reaches the threshold are read (about width of a row's blocks).
+    wanted = tl.load(block_max_ptr + row * num_blocks + blocks, mask=blocks < num_blocks, other=float("-inf")) >= threshold
+    if tl.max(wanted.to(tl.int32), 0) > 0:
+        cols = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+        read = wanted[:, None] & (cols < vocab)
+        x = tl.load(logits_ptr + row * stride_row + cols, mask=read, other=float("-inf")).to(tl.float32)
+        hit = read & (x >= threshold)
+        # A slot per column (a few dozen per row): the columns land in no particular order.
+        slot = tl.atomic_add(count_ptr + row + tl.zeros_like(cols), 1, mask=hit)
+        keep = hit & (slot < capacity)
+        tl.store(values_ptr + row * capacity + slot, x, mask=keep)
+        tl.store(ids_ptr + row * capacity + slot, cols, mask=keep)
 
 
 @triton.jit(do_not_specialize=["width"])  # one compiled kernel for every top_k
@@ -413,8 +466,8 @@ def _select_kernel(
     row = tl.program_id(0).to(tl.int64)
     if tl.load(count_ptr + row) > capacity:
         row_ptr = logits_ptr + row * stride_row
-        # The width-th largest key, one bit at a time from the top: the largest key with at
-        # least ``width`` keys at or above it.
+        # The width-th largest key, one bit at a time from the top, as _kth_key does, with the
+        # row streamed once per bit.
         kth = tl.zeros([], dtype=tl.int64)
         for i in range(32 - LOW_BIT):
             candidate = kth | (tl.full([], 1, tl.int64) << (31 - LOW_BIT - i))
@@ -457,39 +510,45 @@ def top_candidates_apply(vocab: int, width: int, capacity: int) -> bool:
 
 def top_candidates(
     logits: torch.Tensor, width: int, capacity: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The ``width`` largest logits of each row, descending (fp32), and their columns (int64):
     ``torch.topk(logits, width)``'s values, and columns holding them (which of several equal
-    values at the last place are chosen is not specified, as for ``torch.topk``). ``capacity``
-    (default ``CAPACITY``) is how many columns per row the threshold may leave before the row is
-    searched exactly instead."""
+    values at the last place are chosen is not specified, as for ``torch.topk``). Third: the
+    maxima of every ``TOPK_BLOCK`` columns ([rows, blocks] fp32, for ``race``), or None where
+    this is ``torch.topk``. ``capacity`` (default ``CAPACITY``) is how many columns per row the
+    threshold may leave before the row is searched exactly instead."""
     logits = _check_logits(logits, {})
     rows, vocab = logits.shape
     capacity = CAPACITY if capacity is None else capacity
     if not top_candidates_apply(vocab, width, capacity) or rows == 0:
         values, ids = logits.topk(width, dim=1)
-        return values.float(), ids
+        return values.float(), ids, None
     device = logits.device
     num_blocks = triton.cdiv(vocab, TOPK_BLOCK)
-    maxima = torch.empty(rows, num_blocks, dtype=torch.float32, device=device)
+    low_bit = {torch.bfloat16: 16, torch.float16: 13}.get(logits.dtype, 0)
+    block_max = torch.empty(rows, num_blocks, dtype=torch.float32, device=device)
     _block_max_kernel[(rows, triton.cdiv(num_blocks, TOPK_BLOCKS))](
-        logits, maxima, logits.stride(0), vocab, num_blocks, BLOCK=TOPK_BLOCK, BLOCKS=TOPK_BLOCKS,
+        logits, block_max, logits.stride(0), vocab, num_blocks, BLOCK=TOPK_BLOCK, BLOCKS=TOPK_BLOCKS,
     )  # fmt: skip
     # Block maxima are distinct columns, so at least width columns are at or above the
     # width-th largest of them.
-    threshold = maxima.topk(width, dim=1, sorted=False).values.amin(dim=1)
+    threshold = torch.empty(rows, dtype=torch.float32, device=device)
+    _threshold_kernel[(rows,)](
+        block_max, threshold, num_blocks, width, NUM_BLOCKS_PAD=triton.next_power_of_2(num_blocks), LOW_BIT=low_bit,
+        num_warps=8,
+    )  # fmt: skip
     counts = torch.zeros(rows, dtype=torch.int32, device=device)
     values = torch.full((rows, capacity), float("-inf"), dtype=torch.float32, device=device)
     ids = torch.zeros(rows, capacity, dtype=torch.int32, device=device)
-    _collect_kernel[(rows, triton.cdiv(vocab, TOPK_SPAN))](
-        logits, threshold, counts, values, ids, logits.stride(0), vocab, capacity, SPAN=TOPK_SPAN, num_warps=8,
+    _collect_kernel[(rows, triton.cdiv(num_blocks, COLLECT_BLOCKS))](
+        logits, block_max, threshold, counts, values, ids, logits.stride(0), vocab, num_blocks, capacity,
+        BLOCK=TOPK_BLOCK, BLOCKS=COLLECT_BLOCKS,
     )  # fmt: skip
     top, where = values.topk(width, dim=1)
     top_ids = ids.gather(1, where)
     # Rows past the capacity: the exact search (every other row returns at once).
     exact_values = torch.full((rows, width), float("-inf"), dtype=torch.float32, device=device)
     exact_ids = torch.zeros(rows, width, dtype=torch.int32, device=device)
-    low_bit = {torch.bfloat16: 16, torch.float16: 13}.get(logits.dtype, 0)
     _select_kernel[(rows,)](
         logits, counts, exact_values, exact_ids, logits.stride(0), vocab, capacity, width, LOW_BIT=low_bit,
         BLOCK=1024, num_warps=8,
@@ -497,4 +556,5 @@ def top_candidates(
     exact_values, order = exact_values.sort(dim=1, descending=True)
     exact_ids = exact_ids.gather(1, order)
     overflow = (counts > capacity).unsqueeze(1)
-    return torch.where(overflow, exact_values, top), torch.where(overflow, exact_ids, top_ids).long()
+    values = torch.where(overflow, exact_values, top)
+    return values, torch.where(overflow, exact_ids, top_ids).long(), block_max

@@ -354,7 +354,7 @@ def _race(
         keys, offsets = _noise_keys(requests, logits.device)
         return race(
             logits, temperature, cutoffs.value, cutoffs.token, cutoffs.tie_drop, cutoffs.tie_counts, cutoffs.row_max,
-            min_p, keys, offsets,
+            min_p, keys, offsets, block_max=cutoffs.block_max,
         )  # fmt: skip
     noise = _exponential_noise(requests, logits)
     return reference.race(logits, temperature, cutoffs.value, cutoffs.token, cutoffs.tie_drop, cutoffs.row_max, min_p, noise)

@@ -47,6 +47,9 @@ class Cutoffs:
     # race needs to place its splits within the tie group; None when no row drops part of it.
     tie_counts: torch.Tensor | None
     row_max: torch.Tensor  # [rows] fp32: max of x, for p = exp(x - row_max)
+    # [rows, blocks] fp32: the raw logits' max per kernels.sampling.TOPK_BLOCK columns, which the
+    # race reads instead of the chunks it can skip; None where the candidates came from topk.
+    block_max: torch.Tensor | None = None
 
     @classmethod
     def keep_all(cls, row_max: torch.Tensor) -> Cutoffs:
@@ -65,15 +68,17 @@ def count_ties(logits: torch.Tensor, temperature: torch.Tensor, value: torch.Ten
     return reference.count_ties(logits, temperature, value)
 
 
-def top_candidates(logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``width`` largest logits of each row, descending, and their columns: the threshold
-    kernels on a GPU (``kernels.sampling.top_candidates``), ``torch.topk`` elsewhere. Which of
-    equal values at the last place are chosen is unspecified; ``from_topk`` does not depend on it."""
+def top_candidates(logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The ``width`` largest logits of each row, descending, their columns, and block maxima for
+    the race (or None): the threshold kernels on a GPU (``kernels.sampling.top_candidates``),
+    ``torch.topk`` elsewhere. Which of equal values at the last place are chosen is
+    unspecified; ``from_topk`` does not depend on it."""
     if use_kernels(logits):
         from pagecast.kernels.sampling import top_candidates as kernel
 
         return kernel(logits, width)
-    return logits.topk(width, dim=1)
+    values, ids = logits.topk(width, dim=1)
+    return values, ids, None
 
 
 def from_topk(logits: torch.Tensor, temperature: torch.Tensor, top_k: list[int], top_p: list[float]) -> Cutoffs:
@@ -88,7 +93,7 @@ def from_topk(logits: torch.Tensor, temperature: torch.Tensor, top_k: list[int],
     if any(p < 1.0 and not lim for p, lim in zip(top_p, limited)):
         raise ValueError("from_topk needs a top_k on every row with top_p < 1")
     width = max((k for k, lim in zip(top_k, limited) if lim), default=0) + 1  # <= vocab
-    raw, ids = top_candidates(logits, width)  # [rows, K + 1], descending
+    raw, ids, block_max = top_candidates(logits, width)  # [rows, K + 1], descending
     # The same division as the full row's in the race, so the values compare equal.
     x = raw.float() / temperature[:, None]
     row_max = x[:, 0]
@@ -98,7 +103,7 @@ def from_topk(logits: torch.Tensor, temperature: torch.Tensor, top_k: list[int],
     if all(p >= 1.0 for p in top_p):
         value = torch.where(unlimited, float("-inf"), kth.squeeze(1))
         zeros = torch.zeros_like(per_row[:, 0])
-        return Cutoffs(value, zeros, zeros, None, row_max)
+        return Cutoffs(value, zeros, zeros, None, row_max, block_max)
 
     at = x == kth  # [rows, K + 1]: candidates tied with the k-th value
     # The tie group may reach past the candidates only if the last candidate is in it.
@@ -140,4 +145,4 @@ def from_topk(logits: torch.Tensor, temperature: torch.Tensor, top_k: list[int],
     token = torch.where(group_gone, token_above, torch.where(overflow, 0, token_tied)).masked_fill(unlimited, 0)
     # A group reaching past the candidates is dropped by count, lowest ids first, in the race.
     tie_drop = torch.where(overflow & ~group_gone, tie_drop.squeeze(1), 0)
-    return Cutoffs(value, token, tie_drop, tie_counts, row_max)
+    return Cutoffs(value, token, tie_drop, tie_counts, row_max, block_max)

@@ -223,7 +223,9 @@ def test_top_candidates_are_topk_in_bf16(width: int) -> None:
 
     logits = torch.cat([_bf16_logits(512, 2), awkward_rows(LLAMA3_VOCAB, torch.bfloat16).cuda()])
     assert sampling.top_candidates_apply(LLAMA3_VOCAB, width, sampling.CAPACITY)
-    values, ids = sampling.top_candidates(logits, width)
+    values, ids, block_max = sampling.top_candidates(logits, width)
+    padded = torch.nn.functional.pad(logits.float(), (0, block_max.shape[1] * 128 - LLAMA3_VOCAB), value=float("-inf"))
+    assert torch.equal(block_max, padded.reshape(logits.shape[0], -1, 128).amax(dim=2))
     assert torch.equal(values, logits.topk(width, dim=1).values.float())
     assert torch.equal(logits.gather(1, ids).float(), values)
     assert bool((ids.sort(dim=1).values.diff(dim=1) > 0).all()), "a column twice in a row"

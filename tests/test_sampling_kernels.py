@@ -296,7 +296,9 @@ def test_top_candidates_are_topk(width: int, capacity: int, dtype: torch.dtype) 
     vocab = 13_001
     logits = awkward_rows(vocab, dtype)
     assert kernels().top_candidates_apply(vocab, width, capacity)
-    values, ids = kernels().top_candidates(logits, width, capacity)
+    values, ids, block_max = kernels().top_candidates(logits, width, capacity)
+    padded = torch.nn.functional.pad(logits.float(), (0, block_max.shape[1] * 128 - vocab), value=float("-inf"))
+    assert torch.equal(block_max, padded.reshape(logits.shape[0], -1, 128).amax(dim=2))
     expected = logits.float().topk(width, dim=1).values
     assert values.dtype == torch.float32 and ids.dtype == torch.int64
     assert torch.equal(values, expected)
@@ -310,7 +312,7 @@ def test_top_candidates_exact_search_takes_the_lowest_tied_columns() -> None:
     # lowest columns first among equal values.
     logits = torch.zeros(2, 13_001)
     logits[1, 7] = 1.0
-    values, ids = kernels().top_candidates(logits, 51, capacity=256)
+    values, ids, _ = kernels().top_candidates(logits, 51, capacity=256)
     assert ids[0].sort().values.tolist() == list(range(51))
     assert ids[1, 0] == 7 and sorted(ids[1, 1:].tolist()) == list(range(7)) + list(range(8, 51))
 
