@@ -1,6 +1,7 @@
 """What the paged decode kernel compiles to on an H100/H200 (sm_90), without a GPU.
 
-    python benchmarks/decode_ptx.py [--caches bf16,fp8,fp16,fp32] [--direct] [--dump DIR] [--json FILE]
+    python benchmarks/decode_ptx.py [--caches bf16,fp8,fp16,fp32] [--direct] [--fp8-bytes]
+                                    [--variants 64x4x2,...] [--dump DIR] [--json FILE]
 
 Compiles kernels/paged_decode_attention.py's _paged_decode_kernel for sm_90 on the CPU (Triton
 lowers to PTX and, with its bundled ptxas, to a cubin) at every kernel variant the tuner times
@@ -61,7 +62,9 @@ CACHES = {
 }
 
 
-def launch_args(q_dtype: torch.dtype, cache_dtype: torch.dtype, direct: bool) -> tuple[list, dict]:
+def launch_args(
+    q_dtype: torch.dtype, cache_dtype: torch.dtype, direct: bool, fp8_bytes: bool = False
+) -> tuple[list, dict]:
     """The positional arguments and constexprs paged_decode_attention() passes for a batch of 128
     sequences at this shape (tiny CPU tensors stand in for the pointers: only their dtype and
     16-byte alignment matter; strides come from meta tensors of the real shapes)."""
@@ -77,23 +80,26 @@ def launch_args(q_dtype: torch.dtype, cache_dtype: torch.dtype, direct: bool) ->
         ptr(q_dtype), ptr(cache_dtype), ptr(cache_dtype), ptr(torch.int32), ptr(torch.int32),
         ptr(torch.int32), ptr(q_dtype), ptr(torch.float32), ptr(torch.float32),
         0.125 * pda._LOG2E, 1.0, 1 if direct else 4,
-        q.stride(0), q.stride(1), *cache.stride()[:3], *cache.stride()[:3], tables.stride(0), q.stride(0), q.stride(1),
+        q.stride(0), q.stride(1), *cache.stride()[:3], *cache.stride()[:3], tables.stride(0),
+        q.stride(0), q.stride(1),
     ]  # fmt: skip
     group = NUM_HEADS // NUM_KV_HEADS
     constexprs = {
         "GROUP": group, "GROUP_PAD": max(16, triton.next_power_of_2(group)), "HEAD_DIM": HEAD_DIM,
         "HEAD_DIM_PAD": HEAD_DIM, "BLOCK_SIZE": BLOCK_SIZE, "DIRECT": direct,
+        # the launcher's choice at this shape: an fp8 cache read as int32 words, unpacked in PTX
+        "FP8_WORDS": cache_dtype == torch.float8_e4m3fn and not fp8_bytes, "USE_ASM": True,
         "DOT_PRECISION": "ieee" if q_dtype == torch.float32 else "tf32",
     }  # fmt: skip
     return args, constexprs
 
 
-def compile_variant(cache: str, block_n: int, warps: int, stages: int, direct: bool):
+def compile_variant(cache: str, block_n: int, warps: int, stages: int, direct: bool, fp8_bytes: bool = False):
     """triton.compile of the decode kernel with the signature and tt.divisibility attributes the
     JIT launcher derives from these arguments (its own specialisation routine)."""
     fn = pda._paged_decode_kernel
     q_dtype, cache_dtype = CACHES[cache]
-    args, constexprs = launch_args(q_dtype, cache_dtype, direct)
+    args, constexprs = launch_args(q_dtype, cache_dtype, direct, fp8_bytes)
     constexprs = dict(constexprs, BLOCK_N=block_n)
     names = fn.arg_names
     signature, attrs = {}, {}
@@ -113,7 +119,9 @@ def compile_variant(cache: str, block_n: int, warps: int, stages: int, direct: b
 
 # ---------------------------------------------------------------------------- PTX counting
 
-_CP_ASYNC = re.compile(r"cp\.async\.(ca|cg)\.shared\.global(?:\.[a-z0-9]+)*\s*\[[^\]]*\],\s*\[[^\]]*\],\s*(0x[0-9a-f]+|\d+)")
+_CP_ASYNC = re.compile(
+    r"cp\.async\.(ca|cg)\.shared\.global(?:\.[a-z0-9]+)*\s*\[[^\]]*\],\s*\[[^\]]*\],\s*(0x[0-9a-f]+|\d+)"
+)
 _LD = re.compile(r"\bld\.(global|shared)((?:\.[a-z0-9]+)*)\s")
 _LDMATRIX = re.compile(r"\bldmatrix\.sync\.aligned\.m8n8\.(x[124])(\.trans)?")
 _CVT = re.compile(r"\bcvt((?:\.[a-z0-9]+)+)\s")
@@ -128,15 +136,15 @@ def _load_bytes(suffixes: str) -> int:
 
 
 def main_loop(lines: list[str]) -> tuple[int, int]:
-    """[first, last] line of the loop that holds the mma.sync instructions: the span from a
-    label to the backward branch to it (the K/V tile loop; its body is one pipelined tile)."""
+    """[first, last] line of the loop that holds the softmax's ex2 (the K/V tile loop; its body
+    is one pipelined tile): the shortest span from a label to a backward branch to it."""
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\$L__BB\d+_\d+):", line))}
     best = None
     for i, line in enumerate(lines):
         m = re.search(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);", line)
         if m and labels.get(m.group(1), i) < i:
             lo = labels[m.group(1)]
-            if any("mma.sync" in x for x in lines[lo:i]) and (best is None or i - lo < best[1] - best[0]):
+            if any("ex2.approx" in x for x in lines[lo:i]) and (best is None or i - lo < best[1] - best[0]):
                 best = (lo, i)
     return best or (0, len(lines) - 1)
 
@@ -173,8 +181,11 @@ def sass_stats(cubin: bytes) -> dict[str, object]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        res = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
-        sass = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+        res, sass = (
+            subprocess.run([_tool("cuobjdump"), flag, f.name], capture_output=True, text=True, check=True)
+            .stdout
+            for flag in ("-res-usage", "-sass")
+        )
     regs = int(m.group(1)) if (m := re.search(r"REG:(\d+)", res)) else None
     spill = int(m.group(1)) if (m := re.search(r"LOCAL:(\d+)", res)) else None
     instrs = []  # (address, instruction text)
@@ -182,12 +193,12 @@ def sass_stats(cubin: bytes) -> dict[str, object]:
         if m := re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line):
             instrs.append((int(m.group(1), 16), m.group(2)))
     index = {addr: i for i, (addr, _) in enumerate(instrs)}
-    loop = None  # the shortest backward branch's span that holds the HMMAs
+    loop = None  # the shortest backward branch's span that holds the softmax's MUFU.EX2
     for i, (addr, text) in enumerate(instrs):
         m = re.search(r"\bBRA\s+(0x[0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr and int(m.group(1), 16) in index:
             lo = index[int(m.group(1), 16)]
-            if any("HMMA" in t for _, t in instrs[lo:i]) and (loop is None or i - lo < loop[1] - loop[0]):
+            if any("MUFU.EX2" in t for _, t in instrs[lo:i]) and (loop is None or i - lo < loop[1] - loop[0]):
                 loop = (lo, i)
     body = [t for _, t in instrs[loop[0]:loop[1] + 1]] if loop else []
     ops: Counter = Counter()
@@ -201,11 +212,15 @@ def sass_stats(cubin: bytes) -> dict[str, object]:
 # ---------------------------------------------------------------------------- report
 
 
-def analyse(cache: str, block_n: int, warps: int, stages: int, direct: bool, dump: Path | None) -> dict[str, object]:
-    kernel = compile_variant(cache, block_n, warps, stages, direct)
+def analyse(
+    cache: str, block_n: int, warps: int, stages: int, direct: bool, dump: Path | None,
+    fp8_bytes: bool = False,
+) -> dict[str, object]:
+    kernel = compile_variant(cache, block_n, warps, stages, direct, fp8_bytes)
     ptx = kernel.asm["ptx"].splitlines()
     lo, hi = main_loop(ptx)
-    name = f"{cache}_n{block_n}_w{warps}_s{stages}{'_direct' if direct else ''}"
+    bytes_tag = "_bytes" if fp8_bytes and cache == "fp8" else ""
+    name = f"{cache}{bytes_tag}_n{block_n}_w{warps}_s{stages}{'_direct' if direct else ''}"
     if dump is not None:
         dump.mkdir(parents=True, exist_ok=True)
         for ext in ("ttgir", "ptx"):
@@ -232,7 +247,10 @@ def print_row(r: dict) -> None:
     cp = [k for k in keys if k.startswith("cp.")]
     ldg = [k for k in keys if k.startswith("ldg")]
     lds = [k for k in keys if k.startswith(("lds", "ldmatrix"))]
-    print(f"{r['variant']:<26} regs {r['regs']:>3}  smem {r['shared_bytes']:>6}  loop SASS {r['loop_sass']:>5}")
+    spill = f"  SPILLS {r['local_bytes']} B local" if r["local_bytes"] else ""
+    head = f"{r['variant']:<26} regs {r['regs']:>3}  smem {r['shared_bytes']:>6}"
+    head += f"  loop SASS {r['loop_sass']:>5}"
+    print(head + spill)
     print(f"    cp.async  {_fmt(loop, whole, cp)}")
     print(f"    ld.global {_fmt(loop, whole, ldg)}   ld.shared {_fmt(loop, whole, lds)}")
     print(f"    {_fmt(loop, whole, ['cvt64', 'e4m3', 'mma'])}   SASS loop {r['loop_ops']}")
@@ -243,17 +261,21 @@ def main() -> None:
     ap.add_argument("--caches", default="bf16,fp8", help="comma-separated of " + ",".join(CACHES))
     ap.add_argument("--direct", action="store_true", help="the num_splits == 1 variant (default: split)")
     ap.add_argument("--variants", default="", help="e.g. 64x4x2,128x4x2 (default: every tuned variant)")
+    ap.add_argument(
+        "--fp8-bytes", action="store_true",
+        help="compile the fp8 cache's byte path (FP8_WORDS=False: the launcher's for other head_dims)",
+    )  # fmt: skip
     ap.add_argument("--dump", type=Path, help="write each variant's TTGIR and PTX here")
     ap.add_argument("--json", type=Path, help="write the counts as JSON")
     args = ap.parse_args()
     variants = pda._VARIANTS
     if args.variants:
         variants = [tuple(int(x) for x in v.split("x")) for v in args.variants.split(",")]
-    print(f"triton {triton.__version__}, target sm_90, Llama-3-8B decode shape; counts: loop body [whole kernel]")
+    print(f"triton {triton.__version__}, sm_90, Llama-3-8B decode shape; counts: loop body [whole kernel]")
     rows = []
     for cache in args.caches.split(","):
         for block_n, warps, stages in variants:
-            r = analyse(cache, block_n, warps, stages, args.direct, args.dump)
+            r = analyse(cache, block_n, warps, stages, args.direct, args.dump, args.fp8_bytes)
             print_row(r)
             rows.append(r)
     if args.json:
