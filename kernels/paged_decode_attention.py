@@ -13,10 +13,22 @@ every e4m3 value is a bf16/fp16 value) and both dots run with fp32 accumulation,
 a bf16 engine (e4m3 converts to fp16 in one instruction per pair, to bf16 through fp32), in
 q's dtype otherwise; no fp8 tl.dot, so q is never rounded to fp8. The per-layer K scale is
 folded into the softmax scale and the V scale multiplies the normalised output.
+
+The fp8 tiles are gathered as int32 words (four e4m3 bytes each) and unpacked in registers
+(_e4m3_words_to_f16). Loaded as fp8 values, V (the second dot's [tokens, head_dim] operand, whose
+reduction axis is not the contiguous one) is staged in shared memory in the swizzle Triton
+derives for an 8-bit dot operand read transposed: 8 elements (8 bytes) per vector, so its
+global-to-shared copies are 8-byte cp.async.ca instead of 16-byte cp.async.cg, and the dot reads
+it back one byte per ld.shared (sm_90 has no 8-bit transposing ldmatrix). Words are no dot
+operand: the pipeliner copies them with 16-byte cp.async.cg, and V's unpacked fp16 tile reaches
+the dot through ldmatrix.trans, as a bf16 cache's does. Loading K the same way gives K and V one
+register layout, so each tile's block-table entries are loaded and widened once for both.
+benchmarks/decode_ptx.py counts the instructions (fp8 byte path: --fp8-bytes).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 import torch
@@ -27,6 +39,43 @@ from pagecast.kernels.paged_attention_args import check_paged_attention_args
 from pagecast.kernels.tuning import KernelConfig, num_sms
 
 _LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _e4m3_words_to_f16(w, USE_ASM: tl.constexpr):
+    """[R, C] int32 words of four e4m3 bytes each -> [R, 4C] fp16: byte i (little-endian) of word
+    c is column 4c + i. Exact (every e4m3 value is an fp16 value).
+
+    On the GPU two cvt.rn.f16x2.e4m3x2 a word in inline PTX (what tl's fp8 -> fp16 conversion
+    emits too); the interpreter, which has no PTX, takes the bytes apart with shifts and
+    converts each through tl's fp8 type, which gives the same values."""
+    if USE_ASM:
+        b0, b1, b2, b3 = tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b16 lo, hi;
+            .reg .b32 h01, h23;
+            mov.b32 {lo, hi}, $4;
+            cvt.rn.f16x2.e4m3x2 h01, lo;
+            cvt.rn.f16x2.e4m3x2 h23, hi;
+            mov.b32 {$0, $1}, h01;
+            mov.b32 {$2, $3}, h23;
+            }
+            """,
+            constraints="=h,=h,=h,=h,r",
+            args=[w],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        b0 = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        b1 = ((w >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        b2 = ((w >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        b3 = ((w >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    # join puts its new axis last: join(join(b0, b2), join(b1, b3)) is [R, C, 2, 2] holding
+    # b0, b1, b2, b3 in row-major order, so the reshape lays each word's bytes out in order.
+    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [w.shape[0], 4 * w.shape[1]])
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
@@ -61,6 +110,8 @@ def _paged_decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr,
+    FP8_WORDS: tl.constexpr,  # fp8 cache read as int32 words (head_dim, strides multiples of 4)
+    USE_ASM: tl.constexpr,  # inline PTX for the fp8 unpacking (False in the interpreter)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 engines (exact), "tf32" (ignored) for half types
 ):
     seq = tl.program_id(0)
@@ -101,8 +152,18 @@ def _paged_decode_kernel(
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
         block_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        k_base = k_cache_ptr + kv_head * stride_kh + offs_d[None, :]
-        v_base = v_cache_ptr + kv_head * stride_vh + offs_d[None, :]
+        if FP8_WORDS:
+            # Four e4m3 values a word; the strides are multiples of 4 (the launcher checks).
+            offs_w = tl.arange(0, HEAD_DIM_PAD // 4)
+            k_base = k_cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + kv_head * (stride_kh // 4)
+            v_base = v_cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + kv_head * (stride_vh // 4)
+            k_base = k_base + offs_w[None, :]
+            v_base = v_base + offs_w[None, :]
+            stride_kb, stride_kt = stride_kb // 4, stride_kt // 4
+            stride_vb, stride_vt = stride_vb // 4, stride_vt // 4
+        else:
+            k_base = k_cache_ptr + kv_head * stride_kh + offs_d[None, :]
+            v_base = v_cache_ptr + kv_head * stride_vh + offs_d[None, :]
         for tile in range(tile_lo, tile_hi):
             offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             n_mask = offs_n < seq_len
@@ -113,12 +174,22 @@ def _paged_decode_kernel(
             block = tl.load(block_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
             slot = offs_n % BLOCK_SIZE
             # k, v: [BLOCK_N, HEAD_DIM_PAD], rows gathered through the block table
-            k = tl.load(
-                k_base + block[:, None] * stride_kb + slot[:, None] * stride_kt, mask=kv_mask, other=0.0
-            )
-            v = tl.load(
-                v_base + block[:, None] * stride_vb + slot[:, None] * stride_vt, mask=kv_mask, other=0.0
-            )
+            if FP8_WORDS:
+                # [BLOCK_N, HEAD_DIM / 4] words -> [BLOCK_N, HEAD_DIM] fp16 (masked rows read 0)
+                w_mask = n_mask[:, None]
+                k_rows = block[:, None] * stride_kb + slot[:, None] * stride_kt
+                v_rows = block[:, None] * stride_vb + slot[:, None] * stride_vt
+                k = tl.load(k_base + k_rows, mask=w_mask, other=0)
+                v = tl.load(v_base + v_rows, mask=w_mask, other=0)
+                k = _e4m3_words_to_f16(k, USE_ASM)
+                v = _e4m3_words_to_f16(v, USE_ASM)
+            else:
+                k = tl.load(
+                    k_base + block[:, None] * stride_kb + slot[:, None] * stride_kt, mask=kv_mask, other=0.0
+                )
+                v = tl.load(
+                    v_base + block[:, None] * stride_vb + slot[:, None] * stride_vt, mask=kv_mask, other=0.0
+                )
             k = k.to(q.dtype)  # fp8 cache: upcast in registers (a no-op for a cache in q's dtype)
             v = v.to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N]
@@ -290,6 +361,13 @@ def paged_decode_attention(
     group_pad = max(16, triton.next_power_of_2(group))
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     direct = num_splits == 1
+    # An fp8 cache is read as int32 words when its rows split into whole words (see the module
+    # docstring); otherwise (an odd head_dim, a strided view) as bytes.
+    fp8_words = (
+        k_cache.dtype == torch.float8_e4m3fn
+        and head_dim == head_dim_pad
+        and all(t.data_ptr() % 4 == 0 and all(s % 4 == 0 for s in t.stride()[:3]) for t in (k_cache, v_cache))
+    )
     if direct:
         part_out = part_lse = out  # unused by the DIRECT variant
     else:
@@ -306,7 +384,8 @@ def paged_decode_attention(
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=direct,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=direct, FP8_WORDS=fp8_words,
+        USE_ASM=q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -19,14 +19,14 @@ pytest.importorskip("triton")
 # where @triton.jit functions cannot be compiled.
 CHILD = textwrap.dedent(
     """
-    import json, sys
+    import json, re, sys
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from pagecast.kernels import keyed_noise, paged_decode_attention, paged_prefill_attention, rotary_kv, sampling
     from pagecast.kernels import w4a16_gemm, w4a16_gemv
 
-    kernel, signature, constexprs = json.loads(sys.argv[1])
+    kernel, signature, constexprs, divisible, options = json.loads(sys.argv[1])
     fn = {"keyed_noise": keyed_noise._keyed_exponential_kernel, "w4a16_gemm": w4a16_gemm._w4a16_gemm_kernel,
           "dequantize": w4a16_gemm._dequantize_kernel, "w4a16_gemv": w4a16_gemv._w4a16_gemv_kernel,
           "rotary_kv": rotary_kv._rotary_kv_kernel,
@@ -34,17 +34,34 @@ CHILD = textwrap.dedent(
           "paged_prefill": paged_prefill_attention._paged_prefill_kernel, "race": sampling._race_kernel,
           "count_ties": sampling._count_ties_kernel, "logprob_stats": sampling._logprob_stats_kernel}[kernel]
     sig = dict(signature, **{name: "constexpr" for name in constexprs})
-    asm = triton.compile(ASTSource(fn, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32)).asm
+    # the launcher's tt.divisibility=16 on the named arguments (16-byte aligned pointers, strides)
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
+    src = ASTSource(fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    asm = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm
     print(sorted(asm))
     print("ptx converts e4m3" if "e4m3" in asm.get("ptx", "") else "ptx without e4m3")
+    # global -> shared copies by cache mode and bytes, e.g. "cp.async cg16", and byte-wise shared loads
+    copies = re.findall(r"cp\.async\.(c[ag])\.shared\.global \[[^]]*\], \[[^]]*\], (0x[0-9a-f]+|\d+)",
+                        asm["ptx"])
+    print(" ".join(sorted({f"cp.async {mode}{int(size, 0)}" for mode, size in copies})))
+    print(f"byte shared loads {len(re.findall(r'ld[.]shared([.]v[24])?[.][bus]8[^0-9]', asm['ptx']))}")
     """
 )
 
 
-def compile_sm90(kernel: str, signature: dict[str, str], constexprs: dict[str, object]) -> str:
+def compile_sm90(
+    kernel: str,
+    signature: dict[str, str],
+    constexprs: dict[str, object],
+    divisible: list[str] | None = None,
+    options: dict[str, int] | None = None,
+) -> str:
+    """The child's output: the asm kinds, whether the PTX converts e4m3, its cp.async kinds and
+    its count of byte-wise shared loads (one line each)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD, json.dumps([kernel, signature, constexprs])],
+        [sys.executable, "-c", CHILD,
+         json.dumps([kernel, signature, constexprs, divisible or [], options or {}])],
         env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -146,8 +163,10 @@ def _paged_signature(cache: str) -> dict[str, str]:
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("direct", [True, False])
-def test_paged_decode_kernel_with_fp8_cache_compiles_for_sm90(direct: bool) -> None:
+@pytest.mark.parametrize("direct,fp8_words", [(True, True), (False, True), (False, False)])
+def test_paged_decode_kernel_with_fp8_cache_compiles_for_sm90(direct: bool, fp8_words: bool) -> None:
+    """Both fp8 reads: int32 words unpacked in inline PTX (head_dim a power of two, the launcher's
+    choice at every model shape we ship) and fp8 values (other head_dims)."""
     sig = dict(
         _paged_signature("*fp8e4nv"), part_out_ptr="*fp32", part_lse_ptr="*fp32", qk_scale="fp32", v_scale="fp32",
         num_splits="i32", **{s: "i32" for s in _PAGED_STRIDES},
@@ -155,9 +174,32 @@ def test_paged_decode_kernel_with_fp8_cache_compiles_for_sm90(direct: bool) -> N
     asm = compile_sm90(
         "paged_decode", sig,
         {"GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128, "BLOCK_SIZE": 16, "BLOCK_N": 64,
-         "DIRECT": direct, "DOT_PRECISION": "tf32"},
+         "DIRECT": direct, "FP8_WORDS": fp8_words, "USE_ASM": True, "DOT_PRECISION": "tf32"},
     )  # fmt: skip
     assert "cubin" in asm and "ptx converts e4m3" in asm
+
+
+def test_paged_decode_fp8_cache_streams_k_and_v_in_16_byte_copies() -> None:
+    """The fp8 cache's K and V tiles reach shared memory in 16-byte cp.async.cg, as a bf16
+    cache's do, and the dot reads none of them back a byte at a time. Read as fp8 values, V
+    (its reduction axis is not the contiguous one) took 8-byte cp.async.ca and one ld.shared.u8
+    per value, and the fp8 kernel ran at 62% of the bf16 kernel's bandwidth on an H200.
+    The launch's specialisation: 16-divisible pointers and strides (benchmarks/decode_ptx.py
+    counts every tuned variant)."""
+    sig = dict(
+        _paged_signature("*fp8e4nv"), part_out_ptr="*fp32", part_lse_ptr="*fp32", qk_scale="fp32", v_scale="fp32",
+        num_splits="i32", **{s: "i32" for s in _PAGED_STRIDES},
+    )  # fmt: skip
+    divisible = [n for n in sig if n.endswith("_ptr") or (n.startswith("stride") and n != "stride_bt")]
+    asm = compile_sm90(
+        "paged_decode", sig,
+        {"GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128, "BLOCK_SIZE": 16, "BLOCK_N": 64,
+         "DIRECT": False, "FP8_WORDS": True, "USE_ASM": True, "DOT_PRECISION": "tf32"},
+        divisible=divisible, options={"num_warps": 4, "num_stages": 2},
+    )  # fmt: skip
+    lines = asm.splitlines()
+    assert lines[-2] == "cp.async cg16", lines[-2]
+    assert lines[-1] == "byte shared loads 0", lines[-1]
 
 
 def test_paged_prefill_kernel_with_fp8_cache_compiles_for_sm90() -> None:

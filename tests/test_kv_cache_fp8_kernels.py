@@ -15,8 +15,11 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from pagecast.kernels import reference, rope
+from pagecast.kernels.paged_decode_attention import _e4m3_words_to_f16
 from pagecast.kernels.reference import FP8_DTYPE, FP8_MAX, quantize_kv
 
 # --------------------------------------------------------------------------- the reference
@@ -139,6 +142,8 @@ def _assert_matches_reference(out, x, scale, k_scale, v_scale, dtype) -> None:  
     [
         pytest.param(4, 4, 16, 8, [1, 9, 41], {"BLOCK_N": 16, "num_splits": 1}, id="mha-direct"),
         pytest.param(9, 3, 64, 16, [1, 9, 41, 341], {"BLOCK_N": 32, "num_splits": 4}, id="group3-split4"),
+        # head_dim 24 pads to 32: the cache is read as fp8 values, not as int32 words
+        pytest.param(6, 2, 24, 8, [1, 9, 41], {"BLOCK_N": 16, "num_splits": 2}, id="head-dim-24-byte-path"),
     ],
 )
 def test_decode_attention_fp8_cache(num_heads, num_kv_heads, head_dim, block_size, seq_lens, config, dtype):  # type: ignore[no-untyped-def]
@@ -153,6 +158,29 @@ def test_decode_attention_fp8_cache(num_heads, num_kv_heads, head_dim, block_siz
     )
     _assert_matches_reference(out, x, scale, k_scale, v_scale, dtype)
     assert out.dtype == dtype
+
+
+@triton.jit
+def _unpack_fp8_words(x_ptr, out_ptr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    rows = tl.arange(0, ROWS)[:, None]
+    words_ptr = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    words = tl.load(words_ptr + rows * (COLS // 4) + tl.arange(0, COLS // 4)[None, :])
+    tl.store(out_ptr + rows * COLS + tl.arange(0, COLS)[None, :], _e4m3_words_to_f16(words, False))
+
+
+@interpreted
+def test_decode_unpacks_fp8_words_in_order_and_exactly() -> None:
+    """The decode kernel reads an fp8 cache as int32 words: every e4m3 byte, at each of a word's
+    four positions, comes back as torch's fp16 of it, in its own column (the interpreter's
+    shift-and-convert path; the GPU's inline-PTX path runs in the GPU tests)."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    for shift in range(4):  # each byte value at every position in its word
+        x = torch.roll(codes, shift).view(FP8_DTYPE).reshape(16, 16).contiguous()
+        out = torch.empty(16, 16, dtype=torch.float16)
+        _unpack_fp8_words[(1,)](x, out, ROWS=16, COLS=16)
+        expected = x.to(torch.float16)
+        same = (out.view(torch.int16) == expected.view(torch.int16)) | (out.isnan() & expected.isnan())
+        assert bool(same.all()), x.view(torch.uint8)[~same]
 
 
 @interpreted

@@ -1,0 +1,137 @@
+"""Time the paged decode kernel with a bf16 and an fp8 (e4m3) KV cache on one GPU.
+
+    python benchmarks/decode_fp8_time.py [--cases 128x512,256x2048] [--reps 20] [--all] [--json FILE]
+
+Llama-3-8B decode shapes (32 query heads over 8 KV heads, head_dim 128, KV block size 16, q bf16).
+For each case, three kernels on the same inputs in one process:
+
+  bf16        a bf16 cache
+  fp8-bytes   an fp8 cache read as fp8 values (FP8_WORDS=False): the kernel before the fp8 cache
+              was read as int32 words (its sm_90 PTX is that kernel's, instruction for
+              instruction: benchmarks/decode_ptx.py --fp8-bytes); the launcher still takes this
+              path for head_dims that are not a power of two
+  fp8-words   an fp8 cache read as int32 words (what the launcher runs at this shape)
+
+Every config the tuner would time at the bucket (problems.config_space) is timed as the tuner
+times it (tuning.time_launches: the launches captured in a CUDA graph over rotating block tables
+in a pool larger than L2, CUDA events, median of --reps replays); the best config's time is
+reported with GB/s (problems.problem_size: K/V read + q read + out written, per launch) and its
+fraction of the device-to-device copy bandwidth measured in the same run. --all prints every
+config's time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from pagecast.kernels import paged_decode_attention as pda
+from pagecast.kernels import problems, tuning
+
+
+def shapes(kv_cache_dtype: str | None) -> tuning.ModelShapes:
+    return tuning.ModelShapes(
+        num_heads=32, num_kv_heads=8, head_dim=128, hidden=4096, intermediate=14336, block_size=16,
+        dtype="bfloat16", max_model_len=32768, max_num_seqs=256, kv_cache_dtype=kv_cache_dtype,
+    )  # fmt: skip
+
+
+class _FP8BytePath:
+    """Stands in for the jitted decode kernel: each launch with FP8_WORDS=False (the fp8 byte
+    read), all else as the launcher passes it."""
+
+    def __init__(self, kernel: Callable) -> None:
+        self.kernel = kernel
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable:
+        launch = self.kernel[grid]
+        return lambda *args, **kwargs: launch(*args, **dict(kwargs, FP8_WORDS=False))
+
+
+@contextmanager
+def fp8_byte_path():
+    original = pda._paged_decode_kernel
+    pda._paged_decode_kernel = _FP8BytePath(original)
+    try:
+        yield
+    finally:
+        pda._paged_decode_kernel = original
+
+
+def time_case(kv: str, batch: int, context: int, reps: int) -> list[tuple[float, tuning.KernelConfig]]:
+    """(microseconds per launch, config) for every config the tuner would time, fastest first."""
+    sh = shapes("float8_e4m3fn" if kv.startswith("fp8") else None)
+    dims = {"num_seqs": batch, "max_seq_len": context}
+    problem = problems.make_problem("paged_decode_attention", sh, dims, "cuda")
+    launches = problem.launches_per_sample()
+    results = []
+    for cfg in problems.config_space("paged_decode_attention", sh, dims):
+
+        def launch(i: int, cfg: tuning.KernelConfig = cfg) -> object:
+            return problem.launch(cfg, i)
+
+        if kv == "fp8-bytes":
+            with fp8_byte_path():
+                t_us = tuning.time_launches(launch, launches, reps=reps)
+        else:
+            t_us = tuning.time_launches(launch, launches, reps=reps)
+        results.append((t_us, cfg))
+    del problem
+    torch.cuda.empty_cache()
+    return sorted(results, key=lambda r: r[0])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", default="128x512,256x2048", help="batch x context, comma-separated")
+    ap.add_argument("--kernels", default="bf16,fp8-bytes,fp8-words")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--all", action="store_true", help="print every config's time")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, sms {tuning.num_sms()}", flush=True)
+    copy_gbs = statistics.median(tuning.measure_copy_bandwidth() for _ in range(3))
+    print(f"copy bandwidth {copy_gbs:.0f} GB/s (read + write)", flush=True)
+    rows = []
+    for case in args.cases.split(","):
+        batch, context = (int(x) for x in case.split("x"))
+        for kv in args.kernels.split(","):
+            results = time_case(kv, batch, context, args.reps)
+            nbytes, _ = problems.problem_size(
+                "paged_decode_attention", shapes("float8_e4m3fn" if kv.startswith("fp8") else None),
+                {"num_seqs": batch, "max_seq_len": context},
+            )  # fmt: skip
+            t_us, cfg = results[0]
+            gbs = nbytes / (t_us * 1e-6) / 1e9
+            row = {
+                "case": case, "kernel": kv, "time_us": round(t_us, 2), "gb_s": round(gbs, 1),
+                "fraction_of_copy": round(gbs / copy_gbs, 3), "config": cfg.as_dict(),
+                "configs_timed": len(results),
+            }  # fmt: skip
+            rows.append(row)
+            print(
+                f"{case:>9} {kv:<10} {t_us:8.1f} us {gbs:7.0f} GB/s ({gbs / copy_gbs:4.0%} of copy)"
+                f"  best of {len(results)}: {cfg.as_dict()}",
+                flush=True,
+            )
+            if args.all:
+                for t, c in results:
+                    print(f"{'':>20} {t:8.1f} us  {c.as_dict()}")
+    print("\n| batch x context | " + " | ".join(args.kernels.split(",")) + " |")
+    print("|---|" + "---|" * len(args.kernels.split(",")))
+    for case in args.cases.split(","):
+        cells = [f"{r['time_us']:.1f} us, {r['gb_s']:,.0f} GB/s" for r in rows if r["case"] == case]
+        print(f"| {case} | " + " | ".join(cells) + " |")
+    if args.json:
+        args.json.write_text(json.dumps({"copy_bandwidth_gbs": round(copy_gbs, 1), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
