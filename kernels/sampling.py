@@ -546,9 +546,10 @@ def top_candidates(
     )  # fmt: skip
     top, where = values.topk(width, dim=1)
     top_ids = ids.gather(1, where)
-    # Rows past the capacity: the exact search (every other row returns at once).
-    exact_values = torch.full((rows, width), float("-inf"), dtype=torch.float32, device=device)
-    exact_ids = torch.zeros(rows, width, dtype=torch.int32, device=device)
+    # Rows past the capacity: the exact search (every other row returns at once, leaving its
+    # row of these unwritten: torch.where below takes the threshold's result there).
+    exact_values = torch.empty(rows, width, dtype=torch.float32, device=device)
+    exact_ids = torch.empty(rows, width, dtype=torch.int32, device=device)
     _select_kernel[(rows,)](
         logits, counts, exact_values, exact_ids, logits.stride(0), vocab, capacity, width, LOW_BIT=low_bit,
         BLOCK=1024, num_warps=8,
