@@ -10,8 +10,9 @@ it streams the row once (``reference.truncation_keep`` defines it on a full row)
   mass, stays within ``1 - top_p`` (``TopPLogitsWarper``), keeping the most likely token. Among
   equal values the lowest ids go first.
 
-Everything is decided on ``topk(K + 1)`` (``K`` the batch's largest top_k): the tokens above
-the k-th value are all among the candidates. Only the tokens tied with the k-th value may
+Everything is decided on ``topk(K + 1)`` (``K`` the batch's largest top_k; on a GPU
+``top_candidates`` finds the same values without a ``torch.topk`` over the vocabulary): the
+tokens above the k-th value are all among the candidates. Only the tokens tied with the k-th value may
 reach past them (bf16 logits tie often); for those rows the tie group is counted on the full
 row (``count_ties``, one pass of those rows only) and the top-p mass of the group is its count
 times one token's, as in a sort where the group sits together. Which of the group's tokens go
