@@ -6,8 +6,8 @@ truncation work only happens when some row asks for it. The only Python loops ru
 never over the vocabulary. A row of logits is read a few times, never copied unless masks or
 penalties change it: truncation is a top-k of the row (``truncation.top_candidates``) plus
 arithmetic on the candidates that yields a per-row cutoff (``truncation.py``), and one Triton
-kernel applies temperature, the cutoff and
-min-p, draws the noise and runs the race as it streams the row (``kernels/sampling.py``);
+kernel applies temperature, the cutoff and min-p, draws the noise and runs the race as it
+streams the row (``kernels/sampling.py``);
 logprobs are one more streaming pass (max, sum of exponentials, rank) and a ``topk``. On the
 CPU the same steps run their torch references (``kernels/reference.py``).
 
