@@ -18,7 +18,9 @@ pipelined prologue is left out) and, in brackets where it differs, for the whole
   ld.shared    shared loads by bytes (b8 = 1) and ldmatrix (lds16 = ldmatrix .x4 / .x4.trans)
   cvt64        PTX cvt to or from a 64-bit integer (address arithmetic widened to 64 bits)
   e4m3         cvt.rn.f16x2.e4m3x2 (one per two fp8 values)
-  mma          mma.sync
+  f16>bf16     cvt.bf16.f16 (one per value)
+  mma, wgmma   mma.sync, wgmma.mma_async (sm_90's warpgroup MMA, whose B operand is read from
+               shared memory by the instruction: no ldmatrix)
   SASS         from the cubin (cuobjdump): the loop's instruction count, registers, and the
                shared memory the launch allocates (metadata.shared)
 
@@ -94,16 +96,13 @@ def launch_args(
     return args, constexprs
 
 
-def compile_variant(cache: str, block_n: int, warps: int, stages: int, direct: bool, fp8_bytes: bool = False):
-    """triton.compile of the decode kernel with the signature and tt.divisibility attributes the
-    JIT launcher derives from these arguments (its own specialisation routine)."""
-    fn = pda._paged_decode_kernel
-    q_dtype, cache_dtype = CACHES[cache]
-    args, constexprs = launch_args(q_dtype, cache_dtype, direct, fp8_bytes)
-    constexprs = dict(constexprs, BLOCK_N=block_n)
-    names = fn.arg_names
+def compile_kernel(fn, args: list, constexprs: dict, warps: int, stages: int, target: GPUTarget = TARGET):
+    """triton.compile of a jitted kernel for sm_90 (or target) with the signature and
+    tt.divisibility attributes the JIT launcher derives from these arguments (its own
+    specialisation routine). benchmarks/prefill_ptx.py compiles the prefill kernel through this too."""
+    constexprs = dict(constexprs)
     signature, attrs = {}, {}
-    for i, (name, value) in enumerate(zip(names, args)):
+    for i, (name, value) in enumerate(zip(fn.arg_names, args)):
         specialize = i not in fn.do_not_specialize
         ty, spec = native_specialize_impl(CUDABackend, value, False, specialize, True)
         if ty == "constexpr":  # an int equal to 1 becomes a constant, as at launch
@@ -114,7 +113,14 @@ def compile_variant(cache: str, block_n: int, warps: int, stages: int, direct: b
     for name in constexprs:
         signature[name] = "constexpr"
     src = ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=TARGET, options={"num_warps": warps, "num_stages": stages})
+    return triton.compile(src, target=target, options={"num_warps": warps, "num_stages": stages})
+
+
+def compile_variant(cache: str, block_n: int, warps: int, stages: int, direct: bool, fp8_bytes: bool = False):
+    """The decode kernel as a launch at this shape compiles it."""
+    q_dtype, cache_dtype = CACHES[cache]
+    args, constexprs = launch_args(q_dtype, cache_dtype, direct, fp8_bytes)
+    return compile_kernel(pda._paged_decode_kernel, args, dict(constexprs, BLOCK_N=block_n), warps, stages)
 
 
 # ---------------------------------------------------------------------------- PTX counting
@@ -135,18 +141,30 @@ def _load_bytes(suffixes: str) -> int:
     return vec * bits // 8
 
 
-def main_loop(lines: list[str]) -> tuple[int, int]:
+def _pick_loop(spans: list[tuple[int, int]], loop: int | None) -> tuple[int, int] | None:
+    """The shortest span (loop=None), or the loop-th in program order of the spans that hold no
+    other (the innermost loops: the prefill kernel has two tile loops, one after the other)."""
+    if not spans:
+        return None
+    if loop is None:
+        return min(spans, key=lambda s: s[1] - s[0])
+    inner = sorted(s for s in spans if not any(t != s and s[0] <= t[0] and t[1] <= s[1] for t in spans))
+    return inner[loop]
+
+
+def main_loop(lines: list[str], loop: int | None = None) -> tuple[int, int]:
     """[first, last] line of the loop that holds the softmax's ex2 (the K/V tile loop; its body
-    is one pipelined tile): the shortest span from a label to a backward branch to it."""
+    is one pipelined tile): the shortest span from a label to a backward branch to it (loop:
+    see _pick_loop)."""
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\$L__BB\d+_\d+):", line))}
-    best = None
+    spans = []
     for i, line in enumerate(lines):
         m = re.search(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);", line)
         if m and labels.get(m.group(1), i) < i:
             lo = labels[m.group(1)]
-            if any("ex2.approx" in x for x in lines[lo:i]) and (best is None or i - lo < best[1] - best[0]):
-                best = (lo, i)
-    return best or (0, len(lines) - 1)
+            if any("ex2.approx" in x for x in lines[lo:i]):
+                spans.append((lo, i))
+    return _pick_loop(spans, loop) or (0, len(lines) - 1)
 
 
 def count_ptx(lines: list[str]) -> Counter:
@@ -164,8 +182,12 @@ def count_ptx(lines: list[str]) -> Counter:
                 c["cvt64"] += 1
             if "e4m3x2" in types:
                 c["e4m3"] += 1
+            if types[1:] == ["bf16", "f16"]:  # an fp16 value rounded to bf16 (one per value)
+                c["f16>bf16"] += 1
         if "mma.sync" in line:
             c["mma"] += 1
+        elif "wgmma.mma_async" in line:  # sm_90's warpgroup MMA: its B operand is read from shared memory
+            c["wgmma"] += 1
     return c
 
 
@@ -176,8 +198,9 @@ def _tool(name: str) -> str:
     return str(Path(triton.backends.nvidia.__file__).parent / "bin" / name)
 
 
-def sass_stats(cubin: bytes) -> dict[str, object]:
-    """Registers and the main loop's SASS instruction count and memory ops (cuobjdump)."""
+def sass_stats(cubin: bytes, loop: int | None = None) -> dict[str, object]:
+    """Registers and the main loop's SASS instruction count and memory ops (cuobjdump; loop: see
+    _pick_loop)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -193,18 +216,19 @@ def sass_stats(cubin: bytes) -> dict[str, object]:
         if m := re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line):
             instrs.append((int(m.group(1), 16), m.group(2)))
     index = {addr: i for i, (addr, _) in enumerate(instrs)}
-    loop = None  # the shortest backward branch's span that holds the softmax's MUFU.EX2
+    spans = []  # backward branches' spans that hold the softmax's MUFU.EX2
     for i, (addr, text) in enumerate(instrs):
         m = re.search(r"\bBRA\s+(0x[0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr and int(m.group(1), 16) in index:
             lo = index[int(m.group(1), 16)]
-            if any("MUFU.EX2" in t for _, t in instrs[lo:i]) and (loop is None or i - lo < loop[1] - loop[0]):
-                loop = (lo, i)
+            if any("MUFU.EX2" in t for _, t in instrs[lo:i]):
+                spans.append((lo, i))
+    loop = _pick_loop(spans, loop)
     body = [t for _, t in instrs[loop[0]:loop[1] + 1]] if loop else []
     ops: Counter = Counter()
     for t in body:
         op = re.sub(r"^@!?U?P\w+\s+", "", t).split()[0]
-        if op.startswith(("LDGSTS", "LDG", "LDS", "LDSM", "STS")) or op.startswith("F2FP.F16.E4M3"):
+        if op.startswith(("LDGSTS", "LDG", "LDS", "LDSM", "STS", "HGMMA")) or op.startswith("F2FP.F16.E4M3"):
             ops[op] += 1
     return {"regs": regs, "local_bytes": spill, "loop_sass": len(body), "loop_ops": dict(sorted(ops.items()))}
 
@@ -217,18 +241,26 @@ def analyse(
     fp8_bytes: bool = False,
 ) -> dict[str, object]:
     kernel = compile_variant(cache, block_n, warps, stages, direct, fp8_bytes)
-    ptx = kernel.asm["ptx"].splitlines()
-    lo, hi = main_loop(ptx)
     bytes_tag = "_bytes" if fp8_bytes and cache == "fp8" else ""
     name = f"{cache}{bytes_tag}_n{block_n}_w{warps}_s{stages}{'_direct' if direct else ''}"
+    return {
+        "variant": name, "cache": cache, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages,
+        "direct": direct, **kernel_stats(kernel, name, dump),
+    }  # fmt: skip
+
+
+def kernel_stats(kernel, name: str, dump: Path | None, loop: int | None = None) -> dict[str, object]:
+    """PTX counts of the main loop (loop: see _pick_loop) and the whole kernel, shared memory, and
+    the SASS stats of a compiled kernel (its TTGIR and PTX written to dump/name.* when dump is given)."""
+    ptx = kernel.asm["ptx"].splitlines()
+    lo, hi = main_loop(ptx, loop)
     if dump is not None:
         dump.mkdir(parents=True, exist_ok=True)
         for ext in ("ttgir", "ptx"):
             (dump / f"{name}.{ext}").write_text(kernel.asm[ext])
     return {
-        "variant": name, "cache": cache, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages,
-        "direct": direct, "loop": dict(count_ptx(ptx[lo:hi + 1])), "kernel": dict(count_ptx(ptx)),
-        "shared_bytes": kernel.metadata.shared, **sass_stats(kernel.asm["cubin"]),
+        "loop": dict(count_ptx(ptx[lo:hi + 1])), "kernel": dict(count_ptx(ptx)),
+        "shared_bytes": kernel.metadata.shared, **sass_stats(kernel.asm["cubin"], loop),
     }  # fmt: skip
 
 
@@ -253,7 +285,8 @@ def print_row(r: dict) -> None:
     print(head + spill)
     print(f"    cp.async  {_fmt(loop, whole, cp)}")
     print(f"    ld.global {_fmt(loop, whole, ldg)}   ld.shared {_fmt(loop, whole, lds)}")
-    print(f"    {_fmt(loop, whole, ['cvt64', 'e4m3', 'mma'])}   SASS loop {r['loop_ops']}")
+    other = _fmt(loop, whole, ["cvt64", "e4m3", "f16>bf16", "mma", "wgmma"])
+    print(f"    {other}   SASS loop {r['loop_ops']}")
 
 
 def main() -> None:

@@ -14,6 +14,9 @@ import textwrap
 import pytest
 
 pytest.importorskip("triton")
+# Compiling for sm_90 needs Triton's CUDA backend (it brings its own ptxas, no GPU or driver):
+# skip, not fail, where this Triton lacks it.
+pytest.importorskip("triton.backends.nvidia.compiler")
 
 # Run in a child process: the test session runs Triton in interpreter mode (TRITON_INTERPRET=1),
 # where @triton.jit functions cannot be compiled.
@@ -213,6 +216,32 @@ def test_paged_prefill_kernel_with_fp8_cache_compiles_for_sm90() -> None:
          "BLOCK_N": 64, "DOT_PRECISION": "tf32"},
     )  # fmt: skip
     assert "cubin" in asm and "ptx converts e4m3" in asm
+
+
+def test_paged_prefill_fp8_cache_streams_k_and_v_in_16_byte_copies() -> None:
+    """The prefill kernel reads an fp8 cache as fp8 values and still copies K and V in 16-byte
+    cp.async.cg with no byte-wise shared loads, unlike the decode kernel before its int32-word
+    read: its tiles (BLOCK_M >= 64, 4 or 8 warps) run on sm_90's wgmma, so the pipeliner stages the
+    fp8 tiles unswizzled for a 16-byte register load, and the upcast tiles are stored again in
+    wgmma's own shared layout, which the instruction reads. Should a Triton upgrade stage them as
+    an 8-bit dot operand again, this fails, and decode's word read is the remedy.
+    The default config at the Llama-3-8B shape, with the launch's specialisation
+    (benchmarks/prefill_ptx.py counts every tuned tile)."""
+    sig = dict(
+        _paged_signature("*fp8e4nv"), qk_scale="fp32", v_scale="fp32", num_seqs="i32",
+        **{s: "i32" for s in _PAGED_STRIDES},
+    )  # fmt: skip
+    divisible = [n for n in sig if n.endswith("_ptr") or (n.startswith("stride") and n != "stride_bt")]
+    asm = compile_sm90(
+        "paged_prefill", sig,
+        {"GROUP": 4, "GROUP_PAD": 4, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128, "BLOCK_SIZE": 16, "BLOCK_M": 64,
+         "BLOCK_N": 64, "DOT_PRECISION": "tf32"},
+        divisible=divisible, options={"num_warps": 4, "num_stages": 2},
+    )  # fmt: skip
+    lines = asm.splitlines()
+    assert "ptx converts e4m3" in asm
+    assert lines[-2] == "cp.async cg16", lines[-2]
+    assert lines[-1] == "byte shared loads 0", lines[-1]
 
 
 @pytest.mark.parametrize("cache,fp8", [("*fp8e4nv", True), ("*bf16", False)])
