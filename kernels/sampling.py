@@ -90,6 +90,16 @@ def _race_slice(
 
 
 @triton.jit
+def _chunk_logits(row_ptr, cols0, vocab, GROUP: tl.constexpr):
+    """A chunk's four GROUP-column quarters of one row, in fp32 (-inf past the vocabulary)."""
+    l0 = tl.load(row_ptr + cols0, mask=cols0 < vocab, other=float("-inf")).to(tl.float32)
+    l1 = tl.load(row_ptr + cols0 + GROUP, mask=cols0 + GROUP < vocab, other=float("-inf")).to(tl.float32)
+    l2 = tl.load(row_ptr + cols0 + 2 * GROUP, mask=cols0 + 2 * GROUP < vocab, other=float("-inf")).to(tl.float32)
+    l3 = tl.load(row_ptr + cols0 + 3 * GROUP, mask=cols0 + 3 * GROUP < vocab, other=float("-inf")).to(tl.float32)
+    return l0, l1, l2, l3
+
+
+@triton.jit
 def _race_kernel(
     logits_ptr,  # logits: [rows, vocab] fp32 / fp16 / bf16, unit column stride
     temperature_ptr,  # [rows] fp32
@@ -144,19 +154,17 @@ def _race_kernel(
             chunk_max = tl.max(tl.load(block_max_ptr + row * num_blocks + blocks, mask=blocks < num_blocks,
                                        other=float("-inf")), 0)  # fmt: skip
         else:
-            chunk_max = tl.max(tl.load(row_ptr + base + tl.arange(0, 4 * GROUP), mask=base + tl.arange(0, 4 * GROUP) < vocab,
-                                       other=float("-inf")).to(tl.float32), 0)  # fmt: skip
+            l0, l1, l2, l3 = _chunk_logits(row_ptr, base + j, vocab, GROUP)
+            chunk_max = tl.max(tl.maximum(tl.maximum(l0, l1), tl.maximum(l2, l3)), 0)
         # x is monotone in the logit, so a chunk whose largest x is below the cutoff keeps
         # nothing and holds no tie: skip it (almost every chunk under top-k).
         if (tl.math.div_rn(chunk_max, temperature) >= cut_value) & (base < vocab):
+            if BLOCK_MAX:
+                l0, l1, l2, l3 = _chunk_logits(row_ptr, base + j, vocab, GROUP)
             cols0 = base + j
             cols1 = cols0 + GROUP
             cols2 = cols1 + GROUP
             cols3 = cols2 + GROUP
-            l0 = tl.load(row_ptr + cols0, mask=cols0 < vocab, other=float("-inf")).to(tl.float32)
-            l1 = tl.load(row_ptr + cols1, mask=cols1 < vocab, other=float("-inf")).to(tl.float32)
-            l2 = tl.load(row_ptr + cols2, mask=cols2 < vocab, other=float("-inf")).to(tl.float32)
-            l3 = tl.load(row_ptr + cols3, mask=cols3 < vocab, other=float("-inf")).to(tl.float32)
             # Philox4x32-10, counter (chunk * GROUP + j, offset, 0, 0): reference.keyed_exponential.
             c0, c1, c2, c3 = philox4x32_10(
                 (chunk * GROUP + j).to(tl.uint32), tl.zeros([GROUP], dtype=tl.uint32) + offset, k0_start, k1_start,
@@ -450,6 +458,28 @@ def _collect_kernel(
         tl.store(ids_ptr + row * capacity + slot, cols, mask=keep)
 
 
+@triton.jit
+def _write_keyed(row_ptr, vocab, kth, filled, values_ptr, ids_ptr, width, ABOVE: tl.constexpr,
+                 LOW_BIT: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Append the row's columns whose key is above ``kth`` (ABOVE) or equal to it, in column
+    order, after the ``filled`` already written, up to ``width`` in all; returns how many
+    there were with ``filled`` (written or not)."""
+    for start in range(0, vocab, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        valid = cols < vocab
+        x = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+        key = _order_key(x, LOW_BIT)
+        if ABOVE:
+            hit = (key > kth) & valid
+        else:
+            hit = (key == kth) & valid
+        slot = filled + tl.cumsum(hit.to(tl.int32), 0) - 1
+        tl.store(values_ptr + slot, x, mask=hit & (slot < width))
+        tl.store(ids_ptr + slot, cols, mask=hit & (slot < width))
+        filled += tl.sum(hit.to(tl.int32), 0)
+    return filled
+
+
 @triton.jit(do_not_specialize=["width"])  # one compiled kernel for every top_k
 def _select_kernel(
     logits_ptr,  # [rows, vocab], unit column stride
@@ -480,26 +510,10 @@ def _select_kernel(
             if n >= width:
                 kth = candidate
         # Every column above it (fewer than width), then the lowest columns equal to it.
-        above = tl.zeros([], dtype=tl.int32)
-        for start in range(0, vocab, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            valid = cols < vocab
-            x = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32)
-            hit = (_order_key(x, LOW_BIT) > kth) & valid
-            slot = above + tl.cumsum(hit.to(tl.int32), 0) - 1
-            tl.store(values_ptr + row * width + slot, x, mask=hit & (slot < width))  # always: fewer than width
-            tl.store(ids_ptr + row * width + slot, cols, mask=hit & (slot < width))
-            above += tl.sum(hit.to(tl.int32), 0)
-        filled = above
-        for start in range(0, vocab, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            valid = cols < vocab
-            x = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32)
-            hit = (_order_key(x, LOW_BIT) == kth) & valid
-            slot = filled + tl.cumsum(hit.to(tl.int32), 0) - 1
-            tl.store(values_ptr + row * width + slot, x, mask=hit & (slot < width))
-            tl.store(ids_ptr + row * width + slot, cols, mask=hit & (slot < width))
-            filled += tl.sum(hit.to(tl.int32), 0)
+        out_values, out_ids = values_ptr + row * width, ids_ptr + row * width
+        above = _write_keyed(row_ptr, vocab, kth, tl.zeros([], dtype=tl.int32), out_values, out_ids, width, True,
+                             LOW_BIT, BLOCK)  # fmt: skip
+        _write_keyed(row_ptr, vocab, kth, above, out_values, out_ids, width, False, LOW_BIT, BLOCK)
 
 
 def top_candidates_apply(vocab: int, width: int, capacity: int) -> bool:

@@ -35,7 +35,9 @@ CHILD = textwrap.dedent(
           "rotary_kv": rotary_kv._rotary_kv_kernel,
           "paged_decode": paged_decode_attention._paged_decode_kernel,
           "paged_prefill": paged_prefill_attention._paged_prefill_kernel, "race": sampling._race_kernel,
-          "count_ties": sampling._count_ties_kernel, "logprob_stats": sampling._logprob_stats_kernel}[kernel]
+          "count_ties": sampling._count_ties_kernel, "logprob_stats": sampling._logprob_stats_kernel,
+          "block_max": sampling._block_max_kernel, "threshold": sampling._threshold_kernel,
+          "collect": sampling._collect_kernel, "select": sampling._select_kernel}[kernel]
     sig = dict(signature, **{name: "constexpr" for name in constexprs})
     # the launcher's tt.divisibility=16 on the named arguments (16-byte aligned pointers, strides)
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
@@ -136,21 +138,45 @@ def test_w4a16_gemv_kernel_compiles_for_sm90(
 
 # The sampling kernels (kernels/sampling.py), with bf16 and fp32 logits.
 @pytest.mark.parametrize("logits", ["*bf16", "*fp32"])
-@pytest.mark.parametrize("ties", [False, True])
-def test_race_kernel_compiles_for_sm90(logits: str, ties: bool) -> None:
+@pytest.mark.parametrize("ties,block_max", [(False, False), (True, False), (False, True), (True, True)])
+def test_race_kernel_compiles_for_sm90(logits: str, ties: bool, block_max: bool) -> None:
     from pagecast.kernels.reference import PHILOX_GROUP
+    from pagecast.kernels.sampling import CHUNK, TOPK_BLOCK
 
     asm = compile_sm90(
         "race",
         {
             "logits_ptr": logits, "temperature_ptr": "*fp32", "cut_value_ptr": "*fp32", "cut_token_ptr": "*i64",
             "tie_drop_ptr": "*i64", "tie_prefix_ptr": "*i32", "row_max_ptr": "*fp32", "min_p_ptr": "*fp32",
-            "keys_ptr": "*i64", "offsets_ptr": "*i64", "score_ptr": "*fp32", "token_ptr": "*i32",
-            "stride_row": "i32", "vocab": "i32", "splits": "i32",
+            "keys_ptr": "*i64", "offsets_ptr": "*i64", "block_max_ptr": "*fp32", "score_ptr": "*fp32",
+            "token_ptr": "*i32", "stride_row": "i32", "vocab": "i32", "splits": "i32", "num_blocks": "i32",
         },
-        {"GROUP": PHILOX_GROUP, "CHUNKS": 8, "TIES": ties, "PRECISE": True},
+        {"GROUP": PHILOX_GROUP, "CHUNKS": 8, "TIES": ties, "PRECISE": True, "BLOCK_MAX": block_max,
+         "MAX_PER_CHUNK": CHUNK // TOPK_BLOCK},
     )  # fmt: skip
     assert "cubin" in asm
+
+
+# top_candidates' kernels (the block maxima, the threshold, the collecting pass, the exact search)
+@pytest.mark.parametrize("logits,low_bit", [("*bf16", 16), ("*fp32", 0)])
+def test_top_candidate_kernels_compile_for_sm90(logits: str, low_bit: int) -> None:
+    from pagecast.kernels import sampling
+
+    rows = {"stride_row": "i32", "vocab": "i32"}
+    kernels = [
+        ("block_max", {"logits_ptr": logits, "out_ptr": "*fp32", **rows, "num_blocks": "i32"},
+         {"BLOCK": sampling.TOPK_BLOCK, "BLOCKS": sampling.TOPK_BLOCKS}),
+        ("threshold", {"block_max_ptr": "*fp32", "threshold_ptr": "*fp32", "num_blocks": "i32", "width": "i32"},
+         {"NUM_BLOCKS_PAD": 1024, "LOW_BIT": low_bit}),
+        ("collect", {"logits_ptr": logits, "block_max_ptr": "*fp32", "threshold_ptr": "*fp32", "count_ptr": "*i32",
+                     "values_ptr": "*fp32", "ids_ptr": "*i32", **rows, "num_blocks": "i32", "capacity": "i32"},
+         {"BLOCK": sampling.TOPK_BLOCK, "BLOCKS": sampling.COLLECT_BLOCKS}),
+        ("select", {"logits_ptr": logits, "count_ptr": "*i32", "values_ptr": "*fp32", "ids_ptr": "*i32", **rows,
+                    "capacity": "i32", "width": "i32"},
+         {"LOW_BIT": low_bit, "BLOCK": 1024}),
+    ]  # fmt: skip
+    for kernel, signature, constexprs in kernels:
+        assert "cubin" in compile_sm90(kernel, signature, constexprs), kernel
 
 
 # FP8 (e4m3) KV cache variants: the rotary kernel writes float8e4nv, the attention kernels read
