@@ -24,15 +24,6 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 STORED_DTYPES = {**TORCH_DTYPES, "int32": torch.int32, "int8": torch.int8}  # int4 parts (builder/quant.py)
 
 
-def _materialise(state: BuildState, t: TensorPlan, dtype: torch.dtype) -> torch.Tensor:
-    cuts = t.source_cuts or (None,) * len(t.sources)
-    parts = [shard.cut_source(state.checkpoint.tensor(src), cut) for src, cut in zip(t.sources, cuts)]
-    tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-    if not torch.isfinite(tensor).all():
-        raise BuildError(f"checkpoint tensor(s) {', '.join(t.sources)} contain NaN or inf; the checkpoint is corrupt")
-    return tensor.to(dtype)
-
-
 def _random(t: TensorPlan, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
     if t.name.endswith("norm.weight"):
         return torch.ones(t.shape, dtype=dtype)
@@ -79,7 +70,7 @@ def write_weights(state: BuildState, out_dir: Path) -> None:
                 elif gen is not None:
                     writer.write(t.name, _random(t, dtype, gen))
                 else:
-                    writer.write(t.name, _materialise(state, t, dtype))
+                    writer.write(t.name, shard.rank_tensor(state.checkpoint.tensor, t, dtype))
     state.checkpoint.close()
 
 

@@ -823,17 +823,8 @@ class Materialiser:
         from pagecast.builder import shard
 
         order = self._mlp_order(t.sources[0].removesuffix(".bias"))
-        cuts = t.source_cuts or (None,) * len(t.sources)
-        parts = []
-        for source, cut in zip(t.sources, cuts, strict=True):
-            bias = self.read(source)
-            parts.append(shard.cut_source(bias if order is None else bias[order], cut))
-        tensor = torch.cat(parts)
-        if not torch.isfinite(tensor).all():
-            raise BuildError(
-                f"checkpoint tensor(s) {', '.join(t.sources)} contain NaN or inf; the checkpoint is corrupt"
-            )
-        return tensor.to(getattr(torch, self.dtype))
+        prepare = None if order is None else (lambda bias: bias[order])
+        return shard.rank_tensor(self.read, t, getattr(torch, self.dtype), prepare)
 
 
 def weight_bytes(tensors: list[Any], dtype_bytes: int) -> int:

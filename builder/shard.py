@@ -146,6 +146,19 @@ def cut_source(tensor: torch.Tensor, cut: Cut) -> torch.Tensor:
     return part.contiguous()
 
 
+def rank_tensor(read: Any, t: TensorPlan, dtype: torch.dtype, prepare: Any = None) -> torch.Tensor:
+    """A planned tensor's values on its rank: each checkpoint source (``read`` by name, passed
+    through ``prepare`` if given) cut as planned, the pieces concatenated along dim 0, checked
+    finite and cast to ``dtype``."""
+    cuts = t.source_cuts or (None,) * len(t.sources)
+    sources = (read(src) for src in t.sources)
+    parts = [cut_source(x if prepare is None else prepare(x), cut) for x, cut in zip(sources, cuts, strict=True)]
+    tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    if not torch.isfinite(tensor).all():
+        raise BuildError(f"checkpoint tensor(s) {', '.join(t.sources)} contain NaN or inf; the checkpoint is corrupt")
+    return tensor.to(dtype)
+
+
 def rank_tensors(tensors: tuple[TensorPlan, ...] | list[TensorPlan], rank: int) -> list[TensorPlan]:
     return [t for t in tensors if t.rank == rank]
 
