@@ -277,10 +277,10 @@ def is_gemv(config: KernelConfig | None) -> bool:
 
 
 def default_config(m: int, n: int, k: int, num_sms: int = 132) -> KernelConfig:
-    """Untuned choice: 512 columns by 16 inputs a step on two warps, and enough splits of K for
+    """Untuned choice: 512 columns by up to 64 inputs a step on two warps, and enough splits of K for
     about two programs a multiprocessor (counted per row, as w4a16_gemm.gemv_configs counts:
     the launcher turns a row block's saved programs into splits)."""
-    bn, bk = 512, 16
+    bn, bk = 512, 64  # BLOCK_K caps the step now (launch_shape): 64, the widest
     tiles = triton.cdiv(n, bn) * m
     split = 1
     while tiles * split < 2 * num_sms and split * 2 <= k // OUTER_K:
