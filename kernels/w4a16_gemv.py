@@ -105,21 +105,12 @@ def _nibbles_as_floats(packed, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _dot8(x_row, perm_ptr, rows, r_ok, packed, t, xs, xl, HAS_PERM: tl.constexpr, USE_ASM: tl.constexpr):
-    """t += sum over a packed word's 8 inputs of x' * v (x' = 16 x for the low nibbles);
-    xs += the sum of those x, xl += the sum of the low nibbles' x."""
-    v = _nibbles_as_floats(packed, USE_ASM)
-    for i in tl.static_range(8):
-        ks = rows * 8 + i  # [ROWS] input index of nibble i
-        if HAS_PERM:
-            ks = tl.load(perm_ptr + ks, mask=r_ok, other=0)
-        xi = tl.load(x_row + ks, mask=r_ok, other=0.0).to(tl.float32)  # [ROWS]
-        xs += xi
-        if (LOW_NIBBLES >> i) & 1:
-            xl += xi
-            xi = xi * 16.0
-        t += xi[:, None] * v[i]
-    return t, xs, xl
+def _load_x(x_ptr, offs_m, m_ok, stride_xm, perm_ptr, k, k_ok, HAS_PERM: tl.constexpr):
+    """Activation k (a scalar input index) of the program's rows [BLOCK_M], in fp32 (with a
+    perm, its entry is loaded once for every row)."""
+    if HAS_PERM:
+        k = tl.load(perm_ptr + k, mask=k_ok, other=0)
+    return tl.load(x_ptr + offs_m * stride_xm + k, mask=m_ok & k_ok, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -132,7 +123,7 @@ def _w4a16_gemv_kernel(
     b_ptr,  # [N] or unused
     y_ptr,  # [M, N]
     part_ptr,  # fp32 [SPLIT_K, M, N] partial sums (SPLIT_K > 1) or unused
-    lock_ptr,  # int32 [M * column tiles] tickets, zero between launches (SPLIT_K > 1)
+    lock_ptr,  # int32 [row blocks * column tiles] tickets, zero between launches (SPLIT_K > 1)
     M,
     N,
     K,
@@ -141,96 +132,141 @@ def _w4a16_gemv_kernel(
     GROUP_SIZE: tl.constexpr,
     HAS_PERM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows a program computes: each weight is unpacked once for all
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    INNER: tl.constexpr,  # BLOCK_K steps per scale/zero application (all inside one group when > 1)
+    BLOCK_K: tl.constexpr,  # inputs a K step reads; divides GROUP_SIZE (the launcher sees to it)
     SPLIT_K: tl.constexpr,
-    K_ITERS: tl.constexpr,  # INNER * BLOCK_K blocks per split
+    K_ITERS: tl.constexpr,  # BLOCK_K steps per split
+    DEQUANT_FIRST: tl.constexpr,  # dequantize each weight once (worth it from DEQUANT_ROWS rows)
     USE_ASM: tl.constexpr,
 ):
-    # Rows vary fastest: the programs of one weight tile for every row run back to back, so
-    # rows after the first read the tile from L2.
+    # Row blocks vary fastest: the programs of one weight tile run back to back, so row blocks
+    # after the first (more than BLOCK_M rows) read the tile from L2.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    ROWS: tl.constexpr = BLOCK_K // 8  # packed rows a step reads
+    P: tl.constexpr = BLOCK_K // 8  # packed rows a step reads
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_r = tl.arange(0, ROWS)
+    m_ok = offs_m < M
     n_ok = offs_n < N
     k_rows = K // 8
-    x_row = x_ptr + pid_m * stride_xm
-    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    k_begin = pid_k * (K_ITERS * INNER * BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_begin = pid_k * (K_ITERS * BLOCK_K)
+    # [1, BLOCK_N]: a 2-D load's layout (4 adjacent columns a thread, the warps along N) is the
+    # one every [BLOCK_M, BLOCK_N] tensor below takes, rows held within each thread; a 1-D
+    # load broadcast over the rows made Triton move every weight through shared memory.
+    # A packed row's offset is added as a scalar.
+    qw_cols = qw_ptr + offs_n[None, :]
+    ld_ok = n_ok[None, :]
     for it in range(K_ITERS):
-        k0 = k_begin + it * (INNER * BLOCK_K)
-        t = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-        xs = tl.zeros((ROWS,), dtype=tl.float32)
-        xl = tl.zeros((ROWS,), dtype=tl.float32)
-        for j in tl.static_range(INNER):
-            rows = (k0 + j * BLOCK_K) // 8 + offs_r  # [ROWS]
-            r_ok = rows < k_rows
-            packed = tl.load(
-                qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :],
-                mask=r_ok[:, None] & n_ok[None, :],
-                other=0,
-            )  # [ROWS, BLOCK_N] int32
-            t, xs, xl = _dot8(x_row, perm_ptr, rows, r_ok, packed, t, xs, xl, HAS_PERM, USE_ASM)
-        # t = sum x' + sum x * q / 128 and sum x' = xs + 15 xl, so
-        # sum x * (q - z) = 128 * (t - 15 xl - xs * (1 + z / 128)); times the scale
-        if GROUP_SIZE % BLOCK_K == 0:  # the block lies in one group: one row of scales and zeros
-            g = k0 // GROUP_SIZE
-            gn_ok = n_ok & (k0 < K)
-            s = tl.load(s_ptr + g * N + offs_n, mask=gn_ok, other=0.0).to(tl.float32)[None, :]
-            z = tl.load(z_ptr + g * N + offs_n, mask=gn_ok, other=0).to(tl.float32)[None, :]
-        else:  # a packed row's 8 inputs share a group (G % 8 == 0); rows may not (INNER == 1)
-            rows = k0 // 8 + offs_r
-            r_ok = rows < k_rows
-            g_rows = (rows * 8) // GROUP_SIZE
-            gn_ok = r_ok[:, None] & n_ok[None, :]
-            s = tl.load(s_ptr + g_rows[:, None] * N + offs_n[None, :], mask=gn_ok, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g_rows[:, None] * N + offs_n[None, :], mask=gn_ok, other=0).to(tl.float32)
-        acc += (s * 128.0) * ((t - (xl * 15.0)[:, None]) - xs[:, None] * (z * (1.0 / 128.0) + 1.0))
-    out = tl.sum(acc, axis=0)  # [BLOCK_N]
-    y_ptrs = y_ptr + pid_m * stride_ym + offs_n
+        k0 = k_begin + it * BLOCK_K
+        # t = sum over the step of x' * v, x' = 16 x for the low nibbles: [BLOCK_M, BLOCK_N].
+        # Packed row by packed row (a [BLOCK_N] load each, all issued before the arithmetic:
+        # nothing depends on them), each nibble is unpacked once and multiplied into every
+        # row: an outer product, one FFMA per weight and row, no reduction (a [rows, P, N]
+        # product summed over P made Triton convert layouts through shared memory).
+        g = k0 // GROUP_SIZE  # the step lies in one group: one row of scales and zeros
+        gn_ok = ld_ok & (k0 < K)
+        s = tl.load(s_ptr + g * N + offs_n[None, :], mask=gn_ok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g * N + offs_n[None, :], mask=gn_ok, other=0).to(tl.float32)
+        if DEQUANT_FIRST:
+            # Rows enough to share it: each weight becomes (q - z) * s once, one FFMA from its
+            # float v: v * (2048 s) - (2048 + z) s for a low nibble (v = 1 + q / 2048), the same
+            # with 128 for a high one. Exact for 16-bit scales: (2048 + z) s has at most
+            # 12 + 11 bits and (q - z) s is representable, so the one rounding returns it (for
+            # fp32 scales, v * 2048 - (2048 + z) is exact and one FMUL by s rounds once, as the
+            # reference does). Then one FFMA per weight and row into acc: no per-row sums.
+            if s_ptr.dtype.element_ty == tl.float32:
+                c_lo, d_lo, c_hi, d_hi = 2048.0, -(z + 2048.0), 128.0, -(z + 128.0)
+            else:
+                c_lo, d_lo, c_hi, d_hi = s * 2048.0, -(z + 2048.0) * s, s * 128.0, -(z + 128.0) * s
+            for p in tl.static_range(P):
+                row = k0 // 8 + p
+                r_ok = row < k_rows
+                packed = tl.load(qw_cols + row * N, mask=ld_ok & r_ok, other=0)  # [1, BLOCK_N] int32
+                v = _nibbles_as_floats(packed, USE_ASM)
+                for i in tl.static_range(8):
+                    xi = _load_x(x_ptr, offs_m, m_ok, stride_xm, perm_ptr, row * 8 + i, r_ok, HAS_PERM)
+                    if (LOW_NIBBLES >> i) & 1:
+                        w = v[i] * c_lo + d_lo
+                    else:
+                        w = v[i] * c_hi + d_hi
+                    if s_ptr.dtype.element_ty == tl.float32:
+                        w = w * s
+                    acc += xi[:, None] * w
+        else:
+            # One row or two: the per-group algebra below, no per-weight dequantization.
+            t = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            xs = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            xl = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for p in tl.static_range(P):
+                row = k0 // 8 + p
+                r_ok = row < k_rows
+                packed = tl.load(qw_cols + row * N, mask=ld_ok & r_ok, other=0)  # [1, BLOCK_N] int32
+                v = _nibbles_as_floats(packed, USE_ASM)
+                for i in tl.static_range(8):
+                    xi = _load_x(x_ptr, offs_m, m_ok, stride_xm, perm_ptr, row * 8 + i, r_ok, HAS_PERM)
+                    xs += xi
+                    if (LOW_NIBBLES >> i) & 1:
+                        xl += xi
+                        xi = xi * 16.0
+                    t += xi[:, None] * v[i]
+            # t = sum x' + sum x * q / 128 and sum x' = xs + 15 xl, so
+            # sum x * (q - z) = 128 * (t - 15 xl - xs * (1 + z / 128)); times the scale.
+            acc += (s * 128.0) * ((t - (xl * 15.0)[:, None]) - xs[:, None] * (z * (1.0 / 128.0) + 1.0))
+    out = acc  # [BLOCK_M, BLOCK_N]
+    mn_ok = m_ok[:, None] & n_ok[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
-            out += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=n_ok)
+            out += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mn_ok)
     else:
-        part = part_ptr + pid_m * N + offs_n
+        part = part_ptr + offs_m[:, None] * N + offs_n[None, :]
         split_stride = M * N
-        tl.store(part + pid_k * split_stride, out, mask=n_ok)
+        tl.store(part + pid_k * split_stride, out, mask=mn_ok)
         tl.debug_barrier()  # every thread's partial is written before the ticket is taken
         lock = lock_ptr + pid_m * tl.num_programs(1) + pid_n
         ticket = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
         if ticket == SPLIT_K - 1:  # the last program of this tile: add the partials in split order
-            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for sk in range(SPLIT_K):
-                total += tl.load(part + sk * split_stride, mask=n_ok, other=0.0, cache_modifier=".cg")
+                total += tl.load(part + sk * split_stride, mask=mn_ok, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
-                total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=n_ok)
+                total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mn_ok)
             tl.atomic_xchg(lock, 0)  # ready for the next launch
 
 
 # (BLOCK_N, BLOCK_K, num_warps). Triton gives each thread 4 adjacent columns per 128 a warp
 # covers, so BLOCK_N / (32 * num_warps) = 8 columns a thread in each tile here, over which one
-# activation load, conversion and sum are shared (4 would double that overhead). An outer step
-# loads at most OUTER_K inputs (all its loads are issued before the arithmetic: 64 words a
-# thread in flight); more spills registers (sm_90 SASS, counted: 16 or 32 inputs a step, 3.6
-# to 3.7 instructions a weight, against ~11 and a shared-memory round trip for the tl.dot
-# kernel at 16 rows). w4a16_gemm.gemv_configs adds the splits of K for the shape.
+# activation load, conversion and sum are shared (4 would double that overhead). BLOCK_K caps
+# the inputs a K step reads (launch_shape). w4a16_gemm.gemv_configs adds the splits of K.
 TILES = (
-    (512, 16, 2),
-    (1024, 16, 4),
+    (512, 64, 2),
+    (1024, 64, 4),
     (512, 32, 2),
 )
-OUTER_K = 64
+# A K step loads at most STEP_K[rows a program] inputs, prefetched one step ahead: 2 x 8 words
+# a thread per 8 inputs, plus [rows, 8] fp32 sums a thread; more spills registers (counted by
+# benchmarks/w4a16_ptx.py).
+STEP_K = {1: 64, 2: 64, 4: 32, 8: 32}
+OUTER_K = 64  # the widest step (w4a16_gemm.gemv_configs: splits hold whole steps)
+MAX_BLOCK_M = 8
+# From this many rows a program, each weight is dequantized once (one FFMA, exact) and every row
+# takes one FFMA: below, the per-group algebra (no dequantization, but three per-row sums of
+# the activations a thread, shared over only its 8 columns) spends fewer (w4a16_ptx.py).
+DEQUANT_ROWS = 4
 
 
-def make_config(block_n: int, block_k: int, split_k: int, num_warps: int = 4) -> KernelConfig:
+def make_config(
+    block_n: int, block_k: int, split_k: int, num_warps: int = 4, block_m: int = MAX_BLOCK_M
+) -> KernelConfig:
+    """``block_m``: the most rows a program computes (the launcher uses the next power of two
+    of the batch's rows, up to this); 1 gives one program a row (the original kernel)."""
     return KernelConfig(
-        {"gemv": 1, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k},
+        {"gemv": 1, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "BLOCK_M": block_m},
         num_warps=num_warps,
         num_stages=1,
     )
@@ -241,14 +277,36 @@ def is_gemv(config: KernelConfig | None) -> bool:
 
 
 def default_config(m: int, n: int, k: int, num_sms: int = 132) -> KernelConfig:
-    """Untuned choice: 512 columns by 16 inputs a step on two warps, and enough splits of K for
-    about two programs a multiprocessor."""
-    bn, bk = 512, 16
+    """Untuned choice: 512 columns by up to 64 inputs a step on two warps, and enough splits of K for
+    about two programs a multiprocessor (counted per row, as w4a16_gemm.gemv_configs counts:
+    the launcher turns a row block's saved programs into splits)."""
+    bn, bk = 512, 64  # BLOCK_K caps the step now (launch_shape): 64, the widest
     tiles = triton.cdiv(n, bn) * m
     split = 1
     while tiles * split < 2 * num_sms and split * 2 <= k // OUTER_K:
         split *= 2
     return make_config(bn, bk, split, 2)
+
+
+def launch_shape(m: int, k: int, group_size: int, config: KernelConfig) -> tuple[int, int, int, int]:
+    """(rows a program, inputs a step, splits, steps a split) of a launch.
+
+    The split in a config counts programs as one a row (w4a16_gemm.gemv_configs sizes it so:
+    rows x column tiles x splits fill the GPU); a program of BLOCK_M rows replaces BLOCK_M of
+    them, so the split is multiplied by the rows a row block holds, keeping the program count.
+    The step is the widest power of two that divides the group and is at most BLOCK_K and
+    STEP_K[rows]: it lies in one group (one row of scales and zeros) and divides K."""
+    bm = min(triton.next_power_of_2(m), config.params.get("BLOCK_M", 1), MAX_BLOCK_M)
+    cap = min(config["BLOCK_K"], STEP_K[bm])
+    step = 8
+    while group_size % (step * 2) == 0 and step * 2 <= cap:
+        step *= 2
+    blocks = triton.cdiv(m, bm)
+    split = config["SPLIT_K"] * m // blocks
+    split = max(1, min(split, k // step))
+    k_per_split = triton.cdiv(triton.cdiv(k, split), step) * step
+    split = triton.cdiv(k, k_per_split)  # no empty split
+    return bm, step, split, k_per_split // step
 
 
 _LOCKS: dict[torch.device, torch.Tensor] = {}
@@ -290,27 +348,21 @@ def w4a16_gemv(
     n = qweight.shape[1]
     if group_size % 8:
         raise ValueError(f"the W4A16 GEMV needs a group size divisible by 8, got {group_size}")
-    bn, bk, split = config["BLOCK_N"], config["BLOCK_K"], config["SPLIT_K"]
-    # Several BLOCK_K steps (up to OUTER_K inputs, inside one group) per application of the
-    # scales and zeros, when BLOCK_K divides the group.
-    inner = 1
-    while group_size % (inner * 2 * bk) == 0 and inner * 2 * bk <= OUTER_K:
-        inner *= 2
-    step = inner * bk
-    k_per_split = triton.cdiv(triton.cdiv(k, split), step) * step
-    split = triton.cdiv(k, k_per_split)  # no empty split
+    bm, step, split, k_iters = launch_shape(m, k, group_size, config)
+    bn = config["BLOCK_N"]
     tiles_n = triton.cdiv(n, bn)
+    blocks_m = triton.cdiv(m, bm)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if split > 1:
         partials = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        locks = _locks(x.device, tiles_n * m)
+        locks = _locks(x.device, tiles_n * blocks_m)
     else:
         partials = locks = y
-    _w4a16_gemv_kernel[(m, tiles_n, split)](
+    _w4a16_gemv_kernel[(blocks_m, tiles_n, split)](
         x, qweight, scales, zeros, perm if perm is not None else qweight, bias if bias is not None else scales,
         y, partials, locks, m, n, k, x.stride(0), y.stride(0),
         GROUP_SIZE=group_size, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
-        BLOCK_N=bn, BLOCK_K=bk, INNER=inner, SPLIT_K=split, K_ITERS=k_per_split // step,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=step, SPLIT_K=split, K_ITERS=k_iters, DEQUANT_FIRST=bm >= DEQUANT_ROWS,
         USE_ASM=x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip

@@ -112,15 +112,15 @@ def test_dequantize_kernel_compiles_for_sm90() -> None:
 
 
 @pytest.mark.parametrize(
-    "split_k,has_perm,group_size,block_k,inner",
-    [(1, False, 128, 32, 4), (32, True, 128, 32, 4), (4, False, 32, 64, 1), (2, True, 576, 128, 1)],
+    "split_k,has_perm,group_size,block_k,block_m",
+    [(1, False, 128, 64, 1), (32, True, 128, 64, 2), (4, False, 32, 32, 4), (2, True, 576, 64, 8)],
 )
 def test_w4a16_gemv_kernel_compiles_for_sm90(
-    split_k: int, has_perm: bool, group_size: int, block_k: int, inner: int
+    split_k: int, has_perm: bool, group_size: int, block_k: int, block_m: int
 ) -> None:
     """The decode GEMV with its inline-PTX unpacking (the interpreter runs the plain expression
-    instead), the ticket-counter split-K epilogue and both scale paths (a group per outer step,
-    scales per packed row)."""
+    instead), the ticket-counter split-K epilogue, one and several rows a program, and both
+    per-step paths (the per-group algebra, and dequantizing first from 4 rows)."""
     asm = compile_sm90(
         "w4a16_gemv",
         {
@@ -130,7 +130,8 @@ def test_w4a16_gemv_kernel_compiles_for_sm90(
         },
         {
             "GROUP_SIZE": group_size, "HAS_PERM": has_perm, "HAS_BIAS": True, "BLOCK_N": 512,
-            "BLOCK_K": block_k, "INNER": inner, "SPLIT_K": split_k, "K_ITERS": 2, "USE_ASM": True,
+            "BLOCK_K": block_k, "BLOCK_M": block_m, "SPLIT_K": split_k, "K_ITERS": 2,
+            "DEQUANT_FIRST": block_m >= 4, "USE_ASM": True,
         },
     )  # fmt: skip
     assert "cubin" in asm

@@ -85,6 +85,43 @@ def test_w4a16_gemv_matches_reference(m, n, k, g, perm, bias, tile, dtype, atol,
     torch.testing.assert_close(y.float(), ref, atol=atol * ref.abs().max().item(), rtol=rtol)
 
 
+# Several rows a program (kernels/w4a16_gemv.py: BLOCK_M): each weight unpacked once for every
+# row; from 4 rows dequantized first. (M, N, K, G, perm, bias, (BLOCK_N, BLOCK_K, SPLIT_K, BLOCK_M)).
+GEMV_ROW_BLOCK_CASES = [
+    (1, 40, 576, 64, True, True, (32, 64, 2, 8)),  # one row: the per-group algebra
+    (3, 72, 576, 32, True, False, (64, 64, 2, 8)),  # 3 rows in a block of 4 (dequantized first)
+    (8, 40, 576, 576, False, True, (32, 128, 1, 8)),  # per channel, K % 128 != 0, 8 rows, no split
+    (8, 24, 256, 128, True, True, (16, 32, 2, 8)),  # act-order, split 2 x 8 rows
+    (5, 40, 512, 64, False, False, (32, 64, 4, 2)),  # blocks of 2 rows (3 blocks, the last partial)
+]
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", [(torch.float32, 1e-3, 1e-3), (torch.float16, 2e-2, 1e-2)])
+@pytest.mark.parametrize("m,n,k,g,perm,bias,tile", GEMV_ROW_BLOCK_CASES)
+def test_w4a16_gemv_row_blocks_match_reference(m, n, k, g, perm, bias, tile, dtype, atol, rtol):  # type: ignore[no-untyped-def]
+    qweight, scales, zeros, p = _weights(n, k, g, perm, seed=m + n + 7)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    bn, bk, split, bm = tile
+    cfg = w4a16_gemv.make_config(bn, bk, split, num_warps=2, block_m=bm)
+    y = w4a16_gemm.w4a16_gemm(x, qweight, scales, zeros, p, g, b, cfg)
+    ref = reference.w4a16_linear(x.float(), qweight, scales, zeros, p, g, b.float() if bias else None)
+    assert y.dtype == dtype and y.shape == (m, n)
+    torch.testing.assert_close(y.float(), ref, atol=atol * ref.abs().max().item(), rtol=rtol)
+
+
+def test_w4a16_gemv_dequantizes_exactly_with_fp32_scales():
+    """From 4 rows the weight is (q - z) * s per weight: with fp32 scales through an exact
+    v * 2048 - (2048 + z) and one rounding by s, as the reference dequantizes."""
+    qweight, scales, zeros, _ = _weights(24, 256, 64, False, seed=9)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(6))
+    cfg = w4a16_gemv.make_config(16, 64, 1, num_warps=2, block_m=8)
+    y = w4a16_gemm.w4a16_gemm(x, qweight, scales.float(), zeros, None, 64, None, cfg)
+    ref = reference.w4a16_linear(x, qweight, scales.float(), zeros, None, 64)
+    torch.testing.assert_close(y, ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-5)
+
+
 def test_w4a16_gemv_split_k_is_deterministic_and_leaves_counters_at_zero():
     """The last program of a tile adds the partials in split order: a second launch reuses the
     counters (reset by the first) and gives the same bits."""
