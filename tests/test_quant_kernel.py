@@ -261,7 +261,7 @@ def test_kernels_compile_for_sm90():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("m", [1, 7, 16, 64, 300, 2048])
+@pytest.mark.parametrize("m", [1, 2, 4, 7, 16, 64, 300, 2048])
 @pytest.mark.parametrize("n,k,g", [(6144, 4096, 128), (4096, 14336, 128), (1728, 576, 64), (1536, 576, 32)])
 def test_w4a16_gemm_bf16_on_gpu(m, n, k, g):  # type: ignore[no-untyped-def]
     """bf16 at Llama-3-8B and SmolLM2 shapes, every config the tuner may pick (the GEMV's with
