@@ -291,6 +291,23 @@ CONFIG_SPACE: list[KernelConfig] = [
     for s in _SPLITS
     for (n, w, st) in _VARIANTS
 ]
+# An fp8 cache also times (tile, warps, stages, fp8_words) variants of its own. The word read
+# (fp8_words 1, the default) copies V in 16-byte cp.async but sends both unpacked tiles through
+# shared memory once more; the byte read (0) has Triton convert K after its ldmatrix (no second
+# trip) and V through byte-wise shared loads. Which is faster depends on the tile and warps: on
+# the H200 at 256 x 2048 tokens the byte read on two warps was fastest (benchmarks/RESULTS.md).
+_FP8_VARIANTS = [
+    (64, 2, 2, 1),
+    (64, 2, 2, 0),
+    (64, 2, 3, 0),
+    (128, 4, 3, 0),
+    (64, 4, 3, 0),
+]
+FP8_CONFIG_SPACE: list[KernelConfig] = CONFIG_SPACE + [
+    KernelConfig({"BLOCK_N": n, "num_splits": s, "fp8_words": fw}, num_warps=w, num_stages=st)
+    for s in _SPLITS
+    for (n, w, st, fw) in _FP8_VARIANTS
+]
 
 
 def prune_configs(
@@ -362,9 +379,11 @@ def paged_decode_attention(
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     direct = num_splits == 1
     # An fp8 cache is read as int32 words when its rows split into whole words (see the module
-    # docstring); otherwise (an odd head_dim, a strided view) as bytes.
+    # docstring) and the config does not ask for the byte read; otherwise (the config's choice,
+    # an odd head_dim, a strided view) as bytes.
     fp8_words = (
         k_cache.dtype == torch.float8_e4m3fn
+        and bool(cfg.params.get("fp8_words", 1))
         and head_dim == head_dim_pad
         and all(t.data_ptr() % 4 == 0 and all(s % 4 == 0 for s in t.stride()[:3]) for t in (k_cache, v_cache))
     )

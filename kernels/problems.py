@@ -161,9 +161,8 @@ def config_space(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> list
     """The pruned configs to time for a kernel at a bucket, in preference order."""
     if kernel == "paged_decode_attention":
         m = paged_decode_attention
-        return m.prune_configs(
-            m.CONFIG_SPACE, dims["num_seqs"], dims["max_seq_len"], shapes.num_kv_heads, num_sms()
-        )
+        space = m.FP8_CONFIG_SPACE if shapes.kv_torch_dtype == torch.float8_e4m3fn else m.CONFIG_SPACE
+        return m.prune_configs(space, dims["num_seqs"], dims["max_seq_len"], shapes.num_kv_heads, num_sms())
     if kernel == "paged_prefill_attention":
         m2 = paged_prefill_attention
         return m2.prune_configs(m2.CONFIG_SPACE, shapes.num_heads // shapes.num_kv_heads, shapes.head_dim)

@@ -144,6 +144,10 @@ def _assert_matches_reference(out, x, scale, k_scale, v_scale, dtype) -> None:  
         pytest.param(9, 3, 64, 16, [1, 9, 41, 341], {"BLOCK_N": 32, "num_splits": 4}, id="group3-split4"),
         # head_dim 24 pads to 32: the cache is read as fp8 values, not as int32 words
         pytest.param(6, 2, 24, 8, [1, 9, 41], {"BLOCK_N": 16, "num_splits": 2}, id="head-dim-24-byte-path"),
+        # the tuner's byte read at a head_dim the word read could take
+        pytest.param(
+            9, 3, 64, 16, [1, 9, 41, 341], {"BLOCK_N": 32, "num_splits": 4, "fp8_words": 0}, id="config-byte-path"
+        ),
     ],
 )
 def test_decode_attention_fp8_cache(num_heads, num_kv_heads, head_dim, block_size, seq_lens, config, dtype):  # type: ignore[no-untyped-def]
@@ -272,6 +276,10 @@ def test_tuning_problems_use_the_kv_cache_dtype():
     assert problems.problem_size("paged_decode_attention", fp8, dims)[0] == kv + 2 * 64 * 32 * 128 * 2
     assert problems.problem_size("paged_decode_attention", half, dims)[0] == 2 * kv + 2 * 64 * 32 * 128 * 2
     assert problems.kv_bytes(fp8, dims) * 2 == problems.kv_bytes(half, dims)
+    # an fp8 cache's decode tuning times the byte read as well as the word read; a bf16 one neither
+    reads = {c.params.get("fp8_words", 1) for c in problems.config_space("paged_decode_attention", fp8, dims)}
+    assert reads == {0, 1}
+    assert all("fp8_words" not in c.params for c in problems.config_space("paged_decode_attention", half, dims))
     x = problems.decode_inputs(
         tuning.ModelShapes(4, 2, 16, 64, 128, 8, "float32", kv_cache_dtype="float8_e4m3fn"), 2, 40, "cpu"
     )
