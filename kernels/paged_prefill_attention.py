@@ -8,8 +8,9 @@ second the KV heads. A tile packs BLOCK_Q query tokens x the GQA group's query h
 BLOCK_M rows, so each K/V tile is read once per KV head; a decode row (query length 1) is
 just a short tile, which is how mixed batches run in this kernel.
 
-An fp8 (e4m3fn) cache is read as the decode kernel reads it: tiles upcast to q's dtype in
-registers, the K scale folded into the softmax scale, the V scale applied to the output.
+An fp8 (e4m3fn) cache is read as the decode kernel reads it: tiles upcast in registers (to
+fp16 for a bf16 engine, whose dots then run in fp16 with fp32 accumulation, to q's dtype
+otherwise), the K scale folded into the softmax scale, the V scale applied to the output.
 """
 
 from __future__ import annotations
@@ -157,6 +158,10 @@ def _paged_prefill_kernel(
             mask=io_mask,
             other=0.0,
         )
+        if k_cache_ptr.dtype.element_ty == tl.float8e4nv and q_ptr.dtype.element_ty == tl.bfloat16:
+            # As in decode: both dots of a bf16 engine over an fp8 cache run in fp16 (one
+            # conversion instruction per pair of e4m3 values; q and p lose nothing).
+            q = q.to(tl.float16)
         q_pos = prefix + tok  # [BLOCK_M] position of each row in its sequence
 
         last_tok = tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len) - 1
