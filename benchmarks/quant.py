@@ -7,7 +7,7 @@ dequantize + cuBLAS, with the bf16 cuBLAS time in report.md), then measured by
 benchmarks/serving.py's W4 and W1 phases in a fresh process (one engine holds most of the GPU's
 memory), so the figures are exactly the ones serving.py reports for bf16.
 
-    python benchmarks/quant.py --out OUTDIR [--variants bf16,awq,gptq] [--tune-budget 240]
+    python benchmarks/quant.py --out OUTDIR [--variants bf16,awq,gptq] [--tune-budget 240] [--phases W4,W1]
 
 Artifacts are kept in OUTDIR and reused, so the variants can also be run one command at a time.
 Prints a table at the end (with int4 / bf16 ratios against the issue's targets: W4 <= 0.45x,
@@ -38,6 +38,7 @@ def main() -> None:
     ap.add_argument("--variants", default="bf16,awq,gptq")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--tune-budget", type=float, default=240.0)
+    ap.add_argument("--phases", default="W4,W1", help="serving.py phases to measure per variant")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     variants = variant_runs.chosen_variants(args.variants, VARIANTS)
@@ -50,7 +51,7 @@ def main() -> None:
             quant=VARIANTS[variant],
         )
         record(variant=variant, figure="weight_bytes", value=weight_bytes(artifact))
-        results[variant] = {r["figure"]: r["value"] for r in variant_runs.measure(args.out, variant, artifact, {"W4", "W1"}, record)}  # type: ignore[misc]
+        results[variant] = {r["figure"]: r["value"] for r in variant_runs.measure(args.out, variant, artifact, set(args.phases.split(",")), record)}  # type: ignore[misc]
 
     # Ratios against bf16 from this run (or from an earlier run's quant.jsonl in the same OUTDIR).
     earlier = [
