@@ -24,6 +24,12 @@ operand: the pipeliner copies them with 16-byte cp.async.cg, and V's unpacked fp
 the dot through ldmatrix.trans, as a bf16 cache's does. Loading K the same way gives K and V one
 register layout, so each tile's block-table entries are loaded and widened once for both.
 benchmarks/decode_ptx.py counts the instructions (fp8 byte path: --fp8-bytes).
+
+Which read is faster is measured, not derived: the word read sends each unpacked tile through
+shared memory once more (ncu on an H200: shared memory at 69% of its throughput, the DRAM at
+56%), the byte read converts K after its ldmatrix but reads V byte by byte. The tuner times both
+(config key fp8_words); on two-warp programs the byte read won the large buckets (324.6 against
+389.1 us at 256 sequences x 2048 tokens, benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -291,11 +297,8 @@ CONFIG_SPACE: list[KernelConfig] = [
     for s in _SPLITS
     for (n, w, st) in _VARIANTS
 ]
-# An fp8 cache also times (tile, warps, stages, fp8_words) variants of its own. The word read
-# (fp8_words 1, the default) copies V in 16-byte cp.async but sends both unpacked tiles through
-# shared memory once more; the byte read (0) has Triton convert K after its ldmatrix (no second
-# trip) and V through byte-wise shared loads. Which is faster depends on the tile and warps: on
-# the H200 at 256 x 2048 tokens the byte read on two warps was fastest (benchmarks/RESULTS.md).
+# An fp8 cache also times (tile, warps, stages, fp8_words) variants of its own: the word read
+# (fp8_words 1, the default) and the byte read (0), see the module docstring.
 _FP8_VARIANTS = [
     (64, 2, 2, 1),
     (64, 2, 2, 0),
