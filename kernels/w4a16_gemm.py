@@ -187,8 +187,8 @@ def prune_configs(
 ) -> list[KernelConfig]:
     """Keep the dequant path, and tiles whose BLOCK_M fits the rows (no 128-row tile for 4 rows,
     no 16-row tile for prefill), whose BLOCK_K is at most K, and whose splits each get K to do.
-    Up to GEMV_MAX_ROWS rows the GEMV's tiles come first, each at the two split counts that
-    give at least one and two programs a multiprocessor (its config space is shape-dependent)."""
+    Up to GEMV_MAX_ROWS rows the GEMV's tiles come first, each at the split counts of
+    gemv_configs (its config space is shape-dependent)."""
     kept = gemv_configs(m, n, k, num_sms) if m <= GEMV_MAX_ROWS else []
     m_tile = max(16, triton.next_power_of_2(m))
     for c in configs:
@@ -204,10 +204,14 @@ def prune_configs(
 
 def gemv_configs(m: int, n: int, k: int, num_sms: int = 132) -> list[KernelConfig]:
     """The GEMV's candidates at this shape: each tile of w4a16_gemv.TILES with the smallest
-    power-of-two split giving every multiprocessor a program, and twice that. Splits hold whole
-    outer steps (the launcher rounds them so), hence at most K / OUTER_K."""
+    power-of-two split giving every multiprocessor a program, and twice that; the narrow tiles
+    (4 columns a thread) also at 4 and 8 times that, where the H200 timed them fastest at 1 row
+    (benchmarks/RESULTS.md: 12-14 programs a multiprocessor for gate_up, 4-6 for the others).
+    Splits hold whole outer steps (the launcher rounds them so), hence at most K / OUTER_K."""
     out: list[KernelConfig] = []
     max_split = max(1, k // w4a16_gemv.OUTER_K)
+    step_cap = w4a16_gemv.STEP_K[min(triton.next_power_of_2(m), w4a16_gemv.MAX_BLOCK_M)]
+    launches = set()  # tiles whose steps the row count caps to the same launch are timed once
     for bn, bk, warps in w4a16_gemv.TILES:
         if bk > k:
             continue
@@ -215,8 +219,11 @@ def gemv_configs(m: int, n: int, k: int, num_sms: int = 132) -> list[KernelConfi
         split = 1
         while tiles * split < num_sms and split * 2 <= max_split:
             split *= 2
-        for s in sorted({split, min(split * 2, max_split)}):
-            out.append(w4a16_gemv.make_config(bn, bk, s, warps))
+        factors = (1, 2, 4, 8) if (bn, bk, warps) in w4a16_gemv.NARROW_TILES else (1, 2)
+        for s in sorted({min(split * f, max_split) for f in factors}):
+            if (bn, min(bk, step_cap), warps, s) not in launches:
+                launches.add((bn, min(bk, step_cap), warps, s))
+                out.append(w4a16_gemv.make_config(bn, bk, s, warps))
     return out
 
 

@@ -11,21 +11,26 @@ K * N / 2 bytes, as long as the per-weight arithmetic keeps up with memory. An H
 kernel spends ~11 at 16 rows (sm_90 SASS of its loop: shifts, masks, int-to-float and
 float-to-bf16 conversions at quarter rate, and a shared-memory round trip to reach the
 tensor-core operand layout). This kernel uses no tl.dot and no conversion per weight (~3.6
-instructions a weight in its loop):
+instructions a weight in its loop at 1 row):
 
 - A nibble is moved to bits 12..15 or 16..19 (four shifts a packed word) and or-ed into the
   bits of 1.0f with its mask (one lop3): as a float that is v = 1 + q / 2048 or 1 + q / 128,
   exact. Activations of the first kind are scaled by 16 once, for every column they meet.
-- One FMA per weight and row: t += x' * v. Over a group, sum x * (q - z) =
+- One or two rows: one FMA per weight and row, t += x' * v. Over a group, sum x * (q - z) =
   128 * (t - 15 xl - xs * (1 + z / 128)) with xs the sum of x and xl that of the 16-scaled x,
   so zero point and scale cost two FMAs per packed word, not per weight. fp32 throughout;
   t stays near the sum of x', so the cancellation costs ~11 of fp32's 24 bits (relative
-  error ~1e-5), far below the half-type output's rounding.
-- Each thread keeps its own packed rows in a [BLOCK_K / 8, BLOCK_N] accumulator, summed once
-  at the end, so the loop has no cross-thread reduction; a thread holds 8 columns, over which
-  each activation load, conversion and sum is shared.
-- One row a program: rows are a grid axis (varying fastest, so the programs of one weight
-  tile run together and rows after the first read it from L2).
+  error ~1e-5), far below the half-type output's rounding. From DEQUANT_ROWS rows each weight
+  is dequantized once instead (one exact FFMA) and every row takes one FFMA.
+- A program computes up to BLOCK_M (8) rows: each packed word is unpacked once and multiplied
+  into every row as an outer product into a [BLOCK_M, BLOCK_N] fp32 accumulator, so the loop
+  has no cross-thread reduction; a thread holds 4 or 8 columns (the tile's), over which each
+  activation load, conversion and sum is shared. Row blocks are a grid axis, varying fastest
+  (the programs of one weight tile run together and row blocks after the first read it from L2).
+
+Measured on an H200 at 1 row (benchmarks/RESULTS.md) it streams 0.75-2.1 TB/s of int4 weight
+against ~4.2 of copy bandwidth: the small projections are latency-bound, and at ~3.6
+instructions a weight the loop is near the issue limit for full bandwidth.
 
 A decode projection has too few columns to give every multiprocessor a program (Llama-3-8B's
 o_proj: 4096 columns), so SPLIT_K programs share a column tile, each over a slice of K. The
@@ -230,10 +235,8 @@ def _w4a16_gemv_kernel(
         lock = lock_ptr + pid_m * tl.num_programs(1) + pid_n
         ticket = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
         if ticket == SPLIT_K - 1:  # the last program of this tile: add the partials in split order
-            # Unrolled: every partial's load is issued before the first add (a loop would wait
-            # out one L2 round trip per split).
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for sk in tl.static_range(SPLIT_K):
+            for sk in range(SPLIT_K):
                 total += tl.load(part + sk * split_stride, mask=mn_ok, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -242,14 +245,19 @@ def _w4a16_gemv_kernel(
 
 
 # (BLOCK_N, BLOCK_K, num_warps). Triton gives each thread 4 adjacent columns per 128 a warp
-# covers, so BLOCK_N / (32 * num_warps) = 8 columns a thread in each tile here, over which one
-# activation load, conversion and sum are shared (4 would double that overhead). BLOCK_K caps
-# the inputs a K step reads (launch_shape). w4a16_gemm.gemv_configs adds the splits of K.
+# covers: BLOCK_N / (32 * num_warps) columns a thread, over which one activation load, conversion
+# and sum are shared. The first three tiles hold 8 a thread; the last two 4, which measured
+# faster at 1 row on an H200 (qkv 12.6 against 19.9 us at the same split, gate_up 28.8 against
+# 30.6 at the best splits of each; benchmarks/RESULTS.md). BLOCK_K caps the inputs a K step reads
+# (launch_shape). w4a16_gemm.gemv_configs adds the splits of K: NARROW_TILES get more of them.
 TILES = (
     (512, 64, 2),
     (1024, 64, 4),
     (512, 32, 2),
+    (256, 64, 2),
+    (512, 64, 4),
 )
+NARROW_TILES = frozenset({(256, 64, 2), (512, 64, 4)})
 # A K step loads at most STEP_K[rows a program] inputs, prefetched one step ahead: 2 x 8 words
 # a thread per 8 inputs, plus [rows, 8] fp32 sums a thread; more spills registers (counted by
 # benchmarks/w4a16_ptx.py).
