@@ -184,7 +184,8 @@ def _tcgemv_kernel(
     SUMS_FIRST: tl.constexpr,  # sum x per chunk before the loop (else inside it)
     SUMS_BLOCK: tl.constexpr,  # chunks the first pass sums at once
     W_AS_A: tl.constexpr,  # the weight tile is the mma's A operand (else B, x rows as the mma's M)
-    PAIR_ORDER: tl.constexpr,  # k' of (packed row q, pair j = j0 + 2 j1, half b): 0: 4P j1 + 4q + 2 j0 + b; 1: 8q + 2j + b
+    PAIR_ORDER: tl.constexpr,  # k' of (packed row q, pair j = j0 + 2 j1, half b): 0: 2P j + 2q + b,
+    #                             1: 8q + 2j + b, 2: 4P j1 + 4q + 2 j0 + b (see pair_order)
     DOT_FP32: tl.constexpr,  # the interpreter, bf16: dot in fp32 (its bf16 dot is wrong; exact here)
     USE_ASM: tl.constexpr,
 ):
@@ -227,9 +228,11 @@ def _tcgemv_kernel(
     kk = tl.arange(0, BLOCK_K)  # a step's inputs in their natural order
     k_bias = _input_bias(kk, DT)
     # the input at each position of the dot's order: nibble j + 4b of packed row q
-    if PAIR_ORDER == 0:  # k' = 4P j1 + 4q + 2 j0 + b
+    if PAIR_ORDER == 0:  # k' = 2P j + 2q + b
+        k_nat = ((kk // 2) % P) * 8 + kk // (2 * P) + (kk % 2) * 4
+    elif PAIR_ORDER == 2:  # k' = 4P j1 + 4q + 2 j0 + b
         k_nat = ((kk // 4) % P) * 8 + (kk // (4 * P)) * 2 + (kk // 2) % 2 + (kk % 2) * 4
-    else:
+    else:  # k' = 8q + 2j + b
         k_nat = (kk // 8) * 8 + (kk // 2) % 4 + (kk % 2) * 4
     k_bias_dot = _input_bias(k_nat, DT)
     qq = tl.arange(0, P)
@@ -262,12 +265,16 @@ def _tcgemv_kernel(
             # [.., P, b, j0, j1] with nibble j + 4b, j = j0 + 2 j1 (the joins append a last axis)
             w5 = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
             if W_AS_A:
-                if PAIR_ORDER == 0:  # [BLOCK_N, j1, P, j0, b]
+                if PAIR_ORDER == 0:  # [BLOCK_N, j1, j0, P, b]
+                    w = tl.reshape(tl.permute(w5, (0, 4, 3, 1, 2)), (BLOCK_N, BLOCK_K))
+                elif PAIR_ORDER == 2:  # [BLOCK_N, j1, P, j0, b]
                     w = tl.reshape(tl.permute(w5, (0, 4, 1, 3, 2)), (BLOCK_N, BLOCK_K))
                 else:  # [BLOCK_N, P, j1, j0, b]
                     w = tl.reshape(tl.permute(w5, (0, 1, 4, 3, 2)), (BLOCK_N, BLOCK_K))
             else:
-                if PAIR_ORDER == 0:  # [j1, P, j0, b, BLOCK_N]
+                if PAIR_ORDER == 0:  # [j1, j0, P, b, BLOCK_N]
+                    w = tl.reshape(tl.permute(w5, (4, 3, 0, 2, 1)), (BLOCK_K, BLOCK_N))
+                elif PAIR_ORDER == 2:  # [j1, P, j0, b, BLOCK_N]
                     w = tl.reshape(tl.permute(w5, (4, 0, 3, 2, 1)), (BLOCK_K, BLOCK_N))
                 else:  # [P, j1, j0, b, BLOCK_N]
                     w = tl.reshape(tl.permute(w5, (0, 4, 3, 2, 1)), (BLOCK_K, BLOCK_N))
@@ -296,9 +303,11 @@ def _tcgemv_kernel(
                     sx += tl.sum(xf, axis=1)
                     sxb += tl.sum(xf * k_bias[None, :], axis=1)
                 x5 = tl.reshape(xn, (BLOCK_M, P, 2, 2, 2))  # [M, q, b, j1, j0]: nibble i = j0 + 2 j1 + 4b
-                if PAIR_ORDER == 0:
+                if PAIR_ORDER == 0:  # [M, j1, j0, q, b]
+                    xk = tl.reshape(tl.permute(x5, (0, 3, 4, 1, 2)), (BLOCK_M, BLOCK_K))
+                elif PAIR_ORDER == 2:  # [M, j1, q, j0, b]
                     xk = tl.reshape(tl.permute(x5, (0, 3, 1, 4, 2)), (BLOCK_M, BLOCK_K))
-                else:
+                else:  # [M, q, j1, j0, b]
                     xk = tl.reshape(tl.permute(x5, (0, 1, 3, 4, 2)), (BLOCK_M, BLOCK_K))
                 if W_AS_A:
                     xk = tl.trans(xk)
@@ -348,7 +357,7 @@ def make_config(
     num_stages: int = 1,
     *,
     w_as_a: bool = True,
-    pair_order: int = 0,
+    pair_order: int | None = None,
     sums_first: bool = True,
 ) -> KernelConfig:
     """``block_k``: the most inputs a dot step covers (the launcher takes the widest power of two
@@ -357,11 +366,24 @@ def make_config(
     return KernelConfig(
         {
             "tcgemv": 1, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k,
-            "W_AS_A": int(w_as_a), "PAIR_ORDER": pair_order, "SUMS_FIRST": int(sums_first),
+            "W_AS_A": int(w_as_a), "SUMS_FIRST": int(sums_first),
+            **({} if pair_order is None else {"PAIR_ORDER": pair_order}),
         },
         num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip
+
+
+def pair_order(step: int, rows: int, w_as_a: bool, config: KernelConfig) -> int:
+    """The dot's order of a step's inputs (the kernel's PAIR_ORDER) for which every k' a thread
+    holds in the mma operand comes from packed words it holds whole, so that Triton converts the
+    packed int32 tile and unpacks it in registers. The mma's k lanes hold k' bits 2-3 (mma.sync,
+    Triton's kWidth 4) or 1-2 (wgmma's register A, kWidth 2, which Triton 3.6 picks from 16 rows
+    on 4 or 8 warps); those bits must index packed rows. 2P j + 2q + b does for both from 8
+    packed rows a step (64 inputs), and for wgmma from 4; with 4 (32 inputs) on mma.sync,
+    4P j1 + 4q + 2 j0 + b."""
+    wgmma = w_as_a and rows >= 16 and config.num_warps % 4 == 0
+    return 0 if step >= 64 or wgmma else 2
 
 
 def launch_shape(k: int, group_size: int, config: KernelConfig) -> tuple[int, int, int, int]:
@@ -415,6 +437,7 @@ def w4a16_tcgemv(
     else:
         partials = locks = y
     sums_first = bool(params.get("SUMS_FIRST", 1))
+    w_as_a = bool(params.get("W_AS_A", 1))
     if sums_first:
         sums = torch.empty((blocks_m * tiles_n * split * chunks * 2 * bm,), dtype=torch.float32, device=x.device)
     else:
@@ -427,8 +450,9 @@ def w4a16_tcgemv(
         y, partials, locks, sums, m, n, k, x.stride(0), y.stride(0),
         GROUP_SIZE=group_size, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=step, CHUNK=chunk, SPLIT_K=split, CHUNKS=chunks, EVEN_N=n % bn == 0,
-        SUMS_FIRST=sums_first, SUMS_BLOCK=sums_block, W_AS_A=bool(params.get("W_AS_A", 1)),
-        PAIR_ORDER=params.get("PAIR_ORDER", 0), DOT_FP32=interp and x.dtype == torch.bfloat16,
+        SUMS_FIRST=sums_first, SUMS_BLOCK=sums_block, W_AS_A=w_as_a,
+        PAIR_ORDER=pair_order(step, bm, w_as_a, config) if "PAIR_ORDER" not in params else params["PAIR_ORDER"],
+        DOT_FP32=interp and x.dtype == torch.bfloat16,
         USE_ASM=x.is_cuda and not interp,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip

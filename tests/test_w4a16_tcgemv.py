@@ -159,9 +159,11 @@ CHILD = textwrap.dedent(
     # convert_layout and local_alloc (shared-memory staging) by the element type they move
     moved = sorted({m.group(1) for m in re.finditer(
         r"(?:convert_layout|local_alloc|async_copy_global_to_local) %[^:]*: \\(?(?:tensor|!tt\\.ptr)<[0-9x]*x(\\w+)", ttgir)})
+    # the unpacked 16-bit weight tile converted or staged in shared memory (either orientation)
+    bn, bk = constexprs["BLOCK_N"], constexprs["BLOCK_K"]
+    w16 = len(re.findall(rf"(?:convert_layout|local_alloc).*tensor<(?:{bn}x{bk}|{bk}x{bn})xb?f16", ttgir))
     print(json.dumps({"cubin": bool(kernel.asm["cubin"]), "mma": ptx.count("mma.sync") + ptx.count("wgmma.mma_async"),
-                      "magic": ptx.count("0x64006400") + ptx.count("0x43004300"), "moved": moved,
-                      "dot_operands_from_shared": ttgir.count("local_load")}))
+                      "magic": ptx.count("0x64006400") + ptx.count("0x43004300"), "moved": moved, "w16": w16}))
     """
 )
 
@@ -186,9 +188,13 @@ def _constexprs(**overrides) -> dict[str, object]:  # type: ignore[no-untyped-de
     base = {
         "GROUP_SIZE": 128, "HAS_PERM": False, "HAS_BIAS": True, "BLOCK_M": 1, "BLOCK_N": 256, "BLOCK_K": 128,
         "CHUNK": 128, "SPLIT_K": 8, "CHUNKS": 4, "EVEN_N": True, "SUMS_FIRST": True, "SUMS_BLOCK": 4,
-        "W_AS_A": True, "PAIR_ORDER": 0, "DOT_FP32": False, "USE_ASM": True,
+        "W_AS_A": True, "DOT_FP32": False, "USE_ASM": True,
     }  # fmt: skip
-    return {**base, **overrides}
+    out = {**base, **overrides}
+    if "PAIR_ORDER" not in out:  # the launcher's choice
+        cfg = w4a16_tcgemv.make_config(out["BLOCK_N"], out["BLOCK_K"], out["SPLIT_K"], num_warps=4)
+        out["PAIR_ORDER"] = w4a16_tcgemv.pair_order(out["BLOCK_K"], out["BLOCK_M"], out["W_AS_A"], cfg)
+    return out
 
 
 @pytest.mark.parametrize(
@@ -198,8 +204,10 @@ def _constexprs(**overrides) -> dict[str, object]:  # type: ignore[no-untyped-de
         ("*bf16", {"BLOCK_M": 16, "HAS_PERM": True, "SPLIT_K": 1, "EVEN_N": False}),
         ("*fp16", {"BLOCK_M": 8, "GROUP_SIZE": 32, "BLOCK_K": 32, "CHUNK": 32, "SUMS_FIRST": False}),
         ("*bf16", {"BLOCK_M": 4, "GROUP_SIZE": 4096, "CHUNK": 256, "W_AS_A": False}),
+        ("*fp16", {"BLOCK_M": 16, "GROUP_SIZE": 32, "BLOCK_K": 32, "CHUNK": 32, "HAS_PERM": True}),
     ],
-    ids=["fp16-1row-split", "bf16-16rows-perm", "fp16-8rows-g32-sums-in-loop", "bf16-w-as-b-per-channel"],
+    ids=["fp16-1row-split", "bf16-16rows-perm", "fp16-8rows-g32-sums-in-loop", "bf16-w-as-b-per-channel",
+         "fp16-16rows-g32-wgmma"],
 )
 def test_tcgemv_compiles_for_sm90(dtype: str, overrides: dict[str, object]) -> None:
     """The inline-PTX unpacking (the interpreter runs the plain expression instead), mma.sync, and
@@ -208,33 +216,15 @@ def test_tcgemv_compiles_for_sm90(dtype: str, overrides: dict[str, object]) -> N
     [BLOCK_M, BLOCK_K], small), never the dequantized weight tile."""
     info = _compile_sm90(dtype, _constexprs(**overrides), {"num_warps": 4, "num_stages": 1})
     assert info["cubin"] and info["mma"] > 0 and info["magic"] > 0
-    assert "i32" in info["moved"], info
+    assert "i32" in info["moved"] and info["w16"] == 0, info
 
 
 def test_tcgemv_weight_tile_crosses_shared_memory_packed() -> None:
     """Triton hoists the dot-operand conversion above the unpacking (tl.join / permute / reshape)
-    to the int32 load: the 16-bit weight tile [BLOCK_N, BLOCK_K] is never converted. With the
-    other pairing order it is (the test's control), at 4 bytes a weight through shared memory;
-    should a Triton upgrade stop the hoisting, the first assertion fails."""
-    script = CHILD.replace(
-        '"moved": moved,',
-        '"moved": moved, "w16": len(re.findall(r"(?:convert_layout|local_alloc).*tensor<256x128xb?f16", ttgir)),',
-    )
-    assert script != CHILD
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    pytest.importorskip("triton.backends.nvidia.compiler")
-    signature = {
-        "x_ptr": "*fp16", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*i8", "perm_ptr": "*i32", "b_ptr": "*fp16",
-        "y_ptr": "*fp16", "part_ptr": "*fp32", "lock_ptr": "*i32", "sums_ptr": "*fp32",
-        "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_ym": "i32",
-    }  # fmt: skip
-    counts = []
-    for order in (0, 1):
-        proc = subprocess.run(
-            [sys.executable, "-c", script,
-             json.dumps([signature, _constexprs(PAIR_ORDER=order), {"num_warps": 4, "num_stages": 1}])],
-            env=env, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        counts.append(json.loads(proc.stdout.strip().splitlines()[-1])["w16"])
-    assert counts[0] == 0 and counts[1] > 0, counts
+    to the int32 load only when every k' a thread holds in the mma operand comes from words it
+    holds whole: with the other pairing order (the control) the unpacked 16-bit tile is converted
+    through shared memory, 4 bytes a weight. Should a Triton upgrade stop the hoisting, the first
+    assertion fails (as test_tcgemv_compiles_for_sm90 does)."""
+    options = {"num_warps": 4, "num_stages": 1}
+    assert _compile_sm90("*fp16", _constexprs(), options)["w16"] == 0
+    assert _compile_sm90("*fp16", _constexprs(PAIR_ORDER=1), options)["w16"] > 0
