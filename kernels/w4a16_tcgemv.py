@@ -68,64 +68,59 @@ from pagecast.kernels.tuning import KernelConfig
 
 @triton.jit
 def _halves(word, dtype: tl.constexpr):
-    """The two 16-bit floats of an int32 (low half first), for the interpreter's plain path."""
+    """The two 16-bit floats of an int32, [.., 2] (low half first): the interpreter's plain path."""
     lo = (word & 0xFFFF).to(tl.int16).to(dtype, bitcast=True)
     hi = (word >> 16).to(tl.int16).to(dtype, bitcast=True)
-    return lo, hi
+    return tl.join(lo, hi)
 
 
 @triton.jit
-def _magic(packed, dt: tl.constexpr, USE_ASM: tl.constexpr):
-    """Eight 16-bit floats of each packed int32, BIAS + q: (v0, v1) nibbles (0, 4), (v2, v3)
-    (1, 5), (v4, v5) (2, 6), (v6, v7) (3, 7). fp16: 1024 + q for nibbles 0, 4, 2, 6 and 64 + q for
-    1, 5, 3, 7; bf16: 128 + q. Exact."""
+def _magic_pairs(packed, dt: tl.constexpr, USE_ASM: tl.constexpr):
+    """The packed words' nibbles as 16-bit floats BIAS + q, exactly: four [.., 2] tensors, the
+    nibble pairs (0, 4), (1, 5), (2, 6), (3, 7) of each word (the low half first). fp16:
+    1024 + q for nibbles 0, 4, 2, 6 and 64 + q for 1, 5, 3, 7; bf16: 128 + q.
+
+    On the GPU one lop3 ((a & b) | c) a pair, in inline PTX whose 32-bit outputs are the pairs as
+    Triton holds them (pack=2 over two copies of each word; eight 16-bit outputs made ptxas
+    reassemble the halves with a register move a pair). The interpreter computes the same bits."""
     if USE_ASM:
-        # One lop3 a pair ((a & b) | c), the low half of each word first (mov.b32 {lo, hi}).
         if dt == tl.float16:
             return tl.inline_asm_elementwise(
                 asm="""
                 {
-                .reg .b32 t, r0, r1, r2, r3;
-                lop3.b32 r0, $8, 0x000F000F, 0x64006400, 0xEA;
-                lop3.b32 r1, $8, 0x00F000F0, 0x54005400, 0xEA;
-                shr.u32 t, $8, 8;
-                lop3.b32 r2, t, 0x000F000F, 0x64006400, 0xEA;
-                lop3.b32 r3, t, 0x00F000F0, 0x54005400, 0xEA;
-                mov.b32 {$0, $1}, r0;
-                mov.b32 {$2, $3}, r1;
-                mov.b32 {$4, $5}, r2;
-                mov.b32 {$6, $7}, r3;
+                .reg .b32 t;
+                lop3.b32 $0, $4, 0x000F000F, 0x64006400, 0xEA;
+                lop3.b32 $1, $4, 0x00F000F0, 0x54005400, 0xEA;
+                shr.u32 t, $4, 8;
+                lop3.b32 $2, t, 0x000F000F, 0x64006400, 0xEA;
+                lop3.b32 $3, t, 0x00F000F0, 0x54005400, 0xEA;
                 }
                 """,
-                constraints="=h,=h,=h,=h,=h,=h,=h,=h,r",
-                args=[packed],
-                dtype=(tl.float16,) * 8,
+                constraints="=r,=r,=r,=r,r,r",
+                args=[tl.join(packed, packed)],
+                dtype=(tl.float16,) * 4,
                 is_pure=True,
-                pack=1,
+                pack=2,
             )
         else:
             return tl.inline_asm_elementwise(
                 asm="""
                 {
-                .reg .b32 t, r0, r1, r2, r3;
-                lop3.b32 r0, $8, 0x000F000F, 0x43004300, 0xEA;
-                shr.u32 t, $8, 4;
-                lop3.b32 r1, t, 0x000F000F, 0x43004300, 0xEA;
-                shr.u32 t, $8, 8;
-                lop3.b32 r2, t, 0x000F000F, 0x43004300, 0xEA;
-                shr.u32 t, $8, 12;
-                lop3.b32 r3, t, 0x000F000F, 0x43004300, 0xEA;
-                mov.b32 {$0, $1}, r0;
-                mov.b32 {$2, $3}, r1;
-                mov.b32 {$4, $5}, r2;
-                mov.b32 {$6, $7}, r3;
+                .reg .b32 t;
+                lop3.b32 $0, $4, 0x000F000F, 0x43004300, 0xEA;
+                shr.u32 t, $4, 4;
+                lop3.b32 $1, t, 0x000F000F, 0x43004300, 0xEA;
+                shr.u32 t, $4, 8;
+                lop3.b32 $2, t, 0x000F000F, 0x43004300, 0xEA;
+                shr.u32 t, $4, 12;
+                lop3.b32 $3, t, 0x000F000F, 0x43004300, 0xEA;
                 }
                 """,
-                constraints="=h,=h,=h,=h,=h,=h,=h,=h,r",
-                args=[packed],
-                dtype=(tl.bfloat16,) * 8,
+                constraints="=r,=r,=r,=r,r,r",
+                args=[tl.join(packed, packed)],
+                dtype=(tl.bfloat16,) * 4,
                 is_pure=True,
-                pack=1,
+                pack=2,
             )
     if dt == tl.float16:
         w0 = (packed & 0x000F000F) | 0x64006400
@@ -138,11 +133,7 @@ def _magic(packed, dt: tl.constexpr, USE_ASM: tl.constexpr):
         w1 = ((packed >> 4) & 0x000F000F) | 0x43004300
         w2 = ((packed >> 8) & 0x000F000F) | 0x43004300
         w3 = ((packed >> 12) & 0x000F000F) | 0x43004300
-    v0, v1 = _halves(w0, dt)
-    v2, v3 = _halves(w1, dt)
-    v4, v5 = _halves(w2, dt)
-    v6, v7 = _halves(w3, dt)
-    return v0, v1, v2, v3, v4, v5, v6, v7
+    return _halves(w0, dt), _halves(w1, dt), _halves(w2, dt), _halves(w3, dt)
 
 
 @triton.jit
@@ -261,9 +252,9 @@ def _tcgemv_kernel(
                 packed = tl.load(ptrs)
             else:
                 packed = tl.load(ptrs, mask=ld_ok, other=0)
-            v0, v1, v2, v3, v4, v5, v6, v7 = _magic(packed, DT, USE_ASM)
             # [.., P, b, j0, j1] with nibble j + 4b, j = j0 + 2 j1 (the joins append a last axis)
-            w5 = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
+            p0, p1, p2, p3 = _magic_pairs(packed, DT, USE_ASM)
+            w5 = tl.join(tl.join(p0, p1), tl.join(p2, p3))
             if W_AS_A:
                 if PAIR_ORDER == 0:  # [BLOCK_N, j1, j0, P, b]
                     w = tl.reshape(tl.permute(w5, (0, 4, 3, 1, 2)), (BLOCK_N, BLOCK_K))
