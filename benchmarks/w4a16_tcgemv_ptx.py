@@ -1,7 +1,7 @@
 """What the tensor-core W4A16 decode kernel compiles to on an H100/H200 (sm_90), without a GPU.
 
     python benchmarks/w4a16_tcgemv_ptx.py [--rows 1,4,8,16] [--dtypes fp16,bf16] [--groups 128]
-        [--projection o] [--tiles 128x2,256x4,256x8,512x8] [--stages 1] [--variants]
+        [--projection o] [--tiles 256x4,128x2,512x4,512x8] [--stages 1] [--variants]
         [--dump DIR] [--json FILE]
 
 For each row count, activation dtype, group size and tile (BLOCK_N x warps, BLOCK_K 128 capped
@@ -45,22 +45,24 @@ from pathlib import Path
 if os.environ.get("TRITON_INTERPRET"):
     sys.exit("w4a16_tcgemv_ptx.py compiles for the GPU: run it without TRITON_INTERPRET")
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-import w4a16_ptx as gemv_ptx  # noqa: E402  (launch recording, compilation, SASS parsing)
+import torch
+import triton
+import w4a16_ptx as gemv_ptx  # launch recording, compilation, SASS parsing
 
-from pagecast.kernels import w4a16_tcgemv  # noqa: E402
+from pagecast.kernels import w4a16_tcgemv
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 VARIANTS = {
     "w-as-b": {"w_as_a": False},
-    "pair-order-1": {"pair_order": 1},
+    "pair-order1": {"pair_order": 1},
     "sums-in-loop": {"sums_first": False},
 }
 
 
-def launch_of(m: int, n: int, k: int, g: int, dtype: torch.dtype, cfg, perm: bool = False) -> gemv_ptx._Launch:  # type: ignore[no-untyped-def]
-    meta = dict(device="meta")
+def launch_of(
+    m: int, n: int, k: int, g: int, dtype: torch.dtype, cfg, perm: bool = False
+) -> gemv_ptx._Launch:  # type: ignore[no-untyped-def]
+    meta = {"device": "meta"}
     x = torch.empty((m, k), dtype=dtype, **meta)
     qweight = torch.empty((k // 8, n), dtype=torch.int32, **meta)
     scales = torch.empty((k // g, n), dtype=dtype, **meta)
@@ -98,24 +100,26 @@ def loop_stats(cubin: bytes) -> dict[str, object]:
     res, sass = gemv_ptx._sass(cubin)
     regs = int(m.group(1)) if (m := re.search(r"REG:(\d+)", res)) else None
     local = int(m.group(1)) if (m := re.search(r"LOCAL:(\d+)", res)) else None
-    instrs = [(int(m.group(1), 16), m.group(2)) for line in sass.splitlines() if (m := gemv_ptx._INSTR.match(line))]
+    instrs = [
+        (int(m.group(1), 16), m.group(2)) for line in sass.splitlines() if (m := gemv_ptx._INSTR.match(line))
+    ]
     index = {addr: i for i, (addr, _) in enumerate(instrs)}
     best = None
     for i, (addr, text) in enumerate(instrs):
         m = re.search(r"\bBRA\s+(?:`\()?(0x[0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr and int(m.group(1), 16) in index:
             lo = index[int(m.group(1), 16)]
-            if any(gemv_ptx._opcode(t).startswith(("HMMA", "HGMMA")) for _, t in instrs[lo : i + 1]):
-                if best is None or i - lo < best[1] - best[0]:
-                    best = (lo, i)
-    if best is None:
-        raise RuntimeError("no loop around an mma in the SASS")
-    body = [gemv_ptx._opcode(t) for _, t in instrs[best[0] : best[1] + 1]]
+            has_mma = any(gemv_ptx._opcode(t).startswith(("HMMA", "HGMMA")) for _, t in instrs[lo : i + 1])
+            if has_mma and (best is None or i - lo < best[1] - best[0]):
+                best = (lo, i)
+    # no such loop: ptxas unrolled the chunk loop (count the whole kernel: an overestimate)
+    span = instrs[best[0] : best[1] + 1] if best else instrs
+    body = [gemv_ptx._opcode(t) for _, t in span if not gemv_ptx._opcode(t).startswith(("EXIT", "BRA"))]
     stored = sum(_shared_bytes(o) for o in body if o.startswith(("STS", "STSM", "LDGSTS")))
     loaded = sum(_shared_bytes(o) for o in body if o.startswith(("LDS", "LDSM")))
     ops = Counter(_op_class(o) for o in body if not o.startswith("NOP"))
     return {"regs": regs, "local_bytes": local, "body": sum(ops.values()), "ops": dict(sorted(ops.items())),
-            "smem_store": stored, "smem_load": loaded}  # fmt: skip
+            "smem_store": stored, "smem_load": loaded, "looped": best is not None}  # fmt: skip
 
 
 def conversions(ttgir: str) -> list[str]:
@@ -148,8 +152,11 @@ def analyse(m: int, n: int, k: int, g: int, dtype: str, cfg, dump: Path | None =
     if not kw["W_AS_A"] and not ops.get("HGMMA"):  # the x rows as the mma's m16, the weight as n8 tiles
         per_iter = kw["BLOCK_N"] // (8 * kw["num_warps"]) * kw["CHUNK"] // 16
     unroll = max(1, round(mma / per_iter)) if per_iter else 1
+    if not stats["looped"]:
+        unroll = kw["CHUNKS"]
     weights *= unroll
-    tag = ("" if kw["W_AS_A"] else "_w-as-b") + ("" if kw["SUMS_FIRST"] else "_sums-in-loop") + f"_o{kw['PAIR_ORDER']}"
+    tag = ("" if kw["W_AS_A"] else "_w-as-b") + ("" if kw["SUMS_FIRST"] else "_sums-in-loop")
+    tag += f"_pair-order{kw['PAIR_ORDER']}" if "PAIR_ORDER" in cfg.params else ""  # else the launcher's
     name = (
         f"{dtype}_K{k}_G{g}_R{kw['BLOCK_M']}_n{kw['BLOCK_N']}_k{kw['BLOCK_K']}_c{kw['CHUNK']}_w{kw['num_warps']}"
         f"_s{kw['num_stages']}_split{kw['SPLIT_K']}{tag}"
@@ -174,9 +181,11 @@ def main() -> None:
     ap.add_argument("--dtypes", default="fp16,bf16")
     ap.add_argument("--groups", default="128")
     ap.add_argument("--projection", default="o", choices=sorted(gemv_ptx.PROJECTIONS))
-    ap.add_argument("--tiles", default="128x2,256x4,256x8,512x8", help="BLOCK_N x num_warps")
+    ap.add_argument(
+        "--tiles", default="256x4,128x2,512x4,512x8", help="BLOCK_N x num_warps (the first for --variants)"
+    )
     ap.add_argument("--stages", default="1")
-    ap.add_argument("--split", type=int, default=8)
+    ap.add_argument("--split", type=int, default=2, help="SPLIT_K (few: ptxas unrolls a short chunk loop)")
     ap.add_argument("--variants", action="store_true", help="also the kernel's slower alternatives")
     ap.add_argument("--dump", type=Path, help="write each kernel's TTGIR, PTX and SASS here")
     ap.add_argument("--json", type=Path, help="write the rows as JSON")
@@ -199,8 +208,10 @@ def main() -> None:
                     cfg = w4a16_tcgemv.make_config(bn, 128, args.split, w, st, **opts)
                     try:
                         r = analyse(m, n, k, g, dtype, cfg, args.dump)
-                    except Exception as e:  # a Triton failure is a result too
-                        print(f"{dtype} m={m:<2} G={g} n{bn} w{w} s{st} {opts}: FAILED {type(e).__name__}: {str(e)[:200]}")
+                    except Exception as e:  # noqa: BLE001  (a Triton failure is a result too)
+                        print(
+                            f"{dtype} m={m:<2} G={g} n{bn} w{w} s{st} {opts}: FAILED {type(e).__name__}: {str(e)[:200]}"
+                        )
                         continue
                     rows.append(r)
                     spill = f" SPILL {r['local_bytes']}B" if r["local_bytes"] else ""
@@ -208,18 +219,23 @@ def main() -> None:
                     print(
                         f"{r['kernel']:<58} instr/w {r['instr_per_weight']:.2f}  smem {r['smem_store_per_weight']:.2f}"
                         f"/{r['smem_load_per_weight']:.2f} B/w  regs {r['regs']}{spill}  mma {r['mma']}"
-                        f" (body {r['body']}, unroll {r['unroll']}, alloc {r['shared_alloc']} B)\n"
+                        f" (body {r['body']}, {'unroll ' + str(r['unroll']) if r['looped'] else 'loop unrolled: whole kernel'},"
+                        f" alloc {r['shared_alloc']} B)\n"
                         f"      sass {ops}\n      cvt  {'; '.join(r['conversions'])}",
                         flush=True,
                     )
     print("\nsummary: instr/w (smem stored+loaded B/w) per tile; rows in columns")
     ms = args.rows.split(",")
     print(f"{'kernel':<34}" + "".join(f"{'m=' + v:>16}" for v in ms))
-    keys = {re.sub(r"_R\d+", "", r["kernel"]): None for r in rows}
+
+    def key_of(r):  # type: ignore[no-untyped-def]
+        return re.sub(r"_R\d+", "", r["kernel"])
+
+    keys = {key_of(r): None for r in rows}
     for key in keys:
         line = f"{key.replace(f'_K{k}', ''):<34}"
         for v in ms:
-            hit = [r for r in rows if re.sub(r"_R\d+", "", r["kernel"]) == key and r["m"] == int(v)]
+            hit = [r for r in rows if key_of(r) == key and r["m"] == int(v)]
             line += (
                 f"{hit[0]['instr_per_weight']:>8.2f} ({hit[0]['smem_store_per_weight'] + hit[0]['smem_load_per_weight']:.2f})"
                 if hit

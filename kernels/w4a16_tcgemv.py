@@ -5,14 +5,14 @@ Triton interpreter (tests/test_w4a16_tcgemv.py) and been compiled for sm_90 on a
 (benchmarks/w4a16_tcgemv_ptx.py counts its SASS); its speed on an H200 is unmeasured.
 
 Same weight layout as kernels/w4a16_gemv.py (qweight int32 [K / 8, N], nibble i of row r is
-input 8r + i; scales [K / G, N]; int8 zeros [K / G, N]; optional act-order perm [K]) and the same
-launch signature, split-K and in-kernel ticket reduction (w4a16_gemv._finish).
+input 8r + i; scales [K / G, N]; int8 zeros [K / G, N]; optional act-order perm [K]), the same
+launch signature, and its split-K with the in-kernel ticket reduction (w4a16_gemv._finish).
 
 The CUDA-core GEMV spends ~3.6 SASS instructions a weight (an FMA per weight and row, plus the
 unpacking); an H200 multiprocessor must consume ~36 int4 weights a clock out of 128
-lane-instructions to keep up with memory. Here the weight tile is the A operand of mma.sync
-(m16n8k16, output columns as the mma's rows, the x rows padded to n8 or n16 as its columns) and
-one mma takes 256 weights a warp, so the weights cost little more than their unpacking:
+lane-instructions to keep up with memory. Here the weight tile is the A operand of the mma (its
+columns as the mma's rows, the x rows, padded to 8 or 16, as its columns): mma.sync m16n8k16
+takes 256 weights a warp, so the weights cost little more than their unpacking:
 
 - Magic numbers, no int->float conversion: for a packed word w, (w >> s) & 0x000F000F | MAGIC is
   two 16-bit floats equal to BIAS + q of nibbles s/4 and s/4 + 4, exactly. bf16: MAGIC
@@ -20,38 +20,41 @@ one mma takes 256 weights a warp, so the weights cost little more than their unp
   bits: w & 0x00F000F0 | 0x54005400 is 64 + q for nibbles 1 and 5 without a shift, so w and
   w >> 8 give all eight (1024 + q for nibbles 0, 4, 2, 6; 64 + q for 1, 5, 3, 7): 1 shift and
   4 lop3 a word. Inline PTX on the GPU (the interpreter computes the same bits).
-- The pairs (i, i + 4) permute K inside a packed row, and the dot does not care about order,
-  only about being consistent: the dot's k' = 2P j + 2q + b holds nibble j + 4b of packed row q
-  (P packed rows a step), and x is permuted the same way in registers (reshape/permute). This
-  order makes a thread's k' pairs come from whole packed words: mma lane t holds k' 4t..4t+3
-  (kWidth 4) of every k16 step, i.e. packed rows t (mod 4) with all four of their pairs.
-- No zero point or scale per weight: over a chunk of inputs (inside one group) acc = dot(W', x)
-  in fp32 with W' = BIAS_k + q, and out += s * (acc - sum_k x_k BIAS_k - z * sum_k x_k) per
-  output. fp32 cancellation: acc runs ~7-10 bits above the result (bias 1024 or 128 against
-  q - z up to 15), which costs ~1e-5 of the result, far below the half-type output's rounding.
-  The per-row sums of x are computed once per program, before the main loop, for every chunk of
-  its split (a [rows, chunks, chunk] tile reduced at once, into a small fp32 scratch the loop
-  reads back a chunk at a time); summed inside the loop they cost ~0.15 instructions a weight
-  more (cross-thread shuffles and a barrier each step).
+- The pairs (i, i + 4) permute K inside a packed row; the dot does not care about the order as
+  long as x is permuted the same way (in registers: reshape / permute of its natural-order
+  tile; with a perm, gathered straight in the dot's order). The order is chosen so that every
+  k' a thread holds in the mma operand comes from packed words it holds whole (pair_order).
+- No zero point or scale per weight: over a chunk of inputs inside one group, acc = dot(W', x)
+  in fp32 with W'_k = BIAS_k + q_k, and out += s * (acc - sum_k x_k BIAS_k - z * sum_k x_k) per
+  output: 3 fp32 operations per output and row a chunk. acc runs ~7-10 bits above the result
+  (the bias against q - z), which costs ~1e-5 of the result in fp32, far below the half-type
+  output's rounding (tests/test_w4a16_tcgemv.py checks to 1e-4 of the largest output). The
+  per-row sums of x are computed once per program before the main loop, for every chunk of its
+  split at once, into a small fp32 scratch read back a chunk at a time; summed inside the loop
+  they cost 0.15-0.35 instructions a weight more (shuffles and barriers each step).
 
-What Triton 3.6 makes of it (sm_90 TTGIR/SASS, benchmarks/w4a16_tcgemv_ptx.py):
+What Triton 3.6 makes of it on sm_90 (benchmarks/w4a16_tcgemv_ptx.py, o 4096 -> 4096):
 
-- The layout conversion to the mma operand is hoisted above the dequantization to the int32
-  load: the only convert_layout on the weight path is the packed [BLOCK_N, P] int32 tile, and
-  the unpacking, join, permute and reshape produce the dot-operand layout in registers (the lop3
-  results are the mma's A registers). So the weights cross shared memory as packed int4, 0.5
-  bytes a weight stored (st.shared.v4) and 0.5 read (ldmatrix), with two barriers per step.
-  With the other order, k' = 8q + 2j + b, the dequantized fp16 tile goes through shared memory
-  instead (4 bytes a weight) and the count rises by ~1 instruction a weight.
-- The global->shared copy of that tile needs a transposition (the mma's lanes run along K, the
-  weight is contiguous along N): ~1.5 register moves per 16-byte store.
-- num_stages = 2 turns the packed load into cp.async, but 4 bytes a copy (the shared tile is
-  K-contiguous for ldmatrix), with more address arithmetic: ~0.2 instructions a weight more.
-- W as the B operand (x rows as the mma's 16 rows) doubles the mma count and the moves.
+- The conversion to the mma operand layout is hoisted above the unpacking to the int32 load:
+  the TTGIR's only convert_layout on the weight path is the packed [BLOCK_N, BLOCK_K / 8] int32
+  tile; the inline asm, tl.join, tl.permute and tl.reshape then produce the dot-operand layout
+  in registers (the lop3 results are the mma's A registers). The weights cross shared memory as
+  packed int4: ~0.55 bytes a weight stored (st.shared.v4, with ~1 register move per word: the
+  mma's k lanes need the tile K-contiguous, the weight is N-contiguous) and 0.5 loaded
+  (ldmatrix), two barriers a step. With a pairing order that splits a word's pairs over lanes
+  (k' = 8q + 2j + b, kept as PAIR_ORDER 1 for comparison) the unpacked 16-bit tile is converted
+  instead: ~4.5 shared bytes and +0.6 instructions a weight.
+- At 16 rows on 4 or 8 warps Triton uses wgmma, the unpacked tile still the A operand in
+  registers (x from shared memory); 255 registers, no spills.
+- num_stages = 2 makes the packed load a cp.async, but of 4 bytes (the shared tile is
+  K-contiguous), with the address arithmetic: +0.2-0.3 instructions a weight.
+- The weight as the B operand (x rows as the mma's 16 rows) doubles the mma count: +0.4-0.5.
 
-Counted for 1 row, fp16, G = 128 (BLOCK_N 256, 4 warps): ~1.5 SASS instructions a weight in the
-loop (0.63 unpacking + 0.13 mma; the rest loads, the shared round trip, the x operand and the
-per-chunk scale step), against 3.6 for the GEMV. The benchmark prints the table per config.
+Loop SASS instructions a weight, G = 128, BLOCK_N 256 on 4 warps (1 / 4 / 8 / 16 rows): fp16
+1.46 / 1.61 / 1.56 / 1.75, bf16 1.73 / 1.84 / 1.82 / 1.99 (unpacking 0.63 fp16, 0.88 bf16; mma
+0.13; the rest the packed tile's loads and shared round trip, x, the scales and the per-chunk
+correction), no spills. Smaller groups pay the per-chunk work more often: G = 64 ~2.0-2.4,
+G = 32 ~2.7-4.0 (the per-chunk step, ~3 operations per output and row, dominates).
 """
 
 from __future__ import annotations
@@ -275,9 +278,13 @@ def _tcgemv_kernel(
                 # layout").
                 cols = tl.load(perm_ptr + k0 + k_nat)
                 if W_AS_A:
-                    xk = tl.load(x_ptr + offs_m[None, :] * stride_xm + cols[:, None], mask=m_ok[None, :], other=0.0)
+                    xk = tl.load(
+                        x_ptr + offs_m[None, :] * stride_xm + cols[:, None], mask=m_ok[None, :], other=0.0
+                    )
                 else:
-                    xk = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=m_ok[:, None], other=0.0)
+                    xk = tl.load(
+                        x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=m_ok[:, None], other=0.0
+                    )
                 if not SUMS_FIRST:
                     xf = xk.to(tl.float32)
                     if W_AS_A:
@@ -288,7 +295,9 @@ def _tcgemv_kernel(
                         sxb += tl.sum(xf * k_bias_dot[None, :], axis=1)
             else:
                 # [BLOCK_M, BLOCK_K] in the natural order (contiguous loads), permuted in registers
-                xn = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + kk)[None, :], mask=m_ok[:, None], other=0.0)
+                xn = tl.load(
+                    x_ptr + offs_m[:, None] * stride_xm + (k0 + kk)[None, :], mask=m_ok[:, None], other=0.0
+                )
                 if not SUMS_FIRST:
                     xf = xn.to(tl.float32)
                     sx += tl.sum(xf, axis=1)
@@ -365,6 +374,18 @@ def make_config(
     )  # fmt: skip
 
 
+def default_config(m: int, n: int, k: int, num_sms: int = 132) -> KernelConfig:
+    """Untuned choice: 256 columns on 4 warps by 128 inputs a step (the fewest loop instructions a
+    weight in benchmarks/w4a16_tcgemv_ptx.py at 1-8 rows), splits of K for about two programs a
+    multiprocessor (the launcher rounds them to a divisor of K / chunk)."""
+    bn = 256
+    tiles = triton.cdiv(n, bn) * triton.cdiv(m, MAX_ROWS)
+    split = 1
+    while tiles * split < 2 * num_sms and split * 2 <= max(1, k // 128):
+        split *= 2
+    return make_config(bn, 128, split, num_warps=4, num_stages=1)
+
+
 def pair_order(step: int, rows: int, w_as_a: bool, config: KernelConfig) -> int:
     """The dot's order of a step's inputs (the kernel's PAIR_ORDER) for which every k' a thread
     holds in the mma operand comes from packed words it holds whole, so that Triton converts the
@@ -430,7 +451,9 @@ def w4a16_tcgemv(
     sums_first = bool(params.get("SUMS_FIRST", 1))
     w_as_a = bool(params.get("W_AS_A", 1))
     if sums_first:
-        sums = torch.empty((blocks_m * tiles_n * split * chunks * 2 * bm,), dtype=torch.float32, device=x.device)
+        sums = torch.empty(
+            (blocks_m * tiles_n * split * chunks * 2 * bm,), dtype=torch.float32, device=x.device
+        )
     else:
         sums = y
     # the first pass holds at most ~32 inputs a thread (at least one chunk)

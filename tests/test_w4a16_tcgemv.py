@@ -72,7 +72,9 @@ def test_tcgemv_bf16_unpacking_matches_reference(m, n, k, g, perm, bias, tile): 
 # The variants the static counts compare are correct too: the per-chunk sums of x inside the
 # loop, the weight as the mma's B operand, and the other pairing order of the unpacked nibbles.
 @pytest.mark.parametrize(
-    "options", [{"sums_first": False}, {"w_as_a": False}, {"pair_order": 1}], ids=["sums-in-loop", "w-as-b", "order-1"]
+    "options",
+    [{"sums_first": False}, {"w_as_a": False}, {"pair_order": 1}],
+    ids=["sums-in-loop", "w-as-b", "order-1"],
 )
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_tcgemv_variants_match_reference(options, dtype):  # type: ignore[no-untyped-def]
@@ -111,7 +113,9 @@ def test_tcgemv_reads_a_perm_narrower_than_k():
     gen = torch.Generator().manual_seed(4)
     perm = torch.randint(0, 192, (256,), generator=gen).to(torch.int32)
     x = torch.randn(3, 192, generator=gen).half()
-    y = w4a16_tcgemv.w4a16_tcgemv(x, qweight, scales, zeros, perm, 64, None, w4a16_tcgemv.make_config(32, 64, 2))
+    y = w4a16_tcgemv.w4a16_tcgemv(
+        x, qweight, scales, zeros, perm, 64, None, w4a16_tcgemv.make_config(32, 64, 2)
+    )
     ref = reference.w4a16_linear(x.float(), qweight, scales, zeros, perm, 64)
     torch.testing.assert_close(y.float(), ref, atol=1e-4 * ref.abs().max().item(), rtol=RTOL[torch.float16])
 
@@ -125,6 +129,14 @@ def test_launch_shape_covers_k_with_whole_chunks():
     for k, g in ((4096, 128), (14336, 128), (576, 32), (576, 576), (1024, 1024)):
         step, chunk, split, chunks = w4a16_tcgemv.launch_shape(k, g, cfg)
         assert g % chunk == 0 and chunk % step == 0 and split * chunks * chunk == k
+
+
+def test_tcgemv_default_config_runs():
+    cfg = w4a16_tcgemv.default_config(2, 40, 576)
+    assert cfg["BLOCK_N"] == 256 and cfg.num_warps == 4
+    _check(2, 40, 576, 64, False, True, cfg, torch.float16)
+    big = w4a16_tcgemv.default_config(1, 4096, 4096)
+    assert 16 * big["SPLIT_K"] >= 2 * 132
 
 
 def test_tcgemv_refuses_fp32_activations_and_small_groups():
@@ -178,7 +190,7 @@ def _compile_sm90(dtype: str, constexprs: dict[str, object], options: dict[str, 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, json.dumps([signature, constexprs, options])],
-        env=env, capture_output=True, text=True, timeout=300,
+        check=False, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -206,8 +218,13 @@ def _constexprs(**overrides) -> dict[str, object]:  # type: ignore[no-untyped-de
         ("*bf16", {"BLOCK_M": 4, "GROUP_SIZE": 4096, "CHUNK": 256, "W_AS_A": False}),
         ("*fp16", {"BLOCK_M": 16, "GROUP_SIZE": 32, "BLOCK_K": 32, "CHUNK": 32, "HAS_PERM": True}),
     ],
-    ids=["fp16-1row-split", "bf16-16rows-perm", "fp16-8rows-g32-sums-in-loop", "bf16-w-as-b-per-channel",
-         "fp16-16rows-g32-wgmma"],
+    ids=[
+        "fp16-1row-split",
+        "bf16-16rows-perm",
+        "fp16-8rows-g32-sums-in-loop",
+        "bf16-w-as-b-per-channel",
+        "fp16-16rows-g32-wgmma",
+    ],
 )
 def test_tcgemv_compiles_for_sm90(dtype: str, overrides: dict[str, object]) -> None:
     """The inline-PTX unpacking (the interpreter runs the plain expression instead), mma.sync, and
