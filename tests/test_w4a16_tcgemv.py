@@ -245,3 +245,37 @@ def test_tcgemv_weight_tile_crosses_shared_memory_packed() -> None:
     options = {"num_warps": 4, "num_stages": 1}
     assert _compile_sm90("*fp16", _constexprs(), options)["w16"] == 0
     assert _compile_sm90("*fp16", _constexprs(PAIR_ORDER=1), options)["w16"] > 0
+
+
+# ---------------------------------------------------------------- on a GPU (not run yet)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 16])
+@pytest.mark.parametrize("n,k,g", [(6144, 4096, 128), (4096, 14336, 128), (1728, 576, 64), (1536, 576, 32)])
+def test_tcgemv_on_gpu(m, n, k, g, dtype):  # type: ignore[no-untyped-def]
+    """The inline-PTX unpacking, mma.sync (up to 8 rows) and wgmma (16 rows on 4 or 8 warps), the
+    sums' scratch and the split-K tickets at Llama-3-8B and SmolLM2 shapes, with act-order and
+    bias, every tile and stage count benchmarks/w4a16_micro.py times, against the reference; and
+    the fp32 accumulator's cancellation checked tighter than the repo's 2e-2 (the bias rides in
+    it: ~1024 x sum for fp16)."""
+    qweight, scales, zeros, _ = _weights(n, k, g, False)
+    qweight, scales, zeros = qweight.cuda(), scales.cuda(), zeros.cuda()
+    perm = torch.randperm(k, device="cuda").to(torch.int32)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
+    bias = torch.randn(n, generator=gen, device="cuda").to(dtype)
+    ref = reference.w4a16_linear(x.float(), qweight, scales, zeros, perm, g, bias.float())
+    configs = [w4a16_tcgemv.default_config(m, n, k)] + [
+        w4a16_tcgemv.make_config(bn, 128, split, warps, stages)
+        for bn, warps in ((256, 4), (128, 2), (512, 4), (512, 8))
+        for split in (1, 8)
+        for stages in (1, 2)
+    ]
+    for cfg in configs:
+        y = w4a16_tcgemv.w4a16_tcgemv(x, qweight, scales, zeros, perm, g, bias, cfg)
+        torch.testing.assert_close(
+            y.float(), ref, atol=1e-3 * ref.abs().max().item(), rtol=RTOL[dtype], msg=str(cfg.as_dict())
+        )
