@@ -141,11 +141,11 @@ def _magic_pairs(packed, dt: tl.constexpr, USE_ASM: tl.constexpr):
 
 @triton.jit
 def _input_bias(k, dt: tl.constexpr):
-    """BIAS of input k (its nibble is k % 8) as _magic unpacks it, in fp32."""
+    """BIAS of input k (its nibble is k % 8) as _magic_pairs unpacks it, in fp32."""
     if dt == tl.float16:
         return tl.where(k % 2 == 1, 64.0, 1024.0)
     else:
-        return tl.where(k < 0, 0.0, 128.0)
+        return tl.zeros(k.shape, dtype=tl.float32) + 128.0
 
 
 @triton.jit
