@@ -5,6 +5,8 @@ group size (128, 64) and row count (1, 2, 4, 8, 16, 64), times on one GPU:
 
 - ``gemm``: the tl.dot kernel of kernels/w4a16_gemm.py, best of its configs the tuner would try;
 - ``gemv``: the CUDA-core GEMV of kernels/w4a16_gemv.py, best of its configs (up to 8 rows);
+- ``tcgemv``: the tensor-core decode kernel of kernels/w4a16_tcgemv.py (up to 16 rows; not in the
+  tuner yet), best of a few tiles and splits (``tcgemv_configs``);
 - ``dequant``: dequantize the weight then cuBLAS (what the tuner may pick for prefill);
 - ``bf16``: torch.nn.functional.linear on bf16 weights of the same shape (cuBLAS).
 
@@ -35,9 +37,10 @@ from pathlib import Path
 
 import torch
 
-from pagecast.kernels import reference, tuning, w4a16_gemm, w4a16_gemv
+from pagecast.kernels import reference, tuning, w4a16_gemm, w4a16_gemv, w4a16_tcgemv
 
 PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+INT4_VARIANTS = ("gemm", "gemv", "tcgemv", "dequant")
 COLD_BYTES = 512 << 20  # weight copies a sample rotates through: ~10x the H200's L2
 MAX_SETS = 64
 
@@ -62,6 +65,31 @@ def int4_weights(n: int, k: int, g: int, sets: int, gen: torch.Generator) -> lis
     return out
 
 
+def tcgemv_configs(m: int, n: int, k: int, sms: int) -> list[tuning.KernelConfig]:
+    """The tensor-core kernel's candidates: its default, and tiles (BLOCK_N, warps) of
+    benchmarks/w4a16_tcgemv_ptx.py's table at the splits giving every multiprocessor one and two
+    programs (the launcher rounds a split to a divisor of K / chunk)."""
+    out = [w4a16_tcgemv.default_config(m, n, k, sms)]
+    for bn, warps in ((256, 4), (128, 2), (512, 4), (512, 8)):
+        tiles = -(-n // bn) * -(-m // w4a16_tcgemv.MAX_ROWS)
+        split = 1
+        while tiles * split < sms and split * 2 <= k // 128:
+            split *= 2
+        for sk in sorted({split, min(split * 2, max(1, k // 128))}):
+            for stages in (1, 2):
+                out.append(w4a16_tcgemv.make_config(bn, 128, sk, warps, stages))
+    return list({json.dumps(c.as_dict()): c for c in out}.values())
+
+
+def run_int4(
+    x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, g: int, cfg: tuning.KernelConfig
+) -> torch.Tensor:
+    """One launch of the int4 path a config names (the tensor-core kernel is not behind w4a16_gemm)."""
+    if cfg.params.get("tcgemv"):
+        return w4a16_tcgemv.w4a16_tcgemv(x, q, s, z, None, g, None, cfg)
+    return w4a16_gemm.w4a16_gemm(x, q, s, z, None, g, None, cfg)
+
+
 def candidates(m: int, n: int, k: int, sms: int) -> dict[str, list[tuning.KernelConfig]]:
     """The configs each int4 variant is timed over at this shape (the tuner's, plus the GEMV's
     untuned default)."""
@@ -73,6 +101,8 @@ def candidates(m: int, n: int, k: int, sms: int) -> dict[str, list[tuning.Kernel
     if m <= w4a16_gemm.GEMV_MAX_ROWS:
         gemv = [c for c in space if w4a16_gemv.is_gemv(c)] + [w4a16_gemv.default_config(m, n, k, sms)]
         out["gemv"] = list({json.dumps(c.as_dict()): c for c in gemv}.values())
+    if m <= w4a16_tcgemv.MAX_ROWS:
+        out["tcgemv"] = tcgemv_configs(m, n, k, sms)
     return out
 
 
@@ -84,7 +114,7 @@ def _compile(task: tuple[int, int, int, int, dict[str, int]]) -> str:
     s = torch.ones((k // g, n), device="cuda", dtype=torch.float16)
     z = torch.zeros((k // g, n), device="cuda", dtype=torch.int8)
     try:
-        w4a16_gemm.w4a16_gemm(x, q, s, z, None, g, None, tuning.KernelConfig.coerce(cfg))
+        run_int4(x, q, s, z, g, tuning.KernelConfig.coerce(cfg))
         torch.cuda.synchronize()
     except Exception as exc:  # noqa: BLE001 - timed (and reported) again in the main process
         return f"{type(exc).__name__}: {str(exc)[:80]}"
@@ -102,9 +132,11 @@ def precompile(names: list[str], groups: list[int], rows: list[int], sms: int, j
         for g in groups:
             for m in rows:
                 row_class = 1 if m == 1 else (16 if m % 16 == 0 else 2)
-                for configs in candidates(m, n, k, sms).values():
+                for variant, configs in candidates(m, n, k, sms).items():
+                    # the tensor-core kernel's rows a program are a constexpr (a power of two)
+                    rc = min(1 << (m - 1).bit_length(), 16) if variant == "tcgemv" else row_class
                     for cfg in configs:
-                        key = (k, g, row_class, json.dumps(cfg.as_dict()))
+                        key = (k, g, rc, json.dumps(cfg.as_dict()))
                         tasks.setdefault(key, (n, k, g, m, cfg.as_dict()))
     start = time.perf_counter()
     ctx = multiprocessing.get_context("spawn")
@@ -133,7 +165,7 @@ def best(
 
             def launch(i: int, cfg: tuning.KernelConfig = cfg) -> object:
                 q, s, z = weights[i % len(weights)]
-                return w4a16_gemm.w4a16_gemm(x, q, s, z, None, g, None, cfg)
+                return run_int4(x, q, s, z, g, cfg)
 
             results.append((tuning.time_launches(launch, max(len(weights), 16), reps=10), cfg))
         except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: report and skip
@@ -143,7 +175,7 @@ def best(
         return math.nan, None
     t_us, cfg = min(results, key=lambda r: r[0])
     q, s, z = weights[0]
-    y = w4a16_gemm.w4a16_gemm(x, q, s, z, None, g, None, cfg).float()
+    y = run_int4(x, q, s, z, g, cfg).float()
     ref = reference.w4a16_linear(x.float(), q, s, z, None, g)
     torch.testing.assert_close(y, ref, atol=2e-2 * ref.abs().max().item(), rtol=2e-2, msg=str(cfg))
     return t_us, cfg
@@ -158,9 +190,10 @@ def summarize(
 ) -> None:
     """The markdown table, and the decode-step sums over the four projections."""
     print(
-        "\n| projection | G | rows | gemm us (GB/s) | gemv us (GB/s) | dequant us | bf16 us (GB/s) | best int4 / bf16 |"
+        "\n| projection | G | rows | gemm us (GB/s) | gemv us (GB/s) | tcgemv us (GB/s) | dequant us | bf16 us (GB/s) "
+        "| best int4 / bf16 |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     by_key: dict[tuple[str, int, int], dict[str, dict[str, object]]] = {}
     for r in table:
         by_key.setdefault((str(r["projection"]), int(r["group_size"]), int(r["rows"])), {})[
@@ -172,8 +205,8 @@ def summarize(
             r = v.get(key)
             return f"{r['time_us']} ({r['gb_s']})" if r else "-"
 
-        int4 = min(float(v[key]["time_us"]) for key in ("gemm", "gemv", "dequant") if key in v)  # type: ignore[arg-type]
-        print(f"| {name} | {g} | {m} | {cell('gemm')} | {cell('gemv')} | {v['dequant']['time_us']} | {cell('bf16')} | "
+        int4 = min(float(v[key]["time_us"]) for key in INT4_VARIANTS if key in v)  # type: ignore[arg-type]
+        print(f"| {name} | {g} | {m} | {cell('gemm')} | {cell('gemv')} | {cell('tcgemv')} | {v['dequant']['time_us']} | {cell('bf16')} | "
               f"{int4 / float(v['bf16']['time_us']):.3f} |")  # type: ignore[arg-type]  # fmt: skip
     # A decode step's four projections of one layer, best int4 path each, against bf16.
     if set(names) == set(PROJECTIONS):
@@ -181,17 +214,15 @@ def summarize(
             for m in rows_list:
                 keys = [(p, g, m) for p in names]
                 int4 = sum(
-                    min(
-                        float(by_key[key][v]["time_us"])
-                        for v in ("gemm", "gemv", "dequant")
-                        if v in by_key[key]
-                    )
+                    min(float(by_key[key][v]["time_us"]) for v in INT4_VARIANTS if v in by_key[key])
                     for key in keys
                 )  # type: ignore[arg-type]
                 bf16 = sum(float(by_key[key]["bf16"]["time_us"]) for key in keys)  # type: ignore[arg-type]
                 gemv = sum(float(by_key[key]["gemv"]["time_us"]) for key in keys if "gemv" in by_key[key])  # type: ignore[arg-type]
+                tc = sum(float(by_key[key]["tcgemv"]["time_us"]) for key in keys if "tcgemv" in by_key[key])  # type: ignore[arg-type]
                 record(out, {"figure": "layer_projections_us", "group_size": g, "rows": m,
                                   "best_int4_us": round(int4, 2), "gemv_us": round(gemv, 2) if gemv else None,
+                                  "tcgemv_us": round(tc, 2) if tc else None,
                                   "bf16_us": round(bf16, 2), "ratio_to_bf16": round(int4 / bf16, 3)})  # fmt: skip
 
 

@@ -89,10 +89,11 @@ def launch_of(m: int, n: int, k: int, g: int, cfg, perm: bool = False, bias: boo
     return rec
 
 
-def compile_launch(rec: _Launch):  # type: ignore[no-untyped-def]
+def compile_launch(rec: _Launch, fn=None):  # type: ignore[no-untyped-def]
     """triton.compile with the signature and tt.divisibility attributes the JIT launcher derives
-    from the recorded arguments (its own specialisation routine)."""
-    fn = w4a16_gemv._w4a16_gemv_kernel
+    from the recorded arguments (its own specialisation routine). ``fn``: the kernel the launch
+    was recorded for (the GEMV's by default); its USE_ASM is forced on."""
+    fn = fn or w4a16_gemv._w4a16_gemv_kernel
     kwargs = dict(rec.kwargs)
     options = {"num_warps": kwargs.pop("num_warps"), "num_stages": kwargs.pop("num_stages")}
     constexprs = dict(kwargs, USE_ASM=True)

@@ -119,6 +119,37 @@ def _load_x(x_ptr, offs_m, m_ok, stride_xm, perm_ptr, k, k_ok, HAS_PERM: tl.cons
 
 
 @triton.jit
+def _finish(
+    out, offs_m, offs_n, m_ok, n_ok, y_ptr, stride_ym, b_ptr, part_ptr, lock_ptr, pid_m, pid_n, pid_k, M, N,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+):  # fmt: skip
+    """Writes a program's fp32 tile ``out`` [BLOCK_M, BLOCK_N] (rows offs_m, columns offs_n) to y,
+    adding the bias; with SPLIT_K > 1 through the partials and the tile's ticket (the module
+    docstring). Shared with kernels/w4a16_tcgemv.py."""
+    mn_ok = m_ok[:, None] & n_ok[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            out += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mn_ok)
+    else:
+        part = part_ptr + offs_m[:, None] * N + offs_n[None, :]
+        split_stride = M * N
+        tl.store(part + pid_k * split_stride, out, mask=mn_ok)
+        tl.debug_barrier()  # every thread's partial is written before the ticket is taken
+        lock = lock_ptr + pid_m * tl.num_programs(1) + pid_n
+        ticket = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:  # the last program of this tile: add the partials in split order
+            total = tl.zeros_like(out)
+            for sk in range(SPLIT_K):
+                total += tl.load(part + sk * split_stride, mask=mn_ok, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mn_ok)
+            tl.atomic_xchg(lock, 0)  # ready for the next launch
+
+
+@triton.jit
 def _w4a16_gemv_kernel(
     x_ptr,  # [M, K] activations
     qw_ptr,  # int32 [K / 8, N]
@@ -220,28 +251,10 @@ def _w4a16_gemv_kernel(
             # t = sum x' + sum x * q / 128 and sum x' = xs + 15 xl, so
             # sum x * (q - z) = 128 * (t - 15 xl - xs * (1 + z / 128)); times the scale.
             acc += (s * 128.0) * ((t - (xl * 15.0)[:, None]) - xs[:, None] * (z * (1.0 / 128.0) + 1.0))
-    out = acc  # [BLOCK_M, BLOCK_N]
-    mn_ok = m_ok[:, None] & n_ok[None, :]
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            out += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mn_ok)
-    else:
-        part = part_ptr + offs_m[:, None] * N + offs_n[None, :]
-        split_stride = M * N
-        tl.store(part + pid_k * split_stride, out, mask=mn_ok)
-        tl.debug_barrier()  # every thread's partial is written before the ticket is taken
-        lock = lock_ptr + pid_m * tl.num_programs(1) + pid_n
-        ticket = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLIT_K - 1:  # the last program of this tile: add the partials in split order
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for sk in range(SPLIT_K):
-                total += tl.load(part + sk * split_stride, mask=mn_ok, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mn_ok)
-            tl.atomic_xchg(lock, 0)  # ready for the next launch
+    _finish(
+        acc, offs_m, offs_n, m_ok, n_ok, y_ptr, stride_ym, b_ptr, part_ptr, lock_ptr, pid_m, pid_n, pid_k, M, N,
+        HAS_BIAS, SPLIT_K,
+    )  # fmt: skip
 
 
 # (BLOCK_N, BLOCK_K, num_warps). Triton gives each thread 4 adjacent columns per 128 a warp

@@ -1,0 +1,473 @@
+"""W4A16 decode on the tensor cores: y = x @ dequant(W).T (+ b) for 1..16 rows, fp16 or bf16.
+
+NOT WIRED IN: nothing in the tuner or the runtime calls this kernel yet. It has only run in the
+Triton interpreter (tests/test_w4a16_tcgemv.py) and been compiled for sm_90 on a CPU
+(benchmarks/w4a16_tcgemv_ptx.py counts its SASS); its speed on an H200 is unmeasured.
+
+Same weight layout as kernels/w4a16_gemv.py (qweight int32 [K / 8, N], nibble i of row r is
+input 8r + i; scales [K / G, N]; int8 zeros [K / G, N]; optional act-order perm [K]), the same
+launch signature, and its split-K with the in-kernel ticket reduction (w4a16_gemv._finish).
+
+The CUDA-core GEMV spends ~3.6 SASS instructions a weight (an FMA per weight and row, plus the
+unpacking); an H200 multiprocessor must consume ~36 int4 weights a clock out of 128
+lane-instructions to keep up with memory. Here the weight tile is the A operand of the mma (its
+columns as the mma's rows, the x rows, padded to 8 or 16, as its columns): mma.sync m16n8k16
+takes 256 weights a warp, so the weights cost little more than their unpacking:
+
+- Magic numbers, no int->float conversion: for a packed word w, (w >> s) & 0x000F000F | MAGIC is
+  two 16-bit floats equal to BIAS + q of nibbles s/4 and s/4 + 4, exactly. bf16: MAGIC
+  0x43004300 (128 + q), shifts 0, 4, 8, 12: 3 shifts and 4 lop3 a word. fp16 has 10 mantissa
+  bits: w & 0x00F000F0 | 0x54005400 is 64 + q for nibbles 1 and 5 without a shift, so w and
+  w >> 8 give all eight (1024 + q for nibbles 0, 4, 2, 6; 64 + q for 1, 5, 3, 7): 1 shift and
+  4 lop3 a word. Inline PTX on the GPU (the interpreter computes the same bits).
+- The pairs (i, i + 4) permute K inside a packed row; the dot does not care about the order as
+  long as x is permuted the same way (in registers: reshape / permute of its natural-order
+  tile; with a perm, gathered straight in the dot's order). The order is chosen so that every
+  k' a thread holds in the mma operand comes from packed words it holds whole (pair_order).
+- No zero point or scale per weight: over a chunk of inputs inside one group, acc = dot(W', x)
+  in fp32 with W'_k = BIAS_k + q_k, and out += s * (acc - sum_k x_k BIAS_k - z * sum_k x_k) per
+  output: 3 fp32 operations per output and row a chunk. acc runs ~7-10 bits above the result
+  (the bias against q - z), which costs ~1e-5 of the result in fp32, far below the half-type
+  output's rounding (tests/test_w4a16_tcgemv.py checks to 1e-4 of the largest output). The
+  per-row sums of x are computed once per program before the main loop, for every chunk of its
+  split at once, into a small fp32 scratch read back a chunk at a time; summed inside the loop
+  they cost 0.15-0.35 instructions a weight more (shuffles and barriers each step).
+
+What Triton 3.6 makes of it on sm_90 (benchmarks/w4a16_tcgemv_ptx.py, o 4096 -> 4096):
+
+- The conversion to the mma operand layout is hoisted above the unpacking to the int32 load:
+  the TTGIR's only convert_layout on the weight path is the packed [BLOCK_N, BLOCK_K / 8] int32
+  tile; the inline asm, tl.join, tl.permute and tl.reshape then produce the dot-operand layout
+  in registers (the lop3 results are the mma's A registers). The weights cross shared memory as
+  packed int4: ~0.55 bytes a weight stored (st.shared.v4, with ~1 register move per word: the
+  mma's k lanes need the tile K-contiguous, the weight is N-contiguous) and 0.5 loaded
+  (ldmatrix), two barriers a step. With a pairing order that splits a word's pairs over lanes
+  (k' = 8q + 2j + b, kept as PAIR_ORDER 1 for comparison) the unpacked 16-bit tile is converted
+  instead: ~4.5 shared bytes and +0.6 instructions a weight.
+- At 16 rows on 4 or 8 warps Triton uses wgmma, the unpacked tile still the A operand in
+  registers (x from shared memory); 255 registers, no spills.
+- num_stages = 2 makes the packed load a cp.async, but of 4 bytes (the shared tile is
+  K-contiguous), with the address arithmetic: +0.2-0.3 instructions a weight.
+- The weight as the B operand (x rows as the mma's 16 rows) doubles the mma count: +0.4-0.5.
+
+Loop SASS instructions a weight, G = 128, BLOCK_N 256 on 4 warps (1 / 4 / 8 / 16 rows): fp16
+1.46 / 1.61 / 1.56 / 1.75, bf16 1.73 / 1.84 / 1.82 / 1.99 (unpacking 0.63 fp16, 0.88 bf16; mma
+0.13; the rest the packed tile's loads and shared round trip, x, the scales and the per-chunk
+correction), no spills. Smaller groups pay the per-chunk work more often: G = 64 ~2.0-2.4,
+G = 32 ~2.7-4.0 (the per-chunk step, ~3 operations per output and row, dominates).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from pagecast.kernels import w4a16_gemv
+from pagecast.kernels.tuning import KernelConfig
+
+
+@triton.jit
+def _halves(word, dtype: tl.constexpr):
+    """The two 16-bit floats of an int32, [.., 2] (low half first): the interpreter's plain path."""
+    lo = (word & 0xFFFF).to(tl.int16).to(dtype, bitcast=True)
+    hi = (word >> 16).to(tl.int16).to(dtype, bitcast=True)
+    return tl.join(lo, hi)
+
+
+@triton.jit
+def _magic_pairs(packed, dt: tl.constexpr, USE_ASM: tl.constexpr):
+    """The packed words' nibbles as 16-bit floats BIAS + q, exactly: four [.., 2] tensors, the
+    nibble pairs (0, 4), (1, 5), (2, 6), (3, 7) of each word (the low half first). fp16:
+    1024 + q for nibbles 0, 4, 2, 6 and 64 + q for 1, 5, 3, 7; bf16: 128 + q.
+
+    On the GPU one lop3 ((a & b) | c) a pair, in inline PTX whose 32-bit outputs are the pairs as
+    Triton holds them (pack=2 over two copies of each word; eight 16-bit outputs made ptxas
+    reassemble the halves with a register move a pair). The interpreter computes the same bits."""
+    if USE_ASM:
+        if dt == tl.float16:
+            return tl.inline_asm_elementwise(
+                asm="""
+                {
+                .reg .b32 t;
+                lop3.b32 $0, $4, 0x000F000F, 0x64006400, 0xEA;
+                lop3.b32 $1, $4, 0x00F000F0, 0x54005400, 0xEA;
+                shr.u32 t, $4, 8;
+                lop3.b32 $2, t, 0x000F000F, 0x64006400, 0xEA;
+                lop3.b32 $3, t, 0x00F000F0, 0x54005400, 0xEA;
+                }
+                """,
+                constraints="=r,=r,=r,=r,r,r",
+                args=[tl.join(packed, packed)],
+                dtype=(tl.float16,) * 4,
+                is_pure=True,
+                pack=2,
+            )
+        else:
+            return tl.inline_asm_elementwise(
+                asm="""
+                {
+                .reg .b32 t;
+                lop3.b32 $0, $4, 0x000F000F, 0x43004300, 0xEA;
+                shr.u32 t, $4, 4;
+                lop3.b32 $1, t, 0x000F000F, 0x43004300, 0xEA;
+                shr.u32 t, $4, 8;
+                lop3.b32 $2, t, 0x000F000F, 0x43004300, 0xEA;
+                shr.u32 t, $4, 12;
+                lop3.b32 $3, t, 0x000F000F, 0x43004300, 0xEA;
+                }
+                """,
+                constraints="=r,=r,=r,=r,r,r",
+                args=[tl.join(packed, packed)],
+                dtype=(tl.bfloat16,) * 4,
+                is_pure=True,
+                pack=2,
+            )
+    if dt == tl.float16:
+        w0 = (packed & 0x000F000F) | 0x64006400
+        w1 = (packed & 0x00F000F0) | 0x54005400
+        t = packed >> 8
+        w2 = (t & 0x000F000F) | 0x64006400
+        w3 = (t & 0x00F000F0) | 0x54005400
+    else:
+        w0 = (packed & 0x000F000F) | 0x43004300
+        w1 = ((packed >> 4) & 0x000F000F) | 0x43004300
+        w2 = ((packed >> 8) & 0x000F000F) | 0x43004300
+        w3 = ((packed >> 12) & 0x000F000F) | 0x43004300
+    return _halves(w0, dt), _halves(w1, dt), _halves(w2, dt), _halves(w3, dt)
+
+
+@triton.jit
+def _input_bias(k, dt: tl.constexpr):
+    """BIAS of input k (its nibble is k % 8) as _magic_pairs unpacks it, in fp32."""
+    if dt == tl.float16:
+        return tl.where(k % 2 == 1, 64.0, 1024.0)
+    else:
+        return tl.zeros(k.shape, dtype=tl.float32) + 128.0
+
+
+@triton.jit
+def _tcgemv_kernel(
+    x_ptr,  # [M, K] activations (fp16 / bf16)
+    qw_ptr,  # int32 [K / 8, N]
+    s_ptr,  # [K / G, N]
+    z_ptr,  # int8 [K / G, N]
+    perm_ptr,  # int32 [K] or unused
+    b_ptr,  # [N] or unused
+    y_ptr,  # [M, N]
+    part_ptr,  # fp32 [SPLIT_K, M, N] partial sums (SPLIT_K > 1) or unused
+    lock_ptr,  # int32 [row blocks * column tiles] tickets, zero between launches (SPLIT_K > 1)
+    sums_ptr,  # fp32 scratch [programs, CHUNKS, 2, BLOCK_M] (SUMS_FIRST) or unused
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_ym,
+    GROUP_SIZE: tl.constexpr,
+    HAS_PERM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows a program computes (a power of two up to 16; the mma pads to 8)
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # inputs a dot step covers; divides CHUNK
+    CHUNK: tl.constexpr,  # inputs between two applications of the scales; divides GROUP_SIZE
+    SPLIT_K: tl.constexpr,
+    CHUNKS: tl.constexpr,  # chunks a split covers (SPLIT_K * CHUNKS * CHUNK == K: nothing masked along K)
+    EVEN_N: tl.constexpr,  # N % BLOCK_N == 0
+    SUMS_FIRST: tl.constexpr,  # sum x per chunk before the loop (else inside it)
+    SUMS_BLOCK: tl.constexpr,  # chunks the first pass sums at once
+    W_AS_A: tl.constexpr,  # the weight tile is the mma's A operand (else B, x rows as the mma's M)
+    PAIR_ORDER: tl.constexpr,  # k' of (packed row q, pair j = j0 + 2 j1, half b): 0: 2P j + 2q + b,
+    #                             1: 8q + 2j + b, 2: 4P j1 + 4q + 2 j0 + b (see pair_order)
+    DOT_FP32: tl.constexpr,  # the interpreter, bf16: dot in fp32 (its bf16 dot is wrong; exact here)
+    USE_ASM: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    P: tl.constexpr = BLOCK_K // 8  # packed rows a step
+    STEPS: tl.constexpr = CHUNK // BLOCK_K
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    k_begin = pid_k * (CHUNKS * CHUNK)
+    if SUMS_FIRST:
+        # Per chunk and row: sum x and sum x * BIAS over this split's inputs, SUMS_BLOCK chunks at
+        # a time (one cross-thread reduction for all of them), into this program's scratch row.
+        cb = tl.arange(0, SUMS_BLOCK)
+        kc_ar = tl.arange(0, CHUNK)
+        bias3 = _input_bias(kc_ar, DT)[None, None, :]  # chunks start at multiples of 16
+        prog = (pid_m * tl.num_programs(1) + pid_n) * SPLIT_K + pid_k
+        scr = sums_ptr + prog * (CHUNKS * 2 * BLOCK_M)
+        for c0 in range(0, CHUNKS, SUMS_BLOCK):
+            ci = c0 + cb
+            c_ok = ci < CHUNKS
+            kidx = k_begin + ci[:, None] * CHUNK + kc_ar[None, :]  # [CB, CHUNK]
+            if HAS_PERM:
+                cols = tl.load(perm_ptr + kidx, mask=c_ok[:, None], other=0)
+            else:
+                cols = kidx
+            x3 = tl.load(
+                x_ptr + offs_m[:, None, None] * stride_xm + cols[None, :, :],
+                mask=m_ok[:, None, None] & c_ok[None, :, None],
+                other=0.0,
+            ).to(tl.float32)  # [BLOCK_M, CB, CHUNK]
+            dst = scr + ci[None, :] * (2 * BLOCK_M) + tl.arange(0, BLOCK_M)[:, None]
+            tl.store(dst, tl.sum(x3 * bias3, axis=2), mask=c_ok[None, :])
+            tl.store(dst + BLOCK_M, tl.sum(x3, axis=2), mask=c_ok[None, :])
+        tl.debug_barrier()  # the loop reads sums other threads wrote
+    kk = tl.arange(0, BLOCK_K)  # a step's inputs in their natural order
+    k_bias = _input_bias(kk, DT)
+    # the input at each position of the dot's order: nibble j + 4b of packed row q
+    if PAIR_ORDER == 0:  # k' = 2P j + 2q + b
+        k_nat = ((kk // 2) % P) * 8 + kk // (2 * P) + (kk % 2) * 4
+    elif PAIR_ORDER == 2:  # k' = 4P j1 + 4q + 2 j0 + b
+        k_nat = ((kk // 4) % P) * 8 + (kk // (4 * P)) * 2 + (kk // 2) % 2 + (kk % 2) * 4
+    else:  # k' = 8q + 2j + b
+        k_nat = (kk // 8) * 8 + (kk // 2) % 4 + (kk % 2) * 4
+    k_bias_dot = _input_bias(k_nat, DT)
+    qq = tl.arange(0, P)
+    if W_AS_A:
+        out = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        out = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for c in range(CHUNKS):
+        kc = k_begin + c * CHUNK
+        if W_AS_A:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        sx = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        sxb = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for st in tl.static_range(STEPS):
+            k0 = kc + st * BLOCK_K
+            rows = k0 // 8 + qq
+            if W_AS_A:
+                ptrs = qw_ptr + rows[None, :] * N + offs_n[:, None]  # [BLOCK_N, P]
+                ld_ok = n_ok[:, None]
+            else:
+                ptrs = qw_ptr + rows[:, None] * N + offs_n[None, :]  # [P, BLOCK_N]
+                ld_ok = n_ok[None, :]
+            if EVEN_N:
+                packed = tl.load(ptrs)
+            else:
+                packed = tl.load(ptrs, mask=ld_ok, other=0)
+            # [.., P, b, j0, j1] with nibble j + 4b, j = j0 + 2 j1 (the joins append a last axis)
+            p0, p1, p2, p3 = _magic_pairs(packed, DT, USE_ASM)
+            w5 = tl.join(tl.join(p0, p1), tl.join(p2, p3))
+            if W_AS_A:
+                if PAIR_ORDER == 0:  # [BLOCK_N, j1, j0, P, b]
+                    w = tl.reshape(tl.permute(w5, (0, 4, 3, 1, 2)), (BLOCK_N, BLOCK_K))
+                elif PAIR_ORDER == 2:  # [BLOCK_N, j1, P, j0, b]
+                    w = tl.reshape(tl.permute(w5, (0, 4, 1, 3, 2)), (BLOCK_N, BLOCK_K))
+                else:  # [BLOCK_N, P, j1, j0, b]
+                    w = tl.reshape(tl.permute(w5, (0, 1, 4, 3, 2)), (BLOCK_N, BLOCK_K))
+            else:
+                if PAIR_ORDER == 0:  # [j1, j0, P, b, BLOCK_N]
+                    w = tl.reshape(tl.permute(w5, (4, 3, 0, 2, 1)), (BLOCK_K, BLOCK_N))
+                elif PAIR_ORDER == 2:  # [j1, P, j0, b, BLOCK_N]
+                    w = tl.reshape(tl.permute(w5, (4, 0, 3, 2, 1)), (BLOCK_K, BLOCK_N))
+                else:  # [P, j1, j0, b, BLOCK_N]
+                    w = tl.reshape(tl.permute(w5, (0, 4, 3, 2, 1)), (BLOCK_K, BLOCK_N))
+            if HAS_PERM:
+                # A gather either way: load x straight in the dot's order (reshaping a gathered
+                # [16, BLOCK_K] tile made Triton 3.6's OptimizeDotOperands abort, "Illegal shared
+                # layout").
+                cols = tl.load(perm_ptr + k0 + k_nat)
+                if W_AS_A:
+                    xk = tl.load(
+                        x_ptr + offs_m[None, :] * stride_xm + cols[:, None], mask=m_ok[None, :], other=0.0
+                    )
+                else:
+                    xk = tl.load(
+                        x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=m_ok[:, None], other=0.0
+                    )
+                if not SUMS_FIRST:
+                    xf = xk.to(tl.float32)
+                    if W_AS_A:
+                        sx += tl.sum(xf, axis=0)
+                        sxb += tl.sum(xf * k_bias_dot[:, None], axis=0)
+                    else:
+                        sx += tl.sum(xf, axis=1)
+                        sxb += tl.sum(xf * k_bias_dot[None, :], axis=1)
+            else:
+                # [BLOCK_M, BLOCK_K] in the natural order (contiguous loads), permuted in registers
+                xn = tl.load(
+                    x_ptr + offs_m[:, None] * stride_xm + (k0 + kk)[None, :], mask=m_ok[:, None], other=0.0
+                )
+                if not SUMS_FIRST:
+                    xf = xn.to(tl.float32)
+                    sx += tl.sum(xf, axis=1)
+                    sxb += tl.sum(xf * k_bias[None, :], axis=1)
+                x5 = tl.reshape(xn, (BLOCK_M, P, 2, 2, 2))  # [M, q, b, j1, j0]: nibble i = j0 + 2 j1 + 4b
+                if PAIR_ORDER == 0:  # [M, j1, j0, q, b]
+                    xk = tl.reshape(tl.permute(x5, (0, 3, 4, 1, 2)), (BLOCK_M, BLOCK_K))
+                elif PAIR_ORDER == 2:  # [M, j1, q, j0, b]
+                    xk = tl.reshape(tl.permute(x5, (0, 3, 1, 4, 2)), (BLOCK_M, BLOCK_K))
+                else:  # [M, q, j1, j0, b]
+                    xk = tl.reshape(tl.permute(x5, (0, 1, 3, 4, 2)), (BLOCK_M, BLOCK_K))
+                if W_AS_A:
+                    xk = tl.trans(xk)
+            if W_AS_A:
+                if DOT_FP32:
+                    acc = tl.dot(w.to(tl.float32), xk.to(tl.float32), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(w, xk, acc)
+            else:
+                if DOT_FP32:
+                    acc = tl.dot(xk.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(xk, w, acc)
+        if SUMS_FIRST:
+            src = scr + c * (2 * BLOCK_M) + tl.arange(0, BLOCK_M)
+            sxb = tl.load(src)
+            sx = tl.load(src + BLOCK_M)
+        g = kc // GROUP_SIZE
+        if EVEN_N:
+            s = tl.load(s_ptr + g * N + offs_n).to(tl.float32)
+            z = tl.load(z_ptr + g * N + offs_n).to(tl.float32)
+        else:
+            s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0).to(tl.float32)
+        # sum x (q - z) = acc - sum x BIAS - z sum x
+        if W_AS_A:
+            out += s[:, None] * ((acc - sxb[None, :]) - z[:, None] * sx[None, :])
+        else:
+            out += s[None, :] * ((acc - sxb[:, None]) - z[None, :] * sx[:, None])
+    if W_AS_A:
+        out = tl.trans(out)
+    w4a16_gemv._finish(
+        out, offs_m, offs_n, m_ok, n_ok, y_ptr, stride_ym, b_ptr, part_ptr, lock_ptr, pid_m, pid_n, pid_k, M, N,
+        HAS_BIAS, SPLIT_K,
+    )  # fmt: skip
+
+
+MAX_ROWS = 16  # rows a program: the mma's n16 (more rows take more row blocks, re-reading W)
+MAX_CHUNK = 256  # inputs between two applications of the scales (per-channel groups are split)
+
+
+def make_config(
+    block_n: int,
+    block_k: int,
+    split_k: int,
+    num_warps: int = 4,
+    num_stages: int = 1,
+    *,
+    w_as_a: bool = True,
+    pair_order: int | None = None,
+    sums_first: bool = True,
+) -> KernelConfig:
+    """``block_k``: the most inputs a dot step covers (the launcher takes the widest power of two
+    dividing the group). The keyword options choose the variants the static counts compare
+    (benchmarks/w4a16_tcgemv_ptx.py); the defaults are the cheapest."""
+    return KernelConfig(
+        {
+            "tcgemv": 1, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k,
+            "W_AS_A": int(w_as_a), "SUMS_FIRST": int(sums_first),
+            **({} if pair_order is None else {"PAIR_ORDER": pair_order}),
+        },
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )  # fmt: skip
+
+
+def default_config(m: int, n: int, k: int, num_sms: int = 132) -> KernelConfig:
+    """Untuned choice: 256 columns on 4 warps by 128 inputs a step (the fewest loop instructions a
+    weight in benchmarks/w4a16_tcgemv_ptx.py at 1-8 rows), splits of K for about two programs a
+    multiprocessor (the launcher rounds them to a divisor of K / chunk)."""
+    bn = 256
+    tiles = triton.cdiv(n, bn) * triton.cdiv(m, MAX_ROWS)
+    split = 1
+    while tiles * split < 2 * num_sms and split * 2 <= max(1, k // 128):
+        split *= 2
+    return make_config(bn, 128, split, num_warps=4, num_stages=1)
+
+
+def pair_order(step: int, rows: int, w_as_a: bool, config: KernelConfig) -> int:
+    """The dot's order of a step's inputs (the kernel's PAIR_ORDER) for which every k' a thread
+    holds in the mma operand comes from packed words it holds whole, so that Triton converts the
+    packed int32 tile and unpacks it in registers. The mma's k lanes hold k' bits 2-3 (mma.sync,
+    Triton's kWidth 4) or 1-2 (wgmma's register A, kWidth 2, which Triton 3.6 picks from 16 rows
+    on 4 or 8 warps); those bits must index packed rows. 2P j + 2q + b does for both from 8
+    packed rows a step (64 inputs), and for wgmma from 4; with 4 (32 inputs) on mma.sync,
+    4P j1 + 4q + 2 j0 + b."""
+    wgmma = w_as_a and rows >= 16 and config.num_warps % 4 == 0
+    return 0 if step >= 64 or wgmma else 2
+
+
+def launch_shape(k: int, group_size: int, config: KernelConfig) -> tuple[int, int, int, int]:
+    """(inputs a dot step covers, inputs a chunk covers, splits, chunks a split covers).
+
+    The step is the widest power of two up to BLOCK_K dividing the group, 32 at least (16 would
+    leave two packed rows a k16 step, so two of the mma's four k lanes would need the same words,
+    and Triton converts the unpacked tile instead, through shared memory); the chunk the widest power-of-two multiple of it dividing the group, up to MAX_CHUNK; the
+    split the largest divisor of K / chunk up to SPLIT_K, so that every split covers whole chunks
+    and none runs past K."""
+    if group_size % 32:
+        raise ValueError(f"the tensor-core W4A16 GEMV needs a group size divisible by 32, got {group_size}")
+    step = 32
+    while group_size % (step * 2) == 0 and step * 2 <= config["BLOCK_K"]:
+        step *= 2
+    chunk = step
+    while group_size % (chunk * 2) == 0 and chunk * 2 <= MAX_CHUNK:
+        chunk *= 2
+    chunks = k // chunk
+    split = max(d for d in range(1, min(config["SPLIT_K"], chunks) + 1) if chunks % d == 0)
+    return step, chunk, split, chunks // split
+
+
+def w4a16_tcgemv(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    perm: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None,
+    config: KernelConfig,
+) -> torch.Tensor:
+    """x [M, K] (fp16 or bf16, contiguous rows) @ dequant(W).T (+ bias) -> [M, N] in x's dtype,
+    one launch; w4a16_gemv.w4a16_gemv's signature (shapes are the caller's to check, as
+    w4a16_gemm.check_shapes does). Partials and the sums' scratch are allocated per call."""
+    m, k = x.shape[0], qweight.shape[0] * 8  # with a perm x may be narrower than K
+    n = qweight.shape[1]
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"the tensor-core W4A16 GEMV takes fp16 or bf16 activations, got {x.dtype}")
+    params = config.params
+    bm = min(triton.next_power_of_2(m), MAX_ROWS)
+    step, chunk, split, chunks = launch_shape(k, group_size, config)
+    bn = config["BLOCK_N"]
+    tiles_n = triton.cdiv(n, bn)
+    blocks_m = triton.cdiv(m, bm)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if split > 1:
+        partials = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        locks = w4a16_gemv._locks(x.device, tiles_n * blocks_m)
+    else:
+        partials = locks = y
+    sums_first = bool(params.get("SUMS_FIRST", 1))
+    w_as_a = bool(params.get("W_AS_A", 1))
+    if sums_first:
+        sums = torch.empty(
+            (blocks_m * tiles_n * split * chunks * 2 * bm,), dtype=torch.float32, device=x.device
+        )
+    else:
+        sums = y
+    # the first pass holds at most ~32 inputs a thread (at least one chunk)
+    sums_block = max(1, min(triton.next_power_of_2(chunks), 32 * 32 * config.num_warps // (bm * chunk)))
+    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    _tcgemv_kernel[(blocks_m, tiles_n, split)](
+        x, qweight, scales, zeros, perm if perm is not None else qweight, bias if bias is not None else scales,
+        y, partials, locks, sums, m, n, k, x.stride(0), y.stride(0),
+        GROUP_SIZE=group_size, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=step, CHUNK=chunk, SPLIT_K=split, CHUNKS=chunks, EVEN_N=n % bn == 0,
+        SUMS_FIRST=sums_first, SUMS_BLOCK=sums_block, W_AS_A=w_as_a,
+        PAIR_ORDER=pair_order(step, bm, w_as_a, config) if "PAIR_ORDER" not in params else params["PAIR_ORDER"],
+        DOT_FP32=interp and x.dtype == torch.bfloat16,
+        USE_ASM=x.is_cuda and not interp,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    return y

@@ -1,0 +1,281 @@
+"""The tensor-core W4A16 decode kernel (kernels/w4a16_tcgemv.py) against the pure-torch
+reference, through the Triton interpreter on the CPU, and compiled for sm_90 here without a GPU.
+
+The interpreter's bf16 tl.dot is wrong, so bf16 runs its dot in fp32 there (DOT_FP32: the magic
+values 128 + q and bf16 activations are exact in fp32); the bf16 unpacking is still the one under
+test. The reference is exact (fp32 weights, fp32 products of the activations as given), so the
+checks are tight: the output's rounding to fp16 / bf16 (rtol) plus ~1e-4 of the largest output
+for the kernel's fp32 cancellation (acc carries the magic bias, ~1024 sum x for fp16)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from pagecast.kernels import reference, w4a16_gemv, w4a16_tcgemv
+
+
+def _weights(n: int, k: int, g: int, perm: bool, seed: int = 0):  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(seed)
+    qweight = torch.randint(-(2**31), 2**31 - 1, (k // 8, n), generator=gen, dtype=torch.int32)
+    scales = (torch.rand(k // g, n, generator=gen) * 0.02 + 0.001).half()
+    zeros = torch.randint(0, 16, (k // g, n), generator=gen, dtype=torch.int8)
+    p = torch.randperm(k, generator=gen).to(torch.int32) if perm else None
+    return qweight, scales, zeros, p
+
+
+RTOL = {torch.float16: 2**-10, torch.bfloat16: 2**-7}  # twice the output's rounding
+
+
+def _check(m, n, k, g, perm, bias, cfg, dtype, seed=0):  # type: ignore[no-untyped-def]
+    qweight, scales, zeros, p = _weights(n, k, g, perm, seed=seed + m + n)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    y = w4a16_tcgemv.w4a16_tcgemv(x, qweight, scales, zeros, p, g, b, cfg)
+    ref = reference.w4a16_linear(x.float(), qweight, scales, zeros, p, g, b.float() if bias else None)
+    assert y.dtype == dtype and y.shape == (m, n)
+    torch.testing.assert_close(y.float(), ref, atol=1e-4 * ref.abs().max().item(), rtol=RTOL[dtype])
+    return y
+
+
+# (M, N, K, G, act-order perm, bias, (BLOCK_N, BLOCK_K, SPLIT_K)). K = 576 is SmolLM2's hidden
+# size; N = 40 / 72 / 100 leave a partial column tile; the launcher takes the largest split
+# dividing K / chunk (576 / 64 = 9 chunks: 3 splits of 3 when 4 are asked).
+CASES = [
+    (1, 40, 576, 64, False, True, (32, 64, 4)),
+    (3, 72, 576, 32, True, False, (64, 64, 2)),  # the group is the step and the chunk
+    (8, 100, 576, 64, True, True, (64, 128, 1)),  # BLOCK_K capped by the group; no split
+    (16, 64, 576, 32, False, True, (32, 32, 9)),  # 18 chunks of 32, 9 splits
+    (1, 72, 4096, 128, True, True, (64, 128, 8)),
+    (16, 40, 4096, 128, False, False, (32, 128, 1)),
+    (8, 48, 1024, 1024, False, True, (32, 128, 2)),  # per channel: chunks of MAX_CHUNK in one group
+]
+
+
+@pytest.mark.parametrize("m,n,k,g,perm,bias,tile", CASES)
+def test_tcgemv_fp16_matches_reference(m, n, k, g, perm, bias, tile):  # type: ignore[no-untyped-def]
+    _check(m, n, k, g, perm, bias, w4a16_tcgemv.make_config(*tile, num_warps=2), torch.float16)
+
+
+@pytest.mark.parametrize("m,n,k,g,perm,bias,tile", [CASES[0], CASES[1], CASES[4], CASES[6]])
+def test_tcgemv_bf16_unpacking_matches_reference(m, n, k, g, perm, bias, tile):  # type: ignore[no-untyped-def]
+    _check(m, n, k, g, perm, bias, w4a16_tcgemv.make_config(*tile, num_warps=2), torch.bfloat16)
+
+
+# The variants the static counts compare are correct too: the per-chunk sums of x inside the
+# loop, the weight as the mma's B operand, and the other pairing order of the unpacked nibbles.
+@pytest.mark.parametrize(
+    "options",
+    [{"sums_first": False}, {"w_as_a": False}, {"pair_order": 1}],
+    ids=["sums-in-loop", "w-as-b", "order-1"],
+)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tcgemv_variants_match_reference(options, dtype):  # type: ignore[no-untyped-def]
+    for m, n, k, g, perm, bias, tile in (CASES[1], CASES[4]):
+        _check(m, n, k, g, perm, bias, w4a16_tcgemv.make_config(*tile, num_warps=2, **options), dtype)
+
+
+def test_tcgemv_rows_past_16_take_several_row_blocks():
+    _check(19, 40, 576, 64, True, True, w4a16_tcgemv.make_config(32, 64, 3, num_warps=2), torch.float16)
+
+
+def test_tcgemv_large_activations_keep_their_precision():
+    """The magic bias rides in the fp32 accumulator (1024 x for fp16): activations of a few
+    hundred must not lose the result to cancellation."""
+    qweight, scales, zeros, _ = _weights(40, 1024, 128, False, seed=5)
+    x = (torch.randn(2, 1024, generator=torch.Generator().manual_seed(6)) * 300).half()
+    cfg = w4a16_tcgemv.make_config(32, 128, 2, num_warps=2)
+    y = w4a16_tcgemv.w4a16_tcgemv(x, qweight, scales, zeros, None, 128, None, cfg)
+    ref = reference.w4a16_linear(x.float(), qweight, scales, zeros, None, 128)
+    torch.testing.assert_close(y.float(), ref, atol=1e-4 * ref.abs().max().item(), rtol=RTOL[torch.float16])
+
+
+def test_tcgemv_split_k_is_deterministic_and_leaves_counters_at_zero():
+    qweight, scales, zeros, _ = _weights(72, 1024, 64, False)
+    x = torch.randn(2, 1024).half()
+    cfg = w4a16_tcgemv.make_config(32, 64, 8, num_warps=2)
+    first = w4a16_tcgemv.w4a16_tcgemv(x, qweight, scales, zeros, None, 64, None, cfg)
+    assert not w4a16_gemv._LOCKS[x.device].any()
+    second = w4a16_tcgemv.w4a16_tcgemv(x, qweight, scales, zeros, None, 64, None, cfg)
+    assert torch.equal(first, second)
+
+
+def test_tcgemv_reads_a_perm_narrower_than_k():
+    """A row-parallel act-order shard: K = 256 inputs over x's 192 columns (builder/quant.py)."""
+    qweight, scales, zeros, _ = _weights(40, 256, 64, False, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    perm = torch.randint(0, 192, (256,), generator=gen).to(torch.int32)
+    x = torch.randn(3, 192, generator=gen).half()
+    y = w4a16_tcgemv.w4a16_tcgemv(
+        x, qweight, scales, zeros, perm, 64, None, w4a16_tcgemv.make_config(32, 64, 2)
+    )
+    ref = reference.w4a16_linear(x.float(), qweight, scales, zeros, perm, 64)
+    torch.testing.assert_close(y.float(), ref, atol=1e-4 * ref.abs().max().item(), rtol=RTOL[torch.float16])
+
+
+def test_launch_shape_covers_k_with_whole_chunks():
+    cfg = w4a16_tcgemv.make_config(256, 128, 64)
+    assert w4a16_tcgemv.launch_shape(4096, 128, cfg) == (128, 128, 32, 1)
+    assert w4a16_tcgemv.launch_shape(14336, 128, cfg) == (128, 128, 56, 2)  # 112 chunks
+    assert w4a16_tcgemv.launch_shape(576, 64, cfg) == (64, 64, 9, 1)
+    assert w4a16_tcgemv.launch_shape(4096, 4096, cfg) == (128, 256, 16, 1)  # per channel
+    for k, g in ((4096, 128), (14336, 128), (576, 32), (576, 576), (1024, 1024)):
+        step, chunk, split, chunks = w4a16_tcgemv.launch_shape(k, g, cfg)
+        assert g % chunk == 0 and chunk % step == 0 and split * chunks * chunk == k
+
+
+def test_tcgemv_default_config_runs():
+    cfg = w4a16_tcgemv.default_config(2, 40, 576)
+    assert cfg["BLOCK_N"] == 256 and cfg.num_warps == 4
+    _check(2, 40, 576, 64, False, True, cfg, torch.float16)
+    big = w4a16_tcgemv.default_config(1, 4096, 4096)
+    assert 16 * big["SPLIT_K"] >= 2 * 132
+
+
+def test_tcgemv_refuses_fp32_activations_and_small_groups():
+    qweight, scales, zeros, _ = _weights(16, 64, 16, False)
+    cfg = w4a16_tcgemv.make_config(16, 16, 1)
+    with pytest.raises(ValueError, match="fp16 or bf16"):
+        w4a16_tcgemv.w4a16_tcgemv(torch.randn(1, 64), qweight, scales, zeros, None, 16, None, cfg)
+    qweight, scales, zeros, _ = _weights(16, 64, 16, False)
+    with pytest.raises(ValueError, match="divisible by 32"):
+        w4a16_tcgemv.w4a16_tcgemv(torch.randn(1, 64).half(), qweight, scales, zeros, None, 16, None, cfg)
+
+
+# ---------------------------------------------------------------- sm_90, compiled without a GPU
+
+# A child process: the session runs Triton in interpreter mode, where kernels cannot compile.
+CHILD = textwrap.dedent(
+    """
+    import json, re, sys
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from pagecast.kernels import w4a16_tcgemv
+
+    signature, constexprs, options = json.loads(sys.argv[1])
+    fn = w4a16_tcgemv._tcgemv_kernel
+    sig = dict(signature, **{name: "constexpr" for name in constexprs})
+    divisible = [n for n in signature if n.endswith("_ptr") or n in ("N", "K", "stride_xm", "stride_ym")]
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
+    kernel = triton.compile(ASTSource(fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options=options)
+    ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
+    # convert_layout and local_alloc (shared-memory staging) by the element type they move
+    moved = sorted({m.group(1) for m in re.finditer(
+        r"(?:convert_layout|local_alloc|async_copy_global_to_local) %[^:]*: \\(?(?:tensor|!tt\\.ptr)<[0-9x]*x(\\w+)", ttgir)})
+    # the unpacked 16-bit weight tile converted or staged in shared memory (either orientation)
+    bn, bk = constexprs["BLOCK_N"], constexprs["BLOCK_K"]
+    w16 = len(re.findall(rf"(?:convert_layout|local_alloc).*tensor<(?:{bn}x{bk}|{bk}x{bn})xb?f16", ttgir))
+    print(json.dumps({"cubin": bool(kernel.asm["cubin"]), "mma": ptx.count("mma.sync") + ptx.count("wgmma.mma_async"),
+                      "magic": ptx.count("0x64006400") + ptx.count("0x43004300"), "moved": moved, "w16": w16}))
+    """
+)
+
+
+def _compile_sm90(dtype: str, constexprs: dict[str, object], options: dict[str, int]) -> dict[str, object]:
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    signature = {
+        "x_ptr": dtype, "qw_ptr": "*i32", "s_ptr": dtype, "z_ptr": "*i8", "perm_ptr": "*i32", "b_ptr": dtype,
+        "y_ptr": dtype, "part_ptr": "*fp32", "lock_ptr": "*i32", "sums_ptr": "*fp32",
+        "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_ym": "i32",
+    }  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps([signature, constexprs, options])],
+        check=False, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _constexprs(**overrides) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    base = {
+        "GROUP_SIZE": 128, "HAS_PERM": False, "HAS_BIAS": True, "BLOCK_M": 1, "BLOCK_N": 256, "BLOCK_K": 128,
+        "CHUNK": 128, "SPLIT_K": 8, "CHUNKS": 4, "EVEN_N": True, "SUMS_FIRST": True, "SUMS_BLOCK": 4,
+        "W_AS_A": True, "DOT_FP32": False, "USE_ASM": True,
+    }  # fmt: skip
+    out = {**base, **overrides}
+    if "PAIR_ORDER" not in out:  # the launcher's choice
+        cfg = w4a16_tcgemv.make_config(out["BLOCK_N"], out["BLOCK_K"], out["SPLIT_K"], num_warps=4)
+        out["PAIR_ORDER"] = w4a16_tcgemv.pair_order(out["BLOCK_K"], out["BLOCK_M"], out["W_AS_A"], cfg)
+    return out
+
+
+@pytest.mark.parametrize(
+    "dtype,overrides",
+    [
+        ("*fp16", {}),
+        ("*bf16", {"BLOCK_M": 16, "HAS_PERM": True, "SPLIT_K": 1, "EVEN_N": False}),
+        ("*fp16", {"BLOCK_M": 8, "GROUP_SIZE": 32, "BLOCK_K": 32, "CHUNK": 32, "SUMS_FIRST": False}),
+        ("*bf16", {"BLOCK_M": 4, "GROUP_SIZE": 4096, "CHUNK": 256, "W_AS_A": False}),
+        ("*fp16", {"BLOCK_M": 16, "GROUP_SIZE": 32, "BLOCK_K": 32, "CHUNK": 32, "HAS_PERM": True}),
+    ],
+    ids=[
+        "fp16-1row-split",
+        "bf16-16rows-perm",
+        "fp16-8rows-g32-sums-in-loop",
+        "bf16-w-as-b-per-channel",
+        "fp16-16rows-g32-wgmma",
+    ],
+)
+def test_tcgemv_compiles_for_sm90(dtype: str, overrides: dict[str, object]) -> None:
+    """The inline-PTX unpacking (the interpreter runs the plain expression instead), mma.sync, and
+    the weight reaching the mma's registers as unpacked int32: the only layout conversion or
+    shared-memory staging of a 16-bit tensor allowed is the activations' (their tile is
+    [BLOCK_M, BLOCK_K], small), never the dequantized weight tile."""
+    info = _compile_sm90(dtype, _constexprs(**overrides), {"num_warps": 4, "num_stages": 1})
+    assert info["cubin"] and info["mma"] > 0 and info["magic"] > 0
+    assert "i32" in info["moved"] and info["w16"] == 0, info
+
+
+def test_tcgemv_weight_tile_crosses_shared_memory_packed() -> None:
+    """Triton hoists the dot-operand conversion above the unpacking (tl.join / permute / reshape)
+    to the int32 load only when every k' a thread holds in the mma operand comes from words it
+    holds whole: with the other pairing order (the control) the unpacked 16-bit tile is converted
+    through shared memory, 4 bytes a weight. Should a Triton upgrade stop the hoisting, the first
+    assertion fails (as test_tcgemv_compiles_for_sm90 does)."""
+    options = {"num_warps": 4, "num_stages": 1}
+    assert _compile_sm90("*fp16", _constexprs(), options)["w16"] == 0
+    assert _compile_sm90("*fp16", _constexprs(PAIR_ORDER=1), options)["w16"] > 0
+
+
+# ---------------------------------------------------------------- on a GPU (not run yet)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 16])
+@pytest.mark.parametrize("n,k,g", [(6144, 4096, 128), (4096, 14336, 128), (1728, 576, 64), (1536, 576, 32)])
+def test_tcgemv_on_gpu(m, n, k, g, dtype):  # type: ignore[no-untyped-def]
+    """The inline-PTX unpacking, mma.sync (up to 8 rows) and wgmma (16 rows on 4 or 8 warps), the
+    sums' scratch and the split-K tickets at Llama-3-8B and SmolLM2 shapes, with act-order and
+    bias, every tile and stage count benchmarks/w4a16_micro.py times, against the reference; and
+    the fp32 accumulator's cancellation checked tighter than the repo's 2e-2 (the bias rides in
+    it: ~1024 x sum for fp16)."""
+    qweight, scales, zeros, _ = _weights(n, k, g, False)
+    qweight, scales, zeros = qweight.cuda(), scales.cuda(), zeros.cuda()
+    perm = torch.randperm(k, device="cuda").to(torch.int32)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
+    bias = torch.randn(n, generator=gen, device="cuda").to(dtype)
+    ref = reference.w4a16_linear(x.float(), qweight, scales, zeros, perm, g, bias.float())
+    configs = [w4a16_tcgemv.default_config(m, n, k)] + [
+        w4a16_tcgemv.make_config(bn, 128, split, warps, stages)
+        for bn, warps in ((256, 4), (128, 2), (512, 4), (512, 8))
+        for split in (1, 8)
+        for stages in (1, 2)
+    ]
+    for cfg in configs:
+        y = w4a16_tcgemv.w4a16_tcgemv(x, qweight, scales, zeros, perm, g, bias, cfg)
+        torch.testing.assert_close(
+            y.float(), ref, atol=1e-3 * ref.abs().max().item(), rtol=RTOL[dtype], msg=str(cfg.as_dict())
+        )
