@@ -353,6 +353,19 @@ def _locks(device: torch.device, size: int) -> torch.Tensor:
     return locks
 
 
+def split_k_buffers(
+    x: torch.Tensor, n: int, split: int, tiles: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y [M, N] in x's dtype, the fp32 partials [split, M, N], the tiles' ticket counters) of a
+    launch that reduces with _finish; without a split the last two are y (unused)."""
+    m = x.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if split == 1:
+        return y, y, y
+    partials = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    return y, partials, _locks(x.device, tiles)
+
+
 def w4a16_gemv(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -375,12 +388,7 @@ def w4a16_gemv(
     bn = config["BLOCK_N"]
     tiles_n = triton.cdiv(n, bn)
     blocks_m = triton.cdiv(m, bm)
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if split > 1:
-        partials = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        locks = _locks(x.device, tiles_n * blocks_m)
-    else:
-        partials = locks = y
+    y, partials, locks = split_k_buffers(x, n, split, tiles_n * blocks_m)
     _w4a16_gemv_kernel[(blocks_m, tiles_n, split)](
         x, qweight, scales, zeros, perm if perm is not None else qweight, bias if bias is not None else scales,
         y, partials, locks, m, n, k, x.stride(0), y.stride(0),

@@ -442,12 +442,7 @@ def w4a16_tcgemv(
     bn = config["BLOCK_N"]
     tiles_n = triton.cdiv(n, bn)
     blocks_m = triton.cdiv(m, bm)
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if split > 1:
-        partials = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        locks = w4a16_gemv._locks(x.device, tiles_n * blocks_m)
-    else:
-        partials = locks = y
+    y, partials, locks = w4a16_gemv.split_k_buffers(x, n, split, tiles_n * blocks_m)
     sums_first = bool(params.get("SUMS_FIRST", 1))
     w_as_a = bool(params.get("W_AS_A", 1))
     if sums_first:
