@@ -198,23 +198,39 @@ def _tool(name: str) -> str:
     return str(Path(triton.backends.nvidia.__file__).parent / "bin" / name)
 
 
-def sass_stats(cubin: bytes, loop: int | None = None) -> dict[str, object]:
-    """Registers and the main loop's SASS instruction count and memory ops (cuobjdump; loop: see
-    _pick_loop)."""
+def cuobjdump(cubin: bytes) -> tuple[str, str]:
+    """(cuobjdump -res-usage, cuobjdump -sass) of a cubin."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         res, sass = (
-            subprocess.run([_tool("cuobjdump"), flag, f.name], capture_output=True, text=True, check=True)
-            .stdout
+            subprocess.run([_tool("cuobjdump"), flag, f.name], capture_output=True, text=True, check=True).stdout
             for flag in ("-res-usage", "-sass")
         )
+    return res, sass
+
+
+def resources(res: str) -> tuple[int | None, int | None]:
+    """(registers a thread, LOCAL bytes) from cuobjdump -res-usage."""
     regs = int(m.group(1)) if (m := re.search(r"REG:(\d+)", res)) else None
-    spill = int(m.group(1)) if (m := re.search(r"LOCAL:(\d+)", res)) else None
-    instrs = []  # (address, instruction text)
-    for line in sass.splitlines():
-        if m := re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line):
-            instrs.append((int(m.group(1), 16), m.group(2)))
+    local = int(m.group(1)) if (m := re.search(r"LOCAL:(\d+)", res)) else None
+    return regs, local
+
+
+_INSTR = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+
+
+def instructions(sass: str) -> list[tuple[int, str]]:
+    """(address, instruction text) of every SASS instruction in a listing."""
+    return [(int(m.group(1), 16), m.group(2)) for line in sass.splitlines() if (m := _INSTR.match(line))]
+
+
+def sass_stats(cubin: bytes, loop: int | None = None) -> dict[str, object]:
+    """Registers and the main loop's SASS instruction count and memory ops (cuobjdump; loop: see
+    _pick_loop)."""
+    res, sass = cuobjdump(cubin)
+    regs, spill = resources(res)
+    instrs = instructions(sass)
     index = {addr: i for i, (addr, _) in enumerate(instrs)}
     spans = []  # backward branches' spans that hold the softmax's MUFU.EX2
     for i, (addr, text) in enumerate(instrs):

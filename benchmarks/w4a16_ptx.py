@@ -38,9 +38,7 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -49,10 +47,13 @@ if os.environ.get("TRITON_INTERPRET"):
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from decode_ptx import TARGET, _tool, count_ptx  # noqa: E402  (PTX load/cvt64 counting, tool paths)
-from triton.backends.nvidia.compiler import CUDABackend  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime.jit import native_specialize_impl  # noqa: E402
+from decode_ptx import (  # noqa: E402  (PTX counting, compiling as the launcher does, cuobjdump readers)
+    compile_kernel,
+    count_ptx,
+    cuobjdump,
+    instructions,
+    resources,
+)
 
 from pagecast.kernels import w4a16_gemm, w4a16_gemv  # noqa: E402
 
@@ -90,42 +91,16 @@ def launch_of(m: int, n: int, k: int, g: int, cfg, perm: bool = False, bias: boo
 
 
 def compile_launch(rec: _Launch, fn=None):  # type: ignore[no-untyped-def]
-    """triton.compile with the signature and tt.divisibility attributes the JIT launcher derives
-    from the recorded arguments (its own specialisation routine). ``fn``: the kernel the launch
-    was recorded for (the GEMV's by default); its USE_ASM is forced on."""
+    """triton.compile of the recorded launch as the JIT launcher would specialise it
+    (decode_ptx.compile_kernel). ``fn``: the kernel the launch was recorded for (the GEMV's by
+    default); its USE_ASM is forced on."""
     fn = fn or w4a16_gemv._w4a16_gemv_kernel
     kwargs = dict(rec.kwargs)
-    options = {"num_warps": kwargs.pop("num_warps"), "num_stages": kwargs.pop("num_stages")}
-    constexprs = dict(kwargs, USE_ASM=True)
-    signature, attrs = {}, {}
-    for i, (name, value) in enumerate(zip(fn.arg_names, rec.args)):
-        ty, spec = native_specialize_impl(CUDABackend, value, False, i not in fn.do_not_specialize, True)
-        if ty == "constexpr":  # an int equal to 1 becomes a constant, as at launch
-            constexprs[name] = spec
-        signature[name] = ty
-        if isinstance(spec, str) and spec:
-            attrs[(i,)] = CUDABackend.parse_attr(spec)
-    for name in constexprs:
-        signature[name] = "constexpr"
-    src = ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=TARGET, options=options)
+    warps, stages = kwargs.pop("num_warps"), kwargs.pop("num_stages")
+    return compile_kernel(fn, rec.args, dict(kwargs, USE_ASM=True), warps, stages)
 
 
 # ---------------------------------------------------------------------------- SASS
-
-_INSTR = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
-
-
-def _sass(cubin: bytes) -> tuple[str, str]:
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        res, sass = (
-            subprocess.run([_tool("cuobjdump"), flag, f.name], capture_output=True, text=True, check=True).stdout
-            for flag in ("-res-usage", "-sass")
-        )
-    return res, sass
-
 
 def _opcode(text: str) -> str:
     return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0]
@@ -153,10 +128,9 @@ def _op_class(op: str) -> str:
 def sass_stats(cubin: bytes) -> dict[str, object]:
     """Registers, spills and the main loop: the innermost backward-branch span holding the most
     FFMAs (the weight multiply-adds), its instructions by class."""
-    res, sass = _sass(cubin)
-    regs = int(m.group(1)) if (m := re.search(r"REG:(\d+)", res)) else None
-    local = int(m.group(1)) if (m := re.search(r"LOCAL:(\d+)", res)) else None
-    instrs = [(int(m.group(1), 16), m.group(2)) for line in sass.splitlines() if (m := _INSTR.match(line))]
+    res, sass = cuobjdump(cubin)
+    regs, local = resources(res)
+    instrs = instructions(sass)
     index = {addr: i for i, (addr, _) in enumerate(instrs)}
     loops = []
     for i, (addr, text) in enumerate(instrs):
@@ -228,7 +202,7 @@ def analyse(m: int, n: int, k: int, g: int, cfg, dump: Path | None = None, perm:
     if dump is not None:
         dump.mkdir(parents=True, exist_ok=True)
         (dump / f"{name}.ptx").write_text(kernel.asm["ptx"])
-        (dump / f"{name}.sass").write_text(_sass(kernel.asm["cubin"])[1])
+        (dump / f"{name}.sass").write_text(cuobjdump(kernel.asm["cubin"])[1])
     return {
         "kernel": name, "m": m, "n": n, "k": k, "g": g, "grid": list(rec.grid), "config": cfg.as_dict(),
         "rows_per_program": rows_prog, "k_iters": iters, "unroll": unroll, "weights_per_body": weights,

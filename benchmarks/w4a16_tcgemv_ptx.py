@@ -97,12 +97,9 @@ def _op_class(op: str) -> str:
 def loop_stats(cubin: bytes) -> dict[str, object]:
     """The innermost backward-branch span holding an mma: its instructions by class and its
     shared-memory traffic; registers and spills."""
-    res, sass = gemv_ptx._sass(cubin)
-    regs = int(m.group(1)) if (m := re.search(r"REG:(\d+)", res)) else None
-    local = int(m.group(1)) if (m := re.search(r"LOCAL:(\d+)", res)) else None
-    instrs = [
-        (int(m.group(1), 16), m.group(2)) for line in sass.splitlines() if (m := gemv_ptx._INSTR.match(line))
-    ]
+    res, sass = gemv_ptx.cuobjdump(cubin)
+    regs, local = gemv_ptx.resources(res)
+    instrs = gemv_ptx.instructions(sass)
     index = {addr: i for i, (addr, _) in enumerate(instrs)}
     best = None
     for i, (addr, text) in enumerate(instrs):
@@ -165,7 +162,7 @@ def analyse(m: int, n: int, k: int, g: int, dtype: str, cfg, dump: Path | None =
         dump.mkdir(parents=True, exist_ok=True)
         for key in ("ttgir", "ptx"):
             (dump / f"{name}.{key}").write_text(kernel.asm[key])
-        (dump / f"{name}.sass").write_text(gemv_ptx._sass(kernel.asm["cubin"])[1])
+        (dump / f"{name}.sass").write_text(gemv_ptx.cuobjdump(kernel.asm["cubin"])[1])
     return {
         "kernel": name, "m": m, "n": n, "k": k, "g": g, "dtype": dtype, "config": cfg.as_dict(),
         "grid": list(rec.grid), "unroll": unroll, "weights_per_body": weights,
