@@ -420,9 +420,10 @@ def _threshold_kernel(
     blocks = tl.arange(0, NUM_BLOCKS_PAD)
     valid = blocks < num_blocks
     maxima = tl.load(block_max_ptr + row * num_blocks + blocks, mask=valid, other=float("-inf"))
-    kth = _kth_key(_order_key(maxima, LOW_BIT), valid, width, LOW_BIT)
+    keys = _order_key(maxima, LOW_BIT)
+    kth = _kth_key(keys, valid, width, LOW_BIT)
     # The maximum with that key (any of them: equal keys are equal values).
-    hit = (_order_key(maxima, LOW_BIT) == kth) & valid
+    hit = (keys == kth) & valid
     tl.store(threshold_ptr + row, tl.max(tl.where(hit, maxima, float("-inf")), 0))
 
 
