@@ -211,10 +211,11 @@ def cuobjdump(cubin: bytes) -> tuple[str, str]:
 
 
 def resources(res: str) -> tuple[int | None, int | None]:
-    """(registers a thread, LOCAL bytes) from cuobjdump -res-usage."""
+    """(registers a thread, stack-frame bytes) from cuobjdump -res-usage. ptxas's spills land in
+    the stack frame (STACK); the LOCAL field stays 0 for them."""
     regs = int(m.group(1)) if (m := re.search(r"REG:(\d+)", res)) else None
-    local = int(m.group(1)) if (m := re.search(r"LOCAL:(\d+)", res)) else None
-    return regs, local
+    stack = int(m.group(1)) if (m := re.search(r"STACK:(\d+)", res)) else None
+    return regs, stack
 
 
 _INSTR = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
@@ -246,7 +247,7 @@ def sass_stats(cubin: bytes, loop: int | None = None) -> dict[str, object]:
         op = re.sub(r"^@!?U?P\w+\s+", "", t).split()[0]
         if op.startswith(("LDGSTS", "LDG", "LDS", "LDSM", "STS", "HGMMA")) or op.startswith("F2FP.F16.E4M3"):
             ops[op] += 1
-    return {"regs": regs, "local_bytes": spill, "loop_sass": len(body), "loop_ops": dict(sorted(ops.items()))}
+    return {"regs": regs, "stack_bytes": spill, "loop_sass": len(body), "loop_ops": dict(sorted(ops.items()))}
 
 
 # ---------------------------------------------------------------------------- report
@@ -295,7 +296,7 @@ def print_row(r: dict) -> None:
     cp = [k for k in keys if k.startswith("cp.")]
     ldg = [k for k in keys if k.startswith("ldg")]
     lds = [k for k in keys if k.startswith(("lds", "ldmatrix"))]
-    spill = f"  SPILLS {r['local_bytes']} B local" if r["local_bytes"] else ""
+    spill = f"  SPILLS {r['stack_bytes']} B stack" if r["stack_bytes"] else ""
     head = f"{r['variant']:<26} regs {r['regs']:>3}  smem {r['shared_bytes']:>6}"
     head += f"  loop SASS {r['loop_sass']:>5}"
     print(head + spill)

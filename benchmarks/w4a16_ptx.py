@@ -25,7 +25,7 @@ specialise N, and the row count only as 1 or not):
             LDG by width, conversions, ...)
   ldg       PTX global loads in the loop by bytes a thread (ldg16 = ld.global.v4.b32), and
             cvt64 (64-bit address arithmetic in PTX)
-  regs      registers a thread, and local-memory (spill) bytes
+  regs      registers a thread, and SPILL with the stack frame's bytes where ptxas spilled
 
 Static evidence only: instruction counts, not time. Whether the kernel reaches the copy
 bandwidth also depends on bytes in flight per multiprocessor (warps x outstanding loads),
@@ -129,7 +129,7 @@ def sass_stats(cubin: bytes) -> dict[str, object]:
     """Registers, spills and the main loop: the innermost backward-branch span holding the most
     FFMAs (the weight multiply-adds), its instructions by class."""
     res, sass = cuobjdump(cubin)
-    regs, local = resources(res)
+    regs, stack = resources(res)
     instrs = instructions(sass)
     index = {addr: i for i, (addr, _) in enumerate(instrs)}
     loops = []
@@ -148,7 +148,7 @@ def sass_stats(cubin: bytes) -> dict[str, object]:
     body = [t for _, t in instrs[loop[0] : loop[1] + 1]] if loop else body_all
     ops = Counter(_op_class(_opcode(t)) for t in body)
     return {
-        "regs": regs, "local_bytes": local, "looped": loop is not None, "body": len(body),
+        "regs": regs, "stack_bytes": stack, "looped": loop is not None, "body": len(body),
         "ops": dict(sorted(ops.items())), "kernel_sass": len(body_all),
     }  # fmt: skip
 
@@ -240,7 +240,7 @@ def main() -> None:
                     rows.append(r)
                     # the weight is read once per program row-block: per weight of the matrix
                     r["instr_per_matrix_weight"] = r["instr_per_weight"] * -(-m // r["rows_per_program"])
-                    spill = f" SPILL {r['local_bytes']}B" if r["local_bytes"] else ""
+                    spill = f" SPILL {r['stack_bytes']}B" if r["stack_bytes"] else ""
                     ops = " ".join(f"{o}:{c}" for o, c in r["ops"].items())
                     loop = f"body {r['body']} x{r['k_iters'] // r['unroll'] if r['looped'] else 0} trips" + (
                         f" (unroll {r['unroll']})" if r["looped"] and r["unroll"] > 1 else "" if r["looped"] else " unrolled"

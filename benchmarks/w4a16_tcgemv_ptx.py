@@ -21,7 +21,7 @@ iteration is one chunk: CHUNK inputs by BLOCK_N columns):
             clock over ~36 int4 weights a clock)
   smem B/w  shared-memory bytes a thread stores (STS, STSM, LDGSTS) and loads (LDS, LDSM) in the
             loop, per weight
-  regs      registers a thread, and local-memory (spill) bytes
+  regs      registers a thread, and SPILL with the stack frame's bytes where ptxas spilled
   mma       mma.sync (HMMA) or wgmma (HGMMA) instructions in the loop
   ops       the loop's instructions by class
   cvt       the TTGIR's layout conversions and shared-memory staging (convert_layout, local_alloc,
@@ -98,7 +98,7 @@ def loop_stats(cubin: bytes) -> dict[str, object]:
     """The innermost backward-branch span holding an mma: its instructions by class and its
     shared-memory traffic; registers and spills."""
     res, sass = gemv_ptx.cuobjdump(cubin)
-    regs, local = gemv_ptx.resources(res)
+    regs, stack = gemv_ptx.resources(res)
     instrs = gemv_ptx.instructions(sass)
     index = {addr: i for i, (addr, _) in enumerate(instrs)}
     best = None
@@ -115,7 +115,7 @@ def loop_stats(cubin: bytes) -> dict[str, object]:
     stored = sum(_shared_bytes(o) for o in body if o.startswith(("STS", "STSM", "LDGSTS")))
     loaded = sum(_shared_bytes(o) for o in body if o.startswith(("LDS", "LDSM")))
     ops = Counter(_op_class(o) for o in body if not o.startswith("NOP"))
-    return {"regs": regs, "local_bytes": local, "body": sum(ops.values()), "ops": dict(sorted(ops.items())),
+    return {"regs": regs, "stack_bytes": stack, "body": sum(ops.values()), "ops": dict(sorted(ops.items())),
             "smem_store": stored, "smem_load": loaded, "looped": best is not None}  # fmt: skip
 
 
@@ -211,7 +211,7 @@ def main() -> None:
                         )
                         continue
                     rows.append(r)
-                    spill = f" SPILL {r['local_bytes']}B" if r["local_bytes"] else ""
+                    spill = f" SPILL {r['stack_bytes']}B" if r["stack_bytes"] else ""
                     ops = " ".join(f"{o}:{c}" for o, c in r["ops"].items())
                     print(
                         f"{r['kernel']:<58} instr/w {r['instr_per_weight']:.2f}  smem {r['smem_store_per_weight']:.2f}"
