@@ -4,9 +4,10 @@ For each projection (qkv K=4096 N=6144, o 4096x4096, gate_up 4096x28672, down 14
 group size (128, 64) and row count (1, 2, 4, 8, 16, 64), times on one GPU:
 
 - ``gemm``: the tl.dot kernel of kernels/w4a16_gemm.py, best of its configs the tuner would try;
-- ``gemv``: the CUDA-core GEMV of kernels/w4a16_gemv.py, best of its configs (up to 8 rows);
-- ``tcgemv``: the tensor-core decode kernel of kernels/w4a16_tcgemv.py (up to 16 rows; not in the
-  tuner yet), best of a few tiles and splits (``tcgemv_configs``);
+- ``gemv``: the CUDA-core GEMV of kernels/w4a16_gemv.py, best of its configs (up to 8 rows; the
+  tuner now times it only where the tensor-core kernel cannot run);
+- ``tcgemv``: the tensor-core decode kernel of kernels/w4a16_tcgemv.py (up to 16 rows), best of
+  the tuner's candidates (w4a16_gemm.tcgemv_configs) and a few more tiles (``tcgemv_configs``);
 - ``dequant``: dequantize the weight then cuBLAS (what the tuner may pick for prefill);
 - ``bf16``: torch.nn.functional.linear on bf16 weights of the same shape (cuBLAS).
 
@@ -66,27 +67,21 @@ def int4_weights(n: int, k: int, g: int, sets: int, gen: torch.Generator) -> lis
 
 
 def tcgemv_configs(m: int, n: int, k: int, sms: int) -> list[tuning.KernelConfig]:
-    """The tensor-core kernel's candidates: its default, and tiles (BLOCK_N, warps) of
-    benchmarks/w4a16_tcgemv_ptx.py's table at the splits giving every multiprocessor one and two
-    programs (the launcher rounds a split to a divisor of K / chunk)."""
-    out = [w4a16_tcgemv.default_config(m, n, k, sms)]
-    for bn, warps in ((256, 4), (128, 2), (512, 4), (512, 8)):
-        tiles = -(-n // bn) * -(-m // w4a16_tcgemv.MAX_ROWS)
-        split = 1
-        while tiles * split < sms and split * 2 <= k // 128:
-            split *= 2
-        for sk in sorted({split, min(split * 2, max(1, k // 128))}):
-            for stages in (1, 2):
-                out.append(w4a16_tcgemv.make_config(bn, 128, sk, warps, stages))
+    """The tensor-core kernel's candidates: the tuner's, and tiles of 512 columns on 8 warps and
+    128 on 2 warps at two stages (benchmarks/w4a16_tcgemv_ptx.py's table) at its splits."""
+    out = w4a16_gemm.tcgemv_configs(m, n, k, sms)
+    for c in list(out):
+        if (c["BLOCK_N"], c.num_warps, c.num_stages) == (512, 4, 1):
+            out.append(w4a16_tcgemv.make_config(512, 128, c["SPLIT_K"], 8, 1))
+        if (c["BLOCK_N"], c.num_warps, c.num_stages) == (128, 2, 1):
+            out.append(w4a16_tcgemv.make_config(128, 128, c["SPLIT_K"], 2, 2))
     return list({json.dumps(c.as_dict()): c for c in out}.values())
 
 
 def run_int4(
     x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, g: int, cfg: tuning.KernelConfig
 ) -> torch.Tensor:
-    """One launch of the int4 path a config names (the tensor-core kernel is not behind w4a16_gemm)."""
-    if cfg.params.get("tcgemv"):
-        return w4a16_tcgemv.w4a16_tcgemv(x, q, s, z, None, g, None, cfg)
+    """One launch of the int4 path a config names."""
     return w4a16_gemm.w4a16_gemm(x, q, s, z, None, g, None, cfg)
 
 
@@ -99,9 +94,9 @@ def candidates(m: int, n: int, k: int, sms: int) -> dict[str, list[tuning.Kernel
         "dequant": [w4a16_gemm.DEQUANT],
     }
     if m <= w4a16_gemm.GEMV_MAX_ROWS:
-        gemv = [c for c in space if w4a16_gemv.is_gemv(c)] + [w4a16_gemv.default_config(m, n, k, sms)]
+        gemv = w4a16_gemm.gemv_configs(m, n, k, sms) + [w4a16_gemv.default_config(m, n, k, sms)]
         out["gemv"] = list({json.dumps(c.as_dict()): c for c in gemv}.values())
-    if m <= w4a16_tcgemv.MAX_ROWS:
+    if m <= w4a16_gemm.TCGEMV_MAX_ROWS:
         out["tcgemv"] = tcgemv_configs(m, n, k, sms)
     return out
 

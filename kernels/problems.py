@@ -176,7 +176,7 @@ def config_space(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> list
         return skinny_gemm.prune_configs(skinny_gemm.CONFIG_SPACE, dims["n"], dims["k"])
     if kernel == "w4a16_gemm":
         return w4a16_gemm.prune_configs(
-            w4a16_gemm.CONFIG_SPACE, dims["num_rows"], dims["n"], dims["k"], num_sms()
+            w4a16_gemm.CONFIG_SPACE, dims["num_rows"], dims["n"], dims["k"], num_sms(), tc=_w4a16_tc(shapes, dims)
         )
     raise ValueError(f"unknown kernel {kernel!r}")
 
@@ -200,12 +200,19 @@ def default_config(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> Ke
     if kernel == "skinny_gemm":
         return skinny_gemm.TORCH
     if kernel == "w4a16_gemm":
-        return w4a16_gemm.default_config(dims["num_rows"], dims["n"], dims["k"], num_sms())
+        return w4a16_gemm.default_config(
+            dims["num_rows"], dims["n"], dims["k"], num_sms(), tc=_w4a16_tc(shapes, dims)
+        )
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
 def _group_size(shapes: ModelShapes, k: int) -> int:
     return k if shapes.quant_group_size == -1 else shapes.quant_group_size
+
+
+def _w4a16_tc(shapes: ModelShapes, dims: dict[str, int]) -> bool:
+    """Whether the W4A16 launcher may take the tensor-core decode kernel for this projection."""
+    return w4a16_gemm.tensor_cores(shapes.torch_dtype, _group_size(shapes, dims["k"]))
 
 
 # ---------------------------------------------------------------------------- inputs

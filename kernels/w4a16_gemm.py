@@ -21,9 +21,13 @@ partial sums that one reduction adds up (deterministic, unlike atomics). Large t
 compute-bound: there ``{"dequant": 1}`` dequantizes the weight once per call
 (``_dequantize_kernel``) and lets cuBLAS multiply. The build times both per projection and row
 bucket and keeps the faster (kernels/tuning.py); the default below is a reasonable guess.
-Decode batches of a few rows have a third choice, ``{"gemv": 1, ...}``: the CUDA-core GEMV
-of kernels/w4a16_gemv.py, which spends fewer instructions a weight than this kernel's unpacking
-and reduces its split-K partials inside the one launch.
+Decode batches of up to 16 rows in a half type have a faster choice, ``{"tcgemv": 1, ...}``:
+the tensor-core decode kernel of kernels/w4a16_tcgemv.py (magic-number unpacking straight into
+the mma's operand registers, the scale and zero point applied once per chunk, split-K reduced
+inside the one launch). On an H200 it beat both this kernel and the CUDA-core GEMV at every
+Llama-3-8B projection at 1, 4 and 8 rows (benchmarks/RESULTS.md). The CUDA-core GEMV of
+kernels/w4a16_gemv.py (``{"gemv": 1, ...}``) stays the decode choice where the tensor-core kernel
+cannot run: fp32 activations, or a group size not divisible by 32.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagecast.kernels import reference, w4a16_gemv
+from pagecast.kernels import reference, w4a16_gemv, w4a16_tcgemv
 from pagecast.kernels.tuning import KernelConfig
 
 
@@ -180,16 +184,28 @@ CONFIG_SPACE: list[KernelConfig] = [DEQUANT] + [
 
 
 GEMV_MAX_ROWS = 8  # the GEMV re-reads the weight (from L2) and re-unpacks it for every row
+TCGEMV_MAX_ROWS = w4a16_tcgemv.MAX_ROWS  # the mma's n16: more rows re-read the weight
+TCGEMV_DEFAULT_ROWS = 8  # the untuned default up to here (timed on the H200 at 1, 4 and 8 rows)
+
+
+def tensor_cores(dtype: torch.dtype, group_size: int) -> bool:
+    """Whether the tensor-core decode kernel takes these activations and groups."""
+    return w4a16_tcgemv.supports(dtype, group_size)
 
 
 def prune_configs(
-    configs: list[KernelConfig], m: int, n: int, k: int, num_sms: int = 132
+    configs: list[KernelConfig], m: int, n: int, k: int, num_sms: int = 132, tc: bool = False
 ) -> list[KernelConfig]:
     """Keep the dequant path, and tiles whose BLOCK_M fits the rows (no 128-row tile for 4 rows,
     no 16-row tile for prefill), whose BLOCK_K is at most K, and whose splits each get K to do.
-    Up to GEMV_MAX_ROWS rows the GEMV's tiles come first, each at the split counts of
-    gemv_configs (its config space is shape-dependent)."""
-    kept = gemv_configs(m, n, k, num_sms) if m <= GEMV_MAX_ROWS else []
+    Decode rows come first with a decode kernel's candidates (their config spaces are
+    shape-dependent): the tensor-core kernel's up to TCGEMV_MAX_ROWS rows where ``tc`` (the
+    activations and group size suit it: ``tensor_cores``), else the CUDA-core GEMV's up to
+    GEMV_MAX_ROWS (it lost to the tensor-core kernel at every shape and row count timed)."""
+    if tc:
+        kept = tcgemv_configs(m, n, k, num_sms) if m <= TCGEMV_MAX_ROWS else []
+    else:
+        kept = gemv_configs(m, n, k, num_sms) if m <= GEMV_MAX_ROWS else []
     m_tile = max(16, triton.next_power_of_2(m))
     for c in configs:
         if is_dequant(c):
@@ -200,6 +216,26 @@ def prune_configs(
             continue
         kept.append(c)
     return kept
+
+
+def tcgemv_configs(m: int, n: int, k: int, num_sms: int = 132) -> list[KernelConfig]:
+    """The tensor-core decode kernel's candidates at this shape: its default first, then the tiles
+    (BLOCK_N, warps) that won somewhere on the H200 (benchmarks/w4a16_micro.py: 256 columns on 4
+    warps at 1 row, 128 on 2 warps at 4-8 rows for the narrow projections, 512 on 4 for gate_up)
+    at the smallest power-of-two split giving every multiprocessor a program and twice that,
+    the first tile also with its packed loads double-buffered (num_stages 2: o_proj's best at 1
+    row). The launcher rounds a split to a divisor of K's chunks; launches that makes identical
+    are timed once."""
+    out = [w4a16_tcgemv.default_config(m, n, k, num_sms)]
+    for bn, warps in ((256, 4), (128, 2), (512, 4)):
+        tiles = triton.cdiv(n, bn) * triton.cdiv(m, TCGEMV_MAX_ROWS)
+        split = 1
+        while tiles * split < num_sms and split * 2 <= max(1, k // 128):
+            split *= 2
+        for s in sorted({split, min(split * 2, max(1, k // 128))}):
+            for stages in (1, 2) if (bn, warps) == (256, 4) else (1,):
+                out.append(w4a16_tcgemv.make_config(bn, 128, s, warps, stages))
+    return list({tuple(sorted(c.as_dict().items())): c for c in out}.values())
 
 
 def gemv_configs(m: int, n: int, k: int, num_sms: int = 132) -> list[KernelConfig]:
@@ -231,11 +267,14 @@ def is_dequant(config: KernelConfig | None) -> bool:
     return config is not None and bool(config.params.get("dequant"))
 
 
-def default_config(m: int, n: int, k: int, num_sms: int = 132) -> KernelConfig:
-    """Untuned choice: the dequant path for prefill-sized batches, the GEMV up to 4 rows, else a
-    tile with enough splits of K to give about two programs per multiprocessor."""
+def default_config(m: int, n: int, k: int, num_sms: int = 132, tc: bool = False) -> KernelConfig:
+    """Untuned choice: the dequant path for prefill-sized batches; up to TCGEMV_DEFAULT_ROWS rows
+    the tensor-core decode kernel where ``tc`` (``tensor_cores``), else the GEMV up to 4 rows;
+    else a tile with enough splits of K to give about two programs per multiprocessor."""
     if m > 256:
         return DEQUANT
+    if tc and m <= TCGEMV_DEFAULT_ROWS:
+        return w4a16_tcgemv.default_config(m, n, k, num_sms)
     if m <= 4:
         return w4a16_gemv.default_config(m, n, k, num_sms)
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
@@ -313,7 +352,11 @@ def w4a16_gemm(
     check_shapes(x, qweight, scales, zeros, perm, group_size, bias)
     if x.stride(1) != 1:
         x = x.contiguous()
-    cfg = KernelConfig.coerce(config) or default_config(m, n, k)
+    cfg = KernelConfig.coerce(config) or default_config(
+        m, n, k, tc=x.is_cuda and tensor_cores(x.dtype, group_size)
+    )
+    if w4a16_tcgemv.is_tcgemv(cfg):
+        return w4a16_tcgemv.w4a16_tcgemv(x, qweight, scales, zeros, perm, group_size, bias, cfg)
     if w4a16_gemv.is_gemv(cfg):
         return w4a16_gemv.w4a16_gemv(x, qweight, scales, zeros, perm, group_size, bias, cfg)
     if is_dequant(cfg):

@@ -1,8 +1,10 @@
 """W4A16 decode on the tensor cores: y = x @ dequant(W).T (+ b) for 1..16 rows, fp16 or bf16.
 
-NOT WIRED IN: nothing in the tuner or the runtime calls this kernel yet. It has only run in the
-Triton interpreter (tests/test_w4a16_tcgemv.py) and been compiled for sm_90 on a CPU
-(benchmarks/w4a16_tcgemv_ptx.py counts its SASS); its speed on an H200 is unmeasured.
+kernels/w4a16_gemm.py runs it for decode batches of up to 16 rows in fp16 or bf16 with group
+sizes divisible by 32 (``supports``): its tuner times this kernel's candidates there, and its
+untuned default is this kernel up to 8 rows. On an H200 (benchmarks/RESULTS.md, G = 128) it beat
+the CUDA-core GEMV and the tl.dot kernel at every Llama-3-8B projection at 1, 4 and 8 rows; one
+layer's four projections at 1 row took 0.52x of bf16 cuBLAS's time (the GEMV's best: 0.67x).
 
 Same weight layout as kernels/w4a16_gemv.py (qweight int32 [K / 8, N], nibble i of row r is
 input 8r + i; scales [K / G, N]; int8 zeros [K / G, N]; optional act-order perm [K]), the same
@@ -347,6 +349,15 @@ def _tcgemv_kernel(
 
 MAX_ROWS = 16  # rows a program: the mma's n16 (more rows take more row blocks, re-reading W)
 MAX_CHUNK = 256  # inputs between two applications of the scales (per-channel groups are split)
+
+
+def supports(dtype: torch.dtype, group_size: int) -> bool:
+    """fp16 or bf16 activations and groups of a multiple of 32 inputs (``launch_shape``)."""
+    return dtype in (torch.float16, torch.bfloat16) and group_size % 32 == 0
+
+
+def is_tcgemv(config: KernelConfig | None) -> bool:
+    return config is not None and bool(config.params.get("tcgemv"))
 
 
 def make_config(

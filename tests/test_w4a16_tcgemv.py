@@ -18,7 +18,7 @@ import textwrap
 import pytest
 import torch
 
-from pagecast.kernels import reference, w4a16_gemv, w4a16_tcgemv
+from pagecast.kernels import reference, w4a16_gemm, w4a16_gemv, w4a16_tcgemv
 
 
 def _weights(n: int, k: int, g: int, perm: bool, seed: int = 0):  # type: ignore[no-untyped-def]
@@ -137,6 +137,62 @@ def test_tcgemv_default_config_runs():
     _check(2, 40, 576, 64, False, True, cfg, torch.float16)
     big = w4a16_tcgemv.default_config(1, 4096, 4096)
     assert 16 * big["SPLIT_K"] >= 2 * 132
+
+
+# ---------------------------------------------------------------- wired into the W4A16 launcher
+
+
+def test_w4a16_gemm_runs_a_tensor_core_config():
+    """The table's config names the kernel: w4a16_gemm dispatches it (with act-order and bias)."""
+    m, n, k, g = 3, 72, 576, 64
+    qweight, scales, zeros, p = _weights(n, k, g, True, seed=3)
+    x, b = torch.randn(m, k).half(), torch.randn(n).half()
+    cfg = w4a16_tcgemv.make_config(32, 64, 3, num_warps=2)
+    y = w4a16_gemm.w4a16_gemm(x, qweight, scales, zeros, p, g, b, cfg)
+    ref = reference.w4a16_linear(x.float(), qweight, scales, zeros, p, g, b.float())
+    torch.testing.assert_close(y.float(), ref, atol=1e-4 * ref.abs().max().item(), rtol=RTOL[torch.float16])
+
+
+def test_tuner_times_the_tensor_core_kernel_for_half_decode_rows():
+    """bf16/fp16 decode buckets up to 16 rows time the tensor-core kernel first (its default is
+    the first candidate, so a tie keeps it) and not the CUDA-core GEMV it beat everywhere; fp32
+    and groups not divisible by 32 keep the GEMV; prefill buckets time neither."""
+    from pagecast.kernels import problems
+    from pagecast.kernels.tuning import ModelShapes
+
+    def space(dtype: str, g: int, m: int) -> list:  # type: ignore[type-arg]
+        shapes = ModelShapes(32, 8, 128, 4096, 7168, 16, dtype, quant_group_size=g)
+        return problems.config_space("w4a16_gemm", shapes, {"num_rows": m, "n": 6144, "k": 4096})
+
+    for m in (1, 4, 8, 16):
+        configs = space("bfloat16", 128, m)
+        tc = [c for c in configs if w4a16_tcgemv.is_tcgemv(c)]
+        assert configs[: len(tc)] == tc and 3 <= len(tc) <= 10
+        assert tc[0] == w4a16_tcgemv.default_config(m, 6144, 4096, problems.num_sms())
+        assert not any(w4a16_gemv.is_gemv(c) for c in configs)
+        # every multiprocessor gets a program, and no two candidates are the same launch
+        assert all(-(-6144 // c["BLOCK_N"]) * c["SPLIT_K"] >= min(132, problems.num_sms()) for c in tc)
+        assert len({json.dumps(c.as_dict(), sort_keys=True) for c in tc}) == len(tc)
+    assert not any(w4a16_tcgemv.is_tcgemv(c) for c in space("bfloat16", 128, 32))
+    assert any(w4a16_tcgemv.is_tcgemv(c) for c in space("float16", -1, 1))  # per channel: a group of K
+    for dtype, g in (("float32", 128), ("bfloat16", 16)):
+        configs = space(dtype, g, 1)
+        assert not any(w4a16_tcgemv.is_tcgemv(c) for c in configs) and any(w4a16_gemv.is_gemv(c) for c in configs)
+
+
+def test_untuned_default_is_the_tensor_core_kernel_up_to_8_half_rows():
+    from pagecast.kernels import problems
+    from pagecast.kernels.tuning import ModelShapes
+
+    def default(dtype: str, g: int, m: int):  # type: ignore[no-untyped-def]
+        shapes = ModelShapes(32, 8, 128, 4096, 7168, 16, dtype, quant_group_size=g)
+        return problems.default_config("w4a16_gemm", shapes, {"num_rows": m, "n": 6144, "k": 4096})
+
+    assert all(w4a16_tcgemv.is_tcgemv(default("bfloat16", 128, m)) for m in (1, 2, 5, 8))
+    assert not w4a16_tcgemv.is_tcgemv(default("bfloat16", 128, 9))
+    assert w4a16_gemv.is_gemv(default("float32", 128, 1)) and w4a16_gemv.is_gemv(default("float16", 16, 1))
+    # the launcher's own default (no table) on the CPU keeps the GEMV: the interpreter is not a GPU
+    assert not w4a16_tcgemv.is_tcgemv(w4a16_gemm.default_config(1, 6144, 4096))
 
 
 def test_tcgemv_refuses_fp32_activations_and_small_groups():
