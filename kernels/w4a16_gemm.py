@@ -185,7 +185,9 @@ CONFIG_SPACE: list[KernelConfig] = [DEQUANT] + [
 
 GEMV_MAX_ROWS = 8  # the GEMV re-reads the weight (from L2) and re-unpacks it for every row
 TCGEMV_MAX_ROWS = w4a16_tcgemv.MAX_ROWS  # the mma's n16: more rows re-read the weight
-TCGEMV_DEFAULT_ROWS = 8  # the untuned default up to here (timed on the H200 at 1, 4 and 8 rows)
+# The untuned default up to here: on the H200 it beat every other kernel at 1, 4 and 8 rows, and
+# at qkv.m16 took 17.1 us against the tl.dot tile default's 23.7 (benchmarks/RESULTS.md).
+TCGEMV_DEFAULT_ROWS = 16
 
 
 def tensor_cores(dtype: torch.dtype, group_size: int) -> bool:

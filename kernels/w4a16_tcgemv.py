@@ -2,7 +2,7 @@
 
 kernels/w4a16_gemm.py runs it for decode batches of up to 16 rows in fp16 or bf16 with group
 sizes divisible by 32 (``supports``): its tuner times this kernel's candidates there, and its
-untuned default is this kernel up to 8 rows. On an H200 (benchmarks/RESULTS.md, G = 128) it beat
+untuned default is this kernel up to 16 rows. On an H200 (benchmarks/RESULTS.md, G = 128) it beat
 the CUDA-core GEMV and the tl.dot kernel at every Llama-3-8B projection at 1, 4 and 8 rows; one
 layer's four projections at 1 row took 0.52x of bf16 cuBLAS's time (the GEMV's best: 0.67x).
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import build_artifact
 from engine_utils import engine_last_logits, hf_greedy
+from kv_cache_support import logit_agreement, teacher_forced_logits
 from quant_writer import Format, write
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
@@ -141,3 +142,34 @@ def test_int4_greedy_matches_transformers_on_gpu(case, quantised, tmp_path):  # 
     hf = AutoModelForCausalLM.from_pretrained(str(deq), dtype=torch.float32).eval()
     for ids, out in zip(PROMPTS, outputs, strict=True):
         assert out.token_ids == hf_greedy(hf, ids, MAX_TOKENS)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", ["awq-g64-qwen2-bias", "gptq-g64-sym-actorder"])
+def test_int4_bf16_engine_matches_its_dequantization_on_gpu(case, quantised, tmp_path):  # type: ignore[no-untyped-def]
+    """In bf16 the decode rows run the tensor-core W4A16 kernel (kernels/w4a16_tcgemv.py): its
+    teacher-forced logits (a 160-token prefill, then 40 one-row decode steps) against a bf16
+    engine built from the exact dequantization of the same checkpoint, and the same tokens with
+    CUDA graphs as eager."""
+    ckpt, deq, _ = quantised(case)
+    int4 = build_artifact(ckpt, tmp_path / "int4", gpu="auto", dtype="bfloat16", tune_budget_s=20.0)
+    dense = build_artifact(deq, tmp_path / "dense", gpu="auto", dtype="bfloat16", tune_budget_s=5.0)
+    table = json.loads((int4 / "tuning.json").read_text())
+    m1 = {b: e["config"] for b, e in table["kernels"]["w4a16_gemm"].items() if b.endswith(".m1")}
+    assert m1 and all(c.get("tcgemv") for c in m1.values()), m1
+    tokens = torch.randint(3, 49000, (200,), generator=torch.Generator().manual_seed(0)).tolist()
+    agreement = logit_agreement(teacher_forced_logits(int4, tokens, 160), teacher_forced_logits(dense, tokens, 160))
+    print(f"{case} bf16: int4 engine vs its dequantization: {agreement}")
+    assert agreement["max_rel_diff"] <= 0.5 and agreement["top1_agreement"] >= 0.9, agreement
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [tokens[:n] for n in (5, 40, 130)]
+    graphs = LLM(int4, kv_cache_memory="256MiB", max_num_seqs=8)
+    assert graphs.engine.runner.graphs is not None
+    with_graphs = [o.token_ids for o in graphs.generate(prompts, params, use_tqdm=False)]
+    del graphs
+    eager = LLM(int4, kv_cache_memory="256MiB", max_num_seqs=8, cuda_graphs=False)
+    assert with_graphs == [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    del eager
+    torch.cuda.empty_cache()
+

@@ -180,7 +180,7 @@ def test_tuner_times_the_tensor_core_kernel_for_half_decode_rows():
         assert not any(w4a16_tcgemv.is_tcgemv(c) for c in configs) and any(w4a16_gemv.is_gemv(c) for c in configs)
 
 
-def test_untuned_default_is_the_tensor_core_kernel_up_to_8_half_rows():
+def test_untuned_default_is_the_tensor_core_kernel_up_to_16_half_rows():
     from pagecast.kernels import problems
     from pagecast.kernels.tuning import ModelShapes
 
@@ -188,8 +188,8 @@ def test_untuned_default_is_the_tensor_core_kernel_up_to_8_half_rows():
         shapes = ModelShapes(32, 8, 128, 4096, 7168, 16, dtype, quant_group_size=g)
         return problems.default_config("w4a16_gemm", shapes, {"num_rows": m, "n": 6144, "k": 4096})
 
-    assert all(w4a16_tcgemv.is_tcgemv(default("bfloat16", 128, m)) for m in (1, 2, 5, 8))
-    assert not w4a16_tcgemv.is_tcgemv(default("bfloat16", 128, 9))
+    assert all(w4a16_tcgemv.is_tcgemv(default("bfloat16", 128, m)) for m in (1, 2, 5, 8, 9, 16))
+    assert not w4a16_tcgemv.is_tcgemv(default("bfloat16", 128, 17))
     assert w4a16_gemv.is_gemv(default("float32", 128, 1)) and w4a16_gemv.is_gemv(default("float16", 16, 1))
     # the launcher's own default (no table) on the CPU keeps the GEMV: the interpreter is not a GPU
     assert not w4a16_tcgemv.is_tcgemv(w4a16_gemm.default_config(1, 6144, 4096))
