@@ -152,6 +152,23 @@ def compile_grammar_mask_kernels(device: str) -> None:
                 sample_token_ids(logits, requests, token_bitmask=(list(range(1, rows + 1)), bitmask))
 
 
+def budget_note(table: dict[str, Any], budget_s: float) -> str:
+    """The report's words for buckets the tuning budget cut off (empty when none was)."""
+    from pagecast.kernels import tuning
+
+    cut = tuning.untuned_buckets(table)
+    if not cut:
+        return ""
+    total = sum(len(entries) for entries in table["kernels"].values())
+    count = sum(len(buckets) for buckets in cut.values())
+    where = "; ".join(f"{kernel}: {', '.join(buckets)}" for kernel, buckets in cut.items())
+    return (
+        f". The {budget_s:.0f} s budget ran out before {count} of {total} buckets, which keep the "
+        f"launcher's default config untimed against the others ({where}); rebuild with a larger "
+        f"--tune-budget to tune them"
+    )
+
+
 def run(state: BuildState) -> BuildState:
     plan = state.plan
     assert plan is not None and state.staging_dir is not None
@@ -172,7 +189,7 @@ def run(state: BuildState) -> BuildState:
         report["tuning_note"] = (
             f"tuned on this {plan.gpu_name} within {state.options.tune_budget_s:.0f} s; "
             f"measured copy bandwidth {copy_gbs:,.0f} GB/s"
-        )
+        ) + budget_note(table, state.options.tune_budget_s)
     else:
         table = tuning.default_table(plan.gpu_name) or {"device": plan.gpu_name, "tuned": False, "kernels": {}}
         table = dict(table, tuned=False)

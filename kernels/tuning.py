@@ -309,8 +309,10 @@ def tune(
     Returns a JSON-able table (see the module docstring). Each entry holds the winning
     config, its median time, ``alternatives`` (the next fastest configs and their times) and
     ``tuned`` (False when the budget ran out first and the launcher's default was kept, or
-    when the entry was derived from a smaller bucket). Every config in the table has been
-    launched on ``device``, so its compiled kernel is in TRITON_CACHE_DIR.
+    when the entry was derived from a smaller bucket), and ``budget_spent`` where the budget
+    had run out before the bucket began (only the default was timed; ``untuned_buckets``
+    counts them). Every config in the table has been launched on ``device``, so its compiled
+    kernel is in TRITON_CACHE_DIR.
     """
     from pagecast.kernels import problems
 
@@ -354,7 +356,8 @@ def tune(
             launches = problem.launches_per_sample()
             results: list[tuple[float, int, KernelConfig]] = []
             configs = problems.config_space(kernel, shapes, dims)
-            if time.monotonic() > deadline:
+            budget_spent = time.monotonic() > deadline
+            if budget_spent:  # only the launcher's default is timed (and compiled into the cache)
                 configs = [problems.default_config(kernel, shapes, dims)]
             for order, cfg in enumerate(configs):
                 try:
@@ -380,8 +383,10 @@ def tune(
                 "alternatives": [
                     {"config": c.as_dict(), "time_us": round(t, 2)} for t, _, c in others[:ALTERNATIVES_KEPT]
                 ],
-                "tuned": len(results) > 1 or len(configs) == 1,
+                "tuned": not budget_spent and (len(results) > 1 or len(configs) == 1),
             }
+            if budget_spent:
+                entries[bucket]["budget_spent"] = True
             if problem.reference is not None:  # the half-type baseline, for the report (never chosen)
                 entries[bucket]["reference_us"] = round(
                     time_launches(functools.partial(problem.reference, None), launches, reps), 2
@@ -389,6 +394,17 @@ def tune(
             if log:
                 log(f"{kernel} {bucket}: {best[0]:.2f} us {best[2].as_dict()} ({len(results)} configs)")
     return table
+
+
+def untuned_buckets(table: Mapping[str, Any]) -> dict[str, list[str]]:
+    """Kernel -> the buckets whose tuning the budget cut off (``budget_spent``: the launcher's
+    default config was kept untimed against the others)."""
+    out: dict[str, list[str]] = {}
+    for kernel, entries in (table.get("kernels") or {}).items():
+        cut = [bucket for bucket, entry in entries.items() if entry.get("budget_spent")]
+        if cut:
+            out[kernel] = cut
+    return out
 
 
 def _triton_version() -> str:

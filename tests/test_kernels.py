@@ -301,3 +301,37 @@ def test_config_spaces_prune():
         tuning.ModelShapes(9, 2, 64, 576, 1536, 16)
     with pytest.raises(ValueError):
         tuning.tune(["no_such_kernel"], tuning.ModelShapes(9, 3, 64, 576, 1536, 16), 1.0, "cpu")
+
+
+def test_buckets_the_budget_cut_off_are_not_called_tuned(monkeypatch):  # type: ignore[no-untyped-def]
+    """Once the tuning budget is spent the remaining buckets keep the launcher's default: the
+    table must say so (tuned False, budget_spent) and the build report name them, rather than
+    call a config timed alone 'tuned'. A fake clock: every timed config takes one second."""
+    import types
+
+    from pagecast.builder.tune import budget_note
+    from pagecast.kernels import problems
+
+    clock = [0.0]
+
+    def timed(launch, launches, reps):  # type: ignore[no-untyped-def]
+        clock[0] += 1.0
+        return 10.0
+
+    problem = types.SimpleNamespace(launches_per_sample=lambda: 1, launch=lambda cfg, i: None, reference=None)
+    monkeypatch.setattr(tuning, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(tuning, "time_launches", timed)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake GPU")
+    monkeypatch.setattr(problems, "make_problem", lambda *args, **kwargs: problem)
+    shapes = tuning.ModelShapes(9, 3, 64, 576, 1536, 16)
+    table = tuning.tune(["rms_norm"], shapes, budget_s=2.5, device="cpu")
+    entries = table["kernels"]["rms_norm"]
+    first, *rest = entries.values()
+    assert first["tuned"] and "budget_spent" not in first  # 3 configs timed, the budget ran out during it
+    assert rest and all(not e["tuned"] and e["budget_spent"] for e in rest)
+    default = problems.default_config("rms_norm", shapes, {}).as_dict()
+    assert all(e["config"] == default for e in rest)
+    assert tuning.untuned_buckets(table) == {"rms_norm": list(entries)[1:]}
+    note = budget_note(table, 2.5)
+    assert f"before {len(rest)} of {len(entries)} buckets" in note and "t64" in note and "--tune-budget" in note
+    assert budget_note({"kernels": {"rms_norm": {"t8": first}}}, 2.5) == ""
