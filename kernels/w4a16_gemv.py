@@ -1,14 +1,18 @@
 """W4A16 GEMV: y = x @ dequant(W).T (+ b) for decode batches of a few rows, at the weight's
 read bandwidth.
 
+Where it runs: since the tensor-core decode kernel (kernels/w4a16_tcgemv.py) beat it at every
+Llama-3-8B projection and row count timed on an H200, kernels/w4a16_gemm.py uses this GEMV only
+where that kernel cannot run: fp32 activations, or a group size not divisible by 32.
+
 Same weight layout as kernels/w4a16_gemm.py (qweight int32 [K / 8, N], nibble i of row r is
 input 8r + i; scales [K / G, N]; int8 zeros [K / G, N]; optional act-order perm [K]).
 
 At 1..8 rows a projection is a matrix-vector product: the time is the int4 weight read once,
 K * N / 2 bytes, as long as the per-weight arithmetic keeps up with memory. An H200 streams
 ~8e12 int4 weights a second, about 33 a clock per multiprocessor, and a multiprocessor issues
-128 lane-instructions a clock: the budget is under 4 instructions per weight. The tensor-core
-kernel spends ~11 at 16 rows (sm_90 SASS of its loop: shifts, masks, int-to-float and
+128 lane-instructions a clock: the budget is under 4 instructions per weight. The tl.dot
+kernel (kernels/w4a16_gemm.py) spends ~11 at 16 rows (sm_90 SASS of its loop: shifts, masks, int-to-float and
 float-to-bf16 conversions at quarter rate, and a shared-memory round trip to reach the
 tensor-core operand layout). This kernel uses no tl.dot and no conversion per weight (~3.6
 instructions a weight in its loop at 1 row):
