@@ -40,3 +40,22 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id=No
         torch.tensor([prompt_ids], device=model.device), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, **kwargs
     )
     return out[0, len(prompt_ids) :].tolist()
+
+
+def assert_graphs_match_eager(  # type: ignore[no-untyped-def]
+    artifact, prompts: list[list[int]], max_tokens: int, kv_dtype: torch.dtype | None = None
+) -> None:
+    """GPU tests: greedy tokens with CUDA graphs equal an eager engine's on the same artifact
+    (and the graph engine's KV cache holds ``kv_dtype``, where given)."""
+    from pagecast.runtime import LLM
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    graphs = LLM(artifact, kv_cache_memory="256MiB", max_num_seqs=8)
+    assert graphs.engine.runner.graphs is not None
+    assert kv_dtype is None or graphs.engine.kv_cache.dtype == kv_dtype
+    with_graphs = [o.token_ids for o in graphs.generate(prompts, params, use_tqdm=False)]
+    del graphs
+    eager = LLM(artifact, kv_cache_memory="256MiB", max_num_seqs=8, cuda_graphs=False)
+    assert with_graphs == [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    del eager
+    torch.cuda.empty_cache()

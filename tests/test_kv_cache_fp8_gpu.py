@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 from conftest import build_artifact
+from engine_utils import assert_graphs_match_eager
 from kv_cache_support import logit_agreement, teacher_forced_logits
 from tiny_models import make_checkpoint
 
@@ -135,8 +136,6 @@ def test_tune_on_fp8_cache():
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_fp8_engine_on_gpu(tmp_path, family):  # type: ignore[no-untyped-def]
-    from pagecast.runtime import LLM, SamplingParams
-
     ckpt = make_checkpoint(tmp_path / "ckpt", family, tokenizer=False)
     base = build_artifact(ckpt, tmp_path / "base", gpu="auto", dtype="bfloat16", tune_budget_s=10.0)
     fp8 = build_artifact(
@@ -150,16 +149,7 @@ def test_fp8_engine_on_gpu(tmp_path, family):  # type: ignore[no-untyped-def]
     )
     print(f"{family} bf16: fp8 KV vs bf16 KV: {agreement}")
     assert agreement["max_rel_diff"] <= 0.75 and agreement["top1_agreement"] >= 0.8, agreement
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    prompts = [tokens[:n] for n in (5, 40, 130)]
-    graphs = LLM(fp8, kv_cache_memory="256MiB", max_num_seqs=8)
-    assert graphs.engine.kv_cache.dtype == FP8_DTYPE and graphs.engine.runner.graphs is not None
-    with_graphs = [o.token_ids for o in graphs.generate(prompts, params, use_tqdm=False)]
-    del graphs
-    eager = LLM(fp8, kv_cache_memory="256MiB", max_num_seqs=8, cuda_graphs=False)
-    assert with_graphs == [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
-    del eager
-    torch.cuda.empty_cache()
+    assert_graphs_match_eager(fp8, [tokens[:n] for n in (5, 40, 130)], 32, kv_dtype=FP8_DTYPE)
 
 
 PARAGRAPH = (

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import build_artifact
-from engine_utils import engine_last_logits, hf_greedy
+from engine_utils import assert_graphs_match_eager, engine_last_logits, hf_greedy
 from kv_cache_support import logit_agreement, teacher_forced_logits
 from quant_writer import Format, write
 from safetensors import safe_open
@@ -162,14 +162,4 @@ def test_int4_bf16_engine_matches_its_dequantization_on_gpu(case, quantised, tmp
     agreement = logit_agreement(teacher_forced_logits(int4, tokens, 160), teacher_forced_logits(dense, tokens, 160))
     print(f"{case} bf16: int4 engine vs its dequantization: {agreement}")
     assert agreement["max_rel_diff"] <= 0.5 and agreement["top1_agreement"] >= 0.9, agreement
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    prompts = [tokens[:n] for n in (5, 40, 130)]
-    graphs = LLM(int4, kv_cache_memory="256MiB", max_num_seqs=8)
-    assert graphs.engine.runner.graphs is not None
-    with_graphs = [o.token_ids for o in graphs.generate(prompts, params, use_tqdm=False)]
-    del graphs
-    eager = LLM(int4, kv_cache_memory="256MiB", max_num_seqs=8, cuda_graphs=False)
-    assert with_graphs == [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
-    del eager
-    torch.cuda.empty_cache()
-
+    assert_graphs_match_eager(int4, [tokens[:n] for n in (5, 40, 130)], 24)
