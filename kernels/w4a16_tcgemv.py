@@ -52,6 +52,16 @@ What Triton 3.6 makes of it on sm_90 (benchmarks/w4a16_tcgemv_ptx.py, o 4096 -> 
   K-contiguous), with the address arithmetic: +0.2-0.3 instructions a weight.
 - The weight as the B operand (x rows as the mma's 16 rows) doubles the mma count: +0.4-0.5.
 
+At 1 row a split holds 1-8 chunks, so a program's fixed latencies matter as much as its loop:
+in the sm_90 SASS each global load is followed by its layout conversion (a shared-memory round
+trip and a barrier), so the loads wait on each other: x and the sums' pass, then the packed
+words, then (after the dots) the scales. Issuing the first chunk's loads first did not help
+(each still waits on the previous one's conversion). L2_CHUNKS > 0 (``make_config(l2_chunks=)``)
+instead asks L2 for each split's first chunks of words, scales and zeros with
+cp.async.bulk.prefetch.L2 when the program starts: nothing comes back to wait for, so the later
+loads should hit L2. Its loop costs what the plain kernel's does (benchmarks/RESULTS.md). It has
+not run on a GPU: the tuner does not time it, benchmarks/w4a16_micro.py does (``tcgemv_l2``).
+
 Loop SASS instructions a weight, G = 128, BLOCK_N 256 on 4 warps (1 / 4 / 8 / 16 rows): fp16
 1.46 / 1.61 / 1.56 / 1.75, bf16 1.73 / 1.84 / 1.82 / 1.99 (unpacking 0.63 fp16, 0.88 bf16; mma
 0.13; the rest the packed tile's loads and shared round trip, x, the scales and the per-chunk
@@ -151,6 +161,178 @@ def _input_bias(k, dt: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_l2(ptrs, nbytes: tl.constexpr):
+    """cp.async.bulk.prefetch.L2 of ``nbytes`` (a multiple of 16) from each pointer (16-byte
+    aligned; the launcher checks). Nothing comes back: the asm's output is a dummy, kept because
+    the asm is not pure."""
+    tl.inline_asm_elementwise(
+        asm="cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
+        constraints="=r,l,r",
+        args=[ptrs, tl.full(ptrs.shape, nbytes, tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _load_packed(qw_ptr, N, k0, offs_n, n_ok, P: tl.constexpr, W_AS_A: tl.constexpr, EVEN_N: tl.constexpr):
+    """The packed words of the step at input k0: [BLOCK_N, P] with the weight as the mma's A
+    operand, else [P, BLOCK_N]."""
+    rows = k0 // 8 + tl.arange(0, P)
+    if W_AS_A:
+        ptrs = qw_ptr + rows[None, :] * N + offs_n[:, None]
+        ld_ok = n_ok[:, None]
+    else:
+        ptrs = qw_ptr + rows[:, None] * N + offs_n[None, :]
+        ld_ok = n_ok[None, :]
+    if EVEN_N:
+        packed = tl.load(ptrs)
+    else:
+        packed = tl.load(ptrs, mask=ld_ok, other=0)
+    return packed
+
+
+@triton.jit
+def _load_scales(s_ptr, z_ptr, N, kc, offs_n, n_ok, GROUP_SIZE: tl.constexpr, EVEN_N: tl.constexpr):
+    """The scales and zero points of the group holding input kc, [BLOCK_N] each, in fp32."""
+    g = kc // GROUP_SIZE
+    if EVEN_N:
+        s = tl.load(s_ptr + g * N + offs_n).to(tl.float32)
+        z = tl.load(z_ptr + g * N + offs_n).to(tl.float32)
+    else:
+        s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0).to(tl.float32)
+    return s, z
+
+
+@triton.jit
+def _load_x_step(x_ptr, perm_ptr, offs_m, m_ok, stride_xm, k0, kk, k_nat, HAS_PERM: tl.constexpr,
+                 W_AS_A: tl.constexpr):  # fmt: skip
+    """The activations of the step at input k0 as loaded: with a perm, gathered straight in the
+    dot's order ([BLOCK_K, BLOCK_M] with the weight as A, else [BLOCK_M, BLOCK_K]: reshaping a
+    gathered [16, BLOCK_K] tile made Triton 3.6's OptimizeDotOperands abort, "Illegal shared
+    layout"); without, [BLOCK_M, BLOCK_K] in the natural order (contiguous loads, permuted in
+    registers by _dot_step)."""
+    # (one return: Triton checks every return's type, constexpr branches included)
+    if HAS_PERM:
+        cols = tl.load(perm_ptr + k0 + k_nat)
+        if W_AS_A:
+            xs = tl.load(x_ptr + offs_m[None, :] * stride_xm + cols[:, None], mask=m_ok[None, :], other=0.0)
+        else:
+            xs = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=m_ok[:, None], other=0.0)
+    else:
+        xs = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + kk)[None, :], mask=m_ok[:, None], other=0.0)
+    return xs
+
+
+@triton.jit
+def _dot_order(DT: tl.constexpr, BLOCK_K: tl.constexpr, P: tl.constexpr, PAIR_ORDER: tl.constexpr):
+    """A step's inputs in their natural order (kk) and in the dot's (k_nat: the input at each
+    position of the dot's order, nibble j + 4b of packed row q), with their BIAS."""
+    kk = tl.arange(0, BLOCK_K)  # a step's inputs in their natural order
+    k_bias = _input_bias(kk, DT)
+    # the input at each position of the dot's order: nibble j + 4b of packed row q
+    if PAIR_ORDER == 0:  # k' = 2P j + 2q + b
+        k_nat = ((kk // 2) % P) * 8 + kk // (2 * P) + (kk % 2) * 4
+    elif PAIR_ORDER == 2:  # k' = 4P j1 + 4q + 2 j0 + b
+        k_nat = ((kk // 4) % P) * 8 + (kk // (4 * P)) * 2 + (kk // 2) % 2 + (kk % 2) * 4
+    else:  # k' = 8q + 2j + b
+        k_nat = (kk // 8) * 8 + (kk // 2) % 4 + (kk % 2) * 4
+    k_bias_dot = _input_bias(k_nat, DT)
+    return kk, k_bias, k_nat, k_bias_dot
+
+
+@triton.jit
+def _unpack(packed, DT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_AS_A: tl.constexpr,
+            PAIR_ORDER: tl.constexpr, USE_ASM: tl.constexpr):  # fmt: skip
+    """A step's packed words as the mma operand of BIAS + q in the dot's order of inputs:
+    [BLOCK_N, BLOCK_K] with the weight as A, else [BLOCK_K, BLOCK_N]."""
+    # [.., P, b, j0, j1] with nibble j + 4b, j = j0 + 2 j1 (the joins append a last axis)
+    p0, p1, p2, p3 = _magic_pairs(packed, DT, USE_ASM)
+    w5 = tl.join(tl.join(p0, p1), tl.join(p2, p3))
+    if W_AS_A:
+        if PAIR_ORDER == 0:  # [BLOCK_N, j1, j0, P, b]
+            w = tl.reshape(tl.permute(w5, (0, 4, 3, 1, 2)), (BLOCK_N, BLOCK_K))
+        elif PAIR_ORDER == 2:  # [BLOCK_N, j1, P, j0, b]
+            w = tl.reshape(tl.permute(w5, (0, 4, 1, 3, 2)), (BLOCK_N, BLOCK_K))
+        else:  # [BLOCK_N, P, j1, j0, b]
+            w = tl.reshape(tl.permute(w5, (0, 1, 4, 3, 2)), (BLOCK_N, BLOCK_K))
+    else:
+        if PAIR_ORDER == 0:  # [j1, j0, P, b, BLOCK_N]
+            w = tl.reshape(tl.permute(w5, (4, 3, 0, 2, 1)), (BLOCK_K, BLOCK_N))
+        elif PAIR_ORDER == 2:  # [j1, P, j0, b, BLOCK_N]
+            w = tl.reshape(tl.permute(w5, (4, 0, 3, 2, 1)), (BLOCK_K, BLOCK_N))
+        else:  # [P, j1, j0, b, BLOCK_N]
+            w = tl.reshape(tl.permute(w5, (0, 4, 3, 2, 1)), (BLOCK_K, BLOCK_N))
+    return w
+
+
+@triton.jit
+def _dot_step(w, xs, acc, sx, sxb, k_bias, k_bias_dot, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+              P: tl.constexpr, HAS_PERM: tl.constexpr, SUMS_FIRST: tl.constexpr, W_AS_A: tl.constexpr,
+              PAIR_ORDER: tl.constexpr, DOT_FP32: tl.constexpr):  # fmt: skip
+    """acc += W' x for one step, x as _load_x_step loads it (put in the dot's order of inputs
+    here when it came in the natural one); sx and sxb (the sums of x and x * BIAS) as well when
+    they are summed in the loop."""
+    if HAS_PERM:
+        xk = xs  # gathered in the dot's order
+        if not SUMS_FIRST:
+            xf = xk.to(tl.float32)
+            if W_AS_A:
+                sx += tl.sum(xf, axis=0)
+                sxb += tl.sum(xf * k_bias_dot[:, None], axis=0)
+            else:
+                sx += tl.sum(xf, axis=1)
+                sxb += tl.sum(xf * k_bias_dot[None, :], axis=1)
+    else:
+        if not SUMS_FIRST:
+            xf = xs.to(tl.float32)
+            sx += tl.sum(xf, axis=1)
+            sxb += tl.sum(xf * k_bias[None, :], axis=1)
+        x5 = tl.reshape(xs, (BLOCK_M, P, 2, 2, 2))  # [M, q, b, j1, j0]: nibble i = j0 + 2 j1 + 4b
+        if PAIR_ORDER == 0:  # [M, j1, j0, q, b]
+            xk = tl.reshape(tl.permute(x5, (0, 3, 4, 1, 2)), (BLOCK_M, BLOCK_K))
+        elif PAIR_ORDER == 2:  # [M, j1, q, j0, b]
+            xk = tl.reshape(tl.permute(x5, (0, 3, 1, 4, 2)), (BLOCK_M, BLOCK_K))
+        else:  # [M, q, j1, j0, b]
+            xk = tl.reshape(tl.permute(x5, (0, 1, 3, 4, 2)), (BLOCK_M, BLOCK_K))
+        if W_AS_A:
+            xk = tl.trans(xk)
+    if W_AS_A:
+        if DOT_FP32:
+            acc = tl.dot(w.to(tl.float32), xk.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, xk, acc)
+    else:
+        if DOT_FP32:
+            acc = tl.dot(xk.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xk, w, acc)
+    return acc, sx, sxb
+
+
+@triton.jit
+def _apply_scales(out, acc, sx, sxb, s, z, W_AS_A: tl.constexpr):
+    """out += s * sum x (q - z) over a chunk: acc - sum x BIAS - z sum x."""
+    if W_AS_A:
+        out += s[:, None] * ((acc - sxb[None, :]) - z[:, None] * sx[None, :])
+    else:
+        out += s[None, :] * ((acc - sxb[:, None]) - z[None, :] * sx[:, None])
+    return out
+
+
+@triton.jit
+def _zeros_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, W_AS_A: tl.constexpr):
+    """The fp32 accumulator: [BLOCK_N, BLOCK_M] with the weight as the mma's A operand."""
+    if W_AS_A:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return acc
+
+
+@triton.jit
 def _tcgemv_kernel(
     x_ptr,  # [M, K] activations (fp16 / bf16)
     qw_ptr,  # int32 [K / 8, N]
@@ -184,6 +366,8 @@ def _tcgemv_kernel(
     #                             1: 8q + 2j + b, 2: 4P j1 + 4q + 2 j0 + b (see pair_order)
     DOT_FP32: tl.constexpr,  # the interpreter, bf16: dot in fp32 (its bf16 dot is wrong; exact here)
     USE_ASM: tl.constexpr,
+    L2_CHUNKS: tl.constexpr = 0,  # chunks of the split prefetched into L2 first (GPU only; 0: none)
+    L2_GROUPS: tl.constexpr = 1,  # groups of scales and zeros those chunks span
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -196,6 +380,18 @@ def _tcgemv_kernel(
     m_ok = offs_m < M
     n_ok = offs_n < N
     k_begin = pid_k * (CHUNKS * CHUNK)
+    if L2_CHUNKS > 0:
+        # Ask L2 for the first chunks' packed words, scales and zeros before anything else:
+        # the loads of them come after the sums' pass, and each load waits on the layout
+        # conversion of the one before (a shared-memory round trip right after it), so at 1-4
+        # chunks a split (the 1-row splits) their memory latencies add up. A bulk prefetch
+        # returns nothing to wait for.
+        n0 = pid_n * BLOCK_N
+        rows = k_begin // 8 + tl.arange(0, L2_CHUNKS * CHUNK // 8)
+        _prefetch_l2(qw_ptr + rows * N + n0, BLOCK_N * 4)
+        groups = k_begin // GROUP_SIZE + tl.arange(0, L2_GROUPS)
+        _prefetch_l2(s_ptr + groups * N + n0, BLOCK_N * 2)
+        _prefetch_l2(z_ptr + groups * N + n0, BLOCK_N)
     if SUMS_FIRST:
         # Per chunk and row: sum x and sum x * BIAS over this split's inputs, SUMS_BLOCK chunks at
         # a time (one cross-thread reduction for all of them), into this program's scratch row.
@@ -221,124 +417,28 @@ def _tcgemv_kernel(
             tl.store(dst, tl.sum(x3 * bias3, axis=2), mask=c_ok[None, :])
             tl.store(dst + BLOCK_M, tl.sum(x3, axis=2), mask=c_ok[None, :])
         tl.debug_barrier()  # the loop reads sums other threads wrote
-    kk = tl.arange(0, BLOCK_K)  # a step's inputs in their natural order
-    k_bias = _input_bias(kk, DT)
-    # the input at each position of the dot's order: nibble j + 4b of packed row q
-    if PAIR_ORDER == 0:  # k' = 2P j + 2q + b
-        k_nat = ((kk // 2) % P) * 8 + kk // (2 * P) + (kk % 2) * 4
-    elif PAIR_ORDER == 2:  # k' = 4P j1 + 4q + 2 j0 + b
-        k_nat = ((kk // 4) % P) * 8 + (kk // (4 * P)) * 2 + (kk // 2) % 2 + (kk % 2) * 4
-    else:  # k' = 8q + 2j + b
-        k_nat = (kk // 8) * 8 + (kk // 2) % 4 + (kk % 2) * 4
-    k_bias_dot = _input_bias(k_nat, DT)
-    qq = tl.arange(0, P)
-    if W_AS_A:
-        out = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        out = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    kk, k_bias, k_nat, k_bias_dot = _dot_order(DT, BLOCK_K, P, PAIR_ORDER)
+    out = _zeros_acc(BLOCK_M, BLOCK_N, W_AS_A)
     for c in range(CHUNKS):
         kc = k_begin + c * CHUNK
-        if W_AS_A:
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = _zeros_acc(BLOCK_M, BLOCK_N, W_AS_A)
         sx = tl.zeros((BLOCK_M,), dtype=tl.float32)
         sxb = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for st in tl.static_range(STEPS):
             k0 = kc + st * BLOCK_K
-            rows = k0 // 8 + qq
-            if W_AS_A:
-                ptrs = qw_ptr + rows[None, :] * N + offs_n[:, None]  # [BLOCK_N, P]
-                ld_ok = n_ok[:, None]
-            else:
-                ptrs = qw_ptr + rows[:, None] * N + offs_n[None, :]  # [P, BLOCK_N]
-                ld_ok = n_ok[None, :]
-            if EVEN_N:
-                packed = tl.load(ptrs)
-            else:
-                packed = tl.load(ptrs, mask=ld_ok, other=0)
-            # [.., P, b, j0, j1] with nibble j + 4b, j = j0 + 2 j1 (the joins append a last axis)
-            p0, p1, p2, p3 = _magic_pairs(packed, DT, USE_ASM)
-            w5 = tl.join(tl.join(p0, p1), tl.join(p2, p3))
-            if W_AS_A:
-                if PAIR_ORDER == 0:  # [BLOCK_N, j1, j0, P, b]
-                    w = tl.reshape(tl.permute(w5, (0, 4, 3, 1, 2)), (BLOCK_N, BLOCK_K))
-                elif PAIR_ORDER == 2:  # [BLOCK_N, j1, P, j0, b]
-                    w = tl.reshape(tl.permute(w5, (0, 4, 1, 3, 2)), (BLOCK_N, BLOCK_K))
-                else:  # [BLOCK_N, P, j1, j0, b]
-                    w = tl.reshape(tl.permute(w5, (0, 1, 4, 3, 2)), (BLOCK_N, BLOCK_K))
-            else:
-                if PAIR_ORDER == 0:  # [j1, j0, P, b, BLOCK_N]
-                    w = tl.reshape(tl.permute(w5, (4, 3, 0, 2, 1)), (BLOCK_K, BLOCK_N))
-                elif PAIR_ORDER == 2:  # [j1, P, j0, b, BLOCK_N]
-                    w = tl.reshape(tl.permute(w5, (4, 0, 3, 2, 1)), (BLOCK_K, BLOCK_N))
-                else:  # [P, j1, j0, b, BLOCK_N]
-                    w = tl.reshape(tl.permute(w5, (0, 4, 3, 2, 1)), (BLOCK_K, BLOCK_N))
-            if HAS_PERM:
-                # A gather either way: load x straight in the dot's order (reshaping a gathered
-                # [16, BLOCK_K] tile made Triton 3.6's OptimizeDotOperands abort, "Illegal shared
-                # layout").
-                cols = tl.load(perm_ptr + k0 + k_nat)
-                if W_AS_A:
-                    xk = tl.load(
-                        x_ptr + offs_m[None, :] * stride_xm + cols[:, None], mask=m_ok[None, :], other=0.0
-                    )
-                else:
-                    xk = tl.load(
-                        x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=m_ok[:, None], other=0.0
-                    )
-                if not SUMS_FIRST:
-                    xf = xk.to(tl.float32)
-                    if W_AS_A:
-                        sx += tl.sum(xf, axis=0)
-                        sxb += tl.sum(xf * k_bias_dot[:, None], axis=0)
-                    else:
-                        sx += tl.sum(xf, axis=1)
-                        sxb += tl.sum(xf * k_bias_dot[None, :], axis=1)
-            else:
-                # [BLOCK_M, BLOCK_K] in the natural order (contiguous loads), permuted in registers
-                xn = tl.load(
-                    x_ptr + offs_m[:, None] * stride_xm + (k0 + kk)[None, :], mask=m_ok[:, None], other=0.0
-                )
-                if not SUMS_FIRST:
-                    xf = xn.to(tl.float32)
-                    sx += tl.sum(xf, axis=1)
-                    sxb += tl.sum(xf * k_bias[None, :], axis=1)
-                x5 = tl.reshape(xn, (BLOCK_M, P, 2, 2, 2))  # [M, q, b, j1, j0]: nibble i = j0 + 2 j1 + 4b
-                if PAIR_ORDER == 0:  # [M, j1, j0, q, b]
-                    xk = tl.reshape(tl.permute(x5, (0, 3, 4, 1, 2)), (BLOCK_M, BLOCK_K))
-                elif PAIR_ORDER == 2:  # [M, j1, q, j0, b]
-                    xk = tl.reshape(tl.permute(x5, (0, 3, 1, 4, 2)), (BLOCK_M, BLOCK_K))
-                else:  # [M, q, j1, j0, b]
-                    xk = tl.reshape(tl.permute(x5, (0, 1, 3, 4, 2)), (BLOCK_M, BLOCK_K))
-                if W_AS_A:
-                    xk = tl.trans(xk)
-            if W_AS_A:
-                if DOT_FP32:
-                    acc = tl.dot(w.to(tl.float32), xk.to(tl.float32), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(w, xk, acc)
-            else:
-                if DOT_FP32:
-                    acc = tl.dot(xk.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(xk, w, acc)
+            packed = _load_packed(qw_ptr, N, k0, offs_n, n_ok, P, W_AS_A, EVEN_N)
+            w = _unpack(packed, DT, BLOCK_N, BLOCK_K, W_AS_A, PAIR_ORDER, USE_ASM)
+            xs = _load_x_step(x_ptr, perm_ptr, offs_m, m_ok, stride_xm, k0, kk, k_nat, HAS_PERM, W_AS_A)
+            acc, sx, sxb = _dot_step(
+                w, xs, acc, sx, sxb, k_bias, k_bias_dot, BLOCK_M, BLOCK_K, P, HAS_PERM, SUMS_FIRST, W_AS_A,
+                PAIR_ORDER, DOT_FP32,
+            )  # fmt: skip
         if SUMS_FIRST:
             src = scr + c * (2 * BLOCK_M) + tl.arange(0, BLOCK_M)
             sxb = tl.load(src)
             sx = tl.load(src + BLOCK_M)
-        g = kc // GROUP_SIZE
-        if EVEN_N:
-            s = tl.load(s_ptr + g * N + offs_n).to(tl.float32)
-            z = tl.load(z_ptr + g * N + offs_n).to(tl.float32)
-        else:
-            s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0).to(tl.float32)
-        # sum x (q - z) = acc - sum x BIAS - z sum x
-        if W_AS_A:
-            out += s[:, None] * ((acc - sxb[None, :]) - z[:, None] * sx[None, :])
-        else:
-            out += s[None, :] * ((acc - sxb[:, None]) - z[None, :] * sx[:, None])
+        s, z = _load_scales(s_ptr, z_ptr, N, kc, offs_n, n_ok, GROUP_SIZE, EVEN_N)
+        out = _apply_scales(out, acc, sx, sxb, s, z, W_AS_A)
     if W_AS_A:
         out = tl.trans(out)
     w4a16_gemv._finish(
@@ -370,15 +470,20 @@ def make_config(
     w_as_a: bool = True,
     pair_order: int | None = None,
     sums_first: bool = True,
+    l2_chunks: int = 0,
 ) -> KernelConfig:
     """``block_k``: the most inputs a dot step covers (the launcher takes the widest power of two
     dividing the group). The keyword options choose the variants the static counts compare
-    (benchmarks/w4a16_tcgemv_ptx.py); the defaults are the cheapest."""
+    (benchmarks/w4a16_tcgemv_ptx.py); the defaults are the cheapest. ``l2_chunks``: the first
+    chunks of each split are prefetched into L2 when the program starts (the kernel's
+    L2_CHUNKS; on the GPU, where N is a multiple of 16 and the tile divides it: elsewhere the
+    launcher leaves it off). It has not run on a GPU: the tuner does not time it yet."""
     return KernelConfig(
         {
             "tcgemv": 1, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k,
             "W_AS_A": int(w_as_a), "SUMS_FIRST": int(sums_first),
             **({} if pair_order is None else {"PAIR_ORDER": pair_order}),
+            **({"L2_CHUNKS": l2_chunks} if l2_chunks else {}),
         },
         num_warps=num_warps,
         num_stages=num_stages,
@@ -430,6 +535,14 @@ def launch_shape(k: int, group_size: int, config: KernelConfig) -> tuple[int, in
     return step, chunk, split, chunks // split
 
 
+def l2_prefetch(config: KernelConfig, chunks: int, chunk: int, group_size: int, enabled: bool) -> tuple[int, int]:
+    """(L2_CHUNKS, L2_GROUPS) of a launch: the config's chunks to prefetch, at most the split's
+    and a power of two (a tl.arange), and the groups of scales they start in; (0, 1) when off."""
+    want = min(config.params.get("L2_CHUNKS", 0), chunks) if enabled else 0
+    l2_chunks = 1 << (want.bit_length() - 1) if want else 0
+    return l2_chunks, 1 << (max(1, l2_chunks * chunk // group_size).bit_length() - 1)
+
+
 def w4a16_tcgemv(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -465,6 +578,9 @@ def w4a16_tcgemv(
     # the first pass holds at most ~32 inputs a thread (at least one chunk)
     sums_block = max(1, min(triton.next_power_of_2(chunks), 32 * 32 * config.num_warps // (bm * chunk)))
     interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    # the bulk prefetch needs whole, 16-byte aligned rows of every tensor it reads
+    aligned = n % 16 == 0 and n % bn == 0 and all(t.data_ptr() % 16 == 0 for t in (qweight, scales, zeros))
+    l2_chunks, l2_groups = l2_prefetch(config, chunks, chunk, group_size, x.is_cuda and not interp and aligned)
     _tcgemv_kernel[(blocks_m, tiles_n, split)](
         x, qweight, scales, zeros, perm if perm is not None else qweight, bias if bias is not None else scales,
         y, partials, locks, sums, m, n, k, x.stride(0), y.stride(0),
@@ -473,7 +589,7 @@ def w4a16_tcgemv(
         SUMS_FIRST=sums_first, SUMS_BLOCK=sums_block, W_AS_A=w_as_a,
         PAIR_ORDER=pair_order(step, bm, w_as_a, config) if "PAIR_ORDER" not in params else params["PAIR_ORDER"],
         DOT_FP32=interp and x.dtype == torch.bfloat16,
-        USE_ASM=x.is_cuda and not interp,
+        USE_ASM=x.is_cuda and not interp, L2_CHUNKS=l2_chunks, L2_GROUPS=l2_groups,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return y
