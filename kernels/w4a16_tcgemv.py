@@ -55,8 +55,8 @@ What Triton 3.6 makes of it on sm_90 (benchmarks/w4a16_tcgemv_ptx.py, o 4096 -> 
 At 1 row a split holds 1-8 chunks, so a program's fixed latencies matter as much as its loop:
 in the sm_90 SASS each global load is followed by its layout conversion (a shared-memory round
 trip and a barrier), so the loads wait on each other: x and the sums' pass, then the packed
-words, then (after the dots) the scales. Issuing the first chunk's loads first did not help
-(each still waits on the previous one's conversion). L2_CHUNKS > 0 (``make_config(l2_chunks=)``)
+words, then (after the dots) the scales. Issuing the first chunk's loads first (tried, not kept) did
+not overlap them in the compiled code: each still waited on the previous one's conversion. L2_CHUNKS > 0 (``make_config(l2_chunks=)``)
 instead asks L2 for each split's first chunks of words, scales and zeros with
 cp.async.bulk.prefetch.L2 when the program starts: nothing comes back to wait for, so the later
 loads should hit L2. Its loop costs what the plain kernel's does (benchmarks/RESULTS.md). It has
