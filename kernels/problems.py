@@ -25,6 +25,7 @@ from pagecast.kernels import (
     rotary_kv,
     skinny_gemm,
     w4a16_gemm,
+    w4a16_tcgemv,
 )
 from pagecast.kernels.tuning import (
     DECODE_BATCH_BUCKETS,
@@ -212,7 +213,7 @@ def _group_size(shapes: ModelShapes, k: int) -> int:
 
 def _w4a16_tc(shapes: ModelShapes, dims: dict[str, int]) -> bool:
     """Whether the W4A16 launcher may take the tensor-core decode kernel for this projection."""
-    return w4a16_gemm.tensor_cores(shapes.torch_dtype, _group_size(shapes, dims["k"]))
+    return w4a16_tcgemv.supports(shapes.torch_dtype, _group_size(shapes, dims["k"]))
 
 
 # ---------------------------------------------------------------------------- inputs

@@ -190,11 +190,6 @@ TCGEMV_MAX_ROWS = w4a16_tcgemv.MAX_ROWS  # the mma's n16: more rows re-read the 
 TCGEMV_DEFAULT_ROWS = 16
 
 
-def tensor_cores(dtype: torch.dtype, group_size: int) -> bool:
-    """Whether the tensor-core decode kernel takes these activations and groups."""
-    return w4a16_tcgemv.supports(dtype, group_size)
-
-
 def prune_configs(
     configs: list[KernelConfig], m: int, n: int, k: int, num_sms: int = 132, tc: bool = False
 ) -> list[KernelConfig]:
@@ -202,7 +197,7 @@ def prune_configs(
     no 16-row tile for prefill), whose BLOCK_K is at most K, and whose splits each get K to do.
     Decode rows come first with a decode kernel's candidates (their config spaces are
     shape-dependent): the tensor-core kernel's up to TCGEMV_MAX_ROWS rows where ``tc`` (the
-    activations and group size suit it: ``tensor_cores``), else the CUDA-core GEMV's up to
+    activations and group size suit it: ``w4a16_tcgemv.supports``), else the CUDA-core GEMV's up to
     GEMV_MAX_ROWS (it lost to the tensor-core kernel at every shape and row count timed)."""
     if tc:
         kept = tcgemv_configs(m, n, k, num_sms) if m <= TCGEMV_MAX_ROWS else []
@@ -271,7 +266,7 @@ def is_dequant(config: KernelConfig | None) -> bool:
 
 def default_config(m: int, n: int, k: int, num_sms: int = 132, tc: bool = False) -> KernelConfig:
     """Untuned choice: the dequant path for prefill-sized batches; up to TCGEMV_DEFAULT_ROWS rows
-    the tensor-core decode kernel where ``tc`` (``tensor_cores``), else the GEMV up to 4 rows;
+    the tensor-core decode kernel where ``tc`` (``w4a16_tcgemv.supports``), else the GEMV up to 4 rows;
     else a tile with enough splits of K to give about two programs per multiprocessor."""
     if m > 256:
         return DEQUANT
@@ -355,7 +350,7 @@ def w4a16_gemm(
     if x.stride(1) != 1:
         x = x.contiguous()
     cfg = KernelConfig.coerce(config) or default_config(
-        m, n, k, tc=x.is_cuda and tensor_cores(x.dtype, group_size)
+        m, n, k, tc=x.is_cuda and w4a16_tcgemv.supports(x.dtype, group_size)
     )
     if w4a16_tcgemv.is_tcgemv(cfg):
         return w4a16_tcgemv.w4a16_tcgemv(x, qweight, scales, zeros, perm, group_size, bias, cfg)
