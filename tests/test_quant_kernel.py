@@ -287,3 +287,29 @@ def test_w4a16_gemm_bf16_on_gpu(m, n, k, g):  # type: ignore[no-untyped-def]
         torch.testing.assert_close(
             y.float(), ref, atol=2e-2 * ref.abs().max().item(), rtol=2e-2, msg=str(cfg)
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [1, 3, 8, 49, 300])
+@pytest.mark.parametrize("n,k,g", [(256, 128, 64), (1728, 576, 64), (6144, 4096, 128)])
+def test_w4a16_gemm_fp32_on_gpu(m, n, k, g):  # type: ignore[no-untyped-def]
+    """fp32 activations on the GPU, every config the tuner may pick (the CUDA-core GEMV with its
+    inline PTX, the tl.dot tiles in ieee precision, dequantize + cuBLAS), against the reference
+    to the CPU tests' fp32 tolerance: the path of the fp32 int4 engine test
+    (test_quant_build.py::test_int4_greedy_matches_transformers_on_gpu, the tiny shape first),
+    which failed on an H200 while the same test with the launcher's default configs in the
+    interpreter matched transformers."""
+    from pagecast.kernels import problems
+    from pagecast.kernels.tuning import ModelShapes
+
+    qweight, scales, zeros, _ = _weights(n, k, g, False, device="cuda")
+    perm = torch.randperm(k, device="cuda").to(torch.int32)
+    x = torch.randn(m, k, device="cuda", dtype=torch.float32)
+    bias = torch.randn(n, device="cuda", dtype=torch.float32)
+    ref = reference.w4a16_linear(x, qweight, scales, zeros, perm, g, bias)
+    shapes = ModelShapes(4, 2, 32, k, n // 2, 16, "float32", quant_group_size=g)
+    configs = problems.config_space("w4a16_gemm", shapes, {"num_rows": m, "n": n, "k": k}) + [None]
+    for cfg in configs:
+        y = w4a16_gemm.w4a16_gemm(x, qweight, scales, zeros, perm, g, bias, cfg)
+        torch.testing.assert_close(y, ref, atol=1e-3 * ref.abs().max().item(), rtol=1e-3, msg=str(cfg))
