@@ -114,6 +114,14 @@ def _nibbles_as_floats(packed, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _packed_row(qw_cols, row, N, ok, USE_ASM: tl.constexpr):
+    """Packed row ``row`` of the program's columns ([1, BLOCK_N] int32, masked by ``ok``) as
+    its 8 nibbles' floats (_nibbles_as_floats)."""
+    packed = tl.load(qw_cols + row * N, mask=ok, other=0)
+    return _nibbles_as_floats(packed, USE_ASM)
+
+
+@triton.jit
 def _load_x(x_ptr, offs_m, m_ok, stride_xm, perm_ptr, k, k_ok, HAS_PERM: tl.constexpr):
     """Activation k (a scalar input index) of the program's rows [BLOCK_M], in fp32 (with a
     perm, its entry is loaded once for every row)."""
@@ -224,8 +232,7 @@ def _w4a16_gemv_kernel(
             for p in tl.static_range(P):
                 row = k0 // 8 + p
                 r_ok = row < k_rows
-                packed = tl.load(qw_cols + row * N, mask=ld_ok & r_ok, other=0)  # [1, BLOCK_N] int32
-                v = _nibbles_as_floats(packed, USE_ASM)
+                v = _packed_row(qw_cols, row, N, ld_ok & r_ok, USE_ASM)
                 for i in tl.static_range(8):
                     xi = _load_x(x_ptr, offs_m, m_ok, stride_xm, perm_ptr, row * 8 + i, r_ok, HAS_PERM)
                     if (LOW_NIBBLES >> i) & 1:
@@ -243,8 +250,7 @@ def _w4a16_gemv_kernel(
             for p in tl.static_range(P):
                 row = k0 // 8 + p
                 r_ok = row < k_rows
-                packed = tl.load(qw_cols + row * N, mask=ld_ok & r_ok, other=0)  # [1, BLOCK_N] int32
-                v = _nibbles_as_floats(packed, USE_ASM)
+                v = _packed_row(qw_cols, row, N, ld_ok & r_ok, USE_ASM)
                 for i in tl.static_range(8):
                     xi = _load_x(x_ptr, offs_m, m_ok, stride_xm, perm_ptr, row * 8 + i, r_ok, HAS_PERM)
                     xs += xi
