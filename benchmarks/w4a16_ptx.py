@@ -72,22 +72,33 @@ class _Launch:
         self.args, self.kwargs = args, kwargs
 
 
-def launch_of(m: int, n: int, k: int, g: int, cfg, perm: bool = False, bias: bool = False) -> _Launch:  # type: ignore[no-untyped-def]
-    """The launch w4a16_gemv would make for bf16 activations at this shape (meta tensors)."""
-    meta = dict(device="meta")
-    x = torch.empty((m, k), dtype=torch.bfloat16, **meta)
+def record_launch(  # type: ignore[no-untyped-def]
+    module, kernel: str, m: int, n: int, k: int, g: int, dtype: torch.dtype, scale_dtype: torch.dtype, cfg,
+    perm: bool = False, bias: bool = False,
+) -> _Launch:
+    """The launch a W4A16 launcher (``module``'s, of the same name) would make at this shape, on
+    meta tensors: its kernel ``module.<kernel>`` is swapped for a recorder while it runs."""
+    meta = {"device": "meta"}
+    x = torch.empty((m, k), dtype=dtype, **meta)
     qweight = torch.empty((k // 8, n), dtype=torch.int32, **meta)
-    scales = torch.empty((k // g, n), dtype=torch.float16, **meta)
+    scales = torch.empty((k // g, n), dtype=scale_dtype, **meta)
     zeros = torch.empty((k // g, n), dtype=torch.int8, **meta)
     p = torch.empty((k,), dtype=torch.int32, **meta) if perm else None
-    b = torch.empty((n,), dtype=torch.bfloat16, **meta) if bias else None
-    rec, real = _Launch(), w4a16_gemv._w4a16_gemv_kernel
-    w4a16_gemv._w4a16_gemv_kernel = rec  # type: ignore[assignment]
+    b = torch.empty((n,), dtype=dtype, **meta) if bias else None
+    rec, real = _Launch(), getattr(module, kernel)
+    setattr(module, kernel, rec)
     try:
-        w4a16_gemv.w4a16_gemv(x, qweight, scales, zeros, p, g, b, cfg)
+        getattr(module, module.__name__.rsplit(".", 1)[-1])(x, qweight, scales, zeros, p, g, b, cfg)
     finally:
-        w4a16_gemv._w4a16_gemv_kernel = real
+        setattr(module, kernel, real)
     return rec
+
+
+def launch_of(m: int, n: int, k: int, g: int, cfg, perm: bool = False, bias: bool = False) -> _Launch:  # type: ignore[no-untyped-def]
+    """The launch w4a16_gemv would make for bf16 activations at this shape (meta tensors)."""
+    return record_launch(
+        w4a16_gemv, "_w4a16_gemv_kernel", m, n, k, g, torch.bfloat16, torch.float16, cfg, perm, bias
+    )
 
 
 def compile_launch(rec: _Launch, fn=None):  # type: ignore[no-untyped-def]

@@ -65,19 +65,7 @@ VARIANTS = {
 def launch_of(
     m: int, n: int, k: int, g: int, dtype: torch.dtype, cfg, perm: bool = False
 ) -> gemv_ptx._Launch:  # type: ignore[no-untyped-def]
-    meta = {"device": "meta"}
-    x = torch.empty((m, k), dtype=dtype, **meta)
-    qweight = torch.empty((k // 8, n), dtype=torch.int32, **meta)
-    scales = torch.empty((k // g, n), dtype=dtype, **meta)
-    zeros = torch.empty((k // g, n), dtype=torch.int8, **meta)
-    p = torch.empty((k,), dtype=torch.int32, **meta) if perm else None
-    rec, real = gemv_ptx._Launch(), w4a16_tcgemv._tcgemv_kernel
-    w4a16_tcgemv._tcgemv_kernel = rec  # type: ignore[assignment]
-    try:
-        w4a16_tcgemv.w4a16_tcgemv(x, qweight, scales, zeros, p, g, None, cfg)
-    finally:
-        w4a16_tcgemv._tcgemv_kernel = real
-    return rec
+    return gemv_ptx.record_launch(w4a16_tcgemv, "_tcgemv_kernel", m, n, k, g, dtype, dtype, cfg, perm)
 
 
 def _shared_bytes(op: str) -> int:
