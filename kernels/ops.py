@@ -22,6 +22,7 @@ from pagecast.kernels.tuning import (
     SKINNY_ROW_BUCKETS,
     KernelConfig,
     decode_bucket,
+    decode_fallback_buckets,
     lookup,
     prefill_bucket,
     skinny_bucket,
@@ -77,7 +78,13 @@ def _config(kernel: str, bucket: str) -> KernelConfig | None:
     try:
         return table.configs[key]
     except KeyError:
-        cfg = table.configs[key] = KernelConfig.coerce(lookup(table.tuning, kernel, bucket))
+        found = lookup(table.tuning, kernel, bucket)
+        if found is None and kernel == "paged_decode_attention":
+            found = next(
+                (c for b in decode_fallback_buckets(bucket) if (c := lookup(table.tuning, kernel, b)) is not None),
+                None,
+            )
+        cfg = table.configs[key] = KernelConfig.coerce(found)
         return cfg
 
 

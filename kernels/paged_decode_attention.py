@@ -298,13 +298,19 @@ CONFIG_SPACE: list[KernelConfig] = [
     for (n, w, st) in _VARIANTS
 ]
 # An fp8 cache also times (tile, warps, stages, fp8_words) variants of its own: the word read
-# (fp8_words 1, the default) and the byte read (0), see the module docstring.
+# (fp8_words 1, the default) and the byte read (0), see the module docstring. The one-warp
+# programs (more of them resident per multiprocessor) won at 128 x 512, 512 x 1024 and
+# 1024 x 768 on an H200 (benchmarks/RESULTS.md, eighth session).
 _FP8_VARIANTS = [
     (64, 2, 2, 1),
     (64, 2, 2, 0),
     (64, 2, 3, 0),
     (128, 4, 3, 0),
     (64, 4, 3, 0),
+    (32, 1, 3, 0),
+    (32, 1, 2, 1),
+    (64, 2, 4, 0),
+    (128, 2, 3, 0),
 ]
 FP8_CONFIG_SPACE: list[KernelConfig] = CONFIG_SPACE + [
     KernelConfig({"BLOCK_N": n, "num_splits": s, "fp8_words": fw}, num_warps=w, num_stages=st)

@@ -31,7 +31,11 @@ from typing import Any
 import torch
 
 # Shape buckets. A shape maps to the smallest bucket at least as large (clamped to the last).
-DECODE_BATCH_BUCKETS = (1, 8, 32, 64, 128, 256)
+# Batches past 256 have buckets of their own: an fp8 cache's best decode config there differs from
+# 256 sequences' (benchmarks/RESULTS.md: 1024 x 768 464 us against 478 us at the 256 bucket's).
+# An engine only tunes the buckets up to its max_num_seqs; a table without a batch's bucket
+# (an older artifact) falls back to its largest smaller one (decode_fallback_buckets).
+DECODE_BATCH_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 1024)
 DECODE_CONTEXT_BUCKETS = (512, 2048, 8192, 32768)
 TOKEN_BUCKETS = (8, 64, 256, 1024, 4096, 16384)
 PREFILL_TOKEN_BUCKETS = (128, 512, 2048, 8192)
@@ -159,6 +163,13 @@ def decode_bucket(num_seqs: int, max_seq_len: int) -> str:
     return (
         f"{_ceil_bucket(DECODE_BATCH_BUCKETS, num_seqs)}x{_ceil_bucket(DECODE_CONTEXT_BUCKETS, max_seq_len)}"
     )
+
+
+def decode_fallback_buckets(bucket: str) -> list[str]:
+    """The decode buckets of the same context and smaller batches, largest first: where a tuning
+    table lacks ``bucket`` (built before its batch bucket existed), its nearest tuned neighbour."""
+    batch, context = bucket.split("x")
+    return [f"{b}x{context}" for b in reversed(DECODE_BATCH_BUCKETS) if b < int(batch)]
 
 
 def token_bucket(num_tokens: int) -> str:

@@ -232,7 +232,8 @@ def test_ops_use_the_reference_on_cpu(monkeypatch):
 def test_buckets_and_lookup():
     assert tuning.decode_bucket(1, 1) == "1x512"
     assert tuning.decode_bucket(40, 1000) == "64x2048"
-    assert tuning.decode_bucket(1000, 100_000) == "256x32768"
+    assert tuning.decode_bucket(300, 1000) == "512x2048"
+    assert tuning.decode_bucket(5000, 100_000) == "1024x32768"
     assert tuning.token_bucket(3) == "t8" and tuning.token_bucket(20_000) == "t16384"
     assert tuning.prefill_bucket(300) == "t512"
     assert tuning.skinny_bucket("qkv", 1) == "qkv.m1" and tuning.skinny_bucket("down", 3) == "down.m4"
@@ -251,6 +252,11 @@ def test_buckets_and_lookup():
     try:
         assert ops._config("paged_decode_attention", "64x2048") == kc
         assert ops._config("paged_decode_attention", "8x512") is None
+        # A table built before the 512 and 1024 batch buckets: a 1024-sequence batch runs the
+        # largest tuned batch's config at its context, not the launcher's untuned default.
+        assert tuning.decode_fallback_buckets("1024x2048")[:2] == ["512x2048", "256x2048"]
+        assert ops.decode_attention_config(1000, 1500) == kc
+        assert ops._config("paged_decode_attention", "1024x512") is None
     finally:
         ops.configure(None)
 
