@@ -8,8 +8,6 @@ group size (128, 64) and row count (1, 2, 4, 8, 16, 64), times on one GPU:
   tuner now times it only where the tensor-core kernel cannot run);
 - ``tcgemv``: the tensor-core decode kernel of kernels/w4a16_tcgemv.py (up to 16 rows), best of
   the tuner's candidates (w4a16_gemm.tcgemv_configs) and a few more tiles (``tcgemv_configs``);
-- ``tcgemv_l2``: the same configs with each split's first one or two chunks prefetched into L2
-  when a program starts (the kernel's L2_CHUNKS; not in the tuner until this has run);
 - ``dequant``: dequantize the weight then cuBLAS (what the tuner may pick for prefill);
 - ``bf16``: torch.nn.functional.linear on bf16 weights of the same shape (cuBLAS).
 
@@ -43,7 +41,7 @@ import torch
 from pagecast.kernels import reference, tuning, w4a16_gemm, w4a16_gemv, w4a16_tcgemv
 
 PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-INT4_VARIANTS = ("gemm", "gemv", "tcgemv", "tcgemv_l2", "dequant")
+INT4_VARIANTS = ("gemm", "gemv", "tcgemv", "dequant")
 COLD_BYTES = 512 << 20  # weight copies a sample rotates through: ~10x the H200's L2
 MAX_SETS = 64
 
@@ -100,11 +98,6 @@ def candidates(m: int, n: int, k: int, sms: int) -> dict[str, list[tuning.Kernel
         out["gemv"] = list({json.dumps(c.as_dict()): c for c in gemv}.values())
     if m <= w4a16_gemm.TCGEMV_MAX_ROWS:
         out["tcgemv"] = tcgemv_configs(m, n, k, sms)
-        out["tcgemv_l2"] = [
-            tuning.KernelConfig({**c.params, "L2_CHUNKS": chunks}, c.num_warps, c.num_stages)
-            for c in out["tcgemv"]
-            for chunks in (1, 2)
-        ]
     return out
 
 
@@ -136,7 +129,7 @@ def precompile(names: list[str], groups: list[int], rows: list[int], sms: int, j
                 row_class = 1 if m == 1 else (16 if m % 16 == 0 else 2)
                 for variant, configs in candidates(m, n, k, sms).items():
                     # the tensor-core kernel's rows a program are a constexpr (a power of two)
-                    rc = min(1 << (m - 1).bit_length(), 16) if variant.startswith("tcgemv") else row_class
+                    rc = min(1 << (m - 1).bit_length(), 16) if variant == "tcgemv" else row_class
                     for cfg in configs:
                         key = (k, g, rc, json.dumps(cfg.as_dict()))
                         tasks.setdefault(key, (n, k, g, m, cfg.as_dict()))
@@ -192,10 +185,10 @@ def summarize(
 ) -> None:
     """The markdown table, and the decode-step sums over the four projections."""
     print(
-        "\n| projection | G | rows | gemm us (GB/s) | gemv us (GB/s) | tcgemv us (GB/s) | tcgemv + L2 prefetch us (GB/s) "
-        "| dequant us | bf16 us (GB/s) | best int4 / bf16 |"
+        "\n| projection | G | rows | gemm us (GB/s) | gemv us (GB/s) | tcgemv us (GB/s) | dequant us | bf16 us (GB/s) "
+        "| best int4 / bf16 |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     by_key: dict[tuple[str, int, int], dict[str, dict[str, object]]] = {}
     for r in table:
         by_key.setdefault((str(r["projection"]), int(r["group_size"]), int(r["rows"])), {})[
@@ -208,7 +201,7 @@ def summarize(
             return f"{r['time_us']} ({r['gb_s']})" if r else "-"
 
         int4 = min(float(v[key]["time_us"]) for key in INT4_VARIANTS if key in v)  # type: ignore[arg-type]
-        print(f"| {name} | {g} | {m} | {cell('gemm')} | {cell('gemv')} | {cell('tcgemv')} | {cell('tcgemv_l2')} | {v['dequant']['time_us']} | {cell('bf16')} | "
+        print(f"| {name} | {g} | {m} | {cell('gemm')} | {cell('gemv')} | {cell('tcgemv')} | {v['dequant']['time_us']} | {cell('bf16')} | "
               f"{int4 / float(v['bf16']['time_us']):.3f} |")  # type: ignore[arg-type]  # fmt: skip
     # A decode step's four projections of one layer, best int4 path each, against bf16.
     if set(names) == set(PROJECTIONS):
@@ -222,13 +215,9 @@ def summarize(
                 bf16 = sum(float(by_key[key]["bf16"]["time_us"]) for key in keys)  # type: ignore[arg-type]
                 gemv = sum(float(by_key[key]["gemv"]["time_us"]) for key in keys if "gemv" in by_key[key])  # type: ignore[arg-type]
                 tc = sum(float(by_key[key]["tcgemv"]["time_us"]) for key in keys if "tcgemv" in by_key[key])  # type: ignore[arg-type]
-                tc_l2 = sum(
-                    float(by_key[key]["tcgemv_l2"]["time_us"]) for key in keys if "tcgemv_l2" in by_key[key]
-                )  # type: ignore[arg-type]
                 record(out, {"figure": "layer_projections_us", "group_size": g, "rows": m,
                                   "best_int4_us": round(int4, 2), "gemv_us": round(gemv, 2) if gemv else None,
                                   "tcgemv_us": round(tc, 2) if tc else None,
-                                  "tcgemv_l2_us": round(tc_l2, 2) if tc_l2 else None,
                                   "bf16_us": round(bf16, 2), "ratio_to_bf16": round(int4 / bf16, 3)})  # fmt: skip
 
 

@@ -10,8 +10,7 @@ by the group), the launch kernels/w4a16_tcgemv.py's launcher makes for a Llama-3
 bundled ptxas, specialised as a GPU launch would be (benchmarks/w4a16_ptx.py's machinery; the
 inline-PTX unpacking forced on). ``--variants`` adds, at the first tile, the alternatives the
 kernel keeps for this comparison: the weight as the mma's B operand, the other pairing order of
-the unpacked nibbles, the sums of x inside the main loop, and the first one or two chunks of
-each split prefetched into L2 when a program starts (L2_CHUNKS; forced on here as on a GPU).
+the unpacked nibbles, and the sums of x inside the main loop.
 
 Printed per kernel, for the main loop (the innermost backward branch around the mma; one
 iteration is one chunk: CHUNK inputs by BLOCK_N columns):
@@ -57,8 +56,6 @@ VARIANTS = {
     "w-as-b": {"w_as_a": False},
     "pair-order1": {"pair_order": 1},
     "sums-in-loop": {"sums_first": False},
-    "l2-prefetch1": {"l2_chunks": 1},
-    "l2-prefetch2": {"l2_chunks": 2},
 }
 
 
@@ -125,8 +122,6 @@ def conversions(ttgir: str) -> list[str]:
 def analyse(m: int, n: int, k: int, g: int, dtype: str, cfg, dump: Path | None = None) -> dict[str, object]:  # type: ignore[no-untyped-def]
     rec = launch_of(m, n, k, g, DTYPES[dtype], cfg)
     kw = rec.kwargs
-    # the launcher prefetches on a GPU only (meta tensors here): as a GPU launch would
-    kw["L2_CHUNKS"], kw["L2_GROUPS"] = w4a16_tcgemv.l2_prefetch(cfg, kw["CHUNKS"], kw["CHUNK"], g, True)
     kernel = gemv_ptx.compile_launch(rec, w4a16_tcgemv._tcgemv_kernel)
     stats = loop_stats(kernel.asm["cubin"])
     threads = 32 * kw["num_warps"]
@@ -147,7 +142,6 @@ def analyse(m: int, n: int, k: int, g: int, dtype: str, cfg, dump: Path | None =
     weights *= unroll
     tag = ("" if kw["W_AS_A"] else "_w-as-b") + ("" if kw["SUMS_FIRST"] else "_sums-in-loop")
     tag += f"_pair-order{kw['PAIR_ORDER']}" if "PAIR_ORDER" in cfg.params else ""  # else the launcher's
-    tag += f"_l2-{kw['L2_CHUNKS']}" if kw.get("L2_CHUNKS") else ""
     name = (
         f"{dtype}_K{k}_G{g}_R{kw['BLOCK_M']}_n{kw['BLOCK_N']}_k{kw['BLOCK_K']}_c{kw['CHUNK']}_w{kw['num_warps']}"
         f"_s{kw['num_stages']}_split{kw['SPLIT_K']}{tag}"

@@ -56,11 +56,11 @@ At 1 row a split holds 1-8 chunks, so a program's fixed latencies matter as much
 in the sm_90 SASS each global load is followed by its layout conversion (a shared-memory round
 trip and a barrier), so the loads wait on each other: x and the sums' pass, then the packed
 words, then (after the dots) the scales. Issuing the first chunk's loads first (tried, not kept) did
-not overlap them in the compiled code: each still waited on the previous one's conversion. L2_CHUNKS > 0 (``make_config(l2_chunks=)``)
-instead asks L2 for each split's first chunks of words, scales and zeros with
-cp.async.bulk.prefetch.L2 when the program starts: nothing comes back to wait for, so the later
-loads should hit L2. Its loop costs what the plain kernel's does (benchmarks/RESULTS.md). It has
-not run on a GPU: the tuner does not time it, benchmarks/w4a16_micro.py does (``tcgemv_l2``).
+not overlap them in the compiled code: each still waited on the previous one's conversion. A bulk
+L2 prefetch of each split's first chunks when a program starts (cp.async.bulk.prefetch.L2) was
+tried and measured slower or equal on an H200 (one layer's four Llama-3-8B projections, G = 128,
+with it against without: 64.33 vs 60.72 us at 1 row, 80.45 vs 79.52 at 4, 94.19 vs 93.78 at 8),
+and removed; see benchmarks/RESULTS.md.
 
 Loop SASS instructions a weight, G = 128, BLOCK_N 256 on 4 warps (1 / 4 / 8 / 16 rows): fp16
 1.46 / 1.61 / 1.56 / 1.75, bf16 1.73 / 1.84 / 1.82 / 1.99 (unpacking 0.63 fp16, 0.88 bf16; mma
@@ -158,21 +158,6 @@ def _input_bias(k, dt: tl.constexpr):
         return tl.where(k % 2 == 1, 64.0, 1024.0)
     else:
         return tl.zeros(k.shape, dtype=tl.float32) + 128.0
-
-
-@triton.jit
-def _prefetch_l2(ptrs, nbytes: tl.constexpr):
-    """cp.async.bulk.prefetch.L2 of ``nbytes`` (a multiple of 16) from each pointer (16-byte
-    aligned; the launcher checks). Nothing comes back: the asm's output is a dummy, kept because
-    the asm is not pure."""
-    tl.inline_asm_elementwise(
-        asm="cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
-        constraints="=r,l,r",
-        args=[ptrs, tl.full(ptrs.shape, nbytes, tl.int32)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
 
 
 @triton.jit
@@ -366,8 +351,6 @@ def _tcgemv_kernel(
     #                             1: 8q + 2j + b, 2: 4P j1 + 4q + 2 j0 + b (see pair_order)
     DOT_FP32: tl.constexpr,  # the interpreter, bf16: dot in fp32 (its bf16 dot is wrong; exact here)
     USE_ASM: tl.constexpr,
-    L2_CHUNKS: tl.constexpr = 0,  # chunks of the split prefetched into L2 first (GPU only; 0: none)
-    L2_GROUPS: tl.constexpr = 1,  # groups of scales and zeros those chunks span
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -380,18 +363,6 @@ def _tcgemv_kernel(
     m_ok = offs_m < M
     n_ok = offs_n < N
     k_begin = pid_k * (CHUNKS * CHUNK)
-    if L2_CHUNKS > 0:
-        # Ask L2 for the first chunks' packed words, scales and zeros before anything else:
-        # the loads of them come after the sums' pass, and each load waits on the layout
-        # conversion of the one before (a shared-memory round trip right after it), so at 1-4
-        # chunks a split (the 1-row splits) their memory latencies add up. A bulk prefetch
-        # returns nothing to wait for.
-        n0 = pid_n * BLOCK_N
-        rows = k_begin // 8 + tl.arange(0, L2_CHUNKS * CHUNK // 8)
-        _prefetch_l2(qw_ptr + rows * N + n0, BLOCK_N * 4)
-        groups = k_begin // GROUP_SIZE + tl.arange(0, L2_GROUPS)
-        _prefetch_l2(s_ptr + groups * N + n0, BLOCK_N * 2)
-        _prefetch_l2(z_ptr + groups * N + n0, BLOCK_N)
     if SUMS_FIRST:
         # Per chunk and row: sum x and sum x * BIAS over this split's inputs, SUMS_BLOCK chunks at
         # a time (one cross-thread reduction for all of them), into this program's scratch row.
@@ -470,20 +441,15 @@ def make_config(
     w_as_a: bool = True,
     pair_order: int | None = None,
     sums_first: bool = True,
-    l2_chunks: int = 0,
 ) -> KernelConfig:
     """``block_k``: the most inputs a dot step covers (the launcher takes the widest power of two
     dividing the group). The keyword options choose the variants the static counts compare
-    (benchmarks/w4a16_tcgemv_ptx.py); the defaults are the cheapest. ``l2_chunks``: the first
-    chunks of each split are prefetched into L2 when the program starts (the kernel's
-    L2_CHUNKS; on the GPU, where N is a multiple of 16 and the tile divides it: elsewhere the
-    launcher leaves it off). It has not run on a GPU: the tuner does not time it yet."""
+    (benchmarks/w4a16_tcgemv_ptx.py); the defaults are the cheapest."""
     return KernelConfig(
         {
             "tcgemv": 1, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k,
             "W_AS_A": int(w_as_a), "SUMS_FIRST": int(sums_first),
             **({} if pair_order is None else {"PAIR_ORDER": pair_order}),
-            **({"L2_CHUNKS": l2_chunks} if l2_chunks else {}),
         },
         num_warps=num_warps,
         num_stages=num_stages,
@@ -535,14 +501,6 @@ def launch_shape(k: int, group_size: int, config: KernelConfig) -> tuple[int, in
     return step, chunk, split, chunks // split
 
 
-def l2_prefetch(config: KernelConfig, chunks: int, chunk: int, group_size: int, enabled: bool) -> tuple[int, int]:
-    """(L2_CHUNKS, L2_GROUPS) of a launch: the config's chunks to prefetch, at most the split's
-    and a power of two (a tl.arange), and the groups of scales they start in; (0, 1) when off."""
-    want = min(config.params.get("L2_CHUNKS", 0), chunks) if enabled else 0
-    l2_chunks = 1 << (want.bit_length() - 1) if want else 0
-    return l2_chunks, 1 << (max(1, l2_chunks * chunk // group_size).bit_length() - 1)
-
-
 def w4a16_tcgemv(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -578,9 +536,6 @@ def w4a16_tcgemv(
     # the first pass holds at most ~32 inputs a thread (at least one chunk)
     sums_block = max(1, min(triton.next_power_of_2(chunks), 32 * 32 * config.num_warps // (bm * chunk)))
     interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    # the bulk prefetch needs whole, 16-byte aligned rows of every tensor it reads
-    aligned = n % 16 == 0 and n % bn == 0 and all(t.data_ptr() % 16 == 0 for t in (qweight, scales, zeros))
-    l2_chunks, l2_groups = l2_prefetch(config, chunks, chunk, group_size, x.is_cuda and not interp and aligned)
     _tcgemv_kernel[(blocks_m, tiles_n, split)](
         x, qweight, scales, zeros, perm if perm is not None else qweight, bias if bias is not None else scales,
         y, partials, locks, sums, m, n, k, x.stride(0), y.stride(0),
@@ -589,7 +544,7 @@ def w4a16_tcgemv(
         SUMS_FIRST=sums_first, SUMS_BLOCK=sums_block, W_AS_A=w_as_a,
         PAIR_ORDER=pair_order(step, bm, w_as_a, config) if "PAIR_ORDER" not in params else params["PAIR_ORDER"],
         DOT_FP32=interp and x.dtype == torch.bfloat16,
-        USE_ASM=x.is_cuda and not interp, L2_CHUNKS=l2_chunks, L2_GROUPS=l2_groups,
+        USE_ASM=x.is_cuda and not interp,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return y

@@ -195,19 +195,6 @@ def test_untuned_default_is_the_tensor_core_kernel_up_to_16_half_rows():
     assert not w4a16_tcgemv.is_tcgemv(w4a16_gemm.default_config(1, 6144, 4096))
 
 
-def test_l2_prefetch_is_a_power_of_two_of_the_splits_chunks_and_off_in_the_interpreter():
-    """L2_CHUNKS reaches the kernel as at most the split's chunks, rounded down to a power of two
-    (a tl.arange), with the groups of scales they start in; off where the launcher cannot
-    prefetch (the interpreter, rows not 16-byte aligned). Results are the same either way."""
-    cfg = w4a16_tcgemv.make_config(32, 128, 1, num_warps=2, l2_chunks=4)
-    assert w4a16_tcgemv.l2_prefetch(cfg, 3, 128, 128, True) == (2, 2)
-    assert w4a16_tcgemv.l2_prefetch(cfg, 8, 64, 128, True) == (4, 2)
-    assert w4a16_tcgemv.l2_prefetch(cfg, 8, 256, 4096, True) == (4, 1)  # per channel: one group
-    assert w4a16_tcgemv.l2_prefetch(cfg, 8, 128, 128, False) == (0, 1)
-    assert w4a16_tcgemv.l2_prefetch(w4a16_tcgemv.make_config(32, 128, 1), 8, 128, 128, True) == (0, 1)
-    _check(3, 72, 576, 64, True, True, w4a16_tcgemv.make_config(32, 64, 3, num_warps=2, l2_chunks=2), torch.float16)
-
-
 def test_tcgemv_refuses_fp32_activations_and_small_groups():
     qweight, scales, zeros, _ = _weights(16, 64, 16, False)
     cfg = w4a16_tcgemv.make_config(16, 16, 1)
@@ -244,8 +231,7 @@ CHILD = textwrap.dedent(
     bn, bk = constexprs["BLOCK_N"], constexprs["BLOCK_K"]
     w16 = len(re.findall(rf"(?:convert_layout|local_alloc).*tensor<(?:{bn}x{bk}|{bk}x{bn})xb?f16", ttgir))
     print(json.dumps({"cubin": bool(kernel.asm["cubin"]), "mma": ptx.count("mma.sync") + ptx.count("wgmma.mma_async"),
-                      "magic": ptx.count("0x64006400") + ptx.count("0x43004300"), "moved": moved, "w16": w16,
-                      "l2_prefetch": ptx.count("cp.async.bulk.prefetch.L2")}))
+                      "magic": ptx.count("0x64006400") + ptx.count("0x43004300"), "moved": moved, "w16": w16}))
     """
 )
 
@@ -270,7 +256,7 @@ def _constexprs(**overrides) -> dict[str, object]:  # type: ignore[no-untyped-de
     base = {
         "GROUP_SIZE": 128, "HAS_PERM": False, "HAS_BIAS": True, "BLOCK_M": 1, "BLOCK_N": 256, "BLOCK_K": 128,
         "CHUNK": 128, "SPLIT_K": 8, "CHUNKS": 4, "EVEN_N": True, "SUMS_FIRST": True, "SUMS_BLOCK": 4,
-        "W_AS_A": True, "DOT_FP32": False, "USE_ASM": True, "L2_CHUNKS": 0, "L2_GROUPS": 1,
+        "W_AS_A": True, "DOT_FP32": False, "USE_ASM": True,
     }  # fmt: skip
     out = {**base, **overrides}
     if "PAIR_ORDER" not in out:  # the launcher's choice
@@ -287,7 +273,6 @@ def _constexprs(**overrides) -> dict[str, object]:  # type: ignore[no-untyped-de
         ("*fp16", {"BLOCK_M": 8, "GROUP_SIZE": 32, "BLOCK_K": 32, "CHUNK": 32, "SUMS_FIRST": False}),
         ("*bf16", {"BLOCK_M": 4, "GROUP_SIZE": 4096, "CHUNK": 256, "W_AS_A": False}),
         ("*fp16", {"BLOCK_M": 16, "GROUP_SIZE": 32, "BLOCK_K": 32, "CHUNK": 32, "HAS_PERM": True}),
-        ("*bf16", {"L2_CHUNKS": 2, "L2_GROUPS": 2}),
     ],
     ids=[
         "fp16-1row-split",
@@ -295,7 +280,6 @@ def _constexprs(**overrides) -> dict[str, object]:  # type: ignore[no-untyped-de
         "fp16-8rows-g32-sums-in-loop",
         "bf16-w-as-b-per-channel",
         "fp16-16rows-g32-wgmma",
-        "bf16-l2-prefetch",
     ],
 )
 def test_tcgemv_compiles_for_sm90(dtype: str, overrides: dict[str, object]) -> None:
@@ -306,8 +290,6 @@ def test_tcgemv_compiles_for_sm90(dtype: str, overrides: dict[str, object]) -> N
     info = _compile_sm90(dtype, _constexprs(**overrides), {"num_warps": 4, "num_stages": 1})
     assert info["cubin"] and info["mma"] > 0 and info["magic"] > 0
     assert "i32" in info["moved"] and info["w16"] == 0, info
-    # the words', scales' and zeros' bulk L2 prefetch only where asked (L2_CHUNKS)
-    assert (info["l2_prefetch"] == 3) == bool(overrides.get("L2_CHUNKS")), info
 
 
 def test_tcgemv_weight_tile_crosses_shared_memory_packed() -> None:
@@ -347,14 +329,6 @@ def test_tcgemv_on_gpu(m, n, k, g, dtype):  # type: ignore[no-untyped-def]
         for bn, warps in ((256, 4), (128, 2), (512, 4), (512, 8))
         for split in (1, 8)
         for stages in (1, 2)
-    ]
-    # the bulk L2 prefetch of each split's first chunks (benchmarks/w4a16_micro.py's tcgemv_l2):
-    # results unchanged, and no address it prefetches may fault
-    configs += [
-        w4a16_tcgemv.make_config(bn, 128, split, warps, l2_chunks=chunks)
-        for bn, warps in ((256, 4), (128, 2))
-        for split in (1, 8)
-        for chunks in (1, 2)
     ]
     for cfg in configs:
         y = w4a16_tcgemv.w4a16_tcgemv(x, qweight, scales, zeros, perm, g, bias, cfg)
