@@ -202,14 +202,22 @@ def paged_attention(
     max_seq_len: int,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    num_decodes: int = 0,
 ) -> torch.Tensor:
-    """Decode batches (max_query_len == 1) take the split-context decode kernel; anything
-    else (prefill, chunked prefill, mixed batches) the prefill kernel over all rows. An fp8
-    cache is read as fp8 * k_scale / v_scale."""
+    """Decode batches (max_query_len == 1) take the split-context decode kernel; prefill and
+    chunked prefill the prefill kernel. A mixed batch whose first ``num_decodes`` sequences have
+    one query token each runs them through the decode kernel and the rest through the prefill
+    kernel when there are at least MIN_SPLIT_DECODES of them, else the prefill kernel takes every
+    row. An fp8 cache is read as fp8 * k_scale / v_scale."""
     if not _triton(q):
         return reference.paged_attention(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale
         )
+    if max_query_len > 1 and MIN_SPLIT_DECODES <= num_decodes < seq_lens.shape[0]:
+        return decodes_then_prefill(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len, num_decodes,
+            k_scale, v_scale,
+        )  # fmt: skip
     if max_query_len == 1:
         cfg = _config("paged_decode_attention", decode_bucket(seq_lens.shape[0], max_seq_len))
         return _kernels().decode(  # type: ignore[no-any-return]
@@ -220,6 +228,46 @@ def paged_attention(
     return _kernels().prefill(  # type: ignore[no-any-return]
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, cfg, k_scale=k_scale, v_scale=v_scale
     )
+
+
+# A mixed step's decode rows through the prefill kernel cost it more than the decode kernel does:
+# one H200, Llama-3-8B attention, each kernel at its best config (benchmarks/mixed_attention.py,
+# benchmarks/RESULTS.md), 1000 decodes at 600 tokens + 14 prompts of 512 took 1002 us in the prefill
+# kernel against 537 us split with an fp8 cache (878 against 742 bf16); at 64 decodes 250 against
+# 215 fp8, 207 against 213 bf16 (the split's second launch is not free).
+MIN_SPLIT_DECODES = 64
+
+
+def decodes_then_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+    num_decodes: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """Attention of a mixed batch whose first ``num_decodes`` sequences have one query token each
+    (query rows 0..num_decodes - 1): the decode kernel over those, the prefill kernel over the
+    rest, into one output."""
+    d = num_decodes
+    out = torch.empty_like(q)
+    kernels = _kernels()
+    kernels.decode(
+        q[:d], k_cache, v_cache, block_tables[:d], seq_lens[:d], query_start_loc[: d + 1], scale, max_seq_len,
+        _config("paged_decode_attention", decode_bucket(d, max_seq_len)), out=out[:d],
+        k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
+    kernels.prefill(
+        q[d:], k_cache, v_cache, block_tables[d:], seq_lens[d:], query_start_loc[d:] - d, scale,
+        _config("paged_prefill_attention", prefill_bucket(q.shape[0] - d)), out=out[d:],
+        k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
+    return out
 
 
 # -- tensor parallelism ------------------------------------------------------------------------

@@ -20,3 +20,16 @@ class ForwardContext:
     max_query_len: int  # 1 for a pure decode batch: kernels pick the decode path from it
     max_seq_len: int  # longest context, for grid sizing
     logits_indices: torch.Tensor  # [num_logits] int64: rows of the hidden states to project to logits
+    # Leading sequences with one query token each (decodes, which the scheduler puts first): in a
+    # mixed batch the decode kernel takes them and the prefill kernel the rest (ops.paged_attention).
+    num_decodes: int = 0
+
+
+def leading_decodes(num_scheduled_tokens: list[int]) -> int:
+    """How many sequences at the front of a step's batch have one new token each."""
+    n = 0
+    for tokens in num_scheduled_tokens:
+        if tokens != 1:
+            break
+        n += 1
+    return n

@@ -17,7 +17,7 @@ import torch
 
 from pagecast.kernels import ops
 from pagecast.runtime.cuda_graphs import DecodeGraphs
-from pagecast.runtime.forward_context import ForwardContext
+from pagecast.runtime.forward_context import ForwardContext, leading_decodes
 from pagecast.runtime.outputs import PositionLogprobs
 from pagecast.runtime.parallel import WorkerGroup
 from pagecast.runtime.penalty_state import PenaltyState
@@ -187,6 +187,7 @@ class ModelRunner:
             max_query_len=max(out.num_scheduled_tokens),
             max_seq_len=max(seq_lens),
             logits_indices=to_dev(logits_rows, torch.int64),
+            num_decodes=leading_decodes(out.num_scheduled_tokens),
         )
         ids = to_dev(input_ids, torch.int64)
         if from_prev:

@@ -91,6 +91,7 @@ class StepHeader:
     max_seq_len: int
     num_logits: int  # rows projected to logits (0: no LM head this step)
     use_graph: bool  # rank 0 replays a decode CUDA graph: so must every rank
+    num_decodes: int = 0  # ForwardContext.num_decodes
 
     @property
     def payload_len(self) -> int:
@@ -126,6 +127,7 @@ def unpack_step(payload: torch.Tensor, h: StepHeader) -> tuple[torch.Tensor, tor
         max_query_len=h.max_query_len,
         max_seq_len=h.max_seq_len,
         logits_indices=logits,
+        num_decodes=h.num_decodes,
     )
     return ids, pos, ctx
 
@@ -315,6 +317,7 @@ class WorkerGroup:
             max_seq_len=ctx.max_seq_len,
             num_logits=int(ctx.logits_indices.shape[0]),
             use_graph=use_graph,
+            num_decodes=ctx.num_decodes,
         )
         self._send((Op.STEP, header))
         with self.guard():

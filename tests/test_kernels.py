@@ -213,6 +213,34 @@ def test_skinny_gemm_falls_back_to_torch():
 # ---------------------------------------------------------------------------- dispatch and tuning tables
 
 
+@pytest.mark.parametrize("cache", ["float32", "fp8"])
+def test_mixed_batch_decodes_then_prefill_matches_reference(cache):
+    """A mixed step split in two launches (decode kernel for the leading one-token sequences,
+    prefill kernel for the rest, one output) equals attention over the whole batch."""
+    seq_lens = [33, 1, 70, 17, 40, 9]
+    q_lens = [1, 1, 1, 17, 5, 9]  # three decodes, a whole prompt, a chunk with a cached prefix, a prompt
+    x = paged_inputs(seq_lens, q_lens, 8, 2, 32, 8, torch.float32)
+    k_scale = v_scale = 1.0
+    if cache == "fp8":
+        k_scale, v_scale = 0.05, 0.03
+        x["k_cache"] = (x["k_cache"] / k_scale).to(torch.float8_e4m3fn)
+        x["v_cache"] = (x["v_cache"] / v_scale).to(torch.float8_e4m3fn)
+    expected = reference.paged_attention(
+        x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["seq_lens"], x["query_start_loc"], 0.2,
+        k_scale, v_scale,
+    )  # fmt: skip
+    out = ops.decodes_then_prefill(**x, scale=0.2, max_seq_len=70, num_decodes=3, k_scale=k_scale, v_scale=v_scale)
+    close(out, expected, torch.float32)
+
+
+def test_leading_decodes_counts_the_one_token_prefix():
+    from pagecast.runtime.forward_context import leading_decodes
+
+    assert leading_decodes([1, 1, 1, 512, 1]) == 3
+    assert leading_decodes([512, 1, 1]) == 0
+    assert leading_decodes([1, 1]) == 2 and leading_decodes([]) == 0
+
+
 def test_ops_use_the_reference_on_cpu(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("a Triton launcher was called for CPU tensors")

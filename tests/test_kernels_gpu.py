@@ -152,6 +152,13 @@ def test_ops_dispatch_with_a_tuning_table():
         x = paged_inputs([900, 1000], [900, 1000], block_size=16, **LLAMA)
         out = ops.paged_attention(**x, scale=0.088, max_query_len=1000, max_seq_len=1000)
         assert rel_err(out, ref_attention(x, 0.088)) < 1e-2
+        # A mixed step with enough leading decodes runs them through the decode kernel.
+        lens = [300 + 7 * i for i in range(ops.MIN_SPLIT_DECODES)] + [513, 200]
+        x = paged_inputs(lens, [1] * ops.MIN_SPLIT_DECODES + [513, 50], block_size=16, **LLAMA)
+        out = ops.paged_attention(
+            **x, scale=0.088, max_query_len=513, max_seq_len=max(lens), num_decodes=ops.MIN_SPLIT_DECODES
+        )
+        assert rel_err(out, ref_attention(x, 0.088)) < 1e-2
         h = torch.randn(5, 4096, device="cuda", dtype=DT)
         w = torch.randn(4096, device="cuda", dtype=DT)
         torch.testing.assert_close(ops.rms_norm(h, w, 1e-5), reference.rms_norm(h, w, 1e-5))
