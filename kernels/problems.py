@@ -177,8 +177,9 @@ def config_space(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> list
         return skinny_gemm.prune_configs(skinny_gemm.CONFIG_SPACE, dims["n"], dims["k"])
     if kernel == "w4a16_gemm":
         return w4a16_gemm.prune_configs(
-            w4a16_gemm.CONFIG_SPACE, dims["num_rows"], dims["n"], dims["k"], num_sms(), tc=_w4a16_tc(shapes, dims)
-        )
+            w4a16_gemm.CONFIG_SPACE, dims["num_rows"], dims["n"], dims["k"], num_sms(),
+            tc=_w4a16_tc(shapes, dims), **_w4a16_sizes(shapes, dims),
+        )  # fmt: skip
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
@@ -202,8 +203,9 @@ def default_config(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> Ke
         return skinny_gemm.TORCH
     if kernel == "w4a16_gemm":
         return w4a16_gemm.default_config(
-            dims["num_rows"], dims["n"], dims["k"], num_sms(), tc=_w4a16_tc(shapes, dims)
-        )
+            dims["num_rows"], dims["n"], dims["k"], num_sms(),
+            tc=_w4a16_tc(shapes, dims), **_w4a16_sizes(shapes, dims),
+        )  # fmt: skip
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
@@ -214,6 +216,24 @@ def _group_size(shapes: ModelShapes, k: int) -> int:
 def _w4a16_tc(shapes: ModelShapes, dims: dict[str, int]) -> bool:
     """Whether the W4A16 launcher may take the tensor-core decode kernel for this projection."""
     return w4a16_tcgemv.supports(shapes.torch_dtype, _group_size(shapes, dims["k"]))
+
+
+def w4a16_scale_dtype(shapes: ModelShapes) -> torch.dtype:
+    """The int4 scales' dtype in an artifact of this activation dtype (builder/quant.py,
+    scale_dtype_for): fp32 in fp32 artifacts, fp16 in half ones. The tuner's problem uses it: the
+    scales' element size changes the kernels' shared memory (an fp32 tile that fit with fp16
+    scales while tuning needed 266240 bytes with the artifact's fp32 ones on an H200)."""
+    return torch.float32 if shapes.torch_dtype == torch.float32 else torch.float16
+
+
+def _w4a16_sizes(shapes: ModelShapes, dims: dict[str, int]) -> dict[str, int]:
+    """What the W4A16 launcher sizes its tiles' shared memory by (w4a16_gemm.shared_memory), as
+    the runtime's launch has it: the activations' and scales' element sizes, the group size."""
+    return {
+        "x_elt": _elt(shapes),
+        "scale_elt": torch.empty((), dtype=w4a16_scale_dtype(shapes)).element_size(),
+        "group_size": _group_size(shapes, dims["k"]),
+    }
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -386,7 +406,8 @@ def _w4a16_problem(
     weights = []
     for _ in range(num_sets):
         qweight = torch.randint(-(2**31), 2**31 - 1, (k // 8, n), generator=dg, device=device, dtype=torch.int32)
-        scales = (torch.rand((k // g, n), generator=dg, device=device) * 0.004 + 0.002).half()
+        scales = torch.rand((k // g, n), generator=dg, device=device) * 0.004 + 0.002
+        scales = scales.to(w4a16_scale_dtype(shapes))  # the artifact's (fp32 in fp32 ones)
         zeros = torch.randint(0, 16, (k // g, n), generator=dg, device=device, dtype=torch.int8)
         weights.append((qweight, scales, zeros))
     rows = torch.randn((m, k), generator=dg, device=device, dtype=dtype)

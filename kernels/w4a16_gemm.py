@@ -190,11 +190,38 @@ TCGEMV_MAX_ROWS = w4a16_tcgemv.MAX_ROWS  # the mma's n16: more rows re-read the 
 TCGEMV_DEFAULT_ROWS = 16
 
 
+# Shared memory one program may use on an H100/H200 (sm_90: 227 KB; Triton's "Hardware limit").
+SHARED_MEMORY_LIMIT = 232448
+
+
+def shared_memory(config: KernelConfig, x_elt: int, scale_elt: int, group_size: int) -> int:
+    """Bytes of shared memory a tl.dot tile of _w4a16_gemm_kernel needs on sm_90, an upper bound:
+    the pipeliner stages each K step's loads num_stages - 1 deep (the activations, the packed
+    words, and the scales and int8 zeros: one row a step where a step lies in one group, else a
+    row per input, as the kernel loads them), once more for the activations where the dot runs
+    on wgmma (half types, 64 or more rows: it reads them in place), plus the dequantized weight
+    tile the dot reads. Checked against sm_90 compiles (Triton 3.6) of every tile of _TILES in
+    fp32 (fp32 scales) and bf16 (fp16 scales) at G 64 and 128: exact where the scales are per
+    input, at most 2.3 KB over elsewhere; an act-order perm and few K steps need less
+    (tests/test_kernels_compile_sm90.py compiles a few). ``x_elt``/``scale_elt``: element sizes
+    of the activations and scales."""
+    bm, bn, bk, stages = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"], config.num_stages
+    scale_rows = 1 if group_size % bk == 0 else bk
+    step = bk // 8 * bn * 4 + scale_rows * bn * (scale_elt + 1)
+    buffers = max(stages - 1, 1)
+    x_buffers = stages if x_elt <= 2 and bm >= 64 else buffers
+    return x_buffers * bm * bk * x_elt + buffers * step + bk * bn * x_elt
+
+
 def prune_configs(
-    configs: list[KernelConfig], m: int, n: int, k: int, num_sms: int = 132, tc: bool = False
-) -> list[KernelConfig]:
+    configs: list[KernelConfig], m: int, n: int, k: int, num_sms: int = 132, tc: bool = False,
+    *, x_elt: int = 2, scale_elt: int = 2, group_size: int = 128,
+) -> list[KernelConfig]:  # fmt: skip
     """Keep the dequant path, and tiles whose BLOCK_M fits the rows (no 128-row tile for 4 rows,
-    no 16-row tile for prefill), whose BLOCK_K is at most K, and whose splits each get K to do.
+    no 16-row tile for prefill), whose BLOCK_K is at most K, whose splits each get K to do, and
+    whose shared memory (``shared_memory``: activations of ``x_elt`` bytes, scales of
+    ``scale_elt``, groups of ``group_size``; by default half types, fp16 scales, groups of 128)
+    fits SHARED_MEMORY_LIMIT: in fp32 several do not.
     Decode rows come first with a decode kernel's candidates (their config spaces are
     shape-dependent): the tensor-core kernel's up to TCGEMV_MAX_ROWS rows where ``tc`` (the
     activations and group size suit it: ``w4a16_tcgemv.supports``), else the CUDA-core GEMV's up to
@@ -210,6 +237,8 @@ def prune_configs(
             continue
         bm, bk, sk = c["BLOCK_M"], c["BLOCK_K"], c["SPLIT_K"]
         if bm > m_tile or (m > 256 and bm < 64) or bk > k or sk > 1 and k // (bk * sk) < 2:
+            continue
+        if shared_memory(c, x_elt, scale_elt, group_size) > SHARED_MEMORY_LIMIT:
             continue
         kept.append(c)
     return kept
@@ -264,10 +293,16 @@ def is_dequant(config: KernelConfig | None) -> bool:
     return config is not None and bool(config.params.get("dequant"))
 
 
-def default_config(m: int, n: int, k: int, num_sms: int = 132, tc: bool = False) -> KernelConfig:
+def default_config(
+    m: int, n: int, k: int, num_sms: int = 132, tc: bool = False,
+    *, x_elt: int = 2, scale_elt: int = 2, group_size: int = 128,
+) -> KernelConfig:  # fmt: skip
     """Untuned choice: the dequant path for prefill-sized batches; up to TCGEMV_DEFAULT_ROWS rows
     the tensor-core decode kernel where ``tc`` (``w4a16_tcgemv.supports``), else the GEMV up to 4 rows;
-    else a tile with enough splits of K to give about two programs per multiprocessor."""
+    else a tile with enough splits of K to give about two programs per multiprocessor, pipelined
+    4 deep, or less deep where that needs more shared memory than SHARED_MEMORY_LIMIT (fp32
+    activations and scales with a group size not a multiple of BLOCK_K: 3 stages from 33 rows;
+    half types always fit). ``x_elt``, ``scale_elt``, ``group_size``: as for ``prune_configs``."""
     if m > 256:
         return DEQUANT
     if tc and m <= TCGEMV_DEFAULT_ROWS:
@@ -280,9 +315,11 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132, tc: bool = False)
     split = 1
     while split < 8 and tiles * split < 2 * num_sms and k // (bk * split * 2) >= 2:
         split *= 2
-    return KernelConfig(
-        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}, num_warps=4, num_stages=4
-    )
+    params = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}
+    cfg = KernelConfig(params, num_warps=4, num_stages=4)
+    while cfg.num_stages > 1 and shared_memory(cfg, x_elt, scale_elt, group_size) > SHARED_MEMORY_LIMIT:
+        cfg = KernelConfig(cfg.params, cfg.num_warps, cfg.num_stages - 1)
+    return cfg
 
 
 def dequantize(
@@ -350,8 +387,9 @@ def w4a16_gemm(
     if x.stride(1) != 1:
         x = x.contiguous()
     cfg = KernelConfig.coerce(config) or default_config(
-        m, n, k, tc=x.is_cuda and w4a16_tcgemv.supports(x.dtype, group_size)
-    )
+        m, n, k, tc=x.is_cuda and w4a16_tcgemv.supports(x.dtype, group_size),
+        x_elt=x.element_size(), scale_elt=scales.element_size(), group_size=group_size,
+    )  # fmt: skip
     if w4a16_tcgemv.is_tcgemv(cfg):
         return w4a16_tcgemv.w4a16_tcgemv(x, qweight, scales, zeros, perm, group_size, bias, cfg)
     if w4a16_gemv.is_gemv(cfg):

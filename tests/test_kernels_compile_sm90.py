@@ -12,6 +12,9 @@ import sys
 import textwrap
 
 import pytest
+import torch
+
+from pagecast.kernels.tuning import KernelConfig
 
 pytest.importorskip("triton")
 # Compiling for sm_90 needs Triton's CUDA backend (it brings its own ptxas, no GPU or driver):
@@ -29,27 +32,32 @@ CHILD = textwrap.dedent(
     from pagecast.kernels import keyed_noise, paged_decode_attention, paged_prefill_attention, rotary_kv, sampling
     from pagecast.kernels import w4a16_gemm, w4a16_gemv
 
-    kernel, signature, constexprs, divisible, options = json.loads(sys.argv[1])
-    fn = {"keyed_noise": keyed_noise._keyed_exponential_kernel, "w4a16_gemm": w4a16_gemm._w4a16_gemm_kernel,
-          "dequantize": w4a16_gemm._dequantize_kernel, "w4a16_gemv": w4a16_gemv._w4a16_gemv_kernel,
-          "rotary_kv": rotary_kv._rotary_kv_kernel,
-          "paged_decode": paged_decode_attention._paged_decode_kernel,
-          "paged_prefill": paged_prefill_attention._paged_prefill_kernel, "race": sampling._race_kernel,
-          "count_ties": sampling._count_ties_kernel, "logprob_stats": sampling._logprob_stats_kernel,
-          "block_max": sampling._block_max_kernel, "threshold": sampling._threshold_kernel,
-          "collect": sampling._collect_kernel, "select": sampling._select_kernel}[kernel]
-    sig = dict(signature, **{name: "constexpr" for name in constexprs})
-    # the launcher's tt.divisibility=16 on the named arguments (16-byte aligned pointers, strides)
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
-    src = ASTSource(fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    asm = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm
-    print(sorted(asm))
-    print("ptx converts e4m3" if "e4m3" in asm.get("ptx", "") else "ptx without e4m3")
-    # global -> shared copies by cache mode and bytes, e.g. "cp.async cg16", and byte-wise shared loads
-    copies = re.findall(r"cp\.async\.(c[ag])\.shared\.global \[[^]]*\], \[[^]]*\], (0x[0-9a-f]+|\d+)",
-                        asm["ptx"])
-    print(" ".join(sorted({f"cp.async {mode}{int(size, 0)}" for mode, size in copies})))
-    print(f"byte shared loads {len(re.findall(r'ld[.]shared([.]v[24])?[.][bus]8[^0-9]', asm['ptx']))}")
+    for job in sys.argv[1:]:  # each job's lines after a line '=== <kernel>'
+        kernel, signature, constexprs, divisible, options = json.loads(job)
+        print(f"=== {kernel}")
+        fn = {"keyed_noise": keyed_noise._keyed_exponential_kernel,
+              "w4a16_gemm": w4a16_gemm._w4a16_gemm_kernel,
+              "dequantize": w4a16_gemm._dequantize_kernel, "w4a16_gemv": w4a16_gemv._w4a16_gemv_kernel,
+              "rotary_kv": rotary_kv._rotary_kv_kernel,
+              "paged_decode": paged_decode_attention._paged_decode_kernel,
+              "paged_prefill": paged_prefill_attention._paged_prefill_kernel, "race": sampling._race_kernel,
+              "count_ties": sampling._count_ties_kernel, "logprob_stats": sampling._logprob_stats_kernel,
+              "block_max": sampling._block_max_kernel, "threshold": sampling._threshold_kernel,
+              "collect": sampling._collect_kernel, "select": sampling._select_kernel}[kernel]
+        sig = dict(signature, **{name: "constexpr" for name in constexprs})
+        # the launcher's tt.divisibility=16 on the named arguments (16-byte aligned pointers, strides)
+        attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
+        src = ASTSource(fn, signature=sig, constexprs=constexprs, attrs=attrs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        asm = compiled.asm
+        print(sorted(asm))
+        print(f"shared {compiled.metadata.shared}")  # bytes of shared memory a program needs
+        print("ptx converts e4m3" if "e4m3" in asm.get("ptx", "") else "ptx without e4m3")
+        # global -> shared copies by cache mode and bytes, e.g. "cp.async cg16", and byte-wise shared loads
+        copies = re.findall(r"cp\.async\.(c[ag])\.shared\.global \[[^]]*\], \[[^]]*\], (0x[0-9a-f]+|\d+)",
+                            asm["ptx"])
+        print(" ".join(sorted({f"cp.async {mode}{int(size, 0)}" for mode, size in copies})))
+        print(f"byte shared loads {len(re.findall(r'ld[.]shared([.]v[24])?[.][bus]8[^0-9]', asm['ptx']))}")
     """
 )
 
@@ -61,16 +69,36 @@ def compile_sm90(
     divisible: list[str] | None = None,
     options: dict[str, int] | None = None,
 ) -> str:
-    """The child's output: the asm kinds, whether the PTX converts e4m3, its cp.async kinds and
-    its count of byte-wise shared loads (one line each)."""
+    """The child's output: the asm kinds, the shared memory a program needs ("shared <bytes>"),
+    whether the PTX converts e4m3, its cp.async kinds and its count of byte-wise shared loads (one
+    line each)."""
+    return compile_sm90_batch([(kernel, signature, constexprs, divisible, options)])[0]
+
+
+# compile_sm90's arguments: kernel, signature, constexprs, divisible, options
+Sm90Job = tuple[str, dict[str, str], dict[str, object], list[str] | None, dict[str, int] | None]
+
+
+def compile_sm90_batch(jobs: list[Sm90Job]) -> list[str]:
+    """``compile_sm90``'s output for each job, compiled in one child process (Triton and the
+    kernels imported once)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = [
+        json.dumps([kernel, sig, consts, div or [], opts or {}]) for kernel, sig, consts, div, opts in jobs
+    ]
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD,
-         json.dumps([kernel, signature, constexprs, divisible or [], options or {}])],
-        env=env, capture_output=True, text=True, timeout=300,
-    )
+        [sys.executable, "-c", CHILD, *args],
+        check=False, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+    outputs: list[list[str]] = []
+    for line in proc.stdout.splitlines():
+        if line.startswith("=== "):
+            outputs.append([])
+        elif outputs:
+            outputs[-1].append(line)
+    assert len(outputs) == len(jobs), proc.stdout
+    return ["".join(f"{line}\n" for line in out) for out in outputs]
 
 
 def test_keyed_noise_kernel_compiles_for_sm90() -> None:
@@ -100,6 +128,74 @@ def test_w4a16_gemm_kernel_compiles_for_sm90(split_k: int, has_perm: bool) -> No
         },
     )  # fmt: skip
     assert "cubin" in asm
+
+
+def _w4a16_launch(cfg: KernelConfig, m: int, n: int, k: int, g: int, x: str, scale: str) -> Sm90Job:
+    """The tile kernel as w4a16_gemm launches ``cfg`` at this shape (with a bias, no perm): its
+    split and K_ITERS rounding, the tt.divisibility=16 Triton gives to aligned pointers and to the
+    int arguments divisible by 16."""
+    from triton import cdiv
+
+    bm, bn, bk, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
+    k_per_split = cdiv(cdiv(k, split), bk) * bk
+    split = cdiv(k, k_per_split)
+    ints = {"M": m, "N": n, "K": k, "stride_xm": k, "stride_ym": n, "stride_ys": 0 if split == 1 else m * n}
+    signature = {
+        "x_ptr": x, "qw_ptr": "*i32", "s_ptr": scale, "z_ptr": "*i8", "perm_ptr": "*i32", "b_ptr": x,
+        "y_ptr": x if split == 1 else "*fp32", **{name: "i32" for name in ints},
+    }  # fmt: skip
+    divisible = [name for name in signature if name.endswith("_ptr")]
+    divisible += [name for name, value in ints.items() if value % 16 == 0]
+    constexprs: dict[str, object] = {
+        "GROUP_SIZE": g, "HAS_PERM": False, "HAS_BIAS": split == 1, "BLOCK_M": bm, "BLOCK_N": bn,
+        "BLOCK_K": bk, "SPLIT_K": split, "K_ITERS": k_per_split // bk,
+        "DOT_PRECISION": "ieee" if x == "*fp32" else "tf32",
+    }  # fmt: skip
+    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    return ("w4a16_gemm", signature, constexprs, divisible, options)
+
+
+def test_w4a16_gemm_fp32_configs_fit_sm90_shared_memory() -> None:
+    """fp32 activations (with the fp32 scales of an fp32 artifact, builder/quant.py): the launcher's
+    default and every tile the tuner times fit an H100/H200's 232448 bytes of shared memory. At the
+    fp32 int4 engine test's down projection (tests/test_quant_build.py, awq-g64-qwen2-bias: n 128,
+    k 384, G 64) the default tile for 33-256 rows (64 x 64 x 128, 4 stages) needed 266240 on an
+    H200 and the engine's warm-up failed; the tuner had timed it with fp16 scales (217088 bytes).
+    Each compile also checks w4a16_gemm.shared_memory, which the launcher's default and the
+    pruning go by, as an upper bound, on the bf16 default tile too (wgmma reads the activations
+    in place: one more buffer of them)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pagecast.builder.quant import scale_dtype_for
+    from pagecast.kernels import problems, w4a16_gemm
+    from pagecast.kernels.tuning import ModelShapes
+
+    n, k, g = 128, 384, 64
+    types = {"*fp32": torch.float32, "*bf16": torch.bfloat16, "*fp16": torch.float16}
+    launches: dict[tuple[str, str], tuple[KernelConfig, int, str, str]] = {}
+    for dtype in ("float32", "bfloat16"):
+        x = next(t for t, d in types.items() if d == getattr(torch, dtype))
+        scale = next(t for t, d in types.items() if d == scale_dtype_for(dtype))  # the artifact's scales
+        shapes = ModelShapes(2, 1, 64, n, k, 16, dtype, quant_group_size=g)
+        for m in (49, 300):  # rows in the tuner's buckets 64 (the failing launch's) and 512
+            dims = {"num_rows": m, "n": n, "k": k}
+            configs = [problems.default_config("w4a16_gemm", shapes, dims)]
+            if dtype == "float32":
+                configs += problems.config_space("w4a16_gemm", shapes, dims)
+            for cfg in configs:  # neither 49 nor 300 divisible by 16: one compile a config and dtype
+                if not w4a16_gemm.is_dequant(cfg):
+                    launches.setdefault((x, json.dumps(cfg.as_dict(), sort_keys=True)), (cfg, m, x, scale))
+    jobs = [_w4a16_launch(cfg, m, n, k, g, x, scale) for cfg, m, x, scale in launches.values()]
+    with ThreadPoolExecutor(2) as pool:  # two child processes
+        outputs = [out for batch in pool.map(compile_sm90_batch, (jobs[::2], jobs[1::2])) for out in batch]
+    shared = [int(next(ln for ln in out.splitlines() if ln.startswith("shared "))[7:]) for out in outputs]
+    launched = [launches[key] for key in launches]
+    launched = launched[::2] + launched[1::2]  # the outputs' order
+    over = [(x, cfg.as_dict(), used) for (cfg, _, x, _), used in zip(launched, shared) if used > 232448]
+    assert not over, over
+    for (cfg, _, x, scale), used in zip(launched, shared):
+        x_elt, scale_elt = types[x].itemsize, types[scale].itemsize
+        assert w4a16_gemm.shared_memory(cfg, x_elt, scale_elt, g) >= used, (x, cfg.as_dict(), used)
 
 
 def test_dequantize_kernel_compiles_for_sm90() -> None:

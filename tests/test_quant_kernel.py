@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagecast.kernels import reference, w4a16_gemm, w4a16_gemv
+from pagecast.kernels import reference, w4a16_gemm, w4a16_gemv, w4a16_tcgemv
 from pagecast.kernels.tuning import KernelConfig
 
 
@@ -211,6 +211,79 @@ def test_prune_keeps_dequant_and_fitting_tiles():
     assert all(c["BLOCK_K"] <= 64 and c["SPLIT_K"] == 1 for c in small_k if not w4a16_gemm.is_dequant(c))
 
 
+def _is_tile(config: KernelConfig) -> bool:
+    """A tl.dot tile of _w4a16_gemm_kernel (not the dequant path, the GEMV or the tensor-core kernel)."""
+    return not (w4a16_gemm.is_dequant(config) or w4a16_gemv.is_gemv(config) or w4a16_tcgemv.is_tcgemv(config))
+
+
+def test_default_config_fits_shared_memory_with_the_half_defaults_unchanged():
+    """The tile default fits SHARED_MEMORY_LIMIT for the activations' and scales' element sizes:
+    fp32 with fp32 scales and a group size not a multiple of BLOCK_K pipelines 3 deep from 33 rows
+    (64 x 64 x 128 needs 266240 bytes at 4 stages: the fp32 int4 engine test's failure on an H200);
+    half types keep the measured 4-stage tiles at every group size."""
+    shapes = [(5, 128, 384), (17, 128, 384), (33, 128, 384), (49, 6144, 4096), (256, 1728, 576)]
+    for m, n, k in [*shapes, (40, 64, 192)]:
+        bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+        bk = 128 if k >= 256 else 64
+        for g in (32, 64, 128, k):
+            half = w4a16_gemm.default_config(m, n, k, x_elt=2, scale_elt=2, group_size=g)
+            assert half == w4a16_gemm.default_config(m, n, k), (m, n, k, g)
+            tile = (half["BLOCK_M"], half["BLOCK_N"], half["BLOCK_K"], half.num_warps, half.num_stages)
+            assert tile == (bm, 64, bk, 4, 4)
+            fp32 = w4a16_gemm.default_config(m, n, k, x_elt=4, scale_elt=4, group_size=g)
+            assert fp32.params == half.params and fp32.num_warps == 4
+            assert w4a16_gemm.shared_memory(fp32, 4, 4, g) <= w4a16_gemm.SHARED_MEMORY_LIMIT
+            per_input_scales = g % bk != 0
+            assert fp32.num_stages == (3 if per_input_scales and bm == 64 and bk == 128 else 4), (m, n, k, g)
+    assert w4a16_gemm.shared_memory(w4a16_gemm.default_config(49, 128, 384), 4, 4, 64) == 266240
+
+
+def test_prune_drops_tiles_over_shared_memory(monkeypatch):  # type: ignore[no-untyped-def]
+    """fp32 tiles over SHARED_MEMORY_LIMIT are not timed (the tuner would only see them fail);
+    half types lose only the 128 x 128 x 128 tile with groups smaller than its BLOCK_K (245760
+    bytes in bf16 on sm_90: it cannot run either)."""
+    shapes = [(49, 128, 384), (300, 128, 384), (64, 6144, 4096), (2048, 6144, 4096)]
+    sizes = [(4, 4, 64), (4, 4, 128), (4, 2, 64), (2, 2, 64), (2, 2, 128)]
+    kept = {(s, z): w4a16_gemm.prune_configs(w4a16_gemm.CONFIG_SPACE, *s, x_elt=z[0], scale_elt=z[1],
+                                               group_size=z[2]) for s in shapes for z in sizes}  # fmt: skip
+    monkeypatch.setattr(w4a16_gemm, "SHARED_MEMORY_LIMIT", 1 << 30)
+    for (shape, (x_elt, scale_elt, g)), configs in kept.items():
+        unlimited = w4a16_gemm.prune_configs(
+            w4a16_gemm.CONFIG_SPACE, *shape, x_elt=x_elt, scale_elt=scale_elt, group_size=g
+        )
+        dropped = [c for c in unlimited if c not in configs]
+        assert configs == [c for c in unlimited if c not in dropped]
+        assert all(w4a16_gemm.shared_memory(c, x_elt, scale_elt, g) > 232448 for c in dropped)
+        tile_configs = [c for c in configs if _is_tile(c)]
+        assert all(w4a16_gemm.shared_memory(c, x_elt, scale_elt, g) <= 232448 for c in tile_configs)
+        tiles = {(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]) for c in dropped}
+        if x_elt == 2:
+            assert tiles <= ({(128, 128, 128)} if g < 128 else set()), (shape, g, tiles)
+        elif g == 64 and scale_elt == 4 and shape[0] == 49:
+            assert tiles == {(64, 64, 128), (64, 128, 128)}, tiles  # the failing shape's
+
+
+def test_tuning_problem_scales_are_the_artifacts():
+    """The tuner times the W4A16 kernels with scales of the artifact's dtype (fp32 in an fp32
+    artifact): with fp16 ones an fp32 tile compiled to 217088 bytes of shared memory while tuning
+    and to 266240, over an H200's limit, in the engine. Its default and pruning size tiles the same."""
+    from pagecast.builder.quant import scale_dtype_for
+    from pagecast.kernels import problems
+    from pagecast.kernels.tuning import ModelShapes
+
+    for dtype in ("float32", "bfloat16", "float16"):
+        shapes = ModelShapes(2, 1, 64, 128, 192, 16, dtype, quant_group_size=64)
+        assert problems.w4a16_scale_dtype(shapes) == scale_dtype_for(dtype)
+        elt, scale_elt = shapes.torch_dtype.itemsize, scale_dtype_for(dtype).itemsize
+        for m in (49, 100):
+            dims = {"num_rows": m, "n": 128, "k": 384}
+            assert problems.default_config("w4a16_gemm", shapes, dims) == w4a16_gemm.default_config(
+                m, 128, 384, x_elt=elt, scale_elt=scale_elt, group_size=64
+            )
+            tiles = [c for c in problems.config_space("w4a16_gemm", shapes, dims) if _is_tile(c)]
+            assert tiles and all(w4a16_gemm.shared_memory(c, elt, scale_elt, 64) <= 232448 for c in tiles)
+
+
 def compile_for_sm90() -> None:
     """Compile (not run) both kernels for an H100/H200 with Triton's bundled ptxas."""
     from triton.backends.compiler import GPUTarget
@@ -292,24 +365,27 @@ def test_w4a16_gemm_bf16_on_gpu(m, n, k, g):  # type: ignore[no-untyped-def]
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("m", [1, 3, 8, 49, 300])
-@pytest.mark.parametrize("n,k,g", [(256, 128, 64), (1728, 576, 64), (6144, 4096, 128)])
+@pytest.mark.parametrize("n,k,g", [(256, 128, 64), (128, 384, 64), (1728, 576, 64), (6144, 4096, 128)])
 def test_w4a16_gemm_fp32_on_gpu(m, n, k, g):  # type: ignore[no-untyped-def]
-    """fp32 activations on the GPU, every config the tuner may pick (the CUDA-core GEMV with its
-    inline PTX, the tl.dot tiles in ieee precision, dequantize + cuBLAS), against the reference
-    to the CPU tests' fp32 tolerance: the path of the fp32 int4 engine test
-    (test_quant_build.py::test_int4_greedy_matches_transformers_on_gpu, the tiny shape first),
-    which failed on an H200 while the same test with the launcher's default configs in the
-    interpreter matched transformers."""
+    """fp32 activations and scales on the GPU, every config the tuner may pick (the CUDA-core GEMV
+    with its inline PTX, the tl.dot tiles in ieee precision, dequantize + cuBLAS) and the default,
+    against the reference to the CPU tests' fp32 tolerance: the path of the fp32 int4 engine test
+    (test_quant_build.py::test_int4_greedy_matches_transformers_on_gpu; its tiny model's
+    projections first), whose down projection (n 128, k 384) failed on an H200 with the default
+    tile out of shared memory at 33-64 rows."""
     from pagecast.kernels import problems
     from pagecast.kernels.tuning import ModelShapes
 
+    shapes = ModelShapes(4, 2, 32, k, n // 2, 16, "float32", quant_group_size=g)
     qweight, scales, zeros, _ = _weights(n, k, g, False, device="cuda")
-    perm = torch.randperm(k, device="cuda").to(torch.int32)
+    scales = scales.to(problems.w4a16_scale_dtype(shapes))  # fp32, as an fp32 artifact has them
     x = torch.randn(m, k, device="cuda", dtype=torch.float32)
     bias = torch.randn(n, device="cuda", dtype=torch.float32)
-    ref = reference.w4a16_linear(x, qweight, scales, zeros, perm, g, bias)
-    shapes = ModelShapes(4, 2, 32, k, n // 2, 16, "float32", quant_group_size=g)
     configs = problems.config_space("w4a16_gemm", shapes, {"num_rows": m, "n": n, "k": k}) + [None]
-    for cfg in configs:
-        y = w4a16_gemm.w4a16_gemm(x, qweight, scales, zeros, perm, g, bias, cfg)
-        torch.testing.assert_close(y, ref, atol=1e-3 * ref.abs().max().item(), rtol=1e-3, msg=str(cfg))
+    # Without a perm too (AWQ, as in the failing engine): with one the compiled tiles need less
+    # shared memory (sm_90, fp32, 64 x 64 x 128, G 64, 4 stages: 111104 bytes, 266240 without).
+    for perm in (None, torch.randperm(k, device="cuda").to(torch.int32)):
+        ref = reference.w4a16_linear(x, qweight, scales, zeros, perm, g, bias)
+        for cfg in configs:
+            y = w4a16_gemm.w4a16_gemm(x, qweight, scales, zeros, perm, g, bias, cfg)
+            torch.testing.assert_close(y, ref, atol=1e-3 * ref.abs().max().item(), rtol=1e-3, msg=str(cfg))
