@@ -30,6 +30,21 @@ shared memory once more (ncu on an H200: shared memory at 69% of its throughput,
 56%), the byte read converts K after its ldmatrix but reads V byte by byte. The tuner times both
 (config key fp8_words); on two-warp programs the byte read won the large buckets (324.6 against
 389.1 us at 256 sequences x 2048 tokens, benchmarks/RESULTS.md).
+
+The pair read (fp8_words 2; experimental, not in the tuner's space until timed on a GPU:
+FP8_PAIR_CONFIGS) reads K as the word read does and unpacks V straight into the PV dot's operand
+registers (_e4m3_pairs_to_f16): an mma B register holds one head dim of two consecutive tokens,
+so two prmt.b32 interleave two tokens' words byte by byte and cvt.rn.f16x2.e4m3x2 converts the
+pairs, and the dot's columns are the head dims in an order in which every thread holds whole
+words (the accumulator is put back in head-dim order after the loop). Triton 3.6 then keeps the
+layout conversion on the int32 word tile: V crosses shared memory once, as the words the 16-byte
+cp.async wrote, read back with 4- to 16-byte ld.shared into the mma's registers; no fp16 tile is
+stored, no ldmatrix.trans, no byte loads. On sm_90 (benchmarks/decode_ptx.py --compare) its loop
+has 1-12% fewer SASS instructions than the word read's and 20-31% fewer than the byte read's,
+and a program needs the byte read's shared memory. The word tile is stored unswizzled (the
+pipeliner picks its shared layout before the conversion is moved to it), so those loads are
+4-way bank conflicted: by decode_ptx's model 256 wavefronts per 64 tokens for V, against the
+word read's 448 (its word loads, fp16 stores and ldmatrix.trans).
 """
 
 from __future__ import annotations
@@ -84,6 +99,85 @@ def _e4m3_words_to_f16(w, USE_ASM: tl.constexpr):
     return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [w.shape[0], 4 * w.shape[1]])
 
 
+@triton.jit
+def _e4m3_pairs_to_f16(w, USE_ASM: tl.constexpr):
+    """[R, C] int32 words of V (row n: four e4m3 bytes of token n) -> [R, 4C] fp16 with row n token n
+    and the head dims in the PV dot's column order (pair_read_dims; _pair_read_to_dims undoes it).
+
+    The mma B operand's 32-bit register holds two consecutive k values, here two tokens (2m, 2m + 1)
+    of one head dim: on the GPU two prmt.b32 interleave the two tokens' words byte by byte (a0 b0 a1
+    b1, a2 b2 a3 b3) and four cvt.rn.f16x2.e4m3x2 convert the pairs, in inline PTX whose 32-bit
+    outputs are the pairs as Triton holds them (pack=2 over the joined words). The interpreter
+    converts each byte through tl's fp8 type and joins the pair: the same values.
+
+    The column order gives each thread of the dot operand whole words: a word's four head dims sit
+    in the top two bits of the column index, which are register bits of every mma layout up to
+    HEAD_DIM / 32 warps, so the layout conversion can stay on the int32 tile. The next two word
+    bits go to the next column bits (registers on one warp, one of them on two), so a thread's
+    words are 16 (8) contiguous bytes of a token row."""
+    R: tl.constexpr = w.shape[0]
+    C: tl.constexpr = w.shape[1]
+    # a: the even tokens' words, b: the odd tokens', [R / 2, C] each
+    a, b = tl.split(tl.permute(tl.reshape(w, [R // 2, 2, C]), (0, 2, 1)))
+    if USE_ASM:
+        d0, d1, d2, d3 = tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 lo, hi;
+            .reg .b16 l0, l1, h0, h1;
+            prmt.b32 lo, $4, $5, 0x5140;
+            prmt.b32 hi, $4, $5, 0x7362;
+            mov.b32 {l0, l1}, lo;
+            mov.b32 {h0, h1}, hi;
+            cvt.rn.f16x2.e4m3x2 $0, l0;
+            cvt.rn.f16x2.e4m3x2 $1, l1;
+            cvt.rn.f16x2.e4m3x2 $2, h0;
+            cvt.rn.f16x2.e4m3x2 $3, h1;
+            }
+            """,
+            constraints="=r,=r,=r,=r,r,r",
+            args=[tl.join(a, b)],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True,
+            pack=2,
+        )
+    else:
+        d0 = tl.join(_e4m3_byte(a, 0), _e4m3_byte(b, 0))
+        d1 = tl.join(_e4m3_byte(a, 8), _e4m3_byte(b, 8))
+        d2 = tl.join(_e4m3_byte(a, 16), _e4m3_byte(b, 16))
+        d3 = tl.join(_e4m3_byte(a, 24), _e4m3_byte(b, 24))
+    # d_i: [R / 2, C, 2], head dim 4c + i of tokens (2m, 2m + 1). x: [m, c, j, i0, i1] (i = i0 + 2 i1)
+    x = tl.join(tl.join(d0, d1), tl.join(d2, d3))
+    # -> [m, j, i1, i0, c] = [R, 4, C]: row 2m + j; then c = 4 c_hi + 2 c1 + c0 -> (c0, c1, c_hi)
+    v = tl.reshape(tl.permute(x, (0, 2, 4, 3, 1)), [R, 4, C // 4, 2, 2])
+    return tl.reshape(tl.permute(v, (0, 1, 4, 3, 2)), [R, 4 * C])
+
+
+@triton.jit
+def _e4m3_byte(w, SHIFT: tl.constexpr):
+    """Byte SHIFT / 8 of each int32 word as an e4m3 value, in fp16 (the interpreter's path)."""
+    return ((w >> SHIFT) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@triton.jit
+def _pair_read_to_dims(acc):
+    """The PV accumulator [G, D] from _e4m3_pairs_to_f16's column order back to head dims."""
+    G: tl.constexpr = acc.shape[0]
+    D: tl.constexpr = acc.shape[1]
+    # column i D/4 + c0 D/8 + c1 D/16 + c_hi holds head dim 4 (4 c_hi + 2 c1 + c0) + i
+    x = tl.reshape(acc, [G, 4, 2, 2, D // 16])  # [g, i, c0, c1, c_hi]
+    return tl.reshape(tl.permute(x, (0, 4, 3, 2, 1)), [G, D])
+
+
+def pair_read_dims(head_dim: int) -> list[int]:
+    """The head dim at each column of the pair read's PV dot (fp8_words 2; _e4m3_pairs_to_f16)."""
+    c = head_dim // 4
+    return [
+        4 * (4 * (k % (c // 4)) + 2 * ((k // (c // 4)) % 2) + (k // (c // 2)) % 2) + k // c
+        for k in range(head_dim)
+    ]
+
+
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _paged_decode_kernel(
     q_ptr,  # q: [num_tokens, num_heads, head_dim]
@@ -116,7 +210,8 @@ def _paged_decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr,
-    FP8_WORDS: tl.constexpr,  # fp8 cache read as int32 words (head_dim, strides multiples of 4)
+    FP8_WORDS: tl.constexpr,  # fp8 cache read as int32 words (head_dim, strides multiples of 4); 2: V
+    #                           unpacked by token pairs in the PV dot's column order (the pair read)
     USE_ASM: tl.constexpr,  # inline PTX for the fp8 unpacking (False in the interpreter)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 engines (exact), "tf32" (ignored) for half types
 ):
@@ -188,7 +283,10 @@ def _paged_decode_kernel(
                 k = tl.load(k_base + k_rows, mask=w_mask, other=0)
                 v = tl.load(v_base + v_rows, mask=w_mask, other=0)
                 k = _e4m3_words_to_f16(k, USE_ASM)
-                v = _e4m3_words_to_f16(v, USE_ASM)
+                if FP8_WORDS == 2:
+                    v = _e4m3_pairs_to_f16(v, USE_ASM)  # head dims permuted (undone after the loop)
+                else:
+                    v = _e4m3_words_to_f16(v, USE_ASM)
             else:
                 k = tl.load(
                     k_base + block[:, None] * stride_kb + slot[:, None] * stride_kt, mask=kv_mask, other=0.0
@@ -207,6 +305,8 @@ def _paged_decode_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
+        if FP8_WORDS == 2:
+            acc = _pair_read_to_dims(acc)
         # l_i is 0 only for an empty split or an empty context: write 0 / -inf, never NaN.
         has = l_i > 0.0
         o = acc / tl.where(has, l_i, 1.0)[:, None] * v_scale
@@ -317,6 +417,24 @@ FP8_CONFIG_SPACE: list[KernelConfig] = CONFIG_SPACE + [
     for s in _SPLITS
     for (n, w, st, fw) in _FP8_VARIANTS
 ]
+# The pair read (fp8_words 2; see the module docstring) is not in FP8_CONFIG_SPACE: it has not run
+# on a GPU. benchmarks/decode_fp8_time.py --experimental checks and times these variants;
+# benchmarks/decode_ptx.py --compare counts their sm_90 code against the word and byte reads.
+_FP8_PAIR_VARIANTS = [
+    (32, 1, 2),
+    (32, 1, 3),
+    (64, 1, 2),
+    (32, 2, 3),
+    (64, 2, 2),
+    (64, 2, 3),
+    (64, 4, 3),
+    (128, 4, 2),
+]
+FP8_PAIR_CONFIGS: list[KernelConfig] = [
+    KernelConfig({"BLOCK_N": n, "num_splits": s, "fp8_words": 2}, num_warps=w, num_stages=st)
+    for s in _SPLITS
+    for (n, w, st) in _FP8_PAIR_VARIANTS
+]
 
 
 def prune_configs(
@@ -389,13 +507,17 @@ def paged_decode_attention(
     direct = num_splits == 1
     # An fp8 cache is read as int32 words when its rows split into whole words (see the module
     # docstring) and the config does not ask for the byte read; otherwise (the config's choice,
-    # an odd head_dim, a strided view) as bytes.
+    # an odd head_dim, a strided view) as bytes. fp8_words 2 (the pair read, experimental) is the
+    # word read with V unpacked by token pairs, where words can be read.
+    read = int(cfg.params.get("fp8_words", 1))
     fp8_words = (
         k_cache.dtype == torch.float8_e4m3fn
-        and bool(cfg.params.get("fp8_words", 1))
+        and bool(read)
         and head_dim == head_dim_pad
         and all(t.data_ptr() % 4 == 0 and all(s % 4 == 0 for s in t.stride()[:3]) for t in (k_cache, v_cache))
     )
+    if fp8_words and read == 2:
+        fp8_words = 2
     if direct:
         part_out = part_lse = out  # unused by the DIRECT variant
     else:

@@ -289,10 +289,13 @@ def _paged_signature(cache: str) -> dict[str, str]:
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("direct,fp8_words", [(True, True), (False, True), (False, False)])
-def test_paged_decode_kernel_with_fp8_cache_compiles_for_sm90(direct: bool, fp8_words: bool) -> None:
-    """Both fp8 reads: int32 words unpacked in inline PTX (head_dim a power of two, the launcher's
-    choice at every model shape we ship) and fp8 values (other head_dims)."""
+@pytest.mark.parametrize(
+    "direct,fp8_words", [(True, True), (False, True), (False, False), (True, 2), (False, 2)]
+)
+def test_paged_decode_kernel_with_fp8_cache_compiles_for_sm90(direct: bool, fp8_words: bool | int) -> None:
+    """The fp8 reads: int32 words unpacked in inline PTX (head_dim a power of two, the launcher's
+    choice at every model shape we ship), fp8 values (other head_dims), and the experimental pair
+    read (FP8_WORDS 2: V's words unpacked by token pairs in inline PTX)."""
     sig = dict(
         _paged_signature("*fp8e4nv"), part_out_ptr="*fp32", part_lse_ptr="*fp32", qk_scale="fp32", v_scale="fp32",
         num_splits="i32", **{s: "i32" for s in _PAGED_STRIDES},
@@ -324,6 +327,35 @@ def test_paged_decode_fp8_cache_streams_k_and_v_in_16_byte_copies() -> None:
         divisible=divisible, options={"num_warps": 4, "num_stages": 2},
     )  # fmt: skip
     lines = asm.splitlines()
+    assert lines[-2] == "cp.async cg16", lines[-2]
+    assert lines[-1] == "byte shared loads 0", lines[-1]
+
+
+def test_paged_decode_fp8_pair_read_keeps_v_packed_in_shared_memory() -> None:
+    """The pair read (FP8_WORDS 2) unpacks V straight into the PV dot's operand registers: its
+    program needs the word read's shared memory less the unpacked fp16 V tile the word read stores
+    for ldmatrix.trans (BLOCK_N x HEAD_DIM x 2 bytes), and K and V still arrive in 16-byte
+    cp.async.cg with no byte-wise shared loads. Should a Triton upgrade stop hoisting the layout
+    conversion to the int32 word tile, the fp16 tile comes back and this fails (benchmarks/
+    decode_ptx.py --compare shows the loop's traffic per read). The launch's specialisation,
+    64 tokens on 2 warps, 2 stages."""
+    sig = dict(
+        _paged_signature("*fp8e4nv"), part_out_ptr="*fp32", part_lse_ptr="*fp32", qk_scale="fp32",
+        v_scale="fp32", num_splits="i32", **{s: "i32" for s in _PAGED_STRIDES},
+    )  # fmt: skip
+    divisible = [n for n in sig if n.endswith("_ptr") or (n.startswith("stride") and n != "stride_bt")]
+    consts = {"GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128, "BLOCK_SIZE": 16,
+              "BLOCK_N": 64, "DIRECT": False, "USE_ASM": True, "DOT_PRECISION": "tf32"}  # fmt: skip
+    opts = {"num_warps": 2, "num_stages": 2}
+    words, pairs = compile_sm90_batch(
+        [("paged_decode", sig, dict(consts, FP8_WORDS=read), divisible, opts) for read in (True, 2)]
+    )
+    shared = [
+        int(next(x for x in out.splitlines() if x.startswith("shared ")).split()[1]) for out in (words, pairs)
+    ]
+    assert shared[0] - shared[1] == 64 * 128 * 2, shared
+    lines = pairs.splitlines()
+    assert "ptx converts e4m3" in pairs
     assert lines[-2] == "cp.async cg16", lines[-2]
     assert lines[-1] == "byte shared loads 0", lines[-1]
 

@@ -19,7 +19,12 @@ import triton
 import triton.language as tl
 
 from pagecast.kernels import reference, rope
-from pagecast.kernels.paged_decode_attention import _e4m3_words_to_f16
+from pagecast.kernels.paged_decode_attention import (
+    _e4m3_pairs_to_f16,
+    _e4m3_words_to_f16,
+    _pair_read_to_dims,
+    pair_read_dims,
+)
 from pagecast.kernels.reference import FP8_DTYPE, FP8_MAX, quantize_kv
 
 # --------------------------------------------------------------------------- the reference
@@ -135,6 +140,9 @@ def _assert_matches_reference(out, x, scale, k_scale, v_scale, dtype) -> None:  
     torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)
 
 
+PAIRS = {"fp8_words": 2}
+
+
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
@@ -148,6 +156,14 @@ def _assert_matches_reference(out, x, scale, k_scale, v_scale, dtype) -> None:  
         pytest.param(
             9, 3, 64, 16, [1, 9, 41, 341], {"BLOCK_N": 32, "num_splits": 4, "fp8_words": 0}, id="config-byte-path"
         ),
+        # the pair read (fp8_words 2, experimental): V unpacked by token pairs in the PV dot's column
+        # order; odd lengths leave a pair half masked, splits leave tiles empty
+        pytest.param(4, 4, 16, 8, [1, 9, 41], dict(PAIRS, BLOCK_N=16, num_splits=1), id="pairs-mha-direct"),
+        pytest.param(9, 3, 64, 16, [1, 9, 41, 341], dict(PAIRS, BLOCK_N=32, num_splits=4), id="pairs-split"),
+        pytest.param(8, 2, 128, 16, [3, 17, 64, 95], dict(PAIRS, BLOCK_N=64, num_splits=2), id="pairs-d128"),
+        pytest.param(6, 2, 32, 1, [5, 33], dict(PAIRS, BLOCK_N=16, num_splits=2), id="pairs-block-size-1"),
+        # head_dim 24 is not read as words: the pair read's config falls back to the byte read
+        pytest.param(6, 2, 24, 8, [1, 9, 41], dict(PAIRS, BLOCK_N=16, num_splits=2), id="pairs-head-dim-24"),
     ],
 )
 def test_decode_attention_fp8_cache(num_heads, num_kv_heads, head_dim, block_size, seq_lens, config, dtype):  # type: ignore[no-untyped-def]
@@ -185,6 +201,36 @@ def test_decode_unpacks_fp8_words_in_order_and_exactly() -> None:
         expected = x.to(torch.float16)
         same = (out.view(torch.int16) == expected.view(torch.int16)) | (out.isnan() & expected.isnan())
         assert bool(same.all()), x.view(torch.uint8)[~same]
+
+
+@triton.jit
+def _unpack_fp8_pairs(x_ptr, out_ptr, back_ptr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    rows = tl.arange(0, ROWS)[:, None]
+    words_ptr = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    words = tl.load(words_ptr + rows * (COLS // 4) + tl.arange(0, COLS // 4)[None, :])
+    v = _e4m3_pairs_to_f16(words, False)
+    tl.store(out_ptr + rows * COLS + tl.arange(0, COLS)[None, :], v)
+    tl.store(back_ptr + rows * COLS + tl.arange(0, COLS)[None, :], _pair_read_to_dims(v))
+
+
+@interpreted
+@pytest.mark.parametrize("cols", [16, 128])
+def test_decode_pair_read_unpacks_v_in_the_dot_column_order(cols: int) -> None:
+    """The pair read's unpacking (the interpreter's path; the GPU's prmt + cvt path runs in the GPU
+    tests): row n is token n, column c head dim pair_read_dims[c], every e4m3 code exact, and
+    _pair_read_to_dims (applied to the PV accumulator) puts the columns back in head-dim order."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    dims = torch.tensor(pair_read_dims(cols))
+    assert sorted(dims.tolist()) == list(range(cols))
+    rows = 256 * 4 // cols
+    for shift in range(4):  # each byte value at every position in its word
+        x = torch.roll(codes.repeat(4), shift).view(FP8_DTYPE).reshape(rows, cols).contiguous()
+        out = torch.empty(rows, cols, dtype=torch.float16)
+        back = torch.empty(rows, cols, dtype=torch.float16)
+        _unpack_fp8_pairs[(1,)](x, out, back, ROWS=rows, COLS=cols)
+        for got, expected in ((out, x.to(torch.float16)[:, dims]), (back, x.to(torch.float16))):
+            same = (got.view(torch.int16) == expected.view(torch.int16)) | (got.isnan() & expected.isnan())
+            assert bool(same.all()), x.view(torch.uint8)[~same]
 
 
 @interpreted
