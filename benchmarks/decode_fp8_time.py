@@ -1,6 +1,7 @@
 """Time the paged decode kernel with a bf16 and an fp8 (e4m3) KV cache on one GPU.
 
     python benchmarks/decode_fp8_time.py [--cases 128x512,256x2048] [--reps 20] [--all] [--json FILE]
+                                         [--kernels bf16,fp8-bytes,fp8-words] [--experimental]
 
 Llama-3-8B decode shapes (32 query heads over 8 KV heads, head_dim 128, KV block size 16, q bf16).
 For each case, three kernels on the same inputs in one process:
@@ -11,6 +12,11 @@ For each case, three kernels on the same inputs in one process:
               instruction: benchmarks/decode_ptx.py --fp8-bytes); the launcher still takes this
               path for head_dims that are not a power of two
   fp8-words   an fp8 cache read as int32 words (what the launcher runs at this shape)
+  fp8-pairs   the experimental pair read (config fp8_words 2: V unpacked by token pairs straight into
+              the PV dot's operand layout), not in the tuner's space: its own variants
+              (paged_decode_attention.FP8_PAIR_CONFIGS, pruned as the tuner prunes). Each config's
+              output is first compared with the word read's on the same inputs; a config that
+              differs is reported and not timed. --experimental adds this kernel to the default ones.
 
 Every config the tuner would time at the bucket (problems.config_space) is timed as the tuner
 times it (tuning.time_launches: the launches captured in a CUDA graph over rotating block tables
@@ -64,14 +70,51 @@ def fp8_byte_path():
         pda._paged_decode_kernel = original
 
 
+@contextmanager
+def fp8_space(configs: list[tuning.KernelConfig]):
+    """The fp8 tuning space replaced by ``configs`` (problems.config_space reads it per call)."""
+    original = pda.FP8_CONFIG_SPACE
+    pda.FP8_CONFIG_SPACE = configs
+    try:
+        yield
+    finally:
+        pda.FP8_CONFIG_SPACE = original
+
+
+# The word read the pair read's outputs are checked against (a tuner config, GPU-tested).
+WORD_READ = tuning.KernelConfig({"BLOCK_N": 64, "num_splits": 1}, num_warps=4, num_stages=2)
+
+
+def same_as_word_read(problem: problems.Problem, cfg: tuning.KernelConfig) -> float | None:
+    """None when cfg's output on input set 0 matches the word read's (bf16 outputs, fp32
+    accumulation in both: the tiles and splits change only the order of the sums), else the
+    largest difference."""
+    ref = problem.launch(WORD_READ, 0).float().clone()  # type: ignore[union-attr]
+    out = problem.launch(cfg, 0).float()  # type: ignore[union-attr]
+    torch.cuda.synchronize()
+    err = (out - ref).abs().max().item()
+    ok = bool(torch.isfinite(out).all()) and err <= 1e-2 + 1e-2 * ref.abs().max().item()
+    return None if ok else err
+
+
 def time_case(kv: str, batch: int, context: int, reps: int) -> list[tuple[float, tuning.KernelConfig]]:
-    """(microseconds per launch, config) for every config the tuner would time, fastest first."""
+    """(microseconds per launch, config) for every config the tuner would time, fastest first
+    (fp8-pairs: the pair read's configs, pruned alike; a config whose output differs from the word
+    read's is printed and left out)."""
     sh = shapes("float8_e4m3fn" if kv.startswith("fp8") else None)
     dims = {"num_seqs": batch, "max_seq_len": context}
     problem = problems.make_problem("paged_decode_attention", sh, dims, "cuda")
     launches = problem.launches_per_sample()
     results = []
-    for cfg in problems.config_space("paged_decode_attention", sh, dims):
+    if kv == "fp8-pairs":
+        with fp8_space(pda.FP8_PAIR_CONFIGS):
+            space = problems.config_space("paged_decode_attention", sh, dims)
+    else:
+        space = problems.config_space("paged_decode_attention", sh, dims)
+    for cfg in space:
+        if kv == "fp8-pairs" and (err := same_as_word_read(problem, cfg)) is not None:
+            print(f"{batch}x{context} fp8-pairs {cfg.as_dict()}: WRONG OUTPUT (max difference {err:.3g})")
+            continue
 
         def launch(i: int, cfg: tuning.KernelConfig = cfg) -> object:
             return problem.launch(cfg, i)
@@ -90,11 +133,17 @@ def time_case(kv: str, batch: int, context: int, reps: int) -> list[tuple[float,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default="128x512,256x2048", help="batch x context, comma-separated")
-    ap.add_argument("--kernels", default="bf16,fp8-bytes,fp8-words")
+    ap.add_argument("--kernels", default="", help="default bf16,fp8-bytes,fp8-words (and fp8-pairs)")
+    ap.add_argument(
+        "--experimental", action="store_true",
+        help="also time the pair read (fp8-pairs), which the tuner does not: its configs checked first",
+    )  # fmt: skip
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--all", action="store_true", help="print every config's time")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    if not args.kernels:
+        args.kernels = "bf16,fp8-bytes,fp8-words" + (",fp8-pairs" if args.experimental else "")
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, sms {tuning.num_sms()}", flush=True)
     copy_gbs = statistics.median(tuning.measure_copy_bandwidth() for _ in range(3))
@@ -108,6 +157,10 @@ def main() -> None:
                 "paged_decode_attention", shapes("float8_e4m3fn" if kv.startswith("fp8") else None),
                 {"num_seqs": batch, "max_seq_len": context},
             )  # fmt: skip
+            if not results:
+                print(f"{case:>9} {kv:<10} no config gave the word read's output", flush=True)
+                rows.append({"case": case, "kernel": kv, "time_us": None, "configs_timed": 0})
+                continue
             t_us, cfg = results[0]
             gbs = nbytes / (t_us * 1e-6) / 1e9
             row = {
@@ -127,7 +180,11 @@ def main() -> None:
     print("\n| batch x context | " + " | ".join(args.kernels.split(",")) + " |")
     print("|---|" + "---|" * len(args.kernels.split(",")))
     for case in args.cases.split(","):
-        cells = [f"{r['time_us']:.1f} us, {r['gb_s']:,.0f} GB/s" for r in rows if r["case"] == case]
+        cells = [
+            f"{r['time_us']:.1f} us, {r['gb_s']:,.0f} GB/s" if r["time_us"] else "failed"
+            for r in rows
+            if r["case"] == case
+        ]
         print(f"| {case} | " + " | ".join(cells) + " |")
     if args.json:
         args.json.write_text(json.dumps({"copy_bandwidth_gbs": round(copy_gbs, 1), "rows": rows}, indent=1))

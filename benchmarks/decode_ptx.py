@@ -1,6 +1,7 @@
 """What the paged decode kernel compiles to on an H100/H200 (sm_90), without a GPU.
 
     python benchmarks/decode_ptx.py [--caches bf16,fp8,fp16,fp32] [--direct] [--fp8-bytes]
+                                    [--fp8-read words|bytes|pairs] [--compare]
                                     [--variants 64x4x2,...] [--dump DIR] [--json FILE]
 
 Compiles kernels/paged_decode_attention.py's _paged_decode_kernel for sm_90 on the CPU (Triton
@@ -23,6 +24,20 @@ pipelined prologue is left out) and, in brackets where it differs, for the whole
                shared memory by the instruction: no ldmatrix)
   SASS         from the cubin (cuobjdump): the loop's instruction count, registers, and the
                shared memory the launch allocates (metadata.shared)
+
+An fp8 cache is compiled with the word read (the launcher's default), or as --fp8-read says:
+bytes (= --fp8-bytes) or pairs (the experimental pair read, config fp8_words 2).
+
+--compare compiles bf16 and the three fp8 reads at each variant (default: 32 and 64 tokens on 1,
+2 and 4 warps, 2 and 3 stages) and prints a table per 64-token tile: registers, spilled bytes,
+shared memory a program allocates, programs an SM holds (occupancy rule), the loop's SASS
+instructions per thread and warp instructions for the program, its shared loads, stores,
+ldmatrix and stmatrix per thread as count (bytes), its global-to-shared copies by size and its
+e4m3 conversions. Then, per variant, the loop's TTGIR traffic between registers and shared
+memory (local_load / local_alloc of a tensor / convert_layout, by shape and layout: where an
+unpacked tile crosses shared memory) and a model of the shared-memory wavefronts of its loads,
+stores and copies in blocked or linear layouts (shared_wavefronts: bank conflicts show as more
+wavefronts than bytes / 128).
 
 This is static evidence: instruction counts, not time. Counts per tile can be compared across
 variants with the same BLOCK_N and warps; a tile holds BLOCK_N x 128 K and V values.
@@ -64,12 +79,18 @@ CACHES = {
 }
 
 
+# an fp8 cache's read (the launcher's config key fp8_words) -> the kernel's FP8_WORDS
+FP8_READS = {"words": True, "bytes": False, "pairs": 2}
+
+
 def launch_args(
-    q_dtype: torch.dtype, cache_dtype: torch.dtype, direct: bool, fp8_bytes: bool = False
+    q_dtype: torch.dtype, cache_dtype: torch.dtype, direct: bool, fp8_bytes: bool = False, fp8_read: str = ""
 ) -> tuple[list, dict]:
     """The positional arguments and constexprs paged_decode_attention() passes for a batch of 128
     sequences at this shape (tiny CPU tensors stand in for the pointers: only their dtype and
-    16-byte alignment matter; strides come from meta tensors of the real shapes)."""
+    16-byte alignment matter; strides come from meta tensors of the real shapes). An fp8 cache is
+    read as fp8_read says (FP8_READS; fp8_bytes: "bytes"; default "words", the launcher's)."""
+    read = fp8_read or ("bytes" if fp8_bytes else "words")
     num_seqs, max_blocks = 128, 128
     q = torch.empty((num_seqs, NUM_HEADS, HEAD_DIM), dtype=q_dtype, device="meta")
     cache = torch.empty((4096, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM), dtype=cache_dtype, device="meta")
@@ -89,8 +110,8 @@ def launch_args(
     constexprs = {
         "GROUP": group, "GROUP_PAD": max(16, triton.next_power_of_2(group)), "HEAD_DIM": HEAD_DIM,
         "HEAD_DIM_PAD": HEAD_DIM, "BLOCK_SIZE": BLOCK_SIZE, "DIRECT": direct,
-        # the launcher's choice at this shape: an fp8 cache read as int32 words, unpacked in PTX
-        "FP8_WORDS": cache_dtype == torch.float8_e4m3fn and not fp8_bytes, "USE_ASM": True,
+        # the launcher's default at this shape: an fp8 cache read as int32 words, unpacked in PTX
+        "FP8_WORDS": FP8_READS[read] if cache_dtype == torch.float8_e4m3fn else False, "USE_ASM": True,
         "DOT_PRECISION": "ieee" if q_dtype == torch.float32 else "tf32",
     }  # fmt: skip
     return args, constexprs
@@ -116,10 +137,13 @@ def compile_kernel(fn, args: list, constexprs: dict, warps: int, stages: int, ta
     return triton.compile(src, target=target, options={"num_warps": warps, "num_stages": stages})
 
 
-def compile_variant(cache: str, block_n: int, warps: int, stages: int, direct: bool, fp8_bytes: bool = False):
+def compile_variant(
+    cache: str, block_n: int, warps: int, stages: int, direct: bool, fp8_bytes: bool = False,
+    fp8_read: str = "",
+):  # fmt: skip
     """The decode kernel as a launch at this shape compiles it."""
     q_dtype, cache_dtype = CACHES[cache]
-    args, constexprs = launch_args(q_dtype, cache_dtype, direct, fp8_bytes)
+    args, constexprs = launch_args(q_dtype, cache_dtype, direct, fp8_bytes, fp8_read)
     return compile_kernel(pda._paged_decode_kernel, args, dict(constexprs, BLOCK_N=block_n), warps, stages)
 
 
@@ -250,19 +274,234 @@ def sass_stats(cubin: bytes, loop: int | None = None) -> dict[str, object]:
     return {"regs": regs, "stack_bytes": spill, "loop_sass": len(body), "loop_ops": dict(sorted(ops.items()))}
 
 
+# ---------------------------------------------------------------------------- TTGIR: the loop's layout
+# conversions and an estimate of its shared-memory wavefronts
+
+
+def _ttgir_loop_lines(ttgir: str) -> list[str]:
+    """The body of the scf.for that holds a tt.dot (the K/V tile loop), by indentation."""
+    lines = ttgir.splitlines()
+    for i, line in enumerate(lines):
+        if "scf.for" in line:
+            indent = len(line) - len(line.lstrip())
+            body = []
+            for nxt in lines[i + 1:]:
+                if nxt.strip() and len(nxt) - len(nxt.lstrip()) <= indent:
+                    break
+                body.append(nxt)
+            if any("tt.dot " in b for b in body):
+                return body
+    return []
+
+
+_CONVERT = re.compile(
+    r"ttg\.convert_layout %\S+ : tensor<([0-9x]+x\w+), (#\w+)[^>]*>+ -> tensor<[0-9x]+x\w+, (#[\w.]+)"
+)
+_LOCAL_ALLOC = re.compile(r"ttg\.local_alloc %\S+ : \(tensor<([0-9x]+x\w+), (#\w+)")
+_LOCAL_LOAD = re.compile(
+    r"ttg\.local_load .*memdesc<([0-9x]+x\w+), (#\w+),.* -> tensor<[0-9x]+x\w+, (#[\w.]+)"
+)
+
+
+def ttgir_loop(ttgir: str) -> list[str]:
+    """The tile loop's register <-> shared traffic and layout conversions, as 'op shape layouts'
+    (local_load: shared -> registers; local_alloc of a tensor: registers -> shared; convert_layout;
+    the operands of a dot come through 'dot_op' layouts)."""
+    out = []
+    for line in _ttgir_loop_lines(ttgir):
+        if m := _CONVERT.search(line):
+            out.append(f"convert {m.group(1)} {m.group(2)}->{m.group(3)}")
+        elif m := _LOCAL_ALLOC.search(line):
+            out.append(f"store {m.group(1)} {m.group(2)}")
+        elif m := _LOCAL_LOAD.search(line):
+            dst = "dot_op" if "dot_op" in line.split("->")[-1] else m.group(3)
+            out.append(f"load {m.group(1)} {m.group(2)}->{dst}")
+    return out
+
+
+def _layout_defs(ttgir: str) -> dict[str, str]:
+    defs = re.finditer(r"^(#\w+) = (#ttg\.\w+<\{.*\}>)$", ttgir, re.MULTILINE)
+    return {m.group(1): m.group(2) for m in defs}
+
+
+def _ints(text: str, key: str) -> list[int]:
+    m = re.search(key + r" = \[([0-9, ]*)\]", text)
+    return [int(x) for x in m.group(1).split(",")] if m and m.group(1).strip() else []
+
+
+def _register_layout(text: str, shape: list[int]) -> dict[str, list[list[int]]] | None:
+    """Bases (register, lane, warp) of a blocked or linear layout: each a coordinate per tensor dim."""
+    if text.startswith("#ttg.linear"):
+        return {
+            k: [list(map(int, b.split(","))) for b in re.findall(r"\[([0-9, ]+)\]", m.group(1))]
+            for k in ("register", "lane", "warp")
+            if (m := re.search(k + r" = \[((?:\[[0-9, ]+\](?:, )?)*)\]", text))
+        }
+    if not text.startswith("#ttg.blocked"):
+        return None
+    keys = ("sizePerThread", "threadsPerWarp", "warpsPerCTA", "order")
+    spt, tpw, wpc, order = (_ints(text, k) for k in keys)
+    rank = len(shape)
+    bases: dict[str, list[list[int]]] = {"register": [], "lane": [], "warp": []}
+    covered = [1] * rank
+
+    def add(kind: str, dim: int, count: int) -> None:
+        for _ in range(count.bit_length() - 1):
+            b = [0] * rank
+            b[dim] = covered[dim] if covered[dim] < shape[dim] else 0  # past the shape: broadcast
+            bases[kind].append(b)
+            covered[dim] *= 2
+
+    for kind, sizes in (("register", spt), ("lane", tpw), ("warp", wpc)):
+        for d in order:
+            add(kind, d, sizes[d])
+    for d in order:  # repetitions to cover the shape
+        while covered[d] < shape[d]:
+            add("register", d, 2)
+    return bases
+
+
+def _shared_offset(text: str, shape: list[int]):
+    """coords -> element offset of a swizzled_shared layout (2D), or None for other encodings."""
+    if not text.startswith("#ttg.swizzled_shared") or len(shape) != 2:
+        return None
+    vec, per, mx = (int(re.search(k + r" = (\d+)", text).group(1)) for k in ("vec", "perPhase", "maxPhase"))
+    fast = _ints(text, "order")[0]
+    slow = 1 - fast
+
+    def offset(c: list[int]) -> int:
+        row, col = c[slow], c[fast]
+        phase = (row // per) % mx
+        return row * shape[fast] + ((col // vec) ^ phase) * vec + col % vec
+
+    return offset
+
+
+def _xor(a: list[int], b: list[int]) -> list[int]:
+    return [x ^ y for x, y in zip(a, b)]
+
+
+def _wavefronts(addrs: list[list[int]]) -> int:
+    """Shared-memory wavefronts of one warp instruction: per lane the 4-byte words it touches. A
+    request of 8 (16) bytes a lane is served a half (quarter) warp at a time; within each part,
+    the most distinct words any bank holds."""
+    per_lane = max(len(a) for a in addrs)
+    group = 32 // max(1, per_lane)  # lanes served together: 32, 16 or 8
+    total = 0
+    for g in range(0, 32, group):
+        banks: dict[int, set[int]] = {}
+        for a in addrs[g:g + group]:
+            for word in a:
+                banks.setdefault(word % 32, set()).add(word)
+        total += max((len(v) for v in banks.values()), default=0)
+    return total
+
+
+def _simulate(reg_text: str, shared_text: str, shape: list[int], elem_bytes: int, warps: int):
+    """(bytes a lane moves per instruction, instructions and wavefronts per warp) of moving a
+    tensor between registers in reg_text's layout and shared memory in shared_text's, each lane
+    moving the widest vector (up to 16 bytes) of registers that are contiguous in shared memory."""
+    layout, offset = _register_layout(reg_text, shape), _shared_offset(shared_text, shape)
+    if layout is None or offset is None:
+        return None
+    zero = [0] * len(shape)
+
+    def coords(reg: int, lane: int, warp: int) -> list[int]:
+        c = zero
+        for kind, idx in (("register", reg), ("lane", lane), ("warp", warp)):
+            for bit, b in enumerate(layout.get(kind, [])):
+                if idx >> bit & 1:
+                    c = _xor(c, b)
+        return c
+
+    regs = layout["register"]
+    # vector: register bases (any order) at element offsets 1, 2, 4, ... from the lane's first
+    vec_bits: list[int] = []
+    while (1 << len(vec_bits)) * elem_bytes < 16:
+        want = 1 << len(vec_bits)
+        hit = next(
+            (i for i, b in enumerate(regs) if i not in vec_bits and offset(b) - offset(zero) == want), None
+        )
+        firsts = [coords(0, lane, 0) for lane in range(32)]
+        if hit is None or any(offset(_xor(b, regs[hit])) != offset(b) + want for b in firsts):
+            break
+        vec_bits.append(hit)
+    rest = [i for i in range(len(regs)) if i not in vec_bits]
+    vec_bytes = (1 << len(vec_bits)) * elem_bytes
+    instrs = 1 << len(rest)
+    waves = []
+    for warp in range(warps):
+        w = 0
+        for r in range(instrs):
+            reg = sum(1 << rest[j] for j in range(len(rest)) if r >> j & 1)
+            addrs = []
+            for lane in range(32):
+                start = offset(coords(reg, lane, warp)) * elem_bytes
+                addrs.append(sorted({(start + b) // 4 for b in range(0, vec_bytes, 1)}))
+            w += _wavefronts(addrs)
+        waves.append(w)
+    return vec_bytes, instrs, max(waves)
+
+
+_ELEM = {"i32": 4, "f32": 4, "f16": 2, "bf16": 2, "i8": 1, "f8E4M3FN": 1, "i16": 2}
+
+
+def shared_wavefronts(ttgir: str, warps: int) -> list[str]:
+    """For each copy into shared memory (cp.async), shared load into registers and register store
+    to shared memory in the tile loop whose register layout is blocked or linear, labelled by its
+    operand's name (k, v, ...): the bytes a lane moves per instruction, instructions and wavefronts
+    per warp (a wavefront serves up to 128 bytes; more than bytes / 128 means bank conflicts). A
+    model, not the lowering: Triton may move a layout through ldmatrix instead (the fp8 word read's
+    K tile: 8 ldmatrix.x4 where this counts 32 4-byte loads, the same wavefronts when conflict-free).
+    Dot-operand and mma layouts (ldmatrix / stmatrix) are not simulated: Triton swizzles those
+    tiles for them."""
+    defs = _layout_defs(ttgir)
+    out = []
+    for line in _ttgir_loop_lines(ttgir):
+        name = m.group(1) if (m := re.search(r"= ttg\.\w+ %([a-z]+)", line)) else "?"
+        if "async_copy_global_to_local" in line:
+            m = re.search(r"tensor<([0-9x]+)x!tt\.ptr<(\w+)>, (#\w+)> -> <[0-9x]+x\w+, (#\w+)", line)
+            kind = "cp.async"
+        elif "ttg.local_load" in line:
+            m = re.search(r"memdesc<([0-9x]+)x(\w+), (#\w+),.* -> tensor<[0-9x]+x\w+, (#[\w]+)>", line)
+            kind = "load"
+            if m:  # (shape, dtype, register layout, shared layout)
+                m = [None, m.group(1), m.group(2), m.group(4), m.group(3)]
+        elif re.search(r"ttg\.local_alloc %\S+ :", line):
+            m = re.search(r"tensor<([0-9x]+)x(\w+), (#\w+)>\) -> !ttg\.memdesc<[0-9x]+x\w+, (#\w+)", line)
+            kind = "store"
+        else:
+            continue
+        if not m:
+            continue
+        shape_s, dtype, reg, shared = m[1], m[2], m[3], m[4]
+        shape = [int(x) for x in shape_s.split("x")]
+        res = _simulate(defs.get(reg, ""), defs.get(shared, ""), shape, _ELEM.get(dtype, 4), warps)
+        label = f"{kind} {name} {shape_s}x{dtype}"
+        if res is None:
+            out.append(f"{label}: not simulated ({reg} {shared})")
+        else:
+            vec_bytes, n, w = res
+            out.append(f"{label}: {vec_bytes} B x {n}, {w} wavefronts (min {n * vec_bytes * 32 // 128})")
+    return out
+
+
 # ---------------------------------------------------------------------------- report
 
 
 def analyse(
     cache: str, block_n: int, warps: int, stages: int, direct: bool, dump: Path | None,
-    fp8_bytes: bool = False,
+    fp8_bytes: bool = False, fp8_read: str = "",
 ) -> dict[str, object]:
-    kernel = compile_variant(cache, block_n, warps, stages, direct, fp8_bytes)
-    bytes_tag = "_bytes" if fp8_bytes and cache == "fp8" else ""
-    name = f"{cache}{bytes_tag}_n{block_n}_w{warps}_s{stages}{'_direct' if direct else ''}"
+    kernel = compile_variant(cache, block_n, warps, stages, direct, fp8_bytes, fp8_read)
+    read = fp8_read or ("bytes" if fp8_bytes else "words")
+    read_tag = f"_{read}" if read != "words" and cache == "fp8" else ""
+    name = f"{cache}{read_tag}_n{block_n}_w{warps}_s{stages}{'_direct' if direct else ''}"
     return {
         "variant": name, "cache": cache, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages,
-        "direct": direct, **kernel_stats(kernel, name, dump),
+        "direct": direct, **({"fp8_read": read} if cache == "fp8" else {}),
+        **kernel_stats(kernel, name, dump), "ttgir_loop": ttgir_loop(kernel.asm["ttgir"]),
+        "banks": shared_wavefronts(kernel.asm["ttgir"], warps),
     }  # fmt: skip
 
 
@@ -306,6 +545,66 @@ def print_row(r: dict) -> None:
     print(f"    {other}   SASS loop {r['loop_ops']}")
 
 
+def _sass_bytes(op: str) -> int:
+    """Bytes a thread moves with one SASS shared-memory or async-copy instruction."""
+    if op.startswith(("LDSM", "STSM")):
+        return {"4": 16, "2": 8}.get(op.rsplit(".", 1)[-1], 4)
+    if m := re.search(r"\.(64|128)\b", op):
+        return int(m.group(1)) // 8
+    if re.search(r"\.[US]8\b", op):
+        return 1
+    if re.search(r"\.[US]16\b", op):
+        return 2
+    return 4
+
+
+def programs_per_sm(regs: int, warps: int, shared: int) -> int:
+    """Programs an sm_90 multiprocessor holds at once (the occupancy calculator's rule: 64K registers
+    allocated 256 a warp, 228 KB of shared memory with 1 KB reserved a program, 64 warps, 32
+    programs)."""
+    per_warp = -(-regs * 32 // 256) * 256
+    return min(65536 // (per_warp * warps), 233472 // (shared + 1024), 64 // warps, 32)
+
+
+def compare_row(r: dict) -> dict[str, object]:
+    """A variant's loop per 64-token tile: per thread (SASS instructions; shared loads, stores and
+    ldmatrix / stmatrix as count (bytes); global-to-shared copies) and for all the program's warps
+    (warp instructions issued)."""
+    scale = 64 / r["BLOCK_N"]
+    ops = r["loop_ops"]
+
+    def group(prefixes: tuple[str, ...], exclude: tuple[str, ...] = ()) -> str:
+        sel = {k: v for k, v in ops.items() if k.startswith(prefixes) and not k.startswith(exclude)}
+        n = sum(sel.values()) * scale
+        b = sum(v * _sass_bytes(k) for k, v in sel.items()) * scale
+        return f"{n:g} ({b:g} B)" if n else "0"
+
+    copies = Counter()
+    for k, v in ops.items():
+        if k.startswith("LDGSTS"):
+            copies[_sass_bytes(k if "." in k[7:] else k + ".32")] += v * scale
+    return {
+        "variant": f"{r['BLOCK_N']}x{r['num_warps']}x{r['num_stages']}",
+        "kv": r["cache"] + (f" {r['fp8_read']}" if "fp8_read" in r else ""),
+        "regs": r["regs"], "spill": r["stack_bytes"] or 0, "smem": r["shared_bytes"],
+        "progs/SM": programs_per_sm(r["regs"], r["num_warps"], r["shared_bytes"]),
+        "sass": round(r["loop_sass"] * scale), "warp_instr": round(r["loop_sass"] * scale * r["num_warps"]),
+        "LDS": group(("LDS",), ("LDSM",)), "STS": group(("STS",), ("STSM",)), "LDSM": group(("LDSM",)),
+        "STSM": group(("STSM",)), "cp.async": " ".join(f"{n:g}x{b}B" for b, n in sorted(copies.items())),
+        "e4m3": round(r["loop"].get("e4m3", 0) * scale),
+    }  # fmt: skip
+
+
+def print_compare(rows: list[dict]) -> None:
+    keys = ["variant", "kv", "regs", "spill", "smem", "progs/SM", "sass", "warp_instr", "LDS", "STS", "LDSM",
+            "STSM", "cp.async", "e4m3"]  # fmt: skip
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for r in rows:
+        c = compare_row(r)
+        print("| " + " | ".join(str(c[k]) for k in keys) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--caches", default="bf16,fp8", help="comma-separated of " + ",".join(CACHES))
@@ -315,19 +614,45 @@ def main() -> None:
         "--fp8-bytes", action="store_true",
         help="compile the fp8 cache's byte path (FP8_WORDS=False: the launcher's for other head_dims)",
     )  # fmt: skip
+    ap.add_argument(
+        "--fp8-read", choices=list(FP8_READS), default="",
+        help="an fp8 cache's read: words (default), bytes (= --fp8-bytes), pairs (fp8_words 2, experimental)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--compare", action="store_true",
+        help="bf16 and the three fp8 reads at each variant (default 32/64 tokens x 1/2/4 warps x 2/3 stages):"
+        " a table per 64-token tile, then each variant's TTGIR loop traffic and shared-memory estimate",
+    )  # fmt: skip
     ap.add_argument("--dump", type=Path, help="write each variant's TTGIR and PTX here")
     ap.add_argument("--json", type=Path, help="write the counts as JSON")
     args = ap.parse_args()
     variants = pda._VARIANTS
+    if args.compare:
+        variants = [(n, w, st) for n in (32, 64) for w in (1, 2, 4) for st in (2, 3)]
     if args.variants:
         variants = [tuple(int(x) for x in v.split("x")) for v in args.variants.split(",")]
     print(f"triton {triton.__version__}, sm_90, Llama-3-8B decode shape; counts: loop body [whole kernel]")
     rows = []
-    for cache in args.caches.split(","):
+    if args.compare:
+        kinds = [("bf16", ""), ("fp8", "words"), ("fp8", "bytes"), ("fp8", "pairs")]
         for block_n, warps, stages in variants:
-            r = analyse(cache, block_n, warps, stages, args.direct, args.dump, args.fp8_bytes)
-            print_row(r)
-            rows.append(r)
+            for cache, read in kinds:
+                rows.append(analyse(cache, block_n, warps, stages, args.direct, args.dump, fp8_read=read))
+        print("\nper 64-token tile: per thread (count (bytes)), warp_instr for all the program's warps\n")
+        print_compare(rows)
+        print()
+        for r in rows:
+            print(f"{r['variant']}: {'; '.join(r['ttgir_loop'])}")
+            for line in r["banks"]:
+                print(f"    {line}")
+    else:
+        for cache in args.caches.split(","):
+            for block_n, warps, stages in variants:
+                r = analyse(
+                    cache, block_n, warps, stages, args.direct, args.dump, args.fp8_bytes, args.fp8_read
+                )
+                print_row(r)
+                rows.append(r)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 
