@@ -62,6 +62,25 @@ tried and measured slower or equal on an H200 (one layer's four Llama-3-8B proje
 with it against without: 64.33 vs 60.72 us at 1 row, 80.45 vs 79.52 at 4, 94.19 vs 93.78 at 8),
 and removed; see benchmarks/RESULTS.md.
 
+SUB_ZEROS (a config key, off by default and not in the tuner: not yet run on a GPU) subtracts the
+zero point in the unpacking instead: each pair loses BIAS + z (sub.f16x2 with the pair's own
+BIAS, 1024 or 64; bf16 fma.rn.bf16x2 by -1), exact for zero points 0..63 (the artifact's are
+4-bit; the default kernel takes any int8), so acc = sum (q - z) x and a chunk adds s * acc: no
+sums of x, no pre-pass, no scratch, and no bias in the fp32 accumulator. A chunk loads x, the
+scales, the zero points and the packed words before using any of them: Triton puts the words'
+layout conversion right after their load (it moves dot-operand conversions next to their
+loads), the scales' and zero points' at their first use, and x's behind a move that is not pure
+(_hold; else right after x's load), so in the sm_90 SASS every global load of a chunk (11 at 256
+columns on 4 warps, 1 row) issues before its first shared store and barrier, and the kernel has
+about half the barriers (12 against 24 there). The zero points' int8 load in the weight
+operand's chain makes Triton take kWidth 8 for mma.sync, so pair_order gives PAIR_ORDER 1 (a
+thread holds whole words), which also moves the packed tile through shared memory in one round
+trip instead of two. Cost: a packed subtraction a pair (0.5 instructions a weight) and a little
+more: loop 2.00-2.10 instructions a weight fp16, 2.29-2.33 bf16 at 1 row (256 x 4 and 128 x 2
+warps, o_proj and gate_up at the tuner's splits) against 1.46-1.50 / 1.73-1.77; no spills at the
+tuner's tiles (benchmarks/w4a16_tcgemv_ptx.py --sub-zeros --order). The second step of a
+per-channel chunk loads its words and x when it starts (loading them ahead made ptxas spill).
+
 Loop SASS instructions a weight, G = 128, BLOCK_N 256 on 4 warps (1 / 4 / 8 / 16 rows): fp16
 1.46 / 1.61 / 1.56 / 1.75, bf16 1.73 / 1.84 / 1.82 / 1.99 (unpacking 0.63 fp16, 0.88 bf16; mma
 0.13; the rest the packed tile's loads and shared round trip, x, the scales and the per-chunk
@@ -152,6 +171,94 @@ def _magic_pairs(packed, dt: tl.constexpr, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _zero_words(z, dt: tl.constexpr):
+    """The zero points z [..] (int32) as the words the SUB_ZEROS unpacking subtracts: BIAS + z in
+    both 16-bit halves, exactly for 0 <= z < 64 (the artifact's are 4-bit), [.., 2]: fp16
+    (1024 + z, 64 + z) (the two BIAS of _magic_pairs), bf16 (128 + z) twice. The interpreter's
+    path; _magic_pairs_sub's PTX computes the same with a mad.lo each."""
+    zi = z.to(tl.int32)
+    if dt == tl.float16:
+        return tl.join(zi * 0x00010001 + 0x64006400, zi * 0x00100010 + 0x54005400)
+    else:
+        zw = zi * 0x00010001 + 0x43004300
+        return tl.join(zw, zw)
+
+
+@triton.jit
+def _magic_pairs_sub(packed, zi, dt: tl.constexpr, USE_ASM: tl.constexpr):
+    """_magic_pairs less BIAS + z: the nibbles as 16-bit floats q - z, exactly ((BIAS + q) -
+    (BIAS + z) of small integers), one packed subtraction a pair after its lop3. ``zi``: each
+    word's column's zero point (int32, 0 <= z < 64), ``packed``'s shape (broadcast by the caller).
+
+    On the GPU sub.f16x2 (fp16, the pair's own BIAS: 1024 for pairs 0 and 2, 64 for 1 and 3) or
+    fma.rn.bf16x2 by -1 (bf16: sm_80's packed bf16 subtraction), in the same inline PTX as
+    _magic_pairs; the BIAS + z words (_zero_words) are a mad.lo each there, which ptxas computes
+    once a column (the same register in every word's block). The interpreter subtracts in fp32
+    (exact too)."""
+    if USE_ASM:
+        if dt == tl.float16:
+            return tl.inline_asm_elementwise(
+                asm="""
+                {
+                .reg .b32 t, u, za, zb;
+                mad.lo.u32 za, $6, 0x00010001, 0x64006400;
+                mad.lo.u32 zb, $6, 0x00100010, 0x54005400;
+                lop3.b32 t, $4, 0x000F000F, 0x64006400, 0xEA;
+                sub.f16x2 $0, t, za;
+                lop3.b32 t, $4, 0x00F000F0, 0x54005400, 0xEA;
+                sub.f16x2 $1, t, zb;
+                shr.u32 u, $4, 8;
+                lop3.b32 t, u, 0x000F000F, 0x64006400, 0xEA;
+                sub.f16x2 $2, t, za;
+                lop3.b32 t, u, 0x00F000F0, 0x54005400, 0xEA;
+                sub.f16x2 $3, t, zb;
+                }
+                """,
+                constraints="=r,=r,=r,=r,r,r,r,r",
+                args=[tl.join(packed, packed), tl.join(zi, zi)],
+                dtype=(tl.float16,) * 4,
+                is_pure=True,
+                pack=2,
+            )
+        else:
+            return tl.inline_asm_elementwise(
+                asm="""
+                {
+                .reg .b32 t, u, m, za;
+                mov.b32 m, 0xBF80BF80;
+                mad.lo.u32 za, $6, 0x00010001, 0x43004300;
+                lop3.b32 t, $4, 0x000F000F, 0x43004300, 0xEA;
+                fma.rn.bf16x2 $0, za, m, t;
+                shr.u32 u, $4, 4;
+                lop3.b32 t, u, 0x000F000F, 0x43004300, 0xEA;
+                fma.rn.bf16x2 $1, za, m, t;
+                shr.u32 u, $4, 8;
+                lop3.b32 t, u, 0x000F000F, 0x43004300, 0xEA;
+                fma.rn.bf16x2 $2, za, m, t;
+                shr.u32 u, $4, 12;
+                lop3.b32 t, u, 0x000F000F, 0x43004300, 0xEA;
+                fma.rn.bf16x2 $3, za, m, t;
+                }
+                """,
+                constraints="=r,=r,=r,=r,r,r,r,r",
+                args=[tl.join(packed, packed), tl.join(zi, zi)],
+                dtype=(tl.bfloat16,) * 4,
+                is_pure=True,
+                pack=2,
+            )
+    p0, p1, p2, p3 = _magic_pairs(packed, dt, False)
+    za, zb = tl.split(_zero_words(zi, dt))
+    z_a = _halves(za, dt).to(tl.float32)  # pairs 0, 2
+    z_b = _halves(zb, dt).to(tl.float32)  # pairs 1, 3
+    return (
+        (p0.to(tl.float32) - z_a).to(dt),
+        (p1.to(tl.float32) - z_b).to(dt),
+        (p2.to(tl.float32) - z_a).to(dt),
+        (p3.to(tl.float32) - z_b).to(dt),
+    )
+
+
+@triton.jit
 def _input_bias(k, dt: tl.constexpr):
     """BIAS of input k (its nibble is k % 8) as _magic_pairs unpacks it, in fp32."""
     if dt == tl.float16:
@@ -188,6 +295,19 @@ def _load_scales(s_ptr, z_ptr, N, kc, offs_n, n_ok, GROUP_SIZE: tl.constexpr, EV
     else:
         s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0).to(tl.float32)
+    return s, z
+
+
+@triton.jit
+def _load_group(s_ptr, z_ptr, N, kc, offs_n, n_ok, GROUP_SIZE: tl.constexpr, EVEN_N: tl.constexpr):
+    """SUB_ZEROS: the scales and the int8 zero points of the group holding kc, as loaded."""
+    g = kc // GROUP_SIZE
+    if EVEN_N:
+        s = tl.load(s_ptr + g * N + offs_n)
+        z = tl.load(z_ptr + g * N + offs_n)
+    else:
+        s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0)
+        z = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0)
     return s, z
 
 
@@ -233,8 +353,23 @@ def _unpack(packed, DT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constex
             PAIR_ORDER: tl.constexpr, USE_ASM: tl.constexpr):  # fmt: skip
     """A step's packed words as the mma operand of BIAS + q in the dot's order of inputs:
     [BLOCK_N, BLOCK_K] with the weight as A, else [BLOCK_K, BLOCK_N]."""
-    # [.., P, b, j0, j1] with nibble j + 4b, j = j0 + 2 j1 (the joins append a last axis)
     p0, p1, p2, p3 = _magic_pairs(packed, DT, USE_ASM)
+    return _arrange(p0, p1, p2, p3, BLOCK_N, BLOCK_K, W_AS_A, PAIR_ORDER)
+
+
+@triton.jit
+def _unpack_sub(packed, zi, DT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                W_AS_A: tl.constexpr, PAIR_ORDER: tl.constexpr, USE_ASM: tl.constexpr):  # fmt: skip
+    """_unpack of q - z (SUB_ZEROS): ``zi`` the words' zero points, ``packed``'s shape (int32)."""
+    p0, p1, p2, p3 = _magic_pairs_sub(packed, zi, DT, USE_ASM)
+    return _arrange(p0, p1, p2, p3, BLOCK_N, BLOCK_K, W_AS_A, PAIR_ORDER)
+
+
+@triton.jit
+def _arrange(p0, p1, p2, p3, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_AS_A: tl.constexpr,
+             PAIR_ORDER: tl.constexpr):  # fmt: skip
+    """The four pair tensors of _magic_pairs as the mma operand in the dot's order of inputs."""
+    # [.., P, b, j0, j1] with nibble j + 4b, j = j0 + 2 j1 (the joins append a last axis)
     w5 = tl.join(tl.join(p0, p1), tl.join(p2, p3))
     if W_AS_A:
         if PAIR_ORDER == 0:  # [BLOCK_N, j1, j0, P, b]
@@ -308,6 +443,16 @@ def _apply_scales(out, acc, sx, sxb, s, z, W_AS_A: tl.constexpr):
 
 
 @triton.jit
+def _apply_scales_sub(out, acc, s, W_AS_A: tl.constexpr):
+    """SUB_ZEROS: out += s * sum x (q - z) over a chunk, acc as it is."""
+    if W_AS_A:
+        out += s[:, None] * acc
+    else:
+        out += s[None, :] * acc
+    return out
+
+
+@triton.jit
 def _zeros_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, W_AS_A: tl.constexpr):
     """The fp32 accumulator: [BLOCK_N, BLOCK_M] with the weight as the mma's A operand."""
     if W_AS_A:
@@ -315,6 +460,57 @@ def _zeros_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, W_AS_A: tl.constexp
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     return acc
+
+
+@triton.jit
+def _hold(v, USE_ASM: tl.constexpr):
+    """v itself, through an inline-PTX move that is not pure: Triton moves a dot operand's layout
+    conversion (a shared-memory round trip and a barrier) to right after its load, but not past
+    this, so that the loads written before it issue first. The interpreter returns v. 16- or
+    32-bit elements."""
+    if USE_ASM:
+        if v.dtype.primitive_bitwidth == 16:
+            return tl.inline_asm_elementwise(
+                "mov.b16 $0, $1;", "=h,h", [v], dtype=v.dtype, is_pure=False, pack=1
+            )
+        else:
+            return tl.inline_asm_elementwise(
+                "mov.b32 $0, $1;", "=r,r", [v], dtype=v.dtype, is_pure=False, pack=1
+            )
+    return v
+
+
+@triton.jit
+def _chunk_sub_zeros(out, x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, N, stride_xm, kc, offs_m, m_ok, offs_n,
+                     n_ok, kk, k_nat, DT: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_PERM: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, P: tl.constexpr,
+                     STEPS: tl.constexpr, EVEN_N: tl.constexpr, W_AS_A: tl.constexpr,
+                     PAIR_ORDER: tl.constexpr, DOT_FP32: tl.constexpr, USE_ASM: tl.constexpr):  # fmt: skip
+    """SUB_ZEROS: one chunk at input kc, out += s * dot(q - z, x). The global loads of the chunk's
+    first step come first (x, the scales, the zero points, the packed words: the words' layout
+    conversion goes right after their load, the others' after their first use, x's behind
+    _hold), so that none waits on another's conversion; a later step (per-channel chunks of two)
+    loads its words and x when it starts (loading them ahead made ptxas spill)."""
+    xs = _load_x_step(x_ptr, perm_ptr, offs_m, m_ok, stride_xm, kc, kk, k_nat, HAS_PERM, W_AS_A)
+    s, z = _load_group(s_ptr, z_ptr, N, kc, offs_n, n_ok, GROUP_SIZE, EVEN_N)
+    packed = _load_packed(qw_ptr, N, kc, offs_n, n_ok, P, W_AS_A, EVEN_N)
+    if W_AS_A:
+        zi = tl.broadcast_to(z.to(tl.int32)[:, None], (BLOCK_N, P))
+    else:
+        zi = tl.broadcast_to(z.to(tl.int32)[None, :], (P, BLOCK_N))
+    acc = _zeros_acc(BLOCK_M, BLOCK_N, W_AS_A)
+    no_sums = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for st in tl.static_range(STEPS):
+        if st > 0:
+            k0 = kc + st * BLOCK_K
+            xs = _load_x_step(x_ptr, perm_ptr, offs_m, m_ok, stride_xm, k0, kk, k_nat, HAS_PERM, W_AS_A)
+            packed = _load_packed(qw_ptr, N, k0, offs_n, n_ok, P, W_AS_A, EVEN_N)
+        w = _unpack_sub(packed, zi, DT, BLOCK_N, BLOCK_K, W_AS_A, PAIR_ORDER, USE_ASM)
+        acc, _, _ = _dot_step(
+            w, _hold(xs, USE_ASM), acc, no_sums, no_sums, kk, kk, BLOCK_M, BLOCK_K, P, HAS_PERM, True, W_AS_A,
+            PAIR_ORDER, DOT_FP32,
+        )  # fmt: skip
+    return _apply_scales_sub(out, acc, s.to(tl.float32), W_AS_A)
 
 
 @triton.jit
@@ -328,7 +524,7 @@ def _tcgemv_kernel(
     y_ptr,  # [M, N]
     part_ptr,  # fp32 [SPLIT_K, M, N] partial sums (SPLIT_K > 1) or unused
     lock_ptr,  # int32 [row blocks * column tiles] tickets, zero between launches (SPLIT_K > 1)
-    sums_ptr,  # fp32 scratch [programs, CHUNKS, 2, BLOCK_M] (SUMS_FIRST) or unused
+    sums_ptr,  # fp32 scratch [programs, CHUNKS, 2, BLOCK_M] (SUMS_FIRST) or unused (SUB_ZEROS too)
     M,
     N,
     K,
@@ -351,6 +547,7 @@ def _tcgemv_kernel(
     #                             1: 8q + 2j + b, 2: 4P j1 + 4q + 2 j0 + b (see pair_order)
     DOT_FP32: tl.constexpr,  # the interpreter, bf16: dot in fp32 (its bf16 dot is wrong; exact here)
     USE_ASM: tl.constexpr,
+    SUB_ZEROS: tl.constexpr = 0,  # unpack q - z (BIAS + z subtracted a pair): no sums of x, no scratch
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -392,24 +589,31 @@ def _tcgemv_kernel(
     out = _zeros_acc(BLOCK_M, BLOCK_N, W_AS_A)
     for c in range(CHUNKS):
         kc = k_begin + c * CHUNK
-        acc = _zeros_acc(BLOCK_M, BLOCK_N, W_AS_A)
-        sx = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        sxb = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for st in tl.static_range(STEPS):
-            k0 = kc + st * BLOCK_K
-            packed = _load_packed(qw_ptr, N, k0, offs_n, n_ok, P, W_AS_A, EVEN_N)
-            w = _unpack(packed, DT, BLOCK_N, BLOCK_K, W_AS_A, PAIR_ORDER, USE_ASM)
-            xs = _load_x_step(x_ptr, perm_ptr, offs_m, m_ok, stride_xm, k0, kk, k_nat, HAS_PERM, W_AS_A)
-            acc, sx, sxb = _dot_step(
-                w, xs, acc, sx, sxb, k_bias, k_bias_dot, BLOCK_M, BLOCK_K, P, HAS_PERM, SUMS_FIRST, W_AS_A,
-                PAIR_ORDER, DOT_FP32,
+        if SUB_ZEROS:
+            out = _chunk_sub_zeros(
+                out, x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, N, stride_xm, kc, offs_m, m_ok, offs_n, n_ok, kk,
+                k_nat, DT, GROUP_SIZE, HAS_PERM, BLOCK_M, BLOCK_N, BLOCK_K, P, STEPS, EVEN_N, W_AS_A,
+                PAIR_ORDER, DOT_FP32, USE_ASM,
             )  # fmt: skip
-        if SUMS_FIRST:
-            src = scr + c * (2 * BLOCK_M) + tl.arange(0, BLOCK_M)
-            sxb = tl.load(src)
-            sx = tl.load(src + BLOCK_M)
-        s, z = _load_scales(s_ptr, z_ptr, N, kc, offs_n, n_ok, GROUP_SIZE, EVEN_N)
-        out = _apply_scales(out, acc, sx, sxb, s, z, W_AS_A)
+        else:
+            acc = _zeros_acc(BLOCK_M, BLOCK_N, W_AS_A)
+            sx = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            sxb = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for st in tl.static_range(STEPS):
+                k0 = kc + st * BLOCK_K
+                packed = _load_packed(qw_ptr, N, k0, offs_n, n_ok, P, W_AS_A, EVEN_N)
+                w = _unpack(packed, DT, BLOCK_N, BLOCK_K, W_AS_A, PAIR_ORDER, USE_ASM)
+                xs = _load_x_step(x_ptr, perm_ptr, offs_m, m_ok, stride_xm, k0, kk, k_nat, HAS_PERM, W_AS_A)
+                acc, sx, sxb = _dot_step(
+                    w, xs, acc, sx, sxb, k_bias, k_bias_dot, BLOCK_M, BLOCK_K, P, HAS_PERM, SUMS_FIRST,
+                    W_AS_A, PAIR_ORDER, DOT_FP32,
+                )  # fmt: skip
+            if SUMS_FIRST:
+                src = scr + c * (2 * BLOCK_M) + tl.arange(0, BLOCK_M)
+                sxb = tl.load(src)
+                sx = tl.load(src + BLOCK_M)
+            s, z = _load_scales(s_ptr, z_ptr, N, kc, offs_n, n_ok, GROUP_SIZE, EVEN_N)
+            out = _apply_scales(out, acc, sx, sxb, s, z, W_AS_A)
     if W_AS_A:
         out = tl.trans(out)
     w4a16_gemv._finish(
@@ -441,15 +645,19 @@ def make_config(
     w_as_a: bool = True,
     pair_order: int | None = None,
     sums_first: bool = True,
+    sub_zeros: bool = False,
 ) -> KernelConfig:
     """``block_k``: the most inputs a dot step covers (the launcher takes the widest power of two
     dividing the group). The keyword options choose the variants the static counts compare
-    (benchmarks/w4a16_tcgemv_ptx.py); the defaults are the cheapest."""
+    (benchmarks/w4a16_tcgemv_ptx.py); the defaults are the cheapest. ``sub_zeros``: the zero
+    points subtracted in the unpacking (the module docstring; named in the config only when on,
+    so the default configs and the tuner's tables are unchanged)."""
     return KernelConfig(
         {
             "tcgemv": 1, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k,
             "W_AS_A": int(w_as_a), "SUMS_FIRST": int(sums_first),
             **({} if pair_order is None else {"PAIR_ORDER": pair_order}),
+            **({"SUB_ZEROS": 1} if sub_zeros else {}),
         },
         num_warps=num_warps,
         num_stages=num_stages,
@@ -475,8 +683,16 @@ def pair_order(step: int, rows: int, w_as_a: bool, config: KernelConfig) -> int:
     Triton's kWidth 4) or 1-2 (wgmma's register A, kWidth 2, which Triton 3.6 picks from 16 rows
     on 4 or 8 warps); those bits must index packed rows. 2P j + 2q + b does for both from 8
     packed rows a step (64 inputs), and for wgmma from 4; with 4 (32 inputs) on mma.sync,
-    4P j1 + 4q + 2 j0 + b."""
+    4P j1 + 4q + 2 j0 + b.
+
+    SUB_ZEROS puts the int8 zero points' load in the weight operand's chain, and Triton 3.6 then
+    takes kWidth 8 for mma.sync (AccelerateMatmul's computeOrigBitWidth: the narrowest load
+    feeding the operand): the k lanes hold k' bits 3-4, which 8q + 2j + b (1, a thread holding
+    whole words) gives at every step; 2P j + 2q + b only from 16 packed rows, 4P j1 + 4q + 2 j0 + b
+    from 8. wgmma keeps 0."""
     wgmma = w_as_a and rows >= 16 and config.num_warps % 4 == 0
+    if config.params.get("SUB_ZEROS"):
+        return 0 if wgmma else 1
     return 0 if step >= 64 or wgmma else 2
 
 
@@ -525,7 +741,8 @@ def w4a16_tcgemv(
     tiles_n = triton.cdiv(n, bn)
     blocks_m = triton.cdiv(m, bm)
     y, partials, locks = w4a16_gemv.split_k_buffers(x, n, split, tiles_n * blocks_m)
-    sums_first = bool(params.get("SUMS_FIRST", 1))
+    sub_zeros = bool(params.get("SUB_ZEROS", 0))
+    sums_first = bool(params.get("SUMS_FIRST", 1)) and not sub_zeros
     w_as_a = bool(params.get("W_AS_A", 1))
     if sums_first:
         sums = torch.empty(
@@ -545,6 +762,7 @@ def w4a16_tcgemv(
         PAIR_ORDER=pair_order(step, bm, w_as_a, config) if "PAIR_ORDER" not in params else params["PAIR_ORDER"],
         DOT_FP32=interp and x.dtype == torch.bfloat16,
         USE_ASM=x.is_cuda and not interp,
+        SUB_ZEROS=int(sub_zeros),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return y

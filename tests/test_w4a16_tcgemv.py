@@ -82,6 +82,45 @@ def test_tcgemv_variants_match_reference(options, dtype):  # type: ignore[no-unt
         _check(m, n, k, g, perm, bias, w4a16_tcgemv.make_config(*tile, num_warps=2, **options), dtype)
 
 
+# SUB_ZEROS: the zero points subtracted in the unpacking ((BIAS + q) - (BIAS + z) = q - z exactly
+# in fp16 and bf16), no sums of x, every case of the default kernel in both half types (the
+# interpreter runs the bf16 dot in fp32 as above; the bf16 unpacking and subtraction are the ones
+# under test), and with the other operand orientation and pairing order.
+@pytest.mark.parametrize("m,n,k,g,perm,bias,tile", CASES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tcgemv_sub_zeros_matches_reference(m, n, k, g, perm, bias, tile, dtype):  # type: ignore[no-untyped-def]
+    _check(m, n, k, g, perm, bias, w4a16_tcgemv.make_config(*tile, num_warps=2, sub_zeros=True), dtype)
+
+
+@pytest.mark.parametrize("options", [{"w_as_a": False}, {"pair_order": 1}], ids=["w-as-b", "order-1"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tcgemv_sub_zeros_variants_match_reference(options, dtype):  # type: ignore[no-untyped-def]
+    for m, n, k, g, perm, bias, tile in (CASES[1], CASES[4], CASES[6]):
+        cfg = w4a16_tcgemv.make_config(*tile, num_warps=2, sub_zeros=True, **options)
+        _check(m, n, k, g, perm, bias, cfg, dtype)
+
+
+def test_tcgemv_sub_zeros_is_off_by_default_and_named_only_when_on():
+    """The default config (and so the tuner's tables and cache keys) carries no SUB_ZEROS key."""
+    assert "SUB_ZEROS" not in w4a16_tcgemv.make_config(256, 128, 8).params
+    assert "SUB_ZEROS" not in w4a16_tcgemv.default_config(1, 4096, 4096).params
+    assert w4a16_tcgemv.make_config(256, 128, 8, sub_zeros=True)["SUB_ZEROS"] == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tcgemv_sub_zeros_extreme_zero_points_and_large_activations(dtype):  # type: ignore[no-untyped-def]
+    """Zero points 0 and 15 (the words' halves BIAS and BIAS + 15; fp16's 64 + z for odd nibbles
+    too), activations of a few hundred, rows past 16 (two row blocks) and a split."""
+    qweight, scales, _, _ = _weights(72, 1024, 128, False, seed=8)
+    zeros = torch.zeros(1024 // 128, 72, dtype=torch.int8)
+    zeros[:, ::2] = 15
+    x = (torch.randn(19, 1024, generator=torch.Generator().manual_seed(9)) * 300).to(dtype)
+    cfg = w4a16_tcgemv.make_config(32, 128, 4, num_warps=2, sub_zeros=True)
+    y = w4a16_tcgemv.w4a16_tcgemv(x, qweight, scales, zeros, None, 128, None, cfg)
+    ref = reference.w4a16_linear(x.float(), qweight, scales, zeros, None, 128)
+    torch.testing.assert_close(y.float(), ref, atol=1e-4 * ref.abs().max().item(), rtol=RTOL[dtype])
+
+
 def test_tcgemv_rows_past_16_take_several_row_blocks():
     _check(19, 40, 576, 64, True, True, w4a16_tcgemv.make_config(32, 64, 3, num_warps=2), torch.float16)
 
@@ -107,14 +146,15 @@ def test_tcgemv_split_k_is_deterministic_and_leaves_counters_at_zero():
     assert torch.equal(first, second)
 
 
-def test_tcgemv_reads_a_perm_narrower_than_k():
+@pytest.mark.parametrize("sub_zeros", [False, True])
+def test_tcgemv_reads_a_perm_narrower_than_k(sub_zeros: bool):  # type: ignore[no-untyped-def]
     """A row-parallel act-order shard: K = 256 inputs over x's 192 columns (builder/quant.py)."""
     qweight, scales, zeros, _ = _weights(40, 256, 64, False, seed=3)
     gen = torch.Generator().manual_seed(4)
     perm = torch.randint(0, 192, (256,), generator=gen).to(torch.int32)
     x = torch.randn(3, 192, generator=gen).half()
     y = w4a16_tcgemv.w4a16_tcgemv(
-        x, qweight, scales, zeros, perm, 64, None, w4a16_tcgemv.make_config(32, 64, 2)
+        x, qweight, scales, zeros, perm, 64, None, w4a16_tcgemv.make_config(32, 64, 2, sub_zeros=sub_zeros)
     )
     ref = reference.w4a16_linear(x.float(), qweight, scales, zeros, perm, 64)
     torch.testing.assert_close(y.float(), ref, atol=1e-4 * ref.abs().max().item(), rtol=RTOL[torch.float16])
@@ -142,12 +182,14 @@ def test_tcgemv_default_config_runs():
 # ---------------------------------------------------------------- wired into the W4A16 launcher
 
 
-def test_w4a16_gemm_runs_a_tensor_core_config():
-    """The table's config names the kernel: w4a16_gemm dispatches it (with act-order and bias)."""
+@pytest.mark.parametrize("sub_zeros", [False, True])
+def test_w4a16_gemm_runs_a_tensor_core_config(sub_zeros: bool):  # type: ignore[no-untyped-def]
+    """The table's config names the kernel: w4a16_gemm dispatches it (with act-order and bias;
+    benchmarks/w4a16_micro.py times SUB_ZEROS through it)."""
     m, n, k, g = 3, 72, 576, 64
     qweight, scales, zeros, p = _weights(n, k, g, True, seed=3)
     x, b = torch.randn(m, k).half(), torch.randn(n).half()
-    cfg = w4a16_tcgemv.make_config(32, 64, 3, num_warps=2)
+    cfg = w4a16_tcgemv.make_config(32, 64, 3, num_warps=2, sub_zeros=sub_zeros)
     y = w4a16_gemm.w4a16_gemm(x, qweight, scales, zeros, p, g, b, cfg)
     ref = reference.w4a16_linear(x.float(), qweight, scales, zeros, p, g, b.float())
     torch.testing.assert_close(y.float(), ref, atol=1e-4 * ref.abs().max().item(), rtol=RTOL[torch.float16])
@@ -230,8 +272,11 @@ CHILD = textwrap.dedent(
     # the unpacked 16-bit weight tile converted or staged in shared memory (either orientation)
     bn, bk = constexprs["BLOCK_N"], constexprs["BLOCK_K"]
     w16 = len(re.findall(rf"(?:convert_layout|local_alloc).*tensor<(?:{bn}x{bk}|{bk}x{bn})xb?f16", ttgir))
+    # global loads before the first barrier (in PTX order: ptxas may still sink one) and barriers
+    first = ptx.split("bar.sync")[0]
     print(json.dumps({"cubin": bool(kernel.asm["cubin"]), "mma": ptx.count("mma.sync") + ptx.count("wgmma.mma_async"),
-                      "magic": ptx.count("0x64006400") + ptx.count("0x43004300"), "moved": moved, "w16": w16}))
+                      "magic": ptx.count("0x64006400") + ptx.count("0x43004300"), "moved": moved, "w16": w16,
+                      "ld_before_bar": first.count("ld.global"), "bars": ptx.count("bar.sync")}))
     """
 )
 
@@ -252,6 +297,9 @@ def _compile_sm90(dtype: str, constexprs: dict[str, object], options: dict[str, 
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+SUB_ZEROS = {"SUB_ZEROS": 1, "SUMS_FIRST": False}  # as the launcher passes it
+
+
 def _constexprs(**overrides) -> dict[str, object]:  # type: ignore[no-untyped-def]
     base = {
         "GROUP_SIZE": 128, "HAS_PERM": False, "HAS_BIAS": True, "BLOCK_M": 1, "BLOCK_N": 256, "BLOCK_K": 128,
@@ -260,7 +308,9 @@ def _constexprs(**overrides) -> dict[str, object]:  # type: ignore[no-untyped-de
     }  # fmt: skip
     out = {**base, **overrides}
     if "PAIR_ORDER" not in out:  # the launcher's choice
-        cfg = w4a16_tcgemv.make_config(out["BLOCK_N"], out["BLOCK_K"], out["SPLIT_K"], num_warps=4)
+        cfg = w4a16_tcgemv.make_config(
+            out["BLOCK_N"], out["BLOCK_K"], out["SPLIT_K"], num_warps=4, sub_zeros=bool(out.get("SUB_ZEROS"))
+        )
         out["PAIR_ORDER"] = w4a16_tcgemv.pair_order(out["BLOCK_K"], out["BLOCK_M"], out["W_AS_A"], cfg)
     return out
 
@@ -273,6 +323,11 @@ def _constexprs(**overrides) -> dict[str, object]:  # type: ignore[no-untyped-de
         ("*fp16", {"BLOCK_M": 8, "GROUP_SIZE": 32, "BLOCK_K": 32, "CHUNK": 32, "SUMS_FIRST": False}),
         ("*bf16", {"BLOCK_M": 4, "GROUP_SIZE": 4096, "CHUNK": 256, "W_AS_A": False}),
         ("*fp16", {"BLOCK_M": 16, "GROUP_SIZE": 32, "BLOCK_K": 32, "CHUNK": 32, "HAS_PERM": True}),
+        ("*fp16", {**SUB_ZEROS}),
+        ("*bf16", {**SUB_ZEROS, "BLOCK_M": 16, "HAS_PERM": True, "SPLIT_K": 1, "EVEN_N": False}),
+        ("*fp16", {**SUB_ZEROS, "BLOCK_M": 8, "GROUP_SIZE": 32, "BLOCK_K": 32, "CHUNK": 32}),
+        ("*bf16", {**SUB_ZEROS, "BLOCK_M": 4, "GROUP_SIZE": 4096, "CHUNK": 256, "W_AS_A": False}),
+        ("*bf16", {**SUB_ZEROS, "GROUP_SIZE": 64, "BLOCK_K": 64, "CHUNK": 64}),
     ],
     ids=[
         "fp16-1row-split",
@@ -280,6 +335,11 @@ def _constexprs(**overrides) -> dict[str, object]:  # type: ignore[no-untyped-de
         "fp16-8rows-g32-sums-in-loop",
         "bf16-w-as-b-per-channel",
         "fp16-16rows-g32-wgmma",
+        "fp16-1row-split-sub-zeros",
+        "bf16-16rows-perm-sub-zeros",
+        "fp16-8rows-g32-sub-zeros",
+        "bf16-w-as-b-per-channel-sub-zeros",
+        "bf16-1row-g64-sub-zeros",
     ],
 )
 def test_tcgemv_compiles_for_sm90(dtype: str, overrides: dict[str, object]) -> None:
@@ -303,6 +363,21 @@ def test_tcgemv_weight_tile_crosses_shared_memory_packed() -> None:
     assert _compile_sm90("*fp16", _constexprs(PAIR_ORDER=1), options)["w16"] > 0
 
 
+def test_tcgemv_sub_zeros_issues_a_chunks_loads_before_its_first_barrier() -> None:
+    """The default kernel's first global load (the sums' pass over x) is followed by a barrier
+    before the packed words are loaded; with SUB_ZEROS every load of a chunk (the scales, zero
+    points, x and the 8 vector loads of the packed words at 256 columns on 4 warps) comes before
+    the first bar.sync in the PTX (ptxas may still schedule the scales' load after the words'
+    shared-memory store: benchmarks/w4a16_tcgemv_ptx.py --order shows the SASS), and the kernel
+    has fewer barriers."""
+    options = {"num_warps": 4, "num_stages": 1}
+    default = _compile_sm90("*fp16", _constexprs(), options)
+    sub = _compile_sm90("*fp16", _constexprs(**SUB_ZEROS), options)
+    assert default["ld_before_bar"] == 1
+    assert sub["ld_before_bar"] == 8 + 3, sub
+    assert sub["bars"] < default["bars"], (sub, default)
+
+
 # ---------------------------------------------------------------- on a GPU (not run yet)
 
 
@@ -316,7 +391,7 @@ def test_tcgemv_on_gpu(m, n, k, g, dtype):  # type: ignore[no-untyped-def]
     sums' scratch and the split-K tickets at Llama-3-8B and SmolLM2 shapes, with act-order and
     bias, every tile and stage count benchmarks/w4a16_micro.py times, against the reference; and
     the fp32 accumulator's cancellation checked tighter than the repo's 2e-2 (the bias rides in
-    it: ~1024 x sum for fp16)."""
+    it: ~1024 x sum for fp16). SUB_ZEROS (its inline-PTX subtraction) at each tile too."""
     qweight, scales, zeros, _ = _weights(n, k, g, False)
     qweight, scales, zeros = qweight.cuda(), scales.cuda(), zeros.cuda()
     perm = torch.randperm(k, device="cuda").to(torch.int32)
@@ -329,6 +404,11 @@ def test_tcgemv_on_gpu(m, n, k, g, dtype):  # type: ignore[no-untyped-def]
         for bn, warps in ((256, 4), (128, 2), (512, 4), (512, 8))
         for split in (1, 8)
         for stages in (1, 2)
+    ]
+    configs += [
+        w4a16_tcgemv.make_config(bn, 128, split, warps, stages, sub_zeros=True)
+        for bn, warps, stages in ((256, 4, 1), (256, 4, 2), (128, 2, 1), (512, 4, 1), (512, 8, 1))
+        for split in (1, 8)
     ]
     for cfg in configs:
         y = w4a16_tcgemv.w4a16_tcgemv(x, qweight, scales, zeros, perm, g, bias, cfg)
