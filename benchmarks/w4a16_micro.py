@@ -8,6 +8,9 @@ group size (128, 64) and row count (1, 2, 4, 8, 16, 64), times on one GPU:
   tuner now times it only where the tensor-core kernel cannot run);
 - ``tcgemv``: the tensor-core decode kernel of kernels/w4a16_tcgemv.py (up to 16 rows), best of
   the tuner's candidates (w4a16_gemm.tcgemv_configs) and a few more tiles (``tcgemv_configs``);
+- ``tcgemv_sub_zeros``: the same configs with the zero points subtracted in the unpacking (the
+  kernel's SUB_ZEROS: no per-chunk sums of x, a program's loads issued together; not in the
+  tuner until this has run);
 - ``dequant``: dequantize the weight then cuBLAS (what the tuner may pick for prefill);
 - ``bf16``: torch.nn.functional.linear on bf16 weights of the same shape (cuBLAS).
 
@@ -41,7 +44,7 @@ import torch
 from pagecast.kernels import reference, tuning, w4a16_gemm, w4a16_gemv, w4a16_tcgemv
 
 PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-INT4_VARIANTS = ("gemm", "gemv", "tcgemv", "dequant")
+INT4_VARIANTS = ("gemm", "gemv", "tcgemv", "tcgemv_sub_zeros", "dequant")
 COLD_BYTES = 512 << 20  # weight copies a sample rotates through: ~10x the H200's L2
 MAX_SETS = 64
 
@@ -98,6 +101,10 @@ def candidates(m: int, n: int, k: int, sms: int) -> dict[str, list[tuning.Kernel
         out["gemv"] = list({json.dumps(c.as_dict()): c for c in gemv}.values())
     if m <= w4a16_gemm.TCGEMV_MAX_ROWS:
         out["tcgemv"] = tcgemv_configs(m, n, k, sms)
+        out["tcgemv_sub_zeros"] = [
+            tuning.KernelConfig({**c.params, "SUB_ZEROS": 1}, c.num_warps, c.num_stages)
+            for c in out["tcgemv"]
+        ]
     return out
 
 
@@ -129,7 +136,7 @@ def precompile(names: list[str], groups: list[int], rows: list[int], sms: int, j
                 row_class = 1 if m == 1 else (16 if m % 16 == 0 else 2)
                 for variant, configs in candidates(m, n, k, sms).items():
                     # the tensor-core kernel's rows a program are a constexpr (a power of two)
-                    rc = min(1 << (m - 1).bit_length(), 16) if variant == "tcgemv" else row_class
+                    rc = min(1 << (m - 1).bit_length(), 16) if variant.startswith("tcgemv") else row_class
                     for cfg in configs:
                         key = (k, g, rc, json.dumps(cfg.as_dict()))
                         tasks.setdefault(key, (n, k, g, m, cfg.as_dict()))
@@ -185,10 +192,10 @@ def summarize(
 ) -> None:
     """The markdown table, and the decode-step sums over the four projections."""
     print(
-        "\n| projection | G | rows | gemm us (GB/s) | gemv us (GB/s) | tcgemv us (GB/s) | dequant us | bf16 us (GB/s) "
-        "| best int4 / bf16 |"
+        "\n| projection | G | rows | gemm us (GB/s) | gemv us (GB/s) | tcgemv us (GB/s) "
+        "| tcgemv sub-zeros us (GB/s) | dequant us | bf16 us (GB/s) | best int4 / bf16 |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     by_key: dict[tuple[str, int, int], dict[str, dict[str, object]]] = {}
     for r in table:
         by_key.setdefault((str(r["projection"]), int(r["group_size"]), int(r["rows"])), {})[
@@ -201,7 +208,7 @@ def summarize(
             return f"{r['time_us']} ({r['gb_s']})" if r else "-"
 
         int4 = min(float(v[key]["time_us"]) for key in INT4_VARIANTS if key in v)  # type: ignore[arg-type]
-        print(f"| {name} | {g} | {m} | {cell('gemm')} | {cell('gemv')} | {cell('tcgemv')} | {v['dequant']['time_us']} | {cell('bf16')} | "
+        print(f"| {name} | {g} | {m} | {cell('gemm')} | {cell('gemv')} | {cell('tcgemv')} | {cell('tcgemv_sub_zeros')} | {v['dequant']['time_us']} | {cell('bf16')} | "
               f"{int4 / float(v['bf16']['time_us']):.3f} |")  # type: ignore[arg-type]  # fmt: skip
     # A decode step's four projections of one layer, best int4 path each, against bf16.
     if set(names) == set(PROJECTIONS):
@@ -215,9 +222,15 @@ def summarize(
                 bf16 = sum(float(by_key[key]["bf16"]["time_us"]) for key in keys)  # type: ignore[arg-type]
                 gemv = sum(float(by_key[key]["gemv"]["time_us"]) for key in keys if "gemv" in by_key[key])  # type: ignore[arg-type]
                 tc = sum(float(by_key[key]["tcgemv"]["time_us"]) for key in keys if "tcgemv" in by_key[key])  # type: ignore[arg-type]
+                tc_sz = sum(
+                    float(by_key[key]["tcgemv_sub_zeros"]["time_us"])
+                    for key in keys
+                    if "tcgemv_sub_zeros" in by_key[key]
+                )  # type: ignore[arg-type]
                 record(out, {"figure": "layer_projections_us", "group_size": g, "rows": m,
                                   "best_int4_us": round(int4, 2), "gemv_us": round(gemv, 2) if gemv else None,
                                   "tcgemv_us": round(tc, 2) if tc else None,
+                                  "tcgemv_sub_zeros_us": round(tc_sz, 2) if tc_sz else None,
                                   "bf16_us": round(bf16, 2), "ratio_to_bf16": round(int4 / bf16, 3)})  # fmt: skip
 
 

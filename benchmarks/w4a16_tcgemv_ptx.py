@@ -1,8 +1,8 @@
 """What the tensor-core W4A16 decode kernel compiles to on an H100/H200 (sm_90), without a GPU.
 
     python benchmarks/w4a16_tcgemv_ptx.py [--rows 1,4,8,16] [--dtypes fp16,bf16] [--groups 128]
-        [--projection o] [--tiles 256x4,128x2,512x4,512x8] [--stages 1] [--variants]
-        [--dump DIR] [--json FILE]
+        [--projection o] [--tiles 256x4,128x2,512x4,512x8] [--stages 1] [--split 2|tuner]
+        [--variants] [--sub-zeros] [--order] [--dump DIR] [--json FILE]
 
 For each row count, activation dtype, group size and tile (BLOCK_N x warps, BLOCK_K 128 capped
 by the group), the launch kernels/w4a16_tcgemv.py's launcher makes for a Llama-3-8B projection
@@ -10,7 +10,9 @@ by the group), the launch kernels/w4a16_tcgemv.py's launcher makes for a Llama-3
 bundled ptxas, specialised as a GPU launch would be (benchmarks/w4a16_ptx.py's machinery; the
 inline-PTX unpacking forced on). ``--variants`` adds, at the first tile, the alternatives the
 kernel keeps for this comparison: the weight as the mma's B operand, the other pairing order of
-the unpacked nibbles, and the sums of x inside the main loop.
+the unpacked nibbles, the sums of x inside the main loop, and the zero points subtracted in the
+unpacking (SUB_ZEROS: no sums of x at all); ``--sub-zeros`` compiles every tile with SUB_ZEROS
+too. ``--split tuner``: each tile at the splits w4a16_gemm.tcgemv_configs gives it at this shape.
 
 Printed per kernel, for the main loop (the innermost backward branch around the mma; one
 iteration is one chunk: CHUNK inputs by BLOCK_N columns):
@@ -26,6 +28,14 @@ iteration is one chunk: CHUNK inputs by BLOCK_N columns):
   ops       the loop's instructions by class
   cvt       the TTGIR's layout conversions and shared-memory staging (convert_layout, local_alloc,
             async_copy) by the tensor they move: the weight should move as its packed int32 tile
+  bars      BAR instructions in the whole kernel, and the global loads (LDG; LDGSTS at two
+            stages) a program issues before its first one, of those before the split-K
+            reduction's ticket (its partials' loads come after)
+  order     (``--order``) the whole kernel's global loads, shared-memory stores and loads,
+            barriers, mma, atomics and stores in program order, repeats counted (LDGx8), the
+            chunk loop's back branch as BRA<-address: whether a program's loads wait on each
+            other's layout conversions (a barrier between two LDG does: the STS before it
+            needs the first load's data)
 
 Static evidence only: instruction and byte counts, not time. Whether the kernel streams at the
 copy bandwidth (latency, bytes in flight, bank conflicts, the barriers' stalls) only a GPU run
@@ -56,6 +66,7 @@ VARIANTS = {
     "w-as-b": {"w_as_a": False},
     "pair-order1": {"pair_order": 1},
     "sums-in-loop": {"sums_first": False},
+    "sub-zeros": {"sub_zeros": True},
 }
 
 
@@ -107,6 +118,43 @@ def loop_stats(cubin: bytes) -> dict[str, object]:
             "smem_store": stored, "smem_load": loaded, "looped": best is not None}  # fmt: skip
 
 
+_ORDER_OPS = ("LDG", "LDGSTS", "STS", "STSM", "LDS", "LDSM", "BAR", "HMMA", "HGMMA", "ATOMG", "STG", "EXIT")
+_ORDER_OPS += ("LDL", "STL")  # spills
+
+
+def program_order(cubin: bytes) -> dict[str, object]:
+    """BAR count of the whole kernel, the LDG before the first BAR and before the first ATOMG (the
+    split-K ticket; the reduction's loads come after it), and the condensed order of the memory,
+    barrier and mma instructions (``--order``)."""
+    instrs = gemv_ptx.instructions(gemv_ptx.cuobjdump(cubin)[1])
+    seq: list[str] = []
+    for addr, text in instrs:
+        op = gemv_ptx._opcode(text)
+        base = op.split(".")[0]
+        if base == "BRA":
+            m = re.search(r"\bBRA\s+(?:`\()?(0x[0-9a-f]+)", text)
+            if m and int(m.group(1), 16) < addr:
+                seq.append(f"BRA<-{m.group(1)}")
+            continue
+        if base in _ORDER_OPS:
+            keep = base in ("LDG", "STG", "HMMA", "ATOMG")  # with the width; the rest by name
+            seq.append(op.replace("LDG.E", "LDG").replace("STG.E", "STG") if keep else base)
+    bars = seq.count("BAR")
+    first_bar = seq.index("BAR") if "BAR" in seq else len(seq)
+    ticket = next((i for i, o in enumerate(seq) if o.startswith("ATOMG")), len(seq))
+    condensed: list[str] = []
+    for op in seq:
+        if condensed and condensed[-1].split("x")[0] == op and not op.startswith("BRA"):
+            n = condensed[-1].partition("x")[2]
+            condensed[-1] = f"{op}x{int(n or 1) + 1}"
+        else:
+            condensed.append(op)
+    return {
+        "bars": bars, "ldg_before_bar": sum(o.startswith("LDG") for o in seq[:first_bar]),
+        "ldg_before_ticket": sum(o.startswith("LDG") for o in seq[:ticket]), "order": " ".join(condensed),
+    }  # fmt: skip
+
+
 def conversions(ttgir: str) -> list[str]:
     """The TTGIR's layout conversions and shared-memory staging, as 'op shape dtype' (deduplicated,
     in order)."""
@@ -140,7 +188,8 @@ def analyse(m: int, n: int, k: int, g: int, dtype: str, cfg, dump: Path | None =
     if not stats["looped"]:
         unroll = kw["CHUNKS"]
     weights *= unroll
-    tag = ("" if kw["W_AS_A"] else "_w-as-b") + ("" if kw["SUMS_FIRST"] else "_sums-in-loop")
+    tag = ("" if kw["W_AS_A"] else "_w-as-b") + ("_sub-zeros" if kw.get("SUB_ZEROS") else "")
+    tag += "" if kw["SUMS_FIRST"] or kw.get("SUB_ZEROS") else "_sums-in-loop"
     tag += f"_pair-order{kw['PAIR_ORDER']}" if "PAIR_ORDER" in cfg.params else ""  # else the launcher's
     name = (
         f"{dtype}_K{k}_G{g}_R{kw['BLOCK_M']}_n{kw['BLOCK_N']}_k{kw['BLOCK_K']}_c{kw['CHUNK']}_w{kw['num_warps']}"
@@ -156,8 +205,19 @@ def analyse(m: int, n: int, k: int, g: int, dtype: str, cfg, dump: Path | None =
         "grid": list(rec.grid), "unroll": unroll, "weights_per_body": weights,
         "instr_per_weight": stats["body"] / weights, "smem_store_per_weight": stats["smem_store"] / weights,
         "smem_load_per_weight": stats["smem_load"] / weights, "mma": mma, "shared_alloc": kernel.metadata.shared,
-        "conversions": conversions(kernel.asm["ttgir"]), **stats,
+        "conversions": conversions(kernel.asm["ttgir"]), **stats, **program_order(kernel.asm["cubin"]),
     }  # fmt: skip
+
+
+def splits_of(spec: str, m: int, n: int, k: int, bn: int, warps: int) -> list[int]:
+    """--split: numbers, or 'tuner': the splits w4a16_gemm.tcgemv_configs gives this tile (at one
+    stage) at this shape, on an H200's 132 multiprocessors."""
+    if spec != "tuner":
+        return [int(v) for v in spec.split(",")]
+    from pagecast.kernels import w4a16_gemm
+
+    configs = w4a16_gemm.tcgemv_configs(m, n, k, 132)
+    return sorted({c["SPLIT_K"] for c in configs if (c["BLOCK_N"], c.num_warps) == (bn, warps)}) or [2]
 
 
 def main() -> None:
@@ -170,8 +230,14 @@ def main() -> None:
         "--tiles", default="256x4,128x2,512x4,512x8", help="BLOCK_N x num_warps (the first for --variants)"
     )
     ap.add_argument("--stages", default="1")
-    ap.add_argument("--split", type=int, default=2, help="SPLIT_K (few: ptxas unrolls a short chunk loop)")
-    ap.add_argument("--variants", action="store_true", help="also the kernel's slower alternatives")
+    ap.add_argument(
+        "--split",
+        default="2",
+        help="SPLIT_K, a list, or 'tuner' (few chunks a split: ptxas unrolls the chunk loop)",
+    )
+    ap.add_argument("--variants", action="store_true", help="also the kernel's alternatives (first tile)")
+    ap.add_argument("--sub-zeros", action="store_true", help="every tile also with SUB_ZEROS")
+    ap.add_argument("--order", action="store_true", help="print each kernel's condensed SASS order")
     ap.add_argument("--dump", type=Path, help="write each kernel's TTGIR, PTX and SASS here")
     ap.add_argument("--json", type=Path, help="write the rows as JSON")
     args = ap.parse_args()
@@ -185,12 +251,18 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         for g in (int(v) for v in args.groups.split(",")):
             for m in (int(v) for v in args.rows.split(",")):
-                runs = [(bn, w, st, {}) for bn, w in tiles for st in (int(v) for v in args.stages.split(","))]
-                if args.variants:
-                    bn, w = tiles[0]
-                    runs += [(bn, w, 1, opts) for opts in VARIANTS.values()]
-                for bn, w, st, opts in runs:
-                    cfg = w4a16_tcgemv.make_config(bn, 128, args.split, w, st, **opts)
+                runs = []
+                for bn, w in tiles:
+                    for split in splits_of(args.split, m, n, k, bn, w):
+                        for st in (int(v) for v in args.stages.split(",")):
+                            runs.append((bn, w, st, split, {}))
+                            if args.sub_zeros:
+                                runs.append((bn, w, st, split, {"sub_zeros": True}))
+                        if args.variants and (bn, w) == tiles[0]:
+                            runs += [(bn, w, 1, split, opts) for opts in VARIANTS.values()]
+                runs = list({json.dumps(r, sort_keys=True): r for r in runs}.values())
+                for bn, w, st, split, opts in runs:
+                    cfg = w4a16_tcgemv.make_config(bn, 128, split, w, st, **opts)
                     try:
                         r = analyse(m, n, k, g, dtype, cfg, args.dump)
                     except Exception as e:  # noqa: BLE001  (a Triton failure is a result too)
@@ -206,7 +278,10 @@ def main() -> None:
                         f"/{r['smem_load_per_weight']:.2f} B/w  regs {r['regs']}{spill}  mma {r['mma']}"
                         f" (body {r['body']}, {'unroll ' + str(r['unroll']) if r['looped'] else 'loop unrolled: whole kernel'},"
                         f" alloc {r['shared_alloc']} B)\n"
-                        f"      sass {ops}\n      cvt  {'; '.join(r['conversions'])}",
+                        f"      sass {ops}\n      cvt  {'; '.join(r['conversions'])}\n"
+                        f"      bars {r['bars']}; LDG before the first: {r['ldg_before_bar']}"
+                        f" of {r['ldg_before_ticket']}"
+                        + (f"\n      order {r['order']}" if args.order else ""),
                         flush=True,
                     )
     print("\nsummary: instr/w (smem stored+loaded B/w) per tile; rows in columns")
