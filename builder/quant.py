@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from pagecast.kernels import reference
+from pagecast.kernels.quant_linear import scale_dtype_for
 from pagecast.runtime.errors import BuildError
 
 METHODS = ("awq", "gptq")
@@ -615,12 +616,6 @@ def split_int4(
 
 
 # ---------------------------------------------------------------------------- the build's hooks
-
-
-def scale_dtype_for(dtype: str) -> torch.dtype:
-    """fp32 artifacts keep fp32 scales; half artifacts keep the checkpoint's fp16 scales (bf16 would
-    round them)."""
-    return torch.float32 if dtype == "float32" else torch.float16
 
 
 def is_projection(t: Any) -> bool:

@@ -27,6 +27,7 @@ from pagecast.kernels import (
     w4a16_gemm,
     w4a16_tcgemv,
 )
+from pagecast.kernels.quant_linear import scale_dtype_for
 from pagecast.kernels.tuning import (
     DECODE_BATCH_BUCKETS,
     DECODE_CONTEXT_BUCKETS,
@@ -219,11 +220,11 @@ def _w4a16_tc(shapes: ModelShapes, dims: dict[str, int]) -> bool:
 
 
 def w4a16_scale_dtype(shapes: ModelShapes) -> torch.dtype:
-    """The int4 scales' dtype in an artifact of this activation dtype (builder/quant.py,
-    scale_dtype_for): fp32 in fp32 artifacts, fp16 in half ones. The tuner's problem uses it: the
-    scales' element size changes the kernels' shared memory (an fp32 tile that fit with fp16
-    scales while tuning needed 266240 bytes with the artifact's fp32 ones on an H200)."""
-    return torch.float32 if shapes.torch_dtype == torch.float32 else torch.float16
+    """The int4 scales' dtype in an artifact of this activation dtype (quant_linear.scale_dtype_for,
+    the builder's rule). The tuner's problem uses it: the scales' element size changes the kernels'
+    shared memory (an fp32 tile that fit with fp16 scales while tuning needed 266240 bytes with the
+    artifact's fp32 ones on an H200)."""
+    return scale_dtype_for(str(shapes.torch_dtype).removeprefix("torch."))
 
 
 def _w4a16_sizes(shapes: ModelShapes, dims: dict[str, int]) -> dict[str, int]:

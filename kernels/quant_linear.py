@@ -21,6 +21,14 @@ from pagecast.kernels import reference
 INT4_PARTS = ("qweight", "scales", "zeros", "perm")
 
 
+def scale_dtype_for(dtype: str) -> torch.dtype:
+    """The int4 scales' dtype in an artifact of activation dtype ``dtype``: fp32 artifacts keep fp32
+    scales; half artifacts keep the checkpoint's fp16 scales (bf16 would round them). The builder
+    stores them so (builder/quant.py) and the tuner times the kernels with them (kernels/problems.py):
+    their size moves the W4A16 tiles' shared memory."""
+    return torch.float32 if dtype == "float32" else torch.float16
+
+
 @dataclass
 class Int4LinearWeight:
     """One projection's int4 weight in the kernel's layout (see kernels/w4a16_gemm.py)."""
