@@ -1,24 +1,25 @@
 """Time the paged decode kernel with a bf16 and an fp8 (e4m3) KV cache on one GPU.
 
     python benchmarks/decode_fp8_time.py [--cases 128x512,256x2048] [--reps 20] [--all] [--json FILE]
-                                         [--kernels bf16,fp8-bytes,fp8-words] [--experimental]
+                                         [--kernels bf16,fp8-bytes,fp8-words,fp8-pairs]
 
 Llama-3-8B decode shapes (32 query heads over 8 KV heads, head_dim 128, KV block size 16, q bf16).
-For each case, three kernels on the same inputs in one process:
+For each case, four kernels on the same inputs in one process:
 
   bf16        a bf16 cache
   fp8-bytes   an fp8 cache read as fp8 values (FP8_WORDS=False): the kernel before the fp8 cache
               was read as int32 words (its sm_90 PTX is that kernel's, instruction for
               instruction: benchmarks/decode_ptx.py --fp8-bytes); the launcher still takes this
               path for head_dims that are not a power of two
-  fp8-words   an fp8 cache read as int32 words (what the launcher runs at this shape)
-  fp8-pairs   the experimental pair read (config fp8_words 2: V unpacked by token pairs straight into
-              the PV dot's operand layout), not in the tuner's space: its own variants
-              (paged_decode_attention.FP8_PAIR_CONFIGS, pruned as the tuner prunes). Each config's
+  fp8-words   an fp8 cache read as int32 words (the launcher's read outside the tuner)
+  fp8-pairs   the pair read (config fp8_words 2: V unpacked by token pairs straight into the PV
+              dot's operand layout; paged_decode_attention.FP8_PAIR_CONFIGS). Each config's
               output is first compared with the word read's on the same inputs; a config that
-              differs is reported and not timed. --experimental adds this kernel to the default ones.
+              differs is reported and not timed.
 
-Every config the tuner would time at the bucket (problems.config_space) is timed as the tuner
+The fp8 kernels time the tuner's fp8 space (problems.config_space at the bucket) split by read:
+its word and byte configs (fp8-bytes forces the byte path on all of them, fp8-words runs them as
+the launcher does) and its pair configs; bf16 the bf16 space. Each config is timed as the tuner
 times it (tuning.time_launches: the launches captured in a CUDA graph over rotating block tables
 in a pool larger than L2, CUDA events, median of --reps replays); the best config's time is
 reported with GB/s (problems.problem_size: K/V read + q read + out written, per launch) and its
@@ -106,10 +107,8 @@ def time_case(kv: str, batch: int, context: int, reps: int) -> list[tuple[float,
     problem = problems.make_problem("paged_decode_attention", sh, dims, "cuda")
     launches = problem.launches_per_sample()
     results = []
-    if kv == "fp8-pairs":
-        with fp8_space(pda.FP8_PAIR_CONFIGS):
-            space = problems.config_space("paged_decode_attention", sh, dims)
-    else:
+    reads = [c for c in pda.FP8_CONFIG_SPACE if c["fp8_words"] != 2]
+    with fp8_space(pda.FP8_PAIR_CONFIGS if kv == "fp8-pairs" else reads):
         space = problems.config_space("paged_decode_attention", sh, dims)
     for cfg in space:
         if kv == "fp8-pairs" and (err := same_as_word_read(problem, cfg)) is not None:
@@ -133,17 +132,11 @@ def time_case(kv: str, batch: int, context: int, reps: int) -> list[tuple[float,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default="128x512,256x2048", help="batch x context, comma-separated")
-    ap.add_argument("--kernels", default="", help="default bf16,fp8-bytes,fp8-words (and fp8-pairs)")
-    ap.add_argument(
-        "--experimental", action="store_true",
-        help="also time the pair read (fp8-pairs), which the tuner does not: its configs checked first",
-    )  # fmt: skip
+    ap.add_argument("--kernels", default="bf16,fp8-bytes,fp8-words,fp8-pairs")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--all", action="store_true", help="print every config's time")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    if not args.kernels:
-        args.kernels = "bf16,fp8-bytes,fp8-words" + (",fp8-pairs" if args.experimental else "")
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, sms {tuning.num_sms()}", flush=True)
     copy_gbs = statistics.median(tuning.measure_copy_bandwidth() for _ in range(3))

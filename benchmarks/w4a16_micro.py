@@ -6,11 +6,12 @@ group size (128, 64) and row count (1, 2, 4, 8, 16, 64), times on one GPU:
 - ``gemm``: the tl.dot kernel of kernels/w4a16_gemm.py, best of its configs the tuner would try;
 - ``gemv``: the CUDA-core GEMV of kernels/w4a16_gemv.py, best of its configs (up to 8 rows; the
   tuner now times it only where the tensor-core kernel cannot run);
-- ``tcgemv``: the tensor-core decode kernel of kernels/w4a16_tcgemv.py (up to 16 rows), best of
-  the tuner's candidates (w4a16_gemm.tcgemv_configs) and a few more tiles (``tcgemv_configs``);
-- ``tcgemv_sub_zeros``: the same configs with the zero points subtracted in the unpacking (the
-  kernel's SUB_ZEROS: no per-chunk sums of x, a program's loads issued together; not in the
-  tuner until this has run);
+- ``tcgemv``: the tensor-core decode kernel of kernels/w4a16_tcgemv.py (up to 16 rows) without
+  SUB_ZEROS (the kernel before the ninth session), best of the tuner's tiles
+  (w4a16_gemm.tcgemv_configs) and a few more (``tcgemv_configs``);
+- ``tcgemv_sub_zeros``: the same tiles with the zero points subtracted in the unpacking (the
+  kernel's SUB_ZEROS: no per-chunk sums of x, a program's loads issued together; what the tuner
+  times since it won here);
 - ``dequant``: dequantize the weight then cuBLAS (what the tuner may pick for prefill);
 - ``bf16``: torch.nn.functional.linear on bf16 weights of the same shape (cuBLAS).
 
@@ -100,10 +101,13 @@ def candidates(m: int, n: int, k: int, sms: int) -> dict[str, list[tuning.Kernel
         gemv = w4a16_gemm.gemv_configs(m, n, k, sms) + [w4a16_gemv.default_config(m, n, k, sms)]
         out["gemv"] = list({json.dumps(c.as_dict()): c for c in gemv}.values())
     if m <= w4a16_gemm.TCGEMV_MAX_ROWS:
-        out["tcgemv"] = tcgemv_configs(m, n, k, sms)
+        tc = tcgemv_configs(m, n, k, sms)
+        out["tcgemv"] = [
+            tuning.KernelConfig({p: v for p, v in c.params.items() if p != "SUB_ZEROS"}, c.num_warps, c.num_stages)
+            for c in tc
+        ]
         out["tcgemv_sub_zeros"] = [
-            tuning.KernelConfig({**c.params, "SUB_ZEROS": 1}, c.num_warps, c.num_stages)
-            for c in out["tcgemv"]
+            tuning.KernelConfig({**c.params, "SUB_ZEROS": 1}, c.num_warps, c.num_stages) for c in tc
         ]
     return out
 

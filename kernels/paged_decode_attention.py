@@ -31,8 +31,8 @@ shared memory once more (ncu on an H200: shared memory at 69% of its throughput,
 (config key fp8_words); on two-warp programs the byte read won the large buckets (324.6 against
 389.1 us at 256 sequences x 2048 tokens, benchmarks/RESULTS.md).
 
-The pair read (fp8_words 2; experimental, not in the tuner's space until timed on a GPU:
-FP8_PAIR_CONFIGS) reads K as the word read does and unpacks V straight into the PV dot's operand
+The pair read (fp8_words 2, FP8_PAIR_CONFIGS; in the tuner's space since it was timed on an H200,
+below) reads K as the word read does and unpacks V straight into the PV dot's operand
 registers (_e4m3_pairs_to_f16): an mma B register holds one head dim of two consecutive tokens,
 so two prmt.b32 interleave two tokens' words byte by byte and cvt.rn.f16x2.e4m3x2 converts the
 pairs, and the dot's columns are the head dims in an order in which every thread holds whole
@@ -397,29 +397,13 @@ CONFIG_SPACE: list[KernelConfig] = [
     for s in _SPLITS
     for (n, w, st) in _VARIANTS
 ]
-# An fp8 cache also times (tile, warps, stages, fp8_words) variants of its own: the word read
-# (fp8_words 1, the default) and the byte read (0), see the module docstring. The one-warp
-# programs (more of them resident per multiprocessor) won at 128 x 512, 512 x 1024 and
-# 1024 x 768 on an H200 (benchmarks/RESULTS.md, eighth session).
-_FP8_VARIANTS = [
-    (64, 2, 2, 1),
-    (64, 2, 2, 0),
-    (64, 2, 3, 0),
-    (128, 4, 3, 0),
-    (64, 4, 3, 0),
-    (32, 1, 3, 0),
-    (32, 1, 2, 1),
-    (64, 2, 4, 0),
-    (128, 2, 3, 0),
-]
-FP8_CONFIG_SPACE: list[KernelConfig] = CONFIG_SPACE + [
-    KernelConfig({"BLOCK_N": n, "num_splits": s, "fp8_words": fw}, num_warps=w, num_stages=st)
-    for s in _SPLITS
-    for (n, w, st, fw) in _FP8_VARIANTS
-]
-# The pair read (fp8_words 2; see the module docstring) is not in FP8_CONFIG_SPACE: it has not run
-# on a GPU. benchmarks/decode_fp8_time.py --experimental checks and times these variants;
-# benchmarks/decode_ptx.py --compare counts their sm_90 code against the word and byte reads.
+# An fp8 cache times (tile, warps, stages, fp8_words) variants of its own: the pair read
+# (fp8_words 2, see the module docstring), the word read (1, the default outside the tuner) and
+# the byte read (0). On an H200 (benchmarks/decode_fp8_time.py, benchmarks/RESULTS.md, ninth
+# session) the pair read's best, 64 tokens on one warp at two stages, beat the best word or byte
+# read at every size timed: 412.4 against 464.6 us at 1024 sequences x 768 tokens, 278.6 / 315.6
+# at 512 x 1024, 271.5 / 327.3 at 256 x 2048, 41.7 / 48.9 at 128 x 512. The bf16 cache's tiles
+# (CONFIG_SPACE, read as words) lost to these everywhere and are not timed for fp8.
 _FP8_PAIR_VARIANTS = [
     (32, 1, 2),
     (32, 1, 3),
@@ -430,11 +414,25 @@ _FP8_PAIR_VARIANTS = [
     (64, 4, 3),
     (128, 4, 2),
 ]
-FP8_PAIR_CONFIGS: list[KernelConfig] = [
-    KernelConfig({"BLOCK_N": n, "num_splits": s, "fp8_words": 2}, num_warps=w, num_stages=st)
-    for s in _SPLITS
-    for (n, w, st) in _FP8_PAIR_VARIANTS
+# The one-warp programs (more of them resident per multiprocessor) won at 128 x 512, 512 x 1024
+# and 1024 x 768 among the word and byte reads (eighth session).
+_FP8_VARIANTS = [(n, w, st, 2) for (n, w, st) in _FP8_PAIR_VARIANTS] + [
+    (64, 2, 2, 1),
+    (64, 2, 2, 0),
+    (64, 2, 3, 0),
+    (128, 4, 3, 0),
+    (64, 4, 3, 0),
+    (32, 1, 3, 0),
+    (32, 1, 2, 1),
+    (64, 2, 4, 0),
+    (128, 2, 3, 0),
 ]
+FP8_CONFIG_SPACE: list[KernelConfig] = [
+    KernelConfig({"BLOCK_N": n, "num_splits": s, "fp8_words": fw}, num_warps=w, num_stages=st)
+    for s in _SPLITS
+    for (n, w, st, fw) in _FP8_VARIANTS
+]
+FP8_PAIR_CONFIGS: list[KernelConfig] = [c for c in FP8_CONFIG_SPACE if c["fp8_words"] == 2]
 
 
 def prune_configs(
@@ -507,7 +505,7 @@ def paged_decode_attention(
     direct = num_splits == 1
     # An fp8 cache is read as int32 words when its rows split into whole words (see the module
     # docstring) and the config does not ask for the byte read; otherwise (the config's choice,
-    # an odd head_dim, a strided view) as bytes. fp8_words 2 (the pair read, experimental) is the
+    # an odd head_dim, a strided view) as bytes. fp8_words 2 (the pair read) is the
     # word read with V unpacked by token pairs, where words can be read.
     read = int(cfg.params.get("fp8_words", 1))
     fp8_words = (

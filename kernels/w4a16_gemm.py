@@ -250,8 +250,9 @@ def tcgemv_configs(m: int, n: int, k: int, num_sms: int = 132) -> list[KernelCon
     warps at 1 row, 128 on 2 warps at 4-8 rows for the narrow projections, 512 on 4 for gate_up)
     at the smallest power-of-two split giving every multiprocessor a program and twice that,
     the first tile also with its packed loads double-buffered (num_stages 2: o_proj's best at 1
-    row). The launcher rounds a split to a divisor of K's chunks; launches that makes identical
-    are timed once."""
+    row), all with the zero points subtracted in the unpacking (SUB_ZEROS: faster at every
+    projection and row count timed, w4a16_tcgemv's docstring). The launcher rounds a split to a
+    divisor of K's chunks; launches that makes identical are timed once."""
     out = [w4a16_tcgemv.default_config(m, n, k, num_sms)]
     for bn, warps in ((256, 4), (128, 2), (512, 4)):
         tiles = triton.cdiv(n, bn) * triton.cdiv(m, TCGEMV_MAX_ROWS)
@@ -260,7 +261,7 @@ def tcgemv_configs(m: int, n: int, k: int, num_sms: int = 132) -> list[KernelCon
             split *= 2
         for s in sorted({split, min(split * 2, max(1, k // 128))}):
             for stages in (1, 2) if (bn, warps) == (256, 4) else (1,):
-                out.append(w4a16_tcgemv.make_config(bn, 128, s, warps, stages))
+                out.append(w4a16_tcgemv.make_config(bn, 128, s, warps, stages, sub_zeros=True))
     return list({tuple(sorted(c.as_dict().items())): c for c in out}.values())
 
 

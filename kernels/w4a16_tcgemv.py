@@ -62,8 +62,11 @@ tried and measured slower or equal on an H200 (one layer's four Llama-3-8B proje
 with it against without: 64.33 vs 60.72 us at 1 row, 80.45 vs 79.52 at 4, 94.19 vs 93.78 at 8),
 and removed; see benchmarks/RESULTS.md.
 
-SUB_ZEROS (a config key, off by default and not in the tuner: not yet run on a GPU) subtracts the
-zero point in the unpacking instead: each pair loses BIAS + z (sub.f16x2 with the pair's own
+SUB_ZEROS (a config key; the default's and every tuner candidate's since it won on an H200: one
+layer's four Llama-3-8B projections, G = 128, bf16, each at its best tile, 57.67 against 61.07 us
+at 1 row, 67.81 / 79.33 at 4, 74.51 / 93.49 at 8, faster at each projection and row count timed;
+benchmarks/w4a16_micro.py, benchmarks/RESULTS.md, ninth session) subtracts the zero point in the
+unpacking instead: each pair loses BIAS + z (sub.f16x2 with the pair's own
 BIAS, 1024 or 64; bf16 fma.rn.bf16x2 by -1), exact for zero points 0..63 (the artifact's are
 4-bit; the default kernel takes any int8), so acc = sum (q - z) x and a chunk adds s * acc: no
 sums of x, no pre-pass, no scratch, and no bias in the fp32 accumulator. A chunk loads x, the
@@ -667,13 +670,14 @@ def make_config(
 def default_config(m: int, n: int, k: int, num_sms: int = 132) -> KernelConfig:
     """Untuned choice: 256 columns on 4 warps by 128 inputs a step (the fewest loop instructions a
     weight in benchmarks/w4a16_tcgemv_ptx.py at 1-8 rows), splits of K for about two programs a
-    multiprocessor (the launcher rounds them to a divisor of K / chunk)."""
+    multiprocessor (the launcher rounds them to a divisor of K / chunk), the zero points
+    subtracted in the unpacking (SUB_ZEROS, the module docstring: the artifact's are 4-bit)."""
     bn = 256
     tiles = triton.cdiv(n, bn) * triton.cdiv(m, MAX_ROWS)
     split = 1
     while tiles * split < 2 * num_sms and split * 2 <= max(1, k // 128):
         split *= 2
-    return make_config(bn, 128, split, num_warps=4, num_stages=1)
+    return make_config(bn, 128, split, num_warps=4, num_stages=1, sub_zeros=True)
 
 
 def pair_order(step: int, rows: int, w_as_a: bool, config: KernelConfig) -> int:

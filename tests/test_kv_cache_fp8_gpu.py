@@ -69,9 +69,9 @@ def test_decode_every_config_over_fp8(shape):  # type: ignore[no-untyped-def]
     scale = shape["head_dim"] ** -0.5
     expected = ref(x, scale, k_scale, v_scale)
     configs = dec.prune_configs(
-        dec.FP8_CONFIG_SPACE + dec.FP8_PAIR_CONFIGS, len(seq_lens), max(seq_lens), shape["num_kv_heads"],
+        dec.FP8_CONFIG_SPACE, len(seq_lens), max(seq_lens), shape["num_kv_heads"],
         tuning.num_sms(),
-    )  # what the tuner times over an fp8 cache (both reads, one- to four-warp variants), and the pair read
+    )  # what the tuner times over an fp8 cache: the pair, word and byte reads, one- to four-warp variants
     assert {c["num_splits"] for c in configs} > {1} and {c.num_warps for c in configs} >= {1, 2, 4}
     assert {c.params.get("fp8_words", 1) for c in configs} == {0, 1, 2}
     for cfg in configs:

@@ -100,10 +100,14 @@ def test_tcgemv_sub_zeros_variants_match_reference(options, dtype):  # type: ign
         _check(m, n, k, g, perm, bias, cfg, dtype)
 
 
-def test_tcgemv_sub_zeros_is_off_by_default_and_named_only_when_on():
-    """The default config (and so the tuner's tables and cache keys) carries no SUB_ZEROS key."""
+def test_tcgemv_default_and_tuner_candidates_subtract_zeros_and_old_tables_keep_their_kernel():
+    """The untuned default and every tensor-core candidate the tuner times use SUB_ZEROS (it won at
+    every shape timed); a config without the key (a table an older build wrote) names the sums'
+    kernel, so such an artifact runs the kernel it was tuned with."""
     assert "SUB_ZEROS" not in w4a16_tcgemv.make_config(256, 128, 8).params
-    assert "SUB_ZEROS" not in w4a16_tcgemv.default_config(1, 4096, 4096).params
+    assert w4a16_tcgemv.default_config(1, 4096, 4096)["SUB_ZEROS"] == 1
+    for m in (1, 4, 8, 16):
+        assert all(c["SUB_ZEROS"] == 1 for c in w4a16_gemm.tcgemv_configs(m, 6144, 4096))
     assert w4a16_tcgemv.make_config(256, 128, 8, sub_zeros=True)["SUB_ZEROS"] == 1
 
 
