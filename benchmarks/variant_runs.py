@@ -68,14 +68,16 @@ def build(out: Path, artifact: Path, variant: str, record: Recorder, max_model_l
     return artifact
 
 
-def measure(out: Path, variant: str, artifact: Path, phases: set[str], record: Recorder) -> list[dict[str, object]]:
-    """serving.py's ``phases`` on this artifact, in a fresh process; its JSON lines, recorded
-    with the variant's name (an ``engine_failed`` row when the process failed)."""
+def measure(out: Path, variant: str, artifact: Path, phases: set[str], record: Recorder,
+            setup: str = "") -> list[dict[str, object]]:  # fmt: skip
+    """serving.py's ``phases`` on this artifact, in a fresh process (``setup``: Python run there
+    first); its JSON lines, recorded with the variant's name (an ``engine_failed`` row when the
+    process failed)."""
     vdir = out / variant
     vdir.mkdir(parents=True, exist_ok=True)
     (vdir / "serving.jsonl").unlink(missing_ok=True)
     code = (
-        "import sys; from pathlib import Path; sys.path.insert(0, 'benchmarks'); import serving; "
+        f"{setup}\nimport sys; from pathlib import Path; sys.path.insert(0, 'benchmarks'); import serving; "
         f"serving.phase_ours(Path({str(vdir)!r}), Path({str(artifact)!r}), set({sorted(phases)!r}))"
     )
     proc = subprocess.run([sys.executable, "-c", code], check=False, cwd=Path(__file__).parent.parent)

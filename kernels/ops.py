@@ -206,16 +206,17 @@ def paged_attention(
 ) -> torch.Tensor:
     """Decode batches (max_query_len == 1) take the split-context decode kernel; prefill and
     chunked prefill the prefill kernel. A mixed batch whose first ``num_decodes`` sequences have
-    one query token each runs them through the decode kernel and the rest through the prefill
-    kernel when there are at least MIN_SPLIT_DECODES of them, else the prefill kernel takes every
+    one query token each may run them through the decode kernel and the rest through the prefill
+    kernel (MIN_SPLIT_DECODES, off by default: see there); else the prefill kernel takes every
     row. An fp8 cache is read as fp8 * k_scale / v_scale."""
     if not _triton(q):
         return reference.paged_attention(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale
         )
-    if max_query_len > 1 and MIN_SPLIT_DECODES <= num_decodes < seq_lens.shape[0]:
+    split = num_decodes - num_decodes % SPLIT_ALIGN
+    if max_query_len > 1 and MIN_SPLIT_DECODES is not None and MIN_SPLIT_DECODES <= split < seq_lens.shape[0]:
         return decodes_then_prefill(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len, num_decodes,
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len, split,
             k_scale, v_scale,
         )  # fmt: skip
     if max_query_len == 1:
@@ -235,7 +236,18 @@ def paged_attention(
 # benchmarks/RESULTS.md), 1000 decodes at 600 tokens + 14 prompts of 512 took 1002 us in the prefill
 # kernel against 537 us split with an fp8 cache (878 against 742 bf16); at 64 decodes 250 against
 # 215 fp8, 207 against 213 bf16 (the split's second launch is not free).
-MIN_SPLIT_DECODES = 64
+#
+# End to end the split as first merged (at exactly num_decodes, threshold 64) made W1 slower: fp8
+# KV, one H200, the same artifact in the same run, 9,207 output tok/s split against 11,443 not
+# (benchmarks/RESULTS.md, ninth session). The likely cause, not yet confirmed on a GPU: the prefill
+# kernel's seq_lens[d:] is 16-byte aligned only when d is a multiple of 4, and Triton specializes
+# pointer arguments on that alignment, so most mixed steps launched a variant the artifact's
+# triton_cache (compiled from aligned tensors) did not hold, compiled while serving. The split
+# point is now rounded down to a multiple of SPLIT_ALIGN (every sliced argument stays aligned;
+# the few decodes past it go to the prefill kernel), but until that is measured end to end the
+# split is off: None. benchmarks/kvcache.py --split-decodes 64 measures it against the default.
+MIN_SPLIT_DECODES: int | None = None
+SPLIT_ALIGN = 16
 
 
 def decodes_then_prefill(

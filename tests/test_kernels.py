@@ -9,6 +9,7 @@ bf16 tl.dot is wrong.
 from __future__ import annotations
 
 import os
+import types
 
 import numpy as np
 import pytest
@@ -230,6 +231,46 @@ def test_mixed_batch_decodes_then_prefill_matches_reference(cache):
         k_scale, v_scale,
     )  # fmt: skip
     out = ops.decodes_then_prefill(**x, scale=0.2, max_seq_len=70, num_decodes=3, k_scale=k_scale, v_scale=v_scale)
+    close(out, expected, torch.float32)
+
+
+def test_mixed_step_split_keeps_every_kernel_argument_aligned(monkeypatch):
+    """Triton specializes pointer arguments on 16-byte alignment, and the artifact's kernel cache
+    holds the aligned variants: a split at 67 decodes would hand the prefill kernel seq_lens[67:]
+    (an int32 slice off by 12 bytes), a variant compiled while serving. The split point is rounded
+    down to a multiple of 16 (64 here; the other 3 decodes go to the prefill kernel), every
+    tensor the kernels get is aligned, and the output is attention over the whole batch. With
+    the split off (the default) the prefill kernel takes every row."""
+    launches = []
+
+    def recorder(name):  # type: ignore[no-untyped-def]
+        def launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, *rest, out=None,
+                   k_scale=1.0, v_scale=1.0):  # type: ignore[no-untyped-def]
+            tensors = (q, block_tables, seq_lens, query_start_loc, out)
+            launches.append((name, seq_lens.shape[0], [t.data_ptr() % 16 for t in tensors if t is not None]))
+            y = reference.paged_attention(
+                q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale
+            )
+            return y if out is None else out.copy_(y)
+
+        return launch
+
+    monkeypatch.setattr(ops, "_triton", lambda x: True)
+    kernels = types.SimpleNamespace(decode=recorder("decode"), prefill=recorder("prefill"))
+    monkeypatch.setattr(ops, "_kernels", lambda: kernels)
+    seq_lens = [5 + i % 11 for i in range(67)] + [40, 9]
+    x = paged_inputs(seq_lens, [1] * 67 + [40, 9], 8, 2, 32, 8, torch.float32)
+    expected = reference.paged_attention(
+        x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["seq_lens"], x["query_start_loc"], 0.2
+    )
+    out = ops.paged_attention(**x, scale=0.2, max_query_len=40, max_seq_len=40, num_decodes=67)
+    assert [(name, n) for name, n, _ in launches] == [("prefill", 69)]
+    close(out, expected, torch.float32)
+    launches.clear()
+    monkeypatch.setattr(ops, "MIN_SPLIT_DECODES", 64)
+    out = ops.paged_attention(**x, scale=0.2, max_query_len=40, max_seq_len=40, num_decodes=67)
+    assert [(name, n) for name, n, _ in launches] == [("decode", 64), ("prefill", 5)]
+    assert all(offset == 0 for _, _, offsets in launches for offset in offsets), launches
     close(out, expected, torch.float32)
 
 

@@ -145,6 +145,7 @@ def test_ops_dispatch_with_a_tuning_table():
         }
     }
     ops.configure(table)
+    split = ops.MIN_SPLIT_DECODES
     try:
         x = paged_inputs(DECODE_LENS, [1] * len(DECODE_LENS), block_size=16, **LLAMA)
         out = ops.paged_attention(**x, scale=0.088, max_query_len=1, max_seq_len=max(DECODE_LENS))
@@ -152,12 +153,11 @@ def test_ops_dispatch_with_a_tuning_table():
         x = paged_inputs([900, 1000], [900, 1000], block_size=16, **LLAMA)
         out = ops.paged_attention(**x, scale=0.088, max_query_len=1000, max_seq_len=1000)
         assert rel_err(out, ref_attention(x, 0.088)) < 1e-2
-        # A mixed step with enough leading decodes runs them through the decode kernel.
-        lens = [300 + 7 * i for i in range(ops.MIN_SPLIT_DECODES)] + [513, 200]
-        x = paged_inputs(lens, [1] * ops.MIN_SPLIT_DECODES + [513, 50], block_size=16, **LLAMA)
-        out = ops.paged_attention(
-            **x, scale=0.088, max_query_len=513, max_seq_len=max(lens), num_decodes=ops.MIN_SPLIT_DECODES
-        )
+        # A mixed step with the split on: 64 of its 67 leading decodes through the decode kernel.
+        lens = [300 + 7 * i for i in range(67)] + [513, 200]
+        x = paged_inputs(lens, [1] * 67 + [513, 50], block_size=16, **LLAMA)
+        ops.MIN_SPLIT_DECODES = 64
+        out = ops.paged_attention(**x, scale=0.088, max_query_len=513, max_seq_len=max(lens), num_decodes=67)
         assert rel_err(out, ref_attention(x, 0.088)) < 1e-2
         h = torch.randn(5, 4096, device="cuda", dtype=DT)
         w = torch.randn(4096, device="cuda", dtype=DT)
@@ -166,6 +166,7 @@ def test_ops_dispatch_with_a_tuning_table():
         torch.testing.assert_close(ops.silu_and_mul(gate_up), reference.silu_and_mul(gate_up))
     finally:
         ops.configure(None)
+        ops.MIN_SPLIT_DECODES = split
 
 
 def test_decode_attention_in_a_cuda_graph():
