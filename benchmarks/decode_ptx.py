@@ -26,7 +26,7 @@ pipelined prologue is left out) and, in brackets where it differs, for the whole
                shared memory the launch allocates (metadata.shared)
 
 An fp8 cache is compiled with the word read (the launcher's default), or as --fp8-read says:
-bytes (= --fp8-bytes) or pairs (the experimental pair read, config fp8_words 2).
+bytes (= --fp8-bytes) or pairs (the pair read, config fp8_words 2).
 
 --compare compiles bf16 and the three fp8 reads at each variant (default: 32 and 64 tokens on 1,
 2 and 4 warps, 2 and 3 stages) and prints a table per 64-token tile: registers, spilled bytes,
@@ -616,7 +616,7 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument(
         "--fp8-read", choices=list(FP8_READS), default="",
-        help="an fp8 cache's read: words (default), bytes (= --fp8-bytes), pairs (fp8_words 2, experimental)",
+        help="an fp8 cache's read: words (default), bytes (= --fp8-bytes), pairs (fp8_words 2)",
     )  # fmt: skip
     ap.add_argument(
         "--compare", action="store_true",

@@ -294,7 +294,7 @@ def _paged_signature(cache: str) -> dict[str, str]:
 )
 def test_paged_decode_kernel_with_fp8_cache_compiles_for_sm90(direct: bool, fp8_words: bool | int) -> None:
     """The fp8 reads: int32 words unpacked in inline PTX (head_dim a power of two, the launcher's
-    choice at every model shape we ship), fp8 values (other head_dims), and the experimental pair
+    choice at every model shape we ship), fp8 values (other head_dims), and the pair
     read (FP8_WORDS 2: V's words unpacked by token pairs in inline PTX)."""
     sig = dict(
         _paged_signature("*fp8e4nv"), part_out_ptr="*fp32", part_lse_ptr="*fp32", qk_scale="fp32", v_scale="fp32",

@@ -156,7 +156,7 @@ PAIRS = {"fp8_words": 2}
         pytest.param(
             9, 3, 64, 16, [1, 9, 41, 341], {"BLOCK_N": 32, "num_splits": 4, "fp8_words": 0}, id="config-byte-path"
         ),
-        # the pair read (fp8_words 2, experimental): V unpacked by token pairs in the PV dot's column
+        # the pair read (fp8_words 2, the tuner's usual pick): V unpacked by token pairs in the PV dot's column
         # order; odd lengths leave a pair half masked, splits leave tiles empty
         pytest.param(4, 4, 16, 8, [1, 9, 41], dict(PAIRS, BLOCK_N=16, num_splits=1), id="pairs-mha-direct"),
         pytest.param(9, 3, 64, 16, [1, 9, 41, 341], dict(PAIRS, BLOCK_N=32, num_splits=4), id="pairs-split"),
@@ -322,9 +322,9 @@ def test_tuning_problems_use_the_kv_cache_dtype():
     assert problems.problem_size("paged_decode_attention", fp8, dims)[0] == kv + 2 * 64 * 32 * 128 * 2
     assert problems.problem_size("paged_decode_attention", half, dims)[0] == 2 * kv + 2 * 64 * 32 * 128 * 2
     assert problems.kv_bytes(fp8, dims) * 2 == problems.kv_bytes(half, dims)
-    # an fp8 cache's decode tuning times the byte read as well as the word read; a bf16 one neither
+    # an fp8 cache's decode tuning times the pair, word and byte reads; a bf16 one none of them
     reads = {c.params.get("fp8_words", 1) for c in problems.config_space("paged_decode_attention", fp8, dims)}
-    assert reads == {0, 1}
+    assert reads == {0, 1, 2}
     assert all("fp8_words" not in c.params for c in problems.config_space("paged_decode_attention", half, dims))
     x = problems.decode_inputs(
         tuning.ModelShapes(4, 2, 16, 64, 128, 8, "float32", kv_cache_dtype="float8_e4m3fn"), 2, 40, "cpu"
