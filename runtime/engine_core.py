@@ -22,6 +22,7 @@ import torch
 
 from pagecast.runtime.block_pool import BlockPool
 from pagecast.runtime.errors import InvalidRequestError
+from pagecast.runtime.kernel_cache import process_compiles
 from pagecast.runtime.loader import LoadedArtifact, load_artifact, zeros_kv_cache
 from pagecast.runtime.messages import EngineStats
 from pagecast.runtime.model_runner import LaunchedStep, ModelRunner, RunnerOutput
@@ -209,6 +210,9 @@ class EngineCore:
             t0 = time.perf_counter()
             self.warm_up()
             self.startup_s["warm_up"] = time.perf_counter() - t0
+        # From here on a compile is one the artifact's cache and the warm-up did not cover.
+        self._compiles = process_compiles()
+        self._compiles_when_ready = self._compiles.count
         relax_gc()
 
     def _num_kv_blocks(self) -> int:
@@ -448,6 +452,7 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
+            num_kernel_compiles=self._compiles.count - self._compiles_when_ready,
         )
 
 

@@ -71,3 +71,15 @@ class TritonCompiles:
     @property
     def count(self) -> int:
         return len(self.names)
+
+
+_process_compiles: TritonCompiles | None = None
+
+
+def process_compiles() -> TritonCompiles:
+    """One recorder for this process, installed at the first call (so engines made one after
+    another share it rather than chain a listener each)."""
+    global _process_compiles
+    if _process_compiles is None:
+        _process_compiles = TritonCompiles()
+    return _process_compiles

@@ -34,6 +34,9 @@ class EngineStats:
     num_preemptions: int
     num_prompt_tokens: int
     num_generation_tokens: int
+    # Triton kernels compiled in the engine's process since it was ready (its artifact's kernel
+    # cache missed them: each compile stalls every running request, typically for a second or more).
+    num_kernel_compiles: int = 0
 
 
 class AddRequest(msgspec.Struct, tag=True, array_like=True):

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -116,3 +117,29 @@ def test_the_build_runs_the_grammar_mask_kernel_at_every_specialisation(monkeypa
         for vocab in (("i32", "D"), ("i32", "")):
             for words in (("i32", "D"), ("i32", "")):
                 assert (num_rows, vocab, vocab, words) in ints, (num_rows, vocab, words)
+
+
+def test_engine_stats_and_metrics_count_kernels_compiled_once_it_is_ready(tiny_llama_artifact) -> None:  # type: ignore[no-untyped-def]
+    """A kernel compiled while serving (the artifact's cache and the warm-up missed it) shows in
+    the engine's statistics and in /metrics as pagecast_kernel_compiles_total; a cache hit does
+    not count. Triton reports each kernel to its compilation listener (the child above shows a
+    real compile reaching TritonCompiles); here the engine's listener is called as Triton calls it,
+    since this session's interpreter mode compiles nothing."""
+    from triton import knobs
+
+    from pagecast.runtime.engine import LLMEngine
+    from pagecast.runtime.server.metrics import ServerMetrics
+
+    engine = LLMEngine(tiny_llama_artifact)
+    # the server's view of an engine (AsyncEngine): alive, and its core's statistics
+    metrics = ServerMetrics({"tiny": SimpleNamespace(is_alive=lambda: True, stats=engine.stats)})
+    line = 'pagecast_kernel_compiles_total{model_name="tiny"}'
+    assert engine.stats().num_kernel_compiles == 0
+    assert f"{line} 0.0" in metrics.exposition().decode()
+    for hit in (False, True):
+        knobs.compilation.listener(
+            src=type("Src", (), {"name": "_late_kernel"})(), metadata=None, metadata_group=None, times=None,
+            cache_hit=hit,
+        )  # fmt: skip
+    assert engine.stats().num_kernel_compiles == 1
+    assert f"{line} 1.0" in metrics.exposition().decode()

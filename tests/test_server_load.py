@@ -187,6 +187,7 @@ def test_metrics_parse_and_name_every_documented_family(server):  # type: ignore
         "pagecast_prompt_tokens": "counter",
         "pagecast_generation_tokens": "counter",
         "pagecast_num_preemptions": "counter",
+        "pagecast_kernel_compiles": "counter",
     }
     for name, kind in expected.items():
         assert name in families, name

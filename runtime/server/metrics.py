@@ -3,8 +3,8 @@ the tests, never share or clash).
 
 Two sources: per-request latencies and finish reasons, observed here as the server follows
 each engine request; and engine-wide state and totals (running/waiting requests, KV blocks,
-prefix cache, token and preemption counts), read from ``engine.stats()`` at scrape time so
-they are always current and count every request, also those of the Python API.
+prefix cache, token, preemption and kernel-compile counts), read from ``engine.stats()`` at
+scrape time so they are always current and count every request, also those of the Python API.
 
 Every metric carries ``model_name`` (the served name) except the error counter, whose
 request may name no valid model. Names are listed in README.md, section "Serving".
@@ -174,6 +174,10 @@ class _EngineCollector(Collector):
         prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         generation_tokens = counter("generation_tokens", "Tokens generated.")
         preemptions = counter("num_preemptions", "Sequences preempted (their KV blocks recomputed later).")
+        compiles = counter(
+            "kernel_compiles",
+            "Triton kernels compiled while serving (the artifact's kernel cache missed them; each stalls the engine).",
+        )
         admitted = self._in_flight() if self._in_flight is not None else {}
         for name, engine in self._engines.items():
             is_alive = bool(engine.is_alive())
@@ -195,6 +199,7 @@ class _EngineCollector(Collector):
             prompt_tokens.add_metric([name], s.num_prompt_tokens)
             generation_tokens.add_metric([name], s.num_generation_tokens)
             preemptions.add_metric([name], s.num_preemptions)
+            compiles.add_metric([name], s.num_kernel_compiles)
         yield from (
             alive,
             running,
@@ -209,4 +214,5 @@ class _EngineCollector(Collector):
             prompt_tokens,
             generation_tokens,
             preemptions,
+            compiles,
         )
