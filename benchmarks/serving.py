@@ -264,10 +264,10 @@ def phase_ours(out: Path, artifact: Path, phases: set[str]) -> None:
     it (``triton_compiles``, the artifact's cache missed them; a compile takes seconds, so a
     nonzero count explains a slow figure)."""
     from pagecast.runtime.engine import LLMEngine
-    from pagecast.runtime.kernel_cache import TritonCompiles
+    from pagecast.runtime.kernel_cache import process_compiles
     from pagecast.runtime.sampling_params import SamplingParams
 
-    compiles = TritonCompiles()
+    compiles = process_compiles()
     start = time.perf_counter()
     engine = LLMEngine(artifact, max_num_seqs=1024, max_num_batched_tokens=8192, gpu_memory_utilization=0.92)
     emit(out, figure="engine_init_seconds", value=round(time.perf_counter() - start, 1),

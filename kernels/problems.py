@@ -232,7 +232,7 @@ def _w4a16_sizes(shapes: ModelShapes, dims: dict[str, int]) -> dict[str, int]:
     the runtime's launch has it: the activations' and scales' element sizes, the group size."""
     return {
         "x_elt": _elt(shapes),
-        "scale_elt": torch.empty((), dtype=w4a16_scale_dtype(shapes)).element_size(),
+        "scale_elt": w4a16_scale_dtype(shapes).itemsize,
         "group_size": _group_size(shapes, dims["k"]),
     }
 

@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from pagecast.runtime.kernel_cache import TritonCompiles
+from pagecast.runtime.kernel_cache import process_compiles
 from pagecast.runtime.messages import (
     AbortRequests,
     AddRequest,
@@ -130,7 +130,9 @@ def run_engine_core(
         before_core = {"spawn": entered - spawned_at, **before_core}
 
     # Every kernel the start-up and the serving compile (0 when the artifact's cache has them all).
-    compiles = TritonCompiles()
+    # The process's one recorder, made here first (so it counts from here); EngineCore's statistics
+    # read the same one.
+    compiles = process_compiles()
     try:
         t0 = time.perf_counter()
         core = EngineCore(artifact, EngineOptions(**options), load_tokenizer=False)

@@ -20,8 +20,9 @@ class ForwardContext:
     max_query_len: int  # 1 for a pure decode batch: kernels pick the decode path from it
     max_seq_len: int  # longest context, for grid sizing
     logits_indices: torch.Tensor  # [num_logits] int64: rows of the hidden states to project to logits
-    # Leading sequences with one query token each (decodes, which the scheduler puts first): in a
-    # mixed batch the decode kernel takes them and the prefill kernel the rest (ops.paged_attention).
+    # Leading sequences with one query token each (decodes, which the scheduler puts first) of a
+    # mixed batch: the decode kernel may take them and the prefill kernel the rest
+    # (ops.paged_attention). 0 in a decode-only batch, which needs no count.
     num_decodes: int = 0
 
 

@@ -179,15 +179,17 @@ class ModelRunner:
         def to_dev(values: list, dtype: torch.dtype) -> torch.Tensor:
             return to_device(values, self.device, dtype)
 
+        max_query_len = max(out.num_scheduled_tokens)
         ctx = ForwardContext(
             slot_mapping=to_dev(slots, torch.int64),
             block_tables=to_dev(block_tables, torch.int32),
             seq_lens=to_dev(seq_lens, torch.int32),
             query_start_loc=to_dev(query_start_loc, torch.int32),
-            max_query_len=max(out.num_scheduled_tokens),
+            max_query_len=max_query_len,
             max_seq_len=max(seq_lens),
             logits_indices=to_dev(logits_rows, torch.int64),
-            num_decodes=leading_decodes(out.num_scheduled_tokens),
+            # a decode-only step needs no count (and would walk its whole batch for it)
+            num_decodes=leading_decodes(out.num_scheduled_tokens) if max_query_len > 1 else 0,
         )
         ids = to_dev(input_ids, torch.int64)
         if from_prev:
