@@ -68,7 +68,7 @@ at 1 row, 67.81 / 79.33 at 4, 74.51 / 93.49 at 8, faster at each projection and 
 benchmarks/w4a16_micro.py, benchmarks/RESULTS.md, ninth session) subtracts the zero point in the
 unpacking instead: each pair loses BIAS + z (sub.f16x2 with the pair's own
 BIAS, 1024 or 64; bf16 fma.rn.bf16x2 by -1), exact for zero points 0..63 (the artifact's are
-4-bit; the default kernel takes any int8), so acc = sum (q - z) x and a chunk adds s * acc: no
+4-bit; the sums' kernel takes any int8), so acc = sum (q - z) x and a chunk adds s * acc: no
 sums of x, no pre-pass, no scratch, and no bias in the fp32 accumulator. A chunk loads x, the
 scales, the zero points and the packed words before using any of them: Triton puts the words'
 layout conversion right after their load (it moves dot-operand conversions next to their
@@ -652,9 +652,10 @@ def make_config(
 ) -> KernelConfig:
     """``block_k``: the most inputs a dot step covers (the launcher takes the widest power of two
     dividing the group). The keyword options choose the variants the static counts compare
-    (benchmarks/w4a16_tcgemv_ptx.py); the defaults are the cheapest. ``sub_zeros``: the zero
-    points subtracted in the unpacking (the module docstring; named in the config only when on,
-    so the default configs and the tuner's tables are unchanged)."""
+    (benchmarks/w4a16_tcgemv_ptx.py); but for ``sub_zeros`` the defaults are the cheapest.
+    ``sub_zeros``: the zero points subtracted in the unpacking (the module docstring: more
+    instructions, yet faster on an H200, so default_config and the tuner ask for it). It is named in
+    the config only when on, so a table written before it keeps naming the sums' kernel."""
     return KernelConfig(
         {
             "tcgemv": 1, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k,
