@@ -6,14 +6,15 @@ attention kernels are tuned first, on caches of the variant's KV dtype), then me
 benchmarks/serving.py's W1 and W6 phases in a fresh process (one engine holds most of the GPU's
 memory), so the figures are exactly the ones serving.py reports.
 
-    python benchmarks/kvcache.py --out OUTDIR [--variants bf16,fp8] [--tune-budget 60] [--split-decodes 64]
+    python benchmarks/kvcache.py --out OUTDIR [--variants bf16,fp8] [--tune-budget 60] [--split-decodes off|N]
 
 About 7-8 minutes on an H200 with the defaults (two builds of ~1.5 min, two engines of ~2 min).
 Artifacts are kept in OUTDIR and reused. Prints a table at the end (fp8 / bf16 ratios and the
 issue's targets: W6 >= 24,000 and W1 >= 11,500 output tok/s with the fp8 cache) and one JSON
-line per figure (also in OUTDIR/kvcache.jsonl). --split-decodes N adds a row per variant,
-"VARIANT+splitN": the same artifact measured with mixed steps split (kernels/ops.py
-MIN_SPLIT_DECODES = N). Every row's figures carry the Triton kernels compiled during them.
+line per figure (also in OUTDIR/kvcache.jsonl). --split-decodes off|N adds a row per variant,
+"VARIANT+split-off" or "VARIANT+splitN": the same artifact measured again with mixed steps not split,
+or split from N leading decodes (kernels/ops.py MIN_SPLIT_DECODES, 64 by default). Every row's
+figures carry the Triton kernels compiled during them.
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--tune-budget", type=float, default=60.0)
     ap.add_argument(
-        "--split-decodes", type=int, default=None, metavar="N",
-        help="also measure each variant with mixed steps' leading decodes split off to the decode kernel "
-             "from N of them (kernels/ops.py MIN_SPLIT_DECODES, off by default), on the same artifact",
+        "--split-decodes", default=None, metavar="off|N",
+        help="also measure each variant, on the same artifact, with mixed steps not split (off) or their "
+             "leading decodes split off to the decode kernel from N of them (kernels/ops.py MIN_SPLIT_DECODES, "
+             "64 by default)",
     )  # fmt: skip
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -60,8 +62,9 @@ def main() -> None:
                kv_cache_dtype=plan.get("kv_cache_dtype"))  # fmt: skip
         results[variant] = {r["figure"]: r for r in variant_runs.measure(args.out, variant, artifact, {"W1", "W6"}, record)}  # type: ignore[misc]
         if args.split_decodes is not None:
-            setup = f"from pagecast.kernels import ops; ops.MIN_SPLIT_DECODES = {args.split_decodes}"
-            split = f"{variant}+split{args.split_decodes}"
+            split_from = None if args.split_decodes == "off" else int(args.split_decodes)
+            setup = f"from pagecast.kernels import ops; ops.MIN_SPLIT_DECODES = {split_from}"
+            split = f"{variant}+split{'-off' if split_from is None else split_from}"
             results[split] = {r["figure"]: r for r in variant_runs.measure(args.out, split, artifact, {"W1", "W6"}, record, setup)}  # type: ignore[misc]
     record(figure="total_seconds", value=round(time.perf_counter() - started, 1))
 

@@ -207,7 +207,7 @@ def paged_attention(
     """Decode batches (max_query_len == 1) take the split-context decode kernel; prefill and
     chunked prefill the prefill kernel. A mixed batch whose first ``num_decodes`` sequences have
     one query token each may run them through the decode kernel and the rest through the prefill
-    kernel (MIN_SPLIT_DECODES, off by default: see there); else the prefill kernel takes every
+    kernel (from MIN_SPLIT_DECODES of them: see there); else the prefill kernel takes every
     row. An fp8 cache is read as fp8 * k_scale / v_scale."""
     if not _triton(q):
         return reference.paged_attention(
@@ -239,14 +239,15 @@ def paged_attention(
 #
 # End to end the split as first merged (at exactly num_decodes, threshold 64) made W1 slower: fp8
 # KV, one H200, the same artifact in the same run, 9,207 output tok/s split against 11,443 not
-# (benchmarks/RESULTS.md, ninth session). The likely cause, not yet confirmed on a GPU: the prefill
-# kernel's seq_lens[d:] is 16-byte aligned only when d is a multiple of 4, and Triton specializes
-# pointer arguments on that alignment, so most mixed steps launched a variant the artifact's
-# triton_cache (compiled from aligned tensors) did not hold, compiled while serving. The split
-# point is now rounded down to a multiple of SPLIT_ALIGN (every sliced argument stays aligned;
-# the few decodes past it go to the prefill kernel), but until that is measured end to end the
-# split is off: None. benchmarks/kvcache.py --split-decodes 64 measures it against the default.
-MIN_SPLIT_DECODES: int | None = None
+# (benchmarks/RESULTS.md, ninth session). The prefill kernel's seq_lens[d:] is 16-byte aligned
+# only when d is a multiple of 4, and Triton specializes pointer arguments on that alignment, so
+# most mixed steps launched a variant the artifact's triton_cache (compiled from aligned tensors)
+# did not hold, compiled while serving. The split point is rounded down to a multiple of
+# SPLIT_ALIGN so every sliced argument stays aligned (the few decodes past it go to the prefill
+# kernel). Measured so (benchmarks/kvcache.py --split-decodes 64, one H200, same artifacts, tenth
+# session): fp8 W1 11,928 against 11,523 without the split, bf16 10,992 against 10,903; W6 equal
+# (24,312 / 24,324 fp8); no kernel compiled while serving in any of them.
+MIN_SPLIT_DECODES: int | None = 64
 SPLIT_ALIGN = 16
 
 

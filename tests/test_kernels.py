@@ -239,8 +239,8 @@ def test_mixed_step_split_keeps_every_kernel_argument_aligned(monkeypatch):
     holds the aligned variants: a split at 67 decodes would hand the prefill kernel seq_lens[67:]
     (an int32 slice off by 12 bytes), a variant compiled while serving. The split point is rounded
     down to a multiple of 16 (64 here; the other 3 decodes go to the prefill kernel), every
-    tensor the kernels get is aligned, and the output is attention over the whole batch. With
-    the split off (the default) the prefill kernel takes every row."""
+    tensor the kernels get is aligned, and the output is attention over the whole batch. The
+    split is on by default (from 64 decodes); with it off the prefill kernel takes every row."""
     launches = []
 
     def recorder(name):  # type: ignore[no-untyped-def]
@@ -264,13 +264,16 @@ def test_mixed_step_split_keeps_every_kernel_argument_aligned(monkeypatch):
         x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["seq_lens"], x["query_start_loc"], 0.2
     )
     out = ops.paged_attention(**x, scale=0.2, max_query_len=40, max_seq_len=40, num_decodes=67)
-    assert [(name, n) for name, n, _ in launches] == [("prefill", 69)]
-    close(out, expected, torch.float32)
-    launches.clear()
-    monkeypatch.setattr(ops, "MIN_SPLIT_DECODES", 64)
-    out = ops.paged_attention(**x, scale=0.2, max_query_len=40, max_seq_len=40, num_decodes=67)
     assert [(name, n) for name, n, _ in launches] == [("decode", 64), ("prefill", 5)]
     assert all(offset == 0 for _, _, offsets in launches for offset in offsets), launches
+    close(out, expected, torch.float32)
+    launches.clear()
+    out = ops.paged_attention(**x, scale=0.2, max_query_len=40, max_seq_len=40, num_decodes=63)
+    assert [(name, n) for name, n, _ in launches] == [("prefill", 69)]  # 63 rounds down to 48 < 64
+    launches.clear()
+    monkeypatch.setattr(ops, "MIN_SPLIT_DECODES", None)
+    out = ops.paged_attention(**x, scale=0.2, max_query_len=40, max_seq_len=40, num_decodes=67)
+    assert [(name, n) for name, n, _ in launches] == [("prefill", 69)]
     close(out, expected, torch.float32)
 
 
