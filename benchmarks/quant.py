@@ -8,13 +8,10 @@ benchmarks/serving.py's W4 and W1 phases in a fresh process (one engine holds mo
 memory), so the figures are exactly the ones serving.py reports for bf16.
 
     python benchmarks/quant.py --out OUTDIR [--variants bf16,awq,gptq] [--tune-budget 240] [--phases W4,W1]
-                               [--without-pdl]
 
 Artifacts are kept in OUTDIR and reused, so the variants can also be run one command at a time.
 Prints a table at the end (with int4 / bf16 ratios against the issue's targets: W4 <= 0.45x,
-W1 >= 0.9x) and one JSON line per figure (also in OUTDIR/quant.jsonl). --without-pdl adds a row
-per variant, "VARIANT-nopdl": the same artifact measured again with programmatic dependent launch
-off (kernels/pdl.py ENABLED = False).
+W1 >= 0.9x) and one JSON line per figure (also in OUTDIR/quant.jsonl).
 """
 
 from __future__ import annotations
@@ -42,8 +39,6 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--tune-budget", type=float, default=240.0)
     ap.add_argument("--phases", default="W4,W1", help="serving.py phases to measure per variant")
-    ap.add_argument("--without-pdl", action="store_true",
-                    help="also measure each variant, on the same artifact, with kernels/pdl.py ENABLED = False")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     variants = variant_runs.chosen_variants(args.variants, VARIANTS)
@@ -56,11 +51,7 @@ def main() -> None:
             quant=VARIANTS[variant],
         )
         record(variant=variant, figure="weight_bytes", value=weight_bytes(artifact))
-        phases = set(args.phases.split(","))
-        results[variant] = {r["figure"]: r["value"] for r in variant_runs.measure(args.out, variant, artifact, phases, record)}  # type: ignore[misc]
-        if args.without_pdl:
-            setup = "from pagecast.kernels import pdl; pdl.ENABLED = False"
-            results[f"{variant}-nopdl"] = {r["figure"]: r["value"] for r in variant_runs.measure(args.out, f"{variant}-nopdl", artifact, phases, record, setup)}  # type: ignore[misc]
+        results[variant] = {r["figure"]: r["value"] for r in variant_runs.measure(args.out, variant, artifact, set(args.phases.split(",")), record)}  # type: ignore[misc]
 
     # Ratios against bf16 from this run (or from an earlier run's quant.jsonl in the same OUTDIR).
     earlier = [

@@ -12,7 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pagecast.kernels import pdl
 from pagecast.kernels.tuning import KernelConfig
 
 
@@ -24,9 +23,7 @@ def _silu_and_mul_kernel(
     stride_o,
     d,
     BLOCK: tl.constexpr,
-    TRIGGER: tl.constexpr = 0,  # pdl.trigger: the down projection launched after it may start
 ):
-    pdl.trigger(TRIGGER)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -66,7 +63,6 @@ def silu_and_mul(x: torch.Tensor, config: Mapping[str, int] | None = None) -> to
     cfg = KernelConfig.coerce(config) or default_config()
     block = cfg["BLOCK"]
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(d, block))](
-        x, out, x.stride(0), out.stride(0), d, BLOCK=block, TRIGGER=pdl.on(x),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        x, out, x.stride(0), out.stride(0), d, BLOCK=block, num_warps=cfg.num_warps, num_stages=cfg.num_stages
     )
     return out

@@ -56,7 +56,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pagecast.kernels import pdl
 from pagecast.kernels.paged_attention_args import check_paged_attention_args
 from pagecast.kernels.tuning import KernelConfig, num_sms
 
@@ -215,9 +214,7 @@ def _paged_decode_kernel(
     #                           unpacked by token pairs in the PV dot's column order (the pair read)
     USE_ASM: tl.constexpr,  # inline PTX for the fp8 unpacking (False in the interpreter)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 engines (exact), "tf32" (ignored) for half types
-    TRIGGER: tl.constexpr = 0,  # pdl.trigger: the output projection launched after it may start
 ):
-    pdl.trigger(TRIGGER)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -339,9 +336,7 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr,
-    TRIGGER: tl.constexpr = 0,  # pdl.trigger: the output projection launched after it may start
 ):
-    pdl.trigger(TRIGGER)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
@@ -539,12 +534,12 @@ def paged_decode_attention(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=direct, FP8_WORDS=fp8_words,
         USE_ASM=q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TRIGGER=pdl.on(q),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if not direct:
         _decode_merge_kernel[(num_seqs, num_heads)](
             part_out, part_lse, query_start_loc, out, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLIT_CHUNK=16, TRIGGER=pdl.on(q), num_warps=4,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLIT_CHUNK=16, num_warps=4,
         )  # fmt: skip
     return out

@@ -13,7 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pagecast.kernels import pdl
 from pagecast.kernels.tuning import KernelConfig
 
 
@@ -32,9 +31,7 @@ def _rms_norm_kernel(
     eps,
     BLOCK: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr,
-    TRIGGER: tl.constexpr = 0,  # pdl.trigger: a projection launched after it may start
 ):
-    pdl.trigger(TRIGGER)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -80,7 +77,7 @@ def _launch(x, residual, weight, out, residual_out, eps, config, add_residual) -
         x, residual, weight, out, residual_out,
         x.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0),
         hidden, eps,
-        BLOCK=triton.next_power_of_2(hidden), ADD_RESIDUAL=add_residual, TRIGGER=pdl.on(x),
+        BLOCK=triton.next_power_of_2(hidden), ADD_RESIDUAL=add_residual,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 

@@ -98,9 +98,8 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
-from pagecast.kernels import pdl, w4a16_gemv
+from pagecast.kernels import w4a16_gemv
 from pagecast.kernels.tuning import KernelConfig
 
 
@@ -489,24 +488,15 @@ def _chunk_sub_zeros(out, x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, N, stride_xm, k
                      n_ok, kk, k_nat, DT: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_PERM: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, P: tl.constexpr,
                      STEPS: tl.constexpr, EVEN_N: tl.constexpr, W_AS_A: tl.constexpr,
-                     PAIR_ORDER: tl.constexpr, DOT_FP32: tl.constexpr, USE_ASM: tl.constexpr,
-                     WAIT: tl.constexpr = 0):  # fmt: skip
+                     PAIR_ORDER: tl.constexpr, DOT_FP32: tl.constexpr, USE_ASM: tl.constexpr):  # fmt: skip
     """SUB_ZEROS: one chunk at input kc, out += s * dot(q - z, x). The global loads of the chunk's
     first step come first (x, the scales, the zero points, the packed words: the words' layout
     conversion goes right after their load, the others' after their first use, x's behind
     _hold), so that none waits on another's conversion; a later step (per-channel chunks of two)
-    loads its words and x when it starts (loading them ahead made ptxas spill). WAIT (the first
-    chunk of a launch with programmatic dependent launch, PDL): the weights' loads are issued
-    before the wait for the previous kernel, x's after it."""
-    if WAIT:
-        s, z = _load_group(s_ptr, z_ptr, N, kc, offs_n, n_ok, GROUP_SIZE, EVEN_N)
-        packed = _load_packed(qw_ptr, N, kc, offs_n, n_ok, P, W_AS_A, EVEN_N)
-        gdc_wait()
-        xs = _load_x_step(x_ptr, perm_ptr, offs_m, m_ok, stride_xm, kc, kk, k_nat, HAS_PERM, W_AS_A)
-    else:
-        xs = _load_x_step(x_ptr, perm_ptr, offs_m, m_ok, stride_xm, kc, kk, k_nat, HAS_PERM, W_AS_A)
-        s, z = _load_group(s_ptr, z_ptr, N, kc, offs_n, n_ok, GROUP_SIZE, EVEN_N)
-        packed = _load_packed(qw_ptr, N, kc, offs_n, n_ok, P, W_AS_A, EVEN_N)
+    loads its words and x when it starts (loading them ahead made ptxas spill)."""
+    xs = _load_x_step(x_ptr, perm_ptr, offs_m, m_ok, stride_xm, kc, kk, k_nat, HAS_PERM, W_AS_A)
+    s, z = _load_group(s_ptr, z_ptr, N, kc, offs_n, n_ok, GROUP_SIZE, EVEN_N)
+    packed = _load_packed(qw_ptr, N, kc, offs_n, n_ok, P, W_AS_A, EVEN_N)
     if W_AS_A:
         zi = tl.broadcast_to(z.to(tl.int32)[:, None], (BLOCK_N, P))
     else:
@@ -561,7 +551,6 @@ def _tcgemv_kernel(
     DOT_FP32: tl.constexpr,  # the interpreter, bf16: dot in fp32 (its bf16 dot is wrong; exact here)
     USE_ASM: tl.constexpr,
     SUB_ZEROS: tl.constexpr = 0,  # unpack q - z (BIAS + z subtracted a pair): no sums of x, no scratch
-    PDL: tl.constexpr = 0,  # launched with programmatic dependent launch (kernels/pdl.py; SUB_ZEROS only)
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -601,16 +590,7 @@ def _tcgemv_kernel(
         tl.debug_barrier()  # the loop reads sums other threads wrote
     kk, k_bias, k_nat, k_bias_dot = _dot_order(DT, BLOCK_K, P, PAIR_ORDER)
     out = _zeros_acc(BLOCK_M, BLOCK_N, W_AS_A)
-    if PDL:
-        # Launched with PDL (kernels/pdl.py): the first chunk's weights load while the kernel
-        # before finishes, and nothing the step writes is touched before gdc_wait there.
-        pdl.trigger(1)
-        out = _chunk_sub_zeros(
-            out, x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, N, stride_xm, k_begin, offs_m, m_ok, offs_n, n_ok, kk,
-            k_nat, DT, GROUP_SIZE, HAS_PERM, BLOCK_M, BLOCK_N, BLOCK_K, P, STEPS, EVEN_N, W_AS_A,
-            PAIR_ORDER, DOT_FP32, USE_ASM, WAIT=1,
-        )  # fmt: skip
-    for c in range(1 if PDL else 0, CHUNKS):
+    for c in range(CHUNKS):
         kc = k_begin + c * CHUNK
         if SUB_ZEROS:
             out = _chunk_sub_zeros(
@@ -778,7 +758,6 @@ def w4a16_tcgemv(
     # the first pass holds at most ~32 inputs a thread (at least one chunk)
     sums_block = max(1, min(triton.next_power_of_2(chunks), 32 * 32 * config.num_warps // (bm * chunk)))
     interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    pdl_launch = sub_zeros and pdl.on(x)  # kernels/pdl.py; the sums' kernel does not wait
     _tcgemv_kernel[(blocks_m, tiles_n, split)](
         x, qweight, scales, zeros, perm if perm is not None else qweight, bias if bias is not None else scales,
         y, partials, locks, sums, m, n, k, x.stride(0), y.stride(0),
@@ -788,9 +767,7 @@ def w4a16_tcgemv(
         PAIR_ORDER=pair_order(step, bm, w_as_a, config) if "PAIR_ORDER" not in params else params["PAIR_ORDER"],
         DOT_FP32=interp and x.dtype == torch.bfloat16,
         USE_ASM=x.is_cuda and not interp,
-        SUB_ZEROS=int(sub_zeros), PDL=int(pdl_launch),
+        SUB_ZEROS=int(sub_zeros),
         num_warps=config.num_warps, num_stages=config.num_stages,
-        **({"launch_pdl": True} if pdl_launch else {}),
     )  # fmt: skip
     return y
-
