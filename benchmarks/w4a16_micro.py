@@ -12,6 +12,8 @@ group size (128, 64) and row count (1, 2, 4, 8, 16, 64), times on one GPU:
 - ``tcgemv_sub_zeros``: the same tiles with the zero points subtracted in the unpacking (the
   kernel's SUB_ZEROS: no per-chunk sums of x, a program's loads issued together; what the tuner
   times since it won here);
+- ``tcgemv_prefetch``: SUB_ZEROS with the next chunk (PREFETCH 1) or the one after (2) of each
+  program's split prefetched into L2 when a chunk starts (off by default, not yet timed);
 - ``dequant``: dequantize the weight then cuBLAS (what the tuner may pick for prefill);
 - ``bf16``: torch.nn.functional.linear on bf16 weights of the same shape (cuBLAS).
 
@@ -22,7 +24,7 @@ that every launch reads its weight from memory rather than L2. GB/s counts the w
 is checked against the pure-torch reference first.
 
     python benchmarks/w4a16_micro.py [--out DIR] [--rows 1,2,4,8,16,64] [--groups 128,64]
-                                     [--projections qkv,o,gate_up,down]
+                                     [--projections qkv,o,gate_up,down] [--variants tcgemv_sub_zeros,...]
 
 One JSON line per figure (also in DIR/w4a16_micro.jsonl), a table at the end, and per group size
 the decode-step sum over the four projections at each row count (what W4 inter-token latency
@@ -45,7 +47,7 @@ import torch
 from pagecast.kernels import reference, tuning, w4a16_gemm, w4a16_gemv, w4a16_tcgemv
 
 PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-INT4_VARIANTS = ("gemm", "gemv", "tcgemv", "tcgemv_sub_zeros", "dequant")
+INT4_VARIANTS = ("gemm", "gemv", "tcgemv", "tcgemv_sub_zeros", "tcgemv_prefetch", "dequant")
 COLD_BYTES = 512 << 20  # weight copies a sample rotates through: ~10x the H200's L2
 MAX_SETS = 64
 
@@ -109,6 +111,11 @@ def candidates(m: int, n: int, k: int, sms: int) -> dict[str, list[tuning.Kernel
         out["tcgemv_sub_zeros"] = [
             tuning.KernelConfig({**c.params, "SUB_ZEROS": 1}, c.num_warps, c.num_stages) for c in tc
         ]
+        out["tcgemv_prefetch"] = [
+            tuning.KernelConfig({**c.params, "SUB_ZEROS": 1, "PREFETCH": d}, c.num_warps, c.num_stages)
+            for c in tc
+            for d in (1, 2)
+        ]
     return out
 
 
@@ -127,7 +134,7 @@ def _compile(task: tuple[int, int, int, int, dict[str, int]]) -> str:
     return ""
 
 
-def precompile(names: list[str], groups: list[int], rows: list[int], sms: int, jobs: int) -> None:
+def precompile(names: list[str], groups: list[int], rows: list[int], sms: int, jobs: int, chosen: set[str]) -> None:
     """Compile every kernel the sweep launches in ``jobs`` processes first: one at a time in the
     main process the compiles alone would take several minutes. Triton specialises the row
     count only as 1, a multiple of 16 or other, and N (a multiple of 16 here) not at all, so
@@ -139,6 +146,8 @@ def precompile(names: list[str], groups: list[int], rows: list[int], sms: int, j
             for m in rows:
                 row_class = 1 if m == 1 else (16 if m % 16 == 0 else 2)
                 for variant, configs in candidates(m, n, k, sms).items():
+                    if variant not in chosen:
+                        continue
                     # the tensor-core kernel's rows a program are a constexpr (a power of two)
                     rc = min(1 << (m - 1).bit_length(), 16) if variant.startswith("tcgemv") else row_class
                     for cfg in configs:
@@ -197,9 +206,9 @@ def summarize(
     """The markdown table, and the decode-step sums over the four projections."""
     print(
         "\n| projection | G | rows | gemm us (GB/s) | gemv us (GB/s) | tcgemv us (GB/s) "
-        "| tcgemv sub-zeros us (GB/s) | dequant us | bf16 us (GB/s) | best int4 / bf16 |"
+        "| tcgemv sub-zeros us (GB/s) | tcgemv prefetch us (GB/s) | dequant us | bf16 us (GB/s) | best int4 / bf16 |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     by_key: dict[tuple[str, int, int], dict[str, dict[str, object]]] = {}
     for r in table:
         by_key.setdefault((str(r["projection"]), int(r["group_size"]), int(r["rows"])), {})[
@@ -212,7 +221,7 @@ def summarize(
             return f"{r['time_us']} ({r['gb_s']})" if r else "-"
 
         int4 = min(float(v[key]["time_us"]) for key in INT4_VARIANTS if key in v)  # type: ignore[arg-type]
-        print(f"| {name} | {g} | {m} | {cell('gemm')} | {cell('gemv')} | {cell('tcgemv')} | {cell('tcgemv_sub_zeros')} | {v['dequant']['time_us']} | {cell('bf16')} | "
+        print(f"| {name} | {g} | {m} | {cell('gemm')} | {cell('gemv')} | {cell('tcgemv')} | {cell('tcgemv_sub_zeros')} | {cell('tcgemv_prefetch')} | {cell('dequant')} | {cell('bf16')} | "
               f"{int4 / float(v['bf16']['time_us']):.3f} |")  # type: ignore[arg-type]  # fmt: skip
     # A decode step's four projections of one layer, best int4 path each, against bf16.
     if set(names) == set(PROJECTIONS):
@@ -231,10 +240,16 @@ def summarize(
                     for key in keys
                     if "tcgemv_sub_zeros" in by_key[key]
                 )  # type: ignore[arg-type]
+                tc_pf = sum(
+                    float(by_key[key]["tcgemv_prefetch"]["time_us"])
+                    for key in keys
+                    if "tcgemv_prefetch" in by_key[key]
+                )  # type: ignore[arg-type]
                 record(out, {"figure": "layer_projections_us", "group_size": g, "rows": m,
                                   "best_int4_us": round(int4, 2), "gemv_us": round(gemv, 2) if gemv else None,
                                   "tcgemv_us": round(tc, 2) if tc else None,
                                   "tcgemv_sub_zeros_us": round(tc_sz, 2) if tc_sz else None,
+                                  "tcgemv_prefetch_us": round(tc_pf, 2) if tc_pf else None,
                                   "bf16_us": round(bf16, 2), "ratio_to_bf16": round(int4 / bf16, 3)})  # fmt: skip
 
 
@@ -244,6 +259,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8,16,64")
     ap.add_argument("--groups", default="128,64")
     ap.add_argument("--projections", default=",".join(PROJECTIONS))
+    ap.add_argument("--variants", default=",".join(INT4_VARIANTS), help="int4 variants to time (bf16 always)")
     ap.add_argument("--jobs", type=int, default=min(12, os.cpu_count() or 1), help="compile processes")
     args = ap.parse_args()
     if args.out is not None:
@@ -251,12 +267,15 @@ def main() -> None:
     rows_list = [int(r) for r in args.rows.split(",")]
     groups = [int(g) for g in args.groups.split(",")]
     names = [p for p in args.projections.split(",") if p]
+    chosen = set(args.variants.split(","))
+    if chosen - set(INT4_VARIANTS):
+        ap.error(f"unknown variants {sorted(chosen - set(INT4_VARIANTS))}; known: {', '.join(INT4_VARIANTS)}")
     sms = tuning.num_sms()
     record(args.out, {"figure": "machine", "gpu": torch.cuda.get_device_name(0), "sms": sms,
                       "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M")})  # fmt: skip
     start = time.perf_counter()
     if args.jobs > 1:
-        precompile(names, groups, rows_list, sms, args.jobs)
+        precompile(names, groups, rows_list, sms, args.jobs, chosen)
     gen = torch.Generator(device="cuda").manual_seed(0)
     table: list[dict[str, object]] = []
     for name in names:
@@ -275,6 +294,7 @@ def main() -> None:
                 variants: dict[str, tuple[float, tuning.KernelConfig | None]] = {
                     variant: best(configs, x, weights, g)
                     for variant, configs in candidates(m, n, k, sms).items()
+                    if variant in chosen
                 }
                 variants["bf16"] = (bf16_us, None)
                 for variant, (t_us, cfg) in variants.items():

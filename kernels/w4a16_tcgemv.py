@@ -84,6 +84,19 @@ warps, o_proj and gate_up at the tuner's splits) against 1.46-1.50 / 1.73-1.77; 
 tuner's tiles (benchmarks/w4a16_tcgemv_ptx.py --sub-zeros --order). The second step of a
 per-channel chunk loads its words and x when it starts (loading them ahead made ptxas spill).
 
+PREFETCH (a config key, with SUB_ZEROS; off, and not among the tuner's candidates, until an H200
+times it: benchmarks/w4a16_micro.py --variants tcgemv_sub_zeros,tcgemv_prefetch): a chunk's
+loads wait on memory once per chunk, and a program's next chunk is not requested until its
+current one is done, so a program has one chunk's bytes in flight. With PREFETCH d, when a
+program starts chunk c it prefetches chunk c + d of its split into L2 (prefetch.global.L2, one
+a 128-byte line: the packed words, the scales, the zero points), so the chunk's own loads later
+wait on L2. +0.1 loop instructions a weight (2.41 against 2.29 at gate_up 256 x 4, 1 row, bf16),
+the same registers and barriers, the weight still converted as its packed tile. Holding the next
+chunk's words in registers instead (loaded a chunk ahead, passed to the next iteration through
+_hold) was compiled and dropped: Triton then no longer hoists the weight's conversion to the int32
+load (its chain starts at the move, not at a load) and stages the unpacked bf16 tile in shared
+memory, at 255 registers and 3.2-3.6 loop instructions a weight.
+
 Loop SASS instructions a weight, G = 128, BLOCK_N 256 on 4 warps (1 / 4 / 8 / 16 rows): fp16
 1.46 / 1.61 / 1.56 / 1.75, bf16 1.73 / 1.84 / 1.82 / 1.99 (unpacking 0.63 fp16, 0.88 bf16; mma
 0.13; the rest the packed tile's loads and shared round trip, x, the scales and the per-chunk
@@ -484,6 +497,33 @@ def _hold(v, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_l2(ptr, offsets, limit, USE_ASM: tl.constexpr):
+    """prefetch.global.L2 of ptr + offsets (clamped below ``limit`` elements, so that a prefetch
+    past the tensor's end stays inside it): a hint, nothing waits for it. The interpreter skips it."""
+    if USE_ASM:
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptr + tl.minimum(offsets, limit - 1)],
+            dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+
+
+@triton.jit
+def _prefetch_chunk(qw_ptr, s_ptr, z_ptr, N, K, kc, col0, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                    CHUNK: tl.constexpr, USE_ASM: tl.constexpr):  # fmt: skip
+    """PREFETCH: the chunk at input kc into L2, one prefetch per 128-byte line: its packed words
+    (CHUNK / 8 rows of BLOCK_N int32), its group's scales (16-bit) and zero points (int8)."""
+    WORD_LINES: tl.constexpr = BLOCK_N // 32  # 32 int32 a line
+    rows = kc // 8 + tl.arange(0, CHUNK // 8)
+    words = rows[:, None] * N + col0 + tl.arange(0, WORD_LINES)[None, :] * 32
+    _prefetch_l2(qw_ptr, words, (K // 8) * N, USE_ASM)
+    g = kc // GROUP_SIZE
+    SCALE_LINES: tl.constexpr = (BLOCK_N + 63) // 64  # 64 16-bit scales a line
+    _prefetch_l2(s_ptr, g * N + col0 + tl.arange(0, SCALE_LINES) * 64, (K // GROUP_SIZE) * N, USE_ASM)
+    ZERO_LINES: tl.constexpr = (BLOCK_N + 127) // 128
+    _prefetch_l2(z_ptr, g * N + col0 + tl.arange(0, ZERO_LINES) * 128, (K // GROUP_SIZE) * N, USE_ASM)
+
+
+@triton.jit
 def _chunk_sub_zeros(out, x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, N, stride_xm, kc, offs_m, m_ok, offs_n,
                      n_ok, kk, k_nat, DT: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_PERM: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, P: tl.constexpr,
@@ -551,6 +591,7 @@ def _tcgemv_kernel(
     DOT_FP32: tl.constexpr,  # the interpreter, bf16: dot in fp32 (its bf16 dot is wrong; exact here)
     USE_ASM: tl.constexpr,
     SUB_ZEROS: tl.constexpr = 0,  # unpack q - z (BIAS + z subtracted a pair): no sums of x, no scratch
+    PREFETCH: tl.constexpr = 0,  # SUB_ZEROS: chunk c + PREFETCH prefetched into L2 when chunk c starts
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -593,6 +634,16 @@ def _tcgemv_kernel(
     for c in range(CHUNKS):
         kc = k_begin + c * CHUNK
         if SUB_ZEROS:
+            if PREFETCH:
+                # this split's chunk PREFETCH ahead (the last one again near the end: an L2 hit);
+                # the first chunk also those between
+                if c == 0:
+                    for d in tl.static_range(1, PREFETCH):
+                        kp = k_begin + min(d, CHUNKS - 1) * CHUNK
+                        _prefetch_chunk(qw_ptr, s_ptr, z_ptr, N, K, kp, pid_n * BLOCK_N, GROUP_SIZE, BLOCK_N, CHUNK,
+                                        USE_ASM)  # fmt: skip
+                kp = k_begin + tl.minimum(c + PREFETCH, CHUNKS - 1) * CHUNK
+                _prefetch_chunk(qw_ptr, s_ptr, z_ptr, N, K, kp, pid_n * BLOCK_N, GROUP_SIZE, BLOCK_N, CHUNK, USE_ASM)
             out = _chunk_sub_zeros(
                 out, x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, N, stride_xm, kc, offs_m, m_ok, offs_n, n_ok, kk,
                 k_nat, DT, GROUP_SIZE, HAS_PERM, BLOCK_M, BLOCK_N, BLOCK_K, P, STEPS, EVEN_N, W_AS_A,
@@ -649,19 +700,27 @@ def make_config(
     pair_order: int | None = None,
     sums_first: bool = True,
     sub_zeros: bool = False,
+    prefetch: int = 0,
 ) -> KernelConfig:
     """``block_k``: the most inputs a dot step covers (the launcher takes the widest power of two
     dividing the group). The keyword options choose the variants the static counts compare
     (benchmarks/w4a16_tcgemv_ptx.py); but for ``sub_zeros`` the defaults are the cheapest.
     ``sub_zeros``: the zero points subtracted in the unpacking (the module docstring: more
     instructions, yet faster on an H200, so default_config and the tuner ask for it). It is named in
-    the config only when on, so a table written before it keeps naming the sums' kernel."""
+    the config only when on, so a table written before it keeps naming the sums' kernel.
+    ``prefetch`` (with ``sub_zeros``): when a program starts chunk c it prefetches chunk c +
+    ``prefetch`` of its split into L2 (_prefetch_chunk), so that chunk's loads wait on L2 rather
+    than on memory; off (0) by default and not among the tuner's candidates until an H200 has
+    timed it (benchmarks/w4a16_micro.py's ``tcgemv_prefetch``)."""
+    if prefetch and not sub_zeros:
+        raise ValueError("prefetch is a variant of the sub_zeros kernel")
     return KernelConfig(
         {
             "tcgemv": 1, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k,
             "W_AS_A": int(w_as_a), "SUMS_FIRST": int(sums_first),
             **({} if pair_order is None else {"PAIR_ORDER": pair_order}),
             **({"SUB_ZEROS": 1} if sub_zeros else {}),
+            **({"PREFETCH": prefetch} if prefetch else {}),
         },
         num_warps=num_warps,
         num_stages=num_stages,
@@ -767,7 +826,7 @@ def w4a16_tcgemv(
         PAIR_ORDER=pair_order(step, bm, w_as_a, config) if "PAIR_ORDER" not in params else params["PAIR_ORDER"],
         DOT_FP32=interp and x.dtype == torch.bfloat16,
         USE_ASM=x.is_cuda and not interp,
-        SUB_ZEROS=int(sub_zeros),
+        SUB_ZEROS=int(sub_zeros), PREFETCH=int(params.get("PREFETCH", 0)) if sub_zeros else 0,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return y

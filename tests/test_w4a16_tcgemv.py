@@ -100,6 +100,23 @@ def test_tcgemv_sub_zeros_variants_match_reference(options, dtype):  # type: ign
         _check(m, n, k, g, perm, bias, cfg, dtype)
 
 
+# PREFETCH (chunk c + 1 or c + 2 of a split prefetched into L2 when chunk c starts) changes no
+# arithmetic; the interpreter skips the prefetch itself (inline PTX) but runs the loop around it.
+@pytest.mark.parametrize("prefetch", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tcgemv_prefetch_matches_reference(prefetch, dtype):  # type: ignore[no-untyped-def]
+    for m, n, k, g, perm, bias, tile in (CASES[0], CASES[4], CASES[6]):
+        cfg = w4a16_tcgemv.make_config(*tile, num_warps=2, sub_zeros=True, prefetch=prefetch)
+        _check(m, n, k, g, perm, bias, cfg, dtype)
+
+
+def test_prefetch_is_a_sub_zeros_option_off_by_default():
+    with pytest.raises(ValueError, match="sub_zeros"):
+        w4a16_tcgemv.make_config(256, 128, 4, prefetch=1)
+    assert "PREFETCH" not in w4a16_tcgemv.default_config(1, 28672, 4096).params
+    assert all("PREFETCH" not in c.params for m in (1, 8) for c in w4a16_gemm.tcgemv_configs(m, 28672, 4096))
+
+
 def test_tcgemv_default_and_tuner_candidates_subtract_zeros_and_old_tables_keep_their_kernel():
     """The untuned default and every tensor-core candidate the tuner times use SUB_ZEROS (it won at
     every shape timed); a config without the key (a table an older build wrote) names the sums'
@@ -280,7 +297,8 @@ CHILD = textwrap.dedent(
     first = ptx.split("bar.sync")[0]
     print(json.dumps({"cubin": bool(kernel.asm["cubin"]), "mma": ptx.count("mma.sync") + ptx.count("wgmma.mma_async"),
                       "magic": ptx.count("0x64006400") + ptx.count("0x43004300"), "moved": moved, "w16": w16,
-                      "ld_before_bar": first.count("ld.global"), "bars": ptx.count("bar.sync")}))
+                      "ld_before_bar": first.count("ld.global"), "bars": ptx.count("bar.sync"),
+                      "prefetch": ptx.count("prefetch.global.L2")}))
     """
 )
 
@@ -356,6 +374,20 @@ def test_tcgemv_compiles_for_sm90(dtype: str, overrides: dict[str, object]) -> N
     assert "i32" in info["moved"] and info["w16"] == 0, info
 
 
+def test_tcgemv_prefetch_compiles_to_l2_prefetches_and_keeps_the_packed_tile() -> None:
+    """PREFETCH on sm_90: the prefetches are there (the words', the scales' and the zero points'
+    lines: three prefetch instructions in the PTX, six at a distance of 2, whose first chunk
+    also prefetches chunk 1), none without it, and the weight still crosses shared memory as its
+    packed int32 tile (the prefetch adds no layout conversion to the weight's chain)."""
+    options = {"num_warps": 4, "num_stages": 1}
+    plain = _compile_sm90("*bf16", _constexprs(**SUB_ZEROS), options)
+    one = _compile_sm90("*bf16", _constexprs(**SUB_ZEROS, PREFETCH=1), options)
+    two = _compile_sm90("*bf16", _constexprs(**SUB_ZEROS, PREFETCH=2), options)
+    assert plain["prefetch"] == 0 and one["prefetch"] == 3 and two["prefetch"] == 6, (plain, one, two)
+    for info in (one, two):
+        assert info["cubin"] and info["w16"] == 0 and "i32" in info["moved"], info
+
+
 def test_tcgemv_weight_tile_crosses_shared_memory_packed() -> None:
     """Triton hoists the dot-operand conversion above the unpacking (tl.join / permute / reshape)
     to the int32 load only when every k' a thread holds in the mma operand comes from words it
@@ -395,7 +427,8 @@ def test_tcgemv_on_gpu(m, n, k, g, dtype):  # type: ignore[no-untyped-def]
     sums' scratch and the split-K tickets at Llama-3-8B and SmolLM2 shapes, with act-order and
     bias, every tile and stage count benchmarks/w4a16_micro.py times, against the reference; and
     the fp32 accumulator's cancellation checked tighter than the repo's 2e-2 (the bias rides in
-    it: ~1024 x sum for fp16). SUB_ZEROS (its inline-PTX subtraction) at each tile too."""
+    it: ~1024 x sum for fp16). SUB_ZEROS (its inline-PTX subtraction) at each tile too, and with PREFETCH
+    (its L2 prefetches: addresses clamped inside the tensors) at two."""
     qweight, scales, zeros, _ = _weights(n, k, g, False)
     qweight, scales, zeros = qweight.cuda(), scales.cuda(), zeros.cuda()
     perm = torch.randperm(k, device="cuda").to(torch.int32)
@@ -413,6 +446,12 @@ def test_tcgemv_on_gpu(m, n, k, g, dtype):  # type: ignore[no-untyped-def]
         w4a16_tcgemv.make_config(bn, 128, split, warps, stages, sub_zeros=True)
         for bn, warps, stages in ((256, 4, 1), (256, 4, 2), (128, 2, 1), (512, 4, 1), (512, 8, 1))
         for split in (1, 8)
+    ]
+    configs += [
+        w4a16_tcgemv.make_config(bn, 128, split, warps, 1, sub_zeros=True, prefetch=d)
+        for bn, warps in ((256, 4), (128, 2))
+        for split in (1, 8)
+        for d in (1, 2)
     ]
     for cfg in configs:
         y = w4a16_tcgemv.w4a16_tcgemv(x, qweight, scales, zeros, perm, g, bias, cfg)
