@@ -109,6 +109,7 @@ def _kernels() -> SimpleNamespace:
     return SimpleNamespace(
         skinny_gemm=skinny_gemm.skinny_gemm,
         w4a16_gemm=w4a16_gemm.w4a16_gemm,
+        w4a16_silu_and_mul_gemm=w4a16_gemm.w4a16_silu_and_mul_gemm,
         decode=paged_decode_attention.paged_decode_attention,
         prefill=paged_prefill_attention.paged_prefill_attention,
         rotary=rotary_kv.rotary_and_write_kv,
@@ -319,14 +320,44 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 
 def row_parallel_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, projection: str
+    x: torch.Tensor,
+    weight: torch.Tensor | Int4LinearWeight,
+    bias: torch.Tensor | None,
+    projection: str,
+    silu_and_mul_first: bool = False,
 ) -> torch.Tensor:
     """o_proj / down_proj: each rank multiplies its input columns; the partial sums are
-    all-reduced and the (whole, replicated) bias is added once, after the sum."""
+    all-reduced and the (whole, replicated) bias is added once, after the sum.
+    ``silu_and_mul_first``: x is gate_up [rows, 2 * d] and the projection's input silu(gate) * up."""
     if _active.tp_size == 1:
-        return linear(x, weight, bias, projection)
-    out = all_reduce(linear(x, weight, None, projection))
+        return _linear_of(x, weight, bias, projection, silu_and_mul_first)
+    out = all_reduce(_linear_of(x, weight, None, projection, silu_and_mul_first))
     return out if bias is None else out + bias
+
+
+# silu_and_mul folded into the int4 down projection's decode kernel (it computes the activation as
+# it loads x: one launch and no [rows, d] intermediate a layer) where the table's config for the
+# bucket allows it (w4a16_tcgemv.fuses_silu_and_mul). Off until an H200 has timed it end to end
+# (benchmarks/quant.py --fused-silu-down-too); the values are the unfused ones either way.
+FUSE_SILU_DOWN = False
+
+
+def _linear_of(
+    x: torch.Tensor,
+    weight: torch.Tensor | Int4LinearWeight,
+    bias: torch.Tensor | None,
+    projection: str,
+    silu_and_mul_first: bool,
+) -> torch.Tensor:
+    if not silu_and_mul_first:
+        return linear(x, weight, bias, projection)
+    if FUSE_SILU_DOWN and isinstance(weight, Int4LinearWeight) and _triton(x):
+        w = weight
+        cfg = _config("w4a16_gemm", w4a16_bucket(projection, x.shape[0]))
+        return _kernels().w4a16_silu_and_mul_gemm(  # type: ignore[no-any-return]
+            x, w.qweight, w.scales, w.zeros, w.perm, w.group_size, bias, cfg
+        )
+    return linear(silu_and_mul(x), weight, bias, projection)
 
 
 def embedding(input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagecast.kernels import reference, w4a16_gemv, w4a16_tcgemv
+from pagecast.kernels import activation, reference, w4a16_gemv, w4a16_tcgemv
 from pagecast.kernels.tuning import KernelConfig
 
 
@@ -423,3 +423,30 @@ def w4a16_gemm(
     if bias is not None:
         out += bias.float()
     return out.to(x.dtype)
+
+
+def w4a16_silu_and_mul_gemm(
+    gate_up: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    perm: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    config: Mapping[str, int] | KernelConfig | None = None,
+) -> torch.Tensor:
+    """w4a16_gemm(silu(gate) * up, ...) for gate_up [M, 2D] ([gate | up] per row, the gate_up
+    projection's output): one launch of the tensor-core decode kernel, which computes the
+    activation as it loads x, where the config is one of its SUB_ZEROS configs
+    (``w4a16_tcgemv.fuses_silu_and_mul``); else kernels/activation.py's kernel, then w4a16_gemm.
+    The same values either way (the activation is rounded to x's dtype as activation.py does)."""
+    m, d = gate_up.shape[0], gate_up.shape[1] // 2
+    cfg = KernelConfig.coerce(config) or default_config(
+        m, qweight.shape[1], qweight.shape[0] * 8,
+        tc=gate_up.is_cuda and w4a16_tcgemv.supports(gate_up.dtype, group_size),
+        x_elt=gate_up.element_size(), scale_elt=scales.element_size(), group_size=group_size,
+    )  # fmt: skip
+    if not (w4a16_tcgemv.fuses_silu_and_mul(cfg) and gate_up.shape[1] % 2 == 0 and gate_up.stride(1) == 1):
+        return w4a16_gemm(activation.silu_and_mul(gate_up), qweight, scales, zeros, perm, group_size, bias, cfg)
+    check_shapes(gate_up[:, :d], qweight, scales, zeros, perm, group_size, bias)
+    return w4a16_tcgemv.w4a16_tcgemv(gate_up, qweight, scales, zeros, perm, group_size, bias, cfg, silu_and_mul=True)

@@ -348,6 +348,21 @@ def _load_x_step(x_ptr, perm_ptr, offs_m, m_ok, stride_xm, k0, kk, k_nat, HAS_PE
 
 
 @triton.jit
+def _load_x_act(x_ptr, perm_ptr, offs_m, m_ok, stride_xm, k0, kk, k_nat, HAS_PERM: tl.constexpr,
+                W_AS_A: tl.constexpr, ACT_UP: tl.constexpr):  # fmt: skip
+    """_load_x_step, or with ACT_UP (the up half's offset in a gate_up row, [gate | up]) the
+    activations silu(gate) * up computed as they load, rounded as kernels/activation.py rounds them
+    (silu in fp32 to the half type, times up in fp32, to the half type): the same x, bitwise."""
+    xs = _load_x_step(x_ptr, perm_ptr, offs_m, m_ok, stride_xm, k0, kk, k_nat, HAS_PERM, W_AS_A)
+    if ACT_UP:
+        up = _load_x_step(x_ptr + ACT_UP, perm_ptr, offs_m, m_ok, stride_xm, k0, kk, k_nat, HAS_PERM, W_AS_A)
+        g = xs.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(xs.dtype).to(tl.float32)
+        xs = (act * up.to(tl.float32)).to(xs.dtype)
+    return xs
+
+
+@triton.jit
 def _dot_order(DT: tl.constexpr, BLOCK_K: tl.constexpr, P: tl.constexpr, PAIR_ORDER: tl.constexpr):
     """A step's inputs in their natural order (kk) and in the dot's (k_nat: the input at each
     position of the dot's order, nibble j + 4b of packed row q), with their BIAS."""
@@ -528,13 +543,14 @@ def _chunk_sub_zeros(out, x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, N, stride_xm, k
                      n_ok, kk, k_nat, DT: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_PERM: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, P: tl.constexpr,
                      STEPS: tl.constexpr, EVEN_N: tl.constexpr, W_AS_A: tl.constexpr,
-                     PAIR_ORDER: tl.constexpr, DOT_FP32: tl.constexpr, USE_ASM: tl.constexpr):  # fmt: skip
-    """SUB_ZEROS: one chunk at input kc, out += s * dot(q - z, x). The global loads of the chunk's
+                     PAIR_ORDER: tl.constexpr, DOT_FP32: tl.constexpr, USE_ASM: tl.constexpr,
+                     ACT_UP: tl.constexpr):  # fmt: skip
+    """SUB_ZEROS: one chunk at input kc, out += s * dot(q - z, x) (x = silu(gate) * up where ACT_UP). The global loads of the chunk's
     first step come first (x, the scales, the zero points, the packed words: the words' layout
     conversion goes right after their load, the others' after their first use, x's behind
     _hold), so that none waits on another's conversion; a later step (per-channel chunks of two)
     loads its words and x when it starts (loading them ahead made ptxas spill)."""
-    xs = _load_x_step(x_ptr, perm_ptr, offs_m, m_ok, stride_xm, kc, kk, k_nat, HAS_PERM, W_AS_A)
+    xs = _load_x_act(x_ptr, perm_ptr, offs_m, m_ok, stride_xm, kc, kk, k_nat, HAS_PERM, W_AS_A, ACT_UP)
     s, z = _load_group(s_ptr, z_ptr, N, kc, offs_n, n_ok, GROUP_SIZE, EVEN_N)
     packed = _load_packed(qw_ptr, N, kc, offs_n, n_ok, P, W_AS_A, EVEN_N)
     if W_AS_A:
@@ -546,7 +562,7 @@ def _chunk_sub_zeros(out, x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, N, stride_xm, k
     for st in tl.static_range(STEPS):
         if st > 0:
             k0 = kc + st * BLOCK_K
-            xs = _load_x_step(x_ptr, perm_ptr, offs_m, m_ok, stride_xm, k0, kk, k_nat, HAS_PERM, W_AS_A)
+            xs = _load_x_act(x_ptr, perm_ptr, offs_m, m_ok, stride_xm, k0, kk, k_nat, HAS_PERM, W_AS_A, ACT_UP)
             packed = _load_packed(qw_ptr, N, k0, offs_n, n_ok, P, W_AS_A, EVEN_N)
         w = _unpack_sub(packed, zi, DT, BLOCK_N, BLOCK_K, W_AS_A, PAIR_ORDER, USE_ASM)
         acc, _, _ = _dot_step(
@@ -592,6 +608,7 @@ def _tcgemv_kernel(
     USE_ASM: tl.constexpr,
     SUB_ZEROS: tl.constexpr = 0,  # unpack q - z (BIAS + z subtracted a pair): no sums of x, no scratch
     PREFETCH: tl.constexpr = 0,  # SUB_ZEROS: chunk c + PREFETCH prefetched into L2 when chunk c starts
+    ACT_UP: tl.constexpr = 0,  # SUB_ZEROS: x is gate_up [M, 2 ACT_UP], the input silu(gate) * up
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -647,7 +664,7 @@ def _tcgemv_kernel(
             out = _chunk_sub_zeros(
                 out, x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, N, stride_xm, kc, offs_m, m_ok, offs_n, n_ok, kk,
                 k_nat, DT, GROUP_SIZE, HAS_PERM, BLOCK_M, BLOCK_N, BLOCK_K, P, STEPS, EVEN_N, W_AS_A,
-                PAIR_ORDER, DOT_FP32, USE_ASM,
+                PAIR_ORDER, DOT_FP32, USE_ASM, ACT_UP,
             )  # fmt: skip
         else:
             acc = _zeros_acc(BLOCK_M, BLOCK_N, W_AS_A)
@@ -678,6 +695,11 @@ def _tcgemv_kernel(
 
 MAX_ROWS = 16  # rows a program: the mma's n16 (more rows take more row blocks, re-reading W)
 MAX_CHUNK = 256  # inputs between two applications of the scales (per-channel groups are split)
+
+
+def fuses_silu_and_mul(config: KernelConfig | None) -> bool:
+    """Whether this config's launch can compute silu(gate) * up as it loads x (SUB_ZEROS only)."""
+    return is_tcgemv(config) and bool(config.params.get("SUB_ZEROS"))  # type: ignore[union-attr]
 
 
 def supports(dtype: torch.dtype, group_size: int) -> bool:
@@ -790,10 +812,15 @@ def w4a16_tcgemv(
     group_size: int,
     bias: torch.Tensor | None,
     config: KernelConfig,
+    silu_and_mul: bool = False,
 ) -> torch.Tensor:
     """x [M, K] (fp16 or bf16, contiguous rows) @ dequant(W).T (+ bias) -> [M, N] in x's dtype,
     one launch; w4a16_gemv.w4a16_gemv's signature (shapes are the caller's to check, as
-    w4a16_gemm.check_shapes does). Partials and the sums' scratch are allocated per call."""
+    w4a16_gemm.check_shapes does). Partials and the sums' scratch are allocated per call.
+    ``silu_and_mul``: x is gate_up [M, 2D] and the input is silu(gate) * up (kernels/activation.py's
+    values), computed as x loads: a SUB_ZEROS config only (``fuses_silu_and_mul``)."""
+    if silu_and_mul and not fuses_silu_and_mul(config):
+        raise ValueError(f"the activation is fused only into SUB_ZEROS configs, got {config.as_dict()}")
     m, k = x.shape[0], qweight.shape[0] * 8  # with a perm x may be narrower than K
     n = qweight.shape[1]
     if x.dtype not in (torch.float16, torch.bfloat16):
@@ -827,6 +854,7 @@ def w4a16_tcgemv(
         DOT_FP32=interp and x.dtype == torch.bfloat16,
         USE_ASM=x.is_cuda and not interp,
         SUB_ZEROS=int(sub_zeros), PREFETCH=int(params.get("PREFETCH", 0)) if sub_zeros else 0,
+        ACT_UP=x.shape[1] // 2 if silu_and_mul else 0,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return y

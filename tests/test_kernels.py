@@ -277,6 +277,40 @@ def test_mixed_step_split_keeps_every_kernel_argument_aligned(monkeypatch):
     close(out, expected, torch.float32)
 
 
+def test_down_projection_takes_gate_up_and_fuses_silu_only_where_asked(monkeypatch):
+    """The rendered model hands the down projection gate_up (silu_and_mul_first): on the CPU that is
+    silu_and_mul then the projection, as before; on the GPU an int4 weight goes to the fused
+    entry point only with FUSE_SILU_DOWN (off until timed), a dense weight never."""
+    from pagecast.kernels.quant_linear import Int4LinearWeight
+
+    gen = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(3, 2 * 64, generator=gen)
+    w = torch.randn(32, 64, generator=gen)
+    expected = torch.nn.functional.linear(reference.silu_and_mul(gate_up), w)
+    torch.testing.assert_close(ops.row_parallel_linear(gate_up, w, None, "down", silu_and_mul_first=True), expected)
+
+    calls = []
+    kernels = types.SimpleNamespace(
+        silu_and_mul=lambda x, cfg: calls.append("silu_and_mul") or reference.silu_and_mul(x),
+        w4a16_gemm=lambda x, *args: calls.append("w4a16_gemm") or x[:, :1],
+        w4a16_silu_and_mul_gemm=lambda x, *args: calls.append("fused") or x[:, :1],
+        skinny_gemm=lambda x, weight, bias, cfg: calls.append("skinny_gemm") or x[:, :1],
+    )
+    monkeypatch.setattr(ops, "_triton", lambda x: True)
+    monkeypatch.setattr(ops, "_kernels", lambda: kernels)
+    int4 = Int4LinearWeight(torch.zeros(8, 32, dtype=torch.int32), torch.ones(1, 32), torch.zeros(1, 32, dtype=torch.int8),
+                            None, 64)  # fmt: skip
+    ops.row_parallel_linear(gate_up, int4, None, "down", silu_and_mul_first=True)
+    assert calls == ["silu_and_mul", "w4a16_gemm"]
+    calls.clear()
+    monkeypatch.setattr(ops, "FUSE_SILU_DOWN", True)
+    ops.row_parallel_linear(gate_up, int4, None, "down", silu_and_mul_first=True)
+    assert calls == ["fused"]
+    calls.clear()
+    ops.row_parallel_linear(gate_up, w, None, "down", silu_and_mul_first=True)
+    assert calls == ["silu_and_mul", "skinny_gemm"]
+
+
 def test_leading_decodes_counts_the_one_token_prefix():
     from pagecast.runtime.forward_context import leading_decodes
 

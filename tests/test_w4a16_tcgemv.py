@@ -110,6 +110,48 @@ def test_tcgemv_prefetch_matches_reference(prefetch, dtype):  # type: ignore[no-
         _check(m, n, k, g, perm, bias, cfg, dtype)
 
 
+# silu_and_mul folded into the kernel's x loads: the same activations as kernels/activation.py's
+# kernel gives (bitwise: the same expression, rounded the same way), so the same output as the
+# unfused pair; with act-order (x gathered through the perm from both halves) and a split.
+@pytest.mark.parametrize("m,n,k,g,perm,bias,tile", [CASES[0], CASES[1], CASES[4], CASES[6]])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tcgemv_fused_silu_and_mul_equals_the_activation_kernel_then_the_gemv(m, n, k, g, perm, bias, tile, dtype):  # type: ignore[no-untyped-def]
+    from pagecast.kernels import activation
+
+    qweight, scales, zeros, p = _weights(n, k, g, perm, seed=m + n)
+    gen = torch.Generator().manual_seed(3)
+    gate_up = (torch.randn(m, 2 * k, generator=gen) * 3).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    cfg = w4a16_tcgemv.make_config(*tile, num_warps=2, sub_zeros=True)
+    fused = w4a16_tcgemv.w4a16_tcgemv(gate_up, qweight, scales, zeros, p, g, b, cfg, silu_and_mul=True)
+    x = activation.silu_and_mul(gate_up)
+    assert torch.equal(fused, w4a16_tcgemv.w4a16_tcgemv(x, qweight, scales, zeros, p, g, b, cfg))
+    ref = reference.w4a16_linear(x.float(), qweight, scales, zeros, p, g, b.float() if bias else None)
+    torch.testing.assert_close(fused.float(), ref, atol=1e-4 * ref.abs().max().item(), rtol=RTOL[dtype])
+
+
+def test_silu_and_mul_gemm_fuses_only_into_sub_zeros_tensor_core_configs():
+    """w4a16_gemm's entry point: a SUB_ZEROS tensor-core config computes the activation in the
+    kernel; any other config (the sums' kernel, the GEMV) runs activation.py's kernel first, and
+    the tensor-core launcher refuses to fuse into a config that cannot."""
+    from pagecast.kernels import activation
+
+    qweight, scales, zeros, _ = _weights(40, 576, 64, False)
+    gate_up = torch.randn(2, 2 * 576, generator=torch.Generator().manual_seed(5)).half()
+    unfused = activation.silu_and_mul(gate_up)
+    for cfg in (
+        w4a16_tcgemv.make_config(32, 64, 4, num_warps=2, sub_zeros=True),
+        w4a16_tcgemv.make_config(32, 64, 4, num_warps=2),
+        w4a16_gemv.default_config(2, 40, 576),
+    ):
+        got = w4a16_gemm.w4a16_silu_and_mul_gemm(gate_up, qweight, scales, zeros, None, 64, None, cfg)
+        assert torch.equal(got, w4a16_gemm.w4a16_gemm(unfused, qweight, scales, zeros, None, 64, None, cfg)), cfg
+    with pytest.raises(ValueError, match="SUB_ZEROS"):
+        w4a16_tcgemv.w4a16_tcgemv(
+            gate_up, qweight, scales, zeros, None, 64, None, w4a16_tcgemv.make_config(32, 64, 4), silu_and_mul=True
+        )
+
+
 def test_prefetch_is_a_sub_zeros_option_off_by_default():
     with pytest.raises(ValueError, match="sub_zeros"):
         w4a16_tcgemv.make_config(256, 128, 4, prefetch=1)
@@ -350,6 +392,7 @@ def _constexprs(**overrides) -> dict[str, object]:  # type: ignore[no-untyped-de
         ("*fp16", {**SUB_ZEROS, "BLOCK_M": 8, "GROUP_SIZE": 32, "BLOCK_K": 32, "CHUNK": 32}),
         ("*bf16", {**SUB_ZEROS, "BLOCK_M": 4, "GROUP_SIZE": 4096, "CHUNK": 256, "W_AS_A": False}),
         ("*bf16", {**SUB_ZEROS, "GROUP_SIZE": 64, "BLOCK_K": 64, "CHUNK": 64}),
+        ("*bf16", {**SUB_ZEROS, "ACT_UP": 14336, "HAS_PERM": True}),
     ],
     ids=[
         "fp16-1row-split",
@@ -362,6 +405,7 @@ def _constexprs(**overrides) -> dict[str, object]:  # type: ignore[no-untyped-de
         "fp16-8rows-g32-sub-zeros",
         "bf16-w-as-b-per-channel-sub-zeros",
         "bf16-1row-g64-sub-zeros",
+        "bf16-1row-perm-sub-zeros-fused-silu",
     ],
 )
 def test_tcgemv_compiles_for_sm90(dtype: str, overrides: dict[str, object]) -> None:
@@ -458,3 +502,28 @@ def test_tcgemv_on_gpu(m, n, k, g, dtype):  # type: ignore[no-untyped-def]
         torch.testing.assert_close(
             y.float(), ref, atol=1e-3 * ref.abs().max().item(), rtol=RTOL[dtype], msg=str(cfg.as_dict())
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [1, 8, 16])
+def test_fused_silu_and_mul_on_gpu(m):  # type: ignore[no-untyped-def]
+    """The activation computed in the kernel's loads against activation.py's kernel then the same
+    launch, at Llama-3-8B's down projection (bf16, G 128, act-order), tuner tiles and PREFETCH:
+    equal to within one bf16 rounding of the output (the same expression; ptxas may contract
+    it differently in the two kernels)."""
+    from pagecast.kernels import activation
+
+    n, k, g = 4096, 14336, 128
+    qweight, scales, zeros, _ = _weights(n, k, g, False)
+    qweight, scales, zeros = qweight.cuda(), scales.cuda(), zeros.cuda()
+    perm = torch.randperm(k, device="cuda").to(torch.int32)
+    gate_up = (torch.randn(m, 2 * k, generator=torch.Generator(device="cuda").manual_seed(3), device="cuda") * 3).bfloat16()
+    x = activation.silu_and_mul(gate_up)
+    configs = [c for c in w4a16_gemm.tcgemv_configs(m, n, k)] + [
+        w4a16_tcgemv.make_config(256, 128, 8, 4, 1, sub_zeros=True, prefetch=1)
+    ]
+    for cfg in configs:
+        fused = w4a16_tcgemv.w4a16_tcgemv(gate_up, qweight, scales, zeros, perm, g, None, cfg, silu_and_mul=True)
+        plain = w4a16_tcgemv.w4a16_tcgemv(x, qweight, scales, zeros, perm, g, None, cfg)
+        torch.testing.assert_close(fused.float(), plain.float(), atol=0, rtol=2**-7, msg=str(cfg.as_dict()))
