@@ -366,6 +366,18 @@ def check_shapes(
             raise ValueError("qweight, scales and zeros must be contiguous")
 
 
+def _config_or_default(
+    config: Mapping[str, int] | KernelConfig | None, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+    group_size: int,
+) -> KernelConfig:  # fmt: skip
+    """``config``, or default_config for x's rows and this weight when there is none."""
+    return KernelConfig.coerce(config) or default_config(
+        x.shape[0], qweight.shape[1], qweight.shape[0] * 8,
+        tc=x.is_cuda and w4a16_tcgemv.supports(x.dtype, group_size),
+        x_elt=x.element_size(), scale_elt=scales.element_size(), group_size=group_size,
+    )  # fmt: skip
+
+
 def w4a16_gemm(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -387,10 +399,7 @@ def w4a16_gemm(
     check_shapes(x, qweight, scales, zeros, perm, group_size, bias)
     if x.stride(1) != 1:
         x = x.contiguous()
-    cfg = KernelConfig.coerce(config) or default_config(
-        m, n, k, tc=x.is_cuda and w4a16_tcgemv.supports(x.dtype, group_size),
-        x_elt=x.element_size(), scale_elt=scales.element_size(), group_size=group_size,
-    )  # fmt: skip
+    cfg = _config_or_default(config, x, qweight, scales, group_size)
     if w4a16_tcgemv.is_tcgemv(cfg):
         return w4a16_tcgemv.w4a16_tcgemv(x, qweight, scales, zeros, perm, group_size, bias, cfg)
     if w4a16_gemv.is_gemv(cfg):
@@ -440,12 +449,8 @@ def w4a16_silu_and_mul_gemm(
     activation as it loads x, where the config is one of its SUB_ZEROS configs
     (``w4a16_tcgemv.fuses_silu_and_mul``); else kernels/activation.py's kernel, then w4a16_gemm.
     The same values either way (the activation is rounded to x's dtype as activation.py does)."""
-    m, d = gate_up.shape[0], gate_up.shape[1] // 2
-    cfg = KernelConfig.coerce(config) or default_config(
-        m, qweight.shape[1], qweight.shape[0] * 8,
-        tc=gate_up.is_cuda and w4a16_tcgemv.supports(gate_up.dtype, group_size),
-        x_elt=gate_up.element_size(), scale_elt=scales.element_size(), group_size=group_size,
-    )  # fmt: skip
+    d = gate_up.shape[1] // 2
+    cfg = _config_or_default(config, gate_up, qweight, scales, group_size)
     if not (w4a16_tcgemv.fuses_silu_and_mul(cfg) and gate_up.shape[1] % 2 == 0 and gate_up.stride(1) == 1):
         return w4a16_gemm(activation.silu_and_mul(gate_up), qweight, scales, zeros, perm, group_size, bias, cfg)
     check_shapes(gate_up[:, :d], qweight, scales, zeros, perm, group_size, bias)
