@@ -104,12 +104,14 @@ def _kernels() -> SimpleNamespace:
         rotary_kv,
         skinny_gemm,
         w4a16_gemm,
+        w4a16_tcgemv,
     )
 
     return SimpleNamespace(
         skinny_gemm=skinny_gemm.skinny_gemm,
         w4a16_gemm=w4a16_gemm.w4a16_gemm,
         w4a16_silu_and_mul_gemm=w4a16_gemm.w4a16_silu_and_mul_gemm,
+        fuses_silu_and_mul=w4a16_tcgemv.fuses_silu_and_mul,
         decode=paged_decode_attention.paged_decode_attention,
         prefill=paged_prefill_attention.paged_prefill_attention,
         rotary=rotary_kv.rotary_and_write_kv,
@@ -352,11 +354,12 @@ def _linear_of(
     if not silu_and_mul_first:
         return linear(x, weight, bias, projection)
     if FUSE_SILU_DOWN and isinstance(weight, Int4LinearWeight) and _triton(x):
-        w = weight
         cfg = _config("w4a16_gemm", w4a16_bucket(projection, x.shape[0]))
-        return _kernels().w4a16_silu_and_mul_gemm(  # type: ignore[no-any-return]
-            x, w.qweight, w.scales, w.zeros, w.perm, w.group_size, bias, cfg
-        )
+        # a table's config that cannot fuse (prefill-sized buckets) keeps the tuned activation below
+        if cfg is None or _kernels().fuses_silu_and_mul(cfg):
+            return _kernels().w4a16_silu_and_mul_gemm(  # type: ignore[no-any-return]
+                x, weight.qweight, weight.scales, weight.zeros, weight.perm, weight.group_size, bias, cfg
+            )
     return linear(silu_and_mul(x), weight, bias, projection)
 
 

@@ -280,7 +280,8 @@ def test_mixed_step_split_keeps_every_kernel_argument_aligned(monkeypatch):
 def test_down_projection_takes_gate_up_and_fuses_silu_only_where_asked(monkeypatch):
     """The rendered model hands the down projection gate_up (silu_and_mul_first): on the CPU that is
     silu_and_mul then the projection, as before; on the GPU an int4 weight goes to the fused
-    entry point only with FUSE_SILU_DOWN (off until timed), a dense weight never."""
+    entry point only with FUSE_SILU_DOWN (off until timed) and a config that can fuse (a table's
+    prefill-sized config keeps the tuned activation kernel), a dense weight never."""
     from pagecast.kernels.quant_linear import Int4LinearWeight
 
     gen = torch.Generator().manual_seed(0)
@@ -294,6 +295,7 @@ def test_down_projection_takes_gate_up_and_fuses_silu_only_where_asked(monkeypat
         silu_and_mul=lambda x, cfg: calls.append("silu_and_mul") or reference.silu_and_mul(x),
         w4a16_gemm=lambda x, *args: calls.append("w4a16_gemm") or x[:, :1],
         w4a16_silu_and_mul_gemm=lambda x, *args: calls.append("fused") or x[:, :1],
+        fuses_silu_and_mul=lambda cfg: cfg.params.get("SUB_ZEROS") == 1,
         skinny_gemm=lambda x, weight, bias, cfg: calls.append("skinny_gemm") or x[:, :1],
     )
     monkeypatch.setattr(ops, "_triton", lambda x: True)
@@ -306,6 +308,10 @@ def test_down_projection_takes_gate_up_and_fuses_silu_only_where_asked(monkeypat
     monkeypatch.setattr(ops, "FUSE_SILU_DOWN", True)
     ops.row_parallel_linear(gate_up, int4, None, "down", silu_and_mul_first=True)
     assert calls == ["fused"]
+    calls.clear()
+    monkeypatch.setattr(ops, "_config", lambda kernel, bucket: tuning.KernelConfig({"dequant": 1}))
+    ops.row_parallel_linear(gate_up, int4, None, "down", silu_and_mul_first=True)
+    assert calls == ["silu_and_mul", "w4a16_gemm"]
     calls.clear()
     ops.row_parallel_linear(gate_up, w, None, "down", silu_and_mul_first=True)
     assert calls == ["silu_and_mul", "skinny_gemm"]
