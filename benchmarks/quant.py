@@ -8,13 +8,14 @@ benchmarks/serving.py's W4 and W1 phases in a fresh process (one engine holds mo
 memory), so the figures are exactly the ones serving.py reports for bf16.
 
     python benchmarks/quant.py --out OUTDIR [--variants bf16,awq,gptq] [--tune-budget 240] [--phases W4,W1]
-                               [--fused-silu-down-too]
+                               [--unfused-silu-down-too]
 
 Artifacts are kept in OUTDIR and reused, so the variants can also be run one command at a time.
 Prints a table at the end (with int4 / bf16 ratios against the issue's targets: W4 <= 0.45x,
-W1 >= 0.9x) and one JSON line per figure (also in OUTDIR/quant.jsonl). --fused-silu-down-too adds
-a row per int4 variant, "VARIANT+fused-silu": the same artifact measured again with silu_and_mul
-folded into the down projection's decode kernel (kernels/ops.py FUSE_SILU_DOWN = True).
+W1 >= 0.9x) and one JSON line per figure (also in OUTDIR/quant.jsonl). The int4 engines fold
+silu_and_mul into the down projection's decode kernel (kernels/ops.py FUSE_SILU_DOWN, the default);
+--unfused-silu-down-too adds a row per int4 variant, "VARIANT-unfused-silu": the same artifact
+measured again with FUSE_SILU_DOWN = False (the activation kernel, then the projection).
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--tune-budget", type=float, default=240.0)
     ap.add_argument("--phases", default="W4,W1", help="serving.py phases to measure per variant")
-    ap.add_argument("--fused-silu-down-too", action="store_true",
-                    help="also measure each int4 variant with kernels/ops.py FUSE_SILU_DOWN = True, same artifact")
+    ap.add_argument("--unfused-silu-down-too", action="store_true",
+                    help="also measure each int4 variant with kernels/ops.py FUSE_SILU_DOWN = False, same artifact")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     variants = variant_runs.chosen_variants(args.variants, VARIANTS)
@@ -58,10 +59,10 @@ def main() -> None:
         record(variant=variant, figure="weight_bytes", value=weight_bytes(artifact))
         phases = set(args.phases.split(","))
         results[variant] = {r["figure"]: r["value"] for r in variant_runs.measure(args.out, variant, artifact, phases, record)}  # type: ignore[misc]
-        if args.fused_silu_down_too and VARIANTS[variant] is not None:
-            setup = "from pagecast.kernels import ops; ops.FUSE_SILU_DOWN = True"
-            fused = f"{variant}+fused-silu"
-            results[fused] = {r["figure"]: r["value"] for r in variant_runs.measure(args.out, fused, artifact, phases, record, setup)}  # type: ignore[misc]
+        if args.unfused_silu_down_too and VARIANTS[variant] is not None:
+            setup = "from pagecast.kernels import ops; ops.FUSE_SILU_DOWN = False"
+            unfused = f"{variant}-unfused-silu"
+            results[unfused] = {r["figure"]: r["value"] for r in variant_runs.measure(args.out, unfused, artifact, phases, record, setup)}  # type: ignore[misc]
 
     # Ratios against bf16 from this run (or from an earlier run's quant.jsonl in the same OUTDIR).
     earlier = [

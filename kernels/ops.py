@@ -26,6 +26,7 @@ from pagecast.kernels.tuning import (
     lookup,
     prefill_bucket,
     skinny_bucket,
+    table_entry,
     token_bucket,
     w4a16_bucket,
 )
@@ -339,9 +340,12 @@ def row_parallel_linear(
 
 # silu_and_mul folded into the int4 down projection's decode kernel (it computes the activation as
 # it loads x: one launch and no [rows, d] intermediate a layer) where the table's config for the
-# bucket allows it (w4a16_tcgemv.fuses_silu_and_mul). Off until an H200 has timed it end to end
-# (benchmarks/quant.py --fused-silu-down-too); the values are the unfused ones either way.
-FUSE_SILU_DOWN = False
+# bucket allows it (w4a16_tcgemv.fuses_silu_and_mul); the values are the unfused ones either way.
+# The tuner times the down buckets the same way (kernels/problems.py) and marks their entries
+# "fused_silu", so the fused kernels are in the artifact; an entry without the mark (written
+# before, or tuned with this off) keeps the kernels it was tuned and compiled with. On an H200,
+# AWQ-G128 Llama-3-8B W4: 2.676 ms against 2.724 without (same artifact and run, eleventh session).
+FUSE_SILU_DOWN = True
 
 
 def _linear_of(
@@ -354,9 +358,11 @@ def _linear_of(
     if not silu_and_mul_first:
         return linear(x, weight, bias, projection)
     if FUSE_SILU_DOWN and isinstance(weight, Int4LinearWeight) and _triton(x):
-        cfg = _config("w4a16_gemm", w4a16_bucket(projection, x.shape[0]))
-        # a table's config that cannot fuse (prefill-sized buckets) keeps the tuned activation below
-        if cfg is None or _kernels().fuses_silu_and_mul(cfg):
+        bucket = w4a16_bucket(projection, x.shape[0])
+        cfg = _config("w4a16_gemm", bucket)
+        timed_fused = (table_entry(_active.tuning, "w4a16_gemm", bucket) or {}).get("fused_silu", False)
+        # a config that cannot fuse (prefill-sized buckets) keeps the tuned activation below
+        if timed_fused and cfg is not None and _kernels().fuses_silu_and_mul(cfg):
             return _kernels().w4a16_silu_and_mul_gemm(  # type: ignore[no-any-return]
                 x, weight.qweight, weight.scales, weight.zeros, weight.perm, weight.group_size, bias, cfg
             )

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -59,6 +60,8 @@ class Problem:
     flops: int  # matmul FLOPs of one launch (attention), 0 for elementwise kernels
     # The half-type baseline the kernel replaces (the W4A16 GEMM's bf16 cuBLAS GEMM), timed for the report.
     reference: Callable[[KernelConfig | None, int], object] | None = None
+    # Recorded in the bucket's table entry: how it was timed (the down projection's "fused_silu").
+    marks: dict[str, Any] = field(default_factory=dict)
 
     def launches_per_sample(self, est_bandwidth: float = 3e12) -> int:
         """Launches per timed sample: every input set, and at least ~100 us of work."""
@@ -399,8 +402,16 @@ def _w4a16_problem(
     nbytes: int, flops: int,
 ) -> Problem:  # fmt: skip
     """Random int4 weights of one projection (several, so each launch reads its weight from memory),
-    and as the reference the same projection's half-type weights through F.linear (cuBLAS)."""
+    and as the reference the same projection's half-type weights through F.linear (cuBLAS). The
+    down projection is timed as the engine runs it (kernels/ops.py FUSE_SILU_DOWN): from gate_up,
+    silu_and_mul folded into the configs that can fold it (w4a16_tcgemv.fuses_silu_and_mul), run
+    before the projection by the others and by the reference; so the table weighs what serving
+    runs, the fused kernels it picks are compiled into the artifact, and its entry is marked
+    "fused_silu" (serving folds the activation only into buckets so marked)."""
+    from pagecast.kernels import ops
+
     m, n, k = dims["num_rows"], dims["n"], dims["k"]
+    fused_down = ops.FUSE_SILU_DOWN and "projection" in dims and PROJECTIONS[dims["projection"]] == "down"
     dtype = shapes.torch_dtype
     g = _group_size(shapes, k)
     num_sets = max(1, min(MAX_LAUNCHES, math.ceil(COLD_BYTES / (n * k // 2))))
@@ -411,16 +422,20 @@ def _w4a16_problem(
         scales = scales.to(w4a16_scale_dtype(shapes))  # the artifact's (fp32 in fp32 ones)
         zeros = torch.randint(0, 16, (k // g, n), generator=dg, device=device, dtype=torch.int8)
         weights.append((qweight, scales, zeros))
-    rows = torch.randn((m, k), generator=dg, device=device, dtype=dtype)
+    rows = torch.randn((m, 2 * k if fused_down else k), generator=dg, device=device, dtype=dtype)
 
     def gemm(cfg: KernelConfig | None, i: int) -> object:
         qweight, scales, zeros = weights[i % num_sets]
+        if fused_down:
+            return w4a16_gemm.w4a16_silu_and_mul_gemm(rows, qweight, scales, zeros, None, g, None, config=cfg)
         return w4a16_gemm.w4a16_gemm(rows, qweight, scales, zeros, None, g, None, config=cfg)
 
     dense_sets = max(1, min(MAX_LAUNCHES, math.ceil(COLD_BYTES / (n * k * _elt(shapes)))))
     dense = [torch.randn((n, k), generator=dg, device=device, dtype=dtype) for _ in range(dense_sets)]
 
     def half_gemm(cfg: KernelConfig | None, i: int) -> object:
-        return torch.nn.functional.linear(rows, dense[i % dense_sets])
+        x = activation.silu_and_mul(rows) if fused_down else rows
+        return torch.nn.functional.linear(x, dense[i % dense_sets])
 
-    return Problem("w4a16_gemm", bucket, gemm, num_sets, nbytes, flops, reference=half_gemm)
+    marks = {"fused_silu": True} if fused_down else {}
+    return Problem("w4a16_gemm", bucket, gemm, num_sets, nbytes, flops, reference=half_gemm, marks=marks)

@@ -218,14 +218,20 @@ def lookup(table: Mapping[str, Any] | None, kernel: str, bucket: str) -> dict[st
     Accepts the whole table ({"kernels": ...}) or its "kernels" part, and entries that are
     either {"config": {...}, ...} or a bare config dict.
     """
+    entry = table_entry(table, kernel, bucket)
+    if entry is None:
+        return None
+    config = entry.get("config", entry)
+    return dict(config) if isinstance(config, Mapping) else None
+
+
+def table_entry(table: Mapping[str, Any] | None, kernel: str, bucket: str) -> Mapping[str, Any] | None:
+    """The (kernel, bucket) entry of a tuning table as written (``lookup``'s table forms), or None."""
     if not table:
         return None
     kernels = table.get("kernels", table)
     entry = kernels.get(kernel, {}).get(bucket) if isinstance(kernels, Mapping) else None
-    if not isinstance(entry, Mapping):
-        return None
-    config = entry.get("config", entry)
-    return dict(config) if isinstance(config, Mapping) else None
+    return entry if isinstance(entry, Mapping) else None
 
 
 @functools.cache
@@ -398,6 +404,7 @@ def tune(
             }
             if budget_spent:
                 entries[bucket]["budget_spent"] = True
+            entries[bucket].update(problem.marks)
             if problem.reference is not None:  # the half-type baseline, for the report (never chosen)
                 entries[bucket]["reference_us"] = round(
                     time_launches(functools.partial(problem.reference, None), launches, reps), 2

@@ -244,6 +244,14 @@ def prune_configs(
     return kept
 
 
+# Rows from which the tuner also times PREFETCH 1 (w4a16_tcgemv's docstring). On an H200 (one layer's
+# four Llama-3-8B projections, G = 128, bf16; benchmarks/RESULTS.md, eleventh session) the 128 x 2
+# tile with it beat the best config without it at gate_up by 7.7% at 4 rows and 7.3% at 8, and at
+# qkv, o and down by 1.4-4.7% at 8 rows; at 1 row, where a program holds 2-4 chunks, it lost at
+# every projection (56.14 against 62.34 us for the four).
+PREFETCH_MIN_ROWS = 4
+
+
 def tcgemv_configs(m: int, n: int, k: int, num_sms: int = 132) -> list[KernelConfig]:
     """The tensor-core decode kernel's candidates at this shape: its default first, then the tiles
     (BLOCK_N, warps) that won somewhere on the H200 (benchmarks/w4a16_micro.py: 256 columns on 4
@@ -251,8 +259,9 @@ def tcgemv_configs(m: int, n: int, k: int, num_sms: int = 132) -> list[KernelCon
     at the smallest power-of-two split giving every multiprocessor a program and twice that,
     the first tile also with its packed loads double-buffered (num_stages 2: o_proj's best at 1
     row), all with the zero points subtracted in the unpacking (SUB_ZEROS: faster at every
-    projection and row count timed, w4a16_tcgemv's docstring). The launcher rounds a split to a
-    divisor of K's chunks; launches that makes identical are timed once."""
+    projection and row count timed, w4a16_tcgemv's docstring). From PREFETCH_MIN_ROWS rows the
+    128-column tile also with the next chunk prefetched into L2 (PREFETCH 1). The launcher rounds
+    a split to a divisor of K's chunks; launches that makes identical are timed once."""
     out = [w4a16_tcgemv.default_config(m, n, k, num_sms)]
     for bn, warps in ((256, 4), (128, 2), (512, 4)):
         tiles = triton.cdiv(n, bn) * triton.cdiv(m, TCGEMV_MAX_ROWS)
@@ -262,6 +271,8 @@ def tcgemv_configs(m: int, n: int, k: int, num_sms: int = 132) -> list[KernelCon
         for s in sorted({split, min(split * 2, max(1, k // 128))}):
             for stages in (1, 2) if (bn, warps) == (256, 4) else (1,):
                 out.append(w4a16_tcgemv.make_config(bn, 128, s, warps, stages, sub_zeros=True))
+            if (bn, warps) == (128, 2) and m >= PREFETCH_MIN_ROWS:
+                out.append(w4a16_tcgemv.make_config(bn, 128, s, warps, 1, sub_zeros=True, prefetch=1))
     return list({tuple(sorted(c.as_dict().items())): c for c in out}.values())
 
 

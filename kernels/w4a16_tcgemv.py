@@ -84,8 +84,8 @@ warps, o_proj and gate_up at the tuner's splits) against 1.46-1.50 / 1.73-1.77; 
 tuner's tiles (benchmarks/w4a16_tcgemv_ptx.py --sub-zeros --order). The second step of a
 per-channel chunk loads its words and x when it starts (loading them ahead made ptxas spill).
 
-PREFETCH (a config key, with SUB_ZEROS; off, and not among the tuner's candidates, until an H200
-times it: benchmarks/w4a16_micro.py --variants tcgemv_sub_zeros,tcgemv_prefetch): a chunk's
+PREFETCH (a config key, with SUB_ZEROS; among the tuner's candidates from 4 rows, where it won on
+an H200, w4a16_gemm.PREFETCH_MIN_ROWS; never the default): a chunk's
 loads wait on memory once per chunk, and a program's next chunk is not requested until its
 current one is done, so a program has one chunk's bytes in flight. With PREFETCH d, when a
 program starts chunk c it prefetches chunk c + d of its split into L2 (prefetch.global.L2, one
@@ -95,7 +95,11 @@ the same registers and barriers, the weight still converted as its packed tile. 
 chunk's words in registers instead (loaded a chunk ahead, passed to the next iteration through
 _hold) was compiled and dropped: Triton then no longer hoists the weight's conversion to the int32
 load (its chain starts at the move, not at a load) and stages the unpacked bf16 tile in shared
-memory, at 255 registers and 3.2-3.6 loop instructions a weight.
+memory, at 255 registers and 3.2-3.6 loop instructions a weight. Timed on an H200 (one layer's four
+Llama-3-8B projections, G = 128, bf16, each variant at its best tuner tile; benchmarks/RESULTS.md,
+eleventh session): 56.14 us without against 62.34 with at 1 row, where a program holds 2-4 chunks
+and the prefetches are mostly overhead; 66.35 / 65.96 at 4 rows (gate_up 30.69 / 28.33); 73.64 /
+70.29 at 8, where the 128-column tile's programs hold 16 chunks at gate_up.
 
 Loop SASS instructions a weight, G = 128, BLOCK_N 256 on 4 warps (1 / 4 / 8 / 16 rows): fp16
 1.46 / 1.61 / 1.56 / 1.75, bf16 1.73 / 1.84 / 1.82 / 1.99 (unpacking 0.63 fp16, 0.88 bf16; mma
@@ -732,8 +736,8 @@ def make_config(
     the config only when on, so a table written before it keeps naming the sums' kernel.
     ``prefetch`` (with ``sub_zeros``): when a program starts chunk c it prefetches chunk c +
     ``prefetch`` of its split into L2 (_prefetch_chunk), so that chunk's loads wait on L2 rather
-    than on memory; off (0) by default and not among the tuner's candidates until an H200 has
-    timed it (benchmarks/w4a16_micro.py's ``tcgemv_prefetch``)."""
+    than on memory; off (0) by default, a tuner candidate from w4a16_gemm.PREFETCH_MIN_ROWS rows
+    (timed on an H200 by benchmarks/w4a16_micro.py's ``tcgemv_prefetch``)."""
     if prefetch and not sub_zeros:
         raise ValueError("prefetch is a variant of the sub_zeros kernel")
     return KernelConfig(

@@ -280,8 +280,9 @@ def test_mixed_step_split_keeps_every_kernel_argument_aligned(monkeypatch):
 def test_down_projection_takes_gate_up_and_fuses_silu_only_where_asked(monkeypatch):
     """The rendered model hands the down projection gate_up (silu_and_mul_first): on the CPU that is
     silu_and_mul then the projection, as before; on the GPU an int4 weight goes to the fused
-    entry point only with FUSE_SILU_DOWN (off until timed) and a config that can fuse (a table's
-    prefill-sized config keeps the tuned activation kernel), a dense weight never."""
+    entry point only where its bucket's table entry was timed fused ("fused_silu", so the fused
+    kernel is in the artifact) with a config that can fuse (a prefill-sized config keeps the tuned
+    activation kernel), and with FUSE_SILU_DOWN (on by default); a dense weight never."""
     from pagecast.kernels.quant_linear import Int4LinearWeight
 
     gen = torch.Generator().manual_seed(0)
@@ -302,19 +303,31 @@ def test_down_projection_takes_gate_up_and_fuses_silu_only_where_asked(monkeypat
     monkeypatch.setattr(ops, "_kernels", lambda: kernels)
     int4 = Int4LinearWeight(torch.zeros(8, 32, dtype=torch.int32), torch.ones(1, 32), torch.zeros(1, 32, dtype=torch.int8),
                             None, 64)  # fmt: skip
-    ops.row_parallel_linear(gate_up, int4, None, "down", silu_and_mul_first=True)
-    assert calls == ["silu_and_mul", "w4a16_gemm"]
-    calls.clear()
-    monkeypatch.setattr(ops, "FUSE_SILU_DOWN", True)
-    ops.row_parallel_linear(gate_up, int4, None, "down", silu_and_mul_first=True)
-    assert calls == ["fused"]
-    calls.clear()
-    monkeypatch.setattr(ops, "_config", lambda kernel, bucket: tuning.KernelConfig({"dequant": 1}))
-    ops.row_parallel_linear(gate_up, int4, None, "down", silu_and_mul_first=True)
-    assert calls == ["silu_and_mul", "w4a16_gemm"]
-    calls.clear()
-    ops.row_parallel_linear(gate_up, w, None, "down", silu_and_mul_first=True)
-    assert calls == ["silu_and_mul", "skinny_gemm"]
+    sub_zeros = {"tcgemv": 1, "BLOCK_N": 256, "BLOCK_K": 128, "SPLIT_K": 4, "SUB_ZEROS": 1}
+
+    def down(entry):  # type: ignore[no-untyped-def]
+        calls.clear()
+        ops.activate(ops.KernelTable({"w4a16_gemm": {"down.m4": entry}} if entry else None))
+        ops.row_parallel_linear(gate_up, int4, None, "down", silu_and_mul_first=True)
+        return calls
+
+    previous = ops._active
+    try:
+        assert ops.FUSE_SILU_DOWN
+        assert down({"config": sub_zeros, "fused_silu": True}) == ["fused"]
+        # not timed fused (a table written before, or tuned with the flag off): not fused
+        assert down({"config": sub_zeros}) == ["silu_and_mul", "w4a16_gemm"]
+        assert down(None) == ["silu_and_mul", "w4a16_gemm"]
+        # a config that cannot fuse keeps the activation kernel
+        assert down({"config": {"dequant": 1}, "fused_silu": True}) == ["silu_and_mul", "w4a16_gemm"]
+        monkeypatch.setattr(ops, "FUSE_SILU_DOWN", False)
+        assert down({"config": sub_zeros, "fused_silu": True}) == ["silu_and_mul", "w4a16_gemm"]
+        monkeypatch.setattr(ops, "FUSE_SILU_DOWN", True)
+        calls.clear()
+        ops.row_parallel_linear(gate_up, w, None, "down", silu_and_mul_first=True)
+        assert calls == ["silu_and_mul", "skinny_gemm"]
+    finally:
+        ops.activate(previous)
 
 
 def test_leading_decodes_counts_the_one_token_prefix():
@@ -436,7 +449,8 @@ def test_buckets_the_budget_cut_off_are_not_called_tuned(monkeypatch):  # type: 
         clock[0] += 1.0
         return 10.0
 
-    problem = types.SimpleNamespace(launches_per_sample=lambda: 1, launch=lambda cfg, i: None, reference=None)
+    problem = types.SimpleNamespace(launches_per_sample=lambda: 1, launch=lambda cfg, i: None, reference=None,
+                                    marks={"timed_as": "fake"})  # fmt: skip
     monkeypatch.setattr(tuning, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     monkeypatch.setattr(tuning, "time_launches", timed)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake GPU")
@@ -447,6 +461,7 @@ def test_buckets_the_budget_cut_off_are_not_called_tuned(monkeypatch):  # type: 
     first, *rest = entries.values()
     assert first["tuned"] and "budget_spent" not in first  # 3 configs timed, the budget ran out during it
     assert rest and all(not e["tuned"] and e["budget_spent"] for e in rest)
+    assert all(e["timed_as"] == "fake" for e in entries.values())  # the problem's marks, in every entry
     default = problems.default_config("rms_norm", shapes, {}).as_dict()
     assert all(e["config"] == default for e in rest)
     assert tuning.untuned_buckets(table) == {"rms_norm": list(entries)[1:]}

@@ -284,6 +284,38 @@ def test_tuning_problem_scales_are_the_artifacts():
             assert tiles and all(w4a16_gemm.shared_memory(c, elt, scale_elt, 64) <= 232448 for c in tiles)
 
 
+def test_tuner_times_the_down_projection_as_serving_runs_it(monkeypatch):  # type: ignore[no-untyped-def]
+    """With kernels/ops.py FUSE_SILU_DOWN (the default) the tuner times each down bucket from
+    gate_up rows [m, 2 * intermediate] through the fused entry point (silu_and_mul folded into the
+    configs that can fold it), its reference with the activation kernel before cuBLAS, and marks
+    the entry "fused_silu" (serving fuses only marked buckets, whose fused kernels the tuning
+    compiled into the artifact); the other projections, and down with the flag off, as before."""
+    from pagecast.kernels import activation, ops, problems
+    from pagecast.kernels.tuning import ModelShapes
+
+    calls: list[tuple[str, tuple[int, ...]]] = []
+    monkeypatch.setattr(w4a16_gemm, "w4a16_silu_and_mul_gemm", lambda x, *a, **k: calls.append(("fused", tuple(x.shape))))
+    monkeypatch.setattr(w4a16_gemm, "w4a16_gemm", lambda x, *a, **k: calls.append(("gemm", tuple(x.shape))))
+    monkeypatch.setattr(activation, "silu_and_mul", lambda x, *a, **k: calls.append(("silu", tuple(x.shape))) or x[:, : x.shape[1] // 2])
+    shapes = ModelShapes(2, 1, 64, 128, 192, 16, "float16", quant_group_size=64)
+    dims = dict(problems.buckets("w4a16_gemm", shapes))
+    cfg = w4a16_tcgemv.make_config(32, 64, 2, num_warps=2, sub_zeros=True)
+
+    def timed(bucket: str) -> tuple[dict[str, bool], list[tuple[str, tuple[int, ...]]]]:
+        calls.clear()
+        problem = problems.make_problem("w4a16_gemm", shapes, dims[bucket], "cpu")
+        problem.launch(cfg, 0)
+        assert problem.reference is not None
+        problem.reference(None, 0)
+        return problem.marks, list(calls)
+
+    assert ops.FUSE_SILU_DOWN
+    assert timed("down.m4") == ({"fused_silu": True}, [("fused", (4, 384)), ("silu", (4, 384))])
+    assert timed("gate_up.m4") == ({}, [("gemm", (4, 128))])
+    monkeypatch.setattr(ops, "FUSE_SILU_DOWN", False)
+    assert timed("down.m4") == ({}, [("gemm", (4, 192))])
+
+
 def compile_for_sm90() -> None:
     """Compile (not run) both kernels for an H100/H200 with Triton's bundled ptxas."""
     from triton.backends.compiler import GPUTarget

@@ -152,11 +152,20 @@ def test_silu_and_mul_gemm_fuses_only_into_sub_zeros_tensor_core_configs():
         )
 
 
-def test_prefetch_is_a_sub_zeros_option_off_by_default():
+def test_prefetch_is_a_sub_zeros_option_the_tuner_times_from_four_rows():
+    """PREFETCH needs SUB_ZEROS; the untuned default never prefetches; the tuner times it (on the
+    128-column tile, at both its splits) from PREFETCH_MIN_ROWS rows, where it won on an H200, and
+    not at 1-2 rows, where it lost at every projection."""
     with pytest.raises(ValueError, match="sub_zeros"):
         w4a16_tcgemv.make_config(256, 128, 4, prefetch=1)
     assert "PREFETCH" not in w4a16_tcgemv.default_config(1, 28672, 4096).params
-    assert all("PREFETCH" not in c.params for m in (1, 8) for c in w4a16_gemm.tcgemv_configs(m, 28672, 4096))
+    for m in (1, 2, 4, 8, 16):
+        prefetching = [c for c in w4a16_gemm.tcgemv_configs(m, 28672, 4096) if c.params.get("PREFETCH")]
+        if m < w4a16_gemm.PREFETCH_MIN_ROWS:
+            assert not prefetching, m
+        else:
+            assert len(prefetching) == 2, (m, prefetching)
+            assert all(c.params["BLOCK_N"] == 128 and c.num_warps == 2 and c.params["SUB_ZEROS"] == 1 for c in prefetching)
 
 
 def test_tcgemv_default_and_tuner_candidates_subtract_zeros_and_old_tables_keep_their_kernel():
