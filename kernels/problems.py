@@ -92,10 +92,14 @@ def buckets(kernel: str, shapes: ModelShapes) -> list[tuple[str, dict[str, int]]
         if not shapes.quant_group_size:
             return []
         nk = projection_dims(shapes)
+        # Row counts outermost: a tuning budget that runs out leaves the largest buckets (whose
+        # default, dequantize + cuBLAS, is the usual winner there) at the default, not whole
+        # projections' decode buckets (a 60 s budget once stopped at qkv.m32, so o, gate_up and
+        # down ran their defaults at 1-16 rows too).
         return [
             (f"{name}.m{m}", {"projection": i, "n": nk[name][0], "k": nk[name][1], "num_rows": m})
-            for i, name in enumerate(PROJECTIONS)
             for m in W4A16_ROW_BUCKETS
+            for i, name in enumerate(PROJECTIONS)
         ]
     if kernel == "skinny_gemm":
         if shapes.quant_group_size:

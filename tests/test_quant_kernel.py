@@ -316,6 +316,19 @@ def test_tuner_times_the_down_projection_as_serving_runs_it(monkeypatch):  # typ
     assert timed("down.m4") == ({}, [("gemm", (4, 192))])
 
 
+def test_tuner_reaches_every_projections_decode_buckets_before_larger_ones():
+    """The tuner takes buckets in order until its budget runs out: every projection's small row
+    buckets (decode, where the int4 kernels' configs differ most) come before any larger bucket."""
+    from pagecast.kernels import problems
+    from pagecast.kernels.tuning import PROJECTIONS, ModelShapes
+
+    shapes = ModelShapes(32, 8, 128, 4096, 14336, 16, "bfloat16", quant_group_size=128)
+    order = [dims["num_rows"] for _, dims in problems.buckets("w4a16_gemm", shapes)]
+    assert order == sorted(order)
+    first = [name for name, _ in problems.buckets("w4a16_gemm", shapes)][: 2 * len(PROJECTIONS)]
+    assert first == [f"{p}.m{m}" for m in (1, 2) for p in PROJECTIONS]
+
+
 def compile_for_sm90() -> None:
     """Compile (not run) both kernels for an H100/H200 with Triton's bundled ptxas."""
     from triton.backends.compiler import GPUTarget
