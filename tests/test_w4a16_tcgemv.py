@@ -249,6 +249,13 @@ def test_tcgemv_default_config_runs():
     _check(2, 40, 576, 64, False, True, cfg, torch.float16)
     big = w4a16_tcgemv.default_config(1, 4096, 4096)
     assert 16 * big["SPLIT_K"] >= 2 * 132
+    # 3-8 rows: the 128-column tile on 2 warps, at the split the H200's tuner picked for it at
+    # Llama-3-8B's o (4 rows: 16), gate_up (4 and 8 rows: 2) and down (16)
+    narrow = {(m, n, k): w4a16_tcgemv.default_config(m, n, k) for m in (3, 4, 8) for n, k in
+              ((4096, 4096), (28672, 4096), (4096, 14336))}  # fmt: skip
+    assert all(c["BLOCK_N"] == 128 and c.num_warps == 2 for c in narrow.values())
+    assert [narrow[(4, 4096, 4096)]["SPLIT_K"], narrow[(8, 28672, 4096)]["SPLIT_K"], narrow[(8, 4096, 14336)]["SPLIT_K"]] == [16, 2, 16]
+    assert w4a16_tcgemv.default_config(16, 4096, 4096)["BLOCK_N"] == 256
 
 
 # ---------------------------------------------------------------- wired into the W4A16 launcher
