@@ -760,9 +760,10 @@ NARROW_DEFAULT_ROWS = (3, 8)
 def default_config(m: int, n: int, k: int, num_sms: int = 132) -> KernelConfig:
     """Untuned choice: 256 columns on 4 warps by 128 inputs a step (the fewest loop instructions a
     weight in benchmarks/w4a16_tcgemv_ptx.py at 1-8 rows), or 128 on 2 warps at 3-8 rows
-    (NARROW_DEFAULT_ROWS: on an H200 the tuner's best at 7 of the 8 Llama-3-8B projections and
-    row counts 4 and 8, each at this split; o at 4 rows took 14.24 us with the 256-column default
-    against 8.5 with it; benchmarks/RESULTS.md, eleventh session), splits of K for about two
+    (NARROW_DEFAULT_ROWS: on an H200 the fastest tuner tile at 7 of the 8 Llama-3-8B projections
+    and row counts 4 and 8, at this split at 6 of them (o at 8 rows: half of it); o at 4 rows took
+    14.24 us with the 256-column default in one run, 8.5 with this one in another; benchmarks/RESULTS.md,
+    eleventh session), splits of K for about two
     programs a multiprocessor (the launcher rounds them to a divisor of K / chunk), the zero
     points subtracted in the unpacking (SUB_ZEROS, the module docstring: the artifact's are 4-bit)."""
     bn, warps = (128, 2) if NARROW_DEFAULT_ROWS[0] <= m <= NARROW_DEFAULT_ROWS[1] else (256, 4)
