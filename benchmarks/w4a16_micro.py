@@ -13,7 +13,8 @@ group size (128, 64) and row count (1, 2, 4, 8, 16, 64), times on one GPU:
   kernel's SUB_ZEROS: no per-chunk sums of x, a program's loads issued together; what the tuner
   times since it won here);
 - ``tcgemv_prefetch``: SUB_ZEROS with the next chunk (PREFETCH 1) or the one after (2) of each
-  program's split prefetched into L2 when a chunk starts (off by default, not yet timed);
+  program's split prefetched into L2 when a chunk starts (the tuner times PREFETCH 1 from 4 rows,
+  w4a16_gemm.PREFETCH_MIN_ROWS, since it won there in the eleventh session);
 - ``dequant``: dequantize the weight then cuBLAS (what the tuner may pick for prefill);
 - ``bf16``: torch.nn.functional.linear on bf16 weights of the same shape (cuBLAS).
 
@@ -103,7 +104,8 @@ def candidates(m: int, n: int, k: int, sms: int) -> dict[str, list[tuning.Kernel
         gemv = w4a16_gemm.gemv_configs(m, n, k, sms) + [w4a16_gemv.default_config(m, n, k, sms)]
         out["gemv"] = list({json.dumps(c.as_dict()): c for c in gemv}.values())
     if m <= w4a16_gemm.TCGEMV_MAX_ROWS:
-        tc = tcgemv_configs(m, n, k, sms)
+        # the tuner's tiles without its PREFETCH candidates: each variant below sets its own keys
+        tc = [c for c in tcgemv_configs(m, n, k, sms) if "PREFETCH" not in c.params]
         out["tcgemv"] = [
             tuning.KernelConfig({p: v for p, v in c.params.items() if p != "SUB_ZEROS"}, c.num_warps, c.num_stages)
             for c in tc

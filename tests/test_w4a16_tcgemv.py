@@ -543,3 +543,24 @@ def test_fused_silu_and_mul_on_gpu(m):  # type: ignore[no-untyped-def]
         fused = w4a16_tcgemv.w4a16_tcgemv(gate_up, qweight, scales, zeros, perm, g, None, cfg, silu_and_mul=True)
         plain = w4a16_tcgemv.w4a16_tcgemv(x, qweight, scales, zeros, perm, g, None, cfg)
         torch.testing.assert_close(fused.float(), plain.float(), atol=0, rtol=2**-7, msg=str(cfg.as_dict()))
+
+
+def test_micro_benchmark_variants_keep_their_own_keys():
+    """benchmarks/w4a16_micro.py's variants stay what their names say now that the tuner's
+    candidates include PREFETCH ones (from 4 rows): the sums' kernel has neither SUB_ZEROS nor
+    PREFETCH, SUB_ZEROS has no PREFETCH, and every PREFETCH candidate has both."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    import w4a16_micro
+
+    for m in (1, 8):
+        out = w4a16_micro.candidates(m, 28672, 4096, 132)
+        assert out["tcgemv"] and all("SUB_ZEROS" not in c.params and "PREFETCH" not in c.params for c in out["tcgemv"])
+        assert out["tcgemv_sub_zeros"] and all(
+            c.params["SUB_ZEROS"] == 1 and "PREFETCH" not in c.params for c in out["tcgemv_sub_zeros"]
+        )
+        assert out["tcgemv_prefetch"] and all(
+            c.params["SUB_ZEROS"] == 1 and c.params["PREFETCH"] in (1, 2) for c in out["tcgemv_prefetch"]
+        )
