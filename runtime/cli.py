@@ -182,6 +182,12 @@ def main(
         _fail("TLS needs both --ssl-keyfile and --ssl-certfile")
     if ssl_ca_certs and not ssl_certfile:
         _fail("--ssl-ca-certs (client certificates) needs TLS: give --ssl-keyfile and --ssl-certfile too")
+    from pagecast.runtime.server.app import check_cors
+
+    try:  # before any engine loads: a refused combination fails in a second
+        check_cors(_split_list(allowed_origins), allow_credentials)
+    except ValueError as exc:
+        _fail(str(exc))
     template = _read_chat_template(chat_template)
     options = {k: v for k, v in engine_kwargs.items() if k in _ENGINE_OPTIONS and v is not None}
     if no_prefix_caching:

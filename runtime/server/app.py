@@ -104,8 +104,11 @@ def add_cors(
 ) -> None:
     """Let browsers on ``allowed_origins`` call the API (CORS). Call before the app starts.
     Preflight (OPTIONS) requests are answered by the middleware, before the API-key check,
-    as browsers send them without credentials."""
+    as browsers send them without credentials. Raises ``ValueError`` for a combination
+    ``check_cors`` refuses."""
     from starlette.middleware.cors import CORSMiddleware
+
+    check_cors(allowed_origins, allow_credentials)
 
     app.add_middleware(
         CORSMiddleware,
@@ -114,6 +117,19 @@ def add_cors(
         allow_headers=list(allowed_headers),
         allow_credentials=allow_credentials,
     )
+
+
+def check_cors(allowed_origins: Sequence[str], allow_credentials: bool) -> None:
+    """Refuse any origin (``*``) together with credentials. Starlette would answer such a
+    request by echoing the caller's own origin with ``Access-Control-Allow-Credentials``, so
+    every web page a user of the API visits could call it with that user's cookies or
+    client certificate: the same-origin protection browsers give is gone."""
+    if allow_credentials and "*" in allowed_origins:
+        raise ValueError(
+            "--allowed-origins '*' cannot be combined with --allow-credentials: any web site could "
+            "then make requests carrying your users' credentials. List the origins that may call "
+            "with credentials (--allowed-origins https://app.example.com), or drop --allow-credentials"
+        )
 
 
 def server_state(app: Starlette) -> ServerState:
@@ -178,8 +194,9 @@ def _api(state: ServerState, handler: Handler) -> Callable[[Request], Awaitable[
         except (InvalidRequestError, EngineDeadError) as exc:
             return _error_response(state, errors.from_engine_error(exc, "the requested model"))
         except Exception as exc:
-            logger.exception("unhandled error in %s", request.url.path)
-            return _error_response(state, errors.internal_error(f"{type(exc).__name__}: {exc}"))
+            # Logged at ERROR with the traceback by internal_error; the client sees only an id.
+            detail = f"unhandled {type(exc).__name__} in {request.method} {request.url.path}: {exc}"
+            return _error_response(state, errors.internal_error(detail))
 
     return endpoint
 

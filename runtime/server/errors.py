@@ -7,7 +7,10 @@ engine's ``InvalidRequestError``) are all turned into 400s here, naming the para
 
 from __future__ import annotations
 
+import logging
 import math
+import sys
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,6 +18,8 @@ from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
 from pagecast.runtime.errors import EngineDeadError, InvalidRequestError
+
+logger = logging.getLogger("pagecast.server")
 
 _STATUS_CODES = {
     400: "invalid_value",
@@ -131,8 +136,20 @@ def engine_dead(model: str, detail: str = "") -> APIError:
     return APIError(503, message, type="server_error", code="engine_dead")
 
 
-def internal_error(detail: str) -> APIError:
-    return APIError(500, f"Internal server error: {detail}", type="server_error", code="internal_error")
+def internal_error(detail: str, request_id: str | None = None) -> APIError:
+    """A 500 for a fault of the server's own. ``detail`` goes to the server's log only (at
+    ERROR, with the traceback when called while handling an exception), never to the
+    client: exception text can hold paths, library internals or another request's data.
+    The client gets a generic message and an id to quote, which the log line carries too."""
+    request_id = request_id or f"err-{uuid.uuid4().hex[:16]}"
+    logger.error("internal error (request id %s): %s", request_id, detail, exc_info=sys.exc_info()[0] is not None)
+    return APIError(
+        500,
+        f"Internal server error (request id {request_id}); the server's log has the details under this id.",
+        type="server_error",
+        code="internal_error",
+        headers={"X-Request-Id": request_id},
+    )
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "json-or-python"}

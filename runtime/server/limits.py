@@ -1,5 +1,6 @@
 """Request limits that protect the server from a single request: the body size (413, checked
-before anything is parsed) and the size of a text prompt (400 before it is tokenized).
+before anything is parsed), the size of a text prompt (400 before it is tokenized), and the
+range of every integer a request carries (``RequestModel``, the base of every request model).
 
 Both exist because the work they prevent is proportional to the input and happens before
 the engine sees the request: a 50 MB prompt used to be read, parsed and tokenized in full
@@ -11,6 +12,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagecast.runtime.server import errors
@@ -65,6 +67,48 @@ def _content_length(scope: Scope) -> int | None:
                 return int(value)
             except ValueError:
                 return None
+    return None
+
+
+# JSON integers have no size; the engine's do. A value past int64 raised OverflowError deep in
+# torch (top_k) or msgspec (stop_token_ids, min_tokens) and became a 500.
+MIN_INT, MAX_INT = -(2**63), 2**63 - 1
+
+
+class RequestModel(BaseModel):
+    """Base of every request body model: strict types (a string where a number belongs is a
+    400, not a silent cast), NaN and infinities refused by name, unknown fields ignored (as
+    vLLM does, so newer clients keep working), and every integer, in any field and at any
+    depth of its lists, inside a signed 64-bit range, so no number a client sends can
+    overflow where the engine converts it. Fields with their own tighter bounds keep them;
+    this is the floor under all of them, including fields added later."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _integers_fit_int64(cls, value: Any, info: ValidationInfo) -> Any:
+        found = _out_of_range_int(value)
+        if found is not None:
+            where, number = found
+            raise ValueError(
+                f"{info.field_name}{where} is {number}, outside the integers this server accepts "
+                f"({MIN_INT} to {MAX_INT})"
+            )
+        return value
+
+
+def _out_of_range_int(value: Any, where: str = "") -> tuple[str, int] | None:
+    """(index path, value) of the first integer outside int64 in ``value`` and its lists.
+    Nested request models check their own fields; dicts (JSON schemas, tool parameters) are
+    data passed on as JSON, never converted to a machine integer, so they are left alone."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (where, value) if not MIN_INT <= value <= MAX_INT else None
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            found = _out_of_range_int(item, f"{where}[{i}]")
+            if found is not None:
+                return found
     return None
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator
 
 from pagecast.runtime.sampling_params import SamplingParams, StructuredOutput
 from pagecast.runtime.server.errors import (
@@ -24,6 +24,7 @@ from pagecast.runtime.server.errors import (
     invalid_request,
     unsupported,
 )
+from pagecast.runtime.server.limits import RequestModel
 from pagecast.runtime.server.tool_calls import (
     MessageToolCall,
     Tool,
@@ -47,26 +48,22 @@ MIN_SEED, MAX_SEED = -(2**31), 2**32 - 1
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 
-# NaN and infinities are refused by name ("must be a finite number") instead of failing a
-# range check with a confusing message (NaN is neither <= 2 nor >= 0).
-_CONFIG = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+# Every model below derives from RequestModel (limits.py): strict parsing, NaN and infinities
+# refused by name ("must be a finite number") instead of failing a range check with a confusing
+# message (NaN is neither <= 2 nor >= 0), and every integer inside int64.
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(RequestModel):
     """``include_usage``: a usage-only chunk before ``[DONE]``. ``continuous_usage_stats``:
     also the usage so far in every chunk (vLLM's extension)."""
-
-    model_config = _CONFIG
 
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class StructuredOutputs(BaseModel):
+class StructuredOutputs(RequestModel):
     """vLLM's ``structured_outputs``: one of ``json``, ``json_object``, ``regex``, ``choice``,
     ``grammar``."""
-
-    model_config = _CONFIG
 
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     json_object: bool | None = None
@@ -75,10 +72,8 @@ class StructuredOutputs(BaseModel):
     grammar: str | None = None
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(RequestModel):
     """Fields common to /v1/completions and /v1/chat/completions."""
-
-    model_config = _CONFIG
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -298,16 +293,12 @@ def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-class TextPart(BaseModel):
-    model_config = _CONFIG
-
+class TextPart(RequestModel):
     type: str
     text: str | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = _CONFIG
-
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None

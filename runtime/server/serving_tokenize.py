@@ -13,22 +13,25 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+import anyio
+from pydantic import BaseModel, Field, ValidationError, model_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pagecast.runtime.server import errors
 from pagecast.runtime.server.chat import render_chat_prompt
+from pagecast.runtime.server.limits import RequestModel
 from pagecast.runtime.server.protocol import ChatMessage
 from pagecast.runtime.server.serving import ServedModel, ServerState
 from pagecast.runtime.server.tool_calls import Tool
 
-MAX_TOKENIZE_CHARS = 1 << 22  # 4 MiB of text: larger bodies are a mistake, not a prompt
+# 4 Mi characters of text, in `prompt` or across `messages`: more is a mistake, not a prompt.
+# /tokenize answers counts past max_model_len (that is what a client asks it to learn), so the
+# generation endpoints' context-based bound (limits.check_text_size) does not apply here.
+MAX_TOKENIZE_CHARS = 1 << 22
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
+class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = Field(None, max_length=MAX_TOKENIZE_CHARS)
     messages: list[ChatMessage] | None = None
@@ -46,9 +49,17 @@ class TokenizeRequest(BaseModel):
         return self
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+def _message_chars(messages: list[ChatMessage]) -> int:
+    total = 0
+    for message in messages:
+        if isinstance(message.content, str):
+            total += len(message.content)
+        elif message.content is not None:
+            total += sum(len(part.text or "") for part in message.content)
+    return total
 
+
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int] = Field(..., max_length=1 << 20)
 
@@ -72,25 +83,45 @@ def _tokenizer(model: ServedModel) -> Any:
 
 
 async def tokenize(request: Request, state: ServerState) -> Response:
-    req: TokenizeRequest = _parse(TokenizeRequest, await request.body())
+    # Parsing, tokenizing and rendering the answer are proportional to the input (4 Mi
+    # characters took seconds), so they run in a worker thread: the event loop keeps serving
+    # /health and the running streams meanwhile, as for the generation endpoints.
+    body = await request.body()
+    return await anyio.to_thread.run_sync(_tokenize, body, state)
+
+
+def _tokenize(body: bytes, state: ServerState) -> Response:
+    req: TokenizeRequest = _parse(TokenizeRequest, body)
     model = state.resolve(req.model)
     tokenizer = _tokenizer(model)
     if req.messages is not None:
+        # The same bound as a plain prompt (the body limit, --max-request-bytes, caps both too).
+        if _message_chars(req.messages) > MAX_TOKENIZE_CHARS:
+            raise errors.invalid_request(
+                f"`messages` hold more than {MAX_TOKENIZE_CHARS:,} characters of text, the most "
+                "/tokenize takes in one request. Tokenize them in parts.",
+                "messages",
+            )
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         ids = render_chat_prompt(tokenizer, req.messages, req.add_generation_prompt, tools)
     else:
         ids = list(tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
-    body: dict[str, Any] = {
+    body_out: dict[str, Any] = {
         "count": len(ids),
         "max_model_len": int(model.engine.max_model_len),
         "tokens": ids,
         "token_strs": tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None,
     }
-    return JSONResponse(body)
+    return JSONResponse(body_out)
 
 
 async def detokenize(request: Request, state: ServerState) -> Response:
-    req: DetokenizeRequest = _parse(DetokenizeRequest, await request.body())
+    body = await request.body()
+    return await anyio.to_thread.run_sync(_detokenize, body, state)
+
+
+def _detokenize(body: bytes, state: ServerState) -> Response:
+    req: DetokenizeRequest = _parse(DetokenizeRequest, body)
     model = state.resolve(req.model)
     tokenizer = _tokenizer(model)
     vocab_size = int(model.engine.vocab_size)

@@ -28,10 +28,11 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import field_validator
 
 from pagecast.runtime.sampling_params import StructuredOutput
 from pagecast.runtime.server.errors import APIError, invalid_request
+from pagecast.runtime.server.limits import RequestModel
 
 HERMES = "hermes"
 LLAMA3_JSON = "llama3_json"
@@ -40,12 +41,9 @@ TOOL_FORMATS = (HERMES, LLAMA3_JSON)
 # OpenAI's rule for function names.
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
-_CONFIG = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
-class FunctionDefinition(BaseModel):
-    model_config = _CONFIG
-
+class FunctionDefinition(RequestModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; none: the function takes no arguments
@@ -59,25 +57,19 @@ class FunctionDefinition(BaseModel):
         return value
 
 
-class Tool(BaseModel):
+class Tool(RequestModel):
     """One entry of ``tools``: only function tools exist in the chat API."""
-
-    model_config = _CONFIG
 
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(BaseModel):
-    model_config = _CONFIG
-
+class FunctionName(RequestModel):
     name: str
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(RequestModel):
     """``tool_choice: {"type": "function", "function": {"name": ...}}``."""
-
-    model_config = _CONFIG
 
     type: Literal["function"]
     function: FunctionName
@@ -86,18 +78,14 @@ class NamedToolChoice(BaseModel):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class FunctionCall(BaseModel):
-    model_config = _CONFIG
-
+class FunctionCall(RequestModel):
     name: str
     # A JSON string in OpenAI's API; an object is accepted too (some clients send one).
     arguments: str | dict[str, Any]
 
 
-class MessageToolCall(BaseModel):
+class MessageToolCall(RequestModel):
     """An earlier call in an assistant message of the conversation."""
-
-    model_config = _CONFIG
 
     id: str
     type: Literal["function"] = "function"
