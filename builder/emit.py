@@ -13,6 +13,7 @@ from typing import Any
 
 from pagecast.builder import quant, shard
 from pagecast.builder.ir import BuildState
+from pagecast.kernels import KERNEL_ABI
 from pagecast.runtime.artifact import FORMAT_VERSION, MANIFEST, Manifest, TargetDevice, hash_tree
 
 
@@ -73,6 +74,7 @@ def make_manifest(
         layout=shard.manifest_layout(model, plan.tp, plan.tensors, ckpt.dummy and plan.quantization is None, opts.seed),
         quantization=plan.quantization.as_dict() if plan.quantization is not None else None,
         kv_cache=plan.kv_cache.as_manifest() if plan.kv_cache is not None else {"dtype": plan.dtype},
+        kernel_abi=KERNEL_ABI,
     )
 
 

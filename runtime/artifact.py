@@ -18,16 +18,25 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import shlex
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from importlib import metadata
+from pathlib import Path, PurePosixPath
 from typing import Any
 
+from pagecast.kernels import KERNEL_ABI
 from pagecast.runtime.errors import ArtifactError
 
-FORMAT_VERSION = 1
+logger = logging.getLogger("pagecast.runtime")
+
+# 2 added ``kernel_abi``. A format_version 1 manifest has none and is read as kernel ABI 1: the
+# kernel API its model.py calls is the one ABI 1 names (the ABI was first counted there).
+FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 
 
@@ -86,6 +95,10 @@ class Manifest:
     # fp8(x / scale)) and "scales_source" ("checkpoint" or "default"). Empty in artifacts from
     # before fp8 KV caches: the cache is in ``dtype``.
     kv_cache: dict[str, Any] = field(default_factory=dict)
+    # pagecast.kernels.KERNEL_ABI at build: the version of the kernel API the rendered model.py
+    # calls (positionally). The runtime refuses another one: those calls would bind wrong
+    # arguments or fail mid-request. 1 in format_version 1 artifacts, which did not record it.
+    kernel_abi: int = 1
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -173,43 +186,255 @@ def load_manifest(artifact_dir: str | os.PathLike[str]) -> Manifest:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ArtifactError(f"{path} is not valid JSON ({e}); rebuild the artifact with enginebuild") from e
-    version = data.get("format_version")
-    if version != FORMAT_VERSION:
+    version = data.get("format_version") if isinstance(data, dict) else None
+    if version not in READABLE_FORMAT_VERSIONS:
         raise ArtifactError(
             f"{root}: artifact format_version {version!r} is not supported by this pagecast "
-            f"(it reads format_version {FORMAT_VERSION}); rebuild the artifact with this version's enginebuild"
+            f"(it reads format_version {FORMAT_VERSION}, and 1); rebuild the artifact with this version's enginebuild"
         )
+    if version == 1 and "kernel_abi" in data:
+        raise ArtifactError(f"{path} is malformed (kernel_abi in a format_version 1 manifest); rebuild the artifact")
     try:
-        return Manifest.from_dict(data)
+        manifest = Manifest.from_dict(data)
     except TypeError as e:
         raise ArtifactError(f"{path} is malformed ({e}); rebuild the artifact with enginebuild") from e
+    check_file_names(root, manifest)
+    check_versions(root, manifest)
+    return manifest
+
+
+def check_file_names(artifact_dir: str | os.PathLike[str], manifest: Manifest) -> None:
+    """Every name the manifest lists is a file inside the artifact: a relative POSIX path with
+    no ``..``, and (symlinks followed) still under the artifact directory. A manifest naming
+    anything else is refused before any file is opened, hashed or read: it would make the
+    runtime read (and print the digest of) a file outside the artifact."""
+    root = Path(artifact_dir)
+    real_root = root.resolve()
+    for rel in sorted(set(manifest.files) | set(manifest.chunk_hashes)):
+        if not isinstance(rel, str) or not _is_plain_relative(rel):
+            raise ArtifactError(
+                f"{root}: the manifest names the file {rel!r}, which is not a relative path inside the "
+                "artifact (absolute, with '..' or a backslash). The manifest was altered; rebuild the "
+                "artifact with enginebuild"
+            )
+        target = (root / rel).resolve()
+        if not target.is_relative_to(real_root):
+            raise ArtifactError(
+                f"{root}: {rel} leads outside the artifact (to {target}, through a symbolic link). An "
+                "artifact holds its files itself; replace the link with the file or rebuild the artifact"
+            )
+
+
+def _is_plain_relative(rel: str) -> bool:
+    if not rel or "\\" in rel or "\x00" in rel or rel.startswith("/"):
+        return False
+    parts = PurePosixPath(rel).parts
+    return not any(part in ("..", ".", "") for part in parts) and PurePosixPath(rel).as_posix() == rel
+
+
+def installed_versions() -> dict[str, str]:
+    """The versions of the libraries an artifact records, as installed here (from package
+    metadata: nothing is imported)."""
+    from pagecast.runtime import __version__
+
+    out = {"pagecast": __version__}
+    for name in ("torch", "triton", "transformers"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def rebuild_command(artifact_dir: str | os.PathLike[str], manifest: Manifest) -> str:
+    """The enginebuild command line that rebuilds this artifact in place, from its build options."""
+    opts = manifest.build_options
+    args = ["enginebuild", "--model", str(opts.get("model", "MODEL"))]
+    defaults = {"gpu": "auto", "tp": 1, "dtype": "auto", "quant": None, "block_size": 16, "max_model_len": None,
+                "kv_cache_dtype": "auto", "load_format": "auto", "max_num_seqs": 256}
+    for key, default in defaults.items():
+        value = opts.get(key, default)
+        if value is not None and value != default:
+            args += [f"--{key.replace('_', '-')}", str(value)]
+    args += ["--output", str(artifact_dir), "--force"]
+    return shlex.join(args)
+
+
+# Artifacts whose library differences were already reported by this process (one warning each).
+_WARNED: set[tuple[str, str]] = set()
+
+
+def check_versions(artifact_dir: str | os.PathLike[str], manifest: Manifest) -> None:
+    """Compare what the artifact was built with to what is installed. A different kernel ABI is
+    refused (the model code would call the kernels wrongly), with the command that rebuilds
+    it; a different torch, transformers or (for GPU artifacts) triton is a warning, once per
+    artifact and process: the artifact still runs, but its kernels were tuned and compiled
+    against the other version, so speed (and, rarely, numerics) may differ."""
+    if manifest.kernel_abi != KERNEL_ABI:
+        raise ArtifactError(
+            f"{artifact_dir}: built for kernel ABI {manifest.kernel_abi} (pagecast "
+            f"{manifest.versions.get('pagecast', '?')}), but this pagecast's kernels have ABI {KERNEL_ABI}: "
+            "its model code calls kernels this version does not provide in that form. Rebuild it with this "
+            f"pagecast: {rebuild_command(artifact_dir, manifest)}"
+        )
+    here = installed_versions()
+    libraries = ("torch", "transformers") if manifest.target.kind == "cpu" else ("torch", "triton", "transformers")
+    differ = [
+        f"{name} {manifest.versions[name]} at build, {here[name]} here"
+        for name in libraries
+        if name in manifest.versions and _release(manifest.versions[name]) != _release(here[name])
+    ]
+    key = (str(Path(artifact_dir).resolve()), ";".join(differ))
+    if differ and key not in _WARNED:
+        _WARNED.add(key)
+        logger.warning(
+            "%s was built with other library versions than this machine has (%s). It runs, but its "
+            "kernels were tuned and compiled for the build's versions; to rule that out, rebuild it here: %s",
+            artifact_dir,
+            "; ".join(differ),
+            rebuild_command(artifact_dir, manifest),
+        )
+
+
+def _release(version: str) -> str:
+    """``2.13.0+cpu`` -> ``2.13.0``: a local build tag is the same library release."""
+    return version.split("+", 1)[0]
 
 
 def verify_files(
     artifact_dir: str | os.PathLike[str], manifest: Manifest, include: Callable[[str], bool] = lambda rel: True
 ) -> None:
-    """Check that every file the manifest lists (and ``include`` accepts) is present and unchanged."""
+    """Check that every file the manifest lists (and ``include`` accepts) is present and
+    unchanged. A file this user's earlier runs already verified, and that has not changed since
+    (``HashCache``), is not hashed again."""
     root = Path(artifact_dir)
+    check_file_names(root, manifest)
+    cache = HashCache()
     for rel, expected in manifest.files.items():
         if not include(rel):
             continue
         path = root / rel
         if not path.is_file():
             raise ArtifactError(f"{root}: file {rel} listed in the manifest is missing; rebuild the artifact")
+        identity = file_identity(path)
+        if cache.verified(path, identity, expected):
+            continue
         pieces = manifest.chunk_hashes.get(rel)
         if pieces:
             with ThreadPoolExecutor(min(len(pieces), os.cpu_count() or 1, 16)) as pool:
                 offsets = [i * CHUNK_BYTES for i in range(len(pieces))]
                 actual_pieces = list(pool.map(_sha256_range, [path] * len(pieces), offsets, [CHUNK_BYTES] * len(pieces)))
-            ok = actual_pieces == pieces and path.stat().st_size <= len(pieces) * CHUNK_BYTES
-            actual = expected if ok else "chunk-mismatch"
+            size = path.stat().st_size
+            if size > len(pieces) * CHUNK_BYTES or len(actual_pieces) != len(pieces):
+                raise ArtifactError(
+                    mismatch_message(f"{root}: file {rel}", size=size, expected_size=len(pieces) * CHUNK_BYTES)
+                )
+            for i, (got, want) in enumerate(zip(actual_pieces, pieces)):
+                if got != want:
+                    raise ArtifactError(mismatch_message(f"{root}: file {rel}", piece=i, size=size, chunk_bytes=CHUNK_BYTES))
         else:
             actual = sha256_file(path)
-        if actual != expected:
-            raise ArtifactError(
-                f"{root}: file {rel} does not match the manifest (sha256 {actual[:12]}… expected "
-                f"{expected[:12]}…): the artifact was modified or corrupted; rebuild it with enginebuild"
-            )
+            if actual != expected:
+                raise ArtifactError(
+                    f"{root}: file {rel} does not match the manifest (sha256 {actual[:12]}… expected "
+                    f"{expected[:12]}…): the artifact was modified or corrupted; rebuild it with enginebuild"
+                )
+        cache.remember(path, identity, expected)
+    cache.save()
+
+
+def mismatch_message(
+    label: str, piece: int | None = None, size: int | None = None, expected_size: int | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> str:
+    """What a failed hash check can truly say. Only digests are stored, so the first byte that
+    differs is not knowable; the first piece whose digest differs is, and it bounds it: the
+    first changed byte lies in that piece (every earlier piece matched)."""
+    if piece is not None:
+        end = chunk_bytes * (piece + 1) if size is None else min(size, chunk_bytes * (piece + 1))
+        where = (
+            f"the first changed byte lies in bytes {piece * chunk_bytes:,} to {end - 1:,} (piece {piece} of "
+            f"{chunk_bytes:,} bytes; all bytes before it match)"
+        )
+    else:
+        where = f"it is {size:,} bytes, longer than the {expected_size:,} bytes the manifest's pieces cover"
+    return f"{label} does not match the manifest ({where}): the artifact was modified or corrupted; rebuild it with enginebuild"
+
+
+def file_identity(path: Path) -> tuple[int, ...]:
+    """What changes whenever a file's bytes may have: device, inode, size, mtime and ctime (in
+    ns). ctime is included because only the kernel sets it: restoring a file's mtime after
+    writing it (``touch -d``, ``os.utime``) still changes its ctime."""
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def hash_cache_path() -> Path:
+    """``$PAGECAST_CACHE_DIR/verified.json``, else ``$XDG_CACHE_HOME/pagecast/`` or
+    ``~/.cache/pagecast/``: outside every artifact (nothing is written into one)."""
+    base = os.environ.get("PAGECAST_CACHE_DIR")
+    if not base:
+        base = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagecast")
+    return Path(base) / "verified.json"
+
+
+class HashCache:
+    """Files this user's processes have hashed and found matching, so a restart does not hash
+    15 GB of weights again: real path -> (file identity, sha256 it matched).
+
+    A file counts as verified only if its identity (``file_identity``) is unchanged and the
+    manifest still expects the same digest; anything else is hashed again. The cache is a
+    small JSON file in the user's cache directory, private to the user (0600 in a 0700
+    directory); an unreadable or corrupt cache is ignored and a read-only home disables it. It
+    trusts the file system's metadata, as ``make`` and ``git status`` do: a change that keeps
+    device, inode, size, mtime and ctime, which needs root, is not detected.
+    """
+
+    MAX_ENTRIES = 4096
+
+    def __init__(self, path: Path | None = None):
+        self.path = path or hash_cache_path()
+        self._entries: dict[str, dict[str, Any]] = {}
+        self._dirty = False
+        try:
+            data = json.loads(self.path.read_text())
+            if isinstance(data, dict) and isinstance(data.get("files"), dict):
+                self._entries = data["files"]
+        except (OSError, ValueError):
+            pass
+
+    def verified(self, path: Path, identity: tuple[int, ...], sha256: str) -> bool:
+        entry = self._entries.get(str(path.resolve()))
+        return isinstance(entry, dict) and entry.get("identity") == list(identity) and entry.get("sha256") == sha256
+
+    def remember(self, path: Path, identity: tuple[int, ...], sha256: str) -> None:
+        """Record ``path`` as matching ``sha256``; ``identity`` is the one taken before it was
+        read, and it is only recorded if the file still has it (not changed while hashed)."""
+        try:
+            if file_identity(path) != identity:
+                return
+        except OSError:
+            return
+        key = str(path.resolve())
+        self._entries.pop(key, None)
+        self._entries[key] = {"identity": list(identity), "sha256": sha256}
+        while len(self._entries) > self.MAX_ENTRIES:
+            self._entries.pop(next(iter(self._entries)))
+        self._dirty = True
+
+    def save(self) -> None:
+        if not self._dirty:
+            return
+        try:
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump({"files": self._entries}, f)
+            os.replace(tmp, self.path)  # atomic: a concurrent reader sees the old or the new file
+            self._dirty = False
+        except OSError as e:
+            logger.debug("hash cache %s not written: %s", self.path, e)
 
 
 def check_no_unlisted_files(artifact_dir: str | os.PathLike[str], manifest: Manifest) -> None:

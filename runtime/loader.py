@@ -155,8 +155,11 @@ def open_weights(
     rel = f"weights/rank{rank}.safetensors"
     file = path / rel
     hashes = None
+    cache, identity = artifact.HashCache(), None
     if manifest is not None and rel in manifest.files:
-        hashes = manifest.chunk_hashes.get(rel) or [manifest.files[rel]]
+        identity = artifact.file_identity(file) if file.is_file() else None
+        if identity is None or not cache.verified(file, identity, manifest.files[rel]):
+            hashes = manifest.chunk_hashes.get(rel) or [manifest.files[rel]]  # else: verified before, unchanged
     try:
         tensors, fill = open_safetensors(file, device, artifact.CHUNK_BYTES, hashes, label=f"{path}: file {rel}")
     except ArtifactError:
@@ -167,6 +170,9 @@ def open_weights(
     def checked_fill() -> None:
         try:
             fill()
+            if hashes is not None and identity is not None and manifest is not None:
+                cache.remember(file, identity, manifest.files[rel])
+                cache.save()
         except ArtifactError:
             raise
         except Exception as e:

@@ -101,7 +101,7 @@ def test_unknown_format_version_is_refused(tmp_path, tiny_llama_checkpoint):  # 
     manifest = json.loads((art / "manifest.json").read_text())
     manifest["format_version"] = 99
     (art / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(ArtifactError, match=r"format_version 99 is not supported .* reads format_version 1"):
+    with pytest.raises(ArtifactError, match=r"format_version 99 is not supported .* reads format_version 2, and 1"):
         LLM(art)
 
 
