@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import shlex
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -378,6 +379,9 @@ def hash_cache_path() -> Path:
     return Path(base) / "verified.json"
 
 
+RACY_WINDOW_NS = 2_000_000_000
+
+
 class HashCache:
     """Files this user's processes have hashed and found matching, so a restart does not hash
     15 GB of weights again: real path -> (file identity, sha256 it matched).
@@ -414,6 +418,11 @@ class HashCache:
             if file_identity(path) != identity:
                 return
         except OSError:
+            return
+        # "Racily clean" (as git calls it): file times tick coarsely (a few ms), so a write in
+        # the same tick as the one the identity saw would leave it unchanged. A file changed
+        # within the last RACY_WINDOW_NS is verified again next time rather than trusted.
+        if time.time_ns() - max(identity[3], identity[4]) < RACY_WINDOW_NS:
             return
         key = str(path.resolve())
         self._entries.pop(key, None)

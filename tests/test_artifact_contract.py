@@ -27,6 +27,8 @@ from pagecast.runtime.weights import load_safetensors
 def engine_dir(tiny_llama_artifact, tmp_path, monkeypatch) -> Path:  # type: ignore[no-untyped-def]
     """A private copy of the tiny artifact, and a private hash cache."""
     monkeypatch.setenv("PAGECAST_CACHE_DIR", str(tmp_path / "cache"))
+    # The copy was just written; files changed in the last 2 s are never trusted from the cache.
+    monkeypatch.setattr(artifact, "RACY_WINDOW_NS", 0)
     return Path(shutil.copytree(tiny_llama_artifact, tmp_path / "engine"))
 
 
@@ -177,7 +179,7 @@ def test_verify_files_names_the_piece_too(engine_dir, monkeypatch):  # type: ign
 # -- verification cached per file identity -------------------------------------------------------
 
 
-def test_verified_files_are_not_hashed_again_until_they_change(engine_dir, monkeypatch):  # type: ignore[no-untyped-def]
+def test_verified_files_are_not_hashed_again_until_they_change(engine_dir, tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
     manifest = load_manifest(engine_dir)
     spy = HashSpy(monkeypatch)
     verify_files(engine_dir, manifest)
@@ -189,6 +191,13 @@ def test_verified_files_are_not_hashed_again_until_they_change(engine_dir, monke
     spy.paths.clear()
     verify_files(engine_dir, manifest)  # a restart
     assert spy.paths == []
+    # A file written in the last RACY_WINDOW_NS is hashed, but not trusted from the cache yet.
+    monkeypatch.setattr(artifact, "RACY_WINDOW_NS", 10**18)
+    fresh = HashCache(tmp_path / "another-cache.json")
+    path = engine_dir / "tuning.json"
+    fresh.remember(path, artifact.file_identity(path), manifest.files["tuning.json"])
+    assert not fresh.verified(path, artifact.file_identity(path), manifest.files["tuning.json"])
+    monkeypatch.setattr(artifact, "RACY_WINDOW_NS", 0)
     # A changed file is hashed again, and refused, even with its size and mtime put back.
     model_py = engine_dir / "model.py"
     stat = model_py.stat()
