@@ -51,7 +51,39 @@ def main(dump_ir: Path | None, **kwargs: object) -> None:
     except (BuildError, ValueError) as e:
         click.echo(f"enginebuild: error: {e}", err=True)
         sys.exit(2)
+    warning = untuned_warning(path)
+    if warning:
+        click.echo(warning, err=True)  # even with --quiet: it changes what the artifact is
     click.echo(str(path))
+
+
+def untuned_warning(path: Path) -> str | None:
+    """What to say when a GPU artifact was built without its GPU: the manifest marks it
+    untuned, but a newcomer reads the console, not the manifest."""
+    from pagecast.runtime.artifact import load_manifest, rebuild_command
+
+    manifest = load_manifest(path)
+    target = manifest.target
+    if target.kind == "cpu" or target.tuned:
+        return None
+    return (
+        f"enginebuild: warning: {path} is UNTUNED. No {target.name} GPU is present on this machine "
+        f"({_gpus_here()}), so its kernels use the default configs shipped for the {target.name} instead of "
+        f"configs timed on one. It runs on a {target.name}, but may be slower than a tuned build: to tune it, "
+        f"run the same build on the {target.name} itself: {rebuild_command(path, manifest)}"
+    )
+
+
+def _gpus_here() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
+            return "it has " + ", ".join(names)
+    except Exception:  # noqa: BLE001 - only for the message
+        pass
+    return "it has no CUDA GPU"
 
 
 if __name__ == "__main__":

@@ -245,3 +245,31 @@ def test_weights_verified_once_are_not_hashed_again(engine_dir, monkeypatch):  #
         artifact.file_identity(engine_dir / "weights" / "rank0.safetensors"),
         "0" * 64,
     )
+
+
+# -- enginebuild says when an artifact is untuned ------------------------------------------------
+
+
+def test_enginebuild_says_on_the_console_that_a_gpu_artifact_built_without_its_gpu_is_untuned(  # type: ignore[no-untyped-def]
+    tiny_llama_checkpoint, tmp_path, monkeypatch
+):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # as on a machine without a GPU
+    from click.testing import CliRunner
+
+    from pagecast.builder.cli import main
+
+    runner = CliRunner()
+    out = tmp_path / "h200"
+    result = runner.invoke(main, ["--model", str(tiny_llama_checkpoint), "--gpu", "h200", "--output", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert "is UNTUNED. No h200 GPU is present on this machine (it has no CUDA GPU)" in result.stderr
+    assert "default configs shipped for the h200" in result.stderr
+    assert f"--gpu h200 --output {out} --force" in result.stderr
+    assert result.stdout.strip() == str(out)  # stdout stays the artifact path alone (scripts read it)
+
+
+
+def test_a_cpu_artifact_gets_no_untuned_warning(tiny_llama_artifact):  # type: ignore[no-untyped-def]
+    from pagecast.builder.cli import untuned_warning
+
+    assert untuned_warning(tiny_llama_artifact) is None

