@@ -156,7 +156,7 @@ def test_entrypoint_warns_when_it_serves_everyone_without_a_key(fake_bin: Path, 
 
 
 def _arg(dockerfile: Path, name: str) -> str:
-    (value,) = re.findall(rf"^ARG {name}=(\S+)$", dockerfile.read_text(), flags=re.M)
+    (value,) = re.findall(rf"^ARG {name}=(\S+)$", dockerfile.read_text(), flags=re.MULTILINE)
     return value
 
 

@@ -51,5 +51,5 @@ def test_first_example_answers_in_seconds_on_a_cpu(smollm2_artifact: Path) -> No
     # ... and quick: under a second on an idle laptop; the bound is for a loaded 2-core CI machine.
     assert elapsed < 120, f"the README example took {elapsed:.1f} s"
     # It prints what the README promises (greedy, so every run): the comment on the print line.
-    (promised,) = re.findall(r"^print\(.*\)  # (.+)$", code, flags=re.M)
+    (promised,) = re.findall(r"^print\(.*\)  # (.+)$", code, flags=re.MULTILINE)
     assert answer == promised.strip(), (answer, promised)

@@ -193,7 +193,7 @@ def _api(state: ServerState, handler: Handler) -> Callable[[Request], Awaitable[
             return _error_response(state, exc)
         except (InvalidRequestError, EngineDeadError) as exc:
             return _error_response(state, errors.from_engine_error(exc, "the requested model"))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a fault of ours, answered as a 500
             # Logged at ERROR with the traceback by internal_error; the client sees only an id.
             detail = f"unhandled {type(exc).__name__} in {request.method} {request.url.path}: {exc}"
             return _error_response(state, errors.internal_error(detail))
