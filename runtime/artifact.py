@@ -398,14 +398,16 @@ class HashCache:
 
     def __init__(self, path: Path | None = None):
         self.path = path or hash_cache_path()
-        self._entries: dict[str, dict[str, Any]] = {}
-        self._dirty = False
+        self._entries = self._read()
+        self._mine: dict[str, dict[str, Any]] = {}  # recorded by this object, not yet saved
+
+    def _read(self) -> dict[str, dict[str, Any]]:
         try:
             data = json.loads(self.path.read_text())
-            if isinstance(data, dict) and isinstance(data.get("files"), dict):
-                self._entries = data["files"]
         except (OSError, ValueError):
-            pass
+            return {}
+        files = data.get("files") if isinstance(data, dict) else None
+        return files if isinstance(files, dict) else {}
 
     def verified(self, path: Path, identity: tuple[int, ...], sha256: str) -> bool:
         entry = self._entries.get(str(path.resolve()))
@@ -424,24 +426,29 @@ class HashCache:
         # within the last RACY_WINDOW_NS is verified again next time rather than trusted.
         if time.time_ns() - max(identity[3], identity[4]) < RACY_WINDOW_NS:
             return
-        key = str(path.resolve())
-        self._entries.pop(key, None)
-        self._entries[key] = {"identity": list(identity), "sha256": sha256}
-        while len(self._entries) > self.MAX_ENTRIES:
-            self._entries.pop(next(iter(self._entries)))
-        self._dirty = True
+        entry = {"identity": list(identity), "sha256": sha256}
+        self._entries[str(path.resolve())] = self._mine[str(path.resolve())] = entry
 
     def save(self) -> None:
-        if not self._dirty:
+        """Write this object's new entries, merged into the file as it is now (TP ranks and
+        other processes save theirs at the same time), oldest entries dropped past
+        MAX_ENTRIES."""
+        if not self._mine:
             return
+        entries = self._read()
+        for key, entry in self._mine.items():
+            entries.pop(key, None)
+            entries[key] = entry  # newest last
+        while len(entries) > self.MAX_ENTRIES:
+            entries.pop(next(iter(entries)))
         try:
             self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{id(self)}.tmp")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as f:
-                json.dump({"files": self._entries}, f)
+                json.dump({"files": entries}, f)
             os.replace(tmp, self.path)  # atomic: a concurrent reader sees the old or the new file
-            self._dirty = False
+            self._entries, self._mine = entries, {}
         except OSError as e:
             logger.debug("hash cache %s not written: %s", self.path, e)
 

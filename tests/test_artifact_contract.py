@@ -273,3 +273,18 @@ def test_a_cpu_artifact_gets_no_untuned_warning(tiny_llama_artifact):  # type: i
     from pagecast.builder.cli import untuned_warning
 
     assert untuned_warning(tiny_llama_artifact) is None
+
+
+def test_processes_saving_the_cache_at_once_keep_each_others_entries(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    """TP ranks verify their own weight files and save at the same time: no entry is lost."""
+    monkeypatch.setattr(artifact, "RACY_WINDOW_NS", 0)
+    files = [tmp_path / "rank0", tmp_path / "rank1"]
+    caches = [HashCache(tmp_path / "verified.json") for _ in files]  # both read the empty cache
+    for cache, f in zip(caches, files):
+        f.write_bytes(f.name.encode())
+        cache.remember(f, artifact.file_identity(f), hashlib.sha256(f.name.encode()).hexdigest())
+    for cache in caches:
+        cache.save()
+    merged = HashCache(tmp_path / "verified.json")
+    for f in files:
+        assert merged.verified(f, artifact.file_identity(f), hashlib.sha256(f.name.encode()).hexdigest())

@@ -41,31 +41,35 @@ def client(server):  # type: ignore[no-untyped-def]
 
 def test_health_answers_promptly_while_a_huge_tokenize_runs(server):  # type: ignore[no-untyped-def]
     """4 Mi characters took seconds to tokenize on the event loop (4-7 s here), and /health
-    waited for all of it. Now /health answers throughout. The bound is loose because a
-    loaded 2-core machine, sharing the GIL with the tokenizer's Python half, answers in
-    0.1-0.6 s; the stall it guards against is several seconds."""
+    waited for all of it: one probe, as slow as the whole tokenize. Now /health answers
+    throughout. The bounds are loose because this machine may be loaded (2 cores shared with
+    other jobs; the tokenizer's Python half also takes the GIL): /health answers in 0.1-0.6 s
+    there, up to ~1 s under heavy load while the tokenize itself takes 20 s. So the slowest
+    probe must be under a second or a quarter of the tokenize, whichever is more, and several
+    probes must have been answered while it ran."""
     text = "The quick brown fox jumps over the lazy dog. " * ((4 << 20) // 45)
     result: dict[str, httpx.Response] = {}
 
     def tokenize() -> None:
-        result["r"] = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": text}, timeout=120)
+        result["r"] = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": text}, timeout=300)
 
     worker = threading.Thread(target=tokenize, daemon=True)
+    started = time.monotonic()
     worker.start()
     time.sleep(0.3)  # let the body arrive and the tokenizing start
     latencies = []
     while worker.is_alive():
         start = time.monotonic()
-        assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+        assert httpx.get(f"{server.url}/health", timeout=60).status_code == 200
         latencies.append(time.monotonic() - start)
         time.sleep(0.02)
     worker.join()
+    tokenize_s = time.monotonic() - started
     r = result["r"]
     assert r.status_code == 200, r.text[:500]
     assert r.json()["count"] > 500_000
-    assert latencies, "the tokenize finished before any /health could be sent"
-    assert len(latencies) >= 3, latencies  # answered again and again while tokenizing ran
-    assert max(latencies) < 1.0, latencies
+    assert len(latencies) >= 5, (tokenize_s, latencies)  # answered again and again while it ran
+    assert max(latencies) < max(1.0, tokenize_s / 4), (tokenize_s, latencies)
 
 
 def test_tokenize_limits(server):  # type: ignore[no-untyped-def]
