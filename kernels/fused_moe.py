@@ -1,0 +1,429 @@
+"""Fused mixture-of-experts: the experts of a MoE block in two grouped GEMMs and a top-k sum.
+
+x [T, H] visits the experts topk_ids [T, k] with weights topk_weights [T, k]; its P = T * k
+(token, slot) pairs are numbered p = t * k + j. Expert weights in kernels/moe_routing.py's
+layout (w_gate_up [E, 2I, H], gate rows then up rows; w_down [E, H, I]; optional biases).
+
+Prefill-sized batches (the tile path, ``_moe_gemm_kernel``):
+
+1. ``align_by_expert`` (torch, capture-safe: no host syncs) sorts the pairs by expert and pads
+   each expert's run to a multiple of BLOCK_M: sorted_ids [max_blocks * BLOCK_M] holds pair ids
+   (P marks padding), block_expert [max_blocks] each block's expert (-1 past the used blocks;
+   max_blocks = cdiv(P, BLOCK_M) + min(E, P) bounds the blocks any routing can need, so the grid
+   does not depend on the routing).
+2. gate_up: one program per (block, BLOCK_N columns of I) gathers its block's token rows of x,
+   multiplies them by its expert's gate rows and up rows (two accumulators), applies the
+   activation (SiLU-and-mul, or gpt-oss's clamped SwiGLU, after the biases) and writes the
+   intermediate [max_blocks * BLOCK_M, I] in sorted order: the activation is fused, so the
+   [rows, 2I] product never reaches memory.
+3. down: the same kernel over the intermediate (contiguous rows), adds the bias, scales by each
+   pair's routing weight (fp32) and scatters the rows to pair order: out [P, H].
+4. the top-k sum: out.view(T, k, H).sum(1) (deterministic; torch sums half types in fp32).
+
+Decode batches (the GEMV path, ``_moe_gemv_kernel``, ``{"gemv": 1, ...}``): a few pairs, each
+visiting its own expert, so tiles of 16 rows would be mostly padding. No sorting: one program
+per (pair, BLOCK_N output columns) streams its expert's weight rows once and reduces over K on
+CUDA cores; only the visited experts' weights are read (the weight-streaming bound). The
+intermediate is [P, I] in pair order, then the down GEMV writes out [P, H] and step 4 sums.
+
+``{"naive": 1}`` is the baseline the tuner times against: the per-expert loop of cuBLAS GEMMs
+(reference.fused_moe). It syncs with the host, so it is a candidate only for batches that are
+never captured in a CUDA graph (kernels/problems.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import triton
+import triton.language as tl
+
+from pagecast.kernels import reference
+from pagecast.kernels.tuning import KernelConfig
+
+ACT_NONE, ACT_SILU, ACT_SWIGLU_OAI = 0, 1, 2
+_ACTIVATIONS = {"silu": ACT_SILU, "swiglu_oai": ACT_SWIGLU_OAI}
+
+
+@triton.jit
+def _activate(gate, up, ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+    # gate, up: fp32 tiles of the same shape
+    if ACTIVATION == 1:
+        return gate / (1.0 + tl.exp(-gate)) * up
+    else:
+        gate = tl.minimum(gate, LIMIT)
+        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+        return gate / (1.0 + tl.exp(-ALPHA * gate)) * (up + 1.0)
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr,  # gate_up: x [T, K]; down: intermediate [max_blocks * BLOCK_M, K] in sorted order
+    w_ptr,  # [E, N_w, K]: N_w = 2N (gate rows, then up rows) with an activation, else N
+    b_ptr,  # [E, N_w] or unused
+    c_ptr,  # gate_up: intermediate [max_blocks * BLOCK_M, N] in sorted order; down: [P, N] in pair order
+    sorted_ids_ptr,  # int32 [max_blocks * BLOCK_M]: pair ids grouped by expert, num_pairs = padding
+    block_expert_ptr,  # int32 [max_blocks]: the expert of each block, -1 for unused blocks
+    weights_ptr,  # fp32 [P] routing weights (MUL_ROUTING_WEIGHT) or unused
+    N,  # output columns
+    K,
+    num_pairs,
+    max_blocks,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_be,
+    stride_cm,
+    TOP_K: tl.constexpr,
+    ACTIVATION: tl.constexpr,  # 0: none (down), 1: SiLU-and-mul, 2: gpt-oss SwiGLU
+    MUL_ROUTING_WEIGHT: tl.constexpr,  # down: scale rows by their weight and scatter to pair order
+    HAS_BIAS: tl.constexpr,
+    ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # Consecutive programs take GROUP_M blocks' tiles of the same columns, so an expert's weight
+    # tile is read from L2 by the blocks after the first.
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(max_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + offs_m)  # [BLOCK_M]
+    m_ok = pair < num_pairs
+    if MUL_ROUTING_WEIGHT:
+        a_rows = offs_m.to(tl.int64)
+    else:
+        a_rows = (pair // TOP_K).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w_ok = k_ok[:, None] & n_ok[None, :]
+        w = tl.load(w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None], mask=w_ok, other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        if ACTIVATION != 0:
+            w_up = tl.load(w_base + (N + offs_n)[None, :].to(tl.int64) * stride_wn + offs_k[:, None], mask=w_ok, other=0.0)
+            acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        b_base = b_ptr + expert.to(tl.int64) * stride_be
+        acc += tl.load(b_base + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if ACTIVATION != 0:
+            acc_up += tl.load(b_base + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if ACTIVATION != 0:
+        acc = _activate(acc, acc_up, ACTIVATION, ALPHA, LIMIT)
+    if MUL_ROUTING_WEIGHT:
+        acc *= tl.load(weights_ptr + pair, mask=m_ok, other=0.0)[:, None]
+        c_rows = pair.to(tl.int64)
+    else:
+        c_rows = offs_m.to(tl.int64)
+    c_ptrs = c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _moe_gemv_kernel(
+    a_ptr,  # gate_up: x [T, K]; down: intermediate [P, K] in pair order
+    w_ptr,  # [E, N_w, K] as for _moe_gemm_kernel
+    b_ptr,  # [E, N_w] or unused
+    c_ptr,  # [P, N]
+    ids_ptr,  # topk_ids [P] (int64): each pair's expert
+    weights_ptr,  # fp32 [P] routing weights (MUL_ROUTING_WEIGHT) or unused
+    N,
+    K,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_be,
+    stride_cm,
+    TOP_K: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    MUL_ROUTING_WEIGHT: tl.constexpr,  # down: a row is the pair's own; scale by its weight
+    HAS_BIAS: tl.constexpr,
+    ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    if MUL_ROUTING_WEIGHT:
+        a_row = pair.to(tl.int64)
+    else:
+        a_row = (pair // TOP_K).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    w_base = w_ptr + expert * stride_we
+    # [BLOCK_N, BLOCK_K] partial products, reduced over K once at the end
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        a = tl.load(a_ptr + a_row * stride_am + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        w_ok = n_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_base + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :], mask=w_ok, other=0.0)
+        acc += w.to(tl.float32) * a
+        if ACTIVATION != 0:
+            w_up = tl.load(w_base + (N + offs_n)[:, None].to(tl.int64) * stride_wn + offs_k[None, :], mask=w_ok, other=0.0)
+            acc_up += w_up.to(tl.float32) * a
+    y = tl.sum(acc, axis=1)  # [BLOCK_N]
+    b_base = b_ptr + expert * stride_be
+    if HAS_BIAS:
+        y += tl.load(b_base + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    if ACTIVATION != 0:
+        up = tl.sum(acc_up, axis=1)
+        if HAS_BIAS:
+            up += tl.load(b_base + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        y = _activate(y, up, ACTIVATION, ALPHA, LIMIT)
+    if MUL_ROUTING_WEIGHT:
+        y *= tl.load(weights_ptr + pair)
+    tl.store(c_ptr + pair.to(tl.int64) * stride_cm + offs_n, y.to(c_ptr.dtype.element_ty), mask=n_ok)
+
+
+# ---------------------------------------------------------------------------- configs
+
+NAIVE = KernelConfig({"naive": 1}, num_warps=0, num_stages=0)  # the per-expert cuBLAS loop
+
+_GEMV_TILES = (
+    # (BLOCK_N, BLOCK_K, num_warps): a program streams BLOCK_N rows of its expert's weight
+    (16, 256, 4),
+    (32, 128, 4),
+    (32, 256, 4),
+    (64, 128, 4),
+    (64, 64, 2),
+    (128, 64, 4),
+)
+
+_TILES = (
+    # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
+    # few rows an expert: 16-row blocks, narrow columns for programs enough to fill the GPU
+    (16, 32, 128, 1, 4, 4),
+    (16, 64, 64, 1, 4, 4),
+    (16, 64, 128, 8, 4, 3),
+    (16, 128, 64, 8, 4, 4),
+    (32, 64, 64, 8, 4, 4),
+    (32, 128, 64, 8, 4, 3),
+    # many rows an expert: compute-bound tiles
+    (64, 64, 64, 8, 4, 4),
+    (64, 128, 64, 8, 4, 3),
+    (64, 128, 64, 8, 8, 4),
+    (128, 64, 64, 8, 4, 4),
+    (128, 128, 64, 8, 8, 3),
+    (128, 128, 32, 8, 8, 4),
+    (128, 256, 64, 8, 8, 3),
+)
+
+CONFIG_SPACE: list[KernelConfig] = (
+    [NAIVE]
+    + [KernelConfig({"gemv": 1, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=1) for n, k, w in _GEMV_TILES]
+    + [
+        KernelConfig({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": g}, num_warps=w, num_stages=s)
+        for m, n, k, g, w, s in _TILES
+    ]
+)
+
+GEMV_MAX_PAIRS = 128  # more pairs re-read shared experts' weights once a pair (from L2 at best)
+SHARED_MEMORY_LIMIT = 232448  # sm_90 (H100/H200): bytes of shared memory one program may use
+
+
+def is_naive(config: KernelConfig | None) -> bool:
+    return config is not None and bool(config.params.get("naive"))
+
+
+def is_gemv(config: KernelConfig | None) -> bool:
+    return config is not None and bool(config.params.get("gemv"))
+
+
+def shared_memory(config: KernelConfig, elt: int) -> int:
+    """Bytes of shared memory a tile config of the gate_up launch (two weight tiles a K step)
+    needs, an upper bound: num_stages buffers of the activations and both weight tiles."""
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    return max(config.num_stages, 1) * (bm * bk + 2 * bk * bn) * elt
+
+
+def prune_configs(
+    configs: list[KernelConfig], num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int,
+    *, elt: int = 2, allow_naive: bool = True,
+) -> list[KernelConfig]:  # fmt: skip
+    """The configs worth timing at this shape: the naive loop where ``allow_naive`` (batches never
+    captured in a CUDA graph); the GEMV up to GEMV_MAX_PAIRS pairs, with BLOCK_K at most the
+    smaller reduction (I, for down) rounded up to a power of two; tiles whose BLOCK_M is at most
+    the expected rows an expert (P / min(E, P), rounded up to a power of two, at least 16) and,
+    from 64 rows an expert, at least 64; whose BLOCK_K fits the smaller reduction; whose shared
+    memory fits SHARED_MEMORY_LIMIT."""
+    pairs = num_tokens * top_k
+    rows = max(16, triton.next_power_of_2(triton.cdiv(pairs, min(num_experts, pairs))))
+    k_min = triton.next_power_of_2(min(hidden, intermediate))
+    kept = []
+    for c in configs:
+        if is_naive(c):
+            if allow_naive:
+                kept.append(c)
+        elif is_gemv(c):
+            if pairs <= GEMV_MAX_PAIRS and c["BLOCK_K"] <= k_min:
+                kept.append(c)
+        else:
+            bm = c["BLOCK_M"]
+            if bm > rows or (rows >= 64 and bm < 64) or c["BLOCK_K"] > k_min:
+                continue
+            if shared_memory(c, elt) > SHARED_MEMORY_LIMIT:
+                continue
+            kept.append(c)
+    return kept
+
+
+def default_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int) -> KernelConfig:
+    """Untuned choice: the GEMV for up to 16 pairs; else a tile sized by the rows an expert gets."""
+    pairs = num_tokens * top_k
+    if pairs <= 16:
+        return KernelConfig({"gemv": 1, "BLOCK_N": 32, "BLOCK_K": min(128, triton.next_power_of_2(min(hidden, intermediate)))}, 4, 1)
+    rows = triton.cdiv(pairs, min(num_experts, pairs))
+    bk = 64 if min(hidden, intermediate) >= 64 else 32
+    if rows <= 16:
+        return KernelConfig({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": bk, "GROUP_M": 1}, 4, 4)
+    if rows <= 48:
+        return KernelConfig({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": bk, "GROUP_M": 8}, 4, 4)
+    if rows <= 96:
+        return KernelConfig({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": bk, "GROUP_M": 8}, 4, 3)
+    return KernelConfig({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": bk, "GROUP_M": 8}, 8, 3)
+
+
+# ---------------------------------------------------------------------------- launchers
+
+
+def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Blocks of BLOCK_M rows any routing of ``num_pairs`` pairs can need: each expert's run
+    rounds up by less than one block, and at most min(E, P) experts have a run."""
+    return triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_ids [T, k] -> (sorted_ids int32 [max_blocks * block_m]: pair ids grouped by expert (in
+    pair order within an expert), each expert's run padded to a multiple of block_m with P;
+    block_expert int32 [max_blocks]: each block's expert, -1 past the used blocks). Device ops
+    only (no host sync), so it can be captured in a CUDA graph."""
+    flat = topk_ids.reshape(-1)
+    p = flat.numel()
+    nb = max_blocks(p, num_experts, block_m)
+    dev = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    starts = ends - padded
+    firsts = torch.cumsum(counts, 0) - counts  # each expert's first position in the unpadded order
+    order = torch.sort(flat, stable=True).indices  # pair ids by expert
+    sorted_e = flat[order]
+    dest = starts[sorted_e] + torch.arange(p, device=dev) - firsts[sorted_e]
+    sorted_ids = torch.full((nb * block_m,), p, dtype=torch.int32, device=dev)
+    sorted_ids[dest] = order.to(torch.int32)
+    block_starts = torch.arange(nb, device=dev) * block_m
+    block_expert = torch.searchsorted(ends, block_starts, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return sorted_ids, block_expert
+
+
+def check_shapes(
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w_gate_up: torch.Tensor,
+    w_down: torch.Tensor, b_gate_up: torch.Tensor | None, b_down: torch.Tensor | None,
+) -> None:  # fmt: skip
+    t, h = x.shape
+    e, i2, h2 = w_gate_up.shape
+    if h2 != h or i2 % 2:
+        raise ValueError(f"w_gate_up must be [E, 2I, H={h}], got {tuple(w_gate_up.shape)}")
+    if tuple(w_down.shape) != (e, h, i2 // 2):
+        raise ValueError(f"w_down must be [E={e}, H={h}, I={i2 // 2}], got {tuple(w_down.shape)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != t:
+        raise ValueError(f"topk_ids / topk_weights must be [T={t}, k], got {tuple(topk_ids.shape)} / {tuple(topk_weights.shape)}")
+    if b_gate_up is not None and tuple(b_gate_up.shape) != (e, i2):
+        raise ValueError(f"b_gate_up must be [E={e}, 2I={i2}], got {tuple(b_gate_up.shape)}")
+    if b_down is not None and tuple(b_down.shape) != (e, h):
+        raise ValueError(f"b_down must be [E={e}, H={h}], got {tuple(b_down.shape)}")
+    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if w.stride(2) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension")
+        if w.dtype != x.dtype:
+            raise ValueError(f"{name} is {w.dtype}, x is {x.dtype}")
+
+
+def fused_moe(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    config: Mapping[str, int] | KernelConfig | None = None,
+) -> torch.Tensor:
+    """reference.fused_moe's result (x [T, H] -> [T, H] in x's dtype, fp32 accumulation) by the
+    tile path, the GEMV path or the naive loop as ``config`` says (None: ``default_config``).
+    The tile and GEMV paths never sync with the host."""
+    check_shapes(x, topk_weights, topk_ids, w_gate_up, w_down, b_gate_up, b_down)
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"unknown MoE activation {activation!r}")
+    t, h = x.shape
+    num_experts, i = w_gate_up.shape[0], w_gate_up.shape[1] // 2
+    top_k = topk_ids.shape[1]
+    cfg = KernelConfig.coerce(config) or default_config(t, top_k, num_experts, h, i)
+    if is_naive(cfg):
+        return reference.fused_moe(x, topk_weights, topk_ids, w_gate_up, w_down, b_gate_up, b_down, activation, alpha, limit)
+    if t == 0:
+        return torch.zeros_like(x)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    p = t * top_k
+    ids = topk_ids.reshape(-1)
+    weights = topk_weights.reshape(-1).float()
+    out = torch.empty((p, h), dtype=x.dtype, device=x.device)
+    act = _ACTIVATIONS[activation]
+    dot = "ieee" if x.dtype == torch.float32 else "tf32"
+    common = {"TOP_K": top_k, "ALPHA": alpha, "LIMIT": limit}
+    launches = (  # (a, w, b, c, n, k, activation, weighted)
+        (w_gate_up, b_gate_up, i, h, act, False),
+        (w_down, b_down, h, i, ACT_NONE, True),
+    )
+    if is_gemv(cfg):
+        bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+        inter = torch.empty((p, i), dtype=x.dtype, device=x.device)
+        for (w, b, n, k, a_kind, weighted), a, c in zip(launches, (x, inter), (inter, out)):
+            _moe_gemv_kernel[(p, triton.cdiv(n, bn))](
+                a, w, b if b is not None else w, c, ids, weights, n, k,
+                a.stride(0), w.stride(0), w.stride(1), b.stride(0) if b is not None else 0, c.stride(0),
+                ACTIVATION=a_kind, MUL_ROUTING_WEIGHT=weighted, HAS_BIAS=b is not None,
+                BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+            )  # fmt: skip
+        return out.view(t, top_k, h).sum(1)
+    bm, bn, bk, gm = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["GROUP_M"]
+    sorted_ids, block_expert = align_by_expert(ids.view(t, top_k), num_experts, bm)
+    nb = block_expert.shape[0]
+    inter = torch.empty((nb * bm, i), dtype=x.dtype, device=x.device)
+    for (w, b, n, k, a_kind, weighted), a, c in zip(launches, (x, inter), (inter, out)):
+        _moe_gemm_kernel[(nb * triton.cdiv(n, bn),)](
+            a, w, b if b is not None else w, c, sorted_ids, block_expert, weights, n, k, p, nb,
+            a.stride(0), w.stride(0), w.stride(1), b.stride(0) if b is not None else 0, c.stride(0),
+            ACTIVATION=a_kind, MUL_ROUTING_WEIGHT=weighted, HAS_BIAS=b is not None,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, DOT_PRECISION=dot,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+        )  # fmt: skip
+    return out.view(t, top_k, h).sum(1)
