@@ -114,12 +114,20 @@ def _moe_gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
-        a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(
+            a_ptr + a_rows[:, None] * stride_am + offs_k[None, :],
+            mask=m_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
         w_ok = k_ok[:, None] & n_ok[None, :]
         w = tl.load(w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None], mask=w_ok, other=0.0)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         if ACTIVATION != 0:
-            w_up = tl.load(w_base + (N + offs_n)[None, :].to(tl.int64) * stride_wn + offs_k[:, None], mask=w_ok, other=0.0)
+            w_up = tl.load(
+                w_base + (N + offs_n)[None, :].to(tl.int64) * stride_wn + offs_k[:, None],
+                mask=w_ok,
+                other=0.0,
+            )
             acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         b_base = b_ptr + expert.to(tl.int64) * stride_be
@@ -182,7 +190,11 @@ def _moe_gemv_kernel(
         w = tl.load(w_base + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :], mask=w_ok, other=0.0)
         acc += w.to(tl.float32) * a
         if ACTIVATION != 0:
-            w_up = tl.load(w_base + (N + offs_n)[:, None].to(tl.int64) * stride_wn + offs_k[None, :], mask=w_ok, other=0.0)
+            w_up = tl.load(
+                w_base + (N + offs_n)[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
+                mask=w_ok,
+                other=0.0,
+            )
             acc_up += w_up.to(tl.float32) * a
     y = tl.sum(acc, axis=1)  # [BLOCK_N]
     b_base = b_ptr + expert * stride_be
@@ -233,7 +245,10 @@ _TILES = (
 
 CONFIG_SPACE: list[KernelConfig] = (
     [NAIVE]
-    + [KernelConfig({"gemv": 1, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=1) for n, k, w in _GEMV_TILES]
+    + [
+        KernelConfig({"gemv": 1, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=1)
+        for n, k, w in _GEMV_TILES
+    ]
     + [
         KernelConfig({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": g}, num_warps=w, num_stages=s)
         for m, n, k, g, w, s in _TILES
@@ -294,11 +309,21 @@ def prune_configs(
     return kept
 
 
-def default_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int) -> KernelConfig:
+def default_config(
+    num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int
+) -> KernelConfig:
     """Untuned choice: the GEMV for up to 16 pairs; else a tile sized by the rows an expert gets."""
     pairs = num_tokens * top_k
     if pairs <= 16:
-        return KernelConfig({"gemv": 1, "BLOCK_N": 32, "BLOCK_K": min(128, triton.next_power_of_2(min(hidden, intermediate)))}, 4, 1)
+        return KernelConfig(
+            {
+                "gemv": 1,
+                "BLOCK_N": 32,
+                "BLOCK_K": min(128, triton.next_power_of_2(min(hidden, intermediate))),
+            },
+            4,
+            1,
+        )
     rows = triton.cdiv(pairs, min(num_experts, pairs))
     bk = 64 if min(hidden, intermediate) >= 64 else 32
     if rows <= 16:
@@ -319,7 +344,9 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
 
 
-def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def align_by_expert(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] -> (sorted_ids int32 [max_blocks * block_m]: pair ids grouped by expert (in
     pair order within an expert), each expert's run padded to a multiple of block_m with P;
     block_expert int32 [max_blocks]: each block's expert, -1 past the used blocks). Device ops
@@ -328,7 +355,9 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     p = flat.numel()
     nb = max_blocks(p, num_experts, block_m)
     dev = flat.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     starts = ends - padded
@@ -355,7 +384,9 @@ def check_shapes(
     if tuple(w_down.shape) != (e, h, i2 // 2):
         raise ValueError(f"w_down must be [E={e}, H={h}, I={i2 // 2}], got {tuple(w_down.shape)}")
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != t:
-        raise ValueError(f"topk_ids / topk_weights must be [T={t}, k], got {tuple(topk_ids.shape)} / {tuple(topk_weights.shape)}")
+        raise ValueError(
+            f"topk_ids / topk_weights must be [T={t}, k], got {tuple(topk_ids.shape)} / {tuple(topk_weights.shape)}"
+        )
     if b_gate_up is not None and tuple(b_gate_up.shape) != (e, i2):
         raise ValueError(f"b_gate_up must be [E={e}, 2I={i2}], got {tuple(b_gate_up.shape)}")
     if b_down is not None and tuple(b_down.shape) != (e, h):
@@ -391,7 +422,9 @@ def fused_moe(
     top_k = topk_ids.shape[1]
     cfg = KernelConfig.coerce(config) or default_config(t, top_k, num_experts, h, i)
     if is_naive(cfg):
-        return reference.fused_moe(x, topk_weights, topk_ids, w_gate_up, w_down, b_gate_up, b_down, activation, alpha, limit)
+        return reference.fused_moe(
+            x, topk_weights, topk_ids, w_gate_up, w_down, b_gate_up, b_down, activation, alpha, limit
+        )
     if t == 0:
         return torch.zeros_like(x)
     if x.stride(1) != 1:

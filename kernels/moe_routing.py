@@ -90,9 +90,13 @@ def moe_spec(architecture: str, config: dict[str, Any]) -> tuple[MoeRouting, Moe
     if architecture == "MixtralForCausalLM":
         return MoeRouting(k, renormalize=True), SILU
     if architecture in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"):
-        return MoeRouting(k, renormalize=bool(config.get("norm_topk_prob", False)), weights_in_x_dtype=True), SILU
+        return MoeRouting(
+            k, renormalize=bool(config.get("norm_topk_prob", False)), weights_in_x_dtype=True
+        ), SILU
     if architecture == "GptOssForCausalLM":
-        return MoeRouting(k, scoring="topk_softmax"), MoeActivation("swiglu_oai", limit=float(config.get("swiglu_limit", 7.0)))
+        return MoeRouting(k, scoring="topk_softmax"), MoeActivation(
+            "swiglu_oai", limit=float(config.get("swiglu_limit", 7.0))
+        )
     raise ValueError(f"no MoE routing for {architecture}")
 
 
@@ -130,7 +134,12 @@ def _gate_up_rows(intermediate: int, rank: int, size: int) -> torch.Tensor:
     if intermediate % size:
         raise ValueError(f"the experts' intermediate size {intermediate} is not divisible by tp {size}")
     s = intermediate // size
-    return torch.cat((torch.arange(rank * s, (rank + 1) * s), torch.arange(intermediate + rank * s, intermediate + (rank + 1) * s)))
+    return torch.cat(
+        (
+            torch.arange(rank * s, (rank + 1) * s),
+            torch.arange(intermediate + rank * s, intermediate + (rank + 1) * s),
+        )
+    )
 
 
 def shard_experts(

@@ -396,8 +396,8 @@ def lm_head(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int) -> torc
 
 # -- mixture of experts ------------------------------------------------------------------------
 
-from pagecast.kernels.moe_routing import SILU, MoeActivation, MoeRouting, SharedExpert, route  # noqa: E402
-from pagecast.kernels.tuning import moe_bucket  # noqa: E402
+from pagecast.kernels.moe_routing import SILU, MoeActivation, MoeRouting, SharedExpert, route
+from pagecast.kernels.tuning import moe_bucket
 
 
 def moe(

@@ -15,7 +15,7 @@ from pagecast.kernels.moe_routing import MoeActivation, MoeRouting, SharedExpert
 from pagecast.kernels.tuning import KernelConfig, ModelShapes, moe_bucket
 
 triton = pytest.importorskip("triton")
-from pagecast.kernels import fused_moe  # noqa: E402
+from pagecast.kernels import fused_moe
 
 interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="CPU kernel tests run under the Triton interpreter"
@@ -48,7 +48,13 @@ def hf_block(family: str, seed: int = 0, **overrides):  # type: ignore[no-untype
         from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock as Block
 
         cfg = Qwen2MoeConfig(
-            **{**common, "moe_intermediate_size": I, "shared_expert_intermediate_size": 40, "num_experts": E, **overrides}
+            **{
+                **common,
+                "moe_intermediate_size": I,
+                "shared_expert_intermediate_size": 40,
+                "num_experts": E,
+                **overrides,
+            }
         )
     elif family == "qwen3_moe":
         from transformers import Qwen3MoeConfig
@@ -84,19 +90,23 @@ def op_arguments(family: str, block, cfg) -> dict:  # type: ignore[no-untyped-de
     routing, activation = moe_routing.moe_spec(ARCH[family], cfg.to_dict())
     if family == "gpt_oss":
         ex = block.experts
-        w_gu, w_d, b_gu, b_d = moe_routing.gpt_oss_experts(ex.gate_up_proj, ex.gate_up_proj_bias, ex.down_proj, ex.down_proj_bias)
-        return dict(
-            router_weight=block.router.weight, router_bias=block.router.bias, w_gate_up=w_gu, w_down=w_d,
-            b_gate_up=b_gu, b_down=b_d, routing=routing, activation=activation,
-        )  # fmt: skip
-    args = dict(
-        router_weight=block.gate.weight, router_bias=None, w_gate_up=block.experts.gate_up_proj,
-        w_down=block.experts.down_proj, routing=routing, activation=activation,
-    )  # fmt: skip
+        w_gu, w_d, b_gu, b_d = moe_routing.gpt_oss_experts(
+            ex.gate_up_proj, ex.gate_up_proj_bias, ex.down_proj, ex.down_proj_bias
+        )
+        return {
+            "router_weight": block.router.weight, "router_bias": block.router.bias, "w_gate_up": w_gu, "w_down": w_d,
+            "b_gate_up": b_gu, "b_down": b_d, "routing": routing, "activation": activation,
+        }  # fmt: skip
+    args = {
+        "router_weight": block.gate.weight, "router_bias": None, "w_gate_up": block.experts.gate_up_proj,
+        "w_down": block.experts.down_proj, "routing": routing, "activation": activation,
+    }  # fmt: skip
     if family == "qwen2_moe":
         mlp = block.shared_expert
         args["shared_expert"] = SharedExpert(
-            torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight)), mlp.down_proj.weight, block.shared_expert_gate.weight
+            torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight)),
+            mlp.down_proj.weight,
+            block.shared_expert_gate.weight,
         )
     return args
 
@@ -300,7 +310,9 @@ def test_naive_config_runs_the_reference_loop():
 
 # ---------------------------------------------------------------------------- tuner problems
 
-QWEN3_30B = ModelShapes(32, 4, 128, 2048, 6144, 16, "bfloat16", num_experts=128, top_k=8, moe_intermediate=768)
+QWEN3_30B = ModelShapes(
+    32, 4, 128, 2048, 6144, 16, "bfloat16", num_experts=128, top_k=8, moe_intermediate=768
+)
 MIXTRAL = ModelShapes(32, 8, 128, 4096, 14336, 16, "bfloat16", num_experts=8, top_k=2, moe_intermediate=14336)
 
 
@@ -329,10 +341,17 @@ def test_moe_bound_names_weights_at_decode_and_compute_at_prefill():
 
 
 def test_moe_config_space_by_bucket():
-    space = {b: problems.config_space("fused_moe", QWEN3_30B, d) for b, d in problems.buckets("fused_moe", QWEN3_30B)}
+    space = {
+        b: problems.config_space("fused_moe", QWEN3_30B, d)
+        for b, d in problems.buckets("fused_moe", QWEN3_30B)
+    }
     # the naive loop is a candidate only for batches past max_num_seqs (never in a CUDA graph)
-    assert not any(fused_moe.is_naive(c) for c in space["t256"]) and any(fused_moe.is_naive(c) for c in space["t512"])
-    assert any(fused_moe.is_gemv(c) for c in space["t1"]) and not any(fused_moe.is_gemv(c) for c in space["t32"])
+    assert not any(fused_moe.is_naive(c) for c in space["t256"]) and any(
+        fused_moe.is_naive(c) for c in space["t512"]
+    )
+    assert any(fused_moe.is_gemv(c) for c in space["t1"]) and not any(
+        fused_moe.is_gemv(c) for c in space["t32"]
+    )
     # decode buckets: 16-row tiles only; prefill: at least 64 rows an expert
     assert {c["BLOCK_M"] for c in space["t1"] if "BLOCK_M" in c.params} == {16}
     assert min(c["BLOCK_M"] for c in space["t4096"] if "BLOCK_M" in c.params) >= 64
@@ -350,7 +369,9 @@ def test_moe_config_space_by_bucket():
 def test_moe_problem_launches_agree():
     """The tuner's problem at a tiny shape: the default config, a GEMV config and the naive baseline
     (the problem's own loop, and the reference it reports) give the same output."""
-    shapes = ModelShapes(2, 1, 16, 32, 64, 16, "float32", max_num_seqs=4, num_experts=6, top_k=2, moe_intermediate=16)
+    shapes = ModelShapes(
+        2, 1, 16, 32, 64, 16, "float32", max_num_seqs=4, num_experts=6, top_k=2, moe_intermediate=16
+    )
     dims = {"num_tokens": 4}
     problem = problems.make_problem("fused_moe", shapes, dims, "cpu")
     assert problem.bucket == "t4" and problem.num_sets > 1 and problem.reference is not None

@@ -16,8 +16,8 @@ import pytest
 pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia.compiler")
 
-from pagecast.kernels import fused_moe, problems  # noqa: E402
-from pagecast.kernels.tuning import KernelConfig, ModelShapes  # noqa: E402
+from pagecast.kernels import fused_moe, problems
+from pagecast.kernels.tuning import KernelConfig, ModelShapes
 
 CHILD = textwrap.dedent(
     """
@@ -65,13 +65,21 @@ def gemm_job(cfg: KernelConfig, gate_up: bool, bias: bool, activation: int = fus
         "block_expert_ptr": "*i32", "weights_ptr": "*fp32", "num_pairs": "i32", "max_blocks": "i32",
         **{name: "i32" for name in ints},
     }  # fmt: skip
-    divisible = [name for name in signature if name.endswith("_ptr")] + [n for n, v in ints.items() if v % 16 == 0]
+    divisible = [name for name in signature if name.endswith("_ptr")] + [
+        n for n, v in ints.items() if v % 16 == 0
+    ]
     constexprs = {
         "TOP_K": 8, "ACTIVATION": activation if gate_up else 0, "MUL_ROUTING_WEIGHT": not gate_up,
         "HAS_BIAS": bias, "ALPHA": 1.702, "LIMIT": 7.0, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"],
         "BLOCK_K": cfg["BLOCK_K"], "GROUP_M": cfg["GROUP_M"], "DOT_PRECISION": "tf32",
     }  # fmt: skip
-    return ("gemm", signature, constexprs, divisible, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    return (
+        "gemm",
+        signature,
+        constexprs,
+        divisible,
+        {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
+    )
 
 
 def gemv_job(cfg: KernelConfig, gate_up: bool, bias: bool, activation: int = fused_moe.ACT_SILU) -> tuple:
@@ -81,12 +89,20 @@ def gemv_job(cfg: KernelConfig, gate_up: bool, bias: bool, activation: int = fus
             "stride_be": 2 * i if gate_up else h, "stride_cm": n}  # fmt: skip
     signature = {"a_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "ids_ptr": "*i64",
                  "weights_ptr": "*fp32", **{name: "i32" for name in ints}}  # fmt: skip
-    divisible = [name for name in signature if name.endswith("_ptr")] + [n for n, v in ints.items() if v % 16 == 0]
+    divisible = [name for name in signature if name.endswith("_ptr")] + [
+        n for n, v in ints.items() if v % 16 == 0
+    ]
     constexprs = {
         "TOP_K": 8, "ACTIVATION": activation if gate_up else 0, "MUL_ROUTING_WEIGHT": not gate_up,
         "HAS_BIAS": bias, "ALPHA": 1.702, "LIMIT": 7.0, "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
     }  # fmt: skip
-    return ("gemv", signature, constexprs, divisible, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    return (
+        "gemv",
+        signature,
+        constexprs,
+        divisible,
+        {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
+    )
 
 
 def test_fused_moe_kernels_compile_for_sm90_and_fit_shared_memory() -> None:
@@ -95,7 +111,9 @@ def test_fused_moe_kernels_compile_for_sm90_and_fit_shared_memory() -> None:
     by) bounds the shared memory each needs, and every tile the tuner times at some bucket fits
     232448 bytes. The down launch, the gpt-oss activation with biases and the GEMV path compile
     too."""
-    shapes = ModelShapes(32, 4, 128, 2048, 6144, 16, "bfloat16", num_experts=128, top_k=8, moe_intermediate=768)
+    shapes = ModelShapes(
+        32, 4, 128, 2048, 6144, 16, "bfloat16", num_experts=128, top_k=8, moe_intermediate=768
+    )
     tiles: dict[str, KernelConfig] = {}
     for _, dims in problems.buckets("fused_moe", shapes):
         for cfg in problems.config_space("fused_moe", shapes, dims):
