@@ -6,8 +6,8 @@ layout (w_gate_up [E, 2I, H], gate rows then up rows; w_down [E, H, I]; optional
 
 Prefill-sized batches (the tile path, ``_moe_gemm_kernel``):
 
-1. ``align_by_expert`` (torch, capture-safe: no host syncs) sorts the pairs by expert and pads
-   each expert's run to a multiple of BLOCK_M: sorted_ids [max_blocks * BLOCK_M] holds pair ids
+1. ``align_by_expert`` (two small launches, no host sync; reference.moe_align_by_expert does it
+   in torch) sorts the pairs by expert and pads each expert's run to a multiple of BLOCK_M: sorted_ids [max_blocks * BLOCK_M] holds pair ids
    (P marks padding), block_expert [max_blocks] each block's expert (-1 past the used blocks;
    max_blocks = cdiv(P, BLOCK_M) + min(E, P) bounds the blocks any routing can need, so the grid
    does not depend on the routing).
@@ -44,6 +44,65 @@ from pagecast.kernels.tuning import KernelConfig
 
 ACT_NONE, ACT_SILU, ACT_SWIGLU_OAI = 0, 1, 2
 _ACTIVATIONS = {"silu": ACT_SILU, "swiglu_oai": ACT_SWIGLU_OAI}
+
+
+@triton.jit
+def _moe_align_kernel(
+    ids_ptr,  # topk_ids [P] (int64): each pair's expert
+    sorted_ids_ptr,  # int32 [max_blocks * BLOCK_M] out: filled with P here (padding)
+    block_expert_ptr,  # int32 [max_blocks] out: each block's expert, -1 past the used blocks
+    cursor_ptr,  # int32 [E] out: each expert's first padded position (_moe_scatter_kernel's cursors)
+    num_pairs,
+    num_experts,
+    max_blocks,
+    BLOCK_M: tl.constexpr,
+    NUM_BINS: tl.constexpr,  # E rounded up to a power of two
+    CHUNK: tl.constexpr,
+):
+    # One program: count each expert's pairs, pad the counts to whole blocks, and lay the blocks out.
+    counts = tl.zeros((NUM_BINS,), dtype=tl.int32)
+    for p0 in range(0, num_pairs, CHUNK):
+        offs = p0 + tl.arange(0, CHUNK)
+        ok = offs < num_pairs
+        ids = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
+        counts += tl.histogram(ids, NUM_BINS, mask=ok)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)  # [NUM_BINS]
+    offs_e = tl.arange(0, NUM_BINS)
+    e_ok = offs_e < num_experts
+    tl.store(cursor_ptr + offs_e, ends - padded, mask=e_ok)
+    # A block's expert is the first whose run ends after the block starts: the count of runs
+    # ending at or before it (empty experts' runs end where the one before ends).
+    for b0 in range(0, max_blocks, CHUNK):
+        offs_b = b0 + tl.arange(0, CHUNK)
+        ended = (ends[None, :] <= (offs_b * BLOCK_M)[:, None]) & e_ok[None, :]
+        expert = tl.sum(ended.to(tl.int32), axis=1)
+        expert = tl.where(expert < num_experts, expert, -1)
+        tl.store(block_expert_ptr + offs_b, expert, mask=offs_b < max_blocks)
+    for s0 in range(0, max_blocks * BLOCK_M, CHUNK):
+        offs_s = s0 + tl.arange(0, CHUNK)
+        tl.store(
+            sorted_ids_ptr + offs_s,
+            tl.full((CHUNK,), 0, tl.int32) + num_pairs,
+            mask=offs_s < max_blocks * BLOCK_M,
+        )
+
+
+@triton.jit
+def _moe_scatter_kernel(
+    ids_ptr,  # topk_ids [P] (int64)
+    sorted_ids_ptr,  # int32 [max_blocks * BLOCK_M]: each pair's id written at its place in its expert's run
+    cursor_ptr,  # int32 [E]: the next free position of each expert's run (atomically advanced)
+    num_pairs,
+    CHUNK: tl.constexpr,
+):
+    # Pairs of one expert take its run's positions in whatever order the atomics grant them: the
+    # rows of a block are independent, and the down launch writes each pair's row by its id.
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    ok = offs < num_pairs
+    expert = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
+    pos = tl.atomic_add(cursor_ptr + expert, tl.full((CHUNK,), 1, tl.int32), mask=ok)
+    tl.store(sorted_ids_ptr + pos, offs.to(tl.int32), mask=ok)
 
 
 @triton.jit
@@ -216,7 +275,10 @@ NAIVE = KernelConfig({"naive": 1}, num_warps=0, num_stages=0)  # the per-expert 
 
 _GEMV_TILES = (
     # (BLOCK_N, BLOCK_K, num_warps): a program streams BLOCK_N rows of its expert's weight
+    (8, 256, 2),
+    (16, 128, 2),
     (16, 256, 4),
+    (16, 512, 4),
     (32, 128, 4),
     (32, 256, 4),
     (64, 128, 4),
@@ -344,32 +406,31 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
 
 
+ALIGN_CHUNK = 1024  # pairs (and blocks, and padding slots) the align kernels take a step
+
+
 def align_by_expert(
     topk_ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """topk_ids [T, k] -> (sorted_ids int32 [max_blocks * block_m]: pair ids grouped by expert (in
-    pair order within an expert), each expert's run padded to a multiple of block_m with P;
-    block_expert int32 [max_blocks]: each block's expert, -1 past the used blocks). Device ops
-    only (no host sync), so it can be captured in a CUDA graph."""
+    """topk_ids [T, k] -> (sorted_ids int32 [max_blocks * block_m]: pair ids grouped by expert,
+    each expert's run padded to a multiple of block_m with P; block_expert int32 [max_blocks]:
+    each block's expert, -1 past the used blocks). Two launches (count and lay out, then
+    scatter), no host sync; within an expert's run the pairs' order is the atomics' (which
+    reference.moe_align_by_expert, the same layout in pair order, leaves out)."""
     flat = topk_ids.reshape(-1)
     p = flat.numel()
     nb = max_blocks(p, num_experts, block_m)
     dev = flat.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(
-        0, flat, torch.ones_like(flat)
+    sorted_ids = torch.empty((nb * block_m,), dtype=torch.int32, device=dev)
+    block_expert = torch.empty((nb,), dtype=torch.int32, device=dev)
+    cursor = torch.empty((num_experts,), dtype=torch.int32, device=dev)
+    _moe_align_kernel[(1,)](
+        flat, sorted_ids, block_expert, cursor, p, num_experts, nb,
+        BLOCK_M=block_m, NUM_BINS=triton.next_power_of_2(num_experts), CHUNK=ALIGN_CHUNK, num_warps=8,
+    )  # fmt: skip
+    _moe_scatter_kernel[(triton.cdiv(p, ALIGN_CHUNK),)](
+        flat, sorted_ids, cursor, p, CHUNK=ALIGN_CHUNK, num_warps=4
     )
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = torch.cumsum(padded, 0)
-    starts = ends - padded
-    firsts = torch.cumsum(counts, 0) - counts  # each expert's first position in the unpadded order
-    order = torch.sort(flat, stable=True).indices  # pair ids by expert
-    sorted_e = flat[order]
-    dest = starts[sorted_e] + torch.arange(p, device=dev) - firsts[sorted_e]
-    sorted_ids = torch.full((nb * block_m,), p, dtype=torch.int32, device=dev)
-    sorted_ids[dest] = order.to(torch.int32)
-    block_starts = torch.arange(nb, device=dev) * block_m
-    block_expert = torch.searchsorted(ends, block_starts, right=True)
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
     return sorted_ids, block_expert
 
 

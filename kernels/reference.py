@@ -407,3 +407,26 @@ def fused_moe(
         h = linear(moe_activation(h, activation, alpha, limit), w_down[e], None if b_down is None else b_down[e])
         out.index_add_(0, token, (h * topk_weights[token, slot, None]).to(x.dtype))
     return out
+
+
+def moe_align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused-MoE tile path's layout (kernels/fused_moe.py): topk_ids [T, k] -> (sorted_ids
+    int32 [max_blocks * block_m]: the pair ids p = t * k + j grouped by expert in pair order,
+    each expert's run padded to a multiple of block_m with P = T * k; block_expert int32
+    [max_blocks]: each block's expert, -1 past the used blocks), max_blocks = cdiv(P, block_m) +
+    min(E, P). Device ops only (no host sync)."""
+    flat = topk_ids.reshape(-1)
+    p = flat.numel()
+    nb = -(-p // block_m) + min(num_experts, p)
+    dev = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    firsts = torch.cumsum(counts, 0) - counts  # each expert's first position in the unpadded order
+    order = torch.sort(flat, stable=True).indices  # pair ids by expert
+    sorted_e = flat[order]
+    dest = (ends - padded)[sorted_e] + torch.arange(p, device=dev) - firsts[sorted_e]
+    sorted_ids = torch.full((nb * block_m,), p, dtype=torch.int32, device=dev)
+    sorted_ids[dest] = order.to(torch.int32)
+    block_expert = torch.searchsorted(ends, torch.arange(nb, device=dev) * block_m, right=True)
+    return sorted_ids, torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)

@@ -223,13 +223,30 @@ def test_tp_refuses_an_uneven_cut():
 # ---------------------------------------------------------------------------- kernels
 
 
-def test_align_by_expert_groups_and_pads_each_experts_pairs():
+def test_align_reference_groups_and_pads_each_experts_pairs():
     # 5 tokens, top-2, 4 experts: expert 0 gets pairs 0, 3, 9; expert 1 none; 2 gets 1, 2, 4, 5, 6, 8; 3 gets 7.
     ids = torch.tensor([[0, 2], [2, 0], [2, 2], [2, 3], [2, 0]])
-    sorted_ids, block_expert = fused_moe.align_by_expert(ids, 4, 4)
+    sorted_ids, block_expert = reference.moe_align_by_expert(ids, 4, 4)
     pad = 10
     assert block_expert.tolist() == [0, 2, 2, 3, -1, -1, -1]  # cdiv(10, 4) + min(4, 10) = 7 blocks
     assert sorted_ids.tolist() == [0, 3, 9, pad, 1, 2, 4, 5, 6, 8, pad, pad, 7, pad, pad, pad] + [pad] * 12
+
+
+@interpreter
+@pytest.mark.parametrize("t,e,k,block_m", [(5, 4, 2, 4), (41, 60, 4, 16), (9, 3, 1, 32), (300, 8, 8, 16)])
+def test_align_kernels_match_the_reference(t, e, k, block_m):
+    """The same blocks, and in each expert's run the same pairs (the atomics choose their order)."""
+    g = torch.Generator().manual_seed(t)
+    ids = torch.topk(torch.randn(t, e, generator=g), k).indices
+    sorted_ids, block_expert = fused_moe.align_by_expert(ids, e, block_m)
+    ref_ids, ref_blocks = reference.moe_align_by_expert(ids, e, block_m)
+    assert torch.equal(block_expert, ref_blocks)
+    runs = sorted_ids.view(-1, block_m)
+    ref_runs = ref_ids.view(-1, block_m)
+    for expert in range(e):
+        mine = runs[block_expert == expert].flatten().sort().values
+        assert torch.equal(mine, ref_runs[ref_blocks == expert].flatten().sort().values)
+    assert torch.equal(runs[block_expert < 0], ref_runs[ref_blocks < 0])  # all padding
 
 
 def moe_inputs(t: int, e: int, k: int, h: int, i: int, dtype: torch.dtype, bias: bool, seed: int = 0):  # type: ignore[no-untyped-def]

@@ -29,7 +29,8 @@ CHILD = textwrap.dedent(
 
     for job in sys.argv[1:]:
         kernel, signature, constexprs, divisible, options = json.loads(job)
-        fn = {"gemm": fused_moe._moe_gemm_kernel, "gemv": fused_moe._moe_gemv_kernel}[kernel]
+        fn = {"gemm": fused_moe._moe_gemm_kernel, "gemv": fused_moe._moe_gemv_kernel,
+              "align": fused_moe._moe_align_kernel, "scatter": fused_moe._moe_scatter_kernel}[kernel]
         sig = dict(signature, **{name: "constexpr" for name in constexprs})
         attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
         compiled = triton.compile(
@@ -110,7 +111,7 @@ def test_fused_moe_kernels_compile_for_sm90_and_fit_shared_memory() -> None:
     shape (two weight tiles a step, SiLU fused); fused_moe.shared_memory (which the pruning goes
     by) bounds the shared memory each needs, and every tile the tuner times at some bucket fits
     232448 bytes. The down launch, the gpt-oss activation with biases and the GEMV path compile
-    too."""
+    too, and so do the align kernels."""
     shapes = ModelShapes(
         32, 4, 128, 2048, 6144, 16, "bfloat16", num_experts=128, top_k=8, moe_intermediate=768
     )
@@ -134,7 +135,12 @@ def test_fused_moe_kernels_compile_for_sm90_and_fit_shared_memory() -> None:
         gemv_job(gemv, gate_up=True, bias=False),
         gemv_job(gemv, gate_up=False, bias=True),
         gemv_job(gemv, gate_up=True, bias=True, activation=fused_moe.ACT_SWIGLU_OAI),
-    ]
+        ("align", {"ids_ptr": "*i64", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "cursor_ptr": "*i32",
+                   "num_pairs": "i32", "num_experts": "i32", "max_blocks": "i32"},
+         {"BLOCK_M": 64, "NUM_BINS": 128, "CHUNK": fused_moe.ALIGN_CHUNK}, [], {"num_warps": 8}),
+        ("scatter", {"ids_ptr": "*i64", "sorted_ids_ptr": "*i32", "cursor_ptr": "*i32", "num_pairs": "i32"},
+         {"CHUNK": fused_moe.ALIGN_CHUNK}, [], {"num_warps": 4}),
+    ]  # fmt: skip
     all_jobs = jobs + extra
     with ThreadPoolExecutor(2) as pool:
         halves = list(pool.map(compile_batch, (all_jobs[::2], all_jobs[1::2])))

@@ -90,10 +90,26 @@ def test_model_shapes_against_the_naive_loop(shape):
         assert rel_err(out, naive) < 1e-2, t
 
 
+@pytest.mark.parametrize(
+    "t,e,k,block_m", [(1, 128, 8, 16), (41, 60, 4, 16), (4096, 128, 8, 64), (8192, 8, 2, 128)]
+)
+def test_align_kernels_match_the_reference(t, e, k, block_m):
+    ids = torch.topk(torch.randn(t, e, device="cuda"), k).indices
+    sorted_ids, block_expert = fused_moe.align_by_expert(ids, e, block_m)
+    ref_ids, ref_blocks = reference.moe_align_by_expert(ids, e, block_m)
+    assert torch.equal(block_expert, ref_blocks)
+    runs, ref_runs = sorted_ids.view(-1, block_m), ref_ids.view(-1, block_m)
+    for expert in ids.unique().tolist():
+        mine = runs[block_expert == expert].flatten().sort().values
+        assert torch.equal(mine, ref_runs[ref_blocks == expert].flatten().sort().values)
+    assert torch.equal(runs[block_expert < 0], ref_runs[ref_blocks < 0])
+
+
 @pytest.mark.parametrize("tokens", [1, 64])
 def test_captured_in_a_cuda_graph(tokens):
-    """The GEMV path (1 token) and the tile path with its torch alignment (64) never sync with the
-    host: a captured launch replays on new inputs (new routing) and matches an eager one."""
+    """The GEMV path (1 token) and the tile path with its align kernels (64) never sync with the
+    host: a captured launch replays on new inputs (new routing) and matches an eager one (the
+    atomics may order an expert's rows differently; each row's values do not depend on it)."""
     e, k, h, i = 16, 4, 256, 128
     x, weights, ids, w_gu, w_d, _, _ = moe_inputs(tokens, e, k, h, i, False)
     fused_moe.fused_moe(x, weights, ids, w_gu, w_d)  # compile
