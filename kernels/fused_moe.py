@@ -24,7 +24,8 @@ Decode batches (the GEMV path, ``_moe_gemv_kernel``, ``{"gemv": 1, ...}``): a fe
 visiting its own expert, so tiles of 16 rows would be mostly padding. No sorting: one program
 per (pair, BLOCK_N output columns) streams its expert's weight rows once and reduces over K on
 CUDA cores; only the visited experts' weights are read (the weight-streaming bound). The
-intermediate is [P, I] in pair order, then the down GEMV writes out [P, H] and step 4 sums.
+intermediate is [P, I] in pair order; the down GEMV's programs each take a token's k pairs and
+add up their weighted rows (the top-k sum in the same launch): three launches in all.
 
 ``{"naive": 1}`` is the baseline the tuner times against: the per-expert loop of cuBLAS GEMMs
 (reference.fused_moe). It syncs with the host, so it is a candidate only for batches that are
@@ -58,6 +59,7 @@ def _moe_align_kernel(
     BLOCK_M: tl.constexpr,
     NUM_BINS: tl.constexpr,  # E rounded up to a power of two
     CHUNK: tl.constexpr,
+    BLOCKS_STEP: tl.constexpr,  # blocks a step compares with every expert's run end
 ):
     # One program: count each expert's pairs, pad the counts to whole blocks, and lay the blocks out.
     counts = tl.zeros((NUM_BINS,), dtype=tl.int32)
@@ -73,8 +75,8 @@ def _moe_align_kernel(
     tl.store(cursor_ptr + offs_e, ends - padded, mask=e_ok)
     # A block's expert is the first whose run ends after the block starts: the count of runs
     # ending at or before it (empty experts' runs end where the one before ends).
-    for b0 in range(0, max_blocks, CHUNK):
-        offs_b = b0 + tl.arange(0, CHUNK)
+    for b0 in range(0, max_blocks, BLOCKS_STEP):
+        offs_b = b0 + tl.arange(0, BLOCKS_STEP)
         ended = (ends[None, :] <= (offs_b * BLOCK_M)[:, None]) & e_ok[None, :]
         expert = tl.sum(ended.to(tl.int32), axis=1)
         expert = tl.where(expert < num_experts, expert, -1)
@@ -205,13 +207,46 @@ def _moe_gemm_kernel(
 
 
 @triton.jit
+def _expert_gemv(
+    a_ptr,  # one row of activations [K]
+    w_base,  # the expert's weight [N_w, K]
+    offs_n,
+    n_ok,
+    N,
+    K,
+    stride_wn,
+    GATED: tl.constexpr,  # also the up rows N + offs_n
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # [BLOCK_N, BLOCK_K] partial products on CUDA cores, reduced over K once at the end
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        a = tl.load(a_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        w_ok = n_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_base + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :], mask=w_ok, other=0.0)
+        acc += w.to(tl.float32) * a
+        if GATED:
+            w_up = tl.load(
+                w_base + (N + offs_n)[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
+                mask=w_ok,
+                other=0.0,
+            )
+            acc_up += w_up.to(tl.float32) * a
+    return tl.sum(acc, axis=1), tl.sum(acc_up, axis=1)  # [BLOCK_N] each
+
+
+@triton.jit
 def _moe_gemv_kernel(
     a_ptr,  # gate_up: x [T, K]; down: intermediate [P, K] in pair order
     w_ptr,  # [E, N_w, K] as for _moe_gemm_kernel
     b_ptr,  # [E, N_w] or unused
-    c_ptr,  # [P, N]
+    c_ptr,  # gate_up: intermediate [P, N] in pair order; down: out [T, N]
     ids_ptr,  # topk_ids [P] (int64): each pair's expert
-    weights_ptr,  # fp32 [P] routing weights (MUL_ROUTING_WEIGHT) or unused
+    weights_ptr,  # fp32 [P] routing weights (down) or unused
     N,
     K,
     stride_am,
@@ -220,53 +255,45 @@ def _moe_gemv_kernel(
     stride_be,
     stride_cm,
     TOP_K: tl.constexpr,
-    ACTIVATION: tl.constexpr,
-    MUL_ROUTING_WEIGHT: tl.constexpr,  # down: a row is the pair's own; scale by its weight
+    ACTIVATION: tl.constexpr,  # gate_up: 1 or 2; 0: the down launch
     HAS_BIAS: tl.constexpr,
     ALPHA: tl.constexpr,
     LIMIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pair = tl.program_id(0)
+    # gate_up: a program per (pair, column block). down: a program per (token, column block) adds
+    # up the token's TOP_K pairs' weighted rows itself (the top-k sum, without a [P, N] buffer).
     pid_n = tl.program_id(1)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    if MUL_ROUTING_WEIGHT:
-        a_row = pair.to(tl.int64)
-    else:
-        a_row = (pair // TOP_K).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    w_base = w_ptr + expert * stride_we
-    # [BLOCK_N, BLOCK_K] partial products, reduced over K once at the end
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        a = tl.load(a_ptr + a_row * stride_am + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        w_ok = n_ok[:, None] & k_ok[None, :]
-        w = tl.load(w_base + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :], mask=w_ok, other=0.0)
-        acc += w.to(tl.float32) * a
-        if ACTIVATION != 0:
-            w_up = tl.load(
-                w_base + (N + offs_n)[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
-                mask=w_ok,
-                other=0.0,
-            )
-            acc_up += w_up.to(tl.float32) * a
-    y = tl.sum(acc, axis=1)  # [BLOCK_N]
-    b_base = b_ptr + expert * stride_be
-    if HAS_BIAS:
-        y += tl.load(b_base + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     if ACTIVATION != 0:
-        up = tl.sum(acc_up, axis=1)
+        pair = tl.program_id(0)
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        a_row = a_ptr + (pair // TOP_K).to(tl.int64) * stride_am
+        gate, up = _expert_gemv(
+            a_row, w_ptr + expert * stride_we, offs_n, n_ok, N, K, stride_wn, True, BLOCK_N, BLOCK_K
+        )
         if HAS_BIAS:
-            up += tl.load(b_base + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        y = _activate(y, up, ACTIVATION, ALPHA, LIMIT)
-    if MUL_ROUTING_WEIGHT:
-        y *= tl.load(weights_ptr + pair)
-    tl.store(c_ptr + pair.to(tl.int64) * stride_cm + offs_n, y.to(c_ptr.dtype.element_ty), mask=n_ok)
+            gate += tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            up += tl.load(b_ptr + expert * stride_be + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        y = _activate(gate, up, ACTIVATION, ALPHA, LIMIT)
+        row = pair.to(tl.int64)
+    else:
+        token = tl.program_id(0)
+        y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for j in range(TOP_K):
+            pair = token * TOP_K + j
+            expert = tl.load(ids_ptr + pair).to(tl.int64)
+            a_row = a_ptr + pair.to(tl.int64) * stride_am
+            down, _ = _expert_gemv(
+                a_row, w_ptr + expert * stride_we, offs_n, n_ok, N, K, stride_wn, False, BLOCK_N, BLOCK_K
+            )
+            if HAS_BIAS:
+                down += tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            y += down * tl.load(weights_ptr + pair)
+        row = token.to(tl.int64)
+    tl.store(c_ptr + row * stride_cm + offs_n, y.to(c_ptr.dtype.element_ty), mask=n_ok)
 
 
 # ---------------------------------------------------------------------------- configs
@@ -426,7 +453,8 @@ def align_by_expert(
     cursor = torch.empty((num_experts,), dtype=torch.int32, device=dev)
     _moe_align_kernel[(1,)](
         flat, sorted_ids, block_expert, cursor, p, num_experts, nb,
-        BLOCK_M=block_m, NUM_BINS=triton.next_power_of_2(num_experts), CHUNK=ALIGN_CHUNK, num_warps=8,
+        BLOCK_M=block_m, NUM_BINS=(bins := triton.next_power_of_2(num_experts)), CHUNK=ALIGN_CHUNK,
+        BLOCKS_STEP=max(16, 8192 // bins), num_warps=8,
     )  # fmt: skip
     _moe_scatter_kernel[(triton.cdiv(p, ALIGN_CHUNK),)](
         flat, sorted_ids, cursor, p, CHUNK=ALIGN_CHUNK, num_warps=4
@@ -493,29 +521,30 @@ def fused_moe(
     p = t * top_k
     ids = topk_ids.reshape(-1)
     weights = topk_weights.reshape(-1).float()
-    out = torch.empty((p, h), dtype=x.dtype, device=x.device)
     act = _ACTIVATIONS[activation]
     dot = "ieee" if x.dtype == torch.float32 else "tf32"
     common = {"TOP_K": top_k, "ALPHA": alpha, "LIMIT": limit}
-    launches = (  # (a, w, b, c, n, k, activation, weighted)
+    launches = (  # (weight, bias, output columns, reduction, activation, scaled by the routing weight)
         (w_gate_up, b_gate_up, i, h, act, False),
         (w_down, b_down, h, i, ACT_NONE, True),
     )
     if is_gemv(cfg):
         bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
         inter = torch.empty((p, i), dtype=x.dtype, device=x.device)
-        for (w, b, n, k, a_kind, weighted), a, c in zip(launches, (x, inter), (inter, out)):
-            _moe_gemv_kernel[(p, triton.cdiv(n, bn))](
+        out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+        for (w, b, n, k, a_kind, _), a, c, rows in zip(launches, (x, inter), (inter, out), (p, t)):
+            _moe_gemv_kernel[(rows, triton.cdiv(n, bn))](
                 a, w, b if b is not None else w, c, ids, weights, n, k,
                 a.stride(0), w.stride(0), w.stride(1), b.stride(0) if b is not None else 0, c.stride(0),
-                ACTIVATION=a_kind, MUL_ROUTING_WEIGHT=weighted, HAS_BIAS=b is not None,
-                BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+                ACTIVATION=a_kind, HAS_BIAS=b is not None, BLOCK_N=bn, BLOCK_K=bk,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
             )  # fmt: skip
-        return out.view(t, top_k, h).sum(1)
+        return out
     bm, bn, bk, gm = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["GROUP_M"]
     sorted_ids, block_expert = align_by_expert(ids.view(t, top_k), num_experts, bm)
     nb = block_expert.shape[0]
     inter = torch.empty((nb * bm, i), dtype=x.dtype, device=x.device)
+    out = torch.empty((p, h), dtype=x.dtype, device=x.device)
     for (w, b, n, k, a_kind, weighted), a, c in zip(launches, (x, inter), (inter, out)):
         _moe_gemm_kernel[(nb * triton.cdiv(n, bn),)](
             a, w, b if b is not None else w, c, sorted_ids, block_expert, weights, n, k, p, nb,
