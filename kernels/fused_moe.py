@@ -6,11 +6,11 @@ layout (w_gate_up [E, 2I, H], gate rows then up rows; w_down [E, H, I]; optional
 
 Prefill-sized batches (the tile path, ``_moe_gemm_kernel``):
 
-1. ``align_by_expert`` (two small launches, no host sync; reference.moe_align_by_expert does it
-   in torch) sorts the pairs by expert and pads each expert's run to a multiple of BLOCK_M: sorted_ids [max_blocks * BLOCK_M] holds pair ids
-   (P marks padding), block_expert [max_blocks] each block's expert (-1 past the used blocks;
-   max_blocks = cdiv(P, BLOCK_M) + min(E, P) bounds the blocks any routing can need, so the grid
-   does not depend on the routing).
+1. ``align_by_expert`` (two small launches, no host sync; reference.moe_align_by_expert does
+   the same in torch) sorts the pairs by expert and pads each expert's run to a multiple of
+   BLOCK_M: sorted_ids [max_blocks * BLOCK_M] holds pair ids (P marks padding), block_expert
+   [max_blocks] each block's expert (-1 past the used blocks; max_blocks = cdiv(P, BLOCK_M) +
+   min(E, P) bounds the blocks any routing can need, so the grid does not depend on the routing).
 2. gate_up: one program per (block, BLOCK_N columns of I) gathers its block's token rows of x,
    multiplies them by its expert's gate rows and up rows (two accumulators), applies the
    activation (SiLU-and-mul, or gpt-oss's clamped SwiGLU, after the biases) and writes the
@@ -21,11 +21,12 @@ Prefill-sized batches (the tile path, ``_moe_gemm_kernel``):
 4. the top-k sum: out.view(T, k, H).sum(1) (deterministic; torch sums half types in fp32).
 
 Decode batches (the GEMV path, ``_moe_gemv_kernel``, ``{"gemv": 1, ...}``): a few pairs, each
-visiting its own expert, so tiles of 16 rows would be mostly padding. No sorting: one program
-per (pair, BLOCK_N output columns) streams its expert's weight rows once and reduces over K on
-CUDA cores; only the visited experts' weights are read (the weight-streaming bound). The
-intermediate is [P, I] in pair order; the down GEMV's programs each take a token's k pairs and
-add up their weighted rows (the top-k sum in the same launch): three launches in all.
+visiting its own expert, so tiles of 16 rows would be mostly padding. No sorting: for gate_up
+one program per (pair, BLOCK_N columns of I) streams its expert's gate and up rows once and
+reduces over K on CUDA cores, the activation fused, into the intermediate [P, I] (pair order);
+for down one program per (token, BLOCK_N columns of H) adds up its k pairs' weighted rows (the
+top-k sum in the same launch). Only the visited experts' weights are read (the weight-streaming
+bound), in two launches.
 
 ``{"naive": 1}`` is the baseline the tuner times against: the per-expert loop of cuBLAS GEMMs
 (reference.fused_moe). It syncs with the host, so it is a candidate only for batches that are
@@ -41,7 +42,7 @@ import triton
 import triton.language as tl
 
 from pagecast.kernels import reference
-from pagecast.kernels.tuning import KernelConfig
+from pagecast.kernels.tuning import KernelConfig, num_sms
 
 ACT_NONE, ACT_SILU, ACT_SWIGLU_OAI = 0, 1, 2
 _ACTIVATIONS = {"silu": ACT_SILU, "swiglu_oai": ACT_SWIGLU_OAI}
@@ -399,20 +400,16 @@ def prune_configs(
 
 
 def default_config(
-    num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int
+    num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int, num_sms: int = 132
 ) -> KernelConfig:
-    """Untuned choice: the GEMV for up to 16 pairs; else a tile sized by the rows an expert gets."""
+    """Untuned choice: the GEMV for up to 16 pairs, its BLOCK_N the widest of 32, 16 and 8 that
+    gives the down launch (a program per token and column block) two programs a multiprocessor;
+    else a tile sized by the rows an expert gets."""
     pairs = num_tokens * top_k
     if pairs <= 16:
-        return KernelConfig(
-            {
-                "gemv": 1,
-                "BLOCK_N": 32,
-                "BLOCK_K": min(128, triton.next_power_of_2(min(hidden, intermediate))),
-            },
-            4,
-            1,
-        )
+        bn = next((b for b in (32, 16) if num_tokens * triton.cdiv(hidden, b) >= 2 * num_sms), 8)
+        bk = min(256, triton.next_power_of_2(min(hidden, intermediate)))
+        return KernelConfig({"gemv": 1, "BLOCK_N": bn, "BLOCK_K": bk}, 4 if bn * bk >= 4096 else 2, 1)
     rows = triton.cdiv(pairs, min(num_experts, pairs))
     bk = 64 if min(hidden, intermediate) >= 64 else 32
     if rows <= 16:
@@ -509,7 +506,7 @@ def fused_moe(
     t, h = x.shape
     num_experts, i = w_gate_up.shape[0], w_gate_up.shape[1] // 2
     top_k = topk_ids.shape[1]
-    cfg = KernelConfig.coerce(config) or default_config(t, top_k, num_experts, h, i)
+    cfg = KernelConfig.coerce(config) or default_config(t, top_k, num_experts, h, i, num_sms(x.device))
     if is_naive(cfg):
         return reference.fused_moe(
             x, topk_weights, topk_ids, w_gate_up, w_down, b_gate_up, b_down, activation, alpha, limit
