@@ -459,6 +459,30 @@ def align_by_expert(
     return sorted_ids, block_expert
 
 
+def workspace_bytes(
+    num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int, elt: int,
+    config: KernelConfig,
+) -> int:  # fmt: skip
+    """Device memory one fused_moe call allocates besides its output [T, H] (for the memory plan),
+    each buffer rounded up to the caching allocator's 512 bytes: the routing weights in fp32, the
+    intermediate, and for the tile path the align buffers and the per-pair output the top-k sum
+    reads. The naive loop: one expert's rows at worst (every token through one expert) through
+    both projections (fp32 where the routing weights scale them), and their token lists."""
+
+    def buf(n: int) -> int:
+        return -(-n // 512) * 512
+
+    t, p = num_tokens, num_tokens * top_k
+    if is_naive(config):
+        return buf(t * 8) * 3 + 6 * buf(t * max(2 * intermediate, hidden) * 4)
+    if is_gemv(config):
+        return buf(p * 4) + buf(p * intermediate * elt)
+    bm = config["BLOCK_M"]
+    nb = max_blocks(p, num_experts, bm)
+    align = buf(nb * bm * 4) + buf(nb * 4) + buf(num_experts * 4)
+    return buf(p * 4) + align + buf(nb * bm * intermediate * elt) + buf(p * hidden * elt)
+
+
 def check_shapes(
     x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w_gate_up: torch.Tensor,
     w_down: torch.Tensor, b_gate_up: torch.Tensor | None, b_down: torch.Tensor | None,

@@ -100,6 +100,24 @@ def moe_spec(architecture: str, config: dict[str, Any]) -> tuple[MoeRouting, Moe
     raise ValueError(f"no MoE routing for {architecture}")
 
 
+def num_experts(config: dict[str, Any]) -> int:
+    """Experts per MoE layer: ``num_experts`` or ``num_local_experts`` (checkpoints and
+    transformers' configs use either name for the same count)."""
+    return int(config.get("num_experts") or config.get("num_local_experts") or 0)
+
+
+def is_moe_layer(architecture: str, config: dict[str, Any], layer: int) -> bool:
+    """Whether decoder layer ``layer`` has a sparse-MoE block (else a dense MLP of the config's
+    intermediate_size): every layer of Mixtral, OLMoE and gpt-oss; in the Qwens those not in
+    ``mlp_only_layers`` whose index + 1 is a multiple of ``decoder_sparse_step``."""
+    if architecture in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        step = int(config.get("decoder_sparse_step", 1))
+        dense = layer in (config.get("mlp_only_layers") or []) or num_experts(config) <= 0
+        return not dense and (layer + 1) % step == 0
+    moe_spec(architecture, config)  # refuses other architectures
+    return True
+
+
 def route(
     x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor | None, routing: MoeRouting
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -180,6 +180,25 @@ def test_moe_op_matches_transformers_block(family, overrides):
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "family,overrides",
+    [("qwen2_moe", {"mlp_only_layers": [0], "decoder_sparse_step": 1}), ("qwen3_moe", {"decoder_sparse_step": 2}),
+     ("mixtral", {})],
+)  # fmt: skip
+def test_moe_layers_as_transformers_builds_them(family, overrides):
+    """is_moe_layer names the decoder layers whose mlp transformers makes a sparse block (a dense
+    first layer in Qwen2-MoE via mlp_only_layers, every other layer with decoder_sparse_step 2)."""
+    import transformers
+
+    _, cfg = hf_block(family, **overrides)
+    cfg.num_hidden_layers = 4
+    module = transformers.models.__dict__[family].__dict__[f"modeling_{family}"]
+    layer_class = next(v for k, v in vars(module).items() if k.endswith("DecoderLayer"))
+    for layer in range(4):
+        sparse = "Sparse" in type(layer_class(cfg, layer).mlp).__name__
+        assert moe_routing.is_moe_layer(ARCH[family], cfg.to_dict(), layer) == sparse, layer
+
+
 def test_moe_spec_refuses_other_architectures():
     with pytest.raises(ValueError, match="DeepseekV3ForCausalLM"):
         moe_routing.moe_spec("DeepseekV3ForCausalLM", {"num_experts_per_tok": 8})

@@ -178,3 +178,22 @@ def test_tuner_fills_every_bucket():
         assert entry["time_us"] > 0 and entry["reference_us"] > 0, bucket
         if int(bucket[1:]) <= shapes.max_num_seqs:
             assert not fused_moe.is_naive(tuning.KernelConfig.coerce(entry["config"])), bucket
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 256, 4096])
+def test_workspace_bytes_bounds_what_a_call_allocates(tokens):
+    """fused_moe.workspace_bytes (what the memory plan counts) is at least the peak a call
+    allocates beyond its inputs and output, for the default config and each path."""
+    e, k, h, i = 128, 8, 2048, 768
+    x, weights, ids, w_gu, w_d, _, _ = moe_inputs(tokens, e, k, h, i, False)
+    configs = [fused_moe.default_config(tokens, k, e, h, i), fused_moe.NAIVE]
+    configs += [c for c in fused_moe.CONFIG_SPACE if "BLOCK_M" in c.params and c["BLOCK_M"] in (16, 128)][:2]
+    for cfg in configs:
+        fused_moe.fused_moe(x, weights, ids, w_gu, w_d, config=cfg)  # compile outside the measurement
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = fused_moe.fused_moe(x, weights, ids, w_gu, w_d, config=cfg)
+        torch.cuda.synchronize()
+        used = torch.cuda.max_memory_allocated() - base - out.numel() * out.element_size()
+        assert used <= fused_moe.workspace_bytes(tokens, k, e, h, i, 2, cfg), (cfg.as_dict(), used)
