@@ -574,4 +574,4 @@ def fused_moe(
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, DOT_PRECISION=dot,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
         )  # fmt: skip
-    return out.view(t, top_k, h).sum(1)
+    return out if top_k == 1 else out.view(t, top_k, h).sum(1)
