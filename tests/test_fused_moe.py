@@ -291,6 +291,10 @@ KERNEL_CASES = [
     pytest.param(9, 8, 8, 32, 16, "silu", False, {**TILE, "BLOCK_M": 32}, id="t9-e8-top8-tile32"),
     pytest.param(41, 8, 2, 48, 40, "swiglu_oai", True, TILE, id="t41-gptoss-bias-tile"),
     pytest.param(3, 8, 4, 48, 40, "swiglu_oai", True, GEMV, id="t3-gptoss-bias-gemv"),
+    pytest.param(9, 8, 2, 64, 40, "silu", False, {**TILE, "SPLIT_ACT": 1}, id="t9-e8-top2-split-act"),
+    pytest.param(
+        9, 8, 4, 48, 40, "swiglu_oai", True, {**TILE, "SPLIT_ACT": 1}, id="t9-gptoss-bias-split-act"
+    ),
 ]
 
 
