@@ -187,7 +187,9 @@ def test_workspace_bytes_bounds_what_a_call_allocates(tokens):
     e, k, h, i = 128, 8, 2048, 768
     x, weights, ids, w_gu, w_d, _, _ = moe_inputs(tokens, e, k, h, i, False)
     configs = [fused_moe.default_config(tokens, k, e, h, i), fused_moe.NAIVE]
-    configs += [c for c in fused_moe.CONFIG_SPACE if "BLOCK_M" in c.params and c["BLOCK_M"] in (16, 128)][:2]
+    tiles = [c for c in fused_moe.CONFIG_SPACE if "BLOCK_M" in c.params]
+    configs += [next(c for c in tiles if c["BLOCK_M"] == 16), next(c for c in tiles if c["BLOCK_M"] == 128)]
+    configs += [next(c for c in tiles if c.params.get("SPLIT_ACT"))]
     for cfg in configs:
         fused_moe.fused_moe(x, weights, ids, w_gu, w_d, config=cfg)  # compile outside the measurement
         torch.cuda.synchronize()
