@@ -140,7 +140,7 @@ def _moe_gemm_kernel(
     stride_wn,
     stride_be,
     stride_cm,
-    TOP_K: tl.constexpr,
+    top_k,  # a runtime argument: one compiled kernel serves every top-k
     ACTIVATION: tl.constexpr,  # 0: none (down), 1: SiLU-and-mul, 2: gpt-oss SwiGLU
     MUL_ROUTING_WEIGHT: tl.constexpr,  # down: scale rows by their weight and scatter to pair order
     HAS_BIAS: tl.constexpr,
@@ -170,7 +170,7 @@ def _moe_gemm_kernel(
     if MUL_ROUTING_WEIGHT:
         a_rows = offs_m.to(tl.int64)
     else:
-        a_rows = (pair // TOP_K).to(tl.int64)
+        a_rows = (pair // top_k).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     w_base = w_ptr + expert.to(tl.int64) * stride_we
@@ -258,7 +258,7 @@ def _moe_gemv_kernel(
     stride_wn,
     stride_be,
     stride_cm,
-    TOP_K: tl.constexpr,
+    top_k,  # a runtime argument: one compiled kernel serves every top-k
     ACTIVATION: tl.constexpr,  # gate_up: 1 or 2; 0: the down launch
     HAS_BIAS: tl.constexpr,
     ALPHA: tl.constexpr,
@@ -267,14 +267,14 @@ def _moe_gemv_kernel(
     BLOCK_K: tl.constexpr,
 ):
     # gate_up: a program per (pair, column block). down: a program per (token, column block) adds
-    # up the token's TOP_K pairs' weighted rows itself (the top-k sum, without a [P, N] buffer).
+    # up the token's top_k pairs' weighted rows itself (the top-k sum, without a [P, N] buffer).
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     if ACTIVATION != 0:
         pair = tl.program_id(0)
         expert = tl.load(ids_ptr + pair).to(tl.int64)
-        a_row = a_ptr + (pair // TOP_K).to(tl.int64) * stride_am
+        a_row = a_ptr + (pair // top_k).to(tl.int64) * stride_am
         gate, up = _expert_gemv(
             a_row, w_ptr + expert * stride_we, offs_n, n_ok, N, K, stride_wn, True, BLOCK_N, BLOCK_K
         )
@@ -286,8 +286,8 @@ def _moe_gemv_kernel(
     else:
         token = tl.program_id(0)
         y = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for j in range(TOP_K):
-            pair = token * TOP_K + j
+        for j in range(top_k):
+            pair = token * top_k + j
             expert = tl.load(ids_ptr + pair).to(tl.int64)
             a_row = a_ptr + pair.to(tl.int64) * stride_am
             down, _ = _expert_gemv(
@@ -575,7 +575,7 @@ def fused_moe(
     weights = topk_weights.reshape(-1).float()
     act = _ACTIVATIONS[activation]
     dot = "ieee" if x.dtype == torch.float32 else "tf32"
-    common = {"TOP_K": top_k, "ALPHA": alpha, "LIMIT": limit}
+    common = {"ALPHA": alpha, "LIMIT": limit}
     if is_gemv(cfg):
         launches = (  # (weight, bias, output columns, reduction, activation)
             (w_gate_up, b_gate_up, i, h, act),
@@ -587,7 +587,7 @@ def fused_moe(
         for (w, b, n, k, a_kind), a, c, rows in zip(launches, (x, inter), (inter, out), (p, t)):
             _moe_gemv_kernel[(rows, triton.cdiv(n, bn))](
                 a, w, b if b is not None else w, c, ids, weights, n, k,
-                a.stride(0), w.stride(0), w.stride(1), b.stride(0) if b is not None else 0, c.stride(0),
+                a.stride(0), w.stride(0), w.stride(1), b.stride(0) if b is not None else 0, c.stride(0), top_k,
                 ACTIVATION=a_kind, HAS_BIAS=b is not None, BLOCK_N=bn, BLOCK_K=bk,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
             )  # fmt: skip
@@ -600,7 +600,7 @@ def fused_moe(
              a_kind: int, weighted: bool) -> None:  # fmt: skip
         _moe_gemm_kernel[(nb * triton.cdiv(n, bn),)](
             a, w, b if b is not None else w, c, sorted_ids, block_expert, weights, n, k, p, nb,
-            a.stride(0), w.stride(0), w.stride(1), b.stride(0) if b is not None else 0, c.stride(0),
+            a.stride(0), w.stride(0), w.stride(1), b.stride(0) if b is not None else 0, c.stride(0), top_k,
             ACTIVATION=a_kind, MUL_ROUTING_WEIGHT=weighted, HAS_BIAS=b is not None,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, DOT_PRECISION=dot,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,

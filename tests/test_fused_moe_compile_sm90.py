@@ -52,7 +52,7 @@ def compile_batch(jobs: list[tuple]) -> list[dict]:
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
-INTS = ("N", "K", "stride_am", "stride_we", "stride_wn", "stride_be", "stride_cm")
+INTS = ("N", "K", "stride_am", "stride_we", "stride_wn", "stride_be", "stride_cm", "top_k")
 
 
 def gemm_job(cfg: KernelConfig, gate_up: bool, bias: bool, activation: int = fused_moe.ACT_SILU) -> tuple:
@@ -63,7 +63,7 @@ def gemm_job(cfg: KernelConfig, gate_up: bool, bias: bool, activation: int = fus
     if gate_up and cfg.params.get("SPLIT_ACT"):
         n, activation = 2 * i, 0
     ints = {"N": n, "K": k, "stride_am": k, "stride_we": (2 * i if gate_up else h) * k, "stride_wn": k,
-            "stride_be": 2 * i if gate_up else h, "stride_cm": n}  # fmt: skip
+            "stride_be": 2 * i if gate_up else h, "stride_cm": n, "top_k": 8}  # fmt: skip
     signature = {
         "a_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "sorted_ids_ptr": "*i32",
         "block_expert_ptr": "*i32", "weights_ptr": "*fp32", "num_pairs": "i32", "max_blocks": "i32",
@@ -73,7 +73,7 @@ def gemm_job(cfg: KernelConfig, gate_up: bool, bias: bool, activation: int = fus
         n for n, v in ints.items() if v % 16 == 0
     ]
     constexprs = {
-        "TOP_K": 8, "ACTIVATION": activation if gate_up else 0, "MUL_ROUTING_WEIGHT": not gate_up,
+        "ACTIVATION": activation if gate_up else 0, "MUL_ROUTING_WEIGHT": not gate_up,
         "HAS_BIAS": bias, "ALPHA": 1.702, "LIMIT": 7.0, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"],
         "BLOCK_K": cfg["BLOCK_K"], "GROUP_M": cfg["GROUP_M"], "DOT_PRECISION": "tf32",
     }  # fmt: skip
@@ -90,14 +90,14 @@ def gemv_job(cfg: KernelConfig, gate_up: bool, bias: bool, activation: int = fus
     h, i = 2048, 768
     n, k = (i, h) if gate_up else (h, i)
     ints = {"N": n, "K": k, "stride_am": k, "stride_we": (2 * i if gate_up else h) * k, "stride_wn": k,
-            "stride_be": 2 * i if gate_up else h, "stride_cm": n}  # fmt: skip
+            "stride_be": 2 * i if gate_up else h, "stride_cm": n, "top_k": 8}  # fmt: skip
     signature = {"a_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "ids_ptr": "*i64",
                  "weights_ptr": "*fp32", **{name: "i32" for name in ints}}  # fmt: skip
     divisible = [name for name in signature if name.endswith("_ptr")] + [
         n for n, v in ints.items() if v % 16 == 0
     ]
     constexprs = {
-        "TOP_K": 8, "ACTIVATION": activation if gate_up else 0, "HAS_BIAS": bias, "ALPHA": 1.702, "LIMIT": 7.0,
+        "ACTIVATION": activation if gate_up else 0, "HAS_BIAS": bias, "ALPHA": 1.702, "LIMIT": 7.0,
         "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
     }  # fmt: skip
     return (
