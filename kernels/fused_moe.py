@@ -420,12 +420,15 @@ def prune_configs(
 
 
 def default_config(
-    num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int, num_sms: int = 132
-) -> KernelConfig:
+    num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int, num_sms: int = 132,
+    elt: int = 2,
+) -> KernelConfig:  # fmt: skip
     """Untuned choice: the GEMV for up to 32 pairs where a balanced router's tokens visit each
     expert they visit at most 1.5 times on average (the GEMV reads an expert's weights once a
     pair), its BLOCK_N the widest of 32, 16 and 8 that gives the down launch (a program per token
-    and column block) two programs a multiprocessor; else a tile sized by the rows an expert gets."""
+    and column block) two programs a multiprocessor; else a tile sized by the rows an expert gets,
+    pipelined less deep where its shared memory (activations of ``elt`` bytes) would not fit
+    SHARED_MEMORY_LIMIT (fp32's widest tiles; half types always fit)."""
     pairs = num_tokens * top_k
     visited = num_experts * (1 - (1 - top_k / num_experts) ** num_tokens)  # expected, uniform routing
     if pairs <= 32 and pairs <= 1.5 * visited:
@@ -435,12 +438,17 @@ def default_config(
     rows = triton.cdiv(pairs, min(num_experts, pairs))
     bk = 64 if min(hidden, intermediate) >= 64 else 32
     if rows <= 16:
-        return KernelConfig({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": bk, "GROUP_M": 1}, 4, 4)
-    if rows <= 48:
-        return KernelConfig({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": bk, "GROUP_M": 8}, 4, 4)
-    if rows <= 96:
-        return KernelConfig({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": bk, "GROUP_M": 8}, 4, 3)
-    return KernelConfig({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": bk, "GROUP_M": 8}, 8, 3)
+        bm, bn, gm, warps, stages = 16, 64, 1, 4, 4
+    elif rows <= 48:
+        bm, bn, gm, warps, stages = 32, 64, 8, 4, 4
+    elif rows <= 96:
+        bm, bn, gm, warps, stages = 64, 128, 8, 4, 3
+    else:
+        bm, bn, gm, warps, stages = 128, 128, 8, 8, 3
+    cfg = KernelConfig({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm}, warps, stages)
+    while cfg.num_stages > 1 and shared_memory(cfg, elt) > SHARED_MEMORY_LIMIT:
+        cfg = KernelConfig(cfg.params, cfg.num_warps, cfg.num_stages - 1)
+    return cfg
 
 
 # ---------------------------------------------------------------------------- launchers
@@ -561,7 +569,9 @@ def fused_moe(
     t, h = x.shape
     num_experts, i = w_gate_up.shape[0], w_gate_up.shape[1] // 2
     top_k = topk_ids.shape[1]
-    cfg = KernelConfig.coerce(config) or default_config(t, top_k, num_experts, h, i, num_sms(x.device))
+    cfg = KernelConfig.coerce(config) or default_config(
+        t, top_k, num_experts, h, i, num_sms(x.device), x.element_size()
+    )
     if is_naive(cfg):
         return reference.fused_moe(
             x, topk_weights, topk_ids, w_gate_up, w_down, b_gate_up, b_down, activation, alpha, limit

@@ -223,7 +223,8 @@ def default_config(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> Ke
         return skinny_gemm.TORCH
     if kernel == "fused_moe":
         return fused_moe.default_config(
-            dims["num_tokens"], shapes.top_k, shapes.num_experts, shapes.hidden, shapes.moe_intermediate, num_sms()
+            dims["num_tokens"], shapes.top_k, shapes.num_experts, shapes.hidden, shapes.moe_intermediate, num_sms(),
+            _elt(shapes),
         )
     if kernel == "w4a16_gemm":
         return w4a16_gemm.default_config(
