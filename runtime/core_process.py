@@ -152,11 +152,13 @@ class CoreChannel:
         self.ctx.term()
 
 
-def _private_tempdir() -> str:
+def _private_tempdir(run_dir: str) -> str:
     """A temporary directory for everything this process writes (the private copy of the
     artifact's Triton cache, Triton's own scratch files, TP workers' files): pointing
-    ``tempfile`` and TMPDIR at it means one ``rmtree`` on the way out removes them all."""
-    path = tempfile.mkdtemp(prefix="pagecast-core-")
+    ``tempfile`` and TMPDIR at it means one ``rmtree`` on the way out removes them all. It lies
+    inside the run's directory, which the server removes when it stops, so a core killed
+    outright (SIGKILL, the OOM killer) leaves nothing behind either."""
+    path = tempfile.mkdtemp(prefix="core-tmp-", dir=run_dir)
     tempfile.tempdir = path
     os.environ["TMPDIR"] = path
     return path
@@ -183,9 +185,11 @@ def run_engine_core(
     # the server, which drains its streams and then tells us to stop: we end when it says so or dies.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    tmp = _private_tempdir()
+    run_dir = os.path.dirname(input_addr[len("ipc://"):])
+    tmp = _private_tempdir(run_dir)
     channel: CoreChannel | None = None
     flush_s = 0.0
+    server_gone = False
     try:
         channel = CoreChannel(input_addr, output_addr, secret, os.getppid())
         code = _serve(channel, artifact, options, entered, spawned_at)
@@ -193,11 +197,13 @@ def run_engine_core(
         return code
     except ServerGone:
         logger.warning("the server is gone: the engine core exits")
+        server_gone = True
         return 0
     finally:
         if channel is not None:
             channel.close(flush_s)
-        shutil.rmtree(tmp, ignore_errors=True)
+        # The run's directory is the server's to remove; a dead server never will.
+        shutil.rmtree(run_dir if server_gone else tmp, ignore_errors=True)
 
 
 def _serve(channel: CoreChannel, artifact: str, options: dict[str, Any], entered: float, spawned_at: float | None) -> int:

@@ -75,6 +75,13 @@ def leftovers(tmp: Path, prefix: str = "pagecast-") -> list[str]:
     return sorted(p.name for p in tmp.iterdir() if p.name.startswith(prefix))
 
 
+def run_files(tmp: Path) -> list[str]:
+    """Everything under the one run directory in ``tmp`` (the core keeps its files there)."""
+    (run,) = [p for p in tmp.iterdir() if p.name.startswith("pagecast-run-")]
+    assert leftovers(tmp) == [run.name]
+    return sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+
+
 ORPHAN_SERVER = """
 import asyncio, sys
 from pagecast.runtime import AsyncEngine
@@ -112,9 +119,9 @@ def test_a_busy_core_whose_server_is_killed_exits_within_10_s(tiny_llama_artifac
     finally:
         if server.poll() is None:
             server.kill()
-    # The core removed its own temporary files (the Triton cache copy too); only the run's
-    # directory of the killed server remains, which nothing could remove.
-    assert [n for n in leftovers(private_tmp) if not n.startswith("pagecast-run-")] == []
+    # The core removed its temporary files (the Triton cache copy too) and, its server being
+    # dead, the run's directory with the sockets.
+    wait_for(lambda: leftovers(private_tmp) == [], timeout=5)
 
 
 def test_a_core_that_fails_to_start_exits_and_leaves_no_temp_files(tiny_llama_artifact, tmp_path, private_tmp):  # type: ignore[no-untyped-def]
@@ -129,7 +136,7 @@ def test_a_core_that_fails_to_start_exits_and_leaves_no_temp_files(tiny_llama_ar
         assert isinstance(result, CoreFailed) and result.kind == "artifact", result
         assert "does not match the manifest" in result.message
         assert client.process.wait(timeout=10) == 2  # by itself: nobody asked it to stop
-        assert leftovers(private_tmp) == [n for n in leftovers(private_tmp) if n.startswith("pagecast-run-")]
+        assert run_files(private_tmp) == ["in", "out"]  # its temporary files are gone
     finally:
         client.shutdown(timeout=5)
     assert leftovers(private_tmp) == []  # and the server's side removed the run's directory
@@ -152,7 +159,7 @@ def test_a_core_whose_loop_fails_exits_and_leaves_no_temp_files(tiny_llama_artif
         with pytest.raises(EngineDeadError, match="simulated device failure"):
             asyncio.run(run())
         assert engine._client.process.wait(timeout=10) == 1
-        assert [n for n in leftovers(private_tmp) if not n.startswith("pagecast-run-")] == []
+        assert run_files(private_tmp) == ["in", "out"]
     finally:
         engine.shutdown()
     assert leftovers(private_tmp) == []
