@@ -134,6 +134,7 @@ class CoreChannel:
         """Send ``message``, waiting as long as the server lives (or at most ``patience_s``)."""
         data = self.encoder.encode(message)
         deadline = None if patience_s is None else time.monotonic() + patience_s
+        waited = 0
         while True:
             try:
                 self.outbox.send(data, copy=False)
@@ -142,7 +143,9 @@ class CoreChannel:
                 self.check_server()
                 if deadline is not None and time.monotonic() > deadline:
                     raise
-                logger.warning("the server has not read the engine's outputs for %.0f s", SEND_TIMEOUT_MS / 1000)
+                waited += 1
+                if waited in (1, 60):  # once, and once more if it lasts: not a line a second
+                    logger.warning("the server has not read the engine's outputs for %d s", waited * SEND_TIMEOUT_MS // 1000)
 
     def close(self, flush_s: float) -> None:
         """Close both sockets, then the context. ``flush_s`` bounds how long a message already
@@ -518,14 +521,16 @@ class CoreClient:
                 # Give the receiver a moment for what the core sent before it ended (its CoreFailed).
                 exited_at = exited_at or now
                 if now - exited_at >= EXIT_GRACE_S:
-                    self._fail("engine", f"the engine-core process exited unexpectedly (exit code {self.process.returncode})")
+                    code = self.process.returncode
+                    self._fail("engine", f"the engine-core process exited unexpectedly (exit code {code})")
                 continue
             if not self._receiver.is_alive():
                 self._fail("engine", "the receiver of the engine core's messages stopped")
                 self.process.kill()
             elif not self._ready.is_set():
                 if now - self._started > self._start_timeout_s:
-                    self._fail("engine", f"the engine core did not start within {self._start_timeout_s:.0f} s; it was killed")
+                    limit = f"{self._start_timeout_s:g} s (PAGECAST_START_TIMEOUT)"
+                    self._fail("engine", f"the engine core did not start within {limit}; it was killed")
                     self.process.kill()
             elif not self._busy():
                 self._last_heard = now

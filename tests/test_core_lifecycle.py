@@ -234,3 +234,16 @@ def test_a_signal_to_the_process_group_lets_in_flight_streams_finish(sig, tiny_l
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert len([c for c in chunks if c["choices"] and c["choices"][0]["text"] is not None]) >= 1
     assert "exited unexpectedly" not in log
+
+
+def test_a_core_that_does_not_start_in_time_is_killed_and_reported(tiny_llama_artifact, private_tmp):  # type: ignore[no-untyped-def]
+    """Start-up has a deadline: a core stuck loading (a hung file system, a wedged device)
+    becomes an error engine-serve exits on, not a server that waits for ever."""
+    client = CoreClient(str(tiny_llama_artifact), {"kv_cache_memory": "16MiB"}, start_timeout_s=0.3)
+    try:
+        result = client.wait_ready(30)
+        assert isinstance(result, CoreFailed) and "did not start within 0.3 s" in result.message
+        assert client.process.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        client.shutdown(timeout=5)
+    assert leftovers(private_tmp) == []
