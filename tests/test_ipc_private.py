@@ -82,6 +82,14 @@ print("stolen", len(stolen), flush=True)
 """
 
 
+@pytest.fixture(scope="module")
+def engine(tiny_llama_artifact):  # type: ignore[no-untyped-def]
+    """One engine for the tests that leave it alive (each starts in seconds, not none)."""
+    engine = make_engine(tiny_llama_artifact)
+    yield engine
+    engine.shutdown()
+
+
 def _generate(engine, request_id: str) -> list[int]:  # type: ignore[no-untyped-def]
     async def run() -> list[int]:
         async def one() -> list[int]:
@@ -94,48 +102,38 @@ def _generate(engine, request_id: str) -> list[int]:  # type: ignore[no-untyped-
     return asyncio.run(run())
 
 
-def test_another_process_of_the_user_can_neither_receive_nor_inject(tiny_llama_artifact):  # type: ignore[no-untyped-def]
-    engine = make_engine(tiny_llama_artifact)
+def test_another_process_of_the_user_can_neither_receive_nor_inject(engine):  # type: ignore[no-untyped-def]
     client = engine._client
+    expected = _generate(engine, "warm")
+    intruder = subprocess.Popen(
+        [sys.executable, "-c", INTRUDER, client._inbox_addr, client._outbox_addr, "6"],
+        stdout=subprocess.PIPE, text=True,
+    )
     try:
-        expected = _generate(engine, "warm")
-        intruder = subprocess.Popen(
-            [sys.executable, "-c", INTRUDER, client._inbox_addr, client._outbox_addr, "6"],
-            stdout=subprocess.PIPE, text=True,
-        )
-        try:
-            assert intruder.stdout.readline().strip() == "ready"  # type: ignore[union-attr]
-            time.sleep(1.0)  # its connections are up (or refused)
-            got = [_generate(engine, "victim") for _ in range(3)]  # while it forges and listens
-            out, _ = intruder.communicate(timeout=60)
-        finally:
-            if intruder.poll() is None:
-                intruder.kill()
-        assert out.split() == ["stolen", "0"]  # not one request reached it
-        assert got == [expected] * 3  # no forged token became a user's
-        assert engine.is_alive() and client.failed is None  # the forged CoreFailed changed nothing
+        assert intruder.stdout.readline().strip() == "ready"  # type: ignore[union-attr]
+        time.sleep(1.0)  # its connections are up (or refused)
+        got = [_generate(engine, "victim") for _ in range(3)]  # while it forges and listens
+        out, _ = intruder.communicate(timeout=60)
     finally:
-        engine.shutdown()
+        if intruder.poll() is None:
+            intruder.kill()
+    assert out.split() == ["stolen", "0"]  # not one request reached it
+    assert got == [expected] * 3  # no forged token became a user's
+    assert engine.is_alive() and client.failed is None  # the forged CoreFailed changed nothing
 
 
-def test_the_sockets_and_the_secret_are_not_where_others_look(tiny_llama_artifact):  # type: ignore[no-untyped-def]
-    engine = make_engine(tiny_llama_artifact)
+def test_the_sockets_and_the_secret_are_not_where_others_look(engine):  # type: ignore[no-untyped-def]
     client = engine._client
-    try:
-        run_dir = Path(client._inbox_addr[len("ipc://"):]).parent
-        assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700 and run_dir.stat().st_uid == os.getuid()
-        secret = client._channel.peer_secret()
-        pid = client.process.pid
-        for key in [v for k, v in secret.items() if k in ("secret", "password", "server_public")]:
-            assert key.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
-            assert key.encode() not in Path(f"/proc/{pid}/environ").read_bytes()
-    finally:
-        engine.shutdown()
-    assert not run_dir.exists()
+    run_dir = Path(client._inbox_addr[len("ipc://"):]).parent
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700 and run_dir.stat().st_uid == os.getuid()
+    secret = client._channel.peer_secret()
+    pid = client.process.pid
+    for key in [v for k, v in secret.items() if k in ("secret", "password", "server_public")]:
+        assert key.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert key.encode() not in Path(f"/proc/{pid}/environ").read_bytes()
 
 
-def test_a_malformed_frame_is_dropped_and_the_engine_serves_on(tiny_llama_artifact, caplog):  # type: ignore[no-untyped-def]
-    engine = make_engine(tiny_llama_artifact)
+def test_a_malformed_frame_is_dropped_and_the_engine_serves_on(engine, caplog):  # type: ignore[no-untyped-def]
     client = engine._client
     ctx = zmq.Context()
     # A peer holding the secret (as a buggy core would be) sends what no core should.
@@ -151,7 +149,6 @@ def test_a_malformed_frame_is_dropped_and_the_engine_serves_on(tiny_llama_artifa
     finally:
         push.close(0)
         ctx.term()
-        engine.shutdown()
 
 
 def test_a_receiver_that_cannot_go_on_marks_the_engine_dead(tiny_llama_artifact):  # type: ignore[no-untyped-def]
