@@ -367,6 +367,7 @@ class CoreClient:
         self._send_lock = threading.Lock()
         self._fail_lock = threading.Lock()
         self._closing = False
+        self._stopping = False  # we asked the core to stop: its exit is expected, not a failure
         self._closed = False
         self.failed: CoreFailed | None = None
         self._last_heard = time.monotonic()
@@ -432,6 +433,7 @@ class CoreClient:
     def shutdown(self, timeout: float = 10.0) -> None:
         """Ask the core to stop, wait for it (killing it past ``timeout``), release the sockets
         and the run's directory (idempotent)."""
+        self._stopping = True
         if self.process.poll() is None:
             with self._send_lock:
                 if not self._closing:
@@ -514,7 +516,7 @@ class CoreClient:
         exited_at: float | None = None
         while not self._closing and self.failed is None:
             time.sleep(LIVENESS_INTERVAL_S)
-            if self._closing or self.failed is not None:
+            if self._closing or self._stopping or self.failed is not None:
                 return
             now = time.monotonic()
             if self.process.poll() is not None:
