@@ -469,14 +469,14 @@ class CoreClient:
         self._ready.set()
         try:
             self._on_message(self.failed)
-        except Exception:  # noqa: BLE001 - the failure itself is recorded; is_alive() says so
+        except Exception:  # the failure itself is recorded; is_alive() says so
             logger.exception("handling the engine core's failure failed")
 
     def _receive(self) -> None:
         """Decode what the core sends and hand it on; never ends silently."""
         try:
             self._receive_loop()
-        except BaseException as exc:  # noqa: BLE001 - the channel is unusable: the engine is dead
+        except BaseException as exc:  # the channel is unusable: the engine is dead
             if not self._closing:
                 logger.exception("the engine core's channel failed")
                 self._fail("engine", f"the channel to the engine core failed: {type(exc).__name__}: {exc}")
@@ -508,7 +508,7 @@ class CoreClient:
                 continue
             try:
                 self._on_message(msg)
-            except Exception:  # noqa: BLE001 - one bad message must not stop every stream
+            except Exception:  # one bad message must not stop every stream
                 logger.exception("handling a message from the engine core failed; it was dropped")
 
     def _watch(self) -> None:

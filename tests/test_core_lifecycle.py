@@ -181,7 +181,7 @@ def _start_in_own_group(artifact: Path, log: Path) -> tuple[subprocess.Popen[byt
     proc = subprocess.Popen(
         [*cmd, str(artifact), "--served-model-name", "tiny", "--kv-cache-memory", "16MiB", "--port", str(port),
          "--shutdown-timeout", "120"],  # a slow CI machine still drains: a timeout would abort the streams
-        stdout=subprocess.DEVNULL, stderr=open(log, "wb"), start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=log.open("wb"), start_new_session=True,
     )
     base = f"http://127.0.0.1:{port}"
 
