@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing.connection
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -78,11 +79,17 @@ class Worker:
 PARENT_POLL_S = 0.5  # how often a worker checks that rank 0 is still there
 
 
+_rendezvous_dir: list[str] = []  # set once the arguments arrived: removed if rank 0 cannot
+
+
 def _watch_parent(parent: int) -> None:
-    """End this process when rank 0 is gone (we were re-parented), whatever the main thread waits on."""
+    """End this process when rank 0 is gone (we were re-parented), whatever the main thread
+    waits on; a dead rank 0 cannot remove the rendezvous directory, so the worker does."""
     while True:
         time.sleep(PARENT_POLL_S)
         if os.getppid() != parent:
+            for path in _rendezvous_dir:
+                shutil.rmtree(path, ignore_errors=True)
             os._exit(1)
 
 
@@ -97,6 +104,8 @@ def main() -> None:
         launch, rank, init_method, threads = conn.recv()
     except (EOFError, OSError):
         os._exit(1)  # rank 0 went away before it said what to run
+    if init_method.startswith("file://"):
+        _rendezvous_dir.append(os.path.dirname(init_method[len("file://"):]))
     run(launch, rank, conn, init_method, threads)
 
 

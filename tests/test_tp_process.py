@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import build_artifact
+from server_support import wait_for
 from test_core_lifecycle import gone
 
 ENGINE = 'max_num_batched_tokens=32, max_num_seqs=4, kv_cache_memory="4MiB"'
@@ -67,6 +68,7 @@ from pathlib import Path
 from pagecast.runtime import LLM, parallel
 
 def init_group(backend, init_method, rank, world_size, device):
+    print("rendezvous", init_method, flush=True)
     me = os.getpid()
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -96,6 +98,10 @@ def test_a_worker_ends_within_seconds_when_rank_0_dies(tp2, tmp_path):  # type: 
         while not gone(workers[0]) and time.monotonic() - start < 10:
             time.sleep(0.1)
         assert gone(workers[0]), "the worker outlived its rank 0 by 10 s"
+        (rendezvous,) = [line.split()[1] for line in rank0.stdout.splitlines() if line.startswith("rendezvous ")]
+        assert rendezvous.startswith("file://")
+        # Rank 0 is dead, so the worker removes the private rendezvous directory.
+        wait_for(lambda: not Path(rendezvous[len("file://"):]).parent.exists(), timeout=5)
     finally:
         if not gone(workers[0]):
             os.kill(workers[0], 9)
