@@ -4,18 +4,26 @@ Each served model runs its ``EngineCore`` (scheduler, block pool, model runner, 
 process of its own, so the step loop never shares a GIL with HTTP handling, tokenizing,
 detokenizing or SSE framing. Two ZeroMQ PUSH/PULL sockets over IPC connect it to the server:
 requests and aborts go in, and one ``StepOutputs`` message per engine step comes out with
-every sequence's new tokens (``messages.py`` has the message types).
+every sequence's new tokens (``messages.py`` has the message types). The sockets are private
+to the run (``ipc.py``: a 0700 directory and a per-run CURVE key pair handed over stdin).
 
 ``CoreClient`` (server side) starts the process, sends messages and receives them on a
-thread of its own, which notices within ``LIVENESS_INTERVAL_S`` that the process died or
-stopped answering, so that in-flight requests get an error instead of waiting forever.
+thread of its own; a watchdog thread notices within ``LIVENESS_INTERVAL_S`` that the process
+died or stopped answering, so that in-flight requests get an error instead of waiting forever.
+
+The core ends only when its server says so (``Shutdown``) or dies: it ignores SIGINT and
+SIGTERM (a signal to the process group drains through the server), checks every step that
+its server is still its parent, and sends with a timeout so that a dead reader cannot block
+it. Every way out closes its sockets and removes its temporary files.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,13 +31,13 @@ import tempfile
 import threading
 import time
 import traceback
-import uuid
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import zmq
 
+from pagecast.runtime import ipc
 from pagecast.runtime.kernel_cache import process_compiles
 from pagecast.runtime.messages import (
     AbortRequests,
@@ -51,6 +59,11 @@ logger = logging.getLogger("pagecast.engine")
 
 LIVENESS_INTERVAL_S = 0.2  # how often the receiver checks that the process is still there
 IDLE_POLL_MS = 1000  # an idle core wakes this often to check that its server is still there
+EXIT_GRACE_S = 0.5  # after the core exits, how long its last message has to arrive before we say "died"
+# How long a core may take to start (load, verify, capture graphs) before engine-serve gives up.
+START_TIMEOUT_S = float(os.environ.get("PAGECAST_START_TIMEOUT", "900"))
+SEND_TIMEOUT_MS = 1000  # a send blocked this long checks that the server is still there
+FLUSH_S = 2.0  # the longest a core's last message (CoreFailed) may take to leave on exit
 
 
 # -- the process side -------------------------------------------------------------------------
@@ -93,35 +106,113 @@ def step_updates(result: Any) -> list[SequenceUpdate]:
     return updates
 
 
+class ServerGone(Exception):
+    """The server that started this core is gone: nobody will read its outputs."""
+
+
+class CoreChannel:
+    """The core's ends of its two sockets. Every send has a timeout: a send that cannot go out
+    (the server died, or stopped reading and ZeroMQ's high-water mark was reached) checks that
+    the server is still there, so a core never blocks for ever on a dead reader."""
+
+    def __init__(self, input_addr: str, output_addr: str, secret: dict[str, Any], server_pid: int):
+        self.server_pid = server_pid
+        self.ctx = zmq.Context()
+        self.inbox = ipc.connect(self.ctx, zmq.PULL, input_addr, secret)
+        self.outbox = ipc.connect(self.ctx, zmq.PUSH, output_addr, secret)
+        self.outbox.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+        self.encoder = msgspec.msgpack.Encoder()
+
+    def server_alive(self) -> bool:
+        return os.getppid() == self.server_pid  # we were re-parented: the server died
+
+    def check_server(self) -> None:
+        if not self.server_alive():
+            raise ServerGone()
+
+    def send(self, message: CoreMessage, patience_s: float | None = None) -> None:
+        """Send ``message``, waiting as long as the server lives (or at most ``patience_s``)."""
+        data = self.encoder.encode(message)
+        deadline = None if patience_s is None else time.monotonic() + patience_s
+        waited = 0
+        while True:
+            try:
+                self.outbox.send(data, copy=False)
+                return
+            except zmq.Again:
+                self.check_server()
+                if deadline is not None and time.monotonic() > deadline:
+                    raise
+                waited += 1
+                if waited in (1, 60):  # once, and once more if it lasts: not a line a second
+                    logger.warning("the server has not read the engine's outputs for %d s", waited * SEND_TIMEOUT_MS // 1000)
+
+    def close(self, flush_s: float) -> None:
+        """Close both sockets, then the context. ``flush_s`` bounds how long a message already
+        sent (a CoreFailed) may still take to leave; never for ever, so ``term`` cannot hang."""
+        self.inbox.close(linger=0)
+        self.outbox.close(linger=int(flush_s * 1000) if self.server_alive() else 0)
+        self.ctx.term()
+
+
+def _private_tempdir(run_dir: str) -> str:
+    """A temporary directory for everything this process writes (the private copy of the
+    artifact's Triton cache, Triton's own scratch files, TP workers' files): pointing
+    ``tempfile`` and TMPDIR at it means one ``rmtree`` on the way out removes them all. It lies
+    inside the run's directory, which the server removes when it stops, so a core killed
+    outright (SIGKILL, the OOM killer) leaves nothing behind either."""
+    path = tempfile.mkdtemp(prefix="core-tmp-", dir=run_dir)
+    tempfile.tempdir = path
+    os.environ["TMPDIR"] = path
+    return path
+
+
 def run_engine_core(
     artifact: str,
     options: dict[str, Any],
     input_addr: str,
     output_addr: str,
     log_setup: tuple[str, int],
+    secret: dict[str, Any],
     spawned_at: float | None = None,
-) -> None:
+) -> int:
     """The engine-core process: start the core, say ready, then loop over messages and steps.
-    ``spawned_at`` (the server's ``time.time()`` when it started this process) times the
-    interpreter's own start for the start-up log."""
+    Returns the exit status. Every way out closes the sockets and removes the process's
+    temporary files. ``spawned_at`` (the server's ``time.time()`` when it started this process)
+    times the interpreter's own start for the start-up log."""
     entered = time.time()
     from pagecast.runtime.server.logs import configure_logging
 
     configure_logging(*log_setup)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server drains, then stops us
-    server_pid = os.getppid()
-    ctx = zmq.Context()
-    inbox = ctx.socket(zmq.PULL)
-    inbox.connect(input_addr)
-    outbox = ctx.socket(zmq.PUSH)
-    outbox.setsockopt(zmq.LINGER, 5000)
-    outbox.connect(output_addr)
-    encoder = msgspec.msgpack.Encoder()
-    decoder = msgspec.msgpack.Decoder(FrontEndMessage)
+    # A signal to the whole process group (Ctrl-C in a terminal, systemd's stop) must reach only
+    # the server, which drains its streams and then tells us to stop: we end when it says so or dies.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    run_dir = os.path.dirname(input_addr[len("ipc://"):])
+    tmp = _private_tempdir(run_dir)
+    channel: CoreChannel | None = None
+    flush_s = 0.0
+    server_gone = False
+    try:
+        channel = CoreChannel(input_addr, output_addr, secret, os.getppid())
+        code = _serve(channel, artifact, options, entered, spawned_at)
+        flush_s = FLUSH_S if code else 0.0  # let the CoreFailed reach the server
+        return code
+    except ServerGone:
+        logger.warning("the server is gone: the engine core exits")
+        server_gone = True
+        return 0
+    finally:
+        if channel is not None:
+            channel.close(flush_s)
+        # The run's directory is the server's to remove; a dead server never will.
+        shutil.rmtree(run_dir if server_gone else tmp, ignore_errors=True)
 
-    from pagecast.runtime.engine_core import EngineCore, EngineOptions, log_startup, relax_gc
+
+def _serve(channel: CoreChannel, artifact: str, options: dict[str, Any], entered: float, spawned_at: float | None) -> int:
+    decoder = msgspec.msgpack.Decoder(FrontEndMessage)
+    from pagecast.runtime.engine_core import EngineCore, EngineOptions
     from pagecast.runtime.errors import ArtifactError
-    from pagecast.runtime.request import RequestStatus
 
     # Where the seconds before the engine's own go: the interpreter and this module's imports,
     # then torch and the engine's (the core's clock starts after them).
@@ -141,10 +232,19 @@ def run_engine_core(
     except BaseException as exc:  # noqa: BLE001 - every failure to start is reported, then the process ends
         kind = "artifact" if isinstance(exc, ArtifactError) else "value" if isinstance(exc, ValueError) else "engine"
         message = str(exc) if kind != "engine" else f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-        outbox.send(encoder.encode(CoreFailed(kind, message)))
-        outbox.close()
-        ctx.term()
-        os._exit(2)
+        channel.send(CoreFailed(kind, message), patience_s=FLUSH_S)
+        return 2
+    try:
+        return _loop(channel, core, decoder, compiles)
+    finally:
+        with contextlib.suppress(Exception):
+            core.runner.close()  # tensor-parallel workers stop with us, on every way out
+
+
+def _loop(channel: CoreChannel, core: Any, decoder: Any, compiles: Any) -> int:
+    from pagecast.runtime.engine_core import log_startup, relax_gc
+    from pagecast.runtime.request import RequestStatus
+
     compiled_at_start = compiles.count
     core.startup_s["triton_compiles_at_start"] = compiled_at_start
     if compiled_at_start:
@@ -154,29 +254,27 @@ def run_engine_core(
         )
     log_startup(core.model_name, core.startup_s)
     relax_gc(freeze=True)  # this process serves this one engine until it exits
-    outbox.send(
-        encoder.encode(
-            CoreReady(
-                model_name=core.model_name,
-                max_model_len=core.max_model_len,
-                max_num_seqs=core.options.max_num_seqs,
-                vocab_size=core.vocab_size,
-                eos_token_ids=sorted(core.eos_token_ids),
-                num_kv_blocks=core.block_pool.num_blocks,
-                block_size=core.block_size,
-                device=str(core.artifact.device),
-                startup_s=core.startup_s,
-            )
+    channel.send(
+        CoreReady(
+            model_name=core.model_name,
+            max_model_len=core.max_model_len,
+            max_num_seqs=core.options.max_num_seqs,
+            vocab_size=core.vocab_size,
+            eos_token_ids=sorted(core.eos_token_ids),
+            num_kv_blocks=core.block_pool.num_blocks,
+            block_size=core.block_size,
+            device=str(core.artifact.device),
+            startup_s=core.startup_s,
         )
     )
+    inbox = channel.inbox
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     try:
         while True:
+            channel.check_server()  # every step, not only when idle: a busy orphan must end too
             busy = core.has_unfinished_requests()
             if not busy and not poller.poll(IDLE_POLL_MS):
-                if os.getppid() != server_pid:
-                    break  # the server is gone: nobody will read our outputs
                 continue
             failed: dict[str, RequestFailure] = {}
             aborted: list[str] = []
@@ -209,38 +307,37 @@ def run_engine_core(
                 # add_request refused: with their error, in this step's message.
                 failed.update((rid, RequestFailure.of(exc)) for rid, exc in core.take_failed().items())
                 for result in results:
-                    outbox.send(encoder.encode(StepOutputs(step_updates(result), core.stats(), failed)))
+                    channel.send(StepOutputs(step_updates(result), core.stats(), failed))
                     failed, sent = {}, True
             if not sent and (aborted or failed):
-                outbox.send(encoder.encode(StepOutputs([], core.stats(), failed)))
+                channel.send(StepOutputs([], core.stats(), failed))
+    except ServerGone:
+        raise
     except BaseException as exc:  # the loop died: say why, then end (the server fails in-flight requests)
         logger.exception("engine core loop failed")
-        try:
-            outbox.send(encoder.encode(CoreFailed("engine", f"{type(exc).__name__}: {exc}")), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
-        outbox.close()
-        ctx.term()
-        os._exit(1)
+        with contextlib.suppress(zmq.ZMQError, ServerGone):
+            channel.send(CoreFailed("engine", f"{type(exc).__name__}: {exc}"), patience_s=FLUSH_S)
+        return 1
     # A kernel compiled while serving means the artifact's triton_cache missed it: say so.
     logger.info(
         "triton: %d kernels compiled while serving%s", compiles.count - compiled_at_start,
         f" ({', '.join(sorted(set(compiles.names[compiled_at_start:])))})" if compiles.count > compiled_at_start else "",
     )
-    outbox.close()
-    inbox.close()
-    ctx.term()
+    return 0
 
 
 # -- the server side --------------------------------------------------------------------------
 
 
 class CoreClient:
-    """Starts one engine-core process and talks to it.
+    """Starts one engine-core process and talks to it over a private channel (``ipc``).
 
     ``send`` may be called from any thread. Received messages are decoded on a receiver thread
-    and handed to ``on_message``; when the process dies or stops answering while requests are
-    in flight, ``on_message`` gets a ``CoreFailed``.
+    and handed to ``on_message``; a frame that is not a valid message is logged and dropped. A
+    watchdog thread of its own (so that it still runs if the receiver is stuck in a callback)
+    turns every way the core can stop serving into one ``CoreFailed`` for ``on_message``: the
+    process died, it stopped answering while requests were in flight, it did not start within
+    ``start_timeout_s``, it stopped taking messages, or the channel itself failed.
     """
 
     def __init__(
@@ -250,43 +347,61 @@ class CoreClient:
         on_message: Callable[[CoreMessage], None] | None = None,
         busy: Callable[[], bool] | None = None,
         hang_timeout_s: float = 120.0,
+        start_timeout_s: float | None = None,
     ):
         # The callbacks may be attached later (``attach``): engine-serve starts every core before it
         # imports the rest of the server, so the cores' start-up overlaps that import.
         self._on_message = on_message or (lambda msg: None)
         self._busy = busy or (lambda: False)
         self._hang_timeout_s = hang_timeout_s
-        base = os.path.join(tempfile.gettempdir(), f"pagecast-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self._start_timeout_s = START_TIMEOUT_S if start_timeout_s is None else start_timeout_s
         self._ctx = zmq.Context()
-        self._inbox_addr, self._outbox_addr = f"ipc://{base}-in", f"ipc://{base}-out"
-        self._to_core = self._ctx.socket(zmq.PUSH)
-        self._to_core.setsockopt(zmq.LINGER, 0)
-        self._to_core.bind(self._inbox_addr)
-        self._from_core = self._ctx.socket(zmq.PULL)
-        self._from_core.bind(self._outbox_addr)
+        self._channel = ipc.PrivateServer(self._ctx)
+        self._to_core = self._channel.bind(zmq.PUSH, "in")
+        # A core that takes no message for this long is stuck: better an error than a frozen server.
+        self._to_core.setsockopt(zmq.SNDTIMEO, int(self._hang_timeout_s * 1000))
+        self._from_core = self._channel.bind(zmq.PULL, "out")
+        self._inbox_addr, self._outbox_addr = self._channel.address("in"), self._channel.address("out")
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CoreMessage)
         self._send_lock = threading.Lock()
+        self._fail_lock = threading.Lock()
         self._closing = False
+        self._stopping = False  # we asked the core to stop: its exit is expected, not a failure
+        self._closed = False
         self.failed: CoreFailed | None = None
+        self._last_heard = time.monotonic()
         # A fresh interpreter running this module (not multiprocessing's spawn, which would import
-        # the caller's __main__ again): its arguments are one JSON document on the command line.
-        args = json.dumps(
+        # the caller's __main__ again). Its arguments, the channel's secret among them, go through
+        # its stdin: a command line and an environment are readable by every process of the user.
+        spec = json.dumps(
             {
                 "artifact": artifact,
                 "options": options,
                 "input_addr": self._inbox_addr,
                 "output_addr": self._outbox_addr,
                 "log_setup": _log_setup(),
+                "secret": self._channel.peer_secret(),
                 "spawned_at": time.time(),
             }
         )
         self.name = f"pagecast-core-{os.path.basename(os.path.normpath(artifact))}"
-        self.process = subprocess.Popen([sys.executable, "-m", "pagecast.runtime.core_process", args])
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "pagecast.runtime.core_process", artifact], stdin=subprocess.PIPE
+        )
+        assert self.process.stdin is not None
+        with self.process.stdin:
+            try:
+                self.process.stdin.write(spec.encode())
+            except BrokenPipeError:
+                pass  # it died at once: the watchdog reports its exit
+        self._started = time.monotonic()
         self._ready = threading.Event()
         self.ready: CoreReady | None = None
         self._receiver = threading.Thread(target=self._receive, name=self.name + "-rx", daemon=True)
         self._receiver.start()
+        self._watchdog = threading.Thread(target=self._watch, name=self.name + "-watchdog", daemon=True)
+        self._watchdog.start()
 
     def attach(self, on_message: Callable[[CoreMessage], None], busy: Callable[[], bool]) -> None:
         self._on_message = on_message
@@ -298,20 +413,32 @@ class CoreClient:
         return self.ready if self.ready is not None else self.failed  # type: ignore[return-value]
 
     def send(self, message: FrontEndMessage) -> None:
+        """Queue ``message`` for the core. Never raises: a core that takes nothing for
+        ``hang_timeout_s`` is killed and reported through ``on_message`` like any failure."""
         data = self._encoder.encode(message)
         with self._send_lock:
-            if not self._closing:
+            if self._closing or self.failed is not None:
+                return
+            try:
                 self._to_core.send(data, copy=False)
+                return
+            except zmq.ZMQError as exc:  # zmq.Again: the core took nothing for hang_timeout_s
+                reason = f"the engine core took no message for {self._hang_timeout_s:.0f} s ({exc}); it was killed"
+        self._fail("engine", reason)
+        self.process.kill()
 
     def is_alive(self) -> bool:
         return self.failed is None and self.process.poll() is None
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Ask the core to stop, wait for it (killing it past ``timeout``), release the sockets."""
+        """Ask the core to stop, wait for it (killing it past ``timeout``), release the sockets
+        and the run's directory (idempotent)."""
+        self._stopping = True
         if self.process.poll() is None:
             with self._send_lock:
                 if not self._closing:
-                    self._to_core.send(self._encoder.encode(Shutdown()))
+                    with contextlib.suppress(zmq.ZMQError):
+                        self._to_core.send(self._encoder.encode(Shutdown()), zmq.NOBLOCK)
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -320,58 +447,98 @@ class CoreClient:
         with self._send_lock:
             self._closing = True
         self._receiver.join(2 * LIVENESS_INTERVAL_S + 1)
-        for path in (self._inbox_addr, self._outbox_addr):
-            try:
-                os.unlink(path[len("ipc://"):])
-            except OSError:
-                pass
+        self._watchdog.join(2 * LIVENESS_INTERVAL_S + 1)
+        self._close_channel()
+
+    def _close_channel(self) -> None:
+        with self._send_lock:
+            if self._closed or (threading.current_thread() is not self._receiver and self._receiver.is_alive()):
+                return  # the receiver still uses its socket (a callback that blocks): it closes it
+            self._closed = True
+            self._closing = True
+            self._to_core.close(linger=0)
+            self._from_core.close(linger=0)
+        self._channel.close()
+        self._ctx.term()
 
     def _fail(self, kind: str, message: str) -> None:
-        if self.failed is None:
+        with self._fail_lock:
+            if self.failed is not None:
+                return
             self.failed = CoreFailed(kind, message)
-            self._ready.set()
+        self._ready.set()
+        try:
             self._on_message(self.failed)
+        except Exception:  # the failure itself is recorded; is_alive() says so
+            logger.exception("handling the engine core's failure failed")
 
     def _receive(self) -> None:
+        """Decode what the core sends and hand it on; never ends silently."""
+        try:
+            self._receive_loop()
+        except BaseException as exc:  # the channel is unusable: the engine is dead
+            if not self._closing:
+                logger.exception("the engine core's channel failed")
+                self._fail("engine", f"the channel to the engine core failed: {type(exc).__name__}: {exc}")
+                self.process.kill()
+        finally:
+            if self._closing:
+                self._close_channel()
+
+    def _receive_loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._from_core, zmq.POLLIN)
-        last_heard = time.monotonic()
-        while True:
-            if self._closing and not poller.poll(0):
-                break
+        while not self._closing:
             if not poller.poll(int(LIVENESS_INTERVAL_S * 1000)):
-                if self._closing:
-                    break
-                if self.process.poll() is not None:
-                    if self.failed is None:
-                        self._fail(
-                            "engine",
-                            f"the engine-core process exited unexpectedly (exit code {self.process.returncode})",
-                        )
-                    break
-                if self._ready.is_set() and self._busy() and time.monotonic() - last_heard > self._hang_timeout_s:
-                    self._fail("engine", f"the engine core sent nothing for {self._hang_timeout_s:.0f} s; it was killed")
-                    self.process.kill()
-                    break
-                if not self._busy():
-                    last_heard = time.monotonic()
                 continue
-            last_heard = time.monotonic()
             frame = self._from_core.recv(copy=False)
-            msg = self._decoder.decode(frame.buffer)
+            self._last_heard = time.monotonic()
+            try:
+                msg = self._decoder.decode(frame.buffer)
+            except msgspec.DecodeError as exc:  # ValidationError included
+                logger.error("dropped a malformed frame from the engine core (%d bytes): %s", len(frame.buffer), exc)
+                continue
             if isinstance(msg, CoreReady):
-                self.ready = msg
-                self._ready.set()
+                if self.ready is None and self.failed is None:
+                    self.ready = msg
+                    self._ready.set()
                 continue
             if isinstance(msg, CoreFailed):
                 self._fail(msg.kind, msg.message)
                 continue
-            self._on_message(msg)
-        self._from_core.close(linger=0)
-        with self._send_lock:
-            self._closing = True
-            self._to_core.close(linger=0)
-        self._ctx.term()
+            try:
+                self._on_message(msg)
+            except Exception:  # one bad message must not stop every stream
+                logger.exception("handling a message from the engine core failed; it was dropped")
+
+    def _watch(self) -> None:
+        """Notice, apart from the receiver, every way the core stops serving."""
+        exited_at: float | None = None
+        while not self._closing and self.failed is None:
+            time.sleep(LIVENESS_INTERVAL_S)
+            if self._closing or self._stopping or self.failed is not None:
+                return
+            now = time.monotonic()
+            if self.process.poll() is not None:
+                # Give the receiver a moment for what the core sent before it ended (its CoreFailed).
+                exited_at = exited_at or now
+                if now - exited_at >= EXIT_GRACE_S:
+                    code = self.process.returncode
+                    self._fail("engine", f"the engine-core process exited unexpectedly (exit code {code})")
+                continue
+            if not self._receiver.is_alive():
+                self._fail("engine", "the receiver of the engine core's messages stopped")
+                self.process.kill()
+            elif not self._ready.is_set():
+                if now - self._started > self._start_timeout_s:
+                    limit = f"{self._start_timeout_s:g} s (PAGECAST_START_TIMEOUT)"
+                    self._fail("engine", f"the engine core did not start within {limit}; it was killed")
+                    self.process.kill()
+            elif not self._busy():
+                self._last_heard = now
+            elif now - self._last_heard > self._hang_timeout_s:
+                self._fail("engine", f"the engine core sent nothing for {self._hang_timeout_s:.0f} s; it was killed")
+                self.process.kill()
 
 
 def _log_setup() -> tuple[str, int]:
@@ -387,9 +554,21 @@ def _log_setup() -> tuple[str, int]:
 __all__ = ["CoreClient", "EngineStats", "position_logprobs", "run_engine_core"]
 
 
-if __name__ == "__main__":
-    _args = json.loads(sys.argv[1])
-    run_engine_core(
-        _args["artifact"], _args["options"], _args["input_addr"], _args["output_addr"], tuple(_args["log_setup"]),
-        _args.get("spawned_at"),
+def main() -> None:
+    """``python -m pagecast.runtime.core_process ARTIFACT``, its arguments on stdin (one JSON
+    document, then end of file; the artifact on the command line is only for ``ps``)."""
+    spec = json.loads(sys.stdin.buffer.read())
+    code = run_engine_core(
+        spec["artifact"], spec["options"], spec["input_addr"], spec["output_addr"], tuple(spec["log_setup"]),
+        spec["secret"], spec.get("spawned_at"),
     )
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # No interpreter teardown: a non-daemon thread (a grammar compile, a Triton helper) could keep
+    # the process, and the memory it holds, alive after its server is gone.
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,7 +1,8 @@
-"""The tensor-parallel worker group: rank 0 plus one spawned worker process per other rank.
+"""The tensor-parallel worker group: rank 0 plus one worker process per other rank.
 
 Rank 0 is whichever process runs the ModelRunner (the engine core): the scheduler and the
-sampler run there only. Ranks 1..tp-1 are worker processes (``tp_worker``) that each load
+sampler run there only. Ranks 1..tp-1 are worker processes (``python -m pagecast.runtime.tp_worker``, fresh
+interpreters, so ``LLM`` works from any script or notebook) that each load
 their own weight shard and mirror rank 0's forward pass, so every collective in the model
 (``ops.all_reduce`` after row-parallel layers, the vocab-parallel embedding and the LM-head
 gather) meets its partners. torch.distributed runs NCCL on GPUs and gloo on the CPU.
@@ -15,10 +16,11 @@ Messages, rank 0 -> every worker:
   tables, sequence lengths, query starts, logits rows as one int64 tensor) on the group.
 
 Nothing comes back: rank 0 samples from the gathered logits. A worker that dies is noticed
-by the pipe (a broken pipe on the next message), by its process sentinel (a watchdog thread
-that aborts the process group, so a collective in flight fails instead of hanging), or by
-gloo itself (a closed connection); each becomes a ``WorkerDiedError`` naming the rank.
-Workers exit when rank 0 goes away (their pipe reaches end of file).
+by the pipe (a broken pipe on the next message), by its end of the pipe closing (a watchdog
+thread that aborts the process group, so a collective in flight fails instead of hanging), or
+by gloo itself (a closed connection); each becomes a ``WorkerDiedError`` naming the rank.
+Workers exit when rank 0 goes away, within a second even inside a collective or the
+rendezvous (a thread of theirs watches rank 0). The rendezvous is a file in a 0700 directory.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -39,6 +44,7 @@ from typing import Any
 import torch
 
 from pagecast.runtime.forward_context import ForwardContext
+from pagecast.runtime.ipc import private_dir
 
 logger = logging.getLogger("pagecast.engine")
 
@@ -132,10 +138,27 @@ def unpack_step(payload: torch.Tensor, h: StepHeader) -> tuple[torch.Tensor, tor
     return ids, pos, ctx
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def start_worker(
+    launch: TPLaunch, rank: int, init_method: str, threads: int
+) -> tuple[subprocess.Popen[bytes], multiprocessing.connection.Connection]:
+    """Rank ``rank`` as a fresh interpreter (``python -m pagecast.runtime.tp_worker``), never
+    multiprocessing's spawn, which imports the caller's ``__main__`` again (a plain script or a
+    notebook then fails, or runs its own code twice). Its pipe is one end of a socket pair that
+    only the two processes hold; its arguments go through it."""
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pagecast.runtime.tp_worker", str(theirs.fileno())], pass_fds=(theirs.fileno(),)
+        )
+        conn = multiprocessing.connection.Connection(ours.detach())
+    conn.send((launch, rank, init_method, threads))
+    return proc, conn
+
+
+def _exit_code(proc: subprocess.Popen[bytes], wait_s: float = 2.0) -> int | None:
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(wait_s)  # its socket closed a moment before the process was reaped
+    return proc.returncode
 
 
 def init_group(backend: str, init_method: str, rank: int, world_size: int, device: torch.device) -> None:
@@ -187,24 +210,16 @@ class WorkerGroup:
         self.failed: str | None = None
         self.kv_cache_sent = False
         self._closed = False
-        ctx = multiprocessing.get_context("spawn")  # never fork: CUDA and threads do not survive it
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        # The rendezvous is a file in a directory only this user can enter, not a TCP port that
+        # every local user could reach.
+        self._rendezvous_dir = private_dir("pagecast-tp-")
+        init_method = f"file://{os.path.join(self._rendezvous_dir, 'rendezvous')}"
         threads = max(1, torch.get_num_threads() // launch.tp)
         self.conns: list[multiprocessing.connection.Connection] = []
-        self.procs: list[Any] = []
-        from pagecast.runtime import tp_worker
-
+        self.procs: list[subprocess.Popen[bytes]] = []
         for rank in range(1, launch.tp):
-            ours, theirs = ctx.Pipe(duplex=True)
-            proc = ctx.Process(
-                target=tp_worker.main,
-                args=(launch, rank, theirs, init_method, threads),
-                name=f"pagecast-tp{rank}",
-                daemon=True,  # ends with this process even if close() never runs
-            )
-            proc.start()
-            theirs.close()
-            self.conns.append(ours)
+            proc, conn = start_worker(launch, rank, init_method, threads)
+            self.conns.append(conn)
             self.procs.append(proc)
         try:
             self._wait_ready()
@@ -223,25 +238,22 @@ class WorkerGroup:
     def _wait_ready(self) -> None:
         """Every worker loaded its shard (or failed to: its error is raised here)."""
         pending = {c: r for r, c in enumerate(self.conns, start=1)}
-        sentinels = {p.sentinel: r for r, p in enumerate(self.procs, start=1)}
         while pending:
-            for ready in multiprocessing.connection.wait([*pending, *sentinels]):
-                if ready in sentinels:
-                    rank = sentinels[ready]
-                    if self.conns[rank - 1] in pending and not self.conns[rank - 1].poll():
-                        code = self.procs[rank - 1].exitcode
-                        raise WorkerDiedError(f"tensor-parallel worker rank {rank} exited while loading (exit code {code})")
-                    continue
+            for ready in multiprocessing.connection.wait(list(pending)):
                 rank = pending.pop(ready)  # type: ignore[call-overload]
-                kind, detail = ready.recv()  # type: ignore[union-attr]
+                try:
+                    kind, detail = ready.recv()  # type: ignore[union-attr]
+                except (EOFError, OSError):
+                    code = _exit_code(self.procs[rank - 1])
+                    raise WorkerDiedError(f"tensor-parallel worker rank {rank} exited while loading (exit code {code})")
                 if kind != "ready":
                     raise WorkerDiedError(f"tensor-parallel worker rank {rank} failed to load: {detail}")
 
     def _watch(self) -> None:
         """Notice a worker's death while rank 0 may be inside a collective and abort the group,
         so the collective fails (an error) instead of waiting for a partner that is gone."""
-        sentinels = [p.sentinel for p in self.procs]
-        ready = multiprocessing.connection.wait([*sentinels, self._stop_r])
+        # A worker sends nothing after "ready": its socket turns readable only when it ends.
+        ready = multiprocessing.connection.wait([*self.conns, self._stop_r])
         if self._stop_r in ready or self._closed:
             return
         self.failed = self._dead_message()
@@ -254,9 +266,9 @@ class WorkerGroup:
 
     def _dead_message(self, wait_s: float = 2.0) -> str:
         deadline = time.monotonic() + wait_s  # a process whose sentinel fired may not be reaped yet
-        while not any(p.exitcode is not None for p in self.procs) and time.monotonic() < deadline:
+        while not any(p.poll() is not None for p in self.procs) and time.monotonic() < deadline:
             time.sleep(0.01)
-        dead = [(r, p.exitcode) for r, p in enumerate(self.procs, start=1) if p.exitcode is not None]
+        dead = [(r, p.returncode) for r, p in enumerate(self.procs, start=1) if p.poll() is not None]
         if not dead:
             return "a tensor-parallel worker stopped answering"
         return "; ".join(f"tensor-parallel worker rank {r} died (exit code {c})" for r, c in dead)
@@ -265,7 +277,7 @@ class WorkerGroup:
         """Raise WorkerDiedError if any worker is gone (a waitpid per worker: cheap)."""
         if self._closed:
             raise WorkerDiedError("the tensor-parallel worker group is closed")
-        if self.failed is None and any(p.exitcode is not None for p in self.procs):
+        if self.failed is None and any(p.poll() is not None for p in self.procs):
             self.failed = self._dead_message()
         if self.failed is not None:
             raise WorkerDiedError(self.failed + ": the engine cannot run; restart it")
@@ -288,7 +300,7 @@ class WorkerGroup:
             raise
         except Exception as e:
             message = self.failed or self._dead_message()
-            if self.failed is None and not any(p.exitcode is not None for p in self.procs):
+            if self.failed is None and not any(p.poll() is not None for p in self.procs):
                 raise
             self.failed = message
             raise WorkerDiedError(f"{self.failed}: the engine cannot run; restart it") from e
@@ -335,12 +347,15 @@ class WorkerGroup:
             with contextlib.suppress(OSError):
                 conn.send((Op.SHUTDOWN,))
         for proc in self.procs:
-            proc.join(timeout=5)
-            if proc.exitcode is None:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.join(timeout=5)
+                proc.wait(timeout=5)
         for conn in self.conns:
             conn.close()
+        if hasattr(self, "_rendezvous_dir"):
+            shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
         import torch.distributed as dist
 
         from pagecast.kernels import ops

@@ -3,15 +3,25 @@
 It loads rank r's weight shard, joins rank 0's process group and then mirrors rank 0's
 forward pass step by step (see ``parallel`` for the messages): the same eager pass or the
 same decode CUDA graph, the same LM-head gather. It samples nothing and returns nothing.
-It exits on a shutdown message, when rank 0's end of the pipe closes (rank 0 died), or on
-any error (rank 0 then sees a dead worker).
+It exits on a shutdown message, when rank 0's end of the pipe closes, within
+``PARENT_POLL_S`` of rank 0's death wherever it is (a collective or the rendezvous included,
+which would otherwise wait for ``COLLECTIVE_TIMEOUT_S``), or on any error (rank 0 then sees a
+dead worker). It ignores SIGINT and SIGTERM: a signal to the process group is the server's to
+handle, and rank 0 stops its workers when it stops.
+
+Run as ``python -m pagecast.runtime.tp_worker FD``: FD is its end of a socket pair with rank
+0, over which its arguments and then the control messages arrive.
 """
 
 from __future__ import annotations
 
 import multiprocessing.connection
 import os
+import shutil
+import signal
 import sys
+import threading
+import time
 import traceback
 from typing import Any
 
@@ -66,16 +76,49 @@ class Worker:
             self.model.compute_logits(hidden[ctx.logits_indices])
 
 
-def main(
+PARENT_POLL_S = 0.5  # how often a worker checks that rank 0 is still there
+
+
+_rendezvous_dir: list[str] = []  # set once the arguments arrived: removed if rank 0 cannot
+
+
+def _watch_parent(parent: int) -> None:
+    """End this process when rank 0 is gone (we were re-parented), whatever the main thread
+    waits on; a dead rank 0 cannot remove the rendezvous directory, so the worker does."""
+    while True:
+        time.sleep(PARENT_POLL_S)
+        if os.getppid() != parent:
+            for path in _rendezvous_dir:
+                shutil.rmtree(path, ignore_errors=True)
+            os._exit(1)
+
+
+def main() -> None:
+    """``python -m pagecast.runtime.tp_worker FD``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent = os.getppid()
+    threading.Thread(target=_watch_parent, args=(parent,), name="pagecast-tp-parent", daemon=True).start()
+    conn = multiprocessing.connection.Connection(int(sys.argv[1]))
+    try:
+        launch, rank, init_method, threads = conn.recv()
+    except (EOFError, OSError):
+        os._exit(1)  # rank 0 went away before it said what to run
+    if init_method.startswith("file://"):
+        _rendezvous_dir.append(os.path.dirname(init_method[len("file://"):]))
+    run(launch, rank, conn, init_method, threads)
+
+
+def run(
     launch: TPLaunch, rank: int, conn: multiprocessing.connection.Connection, init_method: str, threads: int
 ) -> None:
-    """The worker process's entry point (multiprocessing 'spawn')."""
+    """Load rank ``rank``, join the group and mirror rank 0's steps until told to stop."""
     torch.set_num_threads(threads)
     try:
         worker = Worker(launch, rank)
     except BaseException as e:  # noqa: BLE001 - report any failure to rank 0, which raises it
         conn.send(("error", f"{type(e).__name__}: {e}"))
-        return
+        os._exit(1)
     conn.send(("ready", None))
     from pagecast.kernels import ops
 
@@ -102,3 +145,7 @@ def main(
         sys.stderr.flush()
         os._exit(1)  # no atexit or process-group teardown that could wait on rank 0
     os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

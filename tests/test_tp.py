@@ -142,7 +142,7 @@ def test_tp2_through_engine_serve_and_a_dead_worker_gives_503(tp2_artifact, tiny
 
 
 def _children(pid: int) -> list[int]:
-    """Processes whose parent is ``pid`` that run a spawned multiprocessing child (Linux /proc)."""
+    """Processes whose parent is ``pid`` that run a tensor-parallel worker (Linux /proc)."""
     out = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -151,7 +151,7 @@ def _children(pid: int) -> list[int]:
                 cmdline = (entry / "cmdline").read_bytes()
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmdline:
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"pagecast.runtime.tp_worker" in cmdline:
                 out.append(int(entry.name))
     return out
 
