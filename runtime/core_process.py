@@ -108,6 +108,9 @@ def run_engine_core(
     from pagecast.runtime.server.logs import configure_logging
 
     configure_logging(*log_setup)
+    from pagecast.runtime import startup
+
+    startup.begin("core").mark("spawn")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server drains, then stops us
     server_pid = os.getppid()
     ctx = zmq.Context()
@@ -123,6 +126,7 @@ def run_engine_core(
     from pagecast.runtime.errors import ArtifactError
     from pagecast.runtime.request import RequestStatus
 
+    startup.mark("import")
     # Where the seconds before the engine's own go: the interpreter and this module's imports,
     # then torch and the engine's (the core's clock starts after them).
     before_core = {"import": time.time() - entered}
@@ -152,6 +156,7 @@ def run_engine_core(
             "compiled %d Triton kernels at start (the artifact's cache missed them): %s",
             compiled_at_start, ", ".join(sorted(set(compiles.names))),
         )
+    startup.mark("ready")
     log_startup(core.model_name, core.startup_s)
     relax_gc(freeze=True)  # this process serves this one engine until it exits
     outbox.send(

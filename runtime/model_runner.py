@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from pagecast.kernels import ops
+from pagecast.runtime import startup
 from pagecast.runtime.cuda_graphs import DecodeGraphs
 from pagecast.runtime.forward_context import ForwardContext, leading_decodes
 from pagecast.runtime.outputs import PositionLogprobs
@@ -116,10 +117,13 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.device, batch_sizes, max_model_len, self.block_size)
         workers = self._sync_workers()
         if workers is None:
-            return self.graphs.capture()
-        workers.capture(self.graphs.batch_sizes, max_model_len, self.block_size)
-        with workers.guard():
-            return self.graphs.capture()
+            seconds = self.graphs.capture()
+        else:
+            workers.capture(self.graphs.batch_sizes, max_model_len, self.block_size)
+            with workers.guard():
+                seconds = self.graphs.capture()
+        startup.mark("cuda graphs")
+        return seconds
 
     def prepare(self, out: SchedulerOutput, prev: LaunchedStep | None = None) -> _Batch:
         """The flat batch of a step. A decode whose input token is still pending (sampled by
