@@ -15,7 +15,7 @@ blocks, with the sampler routed through the kernel launchers; the build's sample
 built ones. The launches themselves are replaced by filling the kernels' outputs with ones (token 1, one
 tie, a logsumexp of 0, ...): which kernels run, and with what arguments, depends only on the
 requests, never on kernel results.
-tests/test_sampling_gpu.py::test_serving_every_sampling_feature_compiles_nothing checks on the
+tests/test_startup_gpu.py::test_serving_every_sampling_feature_compiles_nothing checks on the
 GPU, with Triton's compile listener, that a built artifact then serves with 0 compiles.
 """
 
