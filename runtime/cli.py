@@ -34,6 +34,7 @@ _ENGINE_OPTIONS = (
     "max_model_len",
     "async_scheduling",
     "cuda_graphs",
+    "lazy_graphs",
 )
 
 
@@ -92,6 +93,12 @@ _ENGINE_OPTIONS = (
     "--cuda-graphs/--no-cuda-graphs",
     default=None,
     help="Replay decode steps from CUDA graphs; --no-cuda-graphs runs eagerly (debugging, profiling) [default: on].",
+)
+@click.option(
+    "--lazy-graphs/--no-lazy-graphs",
+    default=None,
+    help="Serve as soon as the weights are loaded and capture the CUDA graphs between steps afterwards "
+    "(decode runs eagerly until its graph is there) [default: off].",
 )
 @click.option(
     "--chat-template",
