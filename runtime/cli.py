@@ -204,7 +204,7 @@ def main(
 
     from pagecast.runtime.server.app import add_cors, create_app, server_state
 
-    startup.mark("server imports")
+    startup.mark("http server imports")
     for engine in starting.engines:
         _warm_templates(engine)
     startup.mark("chat templates")
