@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
+import threading
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -290,6 +292,9 @@ def _load_engines(
                 f"{path}: no such artifact directory "
                 f"(build one with `enginebuild --model ... --output {path}`)"
             )
+    # In a thread: the kernel may block while it queues the reads of a large file.
+    threading.Thread(target=lambda: [_read_ahead(path) for path in artifacts], name="pagecast-read-ahead",
+                     daemon=True).start()  # fmt: skip
     per_engine = [dict(options) for _ in artifacts]
     try:
         on_gpu = [i for i, path in enumerate(artifacts) if load_manifest(path).target.kind != "cpu"]
@@ -316,6 +321,25 @@ def _load_engines(
             starting.fail(path, exc)
     startup.mark("tokenizers")
     return starting
+
+
+def _read_ahead(artifact: Path) -> None:
+    """Ask the kernel to start reading the artifact's weight files into the page cache now, in
+    the background: on a cold cache the disk then works while the cores import torch and
+    initialise the GPU, before they ask for the bytes (a no-op for pages already cached)."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    for file in sorted((artifact / "weights").glob("*.safetensors")):
+        try:
+            fd = os.open(file, os.O_RDONLY)
+        except OSError:
+            continue  # the load says what is wrong with it
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
 
 class _StartingEngines:
