@@ -207,12 +207,19 @@ def main(
     from pagecast.runtime.server.app import add_cors, create_app, server_state
 
     startup.mark("http server imports")
-    for engine in starting.engines:
-        _warm_templates(engine)
-    startup.mark("chat templates")
-    _warm_grammar_compiler()
-    startup.mark("grammar compiler")
+
+    def warm_front_end() -> None:
+        for engine in starting.engines:
+            _warm_templates(engine)
+        startup.mark("chat templates")
+        _warm_grammar_compiler()
+        startup.mark("grammar compiler")
+
+    # Beside the wait for the cores (on a GPU they take the longest), done before serving.
+    warming = threading.Thread(target=warm_front_end, name="pagecast-warm-front-end", daemon=True)
+    warming.start()
     engines = starting.wait()
+    warming.join()
     if template is not None:
         from pagecast.runtime.server.chat_template import use_chat_template
 
