@@ -3,6 +3,7 @@ benchmarks/online.py reads the lines back from the log."""
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import subprocess
@@ -22,20 +23,27 @@ startup.begin("core").mark("spawn")
 """
 
 
-def test_the_core_stamps_on_the_servers_clock(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_the_core_stamps_on_the_servers_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(startup.START_ENV, raising=False)
     monkeypatch.setattr(startup, "_timeline", None)  # this process's timeline, put back afterwards
     own_start = startup.process_start_epoch()
     assert own_start is not None and own_start <= time.time()
-    with caplog.at_level(logging.INFO, logger="pagecast.startup"):
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    log = logging.getLogger("pagecast.startup")
+    monkeypatch.setattr(log, "level", logging.INFO)
+    log.addHandler(handler)
+    try:
         # A server whose process started 5 s ago: its stamps say so, and its children inherit it.
         server = startup.begin("server", origin=time.time() - 5.0)
         startup.mark("imports")
         assert os.environ[startup.START_ENV] == repr(server.origin)
         child = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=120)
         startup.mark("listening")
+    finally:
+        log.removeHandler(handler)
     assert child.returncode == 0, child.stderr
-    lines = startup.parse_log(caplog.text + child.stderr)
+    lines = startup.parse_log(stream.getvalue() + child.stderr)
     assert [(process, phase) for process, phase, _ in lines] == [
         ("server", "imports"), ("server", "listening"), ("core", "spawn")
     ]
