@@ -77,6 +77,7 @@ class DecodeGraphs:
         start = time.perf_counter()
         while self.capture_next():
             pass
+        self._synchronize()
         elapsed = time.perf_counter() - start
         t = self.timings
         logger.info(
@@ -117,8 +118,6 @@ class DecodeGraphs:
             self.outputs[(batch, context)] = out
             self._by_config[key] = (batch, context)
             self.num_captured = len(self._by_config)
-            if not self._plan:
-                self._synchronize()
             return True
         return False
 
