@@ -440,14 +440,15 @@ def _warm_grammar_compiler() -> None:
 def _warm_front_end(engine: Any) -> None:
     """One short request through the server's side of the engine (validation, the output
     processor, the detokenizer), so that /health turns 200 only when the first real request
-    runs at steady-state speed."""
+    runs at steady-state speed. One token: the core's own warm-up (on a GPU) has run its decode
+    steps, and on a CPU a decode step would add its second or so to the start."""
     import anyio.to_thread
 
     from pagecast.runtime import generation_config
     from pagecast.runtime.sampling_params import SamplingParams
 
     async def run() -> None:
-        async for _ in engine.generate([1, 2, 3, 4], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)):
+        async for _ in engine.generate([1, 2, 3, 4], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)):
             pass
         # The handlers prepare requests in anyio's worker threads: its asyncio backend is imported
         # at the first use (70 ms on the H200 host, measured as the first request's extra TTFT).

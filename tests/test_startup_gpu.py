@@ -59,3 +59,25 @@ def test_serving_every_sampling_feature_compiles_nothing(tmp_path: Path, vocab: 
     assert proc.returncode == 0, proc.stderr[-3000:]
     compiled = json.loads(proc.stdout.strip().splitlines()[-1])
     assert compiled == {"at_start": [], "while_serving": []}
+
+
+def test_lazy_graphs_serve_before_capture_and_give_the_same_tokens(tmp_path: Path) -> None:
+    from pagecast.runtime import LLM, SamplingParams
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", "llama", tokenizer=False)
+    art = build_artifact(ckpt, tmp_path / "art", gpu="auto", dtype="float32", tune_budget_s=10.0)
+    prompts = [[1 + (i * 37 + j * 11) % 4000 for j in range(n)] for i, n in enumerate([5, 17, 33, 64, 3, 9])]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = {}
+    for lazy in (False, True):
+        llm = LLM(art, lazy_graphs=lazy, max_num_seqs=8, kv_cache_memory="256MiB")
+        graphs = llm.engine.runner.graphs
+        assert graphs is not None
+        if lazy:
+            assert graphs.pending and not graphs.graphs  # serving before any graph is captured
+        outputs[lazy] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        llm.generate(prompts, greedy, use_tqdm=False)  # enough steps to capture the rest
+        assert graphs.pending == 0 and graphs.graphs
+        del llm
+        torch.cuda.empty_cache()
+    assert outputs[True] == outputs[False]
