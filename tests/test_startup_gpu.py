@@ -21,8 +21,9 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 # A fresh process (its Triton has compiled nothing) whose Triton cache is the artifact's: starts the
-# engine, serves every sampling feature in both scheduling modes, all at once and one by one, and
-# prints the kernels Triton compiled at start and while serving.
+# engine (graphs captured at start, or lazily), serves every sampling feature in both scheduling
+# modes, all at once and one by one, and prints the kernels Triton compiled at start and while
+# serving.
 SERVE_EVERY_FEATURE = """
 import json, sys
 sys.path.insert(0, sys.argv[2])
@@ -34,7 +35,8 @@ compiles = TritonCompiles()
 at_start, while_serving = [], []
 for mode in (False, True):
     before = compiles.count
-    llm = LLM(sys.argv[1], async_scheduling=mode, max_num_seqs=32, kv_cache_memory="256MiB")
+    llm = LLM(sys.argv[1], async_scheduling=mode, max_num_seqs=32, kv_cache_memory="256MiB",
+              lazy_graphs=sys.argv[3] == "lazy")
     at_start += compiles.names[before:]
     before = compiles.count
     requests = every_feature()
@@ -47,13 +49,15 @@ print(json.dumps({"at_start": at_start, "while_serving": while_serving}))
 """
 
 
-@pytest.mark.parametrize("vocab", [128_256, 3001])  # Llama-3's (1,002 blocks of 128), and an odd one
-def test_serving_every_sampling_feature_compiles_nothing(tmp_path: Path, vocab: int) -> None:
+# Llama-3's vocabulary (1,002 blocks of 128) and an odd one; lazy graphs: decode batches run eagerly
+# at their own sizes (not padded to a graph's) until their graph is captured.
+@pytest.mark.parametrize(("vocab", "graphs"), [(128_256, "eager"), (3001, "eager"), (128_256, "lazy")])
+def test_serving_every_sampling_feature_compiles_nothing(tmp_path: Path, vocab: int, graphs: str) -> None:
     ckpt = make_checkpoint(tmp_path / "ckpt", "llama", tokenizer=False, vocab_size=vocab)
     art = build_artifact(ckpt, tmp_path / "art", gpu="auto", dtype="bfloat16", tune_budget_s=10.0)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-c", SERVE_EVERY_FEATURE, str(art), str(Path(__file__).parent)],
+        [sys.executable, "-c", SERVE_EVERY_FEATURE, str(art), str(Path(__file__).parent), graphs],
         env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
