@@ -8,9 +8,13 @@ the same prompts through ``LLM.generate`` in the same run for the server/engine 
 Without --artifact it builds the Llama-3-8B-shaped engine with random bf16 weights
 (benchmarks/serving.py's config, max_model_len 4096) for the GPU present. Phases:
 
-  start   engine-serve's start: seconds from the process start to /health 200 and to the first
-          served token; that first request's TTFT against the steady-state TTFT (median of the next
-          10 single requests); Triton kernels compiled while serving (the server logs the count)
+  start   engine-serve's start, --starts times (each a fresh engine-serve): seconds from the
+          process start to /health 200 and to the first served token; that first request's TTFT
+          against the steady-state TTFT (median of the next 10 single requests); Triton kernels
+          compiled at start and while serving; the start-up timeline of both processes (each
+          phase's end, from the log's "start-up" lines) and the weights' read rate. With --cold,
+          the weight files are dropped from the page cache before each start, and read once with
+          dd (dropped again after) for the disk's own sequential rate in the same run
   W3      Poisson arrivals at each --rates for --duration seconds, streamed completions of random
           token ids with EOS ignored: completed req/s, output tok/s, TTFT p50/p99, inter-token
           p50/p99 (gaps between streamed chunks), goodput; with --json-fractions, once per
@@ -296,6 +300,79 @@ def phase_w5(out: Path | None, server: Server, model: str, args: argparse.Namesp
          **row)
 
 
+def weight_files(artifact: str) -> list[Path]:
+    return sorted((Path(artifact) / "weights").glob("*.safetensors"))
+
+
+def drop_from_page_cache(files: list[Path]) -> None:
+    """Evict the files' pages (clean pages of files we can open: no root needed)."""
+    import os
+
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def dd_read_rate(files: list[Path]) -> float:
+    """GB/s of `dd` reading the files sequentially (from wherever their pages are now)."""
+    total, t = 0, time.perf_counter()
+    for path in files:
+        subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=16M"], check=True, capture_output=True)
+        total += path.stat().st_size
+    return total / (time.perf_counter() - t) / 1e9
+
+
+def phase_start(out: Path, artifact: str, args: argparse.Namespace) -> None:
+    """engine-serve started --starts times: /health, first token, first and steady TTFT, compiles,
+    the start-up timeline and the weights' read rate of each start (see the module's docstring)."""
+    from pagecast.runtime.startup import parse_log
+
+    files = weight_files(artifact)
+    weight_bytes = sum(f.stat().st_size for f in files)
+    disk_gbs = None
+    if args.cold and files:
+        drop_from_page_cache(files)
+        disk_gbs = round(dd_read_rate(files), 2)
+    rng = random.Random(7)
+    for start in range(args.starts):
+        if args.cold:
+            drop_from_page_cache(files)
+        log = out / f"engine_serve_start{start}.log"
+        server = Server(artifact, log, args.server_arg)
+        try:
+            healthy = server.wait_healthy()
+            model = args.model or server.model()
+            first = server.complete(model, [rng.randrange(1000, args.vocab) for _ in range(args.prompt_len)])
+            steady = [server.complete(model, [rng.randrange(1000, args.vocab) for _ in range(args.prompt_len)])
+                      for _ in range(10)]
+        finally:
+            status = server.stop()
+        text = log.read_text()
+        timeline = {f"{process} {phase}": at for process, phase, at in parse_log(text)}
+        at_start = re.findall(r"compiled (\d+) Triton kernels at start", text)
+        row = dict(start=start + 1, cold=bool(args.cold), health_s=round(healthy, 2),
+                   first_token_s=round(healthy + first, 2), first_request_ttft_ms=round(first * 1000, 1),
+                   steady_ttft_ms=round(statistics.median(steady) * 1000, 1),
+                   triton_compiles_at_start=int(at_start[-1]) if at_start else 0,
+                   triton_compiles_while_serving=triton_compiles(log), exit_code=status, timeline=timeline)
+        read = [timeline.get("core weights allocated"), timeline.get("core weights read, on the device")]
+        if files and None not in read and read[1] > read[0]:
+            row["weights_gbs"] = round(weight_bytes / (read[1] - read[0]) / 1e9, 2)
+            if disk_gbs:
+                row["dd_gbs"] = disk_gbs
+                row["weights_vs_dd"] = round(row["weights_gbs"] / disk_gbs, 3)
+        emit(out, figure="start", **row)
+        print("  " + "\n  ".join(f"{at:7.2f} s  {name}" for name, at in sorted(timeline.items(), key=lambda x: x[1])))
+    starts = [r for r in RESULTS if r.get("figure") == "start"]
+    emit(out, figure="start_median", starts=len(starts),
+         health_s=statistics.median(r["health_s"] for r in starts),
+         first_token_s=statistics.median(r["first_token_s"] for r in starts))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
@@ -321,6 +398,9 @@ def main() -> None:
     ap.add_argument("--weights", choices=["random", "files"], default="random",
                     help="when building: random (dummy artifact, weights drawn at load) or files (read and hashed at start)")
     ap.add_argument("--server-arg", action="append", default=[], help="extra engine-serve argument")
+    ap.add_argument("--starts", type=int, default=3, help="start: how many times engine-serve is started")
+    ap.add_argument("--cold", action="store_true",
+                    help="start: drop the weight files from the page cache before each start (and time dd on them)")
     args = ap.parse_args()
     phases = set(args.phases.split(","))
     if args.out is not None:
@@ -343,18 +423,17 @@ def main() -> None:
 
         serving.build(out, Path(artifact), 4096, 90.0, args.weights)
         args.vocab = 120000
+    if "start" in phases:
+        phase_start(out, artifact, args)
+        if not phases - {"start"}:
+            print_table()
+            return
     server = Server(artifact, out / "engine_serve.log", args.server_arg)
     try:
-        healthy = server.wait_healthy()
+        server.wait_healthy()
         model = args.model or server.model()
         rng = random.Random(7)
-        first = server.complete(model, [rng.randrange(1000, args.vocab) for _ in range(args.prompt_len)])
-        if "start" in phases:
-            steady = [server.complete(model, [rng.randrange(1000, args.vocab) for _ in range(args.prompt_len)])
-                      for _ in range(10)]
-            emit(out, figure="start", health_s=round(healthy, 2), first_token_s=round(healthy + first, 2),
-                 first_request_ttft_ms=round(first * 1000, 1),
-                 steady_ttft_ms=round(statistics.median(steady) * 1000, 1), target_s=10)
+        server.complete(model, [rng.randrange(1000, args.vocab) for _ in range(args.prompt_len)])
         fractions = [float(f) for f in args.json_fractions.split(",")]
         if any(fractions):  # the core loads the tokenizer and compiles the schema for the first one
             send_load(server.base + "/v1", bodies(model, [[1000] * 8], args.output_len, 1.0), [0.0], 1)

@@ -42,6 +42,10 @@ def model_shapes(state: BuildState) -> dict[str, Any]:
         # The attention kernels and the KV write are tuned on caches of the artifact's KV dtype.
         "kv_cache_dtype": plan.kv_cache.dtype if plan.kv_cache is not None else None,
         "o_proj_inputs": o_proj_inputs(plan, per_rank.num_heads * a.head_dim),
+        # The logits the sampler reads: [rows, vocab_size] views of [rows, logits_stride] (the
+        # vocab-parallel LM head's rows, padded to a multiple of tp, gathered).
+        "vocab_size": model.vocab_size,
+        "logits_stride": per_rank.vocab_per_rank * plan.tp,
     }
 
 
@@ -71,49 +75,102 @@ def tune_in_subprocess(shapes: dict[str, Any], budget_s: float, cache_dir: Path)
 def _tune_main(shapes_json: str, budget_s: str) -> None:
     from pagecast.kernels import tuning
 
-    shapes = tuning.ModelShapes(**json.loads(shapes_json))
+    fields = json.loads(shapes_json)
+    # The sampler's shapes, which ModelShapes (the tuned kernels') does not hold.
+    vocab, logits_stride = fields.pop("vocab_size", None), fields.pop("logits_stride", None)
+    shapes = tuning.ModelShapes(**fields)
     table = tuning.tune(tuning.KERNELS, shapes, budget_s=float(budget_s), device="cuda")
     copy_gbs = tuning.measure_copy_bandwidth("cuda")
     table["copy_bandwidth_gbs"] = round(copy_gbs, 1)
     rows = tuning.bandwidth_report(table, shapes, copy_gbs)
-    _compile_untuned_kernels()
+    _compile_untuned_kernels(vocab, logits_stride)
     print(json.dumps({"table": table, "rows": rows}))
 
 
-def _compile_untuned_kernels() -> None:
+def _compile_untuned_kernels(vocab: int | None = None, logits_stride: int | None = None) -> None:
     """Kernels with nothing to tune still go into the artifact's Triton cache, so serving
     compiles nothing: the seeded-sampling noise (kernels/keyed_noise.py), the sampler's kernels
-    and xgrammar's grammar mask kernel."""
+    (at this model's vocabulary, ``compile_sampler_kernels``) and xgrammar's grammar mask kernel."""
     import torch
 
     from pagecast.kernels.keyed_noise import keyed_exponential
 
-    from pagecast.runtime.request import Request
-    from pagecast.runtime.sampler import sample
-    from pagecast.runtime.sampling_params import SamplingParams
-
     zeros = torch.zeros(2, dtype=torch.int64, device="cuda")
-    for vocab in (4096, 4097):
-        keyed_exponential(zeros, zeros, vocab)
-    # The sampler's kernels (kernels/sampling.py: race, tie counts, logprob statistics), run the
-    # way the engine runs them: bf16 logits, and fp32 ones (penalties, min_tokens and grammars
-    # make an fp32 copy), rows that sample with truncation, seeded rows, min-p, logprobs.
-    settings = [
-        SamplingParams(temperature=0.0, logprobs=2),
-        SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=1),
-        SamplingParams(temperature=1.0, top_p=0.9),
-        SamplingParams(temperature=1.0, min_p=0.05, logprobs=1),
-    ]
-    # Triton specialises the vocabulary (and the row stride) and the sampler's programs per row on
-    # "equals 1" and "divisible by 16": these widths cover every combination.
-    for vocab in (4096, 4097, 49152, 49153, 131072, 131071):
-        for dtype in (torch.bfloat16, torch.float32):
-            for rows in (1, 3):
-                requests = [Request(f"r{i}", [1, 2, 3], settings[i % len(settings)]) for i in range(rows * 4)]
-                sample(torch.randn(len(requests), vocab, device="cuda").to(dtype), requests)
-                sample(torch.randn(rows, vocab, device="cuda").to(dtype), requests[1 : rows + 1])
+    for width in (4096, 4097):
+        keyed_exponential(zeros, zeros, width)
+    if vocab is not None:
+        compile_sampler_kernels("cuda", vocab, logits_stride or vocab)
     compile_grammar_mask_kernels("cuda")
     torch.cuda.synchronize()
+
+
+def sampler_settings(vocab: int) -> list[Any]:
+    """One SamplingParams per way the sampler can treat a row: greedy, temperature alone, top-k
+    through the threshold kernels (with and without top-p, whose tie groups may reach past the
+    candidates), top-k beyond them and top-p alone (a full sort), min-p, seeds, penalties,
+    min_tokens, logprobs."""
+    from pagecast.runtime.sampling_params import SamplingParams
+
+    # A top_k the threshold kernels take at this vocabulary (kernels.sampling.top_candidates_apply).
+    small_k = max(1, min(50, vocab // 128 - 1))
+    return [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0.8, top_k=small_k),
+        SamplingParams(temperature=0.8, top_k=small_k, top_p=0.95, seed=1),
+        SamplingParams(temperature=1.0, top_k=min(vocab - 1, 2000)),
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=1.0, min_p=0.05, logprobs=1),
+        SamplingParams(temperature=1.0, seed=3),
+        SamplingParams(temperature=0.9, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2, logprobs=1),
+        SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3]),
+    ]
+
+
+def compile_sampler_kernels(device: str, vocab: int, logits_stride: int) -> None:
+    """Run the sampler's kernels the way a server launches them, at this model's vocabulary, so
+    that every variant Triton can compile for them goes into the artifact's cache.
+
+    Triton specialises each launch on its integer arguments (equal to 1, divisible by 16) and
+    its pointers' alignment; the launchers keep the per-row pointers out of it
+    (kernels/sampling.py), and the integers follow from the vocabulary and the logits' row
+    stride, fixed by the artifact. What is left varies with the request: the features (which
+    kernels run, and their constexpr switches), one row or several, the logits as the LM head
+    returns them (a view of a padded [rows, logits_stride] tensor when the vocabulary is
+    padded) or as a copy (rows picked, masked or penalised), the prompt-logprob chunks' first
+    row, and logits with ties (integer-valued ones: top-p's tie groups). Each combination runs
+    here; tests/test_startup_compiles.py checks on the CPU that a served engine launches no
+    variant outside them."""
+    import torch
+
+    from pagecast.runtime.request import Request
+    from pagecast.runtime.sampler import logprob_tensors, prompt_logprob_tensors, sample_token_ids
+
+    settings = sampler_settings(vocab)
+    generator = torch.Generator(device).manual_seed(0)
+
+    def logits(rows: int, ties: bool, padded: bool) -> torch.Tensor:
+        full = torch.randn(rows, logits_stride, generator=generator, device=device) * 3
+        full = full.round() if ties else full
+        view = full[:, :vocab]  # what ops.lm_head returns
+        return view if padded else view.contiguous()
+
+    for padded in (True, False):
+        for ties in (False, True):
+            for rows in (1, 3):
+                for i, params in enumerate(settings):
+                    # The setting alone, and beside a greedy and a sampled row (mixed batches).
+                    batch = [params] if rows == 1 else [params, settings[0], settings[4]]
+                    requests = [Request(f"r{i}-{j}", [1, 2, 3], p) for j, p in enumerate(batch)]
+                    x = logits(rows, ties, padded)
+                    token_ids = sample_token_ids(x, requests)
+                    logprob_tensors(x, token_ids, requests)
+            # Prompt logprobs on a row slice of the logits, starting at an even and an odd row.
+            for first in (0, 1):
+                x = logits(first + 3, ties, padded)
+                targets = torch.zeros(3, dtype=torch.int64, device=device)
+                prompt_logprob_tensors(x[first : first + 3], targets, 2)
 
 
 # xgrammar's kernel that masks a grammar's tokens (apply_token_bitmask_inplace_kernel) is

@@ -99,7 +99,17 @@ def _chunk_logits(row_ptr, cols0, vocab, GROUP: tl.constexpr):
     return l0, l1, l2, l3
 
 
-@triton.jit
+# Triton compiles a kernel once per specialisation of its arguments: integers by "equals 1" and
+# "divisible by 16", pointers by 16-byte alignment. The integers here follow from the vocabulary
+# (fixed by the artifact), but the per-row pointers are views whose alignment follows the batch
+# (a column of a [rows, 2] tensor is aligned or not with the row count), and each program loads
+# one scalar from them: they are not specialised on alignment, so that the variants a server can
+# launch are the finite set enginebuild compiles (builder/tune.py, compile_sampler_kernels).
+_PER_ROW_RACE = ["temperature_ptr", "cut_value_ptr", "cut_token_ptr", "tie_drop_ptr", "tie_prefix_ptr", "row_max_ptr",
+                 "min_p_ptr", "keys_ptr", "offsets_ptr", "block_max_ptr", "score_ptr", "token_ptr"]  # fmt: skip
+
+
+@triton.jit(do_not_specialize_on_alignment=_PER_ROW_RACE)
 def _race_kernel(
     logits_ptr,  # logits: [rows, vocab] fp32 / fp16 / bf16, unit column stride
     temperature_ptr,  # [rows] fp32
@@ -186,7 +196,7 @@ def _race_kernel(
     tl.store(token_ptr + row * splits + split, best_col)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["temperature_ptr", "value_ptr", "wanted_ptr", "counts_ptr"])
 def _count_ties_kernel(
     logits_ptr,  # logits: [rows, vocab], unit column stride
     temperature_ptr,  # [rows] fp32
@@ -216,7 +226,7 @@ def _count_ties_kernel(
     tl.store(counts_ptr + row * splits + split, count)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["scored_ptr", "max_ptr", "sum_ptr", "greater_ptr"])
 def _logprob_stats_kernel(
     logits_ptr,  # logits: [rows, vocab], unit column stride
     scored_ptr,  # [rows] fp32: the scored token's logit
@@ -262,7 +272,12 @@ def _check_logits(logits: torch.Tensor, rows_like: dict[str, torch.Tensor]) -> t
     for name, t in rows_like.items():
         if t.shape != (logits.shape[0],):
             raise ValueError(f"{name} must be [rows] = [{logits.shape[0]}]; got {tuple(t.shape)}")
-    return logits if logits.stride(1) == 1 else logits.contiguous()
+    if logits.stride(1) != 1:
+        return logits.contiguous()
+    # A row slice of the logits (prompt logprobs' chunks) starts 16-byte aligned or not with its
+    # first row when a row's bytes are not a multiple of 16: copied to aligned memory then, so the
+    # kernels see one alignment, the one enginebuild compiled (rare: vocabularies are multiples of 4).
+    return logits if logits.data_ptr() % 16 == 0 else logits.clone()
 
 
 def race(

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
+import threading
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -34,6 +36,7 @@ _ENGINE_OPTIONS = (
     "max_model_len",
     "async_scheduling",
     "cuda_graphs",
+    "lazy_graphs",
 )
 
 
@@ -92,6 +95,12 @@ _ENGINE_OPTIONS = (
     "--cuda-graphs/--no-cuda-graphs",
     default=None,
     help="Replay decode steps from CUDA graphs; --no-cuda-graphs runs eagerly (debugging, profiling) [default: on].",
+)
+@click.option(
+    "--lazy-graphs/--no-lazy-graphs",
+    default=None,
+    help="Serve as soon as the weights are loaded and capture the CUDA graphs between steps afterwards "
+    "(decode runs eagerly until its graph is there) [default: off].",
 )
 @click.option(
     "--chat-template",
@@ -170,9 +179,11 @@ def main(
     **engine_kwargs: Any,
 ) -> None:
     """Serve engine ARTIFACTS (directories written by enginebuild) over the OpenAI API."""
+    from pagecast.runtime import startup
     from pagecast.runtime.server.logs import configure_logging
 
     log_config = configure_logging(log_format, getattr(logging, log_level.upper()))
+    startup.begin("server").mark("imports")
     if served_model_names and len(served_model_names) != len(artifacts):
         _fail(
             f"--served-model-name was given {len(served_model_names)} time(s) for {len(artifacts)} "
@@ -192,14 +203,29 @@ def main(
     options = {k: v for k, v in engine_kwargs.items() if k in _ENGINE_OPTIONS and v is not None}
     if no_prefix_caching:
         options["enable_prefix_caching"] = False
-    engines = _load_engines(artifacts, served_model_names, options)
+    starting = _load_engines(artifacts, served_model_names, options)
 
+    # The front end starts while the cores import torch and load their weights.
     import ssl
 
     import uvicorn
 
     from pagecast.runtime.server.app import add_cors, create_app, server_state
 
+    startup.mark("http server imports")
+
+    def warm_front_end() -> None:
+        for engine in starting.engines:
+            _warm_templates(engine)
+        startup.mark("chat templates")
+        _warm_grammar_compiler()
+        startup.mark("grammar compiler")
+
+    # Beside the wait for the cores (on a GPU they take the longest), done before serving.
+    warming = threading.Thread(target=warm_front_end, name="pagecast-warm-front-end", daemon=True)
+    warming.start()
+    engines = starting.wait()
+    warming.join()
     if template is not None:
         from pagecast.runtime.server.chat_template import use_chat_template
 
@@ -263,10 +289,12 @@ def _fail(message: str) -> None:
 
 def _load_engines(
     artifacts: tuple[Path, ...], names: tuple[str, ...], options: dict[str, Any]
-) -> dict[str, Any]:
-    """Start one engine-core process per artifact, all at once, and wait until each serves."""
+) -> _StartingEngines:
+    """Start one engine-core process per artifact, all at once, and load each one's front end
+    (tokenizer) while they start; ``wait()`` on the result waits until each serves."""
     # Light imports only until the cores are started: their start-up (imports, CUDA, weights)
     # then overlaps this process importing torch and the server.
+    from pagecast.runtime import startup
     from pagecast.runtime.artifact import load_manifest
     from pagecast.runtime.core_process import CoreClient
     from pagecast.runtime.errors import ArtifactError
@@ -277,11 +305,16 @@ def _load_engines(
                 f"{path}: no such artifact directory "
                 f"(build one with `enginebuild --model ... --output {path}`)"
             )
+    # In a thread: the kernel may block while it queues the reads of a large file.
+    threading.Thread(target=lambda: [_read_ahead(path) for path in artifacts], name="pagecast-read-ahead",
+                     daemon=True).start()  # fmt: skip
     per_engine = [dict(options) for _ in artifacts]
     try:
         on_gpu = [i for i, path in enumerate(artifacts) if load_manifest(path).target.kind != "cpu"]
     except ArtifactError as exc:
         _fail(f"cannot load {exc}")
+    if len(on_gpu) < len(artifacts):
+        _leave_a_core_to_the_server()
     if len(on_gpu) > 1 and "kv_cache_memory" not in options:
         # Engines sharing the GPU each get an explicit, equal share of it, whichever starts first.
         share = options.get("gpu_memory_utilization", 0.9) / len(on_gpu)
@@ -292,72 +325,151 @@ def _load_engines(
     for path, engine_options in zip(artifacts, per_engine):
         logger.info("loading %s", path)
         clients.append(CoreClient(str(path), engine_options))
+    startup.mark("cores spawned")
     from pagecast.runtime import AsyncEngine
 
-    started: list[Any] = []
+    starting = _StartingEngines(artifacts, names, clients)
+    for path, engine_options, client in zip(artifacts, per_engine, clients):
+        try:
+            starting.engines.append(AsyncEngine(path, client=client, **engine_options))
+        except Exception as exc:  # noqa: BLE001 - every failure to start ends engine-serve with its message
+            starting.fail(path, exc)
+    startup.mark("tokenizers")
+    return starting
 
-    def stop_started() -> None:
-        for engine in started:
+
+def _leave_a_core_to_the_server() -> None:
+    """CPU engines: each core process computes with one thread fewer than there are cores (at
+    least one; OMP_NUM_THREADS, when set, is left as it is), so that this process (HTTP,
+    tokenizing, detokenizing) never takes a core from under a compute thread. A parallel region
+    waits for its slowest thread: with as many threads as cores, the server's work stalls every
+    op of the step. Measured on a 2-core machine under load: a 4-token SmolLM2 forward pass took
+    9-12 s with two threads and 0.4 s with one."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    os.environ["OMP_NUM_THREADS"] = str(max(1, cores - 1))  # inherited by the cores started next
+
+
+def _read_ahead(artifact: Path) -> None:
+    """Ask the kernel to start reading the artifact's weight files into the page cache now, in
+    the background: on a cold cache the disk then works while the cores import torch and
+    initialise the GPU, before they ask for the bytes (a no-op for pages already cached)."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    for file in sorted((artifact / "weights").glob("*.safetensors")):
+        try:
+            fd = os.open(file, os.O_RDONLY)
+        except OSError:
+            continue  # the load says what is wrong with it
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+class _StartingEngines:
+    """Engines whose cores are starting (their front ends loaded); ``wait`` for them to serve."""
+
+    def __init__(self, artifacts: tuple[Path, ...], names: tuple[str, ...], clients: list[Any]):
+        self.artifacts = artifacts
+        self.names = names
+        self.clients = clients
+        self.engines: list[Any] = []
+
+    def stop(self) -> None:
+        for engine in self.engines:
             engine.shutdown(timeout=5)
-        for client in clients[len(started):]:
+        for client in self.clients[len(self.engines):]:
             client.shutdown(timeout=5)
 
-    def fail_to_start(path: Path, exc: Exception) -> None:
-        stop_started()
+    def fail(self, path: Path, exc: Exception) -> None:
+        from pagecast.runtime.errors import ArtifactError
+
+        self.stop()
         if isinstance(exc, ArtifactError):
             _fail(f"cannot load {path}: {exc}")
         if isinstance(exc, ValueError):
             _fail(f"cannot start the engine for {path}: {exc}")
         _fail(f"the engine for {path} failed to start: {exc}")
 
-    for path, engine_options, client in zip(artifacts, per_engine, clients):
-        try:
-            started.append(AsyncEngine(path, client=client, **engine_options))
-        except Exception as exc:  # noqa: BLE001 - every failure to start ends engine-serve with its message
-            fail_to_start(path, exc)
-    engines: dict[str, Any] = {}
-    for i, (path, engine) in enumerate(zip(artifacts, started)):
-        try:
-            engine.wait_ready()
-            _warm_front_end(engine)
-        except Exception as exc:  # noqa: BLE001 - every failure to start ends engine-serve with its message
-            fail_to_start(path, exc)
-        name = names[i] if names else engine.model_name
-        if name in engines:
-            stop_started()
-            _fail(f"two artifacts are both served as `{name}`: give --served-model-name once per artifact")
-        engines[name] = engine
-        info = engine.startup_info
-        kv_tokens = info.num_kv_blocks * info.block_size
-        logger.info(
-            "serving %s as `%s` on %s: KV cache %d blocks of %d (%d tokens), %d sequences of the full "
-            "%d-token context at once, up to %d running; started in %.1f s (%s)",
-            path,
-            name,
-            info.device,
-            info.num_kv_blocks,
-            info.block_size,
-            kv_tokens,
-            kv_tokens // engine.max_model_len,
-            engine.max_model_len,
-            engine.max_num_seqs,
-            info.startup_s.get("total", 0.0),
-            " ".join(f"{k}={v:.2f}" for k, v in info.startup_s.items() if k != "total"),
-        )
-    return engines
+    def wait(self) -> dict[str, Any]:
+        """Wait until every core serves, then run one request through each; returns them by name."""
+        from pagecast.runtime import startup
+
+        engines: dict[str, Any] = {}
+        for i, (path, engine) in enumerate(zip(self.artifacts, self.engines)):
+            try:
+                engine.wait_ready()
+                startup.mark(f"core ready ({engine.model_name})")
+                _warm_front_end(engine)
+                startup.mark(f"first request ({engine.model_name})")
+            except Exception as exc:  # noqa: BLE001 - every failure to start ends engine-serve with its message
+                self.fail(path, exc)
+            name = self.names[i] if self.names else engine.model_name
+            if name in engines:
+                self.stop()
+                _fail(f"two artifacts are both served as `{name}`: give --served-model-name once per artifact")
+            engines[name] = engine
+            info = engine.startup_info
+            kv_tokens = info.num_kv_blocks * info.block_size
+            logger.info(
+                "serving %s as `%s` on %s: KV cache %d blocks of %d (%d tokens), %d sequences of the full "
+                "%d-token context at once, up to %d running; started in %.1f s (%s)",
+                path,
+                name,
+                info.device,
+                info.num_kv_blocks,
+                info.block_size,
+                kv_tokens,
+                kv_tokens // engine.max_model_len,
+                engine.max_model_len,
+                engine.max_num_seqs,
+                info.startup_s.get("total", 0.0),
+                " ".join(f"{k}={v:.2f}" for k, v in info.startup_s.items() if k != "total"),
+            )
+        return engines
+
+
+def _warm_templates(engine: Any) -> None:
+    """Render the chat template once (transformers compiles the Jinja on first use, 0.1-0.5 s),
+    while the core starts, so the first chat request does not pay for it."""
+    tokenizer = engine.tokenizer
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - a template that fails here fails its requests with their own message
+        logger.debug("the chat template of %s failed to render at start", engine.model_name, exc_info=True)
+
+
+def _warm_grammar_compiler() -> None:
+    """Import xgrammar and compile one small schema (the server checks every request's schema
+    with it: the first import costs ~0.5 s), while the cores start. Nothing without xgrammar."""
+    try:
+        from pagecast.runtime.structured_output import check_json_schema
+    except ImportError:
+        return
+    try:
+        check_json_schema('{"type": "object"}')
+    except (ImportError, ValueError):
+        pass
 
 
 def _warm_front_end(engine: Any) -> None:
     """One short request through the server's side of the engine (validation, the output
     processor, the detokenizer), so that /health turns 200 only when the first real request
-    runs at steady-state speed."""
+    runs at steady-state speed. One token: the core's own warm-up (on a GPU) has run its decode
+    steps, and on a CPU a decode step would add its second or so to the start."""
     import anyio.to_thread
 
     from pagecast.runtime import generation_config
     from pagecast.runtime.sampling_params import SamplingParams
 
     async def run() -> None:
-        async for _ in engine.generate([1, 2, 3, 4], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)):
+        async for _ in engine.generate([1, 2, 3, 4], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)):
             pass
         # The handlers prepare requests in anyio's worker threads: its asyncio backend is imported
         # at the first use (70 ms on the H200 host, measured as the first request's extra TTFT).
@@ -404,6 +516,13 @@ class _DrainingServer:
                 await super().serve(sockets)
                 if watcher is not None:
                     watcher.cancel()
+
+            async def startup(self, sockets: Any = None) -> None:
+                await super().startup(sockets)
+                if self.started:
+                    from pagecast.runtime import startup
+
+                    startup.mark("listening")  # /health answers 200 from here
 
             def handle_exit(self, sig: int, frame: FrameType | None) -> None:
                 outer.on_signal(sig)

@@ -37,7 +37,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from pagecast.runtime import ipc
+from pagecast.runtime import ipc, startup
 from pagecast.runtime.kernel_cache import process_compiles
 from pagecast.runtime.messages import (
     AbortRequests,
@@ -184,6 +184,8 @@ def run_engine_core(
     from pagecast.runtime.server.logs import configure_logging
 
     configure_logging(*log_setup)
+
+    startup.begin("core").mark("spawn")
     # A signal to the whole process group (Ctrl-C in a terminal, systemd's stop) must reach only
     # the server, which drains its streams and then tells us to stop: we end when it says so or dies.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -214,6 +216,7 @@ def _serve(channel: CoreChannel, artifact: str, options: dict[str, Any], entered
     from pagecast.runtime.engine_core import EngineCore, EngineOptions
     from pagecast.runtime.errors import ArtifactError
 
+    startup.mark("import")
     # Where the seconds before the engine's own go: the interpreter and this module's imports,
     # then torch and the engine's (the core's clock starts after them).
     before_core = {"import": time.time() - entered}
@@ -252,6 +255,7 @@ def _loop(channel: CoreChannel, core: Any, decoder: Any, compiles: Any) -> int:
             "compiled %d Triton kernels at start (the artifact's cache missed them): %s",
             compiled_at_start, ", ".join(sorted(set(compiles.names))),
         )
+    startup.mark("ready")
     log_startup(core.model_name, core.startup_s)
     relax_gc(freeze=True)  # this process serves this one engine until it exits
     channel.send(

@@ -1,10 +1,11 @@
 """CUDA graphs for decode steps: the whole forward pass of a decode batch replays as one
 graph, so a step costs one launch instead of a few hundred and no Python runs per layer.
 
-Graphs are captured at start-up for the batch sizes the artifact's plan lists (up to the
-engine's max_num_seqs) and for context-length buckets (the
-attention kernel's split count depends on the context bucket). A batch is padded up to the
-next captured size: padding rows write no KV (slot -1) and attend to nothing (length 0).
+Graphs are captured for the batch sizes the artifact's plan lists (up to the engine's
+max_num_seqs) and for context-length buckets (the attention kernel's split count depends on the
+context bucket): all at start-up, or (lazy graphs) one between each two engine steps once the
+engine serves, decode batches running eagerly until their graph is there. A batch is padded up
+to the next captured size: padding rows write no KV (slot -1) and attend to nothing (length 0).
 """
 
 from __future__ import annotations
@@ -47,6 +48,14 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = None
+        # The (batch, context) buckets to capture, largest first, so the shared memory pool is
+        # sized by the first capture.
+        self._plan = [(b, c) for c in reversed(self.contexts) for b in reversed(self.batch_sizes)]
+        self._by_config: dict[tuple[int, str], tuple[int, int]] = {}
+        self._stream: torch.cuda.Stream | None = None
+        self.num_captured = 0
+        # warm_up_sync: of the warm-up forwards, the time spent waiting for the device.
+        self.timings = {"warm_up_forwards": 0.0, "warm_up_sync": 0.0, "captures": 0.0}
 
     def _forward(self, batch: int, context: int) -> torch.Tensor:
         ctx = ForwardContext(
@@ -64,60 +73,94 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> float:
+        """Capture every planned graph now; returns the seconds it took."""
         start = time.perf_counter()
-        # capture_begin/capture_end on a side stream rather than the torch.cuda.graph context:
-        # that one empties the allocator's cache before every capture, which made each capture
-        # free and re-allocate the warm-up's memory (0.16 s a graph for Llama-3-8B).
-        stream = torch.cuda.Stream(self.device)
-        # A decode graph depends on the context bucket only through the attention kernel's launch
-        # config: contexts whose configs agree share one graph.
-        by_config: dict[tuple[int, str], tuple[int, int]] = {}
-        warm_s = sync_s = capture_s = 0.0
-        # Largest first, so the shared memory pool is sized once.
-        for context in reversed(self.contexts):
-            for batch in reversed(self.batch_sizes):
-                key = (batch, repr(ops.decode_attention_config(batch, context)))
-                same = by_config.get(key)
-                if same is not None:
-                    self.graphs[(batch, context)] = self.graphs[same]
-                    self.outputs[(batch, context)] = self.outputs[same]
-                    continue
-                t0 = time.perf_counter()
-                self._forward(batch, context)  # warm-up: kernel selection, allocator
-                t_launched = time.perf_counter()
-                torch.cuda.synchronize(self.device)
-                t1 = time.perf_counter()
-                sync_s += t1 - t_launched
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.stream(stream):
-                    # thread_local: the weights may still be streaming in on other threads (their
-                    # copies and event waits would break a global-mode capture).
-                    graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-                    try:
-                        out = self._forward(batch, context)
-                    finally:
-                        graph.capture_end()
-                capture_s += time.perf_counter() - t1
-                warm_s += t1 - t0
-                if self.pool is None:
-                    self.pool = graph.pool()
-                self.graphs[(batch, context)] = graph
-                self.outputs[(batch, context)] = out
-                by_config[key] = (batch, context)
-        torch.cuda.synchronize(self.device)
-        self.num_captured = len(by_config)
-        # warm_up_sync: of the warm-up forwards, the time spent waiting for the device.
-        self.timings = {"warm_up_forwards": warm_s, "warm_up_sync": sync_s, "captures": capture_s}
+        while self.capture_next():
+            pass
+        self._synchronize()
         elapsed = time.perf_counter() - start
+        t = self.timings
         logger.info(
             "captured %d decode CUDA graphs for %d (batch, context) buckets in %.1f s (eager warm-up %.1f s of which "
             "%.1f s waiting for the device, capture %.1f s)",
-            self.num_captured, len(self.graphs), elapsed, warm_s, sync_s, capture_s,
+            self.num_captured, len(self.graphs), elapsed, t["warm_up_forwards"], t["warm_up_sync"], t["captures"],
         )
         return elapsed
 
+    @property
+    def pending(self) -> int:
+        """(batch, context) buckets planned and not captured yet (0: every graph is there)."""
+        return len(self._plan)
+
+    @torch.inference_mode()
+    def capture_next(self) -> bool:
+        """Capture the next planned graph (buckets whose graph would be the same as one captured
+        already share it on the way); False when nothing is left to capture. Between engine steps
+        (lazy graphs), each call is one eager forward and one capture."""
+        while self._plan:
+            batch, context = self._plan.pop(0)
+            # A decode graph depends on the context bucket only through the attention kernel's
+            # launch config: contexts whose configs agree share one graph.
+            key = (batch, repr(ops.decode_attention_config(batch, context)))
+            same = self._by_config.get(key)
+            if same is not None:
+                self.graphs[(batch, context)] = self.graphs[same]
+                self.outputs[(batch, context)] = self.outputs[same]
+                continue
+            # Padding rows only: between steps (lazy graphs) the buffers hold the last replay's
+            # real rows, whose KV slots the capture's eager forward must not write.
+            self.slot_mapping[:batch].fill_(-1)
+            self.seq_lens[:batch].zero_()
+            self.input_ids[:batch].zero_()
+            self.positions[:batch].zero_()
+            graph, out = self._capture_one(batch, context)
+            self.graphs[(batch, context)] = graph
+            self.outputs[(batch, context)] = out
+            self._by_config[key] = (batch, context)
+            self.num_captured = len(self._by_config)
+            return True
+        return False
+
+    def _synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def _capture_one(self, batch: int, context: int) -> tuple[Any, torch.Tensor]:
+        """One graph of ``batch`` rows for ``context``: an eager forward first (kernel selection,
+        the allocator), then the capture; returns the graph and its output buffer."""
+        if self._stream is None:
+            # capture_begin/capture_end on a side stream rather than the torch.cuda.graph context:
+            # that one empties the allocator's cache before every capture, which made each capture
+            # free and re-allocate the warm-up's memory (0.16 s a graph for Llama-3-8B).
+            self._stream = torch.cuda.Stream(self.device)
+        t0 = time.perf_counter()
+        self._forward(batch, context)  # warm-up: kernel selection, allocator
+        t_launched = time.perf_counter()
+        self._synchronize()
+        t1 = time.perf_counter()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(self._stream):
+            # thread_local: the weights may still be streaming in on other threads (their
+            # copies and event waits would break a global-mode capture).
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            try:
+                out = self._forward(batch, context)
+            finally:
+                graph.capture_end()
+        self.timings["warm_up_forwards"] += t1 - t0
+        self.timings["warm_up_sync"] += t1 - t_launched
+        self.timings["captures"] += time.perf_counter() - t1
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph, out
+
     def can_run(self, num_seqs: int, max_seq_len: int) -> bool:
-        return num_seqs <= self.max_batch and max_seq_len <= self.contexts[-1]
+        if num_seqs > self.max_batch or max_seq_len > self.contexts[-1]:
+            return False
+        return self._bucket(num_seqs, max_seq_len) in self.graphs  # not yet captured: eager
+
+    def _bucket(self, num_seqs: int, max_seq_len: int) -> tuple[int, int]:
+        batch = self.batch_sizes[bisect.bisect_left(self.batch_sizes, num_seqs)]
+        return batch, self.contexts[bisect.bisect_left(self.contexts, max_seq_len)]
 
     def run(
         self,
@@ -131,8 +174,7 @@ class DecodeGraphs:
         """All inputs on the device, one row per sequence; returns the final hidden states
         [num_seqs, hidden] (valid until the next replay)."""
         n = input_ids.shape[0]
-        batch = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
-        context = self.contexts[bisect.bisect_left(self.contexts, max_seq_len)]
+        batch, context = self._bucket(n, max_seq_len)
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(slot_mapping)

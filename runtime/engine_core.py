@@ -63,6 +63,9 @@ class EngineOptions:
     enable_prefix_caching: bool = True
     verify_weights: bool = True  # hash weight files on load
     cuda_graphs: bool = True  # capture decode graphs at start-up (GPU only)
+    # Capture them after the engine is ready instead, one between each two steps: it serves sooner,
+    # decode batches eagerly until their graph is there (runtime/cuda_graphs.py).
+    lazy_graphs: bool = False
     # Plan step N+1 while step N runs on the device (default: on for GPUs), for every request:
     # logprobs, prompt logprobs and penalties are computed on the device too.
     async_scheduling: bool | None = None
@@ -190,7 +193,7 @@ class EngineCore:
             # The plan's batch sizes, up to this engine's max_num_seqs; larger decode batches run eagerly.
             planned = self.artifact.memory_plan.get("cuda_graph_batch_sizes") or [1]
             sizes = [b for b in planned if b <= options.max_num_seqs]
-            self.startup_s["cuda_graphs"] = self.runner.capture_cuda_graphs(sizes, self.max_model_len)
+            self.startup_s["cuda_graphs"] = self.runner.capture_cuda_graphs(sizes, self.max_model_len, options.lazy_graphs)
             graphs = getattr(self.runner, "graphs", None)
             self.startup_s.update({f"cuda_graphs.{k}": v for k, v in getattr(graphs, "timings", {}).items()})
         t0 = time.perf_counter()
@@ -210,6 +213,7 @@ class EngineCore:
             t0 = time.perf_counter()
             self.warm_up()
             self.startup_s["warm_up"] = time.perf_counter() - t0
+        self.runner.start_lazy_capture()  # lazy graphs: captured between the steps from here on
         # From here on a compile is one the artifact's cache and the warm-up did not cover.
         self._compiles = process_compiles()
         self._compiles_when_ready = self._compiles.count

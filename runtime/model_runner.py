@@ -9,6 +9,8 @@ and prompt positions whose logprobs were asked for.
 
 from __future__ import annotations
 
+import logging
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 
 from pagecast.kernels import ops
+from pagecast.runtime import startup
 from pagecast.runtime.cuda_graphs import DecodeGraphs
 from pagecast.runtime.forward_context import ForwardContext, leading_decodes
 from pagecast.runtime.outputs import PositionLogprobs
@@ -33,6 +36,8 @@ from pagecast.runtime.sampler import (
 from pagecast.runtime.scheduler import SchedulerOutput
 from pagecast.runtime.structured_output import GrammarState
 from pagecast.runtime.transfer import to_device
+
+logger = logging.getLogger("pagecast.engine")
 
 
 @dataclass
@@ -63,6 +68,16 @@ class LaunchedStep:
 
 
 @dataclass
+class _LazyCapture:
+    """Lazy graphs' progress: capturing once ``started``; steps and seconds spent on it."""
+
+    started: bool
+    since: float = 0.0
+    steps: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
 class _Batch:
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -83,6 +98,7 @@ class ModelRunner:
         self.block_size = block_size
         self.kernels = kernels  # the artifact's KernelTable, activated around each forward pass
         self.graphs: DecodeGraphs | None = None
+        self._lazy: _LazyCapture | None = None  # lazy graphs still to capture
         # Output token counts of penalised requests, for asynchronous steps (launch).
         self.penalties = PenaltyState()
         # Structured output: the engine core's grammar matchers (set by the core; None: none ever).
@@ -108,18 +124,57 @@ class ModelRunner:
         if self.kernels is not None:
             ops.activate(self.kernels)
 
-    def capture_cuda_graphs(self, batch_sizes: list[int], max_model_len: int) -> float:
-        """Capture decode graphs (GPU only); returns the seconds it took."""
+    def capture_cuda_graphs(self, batch_sizes: list[int], max_model_len: int, lazy: bool = False) -> float:
+        """Capture decode graphs (GPU only); returns the seconds it took. ``lazy``: capture none
+        now, but one between each two steps once ``start_lazy_capture`` is called (the engine
+        serves meanwhile, decode batches eagerly until their graph is there); tensor-parallel
+        engines capture at once (their ranks capture in lockstep)."""
         if self.device.type != "cuda" or not batch_sizes:
             return 0.0
         self._activate_kernels()
-        self.graphs = DecodeGraphs(self.model, self.device, batch_sizes, max_model_len, self.block_size)
+        graphs = DecodeGraphs(self.model, self.device, batch_sizes, max_model_len, self.block_size)
         workers = self._sync_workers()
+        if lazy and workers is None:
+            self.capture_lazily(graphs)
+            return 0.0
+        self.graphs = graphs
         if workers is None:
-            return self.graphs.capture()
-        workers.capture(self.graphs.batch_sizes, max_model_len, self.block_size)
-        with workers.guard():
-            return self.graphs.capture()
+            seconds = self.graphs.capture()
+        else:
+            workers.capture(self.graphs.batch_sizes, max_model_len, self.block_size)
+            with workers.guard():
+                seconds = self.graphs.capture()
+        startup.mark("cuda graphs")
+        return seconds
+
+    def capture_lazily(self, graphs: DecodeGraphs) -> None:
+        """Serve with ``graphs``, whose planned graphs are captured one between each two steps
+        once ``start_lazy_capture`` is called; until its graph is there a decode batch runs eagerly."""
+        self.graphs = graphs
+        self._lazy = _LazyCapture(started=False)
+
+    def start_lazy_capture(self) -> None:
+        """Lazy graphs: from the next step on, capture one graph before each step until all are
+        there (the engine calls this once it serves, after its warm-up)."""
+        if self._lazy is not None:
+            self._lazy.started = True
+            self._lazy.since = time.perf_counter()
+
+    def _capture_between_steps(self) -> None:
+        lazy, graphs = self._lazy, self.graphs
+        if lazy is None or not lazy.started or graphs is None:
+            return
+        t0 = time.perf_counter()
+        graphs.capture_next()
+        lazy.seconds += time.perf_counter() - t0
+        lazy.steps += 1
+        if not graphs.pending:
+            self._lazy = None
+            logger.info(
+                "captured %d decode CUDA graphs between %d steps, %.2f s of capture over %.1f s of serving",
+                graphs.num_captured, lazy.steps, lazy.seconds, time.perf_counter() - lazy.since,
+            )
+            startup.mark("cuda graphs (lazy)")
 
     def prepare(self, out: SchedulerOutput, prev: LaunchedStep | None = None) -> _Batch:
         """The flat batch of a step. A decode whose input token is still pending (sampled by
@@ -218,6 +273,8 @@ class ModelRunner:
         """Forward pass (a decode graph when one fits) and the logits rows the step needs; with
         tensor parallelism every rank runs the same pass on the broadcast batch."""
         self._activate_kernels()
+        if self._lazy is not None:
+            self._capture_between_steps()
         use_graph = self._use_graph(batch, num_seqs)
         workers = self._sync_workers()
         if workers is None:

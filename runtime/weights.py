@@ -99,14 +99,25 @@ def open_safetensors(
     file_size = path.stat().st_size
     tensors: dict[str, torch.Tensor] = {}
     slots: list[_Slot] = []
+    cuda = device.type == "cuda"
+    # On the CPU the file's tensor bytes are read straight into one buffer the tensors are views
+    # of (no second copy out of a read buffer); a tensor whose offset does not suit its dtype's
+    # alignment gets its own memory and is copied like a device tensor.
+    data = None if cuda else torch.empty(max(0, file_size - data_start), dtype=torch.uint8)
     for name, info in header.items():
         dtype = _DTYPES.get(info.get("dtype"))
         if dtype is None:
             raise ArtifactError(f"{path}: tensor {name} has dtype {info.get('dtype')!r}, which pagecast cannot load")
         begin, end = (data_start + int(o) for o in info["data_offsets"])
-        tensor = torch.empty(info["shape"], dtype=dtype, device=device)
-        if tensor.numel() * tensor.element_size() != end - begin or end > file_size:
+        numel = 1
+        for size in info["shape"]:
+            numel *= int(size)
+        if numel * dtype.itemsize != end - begin or end > file_size or begin < data_start:
             raise ArtifactError(f"{path}: tensor {name} does not match its byte range; rebuild the artifact")
+        if data is not None and (begin - data_start) % dtype.itemsize == 0:
+            tensors[name] = data[begin - data_start : end - data_start].view(dtype).view(info["shape"])
+            continue
+        tensor = torch.empty(info["shape"], dtype=dtype, device=device)
         tensors[name] = tensor
         if end > begin:
             slots.append(_Slot(begin, end, tensor.reshape(-1).view(torch.uint8)))
@@ -119,9 +130,10 @@ def open_safetensors(
             f"{label} does not match the manifest ({num_chunks} pieces of {chunk_bytes} bytes, the manifest "
             f"lists {len(chunk_hashes)}): the artifact was modified or corrupted; rebuild it with enginebuild"
         )
-    cuda = device.type == "cuda"
 
     def load_chunk(index: int) -> str:
+        if data is not None:
+            return read_chunk_in_place(index)
         begin = index * chunk_bytes
         end = min(file_size, begin + chunk_bytes)
         digest = hashlib.sha256()
@@ -154,6 +166,36 @@ def open_safetensors(
                 k ^= 1
         if stream is not None:
             stream.synchronize()
+        return digest.hexdigest()
+
+    def read_chunk_in_place(index: int) -> str:
+        """The CPU: the chunk's bytes read into ``data`` (the header's into a scratch buffer),
+        each block hashed on a second thread while the next one is read (both release the GIL)."""
+        begin = index * chunk_bytes
+        end = min(file_size, begin + chunk_bytes)
+        digest = hashlib.sha256()
+        assert data is not None
+        whole = memoryview(data.numpy())
+        with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1, thread_name_prefix="pagecast-hash") as hasher:
+            f.seek(begin)
+            pos, hashing = begin, None
+            while pos < end:
+                n = min(BLOCK_BYTES, end - pos, data_start - pos if pos < data_start else BLOCK_BYTES)
+                view = memoryview(bytearray(n)) if pos < data_start else whole[pos - data_start : pos - data_start + n]
+                got = 0
+                while got < n:
+                    r = f.readinto(view[got:])
+                    if not r:
+                        raise ArtifactError(f"{path} ended early; rebuild the artifact")
+                    got += r
+                if slots:
+                    _scatter(slots, starts, pos, pos + n, torch.frombuffer(view, dtype=torch.uint8), None)
+                if hashing is not None:
+                    hashing.result()
+                hashing = hasher.submit(digest.update, view)
+                pos += n
+            if hashing is not None:
+                hashing.result()
         return digest.hexdigest()
 
     def fill() -> None:

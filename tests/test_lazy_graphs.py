@@ -1,0 +1,73 @@
+"""Lazy graphs (`engine-serve --lazy-graphs`): the engine serves before its decode graphs are
+captured, decode batches run eagerly until their graph is there, one graph is captured between
+each two steps, and the tokens are the same as without graphs.
+
+The CPU has no CUDA graphs: here a graph is a stand-in that replays by running the same forward
+pass on the same persistent buffers (what a CUDA graph's replay computes), so everything around
+it is the engine's own code: the capture plan, the padding of the buffers before each capture
+(a capture between steps must not write the KV slots of the rows the last replay held), the
+switch from eager steps to replays, padded batches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pagecast.runtime import LLM, SamplingParams
+from pagecast.runtime.cuda_graphs import DecodeGraphs
+
+PROMPTS = [[5 + i, 17 + 3 * i, 40 + i, 7, 99 + i][: 3 + i % 3] for i in range(4)]
+
+
+class _Replay:
+    def __init__(self, graphs: ReplayOnCPU, batch: int, context: int, out: torch.Tensor):
+        self.graphs, self.batch, self.context, self.out = graphs, batch, context, out
+
+    def replay(self) -> None:
+        self.graphs.replays.append(self.batch)
+        self.out.copy_(self.graphs._forward(self.batch, self.context))
+
+
+class ReplayOnCPU(DecodeGraphs):
+    """DecodeGraphs whose 'graphs' run eagerly on the buffers when replayed."""
+
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        self.captures: list[int] = []
+        self.replays: list[int] = []
+
+    def _synchronize(self) -> None:
+        pass
+
+    def _capture_one(self, batch: int, context: int) -> tuple[Any, torch.Tensor]:
+        self.captures.append(batch)
+        out = self._forward(batch, context).clone()  # the capture's eager forward, as on the GPU
+        return _Replay(self, batch, context, out), out
+
+
+def test_requests_are_served_while_graphs_are_captured_between_steps(tiny_llama_artifact) -> None:  # type: ignore[no-untyped-def]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    eager = LLM(tiny_llama_artifact, max_num_seqs=4, async_scheduling=False)
+    expected = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, greedy, use_tqdm=False)]
+
+    llm = LLM(tiny_llama_artifact, max_num_seqs=4, async_scheduling=False)
+    runner = llm.engine.runner
+    graphs = ReplayOnCPU(runner.model, runner.device, [1, 2, 4], llm.engine.max_model_len, llm.engine.block_size)
+    runner.capture_lazily(graphs)
+    assert graphs.pending == 3 and not graphs.captures  # nothing captured before serving
+
+    # The engine serves at once: the first request runs eagerly while the first graphs are captured.
+    first = llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert not graphs.captures  # not started: the engine starts capture once it is ready (after its warm-up)
+    runner.start_lazy_capture()
+    first = llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert first[0].outputs[0].token_ids == expected[0][:2]
+    assert graphs.captures == [4, 2] and graphs.pending == 1  # one per step, largest first
+    assert graphs.replays == []  # batch 1 has no graph yet: eager
+
+    outputs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+    assert graphs.captures == [4, 2, 1] and graphs.pending == 0
+    assert graphs.replays and set(graphs.replays) <= {1, 2, 4}  # decode batches of 3 padded to 4
+    assert [o.outputs[0].token_ids for o in outputs] == expected

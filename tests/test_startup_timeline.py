@@ -1,0 +1,60 @@
+"""The start-up timeline: both processes stamp their phases on engine-serve's clock, and
+benchmarks/online.py reads the lines back from the log."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pagecast.runtime import startup
+
+# A child as the engine-core process is one: started by the server, which exported its origin.
+CHILD = """
+import logging, sys
+from pagecast.runtime import startup
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+startup.begin("core").mark("spawn")
+"""
+
+
+def test_the_core_stamps_on_the_servers_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(startup.START_ENV, raising=False)
+    monkeypatch.setattr(startup, "_timeline", None)  # this process's timeline, put back afterwards
+    own_start = startup.process_start_epoch()
+    assert own_start is not None and own_start <= time.time()
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    log = logging.getLogger("pagecast.startup")
+    monkeypatch.setattr(log, "level", logging.INFO)
+    log.addHandler(handler)
+    try:
+        # A server whose process started 5 s ago: its stamps say so, and its children inherit it.
+        server = startup.begin("server", origin=time.time() - 5.0)
+        startup.mark("imports")
+        assert os.environ[startup.START_ENV] == repr(server.origin)
+        child = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=120)
+        startup.mark("listening")
+    finally:
+        log.removeHandler(handler)
+    assert child.returncode == 0, child.stderr
+    lines = startup.parse_log(stream.getvalue() + child.stderr)
+    assert [(process, phase) for process, phase, _ in lines] == [
+        ("server", "imports"), ("server", "listening"), ("core", "spawn")
+    ]
+    at = {phase: seconds for _, phase, seconds in lines}
+    # The child's stamp is on the server's clock (5 s and more), not on its own (a second or so).
+    assert 5.0 <= at["imports"] <= at["spawn"] <= at["listening"] < 5.0 + 120
+
+
+def test_without_a_server_a_process_stamps_from_its_own_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(startup.START_ENV, raising=False)
+    timeline = startup.Timeline("core")
+    own_start = startup.process_start_epoch()
+    assert own_start is not None and abs(timeline.origin - own_start) < 1e-6
+    assert 0.0 < timeline.mark("import") < time.time() - own_start + 1.0
