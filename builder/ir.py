@@ -88,7 +88,8 @@ class AttentionSpec:
     qk_norm_offset: float = 0.0  # Gemma 3's q/k norms multiply by (1 + w), as NormSpec.weight_offset
     sliding_window: int | None = None  # a query at p sees keys p - window < k <= p (Gemma 2/3)
     logit_softcap: float | None = None  # scores soft-capped: cap * tanh(s / cap) (Gemma 2)
-    # The checkpoint holds q/k/v as one qkv_proj (Phi-3): the plan reads row ranges of it.
+    # The checkpoint holds q/k/v as one module under self_attn (Phi-3's "qkv_proj"): the plan reads
+    # row ranges of its weight.
     fused_qkv_name: str | None = None
 
     def shape_key(self) -> tuple[Any, ...]:
@@ -106,7 +107,7 @@ class MlpSpec:
     activation: str  # "silu", "gelu_tanh", "gelu": gated, act(gate) * up
     bias: bool
     kind: str = "dense"
-    fused_gate_up_name: str | None = None  # the checkpoint holds gate/up as one tensor (Phi-3)
+    fused_gate_up_name: str | None = None  # gate/up as one module under mlp (Phi-3's "gate_up_proj")
 
 
 @dataclass(frozen=True)

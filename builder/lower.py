@@ -311,13 +311,13 @@ def _layer(
             qk_norm_offset=q_norm.weight_offset if q_norm is not None else 0.0,
             sliding_window=int(window) if window else None,
             logit_softcap=float(softcap) if softcap else None,
-            fused_qkv_name=f"{attn}.{parts.qkv[0]}.weight" if len(parts.qkv) == 1 else None,
+            fused_qkv_name=parts.qkv[0] if len(parts.qkv) == 1 else None,
         ),
         mlp=MlpSpec(
             intermediate_size=config.intermediate_size,
             activation=activation,
             bias=down_bias,
-            fused_gate_up_name=f"{mlp_path}.{parts.gate_up[0]}.weight" if len(parts.gate_up) == 1 else None,
+            fused_gate_up_name=parts.gate_up[0] if len(parts.gate_up) == 1 else None,
         ),
         residual_multiplier=residual_multiplier,
         **norms,  # type: ignore[arg-type]

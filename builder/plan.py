@@ -105,8 +105,8 @@ def tensor_layout(model: ModelIR) -> list[TensorPlan]:
     for layer in model.layers:
         p, o = layer.hf_prefix, f"layers.{layer.index}"
         attn = f"{p}.self_attn"
-        qkv_fused = a.fused_qkv_name
-        gu_fused = mlp.fused_gate_up_name
+        qkv_fused = f"{attn}.{a.fused_qkv_name}.weight" if a.fused_qkv_name else None
+        gu_fused = f"{p}.mlp.{mlp.fused_gate_up_name}.weight" if mlp.fused_gate_up_name else None
         if layer.attn_in_norm is not None:
             tensors.append(_norm(f"{o}.input_norm.weight", layer.attn_in_norm, (h,)))
         tensors.append(
