@@ -112,3 +112,21 @@ def test_gelu_tanh_and_mul(dtype, d, config):
     x = (torch.randn(5, 2 * d, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
     x[0, :4] = torch.tensor([30.0, -30.0, 0.0, 1e-3])  # saturated tanh both ways, zero, tiny
     close(gelu_tanh_and_mul(x, config), reference.gelu_tanh_and_mul(x), dtype)
+
+
+def test_tuner_times_the_models_soft_cap_and_activation(monkeypatch):
+    """The tune pass times (and so compiles into the artifact) the variants the model runs."""
+    from pagecast.kernels import activation, paged_decode_attention, paged_prefill_attention, problems, tuning
+
+    seen: list[tuple[str, object]] = []
+    for module, name in ((paged_decode_attention, "paged_decode_attention"), (paged_prefill_attention, "paged_prefill_attention")):
+        monkeypatch.setattr(module, name, lambda *a, softcap=0.0, _n=name, **k: seen.append((_n, softcap)))
+    monkeypatch.setattr(activation, "gelu_tanh_and_mul", lambda x, config=None: seen.append(("gelu_tanh", None)))
+    shapes = tuning.ModelShapes(4, 2, 16, 64, 128, 8, "float32", 64, 4, attn_softcap=50.0, activation="gelu_tanh")
+    for kernel, dims in (
+        ("paged_decode_attention", {"num_seqs": 2, "max_seq_len": 64}),
+        ("paged_prefill_attention", {"num_tokens": 16}),
+        ("silu_and_mul", {"num_tokens": 16}),
+    ):
+        problems.make_problem(kernel, shapes, dims, "cpu").launch(None, 0)
+    assert seen == [("paged_decode_attention", 50.0), ("paged_prefill_attention", 50.0), ("gelu_tanh", None)]
