@@ -23,9 +23,7 @@ from pagecast.runtime.errors import BuildError
 
 PROMPTS = [
     "Hello, my name is",
-    "The capital of France is",
-    "一二三四五六七八九十",
-    "def fib(n):\n    return",
+    "一二三四五六七八九十",  # 19 tokens: Phi-3 passes its 32-token original context while generating
     "Once upon a time in a land far, far away, there lived a very old king who",
     " ".join(str(i) for i in range(40)),
 ]
@@ -110,7 +108,7 @@ def test_family_matches_transformers(family, family_llm, tiny_checkpoint_factory
         assert crossed, "no prompt passes Phi-3's original context while generating"
 
     long_ids = tok.encode(LONG, add_special_tokens=False)
-    for ids in (tok.encode(PROMPTS[1], add_special_tokens=False), long_ids):
+    for ids in (tok.encode(PROMPTS[0], add_special_tokens=False), long_ids):
         with torch.no_grad():
             ref = hf(torch.tensor([ids])).logits[0, -1]
         torch.testing.assert_close(engine_last_logits(llm.engine, ids), ref, atol=1e-4, rtol=0)
@@ -145,10 +143,12 @@ def test_gemma2_through_engine_serve(tmp_path, tiny_artifact_factory, tiny_check
     from transformers import AutoTokenizer
 
     art = tiny_artifact_factory("gemma2")
-    proc, base = start_engine_serve([str(art), "--max-num-batched-tokens", "32"], tmp_path / "serve.log")
+    proc, base = start_engine_serve(
+        [str(art), "--max-num-batched-tokens", "32", "--max-num-seqs", "8"], tmp_path / "serve.log"
+    )
     try:
         tok = AutoTokenizer.from_pretrained(str(art / "tokenizer"))
-        prompts = [tok.encode(p, add_special_tokens=False) for p in (LONG, PROMPTS[4])]
+        prompts = [tok.encode(p, add_special_tokens=False) for p in (LONG, PROMPTS[2])]
         model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
         reply = httpx.post(
             f"{base}/v1/completions",
