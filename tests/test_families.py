@@ -152,7 +152,13 @@ def test_gemma2_through_engine_serve(tmp_path, tiny_artifact_factory, tiny_check
         model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
         reply = httpx.post(
             f"{base}/v1/completions",
-            json={"model": model, "prompt": prompts, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True},
+            json={
+                "model": model,
+                "prompt": prompts,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
             timeout=120,
         )
         assert reply.status_code == 200, reply.text
@@ -163,6 +169,22 @@ def test_gemma2_through_engine_serve(tmp_path, tiny_artifact_factory, tiny_check
     hf = hf_model(tiny_checkpoint_factory("gemma2"))
     for ids, text in zip(prompts, texts, strict=True):
         assert text == tok.decode(hf_greedy(hf, ids, MAX_TOKENS), skip_special_tokens=True)
+
+
+def test_gemma2_through_the_triton_kernels(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    """The rendered model's kernel path (windows, soft-caps, GELU-tanh, post-norms) in the Triton
+    interpreter: what runs on a GPU, checked here on the CPU."""
+    from tiny_models import make_checkpoint
+
+    from pagecast.kernels import ops
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", "gemma2", tokenizer=False, vocab_size=512)
+    llm = LLM(_build(ckpt, tmp_path), max_num_batched_tokens=32, max_num_seqs=4)
+    monkeypatch.setattr(ops, "_triton", lambda x: True)
+    prompts = [[1 + (i * 37 + j * 11) % 500 for j in range(n)] for i, n in enumerate([5, 40])]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    hf = hf_model(ckpt)
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 4) for p in prompts]
 
 
 # -- refusals ---------------------------------------------------------------------------------
