@@ -187,6 +187,29 @@ def test_gemma2_through_the_triton_kernels(tmp_path, monkeypatch):  # type: igno
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 4) for p in prompts]
 
 
+TP_CASES = {
+    # Phi-3's fused qkv_proj / gate_up_proj are read as row ranges and cut per rank like separate
+    # tensors (LongRoPE off: these prompts are prefilled in chunks); Gemma 3's (1 + w) norms and
+    # per-head q/k norms stay whole on each rank, its windows and RoPE tables apply per rank.
+    "phi3": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+    "gemma3": {},
+}
+
+
+@pytest.mark.parametrize("family", list(TP_CASES))
+def test_tp2_matches_transformers(family, tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    ckpt = tiny_checkpoint_factory(family, **TP_CASES[family])
+    llm = LLM(_build(ckpt, tmp_path, tp=2), max_num_batched_tokens=32, max_num_seqs=4, kv_cache_memory="4MiB")
+    try:
+        assert llm.engine.runner.workers is not None
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.engine.runner.close()
+    hf = hf_model(ckpt)
+    for out in outputs:
+        assert out.token_ids == hf_greedy(hf, out.prompt_token_ids, 8)
+
+
 # -- refusals ---------------------------------------------------------------------------------
 
 
