@@ -46,6 +46,8 @@ def model_shapes(state: BuildState) -> dict[str, Any]:
         # vocab-parallel LM head's rows, padded to a multiple of tp, gathered).
         "vocab_size": model.vocab_size,
         "logits_stride": per_rank.vocab_per_rank * plan.tp,
+        "attn_softcap": max((layer.attention.logit_softcap or 0.0) for layer in model.layers),
+        "activation": model.mlp.activation,
     }
 
 
