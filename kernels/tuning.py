@@ -192,6 +192,15 @@ def w4a16_bucket(projection: str, num_rows: int) -> str:
     return f"{projection}.m{_ceil_bucket(W4A16_ROW_BUCKETS, num_rows)}"
 
 
+# The FP8 GEMM's row buckets: the W4A16 ones (decode sizes, then prefill chunks).
+FP8_ROW_BUCKETS = W4A16_ROW_BUCKETS
+
+
+def fp8_bucket(projection: str, num_rows: int) -> str:
+    """'<projection>.m<rows>' for the FP8 GEMM, e.g. fp8_bucket('qkv', 3) == 'qkv.m4'."""
+    return f"{projection}.m{_ceil_bucket(FP8_ROW_BUCKETS, num_rows)}"
+
+
 def projection_dims(shapes: ModelShapes) -> dict[str, tuple[int, int]]:
     """(out features N, in features K) of each projection of one layer on this rank."""
     q = shapes.num_heads * shapes.head_dim
