@@ -53,6 +53,7 @@ KERNELS = (
     "silu_and_mul",
     "skinny_gemm",
     "w4a16_gemm",
+    "fp8_gemm",
 )
 
 TIE_TOLERANCE = 0.02  # a later config must beat the best so far by 2% to take its place
@@ -105,6 +106,9 @@ class ModelShapes:
     # o_proj's int4 inputs on this rank when not num_heads * head_dim: an act-order checkpoint's
     # row-parallel shard padded to whole groups (builder/quant.py, row_layout); 0 = not padded.
     o_proj_inputs: int = 0
+    # FP8 (W8A8) projections: "<weights>-<activations>" of builder/fp8.py ("channel-token",
+    # "channel-static", "block-group"); "" = not FP8.
+    fp8: str = ""
 
     def __post_init__(self) -> None:
         if self.num_heads <= 0 or self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
