@@ -100,7 +100,7 @@ _BUILD = Fp8Config(source="build", weights="channel", activations="token", check
 def _check_ignored(names: list[str], key: str) -> None:
     blocking = [
         m for m in names
-        if any(m.endswith(p) or f"{p}." in m or m.endswith(f"{p}$") for p in DECODER_PROJECTIONS)
+        if any(m.endswith((p, f"{p}$")) or f"{p}." in m for p in DECODER_PROJECTIONS)
         or m in ("Linear", "re:.*")
     ]  # fmt: skip
     if blocking:

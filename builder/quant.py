@@ -827,7 +827,7 @@ class Int4Materialiser:
         return shard.rank_tensor(self.read, t, getattr(torch, self.dtype), prepare)
 
 
-def Materialiser(cfg: Any, read: Any, dtype: str, gen: torch.Generator | None, model: Any = None) -> Any:  # noqa: N802
+def Materialiser(cfg: Any, read: Any, dtype: str, gen: torch.Generator | None, model: Any = None) -> Any:
     """What pack takes the quantised parts from: int4 (``Int4Materialiser``) or FP8 (builder/fp8.py)."""
     if fp8.is_fp8(cfg):
         return fp8.Materialiser(cfg, read, gen, model)

@@ -23,12 +23,12 @@ from pagecast.kernels.tuning import (
     KernelConfig,
     decode_bucket,
     decode_fallback_buckets,
+    fp8_bucket,
     lookup,
     prefill_bucket,
     skinny_bucket,
     table_entry,
     token_bucket,
-    fp8_bucket,
     w4a16_bucket,
 )
 
