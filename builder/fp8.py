@@ -447,17 +447,46 @@ def report_lines(tuning: dict[str, Any] | None, cfg: Fp8Config, tp: int = 1) -> 
     entries = ((tuning or {}).get("kernels") or {}).get("fp8_gemm") or {}
     if not entries:
         return lines + ["", "FP8 GEMM not tuned here (CPU artifact or no GPU present): launcher defaults apply."]
+    block = cfg.weights == "block"
     lines += [
         "",
-        "| projection.rows | chosen | time (us) | torch._scaled_mm (us) | roofline fraction |",
+        "Reference: torch._scaled_mm (rowwise scales) where it runs"
+        + (", else (block scales) the half-type F.linear of the same shape" if block else "")
+        + ". Roofline fraction: the larger of the weight-and-rows bytes at the measured copy bandwidth and"
+        " the FLOPs at the GPU's dense FP8 peak, over the chosen time.",
+        "",
+        "| projection.rows | chosen | time (us) | reference (us) | roofline fraction |",
         "|---|---|---|---|---|",
     ]
     for bucket, entry in entries.items():
         config = entry.get("config") or {}
         chosen = "torch._scaled_mm" if config.get("scaled_mm") else ", ".join(f"{k}={v}" for k, v in config.items())
         t, ref = entry.get("time_us"), entry.get("reference_us")
-        frac = entry.get("roofline_fraction")
+        frac = roofline_fraction(tuning or {}, bucket, t)
         lines.append(
             f"| {bucket} | {chosen} | {t or 0:.1f} | {ref or 0:.1f} | {'-' if frac is None else f'{frac:.2f}'} |"
         )
     return lines
+
+
+# Dense FP8 tensor-core peak (FLOP/s) of the GPUs the tuner knows, from the vendors' data sheets (SXM).
+FP8_PEAK_FLOPS = {"h100": 1979e12, "h200": 1979e12}
+
+
+def roofline_fraction(tuning: dict[str, Any], bucket: str, time_us: float | None) -> float | None:
+    """The bucket's roofline time (its bytes at the table's measured copy bandwidth, or its FLOPs at
+    the GPU's FP8 peak, whichever is longer) over ``time_us``; None where a figure is missing."""
+    from pagecast.kernels import problems
+    from pagecast.kernels import tuning as kernel_tuning
+
+    copy_gbs = tuning.get("copy_bandwidth_gbs")
+    if not time_us or not copy_gbs or not tuning.get("shapes"):
+        return None
+    shapes = kernel_tuning.ModelShapes(**tuning["shapes"])
+    dims = dict(problems.buckets("fp8_gemm", shapes)).get(bucket)
+    if dims is None:
+        return None
+    nbytes, flops = problems.problem_size("fp8_gemm", shapes, dims)
+    peak = FP8_PEAK_FLOPS.get(kernel_tuning.gpu_key(str(tuning.get("device", ""))))
+    ideal_s = max(nbytes / (copy_gbs * 1e9), flops / peak if peak else 0.0)
+    return ideal_s / (time_us * 1e-6)

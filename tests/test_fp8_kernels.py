@@ -238,3 +238,28 @@ def test_gpu_fp8_linear_is_capture_safe() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+def test_report_lists_each_bucket_with_the_scaled_mm_time_and_roofline_fraction() -> None:
+    """report.md's FP8 table from a tuning table as the tuner writes it (no GPU needed)."""
+    from pagecast.builder import fp8
+    from pagecast.kernels.tuning import ModelShapes
+
+    shapes = ModelShapes(num_heads=32, num_kv_heads=8, head_dim=128, hidden=4096, intermediate=14336, block_size=16,
+                         fp8="channel-token")  # fmt: skip
+    table = {
+        "device": "NVIDIA H200", "copy_bandwidth_gbs": 4000.0,
+        "shapes": {**shapes.__dict__, "dtype": "bfloat16", "kv_cache_dtype": "bfloat16"},
+        "kernels": {"fp8_gemm": {
+            "qkv.m1": {"config": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 4, "num_stages": 4},
+                       "time_us": 12.6, "reference_us": 14.0},
+            "down.m8192": {"config": {"scaled_mm": 1, "num_warps": 0, "num_stages": 0}, "time_us": 900.0, "reference_us": 900.0},
+        }},
+    }  # fmt: skip
+    cfg = fp8.read_config(None, "fp8")
+    assert cfg is not None
+    lines = fp8.report_lines(table, cfg)
+    # qkv at one row moves 6144 x 4096 fp8 bytes (+ scales, rows): ~25.2 MB at 4 TB/s is 6.3 us of 12.6.
+    assert any(line.startswith("| qkv.m1 | BLOCK_M=16") and line.endswith("| 12.6 | 14.0 | 0.50 |") for line in lines)
+    # down at 8192 rows: 2 * 8192 * 4096 * 14336 FLOPs at 1979 TFLOP/s is 486 us of 900.
+    assert "| down.m8192 | torch._scaled_mm | 900.0 | 900.0 | 0.54 |" in lines
