@@ -263,3 +263,20 @@ def test_report_lists_each_bucket_with_the_scaled_mm_time_and_roofline_fraction(
     assert any(line.startswith("| qkv.m1 | BLOCK_M=16") and line.endswith("| 12.6 | 14.0 | 0.50 |") for line in lines)
     # down at 8192 rows: 2 * 8192 * 4096 * 14336 FLOPs at 1979 TFLOP/s is 486 us of 900.
     assert "| down.m8192 | torch._scaled_mm | 900.0 | 900.0 | 0.54 |" in lines
+
+
+@pytest.mark.parametrize("activations", ["token", "static"])
+def test_scaled_mm_config_computes_the_reference_product(activations):  # type: ignore[no-untyped-def]
+    """The tuner's {"scaled_mm": 1} choice passes the scales as torch._scaled_mm wants them (rowwise
+    [M, 1] x [1, N]; a static scale expanded to every row). torch runs it on the CPU too."""
+    from pagecast.kernels import fp8_gemm
+
+    qw, sw = _weights(64, 256, block=False)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(3))
+    qx, sx = reference.quantize_fp8_activations(x, activations, torch.tensor([0.01]))
+    bias = torch.randn(64).to(torch.bfloat16)
+    y = fp8_gemm.fp8_gemm(qx, sx, qw, sw, bias, torch.bfloat16, fp8_gemm.SCALED_MM)
+    ref = reference.fp8_gemm(qx, sx, qw, sw, bias, torch.float32)
+    torch.testing.assert_close(y.float(), ref, rtol=1.6e-2, atol=1e-2)
+    # fp16 output is not offered to it: the launcher falls back to the Triton tile.
+    assert not fp8_gemm.scaled_mm_supported(5, 64, 256, False, torch.float16)
