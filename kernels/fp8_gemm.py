@@ -263,11 +263,10 @@ def fp8_gemm(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
     config: Mapping[str, int] | KernelConfig | None = None,
-    weight_t: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """qx e4m3 [M, K] (scales [M] per token, [1] static, or [M, KB] per group) times weight e4m3
     [N, K] (scales [N] or [N, KB]) -> [M, N] in ``out_dtype``, as ``reference.fp8_gemm``.
-    Capture-safe (no host syncs). ``weight_t``: weight.t() for scaled_mm (a view is enough)."""
+    Capture-safe (no host syncs)."""
     m, k = qx.shape
     n = weight.shape[0]
     block = w_scale.dim() == 2
@@ -282,8 +281,8 @@ def fp8_gemm(
         sa = x_scale.reshape(-1, 1)
         if sa.shape[0] != m:
             sa = sa.expand(m, 1).contiguous()
-        wt = weight.t() if weight_t is None else weight_t
-        return torch._scaled_mm(qx, wt, scale_a=sa, scale_b=w_scale.reshape(1, n), bias=bias, out_dtype=out_dtype)
+        # weight.t() is the column-major [K, N] operand torch._scaled_mm wants, as a view.
+        return torch._scaled_mm(qx, weight.t(), scale_a=sa, scale_b=w_scale.reshape(1, n), bias=bias, out_dtype=out_dtype)
     bm, bn, bk, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     if block and GROUP % bk:
         raise ValueError(f"block-scaled fp8_gemm needs BLOCK_K dividing {GROUP}, got {bk}")

@@ -106,8 +106,6 @@ class Fp8LinearWeight:
     activations: str
     # The CPU path keeps the fp8 values as fp32 (exact) instead of converting them every call.
     _float: torch.Tensor | None = field(default=None, repr=False)
-    # The weight transposed ([K, N], column-major for torch._scaled_mm), made on first use.
-    _t: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def shape(self) -> tuple[int, int]:
