@@ -23,6 +23,9 @@ Variants (the quantised checkpoints are made once into WORK/checkpoints and reus
   format (``quant_method: gptq``, checkpoint_format gptq).
 - ``gptq-g32-act``: gptqmodel 7.3.6, the GPTQ algorithm with act-order (``desc_act``, shuffled
   ``g_idx``), symmetric, group 32, calibrated on text disjoint from the scored text.
+- ``fp8``: the embedded float model built with ``--quant fp8`` (e4m3 weights per output channel,
+  activations per token at run time; no tool, no data), scored against transformers running the
+  float model: the row is FP8's accuracy cost, held to 1% (issue 29), not a parity check.
 
 SmolLM2's hidden size 576 rules out group 128. The text scored is license-clean and local (no hub):
 topics of the Python language reference shipped with the interpreter (``pydoc_data.topics``, PSF
@@ -76,8 +79,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-VARIANTS = ("float", "awq-g64", "gptq-g64", "gptq-g32-act")
+VARIANTS = ("float", "awq-g64", "gptq-g64", "gptq-g32-act", "fp8")
 TOLERANCE = 0.005
+# --quant fp8 changes the model (W8A8 rounding of every projection and activation): it is held to
+# 1% of the float model (issue 29), not to the 0.5% parity of a reader against its reference.
+TOLERANCES = {"fp8": 0.01}
 TASK = "pagecast_pydoc_ppl"
 
 
@@ -226,7 +232,7 @@ def quantise(variant: str, src: Path, dst: Path, calibration_file: Path) -> None
 
 def checkpoint(work: Path, variant: str, src: Path, calibration: list[str]) -> Path:
     """The variant's checkpoint directory (made once, then reused)."""
-    if variant == "float":
+    if variant in ("float", "fp8"):  # fp8 is quantised by enginebuild itself
         return src
     dst = work / "checkpoints" / variant
     if (dst / "config.json").is_file():
@@ -335,7 +341,7 @@ def build(work: Path, variant: str, ckpt: Path, gpu: str, max_length: int, extra
     artifact = work / "artifacts" / tag
     if (artifact / "manifest.json").is_file():
         return artifact
-    quant = [] if variant == "float" else ["--quant", "awq" if variant.startswith("awq") else "gptq"]
+    quant = [] if variant == "float" else ["--quant", variant if variant == "fp8" else "awq" if variant.startswith("awq") else "gptq"]
     cmd = [_script("enginebuild"), "--model", str(ckpt), "--gpu", gpu, "--output", str(artifact), "--force",
            "--quiet", "--max-model-len", str(max(2048, 2 * max_length)), *quant, *extra]  # fmt: skip
     print(f"[{variant}] {shlex.join(cmd)}", flush=True)
@@ -507,9 +513,9 @@ def main() -> None:
         ours = score_pagecast(tasks, artifact, ckpt, work / "logs" / f"serve-{artifact.name}.log", args.max_length,
                               args.batch_size)  # fmt: skip
         refs = {"checkpoint": [ckpt], "dequant": [], "both": [ckpt]}[args.reference]
-        if variant != "float" and args.reference in ("dequant", "both"):
+        if variant not in ("float", "fp8") and args.reference in ("dequant", "both"):
             refs.append(dequantize_checkpoint(ckpt, work / "checkpoints" / f"{variant}-dequant"))
-        elif variant == "float" and args.reference == "dequant":
+        elif variant in ("float", "fp8") and args.reference == "dequant":
             refs = [ckpt]
         for ref in refs:
             theirs = score_transformers(
@@ -518,7 +524,7 @@ def main() -> None:
             kind = (
                 "dequant"
                 if ref.name.endswith("-dequant")
-                else ("float" if variant == "float" else "checkpoint")
+                else ("float" if variant in ("float", "fp8") else "checkpoint")
             )
             rows.append(record(work, variant, kind, extra, text, ours, theirs))
     print_table(rows, extra)
@@ -532,6 +538,7 @@ def record(work: Path, variant: str, reference: str, extra: list[str], text: dic
         return math.exp(math.log(word_ppl) * text["words"] / text["tokens"])
 
     rel = ours["word_perplexity"] / theirs["word_perplexity"] - 1
+    tolerance = TOLERANCES.get(variant, TOLERANCE)
     row = {
         "variant": variant,
         "reference": reference,
@@ -540,6 +547,8 @@ def record(work: Path, variant: str, reference: str, extra: list[str], text: dic
         "transformers_word_ppl": round(theirs["word_perplexity"], 4),
         "rel_diff": round(rel, 6),
         "within_0.5pct": abs(rel) <= TOLERANCE,
+        "tolerance": tolerance,
+        "within_tolerance": abs(rel) <= tolerance,
         "pagecast_token_ppl": round(token_ppl(ours["word_perplexity"]), 4),
         "transformers_token_ppl": round(token_ppl(theirs["word_perplexity"]), 4),
         "pagecast_bits_per_byte": round(ours["bits_per_byte"], 5),
@@ -559,13 +568,13 @@ def print_table(rows: list[dict[str, Any]], extra: list[str]) -> None:
     print()
     if extra:
         print(f"pagecast built with: {' '.join(extra)}")
-    head = f"{'variant':<14}{'reference':<12}{'pagecast ppl':>14}{'transformers ppl':>18}{'rel diff':>11}  within 0.5%"
+    head = f"{'variant':<14}{'reference':<12}{'pagecast ppl':>14}{'transformers ppl':>18}{'rel diff':>11}  within (0.5%; fp8 1%)"
     print(head)
     print("-" * len(head))
     for r in rows:
         print(
             f"{r['variant']:<14}{r['reference']:<12}{r['pagecast_word_ppl']:>14.4f}{r['transformers_word_ppl']:>18.4f}"
-            f"{100 * r['rel_diff']:>+10.3f}%  {'yes' if r['within_0.5pct'] else 'NO'}"
+            f"{100 * r['rel_diff']:>+10.3f}%  {'yes' if r.get('within_tolerance', r['within_0.5pct']) else 'NO'}"
         )
     if rows:
         t = rows[0]["text"]

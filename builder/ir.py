@@ -38,8 +38,8 @@ class BuildOptions:
             raise ValueError(f"--dtype must be auto, float32, float16 or bfloat16 (got {self.dtype!r})")
         if self.tp < 1:
             raise ValueError(f"--tp must be at least 1 (got {self.tp})")
-        if self.quant not in (None, "awq", "gptq"):
-            raise ValueError(f"--quant must be awq or gptq (got {self.quant!r})")
+        if self.quant not in (None, "awq", "gptq", "fp8"):
+            raise ValueError(f"--quant must be awq, gptq or fp8 (got {self.quant!r})")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"--load-format must be auto or dummy (got {self.load_format!r})")
         if self.max_model_len is not None and self.max_model_len < 2:

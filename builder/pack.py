@@ -21,7 +21,7 @@ from pagecast.builder.safetensors_writer import StreamingSafetensorsWriter
 from pagecast.runtime.errors import BuildError
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-STORED_DTYPES = {**TORCH_DTYPES, "int32": torch.int32, "int8": torch.int8}  # int4 parts (builder/quant.py)
+STORED_DTYPES = {**TORCH_DTYPES, "int32": torch.int32, "int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn}  # int4 / fp8 parts
 
 
 def _random(t: TensorPlan, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:

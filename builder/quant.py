@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from pagecast.builder import fp8
 from pagecast.kernels import reference
 from pagecast.kernels.quant_linear import scale_dtype_for
 from pagecast.runtime.errors import BuildError
@@ -643,7 +644,9 @@ def plan_tensors(
     (``row_layout``; refused where a slice would cut a group); o_proj's act-order layout is read
     from the checkpoint's g_idx (``read``; None for dummy weights). down_proj holds no perm: its
     act-order is folded into gate_up's output order. Embedding, norms, biases and the LM head stay
-    as they are (half type)."""
+    as they are (half type). An FP8 build's parts are planned by builder/fp8.py."""
+    if fp8.is_fp8(cfg):
+        return fp8.plan_tensors(tensors, cfg, read)
     out: list[Any] = []
     scale_dtype = str(scale_dtype_for(dtype)).removeprefix("torch.")
     layouts: dict[str, list[RowShard]] = {}
@@ -706,6 +709,8 @@ def plan_tensors(
 def check_tensors(tensors: list[Any], cfg: QuantConfig, shapes: dict[str, tuple[int, ...]]) -> None:
     """Every projection's checkpoint modules exist in ``cfg``'s format with the planned [N, K]
     (the whole float layout, before any tensor-parallel cut)."""
+    if fp8.is_fp8(cfg):
+        return fp8.check_tensors(tensors, cfg, shapes)
     for t in tensors:
         if is_projection(t):
             n_total, k = t.shape
@@ -740,7 +745,7 @@ def projection_dims(model: Any) -> dict[str, tuple[int, int, tuple[int, ...] | N
     return out
 
 
-class Materialiser:
+class Int4Materialiser:
     """Repacks each projection once and hands out every rank's parts in the planned order.
 
     pack writes the ranks' files side by side, tensor by tensor, so a projection's parts for all
@@ -822,9 +827,16 @@ class Materialiser:
         return shard.rank_tensor(self.read, t, getattr(torch, self.dtype), prepare)
 
 
+def Materialiser(cfg: Any, read: Any, dtype: str, gen: torch.Generator | None, model: Any = None) -> Any:
+    """What pack takes the quantised parts from: int4 (``Int4Materialiser``) or FP8 (builder/fp8.py)."""
+    if fp8.is_fp8(cfg):
+        return fp8.Materialiser(cfg, read, gen, model)
+    return Int4Materialiser(cfg, read, dtype, gen, model)
+
+
 def weight_bytes(tensors: list[Any], dtype_bytes: int) -> int:
     """Bytes of the planned tensors (quantised parts at their own element size)."""
-    sizes = {"int32": 4, "int8": 1, "float16": 2, "bfloat16": 2, "float32": 4}
+    sizes = {"int32": 4, "int8": 1, "float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
     total = 0
     for t in tensors:
         n = 1
@@ -852,6 +864,8 @@ def read_checkpoint_config(path: Any, requested: str | None, dummy: bool) -> Qua
 
     if kv_cache.is_kv_cache_only(qc):  # float weights; the KV scales are read by --kv-cache-dtype fp8
         qc = None
+    if requested == "fp8" or str((qc or {}).get("quant_method", "")).lower() in fp8.FP8_METHODS:
+        return fp8.read_config(qc, requested)
     return read_config(qc, requested, dummy)
 
 
@@ -859,6 +873,8 @@ def linear_method_source(cfg: QuantConfig | None) -> str:
     """The model template's ``LINEAR = ...`` (kernels/quant_linear.py) for this build."""
     if cfg is None:
         return "quant_linear.DenseLinear()"
+    if fp8.is_fp8(cfg):
+        return fp8.linear_method_source(cfg)
     return f"quant_linear.Int4Linear(method={cfg.method!r}, group_size={cfg.group_size})"
 
 
@@ -868,6 +884,8 @@ def report_lines(tuning: dict[str, Any] | None, cfg: QuantConfig | None, tp: int
     the half-type cuBLAS time."""
     if cfg is None:
         return []
+    if fp8.is_fp8(cfg):
+        return fp8.report_lines(tuning, cfg, tp)
     g = "per channel" if cfg.group_size == -1 else f"group size {cfg.group_size}"
     lines = [
         "",

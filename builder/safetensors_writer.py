@@ -14,7 +14,8 @@ from typing import BinaryIO
 
 import torch
 
-_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32", torch.int8: "I8"}
+_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32", torch.int8: "I8",
+           torch.float8_e4m3fn: "F8_E4M3"}
 
 
 class StreamingSafetensorsWriter:

@@ -194,7 +194,7 @@ def rank_tensors(tensors: tuple[TensorPlan, ...] | list[TensorPlan], rank: int) 
     return [t for t in tensors if t.rank == rank]
 
 
-STORED_BYTES = {"int32": 4, "int8": 1, "float16": 2, "bfloat16": 2, "float32": 4}  # TensorPlan.dtype
+STORED_BYTES = {"int32": 4, "int8": 1, "float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}  # TensorPlan.dtype
 
 
 def rank_weight_bytes(tensors: tuple[TensorPlan, ...] | list[TensorPlan], elt: int) -> int:

@@ -17,12 +17,13 @@ from typing import Any
 import torch
 
 from pagecast.kernels import reference
-from pagecast.kernels.quant_linear import Int4LinearWeight
+from pagecast.kernels.quant_linear import Fp8LinearWeight, Int4LinearWeight
 from pagecast.kernels.tuning import (
     SKINNY_ROW_BUCKETS,
     KernelConfig,
     decode_bucket,
     decode_fallback_buckets,
+    fp8_bucket,
     lookup,
     prefill_bucket,
     skinny_bucket,
@@ -99,6 +100,7 @@ def decode_attention_config(num_seqs: int, max_seq_len: int) -> KernelConfig | N
 def _kernels() -> SimpleNamespace:
     from pagecast.kernels import (
         activation,
+        fp8_gemm,
         paged_decode_attention,
         paged_prefill_attention,
         rms_norm,
@@ -110,6 +112,7 @@ def _kernels() -> SimpleNamespace:
 
     return SimpleNamespace(
         skinny_gemm=skinny_gemm.skinny_gemm,
+        fp8_linear=fp8_gemm.fp8_linear,
         w4a16_gemm=w4a16_gemm.w4a16_gemm,
         w4a16_silu_and_mul_gemm=w4a16_gemm.w4a16_silu_and_mul_gemm,
         fuses_silu_and_mul=w4a16_tcgemv.fuses_silu_and_mul,
@@ -124,15 +127,19 @@ def _kernels() -> SimpleNamespace:
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor | Int4LinearWeight, bias: torch.Tensor | None, projection: str
+    x: torch.Tensor, weight: torch.Tensor | Int4LinearWeight | Fp8LinearWeight, bias: torch.Tensor | None, projection: str
 ) -> torch.Tensor:
     """A layer's projection (qkv, o, gate_up, down): F.linear, except for decode batches of up
     to 16 rows where the tuning table chose the skinny GEMM kernel for this projection (the
     launcher itself falls back to F.linear for other batches and for the table's torch choice).
     An int4 weight (quant_linear.Int4Linear) runs the W4A16 GEMM with the table's config for
-    this projection and row bucket (dequantize + cuBLAS where that won)."""
+    this projection and row bucket (dequantize + cuBLAS where that won). An FP8 weight
+    (quant_linear.Fp8Linear) quantises x and runs the FP8 GEMM, or torch._scaled_mm where the
+    table chose it; on the CPU the exact emulation (reference.fp8_linear)."""
     if isinstance(weight, Int4LinearWeight):
         return _int4_linear(x, weight, bias, projection)
+    if isinstance(weight, Fp8LinearWeight):
+        return _fp8_linear(x, weight, bias, projection)
     if not _triton(x) or x.shape[0] > SKINNY_ROW_BUCKETS[-1]:
         return reference.linear(x, weight, bias)
     cfg = _config("skinny_gemm", skinny_bucket(projection, x.shape[0]))
@@ -145,6 +152,13 @@ def _int4_linear(x: torch.Tensor, w: Int4LinearWeight, bias: torch.Tensor | None
         return reference.linear(xp, w.dense(x.dtype), bias)
     cfg = _config("w4a16_gemm", w4a16_bucket(projection, x.shape[0]))
     return _kernels().w4a16_gemm(x, w.qweight, w.scales, w.zeros, w.perm, w.group_size, bias, cfg)  # type: ignore[no-any-return]
+
+
+def _fp8_linear(x: torch.Tensor, w: Fp8LinearWeight, bias: torch.Tensor | None, projection: str) -> torch.Tensor:
+    if not _triton(x):
+        return reference.fp8_linear(x, w.weight, w.weight_scale, w.activations, w.input_scale, bias, w.as_float())
+    cfg = _config("fp8_gemm", fp8_bucket(projection, x.shape[0]))
+    return _kernels().fp8_linear(x, w, bias, cfg)  # type: ignore[no-any-return]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -342,7 +356,7 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 def row_parallel_linear(
     x: torch.Tensor,
-    weight: torch.Tensor | Int4LinearWeight,
+    weight: torch.Tensor | Int4LinearWeight | Fp8LinearWeight,
     bias: torch.Tensor | None,
     projection: str,
     silu_and_mul_first: bool = False,
@@ -370,7 +384,7 @@ FUSE_SILU_DOWN = True
 
 def _linear_of(
     x: torch.Tensor,
-    weight: torch.Tensor | Int4LinearWeight,
+    weight: torch.Tensor | Int4LinearWeight | Fp8LinearWeight,
     bias: torch.Tensor | None,
     projection: str,
     silu_and_mul_first: bool,

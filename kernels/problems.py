@@ -20,9 +20,11 @@ import torch
 
 from pagecast.kernels import (
     activation,
+    fp8_gemm,
     fused_moe,
     paged_decode_attention,
     paged_prefill_attention,
+    reference,
     rms_norm,
     rotary_kv,
     skinny_gemm,
@@ -33,6 +35,7 @@ from pagecast.kernels.quant_linear import scale_dtype_for
 from pagecast.kernels.tuning import (
     DECODE_BATCH_BUCKETS,
     DECODE_CONTEXT_BUCKETS,
+    FP8_ROW_BUCKETS,
     MOE_TOKEN_BUCKETS,
     PREFILL_TOKEN_BUCKETS,
     PROJECTIONS,
@@ -103,9 +106,18 @@ def buckets(kernel: str, shapes: ModelShapes) -> list[tuple[str, dict[str, int]]
             for m in W4A16_ROW_BUCKETS
             for i, name in enumerate(PROJECTIONS)
         ]
+    if kernel == "fp8_gemm":
+        if not shapes.fp8:
+            return []
+        nk = projection_dims(shapes)
+        return [
+            (f"{name}.m{m}", {"projection": i, "n": nk[name][0], "k": nk[name][1], "num_rows": m})
+            for m in FP8_ROW_BUCKETS
+            for i, name in enumerate(PROJECTIONS)
+        ]
     if kernel == "skinny_gemm":
-        if shapes.quant_group_size:
-            return []  # the projections are int4: the skinny GEMM never runs
+        if shapes.quant_group_size or shapes.fp8:
+            return []  # the projections are int4 / fp8: the skinny GEMM never runs
         nk = projection_dims(shapes)
         return [
             (f"{name}.m{m}", {"projection": i, "n": nk[name][0], "k": nk[name][1], "num_rows": m})
@@ -146,6 +158,10 @@ def problem_size(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> tupl
     if kernel == "skinny_gemm":  # the weight once, the rows in and out
         m, n, k = dims["num_rows"], dims["n"], dims["k"]
         return (n * k + m * k + m * n) * e, 0
+    if kernel == "fp8_gemm":  # fp8 weight and its fp32 scales once; the rows in (half), quantised, out
+        m, n, k = dims["num_rows"], dims["n"], dims["k"]
+        scales = n * 4 * (-(-k // fp8_gemm.GROUP) if shapes.fp8.startswith("block") else 1)
+        return n * k + scales + (m * k + m * n) * e, 2 * m * n * k
     if kernel == "w4a16_gemm":  # packed weight, fp16 scales, int8 zeros once; the rows in and out
         m, n, k = dims["num_rows"], dims["n"], dims["k"]
         groups = k // _group_size(shapes, k)
@@ -195,6 +211,10 @@ def config_space(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> list
             fused_moe.CONFIG_SPACE, dims["num_tokens"], shapes.top_k, shapes.num_experts, shapes.hidden,
             shapes.moe_intermediate, elt=_elt(shapes), allow_naive=dims["num_tokens"] > shapes.max_num_seqs,
         )  # fmt: skip
+    if kernel == "fp8_gemm":
+        return fp8_gemm.prune_configs(
+            fp8_gemm.CONFIG_SPACE, dims["num_rows"], dims["n"], dims["k"], _fp8_block(shapes), shapes.torch_dtype
+        )
     if kernel == "w4a16_gemm":
         return w4a16_gemm.prune_configs(
             w4a16_gemm.CONFIG_SPACE, dims["num_rows"], dims["n"], dims["k"], num_sms(),
@@ -226,12 +246,20 @@ def default_config(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> Ke
             dims["num_tokens"], shapes.top_k, shapes.num_experts, shapes.hidden, shapes.moe_intermediate, num_sms(),
             _elt(shapes),
         )
+    if kernel == "fp8_gemm":
+        return fp8_gemm.default_config(
+            dims["num_rows"], dims["n"], dims["k"], _fp8_block(shapes), shapes.torch_dtype, num_sms()
+        )
     if kernel == "w4a16_gemm":
         return w4a16_gemm.default_config(
             dims["num_rows"], dims["n"], dims["k"], num_sms(),
             tc=_w4a16_tc(shapes, dims), **_w4a16_sizes(shapes, dims),
         )  # fmt: skip
     raise ValueError(f"unknown kernel {kernel!r}")
+
+
+def _fp8_block(shapes: ModelShapes) -> bool:
+    return shapes.fp8.startswith("block")
 
 
 def _group_size(shapes: ModelShapes, k: int) -> int:
@@ -352,6 +380,8 @@ def make_problem(
 
     if kernel == "w4a16_gemm":
         return _w4a16_problem(shapes, dims, bucket, device, dg, nbytes, flops)
+    if kernel == "fp8_gemm":
+        return _fp8_problem(shapes, dims, bucket, device, dg, nbytes, flops)
 
     if kernel == "fused_moe":
         return _moe_problem(shapes, dims, bucket, device, dg, nbytes, flops)
@@ -564,3 +594,45 @@ def _moe_problem(
     return Problem(
         "fused_moe", bucket, launch, sets_per_sample, nbytes, flops, reference=lambda cfg, i_set: naive(i_set)
     )
+
+
+def _fp8_problem(
+    shapes: ModelShapes, dims: dict[str, int], bucket: str, device: torch.device, dg: torch.Generator,
+    nbytes: int, flops: int,
+) -> Problem:  # fmt: skip
+    """Random FP8 weights of one projection in the artifact layout (several, so each launch reads
+    its weight from memory), launched as serving launches them: the activation quantisation, then
+    the GEMM (or torch._scaled_mm, the {"scaled_mm": 1} config). The reference, timed for the
+    report, is torch._scaled_mm with rowwise scales where it runs (bf16, per-channel weights), else
+    the half-type F.linear of the same shape."""
+    from pagecast.kernels.quant_linear import Fp8LinearWeight
+
+    m, n, k = dims["num_rows"], dims["n"], dims["k"]
+    dtype = shapes.torch_dtype
+    weights_kind, _, activations = shapes.fp8.partition("-")
+    block = weights_kind == "block"
+    num_sets = max(1, min(MAX_LAUNCHES, math.ceil(COLD_BYTES / (n * k))))
+    weights = []
+    for _ in range(num_sets):
+        w = torch.randn((n, k), generator=dg, device=device) * 0.02
+        q, s = reference.quantize_fp8_groups(w) if block else reference.quantize_fp8_rows(w)
+        inp = torch.tensor([0.05], device=device) if activations == "static" else None
+        weights.append(Fp8LinearWeight(q, s, inp, activations))
+    rows = torch.randn((m, k), generator=dg, device=device, dtype=dtype)
+
+    def gemm(cfg: KernelConfig | None, i: int) -> object:
+        return fp8_gemm.fp8_linear(rows, weights[i % num_sets], None, cfg)
+
+    if fp8_gemm.scaled_mm_supported(m, n, k, block, dtype):
+
+        def reference_gemm(cfg: KernelConfig | None, i: int) -> object:
+            return fp8_gemm.fp8_linear(rows, weights[i % num_sets], None, fp8_gemm.SCALED_MM)
+
+    else:
+        dense_sets = max(1, min(MAX_LAUNCHES, math.ceil(COLD_BYTES / (n * k * _elt(shapes)))))
+        dense = [torch.randn((n, k), generator=dg, device=device, dtype=dtype) for _ in range(dense_sets)]
+
+        def reference_gemm(cfg: KernelConfig | None, i: int) -> object:
+            return torch.nn.functional.linear(rows, dense[i % dense_sets])
+
+    return Problem("fp8_gemm", bucket, gemm, num_sets, nbytes, flops, reference=reference_gemm)

@@ -7,7 +7,11 @@ whatever the format; the artifact's model.py names its method once (``LINEAR = .
 - ``DenseLinear``: the half-type ``[N, K]`` weight as it is (F.linear or the skinny GEMM);
 - ``Int4Linear``: AWQ and GPTQ checkpoints, repacked by the builder (``builder/quant.py``)
   into one layout, held as an ``Int4LinearWeight`` and run by the W4A16 GEMM
-  (``kernels/w4a16_gemm.py``) on the GPU, by the exact dequantized reference on the CPU.
+  (``kernels/w4a16_gemm.py``) on the GPU, by the exact dequantized reference on the CPU;
+- ``Fp8Linear``: FP8 (W8A8, e4m3) weights with per-channel or 128x128-block scales
+  (``builder/fp8.py``), held as an ``Fp8LinearWeight`` and run by the FP8 GEMM
+  (``kernels/fp8_gemm.py``, or ``torch._scaled_mm`` where the tuner found it faster) on the GPU,
+  by the exact emulation (``reference.fp8_linear``) on the CPU.
 """
 
 from __future__ import annotations
@@ -84,4 +88,54 @@ class Int4Linear:
                 perm,
                 group_size=qweight.shape[0] * 8 // scales.shape[0],  # type: ignore[arg-type]
             )
+        return out
+
+
+FP8_PARTS = ("weight", "weight_scale", "input_scale")
+
+
+@dataclass
+class Fp8LinearWeight:
+    """One projection's FP8 weight (builder/fp8.py's layout): e4m3 ``weight`` [N, K] and fp32
+    ``weight_scale`` [N] (per channel) or [N, ceil(K / 128)] (128-column blocks); ``activations``
+    says how the input is quantised ("token", "group" or "static" with ``input_scale``)."""
+
+    weight: torch.Tensor  # float8_e4m3fn [N, K]
+    weight_scale: torch.Tensor  # float32 [N] or [N, KB]
+    input_scale: torch.Tensor | None  # float32 [1], static activations only
+    activations: str
+    # The CPU path keeps the fp8 values as fp32 (exact) instead of converting them every call.
+    _float: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.weight.shape[0], self.weight.shape[1]
+
+    @property
+    def block(self) -> bool:
+        return self.weight_scale.dim() == 2
+
+    def as_float(self) -> torch.Tensor:
+        if self._float is None:
+            self._float = self.weight.float()
+        return self._float
+
+
+@dataclass(frozen=True)
+class Fp8Linear:
+    """FP8 weights: ``weights`` "channel" or "block", ``activations`` "token", "group" or "static"."""
+
+    weights: str
+    activations: str
+
+    def create_weights(self, weights: dict[str, object]) -> dict[str, object]:
+        """Replace each ``P.weight`` (fp8) / ``P.weight_scale`` [/ ``P.input_scale``] by one ``P.weight``."""
+        out = dict(weights)
+        for name in [n for n in weights if n.endswith(".weight_scale")]:
+            prefix = name[: -len(".weight_scale")]
+            w, scale = out.pop(prefix + ".weight"), out.pop(name)
+            inp = out.pop(prefix + ".input_scale", None)
+            assert isinstance(w, torch.Tensor) and isinstance(scale, torch.Tensor)
+            assert inp is None or isinstance(inp, torch.Tensor)
+            out[prefix + ".weight"] = Fp8LinearWeight(w, scale, inp, self.activations)
         return out

@@ -285,6 +285,110 @@ def w4a16_linear(
     return linear(x, dequantize_int4(qweight, scales, zeros, group_size).to(x.dtype), bias)
 
 
+# --- FP8 weights and activations (W8A8, e4m3) --------------------------------------------------
+#
+# The FP8 GEMM's definition. Values are OCP e4m3 (float8_e4m3fn, largest 448). A dynamic scale is
+# amax / 448 (amax clamped to FP8_MIN_AMAX so a zero row divides by something); x / scale is
+# saturated to +-448 and rounded to nearest even by the cast. The product of two e4m3 values is
+# exact in fp32, so the emulation below (fp32 matmul of the fp8 values, then the scales) is the
+# kernel's arithmetic up to the order of the fp32 sums.
+
+FP8_MAX = 448.0
+FP8_MIN_AMAX = 1e-12
+FP8_GROUP = 128  # the block format's 128x128 weight blocks and 1x128 activation groups
+
+
+def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> (e4m3 [M, K], fp32 [M]): one scale per row (activation token, weight channel)."""
+    xf = x.float()
+    scale = xf.abs().amax(-1).clamp_min(FP8_MIN_AMAX) / FP8_MAX
+    return _to_fp8(xf, scale[:, None]), scale
+
+
+def quantize_fp8_groups(x: torch.Tensor, group: int = FP8_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> (e4m3 [M, K], fp32 [M, ceil(K / group)]): one scale per row and ``group`` columns
+    (the last group may be partial)."""
+    xf = x.float()
+    m, k = xf.shape
+    groups = -(-k // group)
+    padded = torch.nn.functional.pad(xf.abs(), (0, groups * group - k)).view(m, groups, group)
+    scale = padded.amax(-1).clamp_min(FP8_MIN_AMAX) / FP8_MAX
+    return _to_fp8(xf, scale.repeat_interleave(group, dim=1)[:, :k]), scale
+
+
+def quantize_fp8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[M, K] -> e4m3 [M, K] with a fixed per-tensor scale (a checkpoint's ``input_scale``)."""
+    return _to_fp8(x.float(), scale.float().reshape(()))
+
+
+def quantize_fp8_activations(
+    x: torch.Tensor, activations: str, input_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activation side of the FP8 GEMM: (e4m3 [M, K], fp32 scale [M] / [M, KB] / [1])."""
+    if activations == "token":
+        return quantize_fp8_rows(x)
+    if activations == "group":
+        return quantize_fp8_groups(x)
+    if activations == "static":
+        assert input_scale is not None
+        return quantize_fp8_static(x, input_scale), input_scale.float().reshape(1)
+    raise ValueError(f"unknown fp8 activation scheme {activations!r}")
+
+
+def fp8_gemm(
+    qx: torch.Tensor,
+    x_scale: torch.Tensor,
+    qw: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    qw_float: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y = (qx @ qw.T) scaled, + bias, in ``out_dtype``. qx e4m3 [M, K] with x_scale fp32 [M]
+    (per token) or [1] (static); qw e4m3 [N, K] with w_scale fp32 [N] (per channel). Block
+    scaling: x_scale [M, KB] and w_scale [N, KB] (groups of 128 along K), each K block's partial
+    product scaled by its two scales. ``qw_float`` is qw as fp32, when the caller keeps it."""
+    wf = qw.float() if qw_float is None else qw_float
+    xf = qx.float()
+    if w_scale.dim() == 2:
+        k = qx.shape[1]
+        acc = torch.zeros(qx.shape[0], qw.shape[0], dtype=torch.float32, device=qx.device)
+        for b in range(w_scale.shape[1]):
+            lo, hi = b * FP8_GROUP, min(k, (b + 1) * FP8_GROUP)
+            acc += (xf[:, lo:hi] @ wf[:, lo:hi].t()) * x_scale[:, b, None] * w_scale[None, :, b]
+    else:
+        acc = (xf @ wf.t()) * x_scale.reshape(-1, 1) * w_scale[None, :]  # [M, 1] per token, [1, 1] static
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(out_dtype)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    qw: torch.Tensor,
+    w_scale: torch.Tensor,
+    activations: str,
+    input_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    qw_float: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The W8A8 linear's exact emulation: quantise x as ``activations`` says, then ``fp8_gemm``."""
+    qx, xs = quantize_fp8_activations(x, activations, input_scale)
+    return fp8_gemm(qx, xs, qw, w_scale, bias, x.dtype, qw_float)
+
+
+def dequantize_fp8(qw: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """An artifact FP8 weight -> fp32 [N, K]: weight x scale (per channel, or per row and 128-column block)."""
+    wf = qw.float()
+    if w_scale.dim() == 2:
+        return wf * w_scale.repeat_interleave(FP8_GROUP, dim=1)[:, : qw.shape[1]]
+    return wf * w_scale[:, None]
+
+
 # --- keyed noise (seeded sampling) -----------------------------------------------------------
 
 # Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11).

@@ -55,6 +55,7 @@ KERNELS = (
     "silu_and_mul",
     "skinny_gemm",
     "w4a16_gemm",
+    "fp8_gemm",
 )
 # Kernels only MoE models have: a build tunes them where its model's ModelShapes has experts
 # (``tune(KERNELS + MOE_KERNELS, ...)``); shipped tables for dense models need no entry.
@@ -120,6 +121,9 @@ class ModelShapes:
     # reads at most its window, the full layers beside it are the larger work.
     attn_softcap: float = 0.0
     activation: str = "silu"  # the gated MLP's activation: "gelu_tanh" times that kernel instead
+    # FP8 (W8A8) projections: "<weights>-<activations>" of builder/fp8.py ("channel-token",
+    # "channel-static", "block-group"); "" = not FP8.
+    fp8: str = ""
 
     def __post_init__(self) -> None:
         if self.num_heads <= 0 or self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
@@ -215,6 +219,15 @@ def w4a16_bucket(projection: str, num_rows: int) -> str:
 def moe_bucket(num_tokens: int) -> str:
     """'t<tokens>' for the fused-MoE kernel, e.g. moe_bucket(3) == 't4'."""
     return f"t{_ceil_bucket(MOE_TOKEN_BUCKETS, num_tokens)}"
+
+
+# The FP8 GEMM's row buckets: the W4A16 ones (decode sizes, then prefill chunks).
+FP8_ROW_BUCKETS = W4A16_ROW_BUCKETS
+
+
+def fp8_bucket(projection: str, num_rows: int) -> str:
+    """'<projection>.m<rows>' for the FP8 GEMM, e.g. fp8_bucket('qkv', 3) == 'qkv.m4'."""
+    return f"{projection}.m{_ceil_bucket(FP8_ROW_BUCKETS, num_rows)}"
 
 
 def projection_dims(shapes: ModelShapes) -> dict[str, tuple[int, int]]:

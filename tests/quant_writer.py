@@ -134,3 +134,83 @@ def write(src: Path, dst: Path, fmt: Format, shared_perm: bool = True) -> tuple[
     config["quantization_config"] = quantization_config(fmt)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst, deq_dir
+
+
+# ---------------------------------------------------------------------------- FP8 (W8A8)
+#
+# Written from the published format descriptions (shared QUANT.md), independently of
+# builder/fp8.py and kernels/reference.py: e4m3 values are x / scale saturated to +-448 and cast
+# (round to nearest even); a weight's scale is its amax / 448 over the tensor (ModelOpt), or over
+# each 128x128 block (the fine-grained format, stored as ``weight_scale_inv``: despite the name,
+# the multiplier that dequantises).
+
+E4M3_MAX = 448.0
+FP8_FORMATS = ("modelopt", "fp8-block")
+
+
+def _e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def fp8_quantise(w: torch.Tensor, fmt: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """nn.Linear.weight [N, K] -> (the module's tensors in ``fmt``, exact fp32 dequantization [N, K])."""
+    w = w.float()
+    n, k = w.shape
+    if fmt == "modelopt":
+        scale = (w.abs().max().clamp_min(1e-12) / E4M3_MAX).reshape(())
+        q = _e4m3(w, scale)
+        return {"weight": q, "weight_scale": scale}, q.float() * scale
+    if fmt == "fp8-block":
+        nb, kb = -(-n // 128), -(-k // 128)
+        scales = torch.empty(nb, kb)
+        q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+        deq = torch.empty(n, k)
+        for i in range(nb):
+            for j in range(kb):
+                block = w[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128]
+                s = block.abs().max().clamp_min(1e-12) / E4M3_MAX
+                scales[i, j] = s
+                qb = _e4m3(block, s)
+                q[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128] = qb
+                deq[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128] = qb.float() * s
+        return {"weight": q, "weight_scale_inv": scales}, deq
+    raise ValueError(f"unknown fp8 format {fmt!r}")
+
+
+def fp8_quantization_config(fmt: str) -> dict[str, object]:
+    if fmt == "modelopt":
+        return {"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": None,
+                "exclude_modules": ["lm_head"]}  # fmt: skip
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+            "modules_to_not_convert": ["lm_head"]}  # fmt: skip
+
+
+def write_fp8(src: Path, dst: Path, fmt: str, input_scales: dict[str, float] | None = None) -> tuple[Path, dict[str, torch.Tensor]]:
+    """Quantise the float checkpoint ``src`` into ``dst`` in ``fmt`` (bf16 for what stays
+    unquantised, as published checkpoints). Returns ``dst`` and every projection's exact fp32
+    dequantization. ModelOpt's static ``input_scale`` of a module is ``input_scales[key]``, the key
+    shared by the modules reading one input (q/k/v, gate/up: ``_input_key``), 0.02 by default."""
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        f.unlink()
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    out, deq = {}, {}
+    for name, t in sorted(tensors.items()):
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and module.rpartition(".")[2] in PROJECTIONS:
+            parts, d = fp8_quantise(t, fmt)
+            out.update({f"{module}.{p}": v for p, v in parts.items()})
+            if fmt == "modelopt":
+                out[f"{module}.input_scale"] = torch.tensor((input_scales or {}).get(_input_key(module), 0.02))
+            deq[name] = d
+        else:
+            out[name] = t.to(torch.bfloat16) if t.is_floating_point() else t
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = fp8_quantization_config(fmt)
+    config["torch_dtype"] = config["dtype"] = "bfloat16"
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst, deq

@@ -1,0 +1,492 @@
+"""FP8 weights and activations (W8A8, OCP e4m3): the checkpoint rules, the build-time quantisation
+of half-type weights, and the one artifact layout the FP8 GEMM reads.
+
+Formats read (``read_config``; anything else is refused by name):
+
+- ``--quant fp8`` on a float checkpoint: e4m3 weights with one fp32 scale per output channel,
+  computed here (amax / 448); activations quantised per token at run time. No calibration.
+- compressed-tensors ``float-quantized`` (llm-compressor): weights per ``channel`` or per
+  ``tensor`` with static per-tensor activations (``input_scale``) or dynamic per-``token`` ones;
+  ``block`` weights of [128, 128] with dynamic 1x128 ``group`` activations (FP8_BLOCK).
+- ModelOpt FP8 (``quant_method: modelopt``, ``quant_algo: FP8``): per-tensor weight and static
+  per-tensor input scales.
+- the fine-grained block format of the Qwen3 / DeepSeek FP8 releases (``quant_method: fp8``,
+  ``weight_block_size: [128, 128]``, ``weight_scale_inv``, dynamic 1x128 activation groups).
+
+Artifact layout, per projection ``P`` (qkv_proj, o_proj, gate_up_proj, down_proj):
+
+    P.weight        float8_e4m3fn [N, K]      the checkpoint's fp8 values, fused along N
+    P.weight_scale  float32 [N]               "channel": W[n, k] = weight[n, k] * scale[n]
+                    float32 [N, ceil(K/128)]  "block": W[n, k] = weight[n, k] * scale[n, k // 128]
+    P.input_scale   float32 [1]               "static" activations only
+
+Per-tensor weight scales become per-channel ones (each output channel repeats its tensor's
+scale): exact, no requantisation, and q/k/v (gate/up) with different per-tensor scales fuse
+without loss. Block scales are stored repeated over the 128 output rows of their block (1/32
+of the fp8 bytes more than [N/128, K/128]), so fused sections and tensor-parallel column cuts
+need not fall on 128-row boundaries; a row-parallel cut must fall on a 128-column boundary.
+Static input scales of fused projections (q/k/v, gate/up: one input) are equal when calibrated on
+the same data; where a checkpoint's differ the largest is kept (no activation clips that did not
+before) and report.md says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagecast.kernels import reference
+from pagecast.runtime.errors import BuildError
+
+FP8_MAX = 448.0
+BLOCK = 128
+PARTS = ("weight", "weight_scale", "input_scale")
+FUSED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+DECODER_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """An FP8 (W8A8) build as the builder understands it; recorded in the manifest.
+
+    ``source``: "build" (quantised here from half-type weights), "compressed-tensors", "modelopt"
+    or "fp8" (block format with ``weight_scale_inv``). ``weights``: "channel" or "block" (the
+    artifact's scale layout; per-tensor checkpoints are held per channel). ``activations``:
+    "token" (dynamic per token), "group" (dynamic per 1x128 group) or "static" (``input_scale``).
+    """
+
+    source: str
+    weights: str
+    activations: str
+    checkpoint_weights: str  # what the checkpoint holds: "channel", "tensor" or "block"
+    method: str = "fp8"
+    block_size: int = 0  # 128 for block weights / group activations
+    group_size: int = 0  # no int4 groups (the W4A16 tuner keys on this)
+
+    def __post_init__(self) -> None:
+        if (self.weights, self.activations) not in (("channel", "token"), ("channel", "static"), ("block", "group")):
+            raise ValueError(f"unsupported fp8 scheme: {self.weights} weights with {self.activations} activations")
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        acts = {
+            "token": "activations quantised per token at run time",
+            "group": "activations quantised per 1x128 group at run time",
+            "static": "activations quantised with the checkpoint's static per-tensor input scale",
+        }[self.activations]
+        weights = {
+            "channel": "per-output-channel weight scales",
+            "tensor": "per-tensor weight scales (held per channel)",
+            "block": "128x128 weight blocks",
+        }[self.checkpoint_weights]
+        origin = "quantised at build from the half-type weights" if self.source == "build" else f"{self.source} checkpoint"
+        return f"FP8 e4m3 W8A8 ({origin}): {weights}, {acts}; embedding and LM head in the half type."
+
+
+def is_fp8(cfg: Any) -> bool:
+    return isinstance(cfg, Fp8Config)
+
+
+# ---------------------------------------------------------------------------- reading the config
+
+_BUILD = Fp8Config(source="build", weights="channel", activations="token", checkpoint_weights="channel")
+
+
+def _check_ignored(names: list[str], key: str) -> None:
+    blocking = [
+        m for m in names
+        if any(m.endswith((p, f"{p}$")) or f"{p}." in m for p in DECODER_PROJECTIONS)
+        or m in ("Linear", "re:.*")
+    ]  # fmt: skip
+    if blocking:
+        raise BuildError(
+            f"the FP8 checkpoint's {key} {blocking} leaves decoder projections unquantised; pagecast fuses "
+            f"q/k/v and gate/up into one FP8 GEMM each and quantises every projection (lm_head may be left out)"
+        )
+
+
+def _compressed_tensors(qc: dict[str, Any]) -> Fp8Config:
+    fmt = str(qc.get("format", "")).lower()
+    groups = qc.get("config_groups") or {}
+    if fmt not in ("float-quantized", "naive-quantized") or not groups:
+        raise BuildError(
+            f"compressed-tensors format {fmt!r} with config_groups {sorted(groups)} is not supported: pagecast reads "
+            f"FP8 'float-quantized' checkpoints (llm-compressor FP8, FP8_DYNAMIC, FP8_BLOCK) only"
+        )
+    if len(groups) != 1:
+        raise BuildError(
+            f"compressed-tensors config_groups {sorted(groups)}: one scheme for every Linear is supported, not "
+            f"{len(groups)} (mixed-precision checkpoints are not)"
+        )
+    group = next(iter(groups.values()))
+    w, a = group.get("weights") or {}, group.get("input_activations")
+    targets = group.get("targets") or []
+    if targets and "Linear" not in targets and not any("proj" in str(t) for t in targets):
+        raise BuildError(f"compressed-tensors targets {targets}: expected 'Linear'")
+    found = (
+        f"weights {w.get('type')} {w.get('num_bits')}-bit {w.get('strategy')}"
+        + (f" {w.get('block_structure')}" if w.get("block_structure") else "")
+        + ("; no activation quantisation" if not a else f"; activations {a.get('type')} {a.get('num_bits')}-bit "
+           f"{a.get('strategy')} {'dynamic' if a.get('dynamic') else 'static'}")
+    )  # fmt: skip
+    refuse = BuildError(
+        f"compressed-tensors scheme not supported ({found}); pagecast reads FP8 e4m3 W8A8: channel weights with "
+        f"dynamic token or static tensor activations, tensor weights with static tensor or dynamic token "
+        f"activations, [128, 128] block weights with dynamic 1x128 group activations (weight-only FP8 and int "
+        f"schemes are not)"
+    )
+    if w.get("type") != "float" or int(w.get("num_bits", 0)) != 8 or not w.get("symmetric", True) or w.get("dynamic"):
+        raise refuse
+    if not a or a.get("type") != "float" or int(a.get("num_bits", 0)) != 8 or not a.get("symmetric", True):
+        raise refuse
+    ws, as_, dynamic = str(w.get("strategy")), str(a.get("strategy")), bool(a.get("dynamic"))
+    _check_ignored([str(m) for m in qc.get("ignore") or []], "ignore list")
+    if ws in ("channel", "tensor") and as_ == "token" and dynamic:
+        return Fp8Config("compressed-tensors", "channel", "token", ws)
+    if ws in ("channel", "tensor") and as_ == "tensor" and not dynamic:
+        return Fp8Config("compressed-tensors", "channel", "static", ws)
+    if ws == "block" and list(w.get("block_structure") or []) == [BLOCK, BLOCK] and as_ == "group" and dynamic:
+        if int(a.get("group_size") or 0) != BLOCK:
+            raise refuse
+        return Fp8Config("compressed-tensors", "block", "group", "block", block_size=BLOCK)
+    raise refuse
+
+
+def _modelopt(qc: dict[str, Any]) -> Fp8Config:
+    algo = str(qc.get("quant_algo") or (qc.get("quantization") or {}).get("quant_algo") or "")
+    if algo.upper() != "FP8":
+        raise BuildError(
+            f"ModelOpt quant_algo {algo!r} is not supported: pagecast reads ModelOpt 'FP8' (per-tensor) checkpoints "
+            f"only (NVFP4, INT4_AWQ, W4A8 and FP8_PB_WO are not)"
+        )
+    _check_ignored([str(m) for m in qc.get("exclude_modules") or qc.get("ignore") or []], "exclude_modules")
+    return Fp8Config("modelopt", "channel", "static", "tensor")
+
+
+def _fine_grained(qc: dict[str, Any]) -> Fp8Config:
+    block = list(qc.get("weight_block_size") or [])
+    scheme = str(qc.get("activation_scheme", "dynamic")).lower()
+    fmt = str(qc.get("fmt", "e4m3")).lower()
+    if fmt != "e4m3":
+        raise BuildError(f"quant_method fp8 with fmt {fmt!r} is not supported (only e4m3)")
+    if block != [BLOCK, BLOCK] or scheme != "dynamic":
+        raise BuildError(
+            f"quant_method fp8 with weight_block_size {block or None} and activation_scheme {scheme!r} is not "
+            f"supported: pagecast reads the [128, 128] block format with dynamic activations (weight_scale_inv)"
+        )
+    _check_ignored([str(m) for m in qc.get("modules_to_not_convert") or []], "modules_to_not_convert")
+    return Fp8Config("fp8", "block", "group", "block", block_size=BLOCK)
+
+
+FP8_METHODS = ("compressed-tensors", "modelopt", "fp8")
+
+
+def read_config(qc: dict[str, Any] | None, requested: str | None) -> Fp8Config | None:
+    """The FP8 build for this checkpoint, or None when it is not FP8 and ``--quant fp8`` was not
+    asked. A float checkpoint with ``--quant fp8`` is quantised at build; an FP8 checkpoint builds
+    FP8 whether or not ``--quant fp8`` is given; ``--quant awq/gptq`` on an FP8 checkpoint, or
+    ``--quant fp8`` on an int4 one, is refused naming what the checkpoint holds."""
+    if not qc:
+        return _BUILD if requested == "fp8" else None
+    method = str(qc.get("quant_method", "<none>")).lower()
+    if method not in FP8_METHODS:
+        if requested == "fp8":
+            raise BuildError(
+                f"--quant fp8: the checkpoint is already quantised (quant_method {method!r}); pagecast quantises "
+                f"only float checkpoints to FP8. Build it as it is (drop --quant) or start from the float weights"
+            )
+        return None
+    cfg = {"compressed-tensors": _compressed_tensors, "modelopt": _modelopt, "fp8": _fine_grained}[method](qc)
+    if requested is not None and requested != "fp8":
+        raise BuildError(
+            f"--quant {requested}: the checkpoint is FP8-quantised ({method}, {cfg.checkpoint_weights} weights, "
+            f"{cfg.activations} activations), not {requested.upper()}; pass --quant fp8 or leave --quant out"
+        )
+    return cfg
+
+
+# ---------------------------------------------------------------------------- one module to the artifact layout
+
+
+def quantise_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Half/fp32 [N, K] -> (e4m3 [N, K], fp32 [N]): per output channel, scale = amax / 448."""
+    return reference.quantize_fp8_rows(w.float())
+
+
+def _scale_tensor(module: str, kind: str, read: Any) -> torch.Tensor:
+    try:
+        s = read(f"{module}.{kind}")
+    except BuildError as e:
+        raise BuildError(f"the FP8 checkpoint has no tensor '{module}.{kind}'; is it complete?") from e
+    s = s.float()
+    if not torch.isfinite(s).all() or bool((s < 0).any()):
+        raise BuildError(f"{module}.{kind} holds NaN, inf or negative scales; the checkpoint is corrupt")
+    return s
+
+
+def read_module(cfg: Fp8Config, module: str, read: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One checkpoint module -> (e4m3 weight [N, K], artifact scale, input scale or None).
+
+    The artifact scale is fp32 [N] (channel) or [N, ceil(K / 128)] (block, repeated over rows)."""
+    w = read(f"{module}.weight")
+    if cfg.source == "build":
+        if w.dtype == torch.float8_e4m3fn:
+            raise BuildError(f"{module}.weight is already fp8 but the checkpoint has no FP8 quantization_config")
+        if not torch.isfinite(w).all():
+            raise BuildError(f"{module}.weight contains NaN or inf; the checkpoint is corrupt")
+        q, s = quantise_weight(w)
+        return q, s, None
+    if w.dtype != torch.float8_e4m3fn:
+        raise BuildError(
+            f"{module}.weight is {str(w.dtype).removeprefix('torch.')}, not float8_e4m3fn, in an FP8 "
+            f"({cfg.source}) checkpoint; mixed float/FP8 projections are not supported"
+        )
+    n, k = w.shape
+    if cfg.checkpoint_weights == "block":
+        s = _scale_tensor(module, "weight_scale_inv" if cfg.source == "fp8" else "weight_scale", read)
+        nb, kb = -(-n // BLOCK), -(-k // BLOCK)
+        if tuple(s.shape) != (nb, kb):
+            raise BuildError(f"{module} block scales have shape {tuple(s.shape)}, expected {(nb, kb)} for [{n}, {k}]")
+        scale = s.repeat_interleave(BLOCK, dim=0)[:n].contiguous()
+    else:
+        s = _scale_tensor(module, "weight_scale", read)
+        if s.numel() == 1:
+            scale = s.reshape(()).expand(n).contiguous()
+        elif s.numel() == n:
+            scale = s.reshape(n).contiguous()
+        else:
+            raise BuildError(f"{module}.weight_scale has shape {tuple(s.shape)}; expected one scale or {n} (per channel)")
+    input_scale = None
+    if cfg.activations == "static":
+        input_scale = _scale_tensor(module, "input_scale", read).reshape(-1)
+        if input_scale.numel() != 1:
+            raise BuildError(f"{module}.input_scale has {input_scale.numel()} values; a static per-tensor scale is one")
+        if float(input_scale) <= 0:
+            raise BuildError(f"{module}.input_scale is {float(input_scale)}; the checkpoint is corrupt")
+    return w, scale, input_scale
+
+
+def random_module(cfg: Fp8Config, n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Random weights of about 0.02 standard deviation in the artifact layout (--load-format dummy)."""
+    w = torch.randn((n, k), generator=gen, device=gen.device) * 0.02
+    if cfg.weights == "block":  # every row its own scale per 128-column block: a valid block layout
+        wq, s = reference.quantize_fp8_groups(w)
+        return wq.cpu(), s.cpu(), None
+    wq, s = reference.quantize_fp8_rows(w)
+    inp = torch.tensor([0.02], dtype=torch.float32) if cfg.activations == "static" else None
+    return wq.cpu(), s.cpu(), inp
+
+
+# ---------------------------------------------------------------------------- the build's hooks
+
+Cut = tuple[int, int, int] | None
+
+
+def is_projection(t: Any) -> bool:
+    base, _, leaf = t.name.rpartition(".")
+    return leaf == "weight" and base.rpartition(".")[2] in FUSED
+
+
+def is_part(t: Any) -> bool:
+    base, _, leaf = t.name.rpartition(".")
+    return leaf in PARTS and base.rpartition(".")[2] in FUSED
+
+
+def _row_cut(t: Any) -> tuple[int, int] | None:
+    cut = t.source_cuts[0] if t.source_cuts else None
+    return None if cut is None or cut[0] != 1 else (cut[1], cut[2])
+
+
+def plan_tensors(tensors: list[Any], cfg: Fp8Config, read: Any = None) -> tuple[list[Any], list[str]]:
+    """Replace each projection weight of the (per-rank) float layout by its FP8 parts, with the
+    same sources and cuts; embedding, norms, biases and LM head stay in the half type. With
+    static activations the fused modules' input scales are read (``read``; None for dummy
+    weights) and a note says where they differ (the largest is used)."""
+    out: list[Any] = []
+    notes: list[str] = []
+    for t in tensors:
+        if not is_projection(t):
+            out.append(t)
+            continue
+        base = t.name.rpartition(".")[0]
+        if cfg.activations == "static" and read is not None and len(t.sources) > 1 and t.rank == 0:
+            statics = [float(read(s.removesuffix(".weight") + ".input_scale").float().reshape(-1)[0]) for s in t.sources]
+            if max(statics) != min(statics):
+                notes.append(
+                    f"{base}: the fused modules' static input scales differ "
+                    f"({', '.join(f'{v:.6g}' for v in statics)}); their shared input uses the largest"
+                )
+        n, k = t.shape
+        row = _row_cut(t)
+        if cfg.weights == "block" and row is not None and k % BLOCK:
+            raise BuildError(
+                f"--tp {row[1]}: {base} is row-parallel and its {k} inputs per rank are not a multiple of the "
+                f"128-column weight block: a rank's slice would cut a block; choose a --tp for which it is"
+            )
+        shapes: dict[str, tuple[tuple[int, ...], str]] = {"weight": ((n, k), "float8_e4m3fn")}
+        shapes["weight_scale"] = ((n,), "float32") if cfg.weights == "channel" else ((n, -(-k // BLOCK)), "float32")
+        if cfg.activations == "static":
+            shapes["input_scale"] = ((1,), "float32")
+        for part, (shape, dtype) in shapes.items():
+            out.append(dataclasses.replace(t, name=f"{base}.{part}", shape=shape, dtype=dtype))
+    return out, notes
+
+
+def check_tensors(tensors: list[Any], cfg: Fp8Config, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Every projection's checkpoint modules exist with the planned [N, K] (and, for an FP8
+    checkpoint, their scales)."""
+    for t in tensors:
+        if not is_projection(t):
+            continue
+        n_total, k = t.shape
+        n_sum = 0
+        for source in t.sources:
+            module = source.removesuffix(".weight")
+            shape = shapes.get(source)
+            if shape is None:
+                raise BuildError(f"the checkpoint has no tensor '{source}'")
+            if len(shape) != 2 or shape[1] != k:
+                raise BuildError(f"{source} has shape {tuple(shape)}, expected [*, {k}]")
+            if cfg.source != "build":
+                name = "weight_scale_inv" if cfg.source == "fp8" else "weight_scale"
+                if f"{module}.{name}" not in shapes:
+                    raise BuildError(f"the FP8 ({cfg.source}) checkpoint has no tensor '{module}.{name}'")
+                if cfg.activations == "static" and f"{module}.input_scale" not in shapes:
+                    raise BuildError(
+                        f"the FP8 ({cfg.source}) checkpoint has static activations but no '{module}.input_scale'"
+                    )
+            n_sum += shape[0]
+        if n_sum != n_total:
+            raise BuildError(f"{', '.join(t.sources)} give {n_sum} output rows, expected {n_total}")
+
+
+def _cut(x: torch.Tensor, cut: Cut, kind: str) -> torch.Tensor:
+    """Cut one source's artifact part as builder.shard cuts its float weight [N, K]: the weight
+    as it is, a scale along N with its rows; a row-parallel (K) cut keeps per-channel scales whole
+    and takes the rank's 128-column blocks of block scales (plan_tensors checked they align)."""
+    from pagecast.builder import shard
+
+    if cut is None or (kind == "weight_scale" and cut[0] == 1 and x.dim() == 1):
+        return x
+    return shard.cut_source(x, cut)
+
+
+class Materialiser:
+    """Converts each projection's checkpoint modules (or quantises the float ones) once and hands
+    every rank its cut of the parts, in the planned order."""
+
+    def __init__(self, cfg: Fp8Config, read: Any, gen: torch.Generator | None, model: Any = None):
+        self.cfg, self.read, self.gen = cfg, read, gen
+        self.dims = _projection_dims(model) if model is not None else {}
+        self._base: str | None = None
+        self._modules: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+
+    def handles(self, t: Any) -> bool:
+        return is_part(t)
+
+    def __call__(self, t: Any) -> torch.Tensor:
+        base, _, part = t.name.rpartition(".")
+        if base != self._base:
+            self._base, self._modules = base, self._whole(base, t)
+        cuts = tuple(t.source_cuts) or (None,) * len(self._modules)
+        if part == "input_scale":
+            scales = [m[2] for m in self._modules]
+            assert all(s is not None for s in scales)
+            return torch.stack([s.reshape(()) for s in scales if s is not None]).amax().reshape(1).float()
+        index = 0 if part == "weight" else 1
+        pieces = [_cut(m[index], cut, part) for m, cut in zip(self._modules, cuts, strict=True)]
+        out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+        return out.contiguous()
+
+    def _whole(self, base: str, t: Any) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        if self.gen is not None:
+            widths = self.dims[base]
+            return [random_module(self.cfg, n, widths[1], self.gen) for n in widths[0]]
+        modules = [s.removesuffix(".weight") for s in t.sources]
+        return [read_module(self.cfg, m, self.read) for m in modules]
+
+
+def _projection_dims(model: Any) -> dict[str, tuple[tuple[int, ...], int]]:
+    """Artifact projection -> (output widths of its fused modules, K) for the whole model."""
+    a, inter, h = model.attention, model.mlp.intermediate_size, model.hidden_size
+    q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    out: dict[str, tuple[tuple[int, ...], int]] = {}
+    for layer in model.layers:
+        o = f"layers.{layer.index}"
+        out[f"{o}.qkv_proj"] = ((q, kv, kv), h)
+        out[f"{o}.o_proj"] = ((h,), q)
+        out[f"{o}.gate_up_proj"] = ((inter, inter), h)
+        out[f"{o}.down_proj"] = ((h,), inter)
+    return out
+
+
+def linear_method_source(cfg: Fp8Config) -> str:
+    return f"quant_linear.Fp8Linear(weights={cfg.weights!r}, activations={cfg.activations!r})"
+
+
+def report_lines(tuning: dict[str, Any] | None, cfg: Fp8Config, tp: int = 1) -> list[str]:
+    lines = ["", "## Quantisation", "", cfg.describe()]
+    if tp > 1:
+        lines += [
+            "",
+            f"Tensor parallel ({tp} ranks): the FP8 weights are cut as the half-type ones, each scale with its rows "
+            f"(qkv_proj, gate_up_proj) or, for o_proj and down_proj, kept whole per channel"
+            + (" / cut at its 128-column blocks" if cfg.weights == "block" else "")
+            + (
+                "; per-token activation scales of o_proj and down_proj are each rank's own (over its input slice)"
+                if cfg.activations == "token"
+                else ""
+            )
+            + ".",
+        ]
+    entries = ((tuning or {}).get("kernels") or {}).get("fp8_gemm") or {}
+    if not entries:
+        return lines + ["", "FP8 GEMM not tuned here (CPU artifact or no GPU present): launcher defaults apply."]
+    block = cfg.weights == "block"
+    lines += [
+        "",
+        "Reference: torch._scaled_mm (rowwise scales) where it runs"
+        + (", else (block scales) the half-type F.linear of the same shape" if block else "")
+        + ". Roofline fraction: the larger of the weight-and-rows bytes at the measured copy bandwidth and"
+        " the FLOPs at the GPU's dense FP8 peak, over the chosen time.",
+        "",
+        "| projection.rows | chosen | time (us) | reference (us) | roofline fraction |",
+        "|---|---|---|---|---|",
+    ]
+    for bucket, entry in entries.items():
+        config = entry.get("config") or {}
+        chosen = "torch._scaled_mm" if config.get("scaled_mm") else ", ".join(f"{k}={v}" for k, v in config.items())
+        t, ref = entry.get("time_us"), entry.get("reference_us")
+        frac = roofline_fraction(tuning or {}, bucket, t)
+        lines.append(
+            f"| {bucket} | {chosen} | {t or 0:.1f} | {ref or 0:.1f} | {'-' if frac is None else f'{frac:.2f}'} |"
+        )
+    return lines
+
+
+# Dense FP8 tensor-core peak (FLOP/s) of the GPUs the tuner knows, from the vendors' data sheets (SXM).
+FP8_PEAK_FLOPS = {"h100": 1979e12, "h200": 1979e12}
+
+
+def roofline_fraction(tuning: dict[str, Any], bucket: str, time_us: float | None) -> float | None:
+    """The bucket's roofline time (its bytes at the table's measured copy bandwidth, or its FLOPs at
+    the GPU's FP8 peak, whichever is longer) over ``time_us``; None where a figure is missing."""
+    from pagecast.kernels import problems
+    from pagecast.kernels import tuning as kernel_tuning
+
+    copy_gbs = tuning.get("copy_bandwidth_gbs")
+    if not time_us or not copy_gbs or not tuning.get("shapes"):
+        return None
+    shapes = kernel_tuning.ModelShapes(**tuning["shapes"])
+    dims = dict(problems.buckets("fp8_gemm", shapes)).get(bucket)
+    if dims is None:
+        return None
+    nbytes, flops = problems.problem_size("fp8_gemm", shapes, dims)
+    peak = FP8_PEAK_FLOPS.get(kernel_tuning.gpu_key(str(tuning.get("device", ""))))
+    ideal_s = max(nbytes / (copy_gbs * 1e9), flops / peak if peak else 0.0)
+    return ideal_s / (time_us * 1e-6)

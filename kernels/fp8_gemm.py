@@ -1,0 +1,316 @@
+"""FP8 GEMM (W8A8, OCP e4m3): y = (quant(x) @ W.T) * scales (+ b), fp32 accumulation.
+
+The weight is in the artifact layout ``builder/fp8.py`` writes:
+
+    weight        float8_e4m3fn [N, K]
+    weight_scale  float32 [N]        per output channel, or
+                  float32 [N, KB]    per output row and 128-column block (KB = ceil(K / 128))
+    input_scale   float32 [1]        static activations only
+
+The activations are quantised first (``quantize_activations``, one launch): per token (scale =
+row amax / 448), per 1x128 group (block weights), or with the static ``input_scale``; e4m3 values
+saturated to +-448, rounded to nearest even. Then one program owns a [BLOCK_M, BLOCK_N] tile of
+y and walks its share of K in BLOCK_K steps. Each step's ``tl.dot`` starts from zero and is added
+into the fp32 accumulator (Hopper's fp8 wgmma accumulates in reduced precision; a fresh dot per
+step promotes every BLOCK_K, as ``max_num_imprecise_acc`` would). Per-channel scaling applies
+x_scale[m] * w_scale[n] once in the epilogue; block scaling applies x_scale[m, kb] *
+w_scale[n, kb] to each step's product (BLOCK_K divides 128, so a step lies in one block).
+Decode batches split K over SPLIT_K programs writing fp32 partials that one sum reduces
+(deterministic). The tuner (kernels/problems.py) times the tiles per projection and row bucket
+against ``torch._scaled_mm`` (rowwise scales, bf16 out: the ``{"scaled_mm": 1}`` config) and
+keeps the faster. ``reference.fp8_linear`` is the definition the kernel is tested against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from pagecast.kernels import reference
+from pagecast.kernels.tuning import KernelConfig
+
+FP8_MAX = reference.FP8_MAX
+GROUP = reference.FP8_GROUP
+SCALED_MM = KernelConfig({"scaled_mm": 1}, num_warps=0, num_stages=0)  # torch._scaled_mm (cuBLASLt)
+
+
+# ---------------------------------------------------------------------------- activation quantisation
+
+
+@triton.jit
+def _quant_act_kernel(
+    x_ptr,  # [M, K] half / fp32
+    q_ptr,  # float8e4nv [M, K]
+    s_ptr,  # fp32 [M] (token), [M, KB] (group) or the static [1] (read)
+    K,
+    stride_xm,
+    MODE: tl.constexpr,  # 0 token, 1 group of GROUP_K, 2 static
+    GROUP_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NUM_BLOCKS: tl.constexpr,  # cdiv(K, BLOCK): a constant of the projection
+    MIN_AMAX: tl.constexpr,
+    QMAX: tl.constexpr,
+):
+    row = tl.program_id(0)
+    x_row = x_ptr + row.to(tl.int64) * stride_xm
+    q_row = q_ptr + row.to(tl.int64) * K
+    if MODE == 1:
+        g = tl.program_id(1)
+        offs = g * GROUP_K + tl.arange(0, GROUP_K)
+        ok = offs < K
+        x = tl.load(x_row + offs, mask=ok, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0), MIN_AMAX) / QMAX
+        q = tl.clamp(tl.math.div_rn(x, scale), -QMAX, QMAX)
+        tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
+        tl.store(s_ptr + row.to(tl.int64) * tl.cdiv(K, GROUP_K) + g, scale)
+    else:
+        if MODE == 2:
+            scale = tl.load(s_ptr).to(tl.float32)
+        else:
+            amax = tl.zeros((BLOCK,), dtype=tl.float32)
+            for i in range(NUM_BLOCKS):
+                offs = i * BLOCK + tl.arange(0, BLOCK)
+                x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(x))
+            scale = tl.maximum(tl.max(amax, axis=0), MIN_AMAX) / QMAX
+            tl.store(s_ptr + row, scale)
+        for i in range(NUM_BLOCKS):
+            offs = i * BLOCK + tl.arange(0, BLOCK)
+            ok = offs < K
+            x = tl.load(x_row + offs, mask=ok, other=0.0).to(tl.float32)
+            q = tl.clamp(tl.math.div_rn(x, scale), -QMAX, QMAX)
+            tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
+
+
+def quantize_activations(
+    x: torch.Tensor, activations: str, input_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], fp32 scales [M] / [M, KB] / [1]) as ``reference.quantize_fp8_activations``."""
+    m, k = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    if activations == "group":
+        s = torch.empty((m, triton.cdiv(k, GROUP)), dtype=torch.float32, device=x.device)
+        grid: tuple[int, ...] = (m, s.shape[1])
+        mode = 1
+    elif activations == "token":
+        s = torch.empty((m,), dtype=torch.float32, device=x.device)
+        grid, mode = (m,), 0
+    elif activations == "static":
+        assert input_scale is not None
+        s = input_scale.float().reshape(1)
+        grid, mode = (m,), 2
+    else:
+        raise ValueError(f"unknown fp8 activation scheme {activations!r}")
+    if m:
+        block = min(1024, triton.next_power_of_2(k))
+        _quant_act_kernel[grid](
+            x, q, s, k, x.stride(0), MODE=mode, GROUP_K=GROUP, BLOCK=block, NUM_BLOCKS=triton.cdiv(k, block),
+            MIN_AMAX=reference.FP8_MIN_AMAX, QMAX=FP8_MAX, num_warps=4,
+        )  # fmt: skip
+    return q, s
+
+
+# ---------------------------------------------------------------------------- the GEMM
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    a_ptr,  # e4m3 [M, K]
+    b_ptr,  # e4m3 [N, K] (the weight, K contiguous)
+    as_ptr,  # fp32 [M] / [1] (channel) or [M, KB] (block)
+    bs_ptr,  # fp32 [N] (channel) or [N, KB] (block)
+    bias_ptr,  # [N] or unused
+    y_ptr,  # [M, N] (SPLIT_K == 1) or fp32 partials [SPLIT_K, M, N]
+    M,
+    N,
+    K,
+    stride_ys,
+    BLOCK_SCALED: tl.constexpr,
+    STATIC_A: tl.constexpr,  # one activation scale (static) instead of one per row
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    K_ITERS: tl.constexpr,
+    GROUP_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    num_kb = tl.cdiv(K, GROUP_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_begin = pid_k * (K_ITERS * BLOCK_K)
+    for i in range(K_ITERS):
+        k0 = k_begin + i * BLOCK_K
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        a = tl.load(a_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptr + offs_n[None, :].to(tl.int64) * K + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        part = tl.dot(a, b)  # [BLOCK_M, BLOCK_N] fp32, promoted into acc every step
+        if BLOCK_SCALED:
+            kb = k0 // GROUP_K
+            kb_ok = kb < num_kb
+            sa = tl.load(as_ptr + offs_m.to(tl.int64) * num_kb + kb, mask=m_ok & kb_ok, other=0.0)
+            sb = tl.load(bs_ptr + offs_n.to(tl.int64) * num_kb + kb, mask=n_ok & kb_ok, other=0.0)
+            acc += part * sa[:, None] * sb[None, :]
+        else:
+            acc += part
+    if not BLOCK_SCALED:
+        if STATIC_A:
+            sa = tl.load(as_ptr + offs_m * 0)
+        else:
+            sa = tl.load(as_ptr + offs_m, mask=m_ok, other=0.0)
+        sb = tl.load(bs_ptr + offs_n, mask=n_ok, other=0.0)
+        acc = acc * sa[:, None] * sb[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        y_ptrs = y_ptr + pid_k * stride_ys + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        tl.store(y_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+_TILES = (
+    # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); wgmma needs BLOCK_M >= 64 to
+    # use all four warps of a warpgroup, but decode tiles of 16 rows waste less of the weight read.
+    (16, 64, 128, 1, 4, 4),
+    (16, 64, 128, 2, 4, 4),
+    (16, 64, 128, 4, 4, 4),
+    (16, 128, 128, 2, 4, 4),
+    (16, 128, 128, 4, 4, 3),
+    (16, 32, 128, 8, 4, 4),
+    (32, 64, 128, 2, 4, 4),
+    (32, 128, 128, 1, 4, 4),
+    (64, 64, 128, 1, 4, 4),
+    (64, 128, 128, 1, 4, 4),
+    (64, 128, 128, 2, 4, 4),
+    (64, 256, 128, 1, 8, 3),
+    (128, 128, 128, 1, 8, 4),
+    (128, 256, 128, 1, 8, 3),
+    (128, 128, 64, 1, 4, 4),
+)
+CONFIG_SPACE: list[KernelConfig] = [SCALED_MM] + [
+    KernelConfig({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": sk}, num_warps=w, num_stages=st)
+    for (m, n, k, sk, w, st) in _TILES
+]
+
+
+def is_scaled_mm(config: KernelConfig | None) -> bool:
+    return config is not None and bool(config.params.get("scaled_mm"))
+
+
+def scaled_mm_supported(m: int, n: int, k: int, block: bool, dtype: torch.dtype) -> bool:
+    """Whether ``torch._scaled_mm`` can run this GEMM: rowwise scales (per-token / per-channel) need
+    a bf16 output and K, N multiples of 16; 128x128 block scales are not offered to it here."""
+    return not block and dtype == torch.bfloat16 and k % 16 == 0 and n % 16 == 0 and m > 0
+
+
+def prune_configs(configs: list[KernelConfig], m: int, n: int, k: int, block: bool, dtype: torch.dtype) -> list[KernelConfig]:
+    """The configs worth timing for an [m, k] x [n, k] GEMM: tiles at most twice as tall as m needs,
+    at least 64 tall from 256 rows; split-K only up to 64 rows and only where each split keeps at
+    least two K steps; scaled_mm where it can run."""
+    out = []
+    for cfg in configs:
+        if is_scaled_mm(cfg):
+            if scaled_mm_supported(m, n, k, block, dtype):
+                out.append(cfg)
+            continue
+        bm, bk, split = cfg["BLOCK_M"], cfg["BLOCK_K"], cfg["SPLIT_K"]
+        if bm > max(16, triton.next_power_of_2(m)) * 2 or (m >= 256 and bm < 64) or (block and GROUP % bk):
+            continue
+        if split > 1 and (m > 64 or triton.cdiv(k, bk * split) < 2):
+            continue
+        out.append(cfg)
+    return out
+
+
+def default_config(m: int, n: int, k: int, block: bool, dtype: torch.dtype, num_sms: int = 132) -> KernelConfig:
+    """Untuned choice: torch._scaled_mm where it runs from 64 rows (prefill is compute-bound and
+    cuBLASLt's fp8 kernels are the known-good ones there), else a tile with enough K splits to give
+    about two programs per multiprocessor."""
+    if m >= 64 and scaled_mm_supported(m, n, k, block, dtype):
+        return SCALED_MM
+    bm = 16 if m <= 16 else (32 if m <= 32 else (64 if m <= 64 else 128))
+    bn, bk = (64 if m <= 32 else 128), 128
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    split = 1
+    while split < 8 and tiles * split < 2 * num_sms and k // (bk * split * 2) >= 2:
+        split *= 2
+    return KernelConfig({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split},
+                        num_warps=8 if bm >= 128 else 4, num_stages=3 if bm >= 128 else 4)  # fmt: skip
+
+
+def fp8_gemm(
+    qx: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    config: Mapping[str, int] | KernelConfig | None = None,
+) -> torch.Tensor:
+    """qx e4m3 [M, K] (scales [M] per token, [1] static, or [M, KB] per group) times weight e4m3
+    [N, K] (scales [N] or [N, KB]) -> [M, N] in ``out_dtype``, as ``reference.fp8_gemm``.
+    Capture-safe (no host syncs)."""
+    m, k = qx.shape
+    n = weight.shape[0]
+    block = w_scale.dim() == 2
+    if weight.dtype != torch.float8_e4m3fn or qx.dtype != torch.float8_e4m3fn or weight.shape[1] != k:
+        raise ValueError(f"fp8_gemm: x {qx.dtype} {tuple(qx.shape)} and weight {weight.dtype} {tuple(weight.shape)}")
+    if block and (tuple(w_scale.shape) != (n, triton.cdiv(k, GROUP)) or tuple(x_scale.shape) != (m, triton.cdiv(k, GROUP))):
+        raise ValueError(f"block scales must be [N, KB] / [M, KB], got {tuple(w_scale.shape)} / {tuple(x_scale.shape)}")
+    cfg = KernelConfig.coerce(config) or default_config(m, n, k, block, out_dtype)
+    if is_scaled_mm(cfg) and not scaled_mm_supported(m, n, k, block, out_dtype):
+        cfg = default_config(m, n, k, block, torch.float32)  # a table entry from another dtype: fall back
+    if is_scaled_mm(cfg):
+        sa = x_scale.reshape(-1, 1)
+        if sa.shape[0] != m:
+            sa = sa.expand(m, 1).contiguous()
+        # weight.t() is the column-major [K, N] operand torch._scaled_mm wants, as a view.
+        return torch._scaled_mm(qx, weight.t(), scale_a=sa, scale_b=w_scale.reshape(1, n), bias=bias, out_dtype=out_dtype)
+    bm, bn, bk, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
+    if block and GROUP % bk:
+        raise ValueError(f"block-scaled fp8_gemm needs BLOCK_K dividing {GROUP}, got {bk}")
+    k_per_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
+    split = triton.cdiv(k, k_per_split)
+    if split == 1:
+        y = torch.empty((m, n), dtype=out_dtype, device=qx.device)
+        stride_ys = 0
+    else:
+        y = torch.empty((split, m, n), dtype=torch.float32, device=qx.device)
+        stride_ys = y.stride(0)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split)
+    _fp8_gemm_kernel[grid](
+        qx, weight, x_scale, w_scale, bias if bias is not None else w_scale, y, m, n, k, stride_ys,
+        BLOCK_SCALED=block, STATIC_A=not block and x_scale.numel() == 1 and m != 1,
+        HAS_BIAS=bias is not None and split == 1,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, K_ITERS=k_per_split // bk, GROUP_K=GROUP,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if split == 1:
+        return y
+    out = y.sum(0)
+    if bias is not None:
+        out += bias.float()
+    return out.to(out_dtype)
+
+
+def fp8_linear(x: torch.Tensor, w: Any, bias: torch.Tensor | None, config: Mapping[str, int] | KernelConfig | None = None) -> torch.Tensor:
+    """x [M, K] @ W.T (+ bias) for an ``quant_linear.Fp8LinearWeight``: quantise x, then ``fp8_gemm``."""
+    qx, sx = quantize_activations(x, w.activations, w.input_scale)
+    return fp8_gemm(qx, sx, w.weight, w.weight_scale, bias, x.dtype, config)

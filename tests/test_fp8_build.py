@@ -1,0 +1,344 @@
+"""FP8 (W8A8) builds end to end on the CPU, in fp32: checkpoints written by llm-compressor
+(committed under tests/fixtures/fp8/, made by its make_fixtures.py), ModelOpt and fine-grained
+block checkpoints written by tests/quant_writer.py, and ``--quant fp8`` on a float checkpoint.
+
+The reference is transformers running the float model with every projection's weight replaced by
+its dequantised value (fp8 x scale, computed here from the checkpoint's tensors as the format
+documents it, not by pagecast's reader) and every projection's input fake-quantised the same
+way (per token, per 1x128 group or with the static input scale; quantise then dequantise): the
+"same activation quantisation". The artifact runs the exact CPU emulation (fp32 matmul of the
+e4m3 values, then the scales), so greedy tokens must agree.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import build_artifact
+from engine_utils import engine_last_logits, hf_greedy
+from quant_writer import write_fp8
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from pagecast.runtime import LLM, SamplingParams
+from pagecast.runtime.errors import BuildError
+
+FIXTURES = Path(__file__).parent / "fixtures" / "fp8"
+FLOAT = Path(__file__).parent / "fixtures" / "quant" / "float"
+PROMPTS = [[1, 50, 200, 7, 300, 11], [400, 3, 99], list(range(20, 60))]
+MAX_TOKENS = 10
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+E4M3_MAX = 448.0
+
+
+# ---------------------------------------------------------------------------- the reference
+
+
+def _fake_quant(x: torch.Tensor, activations: str, input_scale: float | None) -> torch.Tensor:
+    """x quantised to e4m3 and back, as the format says (independent of kernels/reference.py)."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1]).float()
+    if activations == "static":
+        s = torch.tensor(input_scale)
+    elif activations == "token":
+        s = x.abs().amax(-1, keepdim=True).clamp_min(1e-12) / E4M3_MAX
+    else:  # 1x128 groups along the input
+        k = x.shape[1]
+        pad = torch.nn.functional.pad(x, (0, -k % 128)).view(x.shape[0], -1, 128)
+        s = (pad.abs().amax(-1, keepdim=True).clamp_min(1e-12) / E4M3_MAX).expand(-1, -1, 128).reshape(x.shape[0], -1)[:, :k]
+    q = (x / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return (q.float() * s).reshape(shape)
+
+
+def dequantised(ckpt: Path) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """Every tensor of an FP8 checkpoint as fp32 (projections: fp8 x scale) and each module's static input scale."""
+    weights, inputs = {}, {}
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        for name in names:
+            module, _, leaf = name.rpartition(".")
+            if leaf in ("weight_scale", "weight_scale_inv", "input_scale", "k_scale", "v_scale"):
+                if leaf == "input_scale":
+                    inputs[module] = float(f.get_tensor(name).float().reshape(-1)[0])
+                continue
+            t = f.get_tensor(name)
+            if t.dtype != torch.float8_e4m3fn:
+                weights[name] = t.float()
+                continue
+            scale = f.get_tensor(next(f"{module}.{s}" for s in ("weight_scale", "weight_scale_inv") if f"{module}.{s}" in names)).float()
+            n, k = t.shape
+            if scale.dim() == 2 and scale.shape != (n, 1):  # [ceil(N/128), ceil(K/128)] blocks
+                scale = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
+            weights[name] = t.float() * scale.reshape(-1, 1) if scale.dim() < 2 else t.float() * scale
+    return weights, inputs
+
+
+def reference_model(ckpt: Path, activations: str) -> torch.nn.Module:
+    weights, inputs = dequantised(ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    config.pop("quantization_config", None)
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(**{k: v for k, v in config.items() if k not in ("architectures",)})
+    cfg.architectures = config.get("architectures")
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    state = hf.state_dict()
+    missing = [n for n in state if n not in weights and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
+    assert not missing, missing
+    with torch.no_grad():
+        for name, value in weights.items():
+            state[name].copy_(value)
+        if cfg.tie_word_embeddings:
+            hf.lm_head.weight = hf.model.embed_tokens.weight
+    for name, module in hf.named_modules():
+        if name.rpartition(".")[2] in PROJECTIONS:
+            scale = inputs.get(name)
+
+            def hook(mod, args, scale=scale):  # type: ignore[no-untyped-def]
+                return (_fake_quant(args[0], activations, scale),)
+
+            module.register_forward_pre_hook(hook)
+    return hf
+
+
+def _generate(artifact: Path, prompts: list[list[int]] = PROMPTS, logits: bool = True) -> tuple[list[list[int]], torch.Tensor | None]:
+    """Greedy tokens of ``prompts`` and (``logits``: one-rank engines only, the probe runs rank 0
+    alone) the last-position logits of the first."""
+    llm = LLM(artifact, max_num_seqs=4, max_num_batched_tokens=64)
+    last = None
+    try:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+        if logits:
+            last = engine_last_logits(llm.engine, prompts[0])
+    finally:
+        llm.engine.runner.close()
+    return [o.token_ids for o in outputs], last
+
+
+# Where the two sides sum in another order, an activation within an fp32 rounding of an e4m3
+# rounding boundary can round the other way (one e4m3 step, up to 1/8 of its value): a logit
+# moves by ~0.01-0.05. Greedy decoding then differs only where the reference's top two tokens are
+# that close; a divergence is accepted only there (the engine's token within NEAR_TIE of the
+# reference's best logit at the first differing position), and must then stop being compared.
+NEAR_TIE = 0.1
+
+
+def _assert_greedy_parity(artifact: Path, ckpt: Path, activations: str, tp: int = 1) -> None:
+    hf = reference_model(ckpt, activations)
+    tokens, logits = _generate(artifact, logits=tp == 1)
+    diverged = 0
+    for ids, out in zip(PROMPTS, tokens, strict=True):
+        ref = hf_greedy(hf, ids, MAX_TOKENS)
+        if out == ref:
+            continue
+        i = next(j for j, (a, b) in enumerate(zip(out, ref, strict=True)) if a != b)
+        with torch.no_grad():
+            step = hf(torch.tensor([ids + ref[:i]])).logits[0, -1]
+        assert step[ref[i]] - step[out[i]] < NEAR_TIE, f"prompt {ids[:4]}...: token {i} is {out[i]}, not {ref[i]} ({step[ref[i]]:.3f} vs {step[out[i]]:.3f})"
+        diverged += 1
+    assert diverged <= 1, "more than one prompt diverged from the reference"
+    if logits is None:
+        return
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPTS[0]])).logits[0, -1]
+    # The same fp8 values and scales; only fp32 summation order differs (and, rarely, an
+    # activation that rounds the other way to e4m3 because of it).
+    torch.testing.assert_close(logits, ref, atol=2e-3, rtol=0)
+
+
+# ---------------------------------------------------------------------------- llm-compressor checkpoints
+
+LLMC = {  # fixture -> (activations, weight scale layout in the checkpoint)
+    "llmcompressor-fp8-dynamic": ("token", "channel"),
+    "llmcompressor-fp8-static": ("static", "tensor"),
+    "llmcompressor-fp8-block": ("group", "block"),
+}
+
+
+@pytest.fixture(scope="module")
+def llmc_artifacts(tmp_path_factory):  # type: ignore[no-untyped-def]
+    made: dict[str, Path] = {}
+
+    def make(name: str) -> Path:
+        if name not in made:
+            made[name] = build_artifact(FIXTURES / name, tmp_path_factory.mktemp(name) / "engine", gpu="cpu")
+        return made[name]
+
+    return make
+
+
+@pytest.mark.parametrize("name", list(LLMC))
+def test_llmcompressor_checkpoint_greedy_tokens_equal_transformers_dequantised(name, llmc_artifacts):  # type: ignore[no-untyped-def]
+    artifact = llmc_artifacts(name)
+    _assert_greedy_parity(artifact, FIXTURES / name, LLMC[name][0])
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["quant"] == "fp8"
+    assert manifest["quantization"]["source"] == "compressed-tensors"
+    assert (manifest["quantization"]["activations"], manifest["quantization"]["checkpoint_weights"]) == LLMC[name]
+
+
+@pytest.mark.parametrize("name", list(LLMC))
+def test_llmcompressor_weights_are_within_half_an_e4m3_step_of_the_float_weights(name):  # type: ignore[no-untyped-def]
+    """A check that does not trust pagecast's reader or the reference's scale handling: the
+    dequantised weight of every projection is the float weight rounded to e4m3 (relative error
+    at most 2^-4, e4m3's half step, where it is not in the subnormal range)."""
+    weights, _ = dequantised(FIXTURES / name)
+    with safe_open(str(FLOAT / "model.safetensors"), "pt") as f:
+        for module in [n for n in weights if n.rpartition(".")[0].rpartition(".")[2] in PROJECTIONS]:
+            w = f.get_tensor(module).to(torch.bfloat16).float()
+            deq = weights[module]
+            big = w.abs() > w.abs().max() / 32
+            assert ((deq - w).abs()[big] / w.abs()[big]).max() <= 2**-4 + 1e-3, module
+
+
+def test_llmcompressor_artifact_layout_keeps_fp8_weights_and_half_embedding(llmc_artifacts):  # type: ignore[no-untyped-def]
+    artifact = llmc_artifacts("llmcompressor-fp8-static")
+    with safe_open(str(artifact / "weights" / "rank0.safetensors"), "pt") as f:
+        assert f.get_tensor("layers.0.qkv_proj.weight").dtype == torch.float8_e4m3fn
+        assert f.get_tensor("layers.0.qkv_proj.weight").shape == (128 + 2 * 64, 128)
+        # per-tensor q, k, v scales held per channel: each section repeats its module's scale
+        s = f.get_tensor("layers.0.qkv_proj.weight_scale")
+        assert s.shape == (256,) and s.dtype == torch.float32
+        assert len({float(v) for v in s[:128]}) == 1 and len({float(v) for v in s[128:192]}) == 1
+        assert f.get_tensor("layers.0.down_proj.input_scale").shape == (1,)
+        assert f.get_tensor("embed_tokens.weight").dtype == torch.float32
+    model_py = (artifact / "model.py").read_text()
+    assert "LINEAR = quant_linear.Fp8Linear(weights='channel', activations='static')" in model_py
+    assert "compressed-tensors checkpoint): per-tensor weight scales" in (artifact / "report.md").read_text()
+
+
+# ---------------------------------------------------------------------------- writer formats and --quant fp8
+
+# hidden 192: K is not a multiple of 128, so the block format has partial blocks (as SmolLM2's 576).
+SHAPE = {"vocab_size": 512, "num_hidden_layers": 2, "hidden_size": 192, "intermediate_size": 320, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 32}
+
+
+@pytest.mark.parametrize(("fmt", "activations"), [("modelopt", "static"), ("fp8-block", "group")])
+def test_written_checkpoint_greedy_tokens_equal_transformers_dequantised(fmt, activations, tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    src = tiny_checkpoint_factory("llama", **SHAPE)
+    ckpt, _ = write_fp8(src, tmp_path / fmt, fmt, input_scales={"model.layers.0.down_proj": 0.005})
+    artifact = build_artifact(ckpt, tmp_path / "engine", gpu="cpu", quant="fp8")
+    _assert_greedy_parity(artifact, ckpt, activations)
+
+
+def test_quant_fp8_on_a_float_checkpoint_equals_per_channel_rounding(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    src = tiny_checkpoint_factory("qwen2", **SHAPE)  # q/k/v biases stay in the half type
+    artifact = build_artifact(src, tmp_path / "engine", gpu="cpu", quant="fp8")
+    # The expected checkpoint: each projection per output channel, amax / 448, written as
+    # compressed-tensors would, then read by the reference like the others.
+    from safetensors.torch import load_file, save_file
+
+    expected = tmp_path / "expected"
+    expected.mkdir()
+    tensors = load_file(str(src / "model.safetensors"))
+    out = {}
+    for name, t in tensors.items():
+        if name.removesuffix(".weight").rpartition(".")[2] in PROJECTIONS and name.endswith(".weight"):
+            s = t.float().abs().amax(1, keepdim=True).clamp_min(1e-12) / E4M3_MAX
+            out[name] = (t.float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+            out[name.removesuffix("weight") + "weight_scale"] = s
+        else:
+            out[name] = t
+    save_file(out, str(expected / "model.safetensors"))
+    (expected / "config.json").write_text((src / "config.json").read_text())
+    _assert_greedy_parity(artifact, expected, "token")
+    with safe_open(str(artifact / "weights" / "rank0.safetensors"), "pt") as f:
+        got = f.get_tensor("layers.1.gate_up_proj.weight")
+        gate, up = out["model.layers.1.mlp.gate_proj.weight"], out["model.layers.1.mlp.up_proj.weight"]
+        assert torch.equal(got.view(torch.uint8), torch.cat([gate, up]).view(torch.uint8))
+        assert f.get_tensor("layers.0.qkv_proj.bias").dtype == torch.float32
+        head = "lm_head.weight" if "lm_head.weight" in set(f.keys()) else "embed_tokens.weight"  # tied
+        assert f.get_tensor(head).dtype == torch.float32
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["quantization"] == {
+        "source": "build", "weights": "channel", "activations": "token", "checkpoint_weights": "channel",
+        "method": "fp8", "block_size": 0, "group_size": 0,
+    }  # fmt: skip
+    # The memory plan counts the FP8 weights at one byte each (the KV blocks fit beside them).
+    plan = json.loads((artifact / "memory_plan.json").read_text())
+    raw = (artifact / "weights" / "rank0.safetensors").read_bytes()
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+    header.pop("__metadata__", None)
+    assert plan["weight_bytes"] == sum(v["data_offsets"][1] - v["data_offsets"][0] for v in header.values())
+
+
+# ---------------------------------------------------------------------------- refusals
+
+
+def _edited(tmp_path: Path, name: str, edit) -> Path:  # type: ignore[no-untyped-def]
+    import shutil
+
+    dst = tmp_path / f"edited-{name}"
+    shutil.copytree(FIXTURES / name, dst)
+    config = json.loads((dst / "config.json").read_text())
+    edit(config["quantization_config"])
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_quant_option_must_match_an_fp8_checkpoint(tmp_path):  # type: ignore[no-untyped-def]
+    with pytest.raises(BuildError, match=r"--quant awq: the checkpoint is FP8-quantised \(compressed-tensors, channel weights, token"):
+        build_artifact(FIXTURES / "llmcompressor-fp8-dynamic", tmp_path / "a", gpu="cpu", quant="awq")
+    with pytest.raises(BuildError, match=r"--quant fp8: the checkpoint is already quantised \(quant_method 'gptq'\)"):
+        build_artifact(Path(__file__).parent / "fixtures" / "quant" / "autoround-gptq-g32-sym", tmp_path / "b", gpu="cpu", quant="fp8")
+
+
+def _int8_weights(qc):  # type: ignore[no-untyped-def]
+    qc["config_groups"]["group_0"]["weights"]["type"] = "int"
+
+
+def _weight_only(qc):  # type: ignore[no-untyped-def]
+    qc["config_groups"]["group_0"]["input_activations"] = None
+
+
+def _ignore_q(qc):  # type: ignore[no-untyped-def]
+    qc["ignore"] = ["lm_head", "re:.*q_proj"]
+
+
+@pytest.mark.parametrize(
+    ("name", "edit", "message"),
+    [
+        ("llmcompressor-fp8-dynamic", _int8_weights, r"compressed-tensors scheme not supported \(weights int 8-bit channel; activations float 8-bit token dynamic\)"),
+        ("llmcompressor-fp8-dynamic", _weight_only, r"weights float 8-bit channel; no activation quantisation"),
+        ("llmcompressor-fp8-block", _ignore_q, r"ignore list \['re:\.\*q_proj'\] leaves decoder projections unquantised"),
+    ],
+)  # fmt: skip
+def test_unsupported_fp8_schemes_are_refused_naming_what_was_found(name, edit, message, tmp_path):  # type: ignore[no-untyped-def]
+    with pytest.raises(BuildError, match=message):
+        build_artifact(_edited(tmp_path, name, edit), tmp_path / "e", gpu="cpu")
+
+
+def test_block_format_tp_that_cuts_a_weight_block_is_refused(tmp_path):  # type: ignore[no-untyped-def]
+    with pytest.raises(BuildError, match=r"--tp 2: layers.0.o_proj is row-parallel and its 64 inputs per rank are not a multiple of the 128"):
+        build_artifact(FIXTURES / "llmcompressor-fp8-block", tmp_path / "e", gpu="cpu", tp=2)
+
+
+# ---------------------------------------------------------------------------- TP and the FP8 KV cache
+
+
+def test_tp2_static_fp8_greedy_tokens_equal_transformers_dequantised(tmp_path):  # type: ignore[no-untyped-def]
+    """Static activation scales are the same on every rank, so TP=2 computes what TP=1 does."""
+    name = "llmcompressor-fp8-static"
+    artifact = build_artifact(FIXTURES / name, tmp_path / "tp2", gpu="cpu", tp=2)
+    with safe_open(str(artifact / "weights" / "rank1.safetensors"), "pt") as f:
+        assert f.get_tensor("layers.0.down_proj.weight").shape == (128, 192)
+        assert f.get_tensor("layers.0.down_proj.weight_scale").shape == (128,)  # per channel: whole
+        assert f.get_tensor("layers.0.qkv_proj.weight").shape == (64 + 32 + 32, 128)
+    _assert_greedy_parity(artifact, FIXTURES / name, "static", tp=2)
+
+
+def test_fp8_weights_with_the_fp8_kv_cache_build_and_serve(tmp_path, llmc_artifacts):  # type: ignore[no-untyped-def]
+    name = "llmcompressor-fp8-dynamic"
+    artifact = build_artifact(FIXTURES / name, tmp_path / "kv", gpu="cpu", kv_cache_dtype="fp8")
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["quant"] == "fp8" and manifest["kv_cache"]["dtype"] == "float8_e4m3fn"
+    # The cache's dtype changes no weight: the same FP8 tensors as the model-dtype cache build.
+    plain = llmc_artifacts(name)
+    with safe_open(str(artifact / "weights" / "rank0.safetensors"), "pt") as a, safe_open(str(plain / "weights" / "rank0.safetensors"), "pt") as b:
+        for key in ("layers.2.gate_up_proj.weight", "layers.2.gate_up_proj.weight_scale"):
+            assert torch.equal(a.get_tensor(key).view(torch.uint8), b.get_tensor(key).view(torch.uint8))
+    tokens, _ = _generate(artifact, PROMPTS[:1], logits=False)
+    assert len(tokens[0]) == MAX_TOKENS

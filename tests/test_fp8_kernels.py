@@ -1,0 +1,282 @@
+"""The FP8 GEMM and activation quantisation (kernels/fp8_gemm.py) against the pure-torch
+reference (kernels/reference.py): in Triton's interpreter on the CPU, compiled for sm_90 without a
+GPU, and on a GPU (marked gpu) also against torch._scaled_mm.
+
+Triton 3.6's interpreter converts fp32 to e4m3 wrongly where rounding carries into the next
+binade (124.3 becomes 64, not 128), so on the CPU the quantisation kernel's scales are checked
+exactly and its e4m3 values only on the GPU (bitwise), where the compiled kernel converts with
+``cvt.rn.satfinite.e4m3x2.f32`` (checked in the sm_90 PTX below). The GEMM reads e4m3 values,
+which the interpreter holds exactly, so it is checked in the interpreter too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from pagecast.kernels import reference
+from pagecast.kernels.quant_linear import Fp8LinearWeight
+
+pytest.importorskip("triton")
+
+
+def _weights(n: int, k: int, block: bool, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    return reference.quantize_fp8_groups(w) if block else reference.quantize_fp8_rows(w)
+
+
+CASES = [  # (activations, m, n, k, config)
+    ("token", 5, 72, 300, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 1}),
+    ("token", 3, 64, 384, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 3}),
+    ("static", 17, 40, 256, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 1}),
+    ("group", 5, 72, 300, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 1}),
+    ("group", 2, 40, 512, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 2}),
+]
+
+
+@pytest.mark.parametrize(("activations", "m", "n", "k", "config"), CASES)
+def test_fp8_gemm_matches_the_reference_in_the_interpreter(activations, m, n, k, config):  # type: ignore[no-untyped-def]
+    from pagecast.kernels import fp8_gemm
+
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)) * 3
+    qw, sw = _weights(n, k, activations == "group")
+    qx, sx = reference.quantize_fp8_activations(x, activations, torch.tensor([0.02]))
+    bias = torch.randn(n)
+    y = fp8_gemm.fp8_gemm(qx, sx, qw, sw, bias, torch.float32, config)
+    ref = reference.fp8_gemm(qx, sx, qw, sw, bias, torch.float32)
+    # Same products (exact in fp32), summed in another order.
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    # And the emulation is the W8A8 product, not something else: close to the float one.
+    wf = reference.dequantize_fp8(qw, sw)
+    assert (ref - (x @ wf.t() + bias)).abs().max() < 0.1 * (x @ wf.t()).abs().max()
+
+
+@pytest.mark.parametrize("activations", ["token", "group", "static"])
+def test_activation_scales_match_the_reference_in_the_interpreter(activations):  # type: ignore[no-untyped-def]
+    from pagecast.kernels import fp8_gemm
+
+    x = torch.randn(6, 300, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16) * 5
+    x[3] = 0  # a zero row: the scale is clamped, the values are 0
+    q, s = fp8_gemm.quantize_activations(x, activations, torch.tensor([0.03]))
+    rq, rs = reference.quantize_fp8_activations(x, activations, torch.tensor([0.03]))
+    assert torch.equal(s, rs)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == rq.shape
+    assert torch.equal(q[3].float(), torch.zeros(300))
+
+
+def test_reference_block_scaling_scales_each_128_column_block_by_its_own_scales() -> None:
+    """fp8_gemm's block path equals the dequantised product: sum over K of qx*sx[m, k//128] * qw*sw[n, k//128]."""
+    qw, sw = _weights(24, 300, block=True)
+    x = torch.randn(4, 300) * 2
+    qx, sx = reference.quantize_fp8_groups(x)
+    y = reference.fp8_gemm(qx, sx, qw, sw, None, torch.float32)
+    xd = qx.double() * sx.double().repeat_interleave(128, 1)[:, :300]
+    wd = qw.double() * sw.double().repeat_interleave(128, 1)[:, :300]
+    torch.testing.assert_close(y.double(), xd @ wd.t(), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- sm_90 compile (no GPU)
+
+CHILD = textwrap.dedent(
+    """
+    import json, re, sys
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from pagecast.kernels import fp8_gemm
+
+    for job in sys.argv[1:]:
+        name, sig, consts, divisible, options = json.loads(job)
+        fn = {"gemm": fp8_gemm._fp8_gemm_kernel, "quant": fp8_gemm._quant_act_kernel}[name]
+        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible}
+        src = ASTSource(fn, signature=dict(sig, **{k: "constexpr" for k in consts}), constexprs=consts, attrs=attrs)
+        c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        ptx = c.asm["ptx"]
+        print(json.dumps({"cubin": "cubin" in c.asm, "shared": c.metadata.shared,
+                          "mma": sorted(set(re.findall(r"\\b(?:wg)?mma[.\\w]*", ptx))),
+                          "cvt": sorted(set(re.findall(r"cvt[.\\w]*e4m3[.\\w]*", ptx)))}))
+    """
+)
+
+GEMM_SIG = {
+    "a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "as_ptr": "*fp32", "bs_ptr": "*fp32", "bias_ptr": "*bf16",
+    "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_ys": "i32",
+}  # fmt: skip
+
+
+def _compile(jobs: list[tuple[str, dict, dict, list[str], dict]]) -> list[dict]:  # type: ignore[type-arg]
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, *[json.dumps(j) for j in jobs]],
+        check=False, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def test_fp8_kernels_compile_for_sm90_with_wgmma_and_saturating_e4m3_conversion() -> None:
+    def gemm(block_scaled: bool, bm: int, split: int, stages: int) -> tuple[str, dict, dict, list[str], dict]:  # type: ignore[type-arg]
+        consts = {
+            "BLOCK_SCALED": block_scaled, "STATIC_A": False, "HAS_BIAS": split == 1, "BLOCK_M": bm, "BLOCK_N": 128,
+            "BLOCK_K": 128, "SPLIT_K": split, "K_ITERS": 32 // split, "GROUP_K": 128,
+        }  # fmt: skip
+        sig = dict(GEMM_SIG, y_ptr="*bf16" if split == 1 else "*fp32")
+        return ("gemm", sig, consts, ["a_ptr", "b_ptr", "K", "N"], {"num_warps": 8 if bm == 128 else 4, "num_stages": stages})
+
+    quant = (
+        "quant",
+        {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "K": "i32", "stride_xm": "i32"},
+        {"MODE": 0, "GROUP_K": 128, "BLOCK": 1024, "NUM_BLOCKS": 4, "MIN_AMAX": 1e-12, "QMAX": 448.0},
+        [],
+        {"num_warps": 4},
+    )
+    group = (quant[0], quant[1], dict(quant[2], MODE=1), [], quant[4])
+    out = _compile([gemm(False, 64, 1, 1), gemm(False, 64, 1, 3), gemm(True, 128, 1, 3), gemm(False, 16, 4, 4), quant, group])
+    single, staged, block, decode, q_token, q_group = out
+    for r in out:
+        assert r["cubin"]
+    # The prefill tiles run Hopper's fp8 wgmma; the loads are pipelined (shared memory per stage).
+    assert any(i.startswith("wgmma") and "e4m3.e4m3" in i for i in single["mma"] + block["mma"])
+    assert staged["shared"] >= 3 * single["shared"] - 1024
+    # 16-row decode tiles are below wgmma's 64: Triton converts the e4m3 operands to fp16 in
+    # registers (exact) and runs mma.sync; decode is bound by the weight bytes, which stay fp8.
+    assert any(i.startswith("mma.sync") for i in decode["mma"]) and "cvt.rn.f16x2.e4m3x2" in decode["cvt"]
+    # x / scale saturated to the e4m3 range and rounded to nearest even, as torch's cast of the clamped value.
+    assert q_token["cvt"] == ["cvt.rn.satfinite.e4m3x2.f32"] and q_group["cvt"] == ["cvt.rn.satfinite.e4m3x2.f32"]
+
+
+# ---------------------------------------------------------------------------- on the GPU
+
+
+def _cuda() -> torch.device:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs a GPU of compute capability 8.9 or newer")
+    return torch.device("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activations", ["token", "group", "static"])
+@pytest.mark.parametrize("m", [1, 7, 64, 300])
+def test_gpu_activation_quantisation_is_bitwise_the_reference(activations, m):  # type: ignore[no-untyped-def]
+    from pagecast.kernels import fp8_gemm
+
+    dev = _cuda()
+    x = (torch.randn(m, 4096 + 64, device=dev) * 3).to(torch.bfloat16)
+    inp = torch.tensor([0.02], device=dev)
+    q, s = fp8_gemm.quantize_activations(x, activations, inp)
+    rq, rs = reference.quantize_fp8_activations(x, activations, inp)
+    assert torch.equal(s, rs)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+
+
+def _gpu_configs(m: int, block: bool) -> list[dict[str, int] | None]:
+    from pagecast.kernels import fp8_gemm
+
+    configs: list[dict[str, int] | None] = [None]
+    for cfg in fp8_gemm.prune_configs(fp8_gemm.CONFIG_SPACE, m, 4096, 4096, block, torch.bfloat16):
+        configs.append(cfg.as_dict())
+    return configs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activations", ["token", "group", "static"])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 6144, 4096), (16, 4096, 4096), (256, 28672, 4096), (2048, 4096, 14336), (5, 1000, 576)])
+def test_gpu_fp8_gemm_matches_the_reference_for_every_config(activations, m, n, k):  # type: ignore[no-untyped-def]
+    from pagecast.kernels import fp8_gemm
+
+    dev = _cuda()
+    block = activations == "group"
+    g = torch.Generator(device=dev).manual_seed(0)
+    w = torch.randn(n, k, generator=g, device=dev) * 0.02
+    qw, sw = reference.quantize_fp8_groups(w) if block else reference.quantize_fp8_rows(w)
+    weight = Fp8LinearWeight(qw, sw, torch.tensor([0.05], device=dev) if activations == "static" else None, activations)
+    x = torch.randn(m, k, generator=g, device=dev).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g, device=dev).to(torch.bfloat16)
+    ref = reference.fp8_linear(x, qw, sw, activations, weight.input_scale, bias).float()
+    for cfg in _gpu_configs(m, block):
+        y = fp8_gemm.fp8_linear(x, weight, bias, cfg).float()
+        # bf16 output: one rounding of the same fp32 sum (in another order).
+        torch.testing.assert_close(y, ref, rtol=1.6e-2, atol=1e-3, msg=f"config {cfg}")
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_gemm_agrees_with_torch_scaled_mm() -> None:
+    from pagecast.kernels import fp8_gemm
+
+    dev = _cuda()
+    m, n, k = 64, 4096, 4096
+    g = torch.Generator(device=dev).manual_seed(1)
+    qw, sw = reference.quantize_fp8_rows(torch.randn(n, k, generator=g, device=dev) * 0.02)
+    qx, sx = reference.quantize_fp8_rows(torch.randn(m, k, generator=g, device=dev))
+    tile = fp8_gemm.fp8_gemm(qx, sx, qw, sw, None, torch.bfloat16, {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1})
+    scaled = torch._scaled_mm(qx, qw.t(), scale_a=sx[:, None], scale_b=sw[None, :], out_dtype=torch.bfloat16)
+    via_config = fp8_gemm.fp8_gemm(qx, sx, qw, sw, None, torch.bfloat16, fp8_gemm.SCALED_MM)
+    torch.testing.assert_close(tile.float(), scaled.float(), rtol=1.6e-2, atol=1e-3)
+    assert torch.equal(via_config, scaled)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_linear_is_capture_safe() -> None:
+    from pagecast.kernels import fp8_gemm
+
+    dev = _cuda()
+    qw, sw = reference.quantize_fp8_rows(torch.randn(1024, 512, device=dev) * 0.02)
+    weight = Fp8LinearWeight(qw, sw, None, "token")
+    x = torch.randn(8, 512, device=dev).to(torch.bfloat16)
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2}
+    eager = fp8_gemm.fp8_linear(x, weight, None, cfg)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_gemm.fp8_linear(x, weight, None, cfg)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+def test_report_lists_each_bucket_with_the_scaled_mm_time_and_roofline_fraction() -> None:
+    """report.md's FP8 table from a tuning table as the tuner writes it (no GPU needed)."""
+    from pagecast.builder import fp8
+    from pagecast.kernels.tuning import ModelShapes
+
+    shapes = ModelShapes(num_heads=32, num_kv_heads=8, head_dim=128, hidden=4096, intermediate=14336, block_size=16,
+                         fp8="channel-token")  # fmt: skip
+    table = {
+        "device": "NVIDIA H200", "copy_bandwidth_gbs": 4000.0,
+        "shapes": {**shapes.__dict__, "dtype": "bfloat16", "kv_cache_dtype": "bfloat16"},
+        "kernels": {"fp8_gemm": {
+            "qkv.m1": {"config": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 4, "num_stages": 4},
+                       "time_us": 12.6, "reference_us": 14.0},
+            "down.m8192": {"config": {"scaled_mm": 1, "num_warps": 0, "num_stages": 0}, "time_us": 900.0, "reference_us": 900.0},
+        }},
+    }  # fmt: skip
+    cfg = fp8.read_config(None, "fp8")
+    assert cfg is not None
+    lines = fp8.report_lines(table, cfg)
+    # qkv at one row moves 6144 x 4096 fp8 bytes (+ scales, rows): ~25.2 MB at 4 TB/s is 6.3 us of 12.6.
+    assert any(line.startswith("| qkv.m1 | BLOCK_M=16") and line.endswith("| 12.6 | 14.0 | 0.50 |") for line in lines)
+    # down at 8192 rows: 2 * 8192 * 4096 * 14336 FLOPs at 1979 TFLOP/s is 486 us of 900.
+    assert "| down.m8192 | torch._scaled_mm | 900.0 | 900.0 | 0.54 |" in lines
+
+
+@pytest.mark.parametrize("activations", ["token", "static"])
+def test_scaled_mm_config_computes_the_reference_product(activations):  # type: ignore[no-untyped-def]
+    """The tuner's {"scaled_mm": 1} choice passes the scales as torch._scaled_mm wants them (rowwise
+    [M, 1] x [1, N]; a static scale expanded to every row). torch runs it on the CPU too."""
+    from pagecast.kernels import fp8_gemm
+
+    qw, sw = _weights(64, 256, block=False)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(3))
+    qx, sx = reference.quantize_fp8_activations(x, activations, torch.tensor([0.01]))
+    bias = torch.randn(64).to(torch.bfloat16)
+    y = fp8_gemm.fp8_gemm(qx, sx, qw, sw, bias, torch.bfloat16, fp8_gemm.SCALED_MM)
+    ref = reference.fp8_gemm(qx, sx, qw, sw, bias, torch.float32)
+    torch.testing.assert_close(y.float(), ref, rtol=1.6e-2, atol=1e-2)
+    # fp16 output is not offered to it: the launcher falls back to the Triton tile.
+    assert not fp8_gemm.scaled_mm_supported(5, 64, 256, False, torch.float16)
