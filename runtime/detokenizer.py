@@ -63,17 +63,26 @@ class IncrementalDetokenizer:
     def finished(self) -> bool:
         return self._finished
 
-    def update(self, new_token_ids: list[int], finished: bool = False) -> str | None:
+    def update(self, new_token_ids: list[int], finished: bool = False, stop_terminated: bool = False) -> str | None:
         """Add the next output ids. Returns the stop string that matched (the request must then
         finish; ``text`` is cut before it, or after it with ``include_stop_str_in_output``, and
         ids after it are ignored), else None. ``finished=True`` (eos, length, abort) releases
         everything held back, a trailing incomplete character included.
+
+        ``stop_terminated``: the last id is the stop token that ended the sequence (end of
+        sequence, or one of ``stop_token_ids``). Like a stop string, its text is left out unless
+        ``include_stop_str_in_output`` (so a JSON answer that ends on ``<|im_end|>`` with
+        ``skip_special_tokens=False`` still parses); it is still one of the output's ids.
         """
         if self._finished:
             return None
-        for token_id in new_token_ids:
-            self._ids.append(token_id)
+        skip_last = stop_terminated and bool(new_token_ids) and not self.params.include_stop_str_in_output
+        for i, token_id in enumerate(new_token_ids):
             self.num_output_tokens += 1
+            if skip_last and i == len(new_token_ids) - 1:
+                finished = True
+                break
+            self._ids.append(token_id)
             stop = self._advance(self._step())
             if stop is not None:
                 return stop
@@ -109,8 +118,9 @@ class IncrementalDetokenizer:
             self.text += self._pending
             self._pending = ""
             return None
-        # Stop strings count from min_tokens on, as eos does (Request.check_stop).
-        if delta and self.num_output_tokens >= self.params.min_tokens:
+        # As for eos and stop ids (Request.check_stop), the token that completes a stop string is
+        # not one of the min_tokens: it must come after them.
+        if delta and self.num_output_tokens > self.params.min_tokens:
             match = self._find_stop()
             if match is not None:
                 start, stop = match

@@ -90,7 +90,13 @@ class OutputProcessor:
             detok = parent.detokenizers.get(child.request_id)
             if detok is None:
                 continue
-            stop = detok.update([child.output_token_ids[-1]], finished=child.is_finished)
+            # A status of FINISHED_STOPPED here comes from a stop token (stop strings are found
+            # below): its text is left out of the output.
+            stop = detok.update(
+                [child.output_token_ids[-1]],
+                finished=child.is_finished,
+                stop_terminated=child.status == RequestStatus.FINISHED_STOPPED,
+            )
             if stop is not None and not child.is_finished:
                 child.stop_reason = stop
                 stopped.append(child.request_id)
