@@ -49,12 +49,31 @@ def parse_size(value: int | str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+GPU_MAX_NUM_BATCHED_TOKENS = 2048
+# On the CPU a step's time grows with its tokens (and their context) far faster than on a GPU:
+# with the embedded SmolLM2-135M, 2048-token chunks of a 7.8k-token prompt held every running
+# stream up to 23 s between two tokens (issue 33). A step of 256 tokens bounds that gap to a few
+# seconds; a prompt costs about the same in all (the work is per token), so it starts hardly later.
+CPU_MAX_NUM_BATCHED_TOKENS = 256
+
+
+def default_max_num_batched_tokens(device_type: str, max_num_seqs: int) -> int:
+    """The step's token budget when the options leave it unset: on the CPU, small enough to
+    bound a step's time (but never below max_num_seqs: every running request decodes each step)."""
+    if device_type == "cpu":
+        return max(CPU_MAX_NUM_BATCHED_TOKENS, max_num_seqs)
+    return GPU_MAX_NUM_BATCHED_TOKENS
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     """Run-time options; what the artifact fixed (dtype, block size, ...) is not here."""
 
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    # Tokens one step may compute (prefill chunks and decodes). Default: GPU_MAX_NUM_BATCHED_TOKENS
+    # on a GPU; on the CPU, CPU_MAX_NUM_BATCHED_TOKENS (at least max_num_seqs), which bounds a
+    # step's time, hence the gap between a running stream's tokens, while a long prompt is prefilled.
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # at most the artifact's
     kv_cache_memory: int | str | None = None  # bytes for the KV cache; default: from gpu_memory_utilization
     # Fraction of the GPU's memory this engine may use in all (weights, activations, graphs, KV
@@ -77,9 +96,11 @@ class EngineOptions:
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be positive (got {self.max_num_seqs})")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is None:
+            pass
+        elif self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be positive (got {self.max_num_batched_tokens})")
-        if self.max_num_batched_tokens < self.max_num_seqs:
+        elif self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
                 f"({self.max_num_seqs}), so every running request can decode in one step"
@@ -172,10 +193,13 @@ class EngineCore:
         )
         self.artifact.model.bind_kv_cache(self.kv_cache)
         self.block_pool = BlockPool(num_blocks, self.block_size, options.enable_prefix_caching)
+        self.max_num_batched_tokens = options.max_num_batched_tokens or default_max_num_batched_tokens(
+            self.artifact.device.type, options.max_num_seqs
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=options.max_num_seqs,
-                max_num_batched_tokens=max(options.max_num_batched_tokens, 1),
+                max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
             ),
             self.block_pool,
@@ -420,7 +444,7 @@ class EngineCore:
         allocated. Statistics and the prefix cache are reset afterwards."""
         from pagecast.kernels.tuning import PREFILL_TOKEN_BUCKETS, TOKEN_BUCKETS
 
-        budget = min(self.options.max_num_batched_tokens, self.max_model_len - 4)
+        budget = min(self.max_num_batched_tokens, self.max_model_len - 4)
         sizes = sorted({n for n in (*TOKEN_BUCKETS, *PREFILL_TOKEN_BUCKETS) if n <= budget} | {max(1, budget)})
         greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
         # The sampler's other paths: seeded sampling with truncation, and logprobs with penalties.
