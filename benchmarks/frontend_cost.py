@@ -8,7 +8,8 @@ alone, at several output lengths, so a cost that grows with the length shows.
 
 Each sequence is first grown to the length (its token list, its logprobs and its text set
 directly, as many steps would have left them), then ``--steps`` steps of one token per sequence
-are timed; the median step is reported, in ms. Kinds: ``delta`` is what engine-serve's streams
+are timed; the median step is reported, in ms of wall time and of this process's CPU time
+(the latter holds on a machine shared with other work). Kinds: ``delta`` is what engine-serve's streams
 use (each output holds only the step's new text and tokens), ``final`` what non-streaming
 requests and LLM.generate use, ``cumulative`` a copy of everything per step (what every
 request got before issue 33). Runs against older trees too (kinds they lack are skipped).
@@ -35,7 +36,10 @@ def load_tokenizer(path: str | None) -> Any:
     return AutoTokenizer.from_pretrained(str(resolve_model_path("smollm2-135m")))
 
 
-def run(tokenizer: Any, kind: str, num_seqs: int, length: int, logprobs: int | None, steps: int, seed: int) -> float:
+def run(
+    tokenizer: Any, kind: str, num_seqs: int, length: int, logprobs: int | None, steps: int, seed: int
+) -> tuple[float, float]:
+    """(median wall ms, median CPU ms) of one step."""
     from pagecast.runtime.output_processor import OutputProcessor, ParentRequest
     from pagecast.runtime.outputs import Logprob
     from pagecast.runtime.request import Request, RequestStatus
@@ -79,10 +83,10 @@ def run(tokenizer: Any, kind: str, num_seqs: int, length: int, logprobs: int | N
             parent.num_sent_tokens[child.request_id] = length
         children.append(child)
 
-    times = []
+    times, cpu_times = [], []
     for _ in range(steps):
         new = {c.request_id: rng.choice(vocab) for c in children}
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         # What AsyncEngine._handle does with one StepOutputs message.
         updated = []
         lps = {}
@@ -96,7 +100,8 @@ def run(tokenizer: Any, kind: str, num_seqs: int, length: int, logprobs: int | N
         if stopped:
             op.remake_outputs(outputs, stopped)
         times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000
+        cpu_times.append(time.process_time() - cpu_start)
+    return statistics.median(times) * 1000, statistics.median(cpu_times) * 1000
 
 
 def main() -> None:
@@ -112,12 +117,12 @@ def main() -> None:
     for kind in args.kinds.split(","):
         for length in (int(n) for n in args.lengths.split(",")):
             try:
-                ms = run(tokenizer, kind, args.seqs, length, args.logprobs, args.steps, seed=0)
+                ms, cpu_ms = run(tokenizer, kind, args.seqs, length, args.logprobs, args.steps, seed=0)
             except ImportError:
                 print(json.dumps({"figure": "frontend_step_ms", "kind": kind, "skipped": "not in this tree"}))
                 break
             print(json.dumps({"figure": "frontend_step_ms", "kind": kind, "seqs": args.seqs, "output_tokens": length,
-                              "logprobs": args.logprobs, "ms": round(ms, 2)}), flush=True)  # fmt: skip
+                              "logprobs": args.logprobs, "ms": round(ms, 2), "cpu_ms": round(cpu_ms, 2)}), flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
