@@ -27,6 +27,11 @@ Without --artifact it builds the Llama-3-8B-shaped engine with random bf16 weigh
           on a server started with --no-prefix-caching
   engine  the sat prompts through LLM.generate at the same max_num_seqs and token budget (after
           the servers have stopped): the denominator of the server/engine ratio
+  W8      long outputs (issue 33): --w8-seqs streams (256) of --w8-output tokens (8,192) each, sent
+          at once, through the server, then the same prompts through LLM.generate in the same run
+          (after the server has stopped): output tok/s of both and their ratio (target >= 0.9), the
+          inter-token p50/p99 of the streams. A dummy engine built for it gets the context it needs.
+          A CPU dry run: --artifact TINY --phases W8 --prompt-len 8 --w8-seqs 4 --w8-output 16
 
 The load comes from --client-procs processes (the generator must not be what saturates), each
 sending its share of one arrival schedule. Prints a table and one JSON line per figure (also
@@ -374,7 +379,7 @@ def phase_start(out: Path, artifact: str, args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--artifact", help="default: build the Llama-3-8B-shaped dummy engine (also when the path holds none)")
     ap.add_argument("--base-url", help="an already running OpenAI-compatible server (W3 only)")
@@ -401,6 +406,9 @@ def main() -> None:
     ap.add_argument("--starts", type=int, default=3, help="start: how many times engine-serve is started")
     ap.add_argument("--cold", action="store_true",
                     help="start: drop the weight files from the page cache before each start (and time dd on them)")
+    ap.add_argument("--w8-seqs", type=int, default=256, help="W8: streams sent at once")
+    ap.add_argument("--w8-output", type=int, default=8192, help="W8: output tokens of each")
+    ap.add_argument("--w8-prompt-len", type=int, default=128, help="W8: prompt tokens of each")
     args = ap.parse_args()
     phases = set(args.phases.split(","))
     if args.out is not None:
@@ -421,7 +429,8 @@ def main() -> None:
     if not (Path(artifact) / "manifest.json").is_file():
         import serving
 
-        serving.build(out, Path(artifact), 4096, 90.0, args.weights)
+        max_model_len = max(4096, args.w8_prompt_len + args.w8_output) if "W8" in phases else 4096
+        serving.build(out, Path(artifact), max_model_len, 90.0, args.weights)
         args.vocab = 120000
     if "start" in phases:
         phase_start(out, artifact, args)
@@ -454,6 +463,12 @@ def main() -> None:
                 summarize_by_kind(out, results, elapsed, args, figure="saturation_server", json_fraction=fraction)
         if "W5" in phases:
             phase_w5(out, server, model, args, cached=True)
+        if "W8" in phases:
+            w8_prompts = random_prompts(args.w8_seqs, args.w8_prompt_len, args.vocab, 8)
+            results, elapsed = send_load(server.base + "/v1", [body(model, p, args.w8_output) for p in w8_prompts],
+                                         [0.0] * len(w8_prompts), args.client_procs)
+            emit(out, figure="W8_server", seqs=args.w8_seqs, output_len=args.w8_output,
+                 **summarize(results, elapsed, args.slo_ttft, args.slo_itl))
     finally:
         status = server.stop()
     emit(out, figure="server_exit", exit_code=status, triton_compiles_while_serving=triton_compiles(server.log))
@@ -464,10 +479,22 @@ def main() -> None:
             phase_w5(out, server, server.model(), args, cached=False)
         finally:
             server.stop()
-    if "engine" in phases:
+    llm = None
+    if "engine" in phases or "W8" in phases:
         from pagecast.runtime import LLM, SamplingParams
 
         llm = LLM(artifact, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
+    if "W8" in phases:
+        params = SamplingParams(max_tokens=args.w8_output, ignore_eos=True, temperature=0)
+        t = time.perf_counter()
+        outs = llm.generate(w8_prompts, params, use_tqdm=False)
+        secs = time.perf_counter() - t
+        n = sum(len(o.token_ids) for o in outs)
+        emit(out, figure="W8_engine", seqs=args.w8_seqs, output_len=args.w8_output, output_tok_s=round(n / secs, 1))
+        server_row = next((r for r in RESULTS if r.get("figure") == "W8_server"), None)
+        if server_row:
+            emit(out, figure="W8_server_engine_ratio", value=round(server_row["output_tok_s"] / (n / secs), 3), target=0.9)
+    if "engine" in phases:
         params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0)
         t = time.perf_counter()
         outs = llm.generate(sat_prompts, params)

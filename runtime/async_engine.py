@@ -40,9 +40,9 @@ from pagecast.runtime.messages import (
     StepOutputs,
 )
 from pagecast.runtime.output_processor import OutputProcessor, ParentRequest
-from pagecast.runtime.outputs import PositionLogprobs, RequestOutput
+from pagecast.runtime.outputs import PositionLogprobs, RequestOutput, merge_deltas
 from pagecast.runtime.request import Request, RequestStatus
-from pagecast.runtime.sampling_params import SamplingParams
+from pagecast.runtime.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("pagecast.engine")
 
@@ -171,7 +171,8 @@ class AsyncEngine:
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs of one request; the last has ``finished`` set."""
+        """Outputs of one request as ``params.output_kind`` asks (cumulative by default; deltas
+        that a slow consumer missed arrive merged into one); the last has ``finished`` set."""
         if not self.is_alive():
             raise EngineDeadError(
                 f"the engine for {self.model_name} is not running" + (f" (it failed: {self._error})" if self._error else "")
@@ -188,13 +189,19 @@ class AsyncEngine:
         self._streams[request_id] = stream
         self.output_processor.add(ParentRequest(request_id, text, ids, children))
         self._client.send(AddRequest(request_id, ids, params, max_tokens, arrival))
+        delta = params.output_kind == RequestOutputKind.DELTA
         finished = False
         try:
             while True:
                 item = await stream.queue.get()
-                # Outputs are cumulative: when the consumer lags, only the newest one matters.
+                # When the consumer lags: of cumulative outputs only the newest matters; deltas
+                # are merged into one.
+                behind: list[RequestOutput] = []
                 while not stream.queue.empty() and isinstance(item, RequestOutput) and not item.finished:
+                    behind.append(item)
                     item = stream.queue.get_nowait()
+                if behind and delta and isinstance(item, RequestOutput):
+                    item = merge_deltas([*behind, item])
                 if isinstance(item, BaseException):
                     finished = True
                     raise item

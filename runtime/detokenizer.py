@@ -40,10 +40,18 @@ class IncrementalDetokenizer:
     called with ``finished=True``.
     """
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(
+        self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams, keep_text: bool = True
+    ):
         self.tokenizer = tokenizer
         self.params = params
-        self.text = ""
+        # Released text: all of it (``text``, joined when read) unless ``keep_text`` is False (a
+        # stream of deltas needs only ``take_new_text``), and what ``take_new_text`` has not
+        # handed out yet. Pieces, not one string grown with +=, which would copy the whole text
+        # at every token.
+        self._keep_text = keep_text
+        self._parts: list[str] = []
+        self._fresh: list[str] = []
         # The stop string that ended the request, once one has.
         self.stop_string: str | None = None
         self.num_output_tokens = 0
@@ -63,17 +71,49 @@ class IncrementalDetokenizer:
     def finished(self) -> bool:
         return self._finished
 
-    def update(self, new_token_ids: list[int], finished: bool = False) -> str | None:
+    @property
+    def text(self) -> str:
+        """All the text released so far (costs a join of the pieces since the last read)."""
+        if not self._keep_text:
+            raise RuntimeError("this detokenizer keeps no text (keep_text=False): use take_new_text()")
+        if len(self._parts) > 1:
+            self._parts[:] = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
+
+    def take_new_text(self) -> str:
+        """The text released since the last call (what a stream of deltas sends next)."""
+        if not self._fresh:
+            return ""
+        new = self._fresh[0] if len(self._fresh) == 1 else "".join(self._fresh)
+        self._fresh.clear()
+        return new
+
+    def _release(self, text: str) -> None:
+        if text:
+            if self._keep_text:
+                self._parts.append(text)
+            self._fresh.append(text)
+
+    def update(self, new_token_ids: list[int], finished: bool = False, stop_terminated: bool = False) -> str | None:
         """Add the next output ids. Returns the stop string that matched (the request must then
         finish; ``text`` is cut before it, or after it with ``include_stop_str_in_output``, and
         ids after it are ignored), else None. ``finished=True`` (eos, length, abort) releases
         everything held back, a trailing incomplete character included.
+
+        ``stop_terminated``: the last id is the stop token that ended the sequence (end of
+        sequence, or one of ``stop_token_ids``). Like a stop string, its text is left out unless
+        ``include_stop_str_in_output`` (so a JSON answer that ends on ``<|im_end|>`` with
+        ``skip_special_tokens=False`` still parses); it is still one of the output's ids.
         """
         if self._finished:
             return None
-        for token_id in new_token_ids:
-            self._ids.append(token_id)
+        skip_last = stop_terminated and bool(new_token_ids) and not self.params.include_stop_str_in_output
+        for i, token_id in enumerate(new_token_ids):
             self.num_output_tokens += 1
+            if skip_last and i == len(new_token_ids) - 1:
+                finished = True
+                break
+            self._ids.append(token_id)
             stop = self._advance(self._step())
             if stop is not None:
                 return stop
@@ -81,7 +121,7 @@ class IncrementalDetokenizer:
             # No more ids will come: show the rest even if it ends in an incomplete character.
             stop = self._advance(self._step(flush=True))
             if stop is None:
-                self.text += self._pending
+                self._release(self._pending)
                 self._pending = ""
             self._finished = True
             return stop
@@ -106,23 +146,24 @@ class IncrementalDetokenizer:
         """Append decoded text, then either stop at a stop string or release what is safe."""
         self._pending += delta
         if not self._stops:
-            self.text += self._pending
+            self._release(self._pending)
             self._pending = ""
             return None
-        # Stop strings count from min_tokens on, as eos does (Request.check_stop).
-        if delta and self.num_output_tokens >= self.params.min_tokens:
+        # As for eos and stop ids (Request.check_stop), the token that completes a stop string is
+        # not one of the min_tokens: it must come after them.
+        if delta and self.num_output_tokens > self.params.min_tokens:
             match = self._find_stop()
             if match is not None:
                 start, stop = match
                 end = start + len(stop) if self.params.include_stop_str_in_output else start
-                self.text += self._pending[:end]
+                self._release(self._pending[:end])
                 self._pending = ""
                 self.stop_string = stop
                 self._finished = True
                 return stop
         keep = self._partial_stop_length()
         if keep < len(self._pending):
-            self.text += self._pending[: len(self._pending) - keep]
+            self._release(self._pending[: len(self._pending) - keep])
             self._pending = self._pending[len(self._pending) - keep :]
         return None
 

@@ -49,12 +49,35 @@ def parse_size(value: int | str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+# On the CPU a prompt token costs far more than on a GPU, and more the longer its context: with
+# the embedded SmolLM2-135M, 2048-token chunks of a 7.8k-token prompt held every running stream
+# up to 23 s between two tokens (issue 33). Measured on the 2-core development machine in CPU
+# time (one torch thread, so the other processes' load does not count; benchmarks/
+# cpu_step_budget.py, chunks of 128 and 256 tokens after 0 and 2,048 of context): a prompt token
+# costs 4.0-4.5 ms plus 1.9 us per token of context before it, about 19 ms at 7.8k; the issue's
+# 23 s for a 2048-token chunk there implies about 1.5x from the two cores. 128 prompt tokens per
+# step then cost at most 128 x 19 / 1.5 = 1.6 s, under 3 s with the running streams' decodes
+# beside them (256 would be about 3.2 s); a prompt costs the same in all (the work is per token),
+# so it starts hardly later.
+CPU_MAX_NUM_PREFILL_TOKENS = 128
+
+
+def default_max_num_prefill_tokens(device_type: str) -> int | None:
+    """The bound on a step's prompt tokens when the options leave it unset: on the CPU, small
+    enough to bound a step's time; elsewhere none (max_num_batched_tokens bounds the step)."""
+    return CPU_MAX_NUM_PREFILL_TOKENS if device_type == "cpu" else None
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     """Run-time options; what the artifact fixed (dtype, block size, ...) is not here."""
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # Prompt tokens one step may compute, decodes aside (chunked prefill). Default: no bound of its
+    # own on a GPU; CPU_MAX_NUM_PREFILL_TOKENS on the CPU, which bounds a step's time, hence the
+    # gap between a running stream's tokens, while a long prompt is prefilled.
+    max_num_prefill_tokens: int | None = None
     max_model_len: int | None = None  # at most the artifact's
     kv_cache_memory: int | str | None = None  # bytes for the KV cache; default: from gpu_memory_utilization
     # Fraction of the GPU's memory this engine may use in all (weights, activations, graphs, KV
@@ -82,6 +105,8 @@ class EngineOptions:
             raise ValueError(f"max_num_seqs must be positive (got {self.max_num_seqs})")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be positive (got {self.max_num_batched_tokens})")
+        if self.max_num_prefill_tokens is not None and self.max_num_prefill_tokens < 1:
+            raise ValueError(f"max_num_prefill_tokens must be positive (got {self.max_num_prefill_tokens})")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
@@ -175,10 +200,14 @@ class EngineCore:
         )
         self.artifact.model.bind_kv_cache(self.kv_cache)
         self.block_pool = BlockPool(num_blocks, self.block_size, options.enable_prefix_caching)
+        self.max_num_prefill_tokens = options.max_num_prefill_tokens or default_max_num_prefill_tokens(
+            self.artifact.device.type
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=options.max_num_seqs,
                 max_num_batched_tokens=max(options.max_num_batched_tokens, 1),
+                max_num_prefill_tokens=self.max_num_prefill_tokens,
                 max_model_len=self.max_model_len,
             ),
             self.block_pool,

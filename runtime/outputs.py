@@ -23,9 +23,11 @@ PositionLogprobs = dict[int, Logprob]
 class CompletionOutput:
     """One generated sequence of a request (a request with n > 1 has n of them).
 
-    Everything is cumulative: ``text`` and ``token_ids`` hold all output so far. ``text`` never
-    ends in half a UTF-8 character and never holds a stop string or text that could still
-    become one; it is final once ``finish_reason`` is set.
+    With the request's ``output_kind`` CUMULATIVE or FINAL_ONLY, ``text``, ``token_ids`` and
+    ``logprobs`` hold all output so far; with DELTA, only what is new since the request's
+    previous output (append them in order to get the whole). ``text`` never ends in half a
+    UTF-8 character and never holds a stop string or text that could still become one; it is
+    final once ``finish_reason`` is set.
     """
 
     index: int
@@ -56,8 +58,9 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """The state of one request after an engine step. Safe to read once handed out: the
-    engine builds a new one per step and never mutates one it has returned."""
+    """The state of one request after an engine step (or, with DELTA outputs, what the step
+    added: ``outputs`` then holds only the choices that advanced). Safe to read once handed
+    out: the engine builds a new one per step and never mutates one it has returned."""
 
     request_id: str
     prompt: str | None
@@ -79,3 +82,42 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
+
+
+def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
+    """Several consecutive DELTA outputs of one request as one (for a consumer that fell behind):
+    each choice's pieces concatenated, the last output's state (finished, metrics) kept. Costs
+    the size of the deltas, not of the whole output."""
+    if len(deltas) == 1:
+        return deltas[0]
+    by_index: dict[int, list[CompletionOutput]] = {}
+    prompt_logprobs = None
+    for delta in deltas:
+        prompt_logprobs = prompt_logprobs if delta.prompt_logprobs is None else delta.prompt_logprobs
+        for o in delta.outputs:
+            by_index.setdefault(o.index, []).append(o)
+    outputs = []
+    for index, pieces in by_index.items():
+        last = pieces[-1]
+        logprobs = None if last.logprobs is None else [p for o in pieces for p in o.logprobs or ()]
+        outputs.append(
+            CompletionOutput(
+                index=index,
+                text="".join(o.text for o in pieces),
+                token_ids=[t for o in pieces for t in o.token_ids],
+                finish_reason=last.finish_reason,
+                stop_reason=last.stop_reason,
+                logprobs=logprobs,
+                cumulative_logprob=last.cumulative_logprob,
+            )
+        )
+    last_output = deltas[-1]
+    return RequestOutput(
+        request_id=last_output.request_id,
+        prompt=last_output.prompt,
+        prompt_token_ids=last_output.prompt_token_ids,
+        outputs=outputs,
+        finished=last_output.finished,
+        prompt_logprobs=prompt_logprobs,
+        metrics=last_output.metrics,
+    )

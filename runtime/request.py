@@ -119,7 +119,9 @@ class Request:
         checked later, on text, by the detokenizer)."""
         params = self.sampling_params
         last = self.output_token_ids[-1]
-        if self.num_output_tokens >= params.min_tokens:
+        # The stopping token comes after min_tokens others (the sampler masks it until then; a
+        # stop string is held to the same count by the detokenizer).
+        if self.num_output_tokens > params.min_tokens:
             if not params.ignore_eos and last in self.eos_token_ids:
                 self.stop_reason = None
                 return RequestStatus.FINISHED_STOPPED

@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
+import enum
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
 STRUCTURED_OUTPUT_TYPES = ("json_object", "json_schema", "regex", "choice", "grammar")
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each ``RequestOutput`` of a request holds (vLLM's names and meanings).
+
+    - ``CUMULATIVE``: everything so far, after every step (each output copies the whole
+      output: its cost per step grows with the output's length);
+    - ``DELTA``: only what is new since the previous output of the request: the text, token
+      ids and logprobs of the choices that advanced (cost per step independent of the length;
+      what streaming servers use); prompt logprobs come once, complete;
+    - ``FINAL_ONLY``: one output, when the request has finished (``LLM.generate`` and
+      non-streaming requests).
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass(frozen=True)
@@ -105,6 +123,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # JSON mode, a JSON schema, a regex, a choice or a grammar: a grammar masks the tokens that would break it.
     structured_output: StructuredOutput | None = None
+    # What the request's outputs hold (the front end's business; the engine core ignores it).
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -139,6 +159,7 @@ class SamplingParams:
             value = getattr(self, name)
             _check(value is None or (isinstance(value, int) and 0 <= value <= 20), name, "must be in [0, 20]")
         _check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+        _check(isinstance(self.output_kind, RequestOutputKind), "output_kind", "must be a RequestOutputKind")
         if self.structured_output is not None:
             _check(isinstance(self.structured_output, StructuredOutput), "structured_output", "must be a StructuredOutput")
             # The grammar ends the output with an end-of-sequence token once the JSON is complete:

@@ -25,16 +25,22 @@ class SchedulerConfig:
 
     ``max_num_seqs`` bounds the batch (and the decode CUDA graphs); ``max_num_batched_tokens``
     bounds the tokens of one forward pass (activation memory, step latency); ``max_model_len``
-    bounds a request's prompt plus output.
+    bounds a request's prompt plus output. ``max_num_prefill_tokens`` (None: no bound of its
+    own) bounds a step's prompt tokens, decodes aside: where a prompt token costs so much that a
+    step of max_num_batched_tokens of them would hold every running stream up for seconds (the
+    CPU), prompts are prefilled in chunks that small while every running request still decodes.
     """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
     max_model_len: int = 4096
+    max_num_prefill_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_num_prefill_tokens"):
             value = getattr(self, name)
+            if value is None and name == "max_num_prefill_tokens":
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -118,6 +124,8 @@ class Scheduler:
         """Plan one step: running requests first (in order), then waiting ones (FCFS)."""
         pool = self.block_pool
         budget = self.config.max_num_batched_tokens
+        # Prompt tokens (chunks of more than one token) this step may still take; decodes aside.
+        prefill_budget = self.config.max_num_prefill_tokens or budget
         scheduled: list[Request] = []
         counts: list[int] = []
         preempted: list[Request] = []
@@ -132,7 +140,9 @@ class Scheduler:
                 i += 1  # its last token is being sampled: nothing more to compute
                 continue
             num_new = min(len(request.all_token_ids) + pending - request.num_computed_tokens, budget)
-            if num_new <= 0:  # nothing to compute until it gets a token; cannot happen normally
+            if num_new > 1:  # a prompt chunk, not a decode
+                num_new = min(num_new, prefill_budget)
+            if num_new <= 0:  # nothing to compute until it gets a token (or no prefill budget left)
                 i += 1
                 continue
             while not pool.allocate_slots(request, num_new):
@@ -145,6 +155,8 @@ class Scheduler:
                 scheduled.append(request)
                 counts.append(num_new)
                 budget -= num_new
+                if num_new > 1:
+                    prefill_budget -= num_new
                 i += 1
 
         # After a preemption blocks are short: admitting anyone now would only thrash.
@@ -165,7 +177,9 @@ class Scheduler:
                     computed_blocks, num_cached = [], 0
                 else:
                     computed_blocks, num_cached = pool.get_computed_blocks(request)
-                num_new = min(request.num_tokens - num_cached, budget)
+                num_new = min(request.num_tokens - num_cached, budget, prefill_budget)
+                if num_new <= 0:
+                    break  # no prompt tokens left for this step
                 if not pool.allocate_slots(request, num_new, computed_blocks):
                     break  # FCFS: nobody overtakes the head of the queue
                 waiting.popleft()
@@ -174,6 +188,7 @@ class Scheduler:
                 scheduled.append(request)
                 counts.append(num_new)
                 budget -= num_new
+                prefill_budget -= num_new
 
         finished_ids, self._finished_request_ids = self._finished_request_ids, set()
         return SchedulerOutput(

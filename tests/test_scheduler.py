@@ -286,7 +286,8 @@ def test_finish_requests_needs_a_finished_status() -> None:
         ({"stop_token_ids": [7]}, [5, 7, 5], RequestStatus.FINISHED_STOPPED, 2, 7),
         ({"max_tokens": 2}, [5, 5, 5], RequestStatus.FINISHED_LENGTH, 2, None),
         ({"ignore_eos": True, "max_tokens": 3}, [EOS, EOS, EOS], RequestStatus.FINISHED_LENGTH, 3, None),
-        ({"min_tokens": 2, "max_tokens": 4}, [EOS, EOS, 5], RequestStatus.FINISHED_STOPPED, 2, None),
+        # min_tokens tokens come before the stopping one (as for a stop string).
+        ({"min_tokens": 2, "max_tokens": 4}, [EOS, EOS, EOS, 5], RequestStatus.FINISHED_STOPPED, 3, None),
         ({"max_tokens": 100}, [5] * 5, RequestStatus.FINISHED_LENGTH, 4, None),  # max_model_len 8
     ],
 )

@@ -109,9 +109,12 @@ class RequestRecorder:
         self._done = False
         self.last: RequestOutput | None = None
 
-    def update(self, out: RequestOutput) -> None:
+    def update(self, out: RequestOutput, num_tokens: int | None = None) -> None:
+        """``num_tokens``: the most output tokens of any choice so far, where ``out`` is a delta
+        (default: counted in ``out``, a cumulative output)."""
         self.last = out
-        num_tokens = max((len(o.token_ids) for o in out.outputs), default=0)
+        if num_tokens is None:
+            num_tokens = max((len(o.token_ids) for o in out.outputs), default=0)
         if num_tokens <= self._num_tokens:
             return
         m = out.metrics
@@ -122,6 +125,12 @@ class RequestRecorder:
             new = num_tokens - self._num_tokens
             gap = max(0.0, now - self._last_time) / new
             for _ in range(new):
+                self._metrics.inter_token_latency.labels(self._model).observe(gap)
+        elif num_tokens > 1 and m is not None and m.first_token_time is not None and m.last_token_time is not None:
+            # Several tokens in the first output seen (a request answered once, at its end): their
+            # gaps on average, one observation per gap.
+            gap = max(0.0, m.last_token_time - m.first_token_time) / (num_tokens - 1)
+            for _ in range(num_tokens - 1):
                 self._metrics.inter_token_latency.labels(self._model).observe(gap)
         self._last_time = now
         self._num_tokens = num_tokens

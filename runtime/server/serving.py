@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pagecast.runtime.outputs import RequestOutput
-from pagecast.runtime.sampling_params import SamplingParams
+from pagecast.runtime.sampling_params import RequestOutputKind, SamplingParams
 from pagecast.runtime.server import errors
 from pagecast.runtime.server.errors import APIError
 from pagecast.runtime.server.logs import log_request
@@ -197,8 +197,10 @@ class GenerationRun:
     ``start`` submits them all and waits for each one's first output, so that an engine
     error about the input (context too long, ...) becomes a 400 before any byte of a
     stream is sent. ``outputs`` then yields ``(prompt_index, RequestOutput)`` as the
-    engine produces them (cumulative). ``close`` always runs: it aborts whatever did not
-    finish, releases the admission, records metrics and writes the request's log line.
+    engine produces them, as ``params.output_kind`` asks: deltas for a stream (each output
+    holds only what is new, so a step costs the same at any length), one final output
+    otherwise. ``close`` always runs: it aborts whatever did not finish, releases the
+    admission, records metrics and writes the request's log line.
     """
 
     def __init__(
@@ -220,6 +222,9 @@ class GenerationRun:
             [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         )
         self.recorders: list[RequestRecorder] = [state.metrics.follow(model.name) for _ in prompts]
+        # Per prompt, per choice: output tokens so far and the finish reason (outputs may be deltas).
+        self._num_tokens: list[dict[int, int]] = [{} for _ in prompts]
+        self._finish_reasons: list[dict[int, str | None]] = [{} for _ in prompts]
         self.num_seqs = len(prompts) * params.n
         self.start_time = time.monotonic()
         self._streams: list[AsyncIterator[RequestOutput]] = []
@@ -248,8 +253,8 @@ class GenerationRun:
                 self._first = await _gather_cancelling([_first_output(s) for s in self._streams])
         except Exception as exc:
             raise errors.from_engine_error(exc, self.model.name) from exc
-        for recorder, out in zip(self.recorders, self._first, strict=True):
-            recorder.update(out)
+        for i, out in enumerate(self._first):
+            self._note(i, out)
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         for i, out in enumerate(self._first):
@@ -259,16 +264,26 @@ class GenerationRun:
             if len(pending) == 1:
                 i = pending[0]
                 async for out in self._streams[i]:
-                    self.recorders[i].update(out)
+                    self._note(i, out)
                     yield i, out
             elif pending:
                 async for i, out in _merge({i: self._streams[i] for i in pending}):
-                    self.recorders[i].update(out)
+                    self._note(i, out)
                     yield i, out
         except APIError:
             raise
         except Exception as exc:
             raise errors.from_engine_error(exc, self.model.name) from exc
+
+    def _note(self, i: int, out: RequestOutput) -> None:
+        """Count prompt ``i``'s tokens and finish reasons from an output (a delta or a whole)."""
+        delta = self.params.output_kind == RequestOutputKind.DELTA
+        counts, reasons = self._num_tokens[i], self._finish_reasons[i]
+        for o in out.outputs:
+            counts[o.index] = (counts.get(o.index, 0) if delta else 0) + len(o.token_ids)
+            if o.finish_reason is not None:
+                reasons[o.index] = o.finish_reason
+        self.recorders[i].update(out, num_tokens=max(counts.values(), default=0))
 
     async def collect(self) -> list[RequestOutput]:
         """Run every engine request to its end; the final output of each prompt."""
@@ -299,8 +314,9 @@ class GenerationRun:
             self.state.release(self.model, self.num_seqs)
         reasons = []
         if self._admitted:  # a refused request never reached the engine: no engine metrics
-            for recorder in self.recorders:
-                reason = _request_finish_reason(recorder.last, self.status)
+            for recorder, choices in zip(self.recorders, self._finish_reasons, strict=True):
+                got = [choices.get(j) for j in range(self.params.n)] if recorder.last is not None else None
+                reason = _request_finish_reason(got, self.status)
                 reasons.append(reason)
                 recorder.finish(reason)
         self._log(self.status, reasons)
@@ -321,18 +337,18 @@ class GenerationRun:
             endpoint=self.endpoint,
             status=status,
             prompt_tokens=sum(len(ids) for ids in self.prompts),
-            completion_tokens=sum(len(o.token_ids) for out in finals for o in out.outputs),
+            completion_tokens=sum(sum(counts.values()) for counts in self._num_tokens),
             ttft_s=ttft,
             total_s=time.monotonic() - self.start_time,
             finish_reason=",".join(sorted(set(reasons))) or None,
         )
 
 
-def _request_finish_reason(out: RequestOutput | None, status: int) -> str:
-    """One reason per engine request: an error or abort of any choice wins."""
-    if out is None:
+def _request_finish_reason(reasons: list[str | None] | None, status: int) -> str:
+    """One reason per engine request from its choices' (None: no output): an error or abort
+    of any choice wins."""
+    if reasons is None:
         return "error" if status >= 500 else "abort"
-    reasons = [o.finish_reason for o in out.outputs]
     for worst in ("error", "abort"):
         if worst in reasons:
             return worst

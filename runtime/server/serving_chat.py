@@ -3,6 +3,7 @@ generated as one prompt, answered (or streamed) in OpenAI's chat format."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -13,7 +14,7 @@ from starlette.responses import Response
 
 from pagecast.runtime import generation_config
 from pagecast.runtime.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from pagecast.runtime.sampling_params import SamplingParams
+from pagecast.runtime.sampling_params import RequestOutputKind, SamplingParams
 from pagecast.runtime.server import errors
 from pagecast.runtime.server.chat import render_chat_prompt
 from pagecast.runtime.server.errors import APIError
@@ -73,6 +74,8 @@ def _prepare(
     check_prompt_fits(model, prompt_ids, max_tokens, "messages")
     params = req.to_sampling_params(max_tokens, tools.structured_output if tools else None)
     params = generation_config.for_request(params, req, model.engine, [len(prompt_ids)])  # checkpoint defaults
+    # A stream sends what is new at each step; an answer is built once, at the end.
+    params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY)
     return req, model, prompt_ids, params, tools
 
 
@@ -195,7 +198,6 @@ async def _stream(
             payload["usage"] = None
         return sse_event(payload)
 
-    num_chars: dict[int, int] = {}
     num_tokens: dict[int, int] = {}
     finished: set[int] = set()
     parsers: dict[int, ToolCallParser] = {}
@@ -206,25 +208,21 @@ async def _stream(
             if state.cutting:
                 raise errors.cut_by_shutdown()
             prompt_tokens = len(out.prompt_token_ids)
-            for o in out.outputs:
+            for o in out.outputs:  # deltas: what is new of each choice that advanced
                 if o.finish_reason == "error":
                     raise errors.internal_error("the engine failed while generating")
                 index = o.index
                 if index in finished:
                     continue
-                if index not in num_chars:
-                    num_chars[index] = num_tokens[index] = 0
+                if index not in num_tokens:
+                    num_tokens[index] = 0
                     yield chunk(index, {"role": "assistant", "content": ""}, None, None)
-                delta = o.text[num_chars[index] :]
+                delta = o.text
                 logprobs = None
-                if req.logprobs and len(o.token_ids) > num_tokens[index]:
-                    logprobs = {
-                        "content": _logprob_entries(o, num_tokens[index], len(o.token_ids), k, texts),
-                        "refusal": None,
-                    }
-                new_ids = o.token_ids[num_tokens[index] :]
-                num_chars[index] = len(o.text)
-                num_tokens[index] = len(o.token_ids)
+                if req.logprobs and o.token_ids:
+                    logprobs = {"content": _logprob_entries(o, 0, len(o.token_ids), k, texts), "refusal": None}
+                new_ids = o.token_ids
+                num_tokens[index] += len(new_ids)
                 deltas = [{"content": delta}] if delta else []
                 if tools is not None:
                     parser = parsers.setdefault(index, ToolCallParser(tools.format, tools.max_calls))

@@ -7,6 +7,7 @@ of prompts.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from starlette.responses import Response
 
 from pagecast.runtime import generation_config
 from pagecast.runtime.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from pagecast.runtime.sampling_params import SamplingParams
+from pagecast.runtime.sampling_params import RequestOutputKind, SamplingParams
 from pagecast.runtime.server import errors
 from pagecast.runtime.server.errors import APIError
 from pagecast.runtime.server.limits import check_text_size
@@ -78,6 +79,8 @@ def _prepare(
         # The grammar's vocabulary comes from the tokenizer: a token-id-only artifact has none.
         raise errors.unsupported("response_format", "this model's artifact has no tokenizer")
     params = generation_config.for_request(params, req, model.engine, [len(ids) for ids in prompt_ids])  # checkpoint defaults
+    # A stream sends what is new at each step; an answer is built once, at the end.
+    params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY)
     return req, model, prompt_ids, prompt_texts, score_only, params
 
 
@@ -177,10 +180,6 @@ def _prompt_logprobs(out: RequestOutput, k: int, texts: TokenTexts) -> _LegacyLo
     return result
 
 
-def _prompt_logprobs_done(out: RequestOutput) -> bool:
-    return out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(out.prompt_token_ids)
-
-
 def _echo_text(out: RequestOutput, prompt_text: str | None, texts: TokenTexts) -> str:
     if prompt_text is not None:
         return prompt_text
@@ -246,7 +245,6 @@ def _position(o: CompletionOutput, j: int) -> PositionLogprobs:
 class _ChoiceState:
     """What has been streamed of one choice so far."""
 
-    num_chars: int = 0
     num_tokens: int = 0
     offset: int = 0  # text offset of the next token, for logprobs
     started: bool = False
@@ -294,12 +292,16 @@ async def _stream(
 
     states: dict[int, _ChoiceState] = {}
     prompt_tokens: dict[int, int] = {}
+    # Per prompt, the output that carried its prompt logprobs (a delta carries them once, whole).
+    with_prompt_logprobs: dict[int, RequestOutput] = {}
     try:
         async for i, out in run.outputs():
             if state.cutting:
                 raise errors.cut_by_shutdown()
             prompt_tokens[i] = len(out.prompt_token_ids)
-            for o in out.outputs:
+            if out.prompt_logprobs is not None:
+                with_prompt_logprobs[i] = out
+            for o in out.outputs:  # deltas: what is new of each choice that advanced
                 if o.finish_reason == "error":
                     raise errors.internal_error("the engine failed while generating")
                 index = i * req.n + o.index
@@ -309,23 +311,18 @@ async def _stream(
                 prefix = ""
                 logprobs = _LegacyLogprobs.empty() if req.logprobs is not None else None
                 if not st.started:
-                    if req.echo and logprobs is not None and not _prompt_logprobs_done(out):
-                        continue  # a chunked prefill is still under way; later outputs hold it all
                     st.started = True
                     if req.echo:
                         prefix = _echo_text(out, prompt_texts[i], texts)
                         if logprobs is not None:
-                            logprobs = _prompt_logprobs(out, req.logprobs or 0, texts)
+                            logprobs = _prompt_logprobs(with_prompt_logprobs.get(i, out), req.logprobs or 0, texts)
                         st.offset = len(prefix)
-                delta = o.text[st.num_chars :]
-                st.num_chars = len(o.text)
+                delta = o.text
                 if logprobs is not None:
-                    for j in range(st.num_tokens, len(o.token_ids)):
-                        st.offset = logprobs.add(
-                            texts, o.token_ids[j], _position(o, j), req.logprobs or 0, st.offset
-                        )
-                new_ids = o.token_ids[st.num_tokens :]
-                st.num_tokens = len(o.token_ids)
+                    for j in range(len(o.token_ids)):
+                        st.offset = logprobs.add(texts, o.token_ids[j], _position(o, j), req.logprobs or 0, st.offset)
+                new_ids = o.token_ids
+                st.num_tokens += len(new_ids)
                 if o.finished:
                     st.finished = True
                     yield chunk(index, prefix + delta, logprobs, o.finish_reason, new_ids)

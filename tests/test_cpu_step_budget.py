@@ -1,0 +1,88 @@
+"""The CPU's step budget: left unset, a CPU engine computes at most CPU_MAX_NUM_PREFILL_TOKENS
+prompt tokens per step, so a long prompt is prefilled in chunks while the running streams go on
+decoding (one token each, every step) instead of waiting for the whole prompt; a GPU engine's
+steps are bounded by max_num_batched_tokens alone, as before."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagecast.runtime import SamplingParams
+from pagecast.runtime.block_pool import BlockPool
+from pagecast.runtime.engine import LLMEngine
+from pagecast.runtime.engine_core import CPU_MAX_NUM_PREFILL_TOKENS, EngineOptions, default_max_num_prefill_tokens
+from pagecast.runtime.request import Request
+from pagecast.runtime.scheduler import Scheduler, SchedulerConfig
+
+
+def test_default_prefill_bound_by_device() -> None:
+    assert default_max_num_prefill_tokens("cuda") is None
+    assert default_max_num_prefill_tokens("cpu") == CPU_MAX_NUM_PREFILL_TOKENS < EngineOptions().max_num_batched_tokens
+    with pytest.raises(ValueError, match="max_num_prefill_tokens"):
+        EngineOptions(max_num_prefill_tokens=0)
+
+
+def test_prefill_bound_leaves_decodes_alone() -> None:
+    """Exact scheduling: 3 decoding requests and 2 prompts; each step decodes all three and
+    takes at most 8 prompt tokens; without the bound the prompts go in one step."""
+
+    def run(bound: int | None) -> list[dict[str, int]]:
+        sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
+                                          max_num_prefill_tokens=bound), BlockPool(64, 4))  # fmt: skip
+        params = SamplingParams(max_tokens=30, ignore_eos=True)
+        for rid in ("d0", "d1", "d2"):
+            sched.add_request(Request(rid, [1], params))
+        steps = []
+        for i in range(6):
+            if i == 1:
+                sched.add_request(Request("p0", list(range(2, 14)), params))  # 12 prompt tokens
+                sched.add_request(Request("p1", list(range(20, 25)), params))  # 5
+            out = sched.schedule()
+            steps.append({r.request_id: n for r, n in zip(out.scheduled_requests, out.num_scheduled_tokens)})
+            sched.update_from_output(out, {r.request_id: 9 for r in out.scheduled_requests})
+        return steps
+
+    assert run(8) == [
+        {"d0": 1, "d1": 1, "d2": 1},
+        {"d0": 1, "d1": 1, "d2": 1, "p0": 8},
+        {"d0": 1, "d1": 1, "d2": 1, "p0": 4, "p1": 4},
+        {"d0": 1, "d1": 1, "d2": 1, "p0": 1, "p1": 1},
+        {"d0": 1, "d1": 1, "d2": 1, "p0": 1, "p1": 1},
+        {"d0": 1, "d1": 1, "d2": 1, "p0": 1, "p1": 1},
+    ]
+    assert run(None)[1] == {"d0": 1, "d1": 1, "d2": 1, "p0": 12, "p1": 5}
+
+
+def test_a_long_prompt_is_chunked_while_a_stream_decodes(tiny_llama_artifact):  # type: ignore[no-untyped-def]
+    engine = LLMEngine(tiny_llama_artifact, kv_cache_memory="16MiB", max_num_seqs=8)
+    bound = engine.scheduler.config.max_num_prefill_tokens
+    assert bound == CPU_MAX_NUM_PREFILL_TOKENS
+    long_len = min(engine.max_model_len - 8, 3 * bound + 50)
+    assert long_len > 2 * bound  # the tiny model's context holds a prompt of several chunks
+    steps: list[dict[str, int]] = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():  # type: ignore[no-untyped-def]
+        out = schedule()
+        steps.append({r.request_id: n for r, n in zip(out.scheduled_requests, out.num_scheduled_tokens)})
+        return out
+
+    engine.scheduler.schedule = recording_schedule  # type: ignore[method-assign]
+    engine.add_request("stream", [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    for _ in range(3):  # the stream is decoding
+        engine.step()
+    engine.add_request("long", [(7 * i) % 4000 + 10 for i in range(long_len)], SamplingParams(max_tokens=2))
+    stream = engine.scheduler.requests["stream"]
+    tokens_before = len(stream.output_token_ids)
+    prefill_steps = []
+    while not engine.scheduler.requests["long"].output_token_ids:
+        engine.step()
+        prefill_steps.append(steps[-1])
+    # The prompt took several steps of at most `bound` tokens, and the stream got a token in
+    # every one of them.
+    assert len(prefill_steps) >= 3, prefill_steps
+    assert sum(s["long"] for s in prefill_steps) == long_len
+    assert all(s["stream"] == 1 and s["long"] <= bound for s in prefill_steps), prefill_steps
+    assert len(stream.output_token_ids) == tokens_before + len(prefill_steps)
+    while engine.has_unfinished_requests():
+        engine.step()
