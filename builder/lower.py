@@ -1,9 +1,12 @@
-"""Pass 3, lower: match the trace against the decoder patterns the engine implements.
+"""Pass 3, lower: read the trace into a per-layer description made of parts.
 
-Every module the trace saw must be claimed by a role (embedding, RMSNorm, q/k/v/o
-projection, rotary attention core, gated MLP, ...) and contain only the ops that role
-allows. Anything else stops the build with the module and the op named: an engine that
-silently skipped an op would generate wrong text.
+The family table (builder/families.py) says which module plays which role; the trace says
+what each one does: the norm kind (RMSNorm with w or 1 + w), the activation, biases, the
+attention's scale, whether it rotates (no-RoPE layers), its window and logit soft-cap, the
+residual, embedding and logit multipliers, the final soft-cap. Every module the trace saw
+must be claimed by a role and contain only the ops that role allows. Anything else stops
+the build with the module and the op named: an engine that silently skipped an op would
+generate wrong text.
 """
 
 from __future__ import annotations
@@ -11,17 +14,24 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from pagecast.builder.ir import AttentionSpec, BuildState, LayerSpec, MlpSpec, ModelIR, RopeSpec
+from pagecast.builder.families import FAMILIES, FamilyParts, supported_list
+from pagecast.builder.ir import AttentionSpec, BuildState, LayerSpec, MlpSpec, ModelIR, NormSpec, RopeSpec
 from pagecast.builder.trace import ModuleTrace, TraceSummary
 from pagecast.kernels.rope import SUPPORTED_ROPE_TYPES
 from pagecast.runtime.errors import BuildError
 
-_RMSNORM_OPS = {"to", "pow", "mean", "add", "rsqrt", "mul"}
+_RMSNORM_OPS = {"to", "pow", "mean", "add", "rsqrt", "mul", "type_as"}
 _ATTENTION_CORE_OPS = {
     "view", "transpose", "unsqueeze", "mul", "slice", "neg", "cat", "add", "expand", "reshape",
     "scaled_dot_product_attention", "contiguous", "to",
 }  # fmt: skip
-_ACTIVATIONS = {"silu": "silu"}
+# The decoder stack module builds position ids and the causal / sliding-window masks (the runtime
+# builds its own); the only op it may apply to the hidden states is a scalar multiply (Granite's
+# embedding multiplier).
+_DECODER_STACK_OPS = {
+    "arange", "add", "sub", "unsqueeze", "slice", "diff", "ne", "eq", "le", "lt", "ge", "gt", "cumsum",
+    "new_ones", "to", "__and__", "__or__", "index", "expand", "mul",
+}  # fmt: skip
 # The HF rotary module only builds its cos/sin table (the engine builds its own from the config);
 # depending on the transformers version those ops are traced inside a no_grad region or inline.
 _ROTARY_TABLE_OPS = {
@@ -33,7 +43,8 @@ _ROTARY_TABLE_OPS = {
 def _unsupported(mod: ModuleTrace, op: str, role: str) -> BuildError:
     return BuildError(
         f"unsupported op {op!r} in module {mod.path} ({mod.type_name}), matched as {role}: "
-        f"pagecast cannot build this model correctly"
+        f"pagecast has no lowering for it and cannot build this model correctly "
+        f"(supported families: {supported_list()})"
     )
 
 
@@ -56,17 +67,21 @@ class _Matcher:
             if op not in allowed:
                 raise _unsupported(mod, op, role)
 
-    def rmsnorm(self, path: str, required: bool = True) -> float | None:
+    def rmsnorm(self, path: str, required: bool = True) -> NormSpec | None:
+        """x * rsqrt(mean(x^2) + eps) * w, or Gemma's x * rsqrt(...) * (1 + w)."""
         mod = self.take(path, "RMSNorm", required)
         if mod is None:
             return None
         self.only(mod, _RMSNORM_OPS, "RMSNorm")
-        if "rsqrt" not in mod.ops or len(mod.scalar_adds) != 1 or mod.ops.count("add") != 1:
+        adds = mod.scalar_adds
+        plain = len(adds) == 1 and mod.ops.count("add") == 1
+        offset = len(adds) == 2 and adds[1] == 1.0 and mod.ops.count("add") == 2  # (1 + w)
+        if "rsqrt" not in mod.ops or not (plain or offset):
             raise BuildError(
-                f"module {path} ({mod.type_name}) is not a plain RMSNorm x * rsqrt(mean(x^2) + eps) * w "
-                f"(ops {mod.ops}); this norm variant is not supported"
+                f"module {path} ({mod.type_name}) is neither x * rsqrt(mean(x^2) + eps) * w nor its (1 + w) "
+                f"variant (ops {mod.ops}); this norm variant is not supported"
             )
-        return mod.scalar_adds[0]
+        return NormSpec(hf_name=f"{path}.weight", eps=adds[0], weight_offset=1.0 if offset else 0.0)
 
     def linear(self, path: str) -> bool:
         mod = self.take(path, "linear projection")
@@ -75,96 +90,86 @@ class _Matcher:
         return bool(mod.linear_has_bias)
 
 
-def _rope(config: Any, head_dim: int) -> RopeSpec:
+def _number_list(v: Any) -> bool:
+    return isinstance(v, (list, tuple)) and all(isinstance(x, (int, float)) for x in v)
+
+
+def _rope(config: Any, head_dim: int, layer_type: str | None = None) -> RopeSpec:
     params = dict(getattr(config, "rope_parameters", None) or {})
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])  # Gemma 3: one set of parameters per layer type
     if "rope_theta" not in params:
         params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise BuildError(f"rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     params["rope_type"] = rope_type
+    if rope_type in ("yarn", "longrope"):
+        # the ratio of the context lengths stands in for a missing factor (Phi-3)
+        params.setdefault("max_position_embeddings", int(getattr(config, "max_position_embeddings", 2048)))
+        original = getattr(config, "original_max_position_embeddings", None)
+        if original is not None:
+            params.setdefault("original_max_position_embeddings", int(original))
+        if "original_max_position_embeddings" not in params:
+            raise BuildError(f"rope_type {rope_type!r} without original_max_position_embeddings; not supported")
+        if rope_type == "yarn" and params.get("factor") is None:
+            params["factor"] = params["max_position_embeddings"] / params["original_max_position_embeddings"]
     partial = float(params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0) or 1.0))
-    clean = {k: v for k, v in params.items() if isinstance(v, (int, float, str))}
+    clean = {k: (list(v) if _number_list(v) else v) for k, v in params.items() if isinstance(v, (int, float, str)) or _number_list(v)}
     return RopeSpec(rope_type=rope_type, params=clean, rotary_dim=int(head_dim * partial))
 
 
+def _logits(mod: ModuleTrace) -> tuple[float, float | None]:
+    """The causal-LM wrapper's ops on the logits -> (divisor, final soft-cap)."""
+    if mod.ops == []:
+        return 1.0, None
+    if mod.ops == ["div"] and len(mod.scalar_divs) == 1:  # Granite: logits / logits_scaling
+        return mod.scalar_divs[0], None
+    if mod.ops == ["div", "tanh", "mul"] and mod.scalar_divs == mod.scalar_muls and len(mod.scalar_divs) == 1:
+        return 1.0, mod.scalar_divs[0]  # Gemma 2: cap * tanh(logits / cap)
+    op = next((o for o in mod.ops if o not in ("div", "tanh", "mul")), mod.ops[0])
+    raise _unsupported(mod, op, "causal LM head (logit scaling or soft-capping)")
+
+
 def lower(trace: TraceSummary, config: Any, family: str, architecture: str) -> ModelIR:
+    parts = FAMILIES.get(architecture)
+    if parts is None:
+        raise BuildError(f"architecture {architecture!r} has no lowering (supported families: {supported_list()})")
     m = _Matcher(trace)
     num_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     if num_heads % num_kv_heads:
         raise BuildError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
-    rope = _rope(config, head_dim)
 
     embed = m.take("model.embed_tokens", "token embedding")
     assert embed is not None
-    m.only(embed, {"embedding"}, "token embedding")
-    m.take("model", "decoder stack")  # position ids and the causal mask: the runtime builds its own
-    m.take("", "causal LM wrapper")
+    embedding_multiplier, in_dtype = 1.0, False
+    if embed.ops == ["embedding", "to", "mul"] and "scalar_embed_scale" in embed.attributes:
+        # Gemma: the embedding times sqrt(hidden), that scale first rounded to the model's dtype
+        embedding_multiplier, in_dtype = float(embed.attributes["scalar_embed_scale"]), True
+    else:
+        m.only(embed, {"embedding"}, "token embedding")
+    stack = m.take("model", "decoder stack")
+    assert stack is not None
+    m.only(stack, _DECODER_STACK_OPS, "decoder stack (position ids and masks)")
+    if stack.ops.count("mul") != len(stack.scalar_muls) or len(stack.scalar_muls) > 1:
+        raise _unsupported(stack, "mul", "decoder stack (only a scalar embedding multiplier is supported)")
+    if stack.scalar_muls:
+        if embedding_multiplier != 1.0:
+            raise _unsupported(stack, "mul", "decoder stack (a second embedding multiplier)")
+        embedding_multiplier = stack.scalar_muls[0]  # Granite's embedding_multiplier
+    wrapper = m.take("", "causal LM wrapper")
+    assert wrapper is not None
+    logits_divisor, final_softcap = _logits(wrapper)
     rotary = m.take("model.rotary_emb", "rotary table", required=False)
     if rotary is not None:
         m.only(rotary, _ROTARY_TABLE_OPS, "rotary table")
 
-    layers = []
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}"
-        layer = m.take(p, "decoder layer")
-        assert layer is not None
-        if layer.ops != ["add", "add"]:
-            raise BuildError(f"decoder layer {p} ({layer.type_name}) is not pre-norm residual (ops {layer.ops})")
-        input_eps = m.rmsnorm(f"{p}.input_layernorm")
-        post_eps = m.rmsnorm(f"{p}.post_attention_layernorm")
-        q_bias = m.linear(f"{p}.self_attn.q_proj")
-        k_bias = m.linear(f"{p}.self_attn.k_proj")
-        v_bias = m.linear(f"{p}.self_attn.v_proj")
-        o_bias = m.linear(f"{p}.self_attn.o_proj")
-        if not q_bias == k_bias == v_bias:
-            raise BuildError(f"{p}.self_attn: q/k/v projections disagree on bias; not supported")
-        q_norm_eps = m.rmsnorm(f"{p}.self_attn.q_norm", required=False)
-        k_norm_eps = m.rmsnorm(f"{p}.self_attn.k_norm", required=False)
-        if (q_norm_eps is None) != (k_norm_eps is None):
-            raise BuildError(f"{p}.self_attn has a norm on only one of q and k; not supported")
-        core = m.take(f"{p}.self_attn", "attention core")
-        assert core is not None
-        m.only(core, _ATTENTION_CORE_OPS, "rotary attention")
-        if "scaled_dot_product_attention" not in core.ops or "neg" not in core.ops:
-            raise BuildError(f"{p}.self_attn ({core.type_name}) is not rotary scaled-dot-product attention")
-        scale = float(core.sdpa_kwargs.get("scale", head_dim**-0.5))
+    layers = [_layer(m, config, parts, i, num_heads, num_kv_heads, head_dim) for i in range(config.num_hidden_layers)]
 
-        gate_bias = m.linear(f"{p}.mlp.gate_proj")
-        m.linear(f"{p}.mlp.up_proj")
-        m.linear(f"{p}.mlp.down_proj")
-        mlp = m.take(f"{p}.mlp", "gated MLP")
-        assert mlp is not None
-        m.only(mlp, {"mul"}, "gated MLP")
-        act = m.take(f"{p}.mlp.act_fn", "MLP activation")
-        assert act is not None
-        if len(act.ops) != 1 or act.ops[0] not in _ACTIVATIONS:
-            raise _unsupported(act, act.ops[0] if act.ops else "<none>", "MLP activation (only SiLU is supported)")
-
-        layers.append(
-            LayerSpec(
-                index=i,
-                hf_prefix=p,
-                input_norm_eps=float(input_eps),  # type: ignore[arg-type]
-                attention=AttentionSpec(
-                    num_heads=num_heads,
-                    num_kv_heads=num_kv_heads,
-                    head_dim=head_dim,
-                    qkv_bias=q_bias,
-                    o_bias=o_bias,
-                    qk_norm=q_norm_eps is not None,
-                    qk_norm_eps=q_norm_eps,
-                    scale=scale,
-                    rope=rope,
-                ),
-                post_attention_norm_eps=float(post_eps),  # type: ignore[arg-type]
-                mlp=MlpSpec(config.intermediate_size, _ACTIVATIONS[act.ops[0]], gate_bias),
-            )
-        )
-
-    final_eps = m.rmsnorm("model.norm")
+    final_norm = m.rmsnorm("model.norm")
+    assert final_norm is not None
     tied = bool(getattr(config, "tie_word_embeddings", False))
     head = m.take("lm_head", "LM head")
     assert head is not None
@@ -177,12 +182,23 @@ def lower(trace: TraceSummary, config: Any, family: str, architecture: str) -> M
         mod = trace.modules[unclaimed[0]]
         raise BuildError(
             f"module {mod.path} ({mod.type_name}, ops {mod.ops}) is not part of any supported pattern; "
-            f"pagecast cannot build this model"
+            f"pagecast cannot build this model (supported families: {supported_list()})"
         )
     first = layers[0]
     for layer in layers[1:]:
-        if (layer.attention, layer.mlp) != (first.attention, first.mlp):
-            raise BuildError(f"layer {layer.index} differs in shape from layer 0; heterogeneous layers are not supported")
+        same = (
+            layer.attention.shape_key() == first.attention.shape_key()
+            and layer.mlp == first.mlp
+            and layer.placement() == first.placement()
+            and layer.residual_multiplier == first.residual_multiplier
+        )
+        if not same:
+            raise BuildError(
+                f"layer {layer.index} differs in shape, norms or MLP from layer 0; heterogeneous layers are not supported"
+            )
+    rotary_dims = {layer.attention.rope.rotary_dim for layer in layers if layer.attention.rope is not None}
+    if len(rotary_dims) > 1:
+        raise BuildError(f"layers rotate different numbers of dimensions ({sorted(rotary_dims)}); not supported")
 
     return ModelIR(
         family=family,
@@ -190,12 +206,121 @@ def lower(trace: TraceSummary, config: Any, family: str, architecture: str) -> M
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
         layers=tuple(layers),
-        final_norm_eps=float(final_eps),  # type: ignore[arg-type]
+        final_norm=final_norm,
         tie_word_embeddings=tied,
         embed_name="model.embed_tokens.weight",
-        final_norm_name="model.norm.weight",
         lm_head_name=None if tied else "lm_head.weight",
         max_position_embeddings=int(getattr(config, "max_position_embeddings", 2048)),
+        embedding_multiplier=embedding_multiplier,
+        embedding_multiplier_in_dtype=in_dtype,
+        logits_divisor=logits_divisor,
+        final_logit_softcap=final_softcap,
+    )
+
+
+def _layer(
+    m: _Matcher, config: Any, parts: FamilyParts, i: int, num_heads: int, num_kv_heads: int, head_dim: int
+) -> LayerSpec:
+    p = f"model.layers.{i}"
+    layer = m.take(p, "decoder layer")
+    assert layer is not None
+    residual_multiplier = 1.0
+    if layer.ops == ["mul", "add", "mul", "add"] and len(set(layer.scalar_muls)) == 1 and len(layer.scalar_muls) == 2:
+        residual_multiplier = layer.scalar_muls[0]  # Granite: residual + branch * multiplier
+    elif layer.ops != ["add", "add"]:
+        raise BuildError(
+            f"decoder layer {p} ({layer.type_name}) is not two residual branches (ops {layer.ops}); not supported"
+        )
+    norms = {
+        role: (m.rmsnorm(f"{p}.{name}") if name is not None else None)
+        for role, name in (
+            ("attn_in_norm", parts.attn_in_norm),
+            ("attn_out_norm", parts.attn_out_norm),
+            ("mlp_in_norm", parts.mlp_in_norm),
+            ("mlp_out_norm", parts.mlp_out_norm),
+        )
+    }
+    for name in parts.identities:
+        mod = m.take(f"{p}.{name}", "identity at inference (dropout)")
+        assert mod is not None
+        m.only(mod, {"dropout"}, "identity at inference (dropout)")
+
+    attn = f"{p}.self_attn"
+    biases = [m.linear(f"{attn}.{name}") for name in parts.qkv]
+    o_bias = m.linear(f"{attn}.o_proj")
+    if len(set(biases)) != 1:
+        raise BuildError(f"{attn}: q/k/v projections disagree on bias; not supported")
+    q_norm = m.rmsnorm(f"{attn}.q_norm", required=False)
+    k_norm = m.rmsnorm(f"{attn}.k_norm", required=False)
+    if (q_norm is None) != (k_norm is None):
+        raise BuildError(f"{attn} has a norm on only one of q and k; not supported")
+    if q_norm is not None and k_norm is not None and (q_norm.eps, q_norm.weight_offset) != (k_norm.eps, k_norm.weight_offset):
+        raise BuildError(f"{attn}: the q and k norms differ in eps or kind; not supported")
+    core = m.take(attn, "attention core")
+    assert core is not None
+    m.only(core, _ATTENTION_CORE_OPS, "attention")
+    if "scaled_dot_product_attention" not in core.ops:
+        raise BuildError(f"{attn} ({core.type_name}) is not scaled-dot-product attention")
+    if core.attributes.get("is_causal") is False:
+        raise BuildError(f"{attn} ({core.type_name}) is bidirectional attention; only causal decoders are supported")
+    rotates = "neg" in core.ops
+    if "use_rope" in core.attributes and bool(core.attributes["use_rope"]) != rotates:
+        raise BuildError(f"{attn}: use_rope={core.attributes['use_rope']} but the trace says otherwise; not supported")
+    scale = float(core.sdpa_kwargs.get("scale", head_dim**-0.5))
+    window = None
+    if parts.window_source == "layer":
+        window = core.attributes.get("sliding_window")
+    elif parts.window_source == "config":
+        window = getattr(config, "sliding_window", None)
+    softcap = core.attributes.get("attn_logit_softcapping")
+    layer_type = core.attributes.get("layer_type")
+    rope = _rope(config, head_dim, layer_type if isinstance(layer_type, str) else None) if rotates else None
+
+    mlp_path = f"{p}.mlp"
+    mlp_biases = [m.linear(f"{mlp_path}.{name}") for name in parts.gate_up]
+    down_bias = m.linear(f"{mlp_path}.down_proj")
+    if len({*mlp_biases, down_bias}) != 1:
+        raise BuildError(f"{mlp_path}: gate/up/down projections disagree on bias; not supported")
+    mlp = m.take(mlp_path, "gated MLP")
+    assert mlp is not None
+    m.only(mlp, {"mul", "chunk"} if len(parts.gate_up) == 1 else {"mul"}, "gated MLP")
+    act = m.take(f"{mlp_path}.{parts.activation_module}", "MLP activation")
+    assert act is not None
+    activation = None
+    if act.ops == ["silu"]:
+        activation = "silu"
+    elif act.ops == ["gelu"]:
+        activation = "gelu_tanh" if act.gelu_approximate == "tanh" else "gelu"
+    if activation is None:
+        raise _unsupported(act, act.ops[0] if act.ops else "<none>", "MLP activation (SiLU, GELU, GELU-tanh)")
+
+    return LayerSpec(
+        index=i,
+        hf_prefix=p,
+        attention=AttentionSpec(
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            qkv_bias=biases[0],
+            o_bias=o_bias,
+            qk_norm=q_norm is not None,
+            qk_norm_eps=q_norm.eps if q_norm is not None else None,
+            scale=scale,
+            rope=rope,
+            qk_norm_kind=parts.qk_norm_kind if q_norm is not None else None,
+            qk_norm_offset=q_norm.weight_offset if q_norm is not None else 0.0,
+            sliding_window=int(window) if window else None,
+            logit_softcap=float(softcap) if softcap else None,
+            fused_qkv_name=parts.qkv[0] if len(parts.qkv) == 1 else None,
+        ),
+        mlp=MlpSpec(
+            intermediate_size=config.intermediate_size,
+            activation=activation,
+            bias=down_bias,
+            fused_gate_up_name=parts.gate_up[0] if len(parts.gate_up) == 1 else None,
+        ),
+        residual_multiplier=residual_multiplier,
+        **norms,  # type: ignore[arg-type]
     )
 
 

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from pagecast.builder import kv_cache, quant, shard
-from pagecast.builder.ir import BuildState, ModelIR, Plan, TensorPlan
+from pagecast.builder.families import FAMILIES
+from pagecast.builder.ir import BuildState, ModelIR, NormSpec, Plan, TensorPlan
 from pagecast.runtime.errors import BuildError
 
 # Known build targets: compute capability and memory, used when the GPU is not present.
@@ -70,56 +71,100 @@ def resolve_dtype(option: str, device: str, config: Any) -> str:
     return declared if declared in ("float16", "bfloat16") else "bfloat16"
 
 
+def _norm(name: str, norm: NormSpec, shape: tuple[int, ...]) -> TensorPlan:
+    return TensorPlan(name, (norm.hf_name,), shape, offset=norm.weight_offset)
+
+
+# The artifact's names of a layer's norms by role. The two pre-norms keep the names the first
+# (Llama-only) layout gave them: "post_attn_norm" is the MLP's input norm there.
+NORM_NAMES = {
+    "attn_in_norm": "input_norm",
+    "attn_out_norm": "attn_out_norm",
+    "mlp_in_norm": "post_attn_norm",
+    "mlp_out_norm": "mlp_out_norm",
+}
+
+
+def _sections(fused: str | None, names: list[str], sizes: list[int]) -> tuple[str, ...]:
+    """The sources of a fused artifact tensor: one checkpoint tensor per part, or row ranges of one
+    tensor the checkpoint already fused (Phi-3), so that TP cuts each part alike."""
+    if fused is None:
+        return tuple(names)
+    out, start = [], 0
+    for size in sizes:
+        out.append(shard.row_range(fused, start, start + size))
+        start += size
+    return tuple(out)
+
+
 def tensor_layout(model: ModelIR) -> list[TensorPlan]:
     a, mlp, h = model.attention, model.mlp, model.hidden_size
     q_out, kv_out = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    inter = mlp.intermediate_size
     tensors = [TensorPlan("embed_tokens.weight", (model.embed_name,), (model.vocab_size, h))]
     for layer in model.layers:
         p, o = layer.hf_prefix, f"layers.{layer.index}"
         attn = f"{p}.self_attn"
-        tensors += [
-            TensorPlan(f"{o}.input_norm.weight", (f"{p}.input_layernorm.weight",), (h,)),
+        qkv_fused = f"{attn}.{a.fused_qkv_name}.weight" if a.fused_qkv_name else None
+        gu_fused = f"{p}.mlp.{mlp.fused_gate_up_name}.weight" if mlp.fused_gate_up_name else None
+        if layer.attn_in_norm is not None:
+            tensors.append(_norm(f"{o}.input_norm.weight", layer.attn_in_norm, (h,)))
+        tensors.append(
             TensorPlan(
                 f"{o}.qkv_proj.weight",
-                (f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight"),
+                _sections(qkv_fused, [f"{attn}.{x}_proj.weight" for x in "qkv"], [q_out, kv_out, kv_out]),
                 (q_out + 2 * kv_out, h),
-            ),
-        ]
+            )
+        )
         if a.qkv_bias:
             tensors.append(
                 TensorPlan(
                     f"{o}.qkv_proj.bias",
-                    (f"{attn}.q_proj.bias", f"{attn}.k_proj.bias", f"{attn}.v_proj.bias"),
+                    _sections(
+                        qkv_fused and qkv_fused.replace(".weight", ".bias"),
+                        [f"{attn}.{x}_proj.bias" for x in "qkv"],
+                        [q_out, kv_out, kv_out],
+                    ),
                     (q_out + 2 * kv_out,),
                 )
             )
         if a.qk_norm:
+            q_shape, k_shape = ((a.head_dim,), (a.head_dim,)) if a.qk_norm_kind == "head" else ((q_out,), (kv_out,))
             tensors += [
-                TensorPlan(f"{o}.q_norm.weight", (f"{attn}.q_norm.weight",), (a.head_dim,)),
-                TensorPlan(f"{o}.k_norm.weight", (f"{attn}.k_norm.weight",), (a.head_dim,)),
+                TensorPlan(f"{o}.q_norm.weight", (f"{attn}.q_norm.weight",), q_shape, offset=a.qk_norm_offset),
+                TensorPlan(f"{o}.k_norm.weight", (f"{attn}.k_norm.weight",), k_shape, offset=a.qk_norm_offset),
             ]
         tensors.append(TensorPlan(f"{o}.o_proj.weight", (f"{attn}.o_proj.weight",), (h, q_out)))
         if a.o_bias:
             tensors.append(TensorPlan(f"{o}.o_proj.bias", (f"{attn}.o_proj.bias",), (h,)))
+        if layer.attn_out_norm is not None:
+            tensors.append(_norm(f"{o}.attn_out_norm.weight", layer.attn_out_norm, (h,)))
+        if layer.mlp_in_norm is not None:
+            tensors.append(_norm(f"{o}.post_attn_norm.weight", layer.mlp_in_norm, (h,)))
         tensors += [
-            TensorPlan(f"{o}.post_attn_norm.weight", (f"{p}.post_attention_layernorm.weight",), (h,)),
             TensorPlan(
                 f"{o}.gate_up_proj.weight",
-                (f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"),
-                (2 * mlp.intermediate_size, h),
+                _sections(gu_fused, [f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"], [inter, inter]),
+                (2 * inter, h),
             ),
-            TensorPlan(f"{o}.down_proj.weight", (f"{p}.mlp.down_proj.weight",), (h, mlp.intermediate_size)),
+            TensorPlan(f"{o}.down_proj.weight", (f"{p}.mlp.down_proj.weight",), (h, inter)),
         ]
         if mlp.bias:
             tensors += [
                 TensorPlan(
                     f"{o}.gate_up_proj.bias",
-                    (f"{p}.mlp.gate_proj.bias", f"{p}.mlp.up_proj.bias"),
-                    (2 * mlp.intermediate_size,),
+                    _sections(
+                        gu_fused and gu_fused.replace(".weight", ".bias"),
+                        [f"{p}.mlp.gate_proj.bias", f"{p}.mlp.up_proj.bias"],
+                        [inter, inter],
+                    ),
+                    (2 * inter,),
                 ),
                 TensorPlan(f"{o}.down_proj.bias", (f"{p}.mlp.down_proj.bias",), (h,)),
             ]
-    tensors.append(TensorPlan("norm.weight", (model.final_norm_name,), (h,)))
+        if layer.mlp_out_norm is not None:
+            tensors.append(_norm(f"{o}.mlp_out_norm.weight", layer.mlp_out_norm, (h,)))
+    tensors.append(_norm("norm.weight", model.final_norm, (h,)))
     if model.lm_head_name is not None:
         tensors.append(TensorPlan("lm_head.weight", (model.lm_head_name,), (model.vocab_size, h)))
     return tensors
@@ -130,9 +175,14 @@ def check_shapes(tensors: list[TensorPlan], shapes: dict[str, tuple[int, ...]]) 
     for t in tensors:
         rows = 0
         for src in t.sources:
-            if src not in shapes:
-                raise BuildError(f"checkpoint is missing tensor {src!r} (needed for {t.name}); is it complete?")
-            shape = shapes[src]
+            base, rows_of = shard.parse_source(src)
+            if base not in shapes:
+                raise BuildError(f"checkpoint is missing tensor {base!r} (needed for {t.name}); is it complete?")
+            shape = shapes[base]
+            if rows_of is not None:
+                if rows_of[1] > shape[0]:
+                    raise BuildError(f"tensor {base!r} has {shape[0]} rows, expected at least {rows_of[1]} for {t.name}")
+                shape = (rows_of[1] - rows_of[0], *shape[1:])
             if tuple(shape[1:]) != tuple(t.shape[1:]):
                 raise BuildError(f"tensor {src!r} has shape {list(shape)}, expected [*, {', '.join(map(str, t.shape[1:]))}]")
             rows += shape[0] if shape else 0
@@ -172,6 +222,15 @@ def memory_plan(
         "device_memory_bytes": memory_bytes,
         "budgets": [],
     }
+    windowed = [layer.index for layer in model.layers if layer.attention.sliding_window]
+    if windowed:
+        plan["sliding_window_layers"] = {
+            "layers": windowed,
+            "windows": sorted({int(model.layers[i].attention.sliding_window or 0) for i in windowed}),
+            # Blocks that fall out of a layer's window are not freed: the block table is shared by all
+            # layers, so the figures above count every layer at the full context.
+            "kv_blocks": "all kept",
+        }
     if memory_bytes:
         for fraction in MEMORY_FRACTIONS:
             kv = int(memory_bytes * fraction) - weight_bytes - activation_bytes
@@ -208,11 +267,20 @@ def run(state: BuildState) -> BuildState:
         )
     notes = []
     window = getattr(ckpt.config, "sliding_window", None)
-    if getattr(ckpt.config, "use_sliding_window", True) and isinstance(window, int) and window < max_len:
+    if FAMILIES[model.architecture].window_source != "cap":
+        # the kernels honour each layer's window; every block of a sliding layer is kept
+        if any(layer.attention.sliding_window for layer in model.layers):
+            notes.append("sliding-window layers keep every KV block of their sequence (none is freed early)")
+    elif getattr(ckpt.config, "use_sliding_window", True) and isinstance(window, int) and window < max_len:
         # Within the window sliding-window attention equals full attention; beyond it we would be wrong.
         notes.append(f"max_model_len capped from {max_len} to the sliding window {window}")
         max_len = window
     tensors = tensor_layout(model)
+    if ckpt.quant is not None and (model.attention.fused_qkv_name or model.mlp.fused_gate_up_name):
+        raise BuildError(
+            f"{model.architecture} keeps q/k/v or gate/up fused in one checkpoint tensor; AWQ/GPTQ builds of "
+            f"such checkpoints are not supported"
+        )
     if not ckpt.dummy:
         if ckpt.quant is not None:  # the projections are AWQ/GPTQ modules, checked in their format
             quant.check_tensors(tensors, ckpt.quant, ckpt.tensor_shapes)

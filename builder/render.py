@@ -10,6 +10,7 @@ import jinja2
 from pagecast.builder import quant, shard
 from pagecast.builder.ir import BuildState
 from pagecast.builder.kv_cache import KVCachePlan
+from pagecast.runtime.errors import BuildError
 
 TEMPLATE = "model.py.j2"
 
@@ -23,6 +24,20 @@ def render_model(state: BuildState, rank: int = 0) -> str:
     layer = model.layers[0]
     per_rank = shard.plan_layout(model, plan.tp)  # every rank holds the same shapes: one file serves all
     kv = plan.kv_cache or KVCachePlan(plan.dtype, (1.0,) * model.num_layers, (1.0,) * model.num_layers)
+    # Distinct rotary tables (None: a no-RoPE layer) and each layer's; most models have one.
+    ropes: list[dict | None] = []
+    rope_of_layer = []
+    for spec in model.layers:
+        params = spec.attention.rope.params if spec.attention.rope is not None else None
+        if params not in ropes:
+            ropes.append(params)
+        rope_of_layer.append(ropes.index(params))
+    rotary_dim = next((s.attention.rope.rotary_dim for s in model.layers if s.attention.rope is not None), a.head_dim)
+    longrope = [r for r in ropes if r is not None and r.get("rope_type") == "longrope"]
+    if longrope and len(ropes) > 1:
+        raise BuildError("LongRoPE beside another rotary variant in one model is not supported")
+    attention = [(s.attention.scale, s.attention.sliding_window or 0, s.attention.logit_softcap or 0.0) for s in model.layers]
+    uniform = all(x == (a.scale, 0, 0.0) for x in attention)
     source = resources.files("pagecast.templates").joinpath(TEMPLATE).read_text()
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
     return env.from_string(source).render(
@@ -41,14 +56,35 @@ def render_model(state: BuildState, rank: int = 0) -> str:
         dtype=plan.dtype,
         tp=plan.tp,
         rank=rank,
+        uniform_attention=uniform,
         scale=repr(a.scale),
-        rope_params=repr(a.rope.params),
-        rotary_dim=a.rope.rotary_dim,
+        scales=repr([x[0] for x in attention]),
+        windows=repr([x[1] for x in attention]),
+        softcaps=repr([x[2] for x in attention]),
+        single_rope=len(ropes) == 1 and ropes[0] is not None,
+        rope_params=repr(ropes[0]),
+        ropes=repr(ropes),
+        rope_of_layer=repr(rope_of_layer),
+        longrope=bool(longrope),
+        original_max_positions=longrope[0]["original_max_position_embeddings"] if longrope else 0,
+        rotary_dim=rotary_dim,
         max_positions=plan.max_model_len,
+        attn_in_norm=layer.attn_in_norm is not None,
+        attn_out_norm=layer.attn_out_norm is not None,
+        mlp_in_norm=layer.mlp_in_norm is not None,
+        mlp_out_norm=layer.mlp_out_norm is not None,
         input_norm_eps=repr(layer.input_norm_eps),
+        attn_out_norm_eps=repr(layer.attn_out_norm.eps if layer.attn_out_norm else 0.0),
         post_attention_norm_eps=repr(layer.post_attention_norm_eps),
+        mlp_out_norm_eps=repr(layer.mlp_out_norm.eps if layer.mlp_out_norm else 0.0),
         final_norm_eps=repr(model.final_norm_eps),
+        residual_multiplier=layer.residual_multiplier,
+        embedding_multiplier=model.embedding_multiplier,
+        embedding_multiplier_in_dtype=model.embedding_multiplier_in_dtype,
+        logits_divisor=model.logits_divisor,
+        final_logit_softcap=model.final_logit_softcap or 0.0,
         qk_norm=a.qk_norm,
+        qk_norm_kind=a.qk_norm_kind,
         qk_norm_eps=repr(a.qk_norm_eps),
         qkv_bias=a.qkv_bias,
         o_bias=a.o_bias,

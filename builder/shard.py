@@ -62,6 +62,11 @@ def plan_layout(model: ModelIR, tp: int) -> ShardLayout:
     a, inter = model.attention, model.mlp.intermediate_size
     if tp < 1:
         raise BuildError(f"--tp {tp}: the tensor-parallel degree must be at least 1")
+    if tp > 1 and a.qk_norm_kind == "projection":
+        raise BuildError(
+            f"--tp {tp}: {model.architecture} normalises q and k over the whole projection, which needs every "
+            f"head on one rank; build it with --tp 1"
+        )
     if a.num_heads % tp:
         raise BuildError(
             f"--tp {tp} cannot split this model's {a.num_heads} query heads ({a.num_kv_heads} KV heads): "
@@ -146,16 +151,42 @@ def cut_source(tensor: torch.Tensor, cut: Cut) -> torch.Tensor:
     return part.contiguous()
 
 
+_ROWS = "#rows="
+
+
+def row_range(name: str, start: int, stop: int) -> str:
+    """A source naming rows [start, stop) of checkpoint tensor ``name``: a part of a projection the
+    checkpoint stores fused (Phi-3's qkv_proj and gate_up_proj), cut per rank like a whole tensor."""
+    return f"{name}{_ROWS}{start}:{stop}"
+
+
+def parse_source(source: str) -> tuple[str, tuple[int, int] | None]:
+    """A TensorPlan source -> (checkpoint tensor name, its row range or None for all of it)."""
+    if _ROWS not in source:
+        return source, None
+    name, rows = source.split(_ROWS, 1)
+    start, stop = rows.split(":")
+    return name, (int(start), int(stop))
+
+
+def read_source(read: Any, source: str) -> torch.Tensor:
+    name, rows = parse_source(source)
+    tensor = read(name)
+    return tensor if rows is None else tensor[rows[0] : rows[1]]
+
+
 def rank_tensor(read: Any, t: TensorPlan, dtype: torch.dtype, prepare: Any = None) -> torch.Tensor:
     """A planned tensor's values on its rank: each checkpoint source (``read`` by name, passed
     through ``prepare`` if given) cut as planned, the pieces concatenated along dim 0, checked
-    finite and cast to ``dtype``."""
+    finite, offset (TensorPlan.offset, added in fp32) and cast to ``dtype``."""
     cuts = t.source_cuts or (None,) * len(t.sources)
-    sources = (read(src) for src in t.sources)
+    sources = (read_source(read, src) for src in t.sources)
     parts = [cut_source(x if prepare is None else prepare(x), cut) for x, cut in zip(sources, cuts, strict=True)]
     tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     if not torch.isfinite(tensor).all():
         raise BuildError(f"checkpoint tensor(s) {', '.join(t.sources)} contain NaN or inf; the checkpoint is corrupt")
+    if t.offset:
+        tensor = tensor.float() + t.offset
     return tensor.to(dtype)
 
 

@@ -29,8 +29,15 @@ class ModuleTrace:
     type_name: str
     ops: list[str] = field(default_factory=list)
     linear_has_bias: bool | None = None  # for modules that call aten.linear
-    scalar_adds: list[float] = field(default_factory=list)  # scalars added (an RMSNorm's eps)
+    scalar_adds: list[float] = field(default_factory=list)  # scalars added (an RMSNorm's eps, Gemma's 1 + w)
+    scalar_muls: list[float] = field(default_factory=list)  # scalars multiplied in (Granite's multipliers)
+    scalar_divs: list[float] = field(default_factory=list)  # scalars divided by (logit scaling, soft-caps)
     sdpa_kwargs: dict[str, Any] = field(default_factory=dict)
+    gelu_approximate: str | None = None  # "none" or "tanh", for modules that call aten.gelu
+    # Plain attributes of the module that decide what its attention does but that the sdpa trace
+    # cannot show: the window and soft-cap are passed to the attention function, which sdpa
+    # ignores or turns into a mask built elsewhere (see RECORDED_ATTRIBUTES).
+    attributes: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -39,6 +46,14 @@ class TraceSummary:
 
     def get(self, path: str) -> ModuleTrace | None:
         return self.modules.get(path)
+
+
+# Module attributes recorded with the trace: the sliding window and logit soft-cap an attention
+# passes to its attention function, whether it applies RoPE (SmolLM3), its layer type, the
+# scale of a scaled embedding (Gemma).
+RECORDED_ATTRIBUTES = (
+    "sliding_window", "attn_logit_softcapping", "use_rope", "layer_type", "is_causal", "scaling", "scalar_embed_scale",
+)  # fmt: skip
 
 
 def _op_name(target: Any) -> str:
@@ -52,6 +67,13 @@ def trace_model(config: Any) -> TraceSummary:
 
     config = type(config).from_dict(config.to_dict())
     config._attn_implementation = "sdpa"
+    rope = getattr(config, "rope_parameters", None)
+    if isinstance(rope, dict) and rope.get("rope_type") == "longrope":
+        # LongRoPE picks its factors from the longest position in the call, a data-dependent branch
+        # that export cannot trace; the rotary table is built from the config anyway (lower._rope),
+        # so the trace takes the default table instead.
+        config.rope_parameters = {"rope_type": "default", "rope_theta": rope.get("rope_theta", 10000.0),
+                                  "partial_rotary_factor": rope.get("partial_rotary_factor", 1.0)}
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     model.eval()
@@ -81,8 +103,21 @@ def trace_model(config: Any) -> TraceSummary:
             mod.linear_has_bias = len(node.args) > 2 and node.args[2] is not None
         elif op == "add" and len(node.args) == 2 and isinstance(node.args[1], (int, float)):
             mod.scalar_adds.append(float(node.args[1]))
+        elif op == "mul" and len(node.args) == 2 and isinstance(node.args[1], (int, float)):
+            mod.scalar_muls.append(float(node.args[1]))
+        elif op == "div" and len(node.args) == 2 and isinstance(node.args[1], (int, float)):
+            mod.scalar_divs.append(float(node.args[1]))
+        elif op == "gelu":
+            mod.gelu_approximate = str(node.kwargs.get("approximate", "none"))
         elif op == "scaled_dot_product_attention":
             mod.sdpa_kwargs = {k: v for k, v in node.kwargs.items() if isinstance(v, (int, float, bool))}
+    for path, module in model.named_modules():
+        if path in modules:
+            modules[path].attributes = {
+                k: getattr(module, k)
+                for k in RECORDED_ATTRIBUTES
+                if hasattr(module, k) and isinstance(getattr(module, k), (int, float, bool, str, type(None)))
+            }
     return TraceSummary(modules=modules)
 
 

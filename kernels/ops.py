@@ -119,6 +119,7 @@ def _kernels() -> SimpleNamespace:
         rms_norm=rms_norm.rms_norm,
         fused_add_rms_norm=rms_norm.fused_add_rms_norm,
         silu_and_mul=activation.silu_and_mul,
+        gelu_tanh_and_mul=activation.gelu_tanh_and_mul,
     )
 
 
@@ -171,6 +172,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _kernels().silu_and_mul(x, _config("silu_and_mul", token_bucket(x.shape[0])))  # type: ignore[no-any-return]
 
 
+def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """The gated MLP's activation on the fused gate_up: act(gate) * up for "silu", "gelu_tanh"
+    (Gemma) or "gelu" (exact erf GELU: the torch reference, no kernel of its own yet)."""
+    if activation == "silu":
+        return silu_and_mul(x)
+    if activation == "gelu_tanh" and _triton(x):
+        # the SiLU kernel's configs suit it (same loads and stores); both run under the "silu_and_mul" table key
+        return _kernels().gelu_tanh_and_mul(x, _config("silu_and_mul", token_bucket(x.shape[0])))  # type: ignore[no-any-return]
+    return reference.ACTIVATIONS[activation](x)
+
+
 def rotary_and_write_kv(
     positions: torch.Tensor,
     q: torch.Tensor,
@@ -207,31 +219,35 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     num_decodes: int = 0,
+    softcap: float = 0.0,
+    window: int = 0,
 ) -> torch.Tensor:
     """Decode batches (max_query_len == 1) take the split-context decode kernel; prefill and
     chunked prefill the prefill kernel. A mixed batch whose first ``num_decodes`` sequences have
     one query token each may run them through the decode kernel and the rest through the prefill
     kernel (from MIN_SPLIT_DECODES of them: see there); else the prefill kernel takes every
-    row. An fp8 cache is read as fp8 * k_scale / v_scale."""
+    row. An fp8 cache is read as fp8 * k_scale / v_scale. ``softcap`` > 0 soft-caps the scores
+    (Gemma 2), ``window`` > 0 is the layer's sliding window (reference.paged_attention)."""
     if not _triton(q):
         return reference.paged_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale, softcap, window
         )
     split = num_decodes - num_decodes % SPLIT_ALIGN
     if max_query_len > 1 and MIN_SPLIT_DECODES is not None and MIN_SPLIT_DECODES <= split < seq_lens.shape[0]:
         return decodes_then_prefill(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len, split,
-            k_scale, v_scale,
+            k_scale, v_scale, softcap, window,
         )  # fmt: skip
     if max_query_len == 1:
         cfg = _config("paged_decode_attention", decode_bucket(seq_lens.shape[0], max_seq_len))
         return _kernels().decode(  # type: ignore[no-any-return]
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len, cfg,
-            k_scale=k_scale, v_scale=v_scale,
+            k_scale=k_scale, v_scale=v_scale, softcap=softcap, window=window,
         )  # fmt: skip
     cfg = _config("paged_prefill_attention", prefill_bucket(q.shape[0]))
     return _kernels().prefill(  # type: ignore[no-any-return]
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, cfg, k_scale=k_scale, v_scale=v_scale
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, cfg, k_scale=k_scale, v_scale=v_scale,
+        softcap=softcap, window=window,
     )
 
 
@@ -267,6 +283,8 @@ def decodes_then_prefill(
     num_decodes: int,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    softcap: float = 0.0,
+    window: int = 0,
 ) -> torch.Tensor:
     """Attention of a mixed batch whose first ``num_decodes`` sequences have one query token each
     (query rows 0..num_decodes - 1): the decode kernel over those, the prefill kernel over the
@@ -277,12 +295,12 @@ def decodes_then_prefill(
     kernels.decode(
         q[:d], k_cache, v_cache, block_tables[:d], seq_lens[:d], query_start_loc[: d + 1], scale, max_seq_len,
         _config("paged_decode_attention", decode_bucket(d, max_seq_len)), out=out[:d],
-        k_scale=k_scale, v_scale=v_scale,
+        k_scale=k_scale, v_scale=v_scale, softcap=softcap, window=window,
     )  # fmt: skip
     kernels.prefill(
         q[d:], k_cache, v_cache, block_tables[d:], seq_lens[d:], query_start_loc[d:] - d, scale,
         _config("paged_prefill_attention", prefill_bucket(q.shape[0] - d)), out=out[d:],
-        k_scale=k_scale, v_scale=v_scale,
+        k_scale=k_scale, v_scale=v_scale, softcap=softcap, window=window,
     )  # fmt: skip
     return out
 
@@ -328,13 +346,15 @@ def row_parallel_linear(
     bias: torch.Tensor | None,
     projection: str,
     silu_and_mul_first: bool = False,
+    activation: str = "silu",
 ) -> torch.Tensor:
     """o_proj / down_proj: each rank multiplies its input columns; the partial sums are
     all-reduced and the (whole, replicated) bias is added once, after the sum.
-    ``silu_and_mul_first``: x is gate_up [rows, 2 * d] and the projection's input silu(gate) * up."""
+    ``silu_and_mul_first``: x is gate_up [rows, 2 * d] and the projection's input act(gate) * up,
+    act being ``activation`` (act_and_mul; the name says SiLU, the default, for older callers)."""
     if _active.tp_size == 1:
-        return _linear_of(x, weight, bias, projection, silu_and_mul_first)
-    out = all_reduce(_linear_of(x, weight, None, projection, silu_and_mul_first))
+        return _linear_of(x, weight, bias, projection, silu_and_mul_first, activation)
+    out = all_reduce(_linear_of(x, weight, None, projection, silu_and_mul_first, activation))
     return out if bias is None else out + bias
 
 
@@ -354,9 +374,12 @@ def _linear_of(
     bias: torch.Tensor | None,
     projection: str,
     silu_and_mul_first: bool,
+    activation: str = "silu",
 ) -> torch.Tensor:
     if not silu_and_mul_first:
         return linear(x, weight, bias, projection)
+    if activation != "silu":
+        return linear(act_and_mul(x, activation), weight, bias, projection)
     if FUSE_SILU_DOWN and isinstance(weight, Int4LinearWeight) and _triton(x):
         bucket = w4a16_bucket(projection, x.shape[0])
         cfg = _config("w4a16_gemm", bucket)

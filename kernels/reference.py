@@ -45,6 +45,26 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, 2 * d] holding (gate, up) -> gelu_tanh(gate) * up (Gemma's gated MLP)."""
+    d = x.shape[-1] // 2
+    return torch.nn.functional.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+
+
+def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, 2 * d] holding (gate, up) -> gelu(gate) * up, the exact (erf) GELU."""
+    d = x.shape[-1] // 2
+    return torch.nn.functional.gelu(x[..., :d]) * x[..., d:]
+
+
+ACTIVATIONS = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul, "gelu": gelu_and_mul}
+
+
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap): Gemma 2's attention-logit and final-logit soft-capping (0: none)."""
+    return x if not cap else torch.tanh(x / cap) * cap
+
+
 def _rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: [num_tokens, heads, rotary_dim]; cos/sin: [num_tokens, 1, rotary_dim // 2]
     half = x.shape[-1] // 2
@@ -145,6 +165,8 @@ def paged_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    softcap: float = 0.0,
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context.
 
@@ -153,13 +175,17 @@ def paged_attention(
     query row sees every cached token up to and including its own position. Decode
     (one query per sequence), prefill and prefill over a cached prefix are all this one
     function. An fp8 cache is read as fp8 * scale: the K scale multiplies the scores, the V
-    scale the output (as the kernels fold them). Returns [num_tokens, num_heads, head_dim] in
-    q's dtype.
+    scale the output (as the kernels fold them). ``softcap`` > 0 soft-caps the scaled scores
+    (cap * tanh(s / cap), before the causal mask); ``window`` > 0 lets a query at position p see
+    only keys at positions p - window < k <= p (sliding-window attention, as transformers masks
+    it). Returns [num_tokens, num_heads, head_dim] in q's dtype.
     """
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     group = num_heads // num_kv_heads
     if q.shape[0] == seq_lens.shape[0]:  # one query per sequence: decode, batched over sequences
-        return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
+        return paged_decode_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, softcap, window
+        )
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -174,10 +200,13 @@ def paged_attention(
             k = k.repeat_interleave(group, dim=0)
             v = v.repeat_interleave(group, dim=0)
         qi = q[q_start:q_end].transpose(0, 1).float()  # [num_heads, q_len, head_dim]
-        scores = torch.matmul(qi, k.transpose(1, 2)) * (scale * k_scale)  # [num_heads, q_len, seq_len]
+        scores = soft_cap(torch.matmul(qi, k.transpose(1, 2)) * (scale * k_scale), softcap)  # [heads, q_len, seq_len]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
         k_pos = torch.arange(seq_len, device=q.device)[None, :]
-        scores.masked_fill_(k_pos > q_pos, float("-inf"))
+        hidden = k_pos > q_pos
+        if window:
+            hidden |= k_pos <= q_pos - window
+        scores.masked_fill_(hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = (torch.matmul(probs, v) * v_scale).transpose(0, 1).to(q.dtype)
     return out
@@ -192,6 +221,8 @@ def paged_decode_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    softcap: float = 0.0,
+    window: int = 0,
 ) -> torch.Tensor:
     """paged_attention for one query token per sequence (the last of its context), all sequences
     in one batched gather and matmul instead of a loop: this is the CPU engine's decode path."""
@@ -209,8 +240,11 @@ def paged_decode_attention(
 
     k, v = gather(k_cache), gather(v_cache)
     qg = q.float().view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.matmul(qg, k.transpose(2, 3)) * (scale * k_scale)  # [num_seqs, kv_heads, group, tokens]
-    valid = torch.arange(num_blocks * block_size, device=q.device)[None, :] < seq_lens[:, None]
+    scores = soft_cap(torch.matmul(qg, k.transpose(2, 3)) * (scale * k_scale), softcap)  # [seqs, kv_heads, group, tokens]
+    k_pos = torch.arange(num_blocks * block_size, device=q.device)[None, :]
+    valid = k_pos < seq_lens[:, None]
+    if window:  # the query sits at seq_len - 1
+        valid &= k_pos >= seq_lens[:, None] - window
     scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return (torch.matmul(probs, v) * v_scale).view(num_seqs, num_heads, head_dim).to(q.dtype)

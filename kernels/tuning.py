@@ -115,6 +115,11 @@ class ModelShapes:
     num_experts: int = 0
     top_k: int = 0
     moe_intermediate: int = 0
+    # Gemma 2's attention-logit soft-cap (0: none): the attention kernels are timed, and compiled into
+    # the artifact, in the variant the model runs. Sliding windows are not timed: a sliding layer
+    # reads at most its window, the full layers beside it are the larger work.
+    attn_softcap: float = 0.0
+    activation: str = "silu"  # the gated MLP's activation: "gelu_tanh" times that kernel instead
 
     def __post_init__(self) -> None:
         if self.num_heads <= 0 or self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:

@@ -11,6 +11,9 @@ import torch
 from pagecast.builder.load import resolve_model_path
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+# The families built from parts (tests/test_families.py): hidden 64, 4 layers, each configured so
+# that the part it adds changes the greedy tokens (see tiny_config).
+PART_FAMILIES = ("gemma2", "gemma3", "phi3", "olmo2", "granite", "smollm3")
 
 
 def smollm2_dir() -> Path:
@@ -48,6 +51,8 @@ def tiny_config(family: str, **overrides):  # type: ignore[no-untyped-def]
         pad_token_id=2,
         tie_word_embeddings=True,
     )
+    if family in PART_FAMILIES:
+        return _part_family_config(family, common, overrides)
     common.update(overrides)
     if family == "llama":
         return LlamaConfig(architectures=["LlamaForCausalLM"], **common)
@@ -57,6 +62,70 @@ def tiny_config(family: str, **overrides):  # type: ignore[no-untyped-def]
         return Qwen2Config(architectures=["Qwen2ForCausalLM"], **common)
     if family == "qwen3":
         return Qwen3Config(architectures=["Qwen3ForCausalLM"], **common)
+    raise ValueError(family)
+
+
+def _part_family_config(family: str, common: dict, overrides: dict):  # type: ignore[no-untyped-def,type-arg]
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        GraniteConfig,
+        Olmo2Config,
+        Phi3Config,
+        SmolLM3Config,
+    )
+
+    small = dict(
+        common, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    )  # fmt: skip
+    window_layers = ["sliding_attention", "full_attention"] * 2
+    if family == "gemma2":
+        # Soft-caps low enough to bite on a tiny model's scores and logits; windows of 8 tokens on
+        # alternate layers, shorter than most test prompts; a scale other than 1 / sqrt(head_dim).
+        small.update(
+            sliding_window=8, layer_types=window_layers, attn_logit_softcapping=2.0,
+            final_logit_softcapping=3.0, query_pre_attn_scalar=24, hidden_activation="gelu_pytorch_tanh",
+        )  # fmt: skip
+        small.update(overrides)
+        return Gemma2Config(architectures=["Gemma2ForCausalLM"], **small)
+    if family == "gemma3":
+        small.update(
+            sliding_window=8, layer_types=window_layers, query_pre_attn_scalar=24,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            },
+        )  # fmt: skip
+        small.update(overrides)
+        return Gemma3TextConfig(architectures=["Gemma3ForCausalLM"], **small)
+    if family == "phi3":
+        # LongRoPE over an original context of 32 tokens: longer prompts take the long factors.
+        half = small["head_dim"] // 2
+        small.pop("head_dim")
+        small.update(
+            original_max_position_embeddings=32,
+            rope_parameters={
+                "rope_type": "longrope", "rope_theta": 10000.0,
+                "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                "long_factor": [1.0 + 2.0 * i for i in range(half)],
+            },
+        )  # fmt: skip
+        small.update(overrides)
+        return Phi3Config(architectures=["Phi3ForCausalLM"], **small)
+    if family == "olmo2":
+        small.update(overrides)
+        return Olmo2Config(architectures=["Olmo2ForCausalLM"], **small)
+    if family == "granite":
+        small.update(
+            embedding_multiplier=3.0, residual_multiplier=0.7, attention_multiplier=0.3, logits_scaling=0.5
+        )
+        small.update(overrides)
+        return GraniteConfig(architectures=["GraniteForCausalLM"], **small)
+    if family == "smollm3":
+        small.update(no_rope_layer_interval=2)  # layers 1 and 3 skip RoPE
+        small.update(overrides)
+        return SmolLM3Config(architectures=["SmolLM3ForCausalLM"], **small)
     raise ValueError(family)
 
 

@@ -1,0 +1,97 @@
+"""The model families pagecast builds, as table entries: architecture -> the parts it uses.
+
+The lower pass reads everything it can from the trace (which norms exist and their kind, the
+activation, biases, the attention scale, soft-caps and multipliers, which layers skip RoPE);
+what the trace cannot say is the role of each module, because transformers' names do not
+tell it: Llama's ``post_attention_layernorm`` normalises the MLP's input, Gemma 2's and
+OLMo 2's the attention's output. A family that only recombines supported parts is one entry
+here plus a test (README, "Adding a model").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FamilyParts:
+    """Where a family's parts sit, by module name under ``model.layers.N``."""
+
+    family: str  # short name recorded in the manifest
+    # Norms of a layer, by role; None where the family has none in that place.
+    attn_in_norm: str | None = "input_layernorm"  # on the attention's input (pre-norm)
+    attn_out_norm: str | None = None  # on the attention's output, before the residual add (post-norm)
+    mlp_in_norm: str | None = "post_attention_layernorm"
+    mlp_out_norm: str | None = None
+    # Projections under self_attn / mlp: three (q, k, v) and two (gate, up), or one fused tensor.
+    qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
+    gate_up: tuple[str, ...] = ("gate_proj", "up_proj")
+    activation_module: str = "act_fn"
+    # What q_norm / k_norm normalise when a layer has them: "head" (over head_dim, per head) or
+    # "projection" (over the whole q / k projection output).
+    qk_norm_kind: str = "head"
+    # Where sliding windows come from: "layer" (each attention module's own window, honoured by the
+    # kernels), "config" (config.sliding_window on every layer, honoured), or "cap" (the context is
+    # capped to the window, within which sliding-window attention equals full attention).
+    window_source: str = "cap"
+    # Per-layer modules that are identities at inference (dropout), claimed without a role.
+    identities: tuple[str, ...] = ()
+    # What this family's builds do not support, for the README's table and refusals.
+    not_supported: str = ""
+
+
+_GEMMA_NORMS = {
+    "attn_out_norm": "post_attention_layernorm",
+    "mlp_in_norm": "pre_feedforward_layernorm",
+    "mlp_out_norm": "post_feedforward_layernorm",
+}
+
+FAMILIES: dict[str, FamilyParts] = {
+    "LlamaForCausalLM": FamilyParts("llama"),
+    "MistralForCausalLM": FamilyParts(
+        "mistral", not_supported="contexts beyond the sliding window (capped to it)"
+    ),
+    "Qwen2ForCausalLM": FamilyParts(
+        "qwen2", not_supported="use_sliding_window (context capped to the window)"
+    ),
+    "Qwen3ForCausalLM": FamilyParts("qwen3"),
+    "Gemma2ForCausalLM": FamilyParts("gemma2", window_source="layer", **_GEMMA_NORMS),  # type: ignore[arg-type]
+    "Gemma3ForCausalLM": FamilyParts(
+        "gemma3",
+        window_source="layer",
+        not_supported="images (Gemma3ForConditionalGeneration)",
+        **_GEMMA_NORMS,  # type: ignore[arg-type]
+    ),
+    "Phi3ForCausalLM": FamilyParts(
+        "phi3",
+        qkv=("qkv_proj",),
+        gate_up=("gate_up_proj",),
+        activation_module="activation_fn",
+        window_source="config",
+        identities=("resid_attn_dropout", "resid_mlp_dropout"),
+        not_supported="AWQ/GPTQ (fused checkpoint projections); a long prompt prefilled in chunks takes LongRoPE's short factors for its first chunks",
+    ),
+    "Olmo2ForCausalLM": FamilyParts(
+        "olmo2",
+        attn_in_norm=None,
+        attn_out_norm="post_attention_layernorm",
+        mlp_in_norm=None,
+        mlp_out_norm="post_feedforward_layernorm",
+        qk_norm_kind="projection",
+        not_supported="--tp > 1 (q/k norms over the whole projection)",
+    ),
+    "GraniteForCausalLM": FamilyParts("granite"),
+    "SmolLM3ForCausalLM": FamilyParts("smollm3", window_source="layer"),
+}
+
+# Architectures refused with a pointer to what can be built instead.
+REFUSED: dict[str, str] = {
+    "Gemma3ForConditionalGeneration": (
+        "Gemma 3's image-text model is not supported; its language model alone builds as Gemma3ForCausalLM "
+        "(a text-only checkpoint such as gemma-3-1b)"
+    ),
+}
+
+
+def supported_list() -> str:
+    return ", ".join(sorted(FAMILIES))
