@@ -76,3 +76,80 @@ def test_long_prompts_give_transformers_greedy_tokens(case, tiny_checkpoint_fact
     for ids, out in zip(prompts, outputs):
         assert out.prompt_token_ids == ids
         assert out.token_ids == hf_greedy(hf, ids, MAX_TOKENS), f"prompt of {len(ids)} tokens"
+
+
+LLAMA31_8B = dict(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    bos_token_id=128000, eos_token_id=128001,
+    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llama31_8b_config_dir(tmp_path_factory):  # type: ignore[no-untyped-def]
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("llama31-8b-config")
+    LlamaConfig(architectures=["LlamaForCausalLM"], **LLAMA31_8B).save_pretrained(str(path))
+    return path
+
+
+def _build_8b(config_dir, output, **options):  # type: ignore[no-untyped-def]
+    from conftest import build_artifact
+
+    return build_artifact(config_dir, output, gpu="h200", load_format="dummy", tune_budget_s=0, **options)
+
+
+def test_memory_plan_at_128k_for_the_llama31_8b_shape(llama31_8b_config_dir, tmp_path):
+    from pagecast.builder.plan import GPUS
+
+    artifact = _build_8b(llama31_8b_config_dir, tmp_path / "engine", max_model_len=131072)
+    plan = json.loads((artifact / "memory_plan.json").read_text())
+    assert plan["max_model_len"] == 131072
+    # K and V, 32 layers, 8 KV heads of 128, 2 bytes: 128 KiB per token, 16 GiB per 128k sequence
+    assert plan["bytes_per_token"] == 2 * 32 * 8 * 128 * 2 == 128 * 1024
+    assert plan["bytes_per_block"] == 16 * 128 * 1024
+    assert plan["bytes_per_seq_at_max_model_len"] == 131072 * 128 * 1024 == 16 * 2**30
+    # embeddings and an untied head, per layer q/k/v/o, gate/up/down and two norms, the final norm
+    per_layer = (4096 + 2 * 1024) * 4096 + 4096 * 4096 + 3 * 14336 * 4096 + 2 * 4096
+    params = 2 * 128256 * 4096 + 32 * per_layer + 4096
+    assert params == 8_030_261_248
+    assert plan["num_parameters"] == params and plan["weight_bytes"] == 2 * params
+    memory = GPUS["h200"]["memory_bytes"]
+    assert plan["device_memory_bytes"] == memory
+    budgets = {b["gpu_memory_utilization"]: b for b in plan["budgets"]}
+    at_90 = budgets[0.9]
+    kv = int(memory * 0.9) - 2 * params - plan["activation_bytes"]
+    assert at_90["kv_bytes"] == kv
+    assert at_90["num_blocks"] == kv // (16 * 128 * 1024)
+    assert at_90["max_tokens"] == at_90["num_blocks"] * 16
+    # (141.2 GB x 0.9 - 16.06 GB of weights - activations) / 16 GiB: six whole 128k sequences
+    assert at_90["max_seqs_at_max_model_len"] == at_90["max_tokens"] // 131072 == 6
+    assert "16.00 GiB per sequence of max_model_len 131,072" in (artifact / "report.md").read_text()
+
+
+def test_fp8_kv_halves_the_128k_sequence(llama31_8b_config_dir, tmp_path):
+    artifact = _build_8b(llama31_8b_config_dir, tmp_path / "engine", max_model_len=131072, kv_cache_dtype="fp8")
+    plan = json.loads((artifact / "memory_plan.json").read_text())
+    assert plan["bytes_per_token"] == 64 * 1024
+    assert plan["bytes_per_seq_at_max_model_len"] == 8 * 2**30
+    at_90 = {b["gpu_memory_utilization"]: b for b in plan["budgets"]}[0.9]
+    assert at_90["max_seqs_at_max_model_len"] == at_90["num_blocks"] * 16 // 131072 == 13
+
+
+def test_max_model_len_up_to_the_model_limit_and_refused_above_it(llama31_8b_config_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from pagecast.builder.cli import main
+
+    with pytest.raises(BuildError, match=r"--max-model-len 131073 exceeds the model's max_position_embeddings 131072"):
+        _build_8b(llama31_8b_config_dir, tmp_path / "over", max_model_len=131073)
+    assert not (tmp_path / "over").exists()
+    # the CLI: exit status 2 and the numbers on stderr
+    args = ["--model", str(llama31_8b_config_dir), "--gpu", "h200", "--load-format", "dummy", "--quiet",
+            "--max-model-len", "200000", "--output", str(tmp_path / "cli")]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2
+    assert "200000" in result.output and "131072" in result.output
