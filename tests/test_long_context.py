@@ -68,7 +68,8 @@ def test_long_prompts_give_transformers_greedy_tokens(case, tiny_checkpoint_fact
     # 2048-token chunks: the 16k prompt is prefilled in 8 steps, its last chunk at positions 14k-16k
     llm = LLM(artifact, max_num_batched_tokens=2048, max_num_seqs=2)
     prompts = _prompts(llm.engine.vocab_size, seed=len(case))
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
 
     hf = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32, attn_implementation="sdpa")
     hf.eval()
@@ -131,7 +132,7 @@ def test_memory_plan_at_128k_for_the_llama31_8b_shape(llama31_8b_config_dir, tmp
 
 
 def test_fp8_kv_halves_the_128k_sequence(llama31_8b_config_dir, tmp_path):
-    artifact = _build_8b(llama31_8b_config_dir, tmp_path / "engine", max_model_len=131072, kv_cache_dtype="fp8")
+    artifact = _build_8b(llama31_8b_config_dir, tmp_path / "e", max_model_len=131072, kv_cache_dtype="fp8")
     plan = json.loads((artifact / "memory_plan.json").read_text())
     assert plan["bytes_per_token"] == 64 * 1024
     assert plan["bytes_per_seq_at_max_model_len"] == 8 * 2**30
@@ -144,7 +145,8 @@ def test_max_model_len_up_to_the_model_limit_and_refused_above_it(llama31_8b_con
 
     from pagecast.builder.cli import main
 
-    with pytest.raises(BuildError, match=r"--max-model-len 131073 exceeds the model's max_position_embeddings 131072"):
+    refusal = r"--max-model-len 131073 exceeds the model's max_position_embeddings 131072"
+    with pytest.raises(BuildError, match=refusal):
         _build_8b(llama31_8b_config_dir, tmp_path / "over", max_model_len=131073)
     assert not (tmp_path / "over").exists()
     # the CLI: exit status 2 and the numbers on stderr
@@ -153,3 +155,25 @@ def test_max_model_len_up_to_the_model_limit_and_refused_above_it(llama31_8b_con
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2
     assert "200000" in result.output and "131072" in result.output
+
+
+def test_w7_benchmark_counts_the_8b_shape_by_hand():
+    """benchmarks/long_context.py's bounds: per prompt token 2 x 6.98 G projection FLOPs, causal
+    attention 4 x 32 layers x 32 heads x 128 x L(L+1)/2, and a decode step reads 15.01 GB of
+    weights (all but the embedding table) plus 128 KiB of bf16 KV per token of context."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import long_context as w7
+
+    cfg = w7.LLAMA31_8B
+    assert w7.linear_params_per_token(cfg) == 32 * ((4096 + 2048) * 4096 + 4096 * 4096 + 3 * 14336 * 4096)
+    linear, attention = w7.prefill_flops(cfg, 32768)
+    assert linear == 2 * 6_979_321_856 * 32768 + 2 * 128256 * 4096
+    assert attention == 4 * 32 * 32 * 128 * 32768 * 32769 / 2  # 0.28 PFLOP at 32k (4.5 at 128k)
+    assert (
+        w7.kv_bytes_per_token(cfg, "bf16", 2) == 128 * 1024
+        and w7.kv_bytes_per_token(cfg, "fp8", 2) == 64 * 1024
+    )
+    assert w7.decode_weight_bytes(cfg, 2) == 2 * (8_030_261_248 - 128256 * 4096)
