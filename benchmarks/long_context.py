@@ -501,6 +501,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{torch.cuda.get_device_name() if run.cuda else 'cpu'}, torch {torch.__version__}", flush=True)
     t0 = time.perf_counter()
     peak, copy = ceilings(run, torch.bfloat16 if run.cuda else torch.float32)
+    if run.cuda:
+        torch.cuda.empty_cache()  # the engine sizes its KV cache from the free memory
     for kv in ["bf16"] + ([] if args.skip_fp8 else ["fp8"]):
         if not args.skip_kernels:
             kernel_figures(run, cfg, kv, lengths, batch, batch_context, peak, copy)

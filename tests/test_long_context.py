@@ -15,7 +15,8 @@ import json
 
 import pytest
 import torch
-from engine_utils import hf_greedy
+from conftest import build_artifact
+from tiny_models import make_checkpoint
 from transformers import AutoModelForCausalLM
 
 from pagecast.runtime import LLM, SamplingParams
@@ -38,8 +39,10 @@ CASES = {
             }
         },
     ),
-    "yarn-qwen2": (
-        "qwen2",
+    # Qwen3 rather than Qwen2: the tiny Qwen2's large qkv biases (tiny_models) make its tokens on
+    # random prompts the same with and without yarn, so a yarn bug would pass unseen.
+    "yarn-qwen3": (
+        "qwen3",
         {
             "rope_parameters": {
                 "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
@@ -50,6 +53,11 @@ CASES = {
 }  # fmt: skip
 PROMPT_LENGTHS = (9000, CONTEXT - 8)
 MAX_TOKENS = 8
+# Attention scores x 9 (q and k x 3): a tiny random model otherwise attends almost uniformly over
+# 16k random tokens, and its greedy tokens hardly depend on positions. Sharpened, the tokens of
+# every prompt below differ between the scaled rope and the plain one (checked with transformers),
+# so these tests see the rope variant.
+SHARPEN = 3.0
 
 
 def _prompts(vocab: int, seed: int) -> list[list[int]]:
@@ -58,17 +66,29 @@ def _prompts(vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
+def sharpened_checkpoint(path, family: str, **overrides):  # type: ignore[no-untyped-def]
+    """tiny_models' checkpoint with q and k (Qwen3: its q/k norms) scaled by SHARPEN."""
+    make_checkpoint(path, family, **overrides)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            a = layer.self_attn
+            for w in (a.q_norm.weight, a.k_norm.weight) if family == "qwen3" else (a.q_proj.weight, a.k_proj.weight):
+                w.mul_(SHARPEN)
+    model.save_pretrained(str(path))
+    return path
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_long_prompts_give_transformers_greedy_tokens(case, tiny_checkpoint_factory, tiny_artifact_factory):
+def test_long_prompts_give_transformers_greedy_tokens(case, tmp_path):
     family, rope = CASES[case]
-    overrides = dict(SMALL, **rope)
-    ckpt = tiny_checkpoint_factory(family, **overrides)
-    artifact = tiny_artifact_factory(family, **overrides)
+    ckpt = sharpened_checkpoint(tmp_path / "ckpt", family, **SMALL, **rope)
+    artifact = build_artifact(ckpt, tmp_path / "engine")
     assert json.loads((artifact / "manifest.json").read_text())["max_model_len"] == CONTEXT
     # 2048-token chunks: the 16k prompt is prefilled in 8 steps, its last chunk at positions 14k-16k
     llm = LLM(artifact, max_num_batched_tokens=2048, max_num_seqs=2)
     prompts = _prompts(llm.engine.vocab_size, seed=len(case))
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     outputs = llm.generate(prompts, params, use_tqdm=False)
 
     hf = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32, attn_implementation="sdpa")
@@ -76,7 +96,17 @@ def test_long_prompts_give_transformers_greedy_tokens(case, tiny_checkpoint_fact
     assert hf.config.rope_parameters["rope_type"] == rope["rope_parameters"]["rope_type"]
     for ids, out in zip(prompts, outputs):
         assert out.prompt_token_ids == ids
-        assert out.token_ids == hf_greedy(hf, ids, MAX_TOKENS), f"prompt of {len(ids)} tokens"
+        with torch.no_grad():
+            ref = hf.generate(
+                torch.tensor([ids]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
+                pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+            )  # fmt: skip
+        expected = ref.sequences[0, len(ids) :].tolist()
+        assert out.token_ids == expected, f"prompt of {len(ids)} tokens"
+        # and the chosen tokens' log-probabilities, which a small rope error would move
+        ours = torch.tensor([out.outputs[0].logprobs[i][t].logprob for i, t in enumerate(expected)])
+        theirs = torch.stack([torch.log_softmax(step[0].float(), -1)[t] for step, t in zip(ref.logits, expected)])
+        torch.testing.assert_close(ours, theirs, atol=1e-3, rtol=0)
 
 
 LLAMA31_8B = dict(
@@ -98,8 +128,6 @@ def llama31_8b_config_dir(tmp_path_factory):  # type: ignore[no-untyped-def]
 
 
 def _build_8b(config_dir, output, **options):  # type: ignore[no-untyped-def]
-    from conftest import build_artifact
-
     return build_artifact(config_dir, output, gpu="h200", load_format="dummy", tune_budget_s=0, **options)
 
 

@@ -1,5 +1,5 @@
 """Long context on a GPU (issue 32; run with `pytest -m gpu` on the accelerator): fp32 artifacts
-of the tiny llama3-scaled Llama and the yarn Qwen2 of tests/test_long_context.py, with a 32k
+of the tiny llama3-scaled Llama and the yarn Qwen3 of tests/test_long_context.py, with a 32k
 context, built and tuned on the GPU (Triton kernels, CUDA graphs), give transformers' greedy
 tokens on the same GPU for prompts of 20k and 32k tokens prefilled in 4096-token chunks."""
 
@@ -11,8 +11,7 @@ import pytest
 import torch
 from conftest import build_artifact
 from engine_utils import hf_greedy
-from test_long_context import CASES, SMALL
-from tiny_models import make_checkpoint
+from test_long_context import CASES, SMALL, sharpened_checkpoint
 
 from pagecast.runtime import LLM, SamplingParams
 
@@ -31,7 +30,7 @@ def test_32k_context_fp32_greedy_matches_transformers_on_gpu(tmp_path, case):  #
 
     family, rope = CASES[case]
     overrides = dict(SMALL, max_position_embeddings=CONTEXT, **rope)
-    ckpt = make_checkpoint(tmp_path / "ckpt", family, tokenizer=False, **overrides)
+    ckpt = sharpened_checkpoint(tmp_path / "ckpt", family, tokenizer=False, **overrides)
     art = build_artifact(ckpt, tmp_path / "art", gpu="auto", dtype="float32", tune_budget_s=10.0)
     manifest = json.loads((art / "manifest.json").read_text())
     assert manifest["target"]["kind"] == "cuda" and manifest["max_model_len"] == CONTEXT
