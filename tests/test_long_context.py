@@ -205,3 +205,10 @@ def test_w7_benchmark_counts_the_8b_shape_by_hand():
         and w7.kv_bytes_per_token(cfg, "fp8", 2) == 64 * 1024
     )
     assert w7.decode_weight_bytes(cfg, 2) == 2 * (8_030_261_248 - 128256 * 4096)
+
+
+def test_tp2_plan_states_one_ranks_kv_per_128k_sequence(llama31_8b_config_dir, tmp_path):
+    artifact = _build_8b(llama31_8b_config_dir, tmp_path / "engine", max_model_len=131072, tp=2)
+    plan = json.loads((artifact / "memory_plan.json").read_text())
+    assert plan["tp"] == 2 and plan["bytes_per_token"] == 64 * 1024  # 4 of the 8 KV heads per rank
+    assert plan["bytes_per_seq_at_max_model_len"] == 131072 * 64 * 1024 == 8 * 2**30
