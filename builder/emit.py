@@ -92,7 +92,8 @@ def render_report(state: BuildState, manifest: Manifest) -> str:
         f"- block size {plan.block_size}, max_model_len {plan.max_model_len}, tp {plan.tp}, quant {plan.quant}",
         f"- KV cache {manifest.kv_cache_dtype}",
         f"- weights {mem['weight_bytes'] / 2**20:,.1f} MiB; KV {mem['bytes_per_token'] / 1024:,.1f} KiB per token, "
-        f"{mem['bytes_per_block'] / 2**20:,.2f} MiB per block",
+        f"{mem['bytes_per_block'] / 2**20:,.2f} MiB per block, "
+        f"{mem['bytes_per_seq_at_max_model_len'] / 2**30:,.2f} GiB per sequence of max_model_len {plan.max_model_len:,}",
         *shard.report_lines(manifest.layout),
         f"- weights: {manifest.layout['weights']}",
         f"- stop token ids: {manifest.eos_token_ids}",

@@ -218,6 +218,7 @@ def memory_plan(
         "num_parameters": n_params,
         "activation_bytes": activation_bytes,
         "max_model_len": max_model_len,
+        "bytes_per_seq_at_max_model_len": bytes_per_token * max_model_len,  # one sequence filling the context
         "cuda_graph_batch_sizes": [b for b in GRAPH_BATCH_SIZES if b < max_num_seqs] + [max_num_seqs],
         "device_memory_bytes": memory_bytes,
         "budgets": [],

@@ -222,6 +222,7 @@ def per_rank_memory(
     global_kv_heads = layout.num_kv_heads * layout.tp // layout.kv_head_replicas
     out["bytes_per_token"] = plan["bytes_per_token"] * layout.num_kv_heads // global_kv_heads
     out["bytes_per_block"] = out["bytes_per_token"] * plan["block_size"]
+    out["bytes_per_seq_at_max_model_len"] = out["bytes_per_token"] * plan["max_model_len"]
     out["weight_bytes"] = rank_weight_bytes(tensors, elt)
     out["tp"] = layout.tp
     out["per_rank"] = True

@@ -1,0 +1,214 @@
+"""Long context on the CPU (issue 32).
+
+- A tiny random Llama with Llama 3 rope scaling and a yarn-scaled Qwen, both with a 16k context,
+  give transformers' greedy tokens in float32 for prompts of 9k-16k tokens, prefilled through
+  chunked prefill in many chunks (positions far beyond the original context, so every rope
+  frequency band matters).
+- --max-model-len is accepted up to the model's limit and refused above it with both numbers.
+- The memory plan of a Llama-3.1-8B-shaped dummy build at 128k states the KV bytes per token and
+  per 128k sequence and how many such sequences fit, matching a hand computation.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import build_artifact
+from tiny_models import make_checkpoint
+from transformers import AutoModelForCausalLM
+
+from pagecast.runtime import LLM, SamplingParams
+from pagecast.runtime.errors import BuildError
+
+CONTEXT = 16384
+SMALL = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, max_position_embeddings=CONTEXT,
+)  # fmt: skip
+CASES = {
+    # rope_theta 500000 with head_dim 16: wavelengths 6 .. 610k positions, so against an original
+    # context of 1024 the frequencies fall in all three of llama3's bands (kept, smoothed, / factor).
+    "llama3": (
+        "llama",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 1024,
+            }
+        },
+    ),
+    # Qwen3 rather than Qwen2: the tiny Qwen2's large qkv biases (tiny_models) make its tokens on
+    # random prompts the same with and without yarn, so a yarn bug would pass unseen.
+    "yarn-qwen3": (
+        "qwen3",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+                "original_max_position_embeddings": 4096,
+            }
+        },
+    ),
+}  # fmt: skip
+PROMPT_LENGTHS = (9000, CONTEXT - 8)
+MAX_TOKENS = 8
+# Attention scores x 9 (q and k x 3): a tiny random model otherwise attends almost uniformly over
+# 16k random tokens, and its greedy tokens hardly depend on positions. Sharpened, the tokens of
+# every prompt below differ between the scaled rope and the plain one (checked with transformers),
+# so these tests see the rope variant.
+SHARPEN = 3.0
+
+
+def _prompts(vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    # token ids 3.. (clear of bos / eos / pad), random: nothing repeats that attention could lean on
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+def sharpened_checkpoint(path, family: str, **overrides):  # type: ignore[no-untyped-def]
+    """tiny_models' checkpoint with q and k (Qwen3: its q/k norms) scaled by SHARPEN."""
+    make_checkpoint(path, family, **overrides)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            a = layer.self_attn
+            for w in (a.q_norm.weight, a.k_norm.weight) if family == "qwen3" else (a.q_proj.weight, a.k_proj.weight):
+                w.mul_(SHARPEN)
+    model.save_pretrained(str(path))
+    return path
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_long_prompts_give_transformers_greedy_tokens(case, tmp_path):
+    family, rope = CASES[case]
+    ckpt = sharpened_checkpoint(tmp_path / "ckpt", family, **SMALL, **rope)
+    artifact = build_artifact(ckpt, tmp_path / "engine")
+    assert json.loads((artifact / "manifest.json").read_text())["max_model_len"] == CONTEXT
+    # 2048-token chunks: the 16k prompt is prefilled in 8 steps, its last chunk at positions 14k-16k
+    llm = LLM(artifact, max_num_batched_tokens=2048, max_num_seqs=2)
+    prompts = _prompts(llm.engine.vocab_size, seed=len(case))
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+
+    hf = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32, attn_implementation="sdpa")
+    hf.eval()
+    assert hf.config.rope_parameters["rope_type"] == rope["rope_parameters"]["rope_type"]
+    for ids, out in zip(prompts, outputs):
+        assert out.prompt_token_ids == ids
+        with torch.no_grad():
+            ref = hf.generate(
+                torch.tensor([ids]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
+                pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+            )  # fmt: skip
+        expected = ref.sequences[0, len(ids) :].tolist()
+        assert out.token_ids == expected, f"prompt of {len(ids)} tokens"
+        # and the chosen tokens' log-probabilities, which a small rope error would move
+        ours = torch.tensor([out.outputs[0].logprobs[i][t].logprob for i, t in enumerate(expected)])
+        theirs = torch.stack([torch.log_softmax(step[0].float(), -1)[t] for step, t in zip(ref.logits, expected)])
+        torch.testing.assert_close(ours, theirs, atol=1e-3, rtol=0)
+
+
+LLAMA31_8B = dict(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    bos_token_id=128000, eos_token_id=128001,
+    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llama31_8b_config_dir(tmp_path_factory):  # type: ignore[no-untyped-def]
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("llama31-8b-config")
+    LlamaConfig(architectures=["LlamaForCausalLM"], **LLAMA31_8B).save_pretrained(str(path))
+    return path
+
+
+def _build_8b(config_dir, output, **options):  # type: ignore[no-untyped-def]
+    return build_artifact(config_dir, output, gpu="h200", load_format="dummy", tune_budget_s=0, **options)
+
+
+def test_memory_plan_at_128k_for_the_llama31_8b_shape(llama31_8b_config_dir, tmp_path):
+    from pagecast.builder.plan import GPUS
+
+    artifact = _build_8b(llama31_8b_config_dir, tmp_path / "engine", max_model_len=131072)
+    plan = json.loads((artifact / "memory_plan.json").read_text())
+    assert plan["max_model_len"] == 131072
+    # K and V, 32 layers, 8 KV heads of 128, 2 bytes: 128 KiB per token, 16 GiB per 128k sequence
+    assert plan["bytes_per_token"] == 2 * 32 * 8 * 128 * 2 == 128 * 1024
+    assert plan["bytes_per_block"] == 16 * 128 * 1024
+    assert plan["bytes_per_seq_at_max_model_len"] == 131072 * 128 * 1024 == 16 * 2**30
+    # embeddings and an untied head, per layer q/k/v/o, gate/up/down and two norms, the final norm
+    per_layer = (4096 + 2 * 1024) * 4096 + 4096 * 4096 + 3 * 14336 * 4096 + 2 * 4096
+    params = 2 * 128256 * 4096 + 32 * per_layer + 4096
+    assert params == 8_030_261_248
+    assert plan["num_parameters"] == params and plan["weight_bytes"] == 2 * params
+    memory = GPUS["h200"]["memory_bytes"]
+    assert plan["device_memory_bytes"] == memory
+    budgets = {b["gpu_memory_utilization"]: b for b in plan["budgets"]}
+    at_90 = budgets[0.9]
+    kv = int(memory * 0.9) - 2 * params - plan["activation_bytes"]
+    assert at_90["kv_bytes"] == kv
+    assert at_90["num_blocks"] == kv // (16 * 128 * 1024)
+    assert at_90["max_tokens"] == at_90["num_blocks"] * 16
+    # (141.2 GB x 0.9 - 16.06 GB of weights - activations) / 16 GiB: six whole 128k sequences
+    assert at_90["max_seqs_at_max_model_len"] == at_90["max_tokens"] // 131072 == 6
+    assert "16.00 GiB per sequence of max_model_len 131,072" in (artifact / "report.md").read_text()
+
+
+def test_fp8_kv_halves_the_128k_sequence(llama31_8b_config_dir, tmp_path):
+    artifact = _build_8b(llama31_8b_config_dir, tmp_path / "e", max_model_len=131072, kv_cache_dtype="fp8")
+    plan = json.loads((artifact / "memory_plan.json").read_text())
+    assert plan["bytes_per_token"] == 64 * 1024
+    assert plan["bytes_per_seq_at_max_model_len"] == 8 * 2**30
+    at_90 = {b["gpu_memory_utilization"]: b for b in plan["budgets"]}[0.9]
+    assert at_90["max_seqs_at_max_model_len"] == at_90["num_blocks"] * 16 // 131072 == 13
+
+
+def test_max_model_len_up_to_the_model_limit_and_refused_above_it(llama31_8b_config_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from pagecast.builder.cli import main
+
+    refusal = r"--max-model-len 131073 exceeds the model's max_position_embeddings 131072"
+    with pytest.raises(BuildError, match=refusal):
+        _build_8b(llama31_8b_config_dir, tmp_path / "over", max_model_len=131073)
+    assert not (tmp_path / "over").exists()
+    # the CLI: exit status 2 and the numbers on stderr
+    args = ["--model", str(llama31_8b_config_dir), "--gpu", "h200", "--load-format", "dummy", "--quiet",
+            "--max-model-len", "200000", "--output", str(tmp_path / "cli")]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2
+    assert "200000" in result.output and "131072" in result.output
+
+
+def test_w7_benchmark_counts_the_8b_shape_by_hand():
+    """benchmarks/long_context.py's bounds: per prompt token 2 x 6.98 G projection FLOPs, causal
+    attention 4 x 32 layers x 32 heads x 128 x L(L+1)/2, and a decode step reads 15.01 GB of
+    weights (all but the embedding table) plus 128 KiB of bf16 KV per token of context."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import long_context as w7
+
+    cfg = w7.LLAMA31_8B
+    assert w7.linear_params_per_token(cfg) == 32 * ((4096 + 2048) * 4096 + 4096 * 4096 + 3 * 14336 * 4096)
+    linear, attention = w7.prefill_flops(cfg, 32768)
+    assert linear == 2 * 6_979_321_856 * 32768 + 2 * 128256 * 4096
+    assert attention == 4 * 32 * 32 * 128 * 32768 * 32769 / 2  # 0.28 PFLOP at 32k (4.5 at 128k)
+    assert (
+        w7.kv_bytes_per_token(cfg, "bf16", 2) == 128 * 1024
+        and w7.kv_bytes_per_token(cfg, "fp8", 2) == 64 * 1024
+    )
+    assert w7.decode_weight_bytes(cfg, 2) == 2 * (8_030_261_248 - 128256 * 4096)
+
+
+def test_tp2_plan_states_one_ranks_kv_per_128k_sequence(llama31_8b_config_dir, tmp_path):
+    artifact = _build_8b(llama31_8b_config_dir, tmp_path / "engine", max_model_len=131072, tp=2)
+    plan = json.loads((artifact / "memory_plan.json").read_text())
+    assert plan["tp"] == 2 and plan["bytes_per_token"] == 64 * 1024  # 4 of the 8 KV heads per rank
+    assert plan["bytes_per_seq_at_max_model_len"] == 131072 * 64 * 1024 == 8 * 2**30
