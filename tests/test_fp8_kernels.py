@@ -202,8 +202,13 @@ def test_gpu_fp8_gemm_matches_the_reference_for_every_config(activations, m, n, 
     ref = reference.fp8_linear(x, qw, sw, activations, weight.input_scale, bias).float()
     for cfg in _gpu_configs(m, block):
         y = fp8_gemm.fp8_linear(x, weight, bias, cfg).float()
-        # bf16 output: one rounding of the same fp32 sum (in another order).
-        torch.testing.assert_close(y, ref, rtol=1.6e-2, atol=1e-3, msg=f"config {cfg}")
+        # bf16 output: one rounding of the same sum in another order, and Hopper's fp8 wgmma adds
+        # its products in less than fp32 precision. At K = 14,336 that leaves ~1e-6 of the outputs
+        # (those near zero) a few 1e-3 from the fp32 reference, as torch._scaled_mm's are (measured on
+        # an H200): the absolute tolerance scales with the output's magnitude, far below a wrong scale
+        # or index, which moves outputs by their own size.
+        atol = max(1e-3, 2e-3 * ref.abs().max().item())
+        torch.testing.assert_close(y, ref, rtol=1.6e-2, atol=atol, msg=f"config {cfg}")
 
 
 @pytest.mark.gpu
