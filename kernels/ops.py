@@ -415,3 +415,55 @@ def lm_head(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int) -> torc
         dist.all_gather(parts, logits.contiguous())
         logits = torch.cat(parts, dim=-1)
     return logits[:, :vocab_size].float()
+
+
+# -- mixture of experts ------------------------------------------------------------------------
+
+from pagecast.kernels.moe_routing import SILU, MoeActivation, MoeRouting, SharedExpert, route
+from pagecast.kernels.tuning import moe_bucket
+
+
+def moe(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    router_bias: torch.Tensor | None,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    *,
+    routing: MoeRouting,
+    activation: MoeActivation = SILU,
+    shared_expert: SharedExpert | None = None,
+) -> torch.Tensor:
+    """A MoE block: x [T, H] -> [T, H] in x's dtype. The router (router_weight [E, H], router_bias
+    [E] or None) picks each token's experts as ``routing`` says (kernels/moe_routing.py, in fp32
+    where transformers routes in fp32), the experts (moe_routing's layout; on a tensor-parallel
+    rank its ``shard_experts`` share) run fused (kernels/fused_moe.py, the tuning table's config
+    for the token bucket) on a GPU and as reference.fused_moe's per-expert loop otherwise, and
+    the shared expert where there is one (Qwen2-MoE: sigmoid(x @ gate.T) * mlp(x)) is added.
+    With tensor parallelism each rank's partial sum is all-reduced once."""
+    topk_weights, topk_ids = route(x, router_weight, router_bias, routing)
+    act = activation
+    if _triton(x):
+        cfg = _config("fused_moe", moe_bucket(x.shape[0]))
+        out = _moe_kernel()(
+            x, topk_weights, topk_ids, w_gate_up, w_down, b_gate_up, b_down, act.kind, act.alpha, act.limit, cfg
+        )
+    else:
+        out = reference.fused_moe(
+            x, topk_weights, topk_ids, w_gate_up, w_down, b_gate_up, b_down, act.kind, act.alpha, act.limit
+        )
+    if shared_expert is not None:
+        shared = linear(silu_and_mul(linear(x, shared_expert.w_gate_up, None, "shared_gate_up")), shared_expert.w_down, None, "shared_down")
+        if shared_expert.gate is not None:
+            shared = torch.sigmoid(torch.nn.functional.linear(x, shared_expert.gate)) * shared
+        out = out + shared
+    return all_reduce(out)
+
+
+@functools.cache
+def _moe_kernel() -> Any:
+    from pagecast.kernels import fused_moe
+
+    return fused_moe.fused_moe

@@ -20,6 +20,7 @@ import torch
 
 from pagecast.kernels import (
     activation,
+    fused_moe,
     paged_decode_attention,
     paged_prefill_attention,
     rms_norm,
@@ -32,6 +33,7 @@ from pagecast.kernels.quant_linear import scale_dtype_for
 from pagecast.kernels.tuning import (
     DECODE_BATCH_BUCKETS,
     DECODE_CONTEXT_BUCKETS,
+    MOE_TOKEN_BUCKETS,
     PREFILL_TOKEN_BUCKETS,
     PROJECTIONS,
     SKINNY_ROW_BUCKETS,
@@ -110,6 +112,8 @@ def buckets(kernel: str, shapes: ModelShapes) -> list[tuple[str, dict[str, int]]
             for i, name in enumerate(PROJECTIONS)
             for m in upto(SKINNY_ROW_BUCKETS, shapes.max_num_seqs)
         ]
+    if kernel == "fused_moe":
+        return [(f"t{t}", {"num_tokens": t}) for t in MOE_TOKEN_BUCKETS] if shapes.num_experts else []
     return [(f"t{t}", {"num_tokens": t}) for t in TOKEN_BUCKETS]
 
 
@@ -148,6 +152,10 @@ def problem_size(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> tupl
         return n * k // 2 + 3 * groups * n + (m * k + m * n) * e, 2 * m * n * k
 
     t = dims["num_tokens"]
+    if kernel == "fused_moe":  # the visited experts' weights once, the tokens in and out
+        h, i = shapes.hidden, shapes.moe_intermediate
+        visited = int(moe_topk_ids(shapes, t).unique().numel())
+        return visited * 3 * h * i * e + 2 * t * h * e, 2 * t * shapes.top_k * 3 * h * i
     if kernel == "paged_prefill_attention":
         n = min(t, PREFILL_SEQ_LEN)
         seqs = max(1, t // n)
@@ -183,6 +191,11 @@ def config_space(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> list
         return activation.prune_configs(activation.CONFIG_SPACE, shapes.intermediate)
     if kernel == "skinny_gemm":
         return skinny_gemm.prune_configs(skinny_gemm.CONFIG_SPACE, dims["n"], dims["k"])
+    if kernel == "fused_moe":
+        return fused_moe.prune_configs(
+            fused_moe.CONFIG_SPACE, dims["num_tokens"], shapes.top_k, shapes.num_experts, shapes.hidden,
+            shapes.moe_intermediate, elt=_elt(shapes), allow_naive=dims["num_tokens"] > shapes.max_num_seqs,
+        )  # fmt: skip
     if kernel == "w4a16_gemm":
         return w4a16_gemm.prune_configs(
             w4a16_gemm.CONFIG_SPACE, dims["num_rows"], dims["n"], dims["k"], num_sms(),
@@ -209,6 +222,10 @@ def default_config(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> Ke
         return activation.default_config()
     if kernel == "skinny_gemm":
         return skinny_gemm.TORCH
+    if kernel == "fused_moe":
+        return fused_moe.default_config(
+            dims["num_tokens"], shapes.top_k, shapes.num_experts, shapes.hidden, shapes.moe_intermediate, num_sms()
+        )
     if kernel == "w4a16_gemm":
         return w4a16_gemm.default_config(
             dims["num_rows"], dims["n"], dims["k"], num_sms(),
@@ -335,6 +352,9 @@ def make_problem(
     if kernel == "w4a16_gemm":
         return _w4a16_problem(shapes, dims, bucket, device, dg, nbytes, flops)
 
+    if kernel == "fused_moe":
+        return _moe_problem(shapes, dims, bucket, device, dg, nbytes, flops)
+
     t = dims["num_tokens"]
     if kernel == "paged_prefill_attention":
         n = min(t, PREFILL_SEQ_LEN)
@@ -443,3 +463,84 @@ def _w4a16_problem(
 
     marks = {"fused_silu": True} if fused_down else {}
     return Problem("w4a16_gemm", bucket, gemm, num_sets, nbytes, flops, reference=half_gemm, marks=marks)
+
+
+# ---------------------------------------------------------------------------- mixture of experts
+
+
+def moe_topk_ids(shapes: ModelShapes, num_tokens: int, seed: int = 0) -> torch.Tensor:
+    """[num_tokens, top_k] int64 (CPU): the experts the tuner's tokens visit, a softmax router's
+    top-k over random logits (every expert equally likely, as a balanced router makes them).
+    Deterministic, so problem_size counts the same visited experts the problem launches."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn((num_tokens, shapes.num_experts), generator=g)
+    return torch.topk(logits, shapes.top_k, dim=-1).indices
+
+
+def moe_bound(
+    shapes: ModelShapes, dims: dict[str, int], time_us: float, copy_gbs: float, peak_tflops: float
+) -> dict[str, Any]:
+    """What bounds a fused-MoE bucket and how close ``time_us`` comes: the weight-streaming bound
+    (the visited experts' weights and the tokens at ``copy_gbs``) or the compute bound (its
+    matmul FLOPs at ``peak_tflops``), whichever is longer; decode buckets are weight-bound,
+    prefill buckets compute-bound. ``fraction``: bound time / measured time."""
+    nbytes, flops = problem_size("fused_moe", shapes, dims)
+    weights_us = nbytes / (copy_gbs * 1e3)
+    compute_us = flops / (peak_tflops * 1e6)
+    bound, bound_us = ("weights", weights_us) if weights_us >= compute_us else ("compute", compute_us)
+    return {
+        "bound": bound,
+        "bound_us": round(bound_us, 2),
+        "fraction": round(bound_us / time_us, 3),
+        "tb_s": round(nbytes / (time_us * 1e-6) / 1e12, 3),
+        "tflop_s": round(flops / (time_us * 1e-6) / 1e12, 1),
+    }
+
+
+def _moe_problem(
+    shapes: ModelShapes, dims: dict[str, int], bucket: str, device: torch.device, dg: torch.Generator,
+    nbytes: int, flops: int,
+) -> Problem:  # fmt: skip
+    """Random experts (several sets where one is smaller than COLD_BYTES, so a launch reads its
+    weights from memory) and ``moe_topk_ids``'s routing; the fused kernel at a config, and as the
+    baseline (a candidate where the bucket is never captured, and the reference) the per-expert
+    loop of cuBLAS GEMMs. The loop's token lists are found once here, not in the timed launch, so
+    it needs no host sync (a CUDA graph captures it) and its time is the GEMMs' and the gathers'
+    alone: a baseline that flatters the loop (at run time it finds them every call)."""
+    t, k = dims["num_tokens"], shapes.top_k
+    h, i, e = shapes.hidden, shapes.moe_intermediate, shapes.num_experts
+    dtype = shapes.torch_dtype
+    expert_bytes = e * 3 * h * i * _elt(shapes)
+    num_sets = max(1, min(MAX_LAUNCHES, math.ceil(COLD_BYTES / expert_bytes)))
+    sets = [
+        (
+            (torch.randn((e, 2 * i, h), generator=dg, device=device, dtype=dtype) * h**-0.5),
+            (torch.randn((e, h, i), generator=dg, device=device, dtype=dtype) * i**-0.5),
+        )
+        for _ in range(num_sets)
+    ]
+    x = torch.randn((t, h), generator=dg, device=device, dtype=dtype)
+    ids_cpu = moe_topk_ids(shapes, t)
+    topk_ids = ids_cpu.to(device)
+    topk_weights = torch.rand((t, k), generator=dg, device=device).softmax(-1)
+    visits = []  # (expert, token rows, slots) of every visited expert
+    for ex in ids_cpu.unique().tolist():
+        token, slot = torch.where(ids_cpu == ex)
+        visits.append((ex, token.to(device), slot.to(device)))
+
+    def naive(i_set: int) -> torch.Tensor:
+        w_gate_up, w_down = sets[i_set % num_sets]
+        out = torch.zeros_like(x)
+        for ex, token, slot in visits:
+            y = torch.nn.functional.linear(x[token], w_gate_up[ex])
+            y = torch.nn.functional.linear(activation.silu_and_mul(y), w_down[ex])
+            out.index_add_(0, token, (y * topk_weights[token, slot, None]).to(dtype))
+        return out
+
+    def launch(cfg: KernelConfig | None, i_set: int) -> object:
+        if fused_moe.is_naive(cfg):
+            return naive(i_set)
+        w_gate_up, w_down = sets[i_set % num_sets]
+        return fused_moe.fused_moe(x, topk_weights, topk_ids, w_gate_up, w_down, config=cfg)
+
+    return Problem("fused_moe", bucket, launch, num_sets, nbytes, flops, reference=lambda cfg, i_set: naive(i_set))

@@ -394,3 +394,73 @@ def logprob_stats(logits: torch.Tensor, scored: torch.Tensor) -> tuple[torch.Ten
     total = torch.exp(x - m).sum(dim=1, keepdim=True)
     greater = (x > scored[:, None]).sum(dim=1, keepdim=True, dtype=torch.int32)
     return m, total, greater
+
+
+# ---------------------------------------------------------------------------- mixture of experts
+# Expert weights in kernels/moe_routing.py's layout: w_gate_up [E, 2I, H] (gate rows, then up rows),
+# w_down [E, H, I], biases b_gate_up [E, 2I] / b_down [E, H] or None.
+
+
+def moe_activation(gate_up: torch.Tensor, kind: str = "silu", alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """gate_up [rows, 2I] ([gate | up]) -> [rows, I]: silu(gate) * up, or gpt-oss's clamped SwiGLU
+    (``swiglu_oai``: gate clamped above at ``limit``, up to +-``limit``, gate * sigmoid(alpha *
+    gate) * (up + 1)), in gate_up's dtype as transformers computes them."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if kind == "silu":
+        return torch.nn.functional.silu(gate) * up
+    if kind == "swiglu_oai":
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    raise ValueError(f"unknown MoE activation {kind!r}")
+
+
+def fused_moe(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> torch.Tensor:
+    """The experts of a MoE block: x [T, H], topk_weights [T, k], topk_ids [T, k] -> [T, H] in x's
+    dtype, sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]). A loop over the experts the
+    tokens visit, as transformers' experts modules run: each expert's rows through its two
+    projections (F.linear: cuBLAS on a GPU), scaled by the routing weight (in fp32 where the
+    weights are fp32) and added into the output in x's dtype. It syncs with the host (the
+    visited experts), so it is never captured in a CUDA graph."""
+    out = torch.zeros_like(x)
+    flat = topk_ids.reshape(-1)
+    for e in torch.unique(flat).tolist():
+        token, slot = torch.where(topk_ids == e)
+        h = linear(x[token], w_gate_up[e], None if b_gate_up is None else b_gate_up[e])
+        h = linear(moe_activation(h, activation, alpha, limit), w_down[e], None if b_down is None else b_down[e])
+        out.index_add_(0, token, (h * topk_weights[token, slot, None]).to(x.dtype))
+    return out
+
+
+def moe_align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused-MoE tile path's layout (kernels/fused_moe.py): topk_ids [T, k] -> (sorted_ids
+    int32 [max_blocks * block_m]: the pair ids p = t * k + j grouped by expert in pair order,
+    each expert's run padded to a multiple of block_m with P = T * k; block_expert int32
+    [max_blocks]: each block's expert, -1 past the used blocks), max_blocks = cdiv(P, block_m) +
+    min(E, P). Device ops only (no host sync)."""
+    flat = topk_ids.reshape(-1)
+    p = flat.numel()
+    nb = -(-p // block_m) + min(num_experts, p)
+    dev = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    firsts = torch.cumsum(counts, 0) - counts  # each expert's first position in the unpadded order
+    order = torch.sort(flat, stable=True).indices  # pair ids by expert
+    sorted_e = flat[order]
+    dest = (ends - padded)[sorted_e] + torch.arange(p, device=dev) - firsts[sorted_e]
+    sorted_ids = torch.full((nb * block_m,), p, dtype=torch.int32, device=dev)
+    sorted_ids[dest] = order.to(torch.int32)
+    block_expert = torch.searchsorted(ends, torch.arange(nb, device=dev) * block_m, right=True)
+    return sorted_ids, torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)

@@ -43,6 +43,8 @@ SKINNY_ROW_BUCKETS = (1, 2, 4, 8, 16)  # decode batches whose projections may le
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 # Rows of an int4 projection (decode batches to prefill chunks): the W4A16 GEMM's buckets.
 W4A16_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 8192)
+# Tokens through a MoE block (decode batches to prefill chunks): the fused-MoE kernel's buckets.
+MOE_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 KERNELS = (
     "paged_decode_attention",
@@ -53,6 +55,7 @@ KERNELS = (
     "silu_and_mul",
     "skinny_gemm",
     "w4a16_gemm",
+    "fused_moe",
 )
 
 TIE_TOLERANCE = 0.02  # a later config must beat the best so far by 2% to take its place
@@ -105,6 +108,11 @@ class ModelShapes:
     # o_proj's int4 inputs on this rank when not num_heads * head_dim: an act-order checkpoint's
     # row-parallel shard padded to whole groups (builder/quant.py, row_layout); 0 = not padded.
     o_proj_inputs: int = 0
+    # MoE blocks (0 for a dense model): experts, experts a token visits, each expert's
+    # intermediate size on this rank (tensor parallelism cuts it, kernels/moe_routing.py).
+    num_experts: int = 0
+    top_k: int = 0
+    moe_intermediate: int = 0
 
     def __post_init__(self) -> None:
         if self.num_heads <= 0 or self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
@@ -115,6 +123,11 @@ class ModelShapes:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         torch_dtype(self.dtype)
+        if self.num_experts and not (1 <= self.top_k <= self.num_experts and self.moe_intermediate > 0):
+            raise ValueError(
+                f"a MoE model needs 1 <= top_k <= num_experts ({self.top_k}, {self.num_experts}) and a positive "
+                f"moe_intermediate ({self.moe_intermediate})"
+            )
         if self.kv_cache_dtype is not None and torch_dtype(self.kv_cache_dtype) not in (
             torch_dtype(self.dtype), torch.float8_e4m3fn
         ):
@@ -190,6 +203,11 @@ def skinny_bucket(projection: str, num_rows: int) -> str:
 def w4a16_bucket(projection: str, num_rows: int) -> str:
     """'<projection>.m<rows>' for the W4A16 GEMM, e.g. w4a16_bucket('down', 100) == 'down.m128'."""
     return f"{projection}.m{_ceil_bucket(W4A16_ROW_BUCKETS, num_rows)}"
+
+
+def moe_bucket(num_tokens: int) -> str:
+    """'t<tokens>' for the fused-MoE kernel, e.g. moe_bucket(3) == 't4'."""
+    return f"t{_ceil_bucket(MOE_TOKEN_BUCKETS, num_tokens)}"
 
 
 def projection_dims(shapes: ModelShapes) -> dict[str, tuple[int, int]]:

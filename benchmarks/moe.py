@@ -1,0 +1,168 @@
+"""Fused-MoE kernel benchmark (issue 27, the kernel part): the fused kernels against the naive
+per-expert loop of cuBLAS GEMMs, bf16, one GPU, at the expert shapes of
+
+    qwen3-30b-a3b   hidden 2048, 128 experts top-8, moe_intermediate 768
+    mixtral-8x7b    hidden 4096, 8 experts top-2, intermediate 14336
+
+and 1, 16, 256 and 4096 tokens. The inputs and launches are the build tuner's
+(kernels/problems.py, kernel "fused_moe": random bf16 experts, a balanced random routing, the
+naive loop with its token lists found outside the timed launch), timed as it times them
+(tuning.time_launches: the median of CUDA-graph replays; the naive loop is captured too). For
+each bucket: the naive loop, the fused kernel at the launcher's default config, and the fused
+kernel at the best config of the tuner's space for that bucket (what a build would pick, the
+naive candidate aside). Every fused config is checked against the naive loop's output first.
+
+Ceilings measured in the same run: device copy bandwidth (tuning.measure_copy_bandwidth) and
+bf16 matmul peak (an 8192^3 torch.mm). TB/s counts the visited experts' weights plus the tokens
+in and out (problems.problem_size), against the weight-streaming bound; TFLOP/s counts
+2 * tokens * top_k * 3 * hidden * intermediate, against the compute bound. ``fraction`` is the
+binding bound's time over the measured time (problems.moe_bound).
+
+    python benchmarks/moe.py [--shapes qwen3-30b-a3b,mixtral-8x7b] [--tokens 1,16,256,4096]
+                             [--no-sweep] [--out DIR]
+
+One JSON line per figure (also DIR/moe.jsonl with --out), then a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from pagecast.kernels import fused_moe, problems, tuning
+from pagecast.kernels.tuning import KernelConfig, ModelShapes
+
+SHAPES = {
+    # num_heads, num_kv_heads, head_dim, hidden (attention fields unused here), experts, top-k, intermediate
+    "qwen3-30b-a3b": ModelShapes(
+        32,
+        4,
+        128,
+        2048,
+        6144,
+        16,
+        "bfloat16",
+        max_num_seqs=256,
+        num_experts=128,
+        top_k=8,
+        moe_intermediate=768,
+    ),
+    "mixtral-8x7b": ModelShapes(
+        32,
+        8,
+        128,
+        4096,
+        14336,
+        16,
+        "bfloat16",
+        max_num_seqs=256,
+        num_experts=8,
+        top_k=2,
+        moe_intermediate=14336,
+    ),
+}
+
+
+def peak_bf16_tflops(n: int = 8192, reps: int = 10) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    torch.mm(a, b)
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.mm(a, b)
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3)
+    return 2 * n**3 / statistics.median(samples) / 1e12
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--tokens", default="1,16,256,4096")
+    ap.add_argument("--no-sweep", action="store_true", help="time the default config only")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+
+    def record(row: dict[str, object]) -> None:
+        print(json.dumps(row), flush=True)
+        if args.out:
+            with open(args.out / "moe.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    copy_gbs = tuning.measure_copy_bandwidth()
+    peak = peak_bf16_tflops()
+    record({"figure": "ceilings", "device": torch.cuda.get_device_name(), "copy_gb_s": round(copy_gbs, 1),
+            "bf16_mm_tflop_s": round(peak, 1)})  # fmt: skip
+    table = []
+    for name in args.shapes.split(","):
+        shapes = SHAPES[name]
+        for t in (int(v) for v in args.tokens.split(",")):
+            dims = {"num_tokens": t}
+            problem = problems.make_problem("fused_moe", shapes, dims, "cuda")
+            launches = problem.launches_per_sample()
+
+            def time_cfg(
+                cfg: KernelConfig | None, problem: problems.Problem = problem, launches: int = launches
+            ) -> float:
+                return tuning.time_launches(functools.partial(problem.launch, cfg), launches, args.reps)
+
+            naive_out = problem.launch(fused_moe.NAIVE, 0)
+            naive_us = time_cfg(fused_moe.NAIVE)
+            default = problems.default_config("fused_moe", shapes, dims)
+            candidates = [default]
+            if not args.no_sweep:
+                candidates += [
+                    c for c in problems.config_space("fused_moe", shapes, dims) if not fused_moe.is_naive(c)
+                ]
+            timed: list[tuple[float, KernelConfig]] = []
+            for cfg in candidates:
+                try:
+                    err = rel_err(problem.launch(cfg, 0), naive_out)  # type: ignore[arg-type]
+                    if err > 1e-2:
+                        raise AssertionError(f"relative error {err:.3g} against the naive loop")
+                    timed.append((time_cfg(cfg), cfg))
+                except Exception as exc:  # noqa: BLE001 - a config that fails is reported, not fatal
+                    record({"figure": "config_failed", "shape": name, "tokens": t, "config": cfg.as_dict(),
+                            "error": f"{type(exc).__name__}: {str(exc)[:200]}"})  # fmt: skip
+                    torch.cuda.synchronize()
+            rows = [("naive", naive_us, fused_moe.NAIVE)]
+            if timed and timed[0][1] is default:
+                rows.append(("fused_default", timed[0][0], default))
+            if timed:
+                best_us, best_cfg = min(timed, key=lambda r: r[0])
+                rows.append(("fused_best", best_us, best_cfg))
+            for variant, us, cfg in rows:
+                bound = problems.moe_bound(shapes, dims, us, copy_gbs, peak)
+                row = {"figure": "fused_moe", "shape": name, "tokens": t, "variant": variant, "time_us": round(us, 2),
+                       "speedup_vs_naive": round(naive_us / us, 3), **bound, "config": cfg.as_dict()}  # fmt: skip
+                record(row)
+                table.append(row)
+            del problem
+            torch.cuda.empty_cache()
+
+    print(f"\ncopy {copy_gbs:.0f} GB/s, bf16 mm {peak:.0f} TFLOP/s")
+    print(f"{'shape':<15}{'tokens':>7} {'variant':<14}{'time us':>10}{'x naive':>9}{'TB/s':>8}{'TFLOP/s':>9}"
+          f"{'bound':>9}{'of bound':>10}")  # fmt: skip
+    for r in table:
+        print(f"{r['shape']:<15}{r['tokens']:>7} {r['variant']:<14}{r['time_us']:>10.1f}{r['speedup_vs_naive']:>9.2f}"
+              f"{r['tb_s']:>8.2f}{r['tflop_s']:>9.1f}{r['bound']:>9}{r['fraction']:>10.3f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,577 @@
+"""Fused mixture-of-experts: the experts of a MoE block in two grouped GEMMs and a top-k sum.
+
+x [T, H] visits the experts topk_ids [T, k] with weights topk_weights [T, k]; its P = T * k
+(token, slot) pairs are numbered p = t * k + j. Expert weights in kernels/moe_routing.py's
+layout (w_gate_up [E, 2I, H], gate rows then up rows; w_down [E, H, I]; optional biases).
+
+Prefill-sized batches (the tile path, ``_moe_gemm_kernel``):
+
+1. ``align_by_expert`` (two small launches, no host sync; reference.moe_align_by_expert does
+   the same in torch) sorts the pairs by expert and pads each expert's run to a multiple of
+   BLOCK_M: sorted_ids [max_blocks * BLOCK_M] holds pair ids (P marks padding), block_expert
+   [max_blocks] each block's expert (-1 past the used blocks; max_blocks = cdiv(P, BLOCK_M) +
+   min(E, P) bounds the blocks any routing can need, so the grid does not depend on the routing).
+2. gate_up: one program per (block, BLOCK_N columns of I) gathers its block's token rows of x,
+   multiplies them by its expert's gate rows and up rows (two accumulators), applies the
+   activation (SiLU-and-mul, or gpt-oss's clamped SwiGLU, after the biases) and writes the
+   intermediate [max_blocks * BLOCK_M, I] in sorted order: the activation is fused, so the
+   [rows, 2I] product never reaches memory.
+3. down: the same kernel over the intermediate (contiguous rows), adds the bias, scales by each
+   pair's routing weight (fp32) and scatters the rows to pair order: out [P, H].
+4. the top-k sum: out.view(T, k, H).sum(1) (deterministic; torch sums half types in fp32).
+
+Decode batches (the GEMV path, ``_moe_gemv_kernel``, ``{"gemv": 1, ...}``): a few pairs, each
+visiting its own expert, so tiles of 16 rows would be mostly padding. No sorting: for gate_up
+one program per (pair, BLOCK_N columns of I) streams its expert's gate and up rows once and
+reduces over K on CUDA cores, the activation fused, into the intermediate [P, I] (pair order);
+for down one program per (token, BLOCK_N columns of H) adds up its k pairs' weighted rows (the
+top-k sum in the same launch). Only the visited experts' weights are read (the weight-streaming
+bound), in two launches.
+
+``{"naive": 1}`` is the baseline the tuner times against: the per-expert loop of cuBLAS GEMMs
+(reference.fused_moe). It syncs with the host, so it is a candidate only for batches that are
+never captured in a CUDA graph (kernels/problems.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import triton
+import triton.language as tl
+
+from pagecast.kernels import reference
+from pagecast.kernels.tuning import KernelConfig, num_sms
+
+ACT_NONE, ACT_SILU, ACT_SWIGLU_OAI = 0, 1, 2
+_ACTIVATIONS = {"silu": ACT_SILU, "swiglu_oai": ACT_SWIGLU_OAI}
+
+
+@triton.jit
+def _moe_align_kernel(
+    ids_ptr,  # topk_ids [P] (int64): each pair's expert
+    sorted_ids_ptr,  # int32 [max_blocks * BLOCK_M] out: filled with P here (padding)
+    block_expert_ptr,  # int32 [max_blocks] out: each block's expert, -1 past the used blocks
+    cursor_ptr,  # int32 [E] out: each expert's first padded position (_moe_scatter_kernel's cursors)
+    num_pairs,
+    num_experts,
+    max_blocks,
+    BLOCK_M: tl.constexpr,
+    NUM_BINS: tl.constexpr,  # E rounded up to a power of two
+    CHUNK: tl.constexpr,
+    BLOCKS_STEP: tl.constexpr,  # blocks a step compares with every expert's run end
+):
+    # One program: count each expert's pairs, pad the counts to whole blocks, and lay the blocks out.
+    counts = tl.zeros((NUM_BINS,), dtype=tl.int32)
+    for p0 in range(0, num_pairs, CHUNK):
+        offs = p0 + tl.arange(0, CHUNK)
+        ok = offs < num_pairs
+        ids = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
+        counts += tl.histogram(ids, NUM_BINS, mask=ok)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)  # [NUM_BINS]
+    offs_e = tl.arange(0, NUM_BINS)
+    e_ok = offs_e < num_experts
+    tl.store(cursor_ptr + offs_e, ends - padded, mask=e_ok)
+    # A block's expert is the first whose run ends after the block starts: the count of runs
+    # ending at or before it (empty experts' runs end where the one before ends).
+    for b0 in range(0, max_blocks, BLOCKS_STEP):
+        offs_b = b0 + tl.arange(0, BLOCKS_STEP)
+        ended = (ends[None, :] <= (offs_b * BLOCK_M)[:, None]) & e_ok[None, :]
+        expert = tl.sum(ended.to(tl.int32), axis=1)
+        expert = tl.where(expert < num_experts, expert, -1)
+        tl.store(block_expert_ptr + offs_b, expert, mask=offs_b < max_blocks)
+    for s0 in range(0, max_blocks * BLOCK_M, CHUNK):
+        offs_s = s0 + tl.arange(0, CHUNK)
+        tl.store(
+            sorted_ids_ptr + offs_s,
+            tl.full((CHUNK,), 0, tl.int32) + num_pairs,
+            mask=offs_s < max_blocks * BLOCK_M,
+        )
+
+
+@triton.jit
+def _moe_scatter_kernel(
+    ids_ptr,  # topk_ids [P] (int64)
+    sorted_ids_ptr,  # int32 [max_blocks * BLOCK_M]: each pair's id written at its place in its expert's run
+    cursor_ptr,  # int32 [E]: the next free position of each expert's run (atomically advanced)
+    num_pairs,
+    CHUNK: tl.constexpr,
+):
+    # Pairs of one expert take its run's positions in whatever order the atomics grant them: the
+    # rows of a block are independent, and the down launch writes each pair's row by its id.
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    ok = offs < num_pairs
+    expert = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
+    pos = tl.atomic_add(cursor_ptr + expert, tl.full((CHUNK,), 1, tl.int32), mask=ok)
+    tl.store(sorted_ids_ptr + pos, offs.to(tl.int32), mask=ok)
+
+
+@triton.jit
+def _activate(gate, up, ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+    # gate, up: fp32 tiles of the same shape
+    if ACTIVATION == 1:
+        return gate / (1.0 + tl.exp(-gate)) * up
+    else:
+        gate = tl.minimum(gate, LIMIT)
+        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+        return gate / (1.0 + tl.exp(-ALPHA * gate)) * (up + 1.0)
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr,  # gate_up: x [T, K]; down: intermediate [max_blocks * BLOCK_M, K] in sorted order
+    w_ptr,  # [E, N_w, K]: N_w = 2N (gate rows, then up rows) with an activation, else N
+    b_ptr,  # [E, N_w] or unused
+    c_ptr,  # gate_up: intermediate [max_blocks * BLOCK_M, N] in sorted order; down: [P, N] in pair order
+    sorted_ids_ptr,  # int32 [max_blocks * BLOCK_M]: pair ids grouped by expert, num_pairs = padding
+    block_expert_ptr,  # int32 [max_blocks]: the expert of each block, -1 for unused blocks
+    weights_ptr,  # fp32 [P] routing weights (MUL_ROUTING_WEIGHT) or unused
+    N,  # output columns
+    K,
+    num_pairs,
+    max_blocks,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_be,
+    stride_cm,
+    TOP_K: tl.constexpr,
+    ACTIVATION: tl.constexpr,  # 0: none (down), 1: SiLU-and-mul, 2: gpt-oss SwiGLU
+    MUL_ROUTING_WEIGHT: tl.constexpr,  # down: scale rows by their weight and scatter to pair order
+    HAS_BIAS: tl.constexpr,
+    ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # Consecutive programs take GROUP_M blocks' tiles of the same columns, so an expert's weight
+    # tile is read from L2 by the blocks after the first.
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(max_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + offs_m)  # [BLOCK_M]
+    m_ok = pair < num_pairs
+    if MUL_ROUTING_WEIGHT:
+        a_rows = offs_m.to(tl.int64)
+    else:
+        a_rows = (pair // TOP_K).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        a = tl.load(
+            a_ptr + a_rows[:, None] * stride_am + offs_k[None, :],
+            mask=m_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        w_ok = k_ok[:, None] & n_ok[None, :]
+        w = tl.load(w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None], mask=w_ok, other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        if ACTIVATION != 0:
+            w_up = tl.load(
+                w_base + (N + offs_n)[None, :].to(tl.int64) * stride_wn + offs_k[:, None],
+                mask=w_ok,
+                other=0.0,
+            )
+            acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        b_base = b_ptr + expert.to(tl.int64) * stride_be
+        acc += tl.load(b_base + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if ACTIVATION != 0:
+            acc_up += tl.load(b_base + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if ACTIVATION != 0:
+        acc = _activate(acc, acc_up, ACTIVATION, ALPHA, LIMIT)
+    if MUL_ROUTING_WEIGHT:
+        acc *= tl.load(weights_ptr + pair, mask=m_ok, other=0.0)[:, None]
+        c_rows = pair.to(tl.int64)
+    else:
+        c_rows = offs_m.to(tl.int64)
+    c_ptrs = c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _expert_gemv(
+    a_ptr,  # one row of activations [K]
+    w_base,  # the expert's weight [N_w, K]
+    offs_n,
+    n_ok,
+    N,
+    K,
+    stride_wn,
+    GATED: tl.constexpr,  # also the up rows N + offs_n
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # [BLOCK_N, BLOCK_K] partial products on CUDA cores, reduced over K once at the end
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        a = tl.load(a_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        w_ok = n_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_base + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :], mask=w_ok, other=0.0)
+        acc += w.to(tl.float32) * a
+        if GATED:
+            w_up = tl.load(
+                w_base + (N + offs_n)[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
+                mask=w_ok,
+                other=0.0,
+            )
+            acc_up += w_up.to(tl.float32) * a
+    return tl.sum(acc, axis=1), tl.sum(acc_up, axis=1)  # [BLOCK_N] each
+
+
+@triton.jit
+def _moe_gemv_kernel(
+    a_ptr,  # gate_up: x [T, K]; down: intermediate [P, K] in pair order
+    w_ptr,  # [E, N_w, K] as for _moe_gemm_kernel
+    b_ptr,  # [E, N_w] or unused
+    c_ptr,  # gate_up: intermediate [P, N] in pair order; down: out [T, N]
+    ids_ptr,  # topk_ids [P] (int64): each pair's expert
+    weights_ptr,  # fp32 [P] routing weights (down) or unused
+    N,
+    K,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_be,
+    stride_cm,
+    TOP_K: tl.constexpr,
+    ACTIVATION: tl.constexpr,  # gate_up: 1 or 2; 0: the down launch
+    HAS_BIAS: tl.constexpr,
+    ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # gate_up: a program per (pair, column block). down: a program per (token, column block) adds
+    # up the token's TOP_K pairs' weighted rows itself (the top-k sum, without a [P, N] buffer).
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    if ACTIVATION != 0:
+        pair = tl.program_id(0)
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        a_row = a_ptr + (pair // TOP_K).to(tl.int64) * stride_am
+        gate, up = _expert_gemv(
+            a_row, w_ptr + expert * stride_we, offs_n, n_ok, N, K, stride_wn, True, BLOCK_N, BLOCK_K
+        )
+        if HAS_BIAS:
+            gate += tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            up += tl.load(b_ptr + expert * stride_be + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        y = _activate(gate, up, ACTIVATION, ALPHA, LIMIT)
+        row = pair.to(tl.int64)
+    else:
+        token = tl.program_id(0)
+        y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for j in range(TOP_K):
+            pair = token * TOP_K + j
+            expert = tl.load(ids_ptr + pair).to(tl.int64)
+            a_row = a_ptr + pair.to(tl.int64) * stride_am
+            down, _ = _expert_gemv(
+                a_row, w_ptr + expert * stride_we, offs_n, n_ok, N, K, stride_wn, False, BLOCK_N, BLOCK_K
+            )
+            if HAS_BIAS:
+                down += tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            y += down * tl.load(weights_ptr + pair)
+        row = token.to(tl.int64)
+    tl.store(c_ptr + row * stride_cm + offs_n, y.to(c_ptr.dtype.element_ty), mask=n_ok)
+
+
+# ---------------------------------------------------------------------------- configs
+
+NAIVE = KernelConfig({"naive": 1}, num_warps=0, num_stages=0)  # the per-expert cuBLAS loop
+
+_GEMV_TILES = (
+    # (BLOCK_N, BLOCK_K, num_warps): a program streams BLOCK_N rows of its expert's weight
+    (8, 256, 2),
+    (16, 128, 2),
+    (16, 256, 4),
+    (16, 512, 4),
+    (32, 128, 4),
+    (32, 256, 4),
+    (64, 128, 4),
+    (64, 64, 2),
+    (128, 64, 4),
+)
+
+_TILES = (
+    # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
+    # few rows an expert: 16-row blocks, narrow columns for programs enough to fill the GPU
+    (16, 32, 128, 1, 4, 4),
+    (16, 64, 64, 1, 4, 4),
+    (16, 64, 128, 8, 4, 3),
+    (16, 128, 64, 8, 4, 4),
+    (32, 64, 64, 8, 4, 4),
+    (32, 128, 64, 8, 4, 3),
+    # many rows an expert: compute-bound tiles
+    (64, 64, 64, 8, 4, 4),
+    (64, 128, 64, 8, 4, 3),
+    (64, 128, 64, 8, 8, 4),
+    (128, 64, 64, 8, 4, 4),
+    (128, 128, 64, 8, 8, 3),
+    (128, 128, 32, 8, 8, 4),
+    (128, 256, 64, 8, 8, 3),
+)
+
+CONFIG_SPACE: list[KernelConfig] = (
+    [NAIVE]
+    + [
+        KernelConfig({"gemv": 1, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=1)
+        for n, k, w in _GEMV_TILES
+    ]
+    + [
+        KernelConfig({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": g}, num_warps=w, num_stages=s)
+        for m, n, k, g, w, s in _TILES
+    ]
+)
+
+GEMV_MAX_PAIRS = 128  # more pairs re-read shared experts' weights once a pair (from L2 at best)
+SHARED_MEMORY_LIMIT = 232448  # sm_90 (H100/H200): bytes of shared memory one program may use
+
+
+def is_naive(config: KernelConfig | None) -> bool:
+    return config is not None and bool(config.params.get("naive"))
+
+
+def is_gemv(config: KernelConfig | None) -> bool:
+    return config is not None and bool(config.params.get("gemv"))
+
+
+def shared_memory(config: KernelConfig, elt: int) -> int:
+    """Bytes of shared memory a tile config of the gate_up launch (two weight tiles a K step)
+    needs: the pipeliner's buffers of the activations and both weight tiles, num_stages of them
+    where the dot runs on wgmma (half types, 64 or more rows), num_stages - 1 for half types'
+    narrower tiles. Checked against sm_90 compiles of every tile in bf16 (Triton 3.6: exact;
+    tests/test_fused_moe_compile_sm90.py); fp32 is counted num_stages deep, an upper bound."""
+    bm, bn, bk, stages = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"], config.num_stages
+    buffers = max(stages - 1, 1) if elt <= 2 and bm < 64 else max(stages, 1)
+    return buffers * (bm * bk + 2 * bk * bn) * elt
+
+
+def prune_configs(
+    configs: list[KernelConfig], num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int,
+    *, elt: int = 2, allow_naive: bool = True,
+) -> list[KernelConfig]:  # fmt: skip
+    """The configs worth timing at this shape: the naive loop where ``allow_naive`` (batches never
+    captured in a CUDA graph); the GEMV up to GEMV_MAX_PAIRS pairs, with BLOCK_K at most the
+    smaller reduction (I, for down) rounded up to a power of two; tiles whose BLOCK_M is at most
+    the expected rows an expert (P / min(E, P), rounded up to a power of two, at least 16) and,
+    from 64 rows an expert, at least 64; whose BLOCK_K fits the smaller reduction; whose shared
+    memory fits SHARED_MEMORY_LIMIT."""
+    pairs = num_tokens * top_k
+    rows = max(16, triton.next_power_of_2(triton.cdiv(pairs, min(num_experts, pairs))))
+    k_min = triton.next_power_of_2(min(hidden, intermediate))
+    kept = []
+    for c in configs:
+        if is_naive(c):
+            if allow_naive:
+                kept.append(c)
+        elif is_gemv(c):
+            if pairs <= GEMV_MAX_PAIRS and c["BLOCK_K"] <= k_min:
+                kept.append(c)
+        else:
+            bm = c["BLOCK_M"]
+            if bm > rows or (rows >= 64 and bm < 64) or c["BLOCK_K"] > k_min:
+                continue
+            if shared_memory(c, elt) > SHARED_MEMORY_LIMIT:
+                continue
+            kept.append(c)
+    return kept
+
+
+def default_config(
+    num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int, num_sms: int = 132
+) -> KernelConfig:
+    """Untuned choice: the GEMV for up to 16 pairs, its BLOCK_N the widest of 32, 16 and 8 that
+    gives the down launch (a program per token and column block) two programs a multiprocessor;
+    else a tile sized by the rows an expert gets."""
+    pairs = num_tokens * top_k
+    if pairs <= 16:
+        bn = next((b for b in (32, 16) if num_tokens * triton.cdiv(hidden, b) >= 2 * num_sms), 8)
+        bk = min(256, triton.next_power_of_2(min(hidden, intermediate)))
+        return KernelConfig({"gemv": 1, "BLOCK_N": bn, "BLOCK_K": bk}, 4 if bn * bk >= 4096 else 2, 1)
+    rows = triton.cdiv(pairs, min(num_experts, pairs))
+    bk = 64 if min(hidden, intermediate) >= 64 else 32
+    if rows <= 16:
+        return KernelConfig({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": bk, "GROUP_M": 1}, 4, 4)
+    if rows <= 48:
+        return KernelConfig({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": bk, "GROUP_M": 8}, 4, 4)
+    if rows <= 96:
+        return KernelConfig({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": bk, "GROUP_M": 8}, 4, 3)
+    return KernelConfig({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": bk, "GROUP_M": 8}, 8, 3)
+
+
+# ---------------------------------------------------------------------------- launchers
+
+
+def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Blocks of BLOCK_M rows any routing of ``num_pairs`` pairs can need: each expert's run
+    rounds up by less than one block, and at most min(E, P) experts have a run."""
+    return triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+
+
+ALIGN_CHUNK = 1024  # pairs (and blocks, and padding slots) the align kernels take a step
+
+
+def align_by_expert(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_ids [T, k] -> (sorted_ids int32 [max_blocks * block_m]: pair ids grouped by expert,
+    each expert's run padded to a multiple of block_m with P; block_expert int32 [max_blocks]:
+    each block's expert, -1 past the used blocks). Two launches (count and lay out, then
+    scatter), no host sync; within an expert's run the pairs' order is the atomics' (which
+    reference.moe_align_by_expert, the same layout in pair order, leaves out)."""
+    flat = topk_ids.reshape(-1)
+    p = flat.numel()
+    nb = max_blocks(p, num_experts, block_m)
+    dev = flat.device
+    sorted_ids = torch.empty((nb * block_m,), dtype=torch.int32, device=dev)
+    block_expert = torch.empty((nb,), dtype=torch.int32, device=dev)
+    cursor = torch.empty((num_experts,), dtype=torch.int32, device=dev)
+    _moe_align_kernel[(1,)](
+        flat, sorted_ids, block_expert, cursor, p, num_experts, nb,
+        BLOCK_M=block_m, NUM_BINS=(bins := triton.next_power_of_2(num_experts)), CHUNK=ALIGN_CHUNK,
+        BLOCKS_STEP=max(16, 8192 // bins), num_warps=8,
+    )  # fmt: skip
+    _moe_scatter_kernel[(triton.cdiv(p, ALIGN_CHUNK),)](
+        flat, sorted_ids, cursor, p, CHUNK=ALIGN_CHUNK, num_warps=4
+    )
+    return sorted_ids, block_expert
+
+
+def workspace_bytes(
+    num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int, elt: int,
+    config: KernelConfig,
+) -> int:  # fmt: skip
+    """Device memory one fused_moe call allocates besides its output [T, H] (for the memory plan),
+    each buffer rounded up to the caching allocator's 512 bytes: the routing weights in fp32, the
+    intermediate, and for the tile path the align buffers and the per-pair output the top-k sum
+    reads. The naive loop: one expert's rows at worst (every token through one expert) through
+    both projections (fp32 where the routing weights scale them), and their token lists."""
+
+    def buf(n: int) -> int:
+        return -(-n // 512) * 512
+
+    t, p = num_tokens, num_tokens * top_k
+    if is_naive(config):
+        return buf(t * 8) * 3 + 6 * buf(t * max(2 * intermediate, hidden) * 4)
+    if is_gemv(config):
+        return buf(p * 4) + buf(p * intermediate * elt)
+    bm = config["BLOCK_M"]
+    nb = max_blocks(p, num_experts, bm)
+    align = buf(nb * bm * 4) + buf(nb * 4) + buf(num_experts * 4)
+    return buf(p * 4) + align + buf(nb * bm * intermediate * elt) + buf(p * hidden * elt)
+
+
+def check_shapes(
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w_gate_up: torch.Tensor,
+    w_down: torch.Tensor, b_gate_up: torch.Tensor | None, b_down: torch.Tensor | None,
+) -> None:  # fmt: skip
+    t, h = x.shape
+    e, i2, h2 = w_gate_up.shape
+    if h2 != h or i2 % 2:
+        raise ValueError(f"w_gate_up must be [E, 2I, H={h}], got {tuple(w_gate_up.shape)}")
+    if tuple(w_down.shape) != (e, h, i2 // 2):
+        raise ValueError(f"w_down must be [E={e}, H={h}, I={i2 // 2}], got {tuple(w_down.shape)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != t:
+        raise ValueError(
+            f"topk_ids / topk_weights must be [T={t}, k], got {tuple(topk_ids.shape)} / {tuple(topk_weights.shape)}"
+        )
+    if b_gate_up is not None and tuple(b_gate_up.shape) != (e, i2):
+        raise ValueError(f"b_gate_up must be [E={e}, 2I={i2}], got {tuple(b_gate_up.shape)}")
+    if b_down is not None and tuple(b_down.shape) != (e, h):
+        raise ValueError(f"b_down must be [E={e}, H={h}], got {tuple(b_down.shape)}")
+    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if w.stride(2) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension")
+        if w.dtype != x.dtype:
+            raise ValueError(f"{name} is {w.dtype}, x is {x.dtype}")
+
+
+def fused_moe(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    config: Mapping[str, int] | KernelConfig | None = None,
+) -> torch.Tensor:
+    """reference.fused_moe's result (x [T, H] -> [T, H] in x's dtype, fp32 accumulation) by the
+    tile path, the GEMV path or the naive loop as ``config`` says (None: ``default_config``).
+    The tile and GEMV paths never sync with the host."""
+    check_shapes(x, topk_weights, topk_ids, w_gate_up, w_down, b_gate_up, b_down)
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"unknown MoE activation {activation!r}")
+    t, h = x.shape
+    num_experts, i = w_gate_up.shape[0], w_gate_up.shape[1] // 2
+    top_k = topk_ids.shape[1]
+    cfg = KernelConfig.coerce(config) or default_config(t, top_k, num_experts, h, i, num_sms(x.device))
+    if is_naive(cfg):
+        return reference.fused_moe(
+            x, topk_weights, topk_ids, w_gate_up, w_down, b_gate_up, b_down, activation, alpha, limit
+        )
+    if t == 0:
+        return torch.zeros_like(x)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    p = t * top_k
+    ids = topk_ids.reshape(-1)
+    weights = topk_weights.reshape(-1).float()
+    act = _ACTIVATIONS[activation]
+    dot = "ieee" if x.dtype == torch.float32 else "tf32"
+    common = {"TOP_K": top_k, "ALPHA": alpha, "LIMIT": limit}
+    launches = (  # (weight, bias, output columns, reduction, activation, scaled by the routing weight)
+        (w_gate_up, b_gate_up, i, h, act, False),
+        (w_down, b_down, h, i, ACT_NONE, True),
+    )
+    if is_gemv(cfg):
+        bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+        inter = torch.empty((p, i), dtype=x.dtype, device=x.device)
+        out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+        for (w, b, n, k, a_kind, _), a, c, rows in zip(launches, (x, inter), (inter, out), (p, t)):
+            _moe_gemv_kernel[(rows, triton.cdiv(n, bn))](
+                a, w, b if b is not None else w, c, ids, weights, n, k,
+                a.stride(0), w.stride(0), w.stride(1), b.stride(0) if b is not None else 0, c.stride(0),
+                ACTIVATION=a_kind, HAS_BIAS=b is not None, BLOCK_N=bn, BLOCK_K=bk,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+            )  # fmt: skip
+        return out
+    bm, bn, bk, gm = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["GROUP_M"]
+    sorted_ids, block_expert = align_by_expert(ids.view(t, top_k), num_experts, bm)
+    nb = block_expert.shape[0]
+    inter = torch.empty((nb * bm, i), dtype=x.dtype, device=x.device)
+    out = torch.empty((p, h), dtype=x.dtype, device=x.device)
+    for (w, b, n, k, a_kind, weighted), a, c in zip(launches, (x, inter), (inter, out)):
+        _moe_gemm_kernel[(nb * triton.cdiv(n, bn),)](
+            a, w, b if b is not None else w, c, sorted_ids, block_expert, weights, n, k, p, nb,
+            a.stride(0), w.stride(0), w.stride(1), b.stride(0) if b is not None else 0, c.stride(0),
+            ACTIVATION=a_kind, MUL_ROUTING_WEIGHT=weighted, HAS_BIAS=b is not None,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, DOT_PRECISION=dot,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+        )  # fmt: skip
+    return out.view(t, top_k, h).sum(1)

@@ -1,0 +1,189 @@
+"""Mixture-of-experts routing and expert layout: which experts each token visits, with what weight,
+and the one expert-weight layout the fused-MoE kernels and the reference read.
+
+Routing runs in torch on every device (a [tokens, experts] softmax and a top-k are a few small
+launches, and torch.topk on the same device is what transformers calls, so ties go the same way):
+
+    scoring "softmax_topk"  (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE)
+        logits = x @ router.T in x's dtype; probs = softmax(logits) in fp32; top-k of probs;
+        renormalised to sum 1 where ``renormalize`` (Mixtral always; the Qwens and OLMoE by
+        ``norm_topk_prob``); the weights stay fp32 (Mixtral) or are rounded to x's dtype (the
+        Qwens and OLMoE: ``weights_in_x_dtype``).
+    scoring "topk_softmax"  (gpt-oss)
+        logits = x @ router.T + router_bias in x's dtype; top-k of the logits; softmax over the k
+        in x's dtype.
+
+Expert weights, one layout for every family (nn.Linear's, per expert):
+
+    w_gate_up  [E, 2 * I, H]   rows [0, I) the gate projection, rows [I, 2I) the up projection
+    w_down     [E, H, I]
+    b_gate_up  [E, 2 * I] or None,  b_down [E, H] or None   (gpt-oss only)
+
+Mixtral, the Qwens and OLMoE store exactly this in transformers 5 (``experts.gate_up_proj``,
+``experts.down_proj``); gpt-oss stores [E, H, 2I] with gate and up interleaved by column and
+``gpt_oss_experts`` rewrites it at build time. Tensor parallelism cuts every expert's
+intermediate dimension (``shard_experts``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SCORINGS = ("softmax_topk", "topk_softmax")
+ACTIVATIONS = ("silu", "swiglu_oai")
+
+
+@dataclass(frozen=True)
+class MoeRouting:
+    """How a router's logits become (weights, expert ids): see the module docstring."""
+
+    top_k: int
+    scoring: str = "softmax_topk"
+    renormalize: bool = False  # divide the top-k probabilities by their sum (softmax_topk only)
+    weights_in_x_dtype: bool = False  # round the weights to x's dtype (the Qwens, OLMoE) or keep fp32
+
+    def __post_init__(self) -> None:
+        if self.top_k < 1:
+            raise ValueError(f"top_k must be at least 1, got {self.top_k}")
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"scoring must be one of {SCORINGS}, got {self.scoring!r}")
+
+
+@dataclass(frozen=True)
+class MoeActivation:
+    """The experts' gated activation on [gate | up]: ``silu`` is silu(gate) * up; ``swiglu_oai`` is
+    gpt-oss's (gate clamped above at ``limit``, up clamped to +-``limit``,
+    gate * sigmoid(alpha * gate) * (up + 1))."""
+
+    kind: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.kind!r}")
+        if self.limit <= 0:
+            raise ValueError(f"limit must be positive, got {self.limit}")
+
+
+SILU = MoeActivation("silu")
+SWIGLU_OAI = MoeActivation("swiglu_oai")
+
+
+@dataclass(frozen=True)
+class SharedExpert:
+    """Qwen2-MoE's shared expert: a dense SiLU MLP every token takes, scaled by
+    sigmoid(x @ gate.T) where there is a gate. Weights as nn.Linear's (on one rank its shard:
+    ``shard_shared_expert``)."""
+
+    w_gate_up: Any  # [2 * S, H] (gate rows then up rows), a tensor or an int4 linear weight
+    w_down: Any  # [H, S]
+    gate: torch.Tensor | None = None  # [1, H] (shared_expert_gate), replicated on every rank
+
+
+def moe_spec(architecture: str, config: dict[str, Any]) -> tuple[MoeRouting, MoeActivation]:
+    """The routing and activation of a MoE family's sparse blocks, from its HF config."""
+    k = int(config["num_experts_per_tok"])
+    if architecture == "MixtralForCausalLM":
+        return MoeRouting(k, renormalize=True), SILU
+    if architecture in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"):
+        return MoeRouting(
+            k, renormalize=bool(config.get("norm_topk_prob", False)), weights_in_x_dtype=True
+        ), SILU
+    if architecture == "GptOssForCausalLM":
+        return MoeRouting(k, scoring="topk_softmax"), MoeActivation(
+            "swiglu_oai", limit=float(config.get("swiglu_limit", 7.0))
+        )
+    raise ValueError(f"no MoE routing for {architecture}")
+
+
+def num_experts(config: dict[str, Any]) -> int:
+    """Experts per MoE layer: ``num_experts`` or ``num_local_experts`` (checkpoints and
+    transformers' configs use either name for the same count)."""
+    return int(config.get("num_experts") or config.get("num_local_experts") or 0)
+
+
+def is_moe_layer(architecture: str, config: dict[str, Any], layer: int) -> bool:
+    """Whether decoder layer ``layer`` has a sparse-MoE block (else a dense MLP of the config's
+    intermediate_size): every layer of Mixtral, OLMoE and gpt-oss; in the Qwens those not in
+    ``mlp_only_layers`` whose index + 1 is a multiple of ``decoder_sparse_step``."""
+    if architecture in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        step = int(config.get("decoder_sparse_step", 1))
+        dense = layer in (config.get("mlp_only_layers") or []) or num_experts(config) <= 0
+        return not dense and (layer + 1) % step == 0
+    moe_spec(architecture, config)  # refuses other architectures
+    return True
+
+
+def route(
+    x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor | None, routing: MoeRouting
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H], router_weight [E, H], router_bias [E] or None -> (topk_weights [T, k] (fp32, or
+    x's dtype where the routing says so), topk_ids [T, k] int64), in transformers' order."""
+    logits = torch.nn.functional.linear(x, router_weight, router_bias)  # [T, E] in x's dtype
+    if routing.scoring == "topk_softmax":
+        top, ids = torch.topk(logits, routing.top_k, dim=-1)
+        return torch.softmax(top, dim=-1, dtype=top.dtype), ids
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top, ids = torch.topk(probs, routing.top_k, dim=-1)
+    if routing.renormalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    if routing.weights_in_x_dtype:
+        top = top.to(x.dtype)
+    return top, ids
+
+
+def gpt_oss_experts(
+    gate_up_proj: torch.Tensor, gate_up_bias: torch.Tensor, down_proj: torch.Tensor, down_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gpt-oss's experts (gate_up_proj [E, H, 2I] with gate in the even columns and up in the odd
+    ones, gate_up_proj_bias [E, 2I], down_proj [E, I, H], down_proj_bias [E, H]) in the common
+    layout: (w_gate_up [E, 2I, H], w_down [E, H, I], b_gate_up [E, 2I], b_down [E, H])."""
+    w = gate_up_proj.transpose(1, 2)
+    w_gate_up = torch.cat((w[:, 0::2], w[:, 1::2]), dim=1).contiguous()
+    b_gate_up = torch.cat((gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]), dim=1).contiguous()
+    return w_gate_up, down_proj.transpose(1, 2).contiguous(), b_gate_up, down_bias.contiguous()
+
+
+def _gate_up_rows(intermediate: int, rank: int, size: int) -> torch.Tensor:
+    if intermediate % size:
+        raise ValueError(f"the experts' intermediate size {intermediate} is not divisible by tp {size}")
+    s = intermediate // size
+    return torch.cat(
+        (
+            torch.arange(rank * s, (rank + 1) * s),
+            torch.arange(intermediate + rank * s, intermediate + (rank + 1) * s),
+        )
+    )
+
+
+def shard_experts(
+    w_gate_up: torch.Tensor, w_down: torch.Tensor, b_gate_up: torch.Tensor | None, b_down: torch.Tensor | None,
+    rank: int, size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+    """Rank ``rank`` of ``size``'s share of the experts: every expert, the rank's slice of its
+    intermediate dimension (gate rows and up rows [r*I/n, (r+1)*I/n), down columns the same).
+    The ranks' outputs are partial sums whose total is the layer's output; b_down is added once,
+    so rank 0 holds it and the others hold zeros (it is scaled by each token's routing weight,
+    so it cannot be added after the sum like a row-parallel linear's bias)."""
+    rows = _gate_up_rows(w_gate_up.shape[1] // 2, rank, size)
+    s = w_down.shape[2] // size
+    w_gu = w_gate_up.index_select(1, rows.to(w_gate_up.device)).contiguous()
+    w_d = w_down[:, :, rank * s : (rank + 1) * s].contiguous()
+    b_gu = None if b_gate_up is None else b_gate_up.index_select(1, rows.to(b_gate_up.device)).contiguous()
+    b_d = None if b_down is None else (b_down.clone() if rank == 0 else torch.zeros_like(b_down))
+    return w_gu, w_d, b_gu, b_d
+
+
+def shard_shared_expert(shared: SharedExpert, rank: int, size: int) -> SharedExpert:
+    """The shared expert (half-type weights) cut as a dense MLP is: gate_up rows, down columns."""
+    rows = _gate_up_rows(shared.w_gate_up.shape[0] // 2, rank, size)
+    s = shared.w_down.shape[1] // size
+    return SharedExpert(
+        shared.w_gate_up.index_select(0, rows.to(shared.w_gate_up.device)).contiguous(),
+        shared.w_down[:, rank * s : (rank + 1) * s].contiguous(),
+        shared.gate,
+    )

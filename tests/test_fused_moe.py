@@ -1,0 +1,417 @@
+"""Mixture of experts on the CPU: routing and the MoE op against transformers' own sparse-MoE
+modules (float32, random weights), the fused-MoE Triton kernels against the per-expert reference
+loop through the interpreter (fp32 and fp16; bf16 is checked on the GPU, tests/test_fused_moe_gpu.py),
+the tensor-parallel shard rule, and the tuner's MoE problem definitions."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pagecast.kernels import moe_routing, ops, problems, reference
+from pagecast.kernels.moe_routing import MoeActivation, MoeRouting, SharedExpert
+from pagecast.kernels.tuning import KernelConfig, ModelShapes, moe_bucket
+
+triton = pytest.importorskip("triton")
+from pagecast.kernels import fused_moe
+
+interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU kernel tests run under the Triton interpreter"
+)
+
+H, I, E = 32, 24, 8  # hidden, each expert's intermediate size, experts (transformers blocks)
+
+
+# ---------------------------------------------------------------------------- transformers' blocks
+
+
+def _randomize(module: torch.nn.Module, seed: int) -> None:
+    # Blocks built outside a PreTrainedModel keep torch.empty's contents: give every parameter values.
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+
+def hf_block(family: str, seed: int = 0, **overrides):  # type: ignore[no-untyped-def]
+    """(transformers' sparse-MoE block in float32 with random weights, its config)."""
+    common = {"hidden_size": H, "num_experts_per_tok": 2, "hidden_act": "silu"}
+    if family == "mixtral":
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock as Block
+
+        cfg = MixtralConfig(**{**common, "intermediate_size": I, "num_local_experts": E, **overrides})
+    elif family == "qwen2_moe":
+        from transformers import Qwen2MoeConfig
+        from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock as Block
+
+        cfg = Qwen2MoeConfig(
+            **{
+                **common,
+                "moe_intermediate_size": I,
+                "shared_expert_intermediate_size": 40,
+                "num_experts": E,
+                **overrides,
+            }
+        )
+    elif family == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as Block
+
+        cfg = Qwen3MoeConfig(**{**common, "moe_intermediate_size": I, "num_experts": E, **overrides})
+    elif family == "olmoe":
+        from transformers import OlmoeConfig
+        from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock as Block
+
+        cfg = OlmoeConfig(**{**common, "intermediate_size": I, "num_experts": E, **overrides})
+    else:
+        from transformers import GptOssConfig
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP as Block
+
+        cfg = GptOssConfig(**{**common, "intermediate_size": I, "num_local_experts": E, **overrides})
+    block = Block(cfg).float().eval()
+    _randomize(block, seed)
+    return block, cfg
+
+
+ARCH = {
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+}
+
+
+def op_arguments(family: str, block, cfg) -> dict:  # type: ignore[no-untyped-def]
+    """ops.moe's arguments read from a transformers block (the builder's job, done by hand)."""
+    routing, activation = moe_routing.moe_spec(ARCH[family], cfg.to_dict())
+    if family == "gpt_oss":
+        ex = block.experts
+        w_gu, w_d, b_gu, b_d = moe_routing.gpt_oss_experts(
+            ex.gate_up_proj, ex.gate_up_proj_bias, ex.down_proj, ex.down_proj_bias
+        )
+        return {
+            "router_weight": block.router.weight, "router_bias": block.router.bias, "w_gate_up": w_gu, "w_down": w_d,
+            "b_gate_up": b_gu, "b_down": b_d, "routing": routing, "activation": activation,
+        }  # fmt: skip
+    args = {
+        "router_weight": block.gate.weight, "router_bias": None, "w_gate_up": block.experts.gate_up_proj,
+        "w_down": block.experts.down_proj, "routing": routing, "activation": activation,
+    }  # fmt: skip
+    if family == "qwen2_moe":
+        mlp = block.shared_expert
+        args["shared_expert"] = SharedExpert(
+            torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight)),
+            mlp.down_proj.weight,
+            block.shared_expert_gate.weight,
+        )
+    return args
+
+
+def hf_forward(family: str, block, x: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    out = block(x[None])
+    return (out[0] if isinstance(out, tuple) else out)[0]
+
+
+def hf_router(family: str, block, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
+    router = block.router if family == "gpt_oss" else block.gate
+    _, weights, ids = router(x)
+    return weights, ids
+
+
+FAMILIES = [
+    pytest.param("mixtral", {}, id="mixtral"),
+    pytest.param("qwen2_moe", {"norm_topk_prob": False}, id="qwen2-moe-shared-expert"),
+    pytest.param("qwen3_moe", {"norm_topk_prob": True, "num_experts_per_tok": 4}, id="qwen3-moe-norm"),
+    pytest.param("qwen3_moe", {"norm_topk_prob": False}, id="qwen3-moe-no-norm"),
+    pytest.param("olmoe", {"norm_topk_prob": False, "num_experts_per_tok": 8}, id="olmoe-top8"),
+    pytest.param("gpt_oss", {"num_experts_per_tok": 4}, id="gpt-oss"),
+]
+
+
+@pytest.mark.parametrize("family,overrides", FAMILIES)
+def test_routing_matches_transformers_router(family, overrides):
+    block, cfg = hf_block(family, **overrides)
+    routing, _ = moe_routing.moe_spec(ARCH[family], cfg.to_dict())
+    x = torch.randn(41, H, generator=torch.Generator().manual_seed(1))
+    args = op_arguments(family, block, cfg)
+    with torch.no_grad():
+        weights, ids = moe_routing.route(x, args["router_weight"], args["router_bias"], routing)
+        hf_weights, hf_ids = hf_router(family, block, x)
+    assert torch.equal(ids, hf_ids)
+    assert weights.dtype == hf_weights.dtype
+    torch.testing.assert_close(weights, hf_weights, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_routing_breaks_ties_as_transformers(family):
+    """Experts with equal router rows score equally for every token: the same ones are kept."""
+    block, cfg = hf_block(family, num_experts_per_tok=3)
+    with torch.no_grad():
+        router = block.router if family == "gpt_oss" else block.gate
+        router.weight[5] = router.weight[2]
+        router.weight[6] = router.weight[2]
+        router.weight[1] = router.weight[7]
+        if family == "gpt_oss":
+            router.bias[5] = router.bias[2]
+            router.bias[6] = router.bias[2]
+            router.bias[1] = router.bias[7]
+    routing, _ = moe_routing.moe_spec(ARCH[family], cfg.to_dict())
+    x = torch.randn(41, H, generator=torch.Generator().manual_seed(2))
+    args = op_arguments(family, block, cfg)
+    with torch.no_grad():
+        _, ids = moe_routing.route(x, args["router_weight"], args["router_bias"], routing)
+        _, hf_ids = hf_router(family, block, x)
+    tied = ((ids == 2) | (ids == 5) | (ids == 6)).sum(1) >= 2
+    assert tied.any()  # some tokens really choose between tied experts
+    assert torch.equal(ids, hf_ids)
+
+
+@pytest.mark.parametrize("family,overrides", FAMILIES)
+def test_moe_op_matches_transformers_block(family, overrides):
+    block, cfg = hf_block(family, **overrides)
+    x = torch.randn(9, H, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = hf_forward(family, block, x)
+        actual = ops.moe(x, **op_arguments(family, block, cfg))
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "family,overrides",
+    [("qwen2_moe", {"mlp_only_layers": [0], "decoder_sparse_step": 1}), ("qwen3_moe", {"decoder_sparse_step": 2}),
+     ("mixtral", {})],
+)  # fmt: skip
+def test_moe_layers_as_transformers_builds_them(family, overrides):
+    """is_moe_layer names the decoder layers whose mlp transformers makes a sparse block (a dense
+    first layer in Qwen2-MoE via mlp_only_layers, every other layer with decoder_sparse_step 2)."""
+    import transformers
+
+    _, cfg = hf_block(family, **overrides)
+    cfg.num_hidden_layers = 4
+    module = transformers.models.__dict__[family].__dict__[f"modeling_{family}"]
+    layer_class = next(v for k, v in vars(module).items() if k.endswith("DecoderLayer"))
+    for layer in range(4):
+        sparse = "Sparse" in type(layer_class(cfg, layer).mlp).__name__
+        assert moe_routing.is_moe_layer(ARCH[family], cfg.to_dict(), layer) == sparse, layer
+
+
+def test_moe_spec_refuses_other_architectures():
+    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM"):
+        moe_routing.moe_spec("DeepseekV3ForCausalLM", {"num_experts_per_tok": 8})
+    with pytest.raises(ValueError, match="top_k"):
+        MoeRouting(0)
+    with pytest.raises(ValueError, match="activation"):
+        MoeActivation("gelu")
+
+
+# ---------------------------------------------------------------------------- tensor parallelism
+
+
+@pytest.mark.parametrize("family,size", [("qwen2_moe", 2), ("gpt_oss", 3), ("mixtral", 4)])
+def test_tp_shards_sum_to_the_whole(family, size):
+    """Each rank runs the op on its shard of every expert (and of the shared expert); the ranks'
+    partial outputs (one engine's all-reduce) add up to the unsharded block's."""
+    block, cfg = hf_block(family)
+    x = torch.randn(9, H, generator=torch.Generator().manual_seed(4))
+    args = op_arguments(family, block, cfg)
+    with torch.no_grad():
+        whole = ops.moe(x, **args)
+        parts = []
+        for rank in range(size):
+            w_gu, w_d, b_gu, b_d = moe_routing.shard_experts(
+                args["w_gate_up"], args["w_down"], args.get("b_gate_up"), args.get("b_down"), rank, size
+            )
+            assert w_gu.shape[1] == 2 * I // size and w_d.shape[2] == I // size
+            shard = {**args, "w_gate_up": w_gu, "w_down": w_d, "b_gate_up": b_gu, "b_down": b_d}
+            if "shared_expert" in args:
+                shard["shared_expert"] = moe_routing.shard_shared_expert(args["shared_expert"], rank, size)
+            parts.append(ops.moe(x, **shard))  # one rank: no all-reduce
+    torch.testing.assert_close(sum(parts), whole, atol=1e-5, rtol=1e-5)
+
+
+def test_tp_refuses_an_uneven_cut():
+    w_gu, w_d = torch.zeros(2, 2 * 10, 4), torch.zeros(2, 4, 10)
+    with pytest.raises(ValueError, match="not divisible"):
+        moe_routing.shard_experts(w_gu, w_d, None, None, 0, 4)
+
+
+# ---------------------------------------------------------------------------- kernels
+
+
+def test_align_reference_groups_and_pads_each_experts_pairs():
+    # 5 tokens, top-2, 4 experts: expert 0 gets pairs 0, 3, 9; expert 1 none; 2 gets 1, 2, 4, 5, 6, 8; 3 gets 7.
+    ids = torch.tensor([[0, 2], [2, 0], [2, 2], [2, 3], [2, 0]])
+    sorted_ids, block_expert = reference.moe_align_by_expert(ids, 4, 4)
+    pad = 10
+    assert block_expert.tolist() == [0, 2, 2, 3, -1, -1, -1]  # cdiv(10, 4) + min(4, 10) = 7 blocks
+    assert sorted_ids.tolist() == [0, 3, 9, pad, 1, 2, 4, 5, 6, 8, pad, pad, 7, pad, pad, pad] + [pad] * 12
+
+
+@interpreter
+@pytest.mark.parametrize("t,e,k,block_m", [(5, 4, 2, 4), (41, 60, 4, 16), (9, 3, 1, 32), (300, 8, 8, 16)])
+def test_align_kernels_match_the_reference(t, e, k, block_m):
+    """The same blocks, and in each expert's run the same pairs (the atomics choose their order)."""
+    g = torch.Generator().manual_seed(t)
+    ids = torch.topk(torch.randn(t, e, generator=g), k).indices
+    sorted_ids, block_expert = fused_moe.align_by_expert(ids, e, block_m)
+    ref_ids, ref_blocks = reference.moe_align_by_expert(ids, e, block_m)
+    assert torch.equal(block_expert, ref_blocks)
+    runs = sorted_ids.view(-1, block_m)
+    ref_runs = ref_ids.view(-1, block_m)
+    for expert in range(e):
+        mine = runs[block_expert == expert].flatten().sort().values
+        assert torch.equal(mine, ref_runs[ref_blocks == expert].flatten().sort().values)
+    assert torch.equal(runs[block_expert < 0], ref_runs[ref_blocks < 0])  # all padding
+
+
+def moe_inputs(t: int, e: int, k: int, h: int, i: int, dtype: torch.dtype, bias: bool, seed: int = 0):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g).to(dtype)
+    w_gu = (torch.randn(e, 2 * i, h, generator=g) * h**-0.5).to(dtype)
+    w_d = (torch.randn(e, h, i, generator=g) * i**-0.5).to(dtype)
+    b_gu = torch.randn(e, 2 * i, generator=g).to(dtype) if bias else None
+    b_d = torch.randn(e, h, generator=g).to(dtype) if bias else None
+    weights, ids = torch.topk(torch.randn(t, e, generator=g).softmax(-1), k)
+    return x, weights, ids, w_gu, w_d, b_gu, b_d
+
+
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (3e-3, 1e-2)}
+GEMV = {"gemv": 1, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
+TILE = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 2}
+KERNEL_CASES = [
+    # (tokens, experts, top-k, hidden, intermediate, activation, bias, config)
+    pytest.param(9, 8, 2, 64, 40, "silu", False, TILE, id="t9-e8-top2-tile"),
+    pytest.param(9, 8, 2, 64, 40, "silu", False, GEMV, id="t9-e8-top2-gemv"),
+    pytest.param(41, 3, 1, 48, 24, "silu", False, None, id="t41-e3-top1-default"),
+    pytest.param(9, 60, 4, 32, 24, "silu", False, {**TILE, "BLOCK_N": 32}, id="t9-e60-top4-tile"),
+    pytest.param(9, 8, 8, 32, 16, "silu", False, {**TILE, "BLOCK_M": 32}, id="t9-e8-top8-tile32"),
+    pytest.param(41, 8, 2, 48, 40, "swiglu_oai", True, TILE, id="t41-gptoss-bias-tile"),
+    pytest.param(3, 8, 4, 48, 40, "swiglu_oai", True, GEMV, id="t3-gptoss-bias-gemv"),
+]
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("t,e,k,h,i,activation,bias,config", KERNEL_CASES)
+def test_fused_moe_matches_reference(t, e, k, h, i, activation, bias, config, dtype):
+    x, weights, ids, w_gu, w_d, b_gu, b_d = moe_inputs(t, e, k, h, i, dtype, bias)
+    out = fused_moe.fused_moe(x, weights, ids, w_gu, w_d, b_gu, b_d, activation, config=config)
+    # the reference in fp32 from the same (rounded) values
+    up = [None if b is None else b.float() for b in (b_gu, b_d)]
+    expected = reference.fused_moe(x.float(), weights, ids, w_gu.float(), w_d.float(), *up, activation)
+    assert out.dtype == dtype and out.shape == (t, h)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out.float(), expected, atol=atol, rtol=rtol)
+
+
+@interpreter
+def test_fused_moe_matches_a_transformers_gpt_oss_block():
+    """The kernel on gpt-oss's experts rewritten to the common layout (interleaved gate/up columns,
+    biases, the clamped SwiGLU) gives transformers' GptOssMLP output (limit 7 is reached: the
+    weights are scaled up)."""
+    block, cfg = hf_block("gpt_oss", num_experts_per_tok=4)
+    with torch.no_grad():
+        block.experts.gate_up_proj.mul_(8.0)
+    args = op_arguments("gpt_oss", block, cfg)
+    x = torch.randn(9, H, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        gate_up = x @ block.experts.gate_up_proj[0]
+        assert gate_up.abs().max() > cfg.to_dict().get("swiglu_limit", 7.0)
+        expected = hf_forward("gpt_oss", block, x)
+        weights, ids = moe_routing.route(x, args["router_weight"], args["router_bias"], args["routing"])
+        out = fused_moe.fused_moe(
+            x, weights, ids, args["w_gate_up"], args["w_down"], args["b_gate_up"], args["b_down"], "swiglu_oai",
+            config=TILE,
+        )  # fmt: skip
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+
+
+def test_fused_moe_checks_shapes():
+    x, weights, ids, w_gu, w_d, _, _ = moe_inputs(3, 4, 2, 16, 8, torch.float32, False)
+    with pytest.raises(ValueError, match="w_down"):
+        fused_moe.fused_moe(x, weights, ids, w_gu, w_d.transpose(1, 2).contiguous())
+    with pytest.raises(ValueError, match="activation"):
+        fused_moe.fused_moe(x, weights, ids, w_gu, w_d, activation="gelu")
+
+
+def test_naive_config_runs_the_reference_loop():
+    x, weights, ids, w_gu, w_d, _, _ = moe_inputs(5, 4, 2, 16, 8, torch.float32, False)
+    out = fused_moe.fused_moe(x, weights, ids, w_gu, w_d, config=fused_moe.NAIVE)
+    torch.testing.assert_close(out, reference.fused_moe(x, weights, ids, w_gu, w_d), atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------- tuner problems
+
+QWEN3_30B = ModelShapes(
+    32, 4, 128, 2048, 6144, 16, "bfloat16", num_experts=128, top_k=8, moe_intermediate=768
+)
+MIXTRAL = ModelShapes(32, 8, 128, 4096, 14336, 16, "bfloat16", num_experts=8, top_k=2, moe_intermediate=14336)
+
+
+def test_moe_buckets_and_sizes():
+    assert problems.buckets("fused_moe", ModelShapes(4, 2, 16, 64, 128, 16)) == []  # dense: nothing to tune
+    names = [b for b, _ in problems.buckets("fused_moe", QWEN3_30B)]
+    assert names[0] == "t1" and "t16" in names and "t256" in names and "t4096" in names
+    assert moe_bucket(1) == "t1" and moe_bucket(3) == "t4" and moe_bucket(10**6) == names[-1]
+    expert = 3 * 2048 * 768 * 2
+    nbytes, flops = problems.problem_size("fused_moe", QWEN3_30B, {"num_tokens": 1})
+    assert nbytes == 8 * expert + 2 * 2048 * 2  # one token: its 8 experts' weights
+    assert flops == 2 * 8 * 3 * 2048 * 768
+    nbytes, _ = problems.problem_size("fused_moe", QWEN3_30B, {"num_tokens": 4096})
+    assert nbytes == 128 * expert + 2 * 4096 * 2048 * 2  # every expert visited
+    with pytest.raises(ValueError, match="top_k"):
+        ModelShapes(4, 2, 16, 64, 128, 16, num_experts=4, top_k=5, moe_intermediate=8)
+
+
+def test_moe_bound_names_weights_at_decode_and_compute_at_prefill():
+    decode = problems.moe_bound(QWEN3_30B, {"num_tokens": 1}, 20.0, 4262.0, 783.0)
+    assert decode["bound"] == "weights" and 0 < decode["fraction"] < 1
+    assert decode["bound_us"] == pytest.approx(8 * 3 * 2048 * 768 * 2 / 4262e3, abs=0.02)
+    prefill = problems.moe_bound(MIXTRAL, {"num_tokens": 4096}, 10_000.0, 4262.0, 783.0)
+    assert prefill["bound"] == "compute"
+    assert prefill["bound_us"] == pytest.approx(2 * 4096 * 2 * 3 * 4096 * 14336 / 783e6, rel=1e-3)
+
+
+def test_moe_config_space_by_bucket():
+    space = {
+        b: problems.config_space("fused_moe", QWEN3_30B, d)
+        for b, d in problems.buckets("fused_moe", QWEN3_30B)
+    }
+    # the naive loop is a candidate only for batches past max_num_seqs (never in a CUDA graph)
+    assert not any(fused_moe.is_naive(c) for c in space["t256"]) and any(
+        fused_moe.is_naive(c) for c in space["t512"]
+    )
+    assert any(fused_moe.is_gemv(c) for c in space["t1"]) and not any(
+        fused_moe.is_gemv(c) for c in space["t32"]
+    )
+    # decode buckets: 16-row tiles only; prefill: at least 64 rows an expert
+    assert {c["BLOCK_M"] for c in space["t1"] if "BLOCK_M" in c.params} == {16}
+    assert min(c["BLOCK_M"] for c in space["t4096"] if "BLOCK_M" in c.params) >= 64
+    for configs in space.values():
+        assert configs
+        for c in configs:
+            if "BLOCK_M" in c.params:
+                assert fused_moe.shared_memory(c, 2) <= fused_moe.SHARED_MEMORY_LIMIT
+    for b, d in problems.buckets("fused_moe", MIXTRAL):
+        assert problems.config_space("fused_moe", MIXTRAL, d), b
+        problems.default_config("fused_moe", MIXTRAL, d)
+
+
+@interpreter
+def test_moe_problem_launches_agree():
+    """The tuner's problem at a tiny shape: the default config, a GEMV config and the naive baseline
+    (the problem's own loop, and the reference it reports) give the same output."""
+    shapes = ModelShapes(
+        2, 1, 16, 32, 64, 16, "float32", max_num_seqs=4, num_experts=6, top_k=2, moe_intermediate=16
+    )
+    dims = {"num_tokens": 4}
+    problem = problems.make_problem("fused_moe", shapes, dims, "cpu")
+    assert problem.bucket == "t4" and problem.num_sets > 1 and problem.reference is not None
+    naive = problem.launch(fused_moe.NAIVE, 1)
+    for cfg in (problems.default_config("fused_moe", shapes, dims), KernelConfig(dict(TILE), 4, 2)):
+        torch.testing.assert_close(problem.launch(cfg, 1), naive, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(problem.reference(None, 1), naive, atol=0, rtol=0)

@@ -1,0 +1,153 @@
+"""The fused-MoE kernels compiled for an H100/H200 (sm_90) without a GPU, as
+tests/test_kernels_compile_sm90.py does for the others: the interpreter accepts kernels the
+compiler refuses, and it does not say how much shared memory a tile needs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("triton")
+pytest.importorskip("triton.backends.nvidia.compiler")
+
+from pagecast.kernels import fused_moe, problems
+from pagecast.kernels.tuning import KernelConfig, ModelShapes
+
+CHILD = textwrap.dedent(
+    """
+    import json, sys
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from pagecast.kernels import fused_moe
+
+    for job in sys.argv[1:]:
+        kernel, signature, constexprs, divisible, options = json.loads(job)
+        fn = {"gemm": fused_moe._moe_gemm_kernel, "gemv": fused_moe._moe_gemv_kernel,
+              "align": fused_moe._moe_align_kernel, "scatter": fused_moe._moe_scatter_kernel}[kernel]
+        sig = dict(signature, **{name: "constexpr" for name in constexprs})
+        attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
+        compiled = triton.compile(
+            ASTSource(fn, signature=sig, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+            options=options,
+        )
+        print(json.dumps({"asm": sorted(compiled.asm), "shared": compiled.metadata.shared}))
+    """
+)
+
+
+def compile_batch(jobs: list[tuple]) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, *(json.dumps(job) for job in jobs)],
+        check=False, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+INTS = ("N", "K", "stride_am", "stride_we", "stride_wn", "stride_be", "stride_cm")
+
+
+def gemm_job(cfg: KernelConfig, gate_up: bool, bias: bool, activation: int = fused_moe.ACT_SILU) -> tuple:
+    """_moe_gemm_kernel as fused_moe launches it in bf16 (Qwen3-30B-A3B's expert shape)."""
+    h, i = 2048, 768
+    n, k = (i, h) if gate_up else (h, i)
+    ints = {"N": n, "K": k, "stride_am": k, "stride_we": (2 * i if gate_up else h) * k, "stride_wn": k,
+            "stride_be": 2 * i if gate_up else h, "stride_cm": n}  # fmt: skip
+    signature = {
+        "a_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "sorted_ids_ptr": "*i32",
+        "block_expert_ptr": "*i32", "weights_ptr": "*fp32", "num_pairs": "i32", "max_blocks": "i32",
+        **{name: "i32" for name in ints},
+    }  # fmt: skip
+    divisible = [name for name in signature if name.endswith("_ptr")] + [
+        n for n, v in ints.items() if v % 16 == 0
+    ]
+    constexprs = {
+        "TOP_K": 8, "ACTIVATION": activation if gate_up else 0, "MUL_ROUTING_WEIGHT": not gate_up,
+        "HAS_BIAS": bias, "ALPHA": 1.702, "LIMIT": 7.0, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"],
+        "BLOCK_K": cfg["BLOCK_K"], "GROUP_M": cfg["GROUP_M"], "DOT_PRECISION": "tf32",
+    }  # fmt: skip
+    return (
+        "gemm",
+        signature,
+        constexprs,
+        divisible,
+        {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
+    )
+
+
+def gemv_job(cfg: KernelConfig, gate_up: bool, bias: bool, activation: int = fused_moe.ACT_SILU) -> tuple:
+    h, i = 2048, 768
+    n, k = (i, h) if gate_up else (h, i)
+    ints = {"N": n, "K": k, "stride_am": k, "stride_we": (2 * i if gate_up else h) * k, "stride_wn": k,
+            "stride_be": 2 * i if gate_up else h, "stride_cm": n}  # fmt: skip
+    signature = {"a_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "ids_ptr": "*i64",
+                 "weights_ptr": "*fp32", **{name: "i32" for name in ints}}  # fmt: skip
+    divisible = [name for name in signature if name.endswith("_ptr")] + [
+        n for n, v in ints.items() if v % 16 == 0
+    ]
+    constexprs = {
+        "TOP_K": 8, "ACTIVATION": activation if gate_up else 0, "HAS_BIAS": bias, "ALPHA": 1.702, "LIMIT": 7.0,
+        "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
+    }  # fmt: skip
+    return (
+        "gemv",
+        signature,
+        constexprs,
+        divisible,
+        {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
+    )
+
+
+def test_fused_moe_kernels_compile_for_sm90_and_fit_shared_memory() -> None:
+    """Every tile of the config space compiles for sm_90 as the gate_up launch at Qwen3-30B-A3B's
+    shape (two weight tiles a step, SiLU fused); fused_moe.shared_memory (which the pruning goes
+    by) bounds the shared memory each needs, and every tile the tuner times at some bucket fits
+    232448 bytes. The down launch, the gpt-oss activation with biases and the GEMV path compile
+    too, and so do the align kernels."""
+    shapes = ModelShapes(
+        32, 4, 128, 2048, 6144, 16, "bfloat16", num_experts=128, top_k=8, moe_intermediate=768
+    )
+    tiles: dict[str, KernelConfig] = {}
+    for _, dims in problems.buckets("fused_moe", shapes):
+        for cfg in problems.config_space("fused_moe", shapes, dims):
+            if "BLOCK_M" in cfg.params:
+                tiles.setdefault(json.dumps(cfg.as_dict(), sort_keys=True), cfg)
+    configs = [
+        KernelConfig({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": g}, num_warps=w, num_stages=st)
+        for m, n, k, g, w, st in fused_moe._TILES
+    ]
+    timed = [json.dumps(c.as_dict(), sort_keys=True) in tiles for c in configs]
+    assert sum(timed) >= len(configs) - 1  # all but the largest tile (over the limit) are timed
+    jobs = [gemm_job(c, gate_up=True, bias=False) for c in configs]
+    default = fused_moe.default_config(256, 8, 128, 2048, 768)
+    gemv = fused_moe.default_config(1, 8, 128, 2048, 768)
+    extra = [
+        gemm_job(default, gate_up=False, bias=False),
+        gemm_job(default, gate_up=True, bias=True, activation=fused_moe.ACT_SWIGLU_OAI),
+        gemv_job(gemv, gate_up=True, bias=False),
+        gemv_job(gemv, gate_up=False, bias=True),
+        gemv_job(gemv, gate_up=True, bias=True, activation=fused_moe.ACT_SWIGLU_OAI),
+        ("align", {"ids_ptr": "*i64", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "cursor_ptr": "*i32",
+                   "num_pairs": "i32", "num_experts": "i32", "max_blocks": "i32"},
+         {"BLOCK_M": 64, "NUM_BINS": 128, "CHUNK": fused_moe.ALIGN_CHUNK, "BLOCKS_STEP": 64}, [], {"num_warps": 8}),
+        ("scatter", {"ids_ptr": "*i64", "sorted_ids_ptr": "*i32", "cursor_ptr": "*i32", "num_pairs": "i32"},
+         {"CHUNK": fused_moe.ALIGN_CHUNK}, [], {"num_warps": 4}),
+    ]  # fmt: skip
+    all_jobs = jobs + extra
+    with ThreadPoolExecutor(2) as pool:
+        halves = list(pool.map(compile_batch, (all_jobs[::2], all_jobs[1::2])))
+    results: list[dict] = [None] * len(all_jobs)  # type: ignore[list-item]
+    results[::2], results[1::2] = halves[0], halves[1]
+    assert all("cubin" in r["asm"] for r in results)
+    for cfg, r, is_timed in zip(configs, results, timed):
+        if is_timed:
+            assert r["shared"] <= fused_moe.SHARED_MEMORY_LIMIT, (cfg.as_dict(), r["shared"])
+        assert fused_moe.shared_memory(cfg, 2) >= r["shared"], (cfg.as_dict(), r["shared"])
