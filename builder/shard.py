@@ -14,6 +14,11 @@ checkpoint tensor it is cut from). The pack pass cuts with ``cut_source``. The r
   zero rows up to a multiple of tp). Llama-3's LM head alone is 1-2 GiB: replicated, every
   decode step on every rank would read all of it; split, each rank reads its share and the
   [rows, vocab / tp] logits are gathered (a few MB at decode batch sizes);
+- MoE experts (kernels/moe_routing.py's rule): every rank holds every expert and a slice of
+  each expert's intermediate dimension: ``experts.gate_up`` [E, 2I, H] cut like a fused
+  gate_up (each expert's gate and up rows), ``experts.down`` [E, H, I] by its input columns;
+  each rank's MoE output is a partial sum, all-reduced once (ops.moe). Qwen2-MoE's shared
+  expert is cut like a dense MLP; the router and the shared expert's gate are whole;
 - everything else (norms, Qwen3's per-head q/k norms) is whole on every rank.
 
 Every rank's shard of a tensor has the same shape, so one rendered model.py serves all
@@ -48,6 +53,7 @@ class ShardLayout:
     vocab_size: int  # the model's vocabulary (logits are sliced back to it)
     vocab_per_rank: int  # embedding / LM head rows per rank, padding included
     embedding: str = "vocab-parallel"  # "vocab-parallel" or "whole" (tp == 1)
+    moe_intermediate_size: int = 0  # each expert's intermediate size per rank (0: a dense model)
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -79,6 +85,12 @@ def plan_layout(model: ModelIR, tp: int) -> ShardLayout:
         )
     if inter % tp:
         raise BuildError(f"--tp {tp} does not divide the MLP's intermediate size {inter}")
+    moe = model.moe
+    if moe is not None and (moe.intermediate_size % tp or moe.shared_expert_size % tp):
+        raise BuildError(
+            f"--tp {tp} does not divide the experts' intermediate size {moe.intermediate_size}"
+            + (f" or the shared expert's {moe.shared_expert_size}" if moe.shared_expert_size else "")
+        )
     kv_replicas = max(1, tp // a.num_kv_heads)
     return ShardLayout(
         tp=tp,
@@ -89,6 +101,7 @@ def plan_layout(model: ModelIR, tp: int) -> ShardLayout:
         vocab_size=model.vocab_size,
         vocab_per_rank=-(-model.vocab_size // tp),
         embedding="vocab-parallel" if tp > 1 else "whole",
+        moe_intermediate_size=moe.intermediate_size // tp if moe is not None else 0,
     )
 
 
@@ -102,9 +115,11 @@ def _source_cuts(name: str, t: TensorPlan, rank: int, layout: ShardLayout, num_k
     if leaf in ("qkv_proj.weight", "qkv_proj.bias"):
         kv: Cut = (0, rank, tp) if layout.kv_head_replicas == 1 else (0, rank // layout.kv_head_replicas, num_kv_heads)
         return ((0, rank, tp), kv, kv)
-    if leaf in ("gate_up_proj.weight", "gate_up_proj.bias"):
-        return ((0, rank, tp), (0, rank, tp))
-    if leaf in ("o_proj.weight", "down_proj.weight"):
+    if leaf in ("gate_up_proj.weight", "gate_up_proj.bias", "shared_expert.gate_up_proj.weight", "experts.gate_up"):
+        return ((0, rank, tp),) * len(t.sources)  # each (expert's) gate and up rows
+    if leaf == "experts.down":
+        return ((1, rank, tp),) * len(t.sources)
+    if leaf in ("o_proj.weight", "down_proj.weight", "shared_expert.down_proj.weight"):
         return ((1, rank, tp),)
     if leaf in ("embed_tokens.weight", "lm_head.weight"):
         return ((0, rank, tp),)
@@ -116,6 +131,9 @@ def _shard_shape(t: TensorPlan, cuts: tuple[Cut, ...], layout: ShardLayout, mode
         return t.shape
     if t.name in ("embed_tokens.weight", "lm_head.weight"):
         return (layout.vocab_per_rank, *t.shape[1:])
+    if t.stack:  # experts: [E, 2I / tp, H] or [E, H, I / tp]
+        dim = cuts[0][0] + 1  # type: ignore[index]
+        return tuple(n // layout.tp if d == dim else n for d, n in enumerate(t.shape))
     if cuts[0] is not None and cuts[0][0] == 1:  # row-parallel: input columns split
         return (t.shape[0], t.shape[1] // layout.tp)
     if t.name.split(".", 2)[-1].startswith("qkv_proj"):
@@ -182,7 +200,11 @@ def rank_tensor(read: Any, t: TensorPlan, dtype: torch.dtype, prepare: Any = Non
     cuts = t.source_cuts or (None,) * len(t.sources)
     sources = (read_source(read, src) for src in t.sources)
     parts = [cut_source(x if prepare is None else prepare(x), cut) for x, cut in zip(sources, cuts, strict=True)]
-    tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    if t.stack:  # MoE experts: each group of ``stack`` parts is one expert
+        groups = [parts[i : i + t.stack] for i in range(0, len(parts), t.stack)]
+        tensor = torch.stack([g[0] if len(g) == 1 else torch.cat(g, dim=0) for g in groups])
+    else:
+        tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     if not torch.isfinite(tensor).all():
         raise BuildError(f"checkpoint tensor(s) {', '.join(t.sources)} contain NaN or inf; the checkpoint is corrupt")
     if t.offset:
@@ -265,4 +287,6 @@ def report_lines(layout: dict[str, Any]) -> list[str]:
         f"{layout['intermediate_size']}, {layout['vocab_per_rank']} vocabulary rows ({layout['embedding']} embedding "
         f"and LM head); memory figures are per rank"
     )
+    if layout.get("moe_intermediate_size"):
+        line += f"; every expert on every rank, {layout['moe_intermediate_size']} of each expert's intermediate columns"
     return [line]

@@ -33,6 +33,7 @@ class ModuleTrace:
     scalar_muls: list[float] = field(default_factory=list)  # scalars multiplied in (Granite's multipliers)
     scalar_divs: list[float] = field(default_factory=list)  # scalars divided by (logit scaling, soft-caps)
     sdpa_kwargs: dict[str, Any] = field(default_factory=dict)
+    clamps: list[tuple[Any, Any]] = field(default_factory=list)  # (min, max) of each clamp (OLMoE's clip_qkv)
     gelu_approximate: str | None = None  # "none" or "tanh", for modules that call aten.gelu
     # Plain attributes of the module that decide what its attention does but that the sdpa trace
     # cannot show: the window and soft-cap are passed to the attention function, which sdpa
@@ -107,6 +108,9 @@ def trace_model(config: Any) -> TraceSummary:
             mod.scalar_muls.append(float(node.args[1]))
         elif op == "div" and len(node.args) == 2 and isinstance(node.args[1], (int, float)):
             mod.scalar_divs.append(float(node.args[1]))
+        elif op in ("clamp", "clamp_"):
+            bounds = list(node.args[1:3]) + [None, None]
+            mod.clamps.append((node.kwargs.get("min", bounds[0]), node.kwargs.get("max", bounds[1])))
         elif op == "gelu":
             mod.gelu_approximate = str(node.kwargs.get("approximate", "none"))
         elif op == "scaled_dot_product_attention":
