@@ -42,6 +42,8 @@ def model_shapes(state: BuildState) -> dict[str, Any]:
         # The attention kernels and the KV write are tuned on caches of the artifact's KV dtype.
         "kv_cache_dtype": plan.kv_cache.dtype if plan.kv_cache is not None else None,
         "o_proj_inputs": o_proj_inputs(plan, per_rank.num_heads * a.head_dim),
+        "attn_softcap": max((layer.attention.logit_softcap or 0.0) for layer in model.layers),
+        "activation": model.dense_mlp.activation if model.dense_mlp is not None else "silu",  # MoE-only: no dense MLP
         # MoE blocks: the fused-MoE kernel is tuned per token bucket at one rank's expert width.
         "num_experts": model.moe.num_experts if model.moe is not None else 0,
         "top_k": model.moe.top_k if model.moe is not None else 0,

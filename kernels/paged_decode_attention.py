@@ -178,7 +178,14 @@ def pair_read_dims(head_dim: int) -> list[int]:
     ]
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
+@triton.jit
+def _soft_cap(s, cap):
+    """cap * tanh(s / cap), tanh(x) = 1 - 2 / (exp(2x) + 1): exp overflowing to inf gives 1, so
+    no clamp is needed. In the log2 domain the scores and the cap are both scaled by log2(e)."""
+    return cap * (1.0 - 2.0 / (tl.exp(2.0 * s / cap) + 1.0))
+
+
+@triton.jit(do_not_specialize=["num_splits", "stride_bt", "window"])
 def _paged_decode_kernel(
     q_ptr,  # q: [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # k_cache: [num_blocks, num_kv_heads, block_size, head_dim]
@@ -191,6 +198,8 @@ def _paged_decode_kernel(
     part_lse_ptr,  # part_lse: [num_seqs, num_heads, num_splits] fp32 (log2 domain)
     qk_scale,  # softmax scale * k_scale * log2(e)
     v_scale,  # V's dequantisation scale (fp8 cache; 1.0 otherwise)
+    softcap,  # logit soft-cap * log2(e) (SOFTCAP): scores -> cap * tanh(scores / cap)
+    window,  # sliding window (SLIDING): the query at seq_len - 1 sees keys >= seq_len - window
     num_splits,
     stride_qt,
     stride_qh,
@@ -214,6 +223,8 @@ def _paged_decode_kernel(
     #                           unpacked by token pairs in the PV dot's column order (the pair read)
     USE_ASM: tl.constexpr,  # inline PTX for the fp8 unpacking (False in the interpreter)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 engines (exact), "tf32" (ignored) for half types
+    SOFTCAP: tl.constexpr = False,
+    SLIDING: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -225,10 +236,17 @@ def _paged_decode_kernel(
     # A padded batch slot (no query this step) has nothing to compute or merge.
     if q_len > 0:
         seq_len = tl.load(seq_lens_ptr + seq)
-        num_tiles = tl.cdiv(seq_len, BLOCK_N)
+        if SLIDING:
+            # only the tiles that hold the window's keys are read (and split among the programs)
+            first_key = tl.maximum(seq_len - window, 0)
+            first_tile = first_key // BLOCK_N
+        else:
+            first_key = 0
+            first_tile = 0
+        num_tiles = tl.cdiv(seq_len, BLOCK_N) - first_tile
         tiles_per_split = tl.cdiv(num_tiles, num_splits)
-        tile_lo = split * tiles_per_split
-        tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+        tile_lo = first_tile + split * tiles_per_split
+        tile_hi = tl.minimum(tile_lo + tiles_per_split, first_tile + num_tiles)
 
         offs_g = tl.arange(0, GROUP_PAD)
         offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -297,7 +315,12 @@ def _paged_decode_kernel(
             k = k.to(q.dtype)  # fp8 cache: upcast in registers (a no-op for a cache in q's dtype)
             v = v.to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N]
-            s = tl.where(n_mask[None, :], s, float("-inf"))
+            if SOFTCAP:
+                s = _soft_cap(s, softcap)
+            if SLIDING:
+                s = tl.where((n_mask & (offs_n >= first_key))[None, :], s, float("-inf"))
+            else:
+                s = tl.where(n_mask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
@@ -478,6 +501,8 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    softcap: float = 0.0,
+    window: int = 0,
 ) -> torch.Tensor:
     """Attention of each sequence's single new token over its paged context.
 
@@ -485,7 +510,9 @@ def paged_decode_attention(
     its context the first seq_lens[i] tokens of its blocks. max_seq_len (an upper bound of
     seq_lens, known on the host) only sizes the split count. Capture-safe: no host syncs,
     allocations depend on shapes only. The caches are in q's dtype, or fp8 e4m3fn read as
-    fp8 * k_scale / v_scale. Returns [num_tokens, num_heads, head_dim] in q's dtype.
+    fp8 * k_scale / v_scale. ``softcap`` > 0 soft-caps the scores (Gemma 2); ``window`` > 0 sees
+    only the last ``window`` keys (sliding-window layers), reading only their tiles. Returns
+    [num_tokens, num_heads, head_dim] in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
@@ -525,7 +552,7 @@ def paged_decode_attention(
         part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse,
-        scale * k_scale * _LOG2E, v_scale, num_splits,
+        scale * k_scale * _LOG2E, v_scale, softcap * _LOG2E, window, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -535,6 +562,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=direct, FP8_WORDS=fp8_words,
         USE_ASM=q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        SOFTCAP=softcap > 0, SLIDING=window > 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if not direct:

@@ -28,15 +28,22 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _soft_cap(s, cap):
+    """cap * tanh(s / cap) (see paged_decode_attention._soft_cap)."""
+    return cap * (1.0 - 2.0 / (tl.exp(2.0 * s / cap) + 1.0))
+
+
+@triton.jit
 def _attend_tile(
     q, m_i, l_i, acc, q_pos, start, kv_end, block_row, k_base, v_base,
     stride_kb, stride_kt, stride_vb, stride_vt,
-    qk_scale,
+    qk_scale, softcap, window,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, SLIDING: tl.constexpr,
 ):  # fmt: skip
     # One BLOCK_N tile of keys for all rows of the query tile; CAUSAL masks keys past each
-    # row's position (and past kv_end), otherwise every key of the tile is visible.
+    # row's position (and past kv_end) and, SLIDING, those at or before q_pos - window; otherwise
+    # every key of the tile is visible to every row.
     offs_n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     if CAUSAL:
@@ -76,9 +83,17 @@ def _attend_tile(
     k = k.to(q.dtype)  # fp8 cache: upcast in registers (a no-op for a cache in q's dtype)
     v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if SOFTCAP:
+        s = _soft_cap(s, softcap)
     if CAUSAL:
-        s = tl.where((offs_n[None, :] <= q_pos[:, None]) & (offs_n < kv_end)[None, :], s, float("-inf"))
+        visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n < kv_end)[None, :]
+        if SLIDING:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
+    if SLIDING:
+        # a row may see no key of a tile below its window: keep exp2 away from -inf - -inf
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -86,7 +101,7 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt", "window"])
 def _paged_prefill_kernel(
     q_ptr,  # q: [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # k_cache: [num_blocks, num_kv_heads, block_size, head_dim]
@@ -97,6 +112,8 @@ def _paged_prefill_kernel(
     out_ptr,  # out: [num_tokens, num_heads, head_dim]
     qk_scale,  # softmax scale * k_scale * log2(e)
     v_scale,  # V's dequantisation scale (fp8 cache; 1.0 otherwise)
+    softcap,  # logit soft-cap * log2(e) (SOFTCAP)
+    window,  # sliding window (SLIDING): a row at q_pos sees keys q_pos - window < k <= q_pos
     num_seqs,
     stride_qt,
     stride_qh,
@@ -117,6 +134,8 @@ def _paged_prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 engines (exact), "tf32" (ignored) for half types
+    SOFTCAP: tl.constexpr = False,
+    SLIDING: tl.constexpr = False,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     pid = tl.program_id(0)
@@ -168,6 +187,15 @@ def _paged_prefill_kernel(
         kv_end = prefix + last_tok + 1  # keys the tile's last row sees
         kv_full = prefix + tile * BLOCK_Q + 1  # keys every row of the tile sees
         full_end = (kv_full // BLOCK_N) * BLOCK_N
+        if SLIDING:
+            # Keys from the last row's window start on are seen by every row (up to kv_full);
+            # below that, down to the first row's window start, each row masks its own.
+            first_q = prefix + tile * BLOCK_Q
+            lo_start = (tl.maximum(first_q - window + 1, 0) // BLOCK_N) * BLOCK_N
+            full_lo = tl.minimum(tl.cdiv(tl.maximum(prefix + last_tok - window + 1, 0), BLOCK_N) * BLOCK_N, full_end)
+        else:
+            lo_start = 0
+            full_lo = 0
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -175,17 +203,27 @@ def _paged_prefill_kernel(
         block_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
         k_base = k_cache_ptr + kv_head * stride_kh + offs_d[None, :]
         v_base = v_cache_ptr + kv_head * stride_vh + offs_d[None, :]
-        for start in range(0, full_end, BLOCK_N):
+        if SLIDING:
+            for start in range(lo_start, full_lo, BLOCK_N):
+                m_i, l_i, acc = _attend_tile(
+                    q, m_i, l_i, acc, q_pos, start, kv_end, block_row, k_base, v_base,
+                    stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window,
+                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, CAUSAL=True, DOT_PRECISION=DOT_PRECISION,
+                    SOFTCAP=SOFTCAP, SLIDING=SLIDING,
+                )  # fmt: skip
+        for start in range(full_lo, full_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, q_pos, start, kv_end, block_row, k_base, v_base,
-                stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
+                stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window,
                 HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, CAUSAL=False, DOT_PRECISION=DOT_PRECISION,
+                SOFTCAP=SOFTCAP, SLIDING=SLIDING,
             )  # fmt: skip
         for start in range(full_end, kv_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, q_pos, start, kv_end, block_row, k_base, v_base,
-                stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
+                stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window,
                 HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, CAUSAL=True, DOT_PRECISION=DOT_PRECISION,
+                SOFTCAP=SOFTCAP, SLIDING=SLIDING,
             )  # fmt: skip
 
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None] * v_scale
@@ -239,10 +277,14 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    softcap: float = 0.0,
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens (rows query_start_loc[i]:[i+1] of q) over
     its whole paged context of seq_lens[i] tokens, whose K/V are already in the cache (in q's
-    dtype, or fp8 e4m3fn read as fp8 * k_scale / v_scale).
+    dtype, or fp8 e4m3fn read as fp8 * k_scale / v_scale). ``softcap`` > 0 soft-caps the scores;
+    ``window`` > 0 lets a row at position p see keys p - window < k <= p only (the tiles wholly
+    below every row's window are not read).
 
     Capture-safe (no host syncs; the grid depends on shapes only). Returns
     [num_tokens, num_heads, head_dim] in q's dtype.
@@ -265,7 +307,7 @@ def paged_prefill_attention(
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _paged_prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        scale * k_scale * _LOG2E, v_scale, num_seqs,
+        scale * k_scale * _LOG2E, v_scale, softcap * _LOG2E, window, num_seqs,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -274,6 +316,7 @@ def paged_prefill_attention(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        SOFTCAP=softcap > 0, SLIDING=window > 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out

@@ -333,6 +333,7 @@ def make_problem(
             return paged_decode_attention.paged_decode_attention(
                 x["q"], x["k_cache"], x["v_cache"], tables[i % len(tables)], x["seq_lens"],  # type: ignore[arg-type]
                 x["query_start_loc"], x["scale"], x["max_seq_len"], config=cfg, out=x["out"],  # type: ignore[arg-type]
+                softcap=shapes.attn_softcap,
             )  # fmt: skip
 
         return Problem(kernel, bucket, decode, len(tables), nbytes, flops)
@@ -372,7 +373,7 @@ def make_problem(
 
         def prefill(cfg: KernelConfig | None, i: int) -> object:
             return paged_prefill_attention.paged_prefill_attention(
-                q, k_cache, v_cache, table, seq_lens, qsl, d**-0.5, config=cfg, out=out
+                q, k_cache, v_cache, table, seq_lens, qsl, d**-0.5, config=cfg, out=out, softcap=shapes.attn_softcap
             )
 
         return Problem(kernel, bucket, prefill, 1, nbytes, flops)
@@ -416,7 +417,8 @@ def make_problem(
 
     if kernel == "silu_and_mul":
         x = randn(t, 2 * shapes.intermediate)
-        return Problem(kernel, bucket, lambda cfg, i: activation.silu_and_mul(x, config=cfg), 1, nbytes, 0)
+        act = activation.gelu_tanh_and_mul if shapes.activation == "gelu_tanh" else activation.silu_and_mul
+        return Problem(kernel, bucket, lambda cfg, i: act(x, config=cfg), 1, nbytes, 0)
 
     raise ValueError(f"unknown kernel {kernel!r}")
 

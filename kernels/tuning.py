@@ -108,6 +108,11 @@ class ModelShapes:
     # o_proj's int4 inputs on this rank when not num_heads * head_dim: an act-order checkpoint's
     # row-parallel shard padded to whole groups (builder/quant.py, row_layout); 0 = not padded.
     o_proj_inputs: int = 0
+    # Gemma 2's attention-logit soft-cap (0: none): the attention kernels are timed, and compiled into
+    # the artifact, in the variant the model runs. Sliding windows are not timed: a sliding layer
+    # reads at most its window, the full layers beside it are the larger work.
+    attn_softcap: float = 0.0
+    activation: str = "silu"  # the gated MLP's activation: "gelu_tanh" times that kernel instead
     # MoE blocks (0 for a dense model): experts, experts a token visits, each expert's
     # intermediate size on this rank (tensor parallelism cuts it, kernels/moe_routing.py).
     num_experts: int = 0

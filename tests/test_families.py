@@ -65,12 +65,14 @@ def hf_cached_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    out = model(torch.tensor([prompt_ids]), past_key_values=cache, use_cache=True)
+    device = model.device
+    out = model(torch.tensor([prompt_ids], device=device), past_key_values=cache, use_cache=True)
     tokens: list[int] = []
     for step in range(max_new_tokens):
         tokens.append(int(out.logits[0, -1].argmax()))
-        position = torch.tensor([[len(prompt_ids) + step]])
-        out = model(torch.tensor([tokens[-1:]]), past_key_values=cache, use_cache=True, position_ids=position)
+        position = torch.tensor([[len(prompt_ids) + step]], device=device)
+        ids = torch.tensor([tokens[-1:]], device=device)
+        out = model(ids, past_key_values=cache, use_cache=True, position_ids=position)
     return tokens
 
 
