@@ -10,7 +10,8 @@ naive loop with its token lists found outside the timed launch), timed as it tim
 (tuning.time_launches: the median of CUDA-graph replays; the naive loop is captured too). For
 each bucket: the naive loop, the fused kernel at the launcher's default config, and the fused
 kernel at the best config of the tuner's space for that bucket (what a build would pick, the
-naive candidate aside). Every fused config is checked against the naive loop's output first.
+naive candidate aside); and ``naive_eager``, the loop as the runtime's naive path runs it
+(reference.fused_moe, finding each expert's tokens every call, eager), for context. Every fused config is checked against the naive loop's output first.
 
 Ceilings measured in the same run: device copy bandwidth (tuning.measure_copy_bandwidth) and
 bf16 matmul peak (an 8192^3 torch.mm). TB/s counts the visited experts' weights plus the tokens
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from pagecast.kernels import fused_moe, problems, tuning
+from pagecast.kernels import fused_moe, problems, reference, tuning
 from pagecast.kernels.tuning import KernelConfig, ModelShapes
 
 SHAPES = {
@@ -82,6 +83,29 @@ def peak_bf16_tflops(n: int = 8192, reps: int = 10) -> float:
         end.synchronize()
         samples.append(start.elapsed_time(end) / 1e3)
     return 2 * n**3 / statistics.median(samples) / 1e12
+
+
+def naive_eager_us(shapes: ModelShapes, num_tokens: int, reps: int) -> float:
+    """The per-expert loop as the runtime's naive path runs it (reference.fused_moe: it finds each
+    expert's tokens every call, syncing with the host), on fresh random inputs: eager, the median
+    of ``reps`` calls timed with CUDA events."""
+    h, i, e, k = shapes.hidden, shapes.moe_intermediate, shapes.num_experts, shapes.top_k
+    x = torch.randn(num_tokens, h, device="cuda", dtype=torch.bfloat16)
+    w_gu = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16) * h**-0.5
+    w_d = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16) * i**-0.5
+    weights = torch.rand(num_tokens, k, device="cuda").softmax(-1)
+    ids = problems.moe_topk_ids(shapes, num_tokens).cuda()
+    reference.fused_moe(x, weights, ids, w_gu, w_d)
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        reference.fused_moe(x, weights, ids, w_gu, w_d)
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(samples)
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -142,11 +166,13 @@ def main() -> None:
                             "error": f"{type(exc).__name__}: {str(exc)[:200]}"})  # fmt: skip
                     torch.cuda.synchronize()
             rows = [("naive", naive_us, fused_moe.NAIVE)]
+            eager_us = naive_eager_us(shapes, t, args.reps)
             if timed and timed[0][1] is default:
                 rows.append(("fused_default", timed[0][0], default))
             if timed:
                 best_us, best_cfg = min(timed, key=lambda r: r[0])
                 rows.append(("fused_best", best_us, best_cfg))
+            rows.append(("naive_eager", eager_us, fused_moe.NAIVE))
             for variant, us, cfg in rows:
                 bound = problems.moe_bound(shapes, dims, us, copy_gbs, peak)
                 row = {"figure": "fused_moe", "shape": name, "tokens": t, "variant": variant, "time_us": round(us, 2),

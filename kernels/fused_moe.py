@@ -15,7 +15,9 @@ Prefill-sized batches (the tile path, ``_moe_gemm_kernel``):
    multiplies them by its expert's gate rows and up rows (two accumulators), applies the
    activation (SiLU-and-mul, or gpt-oss's clamped SwiGLU, after the biases) and writes the
    intermediate [max_blocks * BLOCK_M, I] in sorted order: the activation is fused, so the
-   [rows, 2I] product never reaches memory.
+   [rows, 2I] product never reaches memory. With ``SPLIT_ACT`` (the tuner times both) the
+   launch writes that product instead and the activation runs as a launch of its own: one
+   weight tile a K step, so wider tiles fit.
 3. down: the same kernel over the intermediate (contiguous rows), adds the bias, scales by each
    pair's routing weight (fp32) and scatters the rows to pair order: out [P, H].
 4. the top-k sum: out.view(T, k, H).sum(1) (deterministic; torch sums half types in fp32).
@@ -41,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagecast.kernels import activation as activation_kernels
 from pagecast.kernels import reference
 from pagecast.kernels.tuning import KernelConfig, num_sms
 
@@ -137,7 +140,7 @@ def _moe_gemm_kernel(
     stride_wn,
     stride_be,
     stride_cm,
-    TOP_K: tl.constexpr,
+    top_k,  # a runtime argument: one compiled kernel serves every top-k
     ACTIVATION: tl.constexpr,  # 0: none (down), 1: SiLU-and-mul, 2: gpt-oss SwiGLU
     MUL_ROUTING_WEIGHT: tl.constexpr,  # down: scale rows by their weight and scatter to pair order
     HAS_BIAS: tl.constexpr,
@@ -167,7 +170,7 @@ def _moe_gemm_kernel(
     if MUL_ROUTING_WEIGHT:
         a_rows = offs_m.to(tl.int64)
     else:
-        a_rows = (pair // TOP_K).to(tl.int64)
+        a_rows = (pair // top_k).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     w_base = w_ptr + expert.to(tl.int64) * stride_we
@@ -255,7 +258,7 @@ def _moe_gemv_kernel(
     stride_wn,
     stride_be,
     stride_cm,
-    TOP_K: tl.constexpr,
+    top_k,  # a runtime argument: one compiled kernel serves every top-k
     ACTIVATION: tl.constexpr,  # gate_up: 1 or 2; 0: the down launch
     HAS_BIAS: tl.constexpr,
     ALPHA: tl.constexpr,
@@ -264,14 +267,14 @@ def _moe_gemv_kernel(
     BLOCK_K: tl.constexpr,
 ):
     # gate_up: a program per (pair, column block). down: a program per (token, column block) adds
-    # up the token's TOP_K pairs' weighted rows itself (the top-k sum, without a [P, N] buffer).
+    # up the token's top_k pairs' weighted rows itself (the top-k sum, without a [P, N] buffer).
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     if ACTIVATION != 0:
         pair = tl.program_id(0)
         expert = tl.load(ids_ptr + pair).to(tl.int64)
-        a_row = a_ptr + (pair // TOP_K).to(tl.int64) * stride_am
+        a_row = a_ptr + (pair // top_k).to(tl.int64) * stride_am
         gate, up = _expert_gemv(
             a_row, w_ptr + expert * stride_we, offs_n, n_ok, N, K, stride_wn, True, BLOCK_N, BLOCK_K
         )
@@ -283,8 +286,8 @@ def _moe_gemv_kernel(
     else:
         token = tl.program_id(0)
         y = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for j in range(TOP_K):
-            pair = token * TOP_K + j
+        for j in range(top_k):
+            pair = token * top_k + j
             expert = tl.load(ids_ptr + pair).to(tl.int64)
             a_row = a_ptr + pair.to(tl.int64) * stride_am
             down, _ = _expert_gemv(
@@ -333,6 +336,14 @@ _TILES = (
     (128, 256, 64, 8, 8, 3),
 )
 
+_SPLIT_TILES = (
+    # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) with the activation a launch of
+    # its own (SPLIT_ACT): one weight tile a K step, so wider tiles fit than with it fused
+    (64, 128, 64, 8, 4, 4),
+    (128, 128, 64, 8, 8, 4),
+    (128, 256, 64, 8, 8, 3),
+)
+
 CONFIG_SPACE: list[KernelConfig] = (
     [NAIVE]
     + [
@@ -342,6 +353,14 @@ CONFIG_SPACE: list[KernelConfig] = (
     + [
         KernelConfig({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": g}, num_warps=w, num_stages=s)
         for m, n, k, g, w, s in _TILES
+    ]
+    + [
+        KernelConfig(
+            {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": g, "SPLIT_ACT": 1},
+            num_warps=w,
+            num_stages=s,
+        )
+        for m, n, k, g, w, s in _SPLIT_TILES
     ]
 )
 
@@ -358,14 +377,15 @@ def is_gemv(config: KernelConfig | None) -> bool:
 
 
 def shared_memory(config: KernelConfig, elt: int) -> int:
-    """Bytes of shared memory a tile config of the gate_up launch (two weight tiles a K step)
-    needs: the pipeliner's buffers of the activations and both weight tiles, num_stages of them
+    """Bytes of shared memory a tile config of the gate_up launch (two weight tiles a K step, one
+    with SPLIT_ACT) needs: the pipeliner's buffers of the activations and both weight tiles, num_stages of them
     where the dot runs on wgmma (half types, 64 or more rows), num_stages - 1 for half types'
     narrower tiles. Checked against sm_90 compiles of every tile in bf16 (Triton 3.6: exact;
     tests/test_fused_moe_compile_sm90.py); fp32 is counted num_stages deep, an upper bound."""
     bm, bn, bk, stages = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"], config.num_stages
     buffers = max(stages - 1, 1) if elt <= 2 and bm < 64 else max(stages, 1)
-    return buffers * (bm * bk + 2 * bk * bn) * elt
+    weight_tiles = 1 if config.params.get("SPLIT_ACT") else 2
+    return buffers * (bm * bk + weight_tiles * bk * bn) * elt
 
 
 def prune_configs(
@@ -400,25 +420,35 @@ def prune_configs(
 
 
 def default_config(
-    num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int, num_sms: int = 132
-) -> KernelConfig:
-    """Untuned choice: the GEMV for up to 16 pairs, its BLOCK_N the widest of 32, 16 and 8 that
-    gives the down launch (a program per token and column block) two programs a multiprocessor;
-    else a tile sized by the rows an expert gets."""
+    num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int, num_sms: int = 132,
+    elt: int = 2,
+) -> KernelConfig:  # fmt: skip
+    """Untuned choice: the GEMV for up to 32 pairs where a balanced router's tokens visit each
+    expert they visit at most 1.5 times on average (the GEMV reads an expert's weights once a
+    pair), its BLOCK_N the widest of 32, 16 and 8 that gives the down launch (a program per token
+    and column block) two programs a multiprocessor; else a tile sized by the rows an expert gets,
+    pipelined less deep where its shared memory (activations of ``elt`` bytes) would not fit
+    SHARED_MEMORY_LIMIT (fp32's widest tiles; half types always fit)."""
     pairs = num_tokens * top_k
-    if pairs <= 16:
+    visited = num_experts * (1 - (1 - top_k / num_experts) ** num_tokens)  # expected, uniform routing
+    if pairs <= 32 and pairs <= 1.5 * visited:
         bn = next((b for b in (32, 16) if num_tokens * triton.cdiv(hidden, b) >= 2 * num_sms), 8)
         bk = min(256, triton.next_power_of_2(min(hidden, intermediate)))
         return KernelConfig({"gemv": 1, "BLOCK_N": bn, "BLOCK_K": bk}, 4 if bn * bk >= 4096 else 2, 1)
     rows = triton.cdiv(pairs, min(num_experts, pairs))
     bk = 64 if min(hidden, intermediate) >= 64 else 32
     if rows <= 16:
-        return KernelConfig({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": bk, "GROUP_M": 1}, 4, 4)
-    if rows <= 48:
-        return KernelConfig({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": bk, "GROUP_M": 8}, 4, 4)
-    if rows <= 96:
-        return KernelConfig({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": bk, "GROUP_M": 8}, 4, 3)
-    return KernelConfig({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": bk, "GROUP_M": 8}, 8, 3)
+        bm, bn, gm, warps, stages = 16, 64, 1, 4, 4
+    elif rows <= 48:
+        bm, bn, gm, warps, stages = 32, 64, 8, 4, 4
+    elif rows <= 96:
+        bm, bn, gm, warps, stages = 64, 128, 8, 4, 3
+    else:
+        bm, bn, gm, warps, stages = 128, 128, 8, 8, 3
+    cfg = KernelConfig({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm}, warps, stages)
+    while cfg.num_stages > 1 and shared_memory(cfg, elt) > SHARED_MEMORY_LIMIT:
+        cfg = KernelConfig(cfg.params, cfg.num_warps, cfg.num_stages - 1)
+    return cfg
 
 
 # ---------------------------------------------------------------------------- launchers
@@ -480,7 +510,8 @@ def workspace_bytes(
     bm = config["BLOCK_M"]
     nb = max_blocks(p, num_experts, bm)
     align = buf(nb * bm * 4) + buf(nb * 4) + buf(num_experts * 4)
-    return buf(p * 4) + align + buf(nb * bm * intermediate * elt) + buf(p * hidden * elt)
+    gate_up = buf(nb * bm * 2 * intermediate * elt) if config.params.get("SPLIT_ACT") else 0
+    return buf(p * 4) + align + gate_up + buf(nb * bm * intermediate * elt) + buf(p * hidden * elt)
 
 
 def check_shapes(
@@ -508,6 +539,14 @@ def check_shapes(
             raise ValueError(f"{name} is {w.dtype}, x is {x.dtype}")
 
 
+def _activation(gate_up: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
+    """gate_up [rows, 2I] -> [rows, I] for SPLIT_ACT: SiLU-and-mul by kernels/activation.py's kernel,
+    gpt-oss's SwiGLU by the reference's torch ops (both round as the reference does)."""
+    if activation == "silu":
+        return activation_kernels.silu_and_mul(gate_up)
+    return reference.moe_activation(gate_up, activation, alpha, limit)
+
+
 def fused_moe(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -530,7 +569,9 @@ def fused_moe(
     t, h = x.shape
     num_experts, i = w_gate_up.shape[0], w_gate_up.shape[1] // 2
     top_k = topk_ids.shape[1]
-    cfg = KernelConfig.coerce(config) or default_config(t, top_k, num_experts, h, i, num_sms(x.device))
+    cfg = KernelConfig.coerce(config) or default_config(
+        t, top_k, num_experts, h, i, num_sms(x.device), x.element_size()
+    )
     if is_naive(cfg):
         return reference.fused_moe(
             x, topk_weights, topk_ids, w_gate_up, w_down, b_gate_up, b_down, activation, alpha, limit
@@ -544,19 +585,19 @@ def fused_moe(
     weights = topk_weights.reshape(-1).float()
     act = _ACTIVATIONS[activation]
     dot = "ieee" if x.dtype == torch.float32 else "tf32"
-    common = {"TOP_K": top_k, "ALPHA": alpha, "LIMIT": limit}
-    launches = (  # (weight, bias, output columns, reduction, activation, scaled by the routing weight)
-        (w_gate_up, b_gate_up, i, h, act, False),
-        (w_down, b_down, h, i, ACT_NONE, True),
-    )
+    common = {"ALPHA": alpha, "LIMIT": limit}
     if is_gemv(cfg):
+        launches = (  # (weight, bias, output columns, reduction, activation)
+            (w_gate_up, b_gate_up, i, h, act),
+            (w_down, b_down, h, i, ACT_NONE),
+        )
         bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
         inter = torch.empty((p, i), dtype=x.dtype, device=x.device)
         out = torch.empty((t, h), dtype=x.dtype, device=x.device)
-        for (w, b, n, k, a_kind, _), a, c, rows in zip(launches, (x, inter), (inter, out), (p, t)):
+        for (w, b, n, k, a_kind), a, c, rows in zip(launches, (x, inter), (inter, out), (p, t)):
             _moe_gemv_kernel[(rows, triton.cdiv(n, bn))](
                 a, w, b if b is not None else w, c, ids, weights, n, k,
-                a.stride(0), w.stride(0), w.stride(1), b.stride(0) if b is not None else 0, c.stride(0),
+                a.stride(0), w.stride(0), w.stride(1), b.stride(0) if b is not None else 0, c.stride(0), top_k,
                 ACTIVATION=a_kind, HAS_BIAS=b is not None, BLOCK_N=bn, BLOCK_K=bk,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
             )  # fmt: skip
@@ -564,14 +605,24 @@ def fused_moe(
     bm, bn, bk, gm = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["GROUP_M"]
     sorted_ids, block_expert = align_by_expert(ids.view(t, top_k), num_experts, bm)
     nb = block_expert.shape[0]
-    inter = torch.empty((nb * bm, i), dtype=x.dtype, device=x.device)
-    out = torch.empty((p, h), dtype=x.dtype, device=x.device)
-    for (w, b, n, k, a_kind, weighted), a, c in zip(launches, (x, inter), (inter, out)):
+
+    def gemm(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, c: torch.Tensor, n: int, k: int,
+             a_kind: int, weighted: bool) -> None:  # fmt: skip
         _moe_gemm_kernel[(nb * triton.cdiv(n, bn),)](
             a, w, b if b is not None else w, c, sorted_ids, block_expert, weights, n, k, p, nb,
-            a.stride(0), w.stride(0), w.stride(1), b.stride(0) if b is not None else 0, c.stride(0),
+            a.stride(0), w.stride(0), w.stride(1), b.stride(0) if b is not None else 0, c.stride(0), top_k,
             ACTIVATION=a_kind, MUL_ROUTING_WEIGHT=weighted, HAS_BIAS=b is not None,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, DOT_PRECISION=dot,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
         )  # fmt: skip
-    return out.view(t, top_k, h).sum(1)
+
+    if cfg.params.get("SPLIT_ACT"):
+        gate_up = torch.empty((nb * bm, 2 * i), dtype=x.dtype, device=x.device)  # padding rows: never read
+        gemm(x, w_gate_up, b_gate_up, gate_up, 2 * i, h, ACT_NONE, False)
+        inter = _activation(gate_up, activation, alpha, limit)
+    else:
+        inter = torch.empty((nb * bm, i), dtype=x.dtype, device=x.device)
+        gemm(x, w_gate_up, b_gate_up, inter, i, h, act, False)
+    out = torch.empty((p, h), dtype=x.dtype, device=x.device)
+    gemm(inter, w_down, b_down, out, h, i, ACT_NONE, True)
+    return out if top_k == 1 else out.view(t, top_k, h).sum(1)

@@ -445,6 +445,8 @@ def moe(
     With tensor parallelism each rank's partial sum is all-reduced once."""
     topk_weights, topk_ids = route(x, router_weight, router_bias, routing)
     act = activation
+    # A bucket past the decode graphs' batches may run the naive loop (it syncs with the host);
+    # the tuner offers it nowhere else (kernels/problems.py).
     if _triton(x):
         cfg = _config("fused_moe", moe_bucket(x.shape[0]))
         out = _moe_kernel()(
@@ -455,7 +457,8 @@ def moe(
             x, topk_weights, topk_ids, w_gate_up, w_down, b_gate_up, b_down, act.kind, act.alpha, act.limit
         )
     if shared_expert is not None:
-        shared = linear(silu_and_mul(linear(x, shared_expert.w_gate_up, None, "shared_gate_up")), shared_expert.w_down, None, "shared_down")
+        gate_up = linear(x, shared_expert.w_gate_up, None, "shared_gate_up")  # column-parallel
+        shared = linear(silu_and_mul(gate_up), shared_expert.w_down, None, "shared_down")  # row-parallel, summed below
         if shared_expert.gate is not None:
             shared = torch.sigmoid(torch.nn.functional.linear(x, shared_expert.gate)) * shared
         out = out + shared

@@ -154,8 +154,7 @@ def problem_size(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> tupl
     t = dims["num_tokens"]
     if kernel == "fused_moe":  # the visited experts' weights once, the tokens in and out
         h, i = shapes.hidden, shapes.moe_intermediate
-        visited = int(moe_topk_ids(shapes, t).unique().numel())
-        return visited * 3 * h * i * e + 2 * t * h * e, 2 * t * shapes.top_k * 3 * h * i
+        return moe_visited_experts(shapes, t) * 3 * h * i * e + 2 * t * h * e, 2 * t * shapes.top_k * 3 * h * i
     if kernel == "paged_prefill_attention":
         n = min(t, PREFILL_SEQ_LEN)
         seqs = max(1, t // n)
@@ -224,7 +223,8 @@ def default_config(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> Ke
         return skinny_gemm.TORCH
     if kernel == "fused_moe":
         return fused_moe.default_config(
-            dims["num_tokens"], shapes.top_k, shapes.num_experts, shapes.hidden, shapes.moe_intermediate, num_sms()
+            dims["num_tokens"], shapes.top_k, shapes.num_experts, shapes.hidden, shapes.moe_intermediate, num_sms(),
+            _elt(shapes),
         )
     if kernel == "w4a16_gemm":
         return w4a16_gemm.default_config(
@@ -470,6 +470,9 @@ def _w4a16_problem(
 # ---------------------------------------------------------------------------- mixture of experts
 
 
+MOE_ROUTINGS = 8  # routings a fused-MoE problem rotates through
+
+
 def moe_topk_ids(shapes: ModelShapes, num_tokens: int, seed: int = 0) -> torch.Tensor:
     """[num_tokens, top_k] int64 (CPU): the experts the tuner's tokens visit, a softmax router's
     top-k over random logits (every expert equally likely, as a balanced router makes them).
@@ -477,6 +480,13 @@ def moe_topk_ids(shapes: ModelShapes, num_tokens: int, seed: int = 0) -> torch.T
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn((num_tokens, shapes.num_experts), generator=g)
     return torch.topk(logits, shapes.top_k, dim=-1).indices
+
+
+def moe_visited_experts(shapes: ModelShapes, num_tokens: int) -> int:
+    """Experts a launch of the tuner's problem visits, the mean over its MOE_ROUTINGS routings
+    (rounded down): the weights a launch must read."""
+    counts = [int(moe_topk_ids(shapes, num_tokens, seed).unique().numel()) for seed in range(MOE_ROUTINGS)]
+    return sum(counts) // len(counts)
 
 
 def moe_bound(
@@ -504,9 +514,9 @@ def _moe_problem(
     nbytes: int, flops: int,
 ) -> Problem:  # fmt: skip
     """Random experts (several sets where one is smaller than COLD_BYTES, so a launch reads its
-    weights from memory) and ``moe_topk_ids``'s routing; the fused kernel at a config, and as the
-    baseline (a candidate where the bucket is never captured, and the reference) the per-expert
-    loop of cuBLAS GEMMs. The loop's token lists are found once here, not in the timed launch, so
+    weights from memory) and MOE_ROUTINGS of ``moe_topk_ids``'s routings; the fused kernel at a
+    config, and as the baseline (a candidate where the bucket is never captured, and the
+    reference) the per-expert loop of cuBLAS GEMMs. The loop's token lists are found once here, not in the timed launch, so
     it needs no host sync (a CUDA graph captures it) and its time is the GEMMs' and the gathers'
     alone: a baseline that flatters the loop (at run time it finds them every call)."""
     t, k = dims["num_tokens"], shapes.top_k
@@ -522,18 +532,20 @@ def _moe_problem(
         for _ in range(num_sets)
     ]
     x = torch.randn((t, h), generator=dg, device=device, dtype=dtype)
-    ids_cpu = moe_topk_ids(shapes, t)
-    topk_ids = ids_cpu.to(device)
     topk_weights = torch.rand((t, k), generator=dg, device=device).softmax(-1)
-    visits = []  # (expert, token rows, slots) of every visited expert
-    for ex in ids_cpu.unique().tolist():
-        token, slot = torch.where(ids_cpu == ex)
-        visits.append((ex, token.to(device), slot.to(device)))
+    routings = []  # (topk_ids, the naive loop's (expert, token rows, slots) of every visited expert)
+    for seed in range(MOE_ROUTINGS):
+        ids_cpu = moe_topk_ids(shapes, t, seed)
+        visits = []
+        for ex in ids_cpu.unique().tolist():
+            token, slot = torch.where(ids_cpu == ex)
+            visits.append((ex, token.to(device), slot.to(device)))
+        routings.append((ids_cpu.to(device), visits))
 
     def naive(i_set: int) -> torch.Tensor:
         w_gate_up, w_down = sets[i_set % num_sets]
         out = torch.zeros_like(x)
-        for ex, token, slot in visits:
+        for ex, token, slot in routings[i_set % MOE_ROUTINGS][1]:
             y = torch.nn.functional.linear(x[token], w_gate_up[ex])
             y = torch.nn.functional.linear(activation.silu_and_mul(y), w_down[ex])
             out.index_add_(0, token, (y * topk_weights[token, slot, None]).to(dtype))
@@ -543,6 +555,12 @@ def _moe_problem(
         if fused_moe.is_naive(cfg):
             return naive(i_set)
         w_gate_up, w_down = sets[i_set % num_sets]
+        topk_ids = routings[i_set % MOE_ROUTINGS][0]
         return fused_moe.fused_moe(x, topk_weights, topk_ids, w_gate_up, w_down, config=cfg)
 
-    return Problem("fused_moe", bucket, launch, num_sets, nbytes, flops, reference=lambda cfg, i_set: naive(i_set))
+    # A sample launches every routing (consecutive launches visit different experts, so little of
+    # a launch's weights is still in L2 from the one before) and every weight set.
+    sets_per_sample = max(num_sets, MOE_ROUTINGS)
+    return Problem(
+        "fused_moe", bucket, launch, sets_per_sample, nbytes, flops, reference=lambda cfg, i_set: naive(i_set)
+    )

@@ -291,6 +291,10 @@ KERNEL_CASES = [
     pytest.param(9, 8, 8, 32, 16, "silu", False, {**TILE, "BLOCK_M": 32}, id="t9-e8-top8-tile32"),
     pytest.param(41, 8, 2, 48, 40, "swiglu_oai", True, TILE, id="t41-gptoss-bias-tile"),
     pytest.param(3, 8, 4, 48, 40, "swiglu_oai", True, GEMV, id="t3-gptoss-bias-gemv"),
+    pytest.param(9, 8, 2, 64, 40, "silu", False, {**TILE, "SPLIT_ACT": 1}, id="t9-e8-top2-split-act"),
+    pytest.param(
+        9, 8, 4, 48, 40, "swiglu_oai", True, {**TILE, "SPLIT_ACT": 1}, id="t9-gptoss-bias-split-act"
+    ),
 ]
 
 
@@ -403,7 +407,7 @@ def test_moe_config_space_by_bucket():
 
 @interpreter
 def test_moe_problem_launches_agree():
-    """The tuner's problem at a tiny shape: the default config, a GEMV config and the naive baseline
+    """The tuner's problem at a tiny shape: the default config, a tile, a GEMV config and the naive baseline
     (the problem's own loop, and the reference it reports) give the same output."""
     shapes = ModelShapes(
         2, 1, 16, 32, 64, 16, "float32", max_num_seqs=4, num_experts=6, top_k=2, moe_intermediate=16
@@ -412,6 +416,7 @@ def test_moe_problem_launches_agree():
     problem = problems.make_problem("fused_moe", shapes, dims, "cpu")
     assert problem.bucket == "t4" and problem.num_sets > 1 and problem.reference is not None
     naive = problem.launch(fused_moe.NAIVE, 1)
-    for cfg in (problems.default_config("fused_moe", shapes, dims), KernelConfig(dict(TILE), 4, 2)):
+    gemv = KernelConfig.coerce(GEMV)
+    for cfg in (problems.default_config("fused_moe", shapes, dims), KernelConfig(dict(TILE), 4, 2), gemv):
         torch.testing.assert_close(problem.launch(cfg, 1), naive, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(problem.reference(None, 1), naive, atol=0, rtol=0)

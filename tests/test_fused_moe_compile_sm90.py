@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia.compiler")
 
-from pagecast.kernels import fused_moe, problems
+from pagecast.kernels import fused_moe, problems, tuning
 from pagecast.kernels.tuning import KernelConfig, ModelShapes
 
 CHILD = textwrap.dedent(
@@ -52,17 +52,22 @@ def compile_batch(jobs: list[tuple]) -> list[dict]:
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
-INTS = ("N", "K", "stride_am", "stride_we", "stride_wn", "stride_be", "stride_cm")
+INTS = ("N", "K", "stride_am", "stride_we", "stride_wn", "stride_be", "stride_cm", "top_k")
 
 
-def gemm_job(cfg: KernelConfig, gate_up: bool, bias: bool, activation: int = fused_moe.ACT_SILU) -> tuple:
-    """_moe_gemm_kernel as fused_moe launches it in bf16 (Qwen3-30B-A3B's expert shape)."""
+def gemm_job(
+    cfg: KernelConfig, gate_up: bool, bias: bool, activation: int = fused_moe.ACT_SILU, dtype: str = "*bf16"
+) -> tuple:
+    """_moe_gemm_kernel as fused_moe launches it in bf16 (Qwen3-30B-A3B's expert shape); a
+    SPLIT_ACT config's gate_up launch writes [rows, 2I] without an activation."""
     h, i = 2048, 768
     n, k = (i, h) if gate_up else (h, i)
+    if gate_up and cfg.params.get("SPLIT_ACT"):
+        n, activation = 2 * i, 0
     ints = {"N": n, "K": k, "stride_am": k, "stride_we": (2 * i if gate_up else h) * k, "stride_wn": k,
-            "stride_be": 2 * i if gate_up else h, "stride_cm": n}  # fmt: skip
+            "stride_be": 2 * i if gate_up else h, "stride_cm": n, "top_k": 8}  # fmt: skip
     signature = {
-        "a_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "sorted_ids_ptr": "*i32",
+        "a_ptr": dtype, "w_ptr": dtype, "b_ptr": dtype, "c_ptr": dtype, "sorted_ids_ptr": "*i32",
         "block_expert_ptr": "*i32", "weights_ptr": "*fp32", "num_pairs": "i32", "max_blocks": "i32",
         **{name: "i32" for name in ints},
     }  # fmt: skip
@@ -70,9 +75,9 @@ def gemm_job(cfg: KernelConfig, gate_up: bool, bias: bool, activation: int = fus
         n for n, v in ints.items() if v % 16 == 0
     ]
     constexprs = {
-        "TOP_K": 8, "ACTIVATION": activation if gate_up else 0, "MUL_ROUTING_WEIGHT": not gate_up,
+        "ACTIVATION": activation if gate_up else 0, "MUL_ROUTING_WEIGHT": not gate_up,
         "HAS_BIAS": bias, "ALPHA": 1.702, "LIMIT": 7.0, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"],
-        "BLOCK_K": cfg["BLOCK_K"], "GROUP_M": cfg["GROUP_M"], "DOT_PRECISION": "tf32",
+        "BLOCK_K": cfg["BLOCK_K"], "GROUP_M": cfg["GROUP_M"], "DOT_PRECISION": "ieee" if dtype == "*fp32" else "tf32",
     }  # fmt: skip
     return (
         "gemm",
@@ -87,14 +92,14 @@ def gemv_job(cfg: KernelConfig, gate_up: bool, bias: bool, activation: int = fus
     h, i = 2048, 768
     n, k = (i, h) if gate_up else (h, i)
     ints = {"N": n, "K": k, "stride_am": k, "stride_we": (2 * i if gate_up else h) * k, "stride_wn": k,
-            "stride_be": 2 * i if gate_up else h, "stride_cm": n}  # fmt: skip
+            "stride_be": 2 * i if gate_up else h, "stride_cm": n, "top_k": 8}  # fmt: skip
     signature = {"a_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "ids_ptr": "*i64",
                  "weights_ptr": "*fp32", **{name: "i32" for name in ints}}  # fmt: skip
     divisible = [name for name in signature if name.endswith("_ptr")] + [
         n for n, v in ints.items() if v % 16 == 0
     ]
     constexprs = {
-        "TOP_K": 8, "ACTIVATION": activation if gate_up else 0, "HAS_BIAS": bias, "ALPHA": 1.702, "LIMIT": 7.0,
+        "ACTIVATION": activation if gate_up else 0, "HAS_BIAS": bias, "ALPHA": 1.702, "LIMIT": 7.0,
         "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
     }  # fmt: skip
     return (
@@ -120,10 +125,7 @@ def test_fused_moe_kernels_compile_for_sm90_and_fit_shared_memory() -> None:
         for cfg in problems.config_space("fused_moe", shapes, dims):
             if "BLOCK_M" in cfg.params:
                 tiles.setdefault(json.dumps(cfg.as_dict(), sort_keys=True), cfg)
-    configs = [
-        KernelConfig({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": g}, num_warps=w, num_stages=st)
-        for m, n, k, g, w, st in fused_moe._TILES
-    ]
+    configs = [c for c in fused_moe.CONFIG_SPACE if "BLOCK_M" in c.params]
     timed = [json.dumps(c.as_dict(), sort_keys=True) in tiles for c in configs]
     assert sum(timed) >= len(configs) - 1  # all but the largest tile (over the limit) are timed
     jobs = [gemm_job(c, gate_up=True, bias=False) for c in configs]
@@ -141,12 +143,21 @@ def test_fused_moe_kernels_compile_for_sm90_and_fit_shared_memory() -> None:
         ("scatter", {"ids_ptr": "*i64", "sorted_ids_ptr": "*i32", "cursor_ptr": "*i32", "num_pairs": "i32"},
          {"CHUNK": fused_moe.ALIGN_CHUNK}, [], {"num_warps": 4}),
     ]  # fmt: skip
+    # fp32 (a GPU engine built in float32): the default tile at each token bucket's rows
+    fp32 = {json.dumps(c.as_dict(), sort_keys=True): c for c in (
+        fused_moe.default_config(t, 8, 128, 2048, 768, elt=4) for t in tuning.MOE_TOKEN_BUCKETS
+    ) if "BLOCK_M" in c.params}  # fmt: skip
+    fp32_configs = list(fp32.values())
+    extra += [gemm_job(c, gate_up=True, bias=False, dtype="*fp32") for c in fp32_configs]
     all_jobs = jobs + extra
     with ThreadPoolExecutor(2) as pool:
         halves = list(pool.map(compile_batch, (all_jobs[::2], all_jobs[1::2])))
     results: list[dict] = [None] * len(all_jobs)  # type: ignore[list-item]
     results[::2], results[1::2] = halves[0], halves[1]
     assert all("cubin" in r["asm"] for r in results)
+    for cfg, r in zip(fp32_configs, results[len(results) - len(fp32_configs) :]):
+        assert r["shared"] <= fused_moe.SHARED_MEMORY_LIMIT, ("fp32", cfg.as_dict(), r["shared"])
+        assert fused_moe.shared_memory(cfg, 4) >= r["shared"], ("fp32", cfg.as_dict(), r["shared"])
     for cfg, r, is_timed in zip(configs, results, timed):
         if is_timed:
             assert r["shared"] <= fused_moe.SHARED_MEMORY_LIMIT, (cfg.as_dict(), r["shared"])

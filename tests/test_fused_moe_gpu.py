@@ -41,20 +41,25 @@ def fp32_reference(x, weights, ids, w_gu, w_d, b_gu, b_d, activation="silu"):  #
 
 
 ODD = [
-    # (tokens, experts, top-k, hidden, intermediate, activation, bias)
-    pytest.param(9, 8, 2, 320, 192, "silu", False, id="t9-e8-top2"),
-    pytest.param(41, 60, 4, 256, 96, "silu", False, id="t41-e60-top4"),
-    pytest.param(341, 3, 1, 128, 200, "silu", False, id="t341-e3-top1"),
-    pytest.param(41, 8, 8, 192, 64, "silu", False, id="t41-e8-top8"),
-    pytest.param(41, 32, 4, 192, 128, "swiglu_oai", True, id="t41-gptoss"),
+    # (tokens, experts, top-k, hidden, intermediate, activation, bias, every config or a few)
+    pytest.param(41, 60, 4, 256, 96, "silu", False, True, id="t41-e60-top4-all"),
+    pytest.param(41, 32, 4, 192, 128, "swiglu_oai", True, True, id="t41-gptoss-all"),
+    pytest.param(9, 8, 2, 320, 192, "silu", False, False, id="t9-e8-top2"),
+    pytest.param(341, 3, 1, 128, 200, "silu", False, False, id="t341-e3-top1"),
+    pytest.param(41, 8, 8, 192, 64, "silu", False, False, id="t41-e8-top8"),
 ]
 
 
-@pytest.mark.parametrize("t,e,k,h,i,activation,bias", ODD)
-def test_every_config_matches_the_reference_bf16(t, e, k, h, i, activation, bias):
+@pytest.mark.parametrize("t,e,k,h,i,activation,bias,every", ODD)
+def test_configs_match_the_reference_bf16(t, e, k, h, i, activation, bias, every):
+    """Every config of the space (two shapes; a few at the others: each extra shape compiles each
+    kernel again) against the fp32 reference, in bf16."""
     x, weights, ids, w_gu, w_d, b_gu, b_d = moe_inputs(t, e, k, h, i, bias)
     expected = fp32_reference(x, weights, ids, w_gu, w_d, b_gu, b_d, activation)
     configs = [c for c in fused_moe.CONFIG_SPACE if not fused_moe.is_naive(c)]
+    if not every:
+        tiles = [c for c in configs if "BLOCK_M" in c.params]
+        configs = [configs[0], tiles[0], tiles[-1]]  # a GEMV, a 16-row tile, a SPLIT_ACT tile
     configs.append(fused_moe.default_config(t, k, e, h, i))
     for cfg in configs:
         if "BLOCK_M" in cfg.params and fused_moe.shared_memory(cfg, 2) > fused_moe.SHARED_MEMORY_LIMIT:
@@ -187,7 +192,9 @@ def test_workspace_bytes_bounds_what_a_call_allocates(tokens):
     e, k, h, i = 128, 8, 2048, 768
     x, weights, ids, w_gu, w_d, _, _ = moe_inputs(tokens, e, k, h, i, False)
     configs = [fused_moe.default_config(tokens, k, e, h, i), fused_moe.NAIVE]
-    configs += [c for c in fused_moe.CONFIG_SPACE if "BLOCK_M" in c.params and c["BLOCK_M"] in (16, 128)][:2]
+    tiles = [c for c in fused_moe.CONFIG_SPACE if "BLOCK_M" in c.params]
+    configs += [next(c for c in tiles if c["BLOCK_M"] == 16), next(c for c in tiles if c["BLOCK_M"] == 128)]
+    configs += [next(c for c in tiles if c.params.get("SPLIT_ACT"))]
     for cfg in configs:
         fused_moe.fused_moe(x, weights, ids, w_gu, w_d, config=cfg)  # compile outside the measurement
         torch.cuda.synchronize()
