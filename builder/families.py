@@ -101,6 +101,10 @@ REFUSED: dict[str, str] = {
         "Gemma 3's image-text model is not supported; its language model alone builds as Gemma3ForCausalLM "
         "(a text-only checkpoint such as gemma-3-1b)"
     ),
+    "GptOssForCausalLM": (
+        "gpt-oss needs attention sinks (a learned per-head logit in the softmax denominator), which pagecast's "
+        "attention kernels do not have yet"
+    ),
     "DeepseekV3ForCausalLM": (
         "DeepSeek-V3's multi-head latent attention (MLA: compressed KV with a decoupled RoPE key) has no "
         "lowering or kernels in pagecast, nor its grouped top-k routing with expert bias correction"

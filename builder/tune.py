@@ -78,7 +78,8 @@ def _tune_main(shapes_json: str, budget_s: str) -> None:
     from pagecast.kernels import tuning
 
     shapes = tuning.ModelShapes(**json.loads(shapes_json))
-    table = tuning.tune(tuning.KERNELS, shapes, budget_s=float(budget_s), device="cuda")
+    kernels = tuning.KERNELS + (tuning.MOE_KERNELS if shapes.num_experts else ())  # fused MoE for MoE models
+    table = tuning.tune(kernels, shapes, budget_s=float(budget_s), device="cuda")
     copy_gbs = tuning.measure_copy_bandwidth("cuda")
     table["copy_bandwidth_gbs"] = round(copy_gbs, 1)
     rows = tuning.bandwidth_report(table, shapes, copy_gbs)
