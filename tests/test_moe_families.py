@@ -119,7 +119,7 @@ def test_qwen3_moe_through_engine_serve(tmp_path, tiny_artifact_factory, tiny_ch
     from transformers import AutoTokenizer
 
     art = tiny_artifact_factory("qwen3_moe")
-    proc, base = start_engine_serve([str(art), "--max-num-batched-tokens", "32"], tmp_path / "serve.log")
+    proc, base = start_engine_serve([str(art), "--max-num-batched-tokens", "32", "--max-num-seqs", "8"], tmp_path / "serve.log")
     try:
         tok = AutoTokenizer.from_pretrained(str(art / "tokenizer"))
         prompts = [tok.encode(p, add_special_tokens=False) for p in (PROMPTS[3], PROMPTS[0])]
