@@ -16,7 +16,7 @@ import torch
 
 from pagecast.builder import kv_cache, quant, shard
 from pagecast.builder.families import FAMILIES
-from pagecast.builder.ir import BuildState, LayerSpec, MlpSpec, ModelIR, MoeSpec, NormSpec, Plan, TensorPlan
+from pagecast.builder.ir import BuildState, LayerSpec, ModelIR, MoeSpec, NormSpec, Plan, TensorPlan
 from pagecast.runtime.errors import BuildError
 
 # Known build targets: compute capability and memory, used when the GPU is not present.
