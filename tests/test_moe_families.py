@@ -197,3 +197,31 @@ def test_moe_that_does_not_fit_the_gpu_is_refused_with_the_numbers(tmp_path):  #
     art = build(BuildOptions(output=tmp_path / "art2", tp=2, **options))  # type: ignore[arg-type]
     plan = json.loads((art / "memory_plan.json").read_text())
     assert plan["per_rank"] and plan["budgets"][-1]["num_blocks"] > 0
+
+
+@pytest.mark.parametrize(
+    "family,overrides",
+    [
+        ("qwen2_moe", {"mlp_only_layers": [], "decoder_sparse_step": 2, "num_hidden_layers": 4}),
+        ("qwen3_moe", {"mlp_only_layers": [2], "norm_topk_prob": False}),
+        ("mixtral", {}),
+    ],
+)
+def test_lowering_finds_the_moe_layers_and_their_routing(family, overrides):  # type: ignore[no-untyped-def]
+    """Which layers are MoE blocks comes from the trace (transformers' own decision), and agrees
+    with moe_routing.is_moe_layer; the routing recorded is the family's."""
+    from tiny_models import tiny_config
+
+    from pagecast.builder.lower import lower
+    from pagecast.builder.trace import trace_model
+    from pagecast.kernels.moe_routing import is_moe_layer
+
+    config = tiny_config(family, **overrides)
+    arch = config.architectures[0]
+    model = lower(trace_model(config), config, family, arch)
+    kinds = [layer.mlp.kind == "moe" for layer in model.layers]
+    assert kinds == [is_moe_layer(arch, config.to_dict(), i) for i in range(config.num_hidden_layers)]
+    assert not all(kinds) if family != "mixtral" else all(kinds)
+    moe = model.moe
+    assert moe is not None and moe.renormalize == (family == "mixtral" or bool(config.to_dict().get("norm_topk_prob")))
+    assert moe.weights_in_x_dtype == (family != "mixtral")
