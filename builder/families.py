@@ -93,6 +93,10 @@ FAMILIES: dict[str, FamilyParts] = {
         not_supported="--tp > 1 (q/k norms over the whole projection); AWQ/GPTQ experts",
     ),  # fmt: skip
     "SmolLM3ForCausalLM": FamilyParts("smollm3", window_source="layer"),
+    "GptOssForCausalLM": FamilyParts(
+        "gpt_oss", moe_block="mlp", moe_router="router", window_source="layer",
+        not_supported="GPU builds (attention sinks run in the reference attention only); --tp > 1; MXFP4 checkpoints",
+    ),  # fmt: skip
 }
 
 # Architectures refused with a pointer to what can be built instead.
@@ -100,10 +104,6 @@ REFUSED: dict[str, str] = {
     "Gemma3ForConditionalGeneration": (
         "Gemma 3's image-text model is not supported; its language model alone builds as Gemma3ForCausalLM "
         "(a text-only checkpoint such as gemma-3-1b)"
-    ),
-    "GptOssForCausalLM": (
-        "gpt-oss needs attention sinks (a learned per-head logit in the softmax denominator), which pagecast's "
-        "attention kernels do not have yet"
     ),
     "DeepseekV3ForCausalLM": (
         "DeepSeek-V3's multi-head latent attention (MLA: compressed KV with a decoupled RoPE key) has no "

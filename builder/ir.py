@@ -92,11 +92,12 @@ class AttentionSpec:
     # row ranges of its weight.
     fused_qkv_name: str | None = None
     clip_qkv: float | None = None  # q, k and v clamped to [-c, c] after the q/k norms (OLMoE)
+    sinks: bool = False  # a learned per-head logit in each softmax's denominator (gpt-oss's attention sinks)
 
     def shape_key(self) -> tuple[Any, ...]:
         """What every layer must share: one model.py and one weight layout serve all layers."""
         return (self.num_heads, self.num_kv_heads, self.head_dim, self.qkv_bias, self.o_bias, self.qk_norm,
-                self.qk_norm_kind, self.qk_norm_eps, self.qk_norm_offset, self.fused_qkv_name is not None, self.clip_qkv)  # fmt: skip
+                self.qk_norm_kind, self.qk_norm_eps, self.qk_norm_offset, self.fused_qkv_name is not None, self.clip_qkv, self.sinks)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,12 @@ _ATTENTION_CORE_OPS = {
     "view", "transpose", "unsqueeze", "mul", "slice", "neg", "cat", "add", "expand", "reshape",
     "scaled_dot_product_attention", "contiguous", "to", "clamp_",
 }  # fmt: skip
+# gpt-oss's eager attention with sinks: scores by matmul, the per-head sink logit concatenated as
+# one more column, softmax, the sink column dropped; its rotary splits halves with chunk.
+_SINK_ATTENTION_OPS = {
+    "view", "transpose", "unsqueeze", "chunk", "mul", "sub", "add", "cat", "expand", "reshape", "matmul", "max",
+    "softmax", "slice", "dropout", "to", "contiguous",
+}  # fmt: skip
 # A sparse-MoE block (transformers 5): the block reshapes and, with a shared expert, gates and adds
 # it; the router scores, takes the top k and may renormalise; the experts module sorts the
 # (token, expert) pairs, runs a grouped GEMM per projection and sums each token's rows.
@@ -35,12 +41,14 @@ _MOE_EXPERTS_OPS = {
     "masked_fill_", "masked_fill", "transpose", "grouped_mm_fallback", "_grouped_mm", "chunk", "mul", "empty_like",
     "arange", "index_put_", "sum",
 }  # fmt: skip
+# gpt-oss's experts add biases and apply the clamped SwiGLU inline.
+_MOE_EXPERTS_OPS_OAI = _MOE_EXPERTS_OPS | {"add_", "slice", "clamp", "sigmoid", "add"}
 # The decoder stack module builds position ids and the causal / sliding-window masks (the runtime
 # builds its own); the only op it may apply to the hidden states is a scalar multiply (Granite's
 # embedding multiplier).
 _DECODER_STACK_OPS = {
     "arange", "add", "sub", "unsqueeze", "slice", "diff", "ne", "eq", "le", "lt", "ge", "gt", "cumsum",
-    "new_ones", "to", "__and__", "__or__", "index", "expand", "mul",
+    "new_ones", "to", "__and__", "__or__", "index", "expand", "mul", "where",
 }  # fmt: skip
 # The HF rotary module only builds its cos/sin table (the engine builds its own from the config);
 # depending on the transformers version those ops are traced inside a no_grad region or inline.
@@ -270,16 +278,25 @@ def _layer(
         raise BuildError(f"{attn}: the q and k norms differ in eps or kind; not supported")
     core = m.take(attn, "attention core")
     assert core is not None
-    m.only(core, _ATTENTION_CORE_OPS, "attention")
-    clip_qkv = _clip_qkv(core, parts)
-    if "scaled_dot_product_attention" not in core.ops:
-        raise BuildError(f"{attn} ({core.type_name}) is not scaled-dot-product attention")
+    sinks = bool(core.attributes.get("sinks"))
+    if sinks:
+        m.only(core, _SINK_ATTENTION_OPS, "attention with sinks")
+        if not {"matmul", "cat", "softmax", "max"} <= set(core.ops) or "scaling" not in core.attributes:
+            raise BuildError(f"{attn} ({core.type_name}) has sinks but is not the sink attention pattern; not supported")
+        clip_qkv = None
+        rotates = "chunk" in core.ops  # gpt-oss rotates halves split by chunk (the same rotation as rotate_half)
+        scale = float(core.attributes["scaling"])
+    else:
+        m.only(core, _ATTENTION_CORE_OPS, "attention")
+        clip_qkv = _clip_qkv(core, parts)
+        if "scaled_dot_product_attention" not in core.ops:
+            raise BuildError(f"{attn} ({core.type_name}) is not scaled-dot-product attention")
+        rotates = "neg" in core.ops
+        scale = float(core.sdpa_kwargs.get("scale", head_dim**-0.5))
     if core.attributes.get("is_causal") is False:
         raise BuildError(f"{attn} ({core.type_name}) is bidirectional attention; only causal decoders are supported")
-    rotates = "neg" in core.ops
     if "use_rope" in core.attributes and bool(core.attributes["use_rope"]) != rotates:
         raise BuildError(f"{attn}: use_rope={core.attributes['use_rope']} but the trace says otherwise; not supported")
-    scale = float(core.sdpa_kwargs.get("scale", head_dim**-0.5))
     window = None
     if parts.window_source == "layer":
         window = core.attributes.get("sliding_window")
@@ -313,6 +330,7 @@ def _layer(
             logit_softcap=float(softcap) if softcap else None,
             fused_qkv_name=parts.qkv[0] if len(parts.qkv) == 1 else None,
             clip_qkv=clip_qkv,
+            sinks=sinks,
         ),
         mlp=mlp_spec,
         residual_multiplier=residual_multiplier,
@@ -381,14 +399,35 @@ def _moe(m: _Matcher, config: Any, parts: FamilyParts, mlp_path: str) -> MoeSpec
                 f"{mlp_path}.{parts.moe_router} ({router.type_name}, ops {router.ops}) does not route as "
                 f"{arch} is expected to (softmax, top-{routing.top_k}, renormalise={routing.renormalize}); not supported"
             )
+    elif router.ops != ["linear", "topk", "softmax"]:
+        raise BuildError(
+            f"{mlp_path}.{parts.moe_router} ({router.type_name}, ops {router.ops}) does not route as {arch} is "
+            f"expected to (top-{routing.top_k} of the logits, then softmax); not supported"
+        )
     router_bias = bool(router.linear_has_bias)
     experts = m.take(f"{mlp_path}.experts", "MoE experts")
     assert experts is not None
-    m.only(experts, _MOE_EXPERTS_OPS, "MoE experts (grouped gated MLPs)")
-    expert_act = m.take(f"{mlp_path}.experts.act_fn", "MoE experts' activation")
-    assert expert_act is not None
-    if expert_act.ops != ["silu"] or act.kind != "silu":
-        raise _unsupported(expert_act, expert_act.ops[0] if expert_act.ops else "<none>", "MoE experts' activation (SiLU)")
+    stacked = expert_bias = False
+    if act.kind == "silu":
+        m.only(experts, _MOE_EXPERTS_OPS, "MoE experts (grouped gated MLPs)")
+        expert_act = m.take(f"{mlp_path}.experts.act_fn", "MoE experts' activation")
+        assert expert_act is not None
+        if expert_act.ops != ["silu"]:
+            raise _unsupported(expert_act, expert_act.ops[0] if expert_act.ops else "<none>", "MoE experts' activation (SiLU)")
+    else:  # gpt-oss: biases, gate clamped above and up to +-limit, gate * sigmoid(alpha * gate) * (up + 1)
+        # alpha and limit as the code has them (transformers 5 fixes them at 1.702 and 7.0 whatever the
+        # config's swiglu_limit says); the integer clamp is the experts' index bookkeeping.
+        m.only(experts, _MOE_EXPERTS_OPS_OAI, "MoE experts (clamped SwiGLU with biases)")
+        value_clamps = [c for c in experts.clamps if any(isinstance(b, float) for b in c)]
+        limits = {abs(float(b)) for pair in value_clamps for b in pair if b is not None}
+        pattern = value_clamps[:1] == [(None, next(iter(limits), None))] and len(value_clamps) == 2
+        if len(experts.scalar_muls) != 1 or experts.scalar_adds != [1.0] or len(limits) != 1 or not pattern:
+            raise BuildError(
+                f"{mlp_path}.experts ({experts.type_name}) is not the clamped SwiGLU (alpha {experts.scalar_muls}, "
+                f"clamps {experts.clamps}); not supported"
+            )
+        act = dataclasses.replace(act, alpha=experts.scalar_muls[0], limit=limits.pop())
+        stacked = expert_bias = True
     shared_size, shared_gate = 0, False
     if m.trace.get(f"{mlp_path}.shared_expert") is not None:
         shared = _dense_mlp(m, config, parts, f"{mlp_path}.shared_expert")
@@ -415,6 +454,8 @@ def _moe(m: _Matcher, config: Any, parts: FamilyParts, mlp_path: str) -> MoeSpec
         alpha=act.alpha,
         limit=act.limit,
         router_bias=router_bias,
+        expert_bias=expert_bias,
+        stacked=stacked,
         shared_expert_size=shared_size,
         shared_expert_gate=shared_gate,
         router_name=f"{parts.moe_block}.{parts.moe_router}",

@@ -135,6 +135,8 @@ def tensor_layout(model: ModelIR) -> list[TensorPlan]:
         tensors.append(TensorPlan(f"{o}.o_proj.weight", (f"{attn}.o_proj.weight",), (h, q_out)))
         if a.o_bias:
             tensors.append(TensorPlan(f"{o}.o_proj.bias", (f"{attn}.o_proj.bias",), (h,)))
+        if layer.attention.sinks:
+            tensors.append(TensorPlan(f"{o}.sinks", (f"{attn}.sinks",), (a.num_heads,)))
         if layer.attn_out_norm is not None:
             tensors.append(_norm(f"{o}.attn_out_norm.weight", layer.attn_out_norm, (h,)))
         if layer.mlp_in_norm is not None:
@@ -182,13 +184,23 @@ def moe_tensors(layer: LayerSpec, moe: MoeSpec, h: int) -> list[TensorPlan]:
     Qwen2-MoE's shared expert as a dense MLP (shared_expert.gate_up_proj, .down_proj) with its gate."""
     p, o = layer.hf_prefix, f"layers.{layer.index}"
     e, inter = moe.num_experts, moe.intermediate_size
-    if moe.stacked:
-        raise BuildError(f"{p}: stacked expert tensors are not supported by this build")
     gate, up, down = moe.expert_projections
     ex = f"{p}.{moe.experts_name}"
     tensors = [TensorPlan(f"{o}.router.weight", (f"{p}.{moe.router_name}.weight",), (e, h))]
     if moe.router_bias:
         tensors.append(TensorPlan(f"{o}.router.bias", (f"{p}.{moe.router_name}.bias",), (e,)))
+    if moe.stacked:  # gpt-oss: [E, H, 2I] gate/up interleaved by column, [E, I, H] down, their biases
+        x = shard.expert_source
+        tensors += [
+            TensorPlan(f"{o}.experts.gate_up", tuple(x(f"{ex}.gate_up_proj", i, g) for i in range(e) for g in ("gate", "up")),
+                       (e, 2 * inter, h), stack=2),
+            TensorPlan(f"{o}.experts.down", tuple(x(f"{ex}.down_proj", i, "t") for i in range(e)), (e, h, inter), stack=1),
+            TensorPlan(f"{o}.experts.gate_up_bias",
+                       tuple(x(f"{ex}.gate_up_proj_bias", i, g) for i in range(e) for g in ("gate", "up")),
+                       (e, 2 * inter), stack=2),
+            TensorPlan(f"{o}.experts.down_bias", tuple(x(f"{ex}.down_proj_bias", i) for i in range(e)), (e, h), stack=1),
+        ]  # fmt: skip
+        return tensors
     gate_up = tuple(f"{ex}.{i}.{name}.weight" for i in range(e) for name in (gate, up))
     tensors += [
         TensorPlan(f"{o}.experts.gate_up", gate_up, (e, 2 * inter, h), stack=2),
@@ -216,6 +228,8 @@ def check_shapes(tensors: list[TensorPlan], shapes: dict[str, tuple[int, ...]]) 
             if base not in shapes:
                 raise BuildError(f"checkpoint is missing tensor {base!r} (needed for {t.name}); is it complete?")
             shape = shapes[base]
+            if src != base and rows_of is None:  # one expert's piece of a stacked tensor (gpt-oss)
+                shape = shard.expert_source_shape(src, shape)
             if rows_of is not None:
                 if rows_of[1] > shape[0]:
                     raise BuildError(f"tensor {base!r} has {shape[0]} rows, expected at least {rows_of[1]} for {t.name}")
@@ -363,6 +377,11 @@ def run(state: BuildState) -> BuildState:
         notes.append(f"max_model_len capped from {max_len} to the sliding window {window}")
         max_len = window
     tensors = tensor_layout(model)
+    if device == "cuda" and any(layer.attention.sinks for layer in model.layers):
+        raise BuildError(
+            f"{model.architecture} has attention sinks, which only pagecast's reference attention implements (the "
+            f"Triton attention kernels do not yet): build it for the CPU (--gpu cpu)"
+        )
     if ckpt.quant is not None and model.moe is not None:
         raise BuildError(
             f"{model.architecture}: AWQ/GPTQ builds of mixture-of-experts models are not supported yet "

@@ -88,6 +88,7 @@ def render_model(state: BuildState, rank: int = 0) -> str:
         qk_norm_eps=repr(a.qk_norm_eps),
         clip_qkv=repr(a.clip_qkv) if a.clip_qkv else None,
         has_moe=moe is not None,
+        sinks=a.sinks,
         all_moe=all(s.mlp.kind == "moe" for s in model.layers),
         moe_layers=repr([s.mlp.kind == "moe" for s in model.layers]),
         moe_routing=_moe_routing(moe),

@@ -86,6 +86,8 @@ def plan_layout(model: ModelIR, tp: int) -> ShardLayout:
     if inter % tp:
         raise BuildError(f"--tp {tp} does not divide the MLP's intermediate size {inter}")
     moe = model.moe
+    if tp > 1 and moe is not None and moe.expert_bias:
+        raise BuildError(f"--tp {tp}: {model.architecture}'s expert biases are not cut for tensor parallelism yet; build it with --tp 1")
     if moe is not None and (moe.intermediate_size % tp or moe.shared_expert_size % tp):
         raise BuildError(
             f"--tp {tp} does not divide the experts' intermediate size {moe.intermediate_size}"
@@ -180,6 +182,8 @@ def row_range(name: str, start: int, stop: int) -> str:
 
 def parse_source(source: str) -> tuple[str, tuple[int, int] | None]:
     """A TensorPlan source -> (checkpoint tensor name, its row range or None for all of it)."""
+    if _EXPERT in source:
+        return source.split(_EXPERT, 1)[0], None
     if _ROWS not in source:
         return source, None
     name, rows = source.split(_ROWS, 1)
@@ -187,7 +191,42 @@ def parse_source(source: str) -> tuple[str, tuple[int, int] | None]:
     return name, (int(start), int(stop))
 
 
+_EXPERT = "#expert="
+# How one expert's piece is read from a tensor that stacks all experts (gpt-oss): x is tensor[e].
+_EXPERT_PARTS = {
+    "gate": lambda x: x[..., 0::2].transpose(-1, -2) if x.dim() == 2 else x[0::2],  # [H, 2I] -> [I, H]; bias [2I] -> [I]
+    "up": lambda x: x[..., 1::2].transpose(-1, -2) if x.dim() == 2 else x[1::2],
+    "t": lambda x: x.transpose(-1, -2),  # down [I, H] -> [H, I]
+    "": lambda x: x,
+}
+
+
+def expert_source(name: str, expert: int, part: str = "") -> str:
+    """A source naming expert ``expert``'s piece of checkpoint tensor ``name`` that stacks every
+    expert on dim 0 (gpt-oss): its gate or up columns (interleaved in the checkpoint) as rows,
+    its transpose ("t"), or itself ("")."""
+    return f"{name}{_EXPERT}{expert}:{part}"
+
+
+def expert_source_shape(source: str, base_shape: tuple[int, ...]) -> tuple[int, ...]:
+    part = source.split(_EXPERT, 1)[1].split(":", 1)[1]
+    shape = base_shape[1:]
+    if part in ("gate", "up"):
+        return (shape[1] // 2, shape[0]) if len(shape) == 2 else (shape[0] // 2,)
+    return tuple(reversed(shape)) if part == "t" else shape
+
+
+_last_read: dict[str, torch.Tensor] = {}
+
+
 def read_source(read: Any, source: str) -> torch.Tensor:
+    if _EXPERT in source:
+        name, rest = source.split(_EXPERT, 1)
+        expert, part = rest.split(":", 1)
+        if name not in _last_read:  # an expert stack is read once for all its experts' pieces
+            _last_read.clear()
+            _last_read[name] = read(name)
+        return _EXPERT_PARTS[part](_last_read[name][int(expert)]).contiguous()
     name, rows = parse_source(source)
     tensor = read(name)
     return tensor if rows is None else tensor[rows[0] : rows[1]]

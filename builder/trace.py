@@ -18,7 +18,7 @@ from pagecast.builder.ir import BuildState
 from pagecast.runtime.errors import BuildError
 
 # Bookkeeping ops that say nothing about the computation.
-_IGNORED = {"_assert_tensor_metadata", "getitem", "sym_size", "alias", "detach", "lift_fresh_copy"}
+_IGNORED = {"_assert_tensor_metadata", "getitem", "sym_size", "alias", "detach", "detach_", "lift_fresh_copy"}
 
 
 @dataclass
@@ -76,7 +76,13 @@ def trace_model(config: Any) -> TraceSummary:
         config.rope_parameters = {"rope_type": "default", "rope_theta": rope.get("rope_theta", 10000.0),
                                   "partial_rotary_factor": rope.get("partial_rotary_factor", 1.0)}
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        try:
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        except ValueError:
+            # No sdpa path (gpt-oss: attention sinks): trace its eager attention, which lower reads
+            # as the sink pattern.
+            config._attn_implementation = "eager"
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     model.eval()
     ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
     try:
@@ -122,6 +128,8 @@ def trace_model(config: Any) -> TraceSummary:
                 for k in RECORDED_ATTRIBUTES
                 if hasattr(module, k) and isinstance(getattr(module, k), (int, float, bool, str, type(None)))
             }
+            if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+                modules[path].attributes["sinks"] = True  # gpt-oss: a learned per-head sink logit
     return TraceSummary(modules=modules)
 
 

@@ -1,6 +1,8 @@
 """Mixture-of-experts families end to end on the CPU (float32): tiny random checkpoints of
 Qwen3-MoE (norm_topk_prob true and false), Mixtral, Qwen2-MoE (a dense first layer, then MoE
-layers with a gated shared expert) and OLMoE (whole-projection q/k norms, clip_qkv) give
+layers with a gated shared expert), OLMoE (whole-projection q/k norms, clip_qkv) and gpt-oss
+(attention sinks, sliding windows on alternate layers, router and expert biases, the clamped
+SwiGLU, YaRN) give
 transformers' greedy tokens and last-position logits through LLM; Qwen3-MoE through
 engine-serve and as a TP=2 build on gloo. Each family's test also shows that its own MoE part
 moves transformers' output on these checkpoints, so a lowering that dropped it would fail.
@@ -33,11 +35,12 @@ MAX_TOKENS = 12
 # (family, checkpoint overrides, the config change (or weight change) that removes the case's own
 # part: transformers' logits must move under it)
 CASES = {
-    "qwen3_moe-norm": ("qwen3_moe", {}, {"norm_topk_prob": False}),
-    "qwen3_moe-no-norm": ("qwen3_moe", {"norm_topk_prob": False}, {"norm_topk_prob": True}),
-    "mixtral": ("mixtral", {}, {"num_experts_per_tok": 1}),
-    "qwen2_moe-shared-dense0": ("qwen2_moe", {}, "no_shared_expert"),
-    "olmoe-clip": ("olmoe", {}, {"clip_qkv": None}),
+    "qwen3_moe-norm": ("qwen3_moe", {}, [{"norm_topk_prob": False}]),
+    "qwen3_moe-no-norm": ("qwen3_moe", {"norm_topk_prob": False}, [{"norm_topk_prob": True}]),
+    "mixtral": ("mixtral", {}, [{"num_experts_per_tok": 1}]),
+    "qwen2_moe-shared-dense0": ("qwen2_moe", {}, ["no_shared_expert"]),
+    "olmoe-clip": ("olmoe", {}, [{"clip_qkv": None}]),
+    "gpt_oss": ("gpt_oss", {}, ["no_sinks", {"sliding_window": 4096}]),
 }
 
 
@@ -48,10 +51,13 @@ def hf_model(checkpoint: Path, neutralised: dict | str | None = None):  # type: 
     for key, value in (neutralised if isinstance(neutralised, dict) else {}).items():
         setattr(config, key, value)
     model = AutoModelForCausalLM.from_pretrained(str(checkpoint), config=config, dtype=torch.float32).eval()
-    if neutralised == "no_shared_expert":  # Qwen2-MoE without its shared expert's contribution
-        with torch.no_grad():
+    with torch.no_grad():
+        if neutralised == "no_shared_expert":  # Qwen2-MoE without its shared expert's contribution
             for layer in model.model.layers[1:]:
                 layer.mlp.shared_expert.down_proj.weight.zero_()
+        if neutralised == "no_sinks":  # gpt-oss with sinks that take no probability
+            for layer in model.model.layers:
+                layer.self_attn.sinks.fill_(-1e9)
     return model
 
 
@@ -84,9 +90,10 @@ def test_moe_family_matches_transformers(case, moe_llm, tiny_checkpoint_factory)
     long_ids = tok.encode(PROMPTS[-1], add_special_tokens=False)
     with torch.no_grad():
         ref = hf(torch.tensor([long_ids])).logits[0, -1]
-        moved = hf_model(ckpt, neutralised)(torch.tensor([long_ids])).logits[0, -1]
+        for change in neutralised:
+            moved = hf_model(ckpt, change)(torch.tensor([long_ids])).logits[0, -1]
+            assert (moved - ref).abs().max() > 1e-2, f"{case}: {change} does not change transformers' output"
     torch.testing.assert_close(engine_last_logits(llm.engine, long_ids), ref, atol=1e-4, rtol=0)
-    assert (moved - ref).abs().max() > 1e-2, f"{case}: {neutralised} does not change transformers' output"
 
 
 def test_moe_ir_and_plan(tiny_artifact_factory):  # type: ignore[no-untyped-def]
@@ -225,3 +232,16 @@ def test_lowering_finds_the_moe_layers_and_their_routing(family, overrides):  # 
     moe = model.moe
     assert moe is not None and moe.renormalize == (family == "mixtral" or bool(config.to_dict().get("norm_topk_prob")))
     assert moe.weights_in_x_dtype == (family != "mixtral")
+
+
+def test_gpt_oss_gpu_and_tp_builds_are_refused(tmp_path):  # type: ignore[no-untyped-def]
+    """Attention sinks exist only in the reference attention, and expert biases are not cut for
+    tensor parallelism: such builds stop with the reason instead of serving wrong text."""
+    from tiny_models import tiny_config
+
+    ckpt = _config_only(tmp_path, tiny_config("gpt_oss"))
+    options = dict(model=str(ckpt), force=True, quiet=True, load_format="dummy")
+    with pytest.raises(BuildError, match="attention sinks.*--gpu cpu"):
+        build(BuildOptions(output=tmp_path / "gpu", gpu="h200", **options))  # type: ignore[arg-type]
+    with pytest.raises(BuildError, match="--tp 2: GptOssForCausalLM's expert biases"):
+        build(BuildOptions(output=tmp_path / "tp", tp=2, **options))  # type: ignore[arg-type]

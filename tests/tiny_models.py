@@ -15,7 +15,7 @@ FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 # that the part it adds changes the greedy tokens (see tiny_config).
 PART_FAMILIES = ("gemma2", "gemma3", "phi3", "olmo2", "granite", "smollm3")
 # Mixture-of-experts families (tests/test_moe_families.py): hidden 64, 3 layers, 4-8 experts.
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss")
 
 
 def smollm2_dir() -> Path:
@@ -127,7 +127,7 @@ def _part_family_config(family: str, common: dict, overrides: dict):  # type: ig
 
 
 def _moe_family_config(family: str, common: dict, overrides: dict):  # type: ignore[no-untyped-def,type-arg]
-    from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import GptOssConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     small = dict(
         common, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -156,6 +156,19 @@ def _moe_family_config(family: str, common: dict, overrides: dict):  # type: ign
         small.update(intermediate_size=32, num_experts=8, clip_qkv=0.5, norm_topk_prob=False)
         small.update(overrides)
         return OlmoeConfig(architectures=["OlmoeForCausalLM"], **small)
+    if family == "gpt_oss":
+        # sliding windows of 8 tokens on alternate layers, sinks, router and expert biases, untied head,
+        # YaRN past an original context of 32 tokens (make_checkpoint makes the SwiGLU's clamps bite)
+        small.update(
+            intermediate_size=32, num_local_experts=8, sliding_window=8, tie_word_embeddings=False,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 32, "rope_theta": 150000.0,
+            },
+        )  # fmt: skip
+        small.update(overrides)
+        return GptOssConfig(architectures=["GptOssForCausalLM"], **small)
     raise ValueError(family)
 
 
@@ -172,6 +185,13 @@ def make_checkpoint(path: Path, family: str = "llama", seed: int = 0, tokenizer:
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    if family == "gpt_oss":  # gate/up values past the SwiGLU's limit of 7, and biases and sinks that matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.experts.gate_up_proj.mul_(12.0)
+                for p in (layer.mlp.experts.gate_up_proj_bias, layer.mlp.experts.down_proj_bias,
+                          layer.mlp.router.bias, layer.self_attn.sinks):  # fmt: skip
+                    p.normal_(0, 1.0)
     model.save_pretrained(str(path))
     if not tokenizer:
         return path
