@@ -46,20 +46,27 @@ class FamilyParts:
     moe_expert_projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
 
 
-_GEMMA_NORMS = dict(
-    attn_out_norm="post_attention_layernorm",
-    mlp_in_norm="pre_feedforward_layernorm",
-    mlp_out_norm="post_feedforward_layernorm",
-)
+_GEMMA_NORMS = {
+    "attn_out_norm": "post_attention_layernorm",
+    "mlp_in_norm": "pre_feedforward_layernorm",
+    "mlp_out_norm": "post_feedforward_layernorm",
+}
 
 FAMILIES: dict[str, FamilyParts] = {
     "LlamaForCausalLM": FamilyParts("llama"),
-    "MistralForCausalLM": FamilyParts("mistral", not_supported="contexts beyond the sliding window (capped to it)"),
-    "Qwen2ForCausalLM": FamilyParts("qwen2", not_supported="use_sliding_window (context capped to the window)"),
+    "MistralForCausalLM": FamilyParts(
+        "mistral", not_supported="contexts beyond the sliding window (capped to it)"
+    ),
+    "Qwen2ForCausalLM": FamilyParts(
+        "qwen2", not_supported="use_sliding_window (context capped to the window)"
+    ),
     "Qwen3ForCausalLM": FamilyParts("qwen3"),
     "Gemma2ForCausalLM": FamilyParts("gemma2", window_source="layer", **_GEMMA_NORMS),  # type: ignore[arg-type]
     "Gemma3ForCausalLM": FamilyParts(
-        "gemma3", window_source="layer", not_supported="images (Gemma3ForConditionalGeneration)", **_GEMMA_NORMS  # type: ignore[arg-type]
+        "gemma3",
+        window_source="layer",
+        not_supported="images (Gemma3ForConditionalGeneration)",
+        **_GEMMA_NORMS,  # type: ignore[arg-type]
     ),
     "Phi3ForCausalLM": FamilyParts(
         "phi3",

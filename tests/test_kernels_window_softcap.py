@@ -40,7 +40,9 @@ def dense(x: dict, scale: float, softcap: float, window: int) -> torch.Tensor:
                 if softcap:
                     s = softcap * torch.tanh(s / softcap)
                 pos = torch.arange(seq_len)
-                s[(pos > p) | ((pos <= p - window) if window else torch.zeros_like(pos, dtype=torch.bool))] = float("-inf")
+                s[
+                    (pos > p) | ((pos <= p - window) if window else torch.zeros_like(pos, dtype=torch.bool))
+                ] = float("-inf")
                 out[t, h] = torch.softmax(s, 0) @ v[h // group]
     return out
 
@@ -48,7 +50,9 @@ def dense(x: dict, scale: float, softcap: float, window: int) -> torch.Tensor:
 @pytest.mark.parametrize("softcap,window", [(0.0, 5), (1.5, 0), (2.0, 17)])
 def test_reference_is_the_definition(softcap, window):
     x = paged_inputs([9, 41, 30], [9, 13, 1], 4, 2, 16, 8, torch.float32)
-    torch.testing.assert_close(ref(x, 0.3, softcap, window), dense(x, 0.3, softcap, window), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        ref(x, 0.3, softcap, window), dense(x, 0.3, softcap, window), atol=1e-5, rtol=1e-5
+    )
     decode = paged_inputs([9, 41, 30], [1, 1, 1], 4, 2, 16, 8, torch.float32)
     torch.testing.assert_close(
         ref(decode, 0.3, softcap, window), dense(decode, 0.3, softcap, window), atol=1e-5, rtol=1e-5
@@ -60,37 +64,75 @@ def test_reference_is_the_definition(softcap, window):
 DECODE_CASES = [
     # (num_heads, num_kv_heads, head_dim, block_size, seq_lens, config, softcap, window)
     pytest.param(4, 4, 16, 8, [1, 9, 41], {"BLOCK_N": 16, "num_splits": 1}, 2.0, 8, id="direct-both"),
-    pytest.param(9, 3, 64, 16, [1, 9, 41, 341], {"BLOCK_N": 32, "num_splits": 4}, 0.0, 37, id="group3-split4-window"),
-    pytest.param(8, 2, 16, 8, [341, 9, 100], {"BLOCK_N": 16, "num_splits": 8}, 1.5, 0, id="group4-split8-softcap"),
-    pytest.param(6, 2, 24, 8, [341, 64, 65], {"BLOCK_N": 32, "num_splits": 2}, 3.0, 64, id="odd-head-dim-window-64"),
+    pytest.param(
+        9, 3, 64, 16, [1, 9, 41, 341], {"BLOCK_N": 32, "num_splits": 4}, 0.0, 37, id="group3-split4-window"
+    ),
+    pytest.param(
+        8, 2, 16, 8, [341, 9, 100], {"BLOCK_N": 16, "num_splits": 8}, 1.5, 0, id="group4-split8-softcap"
+    ),
+    pytest.param(
+        6, 2, 24, 8, [341, 64, 65], {"BLOCK_N": 32, "num_splits": 2}, 3.0, 64, id="odd-head-dim-window-64"
+    ),
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,seq_lens,config,softcap,window", DECODE_CASES)
-def test_decode_window_and_softcap(num_heads, num_kv_heads, head_dim, block_size, seq_lens, config, softcap, window, dtype):  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,block_size,seq_lens,config,softcap,window", DECODE_CASES
+)
+def test_decode_window_and_softcap(
+    num_heads, num_kv_heads, head_dim, block_size, seq_lens, config, softcap, window, dtype
+):  # type: ignore[no-untyped-def]
     x = paged_inputs(seq_lens, [1] * len(seq_lens), num_heads, num_kv_heads, head_dim, block_size, dtype)
     scale = head_dim**-0.5
-    out = paged_decode_attention(**x, scale=scale, max_seq_len=max(seq_lens), config=config, softcap=softcap, window=window)
+    out = paged_decode_attention(
+        **x, scale=scale, max_seq_len=max(seq_lens), config=config, softcap=softcap, window=window
+    )
     close(out, ref(x, scale, softcap, window), dtype)
 
 
 PREFILL_CASES = [
     # (num_heads, num_kv_heads, head_dim, block_size, seq_lens, q_lens, config, softcap, window)
-    pytest.param(4, 4, 16, 8, [9, 41, 17], [9, 41, 17], {"BLOCK_M": 16, "BLOCK_N": 16}, 2.0, 8, id="mha-both"),
     pytest.param(
-        9, 3, 64, 16, [50, 41, 9], [7, 1, 9], {"BLOCK_M": 32, "BLOCK_N": 16}, 0.0, 5, id="group3-prefix-window5"
+        4, 4, 16, 8, [9, 41, 17], [9, 41, 17], {"BLOCK_M": 16, "BLOCK_N": 16}, 2.0, 8, id="mha-both"
     ),
     pytest.param(
-        8, 2, 16, 8, [1, 90, 33], [1, 37, 20], {"BLOCK_M": 16, "BLOCK_N": 32}, 1.5, 19, id="group4-chunked-both"
+        9,
+        3,
+        64,
+        16,
+        [50, 41, 9],
+        [7, 1, 9],
+        {"BLOCK_M": 32, "BLOCK_N": 16},
+        0.0,
+        5,
+        id="group3-prefix-window5",
     ),
-    pytest.param(6, 2, 24, 8, [130, 70], [100, 70], {"BLOCK_M": 32, "BLOCK_N": 16}, 0.0, 33, id="odd-long-window"),
+    pytest.param(
+        8,
+        2,
+        16,
+        8,
+        [1, 90, 33],
+        [1, 37, 20],
+        {"BLOCK_M": 16, "BLOCK_N": 32},
+        1.5,
+        19,
+        id="group4-chunked-both",
+    ),
+    pytest.param(
+        6, 2, 24, 8, [130, 70], [100, 70], {"BLOCK_M": 32, "BLOCK_N": 16}, 0.0, 33, id="odd-long-window"
+    ),
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,seq_lens,q_lens,config,softcap,window", PREFILL_CASES)
-def test_prefill_window_and_softcap(num_heads, num_kv_heads, head_dim, block_size, seq_lens, q_lens, config, softcap, window, dtype):  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,block_size,seq_lens,q_lens,config,softcap,window", PREFILL_CASES
+)
+def test_prefill_window_and_softcap(
+    num_heads, num_kv_heads, head_dim, block_size, seq_lens, q_lens, config, softcap, window, dtype
+):  # type: ignore[no-untyped-def]
     x = paged_inputs(seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype)
     scale = head_dim**-0.5
     out = paged_prefill_attention(**x, scale=scale, config=config, softcap=softcap, window=window)
@@ -102,7 +144,9 @@ def test_ops_pass_window_and_softcap_to_both_kernels(monkeypatch):
     monkeypatch.setattr(ops, "_triton", lambda x: True)
     seq_lens = [5 + i % 30 for i in range(64)] + [40, 9]
     x = paged_inputs(seq_lens, [1] * 64 + [40, 9], 4, 2, 16, 8, torch.float32)
-    out = ops.paged_attention(**x, scale=0.2, max_query_len=40, max_seq_len=40, num_decodes=64, softcap=2.0, window=7)
+    out = ops.paged_attention(
+        **x, scale=0.2, max_query_len=40, max_seq_len=40, num_decodes=64, softcap=2.0, window=7
+    )
     close(out, ref(x, 0.2, 2.0, 7), torch.float32)
 
 
@@ -119,10 +163,17 @@ def test_tuner_times_the_models_soft_cap_and_activation(monkeypatch):
     from pagecast.kernels import activation, paged_decode_attention, paged_prefill_attention, problems, tuning
 
     seen: list[tuple[str, object]] = []
-    for module, name in ((paged_decode_attention, "paged_decode_attention"), (paged_prefill_attention, "paged_prefill_attention")):
+    for module, name in (
+        (paged_decode_attention, "paged_decode_attention"),
+        (paged_prefill_attention, "paged_prefill_attention"),
+    ):
         monkeypatch.setattr(module, name, lambda *a, softcap=0.0, _n=name, **k: seen.append((_n, softcap)))
-    monkeypatch.setattr(activation, "gelu_tanh_and_mul", lambda x, config=None: seen.append(("gelu_tanh", None)))
-    shapes = tuning.ModelShapes(4, 2, 16, 64, 128, 8, "float32", 64, 4, attn_softcap=50.0, activation="gelu_tanh")
+    monkeypatch.setattr(
+        activation, "gelu_tanh_and_mul", lambda x, config=None: seen.append(("gelu_tanh", None))
+    )
+    shapes = tuning.ModelShapes(
+        4, 2, 16, 64, 128, 8, "float32", 64, 4, attn_softcap=50.0, activation="gelu_tanh"
+    )
     for kernel, dims in (
         ("paged_decode_attention", {"num_seqs": 2, "max_seq_len": 64}),
         ("paged_prefill_attention", {"num_tokens": 16}),

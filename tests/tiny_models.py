@@ -70,7 +70,14 @@ def tiny_config(family: str, **overrides):  # type: ignore[no-untyped-def]
 
 
 def _part_family_config(family: str, common: dict, overrides: dict):  # type: ignore[no-untyped-def,type-arg]
-    from transformers import Gemma2Config, Gemma3TextConfig, GraniteConfig, Olmo2Config, Phi3Config, SmolLM3Config
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        GraniteConfig,
+        Olmo2Config,
+        Phi3Config,
+        SmolLM3Config,
+    )
 
     small = dict(
         common, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
