@@ -617,7 +617,8 @@ def fused_moe(
         )  # fmt: skip
 
     if cfg.params.get("SPLIT_ACT"):
-        gate_up = torch.empty((nb * bm, 2 * i), dtype=x.dtype, device=x.device)  # padding rows: never read
+        # Padding rows stay uninitialised: the activation runs over them too, the down launch masks them.
+        gate_up = torch.empty((nb * bm, 2 * i), dtype=x.dtype, device=x.device)
         gemm(x, w_gate_up, b_gate_up, gate_up, 2 * i, h, ACT_NONE, False)
         inter = _activation(gate_up, activation, alpha, limit)
     else:
