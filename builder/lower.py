@@ -15,7 +15,16 @@ import dataclasses
 from typing import Any
 
 from pagecast.builder.families import FAMILIES, FamilyParts, supported_list
-from pagecast.builder.ir import AttentionSpec, BuildState, LayerSpec, MlpSpec, ModelIR, MoeSpec, NormSpec, RopeSpec
+from pagecast.builder.ir import (
+    AttentionSpec,
+    BuildState,
+    LayerSpec,
+    MlpSpec,
+    ModelIR,
+    MoeSpec,
+    NormSpec,
+    RopeSpec,
+)
 from pagecast.builder.trace import ModuleTrace, TraceSummary
 from pagecast.kernels.rope import SUPPORTED_ROPE_TYPES
 from pagecast.runtime.errors import BuildError

@@ -198,7 +198,7 @@ def test_moe_that_does_not_fit_the_gpu_is_refused_with_the_numbers(tmp_path):  #
         dtype="bfloat16",
     )  # fmt: skip
     ckpt = _config_only(tmp_path, config)
-    options = dict(model=str(ckpt), force=True, quiet=True, load_format="dummy", gpu="h200", tune_budget_s=0.0)
+    options = {"model": str(ckpt), "force": True, "quiet": True, "load_format": "dummy", "gpu": "h200", "tune_budget_s": 0.0}
     with pytest.raises(BuildError, match=r"does not fit this GPU: weights 1[0-9][0-9]\.\d\d GiB .*MoE workspace.*133\.\d\d GiB"):
         build(BuildOptions(output=tmp_path / "art", **options))  # type: ignore[arg-type]
     art = build(BuildOptions(output=tmp_path / "art2", tp=2, **options))  # type: ignore[arg-type]
@@ -240,7 +240,7 @@ def test_gpt_oss_gpu_and_tp_builds_are_refused(tmp_path):  # type: ignore[no-unt
     from tiny_models import tiny_config
 
     ckpt = _config_only(tmp_path, tiny_config("gpt_oss"))
-    options = dict(model=str(ckpt), force=True, quiet=True, load_format="dummy")
+    options = {"model": str(ckpt), "force": True, "quiet": True, "load_format": "dummy"}
     with pytest.raises(BuildError, match="attention sinks.*--gpu cpu"):
         build(BuildOptions(output=tmp_path / "gpu", gpu="h200", **options))  # type: ignore[arg-type]
     with pytest.raises(BuildError, match="--tp 2: GptOssForCausalLM's expert biases"):
