@@ -26,11 +26,10 @@ from pagecast.runtime.errors import BuildError
 
 PROMPTS = [
     "Hello, my name is",
-    "The capital of France is",
     "def fib(n):\n    return",
-    " ".join(str(i) for i in range(40)),
+    " ".join(str(i) for i in range(40)),  # 109 tokens: past gpt-oss's 8-token windows and YaRN's original 32
 ]
-MAX_TOKENS = 12
+MAX_TOKENS = 8
 
 # (family, checkpoint overrides, the config change (or weight change) that removes the case's own
 # part: transformers' logits must move under it)
@@ -129,7 +128,7 @@ def test_qwen3_moe_through_engine_serve(tmp_path, tiny_artifact_factory, tiny_ch
     proc, base = start_engine_serve([str(art), "--max-num-batched-tokens", "32", "--max-num-seqs", "8"], tmp_path / "serve.log")
     try:
         tok = AutoTokenizer.from_pretrained(str(art / "tokenizer"))
-        prompts = [tok.encode(p, add_special_tokens=False) for p in (PROMPTS[3], PROMPTS[0])]
+        prompts = [tok.encode(p, add_special_tokens=False) for p in (PROMPTS[2], PROMPTS[0])]
         model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
         reply = httpx.post(
             f"{base}/v1/completions",
