@@ -17,7 +17,10 @@ checkpoint tensor it is cut from). The pack pass cuts with ``cut_source``. The r
 - MoE experts (kernels/moe_routing.py's rule): every rank holds every expert and a slice of
   each expert's intermediate dimension: ``experts.gate_up`` [E, 2I, H] cut like a fused
   gate_up (each expert's gate and up rows), ``experts.down`` [E, H, I] by its input columns;
-  each rank's MoE output is a partial sum, all-reduced once (ops.moe). Qwen2-MoE's shared
+  each rank's MoE output is a partial sum, all-reduced once (ops.moe); gpt-oss's gate_up
+  biases are cut with their rows, its down bias is held by rank 0 (zeros elsewhere: it is scaled
+  by the routing weight, so it cannot be added after the sum); its sinks are cut with the query
+  heads. Qwen2-MoE's shared
   expert is cut like a dense MLP; the router and the shared expert's gate are whole;
 - everything else (norms, Qwen3's per-head q/k norms) is whole on every rank.
 
@@ -86,8 +89,6 @@ def plan_layout(model: ModelIR, tp: int) -> ShardLayout:
     if inter % tp:
         raise BuildError(f"--tp {tp} does not divide the MLP's intermediate size {inter}")
     moe = model.moe
-    if tp > 1 and moe is not None and moe.expert_bias:
-        raise BuildError(f"--tp {tp}: {model.architecture}'s expert biases are not cut for tensor parallelism yet; build it with --tp 1")
     if moe is not None and (moe.intermediate_size % tp or moe.shared_expert_size % tp):
         raise BuildError(
             f"--tp {tp} does not divide the experts' intermediate size {moe.intermediate_size}"
@@ -121,6 +122,12 @@ def _source_cuts(name: str, t: TensorPlan, rank: int, layout: ShardLayout, num_k
         return ((0, rank, tp),) * len(t.sources)  # each (expert's) gate and up rows
     if leaf == "experts.down":
         return ((1, rank, tp),) * len(t.sources)
+    if leaf == "experts.gate_up_bias":
+        return ((0, rank, tp),) * len(t.sources)
+    if leaf == "experts.down_bias":  # added once, scaled by the routing weight: rank 0 holds it, the others zeros
+        return (None if rank == 0 else ZEROS,) * len(t.sources)
+    if leaf == "sinks":  # one per query head, cut with the heads
+        return ((0, rank, tp),)
     if leaf in ("o_proj.weight", "down_proj.weight", "shared_expert.down_proj.weight"):
         return ((1, rank, tp),)
     if leaf in ("embed_tokens.weight", "lm_head.weight"):
@@ -133,7 +140,9 @@ def _shard_shape(t: TensorPlan, cuts: tuple[Cut, ...], layout: ShardLayout, mode
         return t.shape
     if t.name in ("embed_tokens.weight", "lm_head.weight"):
         return (layout.vocab_per_rank, *t.shape[1:])
-    if t.stack:  # experts: [E, 2I / tp, H] or [E, H, I / tp]
+    if cuts[0] == ZEROS:
+        return t.shape
+    if t.stack:  # experts: [E, 2I / tp, H] or [E, H, I / tp], biases [E, 2I / tp]
         dim = cuts[0][0] + 1  # type: ignore[index]
         return tuple(n // layout.tp if d == dim else n for d, n in enumerate(t.shape))
     if cuts[0] is not None and cuts[0][0] == 1:  # row-parallel: input columns split
@@ -155,11 +164,18 @@ def shard_tensors(tensors: list[TensorPlan], model: ModelIR, layout: ShardLayout
     return out
 
 
+# A cut that keeps the shape and holds zeros: a bias that one rank adds for all (gpt-oss's b_down).
+ZEROS: Cut = (0, 0, 0)
+
+
 def cut_source(tensor: torch.Tensor, cut: Cut) -> torch.Tensor:
     """Piece ``index`` of ``count`` equal pieces along ``dim``; pieces are ceil(size / count) long
-    and the last is padded with zeros (only the vocabulary ever needs it)."""
+    and the last is padded with zeros (only the vocabulary ever needs it). ``ZEROS``: zeros of the
+    tensor's shape."""
     if cut is None:
         return tensor
+    if cut == ZEROS:
+        return torch.zeros_like(tensor)
     dim, index, count = cut
     size = tensor.shape[dim]
     piece = -(-size // count)
