@@ -33,6 +33,20 @@ def versions() -> dict[str, str]:
     return out
 
 
+def _moe_dims(model: Any) -> dict[str, Any]:
+    """A MoE model's expert shape (none for a dense model): experts, experts per token, each
+    expert's intermediate size, and which layers are MoE blocks."""
+    moe = model.moe
+    if moe is None:
+        return {}
+    return {
+        "num_experts": moe.num_experts,
+        "num_experts_per_tok": moe.top_k,
+        "moe_intermediate_size": moe.intermediate_size,
+        "moe_layers": [layer.index for layer in model.layers if layer.mlp.kind == "moe"],
+    }
+
+
 def make_manifest(
     state: BuildState, files: dict[str, str], chunk_hashes: dict[str, list[str]] | None = None
 ) -> Manifest:
@@ -53,6 +67,7 @@ def make_manifest(
             "intermediate_size": model.mlp.intermediate_size,
             "vocab_size": model.vocab_size,
             "num_parameters": plan.memory["num_parameters"],
+            **_moe_dims(model),
         },
         dtype=plan.dtype,
         block_size=plan.block_size,
@@ -99,6 +114,13 @@ def render_report(state: BuildState, manifest: Manifest) -> str:
         f"- stop token ids: {manifest.eos_token_ids}",
         f"- tokenizer included: {state.report.get('has_tokenizer')}",
     ]
+    if "moe_workspace_bytes" in mem:
+        moe = state.model.moe  # type: ignore[union-attr]
+        lines.append(
+            f"- mixture of experts: {moe.num_experts} experts, top {moe.top_k}, each {moe.intermediate_size} wide"
+            f"{f', a shared expert {moe.shared_expert_size} wide' if moe.shared_expert_size else ''}; MoE workspace "
+            f"up to {max(mem['moe_workspace_bytes'].values()) / 2**20:,.1f} MiB (token bucket {max(mem['moe_workspace_bytes'], key=mem['moe_workspace_bytes'].get)})"
+        )
     for note in state.report.get("plan_notes", []):
         lines.append(f"- note: {note}")
     lines += ["", "## Tuning", "", state.report.get("tuning_note", "")]

@@ -38,6 +38,12 @@ class FamilyParts:
     identities: tuple[str, ...] = ()
     # What this family's builds do not support, for the README's table and refusals.
     not_supported: str = ""
+    # MoE families: where the checkpoint keeps a sparse block (transformers 5 names the module "mlp"
+    # whatever the checkpoint says; Mixtral's checkpoints say "block_sparse_moe"), its router, and
+    # each expert's gate / up / down projections.
+    moe_block: str | None = None
+    moe_router: str = "gate"
+    moe_expert_projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
 
 
 _GEMMA_NORMS = {
@@ -81,7 +87,23 @@ FAMILIES: dict[str, FamilyParts] = {
         not_supported="--tp > 1 (q/k norms over the whole projection)",
     ),
     "GraniteForCausalLM": FamilyParts("granite"),
+    "MixtralForCausalLM": FamilyParts(
+        "mixtral", moe_block="block_sparse_moe", moe_expert_projections=("w1", "w3", "w2"),
+        not_supported="contexts beyond a configured sliding window (capped to it); AWQ/GPTQ experts",
+    ),  # fmt: skip
+    "Qwen2MoeForCausalLM": FamilyParts(
+        "qwen2_moe", moe_block="mlp", not_supported="use_sliding_window (context capped to the window); AWQ/GPTQ experts"
+    ),
+    "Qwen3MoeForCausalLM": FamilyParts("qwen3_moe", moe_block="mlp", not_supported="AWQ/GPTQ experts"),
+    "OlmoeForCausalLM": FamilyParts(
+        "olmoe", moe_block="mlp", qk_norm_kind="projection",
+        not_supported="--tp > 1 (q/k norms over the whole projection); AWQ/GPTQ experts",
+    ),  # fmt: skip
     "SmolLM3ForCausalLM": FamilyParts("smollm3", window_source="layer"),
+    "GptOssForCausalLM": FamilyParts(
+        "gpt_oss", moe_block="mlp", moe_router="router", window_source="layer",
+        not_supported="GPU builds (attention sinks run in the reference attention only); MXFP4 checkpoints",
+    ),  # fmt: skip
 }
 
 # Architectures refused with a pointer to what can be built instead.
@@ -89,6 +111,14 @@ REFUSED: dict[str, str] = {
     "Gemma3ForConditionalGeneration": (
         "Gemma 3's image-text model is not supported; its language model alone builds as Gemma3ForCausalLM "
         "(a text-only checkpoint such as gemma-3-1b)"
+    ),
+    "DeepseekV3ForCausalLM": (
+        "DeepSeek-V3's multi-head latent attention (MLA: compressed KV with a decoupled RoPE key) has no "
+        "lowering or kernels in pagecast, nor its grouped top-k routing with expert bias correction"
+    ),
+    "DeepseekV2ForCausalLM": (
+        "DeepSeek-V2's multi-head latent attention (MLA: compressed KV with a decoupled RoPE key) has no "
+        "lowering or kernels in pagecast, nor its grouped top-k routing"
     ),
 }
 

@@ -91,11 +91,13 @@ class AttentionSpec:
     # The checkpoint holds q/k/v as one module under self_attn (Phi-3's "qkv_proj"): the plan reads
     # row ranges of its weight.
     fused_qkv_name: str | None = None
+    clip_qkv: float | None = None  # q, k and v clamped to [-c, c] after the q/k norms (OLMoE)
+    sinks: bool = False  # a learned per-head logit in each softmax's denominator (gpt-oss's attention sinks)
 
     def shape_key(self) -> tuple[Any, ...]:
         """What every layer must share: one model.py and one weight layout serve all layers."""
         return (self.num_heads, self.num_kv_heads, self.head_dim, self.qkv_bias, self.o_bias, self.qk_norm,
-                self.qk_norm_kind, self.qk_norm_eps, self.qk_norm_offset, self.fused_qkv_name is not None)  # fmt: skip
+                self.qk_norm_kind, self.qk_norm_eps, self.qk_norm_offset, self.fused_qkv_name is not None, self.clip_qkv, self.sinks)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,36 @@ class MlpSpec:
 
 
 @dataclass(frozen=True)
+class MoeSpec:
+    """A sparse mixture-of-experts block in place of the dense MLP: a router picks ``top_k`` of
+    ``num_experts`` gated MLPs per token (kernels/moe_routing.py says how ``scoring``,
+    ``renormalize`` and ``weights_in_x_dtype`` route), run by ops.moe. Checkpoint names are
+    relative to the layer's prefix; experts are stored one module per expert
+    (``{experts_name}.{e}.{gate|up|down}.weight``) or, where ``stacked``, as gpt-oss's three
+    tensors ([E, H, 2I] gate/up interleaved by column, [E, I, H] down, their biases)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    scoring: str  # "softmax_topk" or "topk_softmax" (moe_routing.SCORINGS)
+    renormalize: bool
+    weights_in_x_dtype: bool
+    activation: str = "silu"  # "silu" or "swiglu_oai" (moe_routing.ACTIVATIONS)
+    alpha: float = 1.702  # swiglu_oai only
+    limit: float = 7.0  # swiglu_oai only
+    router_bias: bool = False
+    expert_bias: bool = False
+    shared_expert_size: int = 0  # Qwen2-MoE: the shared expert's intermediate size; 0 = none
+    shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(x @ gate.T)
+    router_name: str = "mlp.gate"
+    experts_name: str = "mlp.experts"
+    expert_projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    shared_expert_name: str = "mlp.shared_expert"
+    stacked: bool = False
+    kind: str = "moe"
+
+
+@dataclass(frozen=True)
 class LayerSpec:
     """One decoder layer: attention then MLP, each a residual branch.
 
@@ -121,7 +153,7 @@ class LayerSpec:
     index: int
     hf_prefix: str  # e.g. "model.layers.0": where its weights live in the checkpoint
     attention: AttentionSpec
-    mlp: MlpSpec
+    mlp: MlpSpec | MoeSpec  # a dense MLP or a MoE block (mlp.kind)
     attn_in_norm: NormSpec | None = None
     attn_out_norm: NormSpec | None = None
     mlp_in_norm: NormSpec | None = None
@@ -182,7 +214,24 @@ class ModelIR:
 
     @property
     def mlp(self) -> MlpSpec:
-        return self.layers[0].mlp
+        """The dense MLP every dense layer shares (lower checks they agree). A model whose every
+        layer is a MoE block has none: its MoE spec's expert width stands in, without gate/up
+        biases, so that the plan and the manifest read one intermediate size."""
+        dense = self.dense_mlp
+        if dense is not None:
+            return dense
+        moe = self.moe
+        assert moe is not None
+        return MlpSpec(intermediate_size=moe.intermediate_size, activation=moe.activation, bias=False, kind="none")
+
+    @property
+    def dense_mlp(self) -> MlpSpec | None:
+        return next((layer.mlp for layer in self.layers if isinstance(layer.mlp, MlpSpec)), None)
+
+    @property
+    def moe(self) -> MoeSpec | None:
+        """The MoE block every MoE layer shares, None for a dense model."""
+        return next((layer.mlp for layer in self.layers if isinstance(layer.mlp, MoeSpec)), None)
 
 
 @dataclass(frozen=True)
@@ -198,6 +247,9 @@ class TensorPlan:
     source_cuts: tuple[tuple[int, int, int] | None, ...] = ()
     dtype: str | None = None  # stored dtype when not the plan's (int4 parts: "int32", "int8", scales)
     offset: float = 0.0  # added to the values as they are read: Gemma's (1 + w) norms (NormSpec)
+    # MoE experts: the sources form groups of ``stack`` consecutive ones (one group per expert), each
+    # group cut and concatenated along dim 0 as above, the groups stacked along a new dim 0; 0 = no stacking.
+    stack: int = 0
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,16 @@ import dataclasses
 from typing import Any
 
 from pagecast.builder.families import FAMILIES, FamilyParts, supported_list
-from pagecast.builder.ir import AttentionSpec, BuildState, LayerSpec, MlpSpec, ModelIR, NormSpec, RopeSpec
+from pagecast.builder.ir import (
+    AttentionSpec,
+    BuildState,
+    LayerSpec,
+    MlpSpec,
+    ModelIR,
+    MoeSpec,
+    NormSpec,
+    RopeSpec,
+)
 from pagecast.builder.trace import ModuleTrace, TraceSummary
 from pagecast.kernels.rope import SUPPORTED_ROPE_TYPES
 from pagecast.runtime.errors import BuildError
@@ -23,14 +32,32 @@ from pagecast.runtime.errors import BuildError
 _RMSNORM_OPS = {"to", "pow", "mean", "add", "rsqrt", "mul", "type_as"}
 _ATTENTION_CORE_OPS = {
     "view", "transpose", "unsqueeze", "mul", "slice", "neg", "cat", "add", "expand", "reshape",
-    "scaled_dot_product_attention", "contiguous", "to",
+    "scaled_dot_product_attention", "contiguous", "to", "clamp_",
 }  # fmt: skip
+# gpt-oss's eager attention with sinks: scores by matmul, the per-head sink logit concatenated as
+# one more column, softmax, the sink column dropped; its rotary splits halves with chunk.
+_SINK_ATTENTION_OPS = {
+    "view", "transpose", "unsqueeze", "chunk", "mul", "sub", "add", "cat", "expand", "reshape", "matmul", "max",
+    "softmax", "slice", "dropout", "to", "contiguous",
+}  # fmt: skip
+# A sparse-MoE block (transformers 5): the block reshapes and, with a shared expert, gates and adds
+# it; the router scores, takes the top k and may renormalise; the experts module sorts the
+# (token, expert) pairs, runs a grouped GEMM per projection and sums each token's rows.
+_MOE_BLOCK_OPS = {"view", "reshape", "sigmoid", "mul", "add"}
+_MOE_ROUTER_OPS = {"reshape", "view", "linear", "to", "softmax", "topk", "sum", "div", "div_"}
+_MOE_EXPERTS_OPS = {
+    "reshape", "view", "sort", "floor_divide", "index", "to", "histc", "cumsum", "ge", "unsqueeze", "clamp_",
+    "masked_fill_", "masked_fill", "transpose", "grouped_mm_fallback", "_grouped_mm", "chunk", "mul", "empty_like",
+    "arange", "index_put_", "sum",
+}  # fmt: skip
+# gpt-oss's experts add biases and apply the clamped SwiGLU inline.
+_MOE_EXPERTS_OPS_OAI = _MOE_EXPERTS_OPS | {"add_", "slice", "clamp", "sigmoid", "add"}
 # The decoder stack module builds position ids and the causal / sliding-window masks (the runtime
 # builds its own); the only op it may apply to the hidden states is a scalar multiply (Granite's
 # embedding multiplier).
 _DECODER_STACK_OPS = {
     "arange", "add", "sub", "unsqueeze", "slice", "diff", "ne", "eq", "le", "lt", "ge", "gt", "cumsum",
-    "new_ones", "to", "__and__", "__or__", "index", "expand", "mul",
+    "new_ones", "to", "__and__", "__or__", "index", "expand", "mul", "where",
 }  # fmt: skip
 # The HF rotary module only builds its cos/sin table (the engine builds its own from the config);
 # depending on the transformers version those ops are traced inside a no_grad region or inline.
@@ -186,9 +213,11 @@ def lower(trace: TraceSummary, config: Any, family: str, architecture: str) -> M
         )
     first = layers[0]
     for layer in layers[1:]:
+        # Dense and MoE layers may mix (Qwen2-MoE's mlp_only_layers); each kind must agree with its own.
+        like = next(x for x in layers if x.mlp.kind == layer.mlp.kind)
         same = (
             layer.attention.shape_key() == first.attention.shape_key()
-            and layer.mlp == first.mlp
+            and layer.mlp == like.mlp
             and layer.placement() == first.placement()
             and layer.residual_multiplier == first.residual_multiplier
         )
@@ -258,15 +287,25 @@ def _layer(
         raise BuildError(f"{attn}: the q and k norms differ in eps or kind; not supported")
     core = m.take(attn, "attention core")
     assert core is not None
-    m.only(core, _ATTENTION_CORE_OPS, "attention")
-    if "scaled_dot_product_attention" not in core.ops:
-        raise BuildError(f"{attn} ({core.type_name}) is not scaled-dot-product attention")
+    sinks = bool(core.attributes.get("sinks"))
+    if sinks:
+        m.only(core, _SINK_ATTENTION_OPS, "attention with sinks")
+        if not {"matmul", "cat", "softmax", "max"} <= set(core.ops) or "scaling" not in core.attributes:
+            raise BuildError(f"{attn} ({core.type_name}) has sinks but is not the sink attention pattern; not supported")
+        clip_qkv = None
+        rotates = "chunk" in core.ops  # gpt-oss rotates halves split by chunk (the same rotation as rotate_half)
+        scale = float(core.attributes["scaling"])
+    else:
+        m.only(core, _ATTENTION_CORE_OPS, "attention")
+        clip_qkv = _clip_qkv(core, parts)
+        if "scaled_dot_product_attention" not in core.ops:
+            raise BuildError(f"{attn} ({core.type_name}) is not scaled-dot-product attention")
+        rotates = "neg" in core.ops
+        scale = float(core.sdpa_kwargs.get("scale", head_dim**-0.5))
     if core.attributes.get("is_causal") is False:
         raise BuildError(f"{attn} ({core.type_name}) is bidirectional attention; only causal decoders are supported")
-    rotates = "neg" in core.ops
     if "use_rope" in core.attributes and bool(core.attributes["use_rope"]) != rotates:
         raise BuildError(f"{attn}: use_rope={core.attributes['use_rope']} but the trace says otherwise; not supported")
-    scale = float(core.sdpa_kwargs.get("scale", head_dim**-0.5))
     window = None
     if parts.window_source == "layer":
         window = core.attributes.get("sliding_window")
@@ -277,23 +316,10 @@ def _layer(
     rope = _rope(config, head_dim, layer_type if isinstance(layer_type, str) else None) if rotates else None
 
     mlp_path = f"{p}.mlp"
-    mlp_biases = [m.linear(f"{mlp_path}.{name}") for name in parts.gate_up]
-    down_bias = m.linear(f"{mlp_path}.down_proj")
-    if len({*mlp_biases, down_bias}) != 1:
-        raise BuildError(f"{mlp_path}: gate/up/down projections disagree on bias; not supported")
-    mlp = m.take(mlp_path, "gated MLP")
-    assert mlp is not None
-    m.only(mlp, {"mul", "chunk"} if len(parts.gate_up) == 1 else {"mul"}, "gated MLP")
-    act = m.take(f"{mlp_path}.{parts.activation_module}", "MLP activation")
-    assert act is not None
-    activation = None
-    if act.ops == ["silu"]:
-        activation = "silu"
-    elif act.ops == ["gelu"]:
-        activation = "gelu_tanh" if act.gelu_approximate == "tanh" else "gelu"
-    if activation is None:
-        raise _unsupported(act, act.ops[0] if act.ops else "<none>", "MLP activation (SiLU, GELU, GELU-tanh)")
-
+    if m.trace.get(f"{mlp_path}.experts") is not None:
+        mlp_spec: MlpSpec | MoeSpec = _moe(m, config, parts, mlp_path)
+    else:
+        mlp_spec = _dense_mlp(m, config, parts, mlp_path)
     return LayerSpec(
         index=i,
         hf_prefix=p,
@@ -312,15 +338,139 @@ def _layer(
             sliding_window=int(window) if window else None,
             logit_softcap=float(softcap) if softcap else None,
             fused_qkv_name=parts.qkv[0] if len(parts.qkv) == 1 else None,
+            clip_qkv=clip_qkv,
+            sinks=sinks,
         ),
-        mlp=MlpSpec(
-            intermediate_size=config.intermediate_size,
-            activation=activation,
-            bias=down_bias,
-            fused_gate_up_name=parts.gate_up[0] if len(parts.gate_up) == 1 else None,
-        ),
+        mlp=mlp_spec,
         residual_multiplier=residual_multiplier,
         **norms,  # type: ignore[arg-type]
+    )
+
+
+def _clip_qkv(core: ModuleTrace, parts: FamilyParts) -> float | None:
+    """OLMoE's clip_qkv: q, k and v each clamped to [-c, c] after the q/k norms."""
+    if not core.clamps:
+        return None
+    bounds = {(lo, hi) for lo, hi in core.clamps}
+    if len(core.clamps) != 3 or len(bounds) != 1:
+        raise _unsupported(core, "clamp_", "attention (only q, k and v clamped alike, as clip_qkv does)")
+    lo, hi = bounds.pop()
+    if not isinstance(hi, (int, float)) or lo != -hi or hi <= 0 or parts.qk_norm_kind != "projection":
+        raise _unsupported(core, "clamp_", "attention (clip_qkv after whole-projection q/k norms)")
+    return float(hi)
+
+
+def _dense_mlp(m: _Matcher, config: Any, parts: FamilyParts, mlp_path: str) -> MlpSpec:
+    mlp_biases = [m.linear(f"{mlp_path}.{name}") for name in parts.gate_up]
+    down_bias = m.linear(f"{mlp_path}.down_proj")
+    if len({*mlp_biases, down_bias}) != 1:
+        raise BuildError(f"{mlp_path}: gate/up/down projections disagree on bias; not supported")
+    mlp = m.take(mlp_path, "gated MLP")
+    assert mlp is not None
+    m.only(mlp, {"mul", "chunk"} if len(parts.gate_up) == 1 else {"mul"}, "gated MLP")
+    act = m.take(f"{mlp_path}.{parts.activation_module}", "MLP activation")
+    assert act is not None
+    activation = None
+    if act.ops == ["silu"]:
+        activation = "silu"
+    elif act.ops == ["gelu"]:
+        activation = "gelu_tanh" if act.gelu_approximate == "tanh" else "gelu"
+    if activation is None:
+        raise _unsupported(act, act.ops[0] if act.ops else "<none>", "MLP activation (SiLU, GELU, GELU-tanh)")
+    dense_size = getattr(config, "intermediate_size", None)
+    return MlpSpec(
+        intermediate_size=int(dense_size),
+        activation=activation,
+        bias=down_bias,
+        fused_gate_up_name=parts.gate_up[0] if len(parts.gate_up) == 1 else None,
+    )
+
+
+def _moe(m: _Matcher, config: Any, parts: FamilyParts, mlp_path: str) -> MoeSpec:
+    """A sparse-MoE block: routing and activation as kernels/moe_routing.py has them for the family
+    (checked against what the router's trace does), the experts' and the shared expert's shapes."""
+    from pagecast.kernels.moe_routing import moe_spec, num_experts
+
+    if parts.moe_block is None:
+        raise BuildError(f"{mlp_path} is a mixture-of-experts block, which pagecast does not build for this family")
+    block = m.take(mlp_path, "MoE block")
+    assert block is not None
+    m.only(block, _MOE_BLOCK_OPS, "MoE block")
+    arch = (config.architectures or [""])[0]
+    routing, act = moe_spec(arch, config.to_dict())
+    router = m.take(f"{mlp_path}.{parts.moe_router}", "MoE router")
+    assert router is not None
+    m.only(router, _MOE_ROUTER_OPS, "MoE router (softmax, top-k, renormalisation)")
+    if routing.scoring == "softmax_topk":
+        renormalises = "sum" in router.ops and any(op in router.ops for op in ("div", "div_"))
+        if "softmax" not in router.ops or router.ops.index("softmax") > router.ops.index("topk") or renormalises != routing.renormalize:
+            raise BuildError(
+                f"{mlp_path}.{parts.moe_router} ({router.type_name}, ops {router.ops}) does not route as "
+                f"{arch} is expected to (softmax, top-{routing.top_k}, renormalise={routing.renormalize}); not supported"
+            )
+    elif router.ops != ["linear", "topk", "softmax"]:
+        raise BuildError(
+            f"{mlp_path}.{parts.moe_router} ({router.type_name}, ops {router.ops}) does not route as {arch} is "
+            f"expected to (top-{routing.top_k} of the logits, then softmax); not supported"
+        )
+    router_bias = bool(router.linear_has_bias)
+    experts = m.take(f"{mlp_path}.experts", "MoE experts")
+    assert experts is not None
+    stacked = expert_bias = False
+    if act.kind == "silu":
+        m.only(experts, _MOE_EXPERTS_OPS, "MoE experts (grouped gated MLPs)")
+        expert_act = m.take(f"{mlp_path}.experts.act_fn", "MoE experts' activation")
+        assert expert_act is not None
+        if expert_act.ops != ["silu"]:
+            raise _unsupported(expert_act, expert_act.ops[0] if expert_act.ops else "<none>", "MoE experts' activation (SiLU)")
+    else:  # gpt-oss: biases, gate clamped above and up to +-limit, gate * sigmoid(alpha * gate) * (up + 1)
+        # alpha and limit as the code has them (transformers 5 fixes them at 1.702 and 7.0 whatever the
+        # config's swiglu_limit says); the integer clamp is the experts' index bookkeeping.
+        m.only(experts, _MOE_EXPERTS_OPS_OAI, "MoE experts (clamped SwiGLU with biases)")
+        value_clamps = [c for c in experts.clamps if any(isinstance(b, float) for b in c)]
+        limits = {abs(float(b)) for pair in value_clamps for b in pair if b is not None}
+        pattern = value_clamps[:1] == [(None, next(iter(limits), None))] and len(value_clamps) == 2
+        if len(experts.scalar_muls) != 1 or experts.scalar_adds != [1.0] or len(limits) != 1 or not pattern:
+            raise BuildError(
+                f"{mlp_path}.experts ({experts.type_name}) is not the clamped SwiGLU (alpha {experts.scalar_muls}, "
+                f"clamps {experts.clamps}); not supported"
+            )
+        act = dataclasses.replace(act, alpha=experts.scalar_muls[0], limit=limits.pop())
+        stacked = expert_bias = True
+    shared_size, shared_gate = 0, False
+    if m.trace.get(f"{mlp_path}.shared_expert") is not None:
+        shared = _dense_mlp(m, config, parts, f"{mlp_path}.shared_expert")
+        if shared.bias or shared.activation != "silu":
+            raise BuildError(f"{mlp_path}.shared_expert has biases or a non-SiLU activation; not supported")
+        shared_size = int(config.shared_expert_intermediate_size)
+        if m.trace.get(f"{mlp_path}.shared_expert_gate") is not None:
+            if m.linear(f"{mlp_path}.shared_expert_gate"):
+                raise BuildError(f"{mlp_path}.shared_expert_gate has a bias; not supported")
+            shared_gate = True
+        if block.ops.count("add") != 1 or block.ops.count("sigmoid") != int(shared_gate):
+            raise _unsupported(block, "add", "MoE block (experts plus an optionally gated shared expert)")
+    elif set(block.ops) - {"view", "reshape"}:
+        raise _unsupported(block, next(op for op in block.ops if op not in ("view", "reshape")), "MoE block")
+    inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    return MoeSpec(
+        num_experts=num_experts(config.to_dict()),
+        top_k=routing.top_k,
+        intermediate_size=int(inter),
+        scoring=routing.scoring,
+        renormalize=routing.renormalize,
+        weights_in_x_dtype=routing.weights_in_x_dtype,
+        activation=act.kind,
+        alpha=act.alpha,
+        limit=act.limit,
+        router_bias=router_bias,
+        expert_bias=expert_bias,
+        stacked=stacked,
+        shared_expert_size=shared_size,
+        shared_expert_gate=shared_gate,
+        router_name=f"{parts.moe_block}.{parts.moe_router}",
+        experts_name=f"{parts.moe_block}.experts",
+        expert_projections=parts.moe_expert_projections,
+        shared_expert_name=f"{parts.moe_block}.shared_expert",
     )
 
 

@@ -16,7 +16,7 @@ import torch
 
 from pagecast.builder import kv_cache, quant, shard
 from pagecast.builder.families import FAMILIES
-from pagecast.builder.ir import BuildState, ModelIR, NormSpec, Plan, TensorPlan
+from pagecast.builder.ir import BuildState, LayerSpec, ModelIR, MoeSpec, NormSpec, Plan, TensorPlan
 from pagecast.runtime.errors import BuildError
 
 # Known build targets: compute capability and memory, used when the GPU is not present.
@@ -98,15 +98,13 @@ def _sections(fused: str | None, names: list[str], sizes: list[int]) -> tuple[st
 
 
 def tensor_layout(model: ModelIR) -> list[TensorPlan]:
-    a, mlp, h = model.attention, model.mlp, model.hidden_size
+    a, h = model.attention, model.hidden_size
     q_out, kv_out = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-    inter = mlp.intermediate_size
     tensors = [TensorPlan("embed_tokens.weight", (model.embed_name,), (model.vocab_size, h))]
     for layer in model.layers:
         p, o = layer.hf_prefix, f"layers.{layer.index}"
         attn = f"{p}.self_attn"
         qkv_fused = f"{attn}.{a.fused_qkv_name}.weight" if a.fused_qkv_name else None
-        gu_fused = f"{p}.mlp.{mlp.fused_gate_up_name}.weight" if mlp.fused_gate_up_name else None
         if layer.attn_in_norm is not None:
             tensors.append(_norm(f"{o}.input_norm.weight", layer.attn_in_norm, (h,)))
         tensors.append(
@@ -137,10 +135,20 @@ def tensor_layout(model: ModelIR) -> list[TensorPlan]:
         tensors.append(TensorPlan(f"{o}.o_proj.weight", (f"{attn}.o_proj.weight",), (h, q_out)))
         if a.o_bias:
             tensors.append(TensorPlan(f"{o}.o_proj.bias", (f"{attn}.o_proj.bias",), (h,)))
+        if layer.attention.sinks:
+            tensors.append(TensorPlan(f"{o}.sinks", (f"{attn}.sinks",), (a.num_heads,)))
         if layer.attn_out_norm is not None:
             tensors.append(_norm(f"{o}.attn_out_norm.weight", layer.attn_out_norm, (h,)))
         if layer.mlp_in_norm is not None:
             tensors.append(_norm(f"{o}.post_attn_norm.weight", layer.mlp_in_norm, (h,)))
+        if isinstance(layer.mlp, MoeSpec):
+            tensors += moe_tensors(layer, layer.mlp, h)
+            if layer.mlp_out_norm is not None:
+                tensors.append(_norm(f"{o}.mlp_out_norm.weight", layer.mlp_out_norm, (h,)))
+            continue
+        mlp = layer.mlp
+        inter = mlp.intermediate_size
+        gu_fused = f"{p}.mlp.{mlp.fused_gate_up_name}.weight" if mlp.fused_gate_up_name else None
         tensors += [
             TensorPlan(
                 f"{o}.gate_up_proj.weight",
@@ -170,15 +178,58 @@ def tensor_layout(model: ModelIR) -> list[TensorPlan]:
     return tensors
 
 
+def moe_tensors(layer: LayerSpec, moe: MoeSpec, h: int) -> list[TensorPlan]:
+    """A MoE layer's tensors in kernels/moe_routing.py's layout: the router, the experts stacked
+    (experts.gate_up [E, 2I, H]: each expert's gate rows then up rows; experts.down [E, H, I]) and
+    Qwen2-MoE's shared expert as a dense MLP (shared_expert.gate_up_proj, .down_proj) with its gate."""
+    p, o = layer.hf_prefix, f"layers.{layer.index}"
+    e, inter = moe.num_experts, moe.intermediate_size
+    gate, up, down = moe.expert_projections
+    ex = f"{p}.{moe.experts_name}"
+    tensors = [TensorPlan(f"{o}.router.weight", (f"{p}.{moe.router_name}.weight",), (e, h))]
+    if moe.router_bias:
+        tensors.append(TensorPlan(f"{o}.router.bias", (f"{p}.{moe.router_name}.bias",), (e,)))
+    if moe.stacked:  # gpt-oss: [E, H, 2I] gate/up interleaved by column, [E, I, H] down, their biases
+        x = shard.expert_source
+        tensors += [
+            TensorPlan(f"{o}.experts.gate_up", tuple(x(f"{ex}.gate_up_proj", i, g) for i in range(e) for g in ("gate", "up")),
+                       (e, 2 * inter, h), stack=2),
+            TensorPlan(f"{o}.experts.down", tuple(x(f"{ex}.down_proj", i, "t") for i in range(e)), (e, h, inter), stack=1),
+            TensorPlan(f"{o}.experts.gate_up_bias",
+                       tuple(x(f"{ex}.gate_up_proj_bias", i, g) for i in range(e) for g in ("gate", "up")),
+                       (e, 2 * inter), stack=2),
+            TensorPlan(f"{o}.experts.down_bias", tuple(x(f"{ex}.down_proj_bias", i) for i in range(e)), (e, h), stack=1),
+        ]  # fmt: skip
+        return tensors
+    gate_up = tuple(f"{ex}.{i}.{name}.weight" for i in range(e) for name in (gate, up))
+    tensors += [
+        TensorPlan(f"{o}.experts.gate_up", gate_up, (e, 2 * inter, h), stack=2),
+        TensorPlan(f"{o}.experts.down", tuple(f"{ex}.{i}.{down}.weight" for i in range(e)), (e, h, inter), stack=1),
+    ]
+    if moe.shared_expert_size:
+        s, se = moe.shared_expert_size, f"{p}.{moe.shared_expert_name}"
+        tensors += [
+            TensorPlan(f"{o}.shared_expert.gate_up_proj.weight", (f"{se}.gate_proj.weight", f"{se}.up_proj.weight"), (2 * s, h)),
+            TensorPlan(f"{o}.shared_expert.down_proj.weight", (f"{se}.down_proj.weight",), (h, s)),
+        ]
+        if moe.shared_expert_gate:
+            tensors.append(TensorPlan(f"{o}.shared_expert_gate.weight", (f"{se}_gate.weight",), (1, h)))
+    return tensors
+
+
 def check_shapes(tensors: list[TensorPlan], shapes: dict[str, tuple[int, ...]]) -> None:
     """Every source tensor must exist with the shape the IR expects (sources concatenate on dim 0)."""
     for t in tensors:
+        if t.stack:  # each group of sources is one expert's [rows, ...] slice of the stacked tensor
+            t = dataclasses.replace(t, shape=(t.shape[0] * t.shape[1], *t.shape[2:]), stack=0)
         rows = 0
         for src in t.sources:
             base, rows_of = shard.parse_source(src)
             if base not in shapes:
                 raise BuildError(f"checkpoint is missing tensor {base!r} (needed for {t.name}); is it complete?")
             shape = shapes[base]
+            if src != base and rows_of is None:  # one expert's piece of a stacked tensor (gpt-oss)
+                shape = shard.expert_source_shape(src, shape)
             if rows_of is not None:
                 if rows_of[1] > shape[0]:
                     raise BuildError(f"tensor {base!r} has {shape[0]} rows, expected at least {rows_of[1]} for {t.name}")
@@ -192,7 +243,7 @@ def check_shapes(tensors: list[TensorPlan], shapes: dict[str, tuple[int, ...]]) 
 
 def memory_plan(
     model: ModelIR, dtype: str, block_size: int, max_model_len: int, max_num_seqs: int, memory_bytes: int | None,
-    weight_bytes: int | None = None, kv_cache_dtype: str | None = None,
+    weight_bytes: int | None = None, kv_cache_dtype: str | None = None, tp: int = 1,
 ) -> dict[str, Any]:
     """``kv_cache_dtype``: the KV cache's dtype when not the model's (fp8: one byte per element)."""
     a = model.attention
@@ -209,6 +260,10 @@ def memory_plan(
     activation_bytes = max_batched_tokens * (
         4 * model.vocab_size // 8 + elt * (4 * model.mlp.intermediate_size + 6 * model.hidden_size)
     ) + (512 << 20)
+    moe_workspace: dict[str, int] = {}
+    if model.moe is not None:
+        moe_workspace = moe_workspace_bytes(model, elt, max_batched_tokens, tp)
+        activation_bytes += max(moe_workspace.values())
     plan: dict[str, Any] = {
         "kv_cache_dtype": kv_dtype,
         "bytes_per_token": bytes_per_token,
@@ -223,6 +278,8 @@ def memory_plan(
         "device_memory_bytes": memory_bytes,
         "budgets": [],
     }
+    if moe_workspace:
+        plan["moe_workspace_bytes"] = moe_workspace  # per token bucket; the largest is in activation_bytes
     windowed = [layer.index for layer in model.layers if layer.attention.sliding_window]
     if windowed:
         plan["sliding_window_layers"] = {
@@ -246,6 +303,50 @@ def memory_plan(
                 }
             )
     return plan
+
+
+def moe_workspace_bytes(model: ModelIR, elt: int, max_batched_tokens: int, tp: int) -> dict[str, int]:
+    """The fused-MoE call's own buffers (fused_moe.workspace_bytes) at each token bucket up to the
+    largest step, on one rank (experts' intermediate cut by tp), for whichever kernel the tuner
+    may pick there: the default config, the naive loop or the widest tile. Layers run one after
+    another, so one layer's workspace is the model's."""
+    from pagecast.kernels import fused_moe
+    from pagecast.kernels.tuning import MOE_TOKEN_BUCKETS, KernelConfig
+
+    moe = model.moe
+    assert moe is not None
+    h, i = model.hidden_size, moe.intermediate_size // tp
+    naive = KernelConfig({"naive": 1}, 4, 1)
+    widest = KernelConfig({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, 8, 3)
+    out = {}
+    buckets = [b for b in MOE_TOKEN_BUCKETS if b < max_batched_tokens] + [max_batched_tokens]
+    for t in buckets:
+        configs = (fused_moe.default_config(t, moe.top_k, moe.num_experts, h, i), naive, widest)
+        out[f"t{t}"] = max(fused_moe.workspace_bytes(t, moe.top_k, moe.num_experts, h, i, elt, c) for c in configs)
+    return out
+
+
+def check_fits(plan: dict[str, Any], model: ModelIR) -> None:
+    """Refuse a build whose weights and largest step do not fit the GPU at the highest
+    --gpu-memory-utilization a server can ask for, with the numbers."""
+    total = plan.get("device_memory_bytes")
+    if not total:
+        return
+    usable = int(total * MEMORY_FRACTIONS[-1])
+    need = plan["weight_bytes"] + plan["activation_bytes"] + plan["bytes_per_block"]
+    if need > usable:
+        gib = 2**30
+        moe = ""
+        if "moe_workspace_bytes" in plan:
+            moe = f" (of which the MoE workspace at its largest bucket {max(plan['moe_workspace_bytes'].values()) / gib:.2f} GiB)"
+        per_rank = " per rank" if plan.get("per_rank") else ""
+        raise BuildError(
+            f"{model.architecture} does not fit this GPU{per_rank}: weights {plan['weight_bytes'] / gib:.2f} GiB "
+            f"({plan['num_parameters']:,} parameters) + activations {plan['activation_bytes'] / gib:.2f} GiB{moe} "
+            f"+ one KV block need {need / gib:.2f} GiB, but {MEMORY_FRACTIONS[-1]:.0%} of the GPU's "
+            f"{total / gib:.1f} GiB is {usable / gib:.2f} GiB; build with a larger --tp, a smaller --max-num-seqs "
+            f"or --quant"
+        )
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -277,6 +378,16 @@ def run(state: BuildState) -> BuildState:
         notes.append(f"max_model_len capped from {max_len} to the sliding window {window}")
         max_len = window
     tensors = tensor_layout(model)
+    if device == "cuda" and any(layer.attention.sinks for layer in model.layers):
+        raise BuildError(
+            f"{model.architecture} has attention sinks, which only pagecast's reference attention implements (the "
+            f"Triton attention kernels do not yet): build it for the CPU (--gpu cpu)"
+        )
+    if ckpt.quant is not None and model.moe is not None:
+        raise BuildError(
+            f"{model.architecture}: AWQ/GPTQ builds of mixture-of-experts models are not supported yet "
+            f"(the experts would need int4 fused-MoE kernels); build the half-type checkpoint"
+        )
     if ckpt.quant is not None and (model.attention.fused_qkv_name or model.mlp.fused_gate_up_name):
         raise BuildError(
             f"{model.architecture} keeps q/k/v or gate/up fused in one checkpoint tensor; AWQ/GPTQ builds of "
@@ -313,13 +424,15 @@ def run(state: BuildState) -> BuildState:
             memory_plan(
                 model, dtype, opts.block_size, max_len, opts.max_num_seqs, memory_bytes,
                 weight_bytes=quant.weight_bytes(tensors, DTYPE_BYTES[dtype]) if ckpt.quant is not None else None,
-                kv_cache_dtype=kv_plan.dtype,
+                kv_cache_dtype=kv_plan.dtype, tp=opts.tp,
             ),
             layout, tensors, DTYPE_BYTES[dtype],
         ),
         quantization=ckpt.quant,
         kv_cache=kv_plan,
     )
+    if model.moe is not None:
+        check_fits(plan.memory, model)
     report = dict(state.report)
     report["plan_notes"] = notes
     report["gpu_present"] = present

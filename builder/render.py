@@ -8,7 +8,7 @@ from importlib import resources
 import jinja2
 
 from pagecast.builder import quant, shard
-from pagecast.builder.ir import BuildState
+from pagecast.builder.ir import BuildState, MoeSpec
 from pagecast.builder.kv_cache import KVCachePlan
 from pagecast.runtime.errors import BuildError
 
@@ -20,7 +20,7 @@ def render_model(state: BuildState, rank: int = 0) -> str:
 
     model, plan = state.model, state.plan
     assert model is not None and plan is not None
-    a, mlp = model.attention, model.mlp
+    a, mlp, moe = model.attention, model.mlp, model.moe
     layer = model.layers[0]
     per_rank = shard.plan_layout(model, plan.tp)  # every rank holds the same shapes: one file serves all
     kv = plan.kv_cache or KVCachePlan(plan.dtype, (1.0,) * model.num_layers, (1.0,) * model.num_layers)
@@ -86,6 +86,20 @@ def render_model(state: BuildState, rank: int = 0) -> str:
         qk_norm=a.qk_norm,
         qk_norm_kind=a.qk_norm_kind,
         qk_norm_eps=repr(a.qk_norm_eps),
+        clip_qkv=repr(a.clip_qkv) if a.clip_qkv else None,
+        has_moe=moe is not None,
+        sinks=a.sinks,
+        all_moe=all(s.mlp.kind == "moe" for s in model.layers),
+        moe_layers=repr([s.mlp.kind == "moe" for s in model.layers]),
+        moe_routing=_moe_routing(moe),
+        moe_activation=_moe_activation(moe),
+        moe_num_experts=moe.num_experts if moe else 0,
+        moe_top_k=moe.top_k if moe else 0,
+        moe_intermediate_size=per_rank.moe_intermediate_size,
+        router_bias=bool(moe and moe.router_bias),
+        expert_bias=bool(moe and moe.expert_bias),
+        shared_expert=bool(moe and moe.shared_expert_size),
+        shared_expert_gate=bool(moe and moe.shared_expert_gate),
         qkv_bias=a.qkv_bias,
         o_bias=a.o_bias,
         mlp_bias=mlp.bias,
@@ -95,6 +109,21 @@ def render_model(state: BuildState, rank: int = 0) -> str:
         k_scales=repr(list(kv.k_scales)),
         v_scales=repr(list(kv.v_scales)),
     )
+
+
+def _moe_routing(moe: MoeSpec | None) -> str:
+    if moe is None:
+        return ""
+    return (
+        f"MoeRouting(top_k={moe.top_k}, scoring={moe.scoring!r}, renormalize={moe.renormalize}, "
+        f"weights_in_x_dtype={moe.weights_in_x_dtype})"
+    )
+
+
+def _moe_activation(moe: MoeSpec | None) -> str:
+    if moe is None:
+        return ""
+    return f"MoeActivation({moe.activation!r}, alpha={moe.alpha!r}, limit={moe.limit!r})"
 
 
 def run(state: BuildState) -> BuildState:

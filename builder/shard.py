@@ -14,6 +14,14 @@ checkpoint tensor it is cut from). The pack pass cuts with ``cut_source``. The r
   zero rows up to a multiple of tp). Llama-3's LM head alone is 1-2 GiB: replicated, every
   decode step on every rank would read all of it; split, each rank reads its share and the
   [rows, vocab / tp] logits are gathered (a few MB at decode batch sizes);
+- MoE experts (kernels/moe_routing.py's rule): every rank holds every expert and a slice of
+  each expert's intermediate dimension: ``experts.gate_up`` [E, 2I, H] cut like a fused
+  gate_up (each expert's gate and up rows), ``experts.down`` [E, H, I] by its input columns;
+  each rank's MoE output is a partial sum, all-reduced once (ops.moe); gpt-oss's gate_up
+  biases are cut with their rows, its down bias is held by rank 0 (zeros elsewhere: it is scaled
+  by the routing weight, so it cannot be added after the sum); its sinks are cut with the query
+  heads. Qwen2-MoE's shared
+  expert is cut like a dense MLP; the router and the shared expert's gate are whole;
 - everything else (norms, Qwen3's per-head q/k norms) is whole on every rank.
 
 Every rank's shard of a tensor has the same shape, so one rendered model.py serves all
@@ -48,6 +56,7 @@ class ShardLayout:
     vocab_size: int  # the model's vocabulary (logits are sliced back to it)
     vocab_per_rank: int  # embedding / LM head rows per rank, padding included
     embedding: str = "vocab-parallel"  # "vocab-parallel" or "whole" (tp == 1)
+    moe_intermediate_size: int = 0  # each expert's intermediate size per rank (0: a dense model)
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -79,6 +88,12 @@ def plan_layout(model: ModelIR, tp: int) -> ShardLayout:
         )
     if inter % tp:
         raise BuildError(f"--tp {tp} does not divide the MLP's intermediate size {inter}")
+    moe = model.moe
+    if moe is not None and (moe.intermediate_size % tp or moe.shared_expert_size % tp):
+        raise BuildError(
+            f"--tp {tp} does not divide the experts' intermediate size {moe.intermediate_size}"
+            + (f" or the shared expert's {moe.shared_expert_size}" if moe.shared_expert_size else "")
+        )
     kv_replicas = max(1, tp // a.num_kv_heads)
     return ShardLayout(
         tp=tp,
@@ -89,6 +104,7 @@ def plan_layout(model: ModelIR, tp: int) -> ShardLayout:
         vocab_size=model.vocab_size,
         vocab_per_rank=-(-model.vocab_size // tp),
         embedding="vocab-parallel" if tp > 1 else "whole",
+        moe_intermediate_size=moe.intermediate_size // tp if moe is not None else 0,
     )
 
 
@@ -102,9 +118,17 @@ def _source_cuts(name: str, t: TensorPlan, rank: int, layout: ShardLayout, num_k
     if leaf in ("qkv_proj.weight", "qkv_proj.bias"):
         kv: Cut = (0, rank, tp) if layout.kv_head_replicas == 1 else (0, rank // layout.kv_head_replicas, num_kv_heads)
         return ((0, rank, tp), kv, kv)
-    if leaf in ("gate_up_proj.weight", "gate_up_proj.bias"):
-        return ((0, rank, tp), (0, rank, tp))
-    if leaf in ("o_proj.weight", "down_proj.weight"):
+    if leaf in ("gate_up_proj.weight", "gate_up_proj.bias", "shared_expert.gate_up_proj.weight", "experts.gate_up"):
+        return ((0, rank, tp),) * len(t.sources)  # each (expert's) gate and up rows
+    if leaf == "experts.down":
+        return ((1, rank, tp),) * len(t.sources)
+    if leaf == "experts.gate_up_bias":
+        return ((0, rank, tp),) * len(t.sources)
+    if leaf == "experts.down_bias":  # added once, scaled by the routing weight: rank 0 holds it, the others zeros
+        return (None if rank == 0 else ZEROS,) * len(t.sources)
+    if leaf == "sinks":  # one per query head, cut with the heads
+        return ((0, rank, tp),)
+    if leaf in ("o_proj.weight", "down_proj.weight", "shared_expert.down_proj.weight"):
         return ((1, rank, tp),)
     if leaf in ("embed_tokens.weight", "lm_head.weight"):
         return ((0, rank, tp),)
@@ -116,6 +140,11 @@ def _shard_shape(t: TensorPlan, cuts: tuple[Cut, ...], layout: ShardLayout, mode
         return t.shape
     if t.name in ("embed_tokens.weight", "lm_head.weight"):
         return (layout.vocab_per_rank, *t.shape[1:])
+    if cuts[0] == ZEROS:
+        return t.shape
+    if t.stack:  # experts: [E, 2I / tp, H] or [E, H, I / tp], biases [E, 2I / tp]
+        dim = cuts[0][0] + 1  # type: ignore[index]
+        return tuple(n // layout.tp if d == dim else n for d, n in enumerate(t.shape))
     if cuts[0] is not None and cuts[0][0] == 1:  # row-parallel: input columns split
         return (t.shape[0], t.shape[1] // layout.tp)
     if t.name.split(".", 2)[-1].startswith("qkv_proj"):
@@ -135,11 +164,18 @@ def shard_tensors(tensors: list[TensorPlan], model: ModelIR, layout: ShardLayout
     return out
 
 
+# A cut that keeps the shape and holds zeros: a bias that one rank adds for all (gpt-oss's b_down).
+ZEROS: Cut = (0, 0, 0)
+
+
 def cut_source(tensor: torch.Tensor, cut: Cut) -> torch.Tensor:
     """Piece ``index`` of ``count`` equal pieces along ``dim``; pieces are ceil(size / count) long
-    and the last is padded with zeros (only the vocabulary ever needs it)."""
+    and the last is padded with zeros (only the vocabulary ever needs it). ``ZEROS``: zeros of the
+    tensor's shape."""
     if cut is None:
         return tensor
+    if cut == ZEROS:
+        return torch.zeros_like(tensor)
     dim, index, count = cut
     size = tensor.shape[dim]
     piece = -(-size // count)
@@ -162,6 +198,8 @@ def row_range(name: str, start: int, stop: int) -> str:
 
 def parse_source(source: str) -> tuple[str, tuple[int, int] | None]:
     """A TensorPlan source -> (checkpoint tensor name, its row range or None for all of it)."""
+    if _EXPERT in source:
+        return source.split(_EXPERT, 1)[0], None
     if _ROWS not in source:
         return source, None
     name, rows = source.split(_ROWS, 1)
@@ -169,7 +207,42 @@ def parse_source(source: str) -> tuple[str, tuple[int, int] | None]:
     return name, (int(start), int(stop))
 
 
+_EXPERT = "#expert="
+# How one expert's piece is read from a tensor that stacks all experts (gpt-oss): x is tensor[e].
+_EXPERT_PARTS = {
+    "gate": lambda x: x[..., 0::2].transpose(-1, -2) if x.dim() == 2 else x[0::2],  # [H, 2I] -> [I, H]; bias [2I] -> [I]
+    "up": lambda x: x[..., 1::2].transpose(-1, -2) if x.dim() == 2 else x[1::2],
+    "t": lambda x: x.transpose(-1, -2),  # down [I, H] -> [H, I]
+    "": lambda x: x,
+}
+
+
+def expert_source(name: str, expert: int, part: str = "") -> str:
+    """A source naming expert ``expert``'s piece of checkpoint tensor ``name`` that stacks every
+    expert on dim 0 (gpt-oss): its gate or up columns (interleaved in the checkpoint) as rows,
+    its transpose ("t"), or itself ("")."""
+    return f"{name}{_EXPERT}{expert}:{part}"
+
+
+def expert_source_shape(source: str, base_shape: tuple[int, ...]) -> tuple[int, ...]:
+    part = source.split(_EXPERT, 1)[1].split(":", 1)[1]
+    shape = base_shape[1:]
+    if part in ("gate", "up"):
+        return (shape[1] // 2, shape[0]) if len(shape) == 2 else (shape[0] // 2,)
+    return tuple(reversed(shape)) if part == "t" else shape
+
+
+_last_read: dict[str, torch.Tensor] = {}
+
+
 def read_source(read: Any, source: str) -> torch.Tensor:
+    if _EXPERT in source:
+        name, rest = source.split(_EXPERT, 1)
+        expert, part = rest.split(":", 1)
+        if name not in _last_read:  # an expert stack is read once for all its experts' pieces
+            _last_read.clear()
+            _last_read[name] = read(name)
+        return _EXPERT_PARTS[part](_last_read[name][int(expert)]).contiguous()
     name, rows = parse_source(source)
     tensor = read(name)
     return tensor if rows is None else tensor[rows[0] : rows[1]]
@@ -182,7 +255,11 @@ def rank_tensor(read: Any, t: TensorPlan, dtype: torch.dtype, prepare: Any = Non
     cuts = t.source_cuts or (None,) * len(t.sources)
     sources = (read_source(read, src) for src in t.sources)
     parts = [cut_source(x if prepare is None else prepare(x), cut) for x, cut in zip(sources, cuts, strict=True)]
-    tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    if t.stack:  # MoE experts: each group of ``stack`` parts is one expert
+        groups = [parts[i : i + t.stack] for i in range(0, len(parts), t.stack)]
+        tensor = torch.stack([g[0] if len(g) == 1 else torch.cat(g, dim=0) for g in groups])
+    else:
+        tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     if not torch.isfinite(tensor).all():
         raise BuildError(f"checkpoint tensor(s) {', '.join(t.sources)} contain NaN or inf; the checkpoint is corrupt")
     if t.offset:
@@ -266,4 +343,6 @@ def report_lines(layout: dict[str, Any]) -> list[str]:
         f"{layout['intermediate_size']}, {layout['vocab_per_rank']} vocabulary rows ({layout['embedding']} embedding "
         f"and LM head); memory figures are per rank"
     )
+    if layout.get("moe_intermediate_size"):
+        line += f"; every expert on every rank, {layout['moe_intermediate_size']} of each expert's intermediate columns"
     return [line]

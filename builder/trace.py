@@ -18,7 +18,7 @@ from pagecast.builder.ir import BuildState
 from pagecast.runtime.errors import BuildError
 
 # Bookkeeping ops that say nothing about the computation.
-_IGNORED = {"_assert_tensor_metadata", "getitem", "sym_size", "alias", "detach", "lift_fresh_copy"}
+_IGNORED = {"_assert_tensor_metadata", "getitem", "sym_size", "alias", "detach", "detach_", "lift_fresh_copy"}
 
 
 @dataclass
@@ -33,6 +33,7 @@ class ModuleTrace:
     scalar_muls: list[float] = field(default_factory=list)  # scalars multiplied in (Granite's multipliers)
     scalar_divs: list[float] = field(default_factory=list)  # scalars divided by (logit scaling, soft-caps)
     sdpa_kwargs: dict[str, Any] = field(default_factory=dict)
+    clamps: list[tuple[Any, Any]] = field(default_factory=list)  # (min, max) of each clamp (OLMoE's clip_qkv)
     gelu_approximate: str | None = None  # "none" or "tanh", for modules that call aten.gelu
     # Plain attributes of the module that decide what its attention does but that the sdpa trace
     # cannot show: the window and soft-cap are passed to the attention function, which sdpa
@@ -75,7 +76,13 @@ def trace_model(config: Any) -> TraceSummary:
         config.rope_parameters = {"rope_type": "default", "rope_theta": rope.get("rope_theta", 10000.0),
                                   "partial_rotary_factor": rope.get("partial_rotary_factor", 1.0)}
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        try:
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        except ValueError:
+            # No sdpa path (gpt-oss: attention sinks): trace its eager attention, which lower reads
+            # as the sink pattern.
+            config._attn_implementation = "eager"
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     model.eval()
     ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
     try:
@@ -107,6 +114,9 @@ def trace_model(config: Any) -> TraceSummary:
             mod.scalar_muls.append(float(node.args[1]))
         elif op == "div" and len(node.args) == 2 and isinstance(node.args[1], (int, float)):
             mod.scalar_divs.append(float(node.args[1]))
+        elif op in ("clamp", "clamp_"):
+            bounds = list(node.args[1:3]) + [None, None]
+            mod.clamps.append((node.kwargs.get("min", bounds[0]), node.kwargs.get("max", bounds[1])))
         elif op == "gelu":
             mod.gelu_approximate = str(node.kwargs.get("approximate", "none"))
         elif op == "scaled_dot_product_attention":
@@ -118,6 +128,8 @@ def trace_model(config: Any) -> TraceSummary:
                 for k in RECORDED_ATTRIBUTES
                 if hasattr(module, k) and isinstance(getattr(module, k), (int, float, bool, str, type(None)))
             }
+            if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+                modules[path].attributes["sinks"] = True  # gpt-oss: a learned per-head sink logit
     return TraceSummary(modules=modules)
 
 

@@ -49,7 +49,11 @@ def model_shapes(state: BuildState) -> dict[str, Any]:
         "vocab_size": model.vocab_size,
         "logits_stride": per_rank.vocab_per_rank * plan.tp,
         "attn_softcap": max((layer.attention.logit_softcap or 0.0) for layer in model.layers),
-        "activation": model.mlp.activation,
+        "activation": model.dense_mlp.activation if model.dense_mlp is not None else "silu",  # MoE-only: no dense MLP
+        # MoE blocks: the fused-MoE kernel is tuned per token bucket at one rank's expert width.
+        "num_experts": model.moe.num_experts if model.moe is not None else 0,
+        "top_k": model.moe.top_k if model.moe is not None else 0,
+        "moe_intermediate": per_rank.moe_intermediate_size,
     }
 
 
@@ -83,7 +87,8 @@ def _tune_main(shapes_json: str, budget_s: str) -> None:
     # The sampler's shapes, which ModelShapes (the tuned kernels') does not hold.
     vocab, logits_stride = fields.pop("vocab_size", None), fields.pop("logits_stride", None)
     shapes = tuning.ModelShapes(**fields)
-    table = tuning.tune(tuning.KERNELS, shapes, budget_s=float(budget_s), device="cuda")
+    kernels = tuning.KERNELS + (tuning.MOE_KERNELS if shapes.num_experts else ())  # fused MoE for MoE models
+    table = tuning.tune(kernels, shapes, budget_s=float(budget_s), device="cuda")
     copy_gbs = tuning.measure_copy_bandwidth("cuda")
     table["copy_bandwidth_gbs"] = round(copy_gbs, 1)
     rows = tuning.bandwidth_report(table, shapes, copy_gbs)

@@ -235,17 +235,22 @@ def paged_attention(
     num_decodes: int = 0,
     softcap: float = 0.0,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode batches (max_query_len == 1) take the split-context decode kernel; prefill and
     chunked prefill the prefill kernel. A mixed batch whose first ``num_decodes`` sequences have
     one query token each may run them through the decode kernel and the rest through the prefill
     kernel (from MIN_SPLIT_DECODES of them: see there); else the prefill kernel takes every
     row. An fp8 cache is read as fp8 * k_scale / v_scale. ``softcap`` > 0 soft-caps the scores
-    (Gemma 2), ``window`` > 0 is the layer's sliding window (reference.paged_attention)."""
+    (Gemma 2), ``window`` > 0 is the layer's sliding window, ``sinks`` [num_heads] gpt-oss's
+    per-head sink logits (reference.paged_attention; the Triton kernels have no sinks yet)."""
     if not _triton(q):
         return reference.paged_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale, softcap, window
-        )
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale, softcap, window,
+            sinks,
+        )  # fmt: skip
+    if sinks is not None:  # the builder refuses GPU builds of models with sinks (builder/plan.py)
+        raise NotImplementedError("attention sinks (gpt-oss) run only in the reference attention")
     split = num_decodes - num_decodes % SPLIT_ALIGN
     if max_query_len > 1 and MIN_SPLIT_DECODES is not None and MIN_SPLIT_DECODES <= split < seq_lens.shape[0]:
         return decodes_then_prefill(

@@ -167,6 +167,7 @@ def paged_attention(
     v_scale: float = 1.0,
     softcap: float = 0.0,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context.
 
@@ -178,13 +179,15 @@ def paged_attention(
     scale the output (as the kernels fold them). ``softcap`` > 0 soft-caps the scaled scores
     (cap * tanh(s / cap), before the causal mask); ``window`` > 0 lets a query at position p see
     only keys at positions p - window < k <= p (sliding-window attention, as transformers masks
-    it). Returns [num_tokens, num_heads, head_dim] in q's dtype.
+    it). ``sinks`` [num_heads] (gpt-oss) adds exp(sink) of each head to its softmax's denominator:
+    a column of logits that takes probability and gives no value. Returns [num_tokens, num_heads,
+    head_dim] in q's dtype.
     """
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     group = num_heads // num_kv_heads
     if q.shape[0] == seq_lens.shape[0]:  # one query per sequence: decode, batched over sequences
         return paged_decode_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, softcap, window
+            q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, softcap, window, sinks
         )
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
@@ -207,7 +210,7 @@ def paged_attention(
         if window:
             hidden |= k_pos <= q_pos - window
         scores.masked_fill_(hidden, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        probs = _softmax_with_sinks(scores, None if sinks is None else sinks.float().view(-1, 1, 1))
         out[q_start:q_end] = (torch.matmul(probs, v) * v_scale).transpose(0, 1).to(q.dtype)
     return out
 
@@ -223,6 +226,7 @@ def paged_decode_attention(
     v_scale: float = 1.0,
     softcap: float = 0.0,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """paged_attention for one query token per sequence (the last of its context), all sequences
     in one batched gather and matmul instead of a loop: this is the CPU engine's decode path."""
@@ -246,8 +250,17 @@ def paged_decode_attention(
     if window:  # the query sits at seq_len - 1
         valid &= k_pos >= seq_lens[:, None] - window
     scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    probs = _softmax_with_sinks(scores, None if sinks is None else sinks.float().view(1, num_kv_heads, group, 1))
     return (torch.matmul(probs, v) * v_scale).view(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last dim, with one more logit per row (``sinks``, broadcast to [..., 1])
+    in the denominator when given (its probability is dropped)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    combined = torch.cat((scores, sinks.expand(*scores.shape[:-1], 1)), dim=-1)
+    return torch.softmax(combined, dim=-1)[..., :-1]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

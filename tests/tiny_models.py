@@ -14,6 +14,8 @@ FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 # The families built from parts (tests/test_families.py): hidden 64, 4 layers, each configured so
 # that the part it adds changes the greedy tokens (see tiny_config).
 PART_FAMILIES = ("gemma2", "gemma3", "phi3", "olmo2", "granite", "smollm3")
+# Mixture-of-experts families (tests/test_moe_families.py): hidden 64, 3 layers, 4-8 experts.
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss")
 
 
 def smollm2_dir() -> Path:
@@ -53,6 +55,8 @@ def tiny_config(family: str, **overrides):  # type: ignore[no-untyped-def]
     )
     if family in PART_FAMILIES:
         return _part_family_config(family, common, overrides)
+    if family in MOE_FAMILIES:
+        return _moe_family_config(family, common, overrides)
     common.update(overrides)
     if family == "llama":
         return LlamaConfig(architectures=["LlamaForCausalLM"], **common)
@@ -129,6 +133,52 @@ def _part_family_config(family: str, common: dict, overrides: dict):  # type: ig
     raise ValueError(family)
 
 
+def _moe_family_config(family: str, common: dict, overrides: dict):  # type: ignore[no-untyped-def,type-arg]
+    from transformers import GptOssConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    small = dict(
+        common, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, num_experts_per_tok=2,
+    )  # fmt: skip
+    if family == "qwen3_moe":
+        small.update(moe_intermediate_size=32, num_experts=8, norm_topk_prob=True)
+        small.update(overrides)
+        return Qwen3MoeConfig(architectures=["Qwen3MoeForCausalLM"], **small)
+    if family == "mixtral":
+        small.pop("head_dim")
+        small.update(intermediate_size=32, num_local_experts=4, sliding_window=None)
+        small.update(overrides)
+        return MixtralConfig(architectures=["MixtralForCausalLM"], **small)
+    if family == "qwen2_moe":
+        # a dense first layer (mlp_only_layers), then MoE layers with a gated shared expert
+        small.pop("head_dim")
+        small.update(
+            moe_intermediate_size=32, num_experts=8, shared_expert_intermediate_size=48, mlp_only_layers=[0],
+            norm_topk_prob=False, use_sliding_window=False,
+        )  # fmt: skip
+        small.update(overrides)
+        return Qwen2MoeConfig(architectures=["Qwen2MoeForCausalLM"], **small)
+    if family == "olmoe":
+        small.pop("head_dim")
+        small.update(intermediate_size=32, num_experts=8, clip_qkv=0.5, norm_topk_prob=False)
+        small.update(overrides)
+        return OlmoeConfig(architectures=["OlmoeForCausalLM"], **small)
+    if family == "gpt_oss":
+        # sliding windows of 8 tokens on alternate layers, sinks, router and expert biases, untied head,
+        # YaRN past an original context of 32 tokens (make_checkpoint makes the SwiGLU's clamps bite)
+        small.update(
+            intermediate_size=32, num_local_experts=8, sliding_window=8, tie_word_embeddings=False,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 32, "rope_theta": 150000.0,
+            },
+        )  # fmt: skip
+        small.update(overrides)
+        return GptOssConfig(architectures=["GptOssForCausalLM"], **small)
+    raise ValueError(family)
+
+
 def make_checkpoint(path: Path, family: str = "llama", seed: int = 0, tokenizer: bool = True, **overrides) -> Path:  # type: ignore[no-untyped-def]
     """Save a tiny random checkpoint of ``family`` (weights, config and, unless ``tokenizer`` is
     False, the SmolLM2 tokenizer) to ``path``."""
@@ -142,6 +192,13 @@ def make_checkpoint(path: Path, family: str = "llama", seed: int = 0, tokenizer:
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    if family == "gpt_oss":  # gate/up values past the SwiGLU's limit of 7, and biases and sinks that matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.experts.gate_up_proj.mul_(12.0)
+                for p in (layer.mlp.experts.gate_up_proj_bias, layer.mlp.experts.down_proj_bias,
+                          layer.mlp.router.bias, layer.self_attn.sinks):  # fmt: skip
+                    p.normal_(0, 1.0)
     model.save_pretrained(str(path))
     if not tokenizer:
         return path

@@ -1,0 +1,250 @@
+"""Mixture-of-experts families end to end on the CPU (float32): tiny random checkpoints of
+Qwen3-MoE (norm_topk_prob true and false), Mixtral, Qwen2-MoE (a dense first layer, then MoE
+layers with a gated shared expert), OLMoE (whole-projection q/k norms, clip_qkv) and gpt-oss
+(attention sinks, sliding windows on alternate layers, router and expert biases, the clamped
+SwiGLU, YaRN) give
+transformers' greedy tokens and last-position logits through LLM; Qwen3-MoE through
+engine-serve and as a TP=2 build on gloo. Each family's test also shows that its own MoE part
+moves transformers' output on these checkpoints, so a lowering that dropped it would fail.
+Unsupported MoE architectures and models that do not fit the GPU are refused at build.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from engine_utils import engine_last_logits, hf_greedy
+
+from pagecast.builder.ir import BuildOptions
+from pagecast.builder.pipeline import build
+from pagecast.runtime import LLM, SamplingParams
+from pagecast.runtime.errors import BuildError
+
+PROMPTS = [
+    "Hello, my name is",
+    "def fib(n):\n    return",
+    " ".join(str(i) for i in range(40)),  # 109 tokens: past gpt-oss's 8-token windows and YaRN's original 32
+]
+MAX_TOKENS = 8
+
+# (family, checkpoint overrides, the config change (or weight change) that removes the case's own
+# part: transformers' logits must move under it)
+CASES = {
+    "qwen3_moe-norm": ("qwen3_moe", {}, [{"norm_topk_prob": False}]),
+    "qwen3_moe-no-norm": ("qwen3_moe", {"norm_topk_prob": False}, [{"norm_topk_prob": True}]),
+    "mixtral": ("mixtral", {}, [{"num_experts_per_tok": 1}]),
+    "qwen2_moe-shared-dense0": ("qwen2_moe", {}, ["no_shared_expert"]),
+    "olmoe-clip": ("olmoe", {}, [{"clip_qkv": None}]),
+    "gpt_oss": ("gpt_oss", {}, ["no_sinks", {"sliding_window": 4096}]),
+}
+
+
+def hf_model(checkpoint: Path, neutralised: dict | str | None = None):  # type: ignore[no-untyped-def,type-arg]
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(checkpoint))
+    for key, value in (neutralised if isinstance(neutralised, dict) else {}).items():
+        setattr(config, key, value)
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), config=config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        if neutralised == "no_shared_expert":  # Qwen2-MoE without its shared expert's contribution
+            for layer in model.model.layers[1:]:
+                layer.mlp.shared_expert.down_proj.weight.zero_()
+        if neutralised == "no_sinks":  # gpt-oss with sinks that take no probability
+            for layer in model.model.layers:
+                layer.self_attn.sinks.fill_(-1e9)
+    return model
+
+
+@pytest.fixture(scope="module")
+def moe_llm(tiny_artifact_factory):  # type: ignore[no-untyped-def]
+    made: dict[str, LLM] = {}
+
+    def get(case: str) -> LLM:
+        if case not in made:
+            family, overrides, _ = CASES[case]
+            made[case] = LLM(tiny_artifact_factory(family, **overrides), max_num_batched_tokens=64, max_num_seqs=8)
+        return made[case]
+
+    yield get
+    made.clear()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_moe_family_matches_transformers(case, moe_llm, tiny_checkpoint_factory):  # type: ignore[no-untyped-def]
+    family, overrides, neutralised = CASES[case]
+    ckpt = tiny_checkpoint_factory(family, **overrides)
+    llm = moe_llm(case)
+    tok = llm.tokenizer
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    hf = hf_model(ckpt)
+    for prompt, out in zip(PROMPTS, outputs, strict=True):
+        ids = tok.encode(prompt, add_special_tokens=False)
+        assert out.token_ids == hf_greedy(hf, ids, MAX_TOKENS), prompt
+
+    long_ids = tok.encode(PROMPTS[-1], add_special_tokens=False)
+    with torch.no_grad():
+        ref = hf(torch.tensor([long_ids])).logits[0, -1]
+        for change in neutralised:
+            moved = hf_model(ckpt, change)(torch.tensor([long_ids])).logits[0, -1]
+            assert (moved - ref).abs().max() > 1e-2, f"{case}: {change} does not change transformers' output"
+    torch.testing.assert_close(engine_last_logits(llm.engine, long_ids), ref, atol=1e-4, rtol=0)
+
+
+def test_moe_ir_and_plan(tiny_artifact_factory):  # type: ignore[no-untyped-def]
+    """Qwen2-MoE's layer 0 is dense (mlp_only_layers), the others MoE with the gated shared expert;
+    the plan counts every expert and the MoE workspace per token bucket."""
+    art = tiny_artifact_factory("qwen2_moe")
+    model_py = (art / "model.py").read_text()
+    assert "MOE_LAYERS = [False, True, True]" in model_py
+    assert "MoeRouting(top_k=2, scoring='softmax_topk', renormalize=False, weights_in_x_dtype=True)" in model_py
+    from safetensors import safe_open
+
+    with safe_open(str(art / "weights" / "rank0.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert tuple(f.get_slice("layers.1.experts.gate_up").get_shape()) == (8, 64, 64)  # [E, 2I, H]
+        assert tuple(f.get_slice("layers.1.experts.down").get_shape()) == (8, 64, 32)  # [E, H, I]
+        assert tuple(f.get_slice("layers.1.shared_expert_gate.weight").get_shape()) == (1, 64)
+    assert "layers.0.gate_up_proj.weight" in names and "layers.0.router.weight" not in names
+    plan = json.loads((art / "memory_plan.json").read_text())
+    # embeddings (tied) + per layer attention and norms + one dense MLP + two MoE blocks
+    attn = 64 * 64 * 2 + 2 * 32 * 64 + 64 + 2 * 32  # q, o, k, v and their biases
+    moe = 8 * 64 + 8 * 3 * 32 * 64 + 3 * 48 * 64 + 64
+    expected = 49152 * 64 + 64 + 3 * (attn + 2 * 64) + 3 * 96 * 64 + 2 * moe
+    assert plan["num_parameters"] == expected
+    workspace = plan["moe_workspace_bytes"]
+    assert workspace["t1"] > 0 and workspace["t2048"] > workspace["t16"] > workspace["t1"]
+
+
+def test_qwen3_moe_through_engine_serve(tmp_path, tiny_artifact_factory, tiny_checkpoint_factory):  # type: ignore[no-untyped-def]
+    from server_support import start_engine_serve
+    from transformers import AutoTokenizer
+
+    art = tiny_artifact_factory("qwen3_moe")
+    proc, base = start_engine_serve([str(art), "--max-num-batched-tokens", "32", "--max-num-seqs", "8"], tmp_path / "serve.log")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(art / "tokenizer"))
+        prompts = [tok.encode(p, add_special_tokens=False) for p in (PROMPTS[2], PROMPTS[0])]
+        model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
+        reply = httpx.post(
+            f"{base}/v1/completions",
+            json={"model": model, "prompt": prompts, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True},
+            timeout=120,
+        )
+        assert reply.status_code == 200, reply.text
+        texts = [c["text"] for c in sorted(reply.json()["choices"], key=lambda c: c["index"])]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    hf = hf_model(tiny_checkpoint_factory("qwen3_moe"))
+    for ids, text in zip(prompts, texts, strict=True):
+        assert text == tok.decode(hf_greedy(hf, ids, MAX_TOKENS), skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
+def test_moe_tp2_matches_transformers(family, tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    """TP=2 on gloo: every rank holds every expert and half of each expert's (and the shared
+    expert's and the dense layer's) intermediate columns; gpt-oss's down bias on rank 0 only,
+    its sinks cut with the heads."""
+    from conftest import build_artifact
+    from safetensors import safe_open
+
+    ckpt = tiny_checkpoint_factory(family)
+    art = build_artifact(ckpt, tmp_path / "tp2", tp=2)
+    with safe_open(str(art / "weights" / "rank1.safetensors"), "pt") as f:
+        assert tuple(f.get_slice("layers.1.experts.gate_up").get_shape()) == (8, 32, 64)
+        assert tuple(f.get_slice("layers.1.experts.down").get_shape()) == (8, 64, 16)
+        if family == "qwen2_moe":
+            assert tuple(f.get_slice("layers.1.shared_expert.down_proj.weight").get_shape()) == (64, 24)
+        else:
+            assert tuple(f.get_slice("layers.1.sinks").get_shape()) == (2,)
+            assert not f.get_tensor("layers.1.experts.down_bias").any()  # rank 0 adds it
+    llm = LLM(art, max_num_batched_tokens=32, max_num_seqs=4, kv_cache_memory="4MiB")
+    try:
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.engine.runner.close()
+    hf = hf_model(ckpt)
+    for prompt, out in zip(PROMPTS, outputs, strict=True):
+        ids = llm.tokenizer.encode(prompt, add_special_tokens=False)
+        assert out.token_ids == hf_greedy(hf, ids, 8), prompt
+
+
+# -- refusals ---------------------------------------------------------------------------------
+
+
+def _config_only(tmp_path: Path, config) -> Path:  # type: ignore[no-untyped-def]
+    path = tmp_path / "config-only"
+    path.mkdir()
+    config.save_pretrained(str(path))
+    return path
+
+
+def test_deepseek_mla_is_refused_naming_what_is_missing(tmp_path):  # type: ignore[no-untyped-def]
+    from transformers import DeepseekV3Config
+
+    ckpt = _config_only(tmp_path, DeepseekV3Config(architectures=["DeepseekV3ForCausalLM"], num_hidden_layers=2))
+    with pytest.raises(BuildError, match="DeepseekV3ForCausalLM.*multi-head latent attention.*Qwen3MoeForCausalLM"):
+        build(BuildOptions(model=str(ckpt), output=tmp_path / "art", force=True, quiet=True, load_format="dummy"))
+
+
+def test_moe_that_does_not_fit_the_gpu_is_refused_with_the_numbers(tmp_path):  # type: ignore[no-untyped-def]
+    from tiny_models import tiny_config
+
+    # 4 layers of 256 experts of 3 x 6144 x 4096: 36 GiB of experts per layer in bf16, 144 GiB in
+    # all, more than one H200 holds; at tp 2 each rank holds 72 GiB.
+    config = tiny_config(
+        "qwen3_moe", hidden_size=4096, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_hidden_layers=4, num_experts=256, moe_intermediate_size=6144, num_experts_per_tok=8,
+        dtype="bfloat16",
+    )  # fmt: skip
+    ckpt = _config_only(tmp_path, config)
+    options = {"model": str(ckpt), "force": True, "quiet": True, "load_format": "dummy", "gpu": "h200", "tune_budget_s": 0.0}
+    with pytest.raises(BuildError, match=r"does not fit this GPU: weights 1[0-9][0-9]\.\d\d GiB .*MoE workspace.*133\.\d\d GiB"):
+        build(BuildOptions(output=tmp_path / "art", **options))  # type: ignore[arg-type]
+    art = build(BuildOptions(output=tmp_path / "art2", tp=2, **options))  # type: ignore[arg-type]
+    plan = json.loads((art / "memory_plan.json").read_text())
+    assert plan["per_rank"] and plan["budgets"][-1]["num_blocks"] > 0
+
+
+@pytest.mark.parametrize(
+    "family,overrides",
+    [
+        ("qwen2_moe", {"mlp_only_layers": [], "decoder_sparse_step": 2, "num_hidden_layers": 4}),
+        ("qwen3_moe", {"mlp_only_layers": [2], "norm_topk_prob": False}),
+        ("mixtral", {}),
+    ],
+)
+def test_lowering_finds_the_moe_layers_and_their_routing(family, overrides):  # type: ignore[no-untyped-def]
+    """Which layers are MoE blocks comes from the trace (transformers' own decision), and agrees
+    with moe_routing.is_moe_layer; the routing recorded is the family's."""
+    from tiny_models import tiny_config
+
+    from pagecast.builder.lower import lower
+    from pagecast.builder.trace import trace_model
+    from pagecast.kernels.moe_routing import is_moe_layer
+
+    config = tiny_config(family, **overrides)
+    arch = config.architectures[0]
+    model = lower(trace_model(config), config, family, arch)
+    kinds = [layer.mlp.kind == "moe" for layer in model.layers]
+    assert kinds == [is_moe_layer(arch, config.to_dict(), i) for i in range(config.num_hidden_layers)]
+    assert not all(kinds) if family != "mixtral" else all(kinds)
+    moe = model.moe
+    assert moe is not None and moe.renormalize == (family == "mixtral" or bool(config.to_dict().get("norm_topk_prob")))
+    assert moe.weights_in_x_dtype == (family != "mixtral")
+
+
+def test_gpt_oss_gpu_builds_are_refused(tmp_path):  # type: ignore[no-untyped-def]
+    """Attention sinks exist only in the reference attention: a GPU build stops with the reason
+    instead of serving wrong text."""
+    from tiny_models import tiny_config
+
+    ckpt = _config_only(tmp_path, tiny_config("gpt_oss"))
+    options = {"model": str(ckpt), "force": True, "quiet": True, "load_format": "dummy"}
+    with pytest.raises(BuildError, match="attention sinks.*--gpu cpu"):
+        build(BuildOptions(output=tmp_path / "gpu", gpu="h200", **options))  # type: ignore[arg-type]
