@@ -182,7 +182,15 @@ class EngineCore:
         self.block_size = manifest.block_size
         self.eos_token_ids = frozenset(manifest.eos_token_ids)
         self.vocab_size = int(manifest.dims["vocab_size"])
-        self.max_model_len = min(manifest.max_model_len, options.max_model_len or manifest.max_model_len)
+        if options.max_model_len is not None and options.max_model_len > manifest.max_model_len:
+            # Positions past the artifact's context were never planned (memory plan, rope tables,
+            # tuned buckets): refuse instead of capping silently.
+            raise ValueError(
+                f"max_model_len {options.max_model_len} is longer than this artifact's {manifest.max_model_len}; "
+                f"rebuild it with `enginebuild --max-model-len {options.max_model_len}` (up to the model's "
+                "max_position_embeddings) or ask for at most the artifact's"
+            )
+        self.max_model_len = options.max_model_len or manifest.max_model_len
         check_kv_cache_option(options.kv_cache_dtype, manifest.kv_cache_dtype)
 
         num_blocks = self._num_kv_blocks()

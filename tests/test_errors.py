@@ -126,6 +126,12 @@ def test_gpu_artifact_on_a_cpu_machine(tmp_path, tiny_llama_checkpoint):  # type
         LLM(art)
 
 
+def test_max_model_len_above_the_artifacts_is_refused(tiny_llama_artifact):  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=r"max_model_len 100000 is longer than this artifact's 512; rebuild it with "
+                                          r"`enginebuild --max-model-len 100000`"):
+        LLM(tiny_llama_artifact, max_model_len=100_000)
+
+
 def test_prompt_longer_than_max_model_len(tiny_llama_artifact):  # type: ignore[no-untyped-def]
     llm = LLM(tiny_llama_artifact, max_model_len=32)
     with pytest.raises(InvalidRequestError, match=r"maximum context length is 32 tokens, but the prompt has \d+") as e:
