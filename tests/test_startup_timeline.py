@@ -32,6 +32,9 @@ def test_the_core_stamps_on_the_servers_clock(monkeypatch: pytest.MonkeyPatch) -
     handler = logging.StreamHandler(stream)
     log = logging.getLogger("pagecast.startup")
     monkeypatch.setattr(log, "level", logging.INFO)
+    # An earlier test in the same process may have run logging.config.dictConfig (uvicorn does),
+    # which disables the loggers that existed then.
+    monkeypatch.setattr(log, "disabled", False)
     log.addHandler(handler)
     try:
         # A server whose process started 5 s ago: its stamps say so, and its children inherit it.
