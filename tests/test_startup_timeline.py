@@ -31,10 +31,12 @@ def test_the_core_stamps_on_the_servers_clock(monkeypatch: pytest.MonkeyPatch) -
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
     log = logging.getLogger("pagecast.startup")
-    monkeypatch.setattr(log, "level", logging.INFO)
-    # An earlier test in the same process may have run logging.config.dictConfig (uvicorn does),
-    # which disables the loggers that existed then.
+    # setLevel, not an assignment: it clears the logger's isEnabledFor cache, which an earlier test
+    # in this process may have filled at the default level. dictConfig (uvicorn's) may also have
+    # disabled the loggers that existed then.
     monkeypatch.setattr(log, "disabled", False)
+    old_level = log.level
+    log.setLevel(logging.INFO)
     log.addHandler(handler)
     try:
         # A server whose process started 5 s ago: its stamps say so, and its children inherit it.
@@ -45,6 +47,7 @@ def test_the_core_stamps_on_the_servers_clock(monkeypatch: pytest.MonkeyPatch) -
         startup.mark("listening")
     finally:
         log.removeHandler(handler)
+        log.setLevel(old_level)
     assert child.returncode == 0, child.stderr
     lines = startup.parse_log(stream.getvalue() + child.stderr)
     assert [(process, phase) for process, phase, _ in lines] == [
