@@ -17,7 +17,8 @@ from pagecast.runtime.sampling_params import SamplingParams
 from pagecast.runtime.speculative import SpeculativeConfig
 
 # A smaller Llama than the target (tiny_llama_checkpoint: 3 layers of 96) with the same vocabulary.
-DRAFT = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+DRAFT = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+             tie_word_embeddings=False)  # untied: a tied tiny model repeats its last token, which would hide a shifted position
 
 
 @pytest.fixture(scope="session")
