@@ -164,3 +164,143 @@ def test_a_draft_with_another_block_size_is_refused(target_core, draft_checkpoin
 def test_a_missing_draft_is_refused(target_core, tmp_path):  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match="not a directory: give a draft artifact"):
         proposer_for(target_core, tmp_path / "nowhere")
+
+
+# -- enginebuild --speculative-config ---------------------------------------------------------
+
+
+def draft_config(model: Path | str, k: int = 3) -> dict:  # type: ignore[type-arg]
+    return {"method": "draft_model", "model": str(model), "num_speculative_tokens": k}
+
+
+@pytest.fixture(scope="session")
+def speculative_artifact(tiny_llama_checkpoint, draft_checkpoint, tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
+    """The tiny target built with its draft checkpoint nested (built with the target's options)."""
+    from conftest import build_artifact
+
+    out = tmp_path_factory.mktemp("spec-art") / "engine"
+    return build_artifact(tiny_llama_checkpoint, out, speculative_config=json.dumps(draft_config(draft_checkpoint)))
+
+
+def test_a_draft_checkpoint_is_built_into_the_artifact_and_recorded(speculative_artifact, draft_checkpoint):  # type: ignore[no-untyped-def]
+    from pagecast.runtime.artifact import load_manifest
+
+    manifest = load_manifest(speculative_artifact)
+    assert manifest.speculative == {**SpeculativeConfig("draft_model", 3, "speculative").to_dict()}
+    nested = load_manifest(speculative_artifact / "speculative")
+    assert (nested.block_size, nested.max_model_len, nested.dtype) == (16, manifest.max_model_len, manifest.dtype)
+    assert nested.dims["num_layers"] == 2 and nested.dims["vocab_size"] == manifest.dims["vocab_size"]
+    # Every nested file is listed and hashed by the target's manifest: the artifact is self-contained.
+    nested_files = {f"speculative/{rel}" for rel in [*nested.files, "manifest.json"]}
+    assert nested_files <= set(manifest.files)
+    # The build options keep the draft's source, for the rebuild command.
+    assert manifest.build_options["speculative_config"]["model"] == str(draft_checkpoint)
+
+
+def test_the_nested_draft_is_verified_with_the_artifact(speculative_artifact, tmp_path):  # type: ignore[no-untyped-def]
+    import shutil
+
+    from pagecast.runtime.errors import ArtifactError
+    from pagecast.runtime.loader import load_artifact
+
+    load_artifact(speculative_artifact, load_tokenizer=False)  # intact: loads
+    changed = shutil.copytree(speculative_artifact, tmp_path / "changed")
+    with open(changed / "speculative" / "memory_plan.json", "a") as f:
+        f.write(" ")
+    with pytest.raises(ArtifactError, match="speculative/memory_plan.json does not match the manifest"):
+        load_artifact(changed, load_tokenizer=False)
+    # The draft's weights are checked when the draft loads (against its own manifest, which the
+    # target's hashes), not by every load of the target.
+    weights = shutil.copytree(speculative_artifact, tmp_path / "weights")
+    with open(weights / "speculative" / "weights" / "rank0.safetensors", "r+b") as f:
+        f.seek(-4, 2)
+        f.write(b"\xff\xff\xff\xff")
+    load_artifact(weights, load_tokenizer=False)
+    with pytest.raises(ArtifactError, match="rank0.safetensors"):
+        load_artifact(weights / "speculative", load_tokenizer=False)
+    extra = shutil.copytree(speculative_artifact, tmp_path / "extra")
+    (extra / "speculative" / "planted.py").write_text("")
+    with pytest.raises(ArtifactError, match="files not listed in the manifest: speculative/planted.py"):
+        load_artifact(extra, load_tokenizer=False)
+
+
+def test_the_manifests_entry_makes_a_working_proposer(speculative_artifact, hf_draft):  # type: ignore[no-untyped-def]
+    from pagecast.runtime.speculative import make_proposer
+
+    core = make_core(speculative_artifact)
+    config = SpeculativeConfig.parse(core.artifact.manifest.speculative)
+    proposer = make_proposer(config, core)  # "speculative" resolves against the artifact
+    assert proposer.artifact.path == speculative_artifact / "speculative"
+    proposer.bind_kv_cache(core.block_pool.num_blocks)
+    r = request("a", prompt(10, 11), 1)
+    assert proposer.propose([r], [3]) == [greedy(hf_draft, r.all_token_ids, 3)]
+
+
+def test_a_draft_artifact_is_copied_in(tiny_llama_checkpoint, draft_artifact, tmp_path):  # type: ignore[no-untyped-def]
+    from conftest import build_artifact
+
+    from pagecast.runtime.artifact import load_manifest
+    from pagecast.runtime.loader import load_artifact
+
+    out = build_artifact(tiny_llama_checkpoint, tmp_path / "engine", speculative_config=draft_config(draft_artifact, 2))
+    assert load_manifest(out).speculative["model"] == "speculative"
+    assert (out / "speculative" / "manifest.json").read_bytes() == (draft_artifact / "manifest.json").read_bytes()
+    load_artifact(out, load_tokenizer=False)
+
+
+def test_ngram_records_only_the_config(tiny_llama_checkpoint, tmp_path):  # type: ignore[no-untyped-def]
+    from conftest import build_artifact
+
+    from pagecast.runtime.artifact import load_manifest
+
+    out = build_artifact(tiny_llama_checkpoint, tmp_path / "engine", speculative_config='{"method": "ngram"}')
+    assert load_manifest(out).speculative == SpeculativeConfig("ngram").to_dict()
+    assert not (out / "speculative").exists()
+
+
+def test_an_artifact_built_without_it_has_no_entry(tiny_llama_artifact):  # type: ignore[no-untyped-def]
+    from pagecast.runtime.artifact import load_manifest
+
+    # Absent from the file, so runtimes from before it still read the artifact.
+    assert "speculative" not in json.loads((tiny_llama_artifact / "manifest.json").read_text())
+    assert load_manifest(tiny_llama_artifact).speculative is None
+
+
+def test_enginebuild_refuses_an_unknown_key(tiny_llama_checkpoint, tmp_path):  # type: ignore[no-untyped-def]
+    from click.testing import CliRunner
+
+    from pagecast.builder.cli import main as enginebuild
+
+    args = ["--model", str(tiny_llama_checkpoint), "--gpu", "cpu", "--output", str(tmp_path / "e"), "--quiet",
+            "--speculative-config", '{"method": "draft_model", "modle": "x"}']  # fmt: skip
+    result = CliRunner().invoke(enginebuild, args)
+    assert result.exit_code == 2
+    assert "enginebuild: error: speculative_config has unknown key(s) modle; known:" in result.stderr
+    assert not (tmp_path / "e").exists()
+
+
+def test_enginebuild_refuses_a_draft_with_another_vocabulary(tiny_llama_checkpoint, tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    from click.testing import CliRunner
+
+    from pagecast.builder.cli import main as enginebuild
+
+    other = tiny_checkpoint_factory("llama", vocab_size=49280, **DRAFT)
+    args = ["--model", str(tiny_llama_checkpoint), "--gpu", "cpu", "--output", str(tmp_path / "e"), "--quiet",
+            "--speculative-config", json.dumps(draft_config(other))]  # fmt: skip
+    result = CliRunner().invoke(enginebuild, args)
+    assert result.exit_code == 2
+    assert "its vocabulary has 49280 tokens and the target's 49152" in result.stderr
+    assert not (tmp_path / "e").exists()  # no half artifact
+
+
+def test_eagle3_without_its_converter_is_a_clear_build_error(tiny_llama_checkpoint, tmp_path):  # type: ignore[no-untyped-def]
+    import importlib.util
+
+    from conftest import build_artifact
+
+    from pagecast.runtime.errors import BuildError
+
+    if importlib.util.find_spec("pagecast.builder.eagle3") is not None:
+        pytest.skip("this build has the EAGLE-3 converter")
+    with pytest.raises(BuildError, match="eagle3 is not available in this build"):
+        build_artifact(tiny_llama_checkpoint, tmp_path / "e", speculative_config={"method": "eagle3", "model": "x"})
