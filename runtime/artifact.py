@@ -501,4 +501,4 @@ def check_no_unlisted_files(artifact_dir: str | os.PathLike[str], manifest: Mani
 def is_weight_file(rel: str) -> bool:
     """A weight file: the artifact's own, or a nested draft artifact's (whose own manifest, listed
     and hashed here, lists their hashes: loading the draft verifies them, in the background on a GPU)."""
-    return rel.startswith("weights/") or rel.startswith(f"{SPECULATIVE_DIR}/weights/")
+    return rel.startswith(("weights/", f"{SPECULATIVE_DIR}/weights/"))

@@ -32,8 +32,10 @@ starts at position 0; and a preempted request, whose blocks are gone (``drop`` f
 Stale draft K/V can only lower the acceptance rate, never change an output: verification keeps
 the target's tokens whatever is proposed.
 
-Decode steps run eagerly (no CUDA graphs for the draft yet). Tensor-parallel targets or drafts
-are not supported yet.
+On a GPU (with the engine's cuda_graphs option) the decode steps replay CUDA graphs captured
+when the cache is bound, for the draft plan's batch sizes up to the most requests that
+speculate at once; the catch-up runs eagerly. Tensor-parallel targets or drafts are not
+supported yet.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from typing import Any
 import torch
 
 from pagecast.kernels import ops
+from pagecast.runtime.cuda_graphs import DecodeGraphs
 from pagecast.runtime.forward_context import ForwardContext
 from pagecast.runtime.kernel_cache import relink_groups
 from pagecast.runtime.loader import LoadedArtifact, load_artifact, zeros_kv_cache
@@ -89,6 +92,8 @@ class DraftModelProposer:
     cache adds per block, and ``bind_kv_cache(num_blocks)`` allocates that cache once the number
     of blocks is known. ``propose`` may be called only after it."""
 
+    graph_class: type[DecodeGraphs] = DecodeGraphs  # the decode graphs' maker (tests: a CPU stand-in)
+
     def __init__(self, config: SpeculativeConfig, core: Any):
         self.num_speculative_tokens = config.num_speculative_tokens
         path = resolve_model_path(config, Path(core.artifact.path))
@@ -99,6 +104,14 @@ class DraftModelProposer:
         self.device = self.artifact.device
         self.block_size = manifest.block_size
         self.max_num_batched_tokens = max(1, int(core.options.max_num_batched_tokens))
+        self.max_model_len = int(core.max_model_len)
+        # Decode graphs (GPU): no step speculates for more requests than this.
+        self.graphs: DecodeGraphs | None = None
+        self._graph_batch_limit = (
+            min(int(core.options.max_num_seqs), config.disable_by_batch_size)
+            if self.device.type == "cuda" and core.options.cuda_graphs
+            else 0
+        )
         # What the draft's KV cache costs per block, for the core's memory plan (the draft's own
         # memory plan: its layers, KV heads, head size and KV dtype).
         self.kv_bytes_per_block = int(self.artifact.memory_plan["bytes_per_block"])
@@ -120,6 +133,12 @@ class DraftModelProposer:
         self.model.bind_kv_cache(self.kv_cache)
         self.artifact.wait_verified()
         self._states.clear()  # a new cache holds nothing
+        if self._graph_batch_limit:
+            planned = self.artifact.memory_plan.get("cuda_graph_batch_sizes") or [1]
+            sizes = [b for b in planned if b <= self._graph_batch_limit] or [1]
+            ops.activate(self.artifact.kernels)  # the graphs replay the draft's kernel configs
+            self.graphs = self.graph_class(self.model, self.device, sizes, self.max_model_len, self.block_size)
+            self.graphs.capture()
 
     def drop(self, request_ids: set[str]) -> None:
         """Forget finished or preempted requests: a preempted one starts again from position 0."""
@@ -214,7 +233,7 @@ class DraftModelProposer:
     def _decode(self, requests: list[Request], tokens: list[int], positions: list[int]) -> list[int]:
         """One decode step: ``tokens[i]`` at ``positions[i]``; returns each request's argmax after it."""
         n = len(requests)
-        return self._forward(requests, tokens, positions, [1] * n, [p + 1 for p in positions], list(range(n)))
+        return self._forward(requests, tokens, positions, [1] * n, [p + 1 for p in positions], list(range(n)), True)
 
     def _forward(
         self,
@@ -224,9 +243,11 @@ class DraftModelProposer:
         query_lens: list[int],
         seq_lens: list[int],
         logits_rows: list[int],
+        decode: bool = False,
     ) -> list[int]:
         """One forward of the draft over a flat batch (sequence i: ``query_lens[i]`` tokens ending
-        at context length ``seq_lens[i]``); the argmax at each of ``logits_rows``."""
+        at context length ``seq_lens[i]``); the argmax at each of ``logits_rows``. A ``decode``
+        batch (one token per sequence, logits for each) replays a CUDA graph when one fits."""
         bs = self.block_size
         slots: list[int] = []
         query_start_loc = [0]
@@ -255,10 +276,16 @@ class DraftModelProposer:
             logits_indices=to_device(logits_rows, device, torch.int64),
             num_decodes=num_decodes,
         )
-        hidden = self.model.forward(to_device(input_ids, device, torch.int64), to_device(positions, device, torch.int64), ctx)
-        if not logits_rows:
-            return []
-        logits = self.model.compute_logits(hidden[ctx.logits_indices])
+        ids, pos = to_device(input_ids, device, torch.int64), to_device(positions, device, torch.int64)
+        graphs = self.graphs
+        if decode and graphs is not None and max_blocks <= graphs.max_blocks and graphs.can_run(len(requests), ctx.max_seq_len):
+            hidden = graphs.run(ids, pos, ctx.slot_mapping, ctx.block_tables, ctx.seq_lens, ctx.max_seq_len)
+            logits = self.model.compute_logits(hidden)  # every row: one per sequence
+        else:
+            hidden = self.model.forward(ids, pos, ctx)
+            if not logits_rows:
+                return []
+            logits = self.model.compute_logits(hidden[ctx.logits_indices])
         return logits.argmax(dim=-1).tolist()
 
 

@@ -17,8 +17,9 @@ from pagecast.runtime.sampling_params import SamplingParams
 from pagecast.runtime.speculative import SpeculativeConfig
 
 # A smaller Llama than the target (tiny_llama_checkpoint: 3 layers of 96) with the same vocabulary.
-DRAFT = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-             tie_word_embeddings=False)  # untied: a tied tiny model repeats its last token, which would hide a shifted position
+# Untied: a tied tiny model repeats its last token, which would hide a shifted position.
+DRAFT = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "tie_word_embeddings": False}  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -304,3 +305,22 @@ def test_eagle3_without_its_converter_is_a_clear_build_error(tiny_llama_checkpoi
         pytest.skip("this build has the EAGLE-3 converter")
     with pytest.raises(BuildError, match="eagle3 is not available in this build"):
         build_artifact(tiny_llama_checkpoint, tmp_path / "e", speculative_config={"method": "eagle3", "model": "x"})
+
+
+def test_decode_steps_replay_graphs_where_they_fit(tiny_llama_artifact, draft_artifact, hf_draft):  # type: ignore[no-untyped-def]
+    """The draft's decode steps through its decode graphs (on the CPU a stand-in that replays by
+    running the same forward on the graphs' buffers, tests/test_lazy_graphs.py), batches padded
+    to a captured size: the same drafts."""
+    from test_lazy_graphs import ReplayOnCPU
+
+    core = make_core(tiny_llama_artifact)
+    proposer = proposer_for(core, draft_artifact, k=4)
+    proposer.graph_class = ReplayOnCPU
+    proposer._graph_batch_limit = 4  # as on a GPU with cuda_graphs
+    proposer.bind_kv_cache(core.block_pool.num_blocks)
+    graphs = proposer.graphs
+    assert graphs is not None and sorted(set(graphs.captures)) == [1, 2, 4]
+    reqs = [request(str(i), prompt(20 + i, 5 + 4 * i), 1 + 10 * i) for i in range(3)]
+    drafts = proposer.propose(reqs, [4, 4, 2])
+    assert drafts == [greedy(hf_draft, r.all_token_ids, k) for r, k in zip(reqs, [4, 4, 2])]
+    assert graphs.replays == [4, 2, 2]  # 3 requests padded to 4, then the two that want more
