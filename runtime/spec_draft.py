@@ -300,7 +300,8 @@ def _load_draft(path: Path, core: Any) -> LoadedArtifact:
             f"speculative_config model {str(path)!r} is not a directory: give a draft artifact built with "
             "enginebuild (an absolute path, or one relative to the target artifact)"
         )
-    target_cache = os.environ.get("TRITON_CACHE_DIR")
+    # The target's private copy, if it shipped kernels (else the variable is the user's own, or unset).
+    target_cache = os.environ.get("TRITON_CACHE_DIR") if (Path(core.artifact.path) / "triton_cache").is_dir() else None
     verify = bool(getattr(core.options, "verify_weights", True))
     draft = load_artifact(path, verify_weights=verify, load_tokenizer=False)
     draft_cache = os.environ.get("TRITON_CACHE_DIR")

@@ -324,3 +324,34 @@ def test_decode_steps_replay_graphs_where_they_fit(tiny_llama_artifact, draft_ar
     drafts = proposer.propose(reqs, [4, 4, 2])
     assert drafts == [greedy(hf_draft, r.all_token_ids, k) for r, k in zip(reqs, [4, 4, 2])]
     assert graphs.replays == [4, 2, 2]  # 3 requests padded to 4, then the two that want more
+
+
+def test_the_drafts_compiled_kernels_join_the_targets_cache(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    """Loading the draft points Triton at its own private cache copy; the proposer merges it into
+    the target's and points Triton back, so neither model's kernels compile at serve time."""
+    from types import SimpleNamespace
+
+    from pagecast.runtime import spec_draft
+
+    (tmp_path / "target" / "triton_cache").mkdir(parents=True)
+    target_copy, draft_copy = tmp_path / "target-copy", tmp_path / "draft-copy"
+    (target_copy / "aa").mkdir(parents=True)
+    (target_copy / "aa" / "k.cubin").write_text("target kernel")
+    (draft_copy / "bb").mkdir(parents=True)
+    (draft_copy / "bb" / "d.cubin").write_text("draft kernel")
+    (draft_copy / "bb" / "__grp__d.json").write_text(json.dumps({"child_paths": {"d.cubin": "/gone/bb/d.cubin"}}))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(target_copy))
+
+    def load(path, verify_weights, load_tokenizer):  # type: ignore[no-untyped-def]
+        monkeypatch.setenv("TRITON_CACHE_DIR", str(draft_copy))
+        return "draft"
+
+    monkeypatch.setattr(spec_draft, "load_artifact", load)
+    core = SimpleNamespace(artifact=SimpleNamespace(path=tmp_path / "target"), options=SimpleNamespace(verify_weights=True))
+    assert spec_draft._load_draft(tmp_path, core) == "draft"
+    import os
+
+    assert os.environ["TRITON_CACHE_DIR"] == str(target_copy)
+    assert (target_copy / "aa" / "k.cubin").read_text() == "target kernel"
+    group = json.loads((target_copy / "bb" / "__grp__d.json").read_text())
+    assert group["child_paths"] == {"d.cubin": str(target_copy / "bb" / "d.cubin")}
