@@ -6,6 +6,7 @@ with the target is refused with what to do, and a build records (and nests) its 
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -349,8 +350,6 @@ def test_the_drafts_compiled_kernels_join_the_targets_cache(tmp_path, monkeypatc
     monkeypatch.setattr(spec_draft, "load_artifact", load)
     core = SimpleNamespace(artifact=SimpleNamespace(path=tmp_path / "target"), options=SimpleNamespace(verify_weights=True))
     assert spec_draft._load_draft(tmp_path, core) == "draft"
-    import os
-
     assert os.environ["TRITON_CACHE_DIR"] == str(target_copy)
     assert (target_copy / "aa" / "k.cubin").read_text() == "target kernel"
     group = json.loads((target_copy / "bb" / "__grp__d.json").read_text())
