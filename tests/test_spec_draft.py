@@ -354,3 +354,47 @@ def test_the_drafts_compiled_kernels_join_the_targets_cache(tmp_path, monkeypatc
     assert (target_copy / "aa" / "k.cubin").read_text() == "target kernel"
     group = json.loads((target_copy / "bb" / "__grp__d.json").read_text())
     assert group["child_paths"] == {"d.cubin": str(target_copy / "bb" / "d.cubin")}
+
+
+# -- end to end: LLM with a draft model ------------------------------------------------------
+
+E2E_PROMPTS = [prompt(30 + i, n) for i, n in enumerate((4, 9, 17, 6))]
+E2E_GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def generate(llm) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    return [o.outputs[0].token_ids for o in llm.generate(E2E_PROMPTS, E2E_GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture(scope="session")
+def plain_outputs(tiny_llama_artifact) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    from pagecast.runtime import LLM
+
+    return generate(LLM(tiny_llama_artifact, max_num_seqs=4, speculative_config="off"))
+
+
+@pytest.mark.parametrize("drafter", ["small", "itself"])
+def test_llm_with_a_draft_model_gives_the_same_greedy_tokens(tiny_llama_artifact, draft_artifact, plain_outputs, drafter):  # type: ignore[no-untyped-def]
+    """A small random draft (its drafts mostly rejected) and the target as its own draft (every
+    draft accepted, bonus tokens, accepted drafts' K/V reused): token for token the same."""
+    from pagecast.runtime import LLM
+
+    model = draft_artifact if drafter == "small" else tiny_llama_artifact
+    config = {"method": "draft_model", "model": str(model), "num_speculative_tokens": 3}
+    llm = LLM(tiny_llama_artifact, max_num_seqs=4, speculative_config=config)
+    assert generate(llm) == plain_outputs
+    stats = llm.engine.core.spec_stats
+    assert stats.num_draft_tokens > 0
+    if drafter == "itself":
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+        assert stats.num_emitted_tokens > 3 * stats.num_verified  # k + 1 tokens a step, mostly
+
+
+def test_an_artifact_built_with_a_draft_speculates_by_default(speculative_artifact):  # type: ignore[no-untyped-def]
+    from pagecast.runtime import LLM
+
+    plain = generate(LLM(speculative_artifact, max_num_seqs=4, speculative_config="off"))
+    llm = LLM(speculative_artifact, max_num_seqs=4)
+    assert llm.engine.core.speculative == SpeculativeConfig("draft_model", 3, "speculative")
+    assert generate(llm) == plain
+    assert llm.engine.core.spec_stats.num_draft_tokens > 0
