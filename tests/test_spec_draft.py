@@ -390,11 +390,10 @@ def test_llm_with_a_draft_model_gives_the_same_greedy_tokens(tiny_llama_artifact
         assert stats.num_emitted_tokens > 3 * stats.num_verified  # k + 1 tokens a step, mostly
 
 
-def test_an_artifact_built_with_a_draft_speculates_by_default(speculative_artifact):  # type: ignore[no-untyped-def]
+def test_an_artifact_built_with_a_draft_speculates_by_default(speculative_artifact, plain_outputs):  # type: ignore[no-untyped-def]
     from pagecast.runtime import LLM
 
-    plain = generate(LLM(speculative_artifact, max_num_seqs=4, speculative_config="off"))
-    llm = LLM(speculative_artifact, max_num_seqs=4)
+    llm = LLM(speculative_artifact, max_num_seqs=4)  # the same target as tiny_llama_artifact, and its draft
     assert llm.engine.core.speculative == SpeculativeConfig("draft_model", 3, "speculative")
-    assert generate(llm) == plain
+    assert generate(llm) == plain_outputs
     assert llm.engine.core.spec_stats.num_draft_tokens > 0
