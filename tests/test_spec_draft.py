@@ -227,13 +227,10 @@ def test_the_nested_draft_is_verified_with_the_artifact(speculative_artifact, tm
 
 
 def test_the_manifests_entry_makes_a_working_proposer(speculative_artifact, hf_draft):  # type: ignore[no-untyped-def]
-    from pagecast.runtime.speculative import make_proposer
-
-    core = make_core(speculative_artifact)
-    config = SpeculativeConfig.parse(core.artifact.manifest.speculative)
-    proposer = make_proposer(config, core)  # "speculative" resolves against the artifact
-    assert proposer.artifact.path == speculative_artifact / "speculative"
-    proposer.bind_kv_cache(core.block_pool.num_blocks)
+    core = make_core(speculative_artifact)  # no speculative_config: the artifact's own
+    proposer = core.proposer
+    assert proposer.artifact.path == speculative_artifact / "speculative"  # resolved against the artifact
+    assert proposer.kv_cache.shape[2] == core.block_pool.num_blocks  # bound by the core
     r = request("a", prompt(10, 11), 1)
     assert proposer.propose([r], [3]) == [greedy(hf_draft, r.all_token_ids, 3)]
 
