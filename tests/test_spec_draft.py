@@ -416,3 +416,26 @@ def test_an_artifact_built_with_a_draft_speculates_by_default(speculative_artifa
     assert llm.engine.core.speculative == SpeculativeConfig("draft_model", 3, "speculative")
     assert generate(llm) == plain_outputs
     assert llm.engine.core.spec_stats.num_draft_tokens > 0
+
+
+def test_preempted_and_prefix_sharing_requests_keep_their_drafts_right(tiny_llama_artifact):  # type: ignore[no-untyped-def]
+    """With the target as its own draft every draft is right, as long as the proposer's K/V
+    bookkeeping is: through preemptions (recomputed from position 0 in new blocks) and n = 2
+    siblings sharing prompt blocks, every draft is accepted and the tokens are the plain ones."""
+    from pagecast.runtime import LLM
+
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=32, ignore_eos=True)
+    prompts = [prompt(40 + i, 20) for i in range(2)]
+    plain = LLM(tiny_llama_artifact, max_num_seqs=4, speculative_config="off")
+    expected = [[c.token_ids for c in o.outputs] for o in plain.generate(prompts, params, use_tqdm=False)]
+    block = plain.engine.core.artifact.memory_plan["bytes_per_block"]
+    config = {"method": "draft_model", "model": str(tiny_llama_artifact), "num_speculative_tokens": 3}
+    # 5 blocks (of target and draft K/V) for 4 sequences of 52 tokens (4 blocks each).
+    tight = LLM(tiny_llama_artifact, max_num_seqs=4, speculative_config=config, kv_cache_memory=5 * 2 * block,
+                max_model_len=80)  # fmt: skip
+    out = tight.generate(prompts, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in out] == expected
+    core = tight.engine.core
+    assert core.block_pool.num_blocks == 5 and core.scheduler.num_preemptions > 0
+    assert core.spec_stats.num_draft_tokens > 0
+    assert core.spec_stats.num_accepted_tokens == core.spec_stats.num_draft_tokens
