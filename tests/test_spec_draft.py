@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shlex
 from pathlib import Path
 
 import pytest
@@ -207,7 +208,7 @@ def speculative_artifact(tiny_llama_checkpoint, draft_checkpoint, tmp_path_facto
 
 
 def test_a_draft_checkpoint_is_built_into_the_artifact_and_recorded(speculative_artifact, draft_checkpoint):  # type: ignore[no-untyped-def]
-    from pagecast.runtime.artifact import load_manifest
+    from pagecast.runtime.artifact import load_manifest, rebuild_command
 
     manifest = load_manifest(speculative_artifact)
     assert manifest.speculative == {**SpeculativeConfig("draft_model", 3, "speculative").to_dict()}
@@ -219,6 +220,9 @@ def test_a_draft_checkpoint_is_built_into_the_artifact_and_recorded(speculative_
     assert nested_files <= set(manifest.files)
     # The build options keep the draft's source, for the rebuild command.
     assert manifest.build_options["speculative_config"]["model"] == str(draft_checkpoint)
+    command = shlex.split(rebuild_command(speculative_artifact, manifest))
+    given = json.loads(command[command.index("--speculative-config") + 1])
+    assert SpeculativeConfig.parse(given) == SpeculativeConfig.parse(draft_config(draft_checkpoint))
 
 
 def test_the_nested_draft_is_verified_with_the_artifact(speculative_artifact, tmp_path):  # type: ignore[no-untyped-def]
