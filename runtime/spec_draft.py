@@ -63,6 +63,10 @@ from pagecast.runtime.transfer import to_device
 logger = logging.getLogger("pagecast.engine")
 
 TOKENIZER_FILE = "tokenizer/tokenizer.json"
+_TP_UNSUPPORTED = (
+    "speculative decoding with a draft model is not supported yet with tensor parallelism "
+    "(target tp {target}, draft tp {draft}); build both with --tp 1, or use method ngram"
+)
 
 
 @dataclass
@@ -98,6 +102,8 @@ class DraftModelProposer:
 
     def __init__(self, config: SpeculativeConfig, core: Any):
         self.num_speculative_tokens = config.num_speculative_tokens
+        if core.artifact.manifest.tp > 1:  # checked again with the draft's in check_draft; here before loading it
+            raise ValueError(_TP_UNSUPPORTED.format(target=core.artifact.manifest.tp, draft="not loaded"))
         path = resolve_model_path(config, Path(core.artifact.path))
         self.artifact = _load_draft(path, core)
         check_draft(self.artifact, core)
@@ -351,10 +357,7 @@ def check_draft(draft: LoadedArtifact, core: Any) -> None:
     ours = draft.manifest
     where = f"draft model {draft.path}"
     if target.tp > 1 or ours.tp > 1:
-        raise ValueError(
-            f"{where}: speculative decoding with a draft model is not supported yet with tensor parallelism "
-            f"(target tp {target.tp}, draft tp {ours.tp}); build both with --tp 1, or use method ngram"
-        )
+        raise ValueError(f"{where}: " + _TP_UNSUPPORTED.format(target=target.tp, draft=ours.tp))
     target_vocab, draft_vocab = int(target.dims["vocab_size"]), int(ours.dims["vocab_size"])
     if draft_vocab != target_vocab:
         raise ValueError(

@@ -443,3 +443,19 @@ def test_preempted_and_prefix_sharing_requests_keep_their_drafts_right(tiny_llam
     assert core.block_pool.num_blocks == 5 and core.scheduler.num_preemptions > 0
     assert core.spec_stats.num_draft_tokens > 0
     assert core.spec_stats.num_accepted_tokens == core.spec_stats.num_draft_tokens
+
+
+def test_tensor_parallel_targets_and_drafts_are_refused(target_core, draft_checkpoint, tmp_path):  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    from conftest import build_artifact
+
+    from pagecast.runtime.spec_draft import DraftModelProposer
+
+    config = SpeculativeConfig("draft_model", model=str(tmp_path))
+    tp_target = SimpleNamespace(artifact=SimpleNamespace(manifest=SimpleNamespace(tp=2), path=tmp_path))
+    with pytest.raises(ValueError, match=r"not supported yet with tensor parallelism \(target tp 2.*--tp 1"):
+        DraftModelProposer(config, tp_target)  # before loading any draft
+    tp_draft = build_artifact(draft_checkpoint, tmp_path / "tp2", tp=2)
+    with pytest.raises(ValueError, match=r"not supported yet with tensor parallelism \(target tp 1, draft tp 2\)"):
+        proposer_for(target_core, tp_draft)
