@@ -440,7 +440,7 @@ class EngineCore:
             self._admit_compiled()
             if self._failed:
                 return []
-        if self.proposer is not None and 0 < self.scheduler.num_running <= self.speculative.disable_by_batch_size:
+        if self.proposer is not None and self._ready_to_speculate():
             return self._speculative_step()
         if self.async_scheduling:
             scheduled = self.scheduler.schedule()
@@ -490,13 +490,29 @@ class EngineCore:
             stats.num_steps += 1
         return results
 
+    def _ready_to_speculate(self) -> bool:
+        """Whether this step speculates: a batch small enough (``disable_by_batch_size``) with a
+        running request that is not pausing. Counts every pausing request's pause down by a step."""
+        assert self.speculative is not None
+        running = self.scheduler.running
+        if not 0 < len(running) <= self.speculative.disable_by_batch_size:
+            return False
+        ready = False
+        for request in running:
+            if request.spec_skip:
+                request.spec_skip -= 1
+            else:
+                ready = True
+        return ready
+
     def _propose(self) -> list[Request]:
         """Ask the proposer for drafts for every running request that decodes next (one token
         behind, nothing pending) and has room for them: tokens left before max_tokens and
         max_model_len (verifying k drafts yields up to k + 1 tokens), and free blocks for their
-        positions (a draft never preempts anyone). A request whose drafts were rejected outright
-        several steps in a row pauses, for twice as many steps each time (up to 32), so a
-        drafter that does not predict this text costs little; one accepted draft resets it."""
+        positions (a draft never preempts anyone). A request that got no drafts, or whose drafts
+        were all rejected, several steps in a row pauses (``_missed``), so a drafter that does not
+        predict this text costs little: a step where no request may speculate is an ordinary
+        one (asynchronous, CUDA graphs)."""
         assert self.speculative is not None and self.proposer is not None
         k = self.speculative.num_speculative_tokens
         pool = self.block_pool
@@ -507,7 +523,6 @@ class EngineCore:
             if request.num_pending_tokens or request.num_computed_tokens != len(request.all_token_ids) - 1:
                 continue
             if request.spec_skip:
-                request.spec_skip -= 1
                 continue
             room = min(k, request.max_tokens - request.num_output_tokens - 1, max_model_len - request.num_tokens - 1)
             if room > 0 and pool.allocate_slots(request, 1 + room):
@@ -517,6 +532,8 @@ class EngineCore:
             return []
         for request, drafts, room in zip(requests, self.proposer.propose(requests, counts), counts):
             request.spec_token_ids = list(drafts[:room])
+            if not drafts:
+                _missed(request)
         return requests
 
     def set_speculative(self, config: SpeculativeConfig | dict[str, Any] | str | None) -> None:
@@ -553,9 +570,7 @@ class EngineCore:
             if accepted:
                 request.spec_misses = 0
             else:
-                request.spec_misses += 1
-                if request.spec_misses >= SPEC_MISSES_BEFORE_PAUSE:
-                    request.spec_skip = min(2 ** (request.spec_misses - SPEC_MISSES_BEFORE_PAUSE + 1), SPEC_MAX_PAUSE)
+                _missed(request)
 
     def _collect_inflight(self) -> list[StepResult]:
         inflight, self._inflight = self._inflight, None
@@ -647,6 +662,15 @@ class EngineCore:
 # for 2, 4, ... steps (at most SPEC_MAX_PAUSE), then tries again.
 SPEC_MISSES_BEFORE_PAUSE = 3
 SPEC_MAX_PAUSE = 32
+
+
+def _missed(request: Request) -> None:
+    """A step in which the request's drafts were all rejected, or it got none: after
+    SPEC_MISSES_BEFORE_PAUSE of them in a row it pauses for 2, 4, ... steps (at most
+    SPEC_MAX_PAUSE) before it speculates again; an accepted draft ends the streak."""
+    request.spec_misses += 1
+    if request.spec_misses >= SPEC_MISSES_BEFORE_PAUSE:
+        request.spec_skip = min(2 ** (request.spec_misses - SPEC_MISSES_BEFORE_PAUSE + 1), SPEC_MAX_PAUSE)
 
 
 def speculative_config(option: Any, built_in: Any) -> SpeculativeConfig | None:

@@ -200,6 +200,15 @@ class ModelRunner:
         prompt_lp: list[tuple[Request, int, int, int]] = []
         spec_drafts = out.spec_token_ids
         spec: list[tuple[Request, int, list[int]]] = []
+        # A step of decodes and verifications only is laid out as a decode batch: each draft
+        # position is a row of its own (one query token, attending to its context up to and
+        # including itself, through the request's block table; every row's K/V is written
+        # before any row attends), so it runs the tuned decode kernels and the decode CUDA
+        # graphs. With a prompt chunk in the step, a verification is one multi-token query.
+        decode_rows = bool(spec_drafts) and all(
+            n == 1 or r.request_id in spec_drafts for r, n in zip(out.scheduled_requests, out.num_scheduled_tokens)
+        )
+        row_tables: list[list[int]] | None = [] if decode_rows else None
         max_blocks = 1
         for req, n in zip(out.scheduled_requests, out.num_scheduled_tokens):
             start = req.num_computed_tokens
@@ -213,12 +222,19 @@ class ModelRunner:
                 positions.extend(range(start, end))
                 block_ids = req.block_ids
                 slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
-                seq_lens.append(end)
-                query_start_loc.append(len(input_ids))
+                if row_tables is not None:
+                    seq_lens.extend(range(start + 1, end + 1))
+                    query_start_loc.extend(range(row0 + 1, row0 + n + 1))
+                    row_tables.extend([block_ids] * n)
+                else:
+                    seq_lens.append(end)
+                    query_start_loc.append(len(input_ids))
                 max_blocks = max(max_blocks, len(block_ids))
                 spec.append((req, len(logits_rows), drafts))
                 logits_rows.extend(range(row0, row0 + n))
                 continue
+            if row_tables is not None:
+                row_tables.append(req.block_ids)
             if n == 1:
                 known = req.all_token_ids
                 if start < len(known):
@@ -253,11 +269,12 @@ class ModelRunner:
                 sample_requests.append(req)
                 sample_rows.append(len(logits_rows))
                 logits_rows.append(row0 + n - 1)
-        block_tables = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in out.scheduled_requests]
+        tables = row_tables if row_tables is not None else [r.block_ids for r in out.scheduled_requests]
+        block_tables = [t + [0] * (max_blocks - len(t)) for t in tables]
         def to_dev(values: list, dtype: torch.dtype) -> torch.Tensor:
             return to_device(values, self.device, dtype)
 
-        max_query_len = max(out.num_scheduled_tokens)
+        max_query_len = 1 if decode_rows else max(out.num_scheduled_tokens)
         ctx = ForwardContext(
             slot_mapping=to_dev(slots, torch.int64),
             block_tables=to_dev(block_tables, torch.int32),
@@ -284,13 +301,15 @@ class ModelRunner:
         )
 
     def _use_graph(self, batch: _Batch, num_seqs: int) -> bool:
-        # A graph computes logits for every row: usable when each row is one token that samples.
+        # A graph computes logits for every row: usable when each row is one token whose logits
+        # are wanted (it samples, or it verifies a draft), in row order.
+        num_rows = batch.input_ids.shape[0]
         return (
             self.graphs is not None
             and batch.ctx.max_query_len == 1
-            and len(batch.sample_rows) == num_seqs
+            and len(batch.sample_rows) + sum(len(d) + 1 for _, _, d in batch.spec) == num_rows
             and not batch.prompt_lp
-            and self.graphs.can_run(num_seqs, batch.ctx.max_seq_len)
+            and self.graphs.can_run(num_rows, batch.ctx.max_seq_len)
         )
 
     def _logits(self, batch: _Batch, num_seqs: int) -> torch.Tensor | None:

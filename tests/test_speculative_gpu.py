@@ -30,11 +30,11 @@ def test_greedy_and_seeded_outputs_equal_those_without_speculation(artifact: Pat
         SamplingParams(max_tokens=64, temperature=0.3, top_k=8, seed=3, ignore_eos=True),
         SamplingParams(max_tokens=64, temperature=0.5, top_p=0.9, seed=4, ignore_eos=True, presence_penalty=0.2),
     ]
-    base = LLM(str(artifact), gpu_memory_utilization=0.3)
+    base = LLM(str(artifact), kv_cache_memory="256MiB")
     ref = base.generate(PROMPTS, params)
     del base
     torch.cuda.empty_cache()
-    spec = LLM(str(artifact), gpu_memory_utilization=0.3,
+    spec = LLM(str(artifact), kv_cache_memory="256MiB",
                speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})  # fmt: skip
     out = spec.generate(PROMPTS, params)
     assert [o.outputs[0].token_ids for o in out] == [r.outputs[0].token_ids for r in ref]
