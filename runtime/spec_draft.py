@@ -14,9 +14,7 @@ step's ``propose``:
 1. catches up: one flat ragged batch (like ModelRunner.prepare's) over every request's
    positions ``[computed, num_tokens)`` (split into forwards of at most
    ``max_num_batched_tokens`` tokens), logits only at each request's last known token; their
-   argmax is draft 1. Where the engine bounds a step's prompt tokens (on the CPU), the catch-up
-   of one step is bounded the same way: a request that does not fit (a long prompt just
-   prefilled) computes part of it and drafts nothing this step;
+   argmax is draft 1;
 2. decodes ``k - 1`` times more, one token per request that wants more: draft ``j`` goes in at
    position ``num_tokens - 1 + j`` and draft ``j + 1`` comes out.
 
@@ -112,15 +110,6 @@ class DraftModelProposer:
         self.device = self.artifact.device
         self.block_size = manifest.block_size
         self.max_num_batched_tokens = max(1, int(core.options.max_num_batched_tokens))
-        # The catch-up tokens one propose may compute (None: all of them). Where the engine bounds a
-        # step's prompt tokens to bound its time (the CPU; engine_core.CPU_MAX_NUM_PREFILL_TOKENS),
-        # the draft's catch-up of a prompt is bounded the same way: a request whose catch-up does
-        # not fit drafts nothing this step (it decodes as without speculation) and goes on next step.
-        from pagecast.runtime.engine_core import default_max_num_prefill_tokens
-
-        self.max_catch_up_tokens: int | None = core.options.max_num_prefill_tokens or default_max_num_prefill_tokens(
-            self.device.type
-        )
         self.max_model_len = int(core.max_model_len)
         # Decode graphs (GPU): no step speculates for more requests than this.
         self.graphs: DecodeGraphs | None = None
@@ -178,17 +167,13 @@ class DraftModelProposer:
         wanted = [min(num_drafts[i], self.num_speculative_tokens) for i in active]
         lengths = [len(r.all_token_ids) for r in reqs]
         starts = [self._start(r, n) for r, n in zip(reqs, lengths)]
-        ends = self._catch_up_ends(starts, lengths)
 
-        firsts = self._catch_up(reqs, starts, ends, lengths)
-        ready = [row for row in range(len(reqs)) if ends[row] == lengths[row]]  # caught up: they draft
-        tokens = firsts  # the last draft of each ready request, fed back in the next decode
-        for row in ready:
-            drafts[active[row]].append(firsts[row])
+        firsts = self._catch_up(reqs, starts, lengths)
+        tokens = firsts  # the last draft of each active request, fed back in the next decode
+        for row, token in enumerate(firsts):
+            drafts[active[row]].append(token)
         for j in range(1, max(wanted)):
-            rows = [row for row in ready if wanted[row] > j]
-            if not rows:
-                break
+            rows = [row for row in range(len(reqs)) if wanted[row] > j]
             positions = [lengths[row] - 1 + j for row in rows]
             out = self._decode([reqs[row] for row in rows], [tokens[row] for row in rows], positions)
             for row, token in zip(rows, out):
@@ -196,26 +181,9 @@ class DraftModelProposer:
                 drafts[active[row]].append(token)
 
         for row, request in enumerate(reqs):
-            # Drafts 1..m-1 went in at positions n..n+m-2; the last one never did. A request
-            # still catching up has computed up to ends[row] and drafted nothing.
-            self._states[request.request_id] = _DraftState(ends[row], drafts[active[row]][:-1])
+            # Drafts 1..m-1 went in at positions n..n+m-2; the last one never did.
+            self._states[request.request_id] = _DraftState(lengths[row], drafts[active[row]][:-1])
         return drafts
-
-    def _catch_up_ends(self, starts: list[int], lengths: list[int]) -> list[int]:
-        """Where each request's catch-up stops this step: at its last token, unless the step's
-        catch-up budget (``max_catch_up_tokens``) runs out first. The budget goes to the
-        shortest catch-ups first (the decoding requests' few tokens), the rest of it to the
-        longer ones (a prompt just prefilled by the target), which finish in later steps."""
-        needs = [end - start for start, end in zip(starts, lengths)]
-        budget = self.max_catch_up_tokens
-        if budget is None or sum(needs) <= budget:
-            return list(lengths)
-        ends = list(starts)
-        for row in sorted(range(len(needs)), key=needs.__getitem__):
-            take = min(needs[row], budget)
-            ends[row] += take
-            budget -= take
-        return ends
 
     def _start(self, request: Request, num_tokens: int) -> int:
         """The first position whose draft K/V must be computed: after the known-right ones and
@@ -231,17 +199,16 @@ class DraftModelProposer:
             start += 1
         return min(start, num_tokens - 1)
 
-    def _catch_up(self, requests: list[Request], starts: list[int], ends: list[int], lengths: list[int]) -> list[int]:
-        """Compute positions ``starts[i]..ends[i]`` of each request, at most
-        ``max_num_batched_tokens`` per forward; returns each request's argmax after its last
-        token (for those whose ``ends[i]`` is their length; 0 for the others)."""
+    def _catch_up(self, requests: list[Request], starts: list[int], lengths: list[int]) -> list[int]:
+        """Compute positions ``starts[i]..lengths[i]`` of each request, at most
+        ``max_num_batched_tokens`` per forward; returns each request's argmax after its last token."""
         first_tokens = [0] * len(requests)
         batch: list[_Segment] = []
         room = self.max_num_batched_tokens
-        for row, (request, start, end) in enumerate(zip(requests, starts, ends)):
+        for row, (request, start, end) in enumerate(zip(requests, starts, lengths)):
             while start < end:
                 take = min(room, end - start)
-                batch.append(_Segment(request, row, start, start + take, start + take == lengths[row]))
+                batch.append(_Segment(request, row, start, start + take, start + take == end))
                 start += take
                 room -= take
                 if room == 0:

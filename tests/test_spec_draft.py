@@ -142,28 +142,6 @@ def test_a_long_catch_up_is_chunked_by_the_token_budget(tiny_llama_artifact, dra
     assert seen == [8, 8, 8, 1, 2, 2]  # 25 tokens in forwards of at most 8, then two decodes of 2
 
 
-def test_a_catch_up_over_the_step_prompt_budget_goes_on_in_later_steps(tiny_llama_artifact, draft_artifact, hf_draft):  # type: ignore[no-untyped-def]
-    """Where a step's prompt tokens are bounded (the CPU), so is the draft's catch-up: the short
-    catch-ups first; a long one drafts nothing until it is done, while its target decodes on."""
-    core = make_core(tiny_llama_artifact, max_num_prefill_tokens=8)
-    proposer = proposer_for(core, draft_artifact, k=3)
-    seen: list[int] = []
-    forward = proposer._forward
-    proposer._forward = lambda reqs, ids, *rest: seen.append(len(ids)) or forward(reqs, ids, *rest)  # type: ignore[method-assign]
-    a, b = request("a", prompt(11, 19), 1), request("b", prompt(12, 6), 11)
-    steps = 0
-    while True:
-        steps += 1
-        drafts = proposer.propose([a, b], [3, 3])
-        assert drafts[1] == greedy(hf_draft, b.all_token_ids, 3)
-        if drafts[0]:
-            break
-        a.all_token_ids.append(100 + steps)  # decoded without drafts meanwhile
-    assert drafts[0] == greedy(hf_draft, a.all_token_ids, 3)
-    # a's 2, then 7, 7 and its last 6 tokens beside b's (b recomputes its last token each time).
-    assert steps == 4 and seen[::3] == [8, 8, 8, 7]
-
-
 def test_kv_bytes_per_block_is_the_drafts_own(target_core, draft_artifact):  # type: ignore[no-untyped-def]
     proposer = proposer_for(target_core, draft_artifact)
     plan = json.loads((draft_artifact / "memory_plan.json").read_text())
