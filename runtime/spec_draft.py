@@ -14,7 +14,10 @@ step's ``propose``:
 1. catches up: one flat ragged batch (like ModelRunner.prepare's) over every request's
    positions ``[computed, num_tokens)`` (split into forwards of at most
    ``max_num_batched_tokens`` tokens), logits only at each request's last known token; their
-   argmax is draft 1;
+   argmax is draft 1. The whole catch-up runs in this step, so the first speculating step after
+   a long prompt also runs the draft over that prompt (a fraction of the target's prefill, but
+   on the CPU more than the engine's per-step prompt budget: spreading it over steps would
+   return no drafts meanwhile, which the core counts as misses and backs off from);
 2. decodes ``k - 1`` times more, one token per request that wants more: draft ``j`` goes in at
    position ``num_tokens - 1 + j`` and draft ``j + 1`` comes out.
 
