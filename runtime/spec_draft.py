@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from pagecast.kernels import ops
+from pagecast.runtime.artifact import MANIFEST, SPECULATIVE_DIR
 from pagecast.runtime.cuda_graphs import DecodeGraphs
 from pagecast.runtime.forward_context import ForwardContext
 from pagecast.runtime.kernel_cache import relink_groups
@@ -105,7 +106,7 @@ class DraftModelProposer:
         self.num_speculative_tokens = config.num_speculative_tokens
         if core.artifact.manifest.tp > 1:  # checked again with the draft's in check_draft; here before loading it
             raise ValueError(_TP_UNSUPPORTED.format(target=core.artifact.manifest.tp, draft="not loaded"))
-        path = resolve_model_path(config, Path(core.artifact.path))
+        path = draft_path(config, Path(core.artifact.path))
         self.artifact = _load_draft(path, core)
         check_draft(self.artifact, core)
         manifest = self.artifact.manifest
@@ -126,6 +127,12 @@ class DraftModelProposer:
         self.kv_bytes_per_block = int(self.artifact.memory_plan["bytes_per_block"])
         self.kv_cache: torch.Tensor | None = None
         self._states: dict[str, _DraftState] = {}
+        logger.info(
+            "speculative decoding with draft model %s (%s, %d layers, %s) from %s: up to %d drafts a step, "
+            "%d bytes of draft KV per block",
+            manifest.name, manifest.family, manifest.dims["num_layers"], manifest.dtype, path,
+            self.num_speculative_tokens, self.kv_bytes_per_block,
+        )  # fmt: skip
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -296,6 +303,16 @@ class DraftModelProposer:
                 return []
             logits = self.model.compute_logits(hidden[ctx.logits_indices])
         return logits.argmax(dim=-1).tolist()
+
+
+def draft_path(config: SpeculativeConfig, artifact_path: Path) -> Path:
+    """The draft artifact's directory. The name enginebuild records for the draft it nests
+    (``speculative``) is the target artifact's own ``speculative/`` whatever the working
+    directory holds; any other name resolves as ``resolve_model_path`` says."""
+    nested = artifact_path / SPECULATIVE_DIR
+    if config.model == SPECULATIVE_DIR and (nested / MANIFEST).is_file():
+        return nested
+    return resolve_model_path(config, artifact_path)
 
 
 def _load_draft(path: Path, core: Any) -> LoadedArtifact:

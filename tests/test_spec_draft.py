@@ -230,7 +230,9 @@ def test_the_nested_draft_is_verified_with_the_artifact(speculative_artifact, tm
         load_artifact(extra, load_tokenizer=False)
 
 
-def test_the_manifests_entry_makes_a_working_proposer(speculative_artifact, hf_draft):  # type: ignore[no-untyped-def]
+def test_the_manifests_entry_makes_a_working_proposer(speculative_artifact, hf_draft, tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    (tmp_path / "speculative").mkdir()  # a directory of that name where the engine starts is not the draft
+    monkeypatch.chdir(tmp_path)
     core = make_core(speculative_artifact)  # no speculative_config: the artifact's own
     proposer = core.proposer
     assert proposer.artifact.path == speculative_artifact / "speculative"  # resolved against the artifact
