@@ -439,3 +439,20 @@ def test_tensor_parallel_targets_and_drafts_are_refused(target_core, draft_check
     tp_draft = build_artifact(draft_checkpoint, tmp_path / "tp2", tp=2)
     with pytest.raises(ValueError, match=r"not supported yet with tensor parallelism \(target tp 1, draft tp 2\)"):
         proposer_for(target_core, tp_draft)
+
+
+def test_served_with_the_artifacts_draft(speculative_artifact, plain_outputs):  # type: ignore[no-untyped-def]
+    """engine-serve's engine (the core in its own process) loads the nested draft too: the same
+    greedy tokens over HTTP, and drafts counted in /metrics."""
+    httpx = pytest.importorskip("httpx")
+    from server_support import make_engine, metric, metric_samples, serve
+
+    engine = make_engine(speculative_artifact)
+    with serve({"tiny": engine}) as server:
+        for ids, expected in zip(E2E_PROMPTS[:2], plain_outputs[:2]):
+            body = {"model": "tiny", "prompt": ids, "max_tokens": 24, "temperature": 0.0, "ignore_eos": True,
+                    "return_token_ids": True}  # fmt: skip
+            reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json()
+            assert reply["choices"][0]["token_ids"] == expected
+        samples = metric_samples(server.url)
+        assert metric(samples, "pagecast_spec_decode_num_draft_tokens_total", model_name="tiny") > 0
