@@ -456,3 +456,22 @@ def test_served_with_the_artifacts_draft(speculative_artifact, plain_outputs):  
             assert reply["choices"][0]["token_ids"] == expected
         samples = metric_samples(server.url)
         assert metric(samples, "pagecast_spec_decode_num_draft_tokens_total", model_name="tiny") > 0
+
+
+def test_a_draft_with_another_tokenizer_is_refused(target_core, tiny_llama_checkpoint, draft_checkpoint, tmp_path):  # type: ignore[no-untyped-def]
+    """Same vocabulary size, another tokenizer (here: one that lowercases its input)."""
+    import shutil
+
+    from conftest import build_artifact
+
+    from pagecast.runtime.errors import BuildError
+
+    ckpt = shutil.copytree(draft_checkpoint, tmp_path / "ckpt")
+    spec = json.loads((ckpt / "tokenizer.json").read_text())
+    spec["normalizer"] = {"type": "Lowercase"}
+    (ckpt / "tokenizer.json").write_text(json.dumps(spec))
+    other = build_artifact(ckpt, tmp_path / "draft")
+    with pytest.raises(ValueError, match=r"its tokenizer \(tokenizer.json\) differs from the target's"):
+        proposer_for(target_core, other)
+    with pytest.raises(BuildError, match=r"its tokenizer \(tokenizer.json\) differs from the target's"):
+        build_artifact(tiny_llama_checkpoint, tmp_path / "engine", speculative_config=draft_config(other))
