@@ -56,12 +56,12 @@ class BuildOptions:
             from pagecast.runtime.speculative import SpeculativeConfig
 
             config = SpeculativeConfig.parse(self.speculative_config)  # ValueError saying what is wrong
-            assert config is not None
-            if config.method == "replay":
+            if config is not None and config.method == "replay":
                 raise ValueError(
                     "speculative_config method replay is for benchmarks: give it to LLM / engine-serve, not to enginebuild"
                 )
-            object.__setattr__(self, "speculative_config", config.to_dict())
+            # Stored checked and complete (defaults filled in), as the manifest's build options show it.
+            object.__setattr__(self, "speculative_config", config.to_dict() if config is not None else None)
 
 
 @dataclass(frozen=True)
