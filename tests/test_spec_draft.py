@@ -475,3 +475,18 @@ def test_a_draft_with_another_tokenizer_is_refused(target_core, tiny_llama_check
         proposer_for(target_core, other)
     with pytest.raises(BuildError, match=r"its tokenizer \(tokenizer.json\) differs from the target's"):
         build_artifact(tiny_llama_checkpoint, tmp_path / "engine", speculative_config=draft_config(other))
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ('{"method": "replay"}', "replay is for benchmarks: give it to LLM / engine-serve"),
+        ('{"method": "draft_model"}', "method draft_model needs model: a draft artifact"),
+        ("{not json", "speculative_config is not valid JSON"),
+    ],
+)
+def test_build_options_check_the_config(config: str, message: str) -> None:
+    from pagecast.builder.ir import BuildOptions
+
+    with pytest.raises(ValueError, match=message):
+        BuildOptions(model="m", speculative_config=config)  # type: ignore[arg-type]
