@@ -33,6 +33,11 @@ from pagecast.runtime.errors import BuildError
               help="KV-cache storage: auto (the model's dtype) or fp8 (e4m3, per-layer scales; twice the tokens).")
 @click.option("--tune-budget", "tune_budget_s", default=300.0, show_default=True, type=float,
               help="Seconds tuning may take on the GPU.")
+@click.option("--speculative-config", default=None,
+              help='Speculative decoding to serve with by default, as JSON: {"method": "ngram"}, or '
+                   '{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4} with DIR a smaller '
+                   "checkpoint (built into the artifact with these options) or artifact of the same tokenizer, "
+                   'or {"method": "eagle3", "model": DIR}.')
 @click.option("--output", type=click.Path(path_type=Path), default=None, help="Artifact directory.")
 @click.option("--force", is_flag=True, help="Replace an existing artifact.")
 @click.option("--quiet", is_flag=True, help="No progress display.")

@@ -90,6 +90,7 @@ def make_manifest(
         quantization=plan.quantization.as_dict() if plan.quantization is not None else None,
         kv_cache=plan.kv_cache.as_manifest() if plan.kv_cache is not None else {"dtype": plan.dtype},
         kernel_abi=KERNEL_ABI,
+        speculative=state.speculative,
     )
 
 

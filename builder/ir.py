@@ -30,6 +30,9 @@ class BuildOptions:
     force: bool = False
     quiet: bool = False
     seed: int = 0
+    # --speculative-config: the drafter the artifact serves with by default (runtime/speculative.py's
+    # keys), as a dict; the JSON text the command line gives is parsed and checked here.
+    speculative_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -49,6 +52,16 @@ class BuildOptions:
         from pagecast.builder.kv_cache import parse_option
 
         parse_option(self.kv_cache_dtype)  # ValueError naming the accepted values
+        if self.speculative_config is not None:
+            from pagecast.runtime.speculative import SpeculativeConfig
+
+            config = SpeculativeConfig.parse(self.speculative_config)  # ValueError saying what is wrong
+            if config is not None and config.method == "replay":
+                raise ValueError(
+                    "speculative_config method replay is for benchmarks: give it to LLM / engine-serve, not to enginebuild"
+                )
+            # Stored checked and complete (defaults filled in), as the manifest's build options show it.
+            object.__setattr__(self, "speculative_config", config.to_dict() if config is not None else None)
 
 
 @dataclass(frozen=True)
@@ -283,6 +296,9 @@ class BuildState:
     staging_dir: Path | None = None  # temporary artifact directory, renamed into place by emit
     model_py: str | None = None
     output_dir: Path | None = None
+    # The manifest's ``speculative`` entry (builder/speculative.py): the drafter's config, its
+    # ``model`` relative to the artifact; None when the build was given none.
+    speculative: dict[str, Any] | None = None
 
     def describe(self) -> dict[str, Any]:
         """A JSON-able view of the IR, for --dump-ir."""

@@ -1,6 +1,6 @@
 """The builder: a list of passes, run in order over the BuildState.
 
-    load -> trace -> lower -> plan -> tune -> render -> pack -> emit
+    load -> trace -> lower -> plan -> tune -> render -> pack -> speculative -> emit
 
 Each pass is one module with a ``run(state) -> state``. ``dump_ir`` writes the IR after each
 pass, for debugging a build.
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-from pagecast.builder import emit, load, lower, pack, plan, render, trace, tune
+from pagecast.builder import emit, load, lower, pack, plan, render, speculative, trace, tune
 from pagecast.builder.ir import BuildOptions, BuildState
 from pagecast.runtime.errors import BuildError
 
@@ -29,6 +29,7 @@ PASSES: list[tuple[str, Callable[[BuildState], BuildState]]] = [
     ("tune", tune.run),
     ("render", render.run),
     ("pack", pack.run),
+    ("speculative", speculative.run),  # a no-op without --speculative-config
     ("emit", emit.run),
 ]
 
@@ -61,7 +62,7 @@ def build(
             with progress(index, len(PASSES), name) if progress is not None else contextlib.nullcontext():
                 state = run(state)
             if log is not None:
-                log(f"{name:<7} {time.perf_counter() - start:6.2f} s")
+                log(f"{name:<11} {time.perf_counter() - start:6.2f} s")
             if dump_ir is not None:
                 dump_ir.mkdir(parents=True, exist_ok=True)
                 (dump_ir / f"{len(list(dump_ir.iterdir())):02d}-{name}.json").write_text(

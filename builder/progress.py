@@ -22,6 +22,7 @@ DESCRIPTIONS = {
     "tune": "kernel configs for the target",
     "render": "writing model.py",
     "pack": "writing the weights",
+    "speculative": "the drafter (--speculative-config)",
     "emit": "hashing files, writing the manifest",
 }
 

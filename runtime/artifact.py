@@ -39,6 +39,8 @@ logger = logging.getLogger("pagecast.runtime")
 FORMAT_VERSION = 2
 READABLE_FORMAT_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
+# Where enginebuild --speculative-config puts the drafter it builds or copies into an artifact.
+SPECULATIVE_DIR = "speculative"
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,12 @@ class Manifest:
     # calls (positionally). The runtime refuses another one: those calls would bind wrong
     # arguments or fail mid-request. 1 in format_version 1 artifacts, which did not record it.
     kernel_abi: int = 1
+    # The speculative decoding the artifact serves with when LLM / engine-serve are given no
+    # speculative_config (enginebuild --speculative-config): runtime/speculative.py's keys, with
+    # ``model`` (draft_model, eagle3) relative to the artifact (SPECULATIVE_DIR, a nested
+    # artifact or head directory whose files this manifest lists and hashes too). None (and
+    # absent from manifest.json, which older runtimes then still read) when built without.
+    speculative: dict[str, Any] | None = None
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -107,7 +115,10 @@ class Manifest:
         return str(self.kv_cache.get("dtype", self.dtype))
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True)
+        data = asdict(self)
+        if data["speculative"] is None:
+            del data["speculative"]  # optional: an artifact built without it reads as before
+        return json.dumps(data, indent=2, sort_keys=True)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Manifest:
@@ -257,6 +268,8 @@ def rebuild_command(artifact_dir: str | os.PathLike[str], manifest: Manifest) ->
         value = opts.get(key, default)
         if value is not None and value != default:
             args += [f"--{key.replace('_', '-')}", str(value)]
+    if opts.get("speculative_config"):
+        args += ["--speculative-config", json.dumps(opts["speculative_config"], sort_keys=True)]
     args += ["--output", str(artifact_dir), "--force"]
     return shlex.join(args)
 
@@ -486,4 +499,6 @@ def check_no_unlisted_files(artifact_dir: str | os.PathLike[str], manifest: Mani
 
 
 def is_weight_file(rel: str) -> bool:
-    return rel.startswith("weights/")
+    """A weight file: the artifact's own, or a nested draft artifact's (whose own manifest, listed
+    and hashed here, lists their hashes: loading the draft verifies them, in the background on a GPU)."""
+    return rel.startswith(("weights/", f"{SPECULATIVE_DIR}/weights/"))
