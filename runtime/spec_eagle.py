@@ -1,0 +1,262 @@
+"""EAGLE-3 speculative decoding: a one-layer head drafts from the target's own hidden states.
+
+What the head reads. The target's generated model copies, every forward, the residual stream
+entering three of its layers (``Eagle3HeadConfig.aux_layer_ids``) of every token into a paged
+per-slot buffer (``Model.bind_aux_hidden_states``): ``aux[j, slot]`` for the token at that KV-cache
+slot, the same slot its K/V take. So whatever step computed a position (a prefill chunk, a decode
+step that did not speculate, a verification pass), its features wait in the buffer at the
+position's slot, and the head catches up later at no cost to the steps that did not speculate.
+The buffer's bytes are counted in ``kv_bytes_per_block``, so the KV cache shrinks to make room.
+
+What the head computes, at position ``i`` (its own rope position ``i``, its own one-layer paged
+KV cache at the target's slot of ``i``, in the target's blocks):
+
+    x_i = concat(input_layernorm(embed(t_{i+1})), hidden_norm(h_i))      # [2 * hidden]
+    h_i = fc(aux_i)          for a position the target computed (aux_i: its three features)
+    h_i = g_{i-1}            for a drafted position (the head's own pre-norm output before it)
+    g_i = layer(x_i) + residual; logits_i = lm_head(norm(g_i)) -> a guess at t_{i+2}
+
+A request with tokens t_0..t_{n-1} comes to ``propose`` with the target's K/V (and aux) for
+positions 0..n-2. The head *catches up* over positions [its computed count, n - 1) with target
+features (the last of them, n - 2, pairs aux_{n-2} with the last token t_{n-1} and drafts t_n),
+then drafts t_{n+1}, ... one position at a time feeding back its own g. Catch-up positions are
+final (their inputs are verified tokens and target features); drafted positions' K/V are
+overwritten by the next catch-up, which starts at n - 1.
+
+Prefix caching: a block shared by two requests holds the same aux (it depends on the tokens up to
+the position only), but the head's K/V at a block's last position pairs it with the next token,
+which the two requests may not share; the later catch-up wins. Drafts may then be a little worse
+for the other request; outputs never change (verification is lossless).
+
+Greedy drafts only (argmax over the draft vocabulary, mapped to target ids by d2t): see
+runtime/speculative.py for why that keeps every sampling mode exact.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pagecast.kernels import ops
+from pagecast.kernels.rope import cos_sin_cache
+from pagecast.runtime.eagle3_head import Eagle3Head, Eagle3HeadConfig, read_eagle3_head
+from pagecast.runtime.loader import zeros_kv_cache
+from pagecast.runtime.request import Request
+from pagecast.runtime.speculative import SpeculativeConfig, resolve_model_path
+
+MAX_DRAFTS = 16  # SpeculativeConfig's bound on num_speculative_tokens: the rope table's headroom
+
+
+class Eagle3Proposer:
+    """Drafts with an EAGLE-3 head for the target artifact ``core.artifact``.
+
+    Construction loads the head (either layout: runtime/eagle3_head.py) in the target's dtype on
+    its device; the engine then reads ``kv_bytes_per_block`` before sizing the KV cache and calls
+    ``bind_kv_cache(num_blocks)``, which allocates the head's KV cache and the aux buffer and binds
+    the buffer into the target model. Bind before CUDA graphs are captured (a graph captured
+    earlier does not copy the features). tp 1 only."""
+
+    def __init__(self, config: SpeculativeConfig, core: Any):
+        artifact = core.artifact
+        if int(artifact.manifest.tp) != 1:
+            raise ValueError(
+                "speculative_config method eagle3 runs with tp 1 only (this artifact has tp "
+                f"{artifact.manifest.tp})"
+            )
+        self.target = artifact.model
+        if not hasattr(self.target, "bind_aux_hidden_states"):
+            raise ValueError(
+                f"the artifact {artifact.path} was built before EAGLE-3 support (its model.py cannot hand "
+                "the head its hidden states): rebuild it with this pagecast's enginebuild"
+            )
+        path = resolve_model_path(config, artifact.path)
+        head = read_eagle3_head(path, artifact.manifest.dims)
+        self.config: Eagle3HeadConfig = head.config
+        self.device: torch.device = artifact.device
+        self.dtype: torch.dtype = artifact.dtype
+        self.block_size = int(core.block_size)
+        self._load(head)
+        rope = self.config.rope or _target_rope(self.target)
+        if rope is None:
+            raise ValueError(
+                f"EAGLE-3 head {path} names no rope parameters and the target has more than one rotary "
+                "table: add rope_theta (and rope_scaling) to the head's config.json"
+            )
+        max_positions = int(core.max_model_len) + MAX_DRAFTS
+        self.cos_sin_cache = cos_sin_cache(rope, self.config.head_dim, max_positions).to(self.device)
+        c = self.config
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        # Per KV block: the head's K and V, and the target's features at each of its slots.
+        self.kv_bytes_per_block = (
+            self.block_size
+            * itemsize
+            * (2 * c.num_kv_heads * c.head_dim + len(c.aux_layer_ids) * c.target_hidden_size)
+        )
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+        self.aux: torch.Tensor | None = None
+        # request id -> positions whose head K/V holds final (target-fed) values.
+        self.num_computed: dict[str, int] = {}
+
+    def _load(self, head: Eagle3Head) -> None:
+        w = {k: v.to(self.device, self.dtype) for k, v in head.weights.items() if k != "d2t"}
+        p = "midlayer."
+        self.fc = w["fc.weight"]
+        self.input_norm = w[p + "input_layernorm.weight"]
+        self.hidden_norm = w[p + "hidden_norm.weight"]
+        self.post_attn_norm = w[p + "post_attention_layernorm.weight"]
+        self.w_qkv = torch.cat([w[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+        self.w_o = w[p + "self_attn.o_proj.weight"]
+        self.w_gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
+        self.w_down = w[p + "mlp.down_proj.weight"]
+        self.norm = w["norm.weight"]
+        self.lm_head = w["lm_head.weight"]
+        self.embed_tokens = (
+            w["embed_tokens.weight"] if self.config.has_embedding else self.target.embed_tokens
+        )
+        self.draft_to_target = (torch.arange(self.config.draft_vocab_size) + head.weights["d2t"].long()).to(
+            self.device
+        )
+
+    def bind_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the head's KV cache ([num_blocks, kv_heads, block_size, head_dim] each for K
+        and V, indexed by the target's block ids) and the aux buffer, and bind the buffer into
+        the target model."""
+        c = self.config
+        shape = (2, num_blocks, c.num_kv_heads, self.block_size, c.head_dim)
+        kv = zeros_kv_cache(shape, self.dtype, self.device)
+        self.k_cache, self.v_cache = kv[0], kv[1]
+        num_slots = num_blocks * self.block_size
+        self.aux = zeros_kv_cache(
+            (len(c.aux_layer_ids), num_slots + 1, c.target_hidden_size), self.dtype, self.device
+        )
+        self.target.bind_aux_hidden_states(self.aux, list(c.aux_layer_ids))
+        self.num_computed.clear()
+
+    def drop(self, request_ids: set[str]) -> None:
+        for rid in request_ids:
+            self.num_computed.pop(rid, None)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], num_drafts: list[int]) -> list[list[int]]:
+        if self.aux is None:
+            raise RuntimeError("Eagle3Proposer.propose before bind_kv_cache")
+        out: list[list[int]] = [[] for _ in requests]
+        active = [i for i, k in enumerate(num_drafts) if k > 0]
+        if not active:
+            return out
+        # Catch-up: each request's rows are positions [start, n - 1), fed by the target's features.
+        positions: list[int] = []
+        tokens: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        for i in active:
+            r = requests[i]
+            n = r.num_tokens
+            start = min(self.num_computed.get(r.request_id, 0), n - 2)  # at least row n - 2: it drafts
+            positions.extend(range(start, n - 1))
+            tokens.extend(r.all_token_ids[start + 1 : n])
+            query_start.append(len(positions))
+            seq_lens.append(n - 1)
+            self.num_computed[r.request_id] = n - 1
+        block_tables = self._block_tables([requests[i] for i in active])
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        slots = self._slots(pos, block_tables, torch.tensor(query_start, dtype=torch.int64))
+        aux = self.aux[:, slots].transpose(0, 1).reshape(len(positions), -1)  # [rows, 3 * target hidden]
+        hidden = F.linear(aux, self.fc)
+        last = torch.tensor(query_start[1:], device=self.device) - 1
+        hidden, drafts = self._step(
+            tokens, hidden, pos, slots, block_tables, seq_lens, query_start, max(seq_lens), last
+        )
+        for row, i in enumerate(active):
+            out[i].append(drafts[row])
+        # Draft steps: one row per request that wants more, at the position after its last row.
+        rows = list(range(len(active)))
+        for step in range(1, max(num_drafts[i] for i in active)):
+            rows = [row for row in rows if num_drafts[active[row]] > step]
+            if not rows:
+                break
+            index = torch.tensor(rows, device=self.device)
+            tables = block_tables[index]
+            lens = [seq_lens[row] + step for row in rows]
+            pos = torch.tensor([n - 1 for n in lens], dtype=torch.int64, device=self.device)
+            slots = self._slots(pos, tables, torch.arange(len(rows) + 1))
+            hidden, drafts = self._step(
+                [out[active[row]][-1] for row in rows], hidden[index], pos, slots, tables, lens,
+                list(range(len(rows) + 1)), max(lens), None,
+            )  # fmt: skip
+            for j, row in enumerate(rows):
+                out[active[row]].append(drafts[j])
+        return out
+
+    def _block_tables(self, requests: list[Request]) -> torch.Tensor:
+        width = max(len(r.block_ids) for r in requests)
+        table = torch.zeros((len(requests), width), dtype=torch.int32)
+        for i, r in enumerate(requests):
+            table[i, : len(r.block_ids)] = torch.tensor(r.block_ids, dtype=torch.int32)
+        return table.to(self.device)
+
+    def _slots(
+        self, positions: torch.Tensor, block_tables: torch.Tensor, query_start: torch.Tensor
+    ) -> torch.Tensor:
+        """The cache slot of each row's position (rows of sequence s: query_start[s]:query_start[s+1])."""
+        counts = query_start[1:] - query_start[:-1]
+        seq = torch.repeat_interleave(torch.arange(counts.numel()), counts).to(self.device)
+        blocks = block_tables[seq, positions // self.block_size].long()
+        return blocks * self.block_size + positions % self.block_size
+
+    def _step(
+        self,
+        tokens: list[int],
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: list[int],
+        query_start: list[int],
+        max_seq_len: int,
+        logit_rows: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, list[int]]:
+        """The head's layer over a flat batch of rows: writes their K/V, returns the pre-norm
+        outputs of the rows that draft (``logit_rows``; None: every row) and their greedy drafts
+        as target ids."""
+        assert self.k_cache is not None and self.v_cache is not None
+        c = self.config
+        ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+        embeds = ops.rms_norm(F.embedding(ids, self.embed_tokens), self.input_norm, c.rms_norm_eps)
+        if c.norm_before_residual:
+            hidden = ops.rms_norm(hidden, self.hidden_norm, c.rms_norm_eps)
+            residual = hidden
+        else:
+            residual = hidden
+            hidden = ops.rms_norm(hidden, self.hidden_norm, c.rms_norm_eps)
+        qkv = F.linear(torch.cat([embeds, hidden], dim=-1), self.w_qkv)
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = ops.rotary_and_write_kv(
+            positions, q.reshape(-1, c.num_heads, c.head_dim), k.reshape(-1, c.num_kv_heads, c.head_dim),
+            v.reshape(-1, c.num_kv_heads, c.head_dim), self.cos_sin_cache, self.k_cache, self.v_cache, slots,
+        )  # fmt: skip
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device=self.device)
+        starts = torch.tensor(query_start, dtype=torch.int32, device=self.device)
+        max_query_len = max(b - a for a, b in itertools.pairwise(query_start))
+        attn = ops.paged_attention(
+            q, self.k_cache, self.v_cache, block_tables, lens, starts, c.head_dim**-0.5, max_query_len, max_seq_len
+        )  # fmt: skip
+        x, residual = ops.fused_add_rms_norm(F.linear(attn.reshape(-1, q_size), self.w_o), residual,
+                                             self.post_attn_norm, c.rms_norm_eps)  # fmt: skip
+        mlp = F.linear(ops.silu_and_mul(F.linear(x, self.w_gate_up)), self.w_down)
+        if logit_rows is not None:
+            mlp, residual = mlp[logit_rows], residual[logit_rows]
+        normed, prenorm = ops.fused_add_rms_norm(mlp, residual, self.norm, c.rms_norm_eps)
+        best = F.linear(normed, self.lm_head).argmax(dim=-1)
+        return prenorm, self.draft_to_target[best].tolist()
+
+
+def _target_rope(model: Any) -> dict[str, Any] | None:
+    """The target's rotary parameters from its generated module (``ROPE``, where it has one
+    table for every layer); None otherwise."""
+    return type(model).__init__.__globals__.get("ROPE")  # type: ignore[no-any-return]
