@@ -48,6 +48,9 @@ from pagecast.runtime.request import Request
 from pagecast.runtime.speculative import SpeculativeConfig, resolve_model_path
 
 MAX_DRAFTS = 16  # SpeculativeConfig's bound on num_speculative_tokens: the rope table's headroom
+# Catch-up positions per request per head pass: a long prompt's first catch-up (its features
+# gathered at 3 * hidden per position, and the layer's activations) runs in chunks of this many.
+CATCH_UP_CHUNK = 1024
 
 
 class Eagle3Proposer:
@@ -148,49 +151,79 @@ class Eagle3Proposer:
         active = [i for i, k in enumerate(num_drafts) if k > 0]
         if not active:
             return out
-        # Catch-up: each request's rows are positions [start, n - 1), fed by the target's features.
-        positions: list[int] = []
-        tokens: list[int] = []
-        query_start = [0]
-        seq_lens: list[int] = []
-        for i in active:
-            r = requests[i]
+        batch = [requests[i] for i in active]
+        block_tables = self._block_tables(batch)
+        # Catch-up over positions [start, n - 1) of each request, fed by the target's features.
+        # The row at n - 2 (always included) pairs aux_{n-2} with the last token: the first draft.
+        spans = []
+        for r in batch:
             n = r.num_tokens
-            start = min(self.num_computed.get(r.request_id, 0), n - 2)  # at least row n - 2: it drafts
-            positions.extend(range(start, n - 1))
-            tokens.extend(r.all_token_ids[start + 1 : n])
-            query_start.append(len(positions))
-            seq_lens.append(n - 1)
+            spans.append((min(self.num_computed.get(r.request_id, 0), n - 2), n - 1))
             self.num_computed[r.request_id] = n - 1
-        block_tables = self._block_tables([requests[i] for i in active])
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        slots = self._slots(pos, block_tables, torch.tensor(query_start, dtype=torch.int64))
-        aux = self.aux[:, slots].transpose(0, 1).reshape(len(positions), -1)  # [rows, 3 * target hidden]
-        hidden = F.linear(aux, self.fc)
-        last = torch.tensor(query_start[1:], device=self.device) - 1
-        hidden, drafts = self._step(
-            tokens, hidden, pos, slots, block_tables, seq_lens, query_start, max(seq_lens), last
-        )
-        for row, i in enumerate(active):
-            out[i].append(drafts[row])
-        # Draft steps: one row per request that wants more, at the position after its last row.
-        rows = list(range(len(active)))
-        for step in range(1, max(num_drafts[i] for i in active)):
-            rows = [row for row in rows if num_drafts[active[row]] > step]
-            if not rows:
-                break
+        hidden, first = self._catch_up(batch, spans, block_tables)
+        for j, i in enumerate(active):
+            out[i].append(first[j])
+        # Draft steps: one row per request that wants more, at the position after its last row,
+        # fed by its last draft and its last row's pre-norm output.
+        for step in range(1, max(num_drafts)):
+            rows = [j for j, i in enumerate(active) if num_drafts[i] > step]
             index = torch.tensor(rows, device=self.device)
-            tables = block_tables[index]
-            lens = [seq_lens[row] + step for row in rows]
+            lens = [spans[j][1] + step for j in rows]  # the context: up to and including this row
             pos = torch.tensor([n - 1 for n in lens], dtype=torch.int64, device=self.device)
-            slots = self._slots(pos, tables, torch.arange(len(rows) + 1))
-            hidden, drafts = self._step(
-                [out[active[row]][-1] for row in rows], hidden[index], pos, slots, tables, lens,
-                list(range(len(rows) + 1)), max(lens), None,
-            )  # fmt: skip
-            for j, row in enumerate(rows):
-                out[active[row]].append(drafts[j])
+            tables = block_tables[index]
+            one_each = list(range(len(rows) + 1))
+            slots = self._slots(pos, tables, torch.tensor(one_each))
+            last_drafts = [out[active[j]][-1] for j in rows]
+            new_hidden, drafts = self._step(
+                last_drafts, hidden[index], pos, slots, tables, lens, one_each, max(lens), None
+            )
+            hidden[index] = new_hidden
+            for j, token in zip(rows, drafts):
+                out[active[j]].append(token)
         return out
+
+    def _catch_up(
+        self, batch: list[Request], spans: list[tuple[int, int]], block_tables: torch.Tensor
+    ) -> tuple[torch.Tensor, list[int]]:
+        """The head over positions [start, end) of each request, CATCH_UP_CHUNK of them per request
+        at a time (a long prompt's features and activations stay bounded); returns the pre-norm
+        output of each request's last row ([len(batch), hidden]) and the draft it makes."""
+        hidden = torch.empty((len(batch), self.config.hidden_size), dtype=self.dtype, device=self.device)
+        drafts = [0] * len(batch)
+        done = [s for s, _ in spans]
+        while True:
+            todo = [j for j, (_, end) in enumerate(spans) if done[j] < end]
+            if not todo:
+                return hidden, drafts
+            positions: list[int] = []
+            tokens: list[int] = []
+            query_start = [0]
+            seq_lens: list[int] = []
+            finishing: list[int] = []  # of todo: the requests whose last row is in this round
+            last_rows: list[int] = []
+            for j in todo:
+                a, b = done[j], min(done[j] + CATCH_UP_CHUNK, spans[j][1])
+                positions.extend(range(a, b))
+                tokens.extend(batch[j].all_token_ids[a + 1 : b + 1])
+                query_start.append(len(positions))
+                seq_lens.append(b)
+                if b == spans[j][1]:
+                    finishing.append(j)
+                    last_rows.append(len(positions) - 1)
+                done[j] = b
+            tables = block_tables[torch.tensor(todo, device=self.device)]
+            pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+            slots = self._slots(pos, tables, torch.tensor(query_start))
+            assert self.aux is not None
+            aux = self.aux[:, slots].transpose(0, 1).reshape(len(positions), -1)  # [rows, 3 * target hidden]
+            rows = torch.tensor(last_rows, dtype=torch.int64, device=self.device)
+            out_hidden, out_drafts = self._step(
+                tokens, F.linear(aux, self.fc), pos, slots, tables, seq_lens, query_start, max(seq_lens), rows
+            )
+            if finishing:
+                hidden[torch.tensor(finishing, device=self.device)] = out_hidden
+                for j, token in zip(finishing, out_drafts):
+                    drafts[j] = token
 
     def _block_tables(self, requests: list[Request]) -> torch.Tensor:
         width = max(len(r.block_ids) for r in requests)

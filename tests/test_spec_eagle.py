@@ -364,3 +364,27 @@ def test_conversion_errors_name_the_key_and_the_mismatch(tmp_path):  # type: ign
     with pytest.raises(ValueError, match="name no EAGLE-3 head"):
         convert_eagle3_head(not_eagle, tmp_path / "out5", TARGET_DIMS)
     assert not (tmp_path / "out1").exists() and not (tmp_path / "out3").exists()
+
+
+def test_chunked_catch_up_and_uneven_draft_counts(tiny_llama_artifact, hf_target, tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    """A long catch-up runs in chunks (here of 5 positions) and requests wanting different numbers
+    of drafts leave the draft steps one by one; the drafts are the reference's all the same."""
+    from pagecast.runtime import spec_eagle
+
+    monkeypatch.setattr(spec_eagle, "CATCH_UP_CHUNK", 5)
+    head = make_head(tmp_path / "head", seed=11)
+    w = _weights(head)
+    embed = hf_target.model.embed_tokens.weight.detach()
+    target = Target(tiny_llama_artifact, head)
+    requests = [
+        FakeRequest("long", _tokens(8, 31), [2, 0]),
+        FakeRequest("short", _tokens(9, 2), [5]),  # one prompt token computed: one catch-up row
+        FakeRequest("mid", _tokens(10, 12), [9]),
+    ]
+    for r in requests:
+        target.run(r, 0, r.num_tokens - 1)
+    drafts = target.proposer.propose(requests, [2, 4, 3])
+    assert drafts == [
+        reference_drafts(w, embed, hf_aux(hf_target, r.all_token_ids, (0, 1, 2)), r.all_token_ids, k)
+        for r, k in zip(requests, [2, 4, 3])
+    ]
