@@ -148,6 +148,15 @@ def parse_head_config(
             f"config.json architectures {archs} name no EAGLE-3 head (such as LlamaForCausalLMEagle3); "
             "speculative_config method eagle3 needs an EAGLE-3 head's directory"
         )
+    if "speculators_config" in raw or "transformer_layer_config" in raw:
+        raise ValueError(
+            "this is an EAGLE-3 head in the speculators layout (Eagle3Speculator: layers.0.* keys, a nested "
+            "transformer_layer_config); pagecast reads the EAGLE layout (LlamaForCausalLMEagle3: midlayer.* "
+            "keys, a flat config.json)"
+        )
+    missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size") if k not in raw]
+    if missing:
+        raise ValueError(f"EAGLE-3 head config.json lacks {', '.join(missing)}")
     if int(raw.get("num_hidden_layers", 1)) != 1:
         raise ValueError(f"EAGLE-3 heads with {raw['num_hidden_layers']} layers are not supported (only 1)")
     act = raw.get("hidden_act", "silu")

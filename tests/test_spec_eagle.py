@@ -363,6 +363,10 @@ def test_conversion_errors_name_the_key_and_the_mismatch(tmp_path):  # type: ign
     (not_eagle / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="name no EAGLE-3 head"):
         convert_eagle3_head(not_eagle, tmp_path / "out5", TARGET_DIMS)
+    del cfg["intermediate_size"]
+    (not_eagle / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLMEagle3"]}))
+    with pytest.raises(ValueError, match="config.json lacks intermediate_size"):
+        convert_eagle3_head(not_eagle, tmp_path / "out6", TARGET_DIMS)
     assert not (tmp_path / "out1").exists() and not (tmp_path / "out3").exists()
 
 
