@@ -107,6 +107,30 @@ def make_head(
     return path
 
 
+def make_echo_head(path: Path, target_embedding: torch.Tensor) -> Path:
+    """A head that drafts, at every step, the token two before the one it drafts after: fc passes
+    the layer-0 feature (the target's embedding of t_i) straight through, the attention and MLP
+    add nothing, and the LM head is the target's embedding matrix over the whole vocabulary (no
+    d2t), whose best match for embed(t) is t itself. The tiny random target's greedy output runs
+    into repeats (X X X ...), where these drafts are right: it makes the engine accept drafts."""
+    from safetensors.torch import load_file, save_file
+
+    make_head(path)
+    w = load_file(str(path / "model.safetensors"))
+    h = TARGET_DIMS["hidden_size"]
+    w["fc.weight"] = torch.cat([torch.eye(h), torch.zeros(h, 2 * h)], 1)
+    w["midlayer.self_attn.o_proj.weight"].zero_()
+    w["midlayer.mlp.down_proj.weight"].zero_()
+    w["norm.weight"] = torch.ones(h)
+    w["lm_head.weight"] = target_embedding.detach().clone()
+    del w["d2t"], w["t2d"]
+    save_file(w, str(path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    config["draft_vocab_size"] = TARGET_DIMS["vocab_size"]
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
 # -- the reference: EAGLE-3's head from its definition -----------------------------------------
 
 
@@ -392,3 +416,20 @@ def test_chunked_catch_up_and_uneven_draft_counts(tiny_llama_artifact, hf_target
         reference_drafts(w, embed, hf_aux(hf_target, r.all_token_ids, (0, 1, 2)), r.all_token_ids, k)
         for r, k in zip(requests, [2, 4, 3])
     ]
+
+
+def test_echo_head_drafts_the_repeated_token(tiny_llama_artifact, hf_target, tmp_path):  # type: ignore[no-untyped-def]
+    """The end-to-end test's accepting head, checked here: a head without d2t (the draft
+    vocabulary is the target's) whose drafts on a run of one token are that token."""
+    embed = hf_target.model.embed_tokens.weight.detach()
+    head = make_echo_head(tmp_path / "echo", embed)
+    assert read_eagle3_head(head, TARGET_DIMS).weights["d2t"].count_nonzero() == 0
+    target = Target(tiny_llama_artifact, head)
+    r = FakeRequest("r", _tokens(12, 9) + [777] * 4, [4])
+    target.run(r, 0, r.num_tokens - 1)
+    drafts = target.proposer.propose([r], [3])
+    assert drafts == [[777, 777, 777]]
+    w = _weights(head)
+    assert drafts[0] == reference_drafts(
+        w, embed, hf_aux(hf_target, r.all_token_ids, (0, 1, 2)), r.all_token_ids, 3
+    )
