@@ -433,3 +433,50 @@ def test_echo_head_drafts_the_repeated_token(tiny_llama_artifact, hf_target, tmp
     assert drafts[0] == reference_drafts(
         w, embed, hf_aux(hf_target, r.all_token_ids, (0, 1, 2)), r.all_token_ids, 3
     )
+
+
+@pytest.mark.parametrize("family", ["llama", "olmo2", "gemma2", "granite", "qwen3_moe"])
+def test_every_family_copies_the_stream_entering_each_layer(
+    family, tiny_artifact_factory, tiny_checkpoint_factory
+):  # type: ignore[no-untyped-def]
+    """The generated model's copy is transformers' hidden_states[L] for every layer L, whatever
+    the layer's norms (none before attention: OLMo 2), multipliers (Granite, Gemma 2) or MLP
+    (MoE), written at each token's slot across a prefill chunk and a decode step."""
+    from transformers import AutoModelForCausalLM
+
+    from pagecast.kernels import ops
+    from pagecast.runtime.forward_context import ForwardContext
+    from pagecast.runtime.loader import load_artifact
+
+    art = load_artifact(tiny_artifact_factory(family), load_tokenizer=False)
+    art.wait_verified()
+    m = art.manifest
+    bs, num_layers, num_blocks = m.block_size, m.dims["num_layers"], 8
+    kv = torch.zeros((num_layers, 2, num_blocks, m.kv_heads_per_rank, bs, m.dims["head_dim"]))
+    art.model.bind_kv_cache(kv)
+    ops.activate(art.kernels)
+    aux = torch.zeros((num_layers, num_blocks * bs + 1, m.dims["hidden_size"]))
+    art.model.bind_aux_hidden_states(aux, list(range(num_layers)))
+    tokens = _tokens(13, 2 * bs + 3)
+    blocks = [4, 1, 6]
+    slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(len(tokens))])
+    for start, end in ((0, len(tokens) - 1), (len(tokens) - 1, len(tokens))):
+        ctx = ForwardContext(
+            slot_mapping=slots[start:end],
+            block_tables=torch.tensor([blocks], dtype=torch.int32),
+            seq_lens=torch.tensor([end], dtype=torch.int32),
+            query_start_loc=torch.tensor([0, end - start], dtype=torch.int32),
+            max_query_len=end - start,
+            max_seq_len=end,
+            logits_indices=torch.arange(end - start),
+        )
+        art.model.forward(torch.tensor(tokens[start:end]), torch.arange(start, end), ctx)
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(tiny_checkpoint_factory(family)), dtype=torch.float32, attn_implementation="eager"
+    ).eval()  # eager: transformers' sdpa path drops Gemma 2's attention soft-cap
+    with torch.no_grad():
+        states = hf(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+    for layer in range(num_layers):
+        want = states[layer][0]
+        torch.testing.assert_close(aux[layer, slots], want, atol=1e-4 * float(want.abs().max()), rtol=1e-4)
+    assert aux[:, -1].abs().sum() == 0  # the spare row: no token went there
