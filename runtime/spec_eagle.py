@@ -19,9 +19,10 @@ KV cache at the target's slot of ``i``, in the target's blocks):
 A request with tokens t_0..t_{n-1} comes to ``propose`` with the target's K/V (and aux) for
 positions 0..n-2. The head *catches up* over positions [its computed count, n - 1) with target
 features (the last of them, n - 2, pairs aux_{n-2} with the last token t_{n-1} and drafts t_n),
-then drafts t_{n+1}, ... one position at a time feeding back its own g. Catch-up positions are
-final (their inputs are verified tokens and target features); drafted positions' K/V are
-overwritten by the next catch-up, which starts at n - 1.
+then drafts t_{n+1}, ... one position at a time feeding back its own g. Of the catch-up rows only
+the K/V matter, except for the last, so only the last runs the layer past its K/V write. Catch-up
+positions are final (their inputs are verified tokens and target features); drafted positions'
+K/V are overwritten by the next catch-up, which starts at n - 1.
 
 Prefix caching: a block shared by two requests holds the same aux (it depends on the tokens up to
 the position only), but the head's K/V at a block's last position pairs it with the next token,
@@ -34,7 +35,6 @@ runtime/speculative.py for why that keeps every sampling mode exact.
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import torch
@@ -171,12 +171,9 @@ class Eagle3Proposer:
             lens = [spans[j][1] + step for j in rows]  # the context: up to and including this row
             pos = torch.tensor([n - 1 for n in lens], dtype=torch.int64, device=self.device)
             tables = block_tables[index]
-            one_each = list(range(len(rows) + 1))
-            slots = self._slots(pos, tables, torch.tensor(one_each))
-            last_drafts = [out[active[j]][-1] for j in rows]
-            new_hidden, drafts = self._step(
-                last_drafts, hidden[index], pos, slots, tables, lens, one_each, max(lens), None
-            )
+            slots = self._slots(pos, tables, torch.ones(len(rows), dtype=torch.int64))
+            q, residual = self._write_kv([out[active[j]][-1] for j in rows], hidden[index], pos, slots)
+            new_hidden, drafts = self._draft(q, residual, tables, lens)
             hidden[index] = new_hidden
             for j, token in zip(rows, drafts):
                 out[active[j]].append(token)
@@ -185,9 +182,10 @@ class Eagle3Proposer:
     def _catch_up(
         self, batch: list[Request], spans: list[tuple[int, int]], block_tables: torch.Tensor
     ) -> tuple[torch.Tensor, list[int]]:
-        """The head over positions [start, end) of each request, CATCH_UP_CHUNK of them per request
-        at a time (a long prompt's features and activations stay bounded); returns the pre-norm
-        output of each request's last row ([len(batch), hidden]) and the draft it makes."""
+        """The head over positions [start, end) of each request: K/V for every row, CATCH_UP_CHUNK
+        rows per request at a time (a long prompt's features and activations stay bounded), and
+        the rest of the layer only for each request's last row; returns that row's pre-norm
+        output ([len(batch), hidden]) and its draft."""
         hidden = torch.empty((len(batch), self.config.hidden_size), dtype=self.dtype, device=self.device)
         drafts = [0] * len(batch)
         done = [s for s, _ in spans]
@@ -197,32 +195,31 @@ class Eagle3Proposer:
                 return hidden, drafts
             positions: list[int] = []
             tokens: list[int] = []
-            query_start = [0]
-            seq_lens: list[int] = []
-            finishing: list[int] = []  # of todo: the requests whose last row is in this round
-            last_rows: list[int] = []
+            counts: list[int] = []
+            finishing: list[int] = []  # requests whose last row is in this round
+            last_rows: list[int] = []  # and that row's index among this round's rows
             for j in todo:
                 a, b = done[j], min(done[j] + CATCH_UP_CHUNK, spans[j][1])
                 positions.extend(range(a, b))
                 tokens.extend(batch[j].all_token_ids[a + 1 : b + 1])
-                query_start.append(len(positions))
-                seq_lens.append(b)
+                counts.append(b - a)
                 if b == spans[j][1]:
                     finishing.append(j)
                     last_rows.append(len(positions) - 1)
                 done[j] = b
-            tables = block_tables[torch.tensor(todo, device=self.device)]
             pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-            slots = self._slots(pos, tables, torch.tensor(query_start))
+            slots = self._slots(
+                pos, block_tables[torch.tensor(todo, device=self.device)], torch.tensor(counts)
+            )
             assert self.aux is not None
             aux = self.aux[:, slots].transpose(0, 1).reshape(len(positions), -1)  # [rows, 3 * target hidden]
-            rows = torch.tensor(last_rows, dtype=torch.int64, device=self.device)
-            out_hidden, out_drafts = self._step(
-                tokens, F.linear(aux, self.fc), pos, slots, tables, seq_lens, query_start, max(seq_lens), rows
-            )
+            q, residual = self._write_kv(tokens, F.linear(aux, self.fc), pos, slots)
             if finishing:
-                hidden[torch.tensor(finishing, device=self.device)] = out_hidden
-                for j, token in zip(finishing, out_drafts):
+                rows = torch.tensor(last_rows, device=self.device)
+                index = torch.tensor(finishing, device=self.device)
+                lens = [spans[j][1] for j in finishing]
+                hidden[index], out = self._draft(q[rows], residual[rows], block_tables[index], lens)
+                for j, token in zip(finishing, out):
                     drafts[j] = token
 
     def _block_tables(self, requests: list[Request]) -> torch.Tensor:
@@ -233,30 +230,19 @@ class Eagle3Proposer:
         return table.to(self.device)
 
     def _slots(
-        self, positions: torch.Tensor, block_tables: torch.Tensor, query_start: torch.Tensor
+        self, positions: torch.Tensor, block_tables: torch.Tensor, counts: torch.Tensor
     ) -> torch.Tensor:
-        """The cache slot of each row's position (rows of sequence s: query_start[s]:query_start[s+1])."""
-        counts = query_start[1:] - query_start[:-1]
+        """The cache slot of each row's position; the first counts[0] rows are block_tables[0]'s
+        sequence's, the next counts[1] the next one's, and so on."""
         seq = torch.repeat_interleave(torch.arange(counts.numel()), counts).to(self.device)
         blocks = block_tables[seq, positions // self.block_size].long()
         return blocks * self.block_size + positions % self.block_size
 
-    def _step(
-        self,
-        tokens: list[int],
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: list[int],
-        query_start: list[int],
-        max_seq_len: int,
-        logit_rows: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, list[int]]:
-        """The head's layer over a flat batch of rows: writes their K/V, returns the pre-norm
-        outputs of the rows that draft (``logit_rows``; None: every row) and their greedy drafts
-        as target ids."""
-        assert self.k_cache is not None and self.v_cache is not None
+    def _write_kv(
+        self, tokens: list[int], hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer up to its attention for a flat batch of rows (token, feature, position): their
+        K/V written at ``slots``; returns their rotated queries and the residual stream."""
         c = self.config
         ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         embeds = ops.rms_norm(F.embedding(ids, self.embed_tokens), self.input_norm, c.rms_norm_eps)
@@ -269,21 +255,29 @@ class Eagle3Proposer:
         qkv = F.linear(torch.cat([embeds, hidden], dim=-1), self.w_qkv)
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        assert self.k_cache is not None and self.v_cache is not None
         q = ops.rotary_and_write_kv(
             positions, q.reshape(-1, c.num_heads, c.head_dim), k.reshape(-1, c.num_kv_heads, c.head_dim),
             v.reshape(-1, c.num_kv_heads, c.head_dim), self.cos_sin_cache, self.k_cache, self.v_cache, slots,
         )  # fmt: skip
+        return q, residual
+
+    def _draft(
+        self, q: torch.Tensor, residual: torch.Tensor, block_tables: torch.Tensor, seq_lens: list[int]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """The rest of the layer for one row per sequence (its last; K/V of the sequence's first
+        seq_lens[i] positions in the cache): the rows' pre-norm outputs and greedy drafts, as
+        target ids."""
+        c = self.config
+        n = len(seq_lens)
         lens = torch.tensor(seq_lens, dtype=torch.int32, device=self.device)
-        starts = torch.tensor(query_start, dtype=torch.int32, device=self.device)
-        max_query_len = max(b - a for a, b in itertools.pairwise(query_start))
+        starts = torch.arange(n + 1, dtype=torch.int32, device=self.device)
         attn = ops.paged_attention(
-            q, self.k_cache, self.v_cache, block_tables, lens, starts, c.head_dim**-0.5, max_query_len, max_seq_len
+            q, self.k_cache, self.v_cache, block_tables, lens, starts, c.head_dim**-0.5, 1, max(seq_lens)
         )  # fmt: skip
-        x, residual = ops.fused_add_rms_norm(F.linear(attn.reshape(-1, q_size), self.w_o), residual,
-                                             self.post_attn_norm, c.rms_norm_eps)  # fmt: skip
+        o = F.linear(attn.reshape(n, -1), self.w_o)
+        x, residual = ops.fused_add_rms_norm(o, residual, self.post_attn_norm, c.rms_norm_eps)
         mlp = F.linear(ops.silu_and_mul(F.linear(x, self.w_gate_up)), self.w_down)
-        if logit_rows is not None:
-            mlp, residual = mlp[logit_rows], residual[logit_rows]
         normed, prenorm = ops.fused_add_rms_norm(mlp, residual, self.norm, c.rms_norm_eps)
         best = F.linear(normed, self.lm_head).argmax(dim=-1)
         return prenorm, self.draft_to_target[best].tolist()

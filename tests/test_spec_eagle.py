@@ -30,6 +30,7 @@ def make_head(
     seed: int = 0,
     target_hidden: int = 96,
     own_embedding: bool = False,
+    norm_before_residual: bool = False,
     aux_layer_ids: list[int] | None = None,
     rope_theta: float | None = 10000.0,
     weights_format: str = "safetensors",
@@ -103,6 +104,8 @@ def make_head(
         config["target_hidden_size"] = target_hidden
     if aux_layer_ids is not None:
         config["eagle_aux_hidden_state_layer_ids"] = aux_layer_ids
+    if norm_before_residual:
+        config["norm_before_residual"] = True
     (path / "config.json").write_text(json.dumps(config))
     return path
 
@@ -147,13 +150,17 @@ def _rope(x: torch.Tensor, theta: float) -> torch.Tensor:
     return x * cos + torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1) * sin
 
 
-def reference_layer(w: dict[str, torch.Tensor], embed: torch.Tensor, tokens: list[int], hidden: torch.Tensor):  # type: ignore[no-untyped-def]
+def reference_layer(  # type: ignore[no-untyped-def]
+    w: dict[str, torch.Tensor], embed: torch.Tensor, tokens: list[int], hidden: torch.Tensor, norm_first: bool
+):
     """The head over a whole sequence (row i: position i, token ``tokens[i]``, feature
-    ``hidden[i]``): (pre-norm outputs, draft-vocabulary logits)."""
+    ``hidden[i]``): (pre-norm outputs, draft-vocabulary logits). ``norm_first``: the config's
+    norm_before_residual (the residual is the normed feature)."""
     p, d = "midlayer.", HEAD["head_dim"]
     n = len(tokens)
     e = _rms(embed[torch.tensor(tokens)], w[p + "input_layernorm.weight"])
-    x = torch.cat([e, _rms(hidden, w[p + "hidden_norm.weight"])], -1)
+    normed = _rms(hidden, w[p + "hidden_norm.weight"])
+    x = torch.cat([e, normed], -1)
     q = _rope((x @ w[p + "self_attn.q_proj.weight"].T).view(n, -1, d), 10000.0)
     k = _rope((x @ w[p + "self_attn.k_proj.weight"].T).view(n, -1, d), 10000.0)
     v = (x @ w[p + "self_attn.v_proj.weight"].T).view(n, -1, d)
@@ -162,7 +169,7 @@ def reference_layer(w: dict[str, torch.Tensor], embed: torch.Tensor, tokens: lis
     scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(d)
     scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
     attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, -1)
-    residual = hidden + attn @ w[p + "self_attn.o_proj.weight"].T
+    residual = (normed if norm_first else hidden) + attn @ w[p + "self_attn.o_proj.weight"].T
     x = _rms(residual, w[p + "post_attention_layernorm.weight"])
     mlp = (
         torch.nn.functional.silu(x @ w[p + "mlp.gate_proj.weight"].T) * (x @ w[p + "mlp.up_proj.weight"].T)
@@ -172,7 +179,12 @@ def reference_layer(w: dict[str, torch.Tensor], embed: torch.Tensor, tokens: lis
 
 
 def reference_drafts(
-    w: dict[str, torch.Tensor], embed: torch.Tensor, aux: torch.Tensor, tokens: list[int], k: int
+    w: dict[str, torch.Tensor],
+    embed: torch.Tensor,
+    aux: torch.Tensor,
+    tokens: list[int],
+    k: int,
+    norm_first: bool = False,
 ) -> list[int]:
     """k greedy drafts after ``tokens`` (t_0..t_{n-1}), ``aux`` [n - 1, 3 * hidden] the target's
     features at positions 0..n-2: row i reads t_{i+1} and fc(aux_i); each draft's row reads the
@@ -181,7 +193,7 @@ def reference_drafts(
     d2t = w["d2t"]
     drafts: list[int] = []
     for _ in range(k):
-        out, logits = reference_layer(w, embed, inputs, hidden)
+        out, logits = reference_layer(w, embed, inputs, hidden, norm_first)
         best = int(logits[-1].argmax())
         drafts.append(best + int(d2t[best]))
         inputs.append(drafts[-1])
@@ -293,11 +305,15 @@ def test_aux_buffer_holds_transformers_hidden_states_and_leaves_the_forward_unch
     torch.testing.assert_close(target.run(request, 0, 36), with_aux, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("own_embedding", [False, True], ids=["shared-embedding", "own-embedding"])
+@pytest.mark.parametrize(
+    ("own_embedding", "norm_first"),
+    [(False, False), (True, False), (False, True)],
+    ids=["shared-embedding", "own-embedding", "norm-before-residual"],
+)
 def test_drafts_equal_the_reference_head_with_catch_up(
-    tiny_llama_artifact, hf_target, tmp_path, own_embedding
+    tiny_llama_artifact, hf_target, tmp_path, own_embedding, norm_first
 ):  # type: ignore[no-untyped-def]
-    head = make_head(tmp_path / "head", own_embedding=own_embedding, seed=3)
+    head = make_head(tmp_path / "head", own_embedding=own_embedding, norm_before_residual=norm_first, seed=3)
     w = _weights(head)
     embed = w["embed_tokens.weight"] if own_embedding else hf_target.model.embed_tokens.weight.detach()
     target = Target(tiny_llama_artifact, head)
@@ -308,7 +324,8 @@ def test_drafts_equal_the_reference_head_with_catch_up(
         target.run(r, 0, r.num_tokens - 1)  # the engine's state at propose: all but the last token computed
 
     def expected(r: FakeRequest, k: int) -> list[int]:
-        return reference_drafts(w, embed, hf_aux(hf_target, r.all_token_ids, (0, 1, 2)), r.all_token_ids, k)
+        aux = hf_aux(hf_target, r.all_token_ids, (0, 1, 2))
+        return reference_drafts(w, embed, aux, r.all_token_ids, k, norm_first)
 
     drafts = target.proposer.propose([a, b, c], [3, 2, 0])
     assert drafts == [expected(a, 3), expected(b, 2), []]
