@@ -94,7 +94,7 @@ def run(
             token = new[child.request_id]
             child.append_output_token(token)
             if child.logprobs is not None:
-                lps[child.request_id] = {token: Logprob(-0.5, 1)}
+                lps[child.request_id] = [{token: Logprob(-0.5, 1)}]
             updated.append(child)
         outputs, stopped = op.process(updated, lps, {})
         if stopped:

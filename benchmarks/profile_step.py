@@ -151,7 +151,8 @@ def mode_step(args: argparse.Namespace) -> None:
         t2 = time.perf_counter()
         updated = engine.scheduler.update_from_output(scheduled, result.sampled)
         t3 = time.perf_counter()
-        engine.output_processor.process(updated, result.logprobs, result.prompt_logprobs, only_finished=True)
+        logprobs = {rid: [entry] for rid, entry in result.logprobs.items()}
+        engine.output_processor.process(updated, logprobs, result.prompt_logprobs, only_finished=True)
         t4 = time.perf_counter()
         for name, dt in zip(regions, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
             regions[name] += dt

@@ -246,16 +246,17 @@ class AsyncEngine:
                 stream.put(why.error())
         now = time.monotonic()
         updated: list[Request] = []
-        logprobs: dict[str, PositionLogprobs] = {}
+        logprobs: dict[str, list[PositionLogprobs]] = {}
         prompt_logprobs: dict[str, list[PositionLogprobs]] = {}
+        num_new: dict[str, int] = {}  # sequences with several new tokens (speculative decoding)
         seen: set[str] = set()
         for update in msg.updates:
             child = op.children.get(update.sequence_id)
             if child is None or child.is_finished:
                 continue  # aborted here, or ended by a stop string: the core learns it a step later
             if update.sequence_id in seen:  # two tokens of one sequence in one message: one at a time
-                self._process(updated, logprobs, prompt_logprobs)
-                updated, logprobs, prompt_logprobs, seen = [], {}, {}, set()
+                self._process(updated, logprobs, prompt_logprobs, num_new)
+                updated, logprobs, prompt_logprobs, num_new, seen = [], {}, {}, {}, set()
             seen.add(update.sequence_id)
             metrics = child.metrics
             metrics.first_scheduled_time = update.first_scheduled_time
@@ -267,6 +268,8 @@ class AsyncEngine:
                 continue
             for token_id in update.new_token_ids:
                 child.append_output_token(token_id)
+            if len(update.new_token_ids) > 1:
+                num_new[child.request_id] = len(update.new_token_ids)
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             metrics.last_token_time = now
@@ -275,20 +278,21 @@ class AsyncEngine:
                 child.stop_reason = update.stop_reason
                 metrics.finished_time = now
             if update.logprobs:
-                logprobs[child.request_id] = position_logprobs(update.logprobs[-1])
+                logprobs[child.request_id] = [position_logprobs(e) for e in update.logprobs]
             updated.append(child)
-        self._process(updated, logprobs, prompt_logprobs)
+        self._process(updated, logprobs, prompt_logprobs, num_new)
 
     def _process(
         self,
         updated: list[Request],
-        logprobs: dict[str, PositionLogprobs],
+        logprobs: dict[str, list[PositionLogprobs]],
         prompt_logprobs: dict[str, list[PositionLogprobs]],
+        num_new: dict[str, int],
     ) -> None:
         if not updated and not prompt_logprobs:
             return
         op = self.output_processor
-        outputs, stopped = op.process(updated, logprobs, prompt_logprobs)
+        outputs, stopped = op.process(updated, logprobs, prompt_logprobs, num_new_tokens=num_new)
         if stopped:
             self._client.send(AbortRequests(stopped))
             outputs = op.remake_outputs(outputs, stopped)

@@ -81,18 +81,20 @@ def position_logprobs(entry: LogprobEntry) -> PositionLogprobs:
 def step_updates(result: Any) -> list[SequenceUpdate]:
     """A core StepResult as wire updates: one per sequence that got a token or prompt logprobs."""
     updates = []
+    num_new = result.num_new_tokens
     for req in result.updated:
         rid = req.request_id
         lp = result.logprobs.get(rid)
         plp = result.prompt_logprobs.get(rid)
         m = req.metrics
+        n = num_new.get(rid, 1) if num_new else 1
         updates.append(
             SequenceUpdate(
                 rid,
-                [req.output_token_ids[-1]],
+                [req.output_token_ids[-1]] if n == 1 else req.output_token_ids[-n:],
                 int(req.status) if req.is_finished else 0,
                 req.stop_reason if req.is_finished else None,
-                None if lp is None else [_entry(lp)],
+                None if lp is None else [_entry(e) for e in lp],
                 None if plp is None else [_entry(p) for p in plp],
                 m.first_scheduled_time,
                 m.num_cached_tokens,

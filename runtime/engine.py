@@ -154,7 +154,8 @@ class LLMEngine:
 
     def _process(self, result: StepResult, only_finished: bool) -> list[RequestOutput]:
         outputs, stopped = self.output_processor.process(
-            result.updated, result.logprobs, result.prompt_logprobs, only_finished=only_finished
+            result.updated, result.logprobs, result.prompt_logprobs, only_finished=only_finished,
+            num_new_tokens=result.num_new_tokens,
         )
         if stopped:
             self.core.finish(stopped, RequestStatus.FINISHED_STOPPED)

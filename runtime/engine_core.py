@@ -30,6 +30,7 @@ from pagecast.runtime.outputs import PositionLogprobs
 from pagecast.runtime.request import Request, RequestStatus
 from pagecast.runtime.sampling_params import SamplingParams
 from pagecast.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagecast.runtime.speculative import SpeculativeConfig, make_proposer
 from pagecast.runtime.structured_output import GrammarKey, GrammarState, tokenizer_loader
 
 logger = logging.getLogger("pagecast.engine")
@@ -99,6 +100,10 @@ class EngineOptions:
     # takes the artifact's. Anything else must name the artifact's ("fp8" for an fp8 build), else
     # the engine refuses to start and says how to rebuild.
     kv_cache_dtype: str | None = None
+    # Speculative decoding (runtime/speculative.py): a dict or JSON text such as {"method":
+    # "ngram", "num_speculative_tokens": 4}; None takes the artifact's (enginebuild
+    # --speculative-config), "off" turns the artifact's off.
+    speculative_config: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -116,16 +121,34 @@ class EngineOptions:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
         if self.kv_cache_memory is not None and parse_size(self.kv_cache_memory) <= 0:
             raise ValueError("kv_cache_memory must be positive")
+        if self.speculative_config != "off":
+            SpeculativeConfig.parse(self.speculative_config)  # a bad config fails here, with its reason
 
 
 @dataclass
 class StepResult:
-    """The tokens one device step produced: the sequences that received a token (in batch
-    order, finished ones included) and the logprobs asked for."""
+    """The tokens one device step produced: the sequences that received tokens (in batch
+    order, finished ones included) and the logprobs asked for. A sequence got one new token
+    (its last), or ``num_new_tokens[id]`` of them when it verified drafts (speculative
+    decoding); ``logprobs[id]`` holds one entry per new token."""
 
     updated: list[Request] = field(default_factory=list)
-    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+    logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    num_new_tokens: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class SpecStats:
+    """Speculative decoding's counters since start (the engine log and /metrics)."""
+
+    num_steps: int = 0  # steps that verified drafts
+    num_verified: int = 0  # (sequence, step) pairs that verified drafts
+    num_draft_tokens: int = 0  # drafts verified
+    num_accepted_tokens: int = 0  # drafts accepted
+    num_emitted_tokens: int = 0  # tokens those sequences got (accepted drafts + the target's own)
+    draft_s: float = 0.0  # time proposing
+    verify_s: float = 0.0  # time of the verifying steps (target forward + verification)
 
 
 @dataclass
@@ -193,6 +216,11 @@ class EngineCore:
         self.max_model_len = options.max_model_len or manifest.max_model_len
         check_kv_cache_option(options.kv_cache_dtype, manifest.kv_cache_dtype)
 
+        # Speculative decoding: the proposer comes first, since a draft model's or a head's own
+        # KV cache shares the target's blocks and so counts in their size.
+        self.speculative = speculative_config(options.speculative_config, getattr(manifest, "speculative", None))
+        self.spec_stats = SpecStats()
+        self.proposer = make_proposer(self.speculative, self) if self.speculative is not None else None
         num_blocks = self._num_kv_blocks()
         if num_blocks * self.block_size < self.max_model_len:
             raise ValueError(
@@ -207,6 +235,8 @@ class EngineCore:
             self.artifact.device,
         )
         self.artifact.model.bind_kv_cache(self.kv_cache)
+        if self.proposer is not None and hasattr(self.proposer, "bind_kv_cache"):
+            self.proposer.bind_kv_cache(num_blocks)
         self.block_pool = BlockPool(num_blocks, self.block_size, options.enable_prefix_caching)
         self.max_num_prefill_tokens = options.max_num_prefill_tokens or default_max_num_prefill_tokens(
             self.artifact.device.type
@@ -258,6 +288,7 @@ class EngineCore:
 
     def _num_kv_blocks(self) -> int:
         bytes_per_block = int(self.artifact.memory_plan["bytes_per_block"])
+        bytes_per_block += int(getattr(self.proposer, "kv_bytes_per_block", 0))
         if self.options.kv_cache_memory is not None:
             budget = parse_size(self.options.kv_cache_memory)
         elif self.artifact.device.type == "cuda":
@@ -409,8 +440,11 @@ class EngineCore:
             self._admit_compiled()
             if self._failed:
                 return []
+        if self.proposer is not None and 0 < self.scheduler.num_running <= self.speculative.disable_by_batch_size:
+            return self._speculative_step()
         if self.async_scheduling:
             scheduled = self.scheduler.schedule()
+            self._drop_proposer_state(scheduled)
             launched = None
             if scheduled.total_num_scheduled_tokens:
                 launched = self.runner.launch(scheduled, self._inflight)
@@ -424,11 +458,92 @@ class EngineCore:
             return results
         results = self._collect_inflight()  # nothing in flight in synchronous mode
         scheduled = self.scheduler.schedule()
+        self._drop_proposer_state(scheduled)
         if scheduled.total_num_scheduled_tokens == 0:
             return results
         output = self.runner.execute(scheduled)
         self.scheduler.mark_computed(scheduled)
         return results + [self._book(scheduled, output)]
+
+    # -- speculative decoding (runtime/speculative.py) ----------------------------------------
+
+    def _speculative_step(self) -> list[StepResult]:
+        """A synchronous step in which the decoding requests verify drafts: the step in flight
+        (if any) is collected first, so every request's tokens are known to the proposer."""
+        results = self._collect_inflight()
+        stats = self.spec_stats
+        t0 = time.perf_counter()
+        proposed = self._propose()
+        t1 = time.perf_counter()
+        scheduled = self.scheduler.schedule()
+        for request in proposed:
+            request.spec_token_ids = []  # those scheduled are in scheduled.spec_token_ids
+        self._drop_proposer_state(scheduled)
+        if scheduled.total_num_scheduled_tokens == 0:
+            return results
+        output = self.runner.execute(scheduled)
+        self.scheduler.mark_computed(scheduled)
+        results.append(self._book(scheduled, output))
+        if scheduled.spec_token_ids:
+            stats.draft_s += t1 - t0
+            stats.verify_s += time.perf_counter() - t1
+            stats.num_steps += 1
+        return results
+
+    def _propose(self) -> list[Request]:
+        """Ask the proposer for drafts for every running request that decodes next (one token
+        behind, nothing pending) and has room for them: tokens left before max_tokens and
+        max_model_len (verifying k drafts yields up to k + 1 tokens), and free blocks for their
+        positions (a draft never preempts anyone). A request whose drafts were rejected outright
+        several steps in a row pauses, for twice as many steps each time (up to 32), so a
+        drafter that does not predict this text costs little; one accepted draft resets it."""
+        assert self.speculative is not None and self.proposer is not None
+        k = self.speculative.num_speculative_tokens
+        pool = self.block_pool
+        max_model_len = self.max_model_len
+        requests: list[Request] = []
+        counts: list[int] = []
+        for request in self.scheduler.running:
+            if request.num_pending_tokens or request.num_computed_tokens != len(request.all_token_ids) - 1:
+                continue
+            if request.spec_skip:
+                request.spec_skip -= 1
+                continue
+            room = min(k, request.max_tokens - request.num_output_tokens - 1, max_model_len - request.num_tokens - 1)
+            if room > 0 and pool.allocate_slots(request, 1 + room):
+                requests.append(request)
+                counts.append(room)
+        if not requests:
+            return []
+        for request, drafts, room in zip(requests, self.proposer.propose(requests, counts), counts):
+            request.spec_token_ids = list(drafts[:room])
+        return requests
+
+    def _drop_proposer_state(self, scheduled: SchedulerOutput) -> None:
+        if self.proposer is not None and (scheduled.finished_request_ids or scheduled.preempted_requests):
+            self.proposer.drop(scheduled.finished_request_ids | {r.request_id for r in scheduled.preempted_requests})
+
+    def _book_speculation(self, scheduled: SchedulerOutput, output: RunnerOutput) -> None:
+        """Count the step's drafts and their acceptance; pause the requests that keep missing."""
+        stats = self.spec_stats
+        for request_id, drafts in scheduled.spec_token_ids.items():
+            tokens = output.spec_tokens.get(request_id)
+            if tokens is None:
+                continue
+            accepted = len(tokens) - 1
+            stats.num_verified += 1
+            stats.num_draft_tokens += len(drafts)
+            stats.num_accepted_tokens += accepted
+            stats.num_emitted_tokens += len(tokens)
+            request = self.scheduler.requests.get(request_id)
+            if request is None:
+                continue  # finished this step
+            if accepted:
+                request.spec_misses = 0
+            else:
+                request.spec_misses += 1
+                if request.spec_misses >= SPEC_MISSES_BEFORE_PAUSE:
+                    request.spec_skip = min(2 ** (request.spec_misses - SPEC_MISSES_BEFORE_PAUSE + 1), SPEC_MAX_PAUSE)
 
     def _collect_inflight(self) -> list[StepResult]:
         inflight, self._inflight = self._inflight, None
@@ -443,8 +558,14 @@ class EngineCore:
                 # The next chunk's targets start where these end (and a preempted request
                 # does not compute them again).
                 request.prompt_logprobs.extend(entries)
-        updated = self.scheduler.add_sampled_tokens(scheduled, output.sampled)
-        self.num_generation_tokens += len(updated)
+        num_new: dict[str, int] = {}
+        if scheduled.spec_token_ids:
+            updated = self.scheduler.add_sampled_tokens(scheduled, output.sampled, output.spec_tokens, num_new)
+            self._book_speculation(scheduled, output)
+            self.num_generation_tokens += len(updated) + sum(num_new.values()) - len(num_new)
+        else:
+            updated = self.scheduler.add_sampled_tokens(scheduled, output.sampled)
+            self.num_generation_tokens += len(updated)
         for request in updated:
             if request.is_finished:
                 if self.grammar.active:
@@ -452,7 +573,12 @@ class EngineCore:
                 children = self._parents.get(request.parent_id)
                 if children is not None and all(c.is_finished for c in children):
                     del self._parents[request.parent_id]
-        return StepResult(updated, output.logprobs, output.prompt_logprobs)
+        logprobs = {rid: [entry] for rid, entry in output.logprobs.items()} if output.logprobs else {}
+        for rid, entries in output.spec_logprobs.items():
+            logprobs[rid] = entries[: num_new.get(rid, 1)]
+        if num_new:
+            num_new = {rid: n for rid, n in num_new.items() if n > 1}
+        return StepResult(updated, logprobs, output.prompt_logprobs, num_new)
 
     def warm_up(self) -> None:
         """Run a throw-away prefill of every size class the kernels are tuned for (each may use
@@ -479,9 +605,11 @@ class EngineCore:
         self.scheduler.num_preemptions = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.spec_stats = SpecStats()
 
     def stats(self) -> EngineStats:
         pool = self.block_pool
+        spec = self.spec_stats
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -494,7 +622,29 @@ class EngineCore:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
             num_kernel_compiles=self._compiles.count - self._compiles_when_ready,
+            spec_num_verified=spec.num_verified,
+            spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_num_emitted_tokens=spec.num_emitted_tokens,
+            spec_draft_seconds=spec.draft_s,
+            spec_verify_seconds=spec.verify_s,
         )
+
+
+# A request whose drafts were all rejected this many verifying steps in a row stops speculating
+# for 2, 4, ... steps (at most SPEC_MAX_PAUSE), then tries again.
+SPEC_MISSES_BEFORE_PAUSE = 3
+SPEC_MAX_PAUSE = 32
+
+
+def speculative_config(option: Any, built_in: Any) -> SpeculativeConfig | None:
+    """The engine's speculative decoding: the option when given ("off": none), else the
+    artifact's own (enginebuild --speculative-config), else none."""
+    if option == "off":
+        return None
+    if option is not None:
+        return SpeculativeConfig.parse(option)
+    return SpeculativeConfig.parse(built_in) if built_in else None
 
 
 def new_sequences(

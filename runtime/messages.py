@@ -37,6 +37,15 @@ class EngineStats:
     # Triton kernels compiled in the engine's process since it was ready (its artifact's kernel
     # cache missed them: each compile stalls every running request, typically for a second or more).
     num_kernel_compiles: int = 0
+    # Speculative decoding (zero without it): sequence-steps that verified drafts, drafts
+    # verified, drafts accepted, tokens those sequence-steps produced, and seconds spent
+    # proposing and verifying.
+    spec_num_verified: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_emitted_tokens: int = 0
+    spec_draft_seconds: float = 0.0
+    spec_verify_seconds: float = 0.0
 
 
 class AddRequest(msgspec.Struct, tag=True, array_like=True):

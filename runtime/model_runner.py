@@ -45,6 +45,10 @@ class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
     logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)  # request id -> the new token's logprobs
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)  # new prompt entries
+    # Speculative decoding: request id -> its tokens this step (the accepted drafts, then the
+    # target's own token), and their logprobs when asked for (one entry per token).
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
 
 
 @dataclass
@@ -87,6 +91,9 @@ class _Batch:
     # (request, first logits row, number of rows, first prompt position scored): logits row
     # row0 + j scores prompt token first + 1 + j.
     prompt_lp: list[tuple[Request, int, int, int]]
+    # Speculative decoding: (request, first logits row, its drafts); logits rows row0..row0 +
+    # len(drafts) are the positions of its last known token and of each draft.
+    spec: list[tuple[Request, int, list[int]]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -191,11 +198,27 @@ class ModelRunner:
         sample_requests: list[Request] = []
         sample_rows: list[int] = []
         prompt_lp: list[tuple[Request, int, int, int]] = []
+        spec_drafts = out.spec_token_ids
+        spec: list[tuple[Request, int, list[int]]] = []
         max_blocks = 1
         for req, n in zip(out.scheduled_requests, out.num_scheduled_tokens):
             start = req.num_computed_tokens
             end = start + n
             row0 = len(input_ids)
+            drafts = spec_drafts.get(req.request_id) if spec_drafts else None
+            if drafts is not None:
+                # The last known token and the drafts after it; every position is scored.
+                input_ids.append(req.all_token_ids[start])
+                input_ids.extend(drafts)
+                positions.extend(range(start, end))
+                block_ids = req.block_ids
+                slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
+                seq_lens.append(end)
+                query_start_loc.append(len(input_ids))
+                max_blocks = max(max_blocks, len(block_ids))
+                spec.append((req, len(logits_rows), drafts))
+                logits_rows.extend(range(row0, row0 + n))
+                continue
             if n == 1:
                 known = req.all_token_ids
                 if start < len(known):
@@ -257,6 +280,7 @@ class ModelRunner:
             sample_requests=sample_requests,
             sample_rows=sample_rows,
             prompt_lp=prompt_lp,
+            spec=spec,
         )
 
     def _use_graph(self, batch: _Batch, num_seqs: int) -> bool:
@@ -320,13 +344,51 @@ class ModelRunner:
             targets = req.prompt_token_ids[first + 1 : first + 1 + count]
             num_top = req.sampling_params.prompt_logprobs or 0
             result.prompt_logprobs[req.request_id] = prompt_logprobs(logits[row0 : row0 + count], targets, num_top)
+        if batch.spec:
+            self._verify(logits, batch.spec, result)
         return result
+
+    def _verify(self, logits: torch.Tensor, spec: list[tuple[Request, int, list[int]]], result: RunnerOutput) -> None:
+        """Speculative decoding's verification (runtime/speculative.py): the target samples its
+        own token at every position of each request's drafts, as it would without them (the
+        drafts before a position count as its output), and keeps the drafts up to the first
+        that differs from the target's token, then that token."""
+        rows: list[int] = []
+        views: list[Any] = []
+        for req, row0, drafts in spec:
+            rows.extend(range(row0, row0 + len(drafts) + 1))
+            views.extend(DraftPosition(req, drafts, j) for j in range(len(drafts) + 1))
+        scored = logits[to_device(rows, logits.device, torch.int64)]
+        bitmask = None
+        if self.grammar is not None and self.grammar.active:
+            bitmask = self.grammar.draft_bitmask(spec)
+        token_ids = sample_token_ids(scored, views, token_bitmask=bitmask)
+        computed = logprob_tensors(scored, token_ids, views)
+        entries: list[PositionLogprobs | None] = [None] * len(views)
+        if computed is not None:
+            wanted, tensors = computed
+            for i, entry in zip(wanted, tensors.entries([views[i].sampling_params.logprobs or 0 for i in wanted])):
+                entries[i] = entry
+        targets = token_ids.tolist()
+        i = 0
+        for req, _, drafts in spec:
+            tokens = []
+            for j in range(len(drafts) + 1):
+                tokens.append(targets[i + j])
+                if j == len(drafts) or targets[i + j] != drafts[j]:
+                    break
+            result.spec_tokens[req.request_id] = tokens
+            if req.sampling_params.logprobs is not None:
+                result.spec_logprobs[req.request_id] = [e for e in entries[i : i + len(tokens)] if e is not None]
+            i += len(drafts) + 1
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, prev: LaunchedStep | None) -> LaunchedStep:
         """Queue a step on the device and return without waiting for it (asynchronous
         scheduling): sampling, penalties (from ``self.penalties``), logprobs and prompt
         logprobs are all computed in the step; ``collect`` reads them."""
+        if out.spec_token_ids:
+            raise RuntimeError("a speculating step runs synchronously (execute), never launched")
         batch = self.prepare(out, prev)
         self.penalties.drop(out.finished_request_ids)
         step = LaunchedStep(out, batch.sample_requests, {}, None, None, None)
@@ -381,6 +443,25 @@ class ModelRunner:
         for rid, num_top, tensors in step.prompt_logprobs:
             result.prompt_logprobs[rid] = tensors.entries([num_top] * tensors.token_ids.shape[0])
         return result
+
+
+class DraftPosition:
+    """A request as seen from the position of its ``j``-th draft: the drafts before it count as
+    output tokens. The sampler reads these attributes, so the target's token at that position is
+    processed exactly as it would be once those drafts were accepted: penalties, min_tokens, and
+    a seeded request's noise, keyed by the output position."""
+
+    __slots__ = ("request", "output_token_ids", "num_output_tokens", "__weakref__")
+
+    def __init__(self, request: Request, drafts: list[int], j: int):
+        self.request = request
+        self.output_token_ids = request.output_token_ids + drafts[:j] if j else request.output_token_ids
+        self.num_output_tokens = len(self.output_token_ids)
+
+    num_pending_tokens = 0
+
+    def __getattr__(self, name: str) -> Any:  # sampling_params, prompt_token_ids, seed_key, ...
+        return getattr(self.request, name)
 
 
 def _pending_tokens(prev: LaunchedStep | None) -> Any:

@@ -81,17 +81,50 @@ class OutputProcessor:
                     lp.decoded_token = decode_token(self.tokenizer, token_id)
         return entries
 
+    def _feed_several(self, child: Request, detok: Any, num_new: int, stopped: list[str]) -> bool:
+        """Feed all but the last of a sequence's several new tokens one by one; a stop string
+        among them ends the sequence there (the tokens after it are dropped). True when it did;
+        else the caller feeds the last token as usual."""
+        ids = child.output_token_ids
+        first = len(ids) - num_new
+        for i in range(first, len(ids) - 1):
+            stop = detok.update([ids[i]])
+            if stop is None:
+                continue
+            drop = len(ids) - 1 - i
+            if child.logprobs is not None and len(child.logprobs) == len(ids):
+                for token_id, entry in zip(ids[-drop:], child.logprobs[-drop:]):
+                    chosen = entry.get(token_id)
+                    if chosen is not None:
+                        child.cumulative_logprob -= chosen.logprob
+                del child.logprobs[-drop:]
+            del ids[-drop:]
+            del child.all_token_ids[-drop:]
+            child.stop_reason = stop
+            if child.is_finished:
+                child.status = RequestStatus.FINISHED_STOPPED
+            else:
+                stopped.append(child.request_id)
+                self._stopping[child.request_id] = child
+            return True
+        return False
+
     def process(
         self,
         updated: list[Request],
-        logprobs: dict[str, PositionLogprobs],
+        logprobs: dict[str, list[PositionLogprobs]],
         prompt_logprobs: dict[str, list[PositionLogprobs]],
         only_finished: bool = False,
+        num_new_tokens: dict[str, int] | None = None,
     ) -> tuple[list[RequestOutput], list[str]]:
         """Returns the outputs of the parents touched this step, as their ``output_kind`` asks
         (with ``only_finished``, of the finished ones only, whatever the kind), and the ids of
         children that a stop string finished: the caller frees them in the scheduler, then
-        calls ``remake_outputs``. The work is proportional to the step's new tokens."""
+        calls ``remake_outputs``. The work is proportional to the step's new tokens.
+
+        Each updated sequence got one new token (its last), or ``num_new_tokens[id]`` of them
+        (speculative decoding); ``logprobs[id]`` holds one entry per new token. A stop string
+        completed before the last of several new tokens drops the tokens after it."""
         touched: dict[str, ParentRequest] = {}
         stopped: list[str] = []
         for rid, entries in prompt_logprobs.items():
@@ -106,14 +139,19 @@ class OutputProcessor:
             if parent is None:
                 continue
             touched[parent.request_id] = parent
+            num_new = num_new_tokens.get(child.request_id, 1) if num_new_tokens else 1
             if child.logprobs is not None and child.request_id in logprobs:
-                entry = self._annotate(logprobs[child.request_id])
-                child.logprobs.append(entry)
-                chosen = entry.get(child.output_token_ids[-1])
-                if chosen is not None:
-                    child.cumulative_logprob += chosen.logprob
+                new_ids = child.output_token_ids[-num_new:]
+                for token_id, entry in zip(new_ids, logprobs[child.request_id]):
+                    entry = self._annotate(entry)
+                    child.logprobs.append(entry)
+                    chosen = entry.get(token_id)
+                    if chosen is not None:
+                        child.cumulative_logprob += chosen.logprob
             detok = parent.detokenizers.get(child.request_id)
             if detok is None:
+                continue
+            if num_new > 1 and self._feed_several(child, detok, num_new, stopped):
                 continue
             # A status of FINISHED_STOPPED here comes from a stop token (stop strings are found
             # below): its text is left out of the output.

@@ -93,6 +93,12 @@ class Request:
             [None] if sampling_params.prompt_logprobs is not None else None
         )
         self.cumulative_logprob = 0.0
+        # Speculative decoding: the draft tokens proposed for the next step (set by the engine
+        # just before it schedules a speculating step; the scheduler takes what fits), and the
+        # back-off of a request whose drafts keep being rejected (EngineCore._propose).
+        self.spec_token_ids: list[int] = []
+        self.spec_misses = 0
+        self.spec_skip = 0
 
     @property
     def num_tokens(self) -> int:

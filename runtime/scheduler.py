@@ -68,6 +68,9 @@ class SchedulerOutput:
     preempted_requests: list[Request] = field(default_factory=list)
     # Ids of requests that finished or were aborted since the previous step, for the same reason.
     finished_request_ids: set[str] = field(default_factory=set)
+    # Speculative decoding: request id -> the draft tokens it verifies this step. Such a request
+    # is scheduled 1 + len(drafts) tokens: its last known token, then the drafts.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -129,6 +132,7 @@ class Scheduler:
         scheduled: list[Request] = []
         counts: list[int] = []
         preempted: list[Request] = []
+        spec: dict[str, list[int]] = {}
         running = self.running
 
         i = 0
@@ -140,6 +144,19 @@ class Scheduler:
                 i += 1  # its last token is being sampled: nothing more to compute
                 continue
             num_new = min(len(request.all_token_ids) + pending - request.num_computed_tokens, budget)
+            drafts = request.spec_token_ids
+            if drafts and num_new == 1 and not pending:
+                # A decode with drafts to verify: as many as the budget and the free blocks
+                # allow (the engine allocated their slots when it asked for them); never a
+                # preemption for a draft.
+                drafts = drafts[: budget - 1]
+                if drafts and pool.allocate_slots(request, 1 + len(drafts)):
+                    spec[request.request_id] = drafts
+                    scheduled.append(request)
+                    counts.append(1 + len(drafts))
+                    budget -= 1 + len(drafts)
+                    i += 1
+                    continue
             if num_new > 1:  # a prompt chunk, not a decode
                 num_new = min(num_new, prefill_budget)
             if num_new <= 0:  # nothing to compute until it gets a token (or no prefill budget left)
@@ -197,6 +214,7 @@ class Scheduler:
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             preempted_requests=preempted,
             finished_request_ids=finished_ids,
+            spec_token_ids=spec,
         )
 
     def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
@@ -222,18 +240,35 @@ class Scheduler:
         """
         pool = self.block_pool
         running_status = RequestStatus.RUNNING
+        spec = output.spec_token_ids
         for request, num_new in zip(output.scheduled_requests, output.num_scheduled_tokens):
             if request.status is not running_status:
                 continue  # finished via finish_requests() after it was scheduled
+            if spec and request.request_id in spec:
+                # Only the known token counts as computed; the drafts' K/V counts once they are
+                # accepted (add_sampled_tokens).
+                num_new -= len(spec[request.request_id])
             request.num_computed_tokens += num_new
             if request.num_computed_tokens == len(request.all_token_ids) + request.num_pending_tokens:
                 request.num_pending_tokens += 1
             pool.cache_full_blocks(request)
 
-    def add_sampled_tokens(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+    def add_sampled_tokens(
+        self,
+        output: SchedulerOutput,
+        sampled_token_ids: dict[str, int],
+        spec_tokens: dict[str, list[int]] | None = None,
+        num_new_tokens: dict[str, int] | None = None,
+    ) -> list[Request]:
         """Resolve the tokens ``output``'s step sampled (it was passed to ``mark_computed``):
         append them, stop requests that are done, free their blocks. Returns the requests that
-        received a token, in batch order, finished ones included."""
+        received a token, in batch order, finished ones included.
+
+        A request that verified drafts (``output.spec_token_ids``) gets its tokens from
+        ``spec_tokens``: the accepted drafts, then the target's own token. The accepted drafts'
+        K/V becomes computed; a stop (token or length) among them ends the request there and
+        drops the rest. ``num_new_tokens`` (when given) receives how many tokens each such
+        request got."""
         pool = self.block_pool
         max_model_len = self.config.max_model_len
         now = time.monotonic()
@@ -243,17 +278,33 @@ class Scheduler:
         for request in output.scheduled_requests:
             if not request.num_pending_tokens or request.status.finished:
                 continue  # no token from this step (partial prefill), or aborted / stopped meanwhile
-            token_id = sampled_token_ids.get(request.request_id)
-            if token_id is None:
-                continue  # its pending token comes from a later step (its last prefill chunk ran there)
-            request.num_pending_tokens -= 1
-            request.append_output_token(token_id)
-            pool.cache_full_blocks(request)
+            tokens = spec_tokens.get(request.request_id) if spec_tokens else None
+            if tokens is not None:
+                request.num_pending_tokens -= 1
+                request.num_computed_tokens += len(tokens) - 1  # the accepted drafts
+                status = None
+                count = 0
+                for token_id in tokens:
+                    request.append_output_token(token_id)
+                    count += 1
+                    status = request.check_stop(max_model_len)
+                    if status is not None:
+                        break
+                if num_new_tokens is not None:
+                    num_new_tokens[request.request_id] = count
+                pool.cache_full_blocks(request)
+            else:
+                token_id = sampled_token_ids.get(request.request_id)
+                if token_id is None:
+                    continue  # its pending token comes from a later step (its last prefill chunk ran there)
+                request.num_pending_tokens -= 1
+                request.append_output_token(token_id)
+                pool.cache_full_blocks(request)
+                status = request.check_stop(max_model_len)
             metrics = request.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             metrics.last_token_time = now
-            status = request.check_stop(max_model_len)
             if status is not None:
                 preempted = request.status is not running_status
                 request.status = status
@@ -310,6 +361,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.block_pool.free(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1

@@ -342,6 +342,52 @@ class GrammarState:
         return rows, bitmask
 
 
+    def draft_bitmask(self, spec: list[tuple[Request, int, list[int]]]) -> tuple[list[int], torch.Tensor] | None:
+        """The masks of a speculating step's positions (speculative decoding): for each request,
+        its ``len(drafts) + 1`` positions in turn, as ``bitmask`` lays out rows (rows counted over
+        every request's positions, constrained or not). Position ``j`` is masked as if drafts
+        ``0..j-1`` had been accepted: the matcher accepts them one by one, then rolls back. A
+        draft the grammar rejects can never be the target's token at its position, so
+        verification stops there; the positions after it are left unmasked (never used)."""
+        import xgrammar
+
+        rows: list[int] = []
+        plan: list[tuple[_Constrained, list[int]]] = []
+        offset = 0
+        for request, _, drafts in spec:
+            state = self.matchers.get(request.request_id)
+            if state is not None and state.request is request:
+                rows.extend(range(offset, offset + len(drafts) + 1))
+                plan.append((state, drafts))
+            offset += len(drafts) + 1
+        if not rows:
+            return None
+        bitmask = xgrammar.allocate_token_bitmask(len(rows), self.vocab_size)
+        row = 0
+        for state, drafts in plan:
+            request = state.request
+            for token in request.output_token_ids[state.fed :]:
+                state.matcher.accept_token(token)
+            state.fed = request.num_output_tokens
+            matcher = state.matcher
+            accepted = 0
+            for j in range(len(drafts) + 1):
+                if matcher.is_terminated():
+                    bitmask[row + j :].narrow(0, 0, len(drafts) + 1 - j).fill_(-1)
+                    break
+                matcher.fill_next_token_bitmask(bitmask, row + j)
+                if j == len(drafts):
+                    break
+                if not matcher.accept_token(drafts[j]):
+                    bitmask[row + j + 1 :].narrow(0, 0, len(drafts) - j).fill_(-1)
+                    break
+                accepted += 1
+            if accepted:
+                matcher.rollback(accepted)
+            row += len(drafts) + 1
+        return rows, bitmask
+
+
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """``-inf`` in place for the tokens ``bitmask`` (one row per row of ``logits``) rules out."""
     import xgrammar

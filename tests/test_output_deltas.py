@@ -59,7 +59,7 @@ def step(op: OutputProcessor, tokens: dict[Request, int], final: bool = False) -
         if final:
             child.status = RequestStatus.FINISHED_LENGTH
         if child.logprobs is not None:
-            logprobs[child.request_id] = {token: Logprob(-0.25, 1)}
+            logprobs[child.request_id] = [{token: Logprob(-0.25, 1)}]
     outputs, stopped = op.process(list(tokens), logprobs, {})
     return op.remake_outputs(outputs, stopped)
 
@@ -149,7 +149,7 @@ def test_a_steps_work_does_not_grow_with_the_output_length() -> None:
     # What crosses from the core per step does not grow either: the new token, not the output.
     sizes = []
     for child in children[:1]:
-        result = StepResult([child], {child.request_id: {5: Logprob(-0.1, 1)}}, {})
+        result = StepResult([child], {child.request_id: [{5: Logprob(-0.1, 1)}]}, {})
         sizes.append(len(msgspec.msgpack.encode(StepOutputs(step_updates(result), EngineStats(0, 0, 1, 0, 0.0, 0, 0, 0, 0, 0)))))
         child.output_token_ids.extend([5] * 5000)
         sizes.append(len(msgspec.msgpack.encode(StepOutputs(step_updates(result), EngineStats(0, 0, 1, 0, 0.0, 0, 0, 0, 0, 0)))))

@@ -187,6 +187,19 @@ class _EngineCollector(Collector):
             "kernel_compiles",
             "Triton kernels compiled while serving (the artifact's kernel cache missed them; each stalls the engine).",
         )
+        spec_drafts = counter("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.")
+        spec_accepted = counter("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.")
+        spec_rate = gauge(
+            "spec_decode_acceptance_rate", "Speculative decoding: accepted / verified draft tokens since start."
+        )
+        spec_length = gauge(
+            "spec_decode_mean_accepted_length",
+            "Speculative decoding: tokens per sequence per verifying step (accepted drafts + 1) since start.",
+        )
+        spec_draft_time = counter("spec_decode_draft_seconds", "Speculative decoding: seconds spent proposing drafts.")
+        spec_verify_time = counter(
+            "spec_decode_verify_seconds", "Speculative decoding: seconds spent in the steps that verify drafts."
+        )
         admitted = self._in_flight() if self._in_flight is not None else {}
         for name, engine in self._engines.items():
             is_alive = bool(engine.is_alive())
@@ -209,6 +222,14 @@ class _EngineCollector(Collector):
             generation_tokens.add_metric([name], s.num_generation_tokens)
             preemptions.add_metric([name], s.num_preemptions)
             compiles.add_metric([name], s.num_kernel_compiles)
+            spec_drafts.add_metric([name], s.spec_num_draft_tokens)
+            spec_accepted.add_metric([name], s.spec_num_accepted_tokens)
+            spec_rate.add_metric(
+                [name], s.spec_num_accepted_tokens / s.spec_num_draft_tokens if s.spec_num_draft_tokens else 0.0
+            )
+            spec_length.add_metric([name], s.spec_num_emitted_tokens / s.spec_num_verified if s.spec_num_verified else 0.0)
+            spec_draft_time.add_metric([name], s.spec_draft_seconds)
+            spec_verify_time.add_metric([name], s.spec_verify_seconds)
         yield from (
             alive,
             running,
@@ -224,4 +245,10 @@ class _EngineCollector(Collector):
             generation_tokens,
             preemptions,
             compiles,
+            spec_drafts,
+            spec_accepted,
+            spec_rate,
+            spec_length,
+            spec_draft_time,
+            spec_verify_time,
         )
