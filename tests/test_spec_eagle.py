@@ -560,3 +560,53 @@ def test_speculative_loop_keeps_the_greedy_tokens(tiny_llama_artifact, hf_target
         assert drafts == reference_drafts(w, embed, aux, tokens, 3)
     if kind == "echo":
         assert accepted >= 6, "the echo head's drafts should be accepted on the target's repeats"
+
+
+# -- end to end: LLM speculating with the head -------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["random", "echo"])
+def test_llm_with_eagle3_gives_the_greedy_outputs_of_plain_decoding(
+    tiny_llama_artifact, hf_target, tmp_path, monkeypatch, kind
+):  # type: ignore[no-untyped-def]
+    """LLM(..., speculative_config={"method": "eagle3", "model": HEAD_DIR}) with a raw head
+    directory: greedy outputs equal those without speculation, token for token, over a batch
+    with a prompt prefilled in chunks; every draft the head made inside the engine is the
+    reference head's for the tokens the request had then; the echo head's drafts are accepted."""
+    from pagecast.runtime import LLM, SamplingParams, spec_eagle
+
+    embed = hf_target.model.embed_tokens.weight.detach()
+    head = (
+        make_echo_head(tmp_path / "echo", embed)
+        if kind == "echo"
+        else make_head(tmp_path / "random", seed=21)
+    )
+    w = _weights(head)
+    calls: list[tuple[list[int], int, list[int]]] = []
+    propose = spec_eagle.Eagle3Proposer.propose
+
+    def recording(self, requests, num_drafts):  # type: ignore[no-untyped-def]
+        drafts = propose(self, requests, num_drafts)
+        calls.extend((list(r.all_token_ids), k, d) for r, k, d in zip(requests, num_drafts, drafts))
+        return drafts
+
+    monkeypatch.setattr(spec_eagle.Eagle3Proposer, "propose", recording)
+    prompts = [_tokens(30 + i, n) for i, n in enumerate((5, 23, 40))]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    options = {"max_num_batched_tokens": 32, "max_num_seqs": 4}  # the 40-token prompt prefills in chunks
+    plain = LLM(tiny_llama_artifact, **options).generate(prompts, params, use_tqdm=False)
+    llm = LLM(
+        tiny_llama_artifact,
+        speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 3},
+        **options,
+    )
+    spec = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert calls, "the engine never asked the head for drafts"
+    for tokens, k, drafts in calls:
+        aux = hf_aux(hf_target, tokens, (0, 1, 2))
+        assert drafts == reference_drafts(w, embed, aux, tokens, k)
+    stats = llm.engine.core.stats()
+    assert stats.spec_num_draft_tokens == sum(len(d) for _, _, d in calls)
+    if kind == "echo":
+        assert stats.spec_num_accepted_tokens >= 6
