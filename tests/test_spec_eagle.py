@@ -610,3 +610,26 @@ def test_llm_with_eagle3_gives_the_greedy_outputs_of_plain_decoding(
     assert stats.spec_num_draft_tokens == sum(len(d) for _, _, d in calls)
     if kind == "echo":
         assert stats.spec_num_accepted_tokens >= 6
+
+
+def test_llm_refuses_a_head_for_another_target_and_an_artifact_without_the_feature_copy(
+    tiny_llama_artifact, tmp_path
+):  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    from pagecast.runtime import LLM
+    from pagecast.runtime.spec_eagle import Eagle3Proposer
+    from pagecast.runtime.speculative import SpeculativeConfig
+
+    wrong = make_head(tmp_path / "wrong", target_hidden=64)
+    with pytest.raises(ValueError, match="target of hidden size 64; this target's is 96"):
+        LLM(tiny_llama_artifact, speculative_config={"method": "eagle3", "model": str(wrong)})
+    # An artifact rendered before the template could copy features out: rebuild, it says.
+    old_model = SimpleNamespace(embed_tokens=torch.zeros(1))
+    manifest = SimpleNamespace(tp=1, dims=TARGET_DIMS)
+    core = SimpleNamespace(
+        artifact=SimpleNamespace(model=old_model, manifest=manifest, path=tmp_path), block_size=16
+    )
+    config = SpeculativeConfig(method="eagle3", model=str(make_head(tmp_path / "head")))
+    with pytest.raises(ValueError, match="built before EAGLE-3 support.*rebuild it"):
+        Eagle3Proposer(config, core)
