@@ -37,6 +37,7 @@ _ENGINE_OPTIONS = (
     "async_scheduling",
     "cuda_graphs",
     "lazy_graphs",
+    "speculative_config",
 )
 
 
@@ -101,6 +102,12 @@ _ENGINE_OPTIONS = (
     default=None,
     help="Serve as soon as the weights are loaded and capture the CUDA graphs between steps afterwards "
     "(decode runs eagerly until its graph is there) [default: off].",
+)
+@click.option(
+    "--speculative-config",
+    default=None,
+    help='Speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+    '(methods: ngram, draft_model, eagle3); "off" disables the one built into the artifact [default: the artifact\'s].',
 )
 @click.option(
     "--chat-template",
@@ -195,6 +202,14 @@ def main(
         _fail("--ssl-ca-certs (client certificates) needs TLS: give --ssl-keyfile and --ssl-certfile too")
     from pagecast.runtime.server.app import check_cors
 
+    spec = engine_kwargs.get("speculative_config")
+    if spec is not None and spec != "off":
+        from pagecast.runtime.speculative import SpeculativeConfig
+
+        try:
+            SpeculativeConfig.parse(spec)
+        except ValueError as exc:
+            _fail(f"--speculative-config: {exc}")
     try:  # before any engine loads: a refused combination fails in a second
         check_cors(_split_list(allowed_origins), allow_credentials)
     except ValueError as exc:

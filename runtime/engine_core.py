@@ -519,6 +519,18 @@ class EngineCore:
             request.spec_token_ids = list(drafts[:room])
         return requests
 
+    def set_speculative(self, config: SpeculativeConfig | dict[str, Any] | str | None) -> None:
+        """Switch speculative decoding while no request runs (benchmarks compare settings on one
+        engine): to a method without weights of its own (ngram, replay), or off (None)."""
+        config = SpeculativeConfig.parse(config)
+        if self.has_unfinished_requests():
+            raise RuntimeError("set_speculative needs an idle engine")
+        if config is not None and config.method not in ("ngram", "replay"):
+            raise ValueError(f"set_speculative cannot load {config.method}'s weights: start an engine with it")
+        self.speculative = config
+        self.proposer = make_proposer(config, self) if config is not None else None
+        self.spec_stats = SpecStats()
+
     def _drop_proposer_state(self, scheduled: SchedulerOutput) -> None:
         if self.proposer is not None and (scheduled.finished_request_ids or scheduled.preempted_requests):
             self.proposer.drop(scheduled.finished_request_ids | {r.request_id for r in scheduled.preempted_requests})
