@@ -118,6 +118,8 @@ def read_eagle3_head(path: str | Path, target_dims: dict[str, Any]) -> Eagle3Hea
         c["aux_layer_ids"] = tuple(c["aux_layer_ids"])
         cfg = Eagle3HeadConfig(**c)
         _check_against_target(cfg, target_dims, path / HEAD_CONFIG)
+        if not (path / HEAD_WEIGHTS).is_file():
+            raise ValueError(f"EAGLE-3 head {path} has {HEAD_CONFIG} but no {HEAD_WEIGHTS}")
         weights = _load_safetensors([path / HEAD_WEIGHTS])
     else:
         cfg_path = path / "config.json"
