@@ -209,7 +209,7 @@ def test_sampled_tokens_keep_the_targets_distribution(small_vocab_artifact: Path
         "replay": {"continuations": {ReplayProposer.key(prompt): greedy}, "p": 1.0},
     }
     spec = LLM(str(small_vocab_artifact), max_num_seqs=256, speculative_config=replay)
-    n = 3000
+    n = 2000
     without = _sample_counts(base, prompt, n, params)
     with_spec = _sample_counts(spec, prompt, n, params)
     stats = spec.engine.core.spec_stats
