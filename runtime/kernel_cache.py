@@ -64,6 +64,10 @@ class TritonCompiles:
 
     def __init__(self) -> None:
         self.names: list[str] = []
+        # Per compile (same order as names): the kernel's specialisation, as Triton keys its
+        # cache - which arguments were 16-byte aligned or divisible by 16 (attrs) and the
+        # constexpr values; what tells two variants of one kernel apart.
+        self.details: list[dict[str, str]] = []
         self._previous: Any = None
         if "triton" in sys.modules:
             self._install()
@@ -79,12 +83,32 @@ class TritonCompiles:
     def _listen(self, *, src: Any, metadata: Any, metadata_group: Any, times: Any, cache_hit: bool) -> None:
         if not cache_hit:
             self.names.append(str(getattr(src, "name", src)))
+            self.details.append(specialisation(src))
         if self._previous is not None:
             self._previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
 
     @property
     def count(self) -> int:
         return len(self.names)
+
+
+def specialisation(src: Any) -> dict[str, str]:
+    """A compiled kernel's variant: its name, the specialised arguments (by name: aligned /
+    divisible by 16, or equal to 1) and its constexprs, from Triton's ASTSource."""
+    fn = getattr(src, "fn", None)
+    names = [p.name for p in getattr(fn, "params", [])]
+
+    def arg(path: Any) -> str:
+        index = path[0] if isinstance(path, tuple) and path else path
+        return names[index] if isinstance(index, int) and index < len(names) else repr(path)
+
+    attrs = getattr(src, "attrs", {}) or {}
+    constants = getattr(src, "constants", {}) or {}
+    return {
+        "name": str(getattr(src, "name", src)),
+        "attrs": "; ".join(f"{arg(k)}={v}" for k, v in sorted(attrs.items(), key=lambda kv: repr(kv[0]))),
+        "constants": "; ".join(f"{arg(k)}={v}" for k, v in sorted(constants.items(), key=lambda kv: repr(kv[0]))),
+    }
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

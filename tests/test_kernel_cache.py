@@ -143,3 +143,27 @@ def test_engine_stats_and_metrics_count_kernels_compiled_once_it_is_ready(tiny_l
         )  # fmt: skip
     assert engine.stats().num_kernel_compiles == 1
     assert f"{line} 1.0" in metrics.exposition().decode()
+
+
+def test_a_compile_names_the_arguments_its_variant_is_specialised_on() -> None:
+    """What the start-up GPU test prints when a kernel compiles while serving: which arguments
+    were aligned / divisible by 16 and the constexprs, by name (two variants of one kernel differ
+    there and nowhere else)."""
+    from triton.compiler import ASTSource
+
+    from pagecast.kernels import keyed_noise
+    from pagecast.runtime.kernel_cache import specialisation
+
+    from triton.runtime.jit import JITFunction
+
+    # The session runs Triton's interpreter, whose kernels wrap the plain function: rewrap it.
+    kernel = JITFunction(getattr(keyed_noise._keyed_exponential_kernel, "fn", keyed_noise._keyed_exponential_kernel))
+    names = [p.name for p in kernel.params]
+    signature = {name: "constexpr" if p.is_constexpr else "i64" for name, p in zip(names, kernel.params)}
+    first_int = next(i for i, p in enumerate(kernel.params) if not p.is_constexpr)
+    constexpr = next(i for i, p in enumerate(kernel.params) if p.is_constexpr)
+    src = ASTSource(kernel, signature, constexprs={(constexpr,): 64}, attrs={(first_int,): [["tt.divisibility", 16]]})
+    got = specialisation(src)
+    assert got["name"] == "_keyed_exponential_kernel"
+    assert got["attrs"] == f"{names[first_int]}=[['tt.divisibility', 16]]"
+    assert got["constants"] == f"{names[constexpr]}=64"

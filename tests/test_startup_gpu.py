@@ -45,6 +45,7 @@ for mode in (False, True):
         llm.generate([prompt], params, use_tqdm=False)
     while_serving += compiles.names[before:]
     del llm
+print(json.dumps({"details": compiles.details}))
 print(json.dumps({"at_start": at_start, "while_serving": while_serving}))
 """
 
@@ -53,7 +54,10 @@ print(json.dumps({"at_start": at_start, "while_serving": while_serving}))
 # at their own sizes (not padded to a graph's) until their graph is captured.
 @pytest.mark.parametrize(("vocab", "graphs"), [(128_256, "eager"), (3001, "eager"), (128_256, "lazy")])
 def test_serving_every_sampling_feature_compiles_nothing(tmp_path: Path, vocab: int, graphs: str) -> None:
+    from pagecast.runtime.kernel_cache import TritonCompiles
+
     ckpt = make_checkpoint(tmp_path / "ckpt", "llama", tokenizer=False, vocab_size=vocab)
+    built = TritonCompiles()  # what the build compiles into the artifact, to compare on failure
     art = build_artifact(ckpt, tmp_path / "art", gpu="auto", dtype="bfloat16", tune_budget_s=10.0)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
@@ -61,8 +65,16 @@ def test_serving_every_sampling_feature_compiles_nothing(tmp_path: Path, vocab: 
         env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    compiled = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert compiled == {"at_start": [], "while_serving": []}
+    lines = proc.stdout.strip().splitlines()
+    compiled = json.loads(lines[-1])
+    served = json.loads(lines[-2])["details"]
+    names = {d["name"] for d in served}
+    # On failure: each variant compiled while serving, then the build's variants of those kernels
+    # (the arguments whose alignment or divisibility differs are the cause).
+    explain = "\n".join(
+        [f"served: {d}" for d in served] + [f"built: {d}" for d in built.details if d["name"] in names]
+    )
+    assert compiled == {"at_start": [], "while_serving": []}, explain
 
 
 def test_lazy_graphs_serve_before_capture_and_give_the_same_tokens(tmp_path: Path) -> None:
