@@ -134,23 +134,69 @@ class Proposer(Protocol):
 class NgramProposer:
     """Prompt lookup: find the longest suffix of the sequence (between ``prompt_lookup_min`` and
     ``prompt_lookup_max`` tokens) that occurred earlier in it, and propose the tokens that
-    followed its most recent earlier occurrence. No weights, no device work: on the host, in
-    time linear in the sequence for each n-gram length tried."""
+    followed its most recent earlier occurrence (``ngram_lookup``'s answer). No weights, no
+    device work.
+
+    Each request keeps an index of its n-grams (n-gram -> where its latest occurrence ends),
+    brought up to date with the tokens appended since the last step, so a step costs the new
+    tokens times the n-gram lengths plus a few dictionary lookups, whatever the context: a scan
+    of the sequence cost 1.7 ms per request at 8k tokens and 5.9 ms at 32k on the host, more
+    than a decode step of the GPU for a handful of requests."""
 
     def __init__(self, config: SpeculativeConfig):
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
+        self._indexes: dict[str, _NgramIndex] = {}
 
     def propose(self, requests: list[Request], num_drafts: list[int]) -> list[list[int]]:
-        return [ngram_lookup(r.all_token_ids, self.min_n, self.max_n, k) if k > 0 else [] for r, k in zip(requests, num_drafts)]
+        out = []
+        for request, k in zip(requests, num_drafts):
+            index = self._indexes.get(request.request_id)
+            if index is None:
+                index = self._indexes[request.request_id] = _NgramIndex(self.min_n, self.max_n)
+            out.append(index.lookup(request.all_token_ids, k) if k > 0 else [])
+        return out
 
     def drop(self, request_ids: set[str]) -> None:
-        pass
+        for request_id in request_ids:
+            self._indexes.pop(request_id, None)
+
+
+class _NgramIndex:
+    """One sequence's n-grams of ``min_n``..``max_n`` tokens -> the position where the latest
+    occurrence ends, for occurrences ending before the sequence's last token (so the suffix
+    itself is never its own match)."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self.ends: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # n-grams ending at positions < indexed are in ``ends``
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        last = len(tokens) - 1
+        if self.indexed > last:  # the sequence was cut back (a stop string): start again
+            self.ends.clear()
+            self.indexed = 0
+        ends = self.ends
+        for n in range(self.min_n, self.max_n + 1):
+            # The n-grams ending at positions first..last-1, in order (a later occurrence
+            # overwrites an earlier one), built and stored in C by zip and dict.update.
+            first = max(self.indexed, n - 1)
+            if first < last:
+                columns = [tokens[first - n + 1 + j : last - n + 1 + j] for j in range(n)]
+                ends.update(zip(zip(*columns), range(first, last)))
+        self.indexed = max(self.indexed, last)
+        for n in range(min(self.max_n, last), self.min_n - 1, -1):
+            end = ends.get(tuple(tokens[last - n + 1 :]))
+            if end is not None:
+                return tokens[end + 1 : end + 1 + k]
+        return []
 
 
 def ngram_lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
     """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix of
-    ``tokens`` of ``min_n``..``max_n`` tokens; [] when none occurred before."""
+    ``tokens`` of ``min_n``..``max_n`` tokens; [] when none occurred before. A scan of the whole
+    sequence: the definition ``NgramProposer``'s index answers incrementally."""
     length = len(tokens)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         suffix = tokens[length - n :]

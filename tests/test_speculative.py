@@ -287,3 +287,28 @@ def test_served_through_the_openai_sdk_with_acceptance_in_metrics(tiny_llama_art
         assert drafts > 0 and accepted > 0
         assert rate == pytest.approx(accepted / drafts)
         assert metric(samples, "pagecast_spec_decode_mean_accepted_length", model_name="tiny") > 1.0
+
+
+def test_the_incremental_ngram_index_answers_as_a_scan_of_the_sequence() -> None:
+    """The proposer's per-request index, fed a sequence a few tokens at a time (as steps append
+    them), proposes what a scan of the whole sequence finds, at every length."""
+    import random
+
+    from pagecast.runtime.request import Request
+    from pagecast.runtime.speculative import NgramProposer
+
+    rng = random.Random(0)
+    for trial in range(20):
+        lo = rng.randint(1, 3)
+        hi = rng.randint(lo, 5)
+        proposer = NgramProposer(SpeculativeConfig("ngram", prompt_lookup_min=lo, prompt_lookup_max=hi))
+        vocab = rng.choice([3, 5, 20])  # small vocabularies repeat often
+        request = Request(f"r{trial}", [rng.randrange(vocab) for _ in range(rng.randint(1, 12))], SamplingParams())
+        while request.num_tokens < 150:
+            k = rng.randint(1, 6)
+            expected = ngram_lookup(request.all_token_ids, lo, hi, k)
+            assert proposer.propose([request], [k]) == [expected], (lo, hi, request.all_token_ids)
+            for _ in range(rng.randint(1, 4)):
+                request.append_output_token(rng.randrange(vocab))
+        proposer.drop({request.request_id})
+        assert not proposer._indexes
