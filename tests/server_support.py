@@ -174,17 +174,9 @@ def assert_served_greedy_matches(
         tok = AutoTokenizer.from_pretrained(str(artifact / "tokenizer"))
         prompt_ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
         model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
-        reply = httpx.post(
-            f"{base}/v1/completions",
-            json={
-                "model": model,
-                "prompt": prompt_ids,
-                "max_tokens": max_tokens,
-                "temperature": 0,
-                "ignore_eos": True,
-            },
-            timeout=120,
-        )
+        greedy = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        body = {"model": model, "prompt": prompt_ids, **greedy}
+        reply = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
         assert reply.status_code == 200, reply.text
         texts = [c["text"] for c in sorted(reply.json()["choices"], key=lambda c: c["index"])]
     finally:
