@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from pagecast.kernels.interpreter_fix import interpreter_index_fix
+
 LLAMA31_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
@@ -55,24 +57,6 @@ TINY = dict(
 )  # fmt: skip
 BLOCK = 16
 RESULTS: list[dict] = []
-
-
-def interpreter_index_fix() -> None:
-    """--dry-run: triton 3.6's interpreter calls int() on 1-element arrays as loop bounds, which
-    numpy >= 2.4 refuses (the same fix as tests/conftest.py)."""
-    import numpy as np
-    from triton.runtime import interpreter
-
-    if getattr(interpreter, "_pagecast_index_fix", False):
-        return
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):  # type: ignore[no-untyped-def]
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-    interpreter._pagecast_index_fix = True
 
 
 class Run:

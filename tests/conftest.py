@@ -13,30 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagecast.kernels.interpreter_fix import interpreter_index_fix
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-
-def _interpreter_index_fix() -> None:
-    # triton 3.6's interpreter turns scalars (1-element arrays) into loop bounds with
-    # int(array), which numpy >= 2.4 refuses for arrays of ndim > 0. Read the element.
-    import numpy as np
-    from triton.runtime import interpreter
-
-    if getattr(interpreter, "_pagecast_index_fix", False):
-        return
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):  # type: ignore[no-untyped-def]
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-    interpreter._pagecast_index_fix = True
-
-
 if os.environ.get("TRITON_INTERPRET") == "1":
-    _interpreter_index_fix()
+    interpreter_index_fix()
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 sys.path.insert(0, str(Path(__file__).parent))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -154,3 +154,34 @@ def start_engine_serve(args: list[str], log: Path, env: Mapping[str, str] | None
             proc.kill()
             raise AssertionError("engine-serve did not come up in 120 s")
         time.sleep(0.2)
+
+
+def assert_served_greedy_matches(
+    artifact: Path, prompts: list[str], max_tokens: int, reference: Callable[[], Any], log: Path
+) -> None:
+    """Serve ``artifact`` with engine-serve in a subprocess (at most 32 batched tokens and 8
+    sequences, so long prompts prefill in chunks), send ``prompts`` as token ids (the artifact's
+    tokenizer, no special tokens) in one /v1/completions request (temperature 0, ``max_tokens``,
+    ignore_eos), stop the server, and assert that each choice's text is the decoded greedy output
+    of ``reference()`` (a transformers model, loaded only after the server is gone)."""
+    from engine_utils import hf_greedy
+    from transformers import AutoTokenizer
+
+    proc, base = start_engine_serve(
+        [str(artifact), "--max-num-batched-tokens", "32", "--max-num-seqs", "8"], log
+    )
+    try:
+        tok = AutoTokenizer.from_pretrained(str(artifact / "tokenizer"))
+        prompt_ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
+        model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
+        greedy = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        body = {"model": model, "prompt": prompt_ids, **greedy}
+        reply = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        texts = [c["text"] for c in sorted(reply.json()["choices"], key=lambda c: c["index"])]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    hf = reference()
+    for ids, text in zip(prompt_ids, texts, strict=True):
+        assert text == tok.decode(hf_greedy(hf, ids, max_tokens), skip_special_tokens=True)

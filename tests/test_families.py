@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 from engine_utils import engine_last_logits, hf_greedy
@@ -139,36 +138,15 @@ def test_smollm3_skips_rope_on_its_no_rope_layers(tiny_artifact_factory):  # typ
 
 
 def test_gemma2_through_engine_serve(tmp_path, tiny_artifact_factory, tiny_checkpoint_factory):  # type: ignore[no-untyped-def]
-    from server_support import start_engine_serve
-    from transformers import AutoTokenizer
+    from server_support import assert_served_greedy_matches
 
-    art = tiny_artifact_factory("gemma2")
-    proc, base = start_engine_serve(
-        [str(art), "--max-num-batched-tokens", "32", "--max-num-seqs", "8"], tmp_path / "serve.log"
+    assert_served_greedy_matches(
+        tiny_artifact_factory("gemma2"),
+        [LONG, PROMPTS[2]],
+        MAX_TOKENS,
+        lambda: hf_model(tiny_checkpoint_factory("gemma2")),
+        tmp_path / "serve.log",
     )
-    try:
-        tok = AutoTokenizer.from_pretrained(str(art / "tokenizer"))
-        prompts = [tok.encode(p, add_special_tokens=False) for p in (LONG, PROMPTS[2])]
-        model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
-        reply = httpx.post(
-            f"{base}/v1/completions",
-            json={
-                "model": model,
-                "prompt": prompts,
-                "max_tokens": MAX_TOKENS,
-                "temperature": 0,
-                "ignore_eos": True,
-            },
-            timeout=120,
-        )
-        assert reply.status_code == 200, reply.text
-        texts = [c["text"] for c in sorted(reply.json()["choices"], key=lambda c: c["index"])]
-    finally:
-        proc.terminate()
-        proc.wait(30)
-    hf = hf_model(tiny_checkpoint_factory("gemma2"))
-    for ids, text in zip(prompts, texts, strict=True):
-        assert text == tok.decode(hf_greedy(hf, ids, MAX_TOKENS), skip_special_tokens=True)
 
 
 def test_gemma2_through_the_triton_kernels(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
