@@ -256,59 +256,96 @@ def test_a_grammar_constrains_every_draft_position(base: LLM, ngram: LLM) -> Non
     ):
         params = SamplingParams(max_tokens=24, temperature=0.0, structured_output=so)
         ref = base.generate(prompts, params)
+        before = ngram.engine.core.spec_stats.num_draft_tokens
         out = ngram.generate(prompts, params)
         assert [o.outputs[0].text for o in out] == [r.outputs[0].text for r in ref]
         assert tokens(out) == tokens(ref)
+        assert ngram.engine.core.spec_stats.num_draft_tokens > before, "no draft was verified under the grammar"
 
 
 # -- served --------------------------------------------------------------------------------------
 
 
-def test_served_through_the_openai_sdk_with_acceptance_in_metrics(tiny_llama_artifact: Path, base: LLM) -> None:
+def test_engine_serve_with_speculation_through_the_openai_sdk(tiny_llama_artifact: Path, base: LLM, tmp_path: Path) -> None:
+    """`engine-serve --speculative-config JSON` (the command, in its own process): the OpenAI SDK
+    gets the output it gets without speculation, streamed and not, and /metrics shows drafts,
+    acceptances and the acceptance rate."""
+    import json
+
     openai = pytest.importorskip("openai")
-    from server_support import make_engine, metric, metric_samples, serve
+    from server_support import metric, metric_samples, start_engine_serve
 
     prompt = "one two three one two three one two three one two"
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     expected = base.generate([prompt], params)[0].outputs[0].text
-    engine = make_engine(tiny_llama_artifact, speculative_config=NGRAM)
-    with serve({"tiny": engine}) as server:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x")
-        kwargs = {"model": "tiny", "prompt": prompt, "max_tokens": 32, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
+    proc, url = start_engine_serve(
+        [str(tiny_llama_artifact), "--speculative-config", json.dumps(NGRAM), "--kv-cache-memory", "16MiB"],
+        tmp_path / "serve.log",
+    )
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x")
+        model = client.models.list().data[0].id
+        kwargs = {"model": model, "prompt": prompt, "max_tokens": 32, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
         done = client.completions.create(**kwargs)
         assert done.choices[0].text == expected
         assert done.usage.completion_tokens == 32
         streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
         assert streamed == expected
-        samples = metric_samples(server.url)
-        drafts = metric(samples, "pagecast_spec_decode_num_draft_tokens_total", model_name="tiny")
-        accepted = metric(samples, "pagecast_spec_decode_num_accepted_tokens_total", model_name="tiny")
-        rate = metric(samples, "pagecast_spec_decode_acceptance_rate", model_name="tiny")
+        samples = metric_samples(url)
+        drafts = metric(samples, "pagecast_spec_decode_num_draft_tokens_total", model_name=model)
+        accepted = metric(samples, "pagecast_spec_decode_num_accepted_tokens_total", model_name=model)
         assert drafts > 0 and accepted > 0
-        assert rate == pytest.approx(accepted / drafts)
-        assert metric(samples, "pagecast_spec_decode_mean_accepted_length", model_name="tiny") > 1.0
+        assert metric(samples, "pagecast_spec_decode_acceptance_rate", model_name=model) == pytest.approx(accepted / drafts)
+        assert metric(samples, "pagecast_spec_decode_mean_accepted_length", model_name=model) > 1.0
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
-def test_the_incremental_ngram_index_answers_as_a_scan_of_the_sequence() -> None:
-    """The proposer's per-request index, fed a sequence a few tokens at a time (as steps append
-    them), proposes what a scan of the whole sequence finds, at every length."""
-    import random
+def test_engine_serve_refuses_a_bad_speculative_config_before_loading(tiny_llama_artifact: Path) -> None:
+    import subprocess
+    import sys
+
+    exe = Path(sys.executable).with_name("engine-serve")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "pagecast.runtime.cli"]
+    proc = subprocess.run(
+        [*cmd, str(tiny_llama_artifact), "--speculative-config", '{"method": "ngram", "k": 4}'],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "--speculative-config" in proc.stderr and "unknown key(s) k" in proc.stderr
+
+
+def test_draft_masks_follow_the_grammar_through_the_drafts_and_leave_the_matcher_as_it_was(ngram: LLM) -> None:
+    """Position j is masked as if drafts 0..j-1 were accepted; a draft the grammar refuses ends
+    the masking there (its position cannot produce it, so verification stops); afterwards the
+    matcher is where it was (the drafts are not accepted until verified)."""
+    import xgrammar
 
     from pagecast.runtime.request import Request
-    from pagecast.runtime.speculative import NgramProposer
 
-    rng = random.Random(0)
-    for trial in range(20):
-        lo = rng.randint(1, 3)
-        hi = rng.randint(lo, 5)
-        proposer = NgramProposer(SpeculativeConfig("ngram", prompt_lookup_min=lo, prompt_lookup_max=hi))
-        vocab = rng.choice([3, 5, 20])  # small vocabularies repeat often
-        request = Request(f"r{trial}", [rng.randrange(vocab) for _ in range(rng.randint(1, 12))], SamplingParams())
-        while request.num_tokens < 150:
-            k = rng.randint(1, 6)
-            expected = ngram_lookup(request.all_token_ids, lo, hi, k)
-            assert proposer.propose([request], [k]) == [expected], (lo, hi, request.all_token_ids)
-            for _ in range(rng.randint(1, 4)):
-                request.append_output_token(rng.randrange(vocab))
-        proposer.drop({request.request_id})
-        assert not proposer._indexes
+    core = ngram.engine.core
+    tokenizer = ngram.engine.tokenizer
+    so = StructuredOutput(type="regex", regex="(ab){1,3}c")
+    request = Request("masked", [1, 2, 3], SamplingParams(max_tokens=8, structured_output=so))
+    core.grammar.add([request], core.grammar.collect(so.key, core.grammar.prepare(so.key)))
+    try:
+        ab, c = tokenizer.convert_tokens_to_ids(["ab", "c"])
+        assert None not in (ab, c)
+
+        def allowed(mask, row: int, token: int) -> bool:  # type: ignore[no-untyped-def]
+            return bool((int(mask[row, token // 32]) >> (token % 32)) & 1)
+
+        rows, mask = core.grammar.draft_bitmask([(request, 0, [ab, ab, ab, ab])])
+        assert rows == [0, 1, 2, 3, 4]
+        assert allowed(mask, 0, ab) and not allowed(mask, 0, c)  # "c" needs an "ab" first
+        assert allowed(mask, 1, ab) and allowed(mask, 1, c)
+        assert not allowed(mask, 3, ab) and allowed(mask, 3, c)  # three "ab" at most
+        assert bool((mask[4] == -1).all())  # the 4th "ab" was refused: nothing masked after it
+        # The matcher has not moved: a fresh mask of the request's next token is row 0's.
+        state = core.grammar.matchers["masked"]
+        fresh = xgrammar.allocate_token_bitmask(1, core.vocab_size)
+        state.matcher.fill_next_token_bitmask(fresh, 0)
+        assert torch.equal(fresh[0], mask[0])
+    finally:
+        core.grammar.drop(["masked"])
