@@ -291,6 +291,15 @@ def test_engine_serve_with_speculation_through_the_openai_sdk(tiny_llama_artifac
         assert done.usage.completion_tokens == 32
         streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
         assert streamed == expected
+        # A stop string inside a step's accepted drafts: the text ends before it, as without drafts.
+        full = base.generate([prompt], params)[0].outputs[0]
+        stop = base.engine.tokenizer.decode(full.token_ids[12:15])
+        (want,) = base.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, stop=[stop]))
+        stopped = client.completions.create(**kwargs, stop=[stop])
+        assert (stopped.choices[0].text, stopped.choices[0].finish_reason) == (want.outputs[0].text, "stop")
+        assert stopped.usage.completion_tokens == len(want.outputs[0].token_ids)
+        chunks = list(client.completions.create(stream=True, **kwargs, stop=[stop]))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want.outputs[0].text
         samples = metric_samples(url)
         drafts = metric(samples, "pagecast_spec_decode_num_draft_tokens_total", model_name=model)
         accepted = metric(samples, "pagecast_spec_decode_num_accepted_tokens_total", model_name=model)

@@ -260,3 +260,20 @@ def test_tp4_shards_hold_the_right_heads(tiny_checkpoint_factory, tmp_path):  # 
         torch.testing.assert_close(w["layers.1.down_proj.weight"], src["model.layers.1.mlp.down_proj.weight"][:, rows])
         vocab = slice(rank * 12288, (rank + 1) * 12288)
         torch.testing.assert_close(w["embed_tokens.weight"], src["model.embed_tokens.weight"][vocab])
+
+
+def test_tp2_speculative_decoding_gives_the_same_tokens(tp2_artifact):  # type: ignore[no-untyped-def]
+    """n-gram drafts verified on a TP=2 engine (the verifying step, laid out as decode rows, is
+    broadcast to the worker like any step): the tokens of the engine without speculation."""
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 12, 11, 12, 11, 12, 11]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outputs = {}
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}):
+        llm = LLM(tp2_artifact("gqa-kv-split"), **ENGINE, speculative_config=spec)
+        try:
+            outputs[spec is not None] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            if spec is not None:
+                assert llm.engine.core.spec_stats.num_accepted_tokens > 0
+        finally:
+            _close(llm)
+    assert outputs[True] == outputs[False]
