@@ -39,6 +39,9 @@ def test_greedy_and_seeded_outputs_equal_those_without_speculation(artifact: Pat
     out = spec.generate(PROMPTS, params)
     assert [o.outputs[0].token_ids for o in out] == [r.outputs[0].token_ids for r in ref]
     assert spec.engine.core.spec_stats.num_accepted_tokens > 0
+    # Verifying steps run kernels the build compiled (decode rows, the sampler on k + 1 rows a
+    # request): nothing compiled while serving.
+    assert spec.engine.stats().num_kernel_compiles == 0
     for a, b in zip(out[0].outputs[0].logprobs, ref[0].outputs[0].logprobs):
         for t in a:
             assert a[t].logprob == pytest.approx(b[t].logprob, abs=0.05)
