@@ -116,10 +116,20 @@ class ModelShapes:
     num_experts: int = 0
     top_k: int = 0
     moe_intermediate: int = 0
+    # The experts' activation and biases (gpt-oss: "swiglu_oai" with its alpha and limit, biases on
+    # gate_up and down): constexprs of the fused-MoE kernel, so they are timed, and compiled into the
+    # artifact, in the variant the model runs.
+    moe_activation: str = "silu"
+    moe_alpha: float = 1.702
+    moe_limit: float = 7.0
+    moe_bias: bool = False
     # Gemma 2's attention-logit soft-cap (0: none): the attention kernels are timed, and compiled into
     # the artifact, in the variant the model runs. Sliding windows are not timed: a sliding layer
     # reads at most its window, the full layers beside it are the larger work.
     attn_softcap: float = 0.0
+    # gpt-oss's attention sinks (one logit per query head in every layer): timed, and compiled into
+    # the artifact, in the HAS_SINKS variants the model runs (random sinks stand in for its own).
+    attn_sinks: bool = False
     activation: str = "silu"  # the gated MLP's activation: "gelu_tanh" times that kernel instead
     # FP8 (W8A8) projections: "<weights>-<activations>" of builder/fp8.py ("channel-token",
     # "channel-static", "block-group"); "" = not FP8.

@@ -225,12 +225,29 @@ def test_lowering_finds_the_moe_layers_and_their_routing(family, overrides):  # 
     assert moe.weights_in_x_dtype == (family != "mixtral")
 
 
-def test_gpt_oss_gpu_builds_are_refused(tmp_path):  # type: ignore[no-untyped-def]
-    """Attention sinks exist only in the reference attention: a GPU build stops with the reason
-    instead of serving wrong text."""
+def test_gpt_oss_gpu_builds(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    """The Triton attention kernels take the sinks (tests/test_kernels_sinks.py), so a GPU build
+    goes through: its model passes each layer's sinks to ops.paged_attention, and the tune pass
+    would time the attention kernels with sinks and the fused MoE in gpt-oss's variant (clamped
+    SwiGLU, expert biases), so that they are compiled into the artifact."""
     from tiny_models import tiny_config
+
+    from pagecast.builder import pipeline, tune
+    from pagecast.kernels import tuning
 
     ckpt = _config_only(tmp_path, tiny_config("gpt_oss"))
     options = {"model": str(ckpt), "force": True, "quiet": True, "load_format": "dummy"}
-    with pytest.raises(BuildError, match="attention sinks.*--gpu cpu"):
-        build(BuildOptions(output=tmp_path / "gpu", gpu="h200", **options))  # type: ignore[arg-type]
+    shapes: list[dict] = []
+
+    def tune_pass(state):  # type: ignore[no-untyped-def]
+        shapes.append(tune.model_shapes(state))  # what the tuner gets on the target GPU
+        return tune.run(state)
+
+    monkeypatch.setattr(pipeline, "PASSES", [(n, tune_pass if n == "tune" else r) for n, r in pipeline.PASSES])
+    art = build(BuildOptions(output=tmp_path / "gpu", gpu="h200", **options))  # type: ignore[arg-type]
+    assert "sinks=sinks," in (art / "model.py").read_text()
+    assert len(shapes) == 1
+    assert shapes[0]["attn_sinks"] is True
+    assert (shapes[0]["moe_activation"], shapes[0]["moe_bias"]) == ("swiglu_oai", True)
+    fields = {k: v for k, v in shapes[0].items() if k not in ("vocab_size", "logits_stride")}  # as _tune_main
+    assert tuning.ModelShapes(**fields).attn_sinks
