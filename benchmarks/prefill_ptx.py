@@ -59,7 +59,7 @@ def launch_args(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> tuple[list, d
 
     args = [
         ptr(q_dtype), ptr(cache_dtype), ptr(cache_dtype), ptr(torch.int32), ptr(torch.int32),
-        ptr(torch.int32), ptr(q_dtype), 0.125 * ppa._LOG2E, 1.0, 1,
+        ptr(torch.int32), ptr(q_dtype), ptr(q_dtype), 0.125 * ppa._LOG2E, 1.0, 0.0, 0, 1,
         q.stride(0), q.stride(1), *cache.stride()[:3], *cache.stride()[:3], tables.stride(0),
         q.stride(0), q.stride(1),
     ]  # fmt: skip

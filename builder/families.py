@@ -102,7 +102,7 @@ FAMILIES: dict[str, FamilyParts] = {
     "SmolLM3ForCausalLM": FamilyParts("smollm3", window_source="layer"),
     "GptOssForCausalLM": FamilyParts(
         "gpt_oss", moe_block="mlp", moe_router="router", window_source="layer",
-        not_supported="GPU builds (attention sinks run in the reference attention only); MXFP4 checkpoints",
+        not_supported="MXFP4 checkpoints (build the bf16 checkpoint)",
     ),  # fmt: skip
 }
 

@@ -378,11 +378,6 @@ def run(state: BuildState) -> BuildState:
         notes.append(f"max_model_len capped from {max_len} to the sliding window {window}")
         max_len = window
     tensors = tensor_layout(model)
-    if device == "cuda" and any(layer.attention.sinks for layer in model.layers):
-        raise BuildError(
-            f"{model.architecture} has attention sinks, which only pagecast's reference attention implements (the "
-            f"Triton attention kernels do not yet): build it for the CPU (--gpu cpu)"
-        )
     if ckpt.quant is not None and model.moe is not None:
         raise BuildError(
             f"{model.architecture}: AWQ/GPTQ builds of mixture-of-experts models are not supported yet "

@@ -49,12 +49,24 @@ def model_shapes(state: BuildState) -> dict[str, Any]:
         "vocab_size": model.vocab_size,
         "logits_stride": per_rank.vocab_per_rank * plan.tp,
         "attn_softcap": max((layer.attention.logit_softcap or 0.0) for layer in model.layers),
+        "attn_sinks": any(layer.attention.sinks for layer in model.layers),  # gpt-oss: HAS_SINKS variants
+        # sliding layers: their SLIDING variants are compiled too (tuning.compile_window_variants)
+        "attn_window": max((layer.attention.sliding_window or 0) for layer in model.layers),
         "activation": model.dense_mlp.activation if model.dense_mlp is not None else "silu",  # MoE-only: no dense MLP
         # MoE blocks: the fused-MoE kernel is tuned per token bucket at one rank's expert width.
         "num_experts": model.moe.num_experts if model.moe is not None else 0,
         "top_k": model.moe.top_k if model.moe is not None else 0,
         "moe_intermediate": per_rank.moe_intermediate_size,
+        **moe_variant(model.moe),
     }
+
+
+def moe_variant(moe: Any) -> dict[str, Any]:
+    """The fused-MoE kernel's constexprs a MoE model fixes (its experts' activation and biases), so
+    that the tuner times, and compiles into the artifact, the variant the model runs."""
+    if moe is None:
+        return {}
+    return {"moe_activation": moe.activation, "moe_alpha": moe.alpha, "moe_limit": moe.limit, "moe_bias": moe.expert_bias}
 
 
 def o_proj_inputs(plan: Any, q_size: int) -> int:
@@ -89,6 +101,7 @@ def _tune_main(shapes_json: str, budget_s: str) -> None:
     shapes = tuning.ModelShapes(**fields)
     kernels = tuning.KERNELS + (tuning.MOE_KERNELS if shapes.num_experts else ())  # fused MoE for MoE models
     table = tuning.tune(kernels, shapes, budget_s=float(budget_s), device="cuda")
+    tuning.compile_window_variants(table, shapes, "cuda")
     copy_gbs = tuning.measure_copy_bandwidth("cuda")
     table["copy_bandwidth_gbs"] = round(copy_gbs, 1)
     rows = tuning.bandwidth_report(table, shapes, copy_gbs)

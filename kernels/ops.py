@@ -243,30 +243,30 @@ def paged_attention(
     kernel (from MIN_SPLIT_DECODES of them: see there); else the prefill kernel takes every
     row. An fp8 cache is read as fp8 * k_scale / v_scale. ``softcap`` > 0 soft-caps the scores
     (Gemma 2), ``window`` > 0 is the layer's sliding window, ``sinks`` [num_heads] gpt-oss's
-    per-head sink logits (reference.paged_attention; the Triton kernels have no sinks yet)."""
+    per-head sink logits (each adds exp(sink) to its head's softmax denominator): both kernels
+    take them on a GPU (the decode kernel adds each once, in its merge of the splits), the
+    reference on the CPU."""
     if not _triton(q):
         return reference.paged_attention(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale, softcap, window,
             sinks,
         )  # fmt: skip
-    if sinks is not None:  # the builder refuses GPU builds of models with sinks (builder/plan.py)
-        raise NotImplementedError("attention sinks (gpt-oss) run only in the reference attention")
     split = num_decodes - num_decodes % SPLIT_ALIGN
     if max_query_len > 1 and MIN_SPLIT_DECODES is not None and MIN_SPLIT_DECODES <= split < seq_lens.shape[0]:
         return decodes_then_prefill(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len, split,
-            k_scale, v_scale, softcap, window,
+            k_scale, v_scale, softcap, window, sinks,
         )  # fmt: skip
     if max_query_len == 1:
         cfg = _config("paged_decode_attention", decode_bucket(seq_lens.shape[0], max_seq_len))
         return _kernels().decode(  # type: ignore[no-any-return]
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len, cfg,
-            k_scale=k_scale, v_scale=v_scale, softcap=softcap, window=window,
+            k_scale=k_scale, v_scale=v_scale, softcap=softcap, window=window, sinks=sinks,
         )  # fmt: skip
     cfg = _config("paged_prefill_attention", prefill_bucket(q.shape[0]))
     return _kernels().prefill(  # type: ignore[no-any-return]
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, cfg, k_scale=k_scale, v_scale=v_scale,
-        softcap=softcap, window=window,
+        softcap=softcap, window=window, sinks=sinks,
     )
 
 
@@ -304,6 +304,7 @@ def decodes_then_prefill(
     v_scale: float = 1.0,
     softcap: float = 0.0,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a mixed batch whose first ``num_decodes`` sequences have one query token each
     (query rows 0..num_decodes - 1): the decode kernel over those, the prefill kernel over the
@@ -314,12 +315,12 @@ def decodes_then_prefill(
     kernels.decode(
         q[:d], k_cache, v_cache, block_tables[:d], seq_lens[:d], query_start_loc[: d + 1], scale, max_seq_len,
         _config("paged_decode_attention", decode_bucket(d, max_seq_len)), out=out[:d],
-        k_scale=k_scale, v_scale=v_scale, softcap=softcap, window=window,
+        k_scale=k_scale, v_scale=v_scale, softcap=softcap, window=window, sinks=sinks,
     )  # fmt: skip
     kernels.prefill(
         q[d:], k_cache, v_cache, block_tables[d:], seq_lens[d:], query_start_loc[d:] - d, scale,
         _config("paged_prefill_attention", prefill_bucket(q.shape[0] - d)), out=out[d:],
-        k_scale=k_scale, v_scale=v_scale, softcap=softcap, window=window,
+        k_scale=k_scale, v_scale=v_scale, softcap=softcap, window=window, sinks=sinks,
     )  # fmt: skip
     return out
 

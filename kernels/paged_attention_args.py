@@ -44,3 +44,16 @@ def check_paged_attention_args(
         query_start_loc.to(torch.int32),
         torch.empty_like(q) if out is None else out,
     )
+
+
+def check_sinks(sinks: torch.Tensor | None, num_heads: int, device: torch.device) -> None:
+    """Raise ValueError unless ``sinks`` is None or one fp32/bf16/fp16 logit per query head,
+    contiguous, on q's device (the kernels index it by query head)."""
+    if sinks is None:
+        return
+    if sinks.shape != (num_heads,) or sinks.stride(0) != 1:
+        raise ValueError(f"sinks must be a contiguous [num_heads] = [{num_heads}] tensor, got {tuple(sinks.shape)}")
+    if sinks.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"sinks must be float32, bfloat16 or float16, got {sinks.dtype}")
+    if sinks.device != device:
+        raise ValueError(f"sinks are on {sinks.device}, q on {device}")

@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagecast.kernels.paged_attention_args import check_paged_attention_args
+from pagecast.kernels.paged_attention_args import check_paged_attention_args, check_sinks
 from pagecast.kernels.tuning import KernelConfig, num_sms
 
 _LOG2E = 1.4426950408889634
@@ -196,6 +196,7 @@ def _paged_decode_kernel(
     out_ptr,  # out: [num_tokens, num_heads, head_dim]
     part_out_ptr,  # part_out: [num_seqs, num_heads, num_splits, HEAD_DIM_PAD] fp32
     part_lse_ptr,  # part_lse: [num_seqs, num_heads, num_splits] fp32 (log2 domain)
+    sinks_ptr,  # sinks: [num_heads] fp32/bf16 (HAS_SINKS; read here only when DIRECT)
     qk_scale,  # softmax scale * k_scale * log2(e)
     v_scale,  # V's dequantisation scale (fp8 cache; 1.0 otherwise)
     softcap,  # logit soft-cap * log2(e) (SOFTCAP): scores -> cap * tanh(scores / cap)
@@ -225,6 +226,7 @@ def _paged_decode_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 engines (exact), "tf32" (ignored) for half types
     SOFTCAP: tl.constexpr = False,
     SLIDING: tl.constexpr = False,
+    HAS_SINKS: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -332,7 +334,15 @@ def _paged_decode_kernel(
             acc = _pair_read_to_dims(acc)
         # l_i is 0 only for an empty split or an empty context: write 0 / -inf, never NaN.
         has = l_i > 0.0
-        o = acc / tl.where(has, l_i, 1.0)[:, None] * v_scale
+        if HAS_SINKS and DIRECT:
+            # The whole context is this program's: its head's sink joins the denominator here (a
+            # split context adds it once, in the merge). The sink is finite, so no row is empty.
+            sink = tl.load(sinks_ptr + heads, mask=offs_g < GROUP, other=0.0).to(tl.float32) * 1.4426950408889634
+            m_fin = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_fin)
+            o = acc * (alpha / (l_i * alpha + tl.exp2(sink - m_fin)))[:, None] * v_scale
+        else:
+            o = acc / tl.where(has, l_i, 1.0)[:, None] * v_scale
         if DIRECT:
             tl.store(
                 out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -353,12 +363,14 @@ def _decode_merge_kernel(
     part_lse_ptr,  # part_lse: [num_seqs, num_heads, num_splits] fp32 (log2 domain)
     query_start_loc_ptr,  # query_start_loc: [num_seqs + 1] int32
     out_ptr,  # out: [num_tokens, num_heads, head_dim]
+    sinks_ptr,  # sinks: [num_heads] fp32/bf16 (HAS_SINKS)
     num_splits,
     stride_ot,
     stride_oh,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr,
+    HAS_SINKS: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -376,6 +388,11 @@ def _decode_merge_kernel(
             )
             lse_max = tl.maximum(lse_max, lse)
         lse_top = tl.max(lse_max, 0)
+        if HAS_SINKS:
+            # The sink is one more term of the log-sum-exp over the splits, with no value: it
+            # enters the denominator once per (sequence, head), here.
+            sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+            lse_top = tl.maximum(lse_top, sink)
         # all splits empty (an empty context): weights are 0, the output is 0
         lse_ref = tl.where(lse_top == float("-inf"), 0.0, lse_top)
         acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
@@ -392,6 +409,8 @@ def _decode_merge_kernel(
             acc += tl.sum(w[:, None] * o, 0)
             denom += w
         total = tl.sum(denom, 0)
+        if HAS_SINKS:
+            total += tl.exp2(sink - lse_ref)
         out = acc / tl.where(total > 0.0, total, 1.0)
         tl.store(
             out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
@@ -503,6 +522,7 @@ def paged_decode_attention(
     v_scale: float = 1.0,
     softcap: float = 0.0,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's single new token over its paged context.
 
@@ -511,7 +531,9 @@ def paged_decode_attention(
     seq_lens, known on the host) only sizes the split count. Capture-safe: no host syncs,
     allocations depend on shapes only. The caches are in q's dtype, or fp8 e4m3fn read as
     fp8 * k_scale / v_scale. ``softcap`` > 0 soft-caps the scores (Gemma 2); ``window`` > 0 sees
-    only the last ``window`` keys (sliding-window layers), reading only their tiles. Returns
+    only the last ``window`` keys (sliding-window layers), reading only their tiles. ``sinks``
+    [num_heads] (fp32 or bf16; gpt-oss) adds exp(sinks[h]) to head h's softmax denominator, once
+    per sequence: in the merge of a split context, in the one program's output otherwise. Returns
     [num_tokens, num_heads, head_dim] in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -520,6 +542,7 @@ def paged_decode_attention(
     block_tables, seq_lens, query_start_loc, out = check_paged_attention_args(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, k_scale, v_scale
     )
+    check_sinks(sinks, num_heads, q.device)
     if num_seqs == 0 or num_tokens == 0:
         return out
 
@@ -550,8 +573,10 @@ def paged_decode_attention(
             (num_seqs, num_heads, num_splits, head_dim_pad), dtype=torch.float32, device=q.device
         )
         part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    has_sinks = sinks is not None
+    sinks_arg = sinks if sinks is not None else q  # unread without HAS_SINKS
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse,
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse, sinks_arg,
         scale * k_scale * _LOG2E, v_scale, softcap * _LOG2E, window, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -562,12 +587,12 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=direct, FP8_WORDS=fp8_words,
         USE_ASM=q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        SOFTCAP=softcap > 0, SLIDING=window > 0,
+        SOFTCAP=softcap > 0, SLIDING=window > 0, HAS_SINKS=has_sinks,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if not direct:
         _decode_merge_kernel[(num_seqs, num_heads)](
-            part_out, part_lse, query_start_loc, out, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLIT_CHUNK=16, num_warps=4,
+            part_out, part_lse, query_start_loc, out, sinks_arg, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLIT_CHUNK=16, HAS_SINKS=has_sinks, num_warps=4,
         )  # fmt: skip
     return out

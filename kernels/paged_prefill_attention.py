@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagecast.kernels.paged_attention_args import check_paged_attention_args
+from pagecast.kernels.paged_attention_args import check_paged_attention_args, check_sinks
 from pagecast.kernels.tuning import KernelConfig
 
 _LOG2E = 1.4426950408889634
@@ -110,6 +110,7 @@ def _paged_prefill_kernel(
     seq_lens_ptr,  # seq_lens: [num_seqs] int32
     query_start_loc_ptr,  # query_start_loc: [num_seqs + 1] int32
     out_ptr,  # out: [num_tokens, num_heads, head_dim]
+    sinks_ptr,  # sinks: [num_heads] fp32/bf16 (HAS_SINKS)
     qk_scale,  # softmax scale * k_scale * log2(e)
     v_scale,  # V's dequantisation scale (fp8 cache; 1.0 otherwise)
     softcap,  # logit soft-cap * log2(e) (SOFTCAP)
@@ -136,6 +137,7 @@ def _paged_prefill_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 engines (exact), "tf32" (ignored) for half types
     SOFTCAP: tl.constexpr = False,
     SLIDING: tl.constexpr = False,
+    HAS_SINKS: tl.constexpr = False,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     pid = tl.program_id(0)
@@ -226,7 +228,14 @@ def _paged_prefill_kernel(
                 SOFTCAP=SOFTCAP, SLIDING=SLIDING,
             )  # fmt: skip
 
-        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None] * v_scale
+        if HAS_SINKS:
+            # each row's head's sink logit joins its denominator, with no value
+            sink = tl.load(sinks_ptr + heads, mask=row_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+            m_fin = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_fin)
+            o = acc * (alpha / (l_i * alpha + tl.exp2(sink - m_fin)))[:, None] * v_scale
+        else:
+            o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None] * v_scale
         tl.store(
             out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
             o.to(out_ptr.dtype.element_ty),
@@ -279,12 +288,14 @@ def paged_prefill_attention(
     v_scale: float = 1.0,
     softcap: float = 0.0,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens (rows query_start_loc[i]:[i+1] of q) over
     its whole paged context of seq_lens[i] tokens, whose K/V are already in the cache (in q's
     dtype, or fp8 e4m3fn read as fp8 * k_scale / v_scale). ``softcap`` > 0 soft-caps the scores;
     ``window`` > 0 lets a row at position p see keys p - window < k <= p only (the tiles wholly
-    below every row's window are not read).
+    below every row's window are not read). ``sinks`` [num_heads] (fp32 or bf16; gpt-oss) adds
+    exp(sinks[h]) to head h's softmax denominator: a logit that takes probability, gives no value.
 
     Capture-safe (no host syncs; the grid depends on shapes only). Returns
     [num_tokens, num_heads, head_dim] in q's dtype.
@@ -295,6 +306,7 @@ def paged_prefill_attention(
     block_tables, seq_lens, query_start_loc, out = check_paged_attention_args(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, k_scale, v_scale
     )
+    check_sinks(sinks, num_heads, q.device)
     if num_seqs == 0 or num_tokens == 0:
         return out
 
@@ -306,7 +318,7 @@ def paged_prefill_attention(
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _paged_prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, sinks if sinks is not None else q,
         scale * k_scale * _LOG2E, v_scale, softcap * _LOG2E, window, num_seqs,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -316,7 +328,7 @@ def paged_prefill_attention(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        SOFTCAP=softcap > 0, SLIDING=window > 0,
+        SOFTCAP=softcap > 0, SLIDING=window > 0, HAS_SINKS=sinks is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out

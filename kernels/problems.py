@@ -339,10 +339,22 @@ def decode_inputs(
     }
 
 
+def attn_sinks(shapes: ModelShapes, device: torch.device, seed: int = 0) -> torch.Tensor | None:
+    """Per-head sink logits for the attention problems of a model with sinks (None without), in
+    the model's dtype as the artifact stores them (builder/plan.py), so that the timed launches are
+    the variants the model's layers launch (Triton specialises on the pointer's dtype)."""
+    if not shapes.attn_sinks:
+        return None
+    g = torch.Generator(device=device).manual_seed(seed + 1)
+    return torch.randn((shapes.num_heads,), generator=g, device=device).to(shapes.torch_dtype)
+
+
 def make_problem(
-    kernel: str, shapes: ModelShapes, dims: dict[str, int], device: torch.device | str, seed: int = 0
-) -> Problem:
-    """Random inputs on ``device`` for one kernel at one bucket, and how to launch it."""
+    kernel: str, shapes: ModelShapes, dims: dict[str, int], device: torch.device | str, seed: int = 0,
+    window: int = 0,
+) -> Problem:  # fmt: skip
+    """Random inputs on ``device`` for one kernel at one bucket, and how to launch it. ``window``
+    > 0 launches the attention kernels as a sliding layer runs them (tuning.compile_window_variants)."""
     device = torch.device(device)
     dtype = shapes.torch_dtype
     nbytes, flops = problem_size(kernel, shapes, dims)
@@ -356,12 +368,13 @@ def make_problem(
     if kernel == "paged_decode_attention":
         x = decode_inputs(shapes, dims["num_seqs"], dims["max_seq_len"], device, seed)
         tables: list[torch.Tensor] = x["block_tables"]  # type: ignore[assignment]
+        sinks = attn_sinks(shapes, device, seed)
 
         def decode(cfg: KernelConfig | None, i: int) -> object:
             return paged_decode_attention.paged_decode_attention(
                 x["q"], x["k_cache"], x["v_cache"], tables[i % len(tables)], x["seq_lens"],  # type: ignore[arg-type]
                 x["query_start_loc"], x["scale"], x["max_seq_len"], config=cfg, out=x["out"],  # type: ignore[arg-type]
-                softcap=shapes.attn_softcap,
+                softcap=shapes.attn_softcap, window=window, sinks=sinks,
             )  # fmt: skip
 
         return Problem(kernel, bucket, decode, len(tables), nbytes, flops)
@@ -400,10 +413,12 @@ def make_problem(
         seq_lens = torch.full((seqs,), n, dtype=torch.int32, device=device)
         qsl = torch.arange(0, seqs * n + 1, n, dtype=torch.int32, device=device)
         out = torch.empty_like(q)
+        sinks = attn_sinks(shapes, device, seed)
 
         def prefill(cfg: KernelConfig | None, i: int) -> object:
             return paged_prefill_attention.paged_prefill_attention(
-                q, k_cache, v_cache, table, seq_lens, qsl, d**-0.5, config=cfg, out=out, softcap=shapes.attn_softcap
+                q, k_cache, v_cache, table, seq_lens, qsl, d**-0.5, config=cfg, out=out, softcap=shapes.attn_softcap,
+                window=window, sinks=sinks,
             )
 
         return Problem(kernel, bucket, prefill, 1, nbytes, flops)
@@ -561,6 +576,10 @@ def _moe_problem(
         )
         for _ in range(num_sets)
     ]
+    # gpt-oss's expert biases ([E, 2I] and [E, H], in the model's dtype as the artifact stores them)
+    b_gate_up = torch.randn((e, 2 * i), generator=dg, device=device, dtype=dtype) if shapes.moe_bias else None
+    b_down = torch.randn((e, h), generator=dg, device=device, dtype=dtype) if shapes.moe_bias else None
+    act = (shapes.moe_activation, shapes.moe_alpha, shapes.moe_limit)
     x = torch.randn((t, h), generator=dg, device=device, dtype=dtype)
     topk_weights = torch.rand((t, k), generator=dg, device=device).softmax(-1)
     routings = []  # (topk_ids, the naive loop's (expert, token rows, slots) of every visited expert)
@@ -576,8 +595,9 @@ def _moe_problem(
         w_gate_up, w_down = sets[i_set % num_sets]
         out = torch.zeros_like(x)
         for ex, token, slot in routings[i_set % MOE_ROUTINGS][1]:
-            y = torch.nn.functional.linear(x[token], w_gate_up[ex])
-            y = torch.nn.functional.linear(activation.silu_and_mul(y), w_down[ex])
+            y = torch.nn.functional.linear(x[token], w_gate_up[ex], None if b_gate_up is None else b_gate_up[ex])
+            y = activation.silu_and_mul(y) if act[0] == "silu" else reference.moe_activation(y, *act)
+            y = torch.nn.functional.linear(y, w_down[ex], None if b_down is None else b_down[ex])
             out.index_add_(0, token, (y * topk_weights[token, slot, None]).to(dtype))
         return out
 
@@ -586,7 +606,9 @@ def _moe_problem(
             return naive(i_set)
         w_gate_up, w_down = sets[i_set % num_sets]
         topk_ids = routings[i_set % MOE_ROUTINGS][0]
-        return fused_moe.fused_moe(x, topk_weights, topk_ids, w_gate_up, w_down, config=cfg)
+        return fused_moe.fused_moe(
+            x, topk_weights, topk_ids, w_gate_up, w_down, b_gate_up, b_down, *act, config=cfg
+        )
 
     # A sample launches every routing (consecutive launches visit different experts, so little of
     # a launch's weights is still in L2 from the one before) and every weight set.

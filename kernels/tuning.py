@@ -116,10 +116,24 @@ class ModelShapes:
     num_experts: int = 0
     top_k: int = 0
     moe_intermediate: int = 0
+    # The experts' activation and biases (gpt-oss: "swiglu_oai" with its alpha and limit, biases on
+    # gate_up and down): constexprs of the fused-MoE kernel, so they are timed, and compiled into the
+    # artifact, in the variant the model runs.
+    moe_activation: str = "silu"
+    moe_alpha: float = 1.702
+    moe_limit: float = 7.0
+    moe_bias: bool = False
     # Gemma 2's attention-logit soft-cap (0: none): the attention kernels are timed, and compiled into
     # the artifact, in the variant the model runs. Sliding windows are not timed: a sliding layer
-    # reads at most its window, the full layers beside it are the larger work.
+    # reads at most its window, the full layers beside it are the larger work (attn_window below).
     attn_softcap: float = 0.0
+    # gpt-oss's attention sinks (one logit per query head in every layer): timed, and compiled into
+    # the artifact, in the HAS_SINKS variants the model runs (random sinks stand in for its own).
+    attn_sinks: bool = False
+    # A sliding window of the model's sliding layers (0: none). Not timed (see attn_softcap), but
+    # compile_window_variants launches every attention config the table holds with it, so that the
+    # SLIDING variants are in the artifact too.
+    attn_window: int = 0
     activation: str = "silu"  # the gated MLP's activation: "gelu_tanh" times that kernel instead
     # FP8 (W8A8) projections: "<weights>-<activations>" of builder/fp8.py ("channel-token",
     # "channel-static", "block-group"); "" = not FP8.
@@ -130,6 +144,8 @@ class ModelShapes:
             raise ValueError(
                 f"num_heads {self.num_heads} must be a positive multiple of num_kv_heads {self.num_kv_heads}"
             )
+        if self.attn_window < 0:
+            raise ValueError(f"attn_window must be 0 (no sliding layers) or a window, got {self.attn_window}")
         for name in ("head_dim", "hidden", "intermediate", "block_size", "max_model_len", "max_num_seqs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -450,6 +466,36 @@ def tune(
             if log:
                 log(f"{kernel} {bucket}: {best[0]:.2f} us {best[2].as_dict()} ({len(results)} configs)")
     return table
+
+
+def compile_window_variants(table: Mapping[str, Any], shapes: ModelShapes, device: torch.device | str) -> int:
+    """Launch both attention kernels with ``shapes.attn_window`` at every config a layer can run
+    them with (each in the tuning table for them, and each bucket's launcher default), once, so
+    that their SLIDING variants (a constexpr) are compiled into TRITON_CACHE_DIR beside the timed
+    full-attention ones. The window is not a specialised argument, so one window covers every
+    window. Returns the number of launches (0 for a model without sliding layers)."""
+    from pagecast.kernels import problems
+
+    if not shapes.attn_window:
+        return 0
+    launches = 0
+    for kernel in ("paged_decode_attention", "paged_prefill_attention"):
+        buckets = problems.buckets(kernel, shapes)
+        if not buckets:
+            continue
+        configs: dict[tuple, KernelConfig | None] = {}
+        entries = table.get("kernels", {}).get(kernel, {})
+        found = [KernelConfig.coerce(lookup(table, kernel, b)) for b in entries]
+        found += [problems.default_config(kernel, shapes, dims) for _, dims in buckets]
+        for cfg in found:
+            if cfg is not None:
+                configs.setdefault((tuple(sorted(cfg.params.items())), cfg.num_warps, cfg.num_stages), cfg)
+        # the smallest bucket's inputs: every config's variant, at the least cost
+        problem = problems.make_problem(kernel, shapes, buckets[0][1], device, seed=0, window=shapes.attn_window)
+        for cfg in configs.values():
+            problem.launch(cfg, 0)
+            launches += 1
+    return launches
 
 
 def untuned_buckets(table: Mapping[str, Any]) -> dict[str, list[str]]:

@@ -406,11 +406,17 @@ def test_moe_config_space_by_bucket():
 
 
 @interpreter
-def test_moe_problem_launches_agree():
+@pytest.mark.parametrize(
+    "experts", [{}, {"moe_activation": "swiglu_oai", "moe_alpha": 1.5, "moe_limit": 0.5, "moe_bias": True}],
+    ids=["silu", "gpt-oss"],
+)
+def test_moe_problem_launches_agree(experts):  # type: ignore[no-untyped-def]
     """The tuner's problem at a tiny shape: the default config, a tile, a GEMV config and the naive baseline
-    (the problem's own loop, and the reference it reports) give the same output."""
+    (the problem's own loop, and the reference it reports) give the same output. gpt-oss's experts
+    (clamped SwiGLU, biases) are timed in their own variant: the kernel's constexprs, compiled into
+    the artifact (a limit of 0.5 clamps most values, so a launch without it would not agree)."""
     shapes = ModelShapes(
-        2, 1, 16, 32, 64, 16, "float32", max_num_seqs=4, num_experts=6, top_k=2, moe_intermediate=16
+        2, 1, 16, 32, 64, 16, "float32", max_num_seqs=4, num_experts=6, top_k=2, moe_intermediate=16, **experts
     )
     dims = {"num_tokens": 4}
     problem = problems.make_problem("fused_moe", shapes, dims, "cpu")

@@ -40,6 +40,7 @@ CHILD = textwrap.dedent(
               "dequantize": w4a16_gemm._dequantize_kernel, "w4a16_gemv": w4a16_gemv._w4a16_gemv_kernel,
               "rotary_kv": rotary_kv._rotary_kv_kernel,
               "paged_decode": paged_decode_attention._paged_decode_kernel,
+              "decode_merge": paged_decode_attention._decode_merge_kernel,
               "paged_prefill": paged_prefill_attention._paged_prefill_kernel, "race": sampling._race_kernel,
               "count_ties": sampling._count_ties_kernel, "logprob_stats": sampling._logprob_stats_kernel,
               "block_max": sampling._block_max_kernel, "threshold": sampling._threshold_kernel,
@@ -358,6 +359,35 @@ def test_paged_decode_fp8_pair_read_keeps_v_packed_in_shared_memory() -> None:
     assert "ptx converts e4m3" in pairs
     assert lines[-2] == "cp.async cg16", lines[-2]
     assert lines[-1] == "byte shared loads 0", lines[-1]
+
+
+def test_paged_attention_with_sinks_compiles_for_sm90() -> None:
+    """gpt-oss's sinks (HAS_SINKS, bf16 sinks as the artifact stores them): the decode kernel
+    with and without its merge (DIRECT), the merge kernel, the prefill kernel with a window."""
+    decode = dict(
+        _paged_signature("*bf16"), part_out_ptr="*fp32", part_lse_ptr="*fp32", sinks_ptr="*bf16", qk_scale="fp32",
+        v_scale="fp32", softcap="fp32", window="i32", num_splits="i32", **{s: "i32" for s in _PAGED_STRIDES},
+    )  # fmt: skip
+    prefill = dict(
+        _paged_signature("*bf16"), sinks_ptr="*bf16", qk_scale="fp32", v_scale="fp32", softcap="fp32",
+        window="i32", num_seqs="i32", **{s: "i32" for s in _PAGED_STRIDES},
+    )  # fmt: skip
+    merge = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "query_start_loc_ptr": "*i32", "out_ptr": "*bf16",
+             "sinks_ptr": "*bf16", "num_splits": "i32", "stride_ot": "i32", "stride_oh": "i32"}  # fmt: skip
+    consts = {"GROUP": 8, "GROUP_PAD": 16, "HEAD_DIM": 64, "HEAD_DIM_PAD": 64, "BLOCK_SIZE": 16, "BLOCK_N": 64,
+              "FP8_WORDS": False, "USE_ASM": True, "DOT_PRECISION": "tf32", "HAS_SINKS": True}  # fmt: skip
+    outs = compile_sm90_batch(
+        [
+            ("paged_decode", decode, dict(consts, DIRECT=True, SLIDING=True), None, None),
+            ("paged_decode", decode, dict(consts, DIRECT=False), None, None),
+            ("decode_merge", merge, {"HEAD_DIM": 64, "HEAD_DIM_PAD": 64, "SPLIT_CHUNK": 16, "HAS_SINKS": True},
+             None, None),
+            ("paged_prefill", prefill, {"GROUP": 8, "GROUP_PAD": 8, "HEAD_DIM": 64, "HEAD_DIM_PAD": 64,
+                                        "BLOCK_SIZE": 16, "BLOCK_M": 64, "BLOCK_N": 64, "DOT_PRECISION": "tf32",
+                                        "SLIDING": True, "HAS_SINKS": True}, None, None),
+        ]
+    )  # fmt: skip
+    assert all("cubin" in out for out in outs), outs
 
 
 def test_paged_prefill_kernel_with_fp8_cache_compiles_for_sm90() -> None:

@@ -181,3 +181,44 @@ def test_tuner_times_the_models_soft_cap_and_activation(monkeypatch):
     ):
         problems.make_problem(kernel, shapes, dims, "cpu").launch(None, 0)
     assert seen == [("paged_decode_attention", 50.0), ("paged_prefill_attention", 50.0), ("gelu_tanh", None)]
+
+
+def test_sliding_variants_are_compiled_at_every_config(monkeypatch):
+    """The tuner times full attention only; compile_window_variants then launches both attention
+    kernels with the model's window at each config the table holds and each bucket's default, so
+    the SLIDING variants are in the artifact's Triton cache too (serving compiles nothing)."""
+    from pagecast.kernels import paged_decode_attention, paged_prefill_attention, problems, tuning
+
+    seen: list[tuple[str, int, tuple]] = []
+    for module, name in (
+        (paged_decode_attention, "paged_decode_attention"),
+        (paged_prefill_attention, "paged_prefill_attention"),
+    ):
+
+        def record(*a, window=0, config=None, _n=name, **k):  # type: ignore[no-untyped-def]
+            seen.append((_n, window, tuple(sorted(config.as_dict().items()))))
+
+        monkeypatch.setattr(module, name, record)
+    decode_a = {"BLOCK_N": 32, "num_splits": 1, "num_warps": 2, "num_stages": 3}
+    decode_b = {"BLOCK_N": 64, "num_splits": 8, "num_warps": 4, "num_stages": 2}
+    prefill_a = {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
+    table = {
+        "kernels": {
+            "paged_decode_attention": {"1x512": {"config": decode_a}, "8x2048": {"config": decode_b},
+                                       "32x2048": {"config": decode_b}},
+            "paged_prefill_attention": {"128": {"config": prefill_a}},
+        }
+    }  # fmt: skip
+    shapes = tuning.ModelShapes(4, 2, 16, 64, 128, 8, "float32", 2048, 32, attn_window=128)
+    launches = tuning.compile_window_variants(table, shapes, "cpu")
+    assert launches == len(seen) and {w for _, w, _ in seen} == {128}
+    launched = {(n, c) for n, _, c in seen}
+    expected = {("paged_decode_attention", tuple(sorted(c.items()))) for c in (decode_a, decode_b)}
+    expected |= {("paged_prefill_attention", tuple(sorted(prefill_a.items())))}
+    for kernel in ("paged_decode_attention", "paged_prefill_attention"):
+        for _, dims in problems.buckets(kernel, shapes):
+            expected.add((kernel, tuple(sorted(problems.default_config(kernel, shapes, dims).as_dict().items()))))
+    assert launched == expected and len(seen) == len(launched)  # each config once
+    seen.clear()
+    no_window = tuning.ModelShapes(4, 2, 16, 64, 128, 8, "float32", 2048, 32)
+    assert tuning.compile_window_variants(table, no_window, "cpu") == 0 and not seen

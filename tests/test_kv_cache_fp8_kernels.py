@@ -260,6 +260,37 @@ def test_prefill_attention_fp8_cache(
 
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_attention_sinks_over_an_fp8_cache(dtype):  # type: ignore[no-untyped-def]
+    """gpt-oss's sinks with an fp8 cache: the V scale multiplies the sink-normalised output in the
+    decode kernel's direct path, its merge (pair read, split) and the prefill kernel."""
+    from pagecast.kernels.paged_decode_attention import paged_decode_attention
+    from pagecast.kernels.paged_prefill_attention import paged_prefill_attention
+
+    k_scale, v_scale = 0.013, 0.05
+    sinks = torch.tensor([6.0, -3.0, 0.5, 8.0, -8.0, 1.0, 2.0, 0.0])
+
+    def expected(x, scale):  # type: ignore[no-untyped-def]
+        return reference.paged_attention(
+            x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["seq_lens"], x["query_start_loc"], scale,
+            k_scale, v_scale, sinks=sinks,
+        )  # fmt: skip
+
+    atol, rtol = TOL[dtype]
+    x = _paged_fp8_inputs([1, 41, 341], [1, 1, 1], 8, 2, 32, 16, dtype, k_scale, v_scale)
+    for config in ({"BLOCK_N": 16, "num_splits": 1}, dict(PAIRS, BLOCK_N=32, num_splits=4)):
+        out = paged_decode_attention(
+            **x, scale=0.2, max_seq_len=341, config=config, k_scale=k_scale, v_scale=v_scale, sinks=sinks
+        )
+        torch.testing.assert_close(out.float(), expected(x, 0.2).float(), atol=atol, rtol=rtol)
+    x = _paged_fp8_inputs([50, 9], [20, 9], 8, 2, 32, 16, dtype, k_scale, v_scale)
+    out = paged_prefill_attention(
+        **x, scale=0.2, config={"BLOCK_M": 16, "BLOCK_N": 16}, k_scale=k_scale, v_scale=v_scale, sinks=sinks
+    )
+    torch.testing.assert_close(out.float(), expected(x, 0.2).float(), atol=atol, rtol=rtol)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("k_scale,v_scale", [(1.0, 1.0), (0.02, 0.37)])
 def test_rotary_writes_fp8_cache(dtype, k_scale, v_scale):  # type: ignore[no-untyped-def]
     from pagecast.kernels.rotary_kv import rotary_and_write_kv

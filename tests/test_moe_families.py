@@ -225,12 +225,62 @@ def test_lowering_finds_the_moe_layers_and_their_routing(family, overrides):  # 
     assert moe.weights_in_x_dtype == (family != "mixtral")
 
 
-def test_gpt_oss_gpu_builds_are_refused(tmp_path):  # type: ignore[no-untyped-def]
-    """Attention sinks exist only in the reference attention: a GPU build stops with the reason
-    instead of serving wrong text."""
+def test_gpt_oss_gpu_builds(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    """The Triton attention kernels take the sinks (tests/test_kernels_sinks.py), so a GPU build
+    goes through: its model passes each layer's sinks to ops.paged_attention, and the tune pass
+    would time the attention kernels with sinks and the fused MoE in gpt-oss's variant (clamped
+    SwiGLU, expert biases), so that they are compiled into the artifact."""
     from tiny_models import tiny_config
+
+    from pagecast.builder import pipeline, tune
+    from pagecast.kernels import tuning
 
     ckpt = _config_only(tmp_path, tiny_config("gpt_oss"))
     options = {"model": str(ckpt), "force": True, "quiet": True, "load_format": "dummy"}
-    with pytest.raises(BuildError, match="attention sinks.*--gpu cpu"):
-        build(BuildOptions(output=tmp_path / "gpu", gpu="h200", **options))  # type: ignore[arg-type]
+    shapes: list[dict] = []
+
+    def tune_pass(state):  # type: ignore[no-untyped-def]
+        shapes.append(tune.model_shapes(state))  # what the tuner gets on the target GPU
+        return tune.run(state)
+
+    monkeypatch.setattr(pipeline, "PASSES", [(n, tune_pass if n == "tune" else r) for n, r in pipeline.PASSES])
+    art = build(BuildOptions(output=tmp_path / "gpu", gpu="h200", **options))  # type: ignore[arg-type]
+    assert "sinks=sinks," in (art / "model.py").read_text()
+    assert len(shapes) == 1
+    assert shapes[0]["attn_sinks"] is True
+    assert (shapes[0]["moe_activation"], shapes[0]["moe_bias"]) == ("swiglu_oai", True)
+    fields = {k: v for k, v in shapes[0].items() if k not in ("vocab_size", "logits_stride")}  # as _tune_main
+    assert tuning.ModelShapes(**fields).attn_sinks
+
+
+def test_gpt_oss_through_the_triton_kernels(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    """The rendered gpt-oss model's kernel path in the Triton interpreter: the paged attention
+    kernels with sinks (decode, chunked prefill over a cached prefix, 8-token windows on alternate
+    layers) and the fused MoE with the clamped SwiGLU and expert biases; what runs on a GPU, checked
+    here on the CPU against transformers' greedy tokens."""
+    from tiny_models import make_checkpoint
+
+    from pagecast.kernels import ops
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", "gpt_oss", tokenizer=False, vocab_size=512)
+    art = build(BuildOptions(model=str(ckpt), output=tmp_path / "art", force=True, quiet=True))
+    llm = LLM(art, max_num_batched_tokens=32, max_num_seqs=4)
+    monkeypatch.setattr(ops, "_triton", lambda x: True)
+    kernels, launched = ops._kernels(), []
+
+    def recorded(name):  # type: ignore[no-untyped-def]
+        def launch(*args, **kwargs):  # type: ignore[no-untyped-def]
+            launched.append((name, kwargs.get("sinks") is not None, kwargs.get("window", 0)))
+            return getattr(kernels, name)(*args, **kwargs)
+
+        return launch
+
+    namespace = type(kernels)(**{**vars(kernels), "decode": recorded("decode"), "prefill": recorded("prefill")})
+    monkeypatch.setattr(ops, "_kernels", lambda: namespace)
+    prompts = [[1 + (i * 37 + j * 11) % 500 for j in range(n)] for i, n in enumerate([5, 40])]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    hf = hf_model(ckpt)
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 4) for p in prompts]
+    # every attention ran in a kernel with its layer's sinks; sliding and full layers both ran
+    assert {(name, sinks) for name, sinks, _ in launched} == {("decode", True), ("prefill", True)}
+    assert {window > 0 for _, _, window in launched} == {True, False}
