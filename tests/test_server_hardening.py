@@ -80,7 +80,7 @@ def test_health_answers_promptly_while_a_huge_tokenize_runs(server):  # type: ig
     0.13 s. Now the text goes through encode_batch_fast (the same ids; the GIL is held only
     to list them, ~25 ms) and msgspec renders the answer in the worker (8 ms). Measured on
     this 2-core machine shared with other jobs (load 3-4), probes due every 25 ms: p99 of
-    the new code 7-22 ms, the slowest probe 42 ms; the old code's p99 185-300 ms, its
+    the new code 7-34 ms, the slowest probe 42 ms; the old code's p99 185-300 ms, its
     slowest 230-325 ms (and the old test's own probes added 20-50 ms each: httpx.get builds
     an SSL context per call, and the test server's socket lacked TCP_NODELAY).
     """
