@@ -22,6 +22,7 @@ from pagecast.runtime.output_processor import OutputProcessor, ParentRequest
 from pagecast.runtime.outputs import RequestOutput
 from pagecast.runtime.request import RequestStatus
 from pagecast.runtime.sampling_params import SamplingParams
+from pagecast.runtime.tokenization import encode_text
 
 __all__ = ["EngineOptions", "EngineStats", "LLMEngine", "parse_size", "tokenize_prompt"]
 
@@ -33,7 +34,7 @@ def tokenize_prompt(tokenizer: Any | None, prompt: str | list[int]) -> tuple[str
             raise InvalidRequestError(
                 "this artifact has no tokenizer: send the prompt as token ids", param="prompt"
             )
-        return prompt, list(tokenizer.encode(prompt, add_special_tokens=False))
+        return prompt, encode_text(tokenizer, prompt)
     if not isinstance(prompt, (list, tuple)) or not all(
         isinstance(t, int) and not isinstance(t, bool) for t in prompt
     ):

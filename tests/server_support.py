@@ -32,7 +32,10 @@ class ServerThread:
     def __init__(self, app: Any):
         import uvicorn
 
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP named, as getaddrinfo names it for engine-serve's own socket: asyncio turns
+        # on TCP_NODELAY only for sockets whose proto says TCP, and without it a keep-alive
+        # client waits ~40 ms (Nagle against delayed ACKs) for each response's body.
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]

@@ -9,6 +9,7 @@ import jinja2
 from pagecast.runtime.server.errors import APIError, invalid_request
 from pagecast.runtime.server.protocol import ChatMessage
 from pagecast.runtime.server.tool_calls import template_tool_calls
+from pagecast.runtime.tokenization import encode_text
 
 
 def render_chat_prompt(
@@ -42,7 +43,7 @@ def render_chat_prompt(
         raise invalid_request(f"The chat template rejected the conversation: {exc}", "messages") from None
     if not isinstance(text, str):  # some transformers versions return a list for batched input
         text = text[0]
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return encode_text(tokenizer, text)
 
 
 def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
