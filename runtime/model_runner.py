@@ -381,14 +381,8 @@ class ModelRunner:
         bitmask = None
         if self.grammar is not None and self.grammar.active:
             bitmask = self.grammar.draft_bitmask(spec)
-        token_ids = sample_token_ids(scored, views, token_bitmask=bitmask)
-        computed = logprob_tensors(scored, token_ids, views)
-        entries: list[PositionLogprobs | None] = [None] * len(views)
-        if computed is not None:
-            wanted, tensors = computed
-            for i, entry in zip(wanted, tensors.entries([views[i].sampling_params.logprobs or 0 for i in wanted])):
-                entries[i] = entry
-        targets = token_ids.tolist()
+        sampled = sample(scored, views, bitmask)
+        targets, entries = sampled.token_ids, sampled.logprobs
         i = 0
         for req, _, drafts in spec:
             tokens = []
@@ -470,7 +464,7 @@ class DraftPosition:
     processed exactly as it would be once those drafts were accepted: penalties, min_tokens, and
     a seeded request's noise, keyed by the output position."""
 
-    __slots__ = ("request", "output_token_ids", "num_output_tokens", "__weakref__")
+    __slots__ = ("__weakref__", "num_output_tokens", "output_token_ids", "request")
 
     def __init__(self, request: Request, drafts: list[int], j: int):
         self.request = request

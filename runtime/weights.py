@@ -20,6 +20,7 @@ import struct
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -50,6 +51,17 @@ class _Slot:
 
     def __init__(self, begin: int, end: int, view: torch.Tensor):
         self.begin, self.end, self.view = begin, end, view
+
+
+def _read_exactly(f: BinaryIO, view: memoryview, path: Path) -> None:
+    """Fill ``view`` from ``f`` (a read may return fewer bytes); a file that ends first is an
+    artifact to rebuild."""
+    got = 0
+    while got < len(view):
+        r = f.readinto(view[got:])
+        if not r:
+            raise ArtifactError(f"{path} ended early; rebuild the artifact")
+        got += r
 
 
 def read_header(path: Path) -> tuple[int, dict]:
@@ -149,12 +161,7 @@ def open_safetensors(
                     done[k].synchronize()  # type: ignore[union-attr]  # its last copies have left it
                 buf = buffers[k][:n]
                 view = memoryview(buf.numpy())
-                got = 0
-                while got < n:
-                    r = f.readinto(view[got:])
-                    if not r:
-                        raise ArtifactError(f"{path} ended early; rebuild the artifact")
-                    got += r
+                _read_exactly(f, view, path)
                 if chunk_hashes is not None:  # nothing to compare with: skip the sha256
                     digest.update(view)
                 _scatter(slots, starts, pos, pos + n, buf, stream)
@@ -182,12 +189,7 @@ def open_safetensors(
             while pos < end:
                 n = min(BLOCK_BYTES, end - pos, data_start - pos if pos < data_start else BLOCK_BYTES)
                 view = memoryview(bytearray(n)) if pos < data_start else whole[pos - data_start : pos - data_start + n]
-                got = 0
-                while got < n:
-                    r = f.readinto(view[got:])
-                    if not r:
-                        raise ArtifactError(f"{path} ended early; rebuild the artifact")
-                    got += r
+                _read_exactly(f, view, path)
                 if slots:
                     _scatter(slots, starts, pos, pos + n, torch.frombuffer(view, dtype=torch.uint8), None)
                 if chunk_hashes is not None:  # nothing to compare with (verified before): skip the sha256

@@ -125,20 +125,25 @@ class ReferenceModel:
         return out
 
 
+def engine_serve_command() -> list[str]:
+    """The engine-serve command of this interpreter's environment (its script, else the module)."""
+    import sys
+
+    exe = Path(sys.executable).with_name("engine-serve")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "pagecast.runtime.cli"]
+
+
 def start_engine_serve(args: list[str], log: Path, env: Mapping[str, str] | None = None) -> tuple[Any, str]:
     """engine-serve with ``args`` in a subprocess on a free port, stderr to ``log``; returns
     (process, base URL) once /health answers 200 (fails the test if it exits or takes 120 s)."""
     import os
     import subprocess
-    import sys
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    exe = Path(sys.executable).with_name("engine-serve")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "pagecast.runtime.cli"]
     proc = subprocess.Popen(
-        [*cmd, *args, "--port", str(port)],
+        [*engine_serve_command(), *args, "--port", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=open(log, "wb"),
         env={**os.environ, **(env or {})},

@@ -176,10 +176,10 @@ def _start_in_own_group(artifact: Path, log: Path) -> tuple[subprocess.Popen[byt
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    exe = Path(sys.executable).with_name("engine-serve")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "pagecast.runtime.cli"]
+    from server_support import engine_serve_command
+
     proc = subprocess.Popen(
-        [*cmd, str(artifact), "--served-model-name", "tiny", "--kv-cache-memory", "16MiB", "--port", str(port),
+        [*engine_serve_command(), str(artifact), "--served-model-name", "tiny", "--kv-cache-memory", "16MiB", "--port", str(port),
          "--shutdown-timeout", "120"],  # a slow CI machine still drains: a timeout would abort the streams
         stdout=subprocess.DEVNULL, stderr=log.open("wb"), start_new_session=True,
     )
