@@ -18,6 +18,10 @@ speculation against without (>= 0.97x) ends the run. ``p0_no_backoff`` rows turn
 back-off (runtime/engine_core.py: a request whose drafts are rejected outright three steps in a
 row pauses) off, so they show the mechanism's raw cost.
 
+The ``batch`` phase (``--phases W4,batch``) measures where speculation stops paying as the batch
+grows: B requests decoding together, off against replayed drafts at each p, speculation allowed
+at every batch size; ``disable_by_batch_size``'s default comes from it.
+
 The ``copy`` phase is n-gram (prompt lookup) speculation on a copy-heavy task with a real model,
 the embedded SmolLM2-135M-Instruct in its own engine: chat prompts asking it to rewrite a passage
 of a few hundred tokens with small edits (replace one word, change nothing else), greedy, one
@@ -153,6 +157,53 @@ def run(engine: Any, record: Any, ks: list[int], ps: list[float], phases: set[st
                    k=k, p=p, value=round(ms, 3), ratio_to_off=round(ms / base_ms, 3), same_tokens=tokens == reference,
                    acceptance=round(stats.num_accepted_tokens / max(stats.num_draft_tokens, 1), 3),
                    tokens_per_verify=round(stats.num_emitted_tokens / max(stats.num_verified, 1), 2),
+                   verify_steps=stats.num_steps, verify_ms_per_step=round(stats.verify_s / max(stats.num_steps, 1) * 1000, 3))  # fmt: skip
+        core.set_speculative(None)
+    if "batch" in phases:
+        batch_phase(engine, record, scale.get("batch_k", 4), ps, scale.get("batch_sizes", [1, 2, 4, 8, 16, 32, 64]))
+
+
+def batch_phase(engine: Any, record: Any, k: int, ps: list[float], sizes: list[int]) -> None:
+    """Where speculation stops paying as the batch grows (the measurement behind
+    ``disable_by_batch_size``): B requests decoding together (prompt 128, 128 greedy tokens each),
+    without speculation and with replayed drafts at each p, speculation allowed at any batch size.
+    Rows: milliseconds per decode step of the batch (wall / output length) and the ratio to off."""
+    from serving import random_prompts
+
+    from pagecast.runtime.sampling_params import SamplingParams
+    from pagecast.runtime.speculative import ReplayProposer
+
+    core = engine.core
+    make_predictable(engine)
+    output_len = 128 if W4_OUTPUT == 512 else W4_OUTPUT
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0)
+
+    def timed(prompts: list[list[int]]) -> tuple[float, dict[str, list[int]]]:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"b{i}", prompt, params)
+        start = time.perf_counter()
+        outputs = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step(only_finished=True):
+                outputs[out.request_id] = out.outputs[0].token_ids
+        _sync()
+        return (time.perf_counter() - start) / output_len * 1000, outputs
+
+    for size in sizes:
+        prompts = random_prompts(size, W4_PROMPT, 1000 + size)
+        core.set_speculative(None)
+        timed(prompts)  # warm-up (graphs of this batch size, prefill buckets)
+        base_ms, outputs = timed(prompts)
+        record(figure="batch_ms_per_step", batch=size, speculation="off", value=round(base_ms, 3))
+        continuations = {ReplayProposer.key(prompt): outputs[f"b{i}"] for i, prompt in enumerate(prompts)}
+        for p in ps:
+            core.set_speculative({"method": "replay", "num_speculative_tokens": k, "disable_by_batch_size": 1 << 20,
+                                  "replay": {"continuations": continuations, "p": p, "seed": 0}})  # fmt: skip
+            ms, spec_outputs = timed(prompts)
+            stats = core.spec_stats
+            record(figure="batch_ms_per_step", batch=size, speculation="replay", k=k, p=p, value=round(ms, 3),
+                   ratio_to_off=round(ms / base_ms, 3), same_tokens=spec_outputs == outputs,
+                   acceptance=round(stats.num_accepted_tokens / max(stats.num_draft_tokens, 1), 3),
                    verify_steps=stats.num_steps, verify_ms_per_step=round(stats.verify_s / max(stats.num_steps, 1) * 1000, 3))  # fmt: skip
         core.set_speculative(None)
 
@@ -417,7 +468,7 @@ def main() -> None:
             artifact = build(BuildOptions(model=tmp, output=Path(tmp) / "art", gpu="cpu", load_format="dummy",
                                           force=True, quiet=True))  # fmt: skip
             engine = LLMEngine(artifact, max_num_seqs=16, max_num_batched_tokens=256)
-            run(engine, lambda **row: print(json.dumps(row)), ks, ps, phases, {"W1": 4, "W6": 4})
+            run(engine, lambda **row: print(json.dumps(row)), ks, ps, phases, {"W1": 4, "W6": 4, "batch_sizes": [1, 4]})
         return
     import variant_runs
 
