@@ -26,23 +26,23 @@ from serving import LLAMA3_8B
 from tp import COPY_GBS
 
 # google/gemma-2-9b's config.json.
-GEMMA2_9B: dict[str, Any] = dict(
-    architectures=["Gemma2ForCausalLM"], model_type="gemma2", hidden_size=3584, intermediate_size=14336,
-    num_attention_heads=16, num_key_value_heads=8, head_dim=256, num_hidden_layers=42, vocab_size=256000,
-    max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=10000.0, hidden_activation="gelu_pytorch_tanh",
-    hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
-    final_logit_softcapping=30.0, attention_bias=False, tie_word_embeddings=True, bos_token_id=2, eos_token_id=1,
-    pad_token_id=0, torch_dtype="bfloat16",
-)  # fmt: skip
+GEMMA2_9B: dict[str, Any] = {
+    "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 3584, "intermediate_size": 14336,
+    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "num_hidden_layers": 42,
+    "vocab_size": 256000, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "attention_bias": False,
+    "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0, "torch_dtype": "bfloat16",
+}  # fmt: skip
 MODELS = {"gemma2-9b": GEMMA2_9B, "llama3-8b": LLAMA3_8B}
 # The dry run's: the same families, tiny (the vocabulary stays above serving.random_prompts' ids;
 # Gemma's window is shorter than a W4 request, so its sliding layers slide).
-TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            num_hidden_layers=2, vocab_size=128256, max_position_embeddings=2048)  # fmt: skip
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "num_hidden_layers": 2, "vocab_size": 128256, "max_position_embeddings": 2048}  # fmt: skip
 DRY_RUN = {
     "gemma2-9b": {**GEMMA2_9B, **TINY, "num_hidden_layers": 4, "query_pre_attn_scalar": 16, "sliding_window": 8},
-    "llama3-8b": dict(LLAMA3_8B, **TINY),
-}
+    "llama3-8b": {**LLAMA3_8B, **TINY},
+}  # fmt: skip
 DRY_RUN_SCALE = 1 / 32  # W1: 32 requests, prompt 16, output 8; W4: prompt 4, output 16
 
 
@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--models", default="gemma2-9b,llama3-8b")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--tune-budget", type=float, default=20.0)
-    ap.add_argument("--dry-run", action="store_true", help="CPU: tiny configs, tiny W4 / W1, through the same code")
+    ap.add_argument("--dry-run", action="store_true", help="CPU: tiny configs and W4 / W1, the same code")
     args = ap.parse_args()
     models = variant_runs.chosen_variants(args.models, MODELS)
     if args.dry_run:
