@@ -255,21 +255,27 @@ def run_engine(engine, prompts, params_list, sample_kv: bool = False, only_finis
             live = sum(r.num_computed_tokens for r in engine.scheduler.running)
             if used:
                 kv_samples.append((live / (used * pool.block_size), pool.usage))
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():  # (a CPU dry run has none)
+        torch.cuda.synchronize()
     return time.perf_counter() - start, done, first, kv_samples, steps
 
 
-def phase_ours(out: Path, artifact: Path, phases: set[str]) -> None:
+def phase_ours(out: Path, artifact: Path, phases: set[str], scale: float = 1.0, llama_targets: bool = True) -> None:
     """The in-process engine's phases. Each row also says how many Triton kernels compiled during
     it (``triton_compiles``, the artifact's cache missed them; a compile takes seconds, so a
-    nonzero count explains a slow figure)."""
+    nonzero count explains a slow figure). ``scale`` < 1 shrinks W1's and W4's request counts and
+    lengths and the engine's batch (a CPU dry run); ``llama_targets``: the rows carry
+    PERFORMANCE.md's Llama-3-8B targets and roofline (off for another model)."""
     from pagecast.runtime.engine import LLMEngine
     from pagecast.runtime.kernel_cache import process_compiles
     from pagecast.runtime.sampling_params import SamplingParams
 
+    def sized(size: int) -> int:
+        return max(int(size * scale), 2)
+
     compiles = process_compiles()
     start = time.perf_counter()
-    engine = LLMEngine(artifact, max_num_seqs=1024, max_num_batched_tokens=8192, gpu_memory_utilization=0.92)
+    engine = LLMEngine(artifact, max_num_seqs=sized(1024), max_num_batched_tokens=sized(8192), gpu_memory_utilization=0.92)
     emit(out, figure="engine_init_seconds", value=round(time.perf_counter() - start, 1),
          kv_blocks=engine.block_pool.num_blocks, kv_tokens=engine.block_pool.num_blocks * engine.block_size,
          triton_compiles=compiles.count)  # fmt: skip
@@ -284,17 +290,17 @@ def phase_ours(out: Path, artifact: Path, phases: set[str]) -> None:
         emit(out, **row, triton_compiles=len(new), **({"compiled": sorted(set(new))} if new else {}))
 
     if "W4" in phases:
-        secs, done, first, _, _ = run_engine(engine, random_prompts(1, 128, 4), [SamplingParams(max_tokens=512, ignore_eos=True, temperature=0)],
+        secs, done, first, _, _ = run_engine(engine, random_prompts(1, sized(128), 4), [SamplingParams(max_tokens=sized(512), ignore_eos=True, temperature=0)],
                                              only_finished=False)
-        itl = (secs - first["r0"]) / 511 * 1000
+        itl = (secs - first["r0"]) / (sized(512) - 1) * 1000
         record(figure="W4_inter_token_latency_ms", value=round(itl, 3), ttft_ms=round(first["r0"] * 1000, 1),
-               target="<= 4.5", roofline_ms=3.79)
+               **({"target": "<= 4.5", "roofline_ms": 3.79} if llama_targets else {}))
     if "W1" in phases:
-        params = [SamplingParams(max_tokens=256, ignore_eos=True, temperature=0)] * 1024
-        secs, done, _, kv, steps = run_engine(engine, random_prompts(1024, 512, 1), params, sample_kv=True)
-        n = sum(len(o.outputs[0].token_ids) for o in done.values())
-        record(figure="W1_output_tok_s", value=round(n / secs, 1), seconds=round(secs, 1), steps=steps,
-               output_tokens=n, target=">= 11500",
+        params = [SamplingParams(max_tokens=sized(256), ignore_eos=True, temperature=0)] * sized(1024)
+        secs, done, _, kv, steps = run_engine(engine, random_prompts(sized(1024), sized(512), 1), params, sample_kv=True)
+        n_out = sum(len(o.outputs[0].token_ids) for o in done.values())
+        record(figure="W1_output_tok_s", value=round(n_out / secs, 1), seconds=round(secs, 1), steps=steps,
+               output_tokens=n_out, **({"target": ">= 11500"} if llama_targets else {}),
                kv_live_fraction_min=round(min(k[0] for k in kv), 4) if kv else None,
                kv_live_fraction_median=round(sorted(k[0] for k in kv)[len(kv) // 2], 4) if kv else None,
                preemptions=engine.scheduler.num_preemptions)

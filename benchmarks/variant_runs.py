@@ -47,21 +47,24 @@ def chosen_variants(names: str, known: dict[str, Any]) -> list[str]:
 
 
 def build(out: Path, artifact: Path, variant: str, record: Recorder, max_model_len: int, tune_budget: float,
-          **options: Any) -> Path:  # fmt: skip
-    """The variant's artifact (built once; an existing one is reused): random weights
-    (``--load-format dummy``), this GPU, ``options`` on top."""
+          config: dict[str, Any] | None = None, **options: Any) -> Path:  # fmt: skip
+    """The variant's artifact (built once; an existing one is reused) of ``config`` (default
+    Llama-3-8B): random weights (``--load-format dummy``), this GPU, ``options`` on top (``gpu``
+    among them: "cpu" for a dry run)."""
     from pagecast.builder.ir import BuildOptions
     from pagecast.builder.pipeline import build as run_build
 
     if (artifact / "manifest.json").is_file():
         return artifact
-    cfg_dir = out / "llama3-8b-config"
+    # Llama-3-8B's keeps its old name (existing runs reuse it); another config's is named after its artifact.
+    cfg_dir = out / ("llama3-8b-config" if config is None else f"{artifact.name}-config")
     cfg_dir.mkdir(parents=True, exist_ok=True)
-    (cfg_dir / "config.json").write_text(json.dumps(LLAMA3_8B))
+    (cfg_dir / "config.json").write_text(json.dumps(config or LLAMA3_8B))
     start = time.perf_counter()
     run_build(
-        BuildOptions(model=str(cfg_dir), output=artifact, gpu="auto", load_format="dummy", max_model_len=max_model_len,
-                     tune_budget_s=tune_budget, force=True, quiet=True, max_num_seqs=1024, **options),
+        BuildOptions(**{"model": str(cfg_dir), "output": artifact, "gpu": "auto", "load_format": "dummy",
+                        "max_model_len": max_model_len, "tune_budget_s": tune_budget, "force": True, "quiet": True,
+                        "max_num_seqs": 1024, **options}),
         log=lambda line: print(f"  build {variant}", line, flush=True),
     )  # fmt: skip
     record(variant=variant, figure="enginebuild_seconds", value=round(time.perf_counter() - start, 1))
@@ -69,16 +72,16 @@ def build(out: Path, artifact: Path, variant: str, record: Recorder, max_model_l
 
 
 def measure(out: Path, variant: str, artifact: Path, phases: set[str], record: Recorder,
-            setup: str = "") -> list[dict[str, object]]:  # fmt: skip
+            setup: str = "", **ours: Any) -> list[dict[str, object]]:  # fmt: skip
     """serving.py's ``phases`` on this artifact, in a fresh process (``setup``: Python run there
-    first); its JSON lines, recorded with the variant's name (an ``engine_failed`` row when the
-    process failed)."""
+    first; ``ours``: phase_ours's keyword arguments); its JSON lines, recorded with the variant's
+    name (an ``engine_failed`` row when the process failed)."""
     vdir = out / variant
     vdir.mkdir(parents=True, exist_ok=True)
     (vdir / "serving.jsonl").unlink(missing_ok=True)
     code = (
         f"{setup}\nimport sys; from pathlib import Path; sys.path.insert(0, 'benchmarks'); import serving; "
-        f"serving.phase_ours(Path({str(vdir)!r}), Path({str(artifact)!r}), set({sorted(phases)!r}))"
+        f"serving.phase_ours(Path({str(vdir)!r}), Path({str(artifact)!r}), set({sorted(phases)!r}), **{ours!r})"
     )
     proc = subprocess.run([sys.executable, "-c", code], check=False, cwd=Path(__file__).parent.parent)
     rows = []

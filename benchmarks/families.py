@@ -1,0 +1,112 @@
+"""A second model family beside Llama on one GPU (issue 28): a Gemma-2-9B-shaped and a
+Llama-3-8B-shaped artifact with random bf16 weights (``--load-format dummy``), each built and
+tuned for the GPU present, then W4 (one request, prompt 128, output 512: inter-token latency) and
+W1 (1,024 requests, prompt 512, output 256, all at once: output tokens/s) of each, measured by
+benchmarks/serving.py's phase_ours in a fresh process per engine (one engine holds most of the
+GPU's memory). Beside each W4 a roofline row: the bf16 weight bytes one decode step reads
+(decode_weight_bytes) over the copy bandwidth.
+
+    python benchmarks/families.py --out OUTDIR [--models gemma2-9b,llama3-8b] [--tune-budget 20]
+    python benchmarks/families.py --dry-run     # CPU: tiny versions of both configs, same code
+
+Every figure is a JSON line (printed and appended to OUTDIR/families.jsonl); a table ends the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import variant_runs
+from serving import LLAMA3_8B
+from tp import COPY_GBS
+
+# google/gemma-2-9b's config.json.
+GEMMA2_9B: dict[str, Any] = {
+    "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 3584, "intermediate_size": 14336,
+    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "num_hidden_layers": 42,
+    "vocab_size": 256000, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "attention_bias": False,
+    "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0, "torch_dtype": "bfloat16",
+}  # fmt: skip
+MODELS = {"gemma2-9b": GEMMA2_9B, "llama3-8b": LLAMA3_8B}
+# The dry run's: the same families, tiny (the vocabulary stays above serving.random_prompts' ids;
+# Gemma's window is shorter than a W4 request, so its sliding layers slide).
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "num_hidden_layers": 2, "vocab_size": 128256, "max_position_embeddings": 2048}  # fmt: skip
+DRY_RUN = {
+    "gemma2-9b": {**GEMMA2_9B, **TINY, "num_hidden_layers": 4, "query_pre_attn_scalar": 16, "sliding_window": 8},
+    "llama3-8b": {**LLAMA3_8B, **TINY},
+}  # fmt: skip
+DRY_RUN_SCALE = 1 / 32  # W1: 32 requests, prompt 16, output 8; W4: prompt 4, output 16
+
+
+def decode_weight_bytes(cfg: dict[str, Any]) -> int:
+    """Bytes of bf16 weights one decode step reads: every layer's projections and norms, the
+    final norm, the LM head (with tied embeddings it is the embedding, read once, as the LM head)
+    and one embedding row (the lookup)."""
+    h, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    norms = 4 if cfg["model_type"] == "gemma2" else 2  # Gemma 2 norms both sublayers' input and output
+    layer = 2 * q * h + 2 * kv * h + 3 * inter * h + norms * h
+    return 2 * (cfg["num_hidden_layers"] * layer + h + cfg["vocab_size"] * h + h)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("bench-families"))
+    ap.add_argument("--models", default="gemma2-9b,llama3-8b")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--tune-budget", type=float, default=20.0)
+    ap.add_argument("--dry-run", action="store_true", help="CPU: tiny configs and W4 / W1, the same code")
+    args = ap.parse_args()
+    models = variant_runs.chosen_variants(args.models, MODELS)
+    if args.dry_run:
+        with tempfile.TemporaryDirectory() as tmp:
+            run(Path(tmp), models, DRY_RUN, max_model_len=128, tune_budget=0.0, dry_run=True)
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    run(args.out, models, MODELS, args.max_model_len, args.tune_budget, dry_run=False)
+
+
+def run(out: Path, models: list[str], configs: dict[str, dict[str, Any]], max_model_len: int, tune_budget: float,
+        dry_run: bool) -> None:  # fmt: skip
+    record = variant_runs.Recorder(out, "families.jsonl")
+    if dry_run:
+        record(figure="machine", value="cpu (dry run)", date=time.strftime("%Y-%m-%d"))
+    else:
+        record.machine()
+    rows = []
+    for name in models:
+        cfg = configs[name]
+        artifact = variant_runs.build(out, out / f"{name}-bf16", name, record, max_model_len, tune_budget, config=cfg,
+                                      **({"gpu": "cpu"} if dry_run else {}))  # fmt: skip
+        measured = variant_runs.measure(out, name, artifact, {"W4", "W1"}, record,
+                                        scale=DRY_RUN_SCALE if dry_run else 1.0, llama_targets=name == "llama3-8b")  # fmt: skip
+        figures = {r["figure"]: r for r in measured}
+        # As benchmarks/tp.py: the build's own copy bandwidth (builder/tune.py measures it), else tp.COPY_GBS.
+        measured_gbs = json.loads((artifact / "tuning.json").read_text()).get("copy_bandwidth_gbs") \
+            if (artifact / "tuning.json").is_file() else None  # fmt: skip
+        gbs = float(measured_gbs or COPY_GBS)
+        weight_bytes = decode_weight_bytes(cfg)
+        roofline_ms = weight_bytes / (gbs * 1e9) * 1000
+        itl = figures.get("W4_inter_token_latency_ms", {}).get("value")
+        rows.append(record(variant=name, figure="W4_roofline_ms", value=round(roofline_ms, 3), weight_bytes=weight_bytes,
+                           copy_bandwidth_gbs=gbs,
+                           bandwidth_source="the build's tuning.json (builder/tune.py, torch copy_)" if measured_gbs else
+                           "benchmarks/tp.py COPY_GBS: H200 copy bandwidth measured 2026-11-30 (DESIGN.md)",
+                           ratio_w4_to_roofline=round(itl / roofline_ms, 3) if isinstance(itl, (int, float)) else None))  # fmt: skip
+        rows += measured
+    print("\n| model | figure | value |\n|---|---|---|")
+    for r in rows:
+        if r["figure"] in ("W4_inter_token_latency_ms", "W4_roofline_ms", "W1_output_tok_s", "engine_failed"):
+            print(f"| {r['variant']} | {r['figure']} | {r['value']} |")
+
+
+if __name__ == "__main__":
+    main()
