@@ -14,11 +14,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagecast.builder import shard
 from pagecast.builder.ir import BuildState
 from pagecast.runtime.errors import BuildError
+
+if TYPE_CHECKING:
+    import torch
 
 TRITON_CACHE_SUBDIR = "triton_cache"
 
@@ -193,6 +196,39 @@ def compile_sampler_kernels(device: str, vocab: int, logits_stride: int) -> None
                 x = logits(first + 3, ties, padded)
                 targets = torch.zeros(3, dtype=torch.int64, device=device)
                 prompt_logprob_tensors(x[first : first + 3], targets, 2)
+        if torch.device(device).type == "cuda":
+            for rows in (1, 3):
+                compile_race_switches(logits(rows, False, padded))
+
+
+def compile_race_switches(logits: torch.Tensor) -> None:
+    """The race kernel at each combination of its data-driven switches: TIES (some row drops
+    part of a tie group at its cutoff) and BLOCK_MAX (the top-k candidates' block maxima are
+    there). Which combination a launch takes follows from the logits' values: with the integer
+    logits above, a cutoff's tie group is too large for the candidate buffer, so sampling them
+    never took TIES with BLOCK_MAX, which a served request with a small tie at its top-k cutoff
+    does (seen on an H200: `_race_kernel` compiled while serving at vocab 128,256)."""
+    import torch
+    import triton
+
+    from pagecast.kernels import sampling
+
+    rows, vocab = logits.shape
+    device = logits.device
+
+    def per_row(value: float, dtype: torch.dtype) -> torch.Tensor:
+        return torch.full((rows,), value, dtype=dtype, device=device)
+
+    block_max = logits.float().max(dim=1, keepdim=True).values.expand(rows, triton.cdiv(vocab, sampling.TOPK_BLOCK))
+    tie_counts = torch.zeros(rows, sampling.num_splits(vocab), dtype=torch.int32, device=device)
+    for ties in (False, True):
+        for with_block_max in (False, True):
+            sampling.race(
+                logits, per_row(1.0, torch.float32), per_row(float("-inf"), torch.float32), per_row(0, torch.int64),
+                per_row(0, torch.int64), tie_counts if ties else None, logits.float().max(dim=1).values,
+                per_row(0.0, torch.float32), per_row(0, torch.int64), per_row(0, torch.int64),
+                block_max=block_max.contiguous() if with_block_max else None,
+            )  # fmt: skip
 
 
 # xgrammar's kernel that masks a grammar's tokens (apply_token_bitmask_inplace_kernel) is
