@@ -250,7 +250,14 @@ class EngineCore:
             ),
             self.block_pool,
         )
-        self.runner = ModelRunner(self.artifact.model, self.artifact.device, self.block_size, self.artifact.kernels)
+        self.runner = ModelRunner(
+            self.artifact.model,
+            self.artifact.device,
+            self.block_size,
+            self.artifact.kernels,
+            max_num_seqs=options.max_num_seqs,
+            max_model_len=self.max_model_len,
+        )
         # Structured output: nothing is loaded or compiled until a constrained request arrives.
         self.grammar = GrammarState(
             tokenizer_loader(self.artifact.path, self.artifact.tokenizer), self.vocab_size, self.eos_token_ids

@@ -21,6 +21,7 @@ from pagecast.kernels import ops
 from pagecast.runtime import startup
 from pagecast.runtime.cuda_graphs import DecodeGraphs
 from pagecast.runtime.forward_context import ForwardContext, leading_decodes
+from pagecast.runtime.input_batch import BlockTables
 from pagecast.runtime.outputs import PositionLogprobs
 from pagecast.runtime.parallel import WorkerGroup
 from pagecast.runtime.penalty_state import PenaltyState
@@ -97,13 +98,25 @@ class _Batch:
 
 
 class ModelRunner:
-    """Runs the generated model on one device. Stateless between steps except for the model."""
+    """Runs the generated model on one device. Between steps it keeps the model and the running
+    requests' block tables on the device (runtime/input_batch.py), sized by ``max_num_seqs`` and
+    ``max_model_len`` when given (they grow past that)."""
 
-    def __init__(self, model: Any, device: torch.device, block_size: int, kernels: Any = None):
+    def __init__(
+        self,
+        model: Any,
+        device: torch.device,
+        block_size: int,
+        kernels: Any = None,
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
+    ):
         self.model = model
         self.device = device
         self.block_size = block_size
         self.kernels = kernels  # the artifact's KernelTable, activated around each forward pass
+        num_cols = -(-max_model_len // block_size) if max_model_len else 64
+        self.block_tables = BlockTables(device, max_num_seqs, num_cols)
         self.graphs: DecodeGraphs | None = None
         self._lazy: _LazyCapture | None = None  # lazy graphs still to capture
         # Output token counts of penalised requests, for asynchronous steps (launch).
@@ -187,6 +200,10 @@ class ModelRunner:
         """The flat batch of a step. A decode whose input token is still pending (sampled by
         ``prev``, the step before, still on the device) reads it from ``prev.token_ids``."""
         bs = self.block_size
+        tables = self.block_tables
+        tables.release(out.finished_request_ids)
+        tables.release(r.request_id for r in out.preempted_requests)
+        rows = tables.rows(out.scheduled_requests)
         from_prev: list[int] = []  # rows whose input id comes from prev
         prev_rows: list[int] = []
         input_ids: list[int] = []
@@ -208,9 +225,9 @@ class ModelRunner:
         decode_rows = bool(spec_drafts) and all(
             n == 1 or r.request_id in spec_drafts for r, n in zip(out.scheduled_requests, out.num_scheduled_tokens)
         )
-        row_tables: list[list[int]] | None = [] if decode_rows else None
+        row_tables: list[int] | None = [] if decode_rows else None  # decode rows' rows of ``tables``
         max_blocks = 1
-        for req, n in zip(out.scheduled_requests, out.num_scheduled_tokens):
+        for req, n, row in zip(out.scheduled_requests, out.num_scheduled_tokens, rows):
             start = req.num_computed_tokens
             end = start + n
             row0 = len(input_ids)
@@ -225,7 +242,7 @@ class ModelRunner:
                 if row_tables is not None:
                     seq_lens.extend(range(start + 1, end + 1))
                     query_start_loc.extend(range(row0 + 1, row0 + n + 1))
-                    row_tables.extend([block_ids] * n)
+                    row_tables.extend([row] * n)
                 else:
                     seq_lens.append(end)
                     query_start_loc.append(len(input_ids))
@@ -234,7 +251,7 @@ class ModelRunner:
                 logits_rows.extend(range(row0, row0 + n))
                 continue
             if row_tables is not None:
-                row_tables.append(req.block_ids)
+                row_tables.append(row)
             if n == 1:
                 known = req.all_token_ids
                 if start < len(known):
@@ -269,15 +286,13 @@ class ModelRunner:
                 sample_requests.append(req)
                 sample_rows.append(len(logits_rows))
                 logits_rows.append(row0 + n - 1)
-        tables = row_tables if row_tables is not None else [r.block_ids for r in out.scheduled_requests]
-        block_tables = [t + [0] * (max_blocks - len(t)) for t in tables]
         def to_dev(values: list, dtype: torch.dtype) -> torch.Tensor:
             return to_device(values, self.device, dtype)
 
         max_query_len = 1 if decode_rows else max(out.num_scheduled_tokens)
         ctx = ForwardContext(
             slot_mapping=to_dev(slots, torch.int64),
-            block_tables=to_dev(block_tables, torch.int32),
+            block_tables=tables.gather(row_tables if row_tables is not None else rows, max_blocks),
             seq_lens=to_dev(seq_lens, torch.int32),
             query_start_loc=to_dev(query_start_loc, torch.int32),
             max_query_len=max_query_len,
