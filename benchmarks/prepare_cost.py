@@ -2,18 +2,23 @@
 
     python benchmarks/prepare_cost.py                  # 256 x 512 blocks and 64 x 128 blocks
     python benchmarks/prepare_cost.py --shape 1024x64 --steps 100
+    python benchmarks/prepare_cost.py --baseline main   # main's prepare, for the before figures
 
 Each request holds ``blocks`` blocks of 16 tokens (its context nearly fills them); every step
 each one decodes a token, so one request in 16 crosses into a new block, as in serving. Only
 ``prepare`` is timed, on the CPU (no model), after a few warm-up steps; the first step (which
 writes every request's whole table) is reported on its own. ``--old-expression`` also times the
-padded-list construction the runner used before its persistent block tables, alone.
+padded-list construction the runner used before its persistent block tables, alone;
+``--baseline REV`` times REV's ``runtime/model_runner.py`` (loaded from git) instead of this one.
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 import time
+import types
 
 import torch
 
@@ -47,8 +52,22 @@ def advance(reqs: list[Request]) -> None:
             r.block_ids.append(r.block_ids[-1] + 1)
 
 
-def measure(num_seqs: int, blocks: int, steps: int, old_expression: bool) -> None:
-    runner = ModelRunner(model=None, device=torch.device("cpu"), block_size=BLOCK)
+def baseline_runner(rev: str) -> type:
+    """The ModelRunner class of ``rev``'s runtime/model_runner.py."""
+    source = subprocess.run(
+        ["git", "show", f"{rev}:runtime/model_runner.py"], capture_output=True, text=True, check=True
+    ).stdout
+    module = types.ModuleType(f"model_runner_{rev}")
+    sys.modules[module.__name__] = module  # dataclasses look their module up
+    exec(compile(source, f"{rev}:runtime/model_runner.py", "exec"), module.__dict__)  # noqa: S102 (this repo's own code)
+    return module.ModelRunner
+
+
+def measure(num_seqs: int, blocks: int, steps: int, old_expression: bool, baseline: type | None = None) -> None:
+    if baseline is not None:
+        runner = baseline(None, torch.device("cpu"), BLOCK)
+    else:  # sized as the engine sizes it (max_num_seqs, max_model_len), so no step grows its tables
+        runner = ModelRunner(None, torch.device("cpu"), BLOCK, max_num_seqs=num_seqs, max_model_len=(blocks + 64) * BLOCK)
     reqs = decoding_requests(num_seqs, blocks)
     out = SchedulerOutput(reqs, [1] * num_seqs, num_seqs)
     t0 = time.perf_counter()
@@ -87,11 +106,13 @@ def main() -> None:
     parser.add_argument("--shape", action="append", help="SEQSxBLOCKS (default: 256x512 and 64x128)")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--old-expression", action="store_true")
+    parser.add_argument("--baseline", metavar="REV", help="time REV's ModelRunner.prepare (e.g. main)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    baseline = baseline_runner(args.baseline) if args.baseline else None
     for shape in args.shape or ["256x512", "64x128"]:
         num_seqs, blocks = (int(x) for x in shape.split("x"))
-        measure(num_seqs, blocks, args.steps, args.old_expression)
+        measure(num_seqs, blocks, args.steps, args.old_expression, baseline)
 
 
 if __name__ == "__main__":
