@@ -203,7 +203,7 @@ class ModelRunner:
         tables = self.block_tables
         tables.release(out.finished_request_ids)
         tables.release(r.request_id for r in out.preempted_requests)
-        rows = tables.rows(out.scheduled_requests)
+        table_rows = tables.rows(out.scheduled_requests)  # each request's row of ``tables``
         from_prev: list[int] = []  # rows whose input id comes from prev
         prev_rows: list[int] = []
         input_ids: list[int] = []
@@ -225,9 +225,9 @@ class ModelRunner:
         decode_rows = bool(spec_drafts) and all(
             n == 1 or r.request_id in spec_drafts for r, n in zip(out.scheduled_requests, out.num_scheduled_tokens)
         )
-        row_tables: list[int] | None = [] if decode_rows else None  # decode rows' rows of ``tables``
+        row_tables: list[int] | None = [] if decode_rows else None  # each decode row's row of ``tables``
         max_blocks = 1
-        for req, n, row in zip(out.scheduled_requests, out.num_scheduled_tokens, rows):
+        for req, n, table_row in zip(out.scheduled_requests, out.num_scheduled_tokens, table_rows):
             start = req.num_computed_tokens
             end = start + n
             row0 = len(input_ids)
@@ -242,7 +242,7 @@ class ModelRunner:
                 if row_tables is not None:
                     seq_lens.extend(range(start + 1, end + 1))
                     query_start_loc.extend(range(row0 + 1, row0 + n + 1))
-                    row_tables.extend([row] * n)
+                    row_tables.extend([table_row] * n)
                 else:
                     seq_lens.append(end)
                     query_start_loc.append(len(input_ids))
@@ -251,7 +251,7 @@ class ModelRunner:
                 logits_rows.extend(range(row0, row0 + n))
                 continue
             if row_tables is not None:
-                row_tables.append(row)
+                row_tables.append(table_row)
             if n == 1:
                 known = req.all_token_ids
                 if start < len(known):
@@ -292,7 +292,7 @@ class ModelRunner:
         max_query_len = 1 if decode_rows else max(out.num_scheduled_tokens)
         ctx = ForwardContext(
             slot_mapping=to_dev(slots, torch.int64),
-            block_tables=tables.gather(row_tables if row_tables is not None else rows, max_blocks),
+            block_tables=tables.gather(row_tables if row_tables is not None else table_rows, max_blocks),
             seq_lens=to_dev(seq_lens, torch.int32),
             query_start_loc=to_dev(query_start_loc, torch.int32),
             max_query_len=max_query_len,
