@@ -196,13 +196,20 @@ class ModelRunner:
             )
             startup.mark("cuda graphs (lazy)")
 
+    def forget(self, out: SchedulerOutput) -> None:
+        """Drop the state kept for the requests ``out`` reports finished or preempted: their
+        block-table rows, a finished one's penalty counts. Each step does it (``prepare``); the
+        engine calls it for a schedule with nothing to run too, so that none is kept for long."""
+        self.block_tables.release(out.finished_request_ids)
+        self.block_tables.release(r.request_id for r in out.preempted_requests)
+        self.penalties.drop(out.finished_request_ids)
+
     def prepare(self, out: SchedulerOutput, prev: LaunchedStep | None = None) -> _Batch:
         """The flat batch of a step. A decode whose input token is still pending (sampled by
         ``prev``, the step before, still on the device) reads it from ``prev.token_ids``."""
         bs = self.block_size
+        self.forget(out)
         tables = self.block_tables
-        tables.release(out.finished_request_ids)
-        tables.release(r.request_id for r in out.preempted_requests)
         table_rows = tables.rows(out.scheduled_requests)  # each request's row of ``tables``
         from_prev: list[int] = []  # rows whose input id comes from prev
         prev_rows: list[int] = []
@@ -418,7 +425,6 @@ class ModelRunner:
         if out.spec_token_ids:
             raise RuntimeError("a speculating step runs synchronously (execute), never launched")
         batch = self.prepare(out, prev)
-        self.penalties.drop(out.finished_request_ids)
         step = LaunchedStep(out, batch.sample_requests, {}, None, None, None)
         logits = self._logits(batch, len(out.scheduled_requests))
         if logits is None:

@@ -182,3 +182,38 @@ def test_prepare_block_tables_match_padded_lists() -> None:
     batch = runner.prepare(out)
     assert torch.equal(batch.ctx.block_tables, padded([a], 3))
     assert runner.block_tables.num_used_rows == 1
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_the_engine_gives_rows_back(tiny_llama_artifact, async_scheduling):  # type: ignore[no-untyped-def]
+    """Preemptions (12 blocks for six ~40-token sequences), an abort and finishes: the table never
+    outgrows max_num_seqs, and a step with nothing to run drops what the last one left."""
+    import json
+
+    from engine_utils import PROMPTS
+
+    from pagecast.runtime.engine import LLMEngine
+
+    block_bytes = json.loads((tiny_llama_artifact / "memory_plan.json").read_text())["bytes_per_block"]
+    engine = LLMEngine(
+        tiny_llama_artifact,
+        async_scheduling=async_scheduling,
+        kv_cache_memory=12 * block_bytes,
+        max_model_len=64,
+        max_num_seqs=4,
+        enable_prefix_caching=False,
+    )
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.2)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, params)
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        if steps == 6:
+            engine.abort_request(["r1"])
+        assert engine.runner.block_tables.table.shape[0] == 4
+    assert engine.scheduler.num_preemptions > 0
+    engine.step()  # nothing to run: the last finished ids are reported, and forgotten
+    assert engine.runner.block_tables.num_used_rows == 0
+    assert not engine.runner.penalties.rows
