@@ -250,7 +250,14 @@ class EngineCore:
             ),
             self.block_pool,
         )
-        self.runner = ModelRunner(self.artifact.model, self.artifact.device, self.block_size, self.artifact.kernels)
+        self.runner = ModelRunner(
+            self.artifact.model,
+            self.artifact.device,
+            self.block_size,
+            self.artifact.kernels,
+            max_num_seqs=options.max_num_seqs,
+            max_model_len=self.max_model_len,
+        )
         # Structured output: nothing is loaded or compiled until a constrained request arrives.
         self.grammar = GrammarState(
             tokenizer_loader(self.artifact.path, self.artifact.tokenizer), self.vocab_size, self.eos_token_ids
@@ -444,7 +451,7 @@ class EngineCore:
             return self._speculative_step()
         if self.async_scheduling:
             scheduled = self.scheduler.schedule()
-            self._drop_proposer_state(scheduled)
+            self._drop_request_state(scheduled)
             launched = None
             if scheduled.total_num_scheduled_tokens:
                 launched = self.runner.launch(scheduled, self._inflight)
@@ -458,7 +465,7 @@ class EngineCore:
             return results
         results = self._collect_inflight()  # nothing in flight in synchronous mode
         scheduled = self.scheduler.schedule()
-        self._drop_proposer_state(scheduled)
+        self._drop_request_state(scheduled)
         if scheduled.total_num_scheduled_tokens == 0:
             return results
         output = self.runner.execute(scheduled)
@@ -478,7 +485,7 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         for request in proposed:
             request.spec_token_ids = []  # those scheduled are in scheduled.spec_token_ids
-        self._drop_proposer_state(scheduled)
+        self._drop_request_state(scheduled)
         if scheduled.total_num_scheduled_tokens == 0:
             return results
         output = self.runner.execute(scheduled)
@@ -548,7 +555,10 @@ class EngineCore:
         self.proposer = make_proposer(config, self) if config is not None else None
         self.spec_stats = SpecStats()
 
-    def _drop_proposer_state(self, scheduled: SchedulerOutput) -> None:
+    def _drop_request_state(self, scheduled: SchedulerOutput) -> None:
+        """The runner's and the proposer's state of the requests that finished or were preempted
+        (every schedule, including one with nothing to run: its ids are reported only once)."""
+        self.runner.forget(scheduled)
         if self.proposer is not None and (scheduled.finished_request_ids or scheduled.preempted_requests):
             self.proposer.drop(scheduled.finished_request_ids | {r.request_id for r in scheduled.preempted_requests})
 

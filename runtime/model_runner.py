@@ -21,6 +21,7 @@ from pagecast.kernels import ops
 from pagecast.runtime import startup
 from pagecast.runtime.cuda_graphs import DecodeGraphs
 from pagecast.runtime.forward_context import ForwardContext, leading_decodes
+from pagecast.runtime.input_batch import BlockTables
 from pagecast.runtime.outputs import PositionLogprobs
 from pagecast.runtime.parallel import WorkerGroup
 from pagecast.runtime.penalty_state import PenaltyState
@@ -97,13 +98,25 @@ class _Batch:
 
 
 class ModelRunner:
-    """Runs the generated model on one device. Stateless between steps except for the model."""
+    """Runs the generated model on one device. Between steps it keeps the model and the running
+    requests' block tables on the device (runtime/input_batch.py), sized by ``max_num_seqs`` and
+    ``max_model_len`` when given (they grow past that)."""
 
-    def __init__(self, model: Any, device: torch.device, block_size: int, kernels: Any = None):
+    def __init__(
+        self,
+        model: Any,
+        device: torch.device,
+        block_size: int,
+        kernels: Any = None,
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
+    ):
         self.model = model
         self.device = device
         self.block_size = block_size
         self.kernels = kernels  # the artifact's KernelTable, activated around each forward pass
+        num_cols = -(-max_model_len // block_size) if max_model_len else 64
+        self.block_tables = BlockTables(device, max_num_seqs, num_cols)
         self.graphs: DecodeGraphs | None = None
         self._lazy: _LazyCapture | None = None  # lazy graphs still to capture
         # Output token counts of penalised requests, for asynchronous steps (launch).
@@ -183,10 +196,21 @@ class ModelRunner:
             )
             startup.mark("cuda graphs (lazy)")
 
+    def forget(self, out: SchedulerOutput) -> None:
+        """Drop the state kept for the requests ``out`` reports finished or preempted: their
+        block-table rows, a finished one's penalty counts. Each step does it (``prepare``); the
+        engine calls it for a schedule with nothing to run too, so that none is kept for long."""
+        self.block_tables.release(out.finished_request_ids)
+        self.block_tables.release(r.request_id for r in out.preempted_requests)
+        self.penalties.drop(out.finished_request_ids)
+
     def prepare(self, out: SchedulerOutput, prev: LaunchedStep | None = None) -> _Batch:
         """The flat batch of a step. A decode whose input token is still pending (sampled by
         ``prev``, the step before, still on the device) reads it from ``prev.token_ids``."""
         bs = self.block_size
+        self.forget(out)
+        tables = self.block_tables
+        table_rows = tables.rows(out.scheduled_requests)  # each request's row of ``tables``
         from_prev: list[int] = []  # rows whose input id comes from prev
         prev_rows: list[int] = []
         input_ids: list[int] = []
@@ -208,9 +232,9 @@ class ModelRunner:
         decode_rows = bool(spec_drafts) and all(
             n == 1 or r.request_id in spec_drafts for r, n in zip(out.scheduled_requests, out.num_scheduled_tokens)
         )
-        row_tables: list[list[int]] | None = [] if decode_rows else None
+        row_tables: list[int] | None = [] if decode_rows else None  # each decode row's row of ``tables``
         max_blocks = 1
-        for req, n in zip(out.scheduled_requests, out.num_scheduled_tokens):
+        for req, n, table_row in zip(out.scheduled_requests, out.num_scheduled_tokens, table_rows):
             start = req.num_computed_tokens
             end = start + n
             row0 = len(input_ids)
@@ -225,7 +249,7 @@ class ModelRunner:
                 if row_tables is not None:
                     seq_lens.extend(range(start + 1, end + 1))
                     query_start_loc.extend(range(row0 + 1, row0 + n + 1))
-                    row_tables.extend([block_ids] * n)
+                    row_tables.extend([table_row] * n)
                 else:
                     seq_lens.append(end)
                     query_start_loc.append(len(input_ids))
@@ -234,7 +258,7 @@ class ModelRunner:
                 logits_rows.extend(range(row0, row0 + n))
                 continue
             if row_tables is not None:
-                row_tables.append(req.block_ids)
+                row_tables.append(table_row)
             if n == 1:
                 known = req.all_token_ids
                 if start < len(known):
@@ -269,15 +293,13 @@ class ModelRunner:
                 sample_requests.append(req)
                 sample_rows.append(len(logits_rows))
                 logits_rows.append(row0 + n - 1)
-        tables = row_tables if row_tables is not None else [r.block_ids for r in out.scheduled_requests]
-        block_tables = [t + [0] * (max_blocks - len(t)) for t in tables]
         def to_dev(values: list, dtype: torch.dtype) -> torch.Tensor:
             return to_device(values, self.device, dtype)
 
         max_query_len = 1 if decode_rows else max(out.num_scheduled_tokens)
         ctx = ForwardContext(
             slot_mapping=to_dev(slots, torch.int64),
-            block_tables=to_dev(block_tables, torch.int32),
+            block_tables=tables.gather(row_tables if row_tables is not None else table_rows, max_blocks),
             seq_lens=to_dev(seq_lens, torch.int32),
             query_start_loc=to_dev(query_start_loc, torch.int32),
             max_query_len=max_query_len,
@@ -403,7 +425,6 @@ class ModelRunner:
         if out.spec_token_ids:
             raise RuntimeError("a speculating step runs synchronously (execute), never launched")
         batch = self.prepare(out, prev)
-        self.penalties.drop(out.finished_request_ids)
         step = LaunchedStep(out, batch.sample_requests, {}, None, None, None)
         logits = self._logits(batch, len(out.scheduled_requests))
         if logits is None:
