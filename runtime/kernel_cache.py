@@ -83,7 +83,7 @@ class TritonCompiles:
     def _listen(self, *, src: Any, metadata: Any, metadata_group: Any, times: Any, cache_hit: bool) -> None:
         if not cache_hit:
             self.names.append(str(getattr(src, "name", src)))
-            self.details.append(specialisation(src))
+            self.details.append(specialisation(src, metadata))
         if self._previous is not None:
             self._previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
 
@@ -92,9 +92,10 @@ class TritonCompiles:
         return len(self.names)
 
 
-def specialisation(src: Any) -> dict[str, str]:
+def specialisation(src: Any, metadata: Any = None) -> dict[str, str]:
     """A compiled kernel's variant: its name, the specialised arguments (by name: aligned /
-    divisible by 16, or equal to 1) and its constexprs, from Triton's ASTSource."""
+    divisible by 16, or equal to 1), its constexprs and argument types, from Triton's ASTSource;
+    with the compile's ``metadata``, the cache hash and the options that enter it."""
     fn = getattr(src, "fn", None)
     names = [p.name for p in getattr(fn, "params", [])]
 
@@ -108,7 +109,16 @@ def specialisation(src: Any) -> dict[str, str]:
         "name": str(getattr(src, "name", src)),
         "attrs": "; ".join(f"{arg(k)}={v}" for k, v in sorted(attrs.items(), key=lambda kv: repr(kv[0]))),
         "constants": "; ".join(f"{arg(k)}={v}" for k, v in sorted(constants.items(), key=lambda kv: repr(kv[0]))),
+        "signature": "; ".join(f"{k}={v}" for k, v in (getattr(src, "signature", {}) or {}).items()),
+        "metadata": "; ".join(f"{k}={v}" for k, v in sorted(metadata.items()) if k in _KEYED_OPTIONS)
+        if isinstance(metadata, dict)
+        else "",
     }
+
+
+# The compile options that enter Triton's cache key, besides the source and its specialisation.
+_KEYED_OPTIONS = ("hash", "target", "num_warps", "num_ctas", "num_stages", "debug", "enable_fp_fusion", "maxnreg",
+                  "sanitize_overflow", "arch", "backend_name")  # fmt: skip
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

@@ -167,3 +167,4 @@ def test_a_compile_names_the_arguments_its_variant_is_specialised_on() -> None:
     assert got["name"] == "_keyed_exponential_kernel"
     assert got["attrs"] == f"{names[first_int]}=[['tt.divisibility', 16]]"
     assert got["constants"] == f"{names[constexpr]}=64"
+    assert f"{names[first_int]}=i64" in got["signature"].split("; ")

@@ -71,8 +71,16 @@ def test_serving_every_sampling_feature_compiles_nothing(tmp_path: Path, vocab: 
     names = {d["name"] for d in served}
     # On failure: each variant compiled while serving, then the build's variants of those kernels
     # (the arguments whose alignment or divisibility differs are the cause).
+    # The build compiles in a subprocess (builder/tune.py), so its variants are read from the
+    # artifact's cache: each compile's metadata (hash, target, options) beside its binary.
+    cached = [
+        {k: v for k, v in json.loads(f.read_text()).items() if k in ("name", "hash", "target", "num_warps", "num_stages", "debug")}
+        for name in names for f in sorted((art / "triton_cache").glob(f"*/{name}.json"))
+    ]  # fmt: skip
     explain = "\n".join(
-        [f"served: {d}" for d in served] + [f"built: {d}" for d in built.details if d["name"] in names]
+        [f"served: {d}" for d in served]
+        + [f"built: {d}" for d in built.details if d["name"] in names]
+        + [f"in the artifact's cache: {c}" for c in cached]
     )
     assert compiled == {"at_start": [], "while_serving": []}, explain
 
