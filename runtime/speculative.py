@@ -44,6 +44,9 @@ METHODS = ("ngram", "draft_model", "eagle3", "replay")
 # step of 1 + k tokens each costs about what a step of one token each costs. With many
 # sequences the step is bound by compute and every rejected draft is wasted work, so above this
 # many running requests the engine does not speculate (vLLM's ``disable_by_batch_size``).
+# Measured (benchmarks/speculative.py --phases batch, H200, Llama-3-8B shape, k = 4): with
+# every draft wrong, speculating costs 1.029x at 16 requests and 1.042x at 32 (1.009x at one),
+# so 16 is the largest batch whose worst case stays within 3% (benchmarks/RESULTS.md).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 16
 
 
