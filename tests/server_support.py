@@ -165,13 +165,15 @@ def start_engine_serve(args: list[str], log: Path, env: Mapping[str, str] | None
 
 
 def assert_served_greedy_matches(
-    artifact: Path, prompts: list[str], max_tokens: int, reference: Callable[[], Any], log: Path
+    artifact: Path, prompts: list[str], max_tokens: int, reference: Callable[[], Any], log: Path,
+    decode: Callable[..., list[int]] | None = None,
 ) -> None:
     """Serve ``artifact`` with engine-serve in a subprocess (at most 32 batched tokens and 8
     sequences, so long prompts prefill in chunks), send ``prompts`` as token ids (the artifact's
     tokenizer, no special tokens) in one /v1/completions request (temperature 0, ``max_tokens``,
     ignore_eos), stop the server, and assert that each choice's text is the decoded greedy output
-    of ``reference()`` (a transformers model, loaded only after the server is gone)."""
+    of ``reference()`` (a transformers model, loaded only after the server is gone), decoded by
+    ``decode(model, ids, max_tokens)`` (default: transformers' generate)."""
     from engine_utils import hf_greedy
     from transformers import AutoTokenizer
 
@@ -192,4 +194,4 @@ def assert_served_greedy_matches(
         proc.wait(30)
     hf = reference()
     for ids, text in zip(prompt_ids, texts, strict=True):
-        assert text == tok.decode(hf_greedy(hf, ids, max_tokens), skip_special_tokens=True)
+        assert text == tok.decode((decode or hf_greedy)(hf, ids, max_tokens), skip_special_tokens=True)

@@ -3,8 +3,8 @@ Qwen3-MoE (norm_topk_prob true and false), Mixtral, Qwen2-MoE (a dense first lay
 layers with a gated shared expert), OLMoE (whole-projection q/k norms, clip_qkv) and gpt-oss
 (attention sinks, sliding windows on alternate layers, router and expert biases, the clamped
 SwiGLU, YaRN) give
-transformers' greedy tokens and last-position logits through LLM; Qwen3-MoE through
-engine-serve and as a TP=2 build on gloo. Each family's test also shows that its own MoE part
+transformers' greedy tokens and last-position logits through LLM, and greedy text through
+engine-serve; Qwen2-MoE and gpt-oss also as TP=2 builds on gloo. Each family's test also shows that its own MoE part
 moves transformers' output on these checkpoints, so a lowering that dropped it would fail.
 Unsupported MoE architectures and models that do not fit the GPU are refused at build.
 """
@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine_utils import engine_last_logits, hf_greedy
+from tiny_models import MOE_FAMILIES
 
 from pagecast.builder.ir import BuildOptions
 from pagecast.builder.pipeline import build
@@ -119,14 +120,15 @@ def test_moe_ir_and_plan(tiny_artifact_factory):  # type: ignore[no-untyped-def]
     assert workspace["t1"] > 0 and workspace["t2048"] > workspace["t16"] > workspace["t1"]
 
 
-def test_qwen3_moe_through_engine_serve(tmp_path, tiny_artifact_factory, tiny_checkpoint_factory):  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_family_through_engine_serve(family, tmp_path, tiny_artifact_factory, tiny_checkpoint_factory):  # type: ignore[no-untyped-def]
     from server_support import assert_served_greedy_matches
 
     assert_served_greedy_matches(
-        tiny_artifact_factory("qwen3_moe"),
+        tiny_artifact_factory(family),
         [PROMPTS[2], PROMPTS[0]],
         MAX_TOKENS,
-        lambda: hf_model(tiny_checkpoint_factory("qwen3_moe")),
+        lambda: hf_model(tiny_checkpoint_factory(family)),
         tmp_path / "serve.log",
     )
 
