@@ -204,10 +204,10 @@ def compile_sampler_kernels(device: str, vocab: int, logits_stride: int) -> None
 def compile_race_switches(logits: torch.Tensor) -> None:
     """The race kernel at each combination of its data-driven switches: TIES (some row drops
     part of a tie group at its cutoff) and BLOCK_MAX (the top-k candidates' block maxima are
-    there). Which combination a launch takes follows from the logits' values: with the integer
-    logits above, a cutoff's tie group is too large for the candidate buffer, so sampling them
-    never took TIES with BLOCK_MAX, which a served request with a small tie at its top-k cutoff
-    does (seen on an H200: `_race_kernel` compiled while serving at vocab 128,256)."""
+    there). Which combination a sampled batch takes follows from the logits' values, so the
+    sampling runs above need not reach every one; launched directly, each is compiled whatever
+    the data. (It did not stop `_race_kernel` compiling while serving at vocab 128,256 on an
+    H200, in every combination: that miss is in another part of Triton's key, still open.)"""
     import torch
     import triton
 
@@ -219,15 +219,16 @@ def compile_race_switches(logits: torch.Tensor) -> None:
     def per_row(value: float, dtype: torch.dtype) -> torch.Tensor:
         return torch.full((rows,), value, dtype=dtype, device=device)
 
-    block_max = logits.float().max(dim=1, keepdim=True).values.expand(rows, triton.cdiv(vocab, sampling.TOPK_BLOCK))
+    row_max = logits.float().max(dim=1).values
+    block_max = row_max[:, None].expand(rows, triton.cdiv(vocab, sampling.TOPK_BLOCK)).contiguous()
     tie_counts = torch.zeros(rows, sampling.num_splits(vocab), dtype=torch.int32, device=device)
     for ties in (False, True):
         for with_block_max in (False, True):
             sampling.race(
                 logits, per_row(1.0, torch.float32), per_row(float("-inf"), torch.float32), per_row(0, torch.int64),
-                per_row(0, torch.int64), tie_counts if ties else None, logits.float().max(dim=1).values,
+                per_row(0, torch.int64), tie_counts if ties else None, row_max,
                 per_row(0.0, torch.float32), per_row(0, torch.int64), per_row(0, torch.int64),
-                block_max=block_max.contiguous() if with_block_max else None,
+                block_max=block_max if with_block_max else None,
             )  # fmt: skip
 
 

@@ -198,8 +198,8 @@ class ModelRunner:
 
     def forget(self, out: SchedulerOutput) -> None:
         """Drop the state kept for the requests ``out`` reports finished or preempted: their
-        block-table rows, a finished one's penalty counts. Each step does it (``prepare``); the
-        engine calls it for a schedule with nothing to run too, so that none is kept for long."""
+        block-table rows, a finished one's penalty counts. The engine calls it for every schedule,
+        one with nothing to run too (its ids are reported once), before the step is prepared."""
         self.block_tables.release(out.finished_request_ids)
         self.block_tables.release(r.request_id for r in out.preempted_requests)
         self.penalties.drop(out.finished_request_ids)
@@ -208,7 +208,6 @@ class ModelRunner:
         """The flat batch of a step. A decode whose input token is still pending (sampled by
         ``prev``, the step before, still on the device) reads it from ``prev.token_ids``."""
         bs = self.block_size
-        self.forget(out)
         tables = self.block_tables
         table_rows = tables.rows(out.scheduled_requests)  # each request's row of ``tables``
         from_prev: list[int] = []  # rows whose input id comes from prev

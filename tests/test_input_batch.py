@@ -173,12 +173,14 @@ def test_prepare_block_tables_match_padded_lists() -> None:
     c.num_computed_tokens = 14
     c.block_ids.append(998)
     out = SchedulerOutput([a, c], [3, 1], 4, finished_request_ids={"bb"}, spec_token_ids={"a": [1, 2]})
+    runner.forget(out)  # as the engine does for every schedule
     batch = runner.prepare(out)
     assert torch.equal(batch.ctx.block_tables, padded([a, a, a, c], 5))
     # c preempted; a resumed elsewhere after its own preemption.
     a.block_ids = [7, 8, 9]
     a.num_computed_tokens = 8
     out = SchedulerOutput([a], [1], 1, preempted_requests=[c])
+    runner.forget(out)
     batch = runner.prepare(out)
     assert torch.equal(batch.ctx.block_tables, padded([a], 3))
     assert runner.block_tables.num_used_rows == 1
