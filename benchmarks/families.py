@@ -25,6 +25,8 @@ import variant_runs
 from serving import LLAMA3_8B
 from tp import COPY_GBS
 
+from pagecast.runtime.artifact import load_manifest
+
 # google/gemma-2-9b's config.json.
 GEMMA2_9B: dict[str, Any] = {
     "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 3584, "intermediate_size": 14336,
@@ -46,15 +48,14 @@ DRY_RUN = {
 DRY_RUN_SCALE = 1 / 32  # W1: 32 requests, prompt 16, output 8; W4: prompt 4, output 16
 
 
-def decode_weight_bytes(cfg: dict[str, Any]) -> int:
-    """Bytes of bf16 weights one decode step reads: every layer's projections and norms, the
-    final norm, the LM head (with tied embeddings it is the embedding, read once, as the LM head)
-    and one embedding row (the lookup)."""
-    h, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
-    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    norms = 4 if cfg["model_type"] == "gemma2" else 2  # Gemma 2 norms both sublayers' input and output
-    layer = 2 * q * h + 2 * kv * h + 3 * inter * h + norms * h
-    return 2 * (cfg["num_hidden_layers"] * layer + h + cfg["vocab_size"] * h + h)
+def decode_weight_bytes(artifact: Path, cfg: dict[str, Any]) -> int:
+    """Bytes of bf16 weights one decode step reads: the build's parameter count (memory plan)
+    less an untied embedding table, of which a step reads one row (the lookup); tied, the table
+    is read once, as the LM head."""
+    num_parameters = int(load_manifest(artifact).dims["num_parameters"])
+    h = cfg["hidden_size"]
+    table = 0 if cfg.get("tie_word_embeddings") else cfg["vocab_size"] * h
+    return 2 * (num_parameters - table + h)
 
 
 def main() -> None:
@@ -93,7 +94,7 @@ def run(out: Path, models: list[str], configs: dict[str, dict[str, Any]], max_mo
         measured_gbs = json.loads((artifact / "tuning.json").read_text()).get("copy_bandwidth_gbs") \
             if (artifact / "tuning.json").is_file() else None  # fmt: skip
         gbs = float(measured_gbs or COPY_GBS)
-        weight_bytes = decode_weight_bytes(cfg)
+        weight_bytes = decode_weight_bytes(artifact, cfg)
         roofline_ms = weight_bytes / (gbs * 1e9) * 1000
         itl = figures.get("W4_inter_token_latency_ms", {}).get("value")
         rows.append(record(variant=name, figure="W4_roofline_ms", value=round(roofline_ms, 3), weight_bytes=weight_bytes,
