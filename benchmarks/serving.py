@@ -125,9 +125,11 @@ def build(out: Path, artifact: Path, max_model_len: int, tune_budget: float, wei
     emit(out, figure="enginebuild_seconds", value=round(time.perf_counter() - start, 1))
 
 
-def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
+def random_prompts(n: int, length: int, seed: int, vocab_size: int = 128256) -> list[list[int]]:
+    """Random token ids in [1000, min(120000, vocab_size)): Llama-3's prompts stay what they were,
+    a smaller vocabulary (Mixtral's 32,000) gets ids it has."""
     rng = random.Random(seed)
-    return [[rng.randrange(1000, 120000) for _ in range(length)] for _ in range(n)]
+    return [[rng.randrange(1000, min(120000, vocab_size)) for _ in range(length)] for _ in range(n)]
 
 
 def phase_start(out: Path, artifact: Path) -> None:
@@ -266,6 +268,7 @@ def phase_ours(out: Path, artifact: Path, phases: set[str], scale: float = 1.0, 
     nonzero count explains a slow figure). ``scale`` < 1 shrinks W1's and W4's request counts and
     lengths and the engine's batch (a CPU dry run); ``llama_targets``: the rows carry
     PERFORMANCE.md's Llama-3-8B targets and roofline (off for another model)."""
+    from pagecast.runtime.artifact import load_manifest
     from pagecast.runtime.engine import LLMEngine
     from pagecast.runtime.kernel_cache import process_compiles
     from pagecast.runtime.sampling_params import SamplingParams
@@ -273,13 +276,18 @@ def phase_ours(out: Path, artifact: Path, phases: set[str], scale: float = 1.0, 
     def sized(size: int) -> int:
         return max(int(size * scale), 2)
 
+    vocab_size = int(load_manifest(artifact).dims["vocab_size"])
+
+    def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+        return random_prompts(n, length, seed, vocab_size)
+
     compiles = process_compiles()
     start = time.perf_counter()
     engine = LLMEngine(artifact, max_num_seqs=sized(1024), max_num_batched_tokens=sized(8192), gpu_memory_utilization=0.92)
     emit(out, figure="engine_init_seconds", value=round(time.perf_counter() - start, 1),
          kv_blocks=engine.block_pool.num_blocks, kv_tokens=engine.block_pool.num_blocks * engine.block_size,
          triton_compiles=compiles.count)  # fmt: skip
-    run_engine(engine, random_prompts(8, 64, 5), [SamplingParams(max_tokens=8, ignore_eos=True)] * 8)  # warm-up
+    run_engine(engine, prompts(8, 64, 5), [SamplingParams(max_tokens=8, ignore_eos=True)] * 8)  # warm-up
     seen = compiles.count
 
     def record(**row: object) -> None:
@@ -290,14 +298,14 @@ def phase_ours(out: Path, artifact: Path, phases: set[str], scale: float = 1.0, 
         emit(out, **row, triton_compiles=len(new), **({"compiled": sorted(set(new))} if new else {}))
 
     if "W4" in phases:
-        secs, done, first, _, _ = run_engine(engine, random_prompts(1, sized(128), 4), [SamplingParams(max_tokens=sized(512), ignore_eos=True, temperature=0)],
+        secs, done, first, _, _ = run_engine(engine, prompts(1, sized(128), 4), [SamplingParams(max_tokens=sized(512), ignore_eos=True, temperature=0)],
                                              only_finished=False)
         itl = (secs - first["r0"]) / (sized(512) - 1) * 1000
         record(figure="W4_inter_token_latency_ms", value=round(itl, 3), ttft_ms=round(first["r0"] * 1000, 1),
                **({"target": "<= 4.5", "roofline_ms": 3.79} if llama_targets else {}))
     if "W1" in phases:
         params = [SamplingParams(max_tokens=sized(256), ignore_eos=True, temperature=0)] * sized(1024)
-        secs, done, _, kv, steps = run_engine(engine, random_prompts(sized(1024), sized(512), 1), params, sample_kv=True)
+        secs, done, _, kv, steps = run_engine(engine, prompts(sized(1024), sized(512), 1), params, sample_kv=True)
         n_out = sum(len(o.outputs[0].token_ids) for o in done.values())
         record(figure="W1_output_tok_s", value=round(n_out / secs, 1), seconds=round(secs, 1), steps=steps,
                output_tokens=n_out, **({"target": ">= 11500"} if llama_targets else {}),
@@ -306,7 +314,7 @@ def phase_ours(out: Path, artifact: Path, phases: set[str], scale: float = 1.0, 
                preemptions=engine.scheduler.num_preemptions)
     if "W6" in phases:
         params = [SamplingParams(max_tokens=1024, ignore_eos=True, temperature=0)] * 512
-        secs, done, _, kv, steps = run_engine(engine, random_prompts(512, 128, 6), params, sample_kv=True)
+        secs, done, _, kv, steps = run_engine(engine, prompts(512, 128, 6), params, sample_kv=True)
         n = sum(len(o.outputs[0].token_ids) for o in done.values())
         record(figure="W6_output_tok_s", value=round(n / secs, 1), seconds=round(secs, 1), steps=steps,
                output_tokens=n, target=">= 24000", preemptions=engine.scheduler.num_preemptions,
@@ -314,7 +322,7 @@ def phase_ours(out: Path, artifact: Path, phases: set[str], scale: float = 1.0, 
     if "W2" in phases:
         lengths = w2_lengths()
         params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0) for n in lengths]
-        secs, done, _, _, steps = run_engine(engine, random_prompts(256, 512, 2), params)
+        secs, done, _, _, steps = run_engine(engine, prompts(256, 512, 2), params)
         n = sum(len(o.outputs[0].token_ids) for o in done.values())
         assert n == sum(lengths)
         record(figure="W2_useful_tok_s", value=round(n / secs, 1), seconds=round(secs, 1), steps=steps)
