@@ -189,17 +189,6 @@ def _fp8_gemm_kernel(
 
 
 @triton.jit
-def _rows_to_block(t, ROWS: tl.constexpr, BLOCK_M: tl.constexpr):
-    """[ROWS, ...] -> [BLOCK_M, ...]: row r holds t[r % ROWS]. The dot's 16 rows from the few real
-    ones (the copies' outputs are never stored), so only ROWS rows pay for the division."""
-    if ROWS == BLOCK_M:
-        return t
-    if len(t.shape) == 1:
-        return tl.reshape(tl.broadcast_to(t[None, :], (BLOCK_M // ROWS, ROWS)), (BLOCK_M,))
-    return tl.reshape(tl.broadcast_to(t[None, :, :], (BLOCK_M // ROWS, ROWS, t.shape[1])), (BLOCK_M, t.shape[1]))
-
-
-@triton.jit
 def _fp8_skinny_kernel(
     x_ptr,  # [M, K] half / fp32, K contiguous
     w_ptr,  # e4m3 [N, K]
@@ -214,8 +203,7 @@ def _fp8_skinny_kernel(
     MODE: tl.constexpr,  # 0 token, 1 group of GROUP_K (block weights, BLOCK_K == GROUP_K), 2 static
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks on the weight
-    ROWS: tl.constexpr,  # next_power_of_2(M) <= BLOCK_M
-    BLOCK_M: tl.constexpr,  # 16, the tensor cores' minimum
+    BLOCK_M: tl.constexpr,  # 16 >= M: the tensor cores' minimum
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_K: tl.constexpr,
@@ -223,22 +211,22 @@ def _fp8_skinny_kernel(
     QMAX: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    offs_r = tl.arange(0, ROWS)
+    offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    r_ok = offs_r < M
+    m_ok = offs_m < M
     n_ok = offs_n < N
-    x_rows = x_ptr + offs_r[:, None].to(tl.int64) * stride_xm
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     w_cols = w_ptr + offs_n[None, :].to(tl.int64) * K  # [BLOCK_K, BLOCK_N] tiles: w.T
     num_steps = tl.cdiv(K, BLOCK_K)
     # The activation scale, as _quant_act_kernel computes it: the row's amax (a max, so the tile
     # order does not matter) over the whole row first; x is a few KB, read again from L2 below.
     if MODE == 0:
-        amax = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
+        amax = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
         for i in range(num_steps):
             offs_k = i * BLOCK_K + tl.arange(0, BLOCK_K)
-            x = tl.load(x_rows + offs_k[None, :], mask=r_ok[:, None] & (offs_k[None, :] < K), other=0.0)
+            x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & (offs_k[None, :] < K), other=0.0)
             amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-        x_scale = tl.maximum(tl.max(amax, axis=1), MIN_AMAX) / QMAX  # [ROWS]
+        x_scale = tl.maximum(tl.max(amax, axis=1), MIN_AMAX) / QMAX  # [BLOCK_M]
     elif MODE == 2:
         x_scale = tl.load(xs_ptr).to(tl.float32)
     num_kb = tl.cdiv(K, GROUP_K)
@@ -246,7 +234,7 @@ def _fp8_skinny_kernel(
     for i in range(num_steps):
         offs_k = i * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
-        x = tl.load(x_rows + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         if EVEN_K:
             w = tl.load(w_cols + offs_k[:, None], mask=n_ok[None, :], other=0.0)
         else:
@@ -254,27 +242,26 @@ def _fp8_skinny_kernel(
         if MODE == 1:  # the step is one 1x128 group: its scale from its own amax
             g_scale = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX) / QMAX
             q = tl.clamp(tl.math.div_rn(x, g_scale[:, None]), -QMAX, QMAX).to(w_ptr.dtype.element_ty)
-            part = tl.dot(_rows_to_block(q, ROWS, BLOCK_M), w)
+            part = tl.dot(q, w)
             sw = tl.load(ws_ptr + offs_n.to(tl.int64) * num_kb + i, mask=n_ok, other=0.0)
-            acc += part * _rows_to_block(g_scale, ROWS, BLOCK_M)[:, None] * sw[None, :]
+            acc += part * g_scale[:, None] * sw[None, :]
         else:
             if MODE == 0:
                 q = tl.clamp(tl.math.div_rn(x, x_scale[:, None]), -QMAX, QMAX)
             else:
                 q = tl.clamp(tl.math.div_rn(x, x_scale), -QMAX, QMAX)
             # A fresh dot per step, promoted into the fp32 accumulator, as _fp8_gemm_kernel does.
-            acc += tl.dot(_rows_to_block(q.to(w_ptr.dtype.element_ty), ROWS, BLOCK_M), w)
+            acc += tl.dot(q.to(w_ptr.dtype.element_ty), w)
     if MODE != 1:
         sw = tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)
         if MODE == 0:
-            acc = acc * _rows_to_block(x_scale, ROWS, BLOCK_M)[:, None] * sw[None, :]
+            acc = acc * x_scale[:, None] * sw[None, :]
         else:
             acc = acc * x_scale * sw[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    offs_m = tl.arange(0, BLOCK_M)
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & n_ok[None, :])
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 _TILES = (
@@ -297,22 +284,22 @@ _TILES = (
     (128, 128, 64, 1, 4, 4),
 )
 _SKINNY_TILES = (
-    # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the fused decode kernel. Narrow tiles give
-    # Llama-3-8B's N = 4096 enough programs (256 at 16) to keep every multiprocessor reading; wider
-    # ones divide the activations again fewer times (each program quantises all of x). BLOCK_K 128
-    # is the only one block-scaled weights take (a step is one 1x128 activation group).
+    # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the fused decode kernel. Every program quantises
+    # all 16 (padded) rows of x again, 16 / BLOCK_N divisions per weight byte, so narrow tiles
+    # trade that work for programs: Llama-3-8B's N = 4096 gives 128 programs at 32, 64 at 64. BLOCK_K
+    # 128 is the only one block-scaled weights take (a step is then one 1x128 activation group).
     (16, 128, 4, 6),
     (16, 256, 4, 4),
     (16, 512, 4, 3),
-    (16, 256, 2, 4),
-    (16, 128, 2, 4),
     (32, 128, 4, 4),
+    (32, 128, 8, 4),
     (32, 256, 4, 4),
-    (32, 512, 8, 3),
+    (32, 512, 4, 3),
+    (32, 256, 8, 3),
     (64, 128, 4, 4),
+    (64, 256, 4, 3),
     (64, 256, 8, 3),
-    (64, 128, 8, 2),
-    (32, 256, 8, 2),
+    (64, 512, 8, 2),
 )
 SKINNY_MAX_ROWS = 16  # one 16-row dot holds every row: beyond that the tiles above take over
 CONFIG_SPACE: list[KernelConfig] = (
@@ -372,13 +359,12 @@ def default_config(m: int, n: int, k: int, block: bool, dtype: torch.dtype, num_
     if 0 < m <= SKINNY_MAX_ROWS:
         # One launch instead of the quantisation, the split-K GEMM and its sum (+ bias, cast): at
         # decode those launches, not the weight bytes, are what separated fp8 from its roofline
-        # (issue 29). Each program divides all m rows of x by their scales, BLOCK_N columns'
-        # worth of weight per division: a BLOCK_N of at least 4m keeps that work below the weight
-        # read's time (H200: ~10 instructions per div_rn against ~7 lane-instructions per weight
-        # byte at full bandwidth), and the narrowest such tile gives the most programs. A model,
-        # not a measurement: the tuner times every SKINNY tile against the others.
-        bn = 16 if m <= 4 else (32 if m <= 8 else 64)
-        return KernelConfig({"SKINNY": 1, "BLOCK_N": bn, "BLOCK_K": 128 if block else 256}, num_warps=4, num_stages=4)
+        # (issue 29). Each program divides all 16 padded rows of x by their scales (a div_rn is
+        # ~10 instructions), 16 / BLOCK_N per weight byte: at 32 that work is about the weight
+        # read's time on an H200 (~7 lane-instructions per byte at full bandwidth) and overlaps
+        # it, at 16 it would exceed it, and 64 leaves half the multiprocessors idle at N = 4096.
+        # A model, not a measurement: the tuner times every SKINNY tile against the others.
+        return KernelConfig({"SKINNY": 1, "BLOCK_N": 32, "BLOCK_K": 128 if block else 256}, num_warps=4, num_stages=4)
     return _default_tile(m, n, k, num_sms)
 
 
@@ -485,7 +471,7 @@ def fp8_skinny_linear(
     y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     _fp8_skinny_kernel[(triton.cdiv(n, bn),)](
         x, weight, w_scale, xs, bias if bias is not None else w_scale, y, m, n, k, x.stride(0),
-        MODE=mode, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, ROWS=triton.next_power_of_2(m),
+        MODE=mode, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0,
         BLOCK_M=SKINNY_MAX_ROWS, BLOCK_N=bn, BLOCK_K=bk, GROUP_K=GROUP,
         MIN_AMAX=reference.FP8_MIN_AMAX, QMAX=FP8_MAX, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
