@@ -81,6 +81,149 @@ def test_reference_block_scaling_scales_each_128_column_block_by_its_own_scales(
     torch.testing.assert_close(y.double(), xd @ wd.t(), rtol=1e-5, atol=1e-6)
 
 
+# ---------------------------------------------------------------------------- the fused decode kernel
+
+SKINNY = {"SKINNY": 1, "BLOCK_N": 32, "BLOCK_K": 128}
+
+
+def _e4m3_rows(m: int, k: int, activations: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 x [m, k] whose quantisation the interpreter gets right, (x, its e4m3 values, the static
+    scale). Each value is (v + d) * s: v an e4m3 value of magnitude 1..448, s a power of two per row
+    (per 128-column group for "group", the fixed scale for "static"), d up to 0.45 of v's ulp, so
+    x / s rounds to v without carrying into the next binade (d >= 0 where v is a power of two).
+    Each row (group) holds one +-448 * s, so its amax / 448 is s exactly; a static row also holds
+    values past 448 * s, which saturate; row 1 is zero (the MIN_AMAX clamp)."""
+    g = torch.Generator().manual_seed(seed)
+    mags = torch.tensor([2.0**e * (1 + f / 8) for e in range(0, 9) for f in range(8)])
+    mags = mags[mags <= 448]
+    v = mags[torch.randint(len(mags), (m, k), generator=g)]
+    ulp = 2.0 ** (torch.floor(torch.log2(v)) - 3)
+    d = (torch.rand(m, k, generator=g) * 0.9 - 0.45) * ulp
+    d = torch.where(v == 2.0 ** torch.log2(v).round(), d.abs(), d)
+    d = torch.where(v == 448, -d.abs(), d)
+    sign = torch.where(torch.rand(m, k, generator=g) < 0.5, -1.0, 1.0)
+    if activations == "group":
+        group = torch.arange(k) // 128
+        v[:, torch.arange(0, k, 128)] = 448
+        d[:, torch.arange(0, k, 128)] = 0
+        s = 2.0 ** -torch.randint(0, 6, (m, group[-1] + 1), generator=g).float()
+        s = s[:, group]
+    elif activations == "token":
+        v[:, 7], d[:, 7] = 448, 0
+        s = 2.0 ** -torch.randint(0, 6, (m, 1), generator=g).float()
+    else:
+        s = torch.full((m, 1), 2.0**-5)
+    x = sign * (v + d) * s
+    q = sign * v
+    if activations == "static":
+        x[:, 3], x[:, 9] = 600 * 2.0**-5, -1e4 * 2.0**-5
+        q[:, 3], q[:, 9] = 448, -448
+    if m > 1:
+        x[1], q[1] = 0, 0
+    return x, q, torch.tensor([2.0**-5])
+
+
+@pytest.mark.parametrize(
+    ("activations", "m", "n", "k", "block_n", "block_k"),
+    [
+        ("token", 1, 72, 300, 32, 128),
+        ("token", 5, 64, 512, 16, 256),
+        ("token", 16, 40, 384, 64, 128),
+        ("static", 3, 72, 256, 32, 256),
+        ("static", 1, 32, 300, 16, 512),
+        ("group", 7, 72, 300, 32, 128),
+        ("group", 16, 48, 512, 16, 128),
+    ],
+)
+def test_fused_decode_kernel_is_the_reference_where_the_interpreter_quantises_right(  # type: ignore[no-untyped-def]
+    activations, m, n, k, block_n, block_k
+):
+    from pagecast.kernels import fp8_gemm
+
+    x, q, inp = _e4m3_rows(m, k, activations, seed=m)
+    qw, sw = _weights(n, k, activations == "group", seed=1)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    rq, _ = reference.quantize_fp8_activations(x, activations, inp)
+    assert torch.equal(rq.float(), q)  # the construction quantises as intended
+    cfg = {"SKINNY": 1, "BLOCK_N": block_n, "BLOCK_K": block_k}
+    y = fp8_gemm.fp8_skinny_linear(x, qw, sw, activations, inp, bias, torch.float32, cfg)
+    ref = reference.fp8_linear(x, qw, sw, activations, inp, bias)
+    # The same e4m3 products (exact in fp32) and scales, summed in another order: a value rounded
+    # the other way would move its output by ~1e-3 of the outputs' size.
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    if m > 1:
+        assert torch.equal(y[1], bias)  # the zero row: scale clamped, values 0
+
+
+@pytest.mark.parametrize("activations", ["token", "group", "static"])
+@pytest.mark.parametrize("m", [1, 6, 16])
+def test_fused_decode_kernel_matches_the_two_launch_path_in_the_interpreter(activations, m):  # type: ignore[no-untyped-def]
+    """Random activations (rounding carries included): the fused kernel quantises as
+    _quant_act_kernel does, so both paths agree even where the interpreter's conversion is off."""
+    from pagecast.kernels import fp8_gemm
+
+    n, k = 72, 300
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
+    qw, sw = _weights(n, k, activations == "group")
+    inp = torch.tensor([0.02])
+    bias = torch.randn(n)
+    y = fp8_gemm.fp8_skinny_linear(x, qw, sw, activations, inp, bias, torch.float32, SKINNY)
+    qx, sx = fp8_gemm.quantize_activations(x, activations, inp)
+    two = fp8_gemm.fp8_gemm(qx, sx, qw, sw, bias, torch.float32, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 1})
+    torch.testing.assert_close(y, two, rtol=1e-6, atol=1e-6 * two.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fused_decode_kernel_takes_and_returns_each_activation_dtype(dtype):  # type: ignore[no-untyped-def]
+    """fp8_linear runs the fused kernel for a SKINNY config, in and out in x's dtype (the e4m3 values
+    times powers of two are exact in every one), without the separate quantisation launch."""
+    from pagecast.kernels import fp8_gemm
+
+    x, _, _ = _e4m3_rows(4, 256, "token", seed=5)
+    x = (x.sign() * 2.0 ** torch.log2(x.abs()).round()).to(dtype)  # v + d -> a power of two: exact in fp16
+    qw, sw = _weights(64, 256, block=False)
+    weight = Fp8LinearWeight(qw, sw, None, "token")
+    bias = torch.randn(64).to(dtype)
+    called = []
+    real = fp8_gemm.quantize_activations
+    fp8_gemm.quantize_activations = lambda *a: called.append(a) or real(*a)  # type: ignore[assignment]
+    try:
+        y = fp8_gemm.fp8_linear(x, weight, bias, SKINNY)
+        y_default = fp8_gemm.fp8_linear(x, weight, bias)  # untuned: the fused kernel up to 16 rows
+    finally:
+        fp8_gemm.quantize_activations = real  # type: ignore[assignment]
+    assert not called
+    assert y.dtype == dtype and y_default.dtype == dtype
+    ref = reference.fp8_linear(x, qw, sw, "token", None, bias)
+    torch.testing.assert_close(y, ref)
+    torch.testing.assert_close(y_default, ref)
+
+
+def test_skinny_configs_are_offered_up_to_16_rows_and_fall_back_past_them() -> None:
+    from pagecast.kernels import fp8_gemm
+
+    skinny = [c for c in fp8_gemm.CONFIG_SPACE if fp8_gemm.is_skinny(c)]
+    assert 8 <= len(skinny) <= 16
+    for m in (1, 16):
+        kept = fp8_gemm.prune_configs(fp8_gemm.CONFIG_SPACE, m, 4096, 4096, False, torch.bfloat16)
+        assert all(c in kept for c in skinny)
+        block = [c for c in fp8_gemm.prune_configs(fp8_gemm.CONFIG_SPACE, m, 4096, 4096, True, torch.bfloat16) if fp8_gemm.is_skinny(c)]
+        assert block and all(c["BLOCK_K"] == 128 for c in block)
+        assert fp8_gemm.is_skinny(fp8_gemm.default_config(m, 4096, 4096, False, torch.bfloat16))
+    assert not any(fp8_gemm.is_skinny(c) for c in fp8_gemm.prune_configs(fp8_gemm.CONFIG_SPACE, 17, 4096, 4096, False, torch.bfloat16))
+    assert not fp8_gemm.is_skinny(fp8_gemm.default_config(17, 4096, 4096, False, torch.bfloat16))
+    # A SKINNY entry met by more rows (or by fp8_gemm, whose x is quantised already) runs the tiles.
+    x = torch.randn(20, 256, generator=torch.Generator().manual_seed(4))
+    qw, sw = _weights(48, 256, block=False)
+    y = fp8_gemm.fp8_linear(x, Fp8LinearWeight(qw, sw, None, "token"), None, SKINNY)
+    qx, sx = fp8_gemm.quantize_activations(x, "token")
+    torch.testing.assert_close(y, fp8_gemm.fp8_gemm(qx, sx, qw, sw, None, torch.float32, None), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fp8_gemm.fp8_gemm(qx[:3], sx[:3], qw, sw, None, torch.float32, SKINNY), y[:3], rtol=1e-6, atol=1e-5)
+    with pytest.raises(ValueError, match="BLOCK_K"):
+        gw, gs = _weights(48, 256, block=True)
+        fp8_gemm.fp8_skinny_linear(x[:2], gw, gs, "group", None, None, torch.float32, dict(SKINNY, BLOCK_K=256))
+
+
 # ---------------------------------------------------------------------------- sm_90 compile (no GPU)
 
 CHILD = textwrap.dedent(
