@@ -228,20 +228,29 @@ def test_skinny_configs_are_offered_up_to_16_rows_and_fall_back_past_them() -> N
 
 CHILD = textwrap.dedent(
     """
-    import json, re, sys
+    import json, re, subprocess, sys, tempfile
     import triton
+    from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from pagecast.kernels import fp8_gemm
 
     for job in sys.argv[1:]:
         name, sig, consts, divisible, options = json.loads(job)
-        fn = {"gemm": fp8_gemm._fp8_gemm_kernel, "quant": fp8_gemm._quant_act_kernel}[name]
+        fn = {"gemm": fp8_gemm._fp8_gemm_kernel, "quant": fp8_gemm._quant_act_kernel,
+              "skinny": fp8_gemm._fp8_skinny_kernel}[name]
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible}
         src = ASTSource(fn, signature=dict(sig, **{k: "constexpr" for k in consts}), constexprs=consts, attrs=attrs)
         c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
         ptx = c.asm["ptx"]
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:  # registers and spills, as ptxas reports them
+            f.write(ptx)
+            f.flush()
+            info = subprocess.run([knobs.nvidia.ptxas.path, "-v", "--gpu-name", "sm_90a", f.name, "-o", "/dev/null"],
+                                  check=True, capture_output=True, text=True).stderr
         print(json.dumps({"cubin": "cubin" in c.asm, "shared": c.metadata.shared,
+                          "regs": int(re.search(r"Used (\\d+) registers", info).group(1)),
+                          "spills": int(re.search(r"(\\d+) bytes spill stores", info).group(1)),
                           "mma": sorted(set(re.findall(r"\\b(?:wg)?mma[.\\w]*", ptx))),
                           "cvt": sorted(set(re.findall(r"cvt[.\\w]*e4m3[.\\w]*", ptx)))}))
     """
@@ -293,6 +302,37 @@ def test_fp8_kernels_compile_for_sm90_with_wgmma_and_saturating_e4m3_conversion(
     assert any(i.startswith("mma.sync") for i in decode["mma"]) and "cvt.rn.f16x2.e4m3x2" in decode["cvt"]
     # x / scale saturated to the e4m3 range and rounded to nearest even, as torch's cast of the clamped value.
     assert q_token["cvt"] == ["cvt.rn.satfinite.e4m3x2.f32"] and q_group["cvt"] == ["cvt.rn.satfinite.e4m3x2.f32"]
+
+
+SKINNY_SIG = {
+    "x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "xs_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16",
+    "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
+}  # fmt: skip
+
+
+def test_fused_decode_kernel_compiles_for_sm90_in_every_config_without_spilling() -> None:
+    """Every SKINNY config the tuner may time, in each activation mode: e4m3 operands into
+    mma.sync (16 rows, below wgmma's 64), the activations converted with the saturating
+    round-to-nearest-even cvt in the kernel itself, within Hopper's 227 KB of shared memory per
+    block and without register spills."""
+    from pagecast.kernels import fp8_gemm
+
+    jobs = []
+    for mode in (0, 1, 2):
+        for cfg in fp8_gemm.prune_configs(fp8_gemm.CONFIG_SPACE, 16, 4096, 4096, mode == 1, torch.bfloat16):
+            if fp8_gemm.is_skinny(cfg):
+                consts = {
+                    "MODE": mode, "HAS_BIAS": mode == 2, "EVEN_K": True, "BLOCK_M": 16, "BLOCK_N": cfg["BLOCK_N"],
+                    "BLOCK_K": cfg["BLOCK_K"], "GROUP_K": 128, "MIN_AMAX": 1e-12, "QMAX": 448.0,
+                }  # fmt: skip
+                options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+                jobs.append(("skinny", SKINNY_SIG, consts, ["x_ptr", "w_ptr", "K", "N", "stride_xm"], options))
+    assert len(jobs) >= 12
+    for job, r in zip(jobs, _compile(jobs), strict=True):
+        assert r["cubin"], job
+        assert any(i.startswith("mma.sync") for i in r["mma"]) and "cvt.rn.f16x2.e4m3x2" in r["cvt"], job
+        assert "cvt.rn.satfinite.e4m3x2.f32" in r["cvt"], job
+        assert 0 < r["shared"] <= 227 * 1024 and r["spills"] == 0 and r["regs"] <= 255, (job, r)
 
 
 # ---------------------------------------------------------------------------- on the GPU
