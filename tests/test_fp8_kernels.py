@@ -94,7 +94,7 @@ def _e4m3_rows(m: int, k: int, activations: str, seed: int) -> tuple[torch.Tenso
     Each row (group) holds one +-448 * s, so its amax / 448 is s exactly; a static row also holds
     values past 448 * s, which saturate; row 1 is zero (the MIN_AMAX clamp)."""
     g = torch.Generator().manual_seed(seed)
-    mags = torch.tensor([2.0**e * (1 + f / 8) for e in range(0, 9) for f in range(8)])
+    mags = torch.tensor([2.0**e * (1 + f / 8) for e in range(9) for f in range(8)])
     mags = mags[mags <= 448]
     v = mags[torch.randint(len(mags), (m, k), generator=g)]
     ulp = 2.0 ** (torch.floor(torch.log2(v)) - 3)
@@ -468,3 +468,69 @@ def test_scaled_mm_config_computes_the_reference_product(activations):  # type: 
     torch.testing.assert_close(y.float(), ref, rtol=1.6e-2, atol=1e-2)
     # fp16 output is not offered to it: the launcher falls back to the Triton tile.
     assert not fp8_gemm.scaled_mm_supported(5, 64, 256, False, torch.float16)
+
+
+def _gpu_fp8_weight(n: int, k: int, activations: str, g: torch.Generator, dev: torch.device) -> Fp8LinearWeight:
+    w = torch.randn(n, k, generator=g, device=dev) * 0.02
+    qw, sw = reference.quantize_fp8_groups(w) if activations == "group" else reference.quantize_fp8_rows(w)
+    return Fp8LinearWeight(qw, sw, torch.tensor([0.05], device=dev) if activations == "static" else None, activations)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activations", ["token", "group", "static"])
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
+def test_gpu_fused_decode_kernel_matches_the_two_launch_path_in_every_config(activations, n, k):  # type: ignore[no-untyped-def]
+    """Llama-3-8B's projections at 1, 4 and 16 rows, every SKINNY config the tuner may pick,
+    against quantize_activations + the tiled GEMM (SPLIT_K 1), both with fp32 output: the same
+    e4m3 values and scales (the same arithmetic, compiled) and exact products, summed in another
+    order (the tensor cores' fp32 chains within a step, then per step). One activation value
+    rounded the other way typically moves its outputs by ~1e-4 of the largest output at K = 14,336
+    (more at smaller K), a few times the tolerance; a wrong scale or index moves them by their size."""
+    from pagecast.kernels import fp8_gemm
+
+    dev = _cuda()
+    g = torch.Generator(device=dev).manual_seed(3)
+    weight = _gpu_fp8_weight(n, k, activations, g, dev)
+    bias = torch.randn(n, generator=g, device=dev).to(torch.bfloat16)
+    for m in (1, 4, 16):
+        x = (torch.randn(m, k, generator=g, device=dev) * 3).to(torch.bfloat16)
+        qx, sx = fp8_gemm.quantize_activations(x, activations, weight.input_scale)
+        tile = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1}
+        two = fp8_gemm.fp8_gemm(qx, sx, weight.weight, weight.weight_scale, bias, torch.float32, tile)
+        two_bf16 = fp8_gemm.fp8_gemm(qx, sx, weight.weight, weight.weight_scale, bias, torch.bfloat16, tile).float()
+        configs = [c for c in fp8_gemm.prune_configs(fp8_gemm.CONFIG_SPACE, m, n, k, activations == "group", torch.bfloat16)
+                   if fp8_gemm.is_skinny(c)]  # fmt: skip
+        assert configs
+        for cfg in configs:
+            y = fp8_gemm.fp8_skinny_linear(
+                x, weight.weight, weight.weight_scale, activations, weight.input_scale, bias, torch.float32, cfg
+            )
+            atol = 3e-5 * two.abs().max().item()
+            torch.testing.assert_close(y, two, rtol=1e-5, atol=atol, msg=lambda s, c=cfg, m=m: f"m={m} {c}: {s}")
+            # Served as fp8_linear serves it: bf16 out, one rounding of nearly the same fp32 value.
+            yb = fp8_gemm.fp8_linear(x, weight, bias, cfg).float()
+            torch.testing.assert_close(yb, two_bf16, rtol=1.6e-2, atol=atol, msg=lambda s, c=cfg, m=m: f"m={m} {c}: {s}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activations", ["token", "group", "static"])
+def test_gpu_fused_decode_kernel_is_capture_safe(activations):  # type: ignore[no-untyped-def]
+    """Captured in a CUDA graph (no host syncs) and replayed on new rows in the captured buffer."""
+    from pagecast.kernels import fp8_gemm
+
+    dev = _cuda()
+    g = torch.Generator(device=dev).manual_seed(4)
+    weight = _gpu_fp8_weight(1024, 512, activations, g, dev)
+    cfg = fp8_gemm.default_config(16, 1024, 512, activations == "group", torch.bfloat16)
+    assert fp8_gemm.is_skinny(cfg)
+    for m in (1, 16):
+        x = torch.randn(m, 512, generator=g, device=dev).to(torch.bfloat16)
+        fp8_gemm.fp8_linear(x, weight, None, cfg)  # compiled before capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fp8_gemm.fp8_linear(x, weight, None, cfg)
+        x.copy_(torch.randn(m, 512, generator=g, device=dev).to(torch.bfloat16) * 4)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, fp8_gemm.fp8_linear(x, weight, None, cfg))
