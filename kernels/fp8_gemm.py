@@ -7,18 +7,34 @@ The weight is in the artifact layout ``builder/fp8.py`` writes:
                   float32 [N, KB]    per output row and 128-column block (KB = ceil(K / 128))
     input_scale   float32 [1]        static activations only
 
-The activations are quantised first (``quantize_activations``, one launch): per token (scale =
-row amax / 448), per 1x128 group (block weights), or with the static ``input_scale``; e4m3 values
-saturated to +-448, rounded to nearest even. Then one program owns a [BLOCK_M, BLOCK_N] tile of
+Unless a SKINNY config fuses it (below), the activations are quantised first
+(``quantize_activations``, one launch): per token (scale = row amax / 448), per 1x128 group (block
+weights), or with the static ``input_scale``; e4m3 values saturated to +-448, rounded to nearest
+even. Then one program owns a [BLOCK_M, BLOCK_N] tile of
 y and walks its share of K in BLOCK_K steps. Each step's ``tl.dot`` starts from zero and is added
 into the fp32 accumulator (Hopper's fp8 wgmma accumulates in reduced precision; a fresh dot per
 step promotes every BLOCK_K, as ``max_num_imprecise_acc`` would). Per-channel scaling applies
 x_scale[m] * w_scale[n] once in the epilogue; block scaling applies x_scale[m, kb] *
 w_scale[n, kb] to each step's product (BLOCK_K divides 128, so a step lies in one block).
 Decode batches split K over SPLIT_K programs writing fp32 partials that one sum reduces
-(deterministic). The tuner (kernels/problems.py) times the tiles per projection and row bucket
-against ``torch._scaled_mm`` (rowwise scales, bf16 out: the ``{"scaled_mm": 1}`` config) and
-keeps the faster. ``reference.fp8_linear`` is the definition the kernel is tested against.
+(deterministic).
+
+Up to 16 rows, a ``{"SKINNY": 1, ...}`` config runs all of that as one launch instead
+(``_fp8_skinny_kernel``, ``fp8_skinny_linear``): the extra launches per projection (the
+quantisation, split-K partials, their sum, the bias and the cast) were an estimated 0.5-1 ms of
+Llama-3-8B's 3.9 ms batch-1 decode step on an H200 (issue 29). Each program owns BLOCK_N output columns for every row (padded to 16
+for tl.dot, as the bf16 skinny GEMM does) and quantises the activations itself with the
+quantisation kernel's arithmetic: per token, a first pass over K for each row's amax (x is a few KB
+and stays in L2), then each K step loads an x tile, divides it by the row scales (div_rn, clamp,
+e4m3), and adds a fresh dot with the [BLOCK_N, BLOCK_K] weight tile into the fp32 accumulator;
+static scales skip the first pass; block-scaled weights take BLOCK_K 128, so a step is one 1x128
+activation group whose scale comes from the tile itself and is applied with the weight's to the
+step's product. No partials, no torch ops after. The price: every program divides all 16 padded
+rows of x again, 16 / BLOCK_N divisions per weight byte, so the space leans to BLOCK_N 32 and 64.
+
+The tuner (kernels/problems.py) times the tiles per projection and row bucket against
+``torch._scaled_mm`` (rowwise scales, bf16 out: the ``{"scaled_mm": 1}`` config) and keeps the
+fastest. ``reference.fp8_linear`` is the definition the kernels are tested against.
 """
 
 from __future__ import annotations
