@@ -163,7 +163,8 @@ def test_fused_decode_kernel_matches_the_two_launch_path_in_the_interpreter(acti
     from pagecast.kernels import fp8_gemm
 
     n, k = 72, 300
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
+    x = (torch.randn(m, k + 20, generator=torch.Generator().manual_seed(m)) * 3)[:, 7 : 7 + k]  # rows k + 20 apart
+    assert x.stride(0) == k + 20
     qw, sw = _weights(n, k, activations == "group")
     inp = torch.tensor([0.02])
     bias = torch.randn(n)
