@@ -22,15 +22,17 @@ Decode batches split K over SPLIT_K programs writing fp32 partials that one sum 
 Up to 16 rows, a ``{"SKINNY": 1, ...}`` config runs all of that as one launch instead
 (``_fp8_skinny_kernel``, ``fp8_skinny_linear``): the extra launches per projection (the
 quantisation, split-K partials, their sum, the bias and the cast) were an estimated 0.5-1 ms of
-Llama-3-8B's 3.9 ms batch-1 decode step on an H200 (issue 29). Each program owns BLOCK_N output columns for every row (padded to 16
-for tl.dot, as the bf16 skinny GEMM does) and quantises the activations itself with the
-quantisation kernel's arithmetic: per token, a first pass over K for each row's amax (x is a few KB
-and stays in L2), then each K step loads an x tile, divides it by the row scales (div_rn, clamp,
-e4m3), and adds a fresh dot with the [BLOCK_N, BLOCK_K] weight tile into the fp32 accumulator;
-static scales skip the first pass; block-scaled weights take BLOCK_K 128, so a step is one 1x128
-activation group whose scale comes from the tile itself and is applied with the weight's to the
-step's product. No partials, no torch ops after. The price: every program divides all 16 padded
-rows of x again, 16 / BLOCK_N divisions per weight byte, so the space leans to BLOCK_N 32 and 64.
+Llama-3-8B's 3.9 ms batch-1 decode step on an H200 (issue 29). Each program owns BLOCK_N output
+columns for every row and quantises the activations itself with the quantisation kernel's
+arithmetic (amax in fp32, max(amax, 1e-12) / 448, div_rn, clamp, e4m3): per token, a first pass
+over K for each row's amax (x is a few KB and stays in L2), static scales skip it. tl.dot needs 16
+rows; with ROWS = next_power_of_2(M) <= 8 the 16 rows of the quantised tile hold the real rows
+for 16 / ROWS consecutive K steps, so each activation is divided once per program rather than
+once per padding row: every step dots that tile with its [BLOCK_K, BLOCK_N] weight tile, keeps
+the product of its own tile rows (a fresh dot per step, added in fp32 as above), and the rows
+of the chunks are summed at the end. Block-scaled weights take BLOCK_K 128, so a tile row is
+one 1x128 activation group whose scale comes from the tile itself and is applied, with the
+weight's, to the step's product. No partials, no torch ops after.
 
 The tuner (kernels/problems.py) times the tiles per projection and row bucket against
 ``torch._scaled_mm`` (rowwise scales, bf16 out: the ``{"scaled_mm": 1}`` config) and keeps the
@@ -205,6 +207,12 @@ def _fp8_gemm_kernel(
 
 
 @triton.jit
+def _quantise_rows(x, scale, QMAX: tl.constexpr, dtype: tl.constexpr):
+    """x / scale saturated to +-QMAX and rounded to nearest even: _quant_act_kernel's arithmetic."""
+    return tl.clamp(tl.math.div_rn(x, scale), -QMAX, QMAX).to(dtype)
+
+
+@triton.jit
 def _fp8_skinny_kernel(
     x_ptr,  # [M, K] half / fp32, K contiguous
     w_ptr,  # e4m3 [N, K]
@@ -219,65 +227,91 @@ def _fp8_skinny_kernel(
     MODE: tl.constexpr,  # 0 token, 1 group of GROUP_K (block weights, BLOCK_K == GROUP_K), 2 static
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks on the weight
-    BLOCK_M: tl.constexpr,  # 16 >= M: the tensor cores' minimum
+    ROWS: tl.constexpr,  # next_power_of_2(M)
+    BLOCK_M: tl.constexpr,  # 16 >= ROWS: the tensor cores' minimum
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_K: tl.constexpr,
     MIN_AMAX: tl.constexpr,
     QMAX: tl.constexpr,
 ):
+    # The dot's 16 rows hold the ROWS rows of x for CHUNKS consecutive K steps: tile row c * ROWS + r
+    # is x row r at step i + c. Those activations are quantised together once per CHUNKS steps, so
+    # each activation is divided once per program, not once per padding row; step i + c's product
+    # is kept from its own tile rows only, and the chunks' sums are added at the end.
+    CHUNKS: tl.constexpr = BLOCK_M // ROWS
     pid = tl.program_id(0)
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_t = tl.arange(0, BLOCK_M)
+    row = offs_t % ROWS
+    chunk = offs_t // ROWS
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = offs_m < M
+    row_ok = row < M
     n_ok = offs_n < N
-    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    x_rows = x_ptr + row[:, None].to(tl.int64) * stride_xm
     w_cols = w_ptr + offs_n[None, :].to(tl.int64) * K  # [BLOCK_K, BLOCK_N] tiles: w.T
     num_steps = tl.cdiv(K, BLOCK_K)
-    # The activation scale, as _quant_act_kernel computes it: the row's amax (a max, so the tile
-    # order does not matter) over the whole row first; x is a few KB, read again from L2 below.
+    # The activation scale, as _quant_act_kernel computes it: the row's amax (a max, so the order
+    # does not matter) over the whole row first; x is a few KB, read again from L2 below.
     if MODE == 0:
         amax = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-        for i in range(num_steps):
-            offs_k = i * BLOCK_K + tl.arange(0, BLOCK_K)
-            x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & (offs_k[None, :] < K), other=0.0)
+        for i in range(tl.cdiv(num_steps, CHUNKS)):
+            offs_k = (i * CHUNKS + chunk)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+            x = tl.load(x_rows + offs_k, mask=row_ok[:, None] & (offs_k < K), other=0.0)
             amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-        x_scale = tl.maximum(tl.max(amax, axis=1), MIN_AMAX) / QMAX  # [BLOCK_M]
-    elif MODE == 2:
-        x_scale = tl.load(xs_ptr).to(tl.float32)
+        row_amax = tl.max(amax, axis=1)  # each tile row's share of its x row
+        if CHUNKS > 1:
+            rows_amax = tl.max(tl.reshape(row_amax, (CHUNKS, ROWS)), axis=0)
+            row_amax = tl.reshape(tl.broadcast_to(rows_amax[None, :], (CHUNKS, ROWS)), (BLOCK_M,))
+        else:
+            rows_amax = row_amax
+        x_scale = tl.maximum(row_amax, MIN_AMAX) / QMAX  # [BLOCK_M]
+        rows_scale = tl.maximum(rows_amax, MIN_AMAX) / QMAX  # [ROWS], for the epilogue
+    else:
+        x_scale = tl.load(xs_ptr).to(tl.float32)  # static (MODE 1 does not read it)
+        rows_scale = x_scale
     num_kb = tl.cdiv(K, GROUP_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    q = tl.zeros((BLOCK_M, BLOCK_K), dtype=w_ptr.dtype.element_ty)
+    g_scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for i in range(num_steps):
+        if i % CHUNKS == 0:
+            offs_k = (i + chunk)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+            x = tl.load(x_rows + offs_k, mask=row_ok[:, None] & (offs_k < K), other=0.0).to(tl.float32)
+            if MODE == 1:  # a step is one 1x128 group: its scale from its own amax
+                g_scale = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX) / QMAX
+                q = _quantise_rows(x, g_scale[:, None], QMAX, w_ptr.dtype.element_ty)
+            elif MODE == 0:
+                q = _quantise_rows(x, x_scale[:, None], QMAX, w_ptr.dtype.element_ty)
+            else:
+                q = _quantise_rows(x, x_scale, QMAX, w_ptr.dtype.element_ty)
         offs_k = i * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         if EVEN_K:
             w = tl.load(w_cols + offs_k[:, None], mask=n_ok[None, :], other=0.0)
         else:
-            w = tl.load(w_cols + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if MODE == 1:  # the step is one 1x128 group: its scale from its own amax
-            g_scale = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX) / QMAX
-            q = tl.clamp(tl.math.div_rn(x, g_scale[:, None]), -QMAX, QMAX).to(w_ptr.dtype.element_ty)
-            part = tl.dot(q, w)
+            w = tl.load(w_cols + offs_k[:, None], mask=(offs_k < K)[:, None] & n_ok[None, :], other=0.0)
+        # A fresh dot per step, promoted into the fp32 accumulator, as _fp8_gemm_kernel does.
+        part = tl.dot(q, w)
+        if MODE == 1:
             sw = tl.load(ws_ptr + offs_n.to(tl.int64) * num_kb + i, mask=n_ok, other=0.0)
-            acc += part * g_scale[:, None] * sw[None, :]
-        else:
-            if MODE == 0:
-                q = tl.clamp(tl.math.div_rn(x, x_scale[:, None]), -QMAX, QMAX)
-            else:
-                q = tl.clamp(tl.math.div_rn(x, x_scale), -QMAX, QMAX)
-            # A fresh dot per step, promoted into the fp32 accumulator, as _fp8_gemm_kernel does.
-            acc += tl.dot(q.to(w_ptr.dtype.element_ty), w)
+            part = part * g_scale[:, None] * sw[None, :]
+        if CHUNKS > 1:
+            part = tl.where((chunk == i % CHUNKS)[:, None], part, 0.0)
+        acc += part
+    if CHUNKS > 1:
+        y = tl.sum(tl.reshape(acc, (CHUNKS, ROWS, BLOCK_N)), axis=0)  # [ROWS, BLOCK_N]
+    else:
+        y = acc
     if MODE != 1:
         sw = tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)
         if MODE == 0:
-            acc = acc * x_scale[:, None] * sw[None, :]
+            y = y * rows_scale[:, None] * sw[None, :]
         else:
-            acc = acc * x_scale * sw[None, :]
+            y = y * rows_scale * sw[None, :]
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    offs_r = tl.arange(0, ROWS)
+    y_ptrs = y_ptr + offs_r[:, None].to(tl.int64) * N + offs_n[None, :]
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=(offs_r < M)[:, None] & n_ok[None, :])
 
 
 _TILES = (
@@ -300,22 +334,24 @@ _TILES = (
     (128, 128, 64, 1, 4, 4),
 )
 _SKINNY_TILES = (
-    # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the fused decode kernel. Every program quantises
-    # all 16 (padded) rows of x again, 16 / BLOCK_N divisions per weight byte, so narrow tiles
-    # trade that work for programs: Llama-3-8B's N = 4096 gives 128 programs at 32, 64 at 64. BLOCK_K
-    # 128 is the only one block-scaled weights take (a step is then one 1x128 activation group).
+    # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the fused decode kernel. Narrow tiles give more
+    # programs (Llama-3-8B's N = 4096: 256 at 16, 128 at 32, 64 at 64), wide ones quantise the
+    # activations fewer times over (each program quantises all of x once per 16 / ROWS steps, and
+    # all 16 padded rows every step at 9-16 rows). BLOCK_K 512 spills registers at one row (ptxas,
+    # sm_90: the [16, 512] activation tile stays live across the steps); 128 is the only one that
+    # block-scaled weights take (a step is then one 1x128 activation group).
     (16, 128, 4, 6),
     (16, 256, 4, 4),
-    (16, 512, 4, 3),
+    (16, 256, 8, 4),
     (32, 128, 4, 4),
     (32, 128, 8, 4),
     (32, 256, 4, 4),
-    (32, 512, 4, 3),
+    (32, 256, 4, 6),
     (32, 256, 8, 3),
     (64, 128, 4, 4),
+    (64, 128, 8, 4),
     (64, 256, 4, 3),
     (64, 256, 8, 3),
-    (64, 512, 8, 2),
 )
 SKINNY_MAX_ROWS = 16  # one 16-row dot holds every row: beyond that the tiles above take over
 CONFIG_SPACE: list[KernelConfig] = (
@@ -374,13 +410,14 @@ def default_config(m: int, n: int, k: int, block: bool, dtype: torch.dtype, num_
         return SCALED_MM
     if 0 < m <= SKINNY_MAX_ROWS:
         # One launch instead of the quantisation, the split-K GEMM and its sum (+ bias, cast): at
-        # decode those launches, not the weight bytes, are what separated fp8 from its roofline
-        # (issue 29). Each program divides all 16 padded rows of x by their scales (a div_rn is
-        # ~10 instructions), 16 / BLOCK_N per weight byte: at 32 that work is about the weight
-        # read's time on an H200 (~7 lane-instructions per byte at full bandwidth) and overlaps
-        # it, at 16 it would exceed it, and 64 leaves half the multiprocessors idle at N = 4096.
+        # decode those launches were an estimated 0.5-1 ms of the step (issue 29). Every program
+        # quantises x for itself: m / BLOCK_N divisions (div_rn, ~10 instructions) per weight
+        # byte up to 8 rows, 16 / BLOCK_N at 9-16 (the padded rows too), against ~7 lane-
+        # instructions per weight byte at an H200's full bandwidth. So 16 columns (the most
+        # programs: 256 at N = 4096) up to 4 rows, 32 beyond (half the division work per byte).
         # A model, not a measurement: the tuner times every SKINNY tile against the others.
-        return KernelConfig({"SKINNY": 1, "BLOCK_N": 32, "BLOCK_K": 128 if block else 256}, num_warps=4, num_stages=4)
+        bn = 16 if m <= 4 else 32
+        return KernelConfig({"SKINNY": 1, "BLOCK_N": bn, "BLOCK_K": 128 if block else 256}, num_warps=4, num_stages=4)
     return _default_tile(m, n, k, num_sms)
 
 
@@ -487,7 +524,7 @@ def fp8_skinny_linear(
     y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     _fp8_skinny_kernel[(triton.cdiv(n, bn),)](
         x, weight, w_scale, xs, bias if bias is not None else w_scale, y, m, n, k, x.stride(0),
-        MODE=mode, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0,
+        MODE=mode, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, ROWS=triton.next_power_of_2(m),
         BLOCK_M=SKINNY_MAX_ROWS, BLOCK_N=bn, BLOCK_K=bk, GROUP_K=GROUP,
         MIN_AMAX=reference.FP8_MIN_AMAX, QMAX=FP8_MAX, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

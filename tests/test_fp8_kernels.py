@@ -129,8 +129,11 @@ def _e4m3_rows(m: int, k: int, activations: str, seed: int) -> tuple[torch.Tenso
         ("token", 1, 72, 300, 32, 128),
         ("token", 5, 64, 512, 16, 256),
         ("token", 16, 40, 384, 64, 128),
+        ("token", 1, 40, 2176, 16, 128),  # 17 steps: a second 16-step tile of the one row
+        ("token", 2, 40, 1280, 32, 128),
         ("static", 3, 72, 256, 32, 256),
         ("static", 1, 32, 300, 16, 512),
+        ("static", 4, 40, 1100, 32, 128),
         ("group", 7, 72, 300, 32, 128),
         ("group", 16, 48, 512, 16, 128),
     ],
@@ -156,13 +159,13 @@ def test_fused_decode_kernel_is_the_reference_where_the_interpreter_quantises_ri
 
 
 @pytest.mark.parametrize("activations", ["token", "group", "static"])
-@pytest.mark.parametrize("m", [1, 6, 16])
-def test_fused_decode_kernel_matches_the_two_launch_path_in_the_interpreter(activations, m):  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(("m", "k"), [(1, 300), (1, 2200), (3, 1000), (6, 300), (16, 300)])
+def test_fused_decode_kernel_matches_the_two_launch_path_in_the_interpreter(activations, m, k):  # type: ignore[no-untyped-def]
     """Random activations (rounding carries included): the fused kernel quantises as
     _quant_act_kernel does, so both paths agree even where the interpreter's conversion is off."""
     from pagecast.kernels import fp8_gemm
 
-    n, k = 72, 300
+    n = 72
     x = (torch.randn(m, k + 20, generator=torch.Generator().manual_seed(m)) * 3)[:, 7 : 7 + k]  # rows k + 20 apart
     assert x.stride(0) == k + 20
     qw, sw = _weights(n, k, activations == "group")
@@ -321,14 +324,14 @@ def test_fused_decode_kernel_compiles_for_sm90_in_every_config_without_spilling(
     jobs = []
     for mode in (0, 1, 2):
         for cfg in fp8_gemm.prune_configs(fp8_gemm.CONFIG_SPACE, 16, 4096, 4096, mode == 1, torch.bfloat16):
-            if fp8_gemm.is_skinny(cfg):
+            for rows in (1, 16) if fp8_gemm.is_skinny(cfg) else ():  # 1: 16 steps a tile, 16: one
                 consts = {
-                    "MODE": mode, "HAS_BIAS": mode == 2, "EVEN_K": True, "BLOCK_M": 16, "BLOCK_N": cfg["BLOCK_N"],
-                    "BLOCK_K": cfg["BLOCK_K"], "GROUP_K": 128, "MIN_AMAX": 1e-12, "QMAX": 448.0,
+                    "MODE": mode, "HAS_BIAS": mode == 2, "EVEN_K": True, "ROWS": rows, "BLOCK_M": 16,
+                    "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"], "GROUP_K": 128, "MIN_AMAX": 1e-12, "QMAX": 448.0,
                 }  # fmt: skip
                 options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
                 jobs.append(("skinny", SKINNY_SIG, consts, ["x_ptr", "w_ptr", "K", "N", "stride_xm"], options))
-    assert len(jobs) >= 12
+    assert len(jobs) >= 24
     for job, r in zip(jobs, _compile(jobs), strict=True):
         assert r["cubin"], job
         assert any(i.startswith("mma.sync") for i in r["mma"]) and "cvt.rn.f16x2.e4m3x2" in r["cvt"], job
