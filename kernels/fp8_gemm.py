@@ -266,8 +266,8 @@ def _fp8_skinny_kernel(
             rows_amax = row_amax
         x_scale = tl.maximum(row_amax, MIN_AMAX) / QMAX  # [BLOCK_M]
         rows_scale = tl.maximum(rows_amax, MIN_AMAX) / QMAX  # [ROWS], for the epilogue
-    else:
-        x_scale = tl.load(xs_ptr).to(tl.float32)  # static (MODE 1 does not read it)
+    elif MODE == 2:
+        x_scale = tl.load(xs_ptr).to(tl.float32)
         rows_scale = x_scale
     num_kb = tl.cdiv(K, GROUP_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
