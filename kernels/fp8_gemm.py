@@ -336,8 +336,8 @@ _TILES = (
 _SKINNY_TILES = (
     # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the fused decode kernel. Narrow tiles give more
     # programs (Llama-3-8B's N = 4096: 256 at 16, 128 at 32, 64 at 64), wide ones quantise the
-    # activations fewer times over (each program quantises all of x once per 16 / ROWS steps, and
-    # all 16 padded rows every step at 9-16 rows). BLOCK_K 512 spills registers at one row (ptxas,
+    # activations fewer times over (every program quantises all of x: each of its ROWS rows once up
+    # to 8 rows, all 16 padded rows at 9-16). BLOCK_K 512 spills registers at one row (ptxas,
     # sm_90: the [16, 512] activation tile stays live across the steps); 128 is the only one that
     # block-scaled weights take (a step is then one 1x128 activation group).
     (16, 128, 4, 6),
@@ -411,8 +411,8 @@ def default_config(m: int, n: int, k: int, block: bool, dtype: torch.dtype, num_
     if 0 < m <= SKINNY_MAX_ROWS:
         # One launch instead of the quantisation, the split-K GEMM and its sum (+ bias, cast): at
         # decode those launches were an estimated 0.5-1 ms of the step (issue 29). Every program
-        # quantises x for itself: m / BLOCK_N divisions (div_rn, ~10 instructions) per weight
-        # byte up to 8 rows, 16 / BLOCK_N at 9-16 (the padded rows too), against ~7 lane-
+        # quantises x for itself: ROWS / BLOCK_N divisions (div_rn, ~10 instructions) per weight
+        # byte up to 8 rows (ROWS = next_power_of_2(m)), 16 / BLOCK_N at 9-16, against ~7 lane-
         # instructions per weight byte at an H200's full bandwidth. So 16 columns (the most
         # programs: 256 at N = 4096) up to 4 rows, 32 beyond (half the division work per byte).
         # A model, not a measurement: the tuner times every SKINNY tile against the others.

@@ -1,12 +1,15 @@
-"""The FP8 GEMM and activation quantisation (kernels/fp8_gemm.py) against the pure-torch
-reference (kernels/reference.py): in Triton's interpreter on the CPU, compiled for sm_90 without a
-GPU, and on a GPU (marked gpu) also against torch._scaled_mm.
+"""The FP8 GEMM, activation quantisation and fused decode kernel (kernels/fp8_gemm.py) against the
+pure-torch reference (kernels/reference.py): in Triton's interpreter on the CPU, compiled for sm_90
+without a GPU, and on a GPU (marked gpu) also against torch._scaled_mm.
 
 Triton 3.6's interpreter converts fp32 to e4m3 wrongly where rounding carries into the next
 binade (124.3 becomes 64, not 128), so on the CPU the quantisation kernel's scales are checked
 exactly and its e4m3 values only on the GPU (bitwise), where the compiled kernel converts with
 ``cvt.rn.satfinite.e4m3x2.f32`` (checked in the sm_90 PTX below). The GEMM reads e4m3 values,
-which the interpreter holds exactly, so it is checked in the interpreter too.
+which the interpreter holds exactly, so it is checked in the interpreter too. The fused decode
+kernel quantises inside the GEMM: in the interpreter it is checked against the reference on
+activations built so that no conversion carries, and against the two-launch path (the same
+conversion) on random ones; on the GPU against the two-launch path at Llama-3-8B's shapes.
 """
 
 from __future__ import annotations
