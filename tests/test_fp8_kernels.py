@@ -181,7 +181,7 @@ def test_fused_decode_kernel_matches_the_two_launch_path_in_the_interpreter(acti
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_fused_decode_kernel_takes_and_returns_each_activation_dtype(dtype):  # type: ignore[no-untyped-def]
+def test_fused_decode_kernel_takes_and_returns_each_activation_dtype(dtype, monkeypatch):  # type: ignore[no-untyped-def]
     """fp8_linear runs the fused kernel for a SKINNY config, in and out in x's dtype (the e4m3 values
     times powers of two are exact in every one), without the separate quantisation launch."""
     from pagecast.kernels import fp8_gemm
@@ -193,13 +193,12 @@ def test_fused_decode_kernel_takes_and_returns_each_activation_dtype(dtype):  # 
     bias = torch.randn(64).to(dtype)
     called = []
     real = fp8_gemm.quantize_activations
-    fp8_gemm.quantize_activations = lambda *a: called.append(a) or real(*a)  # type: ignore[assignment]
-    try:
-        y = fp8_gemm.fp8_linear(x, weight, bias, SKINNY)
-        y_default = fp8_gemm.fp8_linear(x, weight, bias)  # untuned: the fused kernel up to 16 rows
-    finally:
-        fp8_gemm.quantize_activations = real  # type: ignore[assignment]
+    monkeypatch.setattr(fp8_gemm, "quantize_activations", lambda *a: called.append(a) or real(*a))
+    y = fp8_gemm.fp8_linear(x, weight, bias, SKINNY)
+    y_default = fp8_gemm.fp8_linear(x, weight, bias)  # untuned: the fused kernel up to 16 rows
     assert not called
+    fp8_gemm.fp8_linear(x, weight, bias, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 2})
+    assert len(called) == 1  # the two-launch path does go through it
     assert y.dtype == dtype and y_default.dtype == dtype
     ref = reference.fp8_linear(x, qw, sw, "token", None, bias)
     torch.testing.assert_close(y, ref)
@@ -487,7 +486,7 @@ def _gpu_fp8_weight(n: int, k: int, activations: str, g: torch.Generator, dev: t
 @pytest.mark.parametrize("activations", ["token", "group", "static"])
 @pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
 def test_gpu_fused_decode_kernel_matches_the_two_launch_path_in_every_config(activations, n, k):  # type: ignore[no-untyped-def]
-    """Llama-3-8B's projections at 1, 4 and 16 rows, every SKINNY config the tuner may pick,
+    """Llama-3-8B's projections at 1, 4, 7 and 16 rows, every SKINNY config the tuner may pick,
     against quantize_activations + the tiled GEMM (SPLIT_K 1), both with fp32 output: the same
     e4m3 values and scales (the same arithmetic, compiled) and exact products, summed in another
     order (the tensor cores' fp32 chains within a step, then per step). One activation value
@@ -499,7 +498,7 @@ def test_gpu_fused_decode_kernel_matches_the_two_launch_path_in_every_config(act
     g = torch.Generator(device=dev).manual_seed(3)
     weight = _gpu_fp8_weight(n, k, activations, g, dev)
     bias = torch.randn(n, generator=g, device=dev).to(torch.bfloat16)
-    for m in (1, 4, 16):
+    for m in (1, 4, 7, 16):
         x = (torch.randn(m, k, generator=g, device=dev) * 3).to(torch.bfloat16)
         qx, sx = fp8_gemm.quantize_activations(x, activations, weight.input_scale)
         tile = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1}
