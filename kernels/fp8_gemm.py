@@ -7,18 +7,36 @@ The weight is in the artifact layout ``builder/fp8.py`` writes:
                   float32 [N, KB]    per output row and 128-column block (KB = ceil(K / 128))
     input_scale   float32 [1]        static activations only
 
-The activations are quantised first (``quantize_activations``, one launch): per token (scale =
-row amax / 448), per 1x128 group (block weights), or with the static ``input_scale``; e4m3 values
-saturated to +-448, rounded to nearest even. Then one program owns a [BLOCK_M, BLOCK_N] tile of
+Unless a SKINNY config fuses it (below), the activations are quantised first
+(``quantize_activations``, one launch): per token (scale = row amax / 448), per 1x128 group (block
+weights), or with the static ``input_scale``; e4m3 values saturated to +-448, rounded to nearest
+even. Then one program owns a [BLOCK_M, BLOCK_N] tile of
 y and walks its share of K in BLOCK_K steps. Each step's ``tl.dot`` starts from zero and is added
 into the fp32 accumulator (Hopper's fp8 wgmma accumulates in reduced precision; a fresh dot per
 step promotes every BLOCK_K, as ``max_num_imprecise_acc`` would). Per-channel scaling applies
 x_scale[m] * w_scale[n] once in the epilogue; block scaling applies x_scale[m, kb] *
 w_scale[n, kb] to each step's product (BLOCK_K divides 128, so a step lies in one block).
 Decode batches split K over SPLIT_K programs writing fp32 partials that one sum reduces
-(deterministic). The tuner (kernels/problems.py) times the tiles per projection and row bucket
-against ``torch._scaled_mm`` (rowwise scales, bf16 out: the ``{"scaled_mm": 1}`` config) and
-keeps the faster. ``reference.fp8_linear`` is the definition the kernel is tested against.
+(deterministic).
+
+Up to 16 rows, a ``{"SKINNY": 1, ...}`` config runs all of that as one launch instead
+(``_fp8_skinny_kernel``, ``fp8_skinny_linear``): the extra launches per projection (the
+quantisation, split-K partials, their sum, the bias and the cast) were an estimated 0.5-1 ms of
+Llama-3-8B's 3.9 ms batch-1 decode step on an H200 (issue 29). Each program owns BLOCK_N output
+columns for every row and quantises the activations itself with the quantisation kernel's
+arithmetic (amax in fp32, max(amax, 1e-12) / 448, div_rn, clamp, e4m3): per token, a first pass
+over K for each row's amax (x is a few KB and stays in L2), static scales skip it. tl.dot needs 16
+rows; with ROWS = next_power_of_2(M) <= 8 the 16 rows of the quantised tile hold the real rows
+for 16 / ROWS consecutive K steps, so each activation is divided once per program rather than
+once per padding row: every step dots that tile with its [BLOCK_K, BLOCK_N] weight tile, keeps
+the product of its own tile rows (a fresh dot per step, added in fp32 as above), and the rows
+of the chunks are summed at the end. Block-scaled weights take BLOCK_K 128, so a tile row is
+one 1x128 activation group whose scale comes from the tile itself and is applied, with the
+weight's, to the step's product. No partials, no torch ops after.
+
+The tuner (kernels/problems.py) times the tiles per projection and row bucket against
+``torch._scaled_mm`` (rowwise scales, bf16 out: the ``{"scaled_mm": 1}`` config) and keeps the
+fastest. ``reference.fp8_linear`` is the definition the kernels are tested against.
 """
 
 from __future__ import annotations
@@ -185,6 +203,117 @@ def _fp8_gemm_kernel(
         tl.store(y_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
+# ---------------------------------------------------------------------------- the fused decode path
+
+
+@triton.jit
+def _quantise_rows(x, scale, QMAX: tl.constexpr, dtype: tl.constexpr):
+    """x / scale saturated to +-QMAX and rounded to nearest even: _quant_act_kernel's arithmetic."""
+    return tl.clamp(tl.math.div_rn(x, scale), -QMAX, QMAX).to(dtype)
+
+
+@triton.jit
+def _fp8_skinny_kernel(
+    x_ptr,  # [M, K] half / fp32, K contiguous
+    w_ptr,  # e4m3 [N, K]
+    ws_ptr,  # fp32 [N] (channel) or [N, KB] (block)
+    xs_ptr,  # fp32 [1]: the static input scale (MODE 2), else unused
+    bias_ptr,  # [N] or unused
+    y_ptr,  # [M, N]
+    M,
+    N,
+    K,
+    stride_xm,
+    MODE: tl.constexpr,  # 0 token, 1 group of GROUP_K (block weights, BLOCK_K == GROUP_K), 2 static
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks on the weight
+    ROWS: tl.constexpr,  # next_power_of_2(M)
+    BLOCK_M: tl.constexpr,  # 16 >= ROWS: the tensor cores' minimum
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    MIN_AMAX: tl.constexpr,
+    QMAX: tl.constexpr,
+):
+    # The dot's 16 rows hold the ROWS rows of x for CHUNKS consecutive K steps: tile row c * ROWS + r
+    # is x row r at step i + c. Those activations are quantised together once per CHUNKS steps, so
+    # each activation is divided once per program, not once per padding row; step i + c's product
+    # is kept from its own tile rows only, and the chunks' sums are added at the end.
+    CHUNKS: tl.constexpr = BLOCK_M // ROWS
+    pid = tl.program_id(0)
+    offs_t = tl.arange(0, BLOCK_M)
+    row = offs_t % ROWS
+    chunk = offs_t // ROWS
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = row < M
+    n_ok = offs_n < N
+    x_rows = x_ptr + row[:, None].to(tl.int64) * stride_xm
+    w_cols = w_ptr + offs_n[None, :].to(tl.int64) * K  # [BLOCK_K, BLOCK_N] tiles: w.T
+    num_steps = tl.cdiv(K, BLOCK_K)
+    # The activation scale, as _quant_act_kernel computes it: the row's amax (a max, so the order
+    # does not matter) over the whole row first; x is a few KB, read again from L2 below.
+    if MODE == 0:
+        amax = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+        for i in range(tl.cdiv(num_steps, CHUNKS)):
+            offs_k = (i * CHUNKS + chunk)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+            x = tl.load(x_rows + offs_k, mask=row_ok[:, None] & (offs_k < K), other=0.0)
+            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+        row_amax = tl.max(amax, axis=1)  # each tile row's share of its x row
+        if CHUNKS > 1:
+            rows_amax = tl.max(tl.reshape(row_amax, (CHUNKS, ROWS)), axis=0)
+            row_amax = tl.reshape(tl.broadcast_to(rows_amax[None, :], (CHUNKS, ROWS)), (BLOCK_M,))
+        else:
+            rows_amax = row_amax
+        x_scale = tl.maximum(row_amax, MIN_AMAX) / QMAX  # [BLOCK_M]
+        rows_scale = tl.maximum(rows_amax, MIN_AMAX) / QMAX  # [ROWS], for the epilogue
+    elif MODE == 2:
+        x_scale = tl.load(xs_ptr).to(tl.float32)
+        rows_scale = x_scale
+    num_kb = tl.cdiv(K, GROUP_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    q = tl.zeros((BLOCK_M, BLOCK_K), dtype=w_ptr.dtype.element_ty)
+    g_scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for i in range(num_steps):
+        if i % CHUNKS == 0:
+            offs_k = (i + chunk)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+            x = tl.load(x_rows + offs_k, mask=row_ok[:, None] & (offs_k < K), other=0.0).to(tl.float32)
+            if MODE == 1:  # a step is one 1x128 group: its scale from its own amax
+                g_scale = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX) / QMAX
+                q = _quantise_rows(x, g_scale[:, None], QMAX, w_ptr.dtype.element_ty)
+            elif MODE == 0:
+                q = _quantise_rows(x, x_scale[:, None], QMAX, w_ptr.dtype.element_ty)
+            else:
+                q = _quantise_rows(x, x_scale, QMAX, w_ptr.dtype.element_ty)
+        offs_k = i * BLOCK_K + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            w = tl.load(w_cols + offs_k[:, None], mask=n_ok[None, :], other=0.0)
+        else:
+            w = tl.load(w_cols + offs_k[:, None], mask=(offs_k < K)[:, None] & n_ok[None, :], other=0.0)
+        # A fresh dot per step, promoted into the fp32 accumulator, as _fp8_gemm_kernel does.
+        part = tl.dot(q, w)
+        if MODE == 1:
+            sw = tl.load(ws_ptr + offs_n.to(tl.int64) * num_kb + i, mask=n_ok, other=0.0)
+            part = part * g_scale[:, None] * sw[None, :]
+        if CHUNKS > 1:
+            part = tl.where((chunk == i % CHUNKS)[:, None], part, 0.0)
+        acc += part
+    if CHUNKS > 1:
+        y = tl.sum(tl.reshape(acc, (CHUNKS, ROWS, BLOCK_N)), axis=0)  # [ROWS, BLOCK_N]
+    else:
+        y = acc
+    if MODE != 1:
+        sw = tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)
+        if MODE == 0:
+            y = y * rows_scale[:, None] * sw[None, :]
+        else:
+            y = y * rows_scale * sw[None, :]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    offs_r = tl.arange(0, ROWS)
+    y_ptrs = y_ptr + offs_r[:, None].to(tl.int64) * N + offs_n[None, :]
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=(offs_r < M)[:, None] & n_ok[None, :])
+
+
 _TILES = (
     # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); wgmma needs BLOCK_M >= 64 to
     # use all four warps of a warpgroup, but decode tiles of 16 rows waste less of the weight read.
@@ -204,14 +333,43 @@ _TILES = (
     (128, 256, 128, 1, 8, 3),
     (128, 128, 64, 1, 4, 4),
 )
-CONFIG_SPACE: list[KernelConfig] = [SCALED_MM] + [
-    KernelConfig({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": sk}, num_warps=w, num_stages=st)
-    for (m, n, k, sk, w, st) in _TILES
-]
+_SKINNY_TILES = (
+    # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the fused decode kernel. Narrow tiles give more
+    # programs (Llama-3-8B's N = 4096: 256 at 16, 128 at 32, 64 at 64), wide ones quantise the
+    # activations fewer times over (every program quantises all of x: each of its ROWS rows once up
+    # to 8 rows, all 16 padded rows at 9-16). BLOCK_K 512 spills registers at one row (ptxas,
+    # sm_90: the [16, 512] activation tile stays live across the steps); 128 is the only one that
+    # block-scaled weights take (a step is then one 1x128 activation group).
+    (16, 128, 4, 6),
+    (16, 256, 4, 4),
+    (16, 256, 8, 4),
+    (32, 128, 4, 4),
+    (32, 128, 8, 4),
+    (32, 256, 4, 4),
+    (32, 256, 4, 6),
+    (32, 256, 8, 3),
+    (64, 128, 4, 4),
+    (64, 128, 8, 4),
+    (64, 256, 4, 3),
+    (64, 256, 8, 3),
+)
+SKINNY_MAX_ROWS = 16  # one 16-row dot holds every row: beyond that the tiles above take over
+CONFIG_SPACE: list[KernelConfig] = (
+    [SCALED_MM]
+    + [
+        KernelConfig({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": sk}, num_warps=w, num_stages=st)
+        for (m, n, k, sk, w, st) in _TILES
+    ]
+    + [KernelConfig({"SKINNY": 1, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st) for (n, k, w, st) in _SKINNY_TILES]
+)
 
 
 def is_scaled_mm(config: KernelConfig | None) -> bool:
     return config is not None and bool(config.params.get("scaled_mm"))
+
+
+def is_skinny(config: KernelConfig | None) -> bool:
+    return config is not None and bool(config.params.get("SKINNY"))
 
 
 def scaled_mm_supported(m: int, n: int, k: int, block: bool, dtype: torch.dtype) -> bool:
@@ -223,11 +381,16 @@ def scaled_mm_supported(m: int, n: int, k: int, block: bool, dtype: torch.dtype)
 def prune_configs(configs: list[KernelConfig], m: int, n: int, k: int, block: bool, dtype: torch.dtype) -> list[KernelConfig]:
     """The configs worth timing for an [m, k] x [n, k] GEMM: tiles at most twice as tall as m needs,
     at least 64 tall from 256 rows; split-K only up to 64 rows and only where each split keeps at
-    least two K steps; scaled_mm where it can run."""
+    least two K steps; scaled_mm where it can run; the fused decode kernel up to 16 rows (with
+    BLOCK_K 128 for block scales)."""
     out = []
     for cfg in configs:
         if is_scaled_mm(cfg):
             if scaled_mm_supported(m, n, k, block, dtype):
+                out.append(cfg)
+            continue
+        if is_skinny(cfg):
+            if 0 < m <= SKINNY_MAX_ROWS and not (block and cfg["BLOCK_K"] != GROUP):
                 out.append(cfg)
             continue
         bm, bk, split = cfg["BLOCK_M"], cfg["BLOCK_K"], cfg["SPLIT_K"]
@@ -241,10 +404,25 @@ def prune_configs(configs: list[KernelConfig], m: int, n: int, k: int, block: bo
 
 def default_config(m: int, n: int, k: int, block: bool, dtype: torch.dtype, num_sms: int = 132) -> KernelConfig:
     """Untuned choice: torch._scaled_mm where it runs from 64 rows (prefill is compute-bound and
-    cuBLASLt's fp8 kernels are the known-good ones there), else a tile with enough K splits to give
-    about two programs per multiprocessor."""
+    cuBLASLt's fp8 kernels are the known-good ones there), the fused decode kernel up to 16 rows,
+    else a tile with enough K splits to give about two programs per multiprocessor."""
     if m >= 64 and scaled_mm_supported(m, n, k, block, dtype):
         return SCALED_MM
+    if 0 < m <= SKINNY_MAX_ROWS:
+        # One launch instead of the quantisation, the split-K GEMM and its sum (+ bias, cast): at
+        # decode those launches were an estimated 0.5-1 ms of the step (issue 29). Every program
+        # quantises x for itself: ROWS / BLOCK_N divisions (div_rn, ~10 instructions) per weight
+        # byte up to 8 rows (ROWS = next_power_of_2(m)), 16 / BLOCK_N at 9-16, against ~7 lane-
+        # instructions per weight byte at an H200's full bandwidth. So 16 columns (the most
+        # programs: 256 at N = 4096) up to 4 rows, 32 beyond (half the division work per byte).
+        # A model, not a measurement: the tuner times every SKINNY tile against the others.
+        bn = 16 if m <= 4 else 32
+        return KernelConfig({"SKINNY": 1, "BLOCK_N": bn, "BLOCK_K": 128 if block else 256}, num_warps=4, num_stages=4)
+    return _default_tile(m, n, k, num_sms)
+
+
+def _default_tile(m: int, n: int, k: int, num_sms: int = 132) -> KernelConfig:
+    """The two-launch GEMM's untuned tile: enough K splits for about two programs per multiprocessor."""
     bm = 16 if m <= 16 else (32 if m <= 32 else (64 if m <= 64 else 128))
     bn, bk = (64 if m <= 32 else 128), 128
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
@@ -276,7 +454,9 @@ def fp8_gemm(
         raise ValueError(f"block scales must be [N, KB] / [M, KB], got {tuple(w_scale.shape)} / {tuple(x_scale.shape)}")
     cfg = KernelConfig.coerce(config) or default_config(m, n, k, block, out_dtype)
     if is_scaled_mm(cfg) and not scaled_mm_supported(m, n, k, block, out_dtype):
-        cfg = default_config(m, n, k, block, torch.float32)  # a table entry from another dtype: fall back
+        cfg = _default_tile(m, n, k)  # a table entry from another dtype: fall back
+    if is_skinny(cfg):
+        cfg = _default_tile(m, n, k)  # the fused kernel quantises x itself; qx is quantised already
     if is_scaled_mm(cfg):
         sa = x_scale.reshape(-1, 1)
         if sa.shape[0] != m:
@@ -310,7 +490,56 @@ def fp8_gemm(
     return out.to(out_dtype)
 
 
+def fp8_skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    w_scale: torch.Tensor,
+    activations: str,
+    input_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    config: Mapping[str, int] | KernelConfig,
+) -> torch.Tensor:
+    """x [M <= 16, K] (half / fp32) -> [M, N] in ``out_dtype`` in one launch: the activations
+    quantised as ``quantize_activations`` does, inside the GEMM (``{"SKINNY": 1, ...}`` configs).
+    Capture-safe (no host syncs)."""
+    cfg = KernelConfig.coerce(config)
+    assert cfg is not None and is_skinny(cfg)
+    m, k = x.shape
+    n = weight.shape[0]
+    block = w_scale.dim() == 2
+    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    if not 0 < m <= SKINNY_MAX_ROWS or weight.dtype != torch.float8_e4m3fn or weight.shape[1] != k:
+        raise ValueError(f"fp8_skinny_linear: x {tuple(x.shape)} and weight {weight.dtype} {tuple(weight.shape)}")
+    mode = {"token": 0, "group": 1, "static": 2}[activations]
+    if block != (mode == 1) or (block and (bk != GROUP or tuple(w_scale.shape) != (n, triton.cdiv(k, GROUP)))):
+        raise ValueError(f"fp8_skinny_linear: {activations} activations, weight scales {tuple(w_scale.shape)}, BLOCK_K {bk}")
+    if mode == 2:
+        assert input_scale is not None
+        xs = input_scale.float().reshape(1)
+    else:
+        xs = w_scale  # unused
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    _fp8_skinny_kernel[(triton.cdiv(n, bn),)](
+        x, weight, w_scale, xs, bias if bias is not None else w_scale, y, m, n, k, x.stride(0),
+        MODE=mode, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, ROWS=triton.next_power_of_2(m),
+        BLOCK_M=SKINNY_MAX_ROWS, BLOCK_N=bn, BLOCK_K=bk, GROUP_K=GROUP,
+        MIN_AMAX=reference.FP8_MIN_AMAX, QMAX=FP8_MAX, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return y
+
+
 def fp8_linear(x: torch.Tensor, w: Any, bias: torch.Tensor | None, config: Mapping[str, int] | KernelConfig | None = None) -> torch.Tensor:
-    """x [M, K] @ W.T (+ bias) for an ``quant_linear.Fp8LinearWeight``: quantise x, then ``fp8_gemm``."""
+    """x [M, K] @ W.T (+ bias) for an ``quant_linear.Fp8LinearWeight``: up to 16 rows with a SKINNY
+    config (the default there) one fused launch, else quantise x, then ``fp8_gemm``."""
+    m, k = x.shape
+    block = w.weight_scale.dim() == 2
+    cfg = KernelConfig.coerce(config) or default_config(m, w.weight.shape[0], k, block, x.dtype)
+    if is_skinny(cfg):
+        if 0 < m <= SKINNY_MAX_ROWS:
+            return fp8_skinny_linear(x, w.weight, w.weight_scale, w.activations, w.input_scale, bias, x.dtype, cfg)
+        cfg = _default_tile(m, w.weight.shape[0], k)  # no rows, or a table entry of a smaller bucket
     qx, sx = quantize_activations(x, w.activations, w.input_scale)
-    return fp8_gemm(qx, sx, w.weight, w.weight_scale, bias, x.dtype, config)
+    return fp8_gemm(qx, sx, w.weight, w.weight_scale, bias, x.dtype, cfg)

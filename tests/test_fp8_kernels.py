@@ -1,12 +1,15 @@
-"""The FP8 GEMM and activation quantisation (kernels/fp8_gemm.py) against the pure-torch
-reference (kernels/reference.py): in Triton's interpreter on the CPU, compiled for sm_90 without a
-GPU, and on a GPU (marked gpu) also against torch._scaled_mm.
+"""The FP8 GEMM, activation quantisation and fused decode kernel (kernels/fp8_gemm.py) against the
+pure-torch reference (kernels/reference.py): in Triton's interpreter on the CPU, compiled for sm_90
+without a GPU, and on a GPU (marked gpu) also against torch._scaled_mm.
 
 Triton 3.6's interpreter converts fp32 to e4m3 wrongly where rounding carries into the next
 binade (124.3 becomes 64, not 128), so on the CPU the quantisation kernel's scales are checked
 exactly and its e4m3 values only on the GPU (bitwise), where the compiled kernel converts with
 ``cvt.rn.satfinite.e4m3x2.f32`` (checked in the sm_90 PTX below). The GEMM reads e4m3 values,
-which the interpreter holds exactly, so it is checked in the interpreter too.
+which the interpreter holds exactly, so it is checked in the interpreter too. The fused decode
+kernel quantises inside the GEMM: in the interpreter it is checked against the reference on
+activations built so that no conversion carries, and against the two-launch path (the same
+conversion) on random ones; on the GPU against the two-launch path at Llama-3-8B's shapes.
 """
 
 from __future__ import annotations
@@ -81,24 +84,179 @@ def test_reference_block_scaling_scales_each_128_column_block_by_its_own_scales(
     torch.testing.assert_close(y.double(), xd @ wd.t(), rtol=1e-5, atol=1e-6)
 
 
+# ---------------------------------------------------------------------------- the fused decode kernel
+
+SKINNY = {"SKINNY": 1, "BLOCK_N": 32, "BLOCK_K": 128}
+
+
+def _e4m3_rows(m: int, k: int, activations: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 x [m, k] whose quantisation the interpreter gets right, (x, its e4m3 values, the static
+    scale). Each value is (v + d) * s: v an e4m3 value of magnitude 1..448, s a power of two per row
+    (per 128-column group for "group", the fixed scale for "static"), d up to 0.45 of v's ulp, so
+    x / s rounds to v without carrying into the next binade (d >= 0 where v is a power of two).
+    Each row (group) holds one +-448 * s, so its amax / 448 is s exactly; a static row also holds
+    values past 448 * s, which saturate; row 1 is zero (the MIN_AMAX clamp)."""
+    g = torch.Generator().manual_seed(seed)
+    mags = torch.tensor([2.0**e * (1 + f / 8) for e in range(9) for f in range(8)])
+    mags = mags[mags <= 448]
+    v = mags[torch.randint(len(mags), (m, k), generator=g)]
+    ulp = 2.0 ** (torch.floor(torch.log2(v)) - 3)
+    d = (torch.rand(m, k, generator=g) * 0.9 - 0.45) * ulp
+    d = torch.where(v == 2.0 ** torch.log2(v).round(), d.abs(), d)
+    d = torch.where(v == 448, -d.abs(), d)
+    sign = torch.where(torch.rand(m, k, generator=g) < 0.5, -1.0, 1.0)
+    if activations == "group":
+        group = torch.arange(k) // 128
+        v[:, torch.arange(0, k, 128)] = 448
+        d[:, torch.arange(0, k, 128)] = 0
+        s = 2.0 ** -torch.randint(0, 6, (m, group[-1] + 1), generator=g).float()
+        s = s[:, group]
+    elif activations == "token":
+        v[:, 7], d[:, 7] = 448, 0
+        s = 2.0 ** -torch.randint(0, 6, (m, 1), generator=g).float()
+    else:
+        s = torch.full((m, 1), 2.0**-5)
+    x = sign * (v + d) * s
+    q = sign * v
+    if activations == "static":
+        x[:, 3], x[:, 9] = 600 * 2.0**-5, -1e4 * 2.0**-5
+        q[:, 3], q[:, 9] = 448, -448
+    if m > 1:
+        x[1], q[1] = 0, 0
+    return x, q, torch.tensor([2.0**-5])
+
+
+@pytest.mark.parametrize(
+    ("activations", "m", "n", "k", "block_n", "block_k"),
+    [
+        ("token", 1, 72, 300, 32, 128),
+        ("token", 5, 64, 512, 16, 256),
+        ("token", 16, 40, 384, 64, 128),
+        ("token", 1, 40, 2176, 16, 128),  # 17 steps: a second 16-step tile of the one row
+        ("token", 2, 40, 1280, 32, 128),
+        ("static", 3, 72, 256, 32, 256),
+        ("static", 1, 32, 300, 16, 512),
+        ("static", 4, 40, 1100, 32, 128),
+        ("group", 7, 72, 300, 32, 128),
+        ("group", 16, 48, 512, 16, 128),
+    ],
+)
+def test_fused_decode_kernel_is_the_reference_where_the_interpreter_quantises_right(  # type: ignore[no-untyped-def]
+    activations, m, n, k, block_n, block_k
+):
+    from pagecast.kernels import fp8_gemm
+
+    x, q, inp = _e4m3_rows(m, k, activations, seed=m)
+    qw, sw = _weights(n, k, activations == "group", seed=1)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    rq, _ = reference.quantize_fp8_activations(x, activations, inp)
+    assert torch.equal(rq.float(), q)  # the construction quantises as intended
+    cfg = {"SKINNY": 1, "BLOCK_N": block_n, "BLOCK_K": block_k}
+    y = fp8_gemm.fp8_skinny_linear(x, qw, sw, activations, inp, bias, torch.float32, cfg)
+    ref = reference.fp8_linear(x, qw, sw, activations, inp, bias)
+    # The same e4m3 products (exact in fp32) and scales, summed in another order: a value rounded
+    # the other way would move its output by ~1e-3 of the outputs' size.
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    if m > 1:
+        assert torch.equal(y[1], bias)  # the zero row: scale clamped, values 0
+
+
+@pytest.mark.parametrize("activations", ["token", "group", "static"])
+@pytest.mark.parametrize(("m", "k"), [(1, 300), (1, 2200), (3, 1000), (6, 300), (16, 300)])
+def test_fused_decode_kernel_matches_the_two_launch_path_in_the_interpreter(activations, m, k):  # type: ignore[no-untyped-def]
+    """Random activations (rounding carries included): the fused kernel quantises as
+    _quant_act_kernel does, so both paths agree even where the interpreter's conversion is off."""
+    from pagecast.kernels import fp8_gemm
+
+    n = 72
+    x = (torch.randn(m, k + 20, generator=torch.Generator().manual_seed(m)) * 3)[:, 7 : 7 + k]  # rows k + 20 apart
+    assert x.stride(0) == k + 20
+    qw, sw = _weights(n, k, activations == "group")
+    inp = torch.tensor([0.02])
+    bias = torch.randn(n)
+    y = fp8_gemm.fp8_skinny_linear(x, qw, sw, activations, inp, bias, torch.float32, SKINNY)
+    qx, sx = fp8_gemm.quantize_activations(x, activations, inp)
+    two = fp8_gemm.fp8_gemm(qx, sx, qw, sw, bias, torch.float32, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 1})
+    torch.testing.assert_close(y, two, rtol=1e-6, atol=1e-6 * two.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fused_decode_kernel_takes_and_returns_each_activation_dtype(dtype, monkeypatch):  # type: ignore[no-untyped-def]
+    """fp8_linear runs the fused kernel for a SKINNY config, in and out in x's dtype (the e4m3 values
+    times powers of two are exact in every one), without the separate quantisation launch."""
+    from pagecast.kernels import fp8_gemm
+
+    x, _, _ = _e4m3_rows(4, 256, "token", seed=5)
+    x = (x.sign() * 2.0 ** torch.log2(x.abs()).round()).to(dtype)  # v + d -> a power of two: exact in fp16
+    qw, sw = _weights(64, 256, block=False)
+    weight = Fp8LinearWeight(qw, sw, None, "token")
+    bias = torch.randn(64).to(dtype)
+    called = []
+    real = fp8_gemm.quantize_activations
+    monkeypatch.setattr(fp8_gemm, "quantize_activations", lambda *a: called.append(a) or real(*a))
+    y = fp8_gemm.fp8_linear(x, weight, bias, SKINNY)
+    y_default = fp8_gemm.fp8_linear(x, weight, bias)  # untuned: the fused kernel up to 16 rows
+    assert not called
+    fp8_gemm.fp8_linear(x, weight, bias, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 2})
+    assert len(called) == 1  # the two-launch path does go through it
+    assert y.dtype == dtype and y_default.dtype == dtype
+    ref = reference.fp8_linear(x, qw, sw, "token", None, bias)
+    torch.testing.assert_close(y, ref)
+    torch.testing.assert_close(y_default, ref)
+
+
+def test_skinny_configs_are_offered_up_to_16_rows_and_fall_back_past_them() -> None:
+    from pagecast.kernels import fp8_gemm
+
+    skinny = [c for c in fp8_gemm.CONFIG_SPACE if fp8_gemm.is_skinny(c)]
+    assert 8 <= len(skinny) <= 16
+    for m in (1, 16):
+        kept = fp8_gemm.prune_configs(fp8_gemm.CONFIG_SPACE, m, 4096, 4096, False, torch.bfloat16)
+        assert all(c in kept for c in skinny)
+        block = [c for c in fp8_gemm.prune_configs(fp8_gemm.CONFIG_SPACE, m, 4096, 4096, True, torch.bfloat16) if fp8_gemm.is_skinny(c)]
+        assert block and all(c["BLOCK_K"] == 128 for c in block)
+        assert fp8_gemm.is_skinny(fp8_gemm.default_config(m, 4096, 4096, False, torch.bfloat16))
+    assert not any(fp8_gemm.is_skinny(c) for c in fp8_gemm.prune_configs(fp8_gemm.CONFIG_SPACE, 17, 4096, 4096, False, torch.bfloat16))
+    assert not fp8_gemm.is_skinny(fp8_gemm.default_config(17, 4096, 4096, False, torch.bfloat16))
+    # A SKINNY entry met by more rows (or by fp8_gemm, whose x is quantised already) runs the tiles.
+    x = torch.randn(20, 256, generator=torch.Generator().manual_seed(4))
+    qw, sw = _weights(48, 256, block=False)
+    y = fp8_gemm.fp8_linear(x, Fp8LinearWeight(qw, sw, None, "token"), None, SKINNY)
+    qx, sx = fp8_gemm.quantize_activations(x, "token")
+    torch.testing.assert_close(y, fp8_gemm.fp8_gemm(qx, sx, qw, sw, None, torch.float32, None), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fp8_gemm.fp8_gemm(qx[:3], sx[:3], qw, sw, None, torch.float32, SKINNY), y[:3], rtol=1e-6, atol=1e-5)
+    with pytest.raises(ValueError, match="BLOCK_K"):
+        gw, gs = _weights(48, 256, block=True)
+        fp8_gemm.fp8_skinny_linear(x[:2], gw, gs, "group", None, None, torch.float32, dict(SKINNY, BLOCK_K=256))
+
+
 # ---------------------------------------------------------------------------- sm_90 compile (no GPU)
 
 CHILD = textwrap.dedent(
     """
-    import json, re, sys
+    import json, re, subprocess, sys, tempfile
     import triton
+    from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from pagecast.kernels import fp8_gemm
 
     for job in sys.argv[1:]:
         name, sig, consts, divisible, options = json.loads(job)
-        fn = {"gemm": fp8_gemm._fp8_gemm_kernel, "quant": fp8_gemm._quant_act_kernel}[name]
+        fn = {"gemm": fp8_gemm._fp8_gemm_kernel, "quant": fp8_gemm._quant_act_kernel,
+              "skinny": fp8_gemm._fp8_skinny_kernel}[name]
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible}
         src = ASTSource(fn, signature=dict(sig, **{k: "constexpr" for k in consts}), constexprs=consts, attrs=attrs)
         c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
         ptx = c.asm["ptx"]
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:  # registers and spills, as ptxas reports them
+            f.write(ptx)
+            f.flush()
+            info = subprocess.run([knobs.nvidia.ptxas.path, "-v", "--gpu-name", "sm_90a", f.name, "-o", "/dev/null"],
+                                  check=True, capture_output=True, text=True).stderr
         print(json.dumps({"cubin": "cubin" in c.asm, "shared": c.metadata.shared,
+                          "regs": int(re.search(r"Used (\\d+) registers", info).group(1)),
+                          "spills": int(re.search(r"(\\d+) bytes spill stores", info).group(1)),
                           "mma": sorted(set(re.findall(r"\\b(?:wg)?mma[.\\w]*", ptx))),
                           "cvt": sorted(set(re.findall(r"cvt[.\\w]*e4m3[.\\w]*", ptx)))}))
     """
@@ -150,6 +308,37 @@ def test_fp8_kernels_compile_for_sm90_with_wgmma_and_saturating_e4m3_conversion(
     assert any(i.startswith("mma.sync") for i in decode["mma"]) and "cvt.rn.f16x2.e4m3x2" in decode["cvt"]
     # x / scale saturated to the e4m3 range and rounded to nearest even, as torch's cast of the clamped value.
     assert q_token["cvt"] == ["cvt.rn.satfinite.e4m3x2.f32"] and q_group["cvt"] == ["cvt.rn.satfinite.e4m3x2.f32"]
+
+
+SKINNY_SIG = {
+    "x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "xs_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16",
+    "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
+}  # fmt: skip
+
+
+def test_fused_decode_kernel_compiles_for_sm90_in_every_config_without_spilling() -> None:
+    """Every SKINNY config the tuner may time, in each activation mode: e4m3 operands into
+    mma.sync (16 rows, below wgmma's 64), the activations converted with the saturating
+    round-to-nearest-even cvt in the kernel itself, within Hopper's 227 KB of shared memory per
+    block and without register spills."""
+    from pagecast.kernels import fp8_gemm
+
+    jobs = []
+    for mode in (0, 1, 2):
+        for cfg in fp8_gemm.prune_configs(fp8_gemm.CONFIG_SPACE, 16, 4096, 4096, mode == 1, torch.bfloat16):
+            for rows in (1, 16) if fp8_gemm.is_skinny(cfg) else ():  # 1: 16 steps a tile, 16: one
+                consts = {
+                    "MODE": mode, "HAS_BIAS": mode == 2, "EVEN_K": True, "ROWS": rows, "BLOCK_M": 16,
+                    "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"], "GROUP_K": 128, "MIN_AMAX": 1e-12, "QMAX": 448.0,
+                }  # fmt: skip
+                options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+                jobs.append(("skinny", SKINNY_SIG, consts, ["x_ptr", "w_ptr", "K", "N", "stride_xm"], options))
+    assert len(jobs) >= 24
+    for job, r in zip(jobs, _compile(jobs), strict=True):
+        assert r["cubin"], job
+        assert any(i.startswith("mma.sync") for i in r["mma"]) and "cvt.rn.f16x2.e4m3x2" in r["cvt"], job
+        assert "cvt.rn.satfinite.e4m3x2.f32" in r["cvt"], job
+        assert 0 < r["shared"] <= 227 * 1024 and r["spills"] == 0 and r["regs"] <= 255, (job, r)
 
 
 # ---------------------------------------------------------------------------- on the GPU
@@ -285,3 +474,69 @@ def test_scaled_mm_config_computes_the_reference_product(activations):  # type: 
     torch.testing.assert_close(y.float(), ref, rtol=1.6e-2, atol=1e-2)
     # fp16 output is not offered to it: the launcher falls back to the Triton tile.
     assert not fp8_gemm.scaled_mm_supported(5, 64, 256, False, torch.float16)
+
+
+def _gpu_fp8_weight(n: int, k: int, activations: str, g: torch.Generator, dev: torch.device) -> Fp8LinearWeight:
+    w = torch.randn(n, k, generator=g, device=dev) * 0.02
+    qw, sw = reference.quantize_fp8_groups(w) if activations == "group" else reference.quantize_fp8_rows(w)
+    return Fp8LinearWeight(qw, sw, torch.tensor([0.05], device=dev) if activations == "static" else None, activations)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activations", ["token", "group", "static"])
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
+def test_gpu_fused_decode_kernel_matches_the_two_launch_path_in_every_config(activations, n, k):  # type: ignore[no-untyped-def]
+    """Llama-3-8B's projections at 1, 4, 7 and 16 rows, every SKINNY config the tuner may pick,
+    against quantize_activations + the tiled GEMM (SPLIT_K 1), both with fp32 output: the same
+    e4m3 values and scales (the same arithmetic, compiled) and exact products, summed in another
+    order (the tensor cores' fp32 chains within a step, then per step). One activation value
+    rounded the other way typically moves its outputs by ~1e-4 of the largest output at K = 14,336
+    (more at smaller K), a few times the tolerance; a wrong scale or index moves them by their size."""
+    from pagecast.kernels import fp8_gemm
+
+    dev = _cuda()
+    g = torch.Generator(device=dev).manual_seed(3)
+    weight = _gpu_fp8_weight(n, k, activations, g, dev)
+    bias = torch.randn(n, generator=g, device=dev).to(torch.bfloat16)
+    for m in (1, 4, 7, 16):
+        x = (torch.randn(m, k, generator=g, device=dev) * 3).to(torch.bfloat16)
+        qx, sx = fp8_gemm.quantize_activations(x, activations, weight.input_scale)
+        tile = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1}
+        two = fp8_gemm.fp8_gemm(qx, sx, weight.weight, weight.weight_scale, bias, torch.float32, tile)
+        two_bf16 = fp8_gemm.fp8_gemm(qx, sx, weight.weight, weight.weight_scale, bias, torch.bfloat16, tile).float()
+        configs = [c for c in fp8_gemm.prune_configs(fp8_gemm.CONFIG_SPACE, m, n, k, activations == "group", torch.bfloat16)
+                   if fp8_gemm.is_skinny(c)]  # fmt: skip
+        assert configs
+        for cfg in configs:
+            y = fp8_gemm.fp8_skinny_linear(
+                x, weight.weight, weight.weight_scale, activations, weight.input_scale, bias, torch.float32, cfg
+            )
+            atol = 3e-5 * two.abs().max().item()
+            torch.testing.assert_close(y, two, rtol=1e-5, atol=atol, msg=lambda s, c=cfg, m=m: f"m={m} {c}: {s}")
+            # Served as fp8_linear serves it: bf16 out, one rounding of nearly the same fp32 value.
+            yb = fp8_gemm.fp8_linear(x, weight, bias, cfg).float()
+            torch.testing.assert_close(yb, two_bf16, rtol=1.6e-2, atol=atol, msg=lambda s, c=cfg, m=m: f"m={m} {c}: {s}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activations", ["token", "group", "static"])
+def test_gpu_fused_decode_kernel_is_capture_safe(activations):  # type: ignore[no-untyped-def]
+    """Captured in a CUDA graph (no host syncs) and replayed on new rows in the captured buffer."""
+    from pagecast.kernels import fp8_gemm
+
+    dev = _cuda()
+    g = torch.Generator(device=dev).manual_seed(4)
+    weight = _gpu_fp8_weight(1024, 512, activations, g, dev)
+    cfg = fp8_gemm.default_config(16, 1024, 512, activations == "group", torch.bfloat16)
+    assert fp8_gemm.is_skinny(cfg)
+    for m in (1, 16):
+        x = torch.randn(m, 512, generator=g, device=dev).to(torch.bfloat16)
+        fp8_gemm.fp8_linear(x, weight, None, cfg)  # compiled before capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fp8_gemm.fp8_linear(x, weight, None, cfg)
+        x.copy_(torch.randn(m, 512, generator=g, device=dev).to(torch.bfloat16) * 4)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, fp8_gemm.fp8_linear(x, weight, None, cfg))
