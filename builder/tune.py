@@ -206,8 +206,8 @@ def compile_race_switches(logits: torch.Tensor) -> None:
     part of a tie group at its cutoff) and BLOCK_MAX (the top-k candidates' block maxima are
     there). Which combination a sampled batch takes follows from the logits' values, so the
     sampling runs above need not reach every one; launched directly, each is compiled whatever
-    the data. (It did not stop `_race_kernel` compiling while serving at vocab 128,256 on an
-    H200, in every combination: that miss is in another part of Triton's key, still open.)"""
+    the data. (The H200's misses of `_race_kernel` at every start were in the kernel's own key,
+    which followed the order kernels were first launched in: see kernels/keyed_noise.py.)"""
     import torch
     import triton
 

@@ -45,6 +45,17 @@ def philox4x32_10(c0, c1, k0, k1, GROUP: tl.constexpr):
     return c0, c1, c2, c3
 
 
+# Triton (3.6) folds the constexpr globals a helper reads (_M0.._W1 above) into a caller's cache
+# key only when the helper's own key was computed before the caller's; so the keys of this
+# module's kernel and of the sampler's race kernel followed the order in which a process first
+# launched them. The build's tuner launched the noise kernel first and a server the race kernel
+# first, so every H200 server compiled _race_kernel at start (tests/test_kernel_cache.py checks the
+# keys against that order). Computing the helper's key here, before any caller can exist, gives
+# every process the same keys.
+if hasattr(philox4x32_10, "cache_key"):  # a JITFunction (Triton's interpreter wraps it otherwise)
+    philox4x32_10.cache_key  # noqa: B018
+
+
 @triton.jit
 def _keyed_exponential_kernel(
     out_ptr,  # out: [rows, vocab] fp32

@@ -168,3 +168,40 @@ def test_a_compile_names_the_arguments_its_variant_is_specialised_on() -> None:
     assert got["attrs"] == f"{names[first_int]}=[['tt.divisibility', 16]]"
     assert got["constants"] == f"{names[constexpr]}=64"
     assert f"{names[first_int]}=i64" in got["signature"].split("; ")
+
+
+# A child process: every Triton kernel and helper defined in pagecast.kernels, their cache keys
+# computed in the order given (by name, forwards or backwards), printed as JSON.
+KEYS_IN_ORDER = textwrap.dedent(
+    """
+    import importlib, json, pkgutil, sys
+    from triton.runtime.jit import JITFunction
+    import pagecast.kernels
+
+    functions = {}
+    for info in pkgutil.iter_modules(pagecast.kernels.__path__):
+        module = importlib.import_module(f"pagecast.kernels.{info.name}")
+        for name, obj in vars(module).items():
+            if isinstance(obj, JITFunction) and obj.__module__ == module.__name__:
+                functions[f"{info.name}.{name}"] = obj
+    order = sorted(functions, reverse=sys.argv[1] == "backwards")
+    print(json.dumps({name: functions[name].cache_key for name in order}))
+    """
+)
+
+
+def test_kernel_cache_keys_do_not_depend_on_which_kernel_a_process_launches_first() -> None:
+    """Triton folds a helper's constexpr globals into a caller's cache key only when the helper's
+    key was computed first. A build that launched the seeded-noise kernel before the sampler's
+    race kernel (both call philox4x32_10) wrote a race kernel the server, launching it first,
+    never found: it compiled at every H200 start. Every kernel's key must be the same whichever
+    order a process computes them in."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    keys = []
+    for direction in ("forwards", "backwards"):
+        proc = subprocess.run([sys.executable, "-c", KEYS_IN_ORDER, direction], env=env, capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        keys.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert "sampling._race_kernel" in keys[0] and len(keys[0]) > 20
+    assert [name for name in keys[0] if keys[0][name] != keys[1][name]] == []
