@@ -578,7 +578,7 @@ def fp8_skinny_linear(
     m, k = x.shape
     n = weight.shape[0]
     block = w_scale.dim() == 2
-    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    bk = cfg["BLOCK_K"]
     if not 0 < m <= SKINNY_MAX_ROWS or weight.dtype != torch.float8_e4m3fn or weight.shape[1] != k:
         raise ValueError(f"fp8_skinny_linear: x {tuple(x.shape)} and weight {weight.dtype} {tuple(weight.shape)}")
     mode = {"token": 0, "group": 1, "static": 2}[activations]
