@@ -32,7 +32,26 @@ once per padding row: every step dots that tile with its [BLOCK_K, BLOCK_N] weig
 the product of its own tile rows (a fresh dot per step, added in fp32 as above), and the rows
 of the chunks are summed at the end. Block-scaled weights take BLOCK_K 128, so a tile row is
 one 1x128 activation group whose scale comes from the tile itself and is applied, with the
-weight's, to the step's product. No partials, no torch ops after.
+weight's, to the step's product. No torch ops after.
+
+Narrow projections give that kernel too few programs (N = 4096 in column blocks of 32: 128 on an
+H200's 132 multiprocessors, each reading all of K; o_proj streamed 1.65 TB/s of weight at one row
+against 3.45 at gate_up's 28,672 columns), so a SKINNY config may also split K:
+``{"SKINNY": 1, ..., "SPLIT_K": s}`` launches a (column blocks, s) grid, still one launch. Every
+program computes the per-token scales over the whole row (the same scales as unsplit), quantises
+and dots only its split's K steps (ceil(steps / s) each; the launcher runs fewer splits where the
+last would have none, the kernel also takes an empty one), and stores its unscaled fp32 [ROWS,
+BLOCK_N] partial to a [s, M, N] workspace (torch.empty per call: the caching allocator, no host
+sync, a graph's own pool inside a capture). Then the reduction, in the same launch: a CTA barrier
+(every thread's partial stored), one atomic add on the column block's counter, acq_rel at GPU scope
+(releases the program's partial, acquires the earlier ones'); the program drawing ticket s - 1 is
+the last, adds the partials in split order 0..s-1 (.cg loads, from L2) - the same sum whichever
+program finishes last, so the result is deterministic - applies the scales, bias and cast, stores
+y and sets the counter back to 0. The counters are one int32 buffer per device (zero-initialised,
+grown only outside CUDA-graph capture, outgrown buffers kept for graphs that hold them) shared by
+all split launches: launches on one stream run one after another, so each finds them zero; launches
+on concurrent streams of one device would need counters of their own (the engine runs one stream
+a device).
 
 The tuner (kernels/problems.py) times the tiles per projection and row bucket against
 ``torch._scaled_mm`` (rowwise scales, bf16 out: the ``{"scaled_mm": 1}`` config) and keeps the
