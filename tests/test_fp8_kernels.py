@@ -302,6 +302,29 @@ def test_split_fused_decode_kernel_takes_splits_without_a_step(k, split, steps, 
     assert not _cpu_counters().any()
 
 
+def test_split_fused_decode_kernel_finishes_a_column_block_only_at_its_last_ticket(launches):  # type: ignore[no-untyped-def]
+    """The interpreter runs the programs one after another, so the last to take a ticket is also the
+    last to run; here column block 1's counter starts at -1, as if one of its programs were still
+    to come: none of its programs draws ticket SPLIT_K - 1, so none writes its columns of y (they
+    stay NaN) or resets its counter, while blocks 0 and 2 finish as usual. A kernel that let an
+    earlier ticket sum the partials would write them."""
+    from pagecast.kernels import fp8_gemm
+
+    m, n, k, split = 2, 72, 1024, 4
+    x, _, _ = _e4m3_rows(m, k, "token", seed=9)
+    qw, sw = _weights(n, k, block=False, seed=9)
+    cfg = fp8_gemm.KernelConfig.coerce(_split(SKINNY, split))
+    base = fp8_gemm.fp8_skinny_linear(x, qw, sw, "token", None, None, torch.float32, SKINNY)
+    counters = fp8_gemm._split_counters(torch.device("cpu"), 3)
+    counters[1] = -1
+    y = torch.full((m, n), float("nan"))
+    fp8_gemm._launch_skinny(x, qw, sw, sw, None, y, 0, split, 2, cfg)
+    assert y[:, 32:64].isnan().all() and counters[1].item() == split - 1
+    torch.testing.assert_close(y[:, :32], base[:, :32], rtol=1e-5, atol=1e-5 * base.abs().max().item())
+    torch.testing.assert_close(y[:, 64:], base[:, 64:], rtol=1e-5, atol=1e-5 * base.abs().max().item())
+    assert counters[0].item() == 0 and counters[2].item() == 0
+
+
 def test_split_fused_launches_back_to_back_share_the_counters(launches):  # type: ignore[no-untyped-def]
     """Launches of different shapes, column tiles and splits one after another (as a model's
     projections run), each on counters the previous one left at zero: every result is right and
