@@ -423,7 +423,9 @@ _SKINNY_SPLIT_TILES = (
     # programs per column block, reduced in the launch. For the narrow projections: Llama-3-8B's
     # o_proj (N = 4096) has 128 column blocks of 32 on an H200's 132 multiprocessors, each reading
     # all of K, and streamed 1.65 TB/s of weight at one row against 3.45 at gate_up's 28,672 columns
-    # (issue 29). prune_configs keeps a split where each split has at least two K steps.
+    # (issue 29). prune_configs keeps a split where each split has at least two K steps. Every
+    # program still reads all of x for the per-token amax (from L2): at 16 rows and SPLIT_K 8 that is
+    # ROWS * K * 2 bytes a program, several times its weight slice; the tuner weighs it.
     (32, 128, 2, 4, 4),
     (32, 128, 4, 4, 4),
     (32, 128, 8, 4, 4),
