@@ -32,7 +32,26 @@ once per padding row: every step dots that tile with its [BLOCK_K, BLOCK_N] weig
 the product of its own tile rows (a fresh dot per step, added in fp32 as above), and the rows
 of the chunks are summed at the end. Block-scaled weights take BLOCK_K 128, so a tile row is
 one 1x128 activation group whose scale comes from the tile itself and is applied, with the
-weight's, to the step's product. No partials, no torch ops after.
+weight's, to the step's product. No torch ops after.
+
+Narrow projections give that kernel too few programs (N = 4096 in column blocks of 32: 128 on an
+H200's 132 multiprocessors, each reading all of K; o_proj streamed 1.65 TB/s of weight at one row
+against 3.45 at gate_up's 28,672 columns), so a SKINNY config may also split K:
+``{"SKINNY": 1, ..., "SPLIT_K": s}`` launches a (column blocks, s) grid, still one launch. Every
+program computes the per-token scales over the whole row (the same scales as unsplit), quantises
+and dots only its split's K steps (ceil(steps / s) each; the launcher runs fewer splits where the
+last would have none, the kernel also takes an empty one), and stores its unscaled fp32 [ROWS,
+BLOCK_N] partial to a [s, M, N] workspace (torch.empty per call: the caching allocator, no host
+sync, a graph's own pool inside a capture). Then the reduction, in the same launch: a CTA barrier
+(every thread's partial stored), one atomic add on the column block's counter, acq_rel at GPU scope
+(releases the program's partial, acquires the earlier ones'); the program drawing ticket s - 1 is
+the last, adds the partials in split order 0..s-1 (.cg loads, from L2) - the same sum whichever
+program finishes last, so the result is deterministic - applies the scales, bias and cast, stores
+y and sets the counter back to 0. The counters are one int32 buffer per device (zero-initialised,
+grown only outside CUDA-graph capture, outgrown buffers kept for graphs that hold them) shared by
+all split launches: launches on one stream run one after another, so each finds them zero; launches
+on concurrent streams of one device would need counters of their own (the engine runs one stream
+a device).
 
 The tuner (kernels/problems.py) times the tiles per projection and row bucket against
 ``torch._scaled_mm`` (rowwise scales, bf16 out: the ``{"scaled_mm": 1}`` config) and keeps the
@@ -213,6 +232,26 @@ def _quantise_rows(x, scale, QMAX: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
+def _skinny_store(
+    y, rows_scale, offs_n, n_ok, ws_ptr, bias_ptr, y_ptr, M, N,
+    MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    """The fused kernel's epilogue: y [ROWS, BLOCK_N] (the fp32 sum over K) times the scales (per
+    channel; block scales were applied per step), plus the bias, cast and stored."""
+    if MODE != 1:
+        sw = tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)
+        if MODE == 0:
+            y = y * rows_scale[:, None] * sw[None, :]
+        else:
+            y = y * rows_scale * sw[None, :]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    offs_r = tl.arange(0, ROWS)
+    y_ptrs = y_ptr + offs_r[:, None].to(tl.int64) * N + offs_n[None, :]
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=(offs_r < M)[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def _fp8_skinny_kernel(
     x_ptr,  # [M, K] half / fp32, K contiguous
     w_ptr,  # e4m3 [N, K]
@@ -220,10 +259,13 @@ def _fp8_skinny_kernel(
     xs_ptr,  # fp32 [1]: the static input scale (MODE 2), else unused
     bias_ptr,  # [N] or unused
     y_ptr,  # [M, N]
+    part_ptr,  # fp32 [SPLIT_K, M, N]: each split's partial sums (SPLIT_K > 1), else unused
+    count_ptr,  # int32 [>= cdiv(N, BLOCK_N)]: splits finished per column block, 0 between launches (SPLIT_K > 1)
     M,
     N,
     K,
     stride_xm,
+    STEPS,  # K steps per split (SPLIT_K > 1; the last split may have fewer, even none), else unused
     MODE: tl.constexpr,  # 0 token, 1 group of GROUP_K (block weights, BLOCK_K == GROUP_K), 2 static
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks on the weight
@@ -231,6 +273,7 @@ def _fp8_skinny_kernel(
     BLOCK_M: tl.constexpr,  # 16 >= ROWS: the tensor cores' minimum
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # programs per column block, each over STEPS steps of K (grid axis 1)
     GROUP_K: tl.constexpr,
     MIN_AMAX: tl.constexpr,
     QMAX: tl.constexpr,
@@ -251,7 +294,8 @@ def _fp8_skinny_kernel(
     w_cols = w_ptr + offs_n[None, :].to(tl.int64) * K  # [BLOCK_K, BLOCK_N] tiles: w.T
     num_steps = tl.cdiv(K, BLOCK_K)
     # The activation scale, as _quant_act_kernel computes it: the row's amax (a max, so the order
-    # does not matter) over the whole row first; x is a few KB, read again from L2 below.
+    # does not matter) over the whole row first, in every split too (the same scale as unsplit);
+    # x is a few KB, read again from L2 below.
     if MODE == 0:
         amax = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
         for i in range(tl.cdiv(num_steps, CHUNKS)):
@@ -269,14 +313,25 @@ def _fp8_skinny_kernel(
     elif MODE == 2:
         x_scale = tl.load(xs_ptr).to(tl.float32)
         rows_scale = x_scale
+    else:
+        rows_scale = 1.0  # block scales are applied per step
+    # This program's K steps: all of them, or its split's (empty for a split past the end).
+    if SPLIT_K == 1:
+        first = 0
+        last = num_steps
+        k_end = K
+    else:
+        first = tl.program_id(1) * STEPS
+        last = tl.minimum(first + STEPS, num_steps)
+        k_end = tl.minimum(last * BLOCK_K, K)  # the split's activations only
     num_kb = tl.cdiv(K, GROUP_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     q = tl.zeros((BLOCK_M, BLOCK_K), dtype=w_ptr.dtype.element_ty)
     g_scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for i in range(num_steps):
-        if i % CHUNKS == 0:
+    for i in range(first, last):
+        if (i - first) % CHUNKS == 0:
             offs_k = (i + chunk)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
-            x = tl.load(x_rows + offs_k, mask=row_ok[:, None] & (offs_k < K), other=0.0).to(tl.float32)
+            x = tl.load(x_rows + offs_k, mask=row_ok[:, None] & (offs_k < k_end), other=0.0).to(tl.float32)
             if MODE == 1:  # a step is one 1x128 group: its scale from its own amax
                 g_scale = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX) / QMAX
                 q = _quantise_rows(x, g_scale[:, None], QMAX, w_ptr.dtype.element_ty)
@@ -295,23 +350,33 @@ def _fp8_skinny_kernel(
             sw = tl.load(ws_ptr + offs_n.to(tl.int64) * num_kb + i, mask=n_ok, other=0.0)
             part = part * g_scale[:, None] * sw[None, :]
         if CHUNKS > 1:
-            part = tl.where((chunk == i % CHUNKS)[:, None], part, 0.0)
+            part = tl.where((chunk == (i - first) % CHUNKS)[:, None], part, 0.0)
         acc += part
     if CHUNKS > 1:
         y = tl.sum(tl.reshape(acc, (CHUNKS, ROWS, BLOCK_N)), axis=0)  # [ROWS, BLOCK_N]
     else:
         y = acc
-    if MODE != 1:
-        sw = tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)
-        if MODE == 0:
-            y = y * rows_scale[:, None] * sw[None, :]
-        else:
-            y = y * rows_scale * sw[None, :]
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    offs_r = tl.arange(0, ROWS)
-    y_ptrs = y_ptr + offs_r[:, None].to(tl.int64) * N + offs_n[None, :]
-    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=(offs_r < M)[:, None] & n_ok[None, :])
+    if SPLIT_K == 1:
+        _skinny_store(y, rows_scale, offs_n, n_ok, ws_ptr, bias_ptr, y_ptr, M, N, MODE, HAS_BIAS, ROWS)
+    else:
+        # The split-K reduction, in this launch (the module docstring): the partial out, a barrier
+        # so every thread of the program has stored it before one thread takes the ticket
+        # (acq_rel at GPU scope: the partials happen-before a later ticket, whose holder reads them
+        # after), and the last of the column block's SPLIT_K programs sums the partials in split
+        # order 0..SPLIT_K-1 (the same sum whichever program is last) and finishes the tile.
+        offs_r = tl.arange(0, ROWS)
+        r_ok = (offs_r < M)[:, None] & n_ok[None, :]
+        parts = part_ptr + offs_r[:, None] * N + offs_n[None, :]
+        tl.store(parts + tl.program_id(1) * (M * N), y, mask=r_ok)
+        tl.debug_barrier()
+        counter = count_ptr + pid
+        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:
+            total = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+            for s in range(SPLIT_K):  # .cg: from L2, where the other programs' partials are
+                total += tl.load(parts + s * (M * N), mask=r_ok, other=0.0, cache_modifier=".cg")
+            _skinny_store(total, rows_scale, offs_n, n_ok, ws_ptr, bias_ptr, y_ptr, M, N, MODE, HAS_BIAS, ROWS)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero for the next launch
 
 
 _TILES = (
@@ -353,6 +418,27 @@ _SKINNY_TILES = (
     (64, 256, 4, 3),
     (64, 256, 8, 3),
 )
+_SKINNY_SPLIT_TILES = (
+    # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages): the fused kernel with K split over SPLIT_K
+    # programs per column block, reduced in the launch. For the narrow projections: Llama-3-8B's
+    # o_proj (N = 4096) has 128 column blocks of 32 on an H200's 132 multiprocessors, each reading
+    # all of K, and streamed 1.65 TB/s of weight at one row against 3.45 at gate_up's 28,672 columns
+    # (issue 29). prune_configs keeps a split where each split has at least two K steps. Every
+    # program still reads all of x for the per-token amax (from L2): at 16 rows and SPLIT_K 8 that is
+    # ROWS * K * 2 bytes a program, several times its weight slice; the tuner weighs it.
+    (32, 128, 2, 4, 4),
+    (32, 128, 4, 4, 4),
+    (32, 128, 8, 4, 4),
+    (32, 256, 2, 4, 4),
+    (32, 256, 4, 4, 4),
+    (32, 256, 8, 4, 3),
+    (64, 128, 2, 4, 4),
+    (64, 128, 4, 4, 4),
+    (64, 128, 8, 4, 4),
+    (64, 256, 2, 4, 3),
+    (64, 256, 4, 4, 3),
+    (64, 256, 8, 4, 3),
+)
 SKINNY_MAX_ROWS = 16  # one 16-row dot holds every row: beyond that the tiles above take over
 CONFIG_SPACE: list[KernelConfig] = (
     [SCALED_MM]
@@ -361,6 +447,10 @@ CONFIG_SPACE: list[KernelConfig] = (
         for (m, n, k, sk, w, st) in _TILES
     ]
     + [KernelConfig({"SKINNY": 1, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st) for (n, k, w, st) in _SKINNY_TILES]
+    + [
+        KernelConfig({"SKINNY": 1, "BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": sk}, num_warps=w, num_stages=st)
+        for (n, k, sk, w, st) in _SKINNY_SPLIT_TILES
+    ]
 )
 
 
@@ -382,7 +472,7 @@ def prune_configs(configs: list[KernelConfig], m: int, n: int, k: int, block: bo
     """The configs worth timing for an [m, k] x [n, k] GEMM: tiles at most twice as tall as m needs,
     at least 64 tall from 256 rows; split-K only up to 64 rows and only where each split keeps at
     least two K steps; scaled_mm where it can run; the fused decode kernel up to 16 rows (with
-    BLOCK_K 128 for block scales)."""
+    BLOCK_K 128 for block scales; split only where K holds at least two steps per split)."""
     out = []
     for cfg in configs:
         if is_scaled_mm(cfg):
@@ -390,7 +480,8 @@ def prune_configs(configs: list[KernelConfig], m: int, n: int, k: int, block: bo
                 out.append(cfg)
             continue
         if is_skinny(cfg):
-            if 0 < m <= SKINNY_MAX_ROWS and not (block and cfg["BLOCK_K"] != GROUP):
+            split = cfg.params.get("SPLIT_K", 1)
+            if 0 < m <= SKINNY_MAX_ROWS and not (block and cfg["BLOCK_K"] != GROUP) and (split == 1 or k // (cfg["BLOCK_K"] * split) >= 2):
                 out.append(cfg)
             continue
         bm, bk, split = cfg["BLOCK_M"], cfg["BLOCK_K"], cfg["SPLIT_K"]
@@ -508,7 +599,7 @@ def fp8_skinny_linear(
     m, k = x.shape
     n = weight.shape[0]
     block = w_scale.dim() == 2
-    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    bk = cfg["BLOCK_K"]
     if not 0 < m <= SKINNY_MAX_ROWS or weight.dtype != torch.float8_e4m3fn or weight.shape[1] != k:
         raise ValueError(f"fp8_skinny_linear: x {tuple(x.shape)} and weight {weight.dtype} {tuple(weight.shape)}")
     mode = {"token": 0, "group": 1, "static": 2}[activations]
@@ -522,13 +613,70 @@ def fp8_skinny_linear(
     if x.stride(1) != 1:
         x = x.contiguous()
     y = torch.empty((m, n), dtype=out_dtype, device=x.device)
-    _fp8_skinny_kernel[(triton.cdiv(n, bn),)](
-        x, weight, w_scale, xs, bias if bias is not None else w_scale, y, m, n, k, x.stride(0),
+    # Each split takes ceil(steps / SPLIT_K) K steps; fewer splits where that leaves the last ones
+    # without a step (prune_configs offers none such, a table entry met by another K may be).
+    num_steps = triton.cdiv(k, bk)
+    steps = triton.cdiv(num_steps, cfg.params.get("SPLIT_K", 1))
+    _launch_skinny(x, weight, w_scale, xs, bias, y, mode, triton.cdiv(num_steps, steps), steps, cfg)
+    return y
+
+
+# The split-K tickets: int32 counters per device, one per column block, zero between launches (each
+# launch's last program per block resets its own). Launches on one stream run one after another,
+# so every fused launch of a device shares them (qkv, then o, ...); launches that could overlap, on
+# concurrent streams of one device, would need counters of their own (the engine runs one stream a
+# device). Grown outside CUDA-graph capture only: a captured graph holds the buffer's address, so an
+# outgrown buffer is kept allocated, not freed.
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN_COUNTERS: list[torch.Tensor] = []
+
+
+def _split_counters(device: torch.device, blocks: int) -> torch.Tensor:
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < blocks:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "fp8_skinny_linear: the split-K counters are allocated before CUDA-graph capture; "
+                "run the split config eagerly once first (the warm-up before capture does)"
+            )
+        if counters is not None:
+            _OUTGROWN_COUNTERS.append(counters)
+        counters = torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = counters
+    return counters
+
+
+def _launch_skinny(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    w_scale: torch.Tensor,
+    xs: torch.Tensor,
+    bias: torch.Tensor | None,
+    y: torch.Tensor,
+    mode: int,
+    split: int,
+    steps: int,
+    cfg: KernelConfig,
+) -> None:
+    """One launch of _fp8_skinny_kernel: ``split`` programs per column block of ``steps`` K steps
+    each (fp8_skinny_linear leaves none of them empty; the kernel handles an empty one)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    blocks = triton.cdiv(n, bn)
+    if split > 1:
+        # The partials: per launch from the caching allocator (no host sync; inside a capture, from
+        # the graph's pool), [split, M, N] fp32, every element written before it is read.
+        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        counters = _split_counters(x.device, blocks)
+    else:
+        part, counters, steps = y, y, 0  # unused
+    _fp8_skinny_kernel[(blocks, split)](
+        x, weight, w_scale, xs, bias if bias is not None else w_scale, y, part, counters, m, n, k, x.stride(0), steps,
         MODE=mode, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, ROWS=triton.next_power_of_2(m),
-        BLOCK_M=SKINNY_MAX_ROWS, BLOCK_N=bn, BLOCK_K=bk, GROUP_K=GROUP,
+        BLOCK_M=SKINNY_MAX_ROWS, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, GROUP_K=GROUP,
         MIN_AMAX=reference.FP8_MIN_AMAX, QMAX=FP8_MAX, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    return y
 
 
 def fp8_linear(x: torch.Tensor, w: Any, bias: torch.Tensor | None, config: Mapping[str, int] | KernelConfig | None = None) -> torch.Tensor:

@@ -209,7 +209,8 @@ def test_skinny_configs_are_offered_up_to_16_rows_and_fall_back_past_them() -> N
     from pagecast.kernels import fp8_gemm
 
     skinny = [c for c in fp8_gemm.CONFIG_SPACE if fp8_gemm.is_skinny(c)]
-    assert 8 <= len(skinny) <= 16
+    split = [c for c in skinny if c.params.get("SPLIT_K", 1) > 1]
+    assert 8 <= len(skinny) - len(split) <= 16 and 6 <= len(split) <= 12
     for m in (1, 16):
         kept = fp8_gemm.prune_configs(fp8_gemm.CONFIG_SPACE, m, 4096, 4096, False, torch.bfloat16)
         assert all(c in kept for c in skinny)
@@ -228,6 +229,154 @@ def test_skinny_configs_are_offered_up_to_16_rows_and_fall_back_past_them() -> N
     with pytest.raises(ValueError, match="BLOCK_K"):
         gw, gs = _weights(48, 256, block=True)
         fp8_gemm.fp8_skinny_linear(x[:2], gw, gs, "group", None, None, torch.float32, dict(SKINNY, BLOCK_K=256))
+
+
+def _split(cfg: dict[str, int], split: int) -> dict[str, int]:
+    return dict(cfg, SPLIT_K=split) if split > 1 else cfg
+
+
+@pytest.fixture
+def launches(monkeypatch):  # type: ignore[no-untyped-def]
+    """(split, steps) of every fused launch, and the CPU's split-K counters fresh for the test."""
+    from pagecast.kernels import fp8_gemm
+
+    seen: list[tuple[int, int]] = []
+    real = fp8_gemm._launch_skinny
+    monkeypatch.setattr(fp8_gemm, "_COUNTERS", {})
+    monkeypatch.setattr(fp8_gemm, "_launch_skinny", lambda *a: seen.append((a[7], a[8])) or real(*a))
+    return seen
+
+
+def _cpu_counters() -> torch.Tensor:
+    from pagecast.kernels import fp8_gemm
+
+    return fp8_gemm._COUNTERS[torch.device("cpu")]
+
+
+@pytest.mark.parametrize("activations", ["token", "group", "static"])
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize(("k", "splits"), [(1300, {2: 2, 3: 3, 4: 4}), (1024, {2: 2, 3: 3, 4: 4}), (384, {2: 2, 3: 3, 4: 3})])
+def test_split_fused_decode_kernel_matches_the_unsplit_one_in_the_interpreter(activations, m, k, splits, launches):  # type: ignore[no-untyped-def]
+    """SPLIT_K 2, 3 and 4 against SPLIT_K 1 (and the reference, on activations the interpreter
+    quantises right): the same products and scales, the splits' fp32 partials added in another
+    order. K = 1300 is 11 steps of 128 (6 + 5, 4 + 4 + 3, 3 + 3 + 3 + 2; a partial last step),
+    1024 is 8 (3 + 3 + 2 for three splits), 384 is 3 steps: four splits would leave one without a
+    step, so the launcher runs three. Row counts of 1, 3 and 8 put 16, 4 and 2 steps in one
+    quantised tile, which a split of 2..6 steps cuts short. Each launch leaves the counters at zero."""
+    from pagecast.kernels import fp8_gemm
+
+    n = 72  # three column blocks of 32, the last partial
+    x, q, inp = _e4m3_rows(m, k, activations, seed=m + k)
+    qw, sw = _weights(n, k, activations == "group", seed=3)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(reference.quantize_fp8_activations(x, activations, inp)[0].float(), q)
+    ref = reference.fp8_linear(x, qw, sw, activations, inp, bias)
+    base = fp8_gemm.fp8_skinny_linear(x, qw, sw, activations, inp, bias, torch.float32, SKINNY)
+    torch.testing.assert_close(base, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    for split, ran in splits.items():
+        y = fp8_gemm.fp8_skinny_linear(x, qw, sw, activations, inp, bias, torch.float32, _split(SKINNY, split))
+        assert launches[-1][0] == ran
+        torch.testing.assert_close(y, base, rtol=1e-5, atol=1e-5 * base.abs().max().item(), msg=lambda s, sp=split: f"SPLIT_K {sp}: {s}")
+        assert not _cpu_counters().any()
+        if m > 1:
+            assert torch.equal(y[1], bias)  # the zero row
+    assert [sp for sp, _ in launches] == [1, *splits.values()]
+
+
+@pytest.mark.parametrize(("k", "split", "steps"), [(300, 4, 1), (640, 4, 2), (640, 3, 2), (640, 2, 4)])
+def test_split_fused_decode_kernel_takes_splits_without_a_step(k, split, steps, launches):  # type: ignore[no-untyped-def]
+    """The kernel itself with a split past the last K step (which the launcher never sends: an
+    empty partial, still counted): K = 300 is 3 steps over 4 splits of one, 640 is 5 steps over 4
+    of two (the last split starts past the end), 3 of two and 2 of four (uneven, none empty)."""
+    from pagecast.kernels import fp8_gemm
+
+    m, n = 3, 40
+    x, _, _ = _e4m3_rows(m, k, "token", seed=k)
+    qw, sw = _weights(n, k, block=False, seed=5)
+    bias = torch.randn(n)
+    cfg = fp8_gemm.KernelConfig.coerce(_split(SKINNY, split))
+    base = fp8_gemm.fp8_skinny_linear(x, qw, sw, "token", None, bias, torch.float32, SKINNY)
+    y = torch.full((m, n), float("nan"))
+    fp8_gemm._launch_skinny(x, qw, sw, sw, bias, y, 0, split, steps, cfg)
+    torch.testing.assert_close(y, base, rtol=1e-5, atol=1e-5 * base.abs().max().item())
+    assert not _cpu_counters().any()
+
+
+def test_split_fused_decode_kernel_finishes_a_column_block_only_at_its_last_ticket(launches):  # type: ignore[no-untyped-def]
+    """The interpreter runs the programs one after another, so the last to take a ticket is also the
+    last to run; here column block 1's counter starts at -1, as if one of its programs were still
+    to come: none of its programs draws ticket SPLIT_K - 1, so none writes its columns of y (they
+    stay NaN) or resets its counter, while blocks 0 and 2 finish as usual. A kernel that let an
+    earlier ticket sum the partials would write them."""
+    from pagecast.kernels import fp8_gemm
+
+    m, n, k, split = 2, 72, 1024, 4
+    x, _, _ = _e4m3_rows(m, k, "token", seed=9)
+    qw, sw = _weights(n, k, block=False, seed=9)
+    cfg = fp8_gemm.KernelConfig.coerce(_split(SKINNY, split))
+    base = fp8_gemm.fp8_skinny_linear(x, qw, sw, "token", None, None, torch.float32, SKINNY)
+    counters = fp8_gemm._split_counters(torch.device("cpu"), 3)
+    counters[1] = -1
+    y = torch.full((m, n), float("nan"))
+    fp8_gemm._launch_skinny(x, qw, sw, sw, None, y, 0, split, 2, cfg)
+    assert y[:, 32:64].isnan().all() and counters[1].item() == split - 1
+    torch.testing.assert_close(y[:, :32], base[:, :32], rtol=1e-5, atol=1e-5 * base.abs().max().item())
+    torch.testing.assert_close(y[:, 64:], base[:, 64:], rtol=1e-5, atol=1e-5 * base.abs().max().item())
+    assert counters[0].item() == 0 and counters[2].item() == 0
+
+
+def test_split_fused_launches_back_to_back_share_the_counters(launches):  # type: ignore[no-untyped-def]
+    """Launches of different shapes, column tiles and splits one after another (as a model's
+    projections run), each on counters the previous one left at zero: every result is right and
+    the same result again bitwise. A counter left non-zero would let no program of that column
+    block finish the next launch (its y stays NaN)."""
+    from pagecast.kernels import fp8_gemm
+
+    cases = [  # (activations, m, n, k, config)
+        ("token", 3, 72, 1300, {"SKINNY": 1, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 4}),
+        ("group", 1, 200, 1024, {"SKINNY": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2}),
+        ("static", 16, 96, 1536, {"SKINNY": 1, "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 3}),
+    ]
+    results = []
+    for activations, m, n, k, cfg in cases * 2:
+        x, _, inp = _e4m3_rows(m, k, activations, seed=n)
+        qw, sw = _weights(n, k, activations == "group", seed=n)
+        y = fp8_gemm.fp8_linear(x, Fp8LinearWeight(qw, sw, inp if activations == "static" else None, activations), None, cfg)
+        ref = reference.fp8_linear(x, qw, sw, activations, inp, None)
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        assert not _cpu_counters().any()
+        results.append(y)
+    assert [sp for sp, _ in launches] == [4, 2, 3] * 2
+    for a, b in zip(results[:3], results[3:], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_split_counters_grow_outside_capture_and_keep_the_outgrown_buffer(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from pagecast.kernels import fp8_gemm
+
+    monkeypatch.setattr(fp8_gemm, "_COUNTERS", {})
+    monkeypatch.setattr(fp8_gemm, "_OUTGROWN_COUNTERS", [])
+    cpu = torch.device("cpu")
+    first = fp8_gemm._split_counters(cpu, 10)
+    assert first.dtype == torch.int32 and first.numel() >= 1792 and not first.any()  # 28,672 columns / 16
+    assert fp8_gemm._split_counters(cpu, first.numel()) is first
+    grown = fp8_gemm._split_counters(cpu, first.numel() + 1)
+    assert grown.numel() > first.numel() and fp8_gemm._OUTGROWN_COUNTERS == [first]
+
+
+def test_split_skinny_configs_keep_two_k_steps_a_split() -> None:
+    from pagecast.kernels import fp8_gemm
+
+    for k in (4096, 14336, 1024, 512):
+        kept = [c for c in fp8_gemm.prune_configs(fp8_gemm.CONFIG_SPACE, 1, 4096, k, False, torch.bfloat16) if fp8_gemm.is_skinny(c)]
+        for c in fp8_gemm.CONFIG_SPACE:
+            if fp8_gemm.is_skinny(c) and c.params.get("SPLIT_K", 1) > 1:
+                assert (c in kept) == (k // (c["BLOCK_K"] * c["SPLIT_K"]) >= 2), (k, c)
+    # At Llama-3-8B's K every split config is kept; block scales keep the BLOCK_K 128 ones.
+    kept = fp8_gemm.prune_configs(fp8_gemm.CONFIG_SPACE, 16, 4096, 4096, True, torch.bfloat16)
+    block_split = [c for c in kept if fp8_gemm.is_skinny(c) and c.params.get("SPLIT_K", 1) > 1]
+    assert block_split and all(c["BLOCK_K"] == 128 for c in block_split)
+    assert fp8_gemm.default_config(1, 4096, 4096, False, torch.bfloat16).params.get("SPLIT_K", 1) == 1
 
 
 # ---------------------------------------------------------------------------- sm_90 compile (no GPU)
@@ -258,7 +407,8 @@ CHILD = textwrap.dedent(
                           "regs": int(re.search(r"Used (\\d+) registers", info).group(1)),
                           "spills": int(re.search(r"(\\d+) bytes spill stores", info).group(1)),
                           "mma": sorted(set(re.findall(r"\\b(?:wg)?mma[.\\w]*", ptx))),
-                          "cvt": sorted(set(re.findall(r"cvt[.\\w]*e4m3[.\\w]*", ptx)))}))
+                          "cvt": sorted(set(re.findall(r"cvt[.\\w]*e4m3[.\\w]*", ptx))),
+                          "sync": sorted(set(re.findall(r"\\b(?:atom|bar|fence|membar|ld\\.global\\.cg)[.\\w]*", ptx)))}))
     """
 )
 
@@ -312,7 +462,7 @@ def test_fp8_kernels_compile_for_sm90_with_wgmma_and_saturating_e4m3_conversion(
 
 SKINNY_SIG = {
     "x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "xs_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16",
-    "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
+    "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "STEPS": "i32",
 }  # fmt: skip
 
 
@@ -320,7 +470,9 @@ def test_fused_decode_kernel_compiles_for_sm90_in_every_config_without_spilling(
     """Every SKINNY config the tuner may time, in each activation mode: e4m3 operands into
     mma.sync (16 rows, below wgmma's 64), the activations converted with the saturating
     round-to-nearest-even cvt in the kernel itself, within Hopper's 227 KB of shared memory per
-    block and without register spills."""
+    block and without register spills. The split configs take their ticket with an acq_rel atomic
+    at GPU scope after a CTA barrier, and read the partials from L2 (ld.global.cg); unsplit ones
+    have no atomic."""
     from pagecast.kernels import fp8_gemm
 
     jobs = []
@@ -329,16 +481,23 @@ def test_fused_decode_kernel_compiles_for_sm90_in_every_config_without_spilling(
             for rows in (1, 16) if fp8_gemm.is_skinny(cfg) else ():  # 1: 16 steps a tile, 16: one
                 consts = {
                     "MODE": mode, "HAS_BIAS": mode == 2, "EVEN_K": True, "ROWS": rows, "BLOCK_M": 16,
-                    "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"], "GROUP_K": 128, "MIN_AMAX": 1e-12, "QMAX": 448.0,
+                    "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"], "SPLIT_K": cfg.params.get("SPLIT_K", 1),
+                    "GROUP_K": 128, "MIN_AMAX": 1e-12, "QMAX": 448.0,
                 }  # fmt: skip
                 options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
                 jobs.append(("skinny", SKINNY_SIG, consts, ["x_ptr", "w_ptr", "K", "N", "stride_xm"], options))
-    assert len(jobs) >= 24
+    assert len(jobs) >= 48 and sum(j[2]["SPLIT_K"] > 1 for j in jobs) >= 24
     for job, r in zip(jobs, _compile(jobs), strict=True):
         assert r["cubin"], job
         assert any(i.startswith("mma.sync") for i in r["mma"]) and "cvt.rn.f16x2.e4m3x2" in r["cvt"], job
         assert "cvt.rn.satfinite.e4m3x2.f32" in r["cvt"], job
         assert 0 < r["shared"] <= 227 * 1024 and r["spills"] == 0 and r["regs"] <= 255, (job, r)
+        atomics = [i for i in r["sync"] if i.startswith("atom")]
+        if job[2]["SPLIT_K"] == 1:
+            assert not atomics, (job, r["sync"])
+        else:
+            assert any(".acq_rel" in i and ".gpu" in i and ".add" in i for i in atomics), (job, r["sync"])
+            assert any(i.startswith("bar.sync") for i in r["sync"]) and any(i.startswith("ld.global.cg") for i in r["sync"]), (job, r["sync"])
 
 
 # ---------------------------------------------------------------------------- on the GPU
@@ -540,3 +699,101 @@ def test_gpu_fused_decode_kernel_is_capture_safe(activations):  # type: ignore[n
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, fp8_gemm.fp8_linear(x, weight, None, cfg))
+
+
+def _split_configs(m: int, n: int, k: int, activations: str) -> list:  # type: ignore[type-arg]
+    from pagecast.kernels import fp8_gemm
+
+    configs = fp8_gemm.prune_configs(fp8_gemm.CONFIG_SPACE, m, n, k, activations == "group", torch.bfloat16)
+    return [c for c in configs if fp8_gemm.is_skinny(c) and c.params.get("SPLIT_K", 1) > 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activations", ["token", "group", "static"])
+@pytest.mark.parametrize(("n", "k"), [(4096, 14336), (4096, 4096), (6144, 4096)])
+def test_gpu_split_fused_decode_kernel_matches_the_two_launch_path_and_repeats_bitwise(activations, n, k):  # type: ignore[no-untyped-def]
+    """Every split SKINNY config the tuner may time at Llama-3-8B's narrow projections (down, o,
+    qkv), 1 and 16 rows, fp32 out, against quantize_activations + the tiled GEMM (as the unsplit
+    configs are checked above: the same e4m3 values and scales, summed in another order); run twice,
+    bitwise the same (the partials are added in split order whichever program finishes last), and
+    the counters are zero after. A program that summed the partials before the others had written
+    them, or a counter left non-zero, would give wrong or uninitialised outputs here. ~12 compiled
+    variants per activation mode and row count."""
+    from pagecast.kernels import fp8_gemm
+
+    dev = _cuda()
+    g = torch.Generator(device=dev).manual_seed(5)
+    weight = _gpu_fp8_weight(n, k, activations, g, dev)
+    bias = torch.randn(n, generator=g, device=dev).to(torch.bfloat16)
+    for m in (1, 16):
+        x = (torch.randn(m, k, generator=g, device=dev) * 3).to(torch.bfloat16)
+        qx, sx = fp8_gemm.quantize_activations(x, activations, weight.input_scale)
+        tile = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1}
+        two = fp8_gemm.fp8_gemm(qx, sx, weight.weight, weight.weight_scale, bias, torch.float32, tile)
+        configs = _split_configs(m, n, k, activations)
+        assert len(configs) == (6 if activations == "group" else 12)
+        for cfg in configs:
+            args = (x, weight.weight, weight.weight_scale, activations, weight.input_scale, bias, torch.float32, cfg)
+            y = fp8_gemm.fp8_skinny_linear(*args)
+            again = fp8_gemm.fp8_skinny_linear(*args)
+            torch.cuda.synchronize()
+            atol = 3e-5 * two.abs().max().item()
+            torch.testing.assert_close(y, two, rtol=1e-5, atol=atol, msg=lambda s, c=cfg, m=m: f"m={m} {c}: {s}")
+            assert torch.equal(y, again), (m, cfg)
+            assert not fp8_gemm._COUNTERS[x.device].any(), (m, cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activations", ["token", "group"])
+def test_gpu_split_fused_decode_kernel_is_deterministic_over_many_runs(activations):  # type: ignore[no-untyped-def]
+    """o_proj and down_proj at one row with the deepest splits, 50 runs each (which program of a
+    column block finishes last varies from run to run): every output bitwise the first."""
+    from pagecast.kernels import fp8_gemm
+
+    dev = _cuda()
+    g = torch.Generator(device=dev).manual_seed(6)
+    for n, k, cfg in ((4096, 4096, {"SKINNY": 1, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 8}),
+                      (4096, 14336, {"SKINNY": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 8})):  # fmt: skip
+        weight = _gpu_fp8_weight(n, k, activations, g, dev)
+        x = (torch.randn(1, k, generator=g, device=dev) * 3).to(torch.bfloat16)
+        runs = [fp8_gemm.fp8_skinny_linear(x, weight.weight, weight.weight_scale, activations, None, None, torch.float32, cfg)
+                for _ in range(50)]  # fmt: skip
+        torch.cuda.synchronize()
+        assert all(torch.equal(r, runs[0]) for r in runs), (n, k)
+        assert not fp8_gemm._COUNTERS[x.device].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activations", ["token", "group", "static"])
+def test_gpu_split_fused_decode_kernel_replays_in_a_cuda_graph(activations):  # type: ignore[no-untyped-def]
+    """Two split launches back to back on the counters (qkv, then o, as a layer runs them),
+    captured in one CUDA graph and replayed 8 times on new rows: each replay bitwise the eager
+    result on the same rows, the counters zero after every replay."""
+    from pagecast.kernels import fp8_gemm
+
+    dev = _cuda()
+    g = torch.Generator(device=dev).manual_seed(7)
+    qkv = _gpu_fp8_weight(6144, 4096, activations, g, dev)
+    o = _gpu_fp8_weight(4096, 4096, activations, g, dev)
+    cfg_qkv = {"SKINNY": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2}
+    cfg_o = {"SKINNY": 1, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 4}
+
+    def layer(x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return fp8_gemm.fp8_linear(x, qkv, None, cfg_qkv), fp8_gemm.fp8_linear(h, o, None, cfg_o)
+
+    for m in (1, 16):
+        x = torch.randn(m, 4096, generator=g, device=dev).to(torch.bfloat16)
+        h = torch.randn(m, 4096, generator=g, device=dev).to(torch.bfloat16)
+        layer(x, h)  # compiled, the counters allocated, before capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer(x, h)
+        for _ in range(8):
+            x.copy_(torch.randn(m, 4096, generator=g, device=dev).to(torch.bfloat16) * 4)
+            h.copy_(torch.randn(m, 4096, generator=g, device=dev).to(torch.bfloat16))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert not fp8_gemm._COUNTERS[x.device].any()
+            eager = layer(x, h)
+            assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
