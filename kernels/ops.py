@@ -463,7 +463,7 @@ def moe(
     for the token bucket) on a GPU and as reference.fused_moe's per-expert loop otherwise, and
     the shared expert where there is one (Qwen2-MoE: sigmoid(x @ gate.T) * mlp(x)) is added.
     With tensor parallelism each rank's partial sum is all-reduced once."""
-    topk_weights, topk_ids = route(x, router_weight, router_bias, routing)
+    topk_weights, topk_ids = route(x, router_weight, router_bias, routing, use_kernel=_triton(x))
     act = activation
     # A bucket past the decode graphs' batches may run the naive loop (it syncs with the host);
     # the tuner offers it nowhere else (kernels/problems.py).

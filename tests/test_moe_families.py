@@ -251,7 +251,11 @@ def test_gpt_oss_gpu_builds(tmp_path, monkeypatch):  # type: ignore[no-untyped-d
     assert len(shapes) == 1
     assert shapes[0]["attn_sinks"] is True
     assert (shapes[0]["moe_activation"], shapes[0]["moe_bias"]) == ("swiglu_oai", True)
-    fields = {k: v for k, v in shapes[0].items() if k not in ("vocab_size", "logits_stride")}  # as _tune_main
+    # the routing kernel is compiled in gpt-oss's variant (top-k then softmax over the k)
+    routing = {"scoring": "topk_softmax", "renormalize": False, "weights_in_x_dtype": False}
+    assert shapes[0]["moe_routing"] == routing
+    popped = ("vocab_size", "logits_stride", "moe_routing")  # as _tune_main
+    fields = {k: v for k, v in shapes[0].items() if k not in popped}
     assert tuning.ModelShapes(**fields).attn_sinks
 
 

@@ -1,0 +1,229 @@
+"""The fused MoE routing kernel (kernels/moe_route_kernel.py) against moe_routing's torch path, in
+the Triton interpreter on the CPU: ids equal where the scores have no exact tie, the lowest expert
+index where they do, weights within an ulp or two; and the build compiles the one variant serving
+launches. tests/test_moe_route_kernel_gpu.py checks the same on CUDA."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from triton.backends.compiler import BaseBackend
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+from pagecast.kernels import moe_route_kernel
+from pagecast.kernels.moe_routing import MoeRouting, route, route_torch, weights_dtype
+
+INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+# softmax_topk with each (renormalize, weights_in_x_dtype), and gpt-oss's topk_softmax
+ROUTINGS = [("softmax_topk", r, w) for r in (False, True) for w in (False, True)] + [
+    ("topk_softmax", False, False)
+]
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Steps between two tensors of non-negative floats of one dtype (their bits as integers)."""
+    assert a.dtype == b.dtype
+    view = INT_VIEW[a.dtype]
+    return (a.contiguous().view(view).long() - b.contiguous().view(view).long()).abs()
+
+
+def scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    """What the top-k ranks, as the torch path computes it."""
+    return logits.float() if scoring == "topk_softmax" else torch.softmax(logits, dim=-1, dtype=torch.float32)
+
+
+def lowest_index_topk(s: torch.Tensor, k: int) -> torch.Tensor:
+    """The top k by descending score, exact ties to the lowest index (a stable sort keeps index order)."""
+    return torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def has_tie(s: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows whose top k + 1 sorted scores hold an exact tie (one that can change the top-k's ids)."""
+    top = torch.sort(s, dim=-1, descending=True).values[:, : k + 1]
+    return (top[:, 1:] == top[:, :-1]).any(dim=-1)
+
+
+def exact_weights(logits: torch.Tensor, ids: torch.Tensor, routing: MoeRouting) -> torch.Tensor:
+    """The routing weights at ``ids`` computed in fp64 from the fp32 differences to the row's maximum
+    (which torch and the kernel both round to fp32 first; the ids' order: equal scores, equal weights)."""
+
+    def softmax(x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax((x - x.max(dim=-1, keepdim=True).values).double(), dim=-1)
+
+    x = logits.float()
+    if routing.scoring == "topk_softmax":
+        return softmax(x.gather(1, ids))
+    top = softmax(x).gather(1, ids)
+    return top / top.sum(dim=-1, keepdim=True) if routing.renormalize else top
+
+
+def make_logits(rows: int, e: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random logits, with some rows of exact ties (all equal; the maximum at three experts; a tie
+    straddling the top-k boundary), large ones (saturated softmax: probabilities underflow to exact
+    zeros) and logits far from 0 (shifted by +-1000)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, e, generator=g) * 2
+    special = [
+        lambda r: r.zero_(),
+        lambda r: r.index_fill_(0, torch.tensor([e - 1, e // 2, 1]), r.max().item() + 1),
+        lambda r: r.index_fill_(0, torch.tensor([e - 2, 3, 0]), r.sort(descending=True).values[1].item()),
+        lambda r: r.mul_(40),
+        lambda r: r.add_(1000),
+        lambda r: r.sub_(1000),
+    ]
+    for i, fill in enumerate(special[: max(0, rows - 1)]):
+        fill(x[i + 1])
+    return x.to(dtype)
+
+
+def check(logits: torch.Tensor, routing: MoeRouting) -> tuple[int, int]:
+    """Kernel against the torch path on these logits; returns (rows with a tie, rows without)."""
+    k = routing.top_k
+    w, ids = moe_route_kernel.route_logits(
+        logits, k, routing.scoring, routing.renormalize, weights_dtype(routing, logits.dtype)
+    )
+    ref_w, ref_ids = route_torch(logits, routing)
+    assert w.dtype == ref_w.dtype and ids.dtype == torch.int64 and ids.shape == ref_ids.shape
+    s = scores(logits, routing.scoring)
+    tie = has_tie(s, k)
+    # Every row: descending score, exact ties to the lowest index (torch.topk's own tie order is
+    # arbitrary on the CPU, so its ids are compared only on rows without ties).
+    assert torch.equal(ids, lowest_index_topk(s, k))
+    assert torch.equal(ids[~tie], ref_ids[~tie])
+    # The weights, against the same formula in fp64 at the kernel's ids, rounded to the weights'
+    # dtype: fp32 ones within 4 ulps (an exp, a sum of up to 128, a division; the interpreter's
+    # exp is NumPy's), 6 where renormalised (another sum and division), as the torch path's are
+    # (its CPU softmax multiplies by the sum's reciprocal): the two may differ by more than an
+    # ulp. Rounded to a half type, within one step of it and of the torch path's. Below fp32's
+    # normal range (saturated rows' underflowing probabilities) fp32 steps are absolute: there,
+    # within fp32's smallest normal.
+    exact64 = exact_weights(logits, ids, routing)
+    exact = exact64.to(w.dtype)
+    assert torch.equal(exact.isfinite(), w.isfinite()) and torch.equal(exact.isfinite(), ref_w.isfinite())
+    tiny = torch.finfo(torch.float32).tiny
+    normal = exact64.abs() >= tiny
+    fp32_steps = 6 if routing.renormalize else 4
+    assert ulps(w[normal], exact[normal]).max().item() <= (fp32_steps if w.dtype == torch.float32 else 1)
+    assert ((w.double() - exact64)[~normal].abs() <= tiny).all()
+    if w.dtype == torch.float32:
+        assert ulps(ref_w[normal], exact[normal]).max().item() <= fp32_steps
+    if w.dtype != torch.float32:
+        assert ulps(w[normal], ref_w[normal]).max().item() <= 1
+    return int(tie.sum()), int((~tie).sum())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("e", [8, 60, 128])
+@pytest.mark.parametrize("top_k", [1, 2, 4, 8])
+def test_kernel_equals_the_torch_path(dtype: torch.dtype, e: int, top_k: int) -> None:
+    ties = plain = 0
+    for i, (scoring, renormalize, in_x) in enumerate(ROUTINGS):
+        routing = MoeRouting(top_k, scoring=scoring, renormalize=renormalize, weights_in_x_dtype=in_x)
+        for rows in (1, 3, 17):
+            t, p = check(make_logits(rows, e, dtype, seed=100 * e + 10 * top_k + i), routing)
+            ties, plain = ties + t, plain + p
+    assert ties and plain  # both kinds of row were checked
+
+
+def test_tied_rows_go_to_the_lowest_indices() -> None:
+    """Explicitly: all-equal logits take experts 0..k-1; a three-way tie at the maximum takes the
+    tied experts in index order; torch.topk on the CPU does not (why the rule is documented)."""
+    logits = torch.zeros(2, 128)
+    logits[1, [90, 7, 40]] = 5.0
+    for scoring in ("softmax_topk", "topk_softmax"):
+        _, ids = moe_route_kernel.route_logits(logits, 8, scoring, True, torch.float32)
+        assert ids[0].tolist() == list(range(8))
+        assert ids[1].tolist() == [7, 40, 90, 0, 1, 2, 3, 4]
+    assert torch.topk(logits[:1], 8).indices[0].tolist() != list(range(8))
+
+
+def test_nan_logits_still_route_to_distinct_experts() -> None:
+    """A NaN ranks first (torch.topk's rule) and every id is a distinct expert in range, so the
+    fused MoE never reads outside the expert weights."""
+    logits = torch.randn(3, 60)
+    logits[0, 5] = float("nan")
+    logits[1] = float("nan")
+    logits[2] = float("-inf")
+    for scoring in ("softmax_topk", "topk_softmax"):
+        _, ids = moe_route_kernel.route_logits(logits, 8, scoring, False, torch.float32)
+        assert all(len(set(row)) == 8 and 0 <= min(row) and max(row) < 60 for row in ids.tolist())
+    _, ids = moe_route_kernel.route_logits(logits, 8, "topk_softmax", False, torch.float32)
+    assert ids[0, 0].item() == 5 and ids[1].tolist() == list(range(8)) and ids[2].tolist() == list(range(8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_torch_half_softmax_is_the_fp32_one_rounded(dtype: torch.dtype) -> None:
+    """What the kernel's topk_softmax relies on: torch.softmax(top, dtype=x.dtype) for a half type
+    is the fp32 softmax rounded to it (torch accumulates half types in float)."""
+    top = (torch.randn(4000, 4) * 3).to(dtype)
+    assert torch.equal(torch.softmax(top, dim=-1, dtype=dtype), torch.softmax(top.float(), dim=-1).to(dtype))
+
+
+def test_route_takes_the_kernel_only_where_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU ``route`` is the torch path (the CPU engine routes as before); use_kernel=True runs
+    the kernel; routers the kernel does not take fall back to torch."""
+    g = torch.Generator().manual_seed(1)
+    x, w, b = torch.randn(5, 32, generator=g), torch.randn(60, 32, generator=g), torch.randn(60, generator=g)
+    routing = MoeRouting(4, renormalize=True)
+    expected = route_torch(torch.nn.functional.linear(x, w, b), routing)
+    kernel_w, kernel_ids = route(x, w, b, routing, use_kernel=True)
+    assert torch.equal(kernel_ids, expected[1]) and ulps(kernel_w, expected[0]).max() <= 2
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the kernel ran")
+
+    monkeypatch.setattr(moe_route_kernel, "route_logits", refuse)
+    for got, want in zip(route(x, w, b, routing), expected):
+        assert torch.equal(got, want)
+    wide = torch.randn(moe_route_kernel.MAX_EXPERTS + 1, 32, generator=g)
+    for got, want in zip(route(x, wide, None, routing, use_kernel=True), route_torch(x @ wide.T, routing)):
+        assert torch.equal(got, want)
+    assert route(x, w, b, MoeRouting(moe_route_kernel.MAX_TOP_K + 1), use_kernel=True)[1].shape == (5, 33)
+
+
+def test_served_launches_are_the_built_variant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The build (builder/tune.py, compile_route_kernel) launches the routing kernel in the variant
+    (Triton's specialisation key, through its own argument binder) that ops.moe's launches take
+    at every batch size, for each family's routing; another model's experts are another variant."""
+    from pagecast.builder import tune
+
+    kernel = moe_route_kernel._route_kernel
+    jit = JITFunction(getattr(kernel, "fn", kernel))
+    binder = create_function_from_signature(jit.signature, jit.params, BaseBackend)
+    keys: list[tuple] = []
+
+    class Recorded:
+        def __getitem__(self, grid: Any) -> Any:
+            def launch(*args: Any, **kwargs: Any) -> None:
+                _, specialization, options = binder(*args, **kwargs)
+                keys.append((tuple(map(tuple, specialization)), tuple(sorted(options.items()))))
+                kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(moe_route_kernel, "_route_kernel", Recorded())
+    families = {  # (experts, top_k, routing): Qwen3-30B-A3B, Mixtral, gpt-oss-20b
+        "qwen3": (128, 8, {"scoring": "softmax_topk", "renormalize": True, "weights_in_x_dtype": True}),
+        "mixtral": (8, 2, {"scoring": "softmax_topk", "renormalize": True, "weights_in_x_dtype": False}),
+        "gpt-oss": (32, 4, {"scoring": "topk_softmax", "renormalize": False, "weights_in_x_dtype": False}),
+    }
+    built_by_family = {}
+    for name, (e, k, fields) in families.items():
+        keys.clear()
+        tune.compile_route_kernel("cpu", e, k, fields, torch.bfloat16)
+        built = set(keys)
+        assert len(keys) == len(tune.ROUTE_ROWS) and len(built) == 1  # one variant for every row count
+        keys.clear()
+        routing = MoeRouting(k, **fields)
+        for rows in (1, 2, 5, 32, 33, 64, 257):
+            x = torch.randn(rows, 48).bfloat16()
+            route(x, torch.randn(e, 48).bfloat16(), None, routing, use_kernel=True)
+        assert set(keys) == built, name
+        built_by_family[name] = built
+    assert len(set().union(*built_by_family.values())) == 3
