@@ -8,24 +8,26 @@ topk, sum, divide, cast), for one token row per program with the whole row in re
                             round to nearest even, as torch's ``.to``).
     scoring "topk_softmax"  the top k of the logits (x's dtype, compared exactly in fp32); their
                             softmax computed in fp32 and rounded to x's dtype, which is what
-                            torch.softmax(..., dtype=x.dtype) does for half types (on the CPU and,
-                            accumulating in float, on CUDA; tests/test_moe_route_kernel.py checks
-                            the CPU's).
+                            torch.softmax(..., dtype=x.dtype) does for half types (it accumulates
+                            in float; on the CPU equal but for 1 in ~10,000 an ulp apart, where
+                            two fp32 results straddle a midpoint: tests/test_moe_route_kernel.py).
 
-The top k are k passes over the row: the largest score still in the row, the lowest expert index
-holding it, that expert taken out. So the ids come in descending-score order (torch.topk's
-sorted=True) and **exact ties go to the lowest expert index**. torch.topk promises no order for
-ties on either device: on the CPU (torch 2.13) ``topk(zeros(128), 8)`` returns experts 84, 87,
-86, ..., not 0..7, and on CUDA its order is not specified either. Where scores tie exactly this
-kernel may therefore route a token to other experts than transformers (or the torch path) does;
-with a softmax over distinct fp32 logits exact ties are rare, with gpt-oss's bf16 logits they are
-not (8 mantissa bits). A NaN score ranks above everything (torch.topk's rule), so the ids are
-always distinct experts in [0, E) whatever the logits hold: fused_moe never reads out of bounds.
+The top k are k passes over the row, each one (value, index) max-reduction: the largest score
+still in the row, the lowest expert index holding it, that expert taken out. So the ids come in
+descending-score order (torch.topk's sorted=True) and **exact ties go to the lowest expert
+index**. torch.topk promises no order for ties on either device: on the CPU (torch 2.13)
+``topk(zeros(128), 8)`` returns experts 84, 87, 86, ..., not 0..7, and on CUDA its order is not
+specified either. Where scores tie exactly this kernel may therefore route a token to other
+experts than transformers (or the torch path) does, with the same weights; with a softmax over
+distinct fp32 logits exact ties are rare, with gpt-oss's bf16 logits (8 mantissa bits) they are
+not. A NaN score ranks above everything (torch.topk's rule) and a -inf one as -FLT_MAX, so the
+ids are always distinct experts in [0, E) whatever the logits hold: fused_moe never reads out of
+bounds. (Only a row holding both -FLT_MAX and -inf logits would rank them by index, not value.)
 
 On CUDA the exps are libdevice's expf (what torch's CUDA softmax calls), not Triton's fast
-``tl.exp`` (under the interpreter, NumPy's exp against torch's CPU one);
-the sums add in another order than torch's, so a weight may differ from the torch path's by an
-ulp of fp32 (and then, rarely, of x's dtype after rounding).
+``tl.exp``; under the interpreter NumPy's. The sums add in another order than torch's, so fp32
+weights may differ from the torch path's by a few fp32 ulps (a sum of E terms; the tests allow 4,
+6 renormalised, against fp64) and weights in x's dtype, rarely, by one step of it.
 
 Rows run one program each with no integer arguments (the row stride is E, a constexpr), so one
 compiled variant per model (E, k, scoring, renormalisation, dtypes) serves every batch size and a
@@ -81,15 +83,18 @@ def _route_kernel(
     else:
         e = _exp(x - tl.max(x, axis=0), PRECISE_EXP)  # padding: exp(-inf) = 0
         score = e / tl.sum(e, axis=0)
-    # NaN ranks first, as in torch.topk (x != x: the interpreter has no libdevice isnan)
+    # The ranking key: NaN first (torch.topk's rule; x != x, the interpreter has no isnan), a -inf
+    # score above the experts already taken (-inf here), so each pass takes a new expert.
     key = tl.where(score != score, float("inf"), score)  # noqa: PLR0124
+    key = tl.where(key == float("-inf"), -3.4028234663852886e38, key)
     alive = valid
     slots = tl.arange(0, BLOCK_K)
     top = tl.zeros([BLOCK_K], dtype=tl.float32)
     ids = tl.zeros([BLOCK_K], dtype=tl.int32)
     for j in tl.static_range(K):
-        best = tl.max(tl.where(alive, key, float("-inf")), axis=0)
-        pick = tl.min(tl.where(alive & (key == best), offs, BLOCK_E), axis=0)  # lowest index at the max
+        # One (value, index) reduction: the largest key, the lowest index among equal ones.
+        _, pick = tl.max(tl.where(alive, key, float("-inf")), axis=0, return_indices=True,
+                         return_indices_tie_break_left=True)  # fmt: skip
         top = tl.where(slots == j, tl.sum(tl.where(offs == pick, score, 0.0), axis=0), top)
         ids = tl.where(slots == j, pick, ids)
         alive = alive & (offs != pick)
