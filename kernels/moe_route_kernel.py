@@ -25,7 +25,8 @@ ids are always distinct experts in [0, E) whatever the logits hold: fused_moe ne
 bounds. (Only a row holding both -FLT_MAX and -inf logits would rank them by index, not value.)
 
 On CUDA the exps are libdevice's expf (what torch's CUDA softmax calls), not Triton's fast
-``tl.exp``; under the interpreter NumPy's. The sums add in another order than torch's, so fp32
+``tl.exp``, and the divisions IEEE ones (div_rn: Triton's ``/`` is the approximate div.full);
+under the interpreter NumPy's exp. The sums add in another order than torch's, so fp32
 weights may differ from the torch path's by a few fp32 ulps (a sum of E terms; the tests allow 4,
 6 renormalised, against fp64) and weights in x's dtype, rarely, by one step of it.
 
@@ -82,7 +83,7 @@ def _route_kernel(
         score = x
     else:
         e = _exp(x - tl.max(x, axis=0), PRECISE_EXP)  # padding: exp(-inf) = 0
-        score = e / tl.sum(e, axis=0)
+        score = tl.math.div_rn(e, tl.sum(e, axis=0))  # IEEE, as torch (Triton's / is div.full)
     # The ranking key: NaN first (torch.topk's rule; x != x, the interpreter has no isnan), a -inf
     # score above the experts already taken (-inf here), so each pass takes a new expert.
     key = tl.where(score != score, float("inf"), score)  # noqa: PLR0124
@@ -102,9 +103,9 @@ def _route_kernel(
     if TOPK_SOFTMAX:
         t = tl.where(in_k, top, float("-inf"))
         e = _exp(t - tl.max(t, axis=0), PRECISE_EXP)
-        w = e / tl.sum(e, axis=0)
+        w = tl.math.div_rn(e, tl.sum(e, axis=0))
     elif RENORMALIZE:
-        w = top / tl.sum(tl.where(in_k, top, 0.0), axis=0)
+        w = tl.math.div_rn(top, tl.sum(tl.where(in_k, top, 0.0), axis=0))
     else:
         w = top
     out = row * K + slots
