@@ -107,8 +107,6 @@ def tune_in_subprocess(shapes: dict[str, Any], budget_s: float, cache_dir: Path)
 
 
 def _tune_main(shapes_json: str, budget_s: str) -> None:
-    import torch
-
     from pagecast.kernels import tuning
 
     fields = json.loads(shapes_json)
@@ -122,17 +120,19 @@ def _tune_main(shapes_json: str, budget_s: str) -> None:
     copy_gbs = tuning.measure_copy_bandwidth("cuda")
     table["copy_bandwidth_gbs"] = round(copy_gbs, 1)
     rows = tuning.bandwidth_report(table, shapes, copy_gbs)
-    _compile_untuned_kernels(vocab, logits_stride)
-    if shapes.num_experts and routing is not None:
-        compile_route_kernel("cuda", shapes.num_experts, shapes.top_k, routing, shapes.torch_dtype)
-        torch.cuda.synchronize()
+    moe = (shapes.num_experts, shapes.top_k, routing, shapes.torch_dtype) if shapes.num_experts and routing else None
+    _compile_untuned_kernels(vocab, logits_stride, moe)
     print(json.dumps({"table": table, "rows": rows}))
 
 
-def _compile_untuned_kernels(vocab: int | None = None, logits_stride: int | None = None) -> None:
+def _compile_untuned_kernels(
+    vocab: int | None = None, logits_stride: int | None = None, moe: tuple[Any, ...] | None = None
+) -> None:
     """Kernels with nothing to tune still go into the artifact's Triton cache, so serving
     compiles nothing: the seeded-sampling noise (kernels/keyed_noise.py), the sampler's kernels
-    (at this model's vocabulary, ``compile_sampler_kernels``) and xgrammar's grammar mask kernel."""
+    (at this model's vocabulary, ``compile_sampler_kernels``), xgrammar's grammar mask kernel and,
+    for a MoE model (``moe``: its experts, top-k, routing fields and dtype), the routing kernel
+    (``compile_route_kernel``)."""
     import torch
 
     from pagecast.kernels.keyed_noise import keyed_exponential
@@ -143,6 +143,8 @@ def _compile_untuned_kernels(vocab: int | None = None, logits_stride: int | None
     if vocab is not None:
         compile_sampler_kernels("cuda", vocab, logits_stride or vocab)
     compile_grammar_mask_kernels("cuda")
+    if moe is not None:
+        compile_route_kernel("cuda", *moe)
     torch.cuda.synchronize()
 
 

@@ -232,3 +232,35 @@ def test_served_launches_are_the_built_variant(monkeypatch: pytest.MonkeyPatch) 
         assert set(keys) == built, name
         built_by_family[name] = built
     assert len(set().union(*built_by_family.values())) == 3
+
+
+def test_the_tune_process_compiles_the_models_routing_kernel(monkeypatch: pytest.MonkeyPatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """builder/tune.py's tuning process (run on the target GPU with the artifact's Triton cache)
+    hands the model's routing from model_shapes to the untuned-kernel pass, which compiles the
+    routing kernel in it; a dense model's compiles none. (Tuning itself is stubbed out here.)"""
+    import json
+
+    from pagecast.builder import tune
+    from pagecast.kernels import tuning
+
+    monkeypatch.setattr(tuning, "tune", lambda *args, **kwargs: {"kernels": {}})
+    monkeypatch.setattr(tuning, "compile_window_variants", lambda *args: None)
+    monkeypatch.setattr(tuning, "measure_copy_bandwidth", lambda device: 1000.0)
+    monkeypatch.setattr(tuning, "bandwidth_report", lambda *args: [])
+    calls: list[tuple] = []
+    monkeypatch.setattr(tune, "_compile_untuned_kernels", lambda *args: calls.append(args))
+    routing = {"scoring": "softmax_topk", "renormalize": True, "weights_in_x_dtype": True}
+    dense = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "hidden": 64, "intermediate": 128,
+             "block_size": 16, "dtype": "bfloat16", "vocab_size": 3001, "logits_stride": 3001}  # fmt: skip
+    moe = {**dense, "num_experts": 60, "top_k": 4, "moe_intermediate": 32, "moe_routing": routing}
+    tune._tune_main(json.dumps(moe), "1")
+    tune._tune_main(json.dumps({**dense, "moe_routing": None}), "1")
+    capsys.readouterr()
+    assert calls == [(3001, 3001, (60, 4, routing, torch.bfloat16)), (3001, 3001, None)]
+    launched = []
+    real = moe_route_kernel.route_logits
+    monkeypatch.setattr(
+        moe_route_kernel, "route_logits", lambda *args: launched.append(args[1:]) or real(*args)
+    )
+    tune.compile_route_kernel("cpu", *calls[0][2])
+    assert launched == [(4, "softmax_topk", True, torch.bfloat16)] * len(tune.ROUTE_ROWS)
