@@ -30,6 +30,11 @@ under the interpreter NumPy's exp. The sums add in another order than torch's, s
 weights may differ from the torch path's by a few fp32 ulps (a sum of E terms; the tests allow 4,
 6 renormalised, against fp64) and weights in x's dtype, rarely, by one step of it.
 
+Widened (``route(..., widen=True)``, what ops.moe asks for on a GPU) the weights are stored as
+fp32 holding the same values (rounded to x's dtype first where the routing keeps them in it), the
+fp32 weights fused_moe reads: its ``.float()`` is then no launch, so a MoE layer's routing is the
+router GEMV and this one launch.
+
 Rows run one program each with no integer arguments (the row stride is E, a constexpr), so one
 compiled variant per model (E, k, scoring, renormalisation, dtypes) serves every batch size and a
 CUDA graph captures it like any launch; builder/tune.py compiles it into the artifact
@@ -74,6 +79,7 @@ def _route_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISE_EXP: tl.constexpr,  # libdevice's exp (CUDA); tl.exp under the interpreter
+    ROUND_TO_LOGITS: tl.constexpr,  # round the weights to the logits' (x's) dtype, then store them as fp32
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
@@ -108,6 +114,8 @@ def _route_kernel(
         w = tl.math.div_rn(top, tl.sum(tl.where(in_k, top, 0.0), axis=0))
     else:
         w = top
+    if ROUND_TO_LOGITS:
+        w = w.to(logits_ptr.dtype.element_ty).to(tl.float32)
     out = row * K + slots
     tl.store(weights_ptr + out, w.to(weights_ptr.dtype.element_ty), mask=in_k)
     tl.store(ids_ptr + out, ids.to(tl.int64), mask=in_k)
@@ -119,11 +127,18 @@ def num_warps(num_experts: int) -> int:
 
 
 def route_logits(
-    logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool, weights_dtype: torch.dtype
+    logits: torch.Tensor,
+    top_k: int,
+    scoring: str,
+    renormalize: bool,
+    weights_dtype: torch.dtype,
+    widen: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] (x's dtype) -> (topk_weights [T, k] in ``weights_dtype``, topk_ids [T, k]
-    int64), moe_routing.route's results (see the module docstring for ties and rounding). The
-    caller checks ``supported``; no host sync."""
+    int64), moe_routing.route's results (see the module docstring for ties and rounding). With
+    ``widen`` the weights are stored as fp32, holding the same values (rounded to
+    ``weights_dtype`` first): what fused_moe reads, without its conversion launch. The caller
+    checks ``supported``; no host sync."""
     t, e = logits.shape
     if not supported(e, top_k):
         raise ValueError(
@@ -131,13 +146,18 @@ def route_logits(
         )
     if scoring not in ("softmax_topk", "topk_softmax"):
         raise ValueError(f"unknown scoring {scoring!r}")
+    if weights_dtype not in (torch.float32, logits.dtype):
+        raise ValueError(f"the weights are fp32 or the logits' dtype {logits.dtype}, not {weights_dtype}")
     logits = logits.contiguous()
-    weights = torch.empty((t, top_k), dtype=weights_dtype, device=logits.device)
+    round_to_logits = widen and weights_dtype != torch.float32
+    out_dtype = torch.float32 if widen else weights_dtype
+    weights = torch.empty((t, top_k), dtype=out_dtype, device=logits.device)
     ids = torch.empty((t, top_k), dtype=torch.int64, device=logits.device)
     if t == 0:
         return weights, ids
     _route_kernel[(t,)](
         logits, weights, ids, E=e, K=top_k, TOPK_SOFTMAX=scoring == "topk_softmax", RENORMALIZE=renormalize,
-        BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k), PRECISE_EXP=logits.is_cuda, num_warps=num_warps(e),
+        BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k), PRECISE_EXP=logits.is_cuda,
+        ROUND_TO_LOGITS=round_to_logits, num_warps=num_warps(e),
     )  # fmt: skip
     return weights, ids

@@ -128,13 +128,17 @@ def route(
     router_bias: torch.Tensor | None,
     routing: MoeRouting,
     use_kernel: bool | None = None,
+    widen: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H], router_weight [E, H], router_bias [E] or None -> (topk_weights [T, k] (fp32, or
     x's dtype where the routing says so), topk_ids [T, k] int64), in transformers' order.
 
     The logits are F.linear's; the rest runs in the fused kernel (kernels/moe_route_kernel.py)
     where ``use_kernel`` (None: where the logits are on CUDA) and the kernel takes the router's
-    width and top-k, else in torch (``route_torch``)."""
+    width and top-k, else in torch (``route_torch``). With ``widen`` weights in x's dtype come as
+    fp32 holding the same values: fused_moe reads fp32 weights, and the kernel writes them so in
+    its one launch (ops.moe on a GPU; a bf16 or fp16 weight times an activation of that dtype is
+    exact in fp32, so even the naive expert loop's products round as before)."""
     logits = torch.nn.functional.linear(x, router_weight, router_bias)  # [T, E] in x's dtype
     if use_kernel is None:
         use_kernel = logits.is_cuda
@@ -142,10 +146,12 @@ def route(
         from pagecast.kernels import moe_route_kernel
 
         if moe_route_kernel.supported(logits.shape[-1], routing.top_k):
+            dtype = weights_dtype(routing, x.dtype)
             return moe_route_kernel.route_logits(
-                logits, routing.top_k, routing.scoring, routing.renormalize, weights_dtype(routing, x.dtype)
+                logits, routing.top_k, routing.scoring, routing.renormalize, dtype, widen
             )
-    return route_torch(logits, routing)
+    weights, ids = route_torch(logits, routing)
+    return (weights.float() if widen else weights), ids
 
 
 def weights_dtype(routing: MoeRouting, x_dtype: torch.dtype) -> torch.dtype:

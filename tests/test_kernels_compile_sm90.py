@@ -162,21 +162,25 @@ def test_moe_route_kernel_compiles_for_sm90() -> None:
     Mixtral (fp32 weights), gpt-oss (top-k then softmax) and the widest router it takes."""
     from pagecast.kernels import moe_route_kernel
 
-    def job(e: int, k: int, logits: str, weights: str, topk_softmax: bool, renormalize: bool) -> Sm90Job:
+    def job(e: int, k: int, logits: str, weights: str, topk: bool, renorm: bool, rnd: bool) -> Sm90Job:
         sig = {"logits_ptr": f"*{logits}", "weights_ptr": f"*{weights}", "ids_ptr": "*i64"}
         consts = {
-            "E": e, "K": k, "TOPK_SOFTMAX": topk_softmax, "RENORMALIZE": renormalize,
+            "E": e, "K": k, "TOPK_SOFTMAX": topk, "RENORMALIZE": renorm,
             "BLOCK_E": triton.next_power_of_2(e), "BLOCK_K": triton.next_power_of_2(k), "PRECISE_EXP": True,
+            "ROUND_TO_LOGITS": rnd,
         }  # fmt: skip
         divisible = ["logits_ptr", "weights_ptr", "ids_ptr"]
         return "moe_route", sig, consts, divisible, {"num_warps": moe_route_kernel.num_warps(e)}
 
     triton = pytest.importorskip("triton")
+    # ops.moe's launches (weights widened to fp32, rounded to bf16 first where the routing keeps
+    # them in x's dtype), route()'s default one (bf16 weights), and the widest router it takes.
     outputs = compile_sm90_batch([
-        job(128, 8, "bf16", "bf16", False, True),
-        job(8, 2, "bf16", "fp32", False, True),
-        job(32, 4, "bf16", "bf16", True, False),
-        job(moe_route_kernel.MAX_EXPERTS, moe_route_kernel.MAX_TOP_K, "fp32", "fp32", False, False),
+        job(128, 8, "bf16", "fp32", False, True, True),
+        job(128, 8, "bf16", "bf16", False, True, False),
+        job(8, 2, "bf16", "fp32", False, True, False),
+        job(32, 4, "bf16", "fp32", True, False, True),
+        job(moe_route_kernel.MAX_EXPERTS, moe_route_kernel.MAX_TOP_K, "fp32", "fp32", False, False, False),
     ])  # fmt: skip
     assert all("cubin" in asm for asm in outputs)
 

@@ -90,6 +90,14 @@ def check(logits: torch.Tensor, routing: MoeRouting) -> tuple[int, int]:
     )
     ref_w, ref_ids = route_torch(logits, routing)
     assert w.dtype == ref_w.dtype and ids.dtype == torch.int64 and ids.shape == ref_ids.shape
+    # widened (what ops.moe asks for on a GPU): the same weights as fp32, the same ids
+    wide_w, wide_ids = moe_route_kernel.route_logits(
+        logits, k, routing.scoring, routing.renormalize, weights_dtype(routing, logits.dtype), widen=True
+    )
+    # (The interpreter converts subnormal bf16 values to fp32 wrongly, so those are left out here.)
+    normal_w = w.float().abs() >= torch.finfo(torch.float32).tiny
+    assert wide_w.dtype == torch.float32 and torch.equal(wide_ids, ids)
+    assert torch.equal(wide_w[normal_w], w.float()[normal_w])
     s = scores(logits, routing.scoring)
     tie = has_tie(s, k)
     # Every row: descending score, exact ties to the lowest index (torch.topk's own tie order is
@@ -100,9 +108,10 @@ def check(logits: torch.Tensor, routing: MoeRouting) -> tuple[int, int]:
     # dtype: fp32 ones within 4 ulps (an exp, a sum of up to 128, a division; the interpreter's
     # exp is NumPy's), 6 where renormalised (another sum and division), as the torch path's are
     # (its CPU softmax multiplies by the sum's reciprocal): the two may differ by more than an
-    # ulp. Rounded to a half type, within one step of it and of the torch path's. Below fp32's
-    # normal range (saturated rows' underflowing probabilities) fp32 steps are absolute: there,
-    # within fp32's smallest normal.
+    # ulp. Rounded to a half type, within one step of it and of the torch path's (the
+    # interpreter's fp32 -> bf16 cast truncates; compiled, it rounds to nearest even, as torch).
+    # Below fp32's normal range (saturated rows' underflowing probabilities) fp32 steps are
+    # absolute: there, within fp32's smallest normal.
     exact64 = exact_weights(logits, ids, routing)
     exact = exact64.to(w.dtype)
     assert torch.equal(exact.isfinite(), w.isfinite()) and torch.equal(exact.isfinite(), ref_w.isfinite())
@@ -192,11 +201,45 @@ def test_route_takes_the_kernel_only_where_asked(monkeypatch: pytest.MonkeyPatch
     assert route(x, w, b, MoeRouting(moe_route_kernel.MAX_TOP_K + 1), use_kernel=True)[1].shape == (5, 33)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_widened_weights_change_no_expert_loop_result(dtype: torch.dtype) -> None:
+    """ops.moe on a GPU hands fused_moe the weights widened to fp32 (``route(..., widen=True)``),
+    which its kernels read anyway; the naive expert loop (reference.fused_moe) then multiplies
+    the half-type expert outputs by fp32 weights. A product of two half-type values is exact in
+    fp32, so rounded to the half type it is the product the loop computed before, bit for bit."""
+    from pagecast.kernels import reference
+
+    g = torch.Generator().manual_seed(0)
+    e, k, h, i, t = 8, 2, 32, 16, 9
+    x = torch.randn(t, h, generator=g).to(dtype)
+    w_gate_up = (torch.randn(e, 2 * i, h, generator=g) * 0.3).to(dtype)
+    w_down = (torch.randn(e, h, i, generator=g) * 0.3).to(dtype)
+    routing = MoeRouting(k, renormalize=True, weights_in_x_dtype=True)
+    router = torch.randn(e, h, generator=g).to(dtype)
+    weights, ids = route(x, router, None, routing, use_kernel=True)
+    wide, wide_ids = route(x, router, None, routing, use_kernel=True, widen=True)
+    assert weights.dtype == dtype and wide.dtype == torch.float32 and torch.equal(wide, weights.float())
+    assert torch.equal(wide_ids, ids)
+    weights, ids = route(x, router, None, routing)  # the torch path widens exactly too
+    assert torch.equal(route(x, router, None, routing, widen=True)[0], weights.float())
+    before = reference.fused_moe(x, weights, ids, w_gate_up, w_down)
+    assert torch.equal(reference.fused_moe(x, weights.float(), ids, w_gate_up, w_down), before)
+    # (fp32 weights that are not half-type values do change it)
+    assert not torch.equal(
+        reference.fused_moe(x, weights.float() * (1 + 2**-12), ids, w_gate_up, w_down), before
+    )
+
+
 def test_served_launches_are_the_built_variant(monkeypatch: pytest.MonkeyPatch) -> None:
     """The build (builder/tune.py, compile_route_kernel) launches the routing kernel in the variant
     (Triton's specialisation key, through its own argument binder) that ops.moe's launches take
-    at every batch size, for each family's routing; another model's experts are another variant."""
+    on a GPU at every batch size, for each family's routing; another model's experts are another
+    variant. (ops.moe runs here with Triton on and the fused experts stubbed out.)"""
     from pagecast.builder import tune
+    from pagecast.kernels import ops
+
+    monkeypatch.setattr(ops, "_triton", lambda x: True)
+    monkeypatch.setattr(ops, "_moe_kernel", lambda: lambda x, *args: torch.zeros_like(x))
 
     kernel = moe_route_kernel._route_kernel
     jit = JITFunction(getattr(kernel, "fn", kernel))
@@ -226,9 +269,10 @@ def test_served_launches_are_the_built_variant(monkeypatch: pytest.MonkeyPatch) 
         assert len(keys) == len(tune.ROUTE_ROWS) and len(built) == 1  # one variant for every row count
         keys.clear()
         routing = MoeRouting(k, **fields)
+        w = torch.randn(e, 48).bfloat16()
+        experts = torch.zeros(e, 2, 48).bfloat16(), torch.zeros(e, 48, 1).bfloat16()
         for rows in (1, 2, 5, 32, 33, 64, 257):
-            x = torch.randn(rows, 48).bfloat16()
-            route(x, torch.randn(e, 48).bfloat16(), None, routing, use_kernel=True)
+            ops.moe(torch.randn(rows, 48).bfloat16(), w, None, *experts, routing=routing)
         assert set(keys) == built, name
         built_by_family[name] = built
     assert len(set().union(*built_by_family.values())) == 3
@@ -263,4 +307,4 @@ def test_the_tune_process_compiles_the_models_routing_kernel(monkeypatch: pytest
         moe_route_kernel, "route_logits", lambda *args: launched.append(args[1:]) or real(*args)
     )
     tune.compile_route_kernel("cpu", *calls[0][2])
-    assert launched == [(4, "softmax_topk", True, torch.bfloat16)] * len(tune.ROUTE_ROWS)
+    assert launched == [(4, "softmax_topk", True, torch.bfloat16, True)] * len(tune.ROUTE_ROWS)

@@ -44,6 +44,10 @@ def check_against_torch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
     """route() on CUDA (the kernel) against the torch path on the same logits; returns the rows
     where torch's CUDA topk broke an exact tie otherwise (the only difference in ids allowed)."""
     weights, ids = route(x, w, b, routing)
+    wide_w, wide_ids = route(x, w, b, routing, widen=True)  # as ops.moe asks on a GPU
+    assert (
+        wide_w.dtype == torch.float32 and torch.equal(wide_w, weights.float()) and torch.equal(wide_ids, ids)
+    )
     logits = torch.nn.functional.linear(x, w, b)
     ref_w, ref_ids = route_torch(logits, routing)
     assert weights.dtype == ref_w.dtype and ids.dtype == torch.int64
@@ -102,25 +106,26 @@ def test_route_on_cuda_runs_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_captured_in_a_cuda_graph(family: str) -> None:
-    """No host sync: route() captures in a CUDA graph and its replays route new inputs as eager."""
+    """No host sync: route() as ops.moe calls it (weights widened to fp32) captures in a CUDA graph
+    and its replays route new inputs as eager."""
     e, routing = FAMILIES[family]
     w, b = router(e, torch.bfloat16, bias=routing.scoring == "topk_softmax")
     x = torch.randn(16, HIDDEN, device="cuda").bfloat16()
-    route(x, w, b, routing)  # compiled (and the cuBLAS handle made) before capture
+    route(x, w, b, routing, widen=True)  # compiled (and the cuBLAS handle made) before capture
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        route(x, w, b, routing)
+        route(x, w, b, routing, widen=True)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        weights, ids = route(x, w, b, routing)
+        weights, ids = route(x, w, b, routing, widen=True)
     for seed in range(3):
         x.copy_(
             torch.randn(16, HIDDEN, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda")
         )
         graph.replay()
-        eager_w, eager_ids = route(x, w, b, routing)
+        eager_w, eager_ids = route(x, w, b, routing, widen=True)
         assert torch.equal(ids, eager_ids) and torch.equal(weights, eager_w)
 
 
@@ -141,7 +146,7 @@ if mode == "build":
 else:
     w = torch.randn(e, 256, device="cuda").bfloat16()
     for rows in (1, 2, 5, 8, 16, 17, 64, 255, 256, 1000):
-        route(torch.randn(rows, 256, device="cuda").bfloat16(), w, None, MoeRouting(k, **fields))
+        route(torch.randn(rows, 256, device="cuda").bfloat16(), w, None, MoeRouting(k, **fields), widen=True)
     torch.cuda.synchronize()
 print(json.dumps(compiles.names))
 """
