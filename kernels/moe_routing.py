@@ -6,7 +6,7 @@ in one fused Triton launch on CUDA (kernels/moe_route_kernel.py, routers up to 1
 top-k up to 32) and in torch ops elsewhere (``route_torch``, transformers' ops: the CPU engine and
 the kernel's reference). Both compute the same thing; they differ only in how exact ties in the
 scores are broken (the kernel: the lowest expert index; torch.topk: unspecified on either device,
-see moe_route_kernel's docstring) and by an fp32 ulp in sums added in another order:
+see moe_route_kernel's docstring) and by a few fp32 ulps in sums added in another order:
 
     scoring "softmax_topk"  (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE)
         logits = x @ router.T in x's dtype; probs = softmax(logits) in fp32; top-k of probs;
@@ -131,7 +131,8 @@ def route(
     widen: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H], router_weight [E, H], router_bias [E] or None -> (topk_weights [T, k] (fp32, or
-    x's dtype where the routing says so), topk_ids [T, k] int64), in transformers' order.
+    x's dtype where the routing says so), topk_ids [T, k] int64), in transformers' order (exact
+    ties aside: see the module docstring).
 
     The logits are F.linear's; the rest runs in the fused kernel (kernels/moe_route_kernel.py)
     where ``use_kernel`` (None: where the logits are on CUDA) and the kernel takes the router's
