@@ -59,10 +59,13 @@ def check_against_torch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
     exact64 = exact_weights(logits, ids, routing)
     exact = exact64.to(weights.dtype)
     normal = exact64.abs() >= torch.finfo(torch.float32).tiny
-    if weights.dtype == torch.float32:  # the same libdevice exp as torch's; sums in another order
-        steps = 6 if routing.renormalize else 4
-        assert ulps(weights[normal], exact[normal]).max().item() <= steps
+    if weights.dtype == torch.float32:
+        # The same exp as torch's (CUDA's expf, within 2 ulps) and IEEE divisions; the sums of E
+        # terms add in another order. Bounds with room (not measured here: no GPU where this was
+        # written): within 6 ulps of torch's (8 renormalised) and 8 of fp64 (10).
+        steps = 8 if routing.renormalize else 6
         assert ulps(weights[normal], ref_w[normal]).max().item() <= steps
+        assert ulps(weights[normal], exact[normal]).max().item() <= steps + 2
     else:
         assert ulps(weights[normal], ref_w[normal]).max().item() <= 1
         assert ulps(weights[normal], exact[normal]).max().item() <= 1
