@@ -120,7 +120,9 @@ def _tune_main(shapes_json: str, budget_s: str) -> None:
     copy_gbs = tuning.measure_copy_bandwidth("cuda")
     table["copy_bandwidth_gbs"] = round(copy_gbs, 1)
     rows = tuning.bandwidth_report(table, shapes, copy_gbs)
-    moe = (shapes.num_experts, shapes.top_k, routing, shapes.torch_dtype) if shapes.num_experts and routing else None
+    moe = None
+    if shapes.num_experts and routing:
+        moe = (shapes.num_experts, shapes.top_k, routing, shapes.torch_dtype)
     _compile_untuned_kernels(vocab, logits_stride, moe)
     print(json.dumps({"table": table, "rows": rows}))
 
