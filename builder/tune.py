@@ -61,7 +61,18 @@ def model_shapes(state: BuildState) -> dict[str, Any]:
         "top_k": model.moe.top_k if model.moe is not None else 0,
         "moe_intermediate": per_rank.moe_intermediate_size,
         **moe_variant(model.moe),
+        # The routing kernel's switches (kernels/moe_route_kernel.py), which ModelShapes (the tuned
+        # kernels') does not hold: compiled untuned, at num_experts / top_k / dtype above.
+        "moe_routing": moe_routing_fields(model.moe),
     }
+
+
+def moe_routing_fields(moe: Any) -> dict[str, Any] | None:
+    """A MoE model's routing (kernels/moe_routing.MoeRouting's fields but top_k), None without MoE."""
+    if moe is None:
+        return None
+    fields = ("scoring", "renormalize", "weights_in_x_dtype")
+    return {name: getattr(moe, name) for name in fields}
 
 
 def moe_variant(moe: Any) -> dict[str, Any]:
@@ -101,6 +112,7 @@ def _tune_main(shapes_json: str, budget_s: str) -> None:
     fields = json.loads(shapes_json)
     # The sampler's shapes, which ModelShapes (the tuned kernels') does not hold.
     vocab, logits_stride = fields.pop("vocab_size", None), fields.pop("logits_stride", None)
+    routing = fields.pop("moe_routing", None)  # the routing kernel's, likewise
     shapes = tuning.ModelShapes(**fields)
     kernels = tuning.KERNELS + (tuning.MOE_KERNELS if shapes.num_experts else ())  # fused MoE for MoE models
     table = tuning.tune(kernels, shapes, budget_s=float(budget_s), device="cuda")
@@ -108,14 +120,21 @@ def _tune_main(shapes_json: str, budget_s: str) -> None:
     copy_gbs = tuning.measure_copy_bandwidth("cuda")
     table["copy_bandwidth_gbs"] = round(copy_gbs, 1)
     rows = tuning.bandwidth_report(table, shapes, copy_gbs)
-    _compile_untuned_kernels(vocab, logits_stride)
+    moe = None
+    if shapes.num_experts and routing:
+        moe = (shapes.num_experts, shapes.top_k, routing, shapes.torch_dtype)
+    _compile_untuned_kernels(vocab, logits_stride, moe)
     print(json.dumps({"table": table, "rows": rows}))
 
 
-def _compile_untuned_kernels(vocab: int | None = None, logits_stride: int | None = None) -> None:
+def _compile_untuned_kernels(
+    vocab: int | None = None, logits_stride: int | None = None, moe: tuple[Any, ...] | None = None
+) -> None:
     """Kernels with nothing to tune still go into the artifact's Triton cache, so serving
     compiles nothing: the seeded-sampling noise (kernels/keyed_noise.py), the sampler's kernels
-    (at this model's vocabulary, ``compile_sampler_kernels``) and xgrammar's grammar mask kernel."""
+    (at this model's vocabulary, ``compile_sampler_kernels``), xgrammar's grammar mask kernel and,
+    for a MoE model (``moe``: its experts, top-k, routing fields and dtype), the routing kernel
+    (``compile_route_kernel``)."""
     import torch
 
     from pagecast.kernels.keyed_noise import keyed_exponential
@@ -126,7 +145,37 @@ def _compile_untuned_kernels(vocab: int | None = None, logits_stride: int | None
     if vocab is not None:
         compile_sampler_kernels("cuda", vocab, logits_stride or vocab)
     compile_grammar_mask_kernels("cuda")
+    if moe is not None:
+        compile_route_kernel("cuda", *moe)
     torch.cuda.synchronize()
+
+
+ROUTE_ROWS = (1, 3, 16, 17)  # token rows: the kernel has no integer argument, one variant serves all
+
+
+def compile_route_kernel(
+    device: str, num_experts: int, top_k: int, routing: dict[str, Any], dtype: torch.dtype
+) -> None:
+    """Run the MoE routing kernel (kernels/moe_route_kernel.py) as ops.moe runs it, at this model's
+    experts, top-k, routing and activation dtype, so that its one variant goes into the artifact's
+    Triton cache. Its launches take no integer argument (the row stride is the constexpr E) and
+    fresh, aligned tensors, so the rows here stand for every batch a server runs;
+    tests/test_moe_route_kernel.py checks through Triton's binder that served launches are among
+    these. Nothing to do where the kernel does not take the router (the torch path routes)."""
+    import torch
+
+    from pagecast.kernels import moe_route_kernel
+    from pagecast.kernels.moe_routing import MoeRouting, route
+
+    if not moe_route_kernel.supported(num_experts, top_k):
+        return
+    spec = MoeRouting(top_k, **routing)
+    generator = torch.Generator(device).manual_seed(0)
+    hidden = 64  # the router's GEMV is F.linear's; the kernel sees only [rows, num_experts] logits
+    router = torch.randn(num_experts, hidden, generator=generator, device=device).to(dtype)
+    for rows in ROUTE_ROWS:
+        x = torch.randn(rows, hidden, generator=generator, device=device).to(dtype)
+        route(x, router, None, spec, use_kernel=True, widen=True)  # as ops.moe on a GPU
 
 
 def sampler_settings(vocab: int) -> list[Any]:

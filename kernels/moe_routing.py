@@ -1,8 +1,12 @@
 """Mixture-of-experts routing and expert layout: which experts each token visits, with what weight,
 and the one expert-weight layout the fused-MoE kernels and the reference read.
 
-Routing runs in torch on every device (a [tokens, experts] softmax and a top-k are a few small
-launches, and torch.topk on the same device is what transformers calls, so ties go the same way):
+Routing: the router's logits are F.linear's (x @ router.T, + bias, in x's dtype); the rest runs
+in one fused Triton launch on CUDA (kernels/moe_route_kernel.py, routers up to 1,024 experts and
+top-k up to 32) and in torch ops elsewhere (``route_torch``, transformers' ops: the CPU engine and
+the kernel's reference). Both compute the same thing; they differ only in how exact ties in the
+scores are broken (the kernel: the lowest expert index; torch.topk: unspecified on either device,
+see moe_route_kernel's docstring) and by a few fp32 ulps in sums added in another order:
 
     scoring "softmax_topk"  (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE)
         logits = x @ router.T in x's dtype; probs = softmax(logits) in fp32; top-k of probs;
@@ -119,11 +123,48 @@ def is_moe_layer(architecture: str, config: dict[str, Any], layer: int) -> bool:
 
 
 def route(
-    x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor | None, routing: MoeRouting
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    router_bias: torch.Tensor | None,
+    routing: MoeRouting,
+    use_kernel: bool | None = None,
+    widen: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H], router_weight [E, H], router_bias [E] or None -> (topk_weights [T, k] (fp32, or
-    x's dtype where the routing says so), topk_ids [T, k] int64), in transformers' order."""
+    x's dtype where the routing says so), topk_ids [T, k] int64), in transformers' order (exact
+    ties aside: see the module docstring).
+
+    The logits are F.linear's; the rest runs in the fused kernel (kernels/moe_route_kernel.py)
+    where ``use_kernel`` (None: where the logits are on CUDA) and the kernel takes the router's
+    width and top-k, else in torch (``route_torch``). With ``widen`` weights in x's dtype come as
+    fp32 holding the same values: fused_moe reads fp32 weights, and the kernel writes them so in
+    its one launch (ops.moe on a GPU; a bf16 or fp16 weight times an activation of that dtype is
+    exact in fp32, so even the naive expert loop's products round as before)."""
     logits = torch.nn.functional.linear(x, router_weight, router_bias)  # [T, E] in x's dtype
+    if use_kernel is None:
+        use_kernel = logits.is_cuda
+    if use_kernel:
+        from pagecast.kernels import moe_route_kernel
+
+        if moe_route_kernel.supported(logits.shape[-1], routing.top_k):
+            dtype = weights_dtype(routing, x.dtype)
+            return moe_route_kernel.route_logits(
+                logits, routing.top_k, routing.scoring, routing.renormalize, dtype, widen
+            )
+    weights, ids = route_torch(logits, routing)
+    return (weights.float() if widen else weights), ids
+
+
+def weights_dtype(routing: MoeRouting, x_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of ``route``'s topk_weights for activations of ``x_dtype``."""
+    if routing.scoring == "topk_softmax" or routing.weights_in_x_dtype:
+        return x_dtype
+    return torch.float32
+
+
+def route_torch(logits: torch.Tensor, routing: MoeRouting) -> tuple[torch.Tensor, torch.Tensor]:
+    """``route`` from the logits [T, E] (x's dtype) in torch ops, as transformers routes: the CPU
+    path and the fused kernel's reference."""
     if routing.scoring == "topk_softmax":
         top, ids = torch.topk(logits, routing.top_k, dim=-1)
         return torch.softmax(top, dim=-1, dtype=top.dtype), ids
@@ -132,7 +173,7 @@ def route(
     if routing.renormalize:
         top = top / top.sum(dim=-1, keepdim=True)
     if routing.weights_in_x_dtype:
-        top = top.to(x.dtype)
+        top = top.to(logits.dtype)
     return top, ids
 
 

@@ -463,7 +463,9 @@ def moe(
     for the token bucket) on a GPU and as reference.fused_moe's per-expert loop otherwise, and
     the shared expert where there is one (Qwen2-MoE: sigmoid(x @ gate.T) * mlp(x)) is added.
     With tensor parallelism each rank's partial sum is all-reduced once."""
-    topk_weights, topk_ids = route(x, router_weight, router_bias, routing)
+    # On a GPU: routed in one launch (kernels/moe_route_kernel.py), the weights as the fp32 fused_moe reads.
+    kernels = _triton(x)
+    topk_weights, topk_ids = route(x, router_weight, router_bias, routing, use_kernel=kernels, widen=kernels)
     act = activation
     # A bucket past the decode graphs' batches may run the naive loop (it syncs with the host);
     # the tuner offers it nowhere else (kernels/problems.py).

@@ -30,7 +30,7 @@ CHILD = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from pagecast.kernels import keyed_noise, paged_decode_attention, paged_prefill_attention, rotary_kv, sampling
-    from pagecast.kernels import w4a16_gemm, w4a16_gemv
+    from pagecast.kernels import moe_route_kernel, w4a16_gemm, w4a16_gemv
 
     for job in sys.argv[1:]:  # each job's lines after a line '=== <kernel>'
         kernel, signature, constexprs, divisible, options = json.loads(job)
@@ -44,7 +44,8 @@ CHILD = textwrap.dedent(
               "paged_prefill": paged_prefill_attention._paged_prefill_kernel, "race": sampling._race_kernel,
               "count_ties": sampling._count_ties_kernel, "logprob_stats": sampling._logprob_stats_kernel,
               "block_max": sampling._block_max_kernel, "threshold": sampling._threshold_kernel,
-              "collect": sampling._collect_kernel, "select": sampling._select_kernel}[kernel]
+              "collect": sampling._collect_kernel, "select": sampling._select_kernel,
+              "moe_route": moe_route_kernel._route_kernel}[kernel]
         sig = dict(signature, **{name: "constexpr" for name in constexprs})
         # the launcher's tt.divisibility=16 on the named arguments (16-byte aligned pointers, strides)
         attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
@@ -154,6 +155,34 @@ def _w4a16_launch(cfg: KernelConfig, m: int, n: int, k: int, g: int, x: str, sca
     }  # fmt: skip
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     return ("w4a16_gemm", signature, constexprs, divisible, options)
+
+
+def test_moe_route_kernel_compiles_for_sm90() -> None:
+    """The routing kernel as route() launches it (kernels/moe_route_kernel.py) for Qwen3-30B-A3B,
+    Mixtral (fp32 weights), gpt-oss (top-k then softmax) and the widest router it takes."""
+    from pagecast.kernels import moe_route_kernel
+
+    def job(e: int, k: int, logits: str, weights: str, topk: bool, renorm: bool, rnd: bool) -> Sm90Job:
+        sig = {"logits_ptr": f"*{logits}", "weights_ptr": f"*{weights}", "ids_ptr": "*i64"}
+        consts = {
+            "E": e, "K": k, "TOPK_SOFTMAX": topk, "RENORMALIZE": renorm,
+            "BLOCK_E": triton.next_power_of_2(e), "BLOCK_K": triton.next_power_of_2(k), "PRECISE_EXP": True,
+            "ROUND_TO_LOGITS": rnd,
+        }  # fmt: skip
+        divisible = ["logits_ptr", "weights_ptr", "ids_ptr"]
+        return "moe_route", sig, consts, divisible, {"num_warps": moe_route_kernel.num_warps(e)}
+
+    triton = pytest.importorskip("triton")
+    # ops.moe's launches (weights widened to fp32, rounded to bf16 first where the routing keeps
+    # them in x's dtype), route()'s default one (bf16 weights), and the widest router it takes.
+    outputs = compile_sm90_batch([
+        job(128, 8, "bf16", "fp32", False, True, True),
+        job(128, 8, "bf16", "bf16", False, True, False),
+        job(8, 2, "bf16", "fp32", False, True, False),
+        job(32, 4, "bf16", "fp32", True, False, True),
+        job(moe_route_kernel.MAX_EXPERTS, moe_route_kernel.MAX_TOP_K, "fp32", "fp32", False, False, False),
+    ])  # fmt: skip
+    assert all("cubin" in asm for asm in outputs)
 
 
 def test_w4a16_gemm_fp32_configs_fit_sm90_shared_memory() -> None:

@@ -251,7 +251,11 @@ def test_gpt_oss_gpu_builds(tmp_path, monkeypatch):  # type: ignore[no-untyped-d
     assert len(shapes) == 1
     assert shapes[0]["attn_sinks"] is True
     assert (shapes[0]["moe_activation"], shapes[0]["moe_bias"]) == ("swiglu_oai", True)
-    fields = {k: v for k, v in shapes[0].items() if k not in ("vocab_size", "logits_stride")}  # as _tune_main
+    # the routing kernel is compiled in gpt-oss's variant (top-k then softmax over the k)
+    routing = {"scoring": "topk_softmax", "renormalize": False, "weights_in_x_dtype": False}
+    assert shapes[0]["moe_routing"] == routing
+    popped = ("vocab_size", "logits_stride", "moe_routing")  # as _tune_main
+    fields = {k: v for k, v in shapes[0].items() if k not in popped}
     assert tuning.ModelShapes(**fields).attn_sinks
 
 
@@ -286,3 +290,32 @@ def test_gpt_oss_through_the_triton_kernels(tmp_path, monkeypatch):  # type: ign
     # every attention ran in a kernel with its layer's sinks; sliding and full layers both ran
     assert {(name, sinks) for name, sinks, _ in launched} == {("decode", True), ("prefill", True)}
     assert {window > 0 for _, _, window in launched} == {True, False}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_moe_through_the_routing_and_fused_kernels(tmp_path, monkeypatch, family):  # type: ignore[no-untyped-def]
+    """The MoE block's GPU path in the Triton interpreter: routing in the fused kernel
+    (kernels/moe_route_kernel.py, its weights widened to fp32 as ops.moe asks), then the fused
+    MoE kernels; transformers' greedy tokens on the CPU."""
+    from tiny_models import make_checkpoint
+
+    from pagecast.kernels import moe_route_kernel, ops
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", family, tokenizer=False, vocab_size=512)
+    art = build(BuildOptions(model=str(ckpt), output=tmp_path / "art", force=True, quiet=True))
+    llm = LLM(art, max_num_batched_tokens=32, max_num_seqs=4)
+    monkeypatch.setattr(ops, "_triton", lambda x: True)
+    routed = []
+    original = moe_route_kernel.route_logits
+
+    def recorded(*args, **kwargs):  # type: ignore[no-untyped-def]
+        weights, ids = original(*args, **kwargs)
+        routed.append(weights.dtype)
+        return weights, ids
+
+    monkeypatch.setattr(moe_route_kernel, "route_logits", recorded)
+    prompts = [[1 + (i * 37 + j * 11) % 500 for j in range(n)] for i, n in enumerate([5, 23])]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    hf = hf_model(ckpt)
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 4) for p in prompts]
+    assert routed and set(routed) == {torch.float32}

@@ -1,0 +1,310 @@
+"""The fused MoE routing kernel (kernels/moe_route_kernel.py) against moe_routing's torch path, in
+the Triton interpreter on the CPU: ids equal where the scores have no exact tie, the lowest expert
+index where they do, weights within an ulp or two; and the build compiles the one variant serving
+launches. tests/test_moe_route_kernel_gpu.py checks the same on CUDA."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from triton.backends.compiler import BaseBackend
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+from pagecast.kernels import moe_route_kernel
+from pagecast.kernels.moe_routing import MoeRouting, route, route_torch, weights_dtype
+
+INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+# softmax_topk with each (renormalize, weights_in_x_dtype), and gpt-oss's topk_softmax
+ROUTINGS = [("softmax_topk", r, w) for r in (False, True) for w in (False, True)] + [
+    ("topk_softmax", False, False)
+]
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Steps between two tensors of non-negative floats of one dtype (their bits as integers)."""
+    assert a.dtype == b.dtype
+    view = INT_VIEW[a.dtype]
+    return (a.contiguous().view(view).long() - b.contiguous().view(view).long()).abs()
+
+
+def scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    """What the top-k ranks, as the torch path computes it."""
+    return logits.float() if scoring == "topk_softmax" else torch.softmax(logits, dim=-1, dtype=torch.float32)
+
+
+def lowest_index_topk(s: torch.Tensor, k: int) -> torch.Tensor:
+    """The top k by descending score, exact ties to the lowest index (a stable sort keeps index order)."""
+    return torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def has_tie(s: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows whose top k + 1 sorted scores hold an exact tie (one that can change the top-k's ids)."""
+    top = torch.sort(s, dim=-1, descending=True).values[:, : k + 1]
+    return (top[:, 1:] == top[:, :-1]).any(dim=-1)
+
+
+def exact_weights(logits: torch.Tensor, ids: torch.Tensor, routing: MoeRouting) -> torch.Tensor:
+    """The routing weights at ``ids`` computed in fp64 from the fp32 differences to the row's maximum
+    (which torch and the kernel both round to fp32 first; the ids' order: equal scores, equal weights)."""
+
+    def softmax(x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax((x - x.max(dim=-1, keepdim=True).values).double(), dim=-1)
+
+    x = logits.float()
+    if routing.scoring == "topk_softmax":
+        return softmax(x.gather(1, ids))
+    top = softmax(x).gather(1, ids)
+    return top / top.sum(dim=-1, keepdim=True) if routing.renormalize else top
+
+
+def make_logits(rows: int, e: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random logits, with some rows of exact ties (all equal; the maximum at three experts; a tie
+    straddling the top-k boundary), large ones (saturated softmax: probabilities underflow to exact
+    zeros) and logits far from 0 (shifted by +-1000)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, e, generator=g) * 2
+    special = [
+        lambda r: r.zero_(),
+        lambda r: r.index_fill_(0, torch.tensor([e - 1, e // 2, 1]), r.max().item() + 1),
+        lambda r: r.index_fill_(0, torch.tensor([e - 2, 3, 0]), r.sort(descending=True).values[1].item()),
+        lambda r: r.mul_(40),
+        lambda r: r.add_(1000),
+        lambda r: r.sub_(1000),
+    ]
+    for i, fill in enumerate(special[: max(0, rows - 1)]):
+        fill(x[i + 1])
+    return x.to(dtype)
+
+
+def check(logits: torch.Tensor, routing: MoeRouting) -> tuple[int, int]:
+    """Kernel against the torch path on these logits; returns (rows with a tie, rows without)."""
+    k = routing.top_k
+    w, ids = moe_route_kernel.route_logits(
+        logits, k, routing.scoring, routing.renormalize, weights_dtype(routing, logits.dtype)
+    )
+    ref_w, ref_ids = route_torch(logits, routing)
+    assert w.dtype == ref_w.dtype and ids.dtype == torch.int64 and ids.shape == ref_ids.shape
+    # widened (what ops.moe asks for on a GPU): the same weights as fp32, the same ids
+    wide_w, wide_ids = moe_route_kernel.route_logits(
+        logits, k, routing.scoring, routing.renormalize, weights_dtype(routing, logits.dtype), widen=True
+    )
+    # (The interpreter converts subnormal bf16 values to fp32 wrongly, so those are left out here.)
+    normal_w = w.float().abs() >= torch.finfo(torch.float32).tiny
+    assert wide_w.dtype == torch.float32 and torch.equal(wide_ids, ids)
+    assert torch.equal(wide_w[normal_w], w.float()[normal_w])
+    s = scores(logits, routing.scoring)
+    tie = has_tie(s, k)
+    # Every row: descending score, exact ties to the lowest index (torch.topk's own tie order is
+    # arbitrary on the CPU, so its ids are compared only on rows without ties).
+    assert torch.equal(ids, lowest_index_topk(s, k))
+    assert torch.equal(ids[~tie], ref_ids[~tie])
+    # The weights, against the same formula in fp64 at the kernel's ids, rounded to the weights'
+    # dtype: fp32 ones within 4 ulps (an exp, a sum of up to 128, a division; the interpreter's
+    # exp is NumPy's), 6 where renormalised (another sum and division), as the torch path's are
+    # (its CPU softmax multiplies by the sum's reciprocal): the two may differ by more than an
+    # ulp. Rounded to a half type, within one step of it and of the torch path's (the
+    # interpreter's fp32 -> bf16 cast truncates; compiled, it rounds to nearest even, as torch).
+    # Below fp32's normal range (saturated rows' underflowing probabilities) fp32 steps are
+    # absolute: there, within fp32's smallest normal.
+    exact64 = exact_weights(logits, ids, routing)
+    exact = exact64.to(w.dtype)
+    assert torch.equal(exact.isfinite(), w.isfinite()) and torch.equal(exact.isfinite(), ref_w.isfinite())
+    tiny = torch.finfo(torch.float32).tiny
+    normal = exact64.abs() >= tiny
+    fp32_steps = 6 if routing.renormalize else 4
+    assert ulps(w[normal], exact[normal]).max().item() <= (fp32_steps if w.dtype == torch.float32 else 1)
+    assert ((w.double() - exact64)[~normal].abs() <= tiny).all()
+    if w.dtype == torch.float32:
+        assert ulps(ref_w[normal], exact[normal]).max().item() <= fp32_steps
+    if w.dtype != torch.float32:
+        assert ulps(w[normal], ref_w[normal]).max().item() <= 1
+    return int(tie.sum()), int((~tie).sum())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("e", [8, 60, 128])
+@pytest.mark.parametrize("top_k", [1, 2, 4, 8])
+def test_kernel_equals_the_torch_path(dtype: torch.dtype, e: int, top_k: int) -> None:
+    ties = plain = 0
+    for i, (scoring, renormalize, in_x) in enumerate(ROUTINGS):
+        routing = MoeRouting(top_k, scoring=scoring, renormalize=renormalize, weights_in_x_dtype=in_x)
+        for rows in (1, 3, 17):
+            t, p = check(make_logits(rows, e, dtype, seed=100 * e + 10 * top_k + i), routing)
+            ties, plain = ties + t, plain + p
+    assert ties and plain  # both kinds of row were checked
+
+
+def test_tied_rows_go_to_the_lowest_indices() -> None:
+    """Explicitly: all-equal logits take experts 0..k-1; a three-way tie at the maximum takes the
+    tied experts in index order; torch.topk on the CPU does not (why the rule is documented)."""
+    logits = torch.zeros(2, 128)
+    logits[1, [90, 7, 40]] = 5.0
+    for scoring in ("softmax_topk", "topk_softmax"):
+        _, ids = moe_route_kernel.route_logits(logits, 8, scoring, True, torch.float32)
+        assert ids[0].tolist() == list(range(8))
+        assert ids[1].tolist() == [7, 40, 90, 0, 1, 2, 3, 4]
+    assert torch.topk(logits[:1], 8).indices[0].tolist() != list(range(8))
+
+
+def test_nan_logits_still_route_to_distinct_experts() -> None:
+    """A NaN ranks first (torch.topk's rule) and every id is a distinct expert in range, so the
+    fused MoE never reads outside the expert weights."""
+    logits = torch.randn(3, 60)
+    logits[0, 5] = float("nan")
+    logits[1] = float("nan")
+    logits[2] = float("-inf")
+    for scoring in ("softmax_topk", "topk_softmax"):
+        _, ids = moe_route_kernel.route_logits(logits, 8, scoring, False, torch.float32)
+        assert all(len(set(row)) == 8 and 0 <= min(row) and max(row) < 60 for row in ids.tolist())
+    _, ids = moe_route_kernel.route_logits(logits, 8, "topk_softmax", False, torch.float32)
+    assert ids[0, 0].item() == 5 and ids[1].tolist() == list(range(8)) and ids[2].tolist() == list(range(8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_torch_half_softmax_is_the_fp32_one_rounded(dtype: torch.dtype) -> None:
+    """What the kernel's topk_softmax relies on: torch.softmax(top, dtype=x.dtype) for a half type
+    is the fp32 softmax rounded to it (torch accumulates half types in float). Not bit for bit:
+    where the exact value lies within an fp32 ulp of a half-type midpoint, torch's fp32 and another
+    fp32 computation may round to either neighbour (1 in ~10,000 here)."""
+    top = (torch.randn(4000, 4, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    torch_half = torch.softmax(top, dim=-1, dtype=dtype)
+    rounded = torch.softmax(top.float(), dim=-1).to(dtype)
+    assert ulps(torch_half, rounded).max().item() <= 1
+    assert (torch_half != rounded).float().mean().item() < 1e-3
+
+
+def test_route_takes_the_kernel_only_where_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU ``route`` is the torch path (the CPU engine routes as before); use_kernel=True runs
+    the kernel; routers the kernel does not take fall back to torch."""
+    g = torch.Generator().manual_seed(1)
+    x, w, b = torch.randn(5, 32, generator=g), torch.randn(60, 32, generator=g), torch.randn(60, generator=g)
+    routing = MoeRouting(4, renormalize=True)
+    expected = route_torch(torch.nn.functional.linear(x, w, b), routing)
+    kernel_w, kernel_ids = route(x, w, b, routing, use_kernel=True)
+    assert torch.equal(kernel_ids, expected[1]) and ulps(kernel_w, expected[0]).max() <= 2
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the kernel ran")
+
+    monkeypatch.setattr(moe_route_kernel, "route_logits", refuse)
+    for got, want in zip(route(x, w, b, routing), expected):
+        assert torch.equal(got, want)
+    wide = torch.randn(moe_route_kernel.MAX_EXPERTS + 1, 32, generator=g)
+    for got, want in zip(route(x, wide, None, routing, use_kernel=True), route_torch(x @ wide.T, routing)):
+        assert torch.equal(got, want)
+    assert route(x, w, b, MoeRouting(moe_route_kernel.MAX_TOP_K + 1), use_kernel=True)[1].shape == (5, 33)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_widened_weights_change_no_expert_loop_result(dtype: torch.dtype) -> None:
+    """ops.moe on a GPU hands fused_moe the weights widened to fp32 (``route(..., widen=True)``),
+    which its kernels read anyway; the naive expert loop (reference.fused_moe) then multiplies
+    the half-type expert outputs by fp32 weights. A product of two half-type values is exact in
+    fp32, so rounded to the half type it is the product the loop computed before, bit for bit."""
+    from pagecast.kernels import reference
+
+    g = torch.Generator().manual_seed(0)
+    e, k, h, i, t = 8, 2, 32, 16, 9
+    x = torch.randn(t, h, generator=g).to(dtype)
+    w_gate_up = (torch.randn(e, 2 * i, h, generator=g) * 0.3).to(dtype)
+    w_down = (torch.randn(e, h, i, generator=g) * 0.3).to(dtype)
+    routing = MoeRouting(k, renormalize=True, weights_in_x_dtype=True)
+    router = torch.randn(e, h, generator=g).to(dtype)
+    weights, ids = route(x, router, None, routing, use_kernel=True)
+    wide, wide_ids = route(x, router, None, routing, use_kernel=True, widen=True)
+    assert weights.dtype == dtype and wide.dtype == torch.float32 and torch.equal(wide, weights.float())
+    assert torch.equal(wide_ids, ids)
+    weights, ids = route(x, router, None, routing)  # the torch path widens exactly too
+    assert torch.equal(route(x, router, None, routing, widen=True)[0], weights.float())
+    before = reference.fused_moe(x, weights, ids, w_gate_up, w_down)
+    assert torch.equal(reference.fused_moe(x, weights.float(), ids, w_gate_up, w_down), before)
+    # (fp32 weights that are not half-type values do change it)
+    assert not torch.equal(
+        reference.fused_moe(x, weights.float() * (1 + 2**-12), ids, w_gate_up, w_down), before
+    )
+
+
+def test_served_launches_are_the_built_variant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The build (builder/tune.py, compile_route_kernel) launches the routing kernel in the variant
+    (Triton's specialisation key, through its own argument binder) that ops.moe's launches take
+    on a GPU at every batch size, for each family's routing; another model's experts are another
+    variant. (ops.moe runs here with Triton on and the fused experts stubbed out.)"""
+    from pagecast.builder import tune
+    from pagecast.kernels import ops
+
+    monkeypatch.setattr(ops, "_triton", lambda x: True)
+    monkeypatch.setattr(ops, "_moe_kernel", lambda: lambda x, *args: torch.zeros_like(x))
+
+    kernel = moe_route_kernel._route_kernel
+    jit = JITFunction(getattr(kernel, "fn", kernel))
+    binder = create_function_from_signature(jit.signature, jit.params, BaseBackend)
+    keys: list[tuple] = []
+
+    class Recorded:
+        def __getitem__(self, grid: Any) -> Any:
+            def launch(*args: Any, **kwargs: Any) -> None:
+                _, specialization, options = binder(*args, **kwargs)
+                keys.append((tuple(map(tuple, specialization)), tuple(sorted(options.items()))))
+                kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(moe_route_kernel, "_route_kernel", Recorded())
+    families = {  # (experts, top_k, routing): Qwen3-30B-A3B, Mixtral, gpt-oss-20b
+        "qwen3": (128, 8, {"scoring": "softmax_topk", "renormalize": True, "weights_in_x_dtype": True}),
+        "mixtral": (8, 2, {"scoring": "softmax_topk", "renormalize": True, "weights_in_x_dtype": False}),
+        "gpt-oss": (32, 4, {"scoring": "topk_softmax", "renormalize": False, "weights_in_x_dtype": False}),
+    }
+    built_by_family = {}
+    for name, (e, k, fields) in families.items():
+        keys.clear()
+        tune.compile_route_kernel("cpu", e, k, fields, torch.bfloat16)
+        built = set(keys)
+        assert len(keys) == len(tune.ROUTE_ROWS) and len(built) == 1  # one variant for every row count
+        keys.clear()
+        routing = MoeRouting(k, **fields)
+        w = torch.randn(e, 48).bfloat16()
+        experts = torch.zeros(e, 2, 48).bfloat16(), torch.zeros(e, 48, 1).bfloat16()
+        for rows in (1, 2, 5, 32, 33, 64, 257):
+            ops.moe(torch.randn(rows, 48).bfloat16(), w, None, *experts, routing=routing)
+        assert set(keys) == built, name
+        built_by_family[name] = built
+    assert len(set().union(*built_by_family.values())) == 3
+
+
+def test_the_tune_process_compiles_the_models_routing_kernel(monkeypatch: pytest.MonkeyPatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """builder/tune.py's tuning process (run on the target GPU with the artifact's Triton cache)
+    hands the model's routing from model_shapes to the untuned-kernel pass, which compiles the
+    routing kernel in it; a dense model's compiles none. (Tuning itself is stubbed out here.)"""
+    import json
+
+    from pagecast.builder import tune
+    from pagecast.kernels import tuning
+
+    monkeypatch.setattr(tuning, "tune", lambda *args, **kwargs: {"kernels": {}})
+    monkeypatch.setattr(tuning, "compile_window_variants", lambda *args: None)
+    monkeypatch.setattr(tuning, "measure_copy_bandwidth", lambda device: 1000.0)
+    monkeypatch.setattr(tuning, "bandwidth_report", lambda *args: [])
+    calls: list[tuple] = []
+    monkeypatch.setattr(tune, "_compile_untuned_kernels", lambda *args: calls.append(args))
+    routing = {"scoring": "softmax_topk", "renormalize": True, "weights_in_x_dtype": True}
+    dense = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "hidden": 64, "intermediate": 128,
+             "block_size": 16, "dtype": "bfloat16", "vocab_size": 3001, "logits_stride": 3001}  # fmt: skip
+    moe = {**dense, "num_experts": 60, "top_k": 4, "moe_intermediate": 32, "moe_routing": routing}
+    tune._tune_main(json.dumps(moe), "1")
+    tune._tune_main(json.dumps({**dense, "moe_routing": None}), "1")
+    capsys.readouterr()
+    assert calls == [(3001, 3001, (60, 4, routing, torch.bfloat16)), (3001, 3001, None)]
+    launched = []
+    real = moe_route_kernel.route_logits
+    monkeypatch.setattr(
+        moe_route_kernel, "route_logits", lambda *args: launched.append(args[1:]) or real(*args)
+    )
+    tune.compile_route_kernel("cpu", *calls[0][2])
+    assert launched == [(4, "softmax_topk", True, torch.bfloat16, True)] * len(tune.ROUTE_ROWS)
