@@ -67,7 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagecast.kernels import reference
+from pagecast.kernels import reference, split_k
 from pagecast.kernels.tuning import KernelConfig
 
 FP8_MAX = reference.FP8_MAX
@@ -621,31 +621,6 @@ def fp8_skinny_linear(
     return y
 
 
-# The split-K tickets: int32 counters per device, one per column block, zero between launches (each
-# launch's last program per block resets its own). Launches on one stream run one after another,
-# so every fused launch of a device shares them (qkv, then o, ...); launches that could overlap, on
-# concurrent streams of one device, would need counters of their own (the engine runs one stream a
-# device). Grown outside CUDA-graph capture only: a captured graph holds the buffer's address, so an
-# outgrown buffer is kept allocated, not freed.
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_OUTGROWN_COUNTERS: list[torch.Tensor] = []
-
-
-def _split_counters(device: torch.device, blocks: int) -> torch.Tensor:
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < blocks:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "fp8_skinny_linear: the split-K counters are allocated before CUDA-graph capture; "
-                "run the split config eagerly once first (the warm-up before capture does)"
-            )
-        if counters is not None:
-            _OUTGROWN_COUNTERS.append(counters)
-        counters = torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[device] = counters
-    return counters
-
-
 def _launch_skinny(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -668,7 +643,7 @@ def _launch_skinny(
         # The partials: per launch from the caching allocator (no host sync; inside a capture, from
         # the graph's pool), [split, M, N] fp32, every element written before it is read.
         part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        counters = _split_counters(x.device, blocks)
+        counters = split_k.counters(x.device, blocks, "fp8_skinny_linear")
     else:
         part, counters, steps = y, y, 0  # unused
     _fp8_skinny_kernel[(blocks, split)](

@@ -46,7 +46,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
+
+from pagecast.kernels.sampling import torch_exp
 
 MAX_EXPERTS = 1024  # one row in one program's registers; wider routers take the torch path
 MAX_TOP_K = 32  # k passes unrolled
@@ -55,16 +56,6 @@ MAX_TOP_K = 32  # k passes unrolled
 def supported(num_experts: int, top_k: int) -> bool:
     """Whether the kernel routes this many experts and this top-k (else the torch path does)."""
     return 1 <= top_k <= min(num_experts, MAX_TOP_K) and num_experts <= MAX_EXPERTS
-
-
-@triton.jit
-def _exp(x, PRECISE: tl.constexpr):
-    # libdevice's expf is the CUDA math library's (torch's softmax calls it); tl.exp is ex2.approx.
-    # The interpreter has no libdevice; its tl.exp is NumPy's.
-    if PRECISE:
-        return libdevice.exp(x)
-    else:
-        return tl.exp(x)
 
 
 @triton.jit
@@ -88,7 +79,7 @@ def _route_kernel(
     if TOPK_SOFTMAX:
         score = x
     else:
-        e = _exp(x - tl.max(x, axis=0), PRECISE_EXP)  # padding: exp(-inf) = 0
+        e = torch_exp(x - tl.max(x, axis=0), PRECISE_EXP)  # padding: exp(-inf) = 0
         score = tl.math.div_rn(e, tl.sum(e, axis=0))  # IEEE, as torch (Triton's / is div.full)
     # The ranking key: NaN first (torch.topk's rule; x != x, the interpreter has no isnan), a -inf
     # score above the experts already taken (-inf here), so each pass takes a new expert.
@@ -108,7 +99,7 @@ def _route_kernel(
     in_k = slots < K
     if TOPK_SOFTMAX:
         t = tl.where(in_k, top, float("-inf"))
-        e = _exp(t - tl.max(t, axis=0), PRECISE_EXP)
+        e = torch_exp(t - tl.max(t, axis=0), PRECISE_EXP)
         w = tl.math.div_rn(e, tl.sum(e, axis=0))
     elif RENORMALIZE:
         w = tl.math.div_rn(top, tl.sum(tl.where(in_k, top, 0.0), axis=0))

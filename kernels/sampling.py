@@ -49,9 +49,10 @@ CHUNKS = 8
 
 
 @triton.jit
-def _exp(x, PRECISE: tl.constexpr):
-    # libdevice's expf is the CUDA math library's (what torch.exp runs); tl.exp is ex2.approx.
-    # The interpreter has no libdevice, and its tl.exp is NumPy's.
+def torch_exp(x, PRECISE: tl.constexpr):
+    # libdevice's expf is the CUDA math library's (what torch.exp and torch's CUDA softmax run);
+    # tl.exp is ex2.approx. The interpreter has no libdevice, and its tl.exp is NumPy's. Also the
+    # MoE routing kernel's (kernels/moe_route_kernel.py).
     if PRECISE:
         return libdevice.exp(x)
     else:
@@ -79,7 +80,7 @@ def _race_slice(
         index = ties_before + tl.cumsum(at.to(tl.int32), 0) - at.to(tl.int32)
         keep = keep & (~at | (index >= tie_drop))
         ties_before += tl.sum(at.to(tl.int32), 0)
-    p = _exp(x - row_max, PRECISE)
+    p = torch_exp(x - row_max, PRECISE)
     keep = keep & (p >= min_p)
     score = tl.where(keep, tl.math.div_rn(p, _noise(word)), -1.0)
     top = tl.max(score, 0)

@@ -58,6 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagecast.kernels import split_k
 from pagecast.kernels.tuning import KernelConfig
 
 # Nibbles 0, 2, 3 and 5 land at bits 12..15 ("low": v = 1 + q / 2048, their activations are
@@ -342,27 +343,6 @@ def launch_shape(m: int, k: int, group_size: int, config: KernelConfig) -> tuple
     return bm, step, split, k_per_split // step
 
 
-_LOCKS: dict[torch.device, torch.Tensor] = {}
-# Outgrown buffers stay allocated: a CUDA graph captured earlier still points at them.
-_RETIRED: list[torch.Tensor] = []
-
-
-def _locks(device: torch.device, size: int) -> torch.Tensor:
-    """The device's ticket counters (zero between launches), grown outside CUDA-graph capture."""
-    locks = _LOCKS.get(device)
-    if locks is None or locks.numel() < size:
-        if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "w4a16_gemv: the split-K counters must be allocated before CUDA-graph capture; "
-                "run the same batch eagerly once first (the runtime's warm-up forward does)"
-            )
-        if locks is not None:
-            _RETIRED.append(locks)
-        locks = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
-        _LOCKS[device] = locks
-    return locks
-
-
 def split_k_buffers(
     x: torch.Tensor, n: int, split: int, tiles: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -373,7 +353,7 @@ def split_k_buffers(
     if split == 1:
         return y, y, y
     partials = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    return y, partials, _locks(x.device, tiles)
+    return y, partials, split_k.counters(x.device, tiles, "w4a16_gemv")
 
 
 def w4a16_gemv(

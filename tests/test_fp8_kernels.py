@@ -23,7 +23,7 @@ import textwrap
 import pytest
 import torch
 
-from pagecast.kernels import reference
+from pagecast.kernels import reference, split_k
 from pagecast.kernels.quant_linear import Fp8LinearWeight
 
 pytest.importorskip("triton")
@@ -242,7 +242,7 @@ def launches(monkeypatch):  # type: ignore[no-untyped-def]
 
     seen: list[tuple[int, int]] = []
     real = fp8_gemm._launch_skinny
-    monkeypatch.setattr(fp8_gemm, "_COUNTERS", {})
+    monkeypatch.setattr(split_k, "COUNTERS", {})
     monkeypatch.setattr(fp8_gemm, "_launch_skinny", lambda *a: seen.append((a[7], a[8])) or real(*a))
     return seen
 
@@ -250,7 +250,7 @@ def launches(monkeypatch):  # type: ignore[no-untyped-def]
 def _cpu_counters() -> torch.Tensor:
     from pagecast.kernels import fp8_gemm
 
-    return fp8_gemm._COUNTERS[torch.device("cpu")]
+    return split_k.COUNTERS[torch.device("cpu")]
 
 
 @pytest.mark.parametrize("activations", ["token", "group", "static"])
@@ -315,7 +315,7 @@ def test_split_fused_decode_kernel_finishes_a_column_block_only_at_its_last_tick
     qw, sw = _weights(n, k, block=False, seed=9)
     cfg = fp8_gemm.KernelConfig.coerce(_split(SKINNY, split))
     base = fp8_gemm.fp8_skinny_linear(x, qw, sw, "token", None, None, torch.float32, SKINNY)
-    counters = fp8_gemm._split_counters(torch.device("cpu"), 3)
+    counters = split_k.counters(torch.device("cpu"), 3, "test")
     counters[1] = -1
     y = torch.full((m, n), float("nan"))
     fp8_gemm._launch_skinny(x, qw, sw, sw, None, y, 0, split, 2, cfg)
@@ -354,14 +354,14 @@ def test_split_fused_launches_back_to_back_share_the_counters(launches):  # type
 def test_split_counters_grow_outside_capture_and_keep_the_outgrown_buffer(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from pagecast.kernels import fp8_gemm
 
-    monkeypatch.setattr(fp8_gemm, "_COUNTERS", {})
-    monkeypatch.setattr(fp8_gemm, "_OUTGROWN_COUNTERS", [])
+    monkeypatch.setattr(split_k, "COUNTERS", {})
+    monkeypatch.setattr(split_k, "OUTGROWN", [])
     cpu = torch.device("cpu")
-    first = fp8_gemm._split_counters(cpu, 10)
+    first = split_k.counters(cpu, 10, "test")
     assert first.dtype == torch.int32 and first.numel() >= 1792 and not first.any()  # 28,672 columns / 16
-    assert fp8_gemm._split_counters(cpu, first.numel()) is first
-    grown = fp8_gemm._split_counters(cpu, first.numel() + 1)
-    assert grown.numel() > first.numel() and fp8_gemm._OUTGROWN_COUNTERS == [first]
+    assert split_k.counters(cpu, first.numel(), "test") is first
+    grown = split_k.counters(cpu, first.numel() + 1, "test")
+    assert grown.numel() > first.numel() and split_k.OUTGROWN == [first]
 
 
 def test_split_skinny_configs_keep_two_k_steps_a_split() -> None:
@@ -740,7 +740,7 @@ def test_gpu_split_fused_decode_kernel_matches_the_two_launch_path_and_repeats_b
             atol = 3e-5 * two.abs().max().item()
             torch.testing.assert_close(y, two, rtol=1e-5, atol=atol, msg=lambda s, c=cfg, m=m: f"m={m} {c}: {s}")
             assert torch.equal(y, again), (m, cfg)
-            assert not fp8_gemm._COUNTERS[x.device].any(), (m, cfg)
+            assert not split_k.COUNTERS[x.device].any(), (m, cfg)
 
 
 @pytest.mark.gpu
@@ -760,7 +760,7 @@ def test_gpu_split_fused_decode_kernel_is_deterministic_over_many_runs(activatio
                 for _ in range(50)]  # fmt: skip
         torch.cuda.synchronize()
         assert all(torch.equal(r, runs[0]) for r in runs), (n, k)
-        assert not fp8_gemm._COUNTERS[x.device].any()
+        assert not split_k.COUNTERS[x.device].any()
 
 
 @pytest.mark.gpu
@@ -794,6 +794,6 @@ def test_gpu_split_fused_decode_kernel_replays_in_a_cuda_graph(activations):  # 
             h.copy_(torch.randn(m, 4096, generator=g, device=dev).to(torch.bfloat16))
             graph.replay()
             torch.cuda.synchronize()
-            assert not fp8_gemm._COUNTERS[x.device].any()
+            assert not split_k.COUNTERS[x.device].any()
             eager = layer(x, h)
             assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])

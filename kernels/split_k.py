@@ -1,0 +1,35 @@
+"""Ticket counters for the split-K kernels that reduce in their own launch (kernels/w4a16_gemv.py's
+split kernels, kernels/fp8_gemm.py's fused decode kernel).
+
+Every program of a split column block stores its partial sums, then takes a ticket (an atomic add
+on the block's counter); the program drawing the last ticket adds the partials and sets the counter
+back to 0. The kernels of a device share one int32 buffer: launches on one stream run one after
+another, so each finds every counter at zero; launches that could overlap, on concurrent streams
+of one device, would need counters of their own (the engine runs one stream a device). The buffer
+grows only outside CUDA-graph capture: a captured graph holds its address, so an outgrown buffer
+stays allocated, not freed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+COUNTERS: dict[torch.device, torch.Tensor] = {}
+OUTGROWN: list[torch.Tensor] = []
+
+
+def counters(device: torch.device, size: int, kernel: str) -> torch.Tensor:
+    """The device's counters, at least ``size`` of them, zero between launches; ``kernel`` names
+    the caller in the error raised when they would have to grow during CUDA-graph capture."""
+    buffer = COUNTERS.get(device)
+    if buffer is None or buffer.numel() < size:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"{kernel}: the split-K counters must be allocated before CUDA-graph capture; "
+                "run it eagerly once first (the runtime's warm-up forward does)"
+            )
+        if buffer is not None:
+            OUTGROWN.append(buffer)
+        buffer = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
+        COUNTERS[device] = buffer
+    return buffer
