@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagecast.kernels.moe_routing import SCORINGS
 from pagecast.kernels.sampling import torch_exp
 
 MAX_EXPERTS = 1024  # one row in one program's registers; wider routers take the torch path
@@ -135,7 +136,7 @@ def route_logits(
         raise ValueError(
             f"the routing kernel takes up to {MAX_EXPERTS} experts and top-k <= {MAX_TOP_K}; got {e}, {top_k}"
         )
-    if scoring not in ("softmax_topk", "topk_softmax"):
+    if scoring not in SCORINGS:
         raise ValueError(f"unknown scoring {scoring!r}")
     if weights_dtype not in (torch.float32, logits.dtype):
         raise ValueError(f"the weights are fp32 or the logits' dtype {logits.dtype}, not {weights_dtype}")
