@@ -246,6 +246,15 @@ def _serve(channel: CoreChannel, artifact: str, options: dict[str, Any], entered
             core.runner.close()  # tensor-parallel workers stop with us, on every way out
 
 
+def _log_first_loads(loads: list[dict[str, str]], seen: int) -> int:
+    """Say which kernels a request launched for the first time in this process (loaded from the
+    artifact's cache at that launch, a few ms each, paid by that request); returns the new count."""
+    for spec in loads[seen:]:
+        logger.info("triton: first use while serving, loaded from the cache: %s (%s; %s)",
+                    spec["name"], spec["attrs"], spec["constants"])
+    return len(loads)
+
+
 def _loop(channel: CoreChannel, core: Any, decoder: Any, compiles: Any) -> int:
     from pagecast.runtime.engine_core import log_startup, relax_gc
     from pagecast.runtime.request import RequestStatus
@@ -259,6 +268,7 @@ def _loop(channel: CoreChannel, core: Any, decoder: Any, compiles: Any) -> int:
         )
     startup.mark("ready")
     log_startup(core.model_name, core.startup_s)
+    loads_seen = len(compiles.loads)
     relax_gc(freeze=True)  # this process serves this one engine until it exits
     channel.send(
         CoreReady(
@@ -315,6 +325,8 @@ def _loop(channel: CoreChannel, core: Any, decoder: Any, compiles: Any) -> int:
                 for result in results:
                     channel.send(StepOutputs(step_updates(result), core.stats(), failed))
                     failed, sent = {}, True
+                if len(compiles.loads) > loads_seen:
+                    loads_seen = _log_first_loads(compiles.loads, loads_seen)
             if not sent and (aborted or failed):
                 channel.send(StepOutputs([], core.stats(), failed))
     except ServerGone:

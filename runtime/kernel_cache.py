@@ -68,6 +68,10 @@ class TritonCompiles:
         # cache - which arguments were 16-byte aligned or divisible by 16 (attrs) and the
         # constexpr values; what tells two variants of one kernel apart.
         self.details: list[dict[str, str]] = []
+        # Every kernel Triton found in its cache (a hit: loaded from disk at its first launch in
+        # this process), by name and specialisation: a load while serving is a first request
+        # paying for a variant the warm-up did not run.
+        self.loads: list[dict[str, str]] = []
         self._previous: Any = None
         if "triton" in sys.modules:
             self._install()
@@ -84,6 +88,8 @@ class TritonCompiles:
         if not cache_hit:
             self.names.append(str(getattr(src, "name", src)))
             self.details.append(specialisation(src, metadata))
+        else:
+            self.loads.append(specialisation(src))
         if self._previous is not None:
             self._previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
 
