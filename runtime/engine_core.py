@@ -619,7 +619,7 @@ class EngineCore:
 
     def warm_up(self) -> None:
         """Run a throw-away prefill of every size class the kernels are tuned for (each may use
-        its own kernel), then a few decode steps, and forget it all: the first real request
+        its own kernel), then a few decode steps, then each of the sampler's paths, and forget it all: the first real request
         finds every kernel loaded, cuBLAS's workspaces made and the sampler's buffers
         allocated. Statistics and the prefix cache are reset afterwards."""
         from pagecast.kernels.tuning import PREFILL_TOKEN_BUCKETS, TOKEN_BUCKETS
@@ -630,7 +630,9 @@ class EngineCore:
         # The sampler's other paths: seeded sampling with truncation, and logprobs with penalties.
         sampled = SamplingParams(max_tokens=3, temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, seed=0, ignore_eos=True)
         scored = SamplingParams(max_tokens=3, temperature=0.0, logprobs=2, presence_penalty=0.5, ignore_eos=True)
-        runs = [(n, greedy) for n in sizes] + [(min(64, budget), sampled), (min(64, budget), scored)]
+        # And plain sampling (temperature only, unseeded): what an OpenAI client sends by default.
+        plain = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
+        runs = [(n, greedy) for n in sizes] + [(min(64, budget), p) for p in (sampled, scored, plain)]
         for i, (num_tokens, params) in enumerate(runs):
             # Distinct ids per run, so no prompt is a prefix-cache hit on an earlier one.
             ids = [(i * 7919 + j) % self.vocab_size for j in range(1, num_tokens + 1)]
