@@ -40,10 +40,14 @@ def _attend_tile(
     qk_scale, softcap, window,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, SLIDING: tl.constexpr,
+    FOLD_SCALE: tl.constexpr = False,
 ):  # fmt: skip
     # One BLOCK_N tile of keys for all rows of the query tile; CAUSAL masks keys past each
     # row's position (and past kv_end) and, SLIDING, those at or before q_pos - window; otherwise
-    # every key of the tile is visible to every row.
+    # every key of the tile is visible to every row. m_i is in scaled (log2) units either way.
+    # FOLD_SCALE (without SOFTCAP, which needs the scaled scores): the raw scores' row max is
+    # scaled once per row, and each score's scale and max subtraction are one FMA (the tile's
+    # separate multiply pass is gone; qk_scale > 0, so scaling commutes with the max).
     offs_n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     if CAUSAL:
@@ -82,7 +86,10 @@ def _attend_tile(
             )
     k = k.to(q.dtype)  # fp8 cache: upcast in registers (a no-op for a cache in q's dtype)
     v = v.to(q.dtype)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    FOLD: tl.constexpr = FOLD_SCALE and not SOFTCAP
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+    if not FOLD:
+        s = s * qk_scale
     if SOFTCAP:
         s = _soft_cap(s, softcap)
     if CAUSAL:
@@ -90,12 +97,18 @@ def _attend_tile(
         if SLIDING:
             visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if FOLD:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
     if SLIDING:
         # a row may see no key of a tile below its window: keep exp2 away from -inf - -inf
         m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    if FOLD:
+        p = tl.exp2(tl.fma(s, qk_scale, -m_new[:, None]))
+    else:
+        p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
@@ -138,9 +151,17 @@ def _paged_prefill_kernel(
     SOFTCAP: tl.constexpr = False,
     SLIDING: tl.constexpr = False,
     HAS_SINKS: tl.constexpr = False,
+    HEAVY_FIRST: tl.constexpr = False,  # programs in reverse: the tiles that see the most keys start first
+    FOLD_SCALE: tl.constexpr = False,  # see _attend_tile
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
-    pid = tl.program_id(0)
+    if HEAVY_FIRST:
+        # Blocks start roughly in program-id order. A causal tile's work grows with its position,
+        # so in launch order the last wave is the longest tiles, some running alone at the end;
+        # reversed (a bijection of ids, so the search below is unchanged) the tail is short tiles.
+        pid = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        pid = tl.program_id(0)
     kv_head = tl.program_id(1)
 
     # Sequence s owns programs [qsl[s] // BLOCK_Q + s, qsl[s+1] // BLOCK_Q + s + 1): find the
@@ -211,21 +232,21 @@ def _paged_prefill_kernel(
                     q, m_i, l_i, acc, q_pos, start, kv_end, block_row, k_base, v_base,
                     stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window,
                     HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, CAUSAL=True, DOT_PRECISION=DOT_PRECISION,
-                    SOFTCAP=SOFTCAP, SLIDING=SLIDING,
+                    SOFTCAP=SOFTCAP, SLIDING=SLIDING, FOLD_SCALE=FOLD_SCALE,
                 )  # fmt: skip
         for start in range(full_lo, full_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, q_pos, start, kv_end, block_row, k_base, v_base,
                 stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window,
                 HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, CAUSAL=False, DOT_PRECISION=DOT_PRECISION,
-                SOFTCAP=SOFTCAP, SLIDING=SLIDING,
+                SOFTCAP=SOFTCAP, SLIDING=SLIDING, FOLD_SCALE=FOLD_SCALE,
             )  # fmt: skip
         for start in range(full_end, kv_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, q_pos, start, kv_end, block_row, k_base, v_base,
                 stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window,
                 HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, CAUSAL=True, DOT_PRECISION=DOT_PRECISION,
-                SOFTCAP=SOFTCAP, SLIDING=SLIDING,
+                SOFTCAP=SOFTCAP, SLIDING=SLIDING, FOLD_SCALE=FOLD_SCALE,
             )  # fmt: skip
 
         if HAS_SINKS:
@@ -254,19 +275,38 @@ _VARIANTS = [
     (64, 64, 4, 3),
     (128, 128, 8, 2),
 ]
+# Issue 32 (long prompts): deeper pipelines and 128-row tiles on sm_90's wgmma, each with the
+# launch options below switched on. Smem at head_dim 128, bf16 (benchmarks/prefill_ptx.py):
+# 128x128 s3 ~161 KiB, 128x64 s4 ~96 KiB, of the 227 KiB a block may take.
+_LONG_VARIANTS = [
+    (64, 64, 4, 4),
+    (128, 64, 8, 4),
+    (128, 128, 8, 3),
+    (64, 128, 4, 2),
+]
+# Launch options (constexprs of the kernel, absent = 0, so older tuning tables run as before):
+# HEAVY_FIRST starts the tiles that see the most keys first; FOLD_SCALE fuses the softmax scale
+# into the exp2 argument's FMA. Each rides in a config's params so the tuner picks it per bucket.
+_OPTIONS = {"HEAVY_FIRST": 1, "FOLD_SCALE": 1}
+OPTION_NAMES = tuple(_OPTIONS)
 
 CONFIG_SPACE: list[KernelConfig] = [
     KernelConfig({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for (m, n, w, s) in _VARIANTS
+] + [
+    KernelConfig({"BLOCK_M": m, "BLOCK_N": n, **_OPTIONS}, num_warps=w, num_stages=s)
+    for (m, n, w, s) in _VARIANTS[:1] + [(128, 64, 8, 3), (128, 128, 8, 2)] + _LONG_VARIANTS
 ]
 
 
 def prune_configs(configs: list[KernelConfig], group: int, head_dim: int) -> list[KernelConfig]:
-    """Drop tiles whose rows cannot hold one token's whole GQA group, and 128x128 tiles at head_dim > 128."""
+    """Drop tiles whose rows cannot hold one token's whole GQA group, and tiles past 128x64 (or
+    64-row tiles past 64x64 with 4 stages) at head_dim > 128, whose K/V stages outgrow shared memory."""
     group_pad = max(1, triton.next_power_of_2(group))
     return [
         c
         for c in configs
-        if c["BLOCK_M"] >= group_pad and not (head_dim > 128 and c["BLOCK_M"] * c["BLOCK_N"] > 128 * 64)
+        if c["BLOCK_M"] >= group_pad
+        and not (head_dim > 128 and (c["BLOCK_M"] * c["BLOCK_N"] > 128 * 64 or c["BLOCK_N"] * c.num_stages > 64 * 3))
     ]
 
 
@@ -329,6 +369,7 @@ def paged_prefill_attention(
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         SOFTCAP=softcap > 0, SLIDING=window > 0, HAS_SINKS=sinks is not None,
+        HEAVY_FIRST=bool(cfg.params.get("HEAVY_FIRST", 0)), FOLD_SCALE=bool(cfg.params.get("FOLD_SCALE", 0)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
