@@ -1,0 +1,100 @@
+"""The paged prefill kernel's launch options (issue 32), against the torch reference on the Triton
+interpreter: HEAVY_FIRST (programs in reverse order: every query tile must still be found by the
+search over sequences, once) and FOLD_SCALE (the softmax scale fused into the exp2 argument; with
+a soft-cap it steps aside). Batches of several sequences of different lengths, cached prefixes,
+decode rows and an empty query, padded GQA groups, windows, sinks and an fp8 cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_kernels import close, paged_inputs
+from test_kv_cache_fp8_kernels import _assert_matches_reference, _paged_fp8_inputs
+
+from pagecast.kernels import reference
+from pagecast.kernels import paged_prefill_attention as ppa
+from pagecast.kernels.paged_prefill_attention import paged_prefill_attention
+
+OPTIONS = [
+    pytest.param({"HEAVY_FIRST": 1}, id="heavy-first"),
+    pytest.param({"FOLD_SCALE": 1}, id="fold-scale"),
+    pytest.param({"HEAVY_FIRST": 1, "FOLD_SCALE": 1}, id="both"),
+]
+
+CASES = [
+    # (num_heads, num_kv_heads, head_dim, block_size, seq_lens, q_lens, tile)
+    # chunked prefill: prefixes of 0..53 cached tokens, a decode row, an empty query, lengths spanning
+    # one to six query tiles, so reversed ids cross sequence boundaries of every kind
+    pytest.param(
+        8, 2, 16, 8, [90, 1, 33, 12, 61], [37, 1, 20, 0, 61], {"BLOCK_M": 16, "BLOCK_N": 32}, id="group4-chunked"
+    ),
+    # group 3 padded to 4 rows a token; 8 tokens a tile
+    pytest.param(
+        9, 3, 32, 16, [50, 41, 9, 130], [7, 41, 9, 77], {"BLOCK_M": 32, "BLOCK_N": 16}, id="group3-prefix-mixed"
+    ),
+]
+
+
+def ref(x: dict, scale: float, **kw: object) -> torch.Tensor:
+    return reference.paged_attention(
+        x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["seq_lens"], x["query_start_loc"], scale, **kw
+    )  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,seq_lens,q_lens,tile", CASES)
+def test_prefill_options_match_reference(
+    num_heads, num_kv_heads, head_dim, block_size, seq_lens, q_lens, tile, dtype, options
+):  # type: ignore[no-untyped-def]
+    x = paged_inputs(seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype)
+    scale = head_dim**-0.5
+    # NaN-filled output: a query tile that no program reaches leaves NaN rows
+    poison = torch.full_like(x["q"], float("nan"))
+    out = paged_prefill_attention(**x, scale=scale, config={**tile, **options}, out=poison)
+    close(out, ref(x, scale), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "softcap,window,sinks",
+    [
+        pytest.param(0.0, 19, False, id="window"),
+        pytest.param(0.0, 19, True, id="window-sinks"),
+        pytest.param(1.5, 0, False, id="softcap"),  # FOLD_SCALE steps aside: the cap needs scaled scores
+        pytest.param(1.5, 33, True, id="softcap-window-sinks"),
+    ],
+)
+def test_prefill_options_with_window_softcap_and_sinks(softcap, window, sinks, dtype):  # type: ignore[no-untyped-def]
+    x = paged_inputs([90, 1, 33, 130], [37, 1, 20, 100], 8, 2, 16, 8, dtype)
+    scale = 16**-0.5
+    s = torch.tensor([8.0, -8.0, 0.5, -2.0, 3.0, 0.0, -0.7, 5.0]) if sinks else None
+    config = {"BLOCK_M": 16, "BLOCK_N": 16, "HEAVY_FIRST": 1, "FOLD_SCALE": 1}
+    out = paged_prefill_attention(**x, scale=scale, config=config, softcap=softcap, window=window, sinks=s)
+    close(out, ref(x, scale, softcap=softcap, window=window, sinks=s), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_options_over_an_fp8_cache(dtype):  # type: ignore[no-untyped-def]
+    """The K scale rides in qk_scale, which FOLD_SCALE now applies in the exp2 FMA and the row max."""
+    k_scale, v_scale = 0.02, 0.3
+    x = _paged_fp8_inputs([50, 41, 9], [7, 41, 9], 9, 3, 32, 16, dtype, k_scale, v_scale)
+    scale = 32**-0.5
+    config = {"BLOCK_M": 32, "BLOCK_N": 16, "HEAVY_FIRST": 1, "FOLD_SCALE": 1}
+    out = paged_prefill_attention(**x, scale=scale, config=config, k_scale=k_scale, v_scale=v_scale)
+    _assert_matches_reference(out, x, scale, k_scale, v_scale, dtype)
+
+
+def test_config_space_offers_each_option_and_prunes_for_large_heads():
+    """The tuner can pick the options at the Llama shape; at head_dim 256 no tile past 128x64 and no
+    64-key tile with 4 stages is offered (their K/V stages would outgrow shared memory)."""
+    space = ppa.prune_configs(ppa.CONFIG_SPACE, 4, 128)
+    assert any(c.params.get("HEAVY_FIRST") and c.params.get("FOLD_SCALE") for c in space)
+    assert {(c["BLOCK_M"], c["BLOCK_N"], c.num_warps, c.num_stages) for c in space} >= {
+        (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 4)
+    }  # fmt: skip
+    big = ppa.prune_configs(ppa.CONFIG_SPACE, 4, 256)
+    assert big and all(c["BLOCK_M"] * c["BLOCK_N"] <= 128 * 64 and c["BLOCK_N"] * c.num_stages <= 192 for c in big)
+    # the launcher's default is unchanged: the first tile, options off (old tuning tables run as before)
+    assert ppa.default_config(4, 128).as_dict() == {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
