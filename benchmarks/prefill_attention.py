@@ -12,12 +12,13 @@ the pool (long_context.kernel_inputs). FLOPs: 4 x heads x head_dim x L(L+1)/2 (Q
 causal half; long_context.attention_flops). Peak: torch bf16 8192^3 matmul, median of 20.
 
 Candidates: every tile of the tuner's space (_VARIANTS and _LONG_VARIANTS: BLOCK_M, BLOCK_N, warps,
-stages) with the launch options off ("-") and all on ("HF"), and the default tile with each option
-alone ("H": HEAVY_FIRST, "F": FOLD_SCALE), so each option's effect reads off the table. Every
+stages) with the launch options off ("-") and all on ("HFP"), the default tile with each option
+alone ("H": HEAVY_FIRST, "F": FOLD_SCALE, "P": PREFETCH_BLOCKS), and three tiles with "HF" (all but
+P, which is what lets deeper stages buffer more K/V), so each option's effect reads off the table. Every
 candidate runs at the lengths up to 32k; at longer ones only the --keep fastest at the last shorter
 length, plus the default, run (fewer repeats there: a 128k launch takes ~0.4 s). Each candidate's
-output is compared with the default config's (max abs diff; the options reorder no arithmetic
-but FOLD_SCALE's FMA, so expect bf16-rounding-sized differences at most).
+output is compared with the default config's (max abs diff: tiles of another BLOCK_N sum in
+another order and FOLD_SCALE rounds once less, so expect bf16-rounding-sized differences).
 
 Timing: one warm-up launch (which compiles), then the median of N launches by CUDA events. A
 candidate that cannot launch (shared memory) is reported as skipped. Prints a table per length,
@@ -41,8 +42,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import long_context as lc  # noqa: E402
 
-OPTION_SETS = {"-": {}, "H": {"HEAVY_FIRST": 1}, "F": {"FOLD_SCALE": 1}, "HF": {"HEAVY_FIRST": 1, "FOLD_SCALE": 1}}
-QUICK_TILES = [(64, 64, 4, 2), (64, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3)]
+# Launch options by letter: H HEAVY_FIRST, F FOLD_SCALE, P PREFETCH_BLOCKS ("-": none).
+LETTERS = {"H": "HEAVY_FIRST", "F": "FOLD_SCALE", "P": "PREFETCH_BLOCKS"}
+QUICK_TILES = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3)]
+# tiles also run with H and F but not P (P's own effect; it is the one that changes the pipeline)
+HF_TILES = [(64, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2)]
+
+
+def options(letters: str) -> dict[str, int]:
+    return {LETTERS[c]: 1 for c in letters if c != "-"}
 
 
 def candidates(quick: bool, group: int, head_dim: int) -> list[tuple[str, dict]]:
@@ -50,30 +58,18 @@ def candidates(quick: bool, group: int, head_dim: int) -> list[tuple[str, dict]]
     from pagecast.kernels import paged_prefill_attention as ppa
 
     default = ppa.default_config(group, head_dim)
-    tiles = QUICK_TILES if quick else list(dict.fromkeys(ppa._VARIANTS + ppa._LONG_VARIANTS))
+    tiles = QUICK_TILES if quick else list(dict.fromkeys(ppa._VARIANTS + ppa._LONG_VARIANTS + QUICK_TILES))
     d_tile = (default["BLOCK_M"], default["BLOCK_N"], default.num_warps, default.num_stages)
-    out: list[tuple[str, dict]] = [(name_of(d_tile, "-"), default.as_dict())]
-    for opts in ("H", "F"):
-        out.append((name_of(d_tile, opts), dict(default.as_dict(), **OPTION_SETS[opts])))
-    for tile in tiles:
-        for opts in ("-", "HF"):
-            m, n, w, s = tile
-            cfg = {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s, **OPTION_SETS[opts]}
-            out.append((name_of(tile, opts), cfg))
-    pruned = {
-        (c["BLOCK_M"], c["BLOCK_N"], c.num_warps, c.num_stages)
-        for c in ppa.prune_configs(
-            [ppa.KernelConfig({"BLOCK_M": m, "BLOCK_N": n}, w, s) for m, n, w, s in tiles + [d_tile]], group, head_dim
-        )
-    }
-    seen: set[str] = set()
-    kept = []
-    for name, cfg in out:
-        tile = (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"])
-        if name not in seen and tile in pruned:
-            seen.add(name)
-            kept.append((name, cfg))
-    return kept
+    wanted = [(d_tile, "-")] + [(d_tile, c) for c in LETTERS]
+    wanted += [(t, "HF") for t in HF_TILES]
+    wanted += [(t, opts) for t in tiles for opts in ("-", "HFP")]
+    out: dict[str, dict] = {}
+    for tile, opts in wanted:
+        m, n, w, s = tile
+        cfg = ppa.KernelConfig({"BLOCK_M": m, "BLOCK_N": n, **options(opts)}, num_warps=w, num_stages=s)
+        if ppa.prune_configs([cfg], group, head_dim):
+            out.setdefault(name_of(tile, opts), cfg.as_dict())
+    return list(out.items())
 
 
 def name_of(tile: tuple[int, int, int, int], opts: str) -> str:

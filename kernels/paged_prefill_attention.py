@@ -40,7 +40,7 @@ def _attend_tile(
     qk_scale, softcap, window,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, SLIDING: tl.constexpr,
-    FOLD_SCALE: tl.constexpr = False,
+    FOLD_SCALE: tl.constexpr = False, blocks=None,
 ):  # fmt: skip
     # One BLOCK_N tile of keys for all rows of the query tile; CAUSAL masks keys past each
     # row's position (and past kv_end) and, SLIDING, those at or before q_pos - window; otherwise
@@ -68,7 +68,10 @@ def _attend_tile(
             other=0.0,
         )
     else:
-        block = tl.load(block_row + offs_n // BLOCK_SIZE).to(tl.int64)
+        if blocks is None:
+            block = tl.load(block_row + offs_n // BLOCK_SIZE).to(tl.int64)
+        else:
+            block = blocks.to(tl.int64)  # loaded by the caller one tile ahead (PREFETCH_BLOCKS)
         if HEAD_DIM_PAD == HEAD_DIM:
             k = tl.load(k_base + block[:, None] * stride_kb + (offs_n % BLOCK_SIZE)[:, None] * stride_kt)
             v = tl.load(v_base + block[:, None] * stride_vb + (offs_n % BLOCK_SIZE)[:, None] * stride_vt)
@@ -153,6 +156,7 @@ def _paged_prefill_kernel(
     HAS_SINKS: tl.constexpr = False,
     HEAVY_FIRST: tl.constexpr = False,  # programs in reverse: the tiles that see the most keys start first
     FOLD_SCALE: tl.constexpr = False,  # see _attend_tile
+    PREFETCH_BLOCKS: tl.constexpr = False,  # the full-tile loop reads the next tile's block ids a tile ahead
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     if HEAVY_FIRST:
@@ -234,13 +238,31 @@ def _paged_prefill_kernel(
                     HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, CAUSAL=True, DOT_PRECISION=DOT_PRECISION,
                     SOFTCAP=SOFTCAP, SLIDING=SLIDING, FOLD_SCALE=FOLD_SCALE,
                 )  # fmt: skip
-        for start in range(full_lo, full_end, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, q_pos, start, kv_end, block_row, k_base, v_base,
-                stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window,
-                HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, CAUSAL=False, DOT_PRECISION=DOT_PRECISION,
-                SOFTCAP=SOFTCAP, SLIDING=SLIDING, FOLD_SCALE=FOLD_SCALE,
-            )  # fmt: skip
+        if PREFETCH_BLOCKS:
+            # The K/V addresses of a tile then come from a loop-carried register, not from a load
+            # in the same iteration: the pipeliner sees no indirect load chain, so the K/V copies
+            # can run num_stages - 1 tiles ahead (with the chain they run one ahead whatever the
+            # stages, the table read taking the other stage).
+            offs_t = tl.arange(0, BLOCK_N)
+            blocks = tl.load(block_row + (full_lo + offs_t) // BLOCK_SIZE, mask=full_lo + offs_t < full_end, other=0)
+            for start in range(full_lo, full_end, BLOCK_N):
+                nxt = start + BLOCK_N + offs_t
+                blocks_next = tl.load(block_row + nxt // BLOCK_SIZE, mask=nxt < full_end, other=0)
+                m_i, l_i, acc = _attend_tile(
+                    q, m_i, l_i, acc, q_pos, start, kv_end, block_row, k_base, v_base,
+                    stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window,
+                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, CAUSAL=False, DOT_PRECISION=DOT_PRECISION,
+                    SOFTCAP=SOFTCAP, SLIDING=SLIDING, FOLD_SCALE=FOLD_SCALE, blocks=blocks,
+                )  # fmt: skip
+                blocks = blocks_next
+        else:
+            for start in range(full_lo, full_end, BLOCK_N):
+                m_i, l_i, acc = _attend_tile(
+                    q, m_i, l_i, acc, q_pos, start, kv_end, block_row, k_base, v_base,
+                    stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window,
+                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, CAUSAL=False, DOT_PRECISION=DOT_PRECISION,
+                    SOFTCAP=SOFTCAP, SLIDING=SLIDING, FOLD_SCALE=FOLD_SCALE,
+                )  # fmt: skip
         for start in range(full_end, kv_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, q_pos, start, kv_end, block_row, k_base, v_base,
@@ -275,39 +297,47 @@ _VARIANTS = [
     (64, 64, 4, 3),
     (128, 128, 8, 2),
 ]
-# Issue 32 (long prompts): deeper pipelines and 128-row tiles on sm_90's wgmma, each with the
-# launch options below switched on. Smem at head_dim 128, bf16 (benchmarks/prefill_ptx.py):
-# 128x128 s3 ~161 KiB, 128x64 s4 ~96 KiB, of the 227 KiB a block may take.
+# Issue 32 (long prompts): deeper pipelines and 128-row tiles on sm_90's wgmma, with the launch
+# options below. Shared memory at head_dim 128, bf16, with PREFETCH_BLOCKS (compiled for sm_90,
+# benchmarks/prefill_ptx.py): 64x64 s3 112 KiB (two programs an SM), s4 144 KiB; 128x64 s4
+# 160 KiB; 128x128 s3 224 KiB, of the 227 KiB a program may take. Without PREFETCH_BLOCKS the
+# K/V tiles stay double-buffered whatever the stages (the block-table read takes the other stage).
 _LONG_VARIANTS = [
     (64, 64, 4, 4),
     (128, 64, 8, 4),
     (128, 128, 8, 3),
-    (64, 128, 4, 2),
 ]
-# Launch options (constexprs of the kernel, absent = 0, so older tuning tables run as before):
-# HEAVY_FIRST starts the tiles that see the most keys first; FOLD_SCALE fuses the softmax scale
-# into the exp2 argument's FMA. Each rides in a config's params so the tuner picks it per bucket.
-_OPTIONS = {"HEAVY_FIRST": 1, "FOLD_SCALE": 1}
+# Launch options, constexprs of the kernel that ride in a config's params (absent = 0, so older
+# tuning tables run as before) for the tuner to pick per bucket: HEAVY_FIRST starts the tiles that
+# see the most keys first; FOLD_SCALE fuses the softmax scale into the exp2 argument's FMA;
+# PREFETCH_BLOCKS reads the full-tile loop's block ids a tile ahead, so K/V copies pipeline deeper.
+_OPTIONS = {"HEAVY_FIRST": 1, "FOLD_SCALE": 1, "PREFETCH_BLOCKS": 1}
 OPTION_NAMES = tuple(_OPTIONS)
 
 CONFIG_SPACE: list[KernelConfig] = [
     KernelConfig({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for (m, n, w, s) in _VARIANTS
 ] + [
     KernelConfig({"BLOCK_M": m, "BLOCK_N": n, **_OPTIONS}, num_warps=w, num_stages=s)
-    for (m, n, w, s) in _VARIANTS[:1] + [(128, 64, 8, 3), (128, 128, 8, 2)] + _LONG_VARIANTS
+    for (m, n, w, s) in [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)] + _LONG_VARIANTS
 ]
 
 
 def prune_configs(configs: list[KernelConfig], group: int, head_dim: int) -> list[KernelConfig]:
-    """Drop tiles whose rows cannot hold one token's whole GQA group, and tiles past 128x64 (or
-    64-row tiles past 64x64 with 4 stages) at head_dim > 128, whose K/V stages outgrow shared memory."""
+    """Drop tiles whose rows cannot hold one token's whole GQA group, and at head_dim > 128 tiles
+    past 128x64 or whose half-type Q and K/V buffers pass 192 KiB of shared memory (K/V are
+    double-buffered, or num_stages-buffered with PREFETCH_BLOCKS). At head_dim <= 128 every
+    tile fits in bf16 (the largest, 128x128 with 3 stages prefetched, takes 224 KiB)."""
     group_pad = max(1, triton.next_power_of_2(group))
-    return [
-        c
-        for c in configs
-        if c["BLOCK_M"] >= group_pad
-        and not (head_dim > 128 and (c["BLOCK_M"] * c["BLOCK_N"] > 128 * 64 or c["BLOCK_N"] * c.num_stages > 64 * 3))
-    ]
+
+    def fits(c: KernelConfig) -> bool:
+        if head_dim <= 128:
+            return True
+        d = triton.next_power_of_2(head_dim)
+        buffers = c.num_stages if c.params.get("PREFETCH_BLOCKS") else 2
+        smem = 2 * d * (c["BLOCK_M"] + 2 * buffers * c["BLOCK_N"])
+        return c["BLOCK_M"] * c["BLOCK_N"] <= 128 * 64 and smem <= 192 * 1024
+
+    return [c for c in configs if c["BLOCK_M"] >= group_pad and fits(c)]
 
 
 def default_config(group: int, head_dim: int) -> KernelConfig:
@@ -370,6 +400,7 @@ def paged_prefill_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         SOFTCAP=softcap > 0, SLIDING=window > 0, HAS_SINKS=sinks is not None,
         HEAVY_FIRST=bool(cfg.params.get("HEAVY_FIRST", 0)), FOLD_SCALE=bool(cfg.params.get("FOLD_SCALE", 0)),
+        PREFETCH_BLOCKS=bool(cfg.params.get("PREFETCH_BLOCKS", 0)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out

@@ -1,7 +1,8 @@
 """The paged prefill kernel's launch options (issue 32), against the torch reference on the Triton
 interpreter: HEAVY_FIRST (programs in reverse order: every query tile must still be found by the
-search over sequences, once) and FOLD_SCALE (the softmax scale fused into the exp2 argument; with
-a soft-cap it steps aside). Batches of several sequences of different lengths, cached prefixes,
+search over sequences, once), FOLD_SCALE (the softmax scale fused into the exp2 argument; with
+a soft-cap it steps aside) and PREFETCH_BLOCKS (the full-tile loop's block ids read a tile ahead:
+the first tile's before the loop, none past the loop's end). Batches of several sequences of different lengths, cached prefixes,
 decode rows and an empty query, padded GQA groups, windows, sinks and an fp8 cache.
 """
 
@@ -19,8 +20,10 @@ from pagecast.kernels.paged_prefill_attention import paged_prefill_attention
 OPTIONS = [
     pytest.param({"HEAVY_FIRST": 1}, id="heavy-first"),
     pytest.param({"FOLD_SCALE": 1}, id="fold-scale"),
-    pytest.param({"HEAVY_FIRST": 1, "FOLD_SCALE": 1}, id="both"),
+    pytest.param({"PREFETCH_BLOCKS": 1}, id="prefetch-blocks"),
+    pytest.param({"HEAVY_FIRST": 1, "FOLD_SCALE": 1, "PREFETCH_BLOCKS": 1}, id="all"),
 ]
+ALL = {"HEAVY_FIRST": 1, "FOLD_SCALE": 1, "PREFETCH_BLOCKS": 1}
 
 CASES = [
     # (num_heads, num_kv_heads, head_dim, block_size, seq_lens, q_lens, tile)
@@ -70,7 +73,7 @@ def test_prefill_options_with_window_softcap_and_sinks(softcap, window, sinks, d
     x = paged_inputs([90, 1, 33, 130], [37, 1, 20, 100], 8, 2, 16, 8, dtype)
     scale = 16**-0.5
     s = torch.tensor([8.0, -8.0, 0.5, -2.0, 3.0, 0.0, -0.7, 5.0]) if sinks else None
-    config = {"BLOCK_M": 16, "BLOCK_N": 16, "HEAVY_FIRST": 1, "FOLD_SCALE": 1}
+    config = {"BLOCK_M": 16, "BLOCK_N": 16, **ALL}
     out = paged_prefill_attention(**x, scale=scale, config=config, softcap=softcap, window=window, sinks=s)
     close(out, ref(x, scale, softcap=softcap, window=window, sinks=s), dtype)
 
@@ -81,20 +84,22 @@ def test_prefill_options_over_an_fp8_cache(dtype):  # type: ignore[no-untyped-de
     k_scale, v_scale = 0.02, 0.3
     x = _paged_fp8_inputs([50, 41, 9], [7, 41, 9], 9, 3, 32, 16, dtype, k_scale, v_scale)
     scale = 32**-0.5
-    config = {"BLOCK_M": 32, "BLOCK_N": 16, "HEAVY_FIRST": 1, "FOLD_SCALE": 1}
+    config = {"BLOCK_M": 32, "BLOCK_N": 16, **ALL}
     out = paged_prefill_attention(**x, scale=scale, config=config, k_scale=k_scale, v_scale=v_scale)
     _assert_matches_reference(out, x, scale, k_scale, v_scale, dtype)
 
 
 def test_config_space_offers_each_option_and_prunes_for_large_heads():
-    """The tuner can pick the options at the Llama shape; at head_dim 256 no tile past 128x64 and no
-    64-key tile with 4 stages is offered (their K/V stages would outgrow shared memory)."""
+    """The tuner can pick the options at the Llama shape; at head_dim 256 it keeps the tiles it had
+    and drops those whose prefetched K/V stages would outgrow shared memory."""
     space = ppa.prune_configs(ppa.CONFIG_SPACE, 4, 128)
-    assert any(c.params.get("HEAVY_FIRST") and c.params.get("FOLD_SCALE") for c in space)
+    assert any(all(c.params.get(name) for name in ppa.OPTION_NAMES) for c in space)
     assert {(c["BLOCK_M"], c["BLOCK_N"], c.num_warps, c.num_stages) for c in space} >= {
         (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 4)
     }  # fmt: skip
     big = ppa.prune_configs(ppa.CONFIG_SPACE, 4, 256)
-    assert big and all(c["BLOCK_M"] * c["BLOCK_N"] <= 128 * 64 and c["BLOCK_N"] * c.num_stages <= 192 for c in big)
+    tiles = {(c["BLOCK_M"], c["BLOCK_N"], c.num_warps, c.num_stages, bool(c.params.get("PREFETCH_BLOCKS"))) for c in big}
+    assert (128, 64, 8, 3, False) in tiles and (64, 64, 4, 2, True) in tiles
+    assert not tiles & {(128, 64, 8, 3, True), (64, 64, 4, 3, True), (128, 128, 8, 2, False)}
     # the launcher's default is unchanged: the first tile, options off (old tuning tables run as before)
     assert ppa.default_config(4, 128).as_dict() == {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
