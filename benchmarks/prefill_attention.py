@@ -12,9 +12,10 @@ the pool (long_context.kernel_inputs). FLOPs: 4 x heads x head_dim x L(L+1)/2 (Q
 causal half; long_context.attention_flops). Peak: torch bf16 8192^3 matmul, median of 20.
 
 Candidates: every tile of the tuner's space (_VARIANTS and _LONG_VARIANTS: BLOCK_M, BLOCK_N, warps,
-stages) with the launch options off ("-") and all on ("HFP"), the default tile with each option
-alone ("H": HEAVY_FIRST, "F": FOLD_SCALE, "P": PREFETCH_BLOCKS), and three tiles with "HF" (all but
-P, which is what lets deeper stages buffer more K/V), so each option's effect reads off the table. Every
+stages) with the launch options off ("-") and all on ("HFPR"), the default tile with each option
+alone ("H": HEAVY_FIRST, "F": FOLD_SCALE, "P": PREFETCH_BLOCKS, "R": LAZY_RESCALE), six likely
+tiles with "HFP" (R's effect) and three with "HF" (P's, which is what lets deeper stages buffer
+more K/V), so each option's effect reads off the table. Every
 candidate runs at the lengths up to 32k; at longer ones only the --keep fastest at the last shorter
 length, plus the default, run (fewer repeats there: a 128k launch takes ~0.4 s). Each candidate's
 output is compared with the default config's (max abs diff: tiles of another BLOCK_N sum in
@@ -42,8 +43,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import long_context as lc  # noqa: E402
 
-# Launch options by letter: H HEAVY_FIRST, F FOLD_SCALE, P PREFETCH_BLOCKS ("-": none).
-LETTERS = {"H": "HEAVY_FIRST", "F": "FOLD_SCALE", "P": "PREFETCH_BLOCKS"}
+# Launch options by letter: H HEAVY_FIRST, F FOLD_SCALE, P PREFETCH_BLOCKS, R LAZY_RESCALE ("-": none).
+LETTERS = {"H": "HEAVY_FIRST", "F": "FOLD_SCALE", "P": "PREFETCH_BLOCKS", "R": "LAZY_RESCALE"}
 QUICK_TILES = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3)]
 # tiles also run with H and F but not P (P's own effect; it is the one that changes the pipeline)
 HF_TILES = [(64, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2)]
@@ -62,7 +63,8 @@ def candidates(quick: bool, group: int, head_dim: int) -> list[tuple[str, dict]]
     d_tile = (default["BLOCK_M"], default["BLOCK_N"], default.num_warps, default.num_stages)
     wanted = [(d_tile, "-")] + [(d_tile, c) for c in LETTERS]
     wanted += [(t, "HF") for t in HF_TILES]
-    wanted += [(t, opts) for t in tiles for opts in ("-", "HFP")]
+    wanted += [(t, opts) for t in tiles for opts in ("-", "HFPR")]
+    wanted += [(t, "HFP") for t in QUICK_TILES]
     out: dict[str, dict] = {}
     for tile, opts in wanted:
         m, n, w, s = tile

@@ -40,7 +40,7 @@ def _attend_tile(
     qk_scale, softcap, window,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, SLIDING: tl.constexpr,
-    FOLD_SCALE: tl.constexpr = False, blocks=None,
+    FOLD_SCALE: tl.constexpr = False, LAZY_RESCALE: tl.constexpr = False, blocks=None,
 ):  # fmt: skip
     # One BLOCK_N tile of keys for all rows of the query tile; CAUSAL masks keys past each
     # row's position (and past kv_end) and, SLIDING, those at or before q_pos - window; otherwise
@@ -107,13 +107,29 @@ def _attend_tile(
     if SLIDING:
         # a row may see no key of a tile below its window: keep exp2 away from -inf - -inf
         m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_new)
+    if LAZY_RESCALE:
+        # Keep every row's reference max unless some row's max grew by more than 8 (log2 units):
+        # then p <= 2^8, harmless in fp32 sums and half-type dots, and most tiles of a long row
+        # skip the rescale of acc and l. (The caller leaves this off with a window, where a row's
+        # max can stay -inf.) The reference max m_i is what acc and l are relative to either way.
+        grow = tl.max(tl.where(m_new > m_i, m_new - m_i, 0.0), 0) > 8.0
+        if grow:
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha
+            acc = acc * alpha[:, None]
+            m_i = m_new
+        m_new = m_i
     if FOLD:
         p = tl.exp2(tl.fma(s, qk_scale, -m_new[:, None]))
     else:
         p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    if LAZY_RESCALE:
+        l_i = l_i + tl.sum(p, 1)
+        acc = acc + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    else:
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -157,7 +173,9 @@ def _paged_prefill_kernel(
     HEAVY_FIRST: tl.constexpr = False,  # programs in reverse: the tiles that see the most keys start first
     FOLD_SCALE: tl.constexpr = False,  # see _attend_tile
     PREFETCH_BLOCKS: tl.constexpr = False,  # the full-tile loop reads the next tile's block ids a tile ahead
+    LAZY_RESCALE: tl.constexpr = False,  # see _attend_tile (off under SLIDING)
 ):
+    LAZY: tl.constexpr = LAZY_RESCALE and not SLIDING
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     if HEAVY_FIRST:
         # Blocks start roughly in program-id order. A causal tile's work grows with its position,
@@ -236,7 +254,7 @@ def _paged_prefill_kernel(
                     q, m_i, l_i, acc, q_pos, start, kv_end, block_row, k_base, v_base,
                     stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window,
                     HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, CAUSAL=True, DOT_PRECISION=DOT_PRECISION,
-                    SOFTCAP=SOFTCAP, SLIDING=SLIDING, FOLD_SCALE=FOLD_SCALE,
+                    SOFTCAP=SOFTCAP, SLIDING=SLIDING, FOLD_SCALE=FOLD_SCALE, LAZY_RESCALE=LAZY,
                 )  # fmt: skip
         if PREFETCH_BLOCKS:
             # The K/V addresses of a tile then come from a loop-carried register, not from a load
@@ -252,7 +270,7 @@ def _paged_prefill_kernel(
                     q, m_i, l_i, acc, q_pos, start, kv_end, block_row, k_base, v_base,
                     stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window,
                     HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, CAUSAL=False, DOT_PRECISION=DOT_PRECISION,
-                    SOFTCAP=SOFTCAP, SLIDING=SLIDING, FOLD_SCALE=FOLD_SCALE, blocks=blocks,
+                    SOFTCAP=SOFTCAP, SLIDING=SLIDING, FOLD_SCALE=FOLD_SCALE, LAZY_RESCALE=LAZY, blocks=blocks,
                 )  # fmt: skip
                 blocks = blocks_next
         else:
@@ -261,14 +279,14 @@ def _paged_prefill_kernel(
                     q, m_i, l_i, acc, q_pos, start, kv_end, block_row, k_base, v_base,
                     stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window,
                     HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, CAUSAL=False, DOT_PRECISION=DOT_PRECISION,
-                    SOFTCAP=SOFTCAP, SLIDING=SLIDING, FOLD_SCALE=FOLD_SCALE,
+                    SOFTCAP=SOFTCAP, SLIDING=SLIDING, FOLD_SCALE=FOLD_SCALE, LAZY_RESCALE=LAZY,
                 )  # fmt: skip
         for start in range(full_end, kv_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, q_pos, start, kv_end, block_row, k_base, v_base,
                 stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window,
                 HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, CAUSAL=True, DOT_PRECISION=DOT_PRECISION,
-                SOFTCAP=SOFTCAP, SLIDING=SLIDING, FOLD_SCALE=FOLD_SCALE,
+                SOFTCAP=SOFTCAP, SLIDING=SLIDING, FOLD_SCALE=FOLD_SCALE, LAZY_RESCALE=LAZY,
             )  # fmt: skip
 
         if HAS_SINKS:
@@ -310,14 +328,20 @@ _LONG_VARIANTS = [
 # Launch options, constexprs of the kernel that ride in a config's params (absent = 0, so older
 # tuning tables run as before) for the tuner to pick per bucket: HEAVY_FIRST starts the tiles that
 # see the most keys first; FOLD_SCALE fuses the softmax scale into the exp2 argument's FMA;
-# PREFETCH_BLOCKS reads the full-tile loop's block ids a tile ahead, so K/V copies pipeline deeper.
-_OPTIONS = {"HEAVY_FIRST": 1, "FOLD_SCALE": 1, "PREFETCH_BLOCKS": 1}
-OPTION_NAMES = tuple(_OPTIONS)
+# PREFETCH_BLOCKS reads the full-tile loop's block ids a tile ahead, so K/V copies pipeline deeper;
+# LAZY_RESCALE rescales acc only when a row's max grew by more than 2^8. To drop one, delete it
+# here and its constexpr (the launcher reads each with .get).
+_OPTION_SETS = [
+    {"HEAVY_FIRST": 1, "FOLD_SCALE": 1, "PREFETCH_BLOCKS": 1},
+    {"HEAVY_FIRST": 1, "FOLD_SCALE": 1, "PREFETCH_BLOCKS": 1, "LAZY_RESCALE": 1},
+]
+OPTION_NAMES = ("HEAVY_FIRST", "FOLD_SCALE", "PREFETCH_BLOCKS", "LAZY_RESCALE")
 
 CONFIG_SPACE: list[KernelConfig] = [
     KernelConfig({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for (m, n, w, s) in _VARIANTS
 ] + [
-    KernelConfig({"BLOCK_M": m, "BLOCK_N": n, **_OPTIONS}, num_warps=w, num_stages=s)
+    KernelConfig({"BLOCK_M": m, "BLOCK_N": n, **options}, num_warps=w, num_stages=s)
+    for options in _OPTION_SETS
     for (m, n, w, s) in [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)] + _LONG_VARIANTS
 ]
 
@@ -401,6 +425,7 @@ def paged_prefill_attention(
         SOFTCAP=softcap > 0, SLIDING=window > 0, HAS_SINKS=sinks is not None,
         HEAVY_FIRST=bool(cfg.params.get("HEAVY_FIRST", 0)), FOLD_SCALE=bool(cfg.params.get("FOLD_SCALE", 0)),
         PREFETCH_BLOCKS=bool(cfg.params.get("PREFETCH_BLOCKS", 0)),
+        LAZY_RESCALE=bool(cfg.params.get("LAZY_RESCALE", 0)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out

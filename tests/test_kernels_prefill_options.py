@@ -2,7 +2,8 @@
 interpreter: HEAVY_FIRST (programs in reverse order: every query tile must still be found by the
 search over sequences, once), FOLD_SCALE (the softmax scale fused into the exp2 argument; with
 a soft-cap it steps aside) and PREFETCH_BLOCKS (the full-tile loop's block ids read a tile ahead:
-the first tile's before the loop, none past the loop's end). Batches of several sequences of different lengths, cached prefixes,
+the first tile's before the loop, none past the loop's end) and LAZY_RESCALE (acc and l rescaled
+only when some row's max grew by more than 2^8; off under a window). Batches of several sequences of different lengths, cached prefixes,
 decode rows and an empty query, padded GQA groups, windows, sinks and an fp8 cache.
 """
 
@@ -21,9 +22,10 @@ OPTIONS = [
     pytest.param({"HEAVY_FIRST": 1}, id="heavy-first"),
     pytest.param({"FOLD_SCALE": 1}, id="fold-scale"),
     pytest.param({"PREFETCH_BLOCKS": 1}, id="prefetch-blocks"),
-    pytest.param({"HEAVY_FIRST": 1, "FOLD_SCALE": 1, "PREFETCH_BLOCKS": 1}, id="all"),
+    pytest.param({"LAZY_RESCALE": 1}, id="lazy-rescale"),
+    pytest.param({"HEAVY_FIRST": 1, "FOLD_SCALE": 1, "PREFETCH_BLOCKS": 1, "LAZY_RESCALE": 1}, id="all"),
 ]
-ALL = {"HEAVY_FIRST": 1, "FOLD_SCALE": 1, "PREFETCH_BLOCKS": 1}
+ALL = {"HEAVY_FIRST": 1, "FOLD_SCALE": 1, "PREFETCH_BLOCKS": 1, "LAZY_RESCALE": 1}
 
 CASES = [
     # (num_heads, num_kv_heads, head_dim, block_size, seq_lens, q_lens, tile)
@@ -76,6 +78,18 @@ def test_prefill_options_with_window_softcap_and_sinks(softcap, window, sinks, d
     config = {"BLOCK_M": 16, "BLOCK_N": 16, **ALL}
     out = paged_prefill_attention(**x, scale=scale, config=config, softcap=softcap, window=window, sinks=s)
     close(out, ref(x, scale, softcap=softcap, window=window, sinks=s), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("sharpness", [1.0, 6.0])
+def test_lazy_rescale_with_growing_maxima(sharpness, dtype):  # type: ignore[no-untyped-def]
+    """Sharp scores (std ~9 in log2 units at 6x): row maxima grow by more than 8 in later tiles,
+    so both the rescaling and the skipping iterations run, with p up to 2^8 in the second dot."""
+    x = paged_inputs([130, 70, 9], [100, 70, 1], 8, 2, 16, 8, dtype)
+    x["q"] = (x["q"].float() * sharpness).to(dtype)
+    scale = 16**-0.5
+    config = {"BLOCK_M": 16, "BLOCK_N": 16, "LAZY_RESCALE": 1, "FOLD_SCALE": 1}
+    close(paged_prefill_attention(**x, scale=scale, config=config), ref(x, scale), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
