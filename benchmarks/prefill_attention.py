@@ -247,6 +247,15 @@ def main(argv: list[str] | None = None) -> None:
                 f"| {r['max_abs_diff_vs_default']:.3g}{'' if r['finite'] else ' NON-FINITE'} |"
             )
         print()
+    for length in lengths:
+        these = sorted((r for r in rows if r["tokens"] == length), key=lambda r: r["ms"])
+        base = next((r for r in these if r["name"] == default_name), None)
+        if these and base:
+            best = these[0]
+            print(
+                f"best at {length}: {best['name']} {best['tflops']} TFLOP/s ({best['fraction_of_peak']:.1%} of peak), "
+                f"default {base['tflops']} ({base['fraction_of_peak']:.1%}), {base['ms'] / best['ms']:.3f}x"
+            )
     emit({"figure": "total_seconds", "value": round(time.perf_counter() - t0, 1)})
     if args.jsonl:
         with open(args.jsonl, "a") as f:
