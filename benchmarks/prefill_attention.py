@@ -41,11 +41,18 @@ import torch
 # long_context's inputs and counting, so both benchmarks measure the same thing (this script's
 # directory is on sys.path when run as a script).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import long_context as lc  # noqa: E402
+import long_context as lc
 
 # Launch options by letter: H HEAVY_FIRST, F FOLD_SCALE, P PREFETCH_BLOCKS, R LAZY_RESCALE ("-": none).
 LETTERS = {"H": "HEAVY_FIRST", "F": "FOLD_SCALE", "P": "PREFETCH_BLOCKS", "R": "LAZY_RESCALE"}
-QUICK_TILES = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3)]
+QUICK_TILES = [
+    (64, 64, 4, 2),
+    (64, 64, 4, 3),
+    (128, 64, 8, 3),
+    (128, 64, 8, 4),
+    (128, 128, 8, 2),
+    (128, 128, 8, 3),
+]
 # tiles also run with H and F but not P (P's own effect; it is the one that changes the pipeline)
 HF_TILES = [(64, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2)]
 
@@ -128,14 +135,18 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     ap.add_argument("--lengths", default="8192,32768,131072", help="prompt lengths (one sequence each)")
     ap.add_argument("--quick", action="store_true", help="fewer tiles and repeats")
-    ap.add_argument("--kv", default="bf16", choices=["bf16", "fp8"], help="KV-cache dtype (fp8: e4m3, scale 1)")
+    ap.add_argument(
+        "--kv", default="bf16", choices=["bf16", "fp8"], help="KV-cache dtype (fp8: e4m3, scale 1)"
+    )
     ap.add_argument("--keep", type=int, default=6, help="candidates (besides the default) run past 32k")
     ap.add_argument(
         "--budget", type=float, default=210.0,
         help="seconds: past this, lengths not yet started run the default and the best so far only",
     )  # fmt: skip
     ap.add_argument("--jsonl", type=Path, help="also append the JSON lines here")
-    ap.add_argument("--dry-run", action="store_true", help="a tiny shape on the CPU interpreter: measures nothing")
+    ap.add_argument(
+        "--dry-run", action="store_true", help="a tiny shape on the CPU interpreter: measures nothing"
+    )
     args = ap.parse_args(argv)
 
     if args.dry_run:
@@ -146,7 +157,9 @@ def main(argv: list[str] | None = None) -> None:
         args.kv = "bf16"
     else:
         if not torch.cuda.is_available():
-            sys.exit("prefill_attention.py: no CUDA GPU here; use --dry-run to check the code paths on the CPU")
+            sys.exit(
+                "prefill_attention.py: no CUDA GPU here; use --dry-run to check the code paths on the CPU"
+            )
         cfg = lc.LLAMA31_8B
         lengths = sorted(int(v) for v in args.lengths.split(","))
     from pagecast.kernels import paged_prefill_attention as ppa
@@ -195,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
         this: list[dict] = []
         for name, c in todo:
 
-            def launch(c=c):  # type: ignore[no-untyped-def]
+            def launch(c=c, x=x):  # type: ignore[no-untyped-def]
                 return ppa.paged_prefill_attention(
                     x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["seq_lens"], x["query_start_loc"],
                     hd**-0.5, config=c, out=x["out"],

@@ -14,8 +14,8 @@ import torch
 from test_kernels import close, paged_inputs
 from test_kv_cache_fp8_kernels import _assert_matches_reference, _paged_fp8_inputs
 
-from pagecast.kernels import reference
 from pagecast.kernels import paged_prefill_attention as ppa
+from pagecast.kernels import reference
 from pagecast.kernels.paged_prefill_attention import paged_prefill_attention
 
 OPTIONS = [
@@ -32,18 +32,39 @@ CASES = [
     # chunked prefill: prefixes of 0..53 cached tokens, a decode row, an empty query, lengths spanning
     # one to six query tiles, so reversed ids cross sequence boundaries of every kind
     pytest.param(
-        8, 2, 16, 8, [90, 1, 33, 12, 61], [37, 1, 20, 0, 61], {"BLOCK_M": 16, "BLOCK_N": 32}, id="group4-chunked"
+        8,
+        2,
+        16,
+        8,
+        [90, 1, 33, 12, 61],
+        [37, 1, 20, 0, 61],
+        {"BLOCK_M": 16, "BLOCK_N": 32},
+        id="group4-chunked",
     ),
     # group 3 padded to 4 rows a token; 8 tokens a tile
     pytest.param(
-        9, 3, 32, 16, [50, 41, 9, 130], [7, 41, 9, 77], {"BLOCK_M": 32, "BLOCK_N": 16}, id="group3-prefix-mixed"
+        9,
+        3,
+        32,
+        16,
+        [50, 41, 9, 130],
+        [7, 41, 9, 77],
+        {"BLOCK_M": 32, "BLOCK_N": 16},
+        id="group3-prefix-mixed",
     ),
 ]
 
 
 def ref(x: dict, scale: float, **kw: object) -> torch.Tensor:
     return reference.paged_attention(
-        x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["seq_lens"], x["query_start_loc"], scale, **kw
+        x["q"],
+        x["k_cache"],
+        x["v_cache"],
+        x["block_tables"],
+        x["seq_lens"],
+        x["query_start_loc"],
+        scale,
+        **kw,
     )  # type: ignore[arg-type]
 
 
@@ -112,8 +133,16 @@ def test_config_space_offers_each_option_and_prunes_for_large_heads():
         (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 4)
     }  # fmt: skip
     big = ppa.prune_configs(ppa.CONFIG_SPACE, 4, 256)
-    tiles = {(c["BLOCK_M"], c["BLOCK_N"], c.num_warps, c.num_stages, bool(c.params.get("PREFETCH_BLOCKS"))) for c in big}
+    tiles = {
+        (c["BLOCK_M"], c["BLOCK_N"], c.num_warps, c.num_stages, bool(c.params.get("PREFETCH_BLOCKS")))
+        for c in big
+    }
     assert (128, 64, 8, 3, False) in tiles and (64, 64, 4, 2, True) in tiles
     assert not tiles & {(128, 64, 8, 3, True), (64, 64, 4, 3, True), (128, 128, 8, 2, False)}
     # the launcher's default is unchanged: the first tile, options off (old tuning tables run as before)
-    assert ppa.default_config(4, 128).as_dict() == {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+    assert ppa.default_config(4, 128).as_dict() == {
+        "BLOCK_M": 64,
+        "BLOCK_N": 64,
+        "num_warps": 4,
+        "num_stages": 2,
+    }
