@@ -52,6 +52,7 @@ QUICK_TILES = [
     (128, 64, 8, 4),
     (128, 128, 8, 2),
     (128, 128, 8, 3),
+    (64, 32, 4, 3),
 ]
 # tiles also run with H and F but not P (P's own effect; it is the one that changes the pipeline)
 HF_TILES = [(64, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2)]

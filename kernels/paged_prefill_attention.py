@@ -324,6 +324,7 @@ _LONG_VARIANTS = [
     (64, 64, 4, 4),
     (128, 64, 8, 4),
     (128, 128, 8, 3),
+    (64, 32, 4, 3),  # prefetched: 64 KiB and ~150 registers, three programs (warpgroups) an SM
 ]
 # Launch options, constexprs of the kernel that ride in a config's params (absent = 0, so older
 # tuning tables run as before) for the tuner to pick per bucket: HEAVY_FIRST starts the tiles that
