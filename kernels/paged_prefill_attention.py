@@ -11,6 +11,12 @@ just a short tile, which is how mixed batches run in this kernel.
 An fp8 (e4m3fn) cache is read as the decode kernel reads it: tiles upcast in registers (to
 fp16 for a bf16 engine, whose dots then run in fp16 with fp32 accumulation, to q's dtype
 otherwise), the K scale folded into the softmax scale, the V scale applied to the output.
+
+Launch options (issue 32, long prompts; constexprs a config's params switch on, see _OPTION_SETS):
+HEAVY_FIRST reverses the program order, FOLD_SCALE fuses the softmax scale into the exp2 FMA,
+PREFETCH_BLOCKS reads block ids a tile ahead so K/V copies pipeline num_stages deep, LAZY_RESCALE
+skips acc's rescale while no row's max grew by more than 2^8. Each leaves the result the same up
+to rounding; benchmarks/prefill_attention.py times them.
 """
 
 from __future__ import annotations
