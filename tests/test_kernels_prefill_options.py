@@ -146,3 +146,27 @@ def test_config_space_offers_each_option_and_prunes_for_large_heads():
         "num_warps": 4,
         "num_stages": 2,
     }
+
+
+def test_prefill_benchmark_dry_run_agrees_with_the_default(capsys):  # type: ignore[no-untyped-def]
+    """benchmarks/prefill_attention.py --dry-run (fp32 on the interpreter): every candidate, the
+    options alone and together on each tile, writes every row and matches the default config's
+    output; the longer length runs the pruned set, the default among it."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import prefill_attention
+
+    prefill_attention.main(["--dry-run"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    cands = [r for r in rows if r["figure"] == "prefill_attention_candidate"]
+    short = {r["name"] for r in cands if r["tokens"] == 40}
+    assert {"64x64 w4 s2 -", "64x64 w4 s2 H", "64x64 w4 s2 F", "64x64 w4 s2 P", "64x64 w4 s2 R"} <= short
+    assert any(r["tokens"] == 100 and r["name"] == "64x64 w4 s2 -" for r in cands)
+    assert all(r["finite"] and r["max_abs_diff_vs_default"] < 1e-5 for r in cands), [
+        (r["name"], r["max_abs_diff_vs_default"])
+        for r in cands
+        if not r["finite"] or r["max_abs_diff_vs_default"] >= 1e-5
+    ]
