@@ -1,7 +1,8 @@
 """What the paged prefill kernel compiles to on an H100/H200 (sm_90), without a GPU.
 
     python benchmarks/prefill_ptx.py [--caches bf16,fp8,fp16,fp32] [--arch 90]
-                                     [--variants 64x64x4x2,...] [--dump DIR] [--json FILE]
+                                     [--variants 64x64x4x2,...] [--options PREFETCH_BLOCKS,...]
+                                     [--dump DIR] [--json FILE]
 
 The prefill counterpart of benchmarks/decode_ptx.py, whose compile routine and counters it uses
 (see that file for what each count means): kernels/paged_prefill_attention.py's
@@ -73,15 +74,16 @@ def launch_args(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> tuple[list, d
 
 
 def analyse(
-    cache: str, block_m: int, block_n: int, warps: int, stages: int, dump: Path | None, arch: int = 90
-) -> dict[str, object]:
+    cache: str, block_m: int, block_n: int, warps: int, stages: int, dump: Path | None, arch: int = 90,
+    options: tuple[str, ...] = (),
+) -> dict[str, object]:  # fmt: skip
     q_dtype, cache_dtype = decode_ptx.CACHES[cache]
     args, constexprs = launch_args(q_dtype, cache_dtype)
-    constexprs.update(BLOCK_M=block_m, BLOCK_N=block_n)
+    constexprs.update(BLOCK_M=block_m, BLOCK_N=block_n, **{name: True for name in options})
     target = decode_ptx.GPUTarget("cuda", arch, 32)
     kernel = decode_ptx.compile_kernel(ppa._paged_prefill_kernel, args, constexprs, warps, stages, target)
     arch_tag = f"_sm{arch}" if arch != 90 else ""
-    name = f"{cache}_m{block_m}_n{block_n}_w{warps}_s{stages}{arch_tag}"
+    name = f"{cache}_m{block_m}_n{block_n}_w{warps}_s{stages}{arch_tag}" + "".join(f"_{o.lower()}" for o in options)
     return {
         "variant": name, "cache": cache, "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps,
         "num_stages": stages, **decode_ptx.kernel_stats(kernel, name, dump, loop=0),
@@ -96,12 +98,16 @@ def main() -> None:
         "--arch", type=int, default=90,
         help="compute capability x10 (89: Ada, e.g. L40S, the other fp8-cache target: no wgmma)",
     )  # fmt: skip
+    ap.add_argument(
+        "--options", default="",
+        help="launch options switched on, comma-separated of " + ",".join(ppa.OPTION_NAMES),
+    )  # fmt: skip
     ap.add_argument("--dump", type=Path, help="write each variant's TTGIR and PTX here")
     ap.add_argument("--json", type=Path, help="write the counts as JSON")
     args = ap.parse_args()
     group = NUM_HEADS // NUM_KV_HEADS
-    variants = [(c["BLOCK_M"], c["BLOCK_N"], c.num_warps, c.num_stages)
-                for c in ppa.prune_configs(ppa.CONFIG_SPACE, group, HEAD_DIM)]  # fmt: skip
+    variants = [*dict.fromkeys((c["BLOCK_M"], c["BLOCK_N"], c.num_warps, c.num_stages)
+                for c in ppa.prune_configs(ppa.CONFIG_SPACE, group, HEAD_DIM))]  # fmt: skip
     if args.variants:
         variants = [tuple(int(x) for x in v.split("x")) for v in args.variants.split(",")]
     print(
@@ -111,7 +117,8 @@ def main() -> None:
     rows = []
     for cache in args.caches.split(","):
         for block_m, block_n, warps, stages in variants:
-            r = analyse(cache, block_m, block_n, warps, stages, args.dump, args.arch)
+            opts = tuple(o for o in args.options.split(",") if o)
+            r = analyse(cache, block_m, block_n, warps, stages, args.dump, args.arch, opts)
             decode_ptx.print_row(r)
             rows.append(r)
     if args.json:

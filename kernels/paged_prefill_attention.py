@@ -11,6 +11,12 @@ just a short tile, which is how mixed batches run in this kernel.
 An fp8 (e4m3fn) cache is read as the decode kernel reads it: tiles upcast in registers (to
 fp16 for a bf16 engine, whose dots then run in fp16 with fp32 accumulation, to q's dtype
 otherwise), the K scale folded into the softmax scale, the V scale applied to the output.
+
+Launch options (issue 32, long prompts; constexprs a config's params switch on, see _OPTION_SETS):
+HEAVY_FIRST reverses the program order, FOLD_SCALE fuses the softmax scale into the exp2 FMA,
+PREFETCH_BLOCKS reads block ids a tile ahead so K/V copies pipeline num_stages deep, LAZY_RESCALE
+skips acc's rescale while no row's max grew by more than 2^8. Each leaves the result the same up
+to rounding; benchmarks/prefill_attention.py times them.
 """
 
 from __future__ import annotations
@@ -40,10 +46,14 @@ def _attend_tile(
     qk_scale, softcap, window,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, SLIDING: tl.constexpr,
+    FOLD_SCALE: tl.constexpr = False, LAZY_RESCALE: tl.constexpr = False, blocks=None,
 ):  # fmt: skip
     # One BLOCK_N tile of keys for all rows of the query tile; CAUSAL masks keys past each
     # row's position (and past kv_end) and, SLIDING, those at or before q_pos - window; otherwise
-    # every key of the tile is visible to every row.
+    # every key of the tile is visible to every row. m_i is in scaled (log2) units either way.
+    # FOLD_SCALE (without SOFTCAP, which needs the scaled scores): the raw scores' row max is
+    # scaled once per row, and each score's scale and max subtraction are one FMA (the tile's
+    # separate multiply pass is gone; qk_scale > 0, so scaling commutes with the max).
     offs_n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     if CAUSAL:
@@ -64,7 +74,10 @@ def _attend_tile(
             other=0.0,
         )
     else:
-        block = tl.load(block_row + offs_n // BLOCK_SIZE).to(tl.int64)
+        if blocks is None:
+            block = tl.load(block_row + offs_n // BLOCK_SIZE).to(tl.int64)
+        else:
+            block = blocks.to(tl.int64)  # loaded by the caller one tile ahead (PREFETCH_BLOCKS)
         if HEAD_DIM_PAD == HEAD_DIM:
             k = tl.load(k_base + block[:, None] * stride_kb + (offs_n % BLOCK_SIZE)[:, None] * stride_kt)
             v = tl.load(v_base + block[:, None] * stride_vb + (offs_n % BLOCK_SIZE)[:, None] * stride_vt)
@@ -82,7 +95,10 @@ def _attend_tile(
             )
     k = k.to(q.dtype)  # fp8 cache: upcast in registers (a no-op for a cache in q's dtype)
     v = v.to(q.dtype)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    FOLD: tl.constexpr = FOLD_SCALE and not SOFTCAP
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+    if not FOLD:
+        s = s * qk_scale
     if SOFTCAP:
         s = _soft_cap(s, softcap)
     if CAUSAL:
@@ -90,14 +106,36 @@ def _attend_tile(
         if SLIDING:
             visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if FOLD:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
     if SLIDING:
         # a row may see no key of a tile below its window: keep exp2 away from -inf - -inf
         m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    if LAZY_RESCALE:
+        # Keep every row's reference max unless some row's max grew by more than 8 (log2 units):
+        # then p <= 2^8, harmless in fp32 sums and half-type dots, and most tiles of a long row
+        # skip the rescale of acc and l. (The caller leaves this off with a window, where a row's
+        # max can stay -inf.) The reference max m_i is what acc and l are relative to either way.
+        grow = tl.max(tl.where(m_new > m_i, m_new - m_i, 0.0), 0) > 8.0
+        if grow:
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha
+            acc = acc * alpha[:, None]
+            m_i = m_new
+        m_new = m_i
+    if FOLD:
+        p = tl.exp2(tl.fma(s, qk_scale, -m_new[:, None]))
+    else:
+        p = tl.exp2(s - m_new[:, None])
+    if LAZY_RESCALE:
+        l_i = l_i + tl.sum(p, 1)
+        acc = acc + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    else:
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -138,9 +176,20 @@ def _paged_prefill_kernel(
     SOFTCAP: tl.constexpr = False,
     SLIDING: tl.constexpr = False,
     HAS_SINKS: tl.constexpr = False,
+    HEAVY_FIRST: tl.constexpr = False,  # programs in reverse: the tiles that see the most keys start first
+    FOLD_SCALE: tl.constexpr = False,  # see _attend_tile
+    PREFETCH_BLOCKS: tl.constexpr = False,  # the full-tile loop reads the next tile's block ids a tile ahead
+    LAZY_RESCALE: tl.constexpr = False,  # see _attend_tile (off under SLIDING)
 ):
+    LAZY: tl.constexpr = LAZY_RESCALE and not SLIDING
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
-    pid = tl.program_id(0)
+    if HEAVY_FIRST:
+        # Blocks start roughly in program-id order. A causal tile's work grows with its position,
+        # so in launch order the last wave is the longest tiles, some running alone at the end;
+        # reversed (a bijection of ids, so the search below is unchanged) the tail is short tiles.
+        pid = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        pid = tl.program_id(0)
     kv_head = tl.program_id(1)
 
     # Sequence s owns programs [qsl[s] // BLOCK_Q + s, qsl[s+1] // BLOCK_Q + s + 1): find the
@@ -211,21 +260,39 @@ def _paged_prefill_kernel(
                     q, m_i, l_i, acc, q_pos, start, kv_end, block_row, k_base, v_base,
                     stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window,
                     HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, CAUSAL=True, DOT_PRECISION=DOT_PRECISION,
-                    SOFTCAP=SOFTCAP, SLIDING=SLIDING,
+                    SOFTCAP=SOFTCAP, SLIDING=SLIDING, FOLD_SCALE=FOLD_SCALE, LAZY_RESCALE=LAZY,
                 )  # fmt: skip
-        for start in range(full_lo, full_end, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, q_pos, start, kv_end, block_row, k_base, v_base,
-                stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window,
-                HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, CAUSAL=False, DOT_PRECISION=DOT_PRECISION,
-                SOFTCAP=SOFTCAP, SLIDING=SLIDING,
-            )  # fmt: skip
+        if PREFETCH_BLOCKS:
+            # The K/V addresses of a tile then come from a loop-carried register, not from a load
+            # in the same iteration: the pipeliner sees no indirect load chain, so the K/V copies
+            # can run num_stages - 1 tiles ahead (with the chain they run one ahead whatever the
+            # stages, the table read taking the other stage).
+            offs_t = tl.arange(0, BLOCK_N)
+            blocks = tl.load(block_row + (full_lo + offs_t) // BLOCK_SIZE, mask=full_lo + offs_t < full_end, other=0)
+            for start in range(full_lo, full_end, BLOCK_N):
+                nxt = start + BLOCK_N + offs_t
+                blocks_next = tl.load(block_row + nxt // BLOCK_SIZE, mask=nxt < full_end, other=0)
+                m_i, l_i, acc = _attend_tile(
+                    q, m_i, l_i, acc, q_pos, start, kv_end, block_row, k_base, v_base,
+                    stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window,
+                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, CAUSAL=False, DOT_PRECISION=DOT_PRECISION,
+                    SOFTCAP=SOFTCAP, SLIDING=SLIDING, FOLD_SCALE=FOLD_SCALE, LAZY_RESCALE=LAZY, blocks=blocks,
+                )  # fmt: skip
+                blocks = blocks_next
+        else:
+            for start in range(full_lo, full_end, BLOCK_N):
+                m_i, l_i, acc = _attend_tile(
+                    q, m_i, l_i, acc, q_pos, start, kv_end, block_row, k_base, v_base,
+                    stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window,
+                    HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, CAUSAL=False, DOT_PRECISION=DOT_PRECISION,
+                    SOFTCAP=SOFTCAP, SLIDING=SLIDING, FOLD_SCALE=FOLD_SCALE, LAZY_RESCALE=LAZY,
+                )  # fmt: skip
         for start in range(full_end, kv_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, q_pos, start, kv_end, block_row, k_base, v_base,
                 stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window,
                 HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, CAUSAL=True, DOT_PRECISION=DOT_PRECISION,
-                SOFTCAP=SOFTCAP, SLIDING=SLIDING,
+                SOFTCAP=SOFTCAP, SLIDING=SLIDING, FOLD_SCALE=FOLD_SCALE, LAZY_RESCALE=LAZY,
             )  # fmt: skip
 
         if HAS_SINKS:
@@ -254,20 +321,54 @@ _VARIANTS = [
     (64, 64, 4, 3),
     (128, 128, 8, 2),
 ]
+# Issue 32 (long prompts): deeper pipelines and 128-row tiles on sm_90's wgmma, with the launch
+# options below. Shared memory at head_dim 128, bf16, with PREFETCH_BLOCKS (compiled for sm_90,
+# benchmarks/prefill_ptx.py): 64x64 s3 112 KiB (two programs an SM), s4 144 KiB; 128x64 s4
+# 160 KiB; 128x128 s3 224 KiB, of the 227 KiB a program may take. Without PREFETCH_BLOCKS the
+# K/V tiles stay double-buffered whatever the stages (the block-table read takes the other stage).
+_LONG_VARIANTS = [
+    (64, 64, 4, 4),
+    (128, 64, 8, 4),
+    (128, 128, 8, 3),
+    (64, 32, 4, 3),  # prefetched: 64 KiB and ~150 registers, three programs (warpgroups) an SM
+]
+# Launch options, constexprs of the kernel that ride in a config's params (absent = 0, so older
+# tuning tables run as before) for the tuner to pick per bucket: HEAVY_FIRST starts the tiles that
+# see the most keys first; FOLD_SCALE fuses the softmax scale into the exp2 argument's FMA;
+# PREFETCH_BLOCKS reads the full-tile loop's block ids a tile ahead, so K/V copies pipeline deeper;
+# LAZY_RESCALE rescales acc only when a row's max grew by more than 2^8. To drop one, delete it
+# here and its constexpr (the launcher reads each with .get).
+_OPTION_SETS = [
+    {"HEAVY_FIRST": 1, "FOLD_SCALE": 1, "PREFETCH_BLOCKS": 1},
+    {"HEAVY_FIRST": 1, "FOLD_SCALE": 1, "PREFETCH_BLOCKS": 1, "LAZY_RESCALE": 1},
+]
+OPTION_NAMES = ("HEAVY_FIRST", "FOLD_SCALE", "PREFETCH_BLOCKS", "LAZY_RESCALE")
 
 CONFIG_SPACE: list[KernelConfig] = [
     KernelConfig({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for (m, n, w, s) in _VARIANTS
+] + [
+    KernelConfig({"BLOCK_M": m, "BLOCK_N": n, **options}, num_warps=w, num_stages=s)
+    for options in _OPTION_SETS
+    for (m, n, w, s) in [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)] + _LONG_VARIANTS
 ]
 
 
 def prune_configs(configs: list[KernelConfig], group: int, head_dim: int) -> list[KernelConfig]:
-    """Drop tiles whose rows cannot hold one token's whole GQA group, and 128x128 tiles at head_dim > 128."""
+    """Drop tiles whose rows cannot hold one token's whole GQA group, and at head_dim > 128 tiles
+    past 128x64 or whose half-type Q and K/V buffers pass 192 KiB of shared memory (K/V are
+    double-buffered, or num_stages-buffered with PREFETCH_BLOCKS). At head_dim <= 128 every
+    tile fits in bf16 (the largest, 128x128 with 3 stages prefetched, takes 224 KiB)."""
     group_pad = max(1, triton.next_power_of_2(group))
-    return [
-        c
-        for c in configs
-        if c["BLOCK_M"] >= group_pad and not (head_dim > 128 and c["BLOCK_M"] * c["BLOCK_N"] > 128 * 64)
-    ]
+
+    def fits(c: KernelConfig) -> bool:
+        if head_dim <= 128:
+            return True
+        d = triton.next_power_of_2(head_dim)
+        buffers = c.num_stages if c.params.get("PREFETCH_BLOCKS") else 2
+        smem = 2 * d * (c["BLOCK_M"] + 2 * buffers * c["BLOCK_N"])
+        return c["BLOCK_M"] * c["BLOCK_N"] <= 128 * 64 and smem <= 192 * 1024
+
+    return [c for c in configs if c["BLOCK_M"] >= group_pad and fits(c)]
 
 
 def default_config(group: int, head_dim: int) -> KernelConfig:
@@ -329,6 +430,9 @@ def paged_prefill_attention(
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         SOFTCAP=softcap > 0, SLIDING=window > 0, HAS_SINKS=sinks is not None,
+        HEAVY_FIRST=bool(cfg.params.get("HEAVY_FIRST", 0)), FOLD_SCALE=bool(cfg.params.get("FOLD_SCALE", 0)),
+        PREFETCH_BLOCKS=bool(cfg.params.get("PREFETCH_BLOCKS", 0)),
+        LAZY_RESCALE=bool(cfg.params.get("LAZY_RESCALE", 0)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out

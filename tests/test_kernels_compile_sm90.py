@@ -492,3 +492,42 @@ def test_count_ties_and_logprob_stats_kernels_compile_for_sm90() -> None:
         {"BLOCK": 1024, "CHUNKS": 8},
     )  # fmt: skip
     assert "cubin" in asm
+
+
+def test_paged_prefill_launch_options_compile_for_sm90_and_fit_shared_memory() -> None:
+    """Issue 32's prefill launch options at the Llama-3-8B shape, as the launch specialises them:
+    the largest tile of the config space (128x128, 3 stages, every option) fits the 227 KiB of
+    shared memory a program may take on an H100/H200, over a bf16 and an fp8 cache; and
+    PREFETCH_BLOCKS is what lets a third stage buffer a third K/V tile (with the block-table read
+    in the loop the pipeliner keeps two whatever num_stages says)."""
+    from pagecast.kernels.paged_prefill_attention import OPTION_NAMES
+
+    def job(
+        cache: str, block_m: int, block_n: int, warps: int, stages: int, options: tuple[str, ...]
+    ) -> Sm90Job:
+        sig = dict(
+            _paged_signature(cache), sinks_ptr="*bf16", qk_scale="fp32", v_scale="fp32", softcap="fp32",
+            window="i32", num_seqs="i32", **{s: "i32" for s in _PAGED_STRIDES},
+        )  # fmt: skip
+        divisible = [n for n in sig if n.endswith("_ptr") or (n.startswith("stride") and n != "stride_bt")]
+        consts = {"GROUP": 4, "GROUP_PAD": 4, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128, "BLOCK_SIZE": 16,
+                  "BLOCK_M": block_m, "BLOCK_N": block_n, "DOT_PRECISION": "tf32",
+                  **{name: True for name in options}}  # fmt: skip
+        return ("paged_prefill", sig, consts, divisible, {"num_warps": warps, "num_stages": stages})
+
+    outs = compile_sm90_batch(
+        [
+            job("*bf16", 128, 128, 8, 3, OPTION_NAMES),
+            job("*fp8e4nv", 128, 128, 8, 3, OPTION_NAMES),
+            job("*bf16", 64, 64, 4, 3, ()),
+            job("*bf16", 64, 64, 4, 3, ("PREFETCH_BLOCKS",)),
+        ]
+    )
+    shared = [
+        int(next(line for line in out.splitlines() if line.startswith("shared ")).split()[1]) for out in outs
+    ]
+    assert all("cubin" in out for out in outs), outs
+    assert max(shared[:2]) <= 227 * 1024, shared
+    tile = 64 * 128 * 2  # a 64-row Q tile, or one 64-key K or V tile, bf16
+    # Q and three K and V buffers with the option only
+    assert shared[2] < tile + 3 * 2 * tile <= shared[3], shared
