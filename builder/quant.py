@@ -169,7 +169,9 @@ def read_config(
                 f"projection must share one quantisation"
             )
     skipped = [str(m) for m in (qc.get("modules_to_not_convert") or [])]
-    blocking = [m for m in skipped if any(m.endswith(p) or f"{p}." in m or m in p for p in QUANTISED_MODULES)]
+    # MoE routers (AutoAWQ lists "gate") stay in the half type anyway; they block nothing.
+    routers = ("gate", "router", "shared_expert_gate")
+    blocking = [m for m in skipped if m.rpartition(".")[2] not in routers and any(m.endswith(p) or f"{p}." in m or m in p for p in QUANTISED_MODULES)]
     if blocking:
         raise BuildError(
             f"modules_to_not_convert {blocking} leave decoder projections unquantised; pagecast fuses "
@@ -652,7 +654,12 @@ def plan_tensors(
     layouts: dict[str, list[RowShard]] = {}
     padded: list[tuple[int, int, int]] = []  # per padded o_proj: (degree, inputs per rank, inputs held)
     row_parallel = 0
+    from pagecast.builder import quant_moe
+
     for t in tensors:
+        if quant_moe.is_expert_stack(t):  # MoE experts: stacked int4 parts (builder/quant_moe.py)
+            out += quant_moe.plan_parts(t, cfg, dtype)
+            continue
         if not is_projection(t):
             out.append(t)
             continue
@@ -711,6 +718,9 @@ def check_tensors(tensors: list[Any], cfg: QuantConfig, shapes: dict[str, tuple[
     (the whole float layout, before any tensor-parallel cut)."""
     if fp8.is_fp8(cfg):
         return fp8.check_tensors(tensors, cfg, shapes)
+    from pagecast.builder import quant_moe
+
+    quant_moe.check_experts(tensors, cfg, shapes)
     for t in tensors:
         if is_projection(t):
             n_total, k = t.shape
@@ -728,7 +738,18 @@ def check_tensors(tensors: list[Any], cfg: QuantConfig, shapes: dict[str, tuple[
 
 
 def is_quant_part(t: Any) -> bool:
+    from pagecast.builder import quant_moe
+
+    if quant_moe.is_expert_part(t):
+        return True
     return t.name.rpartition(".")[2] in PARTS and t.name.rpartition(".")[0].rpartition(".")[2] in FUSED
+
+
+def is_quantised(t: Any) -> bool:
+    """A float-layout tensor an AWQ/GPTQ build takes from int4 modules: a projection or MoE experts."""
+    from pagecast.builder import quant_moe
+
+    return is_projection(t) or quant_moe.is_expert_stack(t)
 
 
 def projection_dims(model: Any) -> dict[str, tuple[int, int, tuple[int, ...] | None]]:
@@ -742,6 +763,10 @@ def projection_dims(model: Any) -> dict[str, tuple[int, int, tuple[int, ...] | N
         out[f"{o}.o_proj"] = (h, q, None)
         out[f"{o}.gate_up_proj"] = (2 * inter, h, (inter, inter))
         out[f"{o}.down_proj"] = (h, inter, None)
+        shared = getattr(layer.mlp, "shared_expert_size", 0)
+        if shared:  # Qwen2-MoE's shared expert, quantised like a dense MLP
+            out[f"{o}.shared_expert.gate_up_proj"] = (2 * shared, h, (shared, shared))
+            out[f"{o}.shared_expert.down_proj"] = (h, shared, None)
     return out
 
 
@@ -765,12 +790,19 @@ class Int4Materialiser:
         self._shards: dict[int, Int4Weight] = {}
         self._layouts: list[RowShard] | None = None
         self._orders: dict[str, torch.Tensor | None] = {}
+        from pagecast.builder.quant_moe import ExpertsMaterialiser
+
+        self._experts = ExpertsMaterialiser(cfg, read, dtype, gen)
 
     def handles(self, t: Any) -> bool:
         """Whether pack takes ``t`` from here: the int4 parts, and gate_up's bias (reordered)."""
         return is_quant_part(t) or (self.gen is None and t.name.endswith(".gate_up_proj.bias"))
 
     def __call__(self, t: Any) -> torch.Tensor:
+        from pagecast.builder import quant_moe
+
+        if quant_moe.is_expert_part(t):
+            return self._experts(t)
         base, _, part = t.name.rpartition(".")
         if part == "bias":
             return self._bias(t)

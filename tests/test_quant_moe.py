@@ -1,0 +1,196 @@
+"""enginebuild on AWQ / GPTQ mixture-of-experts checkpoints, end to end on the CPU in fp32.
+
+Tiny random Qwen3-MoE, Mixtral, Qwen2-MoE (shared expert, dense first layer) and OLMoE checkpoints
+are quantised round-to-nearest by tests/quant_writer.py the way AutoAWQ / GPTQModel store MoE
+models: every expert's gate/up/down (Mixtral's w1/w3/w2) a dense int4 module, GPTQ act-order with a
+permutation of each expert's own, the router in the float type. The artifact's greedy tokens and
+logits must equal transformers running the same checkpoint dequantised exactly (the writer's own
+dequantisation, independent of pagecast's reader). The fused W4A16 MoE kernels themselves are
+checked in tests/test_fused_moe_w4a16.py; here one case also runs through them in the interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import build_artifact
+from engine_utils import engine_last_logits, hf_greedy
+from quant_writer import Format, write
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from pagecast.runtime import LLM, SamplingParams
+from pagecast.runtime.errors import BuildError
+
+PROMPTS = [[1, 504, 3458, 22, 333, 17], [5, 6, 7], list(range(100, 140))]
+MAX_TOKENS = 8
+
+# Experts 64 wide where act-order is on, so that down_proj has two groups of 32 to reorder.
+WIDE = {"qwen3_moe": {"moe_intermediate_size": 64}, "mixtral": {"intermediate_size": 64}}
+CASES = {
+    "qwen3_moe-awq-g32": ("qwen3_moe", {}, Format("awq", 32)),
+    "qwen3_moe-gptq-g32-sym-actorder": ("qwen3_moe", WIDE["qwen3_moe"], Format("gptq", 32, sym=True, desc_act=True)),
+    "mixtral-awq-g32": ("mixtral", {}, Format("awq", 32)),
+    "mixtral-gptq_v2-g32-asym-actorder": (
+        "mixtral", WIDE["mixtral"], Format("gptq", 32, desc_act=True, checkpoint_format="gptq_v2"),
+    ),  # fmt: skip
+    # the shared expert (48 wide) and the dense layer take the dense int4 path; per-channel groups
+    "qwen2_moe-gptq-perchannel-actorder": ("qwen2_moe", {}, Format("gptq", -1, desc_act=True)),
+    "olmoe-awq-g32": ("olmoe", {}, Format("awq", 32)),
+}
+
+
+@pytest.fixture(scope="module")
+def quantised(tiny_checkpoint_factory, tmp_path_factory):  # type: ignore[no-untyped-def]
+    made: dict[str, tuple[Path, Path, Path]] = {}
+
+    def make(case: str) -> tuple[Path, Path, Path]:
+        if case not in made:
+            family, overrides, fmt = CASES[case]
+            src = tiny_checkpoint_factory(family, **overrides)
+            root = tmp_path_factory.mktemp(f"quant-{case}")
+            ckpt, deq = write(src, root / case, fmt)
+            made[case] = (ckpt, deq, build_artifact(ckpt, root / "engine", gpu="cpu"))
+        return made[case]
+
+    return make
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_moe_greedy_tokens_equal_transformers_on_the_exact_dequantization(case, quantised):  # type: ignore[no-untyped-def]
+    _, deq, artifact = quantised(case)
+    llm = LLM(artifact, max_num_seqs=4, max_num_batched_tokens=64)
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(str(deq), dtype=torch.float32).eval()
+    for ids, out in zip(PROMPTS, outputs, strict=True):
+        assert out.token_ids == hf_greedy(hf, ids, MAX_TOKENS)
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPTS[2]])).logits[0, -1]
+    torch.testing.assert_close(engine_last_logits(llm.engine, PROMPTS[2]), ref, atol=1e-4, rtol=0)
+
+
+def test_artifact_holds_stacked_int4_experts_and_a_half_router(quantised):  # type: ignore[no-untyped-def]
+    _, _, artifact = quantised("qwen3_moe-gptq-g32-sym-actorder")
+    with safe_open(str(artifact / "weights" / "rank0.safetensors"), "pt") as f:
+        names = set(f.keys())
+        # 8 experts, hidden 64, intermediate 64: gate_up [E, H/8, 2I], down [E, I/8, H]
+        assert f.get_tensor("layers.1.experts.gate_up.qweight").shape == (8, 8, 128)
+        assert f.get_tensor("layers.1.experts.gate_up.qweight").dtype == torch.int32
+        assert f.get_tensor("layers.1.experts.gate_up.scales").shape == (8, 2, 128)
+        assert f.get_tensor("layers.1.experts.gate_up.zeros").dtype == torch.int8
+        perm = f.get_tensor("layers.1.experts.gate_up.perm")
+        assert perm.shape == (8, 64) and not torch.equal(perm[0], perm[1])  # each expert's own act-order
+        assert f.get_tensor("layers.1.experts.down.qweight").shape == (8, 8, 64)
+        assert f.get_tensor("layers.1.router.weight").dtype == torch.float32
+    assert "layers.1.experts.down.perm" not in names  # folded into gate_up's output order
+    assert "layers.1.experts.gate_up" not in names
+    plan = json.loads((artifact / "memory_plan.json").read_text())
+    # the experts count at int4 size: far below their fp32 bytes
+    fp32_experts = 3 * 8 * 3 * 64 * 64 * 4
+    assert plan["weight_bytes"] < plan["num_parameters"] * 4 - fp32_experts * 3 // 4
+
+
+def test_moe_through_the_fused_w4a16_kernels(tmp_path, quantised, monkeypatch):  # type: ignore[no-untyped-def]
+    """The int4 MoE block's GPU path in the Triton interpreter (routing kernel, then the fused
+    W4A16 MoE kernels: GEMV for decode, tiles for the prefill), against transformers' tokens."""
+    from pagecast.kernels import fused_moe_w4a16, ops
+
+    _, deq, artifact = quantised("mixtral-gptq_v2-g32-asym-actorder")
+    llm = LLM(artifact, max_num_seqs=4, max_num_batched_tokens=32)
+    monkeypatch.setattr(ops, "_triton", lambda x: True)
+    launched = []
+    original = fused_moe_w4a16.fused_moe_w4a16
+
+    def recorded(x, *args, **kwargs):  # type: ignore[no-untyped-def]
+        launched.append(x.shape[0])
+        return original(x, *args, **kwargs)
+
+    monkeypatch.setattr(fused_moe_w4a16, "fused_moe_w4a16", recorded)
+    prompts = [PROMPTS[0], PROMPTS[2][:23]]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(str(deq), dtype=torch.float32).eval()
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 4) for p in prompts]
+    assert launched and min(launched) <= 2 and max(launched) > 16
+
+
+def test_dummy_int4_moe_builds_and_generates(tmp_path):  # type: ignore[no-untyped-def]
+    from tiny_models import tiny_config
+
+    config_dir = tmp_path / "config-only"
+    tiny_config("qwen2_moe", moe_intermediate_size=128, shared_expert_intermediate_size=128, hidden_size=128,
+                intermediate_size=256).save_pretrained(str(config_dir))  # fmt: skip
+    artifact = build_artifact(config_dir, tmp_path / "engine", gpu="cpu", load_format="dummy", quant="gptq")
+    with safe_open(str(artifact / "weights" / "rank0.safetensors"), "pt") as f:
+        assert f.get_tensor("layers.1.experts.gate_up.qweight").shape == (8, 16, 256)
+        assert f.get_tensor("layers.1.experts.down.scales").shape == (8, 1, 128)
+        assert f.get_tensor("layers.1.shared_expert.gate_up_proj.qweight").shape == (16, 256)
+    llm = LLM(artifact, max_num_seqs=2)
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].token_ids) == 4
+
+
+# -- refusals ---------------------------------------------------------------------------------
+
+
+def _rewrite(ckpt: Path, dst: Path, change) -> Path:  # type: ignore[no-untyped-def]
+    import shutil
+
+    shutil.copytree(ckpt, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_a_quantised_router_is_refused_by_name(quantised, tmp_path):  # type: ignore[no-untyped-def]
+    from quant_writer import quantise
+
+    ckpt, _, _ = quantised("qwen3_moe-awq-g32")
+
+    def quantise_router(tensors):  # type: ignore[no-untyped-def]
+        router = tensors.pop("model.layers.1.mlp.gate.weight")  # [8, 64]
+        parts, _ = quantise(router, Format("awq", 32), seed=0)
+        tensors.update({f"model.layers.1.mlp.gate.{p}": v for p, v in parts.items()})
+
+    bad = _rewrite(ckpt, tmp_path / "router", quantise_router)
+    with pytest.raises(BuildError, match=r"model\.layers\.1\.mlp\.gate \(the MoE router\) is AWQ-quantised"):
+        build_artifact(bad, tmp_path / "e", gpu="cpu")
+
+
+def test_a_float_expert_in_a_quantised_checkpoint_is_refused(quantised, tmp_path):  # type: ignore[no-untyped-def]
+    ckpt, deq, _ = quantised("qwen3_moe-awq-g32")
+    dense = load_file(str(deq / "model.safetensors"))
+
+    def unquantise_one(tensors):  # type: ignore[no-untyped-def]
+        m = "model.layers.2.mlp.experts.5.down_proj"
+        for part in ("qweight", "qzeros", "scales"):
+            tensors.pop(f"{m}.{part}")
+        tensors[f"{m}.weight"] = dense[f"{m}.weight"]
+
+    bad = _rewrite(ckpt, tmp_path / "mixed", unquantise_one)
+    with pytest.raises(BuildError, match=r"experts\.5\.down_proj is stored unquantised"):
+        build_artifact(bad, tmp_path / "e", gpu="cpu")
+
+
+def test_gpt_oss_int4_is_refused(tmp_path):  # type: ignore[no-untyped-def]
+    from tiny_models import tiny_config
+
+    config_dir = tmp_path / "config-only"
+    tiny_config("gpt_oss").save_pretrained(str(config_dir))
+    with pytest.raises(BuildError, match="GptOssForCausalLM: AWQ builds of this mixture-of-experts model are not"):
+        build_artifact(config_dir, tmp_path / "e", gpu="cpu", load_format="dummy", quant="awq")
+
+
+def test_awq_router_in_modules_to_not_convert_is_accepted():
+    """AutoAWQ lists MoE routers ("gate") in modules_to_not_convert; that leaves no projection unquantised."""
+    from pagecast.builder.quant import read_config
+    from quant_writer import quantization_config
+
+    qc = {**quantization_config(Format("awq", 32)), "modules_to_not_convert": ["gate"]}
+    assert read_config(qc, None).method == "awq"
+    with pytest.raises(BuildError, match="modules_to_not_convert"):
+        read_config({**qc, "modules_to_not_convert": ["down_proj"]}, None)
