@@ -194,3 +194,40 @@ def test_awq_router_in_modules_to_not_convert_is_accepted():
     assert read_config(qc, None).method == "awq"
     with pytest.raises(BuildError, match="modules_to_not_convert"):
         read_config({**qc, "modules_to_not_convert": ["down_proj"]}, None)
+
+
+# -- tensor parallelism -------------------------------------------------------------------------
+
+# Every width a multiple of 2 x 32, so each rank holds whole groups of 32: the experts' and the
+# shared expert's intermediate 64 (32 a rank), the dense layer's 128.
+TP_SHAPE = {"moe_intermediate_size": 64, "shared_expert_intermediate_size": 64, "intermediate_size": 128}
+
+
+def test_tp2_int4_moe_matches_transformers(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    """TP=2 on gloo: each rank holds every expert's int4 gate/up columns and down inputs of its half
+    of the intermediate dimension (whole groups), act-order folded per expert before the cut."""
+    src = tiny_checkpoint_factory("qwen2_moe", **TP_SHAPE)
+    ckpt, deq = write(src, tmp_path / "q", Format("gptq", 32, sym=False, desc_act=True))
+    art = build_artifact(ckpt, tmp_path / "tp2", gpu="cpu", tp=2)
+    with safe_open(str(art / "weights" / "rank1.safetensors"), "pt") as f:
+        assert f.get_tensor("layers.1.experts.gate_up.qweight").shape == (8, 8, 64)  # [E, H/8, 2 x 32]
+        assert f.get_tensor("layers.1.experts.gate_up.perm").shape == (8, 64)
+        assert f.get_tensor("layers.1.experts.down.qweight").shape == (8, 4, 64)  # [E, 32/8, H]
+        assert f.get_tensor("layers.1.experts.down.scales").shape == (8, 1, 64)
+    llm = LLM(art, max_num_batched_tokens=32, max_num_seqs=4, kv_cache_memory="4MiB")
+    try:
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.engine.runner.close()
+    hf = AutoModelForCausalLM.from_pretrained(str(deq), dtype=torch.float32).eval()
+    for ids, out in zip(PROMPTS, outputs, strict=True):
+        assert out.token_ids == hf_greedy(hf, ids, MAX_TOKENS)
+
+
+def test_tp_that_would_cut_an_expert_group_is_refused(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    """Experts 64 wide in groups of 32 split 4 ways: 16 inputs of down_proj a rank would cut a group.
+    (One group spanning all of an expert's inputs splits like per-channel scales, which is allowed.)"""
+    src = tiny_checkpoint_factory("qwen3_moe", num_attention_heads=8, moe_intermediate_size=64)
+    ckpt, _ = write(src, tmp_path / "q", Format("awq", 32))
+    with pytest.raises(BuildError, match=r"--tp 4: layers\.0\.experts\.down .*16 inputs per rank is not a multiple"):
+        build_artifact(ckpt, tmp_path / "e", gpu="cpu", tp=4)
