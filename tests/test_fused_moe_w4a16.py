@@ -6,6 +6,7 @@ and config space. GPU checks (bf16, CUDA graphs) are in tests/test_fused_moe_w4a
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 from pagecast.kernels import reference
 from pagecast.kernels.quant_linear import Int4ExpertsWeight
-from pagecast.kernels.tuning import KernelConfig
+from pagecast.kernels.tuning import KernelConfig, ModelShapes
 
 triton = pytest.importorskip("triton")
 from pagecast.kernels import fused_moe_w4a16
@@ -124,3 +125,62 @@ def test_config_space_keeps_k_steps_within_a_group():
     for t in (1, 4, 64, 4096):
         cfg = fused_moe_w4a16.default_config(t, 8, 128, 2048, 768, 32)
         assert cfg in [KernelConfig.coerce(c.as_dict()) for c in space] or cfg["BLOCK_K"] <= 32
+
+
+# ---------------------------------------------------------------------------- the tuner's problem
+
+QWEN3_30B_INT4 = ModelShapes(
+    32, 4, 128, 2048, 6144, 16, "bfloat16", quant_group_size=128, num_experts=128, top_k=8, moe_intermediate=768
+)
+
+
+def test_int4_moe_buckets_and_sizes():
+    from pagecast.kernels import problems
+
+    names = [b for b, _ in problems.buckets("fused_moe_w4a16", QWEN3_30B_INT4)]
+    assert names[0] == "t1" and "t4096" in names
+    assert problems.buckets("fused_moe", QWEN3_30B_INT4) == []  # the half-type kernel never runs there
+    half = dataclasses.replace(QWEN3_30B_INT4, quant_group_size=0)
+    assert problems.buckets("fused_moe_w4a16", half) == [] and problems.buckets("fused_moe", half)
+    nbytes, flops = problems.problem_size("fused_moe_w4a16", QWEN3_30B_INT4, {"num_tokens": 1})
+    # one token: its 8 experts' nibbles, fp16 scales and int8 zeros (gate_up 16 groups x 1536, down 6 x 2048)
+    groups = 16 * 1536 + 6 * 2048
+    assert nbytes == 8 * (3 * 2048 * 768 // 2 + groups * 3) + 2 * 2048 * 2
+    assert flops == 2 * 8 * 3 * 2048 * 768
+    bf16, _ = problems.problem_size("fused_moe", half, {"num_tokens": 1})
+    assert 3.5 < bf16 / nbytes < 4  # what int4 saves a decode step
+
+
+def test_int4_moe_config_space_by_bucket():
+    from pagecast.kernels import problems
+
+    space = {b: problems.config_space("fused_moe_w4a16", QWEN3_30B_INT4, d) for b, d in problems.buckets("fused_moe_w4a16", QWEN3_30B_INT4)}
+    assert not any(fused_moe_w4a16.is_naive(c) for c in space["t256"])
+    assert any(fused_moe_w4a16.is_naive(c) for c in space["t512"])
+    assert any(fused_moe_w4a16.is_gemv(c) for c in space["t1"])
+    for b, d in problems.buckets("fused_moe_w4a16", QWEN3_30B_INT4):
+        assert space[b], b
+        problems.default_config("fused_moe_w4a16", QWEN3_30B_INT4, d)
+
+
+@interpreter
+@pytest.mark.parametrize("group", [16, -1])
+def test_int4_moe_problem_launches_agree(group):  # type: ignore[no-untyped-def]
+    """The tuner's problem at a tiny shape: the default config, a tile, a GEMV config and the naive
+    baseline (the dense W4A16 GEMM per expert, also the reported reference) agree."""
+    from pagecast.kernels import problems
+
+    shapes = ModelShapes(
+        2, 1, 16, 32, 64, 16, "float32", max_num_seqs=4, quant_group_size=group, num_experts=6, top_k=2,
+        moe_intermediate=16,
+    )  # fmt: skip
+    dims = {"num_tokens": 4}
+    problem = problems.make_problem("fused_moe_w4a16", shapes, dims, "cpu")
+    assert problem.bucket == "t4" and problem.reference is not None
+    naive = problem.launch(fused_moe_w4a16.NAIVE, 1)
+    tile = KernelConfig({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}, 4, 2)
+    gemv = KernelConfig({"gemv": 1, "BLOCK_N": 16, "BLOCK_K": 16}, 4, 1)
+    scale = naive.abs().max().item()
+    for cfg in (problems.default_config("fused_moe_w4a16", shapes, dims), tile, gemv):
+        torch.testing.assert_close(problem.launch(cfg, 1), naive, atol=1e-4 * scale, rtol=1e-4)
+    torch.testing.assert_close(problem.reference(None, 1), naive, atol=0, rtol=0)

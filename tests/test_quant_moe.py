@@ -231,3 +231,30 @@ def test_tp_that_would_cut_an_expert_group_is_refused(tiny_checkpoint_factory, t
     ckpt, _ = write(src, tmp_path / "q", Format("awq", 32))
     with pytest.raises(BuildError, match=r"--tp 4: layers\.0\.experts\.down .*16 inputs per rank is not a multiple"):
         build_artifact(ckpt, tmp_path / "e", gpu="cpu", tp=4)
+
+
+def test_int4_moe_gpu_build_tunes_the_w4a16_moe_kernel(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    """A GPU build's tune pass would time the fused W4A16 MoE kernel (not the half-type one) per
+    token bucket at this model's experts and group size, so its kernels go into the artifact."""
+    from tiny_models import tiny_config
+
+    from pagecast.builder import pipeline, tune
+    from pagecast.kernels import problems, tuning
+
+    config_dir = tmp_path / "config-only"
+    tiny_config("qwen3_moe", moe_intermediate_size=128, hidden_size=128, num_attention_heads=8).save_pretrained(
+        str(config_dir)
+    )
+    shapes: list[dict] = []
+
+    def tune_pass(state):  # type: ignore[no-untyped-def]
+        shapes.append(tune.model_shapes(state))
+        return tune.run(state)
+
+    monkeypatch.setattr(pipeline, "PASSES", [(n, tune_pass if n == "tune" else r) for n, r in pipeline.PASSES])
+    build_artifact(config_dir, tmp_path / "gpu", gpu="h200", load_format="dummy", quant="awq")
+    fields = {k: v for k, v in shapes[0].items() if k not in ("vocab_size", "logits_stride", "moe_routing")}
+    model = tuning.ModelShapes(**fields)
+    assert (model.quant_group_size, model.num_experts, model.moe_intermediate) == (128, 8, 128)
+    assert "fused_moe_w4a16" in tuning.MOE_KERNELS
+    assert problems.buckets("fused_moe_w4a16", model) and not problems.buckets("fused_moe", model)
