@@ -321,7 +321,7 @@ def default_config(
     if is_gemv(base):
         bk = min(64, triton.next_power_of_2(min(hidden, intermediate)))
         return KernelConfig({"gemv": 1, "BLOCK_N": 64, "BLOCK_K": bk}, 4, 1)
-    bk = min(base["BLOCK_K"], max(16, g if g < 64 else 64))
+    bk = min(base["BLOCK_K"], max(16, min(64, g)))
     return KernelConfig({**base.params, "BLOCK_K": bk}, base.num_warps, base.num_stages)
 
 

@@ -37,7 +37,7 @@ CASES = {
     "mixtral-awq-g32": ("mixtral", {}, Format("awq", 32)),
     "mixtral-gptq_v2-g32-asym-actorder": (
         "mixtral", WIDE["mixtral"], Format("gptq", 32, desc_act=True, checkpoint_format="gptq_v2"),
-    ),  # fmt: skip
+    ),
     # the shared expert (48 wide) and the dense layer take the dense int4 path; per-channel groups
     "qwen2_moe-gptq-perchannel-actorder": ("qwen2_moe", {}, Format("gptq", -1, desc_act=True)),
     "olmoe-awq-g32": ("olmoe", {}, Format("awq", 32)),
@@ -187,8 +187,9 @@ def test_gpt_oss_int4_is_refused(tmp_path):  # type: ignore[no-untyped-def]
 
 def test_awq_router_in_modules_to_not_convert_is_accepted():
     """AutoAWQ lists MoE routers ("gate") in modules_to_not_convert; that leaves no projection unquantised."""
-    from pagecast.builder.quant import read_config
     from quant_writer import quantization_config
+
+    from pagecast.builder.quant import read_config
 
     qc = {**quantization_config(Format("awq", 32)), "modules_to_not_convert": ["gate"]}
     assert read_config(qc, None).method == "awq"
