@@ -258,8 +258,11 @@ NAIVE = fused_moe.NAIVE  # the per-expert loop of dense W4A16 GEMMs
 
 _GEMV_TILES = (
     # (BLOCK_N, BLOCK_K, num_warps): a program streams BLOCK_N columns of its expert's packed weight
+    (16, 128, 2),
+    (16, 256, 4),
     (32, 64, 2),
     (32, 128, 4),
+    (32, 256, 4),
     (64, 64, 4),
     (64, 128, 4),
     (128, 32, 4),
@@ -314,13 +317,16 @@ def default_config(
     num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int, min_group: int,
     num_sms: int = 132, elt: int = 2,
 ) -> KernelConfig:  # fmt: skip
-    """Untuned choice: the GEMV where fused_moe.default_config takes it (few pairs, 64 columns a
-    program, BLOCK_K 64), else its tile with BLOCK_K cut to ``min_group`` (prune_configs)."""
+    """Untuned choice: the GEMV where fused_moe.default_config takes it (few pairs), its BLOCK_N the
+    widest of 64, 32 and 16 that gives the down launch (a program per token and column block) two
+    programs a multiprocessor, BLOCK_K 128 (64 for narrow experts); else fused_moe's tile with
+    BLOCK_K cut to ``min_group`` (prune_configs)."""
     base = fused_moe.default_config(num_tokens, top_k, num_experts, hidden, intermediate, num_sms, elt)
     g = min_group
     if is_gemv(base):
-        bk = min(64, triton.next_power_of_2(min(hidden, intermediate)))
-        return KernelConfig({"gemv": 1, "BLOCK_N": 64, "BLOCK_K": bk}, 4, 1)
+        bn = next((b for b in (64, 32) if num_tokens * triton.cdiv(hidden, b) >= 2 * num_sms), 16)
+        bk = min(128, triton.next_power_of_2(min(hidden, intermediate)))
+        return KernelConfig({"gemv": 1, "BLOCK_N": bn, "BLOCK_K": bk}, 4 if bn * bk >= 4096 else 2, 1)
     bk = min(base["BLOCK_K"], max(16, min(64, g)))
     return KernelConfig({**base.params, "BLOCK_K": bk}, base.num_warps, base.num_stages)
 
