@@ -18,7 +18,9 @@ path, CUDA-core products for the GEMV path), accumulating in fp32.
   gate_up with the activation fused into [blocks * BLOCK_M, I] (sorted order), then down with the
   routing weights, scattered to pair order, and the top-k sum.
 - Decode (GEMV path, ``{"gemv": 1, ...}``): no sorting; a program per (pair, column block) for
-  gate_up and per (token, column block) for down (the top-k sum in the launch). Only the visited
+  gate_up and per (token, column block) for down (the top-k sum in the launch), or with
+  ``PAIRS`` per (pair, column block) for down too, the top-k sum a torch sum after it (a single
+  token's down launch has otherwise too few programs to fill the GPU). Only the visited
   experts' int4 weights are read: about a quarter of the bf16 kernel's bytes.
 - ``{"naive": 1}``: the baseline the tuner times against, a loop over the visited experts of the
   dense W4A16 GEMM (kernels/w4a16_gemm.py, its own default config: the tensor-core decode kernel
@@ -206,7 +208,7 @@ def _moe_w4a16_gemv_kernel(
     s_ptr,  # [E, K / G, N_w]
     z_ptr,  # int8 [E, K / G, N_w]
     perm_ptr,  # int32 [E, K] (HAS_PERM) or unused
-    c_ptr,  # gate_up: intermediate [P, N] in pair order; down: out [T, N]
+    c_ptr,  # gate_up: intermediate [P, N] in pair order; down: out [T, N] (PAIRS: weighted rows [P, N])
     ids_ptr,  # topk_ids [P] (int64)
     weights_ptr,  # fp32 [P] routing weights (down) or unused
     N,
@@ -216,6 +218,7 @@ def _moe_w4a16_gemv_kernel(
     top_k,
     ACTIVATION: tl.constexpr,  # gate_up: 1; 0: the down launch
     HAS_PERM: tl.constexpr,
+    PAIRS: tl.constexpr,  # down: a program per (pair, column block), the top-k sum left to the host
     GROUP: tl.constexpr,
     ALPHA: tl.constexpr,
     LIMIT: tl.constexpr,
@@ -237,10 +240,17 @@ def _moe_w4a16_gemv_kernel(
         y = _activate(gate, up, ACTIVATION, ALPHA, LIMIT)
         row = pair.to(tl.int64)
     else:
-        token = tl.program_id(0)
+        # a token's top_k pairs summed here, or (PAIRS: programs enough for one token's decode) one pair
+        if PAIRS:
+            first = tl.program_id(0)
+            count = 1
+        else:
+            first = tl.program_id(0) * top_k
+            count = top_k
+        row = tl.program_id(0).to(tl.int64)
         y = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for j in range(top_k):
-            pair = token * top_k + j
+        for j in range(count):
+            pair = first + j
             expert = tl.load(ids_ptr + pair).to(tl.int64)
             down, _ = _expert_gemv_w4(
                 a_ptr + pair.to(tl.int64) * stride_am, perm_ptr, qw_ptr + expert * (K // 8) * N,
@@ -248,7 +258,6 @@ def _moe_w4a16_gemv_kernel(
                 False, False, GROUP, BLOCK_N, BLOCK_K,
             )  # fmt: skip
             y += down * tl.load(weights_ptr + pair)
-        row = token.to(tl.int64)
     tl.store(c_ptr + row * stride_cm + offs_n, y.to(c_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -286,9 +295,17 @@ _TILES = (
     (128, 128, 64, 8, 8, 3),
 )
 
+# GEMV tiles also timed with the down launch a program per pair (PAIRS): at one or a few tokens a
+# program per token and column block leaves most multiprocessors idle.
+_PAIRS_TILES = ((16, 128, 2), (32, 128, 4), (64, 128, 4))
+
 CONFIG_SPACE: list[KernelConfig] = (
     [NAIVE]
     + [KernelConfig({"gemv": 1, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=1) for n, k, w in _GEMV_TILES]
+    + [
+        KernelConfig({"gemv": 1, "BLOCK_N": n, "BLOCK_K": k, "PAIRS": 1}, num_warps=w, num_stages=1)
+        for n, k, w in _PAIRS_TILES
+    ]
     + [
         KernelConfig({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": g}, num_warps=w, num_stages=s)
         for m, n, k, g, w, s in _TILES
@@ -319,14 +336,18 @@ def default_config(
 ) -> KernelConfig:  # fmt: skip
     """Untuned choice: the GEMV where fused_moe.default_config takes it (few pairs), its BLOCK_N the
     widest of 64, 32 and 16 that gives the down launch (a program per token and column block) two
-    programs a multiprocessor, BLOCK_K 128 (64 for narrow experts); else fused_moe's tile with
-    BLOCK_K cut to ``min_group`` (prune_configs)."""
+    programs a multiprocessor, with a program per pair (PAIRS) where even 16 does not, BLOCK_K 128
+    (64 for narrow experts); else fused_moe's tile with BLOCK_K cut to ``min_group``
+    (prune_configs)."""
     base = fused_moe.default_config(num_tokens, top_k, num_experts, hidden, intermediate, num_sms, elt)
     g = min_group
     if is_gemv(base):
         bn = next((b for b in (64, 32) if num_tokens * triton.cdiv(hidden, b) >= 2 * num_sms), 16)
         bk = min(128, triton.next_power_of_2(min(hidden, intermediate)))
-        return KernelConfig({"gemv": 1, "BLOCK_N": bn, "BLOCK_K": bk}, 4 if bn * bk >= 4096 else 2, 1)
+        params = {"gemv": 1, "BLOCK_N": bn, "BLOCK_K": bk}
+        if top_k > 1 and num_tokens * triton.cdiv(hidden, bn) < 2 * num_sms:
+            params["PAIRS"] = 1
+        return KernelConfig(params, 4 if bn * bk >= 4096 else 2, 1)
     bk = min(base["BLOCK_K"], max(16, min(64, g)))
     return KernelConfig({**base.params, "BLOCK_K": bk}, base.num_warps, base.num_stages)
 
@@ -334,9 +355,12 @@ def default_config(
 def workspace_bytes(
     num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int, elt: int, config: KernelConfig
 ) -> int:
-    """fused_moe.workspace_bytes for the tile and GEMV paths (the same buffers); the naive loop
-    adds one expert's dense gate_up weight (w4a16_gemm's dequantize + cuBLAS for many rows)."""
+    """fused_moe.workspace_bytes for the tile and GEMV paths (the same buffers; the GEMV's PAIRS adds
+    the weighted rows [P, H]); the naive loop adds one expert's dense gate_up weight (w4a16_gemm's
+    dequantize + cuBLAS for many rows)."""
     extra = 2 * intermediate * hidden * elt if is_naive(config) else 0
+    if is_gemv(config) and config.params.get("PAIRS"):
+        extra = -(-num_tokens * top_k * hidden * elt // 512) * 512
     return fused_moe.workspace_bytes(num_tokens, top_k, num_experts, hidden, intermediate, elt, config) + extra
 
 
@@ -432,21 +456,22 @@ def fused_moe_w4a16(
     perm = w_gate_up.perm
     if is_gemv(cfg):
         bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+        pairs = bool(cfg.params.get("PAIRS"))
         inter = torch.empty((p, i), dtype=x.dtype, device=x.device)
-        out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+        out = torch.empty((p if pairs else t, h), dtype=x.dtype, device=x.device)
         launches = (  # (weight, output columns, reduction, activation, input, output, rows)
             (w_gate_up, i, h, fused_moe.ACT_SILU, x, inter, p),
-            (w_down, h, i, fused_moe.ACT_NONE, inter, out, t),
+            (w_down, h, i, fused_moe.ACT_NONE, inter, out, p if pairs else t),
         )
         for w, n, k, act, a, c, rows in launches:
             has_perm = act != fused_moe.ACT_NONE and perm is not None
             _moe_w4a16_gemv_kernel[(rows, triton.cdiv(n, bn))](
                 a, w.qweight, w.scales, w.zeros, perm if has_perm else w.qweight, c, ids, weights, n, k,
                 a.stride(0), c.stride(0), top_k,
-                ACTIVATION=act, HAS_PERM=has_perm, GROUP=w.group_size, BLOCK_N=bn, BLOCK_K=bk,
+                ACTIVATION=act, HAS_PERM=has_perm, PAIRS=pairs, GROUP=w.group_size, BLOCK_N=bn, BLOCK_K=bk,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
             )  # fmt: skip
-        return out
+        return out.view(t, top_k, h).sum(1) if pairs and top_k > 1 else out
     bm, bn, bk, gm = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["GROUP_M"]
     sorted_ids, block_expert = fused_moe.align_by_expert(ids.view(t, top_k), num_experts, bm)
     nb = block_expert.shape[0]

@@ -64,6 +64,8 @@ CASES = [
     # (tokens, experts, top-k, hidden, intermediate, group (-1 per channel), act-order, config)
     pytest.param(1, 8, 2, 64, 32, 32, False, GEMV, id="t1-gemv"),
     pytest.param(3, 8, 2, 64, 32, 32, True, GEMV, id="t3-gemv-actorder"),
+    pytest.param(3, 8, 4, 64, 32, 32, True, {**GEMV, "PAIRS": 1}, id="t3-gemv-pairs"),
+    pytest.param(1, 8, 1, 64, 32, 32, False, {**GEMV, "PAIRS": 1}, id="t1-top1-gemv-pairs"),
     pytest.param(3, 8, 2, 64, 32, 32, False, TILE, id="t3-tile"),
     pytest.param(40, 8, 2, 64, 32, 32, False, TILE, id="t40-tile"),
     pytest.param(40, 6, 3, 64, 32, 32, True, TILE, id="t40-tile-actorder"),

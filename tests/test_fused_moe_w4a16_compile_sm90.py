@@ -53,7 +53,7 @@ def job(cfg: KernelConfig, gate_up: bool, perm: bool) -> tuple:
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     if fused_moe_w4a16.is_gemv(cfg):
         signature = {**POINTERS, "ids_ptr": "*i64", "weights_ptr": "*fp32", **ints}
-        return ("gemv", signature, common, options)
+        return ("gemv", signature, {**common, "PAIRS": bool(cfg.params.get("PAIRS"))}, options)
     signature = {**POINTERS, "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "weights_ptr": "*fp32",
                  "N": "i32", "K": "i32", "num_pairs": "i32", "max_blocks": "i32", "stride_am": "i32",
                  "stride_cm": "i32", "top_k": "i32"}  # fmt: skip
