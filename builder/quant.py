@@ -942,6 +942,9 @@ def report_lines(tuning: dict[str, Any] | None, cfg: QuantConfig | None, tp: int
             )
             + ".",
         ]
+    from pagecast.builder import quant_moe
+
+    lines += quant_moe.report_lines(tuning)
     entries = ((tuning or {}).get("kernels") or {}).get("w4a16_gemm") or {}
     if not entries:
         return lines + [

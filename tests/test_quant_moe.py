@@ -91,7 +91,8 @@ def test_artifact_holds_stacked_int4_experts_and_a_half_router(quantised):  # ty
     # the memory plan counts the weights as stored: the experts at their int4 parts' bytes
     plan = json.loads((artifact / "memory_plan.json").read_text())
     with safe_open(str(artifact / "weights" / "rank0.safetensors"), "pt") as f:
-        stored = sum(f.get_tensor(n).numel() * f.get_tensor(n).element_size() for n in f.keys())
+        names = list(f.keys())
+        stored = sum(f.get_tensor(n).numel() * f.get_tensor(n).element_size() for n in names)
     assert plan["weight_bytes"] == stored
     experts_fp32 = 3 * 8 * 3 * 64 * 64 * 4  # layers x experts x projections x H x I x 4 bytes
     assert plan["num_parameters"] * 4 - plan["weight_bytes"] > experts_fp32 * 3 // 4
@@ -262,3 +263,16 @@ def test_int4_moe_gpu_build_tunes_the_w4a16_moe_kernel(tmp_path, monkeypatch):  
     assert (model.quant_group_size, model.num_experts, model.moe_intermediate) == (128, 8, 128)
     assert "fused_moe_w4a16" in tuning.MOE_KERNELS
     assert problems.buckets("fused_moe_w4a16", model) and not problems.buckets("fused_moe", model)
+
+
+def test_report_lists_the_int4_moe_tuning():
+    from pagecast.builder.quant import QuantConfig, report_lines
+
+    cfg = QuantConfig("gptq", 128, True, False, "gptq")
+    tuning = {"kernels": {"fused_moe_w4a16": {
+        "t1": {"config": {"gemv": 1, "BLOCK_N": 16, "BLOCK_K": 128, "PAIRS": 1}, "time_us": 9.0, "reference_us": 30.0},
+        "t4096": {"config": {"naive": 1}, "time_us": 900.0, "reference_us": 900.0},
+    }}}  # fmt: skip
+    text = "\n".join(report_lines(tuning, cfg))
+    assert "| t1 | gemv=1, BLOCK_N=16, BLOCK_K=128, PAIRS=1 | 9.0 | 30.0 | 0.30 |" in text
+    assert "| t4096 | per-expert loop | 900.0 | 900.0 | 1.00 |" in text
