@@ -267,6 +267,8 @@ NAIVE = fused_moe.NAIVE  # the per-expert loop of dense W4A16 GEMMs
 
 _GEMV_TILES = (
     # (BLOCK_N, BLOCK_K, num_warps): a program streams BLOCK_N columns of its expert's packed weight
+    # (BLOCK_K 32 for groups of 32: a K step within one group)
+    (16, 32, 2),
     (16, 128, 2),
     (16, 256, 4),
     (32, 64, 2),
@@ -297,7 +299,7 @@ _TILES = (
 
 # GEMV tiles also timed with the down launch a program per pair (PAIRS): at one or a few tokens a
 # program per token and column block leaves most multiprocessors idle.
-_PAIRS_TILES = ((16, 128, 2), (32, 128, 4), (64, 128, 4))
+_PAIRS_TILES = ((16, 32, 2), (16, 128, 2), (32, 128, 4), (64, 128, 4))
 
 CONFIG_SPACE: list[KernelConfig] = (
     [NAIVE]
@@ -337,13 +339,13 @@ def default_config(
     """Untuned choice: the GEMV where fused_moe.default_config takes it (few pairs), its BLOCK_N the
     widest of 64, 32 and 16 that gives the down launch (a program per token and column block) two
     programs a multiprocessor, with a program per pair (PAIRS) where even 16 does not, BLOCK_K 128
-    (64 for narrow experts); else fused_moe's tile with BLOCK_K cut to ``min_group``
+    or less (the experts' width, ``min_group``); else fused_moe's tile with BLOCK_K cut to ``min_group``
     (prune_configs)."""
     base = fused_moe.default_config(num_tokens, top_k, num_experts, hidden, intermediate, num_sms, elt)
     g = min_group
     if is_gemv(base):
         bn = next((b for b in (64, 32) if num_tokens * triton.cdiv(hidden, b) >= 2 * num_sms), 16)
-        bk = min(128, triton.next_power_of_2(min(hidden, intermediate)))
+        bk = min(128, triton.next_power_of_2(min(hidden, intermediate)), max(32, g))
         params = {"gemv": 1, "BLOCK_N": bn, "BLOCK_K": bk}
         if top_k > 1 and num_tokens * triton.cdiv(hidden, bn) < 2 * num_sms:
             params["PAIRS"] = 1

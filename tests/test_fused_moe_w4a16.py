@@ -186,3 +186,18 @@ def test_int4_moe_problem_launches_agree(group):  # type: ignore[no-untyped-def]
     for cfg in (problems.default_config("fused_moe_w4a16", shapes, dims), tile, gemv):
         torch.testing.assert_close(problem.launch(cfg, 1), naive, atol=1e-4 * scale, rtol=1e-4)
     torch.testing.assert_close(problem.reference(None, 1), naive, atol=0, rtol=0)
+
+
+def test_default_configs_keep_k_steps_within_a_group():
+    """What runs untuned: for decode a GEMV config the tuner would time (PAIRS for one token), for
+    more tokens a tile; BLOCK_K within a quantisation group either way."""
+    space = fused_moe_w4a16.CONFIG_SPACE
+    for group in (32, 128):
+        for t in (1, 4):
+            cfg = fused_moe_w4a16.default_config(t, 8, 128, 2048, 768, group)
+            assert fused_moe_w4a16.is_gemv(cfg) and cfg["BLOCK_K"] <= group
+            assert cfg in fused_moe_w4a16.prune_configs(space, t, 8, 128, 2048, 768, group), (group, t, cfg)
+        assert fused_moe_w4a16.default_config(1, 8, 128, 2048, 768, group)["PAIRS"] == 1
+        for t in (16, 64, 4096):
+            cfg = fused_moe_w4a16.default_config(t, 8, 128, 2048, 768, group)
+            assert "BLOCK_M" in cfg.params and cfg["BLOCK_K"] <= group, (group, t, cfg)
