@@ -85,15 +85,7 @@ def plan_parts(t: Any, cfg: quant.QuantConfig, dtype: str) -> list[Any]:
     e, n, k = t.shape
     scale_dtype = str(scale_dtype_for(dtype)).removeprefix("torch.")
     gate_up = t.name.endswith("gate_up")
-    count = _cut_count(t)
-    if gate_up:
-        groups = k // cfg.group_size_for(k)
-        if k % cfg.group_size_for(k) or k % 8:
-            raise BuildError(f"{t.name}: {k} inputs do not hold whole groups of {cfg.group_size} and of 8")
-    else:  # row-parallel: each rank's inputs must be whole groups (refused here by name otherwise)
-        whole = k * count
-        layout = quant.row_layout(None, whole, cfg.group_size_for(whole), count, f"{t.name} ({t.sources[0]})")[0]
-        groups = layout.groups.shape[0]
+    groups = _local_groups(t, cfg)
     shapes = {
         "qweight": ((e, k // 8, n), "int32"),
         "scales": ((e, groups, n), scale_dtype),
@@ -105,6 +97,20 @@ def plan_parts(t: Any, cfg: quant.QuantConfig, dtype: str) -> list[Any]:
         dataclasses.replace(t, name=f"{t.name}.{part}", sources=t.sources, shape=shape, dtype=part_dtype)
         for part, (shape, part_dtype) in shapes.items()
     ]
+
+
+def _local_groups(t: Any, cfg: quant.QuantConfig) -> int:
+    """Quantisation groups along one rank's K of a stacked experts plan (gate_up's K is whole;
+    down's is the rank's slice, which must hold whole groups: refused by name otherwise)."""
+    k = t.shape[2]
+    if t.name.endswith("gate_up"):
+        if k % cfg.group_size_for(k) or k % 8:
+            raise BuildError(f"{t.name}: {k} inputs do not hold whole groups of {cfg.group_size} and of 8")
+        return k // cfg.group_size_for(k)
+    count = _cut_count(t)
+    whole = k * count
+    layout = quant.row_layout(None, whole, cfg.group_size_for(whole), count, f"{t.name} ({t.sources[0]})")[0]
+    return int(layout.groups.shape[0])
 
 
 def _stack(weights: list[quant.Int4Weight], perm: bool) -> dict[str, torch.Tensor]:
@@ -159,7 +165,10 @@ class ExpertsMaterialiser:
             if not t.name.endswith(".qweight"):
                 raise BuildError(f"internal: {t.name} drawn before its qweight")
             _, k8, n = t.shape
-            drawn = [quant.random_int4(self.cfg, k8 * 8, n, self.scale_dtype, self.gen) for _ in range(e)]
+            groups = _local_groups(dataclasses.replace(t, name=base, shape=(e, n, k8 * 8)), self.cfg)
+            whole_groups = groups * self.cfg.group_size_for(k8 * 8) == k8 * 8
+            cfg = self.cfg if whole_groups else dataclasses.replace(self.cfg, group_size=-1)  # one group a rank
+            drawn = [quant.random_int4(cfg, k8 * 8, n, self.scale_dtype, self.gen) for _ in range(e)]
             return _stack(drawn, gate_up and self.cfg.desc_act)
         cuts_per_expert = t.source_cuts or (None,) * len(t.sources)
         held = []

@@ -125,16 +125,24 @@ def test_dummy_int4_moe_builds_and_generates(tmp_path):  # type: ignore[no-untyp
     from tiny_models import tiny_config
 
     config_dir = tmp_path / "config-only"
-    tiny_config("qwen2_moe", moe_intermediate_size=128, shared_expert_intermediate_size=128, hidden_size=128,
+    tiny_config("qwen2_moe", moe_intermediate_size=128, shared_expert_intermediate_size=128, hidden_size=256,
                 intermediate_size=256).save_pretrained(str(config_dir))  # fmt: skip
     artifact = build_artifact(config_dir, tmp_path / "engine", gpu="cpu", load_format="dummy", quant="gptq")
     with safe_open(str(artifact / "weights" / "rank0.safetensors"), "pt") as f:
-        assert f.get_tensor("layers.1.experts.gate_up.qweight").shape == (8, 16, 256)
-        assert f.get_tensor("layers.1.experts.down.scales").shape == (8, 1, 128)
-        assert f.get_tensor("layers.1.shared_expert.gate_up_proj.qweight").shape == (16, 256)
+        assert f.get_tensor("layers.1.experts.gate_up.qweight").shape == (8, 32, 256)
+        assert f.get_tensor("layers.1.experts.gate_up.scales").shape == (8, 2, 256)  # groups of 128
+        assert f.get_tensor("layers.1.experts.down.scales").shape == (8, 1, 256)
+        assert f.get_tensor("layers.1.shared_expert.gate_up_proj.qweight").shape == (32, 256)
     llm = LLM(artifact, max_num_seqs=2)
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].token_ids) == 4
+    # a benchmark artifact at --tp 2: every rank's experts drawn at its shard's shape
+    tp2 = build_artifact(config_dir, tmp_path / "tp2", gpu="cpu", load_format="dummy", quant="gptq", tp=2)
+    with safe_open(str(tp2 / "weights" / "rank1.safetensors"), "pt") as f:
+        assert f.get_tensor("layers.1.experts.gate_up.qweight").shape == (8, 32, 128)
+        assert f.get_tensor("layers.1.experts.gate_up.scales").shape == (8, 2, 128)
+        assert f.get_tensor("layers.1.experts.down.qweight").shape == (8, 8, 256)
+        assert f.get_tensor("layers.1.experts.down.scales").shape == (8, 1, 256)  # half of one group of 128
 
 
 # -- refusals ---------------------------------------------------------------------------------
