@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from pagecast.builder import fp8
+from pagecast.builder import fp8, quant_moe  # quant_moe: MoE experts, built on this module's rules
 from pagecast.kernels import reference
 from pagecast.kernels.quant_linear import scale_dtype_for
 from pagecast.runtime.errors import BuildError
@@ -654,8 +654,6 @@ def plan_tensors(
     layouts: dict[str, list[RowShard]] = {}
     padded: list[tuple[int, int, int]] = []  # per padded o_proj: (degree, inputs per rank, inputs held)
     row_parallel = 0
-    from pagecast.builder import quant_moe
-
     for t in tensors:
         if quant_moe.is_expert_stack(t):  # MoE experts: stacked int4 parts (builder/quant_moe.py)
             out += quant_moe.plan_parts(t, cfg, dtype)
@@ -718,8 +716,6 @@ def check_tensors(tensors: list[Any], cfg: QuantConfig, shapes: dict[str, tuple[
     (the whole float layout, before any tensor-parallel cut)."""
     if fp8.is_fp8(cfg):
         return fp8.check_tensors(tensors, cfg, shapes)
-    from pagecast.builder import quant_moe
-
     quant_moe.check_experts(tensors, cfg, shapes)
     for t in tensors:
         if is_projection(t):
@@ -738,8 +734,6 @@ def check_tensors(tensors: list[Any], cfg: QuantConfig, shapes: dict[str, tuple[
 
 
 def is_quant_part(t: Any) -> bool:
-    from pagecast.builder import quant_moe
-
     if quant_moe.is_expert_part(t):
         return True
     return t.name.rpartition(".")[2] in PARTS and t.name.rpartition(".")[0].rpartition(".")[2] in FUSED
@@ -747,8 +741,6 @@ def is_quant_part(t: Any) -> bool:
 
 def is_quantised(t: Any) -> bool:
     """A float-layout tensor an AWQ/GPTQ build takes from int4 modules: a projection or MoE experts."""
-    from pagecast.builder import quant_moe
-
     return is_projection(t) or quant_moe.is_expert_stack(t)
 
 
@@ -790,17 +782,13 @@ class Int4Materialiser:
         self._shards: dict[int, Int4Weight] = {}
         self._layouts: list[RowShard] | None = None
         self._orders: dict[str, torch.Tensor | None] = {}
-        from pagecast.builder.quant_moe import ExpertsMaterialiser
-
-        self._experts = ExpertsMaterialiser(cfg, read, dtype, gen)
+        self._experts = quant_moe.ExpertsMaterialiser(cfg, read, dtype, gen)
 
     def handles(self, t: Any) -> bool:
         """Whether pack takes ``t`` from here: the int4 parts, and gate_up's bias (reordered)."""
         return is_quant_part(t) or (self.gen is None and t.name.endswith(".gate_up_proj.bias"))
 
     def __call__(self, t: Any) -> torch.Tensor:
-        from pagecast.builder import quant_moe
-
         if quant_moe.is_expert_part(t):
             return self._experts(t)
         base, _, part = t.name.rpartition(".")
@@ -942,8 +930,6 @@ def report_lines(tuning: dict[str, Any] | None, cfg: QuantConfig | None, tp: int
             )
             + ".",
         ]
-    from pagecast.builder import quant_moe
-
     lines += quant_moe.report_lines(tuning)
     entries = ((tuning or {}).get("kernels") or {}).get("w4a16_gemm") or {}
     if not entries:
