@@ -149,7 +149,7 @@ class ExpertsMaterialiser:
         for modules in _experts(t):
             w = quant.repack_projection(self.cfg, base, modules, self.read, self.scale_dtype)
             if base.endswith("gate_up"):
-                down = modules[0].rpartition(".")[0] + "." + _down_name(t, modules)
+                down = modules[0].rpartition(".")[0] + "." + _down_name(modules[0])
                 order = quant.input_order(self.cfg, down, self.read)
                 if order is not None:
                     w = quant.permute_sections(w, order)
@@ -184,10 +184,16 @@ class ExpertsMaterialiser:
                 held.append(quant.row_shard(w, layout, index, w.k // count))
         return _stack(held, gate_up and self.cfg.desc_act)
 
-def _down_name(t: Any, modules: tuple[str, ...]) -> str:
-    """The down projection's leaf name beside an expert's gate/up modules (down_proj, Mixtral's w2)."""
-    leaf = modules[0].rpartition(".")[2]
-    return {"gate_proj": "down_proj", "w1": "w2"}.get(leaf, "down_proj")
+
+# The down projection beside an expert's gate projection (builder/families.py's moe_expert_projections).
+_DOWN_OF_GATE = {"gate_proj": "down_proj", "w1": "w2"}
+
+
+def _down_name(gate_module: str) -> str:
+    leaf = gate_module.rpartition(".")[2]
+    if leaf not in _DOWN_OF_GATE:
+        raise BuildError(f"internal: no down projection known beside the expert projection {gate_module}")
+    return _DOWN_OF_GATE[leaf]
 
 
 def report_lines(tuning: dict[str, Any] | None) -> list[str]:
