@@ -89,15 +89,15 @@ FAMILIES: dict[str, FamilyParts] = {
     "GraniteForCausalLM": FamilyParts("granite"),
     "MixtralForCausalLM": FamilyParts(
         "mixtral", moe_block="block_sparse_moe", moe_expert_projections=("w1", "w3", "w2"),
-        not_supported="contexts beyond a configured sliding window (capped to it); AWQ/GPTQ experts",
+        not_supported="contexts beyond a configured sliding window (capped to it)",
     ),  # fmt: skip
     "Qwen2MoeForCausalLM": FamilyParts(
-        "qwen2_moe", moe_block="mlp", not_supported="use_sliding_window (context capped to the window); AWQ/GPTQ experts"
+        "qwen2_moe", moe_block="mlp", not_supported="use_sliding_window (context capped to the window)"
     ),
-    "Qwen3MoeForCausalLM": FamilyParts("qwen3_moe", moe_block="mlp", not_supported="AWQ/GPTQ experts"),
+    "Qwen3MoeForCausalLM": FamilyParts("qwen3_moe", moe_block="mlp"),
     "OlmoeForCausalLM": FamilyParts(
         "olmoe", moe_block="mlp", qk_norm_kind="projection",
-        not_supported="--tp > 1 (q/k norms over the whole projection); AWQ/GPTQ experts",
+        not_supported="--tp > 1 (q/k norms over the whole projection)",
     ),  # fmt: skip
     "SmolLM3ForCausalLM": FamilyParts("smollm3", window_source="layer"),
     "GptOssForCausalLM": FamilyParts(

@@ -378,10 +378,11 @@ def run(state: BuildState) -> BuildState:
         notes.append(f"max_model_len capped from {max_len} to the sliding window {window}")
         max_len = window
     tensors = tensor_layout(model)
-    if ckpt.quant is not None and model.moe is not None:
+    if ckpt.quant is not None and model.moe is not None and (quant.fp8.is_fp8(ckpt.quant) or model.moe.stacked):
         raise BuildError(
-            f"{model.architecture}: AWQ/GPTQ builds of mixture-of-experts models are not supported yet "
-            f"(the experts would need int4 fused-MoE kernels); build the half-type checkpoint"
+            f"{model.architecture}: {ckpt.quant.method.upper()} builds of this mixture-of-experts model are not "
+            f"supported (int4 AWQ/GPTQ experts are, one module per expert, SiLU experts without biases); build the "
+            f"half-type checkpoint"
         )
     if ckpt.quant is not None and (model.attention.fused_qkv_name or model.mlp.fused_gate_up_name):
         raise BuildError(
@@ -391,7 +392,7 @@ def run(state: BuildState) -> BuildState:
     if not ckpt.dummy:
         if ckpt.quant is not None:  # the projections are AWQ/GPTQ modules, checked in their format
             quant.check_tensors(tensors, ckpt.quant, ckpt.tensor_shapes)
-        check_shapes([t for t in tensors if ckpt.quant is None or not quant.is_projection(t)], ckpt.tensor_shapes)
+        check_shapes([t for t in tensors if ckpt.quant is None or not quant.is_quantised(t)], ckpt.tensor_shapes)
     layout = shard.plan_layout(model, opts.tp)
     tensors = shard.shard_tensors(tensors, model, layout)
     if ckpt.quant is not None:  # each rank's projections become int4 parts (builder/quant.py)

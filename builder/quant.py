@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from pagecast.builder import fp8
+from pagecast.builder import fp8, quant_moe  # quant_moe: MoE experts, built on this module's rules
 from pagecast.kernels import reference
 from pagecast.kernels.quant_linear import scale_dtype_for
 from pagecast.runtime.errors import BuildError
@@ -169,7 +169,9 @@ def read_config(
                 f"projection must share one quantisation"
             )
     skipped = [str(m) for m in (qc.get("modules_to_not_convert") or [])]
-    blocking = [m for m in skipped if any(m.endswith(p) or f"{p}." in m or m in p for p in QUANTISED_MODULES)]
+    # MoE routers (AutoAWQ lists "gate") stay in the half type anyway; they block nothing.
+    routers = ("gate", "router", "shared_expert_gate")
+    blocking = [m for m in skipped if m.rpartition(".")[2] not in routers and any(m.endswith(p) or f"{p}." in m or m in p for p in QUANTISED_MODULES)]
     if blocking:
         raise BuildError(
             f"modules_to_not_convert {blocking} leave decoder projections unquantised; pagecast fuses "
@@ -653,6 +655,9 @@ def plan_tensors(
     padded: list[tuple[int, int, int]] = []  # per padded o_proj: (degree, inputs per rank, inputs held)
     row_parallel = 0
     for t in tensors:
+        if quant_moe.is_expert_stack(t):  # MoE experts: stacked int4 parts (builder/quant_moe.py)
+            out += quant_moe.plan_parts(t, cfg, dtype)
+            continue
         if not is_projection(t):
             out.append(t)
             continue
@@ -711,6 +716,7 @@ def check_tensors(tensors: list[Any], cfg: QuantConfig, shapes: dict[str, tuple[
     (the whole float layout, before any tensor-parallel cut)."""
     if fp8.is_fp8(cfg):
         return fp8.check_tensors(tensors, cfg, shapes)
+    quant_moe.check_experts(tensors, cfg, shapes)
     for t in tensors:
         if is_projection(t):
             n_total, k = t.shape
@@ -728,7 +734,14 @@ def check_tensors(tensors: list[Any], cfg: QuantConfig, shapes: dict[str, tuple[
 
 
 def is_quant_part(t: Any) -> bool:
+    if quant_moe.is_expert_part(t):
+        return True
     return t.name.rpartition(".")[2] in PARTS and t.name.rpartition(".")[0].rpartition(".")[2] in FUSED
+
+
+def is_quantised(t: Any) -> bool:
+    """A float-layout tensor an AWQ/GPTQ build takes from int4 modules: a projection or MoE experts."""
+    return is_projection(t) or quant_moe.is_expert_stack(t)
 
 
 def projection_dims(model: Any) -> dict[str, tuple[int, int, tuple[int, ...] | None]]:
@@ -742,6 +755,10 @@ def projection_dims(model: Any) -> dict[str, tuple[int, int, tuple[int, ...] | N
         out[f"{o}.o_proj"] = (h, q, None)
         out[f"{o}.gate_up_proj"] = (2 * inter, h, (inter, inter))
         out[f"{o}.down_proj"] = (h, inter, None)
+        shared = getattr(layer.mlp, "shared_expert_size", 0)
+        if shared:  # Qwen2-MoE's shared expert, quantised like a dense MLP
+            out[f"{o}.shared_expert.gate_up_proj"] = (2 * shared, h, (shared, shared))
+            out[f"{o}.shared_expert.down_proj"] = (h, shared, None)
     return out
 
 
@@ -765,12 +782,15 @@ class Int4Materialiser:
         self._shards: dict[int, Int4Weight] = {}
         self._layouts: list[RowShard] | None = None
         self._orders: dict[str, torch.Tensor | None] = {}
+        self._experts = quant_moe.ExpertsMaterialiser(cfg, read, dtype, gen)
 
     def handles(self, t: Any) -> bool:
         """Whether pack takes ``t`` from here: the int4 parts, and gate_up's bias (reordered)."""
         return is_quant_part(t) or (self.gen is None and t.name.endswith(".gate_up_proj.bias"))
 
     def __call__(self, t: Any) -> torch.Tensor:
+        if quant_moe.is_expert_part(t):
+            return self._experts(t)
         base, _, part = t.name.rpartition(".")
         if part == "bias":
             return self._bias(t)
@@ -910,6 +930,7 @@ def report_lines(tuning: dict[str, Any] | None, cfg: QuantConfig | None, tp: int
             )
             + ".",
         ]
+    lines += quant_moe.report_lines(tuning)
     entries = ((tuning or {}).get("kernels") or {}).get("w4a16_gemm") or {}
     if not entries:
         return lines + [

@@ -27,7 +27,8 @@ checkpoint tensor it is cut from). The pack pass cuts with ``cut_source``. The r
 Every rank's shard of a tensor has the same shape, so one rendered model.py serves all
 ranks. AWQ/GPTQ builds cut the float layout here too; builder/quant.py then turns each rank's
 projection into int4 parts that keep these cuts (column-parallel: per-section output columns;
-row-parallel: the rank's inputs, in whole quantisation groups).
+row-parallel: the rank's inputs, in whole quantisation groups); int4 MoE experts keep the
+experts' cuts the same way, per expert (builder/quant_moe.py).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from pagecast.kernels import reference
-from pagecast.kernels.quant_linear import Fp8LinearWeight, Int4LinearWeight
+from pagecast.kernels.quant_linear import Fp8LinearWeight, Int4ExpertsWeight, Int4LinearWeight
 from pagecast.kernels.tuning import (
     SKINNY_ROW_BUCKETS,
     KernelConfig,
@@ -447,8 +447,8 @@ def moe(
     x: torch.Tensor,
     router_weight: torch.Tensor,
     router_bias: torch.Tensor | None,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
+    w_gate_up: torch.Tensor | Int4ExpertsWeight,
+    w_down: torch.Tensor | Int4ExpertsWeight,
     b_gate_up: torch.Tensor | None = None,
     b_down: torch.Tensor | None = None,
     *,
@@ -469,7 +469,9 @@ def moe(
     act = activation
     # A bucket past the decode graphs' batches may run the naive loop (it syncs with the host);
     # the tuner offers it nowhere else (kernels/problems.py).
-    if _triton(x):
+    if isinstance(w_gate_up, Int4ExpertsWeight):  # AWQ/GPTQ experts (kernels/fused_moe_w4a16.py)
+        out = _int4_moe(x, topk_weights, topk_ids, w_gate_up, w_down, act)
+    elif _triton(x):
         cfg = _config("fused_moe", moe_bucket(x.shape[0]))
         out = _moe_kernel()(
             x, topk_weights, topk_ids, w_gate_up, w_down, b_gate_up, b_down, act.kind, act.alpha, act.limit, cfg
@@ -485,6 +487,25 @@ def moe(
             shared = torch.sigmoid(torch.nn.functional.linear(x, shared_expert.gate)) * shared
         out = out + shared
     return all_reduce(out)
+
+
+def _int4_moe(
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w_gate_up: Int4ExpertsWeight,
+    w_down: Int4ExpertsWeight, act: MoeActivation,
+) -> torch.Tensor:  # fmt: skip
+    """int4 experts: the fused W4A16 MoE kernels with the table's config for the token bucket on a
+    GPU; on the CPU the experts dequantised exactly (kept per dtype) through the reference loop."""
+    if not _triton(x):
+        return reference.fused_moe(
+            x, topk_weights, topk_ids, w_gate_up.dense(x.dtype), w_down.dense(x.dtype), None, None,
+            act.kind, act.alpha, act.limit,
+        )  # fmt: skip
+    from pagecast.kernels import fused_moe_w4a16
+
+    cfg = _config("fused_moe_w4a16", moe_bucket(x.shape[0]))
+    return fused_moe_w4a16.fused_moe_w4a16(
+        x, topk_weights, topk_ids, w_gate_up, w_down, act.kind, act.alpha, act.limit, cfg
+    )
 
 
 @functools.cache

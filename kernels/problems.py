@@ -22,6 +22,7 @@ from pagecast.kernels import (
     activation,
     fp8_gemm,
     fused_moe,
+    fused_moe_w4a16,
     paged_decode_attention,
     paged_prefill_attention,
     reference,
@@ -124,8 +125,11 @@ def buckets(kernel: str, shapes: ModelShapes) -> list[tuple[str, dict[str, int]]
             for i, name in enumerate(PROJECTIONS)
             for m in upto(SKINNY_ROW_BUCKETS, shapes.max_num_seqs)
         ]
-    if kernel == "fused_moe":
-        return [(f"t{t}", {"num_tokens": t}) for t in MOE_TOKEN_BUCKETS] if shapes.num_experts else []
+    if kernel in ("fused_moe", "fused_moe_w4a16"):
+        # int4 experts (quant_group_size) run the W4A16 MoE kernel, half-type ones the other
+        int4 = bool(shapes.quant_group_size)
+        runs = shapes.num_experts and int4 == (kernel == "fused_moe_w4a16")
+        return [(f"t{t}", {"num_tokens": t}) for t in MOE_TOKEN_BUCKETS] if runs else []
     return [(f"t{t}", {"num_tokens": t}) for t in TOKEN_BUCKETS]
 
 
@@ -171,6 +175,11 @@ def problem_size(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> tupl
     if kernel == "fused_moe":  # the visited experts' weights once, the tokens in and out
         h, i = shapes.hidden, shapes.moe_intermediate
         return moe_visited_experts(shapes, t) * 3 * h * i * e + 2 * t * h * e, 2 * t * shapes.top_k * 3 * h * i
+    if kernel == "fused_moe_w4a16":  # the visited experts' packed weights, scales and zeros once
+        h, i = shapes.hidden, shapes.moe_intermediate
+        groups = 2 * i * (h // _group_size(shapes, h)) + h * (i // _group_size(shapes, i))
+        per_expert = 3 * h * i // 2 + groups * (w4a16_scale_dtype(shapes).itemsize + 1)
+        return moe_visited_experts(shapes, t) * per_expert + 2 * t * h * e, 2 * t * shapes.top_k * 3 * h * i
     if kernel == "paged_prefill_attention":
         n = min(t, PREFILL_SEQ_LEN)
         seqs = max(1, t // n)
@@ -211,6 +220,12 @@ def config_space(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> list
             fused_moe.CONFIG_SPACE, dims["num_tokens"], shapes.top_k, shapes.num_experts, shapes.hidden,
             shapes.moe_intermediate, elt=_elt(shapes), allow_naive=dims["num_tokens"] > shapes.max_num_seqs,
         )  # fmt: skip
+    if kernel == "fused_moe_w4a16":
+        return fused_moe_w4a16.prune_configs(
+            fused_moe_w4a16.CONFIG_SPACE, dims["num_tokens"], shapes.top_k, shapes.num_experts, shapes.hidden,
+            shapes.moe_intermediate, _moe_min_group(shapes), elt=_elt(shapes),
+            allow_naive=dims["num_tokens"] > shapes.max_num_seqs,
+        )  # fmt: skip
     if kernel == "fp8_gemm":
         return fp8_gemm.prune_configs(
             fp8_gemm.CONFIG_SPACE, dims["num_rows"], dims["n"], dims["k"], _fp8_block(shapes), shapes.torch_dtype
@@ -246,6 +261,11 @@ def default_config(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> Ke
             dims["num_tokens"], shapes.top_k, shapes.num_experts, shapes.hidden, shapes.moe_intermediate, num_sms(),
             _elt(shapes),
         )
+    if kernel == "fused_moe_w4a16":
+        return fused_moe_w4a16.default_config(
+            dims["num_tokens"], shapes.top_k, shapes.num_experts, shapes.hidden, shapes.moe_intermediate,
+            _moe_min_group(shapes), num_sms(), _elt(shapes),
+        )  # fmt: skip
     if kernel == "fp8_gemm":
         return fp8_gemm.default_config(
             dims["num_rows"], dims["n"], dims["k"], _fp8_block(shapes), shapes.torch_dtype, num_sms()
@@ -398,6 +418,8 @@ def make_problem(
 
     if kernel == "fused_moe":
         return _moe_problem(shapes, dims, bucket, device, dg, nbytes, flops)
+    if kernel == "fused_moe_w4a16":
+        return _moe_w4a16_problem(shapes, dims, bucket, device, dg, nbytes, flops)
 
     t = dims["num_tokens"]
     if kernel == "paged_prefill_attention":
@@ -616,6 +638,68 @@ def _moe_problem(
     return Problem(
         "fused_moe", bucket, launch, sets_per_sample, nbytes, flops, reference=lambda cfg, i_set: naive(i_set)
     )
+
+
+def _moe_min_group(shapes: ModelShapes) -> int:
+    """The smaller quantisation group of the int4 experts' two projections (gate_up: K = hidden,
+    down: K = the rank's intermediate)."""
+    return min(_group_size(shapes, shapes.hidden), _group_size(shapes, shapes.moe_intermediate))
+
+
+def _moe_w4a16_problem(
+    shapes: ModelShapes, dims: dict[str, int], bucket: str, device: torch.device, dg: torch.Generator,
+    nbytes: int, flops: int,
+) -> Problem:  # fmt: skip
+    """Random int4 experts in the artifact's stacked layout (several sets where one is smaller than
+    COLD_BYTES) and MOE_ROUTINGS of ``moe_topk_ids``'s routings; the fused W4A16 MoE kernel at a
+    config, and as the baseline (a candidate where the bucket is never captured, and the
+    reference) the per-expert loop of dense W4A16 GEMMs at their default configs, its token lists
+    found once here (as _moe_problem's loop: no host sync in the timed launch)."""
+    from pagecast.kernels.quant_linear import Int4ExpertsWeight
+
+    t, k = dims["num_tokens"], shapes.top_k
+    h, i, e = shapes.hidden, shapes.moe_intermediate, shapes.num_experts
+    dtype, scale_dtype = shapes.torch_dtype, w4a16_scale_dtype(shapes)
+
+    def experts(n: int, kk: int) -> Int4ExpertsWeight:
+        g = _group_size(shapes, kk)
+        qweight = torch.randint(-(2**31), 2**31 - 1, (e, kk // 8, n), generator=dg, device=device, dtype=torch.int32)
+        scales = (torch.rand((e, kk // g, n), generator=dg, device=device) * 0.004 + 0.002).to(scale_dtype)
+        zeros = torch.randint(0, 16, (e, kk // g, n), generator=dg, device=device, dtype=torch.int8)
+        return Int4ExpertsWeight(qweight, scales, zeros, None, g)
+
+    num_sets = max(1, min(MAX_LAUNCHES, math.ceil(COLD_BYTES / (e * 3 * h * i // 2))))
+    sets = [(experts(2 * i, h), experts(h, i)) for _ in range(num_sets)]
+    x = torch.randn((t, h), generator=dg, device=device, dtype=dtype)
+    topk_weights = torch.rand((t, k), generator=dg, device=device).softmax(-1)
+    routings = []
+    for seed in range(MOE_ROUTINGS):
+        ids_cpu = moe_topk_ids(shapes, t, seed)
+        visits = [(ex, *(v.to(device) for v in torch.where(ids_cpu == ex))) for ex in ids_cpu.unique().tolist()]
+        routings.append((ids_cpu.to(device), visits))
+
+    def naive(i_set: int) -> torch.Tensor:
+        w_gate_up, w_down = sets[i_set % num_sets]
+        out = torch.zeros_like(x)
+        for ex, token, slot in routings[i_set % MOE_ROUTINGS][1]:
+            gu, d = w_gate_up.expert(ex), w_down.expert(ex)
+            y = w4a16_gemm.w4a16_gemm(x[token], gu.qweight, gu.scales, gu.zeros, None, gu.group_size)
+            y = w4a16_gemm.w4a16_gemm(activation.silu_and_mul(y), d.qweight, d.scales, d.zeros, None, d.group_size)
+            out.index_add_(0, token, (y * topk_weights[token, slot, None]).to(dtype))
+        return out
+
+    def launch(cfg: KernelConfig | None, i_set: int) -> object:
+        if fused_moe_w4a16.is_naive(cfg):
+            return naive(i_set)
+        w_gate_up, w_down = sets[i_set % num_sets]
+        return fused_moe_w4a16.fused_moe_w4a16(
+            x, topk_weights, routings[i_set % MOE_ROUTINGS][0], w_gate_up, w_down, config=cfg
+        )
+
+    return Problem(
+        "fused_moe_w4a16", bucket, launch, max(num_sets, MOE_ROUTINGS), nbytes, flops,
+        reference=lambda cfg, i_set: naive(i_set),
+    )  # fmt: skip
 
 
 def _fp8_problem(

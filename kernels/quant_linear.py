@@ -58,6 +58,44 @@ class Int4LinearWeight:
         return self._dense[dtype]
 
 
+@dataclass
+class Int4ExpertsWeight:
+    """A MoE layer's experts of one projection (gate_up or down) in the int4 layout stacked over
+    the experts (kernels/fused_moe_w4a16.py): each expert's slice is an ``Int4LinearWeight``."""
+
+    qweight: torch.Tensor  # int32 [E, K / 8, N]
+    scales: torch.Tensor  # [E, K / G, N]
+    zeros: torch.Tensor  # int8 [E, K / G, N]
+    perm: torch.Tensor | None  # int32 [E, K], act-order gate_up only
+    group_size: int
+    # The CPU path keeps the dequantized experts (per dtype) instead of unpacking them every call.
+    _dense: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """[E, N, K], as the half-type experts' tensor."""
+        return self.qweight.shape[0], self.qweight.shape[2], self.qweight.shape[1] * 8
+
+    def expert(self, e: int) -> Int4LinearWeight:
+        return Int4LinearWeight(
+            self.qweight[e], self.scales[e], self.zeros[e], None if self.perm is None else self.perm[e], self.group_size
+        )
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """[E, N, K] in ``dtype`` in the original input order (the perm undone; exact in fp32)."""
+        if dtype not in self._dense:
+            e, n, k = self.shape
+            w = torch.empty((e, n, k), dtype=torch.float32, device=self.qweight.device)
+            for i in range(e):
+                wi = reference.dequantize_int4(self.qweight[i], self.scales[i], self.zeros[i], self.group_size)
+                if self.perm is None:
+                    w[i] = wi
+                else:
+                    w[i][:, self.perm[i].long()] = wi
+            self._dense[dtype] = w.to(dtype).contiguous()
+        return self._dense[dtype]
+
+
 class DenseLinear:
     """Half-type weights: nothing to convert."""
 
@@ -74,13 +112,20 @@ class Int4Linear:
     group_size: int  # the checkpoint's group size; -1 = per channel (a group of K)
 
     def create_weights(self, weights: dict[str, object]) -> dict[str, object]:
-        """Replace each ``P.qweight`` / ``P.scales`` / ``P.zeros`` [/ ``P.perm``] by ``P.weight``."""
+        """Replace each ``P.qweight`` / ``P.scales`` / ``P.zeros`` [/ ``P.perm``] by ``P.weight``;
+        MoE experts' stacked parts (``layers.i.experts.gate_up.qweight`` [E, K / 8, N] ...) by one
+        ``Int4ExpertsWeight`` under ``P`` itself, where the half-type experts' tensor would be."""
         out = dict(weights)
         for name in [n for n in weights if n.endswith(".qweight")]:
             prefix = name[: -len(".qweight")]
             qweight, scales = out.pop(name), out.pop(prefix + ".scales")
             assert isinstance(qweight, torch.Tensor) and isinstance(scales, torch.Tensor)
             zeros, perm = out.pop(prefix + ".zeros"), out.pop(prefix + ".perm", None)
+            if qweight.dim() == 3:
+                out[prefix] = Int4ExpertsWeight(
+                    qweight, scales, zeros, perm, group_size=qweight.shape[1] * 8 // scales.shape[1]  # type: ignore[arg-type]
+                )
+                continue
             out[prefix + ".weight"] = Int4LinearWeight(
                 qweight,
                 scales,

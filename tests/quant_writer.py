@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Mixtral's experts name their gate / down / up projections w1 / w2 / w3.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column 8j + AWQ_ORDER[i]
 
 
@@ -100,7 +101,10 @@ def _input_key(module: str) -> str:
     """Projections that read the same input (q/k/v; gate/up) get the same act-order permutation,
     as GPTQ gives them (their Hessians are the same)."""
     parent, _, leaf = module.rpartition(".")
-    shared = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+    shared = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up",
+              "w1": "gate_up", "w3": "gate_up"}  # fmt: skip
+    if ".experts." in module:  # each MoE expert is quantised on its own tokens: a permutation of its own
+        return f"{parent}.{shared.get(leaf, leaf)}"
     return f"{parent.rpartition('.')[0]}.{shared.get(leaf, leaf)}"
 
 
