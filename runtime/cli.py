@@ -23,7 +23,7 @@ from typing import Any
 
 import click
 
-from pagecast.runtime.server.limits import DEFAULT_MAX_REQUEST_BYTES
+from pagecast.runtime.server.options import DEFAULT_MAX_REQUEST_BYTES
 
 logger = logging.getLogger("pagecast.server")
 
@@ -200,7 +200,7 @@ def main(
         _fail("TLS needs both --ssl-keyfile and --ssl-certfile")
     if ssl_ca_certs and not ssl_certfile:
         _fail("--ssl-ca-certs (client certificates) needs TLS: give --ssl-keyfile and --ssl-certfile too")
-    from pagecast.runtime.server.app import check_cors
+    from pagecast.runtime.server.options import check_cors
 
     spec = engine_kwargs.get("speculative_config")
     if spec is not None and spec != "off":

@@ -30,7 +30,8 @@ from pagecast.runtime import __version__
 from pagecast.runtime.errors import EngineDeadError, InvalidRequestError
 from pagecast.runtime.server import errors
 from pagecast.runtime.server.errors import APIError
-from pagecast.runtime.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
+from pagecast.runtime.server.limits import BodyLimitMiddleware
+from pagecast.runtime.server.options import DEFAULT_MAX_REQUEST_BYTES, check_cors
 from pagecast.runtime.server.serving import ServerState
 from pagecast.runtime.server.serving_chat import create_chat_completion
 from pagecast.runtime.server.serving_completions import create_completion
@@ -117,19 +118,6 @@ def add_cors(
         allow_headers=list(allowed_headers),
         allow_credentials=allow_credentials,
     )
-
-
-def check_cors(allowed_origins: Sequence[str], allow_credentials: bool) -> None:
-    """Refuse any origin (``*``) together with credentials. Starlette would answer such a
-    request by echoing the caller's own origin with ``Access-Control-Allow-Credentials``, so
-    every web page a user of the API visits could call it with that user's cookies or
-    client certificate: the same-origin protection browsers give is gone."""
-    if allow_credentials and "*" in allowed_origins:
-        raise ValueError(
-            "--allowed-origins '*' cannot be combined with --allow-credentials: any web site could "
-            "then make requests carrying your users' credentials. List the origins that may call "
-            "with credentials (--allowed-origins https://app.example.com), or drop --allow-credentials"
-        )
 
 
 def server_state(app: Starlette) -> ServerState:

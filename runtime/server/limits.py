@@ -16,10 +16,7 @@ from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagecast.runtime.server import errors
-
-# Large enough for a full 128k-token context sent as token ids (~7 bytes each in JSON) or an
-# lm-eval batch of a few hundred scoring prompts; small enough that parsing it is quick.
-DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+from pagecast.runtime.server.options import DEFAULT_MAX_REQUEST_BYTES
 
 
 class BodyLimitMiddleware:

@@ -1,0 +1,27 @@
+"""engine-serve's command-line defaults and the checks of its options that need no server code.
+
+Kept apart from the server's modules (starlette, pydantic, jinja2) because engine-serve reads
+them before it starts the engine cores: everything imported before the cores are spawned
+delays the whole start by its import time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# Large enough for a full 128k-token context sent as token ids (~7 bytes each in JSON) or an
+# lm-eval batch of a few hundred scoring prompts; small enough that parsing it is quick.
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+
+
+def check_cors(allowed_origins: Sequence[str], allow_credentials: bool) -> None:
+    """Refuse any origin (``*``) together with credentials. Starlette would answer such a
+    request by echoing the caller's own origin with ``Access-Control-Allow-Credentials``, so
+    every web page a user of the API visits could call it with that user's cookies or
+    client certificate: the same-origin protection browsers give is gone."""
+    if allow_credentials and "*" in allowed_origins:
+        raise ValueError(
+            "--allowed-origins '*' cannot be combined with --allow-credentials: any web site could "
+            "then make requests carrying your users' credentials. List the origins that may call "
+            "with credentials (--allowed-origins https://app.example.com), or drop --allow-credentials"
+        )
