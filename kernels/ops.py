@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from pagecast.kernels import reference
-from pagecast.kernels.quant_linear import Fp8LinearWeight, Int4LinearWeight
+from pagecast.kernels.quant_linear import Fp8ExpertsWeight, Fp8LinearWeight, Int4LinearWeight
 from pagecast.kernels.tuning import (
     SKINNY_ROW_BUCKETS,
     KernelConfig,
@@ -447,8 +447,8 @@ def moe(
     x: torch.Tensor,
     router_weight: torch.Tensor,
     router_bias: torch.Tensor | None,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
+    w_gate_up: torch.Tensor | Fp8ExpertsWeight,
+    w_down: torch.Tensor | Fp8ExpertsWeight,
     b_gate_up: torch.Tensor | None = None,
     b_down: torch.Tensor | None = None,
     *,
@@ -469,7 +469,9 @@ def moe(
     act = activation
     # A bucket past the decode graphs' batches may run the naive loop (it syncs with the host);
     # the tuner offers it nowhere else (kernels/problems.py).
-    if _triton(x):
+    if isinstance(w_gate_up, Fp8ExpertsWeight) and isinstance(w_down, Fp8ExpertsWeight):
+        out = _fp8_moe(x, topk_weights, topk_ids, w_gate_up, w_down, act)
+    elif _triton(x):
         cfg = _config("fused_moe", moe_bucket(x.shape[0]))
         out = _moe_kernel()(
             x, topk_weights, topk_ids, w_gate_up, w_down, b_gate_up, b_down, act.kind, act.alpha, act.limit, cfg
@@ -485,6 +487,22 @@ def moe(
             shared = torch.sigmoid(torch.nn.functional.linear(x, shared_expert.gate)) * shared
         out = out + shared
     return all_reduce(out)
+
+
+def _fp8_moe(
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w_gate_up: Fp8ExpertsWeight,
+    w_down: Fp8ExpertsWeight, act: MoeActivation,
+) -> torch.Tensor:  # fmt: skip
+    """FP8 experts (kernels/fused_moe_fp8.py, the table's "fused_moe_fp8" config for the token
+    bucket) on a GPU; the exact emulation (reference.fused_moe_fp8) otherwise."""
+    args = (x, topk_weights, topk_ids, w_gate_up.weight, w_gate_up.weight_scale, w_down.weight, w_down.weight_scale)
+    if not _triton(x):
+        floats = (w_gate_up.as_float(), w_down.as_float())
+        return reference.fused_moe_fp8(*args, act.kind, act.alpha, act.limit, floats=floats)
+    from pagecast.kernels import fused_moe_fp8
+
+    cfg = _config("fused_moe_fp8", moe_bucket(x.shape[0]))
+    return fused_moe_fp8.fused_moe_fp8(*args, act.kind, act.alpha, act.limit, cfg)  # type: ignore[no-any-return]
 
 
 @functools.cache

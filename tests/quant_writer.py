@@ -145,7 +145,7 @@ def write(src: Path, dst: Path, fmt: Format, shared_perm: bool = True) -> tuple[
 # the multiplier that dequantises).
 
 E4M3_MAX = 448.0
-FP8_FORMATS = ("modelopt", "fp8-block")
+FP8_FORMATS = ("modelopt", "fp8-block", "ct-channel")
 
 
 def _e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -160,6 +160,10 @@ def fp8_quantise(w: torch.Tensor, fmt: str) -> tuple[dict[str, torch.Tensor], to
         scale = (w.abs().max().clamp_min(1e-12) / E4M3_MAX).reshape(())
         q = _e4m3(w, scale)
         return {"weight": q, "weight_scale": scale}, q.float() * scale
+    if fmt == "ct-channel":  # compressed-tensors FP8_DYNAMIC: one bf16 scale per output row, [N, 1]
+        scale = (w.abs().amax(1, keepdim=True).clamp_min(1e-12) / E4M3_MAX).to(torch.bfloat16)
+        q = _e4m3(w, scale.float())
+        return {"weight": q, "weight_scale": scale}, q.float() * scale.float()
     if fmt == "fp8-block":
         nb, kb = -(-n // 128), -(-k // 128)
         scales = torch.empty(nb, kb)
@@ -181,6 +185,13 @@ def fp8_quantization_config(fmt: str) -> dict[str, object]:
     if fmt == "modelopt":
         return {"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": None,
                 "exclude_modules": ["lm_head"]}  # fmt: skip
+    if fmt == "ct-channel":  # as llm-compressor's FP8_DYNAMIC recipe writes it, the MoE routers ignored
+        scheme = {"type": "float", "num_bits": 8, "symmetric": True}
+        return {"quant_method": "compressed-tensors", "format": "float-quantized",
+                "config_groups": {"group_0": {"targets": ["Linear"],
+                                              "weights": {**scheme, "strategy": "channel", "dynamic": False},
+                                              "input_activations": {**scheme, "strategy": "token", "dynamic": True}}},
+                "ignore": ["lm_head", "re:.*mlp.gate$"]}  # fmt: skip
     return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
             "modules_to_not_convert": ["lm_head"]}  # fmt: skip
 

@@ -1,0 +1,278 @@
+"""FP8 (W8A8) mixture-of-experts on the CPU, in fp32: ``--quant fp8`` on tiny Qwen3-MoE, Mixtral
+and Qwen2-MoE checkpoints, and FP8 MoE checkpoints as published (the Qwen3 fine-grained block
+format, compressed-tensors FP8_DYNAMIC per channel, both written by tests/quant_writer.py), through
+LLM against transformers; the fused FP8 MoE kernels (kernels/fused_moe_fp8.py) in Triton's
+interpreter against the reference; the memory plan and the refusals.
+
+The reference is transformers' model with every projection's and every expert's weight replaced
+by its dequantised value (computed here from the checkpoint as the format documents it, not by
+pagecast) and every projection's and expert's input fake-quantised (per token, or per 1x128 group
+with block weights; quantise then dequantise), the experts' loop written here: the router (and
+the shared-expert gate) stay in the float type. The artifact runs the exact CPU emulation, so
+greedy tokens must agree.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import build_artifact
+from engine_utils import engine_last_logits, hf_greedy
+from quant_writer import write_fp8
+from safetensors import safe_open
+
+from pagecast.kernels import reference
+from pagecast.runtime import LLM, SamplingParams
+from pagecast.runtime.errors import BuildError
+
+E4M3_MAX = 448.0
+PROMPTS = [[1, 50, 200, 7, 300, 11], [400, 3, 99], list(range(20, 60))]
+MAX_TOKENS = 8
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# checkpoint expert module -> (the stacked parameter, gate or up half or whole)
+EXPERT_PARTS = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", None),
+                "w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", None)}  # fmt: skip
+EXPERT = re.compile(r"model\.layers\.(\d+)\..*experts\.(\d+)\.(\w+)\.weight")
+
+
+# ---------------------------------------------------------------------------- the reference
+
+
+def fake_quant(x: torch.Tensor, activations: str) -> torch.Tensor:
+    """x [.., K] quantised to e4m3 and back per row ("token") or per 1x128 group ("group")."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1]).float()
+    if activations == "token":
+        s = x.abs().amax(-1, keepdim=True).clamp_min(1e-12) / E4M3_MAX
+    else:
+        k = x.shape[1]
+        pad = torch.nn.functional.pad(x, (0, -k % 128)).view(x.shape[0], -1, 128)
+        s = (pad.abs().amax(-1, keepdim=True).clamp_min(1e-12) / E4M3_MAX).expand(-1, -1, 128).reshape(x.shape[0], -1)[:, :k]
+    return ((x / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * s).reshape(shape)
+
+
+def per_channel(w: torch.Tensor) -> torch.Tensor:
+    """--quant fp8's weight, dequantised: each output row's amax / 448, e4m3, times the scale."""
+    s = w.float().abs().amax(1, keepdim=True).clamp_min(1e-12) / E4M3_MAX
+    return (w.float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * s
+
+
+def quantised_modules(ckpt: Path) -> dict[str, torch.Tensor]:
+    """--quant fp8 on a float checkpoint: every projection and expert module, dequantised."""
+    out = {}
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        for name in f.keys():
+            module = name.removesuffix(".weight")
+            if name.endswith(".weight") and module.rpartition(".")[2] in LINEARS + ("w1", "w2", "w3"):
+                out[name] = per_channel(f.get_tensor(name))
+    return out
+
+
+def _experts_forward(experts: torch.nn.Module, activations: str):  # type: ignore[no-untyped-def]
+    """transformers' experts loop with each expert's inputs fake-quantised (gate_up's and down's)."""
+
+    def forward(hidden, top_k_index, top_k_weights):  # type: ignore[no-untyped-def]
+        out = torch.zeros_like(hidden)
+        for e in torch.unique(top_k_index).tolist():
+            token, slot = torch.where(top_k_index == e)
+            gate, up = torch.nn.functional.linear(fake_quant(hidden[token], activations), experts.gate_up_proj[e]).chunk(2, -1)
+            h = torch.nn.functional.linear(fake_quant(experts.act_fn(gate) * up, activations), experts.down_proj[e])
+            out.index_add_(0, token, h * top_k_weights[token, slot, None])
+        return out
+
+    return forward
+
+
+def reference_model(ckpt: Path, weights: dict[str, torch.Tensor], activations: str) -> torch.nn.Module:
+    """The float checkpoint with ``weights`` (checkpoint name -> dequantised fp32) put in place."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    experts = {int(n.split(".")[2]): m for n, m in hf.named_modules() if n.endswith("experts") and hasattr(m, "gate_up_proj")}
+    with torch.no_grad():
+        for name, w in weights.items():
+            found = EXPERT.fullmatch(name)
+            if found and found.group(3) in EXPERT_PARTS:
+                layer, e, proj = int(found.group(1)), int(found.group(2)), found.group(3)
+                param, half = EXPERT_PARTS[proj]
+                target = getattr(experts[layer], param)[e]
+                target = target if half is None else target.chunk(2, 0)[half]
+                target.copy_(w)
+            else:
+                hf.get_submodule(name.removesuffix(".weight")).weight.copy_(w)
+    for name, module in hf.named_modules():
+        if name.rpartition(".")[2] in LINEARS and ".experts." not in name:
+            module.register_forward_pre_hook(lambda mod, args: (fake_quant(args[0], activations),))
+    for module in experts.values():
+        module.forward = _experts_forward(module, activations)
+    return hf
+
+
+def _assert_greedy_parity(artifact: Path, hf: torch.nn.Module) -> None:
+    llm = LLM(artifact, max_num_seqs=4, max_num_batched_tokens=64)
+    try:
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+        logits = engine_last_logits(llm.engine, PROMPTS[2])
+    finally:
+        llm.engine.runner.close()
+    for ids, out in zip(PROMPTS, outputs, strict=True):
+        assert out.token_ids == hf_greedy(hf, ids, MAX_TOKENS), ids[:4]
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPTS[2]])).logits[0, -1]
+    torch.testing.assert_close(logits, ref, atol=2e-3, rtol=0)
+
+
+# ---------------------------------------------------------------------------- --quant fp8 on float MoE checkpoints
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_quant_fp8_moe_greedy_tokens_equal_transformers_with_fp8_experts(family, tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    ckpt = tiny_checkpoint_factory(family)
+    artifact = build_artifact(ckpt, tmp_path / "engine", gpu="cpu", quant="fp8")
+    hf = reference_model(ckpt, quantised_modules(ckpt), "token")
+    _assert_greedy_parity(artifact, hf)
+    # the reference is not the float model: the fp8 experts move its logits
+    from transformers import AutoModelForCausalLM
+
+    float_model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    with torch.no_grad():
+        moved = float_model(torch.tensor([PROMPTS[2]])).logits[0, -1] - hf(torch.tensor([PROMPTS[2]])).logits[0, -1]
+    assert moved.abs().max() > 1e-3
+    with safe_open(str(artifact / "weights" / "rank0.safetensors"), "pt") as f:
+        names = set(f.keys())
+        layer = 1
+        gu = f.get_tensor(f"layers.{layer}.experts.gate_up")
+        assert gu.dtype == torch.float8_e4m3fn and f.get_tensor(f"layers.{layer}.experts.gate_up_scale").shape == gu.shape[:2]
+        assert f.get_tensor(f"layers.{layer}.experts.down_scale").dtype == torch.float32
+        assert f.get_tensor(f"layers.{layer}.router.weight").dtype == torch.float32  # the router stays float
+        if family == "qwen2_moe":
+            assert f.get_tensor(f"layers.{layer}.shared_expert.gate_up_proj.weight").dtype == torch.float8_e4m3fn
+            assert f"layers.{layer}.shared_expert.gate_up_proj.weight_scale" in names
+            assert f.get_tensor(f"layers.{layer}.shared_expert_gate.weight").dtype == torch.float32
+    # The memory plan counts the fp8 experts at one byte an element: it equals the file's bytes.
+    plan = json.loads((artifact / "memory_plan.json").read_text())
+    raw = (artifact / "weights" / "rank0.safetensors").read_bytes()
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+    header.pop("__metadata__", None)
+    assert plan["weight_bytes"] == sum(v["data_offsets"][1] - v["data_offsets"][0] for v in header.values())
+
+
+# ---------------------------------------------------------------------------- published FP8 MoE formats
+
+
+def _written(src: Path, dst: Path, fmt: str) -> tuple[Path, dict[str, torch.Tensor]]:
+    ckpt, deq = write_fp8(src, dst, fmt)
+    if fmt == "fp8-block":  # the Qwen3 FP8 releases leave the routers unconverted
+        config = json.loads((ckpt / "config.json").read_text())
+        config["quantization_config"]["modules_to_not_convert"] += ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
+        (ckpt / "config.json").write_text(json.dumps(config))
+    return ckpt, deq
+
+
+@pytest.mark.parametrize(("fmt", "activations"), [("fp8-block", "group"), ("ct-channel", "token")])
+def test_fp8_moe_checkpoint_greedy_tokens_equal_transformers_dequantised(fmt, activations, tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    src = tiny_checkpoint_factory("qwen3_moe", hidden_size=160, moe_intermediate_size=144, num_hidden_layers=2)
+    ckpt, deq = _written(src, tmp_path / fmt, fmt)
+    artifact = build_artifact(ckpt, tmp_path / "engine", gpu="cpu")
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["quant"] == "fp8" and manifest["quantization"]["activations"] == activations
+    with safe_open(str(artifact / "weights" / "rank0.safetensors"), "pt") as f:
+        # block scales: [E, 2I, ceil(H/128)] (the 288 rows of gate and up, 160 columns: 2 blocks)
+        assert f.get_tensor("layers.0.experts.gate_up_scale").shape == ((8, 288, 2) if fmt == "fp8-block" else (8, 288))
+    _assert_greedy_parity(artifact, reference_model(src, deq, activations))
+
+
+# ---------------------------------------------------------------------------- the kernels (interpreter)
+
+
+def moe_fp8_inputs(t: int, e: int, k: int, h: int, i: int, block: bool, seed: int = 0):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g) * 2
+    quant = reference.quantize_fp8_groups if block else reference.quantize_fp8_rows
+
+    def experts(n: int, kk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pairs = [quant(torch.randn(n, kk, generator=g) * kk**-0.5) for _ in range(e)]
+        return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
+
+    (w_gu, s_gu), (w_d, s_d) = experts(2 * i, h), experts(h, i)
+    weights, ids = torch.topk(torch.randn(t, e, generator=g).softmax(-1), k)
+    return x, weights, ids, w_gu, s_gu, w_d, s_d
+
+
+GEMV = {"gemv": 1, "BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 2, "num_stages": 1}
+TILE = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 2}
+
+
+@pytest.mark.parametrize("block", [False, True], ids=["channel", "block"])
+@pytest.mark.parametrize(("t", "config"), [(1, GEMV), (3, GEMV), (3, TILE), (40, TILE), (40, None)])
+def test_fused_moe_fp8_matches_the_reference_in_the_interpreter(t, config, block):  # type: ignore[no-untyped-def]
+    from pagecast.kernels import fused_moe_fp8
+
+    # hidden 160, intermediate 48: partial 128-column blocks in both projections
+    x, weights, ids, w_gu, s_gu, w_d, s_d = moe_fp8_inputs(t, 8, 2, 160, 48, block)
+    out = fused_moe_fp8.fused_moe_fp8(x, weights, ids, w_gu, s_gu, w_d, s_d, config=config)
+    expected = reference.fused_moe_fp8(x, weights, ids, w_gu, s_gu, w_d, s_d)
+    # The same e4m3 values and scales (the quantisation is exact in the interpreter: _round_e4m3);
+    # only the order of fp32 sums differs.
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+    # and the emulation is the W8A8 product: close to the float experts, not equal to them
+    floats = [reference.dequantize_fp8(w.reshape(-1, w.shape[-1]), s.reshape(-1, *s.shape[2:])).view(w.shape) for w, s in ((w_gu, s_gu), (w_d, s_d))]
+    dense = reference.fused_moe(x, weights, ids, *floats)
+    assert 0 < (expected - dense).abs().max() < 0.05 * dense.abs().max()
+
+
+def test_activation_quantisation_is_bitwise_the_reference_in_the_interpreter() -> None:
+    """_round_e4m3 rounds where the interpreter's cast does not (carries into the next binade)."""
+    from pagecast.kernels import fused_moe_fp8
+
+    x = torch.randn(9, 300, generator=torch.Generator().manual_seed(3)) * 3
+    x[2] = 0
+    x[4, :6] = torch.tensor([124.3, 1.9999, -15.9, 0.0005, 448.0, -600.0])  # carries, subnormal, saturation
+    for acts in ("token", "group"):
+        q, s = fused_moe_fp8.quantize(x, acts)
+        rq, rs = reference.quantize_fp8_activations(x, acts)
+        assert torch.equal(s, rs) and torch.equal(q.float(), rq.float()), acts
+
+
+def test_fused_moe_fp8_checks_shapes() -> None:
+    from pagecast.kernels import fused_moe_fp8
+
+    x, weights, ids, w_gu, s_gu, w_d, s_d = moe_fp8_inputs(3, 4, 2, 64, 32, False)
+    with pytest.raises(ValueError, match="expert scales"):
+        fused_moe_fp8.fused_moe_fp8(x, weights, ids, w_gu, s_gu[:, :10], w_d, s_d)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fused_moe_fp8.fused_moe_fp8(x, weights, ids, w_gu.float(), s_gu, w_d, s_d)
+    xb, wb, ib, gu_b, sgu_b, d_b, sd_b = moe_fp8_inputs(3, 4, 2, 64, 32, True)
+    with pytest.raises(ValueError, match="BLOCK_K <= 128"):
+        fused_moe_fp8.fused_moe_fp8(xb, wb, ib, gu_b, sgu_b, d_b, sd_b, config={**GEMV, "BLOCK_K": 256})
+
+
+# ---------------------------------------------------------------------------- refusals
+
+
+def test_gpt_oss_fp8_is_refused_by_name(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    with pytest.raises(BuildError, match=r"GptOssForCausalLM: FP8 builds of this MoE family are not supported"):
+        build_artifact(tiny_checkpoint_factory("gpt_oss"), tmp_path / "e", gpu="cpu", quant="fp8")
+
+
+def test_static_input_scales_on_moe_experts_are_refused(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    ckpt, _ = write_fp8(tiny_checkpoint_factory("qwen3_moe"), tmp_path / "modelopt", "modelopt")
+    with pytest.raises(BuildError, match=r"static per-tensor input scales; pagecast's FP8 MoE experts quantise activations dynamically"):
+        build_artifact(ckpt, tmp_path / "e", gpu="cpu")
+
+
+def test_awq_gptq_moe_is_still_refused(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    src = tiny_checkpoint_factory("qwen3_moe")
+    ckpt = tmp_path / "gptq"
+    import shutil
+
+    shutil.copytree(src, ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(BuildError, match="AWQ/GPTQ builds of mixture-of-experts models are not supported"):
+        build_artifact(ckpt, tmp_path / "e", gpu="cpu", load_format="dummy")
