@@ -32,6 +32,7 @@ from pagecast.runtime.errors import BuildError
 E4M3_MAX = 448.0
 PROMPTS = [[1, 50, 200, 7, 300, 11], [400, 3, 99], list(range(20, 60))]
 MAX_TOKENS = 8
+NEAR_TIE = 0.2
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # checkpoint expert module -> (the stacked parameter, gate or up half or whole)
 EXPERT_PARTS = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", None),
@@ -87,11 +88,20 @@ def _experts_forward(experts: torch.nn.Module, activations: str):  # type: ignor
     return forward
 
 
-def reference_model(ckpt: Path, weights: dict[str, torch.Tensor], activations: str) -> torch.nn.Module:
-    """The float checkpoint with ``weights`` (checkpoint name -> dequantised fp32) put in place."""
+def reference_model(
+    ckpt: Path, weights: dict[str, torch.Tensor], activations: str, written: Path | None = None
+) -> torch.nn.Module:
+    """The float checkpoint with ``weights`` (checkpoint name -> dequantised fp32) put in place, and
+    the unquantised tensors of ``written`` (a written FP8 checkpoint: bf16 there) too."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    if written is not None:
+        state = hf.state_dict()
+        with safe_open(str(written / "model.safetensors"), "pt") as f, torch.no_grad():
+            for name in f.keys():
+                if name in state and name not in weights and f.get_slice(name).get_dtype() != "F8_E4M3":
+                    state[name].copy_(f.get_tensor(name).float())
     experts = {int(n.split(".")[2]): m for n, m in hf.named_modules() if n.endswith("experts") and hasattr(m, "gate_up_proj")}
     with torch.no_grad():
         for name, w in weights.items():
@@ -119,8 +129,20 @@ def _assert_greedy_parity(artifact: Path, hf: torch.nn.Module) -> None:
         logits = engine_last_logits(llm.engine, PROMPTS[2])
     finally:
         llm.engine.runner.close()
+    diverged = 0
     for ids, out in zip(PROMPTS, outputs, strict=True):
-        assert out.token_ids == hf_greedy(hf, ids, MAX_TOKENS), ids[:4]
+        ref = hf_greedy(hf, ids, MAX_TOKENS)
+        if out.token_ids == ref:
+            continue
+        # As tests/test_fp8_build.py: an activation within an fp32 rounding of an e4m3 boundary may
+        # round the other way where sums run in another order (transformers' cached decode against
+        # its own full forward too); a divergence is accepted only at a near tie of the reference.
+        i = next(j for j, (a, b) in enumerate(zip(out.token_ids, ref, strict=True)) if a != b)
+        with torch.no_grad():
+            step = hf(torch.tensor([ids + ref[:i]])).logits[0, -1]
+        assert step[ref[i]] - step[out.token_ids[i]] < NEAR_TIE, f"{ids[:4]}: token {i} is {out.token_ids[i]}, not {ref[i]}"
+        diverged += 1
+    assert diverged <= 1, "more than one prompt diverged from the reference"
     with torch.no_grad():
         ref = hf(torch.tensor([PROMPTS[2]])).logits[0, -1]
     torch.testing.assert_close(logits, ref, atol=2e-3, rtol=0)
@@ -183,7 +205,7 @@ def test_fp8_moe_checkpoint_greedy_tokens_equal_transformers_dequantised(fmt, ac
     with safe_open(str(artifact / "weights" / "rank0.safetensors"), "pt") as f:
         # block scales: [E, 2I, ceil(H/128)] (the 288 rows of gate and up, 160 columns: 2 blocks)
         assert f.get_tensor("layers.0.experts.gate_up_scale").shape == ((8, 288, 2) if fmt == "fp8-block" else (8, 288))
-    _assert_greedy_parity(artifact, reference_model(src, deq, activations))
+    _assert_greedy_parity(artifact, reference_model(src, deq, activations, ckpt))
 
 
 # ---------------------------------------------------------------------------- the kernels (interpreter)
