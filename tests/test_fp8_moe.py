@@ -185,6 +185,79 @@ def test_quant_fp8_moe_greedy_tokens_equal_transformers_with_fp8_experts(family,
     assert plan["weight_bytes"] == sum(v["data_offsets"][1] - v["data_offsets"][0] for v in header.values())
 
 
+def test_quant_fp8_moe_tp2_greedy_tokens_equal_transformers(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    """TP=2 on gloo (Qwen2-MoE: a dense layer, the gated shared expert): each rank holds half of every
+    expert's intermediate rows with their scales (gate_up) and the whole per-channel scales of down;
+    per-token scales of down's input are each rank's own (over its half), so the reference differs
+    from the engine there by rounding: tokens up to near ties."""
+    ckpt = tiny_checkpoint_factory("qwen2_moe")
+    artifact = build_artifact(ckpt, tmp_path / "tp2", gpu="cpu", quant="fp8", tp=2)
+    with safe_open(str(artifact / "weights" / "rank1.safetensors"), "pt") as f:
+        assert f.get_tensor("layers.1.experts.gate_up").shape == (8, 32, 64)
+        assert f.get_tensor("layers.1.experts.gate_up_scale").shape == (8, 32)
+        assert f.get_tensor("layers.1.experts.down").shape == (8, 64, 16)
+        assert f.get_tensor("layers.1.experts.down_scale").shape == (8, 64)
+    with safe_open(str(artifact / "weights" / "rank0.safetensors"), "pt") as f0, safe_open(str(artifact / "weights" / "rank1.safetensors"), "pt") as f1:
+        both = torch.cat([f0.get_tensor("layers.1.experts.gate_up")[:, 16:32], f1.get_tensor("layers.1.experts.gate_up")[:, 16:32]], 1)
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:  # expert 0's up rows, both halves
+        up = f.get_tensor("model.layers.1.mlp.experts.0.up_proj.weight")
+    s = up.abs().amax(1, keepdim=True) / E4M3_MAX
+    assert torch.equal(both[0].view(torch.uint8), (up / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8))
+    hf = reference_model(ckpt, quantised_modules(ckpt), "token")
+    llm = LLM(artifact, max_num_batched_tokens=32, max_num_seqs=4, kv_cache_memory="4MiB")
+    try:
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    finally:
+        llm.engine.runner.close()
+    exact = 0
+    for ids, out in zip(PROMPTS, outputs, strict=True):
+        ref = hf_greedy(hf, ids, MAX_TOKENS)
+        if out.token_ids == ref:
+            exact += 1
+            continue
+        i = next(j for j, (a, b) in enumerate(zip(out.token_ids, ref, strict=True)) if a != b)
+        with torch.no_grad():
+            step = hf(torch.tensor([ids + ref[:i]])).logits[0, -1]
+        assert step[ref[i]] - step[out.token_ids[i]] < NEAR_TIE, ids[:4]
+    assert exact >= 2
+
+
+def test_dummy_fp8_moe_build_for_a_gpu_plans_fp8_experts_and_their_tuning(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    """--load-format dummy --quant fp8 for an absent H200: the FP8 experts are drawn in the artifact
+    layout, the memory plan counts them (and the FP8 kernel's workspace), and the tune pass would
+    time fused_moe_fp8 (not the half-type fused_moe) at the model's expert shape."""
+    from tiny_models import tiny_config
+
+    from pagecast.builder import pipeline, tune
+
+    ckpt = tmp_path / "config-only"
+    ckpt.mkdir()
+    tiny_config("qwen3_moe").save_pretrained(str(ckpt))
+    seen: list[dict] = []  # type: ignore[type-arg]
+
+    def tune_pass(state):  # type: ignore[no-untyped-def]
+        seen.append(tune.model_shapes(state))
+        return tune.run(state)
+
+    monkeypatch.setattr(pipeline, "PASSES", [(n, tune_pass if n == "tune" else r) for n, r in pipeline.PASSES])
+    art = build_artifact(ckpt, tmp_path / "art", gpu="h200", quant="fp8", load_format="dummy")
+    fields = dict(seen[0])
+    fields.pop("vocab_size"), fields.pop("logits_stride"), fields.pop("moe_routing")
+    shapes = ModelShapes(**fields)
+    assert shapes.fp8 == "channel-token" and shapes.num_experts == 8
+    assert problems.buckets("fused_moe", shapes) == [] and problems.buckets("fused_moe_fp8", shapes)
+    with safe_open(str(art / "weights" / "rank0.safetensors"), "pt") as f:
+        assert f.get_tensor("layers.0.experts.down").dtype == torch.float8_e4m3fn
+        assert f.get_tensor("layers.0.experts.down_scale").shape == (8, 64)
+    plan = json.loads((art / "memory_plan.json").read_text())
+    half = build_artifact(ckpt, tmp_path / "half", gpu="h200", load_format="dummy")
+    half_plan = json.loads((half / "memory_plan.json").read_text())
+    experts = 3 * 8 * 3 * 64 * 32  # layers x experts x (gate, up, down) x hidden x expert width
+    # FP8: one byte an expert weight instead of two, plus an fp32 scale per expert row
+    assert half_plan["weight_bytes"] - plan["weight_bytes"] >= experts - 3 * 8 * (2 * 32 + 64) * 4
+    assert plan["moe_workspace_bytes"]["t2048"] > half_plan["moe_workspace_bytes"]["t2048"]  # + quantised activations
+
+
 # ---------------------------------------------------------------------------- published FP8 MoE formats
 
 
