@@ -68,7 +68,7 @@ def quantised_modules(ckpt: Path) -> dict[str, torch.Tensor]:
     """--quant fp8 on a float checkpoint: every projection and expert module, dequantised."""
     out = {}
     with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
-        for name in f.keys():
+        for name in set(f.keys()):
             module = name.removesuffix(".weight")
             if name.endswith(".weight") and module.rpartition(".")[2] in LINEARS + ("w1", "w2", "w3"):
                 out[name] = per_channel(f.get_tensor(name))
@@ -101,7 +101,7 @@ def reference_model(
     if written is not None:
         state = hf.state_dict()
         with safe_open(str(written / "model.safetensors"), "pt") as f, torch.no_grad():
-            for name in f.keys():
+            for name in set(f.keys()):
                 if name in state and name not in weights and f.get_slice(name).get_dtype() != "F8_E4M3":
                     state[name].copy_(f.get_tensor(name).float())
     experts = {int(n.split(".")[2]): m for n, m in hf.named_modules() if n.endswith("experts") and hasattr(m, "gate_up_proj")}
