@@ -125,7 +125,7 @@ def reference_model(
 
 
 def _assert_greedy_parity(artifact: Path, hf: torch.nn.Module, logits_atol: float = 2e-3) -> None:
-    llm = LLM(artifact, max_num_seqs=4, max_num_batched_tokens=64)
+    llm = LLM(artifact, max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory="64MiB")
     try:
         outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
         logits = engine_last_logits(llm.engine, PROMPTS[2])

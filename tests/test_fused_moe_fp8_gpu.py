@@ -157,7 +157,8 @@ def test_tuned_fp32_fp8_moe_engine_matches_transformers(tmp_path):  # type: igno
     assert manifest["target"]["kind"] == "cuda" and manifest["target"]["tuned"]
     tuning = json.loads((art / "tuning.json").read_text())
     assert tuning["kernels"].get("fused_moe_fp8") and not tuning["kernels"].get("fused_moe")
-    _assert_greedy_parity(art, reference_model(ckpt, quantised_modules(ckpt), "token"))
+    # logits: GPU sums in other orders, so an activation may round to the neighbouring e4m3 value
+    _assert_greedy_parity(art, reference_model(ckpt, quantised_modules(ckpt), "token"), logits_atol=5e-2)
 
 
 @pytest.mark.parametrize("weights", ["channel", "block"])
