@@ -1,6 +1,6 @@
 """FP8 (W8A8) mixture-of-experts on the CPU, in fp32: ``--quant fp8`` on tiny Qwen3-MoE, Mixtral
 and Qwen2-MoE checkpoints, and FP8 MoE checkpoints as published (the Qwen3 fine-grained block
-format, compressed-tensors FP8_DYNAMIC per channel, both written by tests/quant_writer.py), through
+format, compressed-tensors FP8_DYNAMIC per channel and FP8_BLOCK, written by tests/quant_writer.py), through
 LLM against transformers; the fused FP8 MoE kernels (kernels/fused_moe_fp8.py) in Triton's
 interpreter against the reference; the memory plan and the refusals.
 
@@ -270,7 +270,7 @@ def _written(src: Path, dst: Path, fmt: str) -> tuple[Path, dict[str, torch.Tens
     return ckpt, deq
 
 
-@pytest.mark.parametrize(("fmt", "activations"), [("fp8-block", "group"), ("ct-channel", "token")])
+@pytest.mark.parametrize(("fmt", "activations"), [("fp8-block", "group"), ("ct-channel", "token"), ("ct-block", "group")])
 def test_fp8_moe_checkpoint_greedy_tokens_equal_transformers_dequantised(fmt, activations, tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
     src = tiny_checkpoint_factory("qwen3_moe", hidden_size=160, moe_intermediate_size=144, num_hidden_layers=2)
     ckpt, deq = _written(src, tmp_path / fmt, fmt)
@@ -279,7 +279,7 @@ def test_fp8_moe_checkpoint_greedy_tokens_equal_transformers_dequantised(fmt, ac
     assert manifest["quant"] == "fp8" and manifest["quantization"]["activations"] == activations
     with safe_open(str(artifact / "weights" / "rank0.safetensors"), "pt") as f:
         # block scales: [E, 2I, ceil(H/128)] (the 288 rows of gate and up, 160 columns: 2 blocks)
-        assert f.get_tensor("layers.0.experts.gate_up_scale").shape == ((8, 288, 2) if fmt == "fp8-block" else (8, 288))
+        assert f.get_tensor("layers.0.experts.gate_up_scale").shape == ((8, 288) if fmt == "ct-channel" else (8, 288, 2))
     _assert_greedy_parity(artifact, reference_model(src, deq, activations, ckpt))
 
 
