@@ -11,11 +11,12 @@ Expert weights in the artifact layout (builder/fp8.py, ``expert parts``):
 Activations are quantised at run time as the dense FP8 GEMM quantises them (kernels/fp8_gemm.py,
 reference.quantize_fp8_activations): per token with channel scales ("token"), per 1x128 group with
 block scales ("group"): x before gate_up, and each (token, expert) pair's intermediate row before
-down. ``_quant_kernel`` does it in one launch per input, rounding to e4m3 in fp32 arithmetic
-(``_round_e4m3``: round to nearest even on the e4m3 grid, then an exact conversion) rather than by
-the fp32 -> e4m3 cast: the same bits as the GPU's ``cvt.rn.satfinite`` and, unlike the cast in
-Triton 3.6's interpreter (which gets carries into the next binade wrong), right on the CPU too, so
-the whole launcher is tested there against ``reference.fused_moe_fp8``.
+down. The tile path quantises each input in a launch of its own (``_quant_kernel``), the GEMV path
+in its programs' registers; both round to e4m3 in fp32 arithmetic (``_round_e4m3``: round to
+nearest even on the e4m3 grid, then an exact conversion) rather than by the fp32 -> e4m3 cast: the
+same bits as the GPU's ``cvt.rn.satfinite`` and, unlike the cast in Triton 3.6's interpreter
+(which gets carries into the next binade wrong), right on the CPU too, so the whole launcher is
+tested there against ``reference.fused_moe_fp8``.
 
 Prefill-sized batches (the tile path, ``_moe_fp8_gemm_kernel``): fused_moe.align_by_expert's sorted
 blocks; a program's [BLOCK_M, BLOCK_N] tile takes ``tl.dot`` of e4m3 tiles every BLOCK_K step,
@@ -27,11 +28,13 @@ product. gate_up writes the activated intermediate in the half type in sorted or
 quantised per row (padding rows too: they hold garbage, are never read back); down scales by the
 routing weights and scatters to pair order; the top-k sum as in fused_moe.
 
-Decode batches (the GEMV path, ``{"gemv": 1, ...}``): no sorting; a program per (pair, columns) for
-gate_up, per (token, columns) for down adding its k pairs. It reads the e4m3 activations and
-weights and multiplies them in fp32 on CUDA cores (the products of two e4m3 values are exact in
-fp32, so this is the tensor-core path's arithmetic up to the order of the fp32 sums), the
-scales applied as in the tile path. The activations stay quantised, so both paths compute the
+Decode batches (the GEMV path, ``{"gemv": 1, ...}``): no sorting, two launches as fused_moe's; a
+program per (pair, columns) for gate_up, per (token, columns) for down adding its k pairs. It reads
+the half-type activations (x; the intermediate in pair order) and quantises them itself (per
+token: a first pass over the row for its amax, every program again, the row is a few KB in L2; per
+group: BLOCK_K is 128, each step its own group), multiplies the e4m3 values by the e4m3 weights in
+fp32 on CUDA cores (the products are exact in fp32: the tensor-core path's arithmetic up to the
+order of the fp32 sums) and applies the scales as the tile path does. Both paths compute the
 emulation's values.
 
 ``{"naive": 1}``: the baseline the tuner times against, a per-expert loop of the dense FP8 GEMM
@@ -241,8 +244,7 @@ def _moe_fp8_gemm_kernel(
 
 @triton.jit
 def _expert_gemv_fp8(
-    a_ptr,  # one row of e4m3 activations [K]
-    as_row,  # its scales: fp32 [1] (token) or [KB] (group)
+    a_ptr,  # one row of half / fp32 activations [K], quantised here
     w_base,  # the expert's e4m3 weight [N_w, K]
     s_base,  # its scales [N_w] or [N_w, KB]
     offs_n,
@@ -251,20 +253,34 @@ def _expert_gemv_fp8(
     K,
     stride_wn,
     GATED: tl.constexpr,  # also the up rows N + offs_n
-    BLOCK_SCALED: tl.constexpr,
+    BLOCK_SCALED: tl.constexpr,  # then BLOCK_K == GROUP_K: a step is one 1x128 activation group
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_K: tl.constexpr,
+    MIN_AMAX: tl.constexpr,
+    QMAX: tl.constexpr,
 ):
-    # [BLOCK_N, BLOCK_K] partial products of e4m3 values in fp32 (exact), reduced over K at the end;
-    # block scales weight each step's products (BLOCK_K divides GROUP_K), channel scales the sums.
+    # The row quantised as _quant_kernel does (per token: a first pass for the amax, the row is a
+    # few KB and stays in L2; per group: each step's own amax), held as fp32 values on the e4m3
+    # grid; [BLOCK_N, BLOCK_K] partial products in fp32 (exact), reduced over K at the end; block
+    # scales weight each step's products, channel scales the sums.
     num_kb = tl.cdiv(K, GROUP_K)
+    sa = 1.0
+    if not BLOCK_SCALED:
+        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            amax = tl.maximum(amax, tl.abs(tl.load(a_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)))
+        sa = tl.maximum(tl.max(amax, axis=0), MIN_AMAX) / QMAX
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
-        a = tl.load(a_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        x = tl.load(a_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        if BLOCK_SCALED:
+            sa = tl.maximum(tl.max(tl.abs(x), axis=0), MIN_AMAX) / QMAX
+        a = _round_e4m3(tl.clamp(tl.math.div_rn(x, sa), -QMAX, QMAX))[None, :]
         w_ok = n_ok[:, None] & k_ok[None, :]
         w = tl.load(w_base + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :], mask=w_ok, other=0.0)
         prod = w.to(tl.float32) * a
@@ -275,7 +291,6 @@ def _expert_gemv_fp8(
             prod_up = w_up.to(tl.float32) * a
         if BLOCK_SCALED:
             kb = k0 // GROUP_K
-            sa = tl.load(as_row + kb)
             acc += prod * (sa * tl.load(s_base + offs_n.to(tl.int64) * num_kb + kb, mask=n_ok, other=0.0))[:, None]
             if GATED:
                 sw_up = tl.load(s_base + (N + offs_n).to(tl.int64) * num_kb + kb, mask=n_ok, other=0.0)
@@ -287,7 +302,6 @@ def _expert_gemv_fp8(
     y = tl.sum(acc, axis=1)
     y_up = tl.sum(acc_up, axis=1)
     if not BLOCK_SCALED:
-        sa = tl.load(as_row)
         y = y * sa * tl.load(s_base + offs_n, mask=n_ok, other=0.0)
         if GATED:
             y_up = y_up * sa * tl.load(s_base + N + offs_n, mask=n_ok, other=0.0)
@@ -296,8 +310,7 @@ def _expert_gemv_fp8(
 
 @triton.jit
 def _moe_fp8_gemv_kernel(
-    a_ptr,  # e4m3, gate_up: quantised x [T, K]; down: quantised intermediate [P, K] in pair order
-    as_ptr,  # fp32 scales of a's rows: [rows] or [rows, KB]
+    a_ptr,  # half / fp32, gate_up: x [T, K]; down: the intermediate [P, K] in pair order
     w_ptr,  # e4m3 [E, N_w, K]
     ws_ptr,  # fp32 [E, N_w] or [E, N_w, KB]
     c_ptr,  # gate_up: intermediate [P, N] in pair order; down: out [T, N]
@@ -306,7 +319,6 @@ def _moe_fp8_gemv_kernel(
     N,
     K,
     stride_am,
-    stride_as,
     stride_we,
     stride_wn,
     stride_se,
@@ -319,6 +331,8 @@ def _moe_fp8_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_K: tl.constexpr,
+    MIN_AMAX: tl.constexpr,
+    QMAX: tl.constexpr,
 ):
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -328,8 +342,8 @@ def _moe_fp8_gemv_kernel(
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         row = (pair // top_k).to(tl.int64)
         gate, up = _expert_gemv_fp8(
-            a_ptr + row * stride_am, as_ptr + row * stride_as, w_ptr + expert * stride_we, ws_ptr + expert * stride_se,
-            offs_n, n_ok, N, K, stride_wn, True, BLOCK_SCALED, BLOCK_N, BLOCK_K, GROUP_K,
+            a_ptr + row * stride_am, w_ptr + expert * stride_we, ws_ptr + expert * stride_se, offs_n, n_ok, N, K,
+            stride_wn, True, BLOCK_SCALED, BLOCK_N, BLOCK_K, GROUP_K, MIN_AMAX, QMAX,
         )  # fmt: skip
         y = _activate(gate, up, ACTIVATION, ALPHA, LIMIT)
         out_row = pair.to(tl.int64)
@@ -340,9 +354,8 @@ def _moe_fp8_gemv_kernel(
             pair = (token * top_k + j).to(tl.int64)
             expert = tl.load(ids_ptr + pair).to(tl.int64)
             down, _ = _expert_gemv_fp8(
-                a_ptr + pair * stride_am, as_ptr + pair * stride_as, w_ptr + expert * stride_we,
-                ws_ptr + expert * stride_se, offs_n, n_ok, N, K, stride_wn, False, BLOCK_SCALED, BLOCK_N, BLOCK_K,
-                GROUP_K,
+                a_ptr + pair * stride_am, w_ptr + expert * stride_we, ws_ptr + expert * stride_se, offs_n, n_ok, N,
+                K, stride_wn, False, BLOCK_SCALED, BLOCK_N, BLOCK_K, GROUP_K, MIN_AMAX, QMAX,
             )  # fmt: skip
             y += down * tl.load(weights_ptr + pair)
         out_row = token.to(tl.int64)
@@ -397,12 +410,12 @@ def prune_configs(
     configs: list[KernelConfig], num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int,
     *, block: bool, allow_naive: bool = True,
 ) -> list[KernelConfig]:  # fmt: skip
-    """fused_moe.prune_configs' rules at one byte an element (e4m3 activations and weights), and
-    with block scales only K steps within one 128-column block (BLOCK_K <= 128)."""
+    """fused_moe.prune_configs' rules at one byte an element (e4m3 activations and weights); with
+    block scales the GEMV's K step is one 128-column block (BLOCK_K 128; the tiles' all divide 128)."""
     kept = fused_moe.prune_configs(
         configs, num_tokens, top_k, num_experts, hidden, intermediate, elt=1, allow_naive=allow_naive
     )
-    return [c for c in kept if fused_moe.is_naive(c) or not block or c["BLOCK_K"] <= GROUP]
+    return [c for c in kept if fused_moe.is_naive(c) or not block or c["BLOCK_K"] == GROUP or not fused_moe.is_gemv(c)]
 
 
 def default_config(
@@ -413,7 +426,7 @@ def default_config(
     want long K steps; a step lies in one scale block)."""
     cfg = fused_moe.default_config(num_tokens, top_k, num_experts, hidden, intermediate, num_sms, elt=1)
     if fused_moe.is_gemv(cfg):
-        bk = min(cfg["BLOCK_K"], GROUP) if block else cfg["BLOCK_K"]
+        bk = GROUP if block else cfg["BLOCK_K"]
         return KernelConfig({**cfg.params, "BLOCK_K": bk}, cfg.num_warps, cfg.num_stages)
     bk = min(GROUP, triton.next_power_of_2(max(32, min(hidden, intermediate))))
     return KernelConfig({**cfg.params, "BLOCK_K": bk}, cfg.num_warps, cfg.num_stages)
@@ -426,8 +439,8 @@ def workspace_bytes(
     num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int, elt: int, config: KernelConfig,
     block: bool = False,
 ) -> int:  # fmt: skip
-    """fused_moe.workspace_bytes (the half-type intermediate and the tile path's buffers) plus the
-    quantised activations: x and the intermediate in e4m3 with their fp32 scales."""
+    """fused_moe.workspace_bytes (the half-type intermediate and the tile path's buffers) plus, for
+    the tile path and the naive loop, the quantised activations: e4m3 with their fp32 scales."""
 
     def buf(n: int) -> int:
         return -(-n // 512) * 512
@@ -439,7 +452,9 @@ def workspace_bytes(
     p = num_tokens * top_k
     if fused_moe.is_naive(config):
         return base + buf(num_tokens * max(hidden, intermediate)) + scales(num_tokens, max(hidden, intermediate))
-    rows = p if fused_moe.is_gemv(config) else fused_moe.max_blocks(p, num_experts, config["BLOCK_M"]) * config["BLOCK_M"]
+    if fused_moe.is_gemv(config):  # quantises in registers
+        return base
+    rows = fused_moe.max_blocks(p, num_experts, config["BLOCK_M"]) * config["BLOCK_M"]
     return base + buf(num_tokens * hidden) + scales(num_tokens, hidden) + buf(rows * intermediate) + scales(rows, intermediate)
 
 
@@ -518,8 +533,10 @@ def fused_moe_fp8(
     cfg = KernelConfig.coerce(config) or default_config(t, top_k, num_experts, h, i, num_sms(x.device), block)
     if fused_moe.is_naive(cfg):
         return naive_fused_moe_fp8(x, topk_weights, topk_ids, w_gate_up, s_gate_up, w_down, s_down, activation, alpha, limit)
-    if block and cfg["BLOCK_K"] > GROUP:
-        raise ValueError(f"block-scaled experts need BLOCK_K <= {GROUP}, got {cfg['BLOCK_K']}")
+    if block and (GROUP % cfg["BLOCK_K"] or (fused_moe.is_gemv(cfg) and cfg["BLOCK_K"] != GROUP)):
+        raise ValueError(
+            f"block-scaled experts need BLOCK_K dividing {GROUP} (the GEMV path: equal to it), got {cfg['BLOCK_K']}"
+        )
     if t == 0:
         return torch.zeros_like(x)
     acts = "group" if block else "token"
@@ -528,25 +545,25 @@ def fused_moe_fp8(
     weights = topk_weights.reshape(-1).float()
     act = fused_moe._ACTIVATIONS[activation]
     common = {"ALPHA": alpha, "LIMIT": limit, "BLOCK_SCALED": block, "GROUP_K": GROUP}
-    qx, sx = quantize(x, acts)
     if fused_moe.is_gemv(cfg):
         bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
         inter = torch.empty((p, i), dtype=x.dtype, device=x.device)
         out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+        if x.stride(1) != 1:
+            x = x.contiguous()
 
-        def gemv(qa: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, s: torch.Tensor, c: torch.Tensor, rows: int,
-                 n: int, k: int, a_kind: int) -> None:  # fmt: skip
+        def gemv(a: torch.Tensor, w: torch.Tensor, s: torch.Tensor, c: torch.Tensor, rows: int, n: int, k: int,
+                 a_kind: int) -> None:  # fmt: skip
             _moe_fp8_gemv_kernel[(rows, triton.cdiv(n, bn))](
-                qa, sa, w, s, c, ids, weights, n, k, qa.stride(0), sa.stride(0) if block else 1,
-                w.stride(0), w.stride(1), s.stride(0), c.stride(0), top_k,
-                ACTIVATION=a_kind, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                **common,
+                a, w, s, c, ids, weights, n, k, a.stride(0), w.stride(0), w.stride(1), s.stride(0), c.stride(0), top_k,
+                ACTIVATION=a_kind, BLOCK_N=bn, BLOCK_K=bk, MIN_AMAX=reference.FP8_MIN_AMAX, QMAX=FP8_MAX,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
             )  # fmt: skip
 
-        gemv(qx, sx, w_gate_up, s_gate_up, inter, p, i, h, act)
-        qi, si = quantize(inter, acts)
-        gemv(qi, si, w_down, s_down, out, t, h, i, fused_moe.ACT_NONE)
+        gemv(x, w_gate_up, s_gate_up, inter, p, i, h, act)
+        gemv(inter, w_down, s_down, out, t, h, i, fused_moe.ACT_NONE)
         return out
+    qx, sx = quantize(x, acts)
     bm, bn, bk, gm = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["GROUP_M"]
     sorted_ids, block_expert = fused_moe.align_by_expert(ids.view(t, top_k), num_experts, bm)
     nb = block_expert.shape[0]

@@ -311,6 +311,8 @@ def test_fused_moe_fp8_matches_the_reference_in_the_interpreter(t, config, block
 
     # hidden 160, intermediate 48: partial 128-column blocks in both projections
     x, weights, ids, w_gu, s_gu, w_d, s_d = moe_fp8_inputs(t, 8, 2, 160, 48, block)
+    if block and config is GEMV:  # the GEMV's K step is a 1x128 activation group
+        config = {**GEMV, "BLOCK_K": 128}
     out = fused_moe_fp8.fused_moe_fp8(x, weights, ids, w_gu, s_gu, w_d, s_d, config=config)
     expected = reference.fused_moe_fp8(x, weights, ids, w_gu, s_gu, w_d, s_d)
     # The same e4m3 values and scales (the quantisation is exact in the interpreter: _round_e4m3);
@@ -344,8 +346,8 @@ def test_fused_moe_fp8_checks_shapes() -> None:
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         fused_moe_fp8.fused_moe_fp8(x, weights, ids, w_gu.float(), s_gu, w_d, s_d)
     xb, wb, ib, gu_b, sgu_b, d_b, sd_b = moe_fp8_inputs(3, 4, 2, 64, 32, True)
-    with pytest.raises(ValueError, match="BLOCK_K <= 128"):
-        fused_moe_fp8.fused_moe_fp8(xb, wb, ib, gu_b, sgu_b, d_b, sd_b, config={**GEMV, "BLOCK_K": 256})
+    with pytest.raises(ValueError, match=r"BLOCK_K dividing 128 \(the GEMV path: equal to it\), got 64"):
+        fused_moe_fp8.fused_moe_fp8(xb, wb, ib, gu_b, sgu_b, d_b, sd_b, config=GEMV)
 
 
 # ---------------------------------------------------------------------------- the tuner's problems
@@ -379,7 +381,7 @@ def test_fp8_moe_tuner_buckets_sizes_and_config_spaces() -> None:
             default = problems.default_config("fused_moe_fp8", shapes, d)
             for c in [*space[b], default]:
                 if not fused_moe.is_naive(c) and shapes is block:
-                    assert c["BLOCK_K"] <= 128, (b, c)
+                    assert c["BLOCK_K"] == 128 if fused_moe.is_gemv(c) else 128 % c["BLOCK_K"] == 0, (b, c)
 
 
 @pytest.mark.parametrize("fp8", ["channel-token", "block-group"])
@@ -395,7 +397,8 @@ def test_fp8_moe_problem_launches_agree_in_the_interpreter(fp8):  # type: ignore
     problem = problems.make_problem("fused_moe_fp8", shapes, dims, "cpu")
     assert problem.reference is not None
     default = problems.default_config("fused_moe_fp8", shapes, dims)
-    outs = [problem.launch(KernelConfig.coerce(c), 1) for c in (default, TILE, GEMV)]
+    gemv = {**GEMV, "BLOCK_K": 128} if fp8 == "block-group" else GEMV
+    outs = [problem.launch(KernelConfig.coerce(c), 1) for c in (default, TILE, gemv)]
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0], atol=2e-5, rtol=1e-5)
     naive = problem.launch(fused_moe.NAIVE, 1)

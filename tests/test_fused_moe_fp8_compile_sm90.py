@@ -81,15 +81,15 @@ def gemv_job(cfg: KernelConfig, gate_up: bool, block: bool) -> tuple:  # type: i
     ints = _ints(gate_up)
     n_w = 2 * I if gate_up else H
     kb = -(-ints["K"] // 128)
-    ints.update(stride_as=kb if block else 1, stride_se=n_w * (kb if block else 1), stride_cm=ints["N"])
+    ints.update(stride_se=n_w * (kb if block else 1), stride_cm=ints["N"])
     signature = {
-        "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "c_ptr": "*bf16",
-        "ids_ptr": "*i64", "weights_ptr": "*fp32", **{name: "i32" for name in ints},
+        "a_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "c_ptr": "*bf16", "ids_ptr": "*i64",
+        "weights_ptr": "*fp32", **{name: "i32" for name in ints},
     }  # fmt: skip
     divisible = [s for s in signature if s.endswith("_ptr")] + [s for s, v in ints.items() if v % 16 == 0]
     constexprs = {
         "ACTIVATION": fused_moe.ACT_SILU if gate_up else 0, "BLOCK_SCALED": block, "ALPHA": 1.702, "LIMIT": 7.0,
-        "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"], "GROUP_K": 128,
+        "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"], "GROUP_K": 128, "MIN_AMAX": 1e-12, "QMAX": 448.0,
     }  # fmt: skip
     return ("gemv", signature, constexprs, divisible, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
 
