@@ -30,9 +30,10 @@ FP8 MLP (``shared_expert.gate_up_proj`` / ``.down_proj`` as above):
     experts.down           float8_e4m3fn [E, H, I]
     experts.down_scale     float32 [E, H] or [E, H, ceil(I/128)]
 
-Experts take dynamic activations only (per token, or per 1x128 group with block weights);
-checkpoints with static input scales and gpt-oss (expert biases, the clamped SwiGLU, experts
-stored stacked) are refused for MoE models (``check_moe``).
+Experts take dynamic activations only (per token, or per 1x128 group with block weights):
+checkpoints with static input scales are refused for MoE models (``check_moe``), as are FP8
+checkpoints of gpt-oss (its experts stacked in one tensor); ``--quant fp8`` on gpt-oss quantises
+each expert's de-interleaved gate/up rows and its down rows, its biases stay in the half type.
 
 Per-tensor weight scales become per-channel ones (each output channel repeats its tensor's
 scale): exact, no requantisation, and q/k/v (gate/up) with different per-tensor scales fuse
@@ -305,10 +306,10 @@ EXPERTS = ("experts.gate_up", "experts.down")  # the stacked expert tensors of a
 
 def check_moe(cfg: Fp8Config, moe: Any, architecture: str) -> None:
     """Refuse the MoE models whose experts the FP8 MoE kernels cannot run."""
-    if moe.stacked or moe.expert_bias or moe.activation != "silu":
+    if moe.stacked and cfg.source != "build":
         raise BuildError(
-            f"{architecture}: FP8 builds of this MoE family are not supported (its experts have biases, "
-            f"the clamped SwiGLU or a stacked checkpoint layout); build it in the half type"
+            f"{architecture}: FP8 checkpoints of this MoE family (experts stacked in one tensor) are not supported; "
+            f"build the half-type checkpoint with --quant fp8"
         )
     if cfg.activations == "static":
         raise BuildError(
@@ -478,8 +479,13 @@ class Materialiser:
             if self.gen is not None:
                 e, n, k = self.dims[base]
                 modules = [random_module(self.cfg, n // t.stack, k, self.gen) for _ in range(e * t.stack)]
+            elif self.cfg.source == "build":  # each expert's piece (gpt-oss: of the stacked tensor), quantised
+                modules = [
+                    read_module(self.cfg, s.removesuffix(".weight"), lambda _, s=s: shard.read_source(self.read, s))
+                    for s in t.sources
+                ]
             else:
-                modules = [read_module(self.cfg, shard.parse_source(s)[0].removesuffix(".weight"), self.read) for s in t.sources]
+                modules = [read_module(self.cfg, s.removesuffix(".weight"), self.read) for s in t.sources]
             self._base, self._modules = base, modules
         cuts = tuple(t.source_cuts) or (None,) * len(self._modules)
         pieces = [_cut(m[1] if scale else m[0], c, "weight_scale" if scale else "weight") for m, c in zip(self._modules, cuts, strict=True)]

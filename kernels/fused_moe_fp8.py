@@ -151,6 +151,7 @@ def _moe_fp8_gemm_kernel(
     as_ptr,  # fp32 activation scales, a's rows: [rows] (token) or [rows, KB] (group)
     w_ptr,  # e4m3 [E, N_w, K]: N_w = 2N (gate rows, then up rows) with an activation, else N
     ws_ptr,  # fp32 [E, N_w] (channel) or [E, N_w, KB] (block)
+    b_ptr,  # [E, N_w] (gpt-oss's expert biases, the half type) or unused
     c_ptr,  # gate_up: intermediate [max_blocks * BLOCK_M, N] in sorted order; down: [P, N] in pair order
     sorted_ids_ptr,  # int32 [max_blocks * BLOCK_M]: pair ids grouped by expert, num_pairs = padding
     block_expert_ptr,  # int32 [max_blocks]: the expert of each block, -1 for unused blocks
@@ -163,11 +164,13 @@ def _moe_fp8_gemm_kernel(
     stride_we,
     stride_wn,
     stride_se,
+    stride_be,
     stride_cm,
     top_k,
     ACTIVATION: tl.constexpr,  # 0: none (down), 1: SiLU-and-mul, 2: gpt-oss SwiGLU
     MUL_ROUTING_WEIGHT: tl.constexpr,
     BLOCK_SCALED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     ALPHA: tl.constexpr,
     LIMIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -228,6 +231,11 @@ def _moe_fp8_gemm_kernel(
         acc = acc * sa * tl.load(s_base + offs_n, mask=n_ok, other=0.0)[None, :]
         if ACTIVATION != 0:
             acc_up = acc_up * sa * tl.load(s_base + N + offs_n, mask=n_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        b_base = b_ptr + expert.to(tl.int64) * stride_be
+        acc += tl.load(b_base + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if ACTIVATION != 0:
+            acc_up += tl.load(b_base + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if ACTIVATION != 0:
         acc = _activate(acc, acc_up, ACTIVATION, ALPHA, LIMIT)
     if MUL_ROUTING_WEIGHT:
@@ -313,6 +321,7 @@ def _moe_fp8_gemv_kernel(
     a_ptr,  # half / fp32, gate_up: x [T, K]; down: the intermediate [P, K] in pair order
     w_ptr,  # e4m3 [E, N_w, K]
     ws_ptr,  # fp32 [E, N_w] or [E, N_w, KB]
+    b_ptr,  # [E, N_w] or unused
     c_ptr,  # gate_up: intermediate [P, N] in pair order; down: out [T, N]
     ids_ptr,  # topk_ids [P] (int64)
     weights_ptr,  # fp32 [P] routing weights (down) or unused
@@ -322,10 +331,12 @@ def _moe_fp8_gemv_kernel(
     stride_we,
     stride_wn,
     stride_se,
+    stride_be,
     stride_cm,
     top_k,
     ACTIVATION: tl.constexpr,  # gate_up: 1 or 2; 0: the down launch
     BLOCK_SCALED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     ALPHA: tl.constexpr,
     LIMIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -345,6 +356,9 @@ def _moe_fp8_gemv_kernel(
             a_ptr + row * stride_am, w_ptr + expert * stride_we, ws_ptr + expert * stride_se, offs_n, n_ok, N, K,
             stride_wn, True, BLOCK_SCALED, BLOCK_N, BLOCK_K, GROUP_K, MIN_AMAX, QMAX,
         )  # fmt: skip
+        if HAS_BIAS:
+            gate += tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            up += tl.load(b_ptr + expert * stride_be + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         y = _activate(gate, up, ACTIVATION, ALPHA, LIMIT)
         out_row = pair.to(tl.int64)
     else:
@@ -357,6 +371,8 @@ def _moe_fp8_gemv_kernel(
                 a_ptr + pair * stride_am, w_ptr + expert * stride_we, ws_ptr + expert * stride_se, offs_n, n_ok, N,
                 K, stride_wn, False, BLOCK_SCALED, BLOCK_N, BLOCK_K, GROUP_K, MIN_AMAX, QMAX,
             )  # fmt: skip
+            if HAS_BIAS:
+                down += tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
             y += down * tl.load(weights_ptr + pair)
         out_row = token.to(tl.int64)
     tl.store(c_ptr + out_row * stride_cm + offs_n, y.to(c_ptr.dtype.element_ty), mask=n_ok)
@@ -489,7 +505,7 @@ def check_shapes(
 def naive_fused_moe_fp8(
     x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w_gate_up: torch.Tensor,
     s_gate_up: torch.Tensor, w_down: torch.Tensor, s_down: torch.Tensor, activation: str = "silu",
-    alpha: float = 1.702, limit: float = 7.0,
+    alpha: float = 1.702, limit: float = 7.0, b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The per-expert loop of dense FP8 GEMMs (fp8_gemm.fp8_linear at its default configs), as
     reference.fused_moe_fp8 runs its loop. Syncs with the host."""
@@ -500,9 +516,10 @@ def naive_fused_moe_fp8(
     out = torch.zeros_like(x)
     for e in torch.unique(topk_ids.reshape(-1)).tolist():
         token, slot = torch.where(topk_ids == e)
-        h = fp8_gemm.fp8_linear(x[token], Fp8LinearWeight(w_gate_up[e], s_gate_up[e], None, acts), None)
+        bias = (None if b_gate_up is None else b_gate_up[e], None if b_down is None else b_down[e])
+        h = fp8_gemm.fp8_linear(x[token], Fp8LinearWeight(w_gate_up[e], s_gate_up[e], None, acts), bias[0])
         h = reference.moe_activation(h, activation, alpha, limit)
-        h = fp8_gemm.fp8_linear(h, Fp8LinearWeight(w_down[e], s_down[e], None, acts), None)
+        h = fp8_gemm.fp8_linear(h, Fp8LinearWeight(w_down[e], s_down[e], None, acts), bias[1])
         out.index_add_(0, token, (h * topk_weights[token, slot, None]).to(x.dtype))
     return out
 
@@ -519,12 +536,21 @@ def fused_moe_fp8(
     alpha: float = 1.702,
     limit: float = 7.0,
     config: Mapping[str, int] | KernelConfig | None = None,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """reference.fused_moe_fp8's result (x [T, H] -> [T, H] in x's dtype) by the tile path, the
     GEMV path or the naive loop as ``config`` says (None: ``default_config``). Channel scales
     ([E, N]) quantise the activations per token, block scales ([E, N, KB]) per 1x128 group. The
-    tile and GEMV paths never sync with the host."""
+    tile and GEMV paths never sync with the host. ``b_gate_up`` [E, 2I] / ``b_down`` [E, H]: gpt-oss's
+    expert biases (added in fp32 after the scales, as the reference adds them)."""
     block = check_shapes(x, topk_weights, topk_ids, w_gate_up, s_gate_up, w_down, s_down)
+    e_, i2 = w_gate_up.shape[:2]
+    if (b_gate_up is not None and tuple(b_gate_up.shape) != (e_, i2)) or (
+        b_down is not None and tuple(b_down.shape) != (e_, x.shape[1])
+    ):
+        shapes = [None if b is None else tuple(b.shape) for b in (b_gate_up, b_down)]
+        raise ValueError(f"expert biases must be [E={e_}, 2I={i2}] / [E, H={x.shape[1]}], got {shapes[0]} / {shapes[1]}")
     if activation not in fused_moe._ACTIVATIONS:
         raise ValueError(f"unknown MoE activation {activation!r}")
     t, h = x.shape
@@ -532,7 +558,9 @@ def fused_moe_fp8(
     top_k = topk_ids.shape[1]
     cfg = KernelConfig.coerce(config) or default_config(t, top_k, num_experts, h, i, num_sms(x.device), block)
     if fused_moe.is_naive(cfg):
-        return naive_fused_moe_fp8(x, topk_weights, topk_ids, w_gate_up, s_gate_up, w_down, s_down, activation, alpha, limit)
+        return naive_fused_moe_fp8(
+            x, topk_weights, topk_ids, w_gate_up, s_gate_up, w_down, s_down, activation, alpha, limit, b_gate_up, b_down
+        )
     if block and (GROUP % cfg["BLOCK_K"] or (fused_moe.is_gemv(cfg) and cfg["BLOCK_K"] != GROUP)):
         raise ValueError(
             f"block-scaled experts need BLOCK_K dividing {GROUP} (the GEMV path: equal to it), got {cfg['BLOCK_K']}"
@@ -552,35 +580,36 @@ def fused_moe_fp8(
         if x.stride(1) != 1:
             x = x.contiguous()
 
-        def gemv(a: torch.Tensor, w: torch.Tensor, s: torch.Tensor, c: torch.Tensor, rows: int, n: int, k: int,
-                 a_kind: int) -> None:  # fmt: skip
+        def gemv(a: torch.Tensor, w: torch.Tensor, s: torch.Tensor, b: torch.Tensor | None, c: torch.Tensor, rows: int,
+                 n: int, k: int, a_kind: int) -> None:  # fmt: skip
             _moe_fp8_gemv_kernel[(rows, triton.cdiv(n, bn))](
-                a, w, s, c, ids, weights, n, k, a.stride(0), w.stride(0), w.stride(1), s.stride(0), c.stride(0), top_k,
+                a, w, s, b if b is not None else s, c, ids, weights, n, k, a.stride(0), w.stride(0), w.stride(1),
+                s.stride(0), b.stride(0) if b is not None else 0, c.stride(0), top_k, HAS_BIAS=b is not None,
                 ACTIVATION=a_kind, BLOCK_N=bn, BLOCK_K=bk, MIN_AMAX=reference.FP8_MIN_AMAX, QMAX=FP8_MAX,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
             )  # fmt: skip
 
-        gemv(x, w_gate_up, s_gate_up, inter, p, i, h, act)
-        gemv(inter, w_down, s_down, out, t, h, i, fused_moe.ACT_NONE)
+        gemv(x, w_gate_up, s_gate_up, b_gate_up, inter, p, i, h, act)
+        gemv(inter, w_down, s_down, b_down, out, t, h, i, fused_moe.ACT_NONE)
         return out
     qx, sx = quantize(x, acts)
     bm, bn, bk, gm = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["GROUP_M"]
     sorted_ids, block_expert = fused_moe.align_by_expert(ids.view(t, top_k), num_experts, bm)
     nb = block_expert.shape[0]
 
-    def gemm(qa: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, s: torch.Tensor, c: torch.Tensor, n: int, k: int,
-             a_kind: int, weighted: bool) -> None:  # fmt: skip
+    def gemm(qa: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, s: torch.Tensor, b: torch.Tensor | None,
+             c: torch.Tensor, n: int, k: int, a_kind: int, weighted: bool) -> None:  # fmt: skip
         _moe_fp8_gemm_kernel[(nb * triton.cdiv(n, bn),)](
-            qa, sa, w, s, c, sorted_ids, block_expert, weights, n, k, p, nb,
-            qa.stride(0), w.stride(0), w.stride(1), s.stride(0), c.stride(0), top_k,
-            ACTIVATION=a_kind, MUL_ROUTING_WEIGHT=weighted, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
+            qa, sa, w, s, b if b is not None else s, c, sorted_ids, block_expert, weights, n, k, p, nb,
+            qa.stride(0), w.stride(0), w.stride(1), s.stride(0), b.stride(0) if b is not None else 0, c.stride(0),
+            top_k, HAS_BIAS=b is not None, ACTIVATION=a_kind, MUL_ROUTING_WEIGHT=weighted, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
         )  # fmt: skip
 
     # Padding rows of the intermediate stay uninitialised: quantised with the rest, never read back.
     inter = torch.empty((nb * bm, i), dtype=x.dtype, device=x.device)
-    gemm(qx, sx, w_gate_up, s_gate_up, inter, i, h, act, False)
+    gemm(qx, sx, w_gate_up, s_gate_up, b_gate_up, inter, i, h, act, False)
     qi, si = quantize(inter, acts)
     out = torch.empty((p, h), dtype=x.dtype, device=x.device)
-    gemm(qi, si, w_down, s_down, out, h, i, fused_moe.ACT_NONE, True)
+    gemm(qi, si, w_down, s_down, b_down, out, h, i, fused_moe.ACT_NONE, True)
     return out if top_k == 1 else out.view(t, top_k, h).sum(1)

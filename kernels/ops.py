@@ -470,7 +470,7 @@ def moe(
     # A bucket past the decode graphs' batches may run the naive loop (it syncs with the host);
     # the tuner offers it nowhere else (kernels/problems.py).
     if isinstance(w_gate_up, Fp8ExpertsWeight) and isinstance(w_down, Fp8ExpertsWeight):
-        out = _fp8_moe(x, topk_weights, topk_ids, w_gate_up, w_down, act)
+        out = _fp8_moe(x, topk_weights, topk_ids, w_gate_up, w_down, act, b_gate_up, b_down)
     elif _triton(x):
         cfg = _config("fused_moe", moe_bucket(x.shape[0]))
         out = _moe_kernel()(
@@ -491,18 +491,18 @@ def moe(
 
 def _fp8_moe(
     x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w_gate_up: Fp8ExpertsWeight,
-    w_down: Fp8ExpertsWeight, act: MoeActivation,
+    w_down: Fp8ExpertsWeight, act: MoeActivation, b_gate_up: torch.Tensor | None, b_down: torch.Tensor | None,
 ) -> torch.Tensor:  # fmt: skip
     """FP8 experts (kernels/fused_moe_fp8.py, the table's "fused_moe_fp8" config for the token
     bucket) on a GPU; the exact emulation (reference.fused_moe_fp8) otherwise."""
     args = (x, topk_weights, topk_ids, w_gate_up.weight, w_gate_up.weight_scale, w_down.weight, w_down.weight_scale)
     if not _triton(x):
         floats = (w_gate_up.as_float(), w_down.as_float())
-        return reference.fused_moe_fp8(*args, act.kind, act.alpha, act.limit, floats=floats)
+        return reference.fused_moe_fp8(*args, act.kind, act.alpha, act.limit, floats, b_gate_up, b_down)
     from pagecast.kernels import fused_moe_fp8
 
     cfg = _config("fused_moe_fp8", moe_bucket(x.shape[0]))
-    return fused_moe_fp8.fused_moe_fp8(*args, act.kind, act.alpha, act.limit, cfg)  # type: ignore[no-any-return]
+    return fused_moe_fp8.fused_moe_fp8(*args, act.kind, act.alpha, act.limit, cfg, b_gate_up, b_down)  # type: ignore[no-any-return]
 
 
 @functools.cache

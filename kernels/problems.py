@@ -661,6 +661,9 @@ def _moe_fp8_problem(
         return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
 
     sets = [(*experts(2 * i, h), *experts(h, i)) for _ in range(num_sets)]
+    # gpt-oss's expert biases ([E, 2I] and [E, H], in the model's dtype as the artifact stores them)
+    b_gu = torch.randn((e, 2 * i), generator=dg, device=device, dtype=dtype) if shapes.moe_bias else None
+    b_d = torch.randn((e, h), generator=dg, device=device, dtype=dtype) if shapes.moe_bias else None
     act = (shapes.moe_activation, shapes.moe_alpha, shapes.moe_limit)
     x = torch.randn((t, h), generator=dg, device=device, dtype=dtype)
     topk_weights = torch.rand((t, k), generator=dg, device=device).softmax(-1)
@@ -674,9 +677,9 @@ def _moe_fp8_problem(
         w_gu, s_gu, w_d, s_d = sets[i_set % num_sets]
         out = torch.zeros_like(x)
         for ex, token, slot in routings[i_set % MOE_ROUTINGS][1]:
-            y = fp8_gemm.fp8_linear(x[token], Fp8LinearWeight(w_gu[ex], s_gu[ex], None, acts), None)
+            y = fp8_gemm.fp8_linear(x[token], Fp8LinearWeight(w_gu[ex], s_gu[ex], None, acts), None if b_gu is None else b_gu[ex])
             y = activation.silu_and_mul(y) if act[0] == "silu" else reference.moe_activation(y, *act)
-            y = fp8_gemm.fp8_linear(y, Fp8LinearWeight(w_d[ex], s_d[ex], None, acts), None)
+            y = fp8_gemm.fp8_linear(y, Fp8LinearWeight(w_d[ex], s_d[ex], None, acts), None if b_d is None else b_d[ex])
             out.index_add_(0, token, (y * topk_weights[token, slot, None]).to(dtype))
         return out
 
@@ -684,7 +687,9 @@ def _moe_fp8_problem(
         if fused_moe.is_naive(cfg):
             return naive(i_set)
         topk_ids = routings[i_set % MOE_ROUTINGS][0]
-        return fused_moe_fp8.fused_moe_fp8(x, topk_weights, topk_ids, *sets[i_set % num_sets], *act, config=cfg)
+        return fused_moe_fp8.fused_moe_fp8(
+            x, topk_weights, topk_ids, *sets[i_set % num_sets], *act, config=cfg, b_gate_up=b_gu, b_down=b_d
+        )
 
     sets_per_sample = max(num_sets, MOE_ROUTINGS)
     return Problem(

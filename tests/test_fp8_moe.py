@@ -65,13 +65,16 @@ def per_channel(w: torch.Tensor) -> torch.Tensor:
 
 
 def quantised_modules(ckpt: Path) -> dict[str, torch.Tensor]:
-    """--quant fp8 on a float checkpoint: every projection and expert module, dequantised."""
+    """--quant fp8 on a float checkpoint: every projection and expert module, dequantised. gpt-oss
+    stacks its experts as [E, in, out] (gate/up interleaved by column): each output column its own."""
     out = {}
     with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
         for name in set(f.keys()):
             module = name.removesuffix(".weight")
             if name.endswith(".weight") and module.rpartition(".")[2] in LINEARS + ("w1", "w2", "w3"):
                 out[name] = per_channel(f.get_tensor(name))
+            elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                out[name] = torch.stack([per_channel(w.t()).t() for w in f.get_tensor(name)])
     return out
 
 
@@ -85,6 +88,21 @@ def _experts_forward(experts: torch.nn.Module, activations: str):  # type: ignor
             gate, up = torch.nn.functional.linear(fake_quant(hidden[token], activations), experts.gate_up_proj[e]).chunk(2, -1)
             h = torch.nn.functional.linear(fake_quant(experts.act_fn(gate) * up, activations), experts.down_proj[e])
             out.index_add_(0, token, h * top_k_weights[token, slot, None])
+        return out
+
+    return forward
+
+
+def _gpt_oss_experts_forward(experts: torch.nn.Module, activations: str):  # type: ignore[no-untyped-def]
+    """GptOssExperts' loop with each expert's inputs fake-quantised; biases and its clamped SwiGLU as transformers'."""
+
+    def forward(hidden, router_indices, routing_weights):  # type: ignore[no-untyped-def]
+        out = torch.zeros_like(hidden)
+        for e in torch.unique(router_indices).tolist():
+            token, slot = torch.where(router_indices == e)
+            gate_up = fake_quant(hidden[token], activations) @ experts.gate_up_proj[e] + experts.gate_up_proj_bias[e]
+            h = fake_quant(experts._apply_gate(gate_up), activations) @ experts.down_proj[e] + experts.down_proj_bias[e]
+            out.index_add_(0, token, h * routing_weights[token, slot, None])
         return out
 
     return forward
@@ -106,9 +124,12 @@ def reference_model(
                     state[name].copy_(f.get_tensor(name).float())
     experts = {int(n.split(".")[2]): m for n, m in hf.named_modules() if n.endswith("experts") and hasattr(m, "gate_up_proj")}
     with torch.no_grad():
+        state = hf.state_dict()
         for name, w in weights.items():
             found = EXPERT.fullmatch(name)
-            if found and found.group(3) in EXPERT_PARTS:
+            if name in state:
+                state[name].copy_(w)
+            elif found and found.group(3) in EXPERT_PARTS:
                 layer, e, proj = int(found.group(1)), int(found.group(2)), found.group(3)
                 param, half = EXPERT_PARTS[proj]
                 target = getattr(experts[layer], param)[e]
@@ -120,7 +141,8 @@ def reference_model(
         if name.rpartition(".")[2] in LINEARS and ".experts." not in name:
             module.register_forward_pre_hook(lambda mod, args: (fake_quant(args[0], activations),))
     for module in experts.values():
-        module.forward = _experts_forward(module, activations)
+        gpt_oss = hasattr(module, "gate_up_proj_bias")
+        module.forward = (_gpt_oss_experts_forward if gpt_oss else _experts_forward)(module, activations)
     return hf
 
 
@@ -153,7 +175,7 @@ def _assert_greedy_parity(artifact: Path, hf: torch.nn.Module, logits_atol: floa
 # ---------------------------------------------------------------------------- --quant fp8 on float MoE checkpoints
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss"])
 def test_quant_fp8_moe_greedy_tokens_equal_transformers_with_fp8_experts(family, tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
     ckpt = tiny_checkpoint_factory(family)
     artifact = build_artifact(ckpt, tmp_path / "engine", gpu="cpu", quant="fp8")
@@ -324,6 +346,22 @@ def test_fused_moe_fp8_matches_the_reference_in_the_interpreter(t, config, block
     assert 0 < (expected - dense).abs().max() < 0.05 * dense.abs().max()
 
 
+@pytest.mark.parametrize(("t", "config"), [(3, GEMV), (40, TILE)])
+def test_fused_moe_fp8_gpt_oss_experts_in_the_interpreter(t, config):  # type: ignore[no-untyped-def]
+    """gpt-oss's experts: biases (added after the scales) and the clamped SwiGLU (a limit of 0.5 clamps)."""
+    from pagecast.kernels import fused_moe_fp8
+
+    x, weights, ids, w_gu, s_gu, w_d, s_d = moe_fp8_inputs(t, 8, 4, 160, 48, False)
+    g = torch.Generator().manual_seed(7)
+    b_gu, b_d = torch.randn(8, 96, generator=g), torch.randn(8, 160, generator=g)
+    act = ("swiglu_oai", 1.702, 0.5)
+    out = fused_moe_fp8.fused_moe_fp8(x, weights, ids, w_gu, s_gu, w_d, s_d, *act, config=config, b_gate_up=b_gu, b_down=b_d)
+    expected = reference.fused_moe_fp8(x, weights, ids, w_gu, s_gu, w_d, s_d, *act, b_gate_up=b_gu, b_down=b_d)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+    unbiased = reference.fused_moe_fp8(x, weights, ids, w_gu, s_gu, w_d, s_d, *act)
+    assert (unbiased - expected).abs().max() > 0.1
+
+
 def test_activation_quantisation_is_bitwise_the_reference_in_the_interpreter() -> None:
     """_round_e4m3 rounds where the interpreter's cast does not (carries into the next binade)."""
     from pagecast.kernels import fused_moe_fp8
@@ -409,9 +447,11 @@ def test_fp8_moe_problem_launches_agree_in_the_interpreter(fp8):  # type: ignore
 # ---------------------------------------------------------------------------- refusals
 
 
-def test_gpt_oss_fp8_is_refused_by_name(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
-    with pytest.raises(BuildError, match=r"GptOssForCausalLM: FP8 builds of this MoE family are not supported"):
-        build_artifact(tiny_checkpoint_factory("gpt_oss"), tmp_path / "e", gpu="cpu", quant="fp8")
+def test_gpt_oss_fp8_checkpoint_is_refused_by_name(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    """gpt-oss stacks its experts in one tensor: FP8 checkpoints of it are refused (--quant fp8 builds)."""
+    ckpt, _ = write_fp8(tiny_checkpoint_factory("gpt_oss"), tmp_path / "block", "fp8-block")
+    with pytest.raises(BuildError, match=r"GptOssForCausalLM: FP8 checkpoints of this MoE family .* --quant fp8"):
+        build_artifact(ckpt, tmp_path / "e", gpu="cpu")
 
 
 def test_static_input_scales_on_moe_experts_are_refused(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]

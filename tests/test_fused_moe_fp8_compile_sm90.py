@@ -58,37 +58,37 @@ def _ints(gate_up: bool) -> dict[str, int]:
     return {"N": n, "K": k, "stride_am": k, "stride_we": (2 * I if gate_up else H) * k, "stride_wn": k, "top_k": 8}
 
 
-def gemm_job(cfg: KernelConfig, gate_up: bool, block: bool) -> tuple:  # type: ignore[type-arg]
+def gemm_job(cfg: KernelConfig, gate_up: bool, block: bool, bias: bool = False, act: int = fused_moe.ACT_SILU) -> tuple:  # type: ignore[type-arg]
     ints = _ints(gate_up)
     n_w = 2 * I if gate_up else H
-    ints.update(stride_se=n_w * (-(-ints["K"] // 128) if block else 1), stride_cm=ints["N"])
+    ints.update(stride_se=n_w * (-(-ints["K"] // 128) if block else 1), stride_be=n_w, stride_cm=ints["N"])
     signature = {
-        "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "c_ptr": "*bf16",
+        "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "b_ptr": "*bf16", "c_ptr": "*bf16",
         "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "weights_ptr": "*fp32",
         "N": "i32", "K": "i32", "num_pairs": "i32", "max_blocks": "i32",
         **{name: "i32" for name in ints if name not in ("N", "K")},
     }  # fmt: skip
     divisible = [s for s in signature if s.endswith("_ptr")] + [s for s, v in ints.items() if v % 16 == 0]
     constexprs = {
-        "ACTIVATION": fused_moe.ACT_SILU if gate_up else 0, "MUL_ROUTING_WEIGHT": not gate_up, "BLOCK_SCALED": block,
+        "ACTIVATION": act if gate_up else 0, "MUL_ROUTING_WEIGHT": not gate_up, "BLOCK_SCALED": block, "HAS_BIAS": bias,
         "ALPHA": 1.702, "LIMIT": 7.0, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
         "GROUP_M": cfg["GROUP_M"], "GROUP_K": 128,
     }  # fmt: skip
     return ("gemm", signature, constexprs, divisible, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
 
 
-def gemv_job(cfg: KernelConfig, gate_up: bool, block: bool) -> tuple:  # type: ignore[type-arg]
+def gemv_job(cfg: KernelConfig, gate_up: bool, block: bool, bias: bool = False, act: int = fused_moe.ACT_SILU) -> tuple:  # type: ignore[type-arg]
     ints = _ints(gate_up)
     n_w = 2 * I if gate_up else H
     kb = -(-ints["K"] // 128)
-    ints.update(stride_se=n_w * (kb if block else 1), stride_cm=ints["N"])
+    ints.update(stride_se=n_w * (kb if block else 1), stride_be=n_w, stride_cm=ints["N"])
     signature = {
-        "a_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "c_ptr": "*bf16", "ids_ptr": "*i64",
+        "a_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "b_ptr": "*bf16", "c_ptr": "*bf16", "ids_ptr": "*i64",
         "weights_ptr": "*fp32", **{name: "i32" for name in ints},
     }  # fmt: skip
     divisible = [s for s in signature if s.endswith("_ptr")] + [s for s, v in ints.items() if v % 16 == 0]
     constexprs = {
-        "ACTIVATION": fused_moe.ACT_SILU if gate_up else 0, "BLOCK_SCALED": block, "ALPHA": 1.702, "LIMIT": 7.0,
+        "ACTIVATION": act if gate_up else 0, "BLOCK_SCALED": block, "HAS_BIAS": bias, "ALPHA": 1.702, "LIMIT": 7.0,
         "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"], "GROUP_K": 128, "MIN_AMAX": 1e-12, "QMAX": 448.0,
     }  # fmt: skip
     return ("gemv", signature, constexprs, divisible, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
@@ -121,6 +121,10 @@ def test_fp8_moe_kernels_compile_for_sm90_and_fit_shared_memory() -> None:
         gemv_job(gemv, gate_up=True, block=True),
         gemv_job(gemv, gate_up=False, block=True),
         gemv_job(fused_moe_fp8.default_config(1, 8, 128, H, I), gate_up=True, block=False),
+        gemm_job(tiles[4], gate_up=True, block=False, bias=True, act=fused_moe.ACT_SWIGLU_OAI),  # gpt-oss
+        gemm_job(tiles[4], gate_up=False, block=False, bias=True),
+        gemv_job(gemv, gate_up=True, block=False, bias=True, act=fused_moe.ACT_SWIGLU_OAI),
+        gemv_job(gemv, gate_up=False, block=False, bias=True),
         quant_job(0),
         quant_job(1),
     ]
