@@ -126,6 +126,26 @@ def test_captured_in_a_cuda_graph(tokens, block):  # type: ignore[no-untyped-def
     assert rel_err(out, reference.fused_moe_fp8(x, weights, ids, w_gu, s_gu, w_d, s_d)) < 1e-2
 
 
+@pytest.mark.parametrize("fp8", ["channel-token", "block-group"])
+def test_tuner_fills_every_bucket(fp8):  # type: ignore[no-untyped-def]
+    """tuning.tune over a small FP8 MoE: an entry per token bucket (none for the half-type kernel), the
+    per-expert FP8 loop timed as the reference everywhere and a candidate only past max_num_seqs."""
+    from pagecast.kernels import problems, tuning
+    from pagecast.kernels.tuning import ModelShapes
+
+    shapes = ModelShapes(
+        4, 2, 64, 256, 512, 16, "bfloat16", max_num_seqs=8, num_experts=16, top_k=4, moe_intermediate=128, fp8=fp8
+    )
+    table = tuning.tune(["fused_moe", "fused_moe_fp8"], shapes, budget_s=120, reps=3)
+    assert table["kernels"]["fused_moe"] == {}
+    entries = table["kernels"]["fused_moe_fp8"]
+    assert list(entries) == [b for b, _ in problems.buckets("fused_moe_fp8", shapes)]
+    for bucket, entry in entries.items():
+        assert entry["time_us"] > 0 and entry["reference_us"] > 0, bucket
+        if int(bucket[1:]) <= shapes.max_num_seqs:
+            assert not fused_moe.is_naive(tuning.KernelConfig.coerce(entry["config"])), bucket
+
+
 @pytest.mark.parametrize("tokens", [1, 16, 256, 4096])
 def test_workspace_bytes_bounds_what_a_call_allocates(tokens):  # type: ignore[no-untyped-def]
     e, k, h, i = 128, 8, 2048, 768
