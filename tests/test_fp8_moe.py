@@ -460,6 +460,25 @@ def test_static_input_scales_on_moe_experts_are_refused(tiny_checkpoint_factory,
         build_artifact(ckpt, tmp_path / "e", gpu="cpu")
 
 
+def test_block_experts_tp_that_cuts_a_weight_block_is_refused(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    # attention 4 x 64 = 256 (128 columns a rank: whole blocks); experts 144 wide: 72 a rank, not
+    src = tiny_checkpoint_factory("qwen3_moe", hidden_size=256, head_dim=64, moe_intermediate_size=144, num_hidden_layers=1)
+    ckpt, _ = write_fp8(src, tmp_path / "block", "fp8-block")
+    with pytest.raises(BuildError, match=r"--tp 2: layers.0.experts.down cuts each expert's 144 intermediate columns into 72 per rank"):
+        build_artifact(ckpt, tmp_path / "e", gpu="cpu", tp=2)
+
+
+def test_fp8_moe_checkpoint_missing_an_expert_scale_is_refused_by_name(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    from safetensors.torch import load_file, save_file
+
+    ckpt, _ = write_fp8(tiny_checkpoint_factory("qwen3_moe"), tmp_path / "block", "fp8-block")
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    del tensors["model.layers.1.mlp.experts.5.up_proj.weight_scale_inv"]
+    save_file(tensors, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(BuildError, match=r"no tensor 'model.layers.1.mlp.experts.5.up_proj.weight_scale_inv'"):
+        build_artifact(ckpt, tmp_path / "e", gpu="cpu")
+
+
 def test_awq_gptq_moe_is_still_refused(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
     src = tiny_checkpoint_factory("qwen3_moe")
     ckpt = tmp_path / "gptq"
