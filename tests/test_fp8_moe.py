@@ -244,6 +244,30 @@ def test_quant_fp8_moe_tp2_greedy_tokens_equal_transformers(tiny_checkpoint_fact
     assert exact >= 2
 
 
+def test_block_fp8_moe_checkpoint_tp2_greedy_tokens_equal_transformers(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    """The fine-grained block format at TP=2 on gloo: each rank holds 128 of every expert's 256
+    intermediate columns, so down's block scales are cut at a block boundary and its 1x128 activation
+    groups are the same as at TP=1."""
+    src = tiny_checkpoint_factory("qwen3_moe", hidden_size=256, head_dim=64, moe_intermediate_size=256, num_hidden_layers=2)
+    ckpt, deq = _written(src, tmp_path / "block", "fp8-block")
+    artifact = build_artifact(ckpt, tmp_path / "tp2", gpu="cpu", tp=2)
+    with safe_open(str(artifact / "weights" / "rank1.safetensors"), "pt") as f:
+        assert f.get_tensor("layers.0.experts.down_scale").shape == (8, 256, 1)
+        assert f.get_tensor("layers.0.experts.gate_up_scale").shape == (8, 256, 2)
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f, safe_open(str(artifact / "weights" / "rank1.safetensors"), "pt") as a:
+        # rank 1's down scales of expert 3: the checkpoint's second column block, repeated over rows
+        expected = f.get_tensor("model.layers.0.mlp.experts.3.down_proj.weight_scale_inv")[:, 1].repeat_interleave(128)
+        assert torch.equal(a.get_tensor("layers.0.experts.down_scale")[3, :, 0], expected.float())
+    hf = reference_model(src, deq, "group", ckpt)
+    llm = LLM(artifact, max_num_batched_tokens=32, max_num_seqs=4, kv_cache_memory="4MiB")
+    try:
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    finally:
+        llm.engine.runner.close()
+    mismatched = [ids[:4] for ids, out in zip(PROMPTS, outputs, strict=True) if out.token_ids != hf_greedy(hf, ids, MAX_TOKENS)]
+    assert len(mismatched) <= 1, mismatched  # at most a near tie (see _assert_greedy_parity)
+
+
 def test_dummy_fp8_moe_build_for_a_gpu_plans_fp8_experts_and_their_tuning(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
     """--load-format dummy --quant fp8 for an absent H200: the FP8 experts are drawn in the artifact
     layout, the memory plan counts them (and the FP8 kernel's workspace), and the tune pass would
