@@ -398,9 +398,11 @@ _GEMV_TILES = (
 
 _TILES = (
     # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages): fp8 tensor cores take K steps of 32
-    # or more; BLOCK_K divides 128 so a step lies in one scale block
+    # or more; BLOCK_K divides 128 so a step lies in one scale block (64: experts narrower than 128)
+    (16, 64, 64, 1, 4, 4),
     (16, 64, 128, 1, 4, 4),
     (16, 128, 128, 8, 4, 3),
+    (32, 64, 64, 8, 4, 4),
     (32, 64, 128, 8, 4, 4),
     (32, 128, 128, 8, 4, 3),
     (64, 64, 128, 8, 4, 4),
@@ -426,11 +428,13 @@ def prune_configs(
     configs: list[KernelConfig], num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int,
     *, block: bool, allow_naive: bool = True,
 ) -> list[KernelConfig]:  # fmt: skip
-    """fused_moe.prune_configs' rules at one byte an element (e4m3 activations and weights); with
-    block scales the GEMV's K step is one 128-column block (BLOCK_K 128; the tiles' all divide 128)."""
+    """fused_moe.prune_configs' rules at one byte an element (e4m3 activations and weights), K steps
+    of 128 kept for reductions shorter than that (tiny models: a masked step); with block scales the
+    GEMV's K step is one 128-column block (BLOCK_K 128; the tiles' all divide 128)."""
     kept = fused_moe.prune_configs(
-        configs, num_tokens, top_k, num_experts, hidden, intermediate, elt=1, allow_naive=allow_naive
-    )
+        configs, num_tokens, top_k, num_experts, max(hidden, GROUP), max(intermediate, GROUP), elt=1,
+        allow_naive=allow_naive,
+    )  # fmt: skip
     return [c for c in kept if fused_moe.is_naive(c) or not block or c["BLOCK_K"] == GROUP or not fused_moe.is_gemv(c)]
 
 

@@ -433,6 +433,10 @@ def test_fp8_moe_tuner_buckets_sizes_and_config_spaces() -> None:
     block = dataclasses.replace(QWEN3_30B, fp8="block-group")
     nbytes, _ = problems.problem_size("fused_moe_fp8", block, {"num_tokens": 1})
     assert nbytes == 8 * (expert + 4 * (2 * 768 * 16 + 2048 * 6)) + 2 * 2048 * 2
+    # experts narrower than 128 (tiny models) still find a config at every bucket
+    tiny = ModelShapes(2, 1, 16, 64, 64, 16, "bfloat16", max_num_seqs=256, num_experts=8, top_k=2, moe_intermediate=32, fp8="block-group")
+    for _, d in problems.buckets("fused_moe_fp8", tiny):
+        assert problems.config_space("fused_moe_fp8", tiny, d), d
     for shapes in (QWEN3_30B, block):
         space = {b: problems.config_space("fused_moe_fp8", shapes, d) for b, d in problems.buckets("fused_moe_fp8", shapes)}
         # the naive per-expert FP8 loop only where no CUDA graph captures the bucket (past max_num_seqs)
