@@ -461,7 +461,8 @@ def moe(
     where transformers routes in fp32), the experts (moe_routing's layout; on a tensor-parallel
     rank its ``shard_experts`` share) run fused (kernels/fused_moe.py, the tuning table's config
     for the token bucket) on a GPU and as reference.fused_moe's per-expert loop otherwise, and
-    the shared expert where there is one (Qwen2-MoE: sigmoid(x @ gate.T) * mlp(x)) is added.
+    the shared expert where there is one (Qwen2-MoE: sigmoid(x @ gate.T) * mlp(x)) is added. FP8
+    experts (quant_linear.Fp8ExpertsWeight) run kernels/fused_moe_fp8.py, or its exact emulation.
     With tensor parallelism each rank's partial sum is all-reduced once."""
     # On a GPU: routed in one launch (kernels/moe_route_kernel.py), the weights as the fp32 fused_moe reads.
     kernels = _triton(x)
