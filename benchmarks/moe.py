@@ -20,7 +20,11 @@ in and out (problems.problem_size), against the weight-streaming bound; TFLOP/s 
 binding bound's time over the measured time (problems.moe_bound).
 
     python benchmarks/moe.py [--shapes qwen3-30b-a3b,mixtral-8x7b] [--tokens 1,16,256,4096]
-                             [--no-sweep] [--out DIR]
+                             [--no-sweep] [--out DIR] [--fp8 channel|block]
+
+``--fp8``: FP8 experts (kernel "fused_moe_fp8") against the per-expert loop of the dense FP8 GEMM;
+the compute bound is still the measured bf16 peak (FP8's is about twice that), so prefill
+fractions read high.
 
 One JSON line per figure (also DIR/moe.jsonl with --out), then a table.
 """
@@ -28,6 +32,7 @@ One JSON line per figure (also DIR/moe.jsonl with --out), then a table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import statistics
@@ -119,6 +124,9 @@ def main() -> None:
     ap.add_argument("--no-sweep", action="store_true", help="time the default config only")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--fp8", choices=("channel", "block"), default=None,
+                    help="FP8 experts (kernels/fused_moe_fp8.py): per-channel or 128x128-block scales, against "
+                         "the per-expert loop of the dense FP8 GEMM")  # fmt: skip
     args = ap.parse_args()
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -136,9 +144,13 @@ def main() -> None:
     table = []
     for name in args.shapes.split(","):
         shapes = SHAPES[name]
+        kernel = "fused_moe"
+        if args.fp8:
+            shapes = dataclasses.replace(shapes, fp8="channel-token" if args.fp8 == "channel" else "block-group")
+            kernel = "fused_moe_fp8"
         for t in (int(v) for v in args.tokens.split(",")):
             dims = {"num_tokens": t}
-            problem = problems.make_problem("fused_moe", shapes, dims, "cuda")
+            problem = problems.make_problem(kernel, shapes, dims, "cuda")
             launches = problem.launches_per_sample()
 
             def time_cfg(
@@ -148,11 +160,11 @@ def main() -> None:
 
             naive_out = problem.launch(fused_moe.NAIVE, 0)
             naive_us = time_cfg(fused_moe.NAIVE)
-            default = problems.default_config("fused_moe", shapes, dims)
+            default = problems.default_config(kernel, shapes, dims)
             candidates = [default]
             if not args.no_sweep:
                 candidates += [
-                    c for c in problems.config_space("fused_moe", shapes, dims) if not fused_moe.is_naive(c)
+                    c for c in problems.config_space(kernel, shapes, dims) if not fused_moe.is_naive(c)
                 ]
             timed: list[tuple[float, KernelConfig]] = []
             for cfg in candidates:
@@ -166,16 +178,17 @@ def main() -> None:
                             "error": f"{type(exc).__name__}: {str(exc)[:200]}"})  # fmt: skip
                     torch.cuda.synchronize()
             rows = [("naive", naive_us, fused_moe.NAIVE)]
-            eager_us = naive_eager_us(shapes, t, args.reps)
+            eager_us = naive_eager_us(shapes, t, args.reps) if not args.fp8 else None
             if timed and timed[0][1] is default:
                 rows.append(("fused_default", timed[0][0], default))
             if timed:
                 best_us, best_cfg = min(timed, key=lambda r: r[0])
                 rows.append(("fused_best", best_us, best_cfg))
-            rows.append(("naive_eager", eager_us, fused_moe.NAIVE))
+            if eager_us is not None:
+                rows.append(("naive_eager", eager_us, fused_moe.NAIVE))
             for variant, us, cfg in rows:
-                bound = problems.moe_bound(shapes, dims, us, copy_gbs, peak)
-                row = {"figure": "fused_moe", "shape": name, "tokens": t, "variant": variant, "time_us": round(us, 2),
+                bound = problems.moe_bound(shapes, dims, us, copy_gbs, peak, kernel)
+                row = {"figure": kernel, "shape": name, "tokens": t, "variant": variant, "time_us": round(us, 2),
                        "speedup_vs_naive": round(naive_us / us, 3), **bound, "config": cfg.as_dict()}  # fmt: skip
                 record(row)
                 table.append(row)

@@ -20,6 +20,21 @@ Artifact layout, per projection ``P`` (qkv_proj, o_proj, gate_up_proj, down_proj
                     float32 [N, ceil(K/128)]  "block": W[n, k] = weight[n, k] * scale[n, k // 128]
     P.input_scale   float32 [1]               "static" activations only
 
+MoE experts (kernels/fused_moe_fp8.py), per layer, stacked as the half-type ones (builder/plan.py
+``moe_tensors``): each expert's gate/up/down module quantised or converted as a projection is,
+the router (and Qwen2-MoE's shared-expert gate) left in the half type, the shared expert a dense
+FP8 MLP (``shared_expert.gate_up_proj`` / ``.down_proj`` as above):
+
+    experts.gate_up        float8_e4m3fn [E, 2I, H]
+    experts.gate_up_scale  float32 [E, 2I] (channel) or [E, 2I, ceil(H/128)] (block, repeated over rows)
+    experts.down           float8_e4m3fn [E, H, I]
+    experts.down_scale     float32 [E, H] or [E, H, ceil(I/128)]
+
+Experts take dynamic activations only (per token, or per 1x128 group with block weights):
+checkpoints with static input scales are refused for MoE models (``check_moe``), as are FP8
+checkpoints of gpt-oss (its experts stacked in one tensor); ``--quant fp8`` on gpt-oss quantises
+each expert's de-interleaved gate/up rows and its down rows, its biases stay in the half type.
+
 Per-tensor weight scales become per-channel ones (each output channel repeats its tensor's
 scale): exact, no requantisation, and q/k/v (gate/up) with different per-tensor scales fuse
 without loss. Block scales are stored repeated over the 128 output rows of their block (1/32
@@ -38,6 +53,7 @@ from typing import Any
 
 import torch
 
+from pagecast.builder import shard
 from pagecast.kernels import reference
 from pagecast.runtime.errors import BuildError
 
@@ -285,6 +301,47 @@ def random_module(cfg: Fp8Config, n: int, k: int, gen: torch.Generator) -> tuple
 # ---------------------------------------------------------------------------- the build's hooks
 
 Cut = tuple[int, int, int] | None
+EXPERTS = ("experts.gate_up", "experts.down")  # the stacked expert tensors of a MoE layer
+
+
+def check_moe(cfg: Fp8Config, moe: Any, architecture: str) -> None:
+    """Refuse the MoE models whose experts the FP8 MoE kernels cannot run."""
+    if moe.stacked and cfg.source != "build":
+        raise BuildError(
+            f"{architecture}: FP8 checkpoints of this MoE family (experts stacked in one tensor) are not supported; "
+            f"build the half-type checkpoint with --quant fp8"
+        )
+    if cfg.activations == "static":
+        raise BuildError(
+            f"{architecture}: the FP8 checkpoint ({cfg.source}) has static per-tensor input scales; pagecast's "
+            f"FP8 MoE experts quantise activations dynamically (per token or per 1x128 group): use a dynamic "
+            f"scheme (FP8_DYNAMIC, FP8_BLOCK) or --quant fp8 on the half-type checkpoint"
+        )
+
+
+def is_experts(t: Any) -> bool:
+    """A MoE layer's stacked expert weight (``layers.i.experts.gate_up`` / ``.down``)."""
+    return t.name.split(".", 2)[-1] in EXPERTS
+
+
+def is_expert_part(t: Any) -> bool:
+    return t.name.split(".", 2)[-1] in EXPERTS + tuple(f"{e}_scale" for e in EXPERTS)
+
+
+def _expert_parts(t: Any, cfg: Fp8Config) -> list[Any]:
+    """An expert stack [E, N, K] (one rank's) -> its e4m3 weight and fp32 scale parts."""
+    e, n, k = t.shape
+    row = _row_cut(t)
+    if cfg.weights == "block" and row is not None and k % BLOCK:
+        raise BuildError(
+            f"--tp {row[1]}: {t.name} cuts each expert's {k * row[1]} intermediate columns into {k} per rank, not a "
+            f"multiple of the 128-column weight block; choose a --tp for which it is"
+        )
+    scale = (e, n) if cfg.weights == "channel" else (e, n, -(-k // BLOCK))
+    return [
+        dataclasses.replace(t, dtype="float8_e4m3fn"),
+        dataclasses.replace(t, name=f"{t.name}_scale", shape=scale, dtype="float32"),
+    ]
 
 
 def is_projection(t: Any) -> bool:
@@ -310,6 +367,9 @@ def plan_tensors(tensors: list[Any], cfg: Fp8Config, read: Any = None) -> tuple[
     out: list[Any] = []
     notes: list[str] = []
     for t in tensors:
+        if is_experts(t):
+            out += _expert_parts(t, cfg)
+            continue
         if not is_projection(t):
             out.append(t)
             continue
@@ -341,6 +401,11 @@ def check_tensors(tensors: list[Any], cfg: Fp8Config, shapes: dict[str, tuple[in
     """Every projection's checkpoint modules exist with the planned [N, K] (and, for an FP8
     checkpoint, their scales)."""
     for t in tensors:
+        if is_experts(t) and cfg.source != "build":  # shapes: plan.check_shapes; here the scales
+            name = "weight_scale_inv" if cfg.source == "fp8" else "weight_scale"
+            for source in t.sources:
+                if f"{source.removesuffix('.weight')}.{name}" not in shapes:
+                    raise BuildError(f"the FP8 ({cfg.source}) checkpoint has no tensor '{source.removesuffix('.weight')}.{name}'")
         if not is_projection(t):
             continue
         n_total, k = t.shape
@@ -387,9 +452,11 @@ class Materialiser:
         self._modules: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
 
     def handles(self, t: Any) -> bool:
-        return is_part(t)
+        return is_part(t) or is_expert_part(t)
 
     def __call__(self, t: Any) -> torch.Tensor:
+        if is_expert_part(t):
+            return self._experts(t)
         base, _, part = t.name.rpartition(".")
         if base != self._base:
             self._base, self._modules = base, self._whole(base, t)
@@ -402,6 +469,28 @@ class Materialiser:
         pieces = [_cut(m[index], cut, part) for m, cut in zip(self._modules, cuts, strict=True)]
         out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
         return out.contiguous()
+
+    def _experts(self, t: Any) -> torch.Tensor:
+        """A rank's expert stack or its scales: every expert's modules converted once (per layer),
+        each cut as planned, the groups of ``stack`` modules concatenated, the experts stacked."""
+        base = t.name.removesuffix("_scale")
+        scale = t.name != base
+        if base != self._base:
+            if self.gen is not None:
+                e, n, k = self.dims[base]
+                modules = [random_module(self.cfg, n // t.stack, k, self.gen) for _ in range(e * t.stack)]
+            elif self.cfg.source == "build":  # each expert's piece (gpt-oss: of the stacked tensor), quantised
+                modules = [
+                    read_module(self.cfg, s.removesuffix(".weight"), lambda _, s=s: shard.read_source(self.read, s))
+                    for s in t.sources
+                ]
+            else:
+                modules = [read_module(self.cfg, s.removesuffix(".weight"), self.read) for s in t.sources]
+            self._base, self._modules = base, modules
+        cuts = tuple(t.source_cuts) or (None,) * len(self._modules)
+        pieces = [_cut(m[1] if scale else m[0], c, "weight_scale" if scale else "weight") for m, c in zip(self._modules, cuts, strict=True)]
+        groups = [pieces[i : i + t.stack] for i in range(0, len(pieces), t.stack)]
+        return torch.stack([g[0] if len(g) == 1 else torch.cat(g, dim=0) for g in groups]).contiguous()
 
     def _whole(self, base: str, t: Any) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         if self.gen is not None:
@@ -422,6 +511,14 @@ def _projection_dims(model: Any) -> dict[str, tuple[tuple[int, ...], int]]:
         out[f"{o}.o_proj"] = ((h,), q)
         out[f"{o}.gate_up_proj"] = ((inter, inter), h)
         out[f"{o}.down_proj"] = ((h,), inter)
+        moe = layer.mlp if getattr(layer.mlp, "kind", "") == "moe" else None
+        if moe is not None:  # whole-model [E, N, K] of the expert stacks; the shared expert's widths
+            e, i = moe.num_experts, moe.intermediate_size
+            out[f"{o}.experts.gate_up"] = (e, 2 * i, h)  # type: ignore[assignment]
+            out[f"{o}.experts.down"] = (e, h, i)  # type: ignore[assignment]
+            if moe.shared_expert_size:
+                out[f"{o}.shared_expert.gate_up_proj"] = ((moe.shared_expert_size,) * 2, h)
+                out[f"{o}.shared_expert.down_proj"] = ((h,), moe.shared_expert_size)
     return out
 
 

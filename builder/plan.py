@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from pagecast.builder import kv_cache, quant, shard
+from pagecast.builder import fp8, kv_cache, quant, shard
 from pagecast.builder.families import FAMILIES
 from pagecast.builder.ir import BuildState, LayerSpec, ModelIR, MoeSpec, NormSpec, Plan, TensorPlan
 from pagecast.runtime.errors import BuildError
@@ -243,9 +243,10 @@ def check_shapes(tensors: list[TensorPlan], shapes: dict[str, tuple[int, ...]]) 
 
 def memory_plan(
     model: ModelIR, dtype: str, block_size: int, max_model_len: int, max_num_seqs: int, memory_bytes: int | None,
-    weight_bytes: int | None = None, kv_cache_dtype: str | None = None, tp: int = 1,
+    weight_bytes: int | None = None, kv_cache_dtype: str | None = None, tp: int = 1, moe_fp8: str = "",
 ) -> dict[str, Any]:
-    """``kv_cache_dtype``: the KV cache's dtype when not the model's (fp8: one byte per element)."""
+    """``kv_cache_dtype``: the KV cache's dtype when not the model's (fp8: one byte per element);
+    ``moe_fp8``: the FP8 experts' weight scales ("channel" / "block"), "" for half-type experts."""
     a = model.attention
     elt = DTYPE_BYTES[dtype]
     kv_dtype = kv_cache_dtype or dtype
@@ -262,7 +263,7 @@ def memory_plan(
     ) + (512 << 20)
     moe_workspace: dict[str, int] = {}
     if model.moe is not None:
-        moe_workspace = moe_workspace_bytes(model, elt, max_batched_tokens, tp)
+        moe_workspace = moe_workspace_bytes(model, elt, max_batched_tokens, tp, moe_fp8)
         activation_bytes += max(moe_workspace.values())
     plan: dict[str, Any] = {
         "kv_cache_dtype": kv_dtype,
@@ -305,7 +306,7 @@ def memory_plan(
     return plan
 
 
-def moe_workspace_bytes(model: ModelIR, elt: int, max_batched_tokens: int, tp: int) -> dict[str, int]:
+def moe_workspace_bytes(model: ModelIR, elt: int, max_batched_tokens: int, tp: int, fp8_weights: str = "") -> dict[str, int]:
     """The fused-MoE call's own buffers (fused_moe.workspace_bytes) at each token bucket up to the
     largest step, on one rank (experts' intermediate cut by tp), for whichever kernel the tuner
     may pick there: the default config, the naive loop or the widest tile. Layers run one after
@@ -322,6 +323,15 @@ def moe_workspace_bytes(model: ModelIR, elt: int, max_batched_tokens: int, tp: i
     buckets = [b for b in MOE_TOKEN_BUCKETS if b < max_batched_tokens] + [max_batched_tokens]
     for t in buckets:
         configs = (fused_moe.default_config(t, moe.top_k, moe.num_experts, h, i), naive, widest)
+        if fp8_weights:  # FP8 experts: their launcher's buffers, the quantised activations too
+            from pagecast.kernels import fused_moe_fp8
+
+            block = fp8_weights == "block"
+            configs = (fused_moe_fp8.default_config(t, moe.top_k, moe.num_experts, h, i, block=block), naive, widest)
+            out[f"t{t}"] = max(
+                fused_moe_fp8.workspace_bytes(t, moe.top_k, moe.num_experts, h, i, elt, c, block) for c in configs
+            )
+            continue
         out[f"t{t}"] = max(fused_moe.workspace_bytes(t, moe.top_k, moe.num_experts, h, i, elt, c) for c in configs)
     return out
 
@@ -378,7 +388,9 @@ def run(state: BuildState) -> BuildState:
         notes.append(f"max_model_len capped from {max_len} to the sliding window {window}")
         max_len = window
     tensors = tensor_layout(model)
-    if ckpt.quant is not None and model.moe is not None and (quant.fp8.is_fp8(ckpt.quant) or model.moe.stacked):
+    if fp8.is_fp8(ckpt.quant) and model.moe is not None:  # FP8 experts (builder/fp8.py, kernels/fused_moe_fp8.py)
+        fp8.check_moe(ckpt.quant, model.moe, model.architecture)
+    elif ckpt.quant is not None and model.moe is not None and model.moe.stacked:
         raise BuildError(
             f"{model.architecture}: {ckpt.quant.method.upper()} builds of this mixture-of-experts model are not "
             f"supported (int4 AWQ/GPTQ experts are, one module per expert, SiLU experts without biases); build the "
@@ -421,6 +433,7 @@ def run(state: BuildState) -> BuildState:
                 model, dtype, opts.block_size, max_len, opts.max_num_seqs, memory_bytes,
                 weight_bytes=quant.weight_bytes(tensors, DTYPE_BYTES[dtype]) if ckpt.quant is not None else None,
                 kv_cache_dtype=kv_plan.dtype, tp=opts.tp,
+                moe_fp8=ckpt.quant.weights if fp8.is_fp8(ckpt.quant) else "",
             ),
             layout, tensors, DTYPE_BYTES[dtype],
         ),

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from pagecast.kernels import reference
-from pagecast.kernels.quant_linear import Fp8LinearWeight, Int4ExpertsWeight, Int4LinearWeight
+from pagecast.kernels.quant_linear import Fp8ExpertsWeight, Fp8LinearWeight, Int4ExpertsWeight, Int4LinearWeight
 from pagecast.kernels.tuning import (
     SKINNY_ROW_BUCKETS,
     KernelConfig,
@@ -447,8 +447,8 @@ def moe(
     x: torch.Tensor,
     router_weight: torch.Tensor,
     router_bias: torch.Tensor | None,
-    w_gate_up: torch.Tensor | Int4ExpertsWeight,
-    w_down: torch.Tensor | Int4ExpertsWeight,
+    w_gate_up: torch.Tensor | Int4ExpertsWeight | Fp8ExpertsWeight,
+    w_down: torch.Tensor | Int4ExpertsWeight | Fp8ExpertsWeight,
     b_gate_up: torch.Tensor | None = None,
     b_down: torch.Tensor | None = None,
     *,
@@ -461,7 +461,8 @@ def moe(
     where transformers routes in fp32), the experts (moe_routing's layout; on a tensor-parallel
     rank its ``shard_experts`` share) run fused (kernels/fused_moe.py, the tuning table's config
     for the token bucket) on a GPU and as reference.fused_moe's per-expert loop otherwise, and
-    the shared expert where there is one (Qwen2-MoE: sigmoid(x @ gate.T) * mlp(x)) is added.
+    the shared expert where there is one (Qwen2-MoE: sigmoid(x @ gate.T) * mlp(x)) is added. FP8
+    experts (quant_linear.Fp8ExpertsWeight) run kernels/fused_moe_fp8.py, or its exact emulation.
     With tensor parallelism each rank's partial sum is all-reduced once."""
     # On a GPU: routed in one launch (kernels/moe_route_kernel.py), the weights as the fp32 fused_moe reads.
     kernels = _triton(x)
@@ -471,6 +472,8 @@ def moe(
     # the tuner offers it nowhere else (kernels/problems.py).
     if isinstance(w_gate_up, Int4ExpertsWeight):  # AWQ/GPTQ experts (kernels/fused_moe_w4a16.py)
         out = _int4_moe(x, topk_weights, topk_ids, w_gate_up, w_down, act)
+    elif isinstance(w_gate_up, Fp8ExpertsWeight) and isinstance(w_down, Fp8ExpertsWeight):
+        out = _fp8_moe(x, topk_weights, topk_ids, w_gate_up, w_down, act, b_gate_up, b_down)
     elif _triton(x):
         cfg = _config("fused_moe", moe_bucket(x.shape[0]))
         out = _moe_kernel()(
@@ -506,6 +509,22 @@ def _int4_moe(
     return fused_moe_w4a16.fused_moe_w4a16(
         x, topk_weights, topk_ids, w_gate_up, w_down, act.kind, act.alpha, act.limit, cfg
     )
+
+
+def _fp8_moe(
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w_gate_up: Fp8ExpertsWeight,
+    w_down: Fp8ExpertsWeight, act: MoeActivation, b_gate_up: torch.Tensor | None, b_down: torch.Tensor | None,
+) -> torch.Tensor:  # fmt: skip
+    """FP8 experts (kernels/fused_moe_fp8.py, the table's "fused_moe_fp8" config for the token
+    bucket) on a GPU; the exact emulation (reference.fused_moe_fp8) otherwise."""
+    args = (x, topk_weights, topk_ids, w_gate_up.weight, w_gate_up.weight_scale, w_down.weight, w_down.weight_scale)
+    if not _triton(x):
+        floats = (w_gate_up.as_float(), w_down.as_float())
+        return reference.fused_moe_fp8(*args, act.kind, act.alpha, act.limit, floats, b_gate_up, b_down)
+    from pagecast.kernels import fused_moe_fp8
+
+    cfg = _config("fused_moe_fp8", moe_bucket(x.shape[0]))
+    return fused_moe_fp8.fused_moe_fp8(*args, act.kind, act.alpha, act.limit, cfg, b_gate_up, b_down)  # type: ignore[no-any-return]
 
 
 @functools.cache

@@ -22,6 +22,7 @@ from pagecast.kernels import (
     activation,
     fp8_gemm,
     fused_moe,
+    fused_moe_fp8,
     fused_moe_w4a16,
     paged_decode_attention,
     paged_prefill_attention,
@@ -37,6 +38,7 @@ from pagecast.kernels.tuning import (
     DECODE_BATCH_BUCKETS,
     DECODE_CONTEXT_BUCKETS,
     FP8_ROW_BUCKETS,
+    MOE_KERNELS,
     MOE_TOKEN_BUCKETS,
     PREFILL_TOKEN_BUCKETS,
     PROJECTIONS,
@@ -125,11 +127,9 @@ def buckets(kernel: str, shapes: ModelShapes) -> list[tuple[str, dict[str, int]]
             for i, name in enumerate(PROJECTIONS)
             for m in upto(SKINNY_ROW_BUCKETS, shapes.max_num_seqs)
         ]
-    if kernel in ("fused_moe", "fused_moe_w4a16"):
-        # int4 experts (quant_group_size) run the W4A16 MoE kernel, half-type ones the other
-        int4 = bool(shapes.quant_group_size)
-        runs = shapes.num_experts and int4 == (kernel == "fused_moe_w4a16")
-        return [(f"t{t}", {"num_tokens": t}) for t in MOE_TOKEN_BUCKETS] if runs else []
+    if kernel in MOE_KERNELS:  # one of them runs a build's experts: FP8, int4 (AWQ/GPTQ) or half-type
+        experts = "fused_moe_fp8" if shapes.fp8 else "fused_moe_w4a16" if shapes.quant_group_size else "fused_moe"
+        return [(f"t{t}", {"num_tokens": t}) for t in MOE_TOKEN_BUCKETS] if shapes.num_experts and kernel == experts else []
     return [(f"t{t}", {"num_tokens": t}) for t in TOKEN_BUCKETS]
 
 
@@ -180,6 +180,10 @@ def problem_size(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> tupl
         groups = 2 * i * (h // _group_size(shapes, h)) + h * (i // _group_size(shapes, i))
         per_expert = 3 * h * i // 2 + groups * (w4a16_scale_dtype(shapes).itemsize + 1)
         return moe_visited_experts(shapes, t) * per_expert + 2 * t * h * e, 2 * t * shapes.top_k * 3 * h * i
+    if kernel == "fused_moe_fp8":  # the visited experts' e4m3 weights and fp32 scales once, the tokens in and out
+        h, i = shapes.hidden, shapes.moe_intermediate
+        scales = 4 * (2 * i * -(-h // fp8_gemm.GROUP) + h * -(-i // fp8_gemm.GROUP) if _fp8_block(shapes) else 3 * i + h)
+        return moe_visited_experts(shapes, t) * (3 * h * i + scales) + 2 * t * h * e, 2 * t * shapes.top_k * 3 * h * i
     if kernel == "paged_prefill_attention":
         n = min(t, PREFILL_SEQ_LEN)
         seqs = max(1, t // n)
@@ -226,6 +230,11 @@ def config_space(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> list
             shapes.moe_intermediate, _moe_min_group(shapes), elt=_elt(shapes),
             allow_naive=dims["num_tokens"] > shapes.max_num_seqs,
         )  # fmt: skip
+    if kernel == "fused_moe_fp8":
+        return fused_moe_fp8.prune_configs(
+            fused_moe_fp8.CONFIG_SPACE, dims["num_tokens"], shapes.top_k, shapes.num_experts, shapes.hidden,
+            shapes.moe_intermediate, block=_fp8_block(shapes), allow_naive=dims["num_tokens"] > shapes.max_num_seqs,
+        )  # fmt: skip
     if kernel == "fp8_gemm":
         return fp8_gemm.prune_configs(
             fp8_gemm.CONFIG_SPACE, dims["num_rows"], dims["n"], dims["k"], _fp8_block(shapes), shapes.torch_dtype
@@ -266,6 +275,11 @@ def default_config(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> Ke
             dims["num_tokens"], shapes.top_k, shapes.num_experts, shapes.hidden, shapes.moe_intermediate,
             _moe_min_group(shapes), num_sms(), _elt(shapes),
         )  # fmt: skip
+    if kernel == "fused_moe_fp8":
+        return fused_moe_fp8.default_config(
+            dims["num_tokens"], shapes.top_k, shapes.num_experts, shapes.hidden, shapes.moe_intermediate, num_sms(),
+            _fp8_block(shapes),
+        )
     if kernel == "fp8_gemm":
         return fp8_gemm.default_config(
             dims["num_rows"], dims["n"], dims["k"], _fp8_block(shapes), shapes.torch_dtype, num_sms()
@@ -420,6 +434,8 @@ def make_problem(
         return _moe_problem(shapes, dims, bucket, device, dg, nbytes, flops)
     if kernel == "fused_moe_w4a16":
         return _moe_w4a16_problem(shapes, dims, bucket, device, dg, nbytes, flops)
+    if kernel == "fused_moe_fp8":
+        return _moe_fp8_problem(shapes, dims, bucket, device, dg, nbytes, flops)
 
     t = dims["num_tokens"]
     if kernel == "paged_prefill_attention":
@@ -557,13 +573,14 @@ def moe_visited_experts(shapes: ModelShapes, num_tokens: int) -> int:
 
 
 def moe_bound(
-    shapes: ModelShapes, dims: dict[str, int], time_us: float, copy_gbs: float, peak_tflops: float
+    shapes: ModelShapes, dims: dict[str, int], time_us: float, copy_gbs: float, peak_tflops: float,
+    kernel: str = "fused_moe",
 ) -> dict[str, Any]:
     """What bounds a fused-MoE bucket and how close ``time_us`` comes: the weight-streaming bound
     (the visited experts' weights and the tokens at ``copy_gbs``) or the compute bound (its
     matmul FLOPs at ``peak_tflops``), whichever is longer; decode buckets are weight-bound,
     prefill buckets compute-bound. ``fraction``: bound time / measured time."""
-    nbytes, flops = problem_size("fused_moe", shapes, dims)
+    nbytes, flops = problem_size(kernel, shapes, dims)
     weights_us = nbytes / (copy_gbs * 1e3)
     compute_us = flops / (peak_tflops * 1e6)
     bound, bound_us = ("weights", weights_us) if weights_us >= compute_us else ("compute", compute_us)
@@ -700,6 +717,66 @@ def _moe_w4a16_problem(
         "fused_moe_w4a16", bucket, launch, max(num_sets, MOE_ROUTINGS), nbytes, flops,
         reference=lambda cfg, i_set: naive(i_set),
     )  # fmt: skip
+
+
+def _moe_fp8_problem(
+    shapes: ModelShapes, dims: dict[str, int], bucket: str, device: torch.device, dg: torch.Generator,
+    nbytes: int, flops: int,
+) -> Problem:  # fmt: skip
+    """_moe_problem with FP8 experts in the artifact layout (per-channel or 128x128-block scales,
+    as shapes.fp8 says): the fused FP8 kernels at a config, and as the baseline (a candidate where
+    the bucket is never captured, and the reference) the per-expert loop of the dense FP8 GEMM at
+    its launcher's default (torch._scaled_mm from 64 rows where it runs), its token lists found
+    here, not in the timed launch, as in _moe_problem."""
+    from pagecast.kernels.quant_linear import Fp8LinearWeight
+
+    t, k = dims["num_tokens"], shapes.top_k
+    h, i, e = shapes.hidden, shapes.moe_intermediate, shapes.num_experts
+    dtype = shapes.torch_dtype
+    block = _fp8_block(shapes)
+    acts = "group" if block else "token"
+    quant = reference.quantize_fp8_groups if block else reference.quantize_fp8_rows
+    num_sets = max(1, min(MAX_LAUNCHES, math.ceil(COLD_BYTES / (e * 3 * h * i))))
+
+    def experts(n: int, kk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pairs = [quant(torch.randn((n, kk), generator=dg, device=device) * kk**-0.5) for _ in range(e)]
+        return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
+
+    sets = [(*experts(2 * i, h), *experts(h, i)) for _ in range(num_sets)]
+    # gpt-oss's expert biases ([E, 2I] and [E, H], in the model's dtype as the artifact stores them)
+    b_gu = torch.randn((e, 2 * i), generator=dg, device=device, dtype=dtype) if shapes.moe_bias else None
+    b_d = torch.randn((e, h), generator=dg, device=device, dtype=dtype) if shapes.moe_bias else None
+    act = (shapes.moe_activation, shapes.moe_alpha, shapes.moe_limit)
+    x = torch.randn((t, h), generator=dg, device=device, dtype=dtype)
+    topk_weights = torch.rand((t, k), generator=dg, device=device).softmax(-1)
+    routings = []
+    for seed in range(MOE_ROUTINGS):
+        ids_cpu = moe_topk_ids(shapes, t, seed)
+        visits = [(ex, *(v.to(device) for v in torch.where(ids_cpu == ex))) for ex in ids_cpu.unique().tolist()]
+        routings.append((ids_cpu.to(device), visits))
+
+    def naive(i_set: int) -> torch.Tensor:
+        w_gu, s_gu, w_d, s_d = sets[i_set % num_sets]
+        out = torch.zeros_like(x)
+        for ex, token, slot in routings[i_set % MOE_ROUTINGS][1]:
+            y = fp8_gemm.fp8_linear(x[token], Fp8LinearWeight(w_gu[ex], s_gu[ex], None, acts), None if b_gu is None else b_gu[ex])
+            y = activation.silu_and_mul(y) if act[0] == "silu" else reference.moe_activation(y, *act)
+            y = fp8_gemm.fp8_linear(y, Fp8LinearWeight(w_d[ex], s_d[ex], None, acts), None if b_d is None else b_d[ex])
+            out.index_add_(0, token, (y * topk_weights[token, slot, None]).to(dtype))
+        return out
+
+    def launch(cfg: KernelConfig | None, i_set: int) -> object:
+        if fused_moe.is_naive(cfg):
+            return naive(i_set)
+        topk_ids = routings[i_set % MOE_ROUTINGS][0]
+        return fused_moe_fp8.fused_moe_fp8(
+            x, topk_weights, topk_ids, *sets[i_set % num_sets], *act, config=cfg, b_gate_up=b_gu, b_down=b_d
+        )
+
+    sets_per_sample = max(num_sets, MOE_ROUTINGS)
+    return Problem(
+        "fused_moe_fp8", bucket, launch, sets_per_sample, nbytes, flops, reference=lambda cfg, i_set: naive(i_set)
+    )
 
 
 def _fp8_problem(

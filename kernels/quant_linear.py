@@ -166,6 +166,29 @@ class Fp8LinearWeight:
         return self._float
 
 
+@dataclass
+class Fp8ExpertsWeight:
+    """A MoE layer's stacked FP8 experts (builder/fp8.py's expert parts; kernels/fused_moe_fp8.py):
+    e4m3 ``weight`` [E, N, K] and fp32 ``weight_scale`` [E, N] (per channel, activations per token)
+    or [E, N, ceil(K / 128)] (128-column blocks, activations per 1x128 group)."""
+
+    weight: torch.Tensor  # float8_e4m3fn [E, N, K]
+    weight_scale: torch.Tensor  # float32 [E, N] or [E, N, KB]
+    _float: torch.Tensor | None = field(default=None, repr=False)  # the CPU path's fp32 copy (exact)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.weight.shape)
+
+    def as_float(self) -> torch.Tensor:
+        if self._float is None:
+            self._float = self.weight.float()
+        return self._float
+
+
+EXPERT_PARTS = ("experts.gate_up", "experts.down")
+
+
 @dataclass(frozen=True)
 class Fp8Linear:
     """FP8 weights: ``weights`` "channel" or "block", ``activations`` "token", "group" or "static"."""
@@ -183,4 +206,9 @@ class Fp8Linear:
             assert isinstance(w, torch.Tensor) and isinstance(scale, torch.Tensor)
             assert inp is None or isinstance(inp, torch.Tensor)
             out[prefix + ".weight"] = Fp8LinearWeight(w, scale, inp, self.activations)
+        for name in [n for n in weights if n.endswith(tuple(f"{p}_scale" for p in EXPERT_PARTS))]:
+            prefix = name.removesuffix("_scale")  # MoE experts: P and P_scale -> one P
+            w, scale = out.pop(prefix), out.pop(name)
+            assert isinstance(w, torch.Tensor) and isinstance(scale, torch.Tensor)
+            out[prefix] = Fp8ExpertsWeight(w, scale)
         return out

@@ -560,6 +560,39 @@ def fused_moe(
     return out
 
 
+def fused_moe_fp8(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    s_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    s_down: torch.Tensor,
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    floats: tuple[torch.Tensor, torch.Tensor] | None = None,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``fused_moe`` with FP8 experts (kernels/fused_moe_fp8.py's layout: e4m3 [E, 2I, H] / [E, H, I]
+    with fp32 scales [E, N] per channel or [E, N, KB] per 128-column block): each expert's rows
+    through ``fp8_linear`` twice (activations quantised per token, or per 1x128 group with block
+    scales; the product, plus gpt-oss's expert biases after the scales, in x's dtype), the activation
+    between in x's dtype. ``floats``: the e4m3 weights as fp32, when the caller keeps them (the CPU
+    engine)."""
+    acts = "group" if s_gate_up.dim() == 3 else "token"
+    out = torch.zeros_like(x)
+    for e in torch.unique(topk_ids.reshape(-1)).tolist():
+        token, slot = torch.where(topk_ids == e)
+        gu_f, d_f = (None, None) if floats is None else (floats[0][e], floats[1][e])
+        b_gu, b_d = (None if b is None else b[e] for b in (b_gate_up, b_down))
+        h = fp8_linear(x[token], w_gate_up[e], s_gate_up[e], acts, bias=b_gu, qw_float=gu_f)
+        h = fp8_linear(moe_activation(h, activation, alpha, limit), w_down[e], s_down[e], acts, bias=b_d, qw_float=d_f)
+        out.index_add_(0, token, (h * topk_weights[token, slot, None]).to(x.dtype))
+    return out
+
+
 def moe_align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused-MoE tile path's layout (kernels/fused_moe.py): topk_ids [T, k] -> (sorted_ids
     int32 [max_blocks * block_m]: the pair ids p = t * k + j grouped by expert in pair order,

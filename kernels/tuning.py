@@ -59,7 +59,7 @@ KERNELS = (
 )
 # Kernels only MoE models have: a build tunes them where its model's ModelShapes has experts
 # (``tune(KERNELS + MOE_KERNELS, ...)``); shipped tables for dense models need no entry.
-MOE_KERNELS = ("fused_moe", "fused_moe_w4a16")  # half-type experts, int4 (AWQ/GPTQ) experts
+MOE_KERNELS = ("fused_moe", "fused_moe_w4a16", "fused_moe_fp8")  # half-type, int4 (AWQ/GPTQ) and FP8 experts
 
 TIE_TOLERANCE = 0.02  # a later config must beat the best so far by 2% to take its place
 _DEFAULTS_DIR = Path(__file__).parent / "tuning_defaults"

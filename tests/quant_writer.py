@@ -149,7 +149,7 @@ def write(src: Path, dst: Path, fmt: Format, shared_perm: bool = True) -> tuple[
 # the multiplier that dequantises).
 
 E4M3_MAX = 448.0
-FP8_FORMATS = ("modelopt", "fp8-block")
+FP8_FORMATS = ("modelopt", "fp8-block", "ct-channel", "ct-block")
 
 
 def _e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -164,7 +164,11 @@ def fp8_quantise(w: torch.Tensor, fmt: str) -> tuple[dict[str, torch.Tensor], to
         scale = (w.abs().max().clamp_min(1e-12) / E4M3_MAX).reshape(())
         q = _e4m3(w, scale)
         return {"weight": q, "weight_scale": scale}, q.float() * scale
-    if fmt == "fp8-block":
+    if fmt == "ct-channel":  # compressed-tensors FP8_DYNAMIC: one bf16 scale per output row, [N, 1]
+        scale = (w.abs().amax(1, keepdim=True).clamp_min(1e-12) / E4M3_MAX).to(torch.bfloat16)
+        q = _e4m3(w, scale.float())
+        return {"weight": q, "weight_scale": scale}, q.float() * scale.float()
+    if fmt in ("fp8-block", "ct-block"):  # ct-block: compressed-tensors FP8_BLOCK, the same blocks as weight_scale
         nb, kb = -(-n // 128), -(-k // 128)
         scales = torch.empty(nb, kb)
         q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
@@ -177,7 +181,7 @@ def fp8_quantise(w: torch.Tensor, fmt: str) -> tuple[dict[str, torch.Tensor], to
                 qb = _e4m3(block, s)
                 q[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128] = qb
                 deq[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128] = qb.float() * s
-        return {"weight": q, "weight_scale_inv": scales}, deq
+        return {"weight": q, "weight_scale" if fmt == "ct-block" else "weight_scale_inv": scales}, deq
     raise ValueError(f"unknown fp8 format {fmt!r}")
 
 
@@ -185,6 +189,16 @@ def fp8_quantization_config(fmt: str) -> dict[str, object]:
     if fmt == "modelopt":
         return {"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": None,
                 "exclude_modules": ["lm_head"]}  # fmt: skip
+    if fmt in ("ct-channel", "ct-block"):  # llm-compressor's FP8_DYNAMIC / FP8_BLOCK, the MoE routers ignored
+        scheme = {"type": "float", "num_bits": 8, "symmetric": True}
+        weights = {**scheme, "strategy": "channel", "dynamic": False}
+        acts = {**scheme, "strategy": "token", "dynamic": True}
+        if fmt == "ct-block":
+            weights = {**weights, "strategy": "block", "block_structure": [128, 128]}
+            acts = {**acts, "strategy": "group", "group_size": 128}
+        return {"quant_method": "compressed-tensors", "format": "float-quantized",
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}},
+                "ignore": ["lm_head", "re:.*mlp.gate$"]}  # fmt: skip
     return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
             "modules_to_not_convert": ["lm_head"]}  # fmt: skip
 
