@@ -505,16 +505,3 @@ def test_fp8_moe_checkpoint_missing_an_expert_scale_is_refused_by_name(tiny_chec
     save_file(tensors, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(BuildError, match=r"no tensor 'model.layers.1.mlp.experts.5.up_proj.weight_scale_inv'"):
         build_artifact(ckpt, tmp_path / "e", gpu="cpu")
-
-
-def test_awq_gptq_moe_is_still_refused(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
-    src = tiny_checkpoint_factory("qwen3_moe")
-    ckpt = tmp_path / "gptq"
-    import shutil
-
-    shutil.copytree(src, ckpt)
-    config = json.loads((ckpt / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False}
-    (ckpt / "config.json").write_text(json.dumps(config))
-    with pytest.raises(BuildError, match="AWQ/GPTQ builds of mixture-of-experts models are not supported"):
-        build_artifact(ckpt, tmp_path / "e", gpu="cpu", load_format="dummy")

@@ -28,6 +28,28 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
+# Where the kernels round the intermediate (the gate/up products and the activation: fp32 then
+# bf16 once, or bf16 at each step as the emulation does) moves some of its values across an e4m3
+# rounding boundary before the down projection quantises it: two emulations that differ only in
+# that rounding (bf16 activations against fp32 ones) differ by 1.4-1.8% at these shapes, measured
+# on the CPU, while leaving the activations unquantised changes the output by 4.4-4.6%. A kernel
+# must be within TOLERANCE of the emulation, and nearer to it than QUANT_MARGIN of the distance
+# to the unquantised product (which a kernel that skipped the activation quantisation is not).
+TOLERANCE = 2.5e-2
+QUANT_MARGIN = 0.6
+
+
+def assert_matches_emulation(out: torch.Tensor, args: tuple, what: object = None) -> None:  # type: ignore[type-arg]
+    """``out`` (the fused kernel on ``args``) against reference.fused_moe_fp8 on the same inputs."""
+    x, weights, ids, w_gu, s_gu, w_d, s_d = args
+    expected = reference.fused_moe_fp8(*args)
+    dense = [reference.dequantize_fp8(w.reshape(-1, w.shape[-1]), s.reshape(-1, *s.shape[2:])).view(w.shape) for w, s in ((w_gu, s_gu), (w_d, s_d))]
+    unquantised = reference.fused_moe(x.float(), weights, ids, *dense)
+    err = rel_err(out, expected)
+    assert err < TOLERANCE, (what, err)
+    assert err < QUANT_MARGIN * rel_err(expected, unquantised), (what, err, rel_err(expected, unquantised))
+
+
 def inputs(t: int, e: int, k: int, h: int, i: int, block: bool, seed: int = 0):  # type: ignore[no-untyped-def]
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(t, h, generator=g, device="cuda").to(DT)
@@ -53,8 +75,7 @@ ODD = [  # (tokens, experts, top-k, hidden, intermediate): partial 128-column bl
 @pytest.mark.parametrize("t,e,k,h,i", ODD)
 def test_every_config_matches_the_emulation(t, e, k, h, i, block):  # type: ignore[no-untyped-def]
     """Both paths compute the emulation's values: the same e4m3 activations (bitwise: below) and
-    weights, fp32 sums in another order; the intermediate is rounded to bf16 on both sides, and
-    an intermediate within a rounding of an e4m3 boundary may quantise the other way: 1e-2."""
+    weights, fp32 sums in another order, the intermediate rounded differently (TOLERANCE)."""
     x, weights, ids, w_gu, s_gu, w_d, s_d = inputs(t, e, k, h, i, block)
     expected = reference.fused_moe_fp8(x, weights, ids, w_gu, s_gu, w_d, s_d)
     dense = [reference.dequantize_fp8(w.reshape(-1, w.shape[-1]), s.reshape(-1, *s.shape[2:])).view(w.shape) for w, s in ((w_gu, s_gu), (w_d, s_d))]
@@ -69,7 +90,7 @@ def test_every_config_matches_the_emulation(t, e, k, h, i, block):  # type: igno
             continue
         out = fused_moe_fp8.fused_moe_fp8(x, weights, ids, w_gu, s_gu, w_d, s_d, config=cfg)
         assert out.dtype == DT
-        assert rel_err(out, expected) < 1e-2, cfg.as_dict()
+        assert_matches_emulation(out, (x, weights, ids, w_gu, s_gu, w_d, s_d), cfg.as_dict())
 
 
 @pytest.mark.parametrize("acts", ["token", "group"])
@@ -99,8 +120,8 @@ def test_model_shapes_against_the_per_expert_fp8_loop(shape, block):  # type: ig
         args = (x[:t], weights[:t], ids[:t], w_gu, s_gu, w_d, s_d)
         naive = fused_moe_fp8.fused_moe_fp8(*args, config=fused_moe_fp8.NAIVE)
         out = fused_moe_fp8.fused_moe_fp8(*args)
-        assert rel_err(out, naive) < 1e-2, t
-        assert rel_err(out, reference.fused_moe_fp8(*args)) < 1e-2, t
+        assert rel_err(out, naive) < TOLERANCE, t
+        assert_matches_emulation(out, args, t)
 
 
 @pytest.mark.parametrize("block", [False, True], ids=["channel", "block"])
@@ -123,7 +144,7 @@ def test_captured_in_a_cuda_graph(tokens, block):  # type: ignore[no-untyped-def
     torch.cuda.synchronize()
     eager = fused_moe_fp8.fused_moe_fp8(x, weights, ids, w_gu, s_gu, w_d, s_d)
     torch.testing.assert_close(out, eager, atol=0, rtol=0)
-    assert rel_err(out, reference.fused_moe_fp8(x, weights, ids, w_gu, s_gu, w_d, s_d)) < 1e-2
+    assert_matches_emulation(out, (x, weights, ids, w_gu, s_gu, w_d, s_d))
 
 
 @pytest.mark.parametrize("fp8", ["channel-token", "block-group"])
