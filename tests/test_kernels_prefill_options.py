@@ -128,9 +128,10 @@ def test_config_space_offers_each_option_and_prunes_for_large_heads():
     """The tuner can pick the options at the Llama shape; at head_dim 256 it keeps the tiles it had
     and drops those whose prefetched K/V stages would outgrow shared memory."""
     space = ppa.prune_configs(ppa.CONFIG_SPACE, 4, 128)
-    assert any(all(c.params.get(name) for name in ppa.OPTION_NAMES) for c in space)
+    kept = ("HEAVY_FIRST", "FOLD_SCALE", "PREFETCH_BLOCKS")  # the H200's winners (LAZY_RESCALE lost)
+    assert any(all(c.params.get(name) for name in kept) for c in space)
     assert {(c["BLOCK_M"], c["BLOCK_N"], c.num_warps, c.num_stages) for c in space} >= {
-        (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 4)
+        (128, 64, 8, 4), (128, 128, 8, 3)
     }  # fmt: skip
     big = ppa.prune_configs(ppa.CONFIG_SPACE, 4, 256)
     tiles = {
