@@ -468,3 +468,42 @@ def test_buckets_the_budget_cut_off_are_not_called_tuned(monkeypatch):  # type: 
     note = budget_note(table, 2.5)
     assert f"before {len(rest)} of {len(entries)} buckets" in note and "t64" in note and "--tune-budget" in note
     assert budget_note({"kernels": {"rms_norm": {"t8": first}}}, 2.5) == ""
+
+
+def test_a_bucket_the_budget_cut_off_keeps_the_previous_winner_when_it_is_faster(monkeypatch):  # type: ignore[no-untyped-def]
+    """After the budget is spent a bucket times the launcher's default and the config the last
+    tuned bucket kept, and keeps the faster (an FP8 build's untuned 16-row default was ~3x slower
+    than the 1-row winner); while the budget lasts the default is timed first, so a bucket cut
+    short still has it. A fake clock: every timed config takes one second."""
+    import types
+
+    from pagecast.kernels import problems
+
+    shapes = tuning.ModelShapes(9, 3, 64, 576, 1536, 16)
+    space = problems.config_space("rms_norm", shapes, {})
+    default = problems.default_config("rms_norm", shapes, {})
+    fast = next(c for c in space if c != default)
+    clock = [0.0]
+    timed_configs: list[list] = []  # type: ignore[type-arg]
+
+    def timed(launch, launches, reps):  # type: ignore[no-untyped-def]
+        clock[0] += 1.0
+        cfg = launch.args[0]
+        timed_configs[-1].append(cfg)
+        return 5.0 if cfg == fast else 20.0
+
+    def make_problem(*args, **kwargs):  # type: ignore[no-untyped-def]
+        timed_configs.append([])
+        return types.SimpleNamespace(launches_per_sample=lambda: 1, launch=lambda cfg, i: None, reference=None, marks={})
+
+    monkeypatch.setattr(tuning, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(tuning, "time_launches", timed)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake GPU")
+    monkeypatch.setattr(problems, "make_problem", make_problem)
+    table = tuning.tune(["rms_norm"], shapes, budget_s=len(space) - 0.5, device="cpu")
+    first, *rest = table["kernels"]["rms_norm"].values()
+    assert timed_configs[0][0] == default  # the default first
+    assert first["tuned"] and first["config"] == fast.as_dict()
+    assert rest and all(e["budget_spent"] and not e["tuned"] for e in rest)
+    assert all(e["config"] == fast.as_dict() and e["time_us"] == 5.0 for e in rest), (rest, timed_configs)
+    assert all(timed == [default, fast] for timed in timed_configs[1:])
