@@ -31,17 +31,22 @@ LINE = re.compile(r"start-up (?P<process>[\w-]+): (?P<phase>.+?) at (?P<at>[\d.]
 
 def process_start_epoch(pid: int | None = None) -> float | None:
     """When process ``pid`` (default: this one) started, as ``time.time()`` would have read then;
-    None where /proc cannot say (not Linux). Resolution: the kernel's clock tick (10 ms)."""
+    None where /proc cannot say (not Linux). Resolution: the kernel's clock tick (10 ms).
+
+    The start is read in ticks since boot and placed on the wall clock through the uptime read
+    now (/proc/uptime, to 10 ms), not through /proc/stat's ``btime``: that is whole seconds, and
+    would put every stamp up to a second late (0.4 s on the development machine)."""
     try:
         with open(f"/proc/{pid or 'self'}/stat") as f:
             # Field 22 (starttime, in ticks since boot) comes after the command name, which is in
             # parentheses and may itself contain spaces and parentheses.
             fields = f.read().rsplit(")", 1)[1].split()
         ticks = int(fields[19])
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        now = time.time()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return now - uptime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
         return None
 
 
