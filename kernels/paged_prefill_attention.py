@@ -329,7 +329,8 @@ _VARIANTS = [
 # Measured on an H200 (benchmarks/prefill_attention.py --quick, 2026-12-03, Llama-3.1-8B heads, one
 # sequence, bf16): 128x128 w8 s3 with HEAVY_FIRST + FOLD_SCALE + PREFETCH_BLOCKS was the fastest
 # at 8k, 32k and 128k (387 / 461 / 458 TFLOP/s against the old default's 335 / 393 / 372), then
-# 128x64 w8 s4 and s3; 64x64 with 3-4 stages and 64x32 s3 lost, and so did every LAZY_RESCALE set.
+# 128x64 w8 s4 and s3 at 32k and 128k, 64x64 w4 s3 at 8k (1.14x); 64x32 s3 lost, and so did every
+# LAZY_RESCALE set.
 _LONG_VARIANTS = [
     (128, 64, 8, 4),
     (128, 128, 8, 3),
@@ -351,7 +352,7 @@ CONFIG_SPACE: list[KernelConfig] = [
 ] + [
     KernelConfig({"BLOCK_M": m, "BLOCK_N": n, **options}, num_warps=w, num_stages=s)
     for options in _OPTION_SETS
-    for (m, n, w, s) in [(64, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2)] + _LONG_VARIANTS
+    for (m, n, w, s) in [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)] + _LONG_VARIANTS
 ]
 
 
