@@ -123,6 +123,41 @@ def _activate(gate, up, ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl
 
 
 @triton.jit
+def _tile_block(max_blocks, block_expert_ptr, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """A tile-path program's (block, column tile) and its block's expert (-1: an unused block).
+    Consecutive programs take GROUP_M blocks' tiles of the same columns, so an expert's weight
+    tile is read from L2 by the blocks after the first."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(max_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+    expert = tl.load(block_expert_ptr + pid_m)
+    return pid_m, pid_n, expert
+
+
+@triton.jit
+def _tile_rows(
+    pid_m, pid_n, sorted_ids_ptr, num_pairs, top_k, N,
+    MUL_ROUTING_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """A tile's rows: its pairs (num_pairs: padding), the input row each reads (gate_up: the
+    pair's token in x; down, MUL_ROUTING_WEIGHT: the intermediate's sorted row) and its columns."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + offs_m)  # [BLOCK_M]
+    m_ok = pair < num_pairs
+    if MUL_ROUTING_WEIGHT:
+        a_rows = offs_m.to(tl.int64)
+    else:
+        a_rows = (pair // top_k).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    return offs_m, pair, m_ok, a_rows, offs_n, n_ok
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr,  # gate_up: x [T, K]; down: intermediate [max_blocks * BLOCK_M, K] in sorted order
     w_ptr,  # [E, N_w, K]: N_w = 2N (gate rows, then up rows) with an activation, else N
@@ -152,27 +187,12 @@ def _moe_gemm_kernel(
     GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # Consecutive programs take GROUP_M blocks' tiles of the same columns, so an expert's weight
-    # tile is read from L2 by the blocks after the first.
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_m = tl.minimum(max_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
-    expert = tl.load(block_expert_ptr + pid_m)
+    pid_m, pid_n, expert = _tile_block(max_blocks, block_expert_ptr, N, BLOCK_N, GROUP_M)
     if expert < 0:
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ids_ptr + offs_m)  # [BLOCK_M]
-    m_ok = pair < num_pairs
-    if MUL_ROUTING_WEIGHT:
-        a_rows = offs_m.to(tl.int64)
-    else:
-        a_rows = (pair // top_k).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
+    offs_m, pair, m_ok, a_rows, offs_n, n_ok = _tile_rows(
+        pid_m, pid_n, sorted_ids_ptr, num_pairs, top_k, N, MUL_ROUTING_WEIGHT, BLOCK_M, BLOCK_N
+    )
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

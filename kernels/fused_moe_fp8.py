@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from pagecast.kernels import fused_moe, reference
-from pagecast.kernels.fused_moe import _activate
+from pagecast.kernels.fused_moe import _activate, _tile_block, _tile_rows
 from pagecast.kernels.tuning import KernelConfig, num_sms
 
 GROUP = reference.FP8_GROUP
@@ -179,25 +179,12 @@ def _moe_fp8_gemm_kernel(
     GROUP_M: tl.constexpr,
     GROUP_K: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_m = tl.minimum(max_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
-    expert = tl.load(block_expert_ptr + pid_m)
+    pid_m, pid_n, expert = _tile_block(max_blocks, block_expert_ptr, N, BLOCK_N, GROUP_M)
     if expert < 0:
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ids_ptr + offs_m)  # [BLOCK_M]
-    m_ok = pair < num_pairs
-    if MUL_ROUTING_WEIGHT:
-        a_rows = offs_m.to(tl.int64)
-    else:
-        a_rows = (pair // top_k).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
+    offs_m, pair, m_ok, a_rows, offs_n, n_ok = _tile_rows(
+        pid_m, pid_n, sorted_ids_ptr, num_pairs, top_k, N, MUL_ROUTING_WEIGHT, BLOCK_M, BLOCK_N
+    )
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     s_base = ws_ptr + expert.to(tl.int64) * stride_se
     num_kb = tl.cdiv(K, GROUP_K)
