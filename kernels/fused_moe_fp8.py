@@ -369,19 +369,10 @@ def _moe_fp8_gemv_kernel(
 
 NAIVE = fused_moe.NAIVE  # the per-expert loop of the dense FP8 GEMM
 
-_GEMV_TILES = (
-    # (BLOCK_N, BLOCK_K, num_warps): e4m3 weights are half the bytes of bf16 ones, so wider K steps
-    # move the same bytes a step as fused_moe's tiles; block scales take BLOCK_K <= 128 (prune_configs)
-    (8, 256, 2),
-    (16, 128, 2),
-    (16, 256, 4),
-    (16, 512, 4),
-    (32, 128, 4),
-    (32, 256, 4),
-    (64, 128, 4),
-    (64, 64, 2),
-    (128, 64, 4),
-)
+# (BLOCK_N, BLOCK_K, num_warps): fused_moe's GEMV tiles. e4m3 weights are half the bytes of bf16
+# ones, so its wider K steps move the same bytes a step; block scales take BLOCK_K <= 128
+# (prune_configs).
+_GEMV_TILES = fused_moe._GEMV_TILES
 
 _TILES = (
     # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages): fp8 tensor cores take K steps of 32
