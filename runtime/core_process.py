@@ -290,7 +290,8 @@ def _loop(channel: CoreChannel, core: Any, decoder: Any, compiles: Any) -> int:
         while True:
             channel.check_server()  # every step, not only when idle: a busy orphan must end too
             busy = core.has_unfinished_requests()
-            if not busy and not poller.poll(IDLE_POLL_MS):
+            # Idle: capture a lazy decode graph (if any is left), then look for messages at once.
+            if not busy and not poller.poll(0 if core.runner.capture_while_idle() else IDLE_POLL_MS):
                 continue
             failed: dict[str, RequestFailure] = {}
             aborted: list[str] = []

@@ -71,3 +71,28 @@ def test_requests_are_served_while_graphs_are_captured_between_steps(tiny_llama_
     assert graphs.captures == [4, 2, 1] and graphs.pending == 0
     assert graphs.replays and set(graphs.replays) <= {1, 2, 4}  # decode batches of 3 padded to 4
     assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_an_idle_engine_captures_its_graphs_without_waiting_for_requests(tiny_llama_artifact) -> None:  # type: ignore[no-untyped-def]
+    """The engine-core process calls capture_while_idle when it has no request: one graph a call,
+    only once capture has started, so an idle server has all its graphs before traffic comes."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    eager = LLM(tiny_llama_artifact, max_num_seqs=4, async_scheduling=False)
+    expected = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, greedy, use_tqdm=False)]
+
+    llm = LLM(tiny_llama_artifact, max_num_seqs=4, async_scheduling=False)
+    runner = llm.engine.runner
+    assert not runner.capture_while_idle()  # no lazy graphs at all: nothing to do
+    graphs = ReplayOnCPU(runner.model, runner.device, [1, 2, 4], llm.engine.max_model_len, llm.engine.block_size)
+    runner.capture_lazily(graphs)
+    assert not runner.capture_while_idle() and not graphs.captures  # not started (before the warm-up)
+    runner.start_lazy_capture()
+    assert runner.capture_while_idle() and graphs.captures == [4]
+    assert runner.capture_while_idle() and graphs.captures == [4, 2]
+    assert not runner.capture_while_idle() and graphs.captures == [4, 2, 1]
+    assert not runner.capture_while_idle() and graphs.captures == [4, 2, 1]  # all there: nothing more
+
+    outputs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+    assert graphs.captures == [4, 2, 1]  # no capture between the steps any more
+    assert graphs.replays and set(graphs.replays) <= {1, 2, 4}
+    assert [o.outputs[0].token_ids for o in outputs] == expected
