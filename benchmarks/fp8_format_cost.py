@@ -68,6 +68,7 @@ def quantised(path: Path, weights: bool, activations: bool, keep: tuple[str, ...
 
 def main() -> None:
     import pydoc_data.topics
+
     from tiny_models import smollm2_dir
     from transformers import AutoTokenizer
 

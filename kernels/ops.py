@@ -17,7 +17,12 @@ from typing import Any
 import torch
 
 from pagecast.kernels import reference
-from pagecast.kernels.quant_linear import Fp8ExpertsWeight, Fp8LinearWeight, Int4ExpertsWeight, Int4LinearWeight
+from pagecast.kernels.quant_linear import (
+    Fp8ExpertsWeight,
+    Fp8LinearWeight,
+    Int4ExpertsWeight,
+    Int4LinearWeight,
+)
 from pagecast.kernels.tuning import (
     SKINNY_ROW_BUCKETS,
     KernelConfig,

@@ -24,7 +24,7 @@ pytest.importorskip("triton.backends.nvidia.compiler")
 # Run in a child process: the test session runs Triton in interpreter mode (TRITON_INTERPRET=1),
 # where @triton.jit functions cannot be compiled.
 CHILD = textwrap.dedent(
-    """
+    r"""
     import json, re, sys
     import triton
     from triton.backends.compiler import GPUTarget
