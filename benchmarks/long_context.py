@@ -139,13 +139,18 @@ def decode_weight_bytes(cfg: dict, elt: int) -> int:
 # ceilings
 
 
+def matmul_peak(run: Run, dtype: torch.dtype) -> float:
+    """Matmul FLOP/s measured now: 8192^3 on the GPU (256^3 on the CPU), median of 20 (3)."""
+    n = 8192 if run.cuda else 256
+    a = torch.randn(n, n, device=run.device, dtype=dtype)
+    b = torch.randn(n, n, device=run.device, dtype=dtype)
+    ms = run.median_ms(lambda: a @ b, 20 if run.cuda else 3)
+    return 2.0 * n**3 / (ms / 1000)
+
+
 def ceilings(run: Run, elt_dtype: torch.dtype) -> tuple[float, float]:
     """(matmul peak in FLOP/s, copy bandwidth in bytes/s) measured now."""
-    n = 8192 if run.cuda else 256
-    a = torch.randn(n, n, device=run.device, dtype=elt_dtype)
-    b = torch.randn(n, n, device=run.device, dtype=elt_dtype)
-    ms = run.median_ms(lambda: a @ b, 20 if run.cuda else 3)
-    peak = 2.0 * n**3 / (ms / 1000)
+    peak = matmul_peak(run, elt_dtype)
     size = (2 << 30) if run.cuda else (16 << 20)
     src = torch.empty(size, dtype=torch.uint8, device=run.device)
     dst = torch.empty_like(src)

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -91,38 +90,6 @@ def name_of(tile: tuple[int, int, int, int], opts: str) -> str:
     return f"{m}x{n} w{w} s{s} {opts}"
 
 
-def median_ms(fn, reps: int, cuda: bool) -> float:  # type: ignore[no-untyped-def]
-    """Median milliseconds of fn() over reps launches, after one warm-up (long_context's timing)."""
-    fn()
-    if cuda:
-        torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1000)
-    return statistics.median(times)
-
-
-def matmul_peak(cuda: bool) -> float:
-    """bf16 matmul FLOP/s as long_context.ceilings measures it (fp32 at 256^3 on the CPU)."""
-    n = 8192 if cuda else 256
-    dtype = torch.bfloat16 if cuda else torch.float32
-    device = "cuda" if cuda else "cpu"
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    ms = median_ms(lambda: a @ b, 20 if cuda else 3, cuda)
-    return 2.0 * n**3 / (ms / 1000)
-
-
 def reps_for(length: int, quick: bool, cuda: bool) -> int:
     if not cuda:
         return 1
@@ -179,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{heads}/{kv_heads} heads, head_dim {hd}, KV {args.kv}",
         flush=True,
     )
-    peak = matmul_peak(cuda)
+    peak = lc.matmul_peak(run, torch.bfloat16 if cuda else torch.float32)
     print(f"matmul peak {peak / 1e12:.1f} TFLOP/s ({time.perf_counter() - t0:.0f} s)", flush=True)
     cands = candidates(args.quick or args.dry_run, group, hd)
     default_name = cands[0][0]
@@ -222,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
             t_c = time.perf_counter()
             x["out"].fill_(float("nan"))  # rows a candidate leaves unwritten show as non-finite
             try:
-                ms = median_ms(launch, reps, cuda)
+                ms = run.median_ms(launch, reps)
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: it cannot run here
                 print(f"  {length} {name}: skipped ({type(exc).__name__}: {str(exc)[:120]})", flush=True)
                 if cuda:
