@@ -495,15 +495,14 @@ def naive_fused_moe_fp8(
     from pagecast.kernels.quant_linear import Fp8LinearWeight
 
     acts = "group" if s_gate_up.dim() == 3 else "token"
-    out = torch.zeros_like(x)
-    for e in torch.unique(topk_ids.reshape(-1)).tolist():
-        token, slot = torch.where(topk_ids == e)
-        bias = (None if b_gate_up is None else b_gate_up[e], None if b_down is None else b_down[e])
-        h = fp8_gemm.fp8_linear(x[token], Fp8LinearWeight(w_gate_up[e], s_gate_up[e], None, acts), bias[0])
-        h = reference.moe_activation(h, activation, alpha, limit)
-        h = fp8_gemm.fp8_linear(h, Fp8LinearWeight(w_down[e], s_down[e], None, acts), bias[1])
-        out.index_add_(0, token, (h * topk_weights[token, slot, None]).to(x.dtype))
-    return out
+
+    def project(w: torch.Tensor, s: torch.Tensor, b: torch.Tensor | None):  # type: ignore[no-untyped-def]
+        return lambda e, rows: fp8_gemm.fp8_linear(rows, Fp8LinearWeight(w[e], s[e], None, acts), None if b is None else b[e])
+
+    return reference.expert_loop(
+        x, topk_weights, topk_ids, project(w_gate_up, s_gate_up, b_gate_up), project(w_down, s_down, b_down),
+        activation, alpha, limit,
+    )  # fmt: skip
 
 
 def fused_moe_fp8(

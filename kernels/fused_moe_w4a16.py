@@ -398,15 +398,16 @@ def _naive(
     """The per-expert loop, each projection through the dense W4A16 GEMM at its default config."""
     from pagecast.kernels import w4a16_gemm
 
-    out = torch.zeros_like(x)
-    for e in torch.unique(topk_ids).tolist():
-        token, slot = torch.where(topk_ids == e)
-        gu, d = w_gate_up.expert(e), w_down.expert(e)
-        h = w4a16_gemm.w4a16_gemm(x[token], gu.qweight, gu.scales, gu.zeros, gu.perm, gu.group_size)
-        h = reference.moe_activation(h, activation, alpha, limit)
-        h = w4a16_gemm.w4a16_gemm(h, d.qweight, d.scales, d.zeros, None, d.group_size)
-        out.index_add_(0, token, (h * topk_weights[token, slot, None]).to(x.dtype))
-    return out
+    def project(weights: Int4ExpertsWeight, with_perm: bool):  # type: ignore[no-untyped-def]
+        def run(e: int, rows: torch.Tensor) -> torch.Tensor:
+            w = weights.expert(e)
+            return w4a16_gemm.w4a16_gemm(rows, w.qweight, w.scales, w.zeros, w.perm if with_perm else None, w.group_size)
+
+        return run
+
+    return reference.expert_loop(
+        x, topk_weights, topk_ids, project(w_gate_up, True), project(w_down, False), activation, alpha, limit
+    )
 
 
 def fused_moe_w4a16(

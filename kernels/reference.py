@@ -20,6 +20,8 @@ Layouts shared with the Triton kernels and the runtime:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -550,12 +552,32 @@ def fused_moe(
     projections (F.linear: cuBLAS on a GPU), scaled by the routing weight (in fp32 where the
     weights are fp32) and added into the output in x's dtype. It syncs with the host (the
     visited experts), so it is never captured in a CUDA graph."""
+    return expert_loop(
+        x, topk_weights, topk_ids,
+        lambda e, rows: linear(rows, w_gate_up[e], None if b_gate_up is None else b_gate_up[e]),
+        lambda e, rows: linear(rows, w_down[e], None if b_down is None else b_down[e]),
+        activation, alpha, limit,
+    )  # fmt: skip
+
+
+def expert_loop(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up: Callable[[int, torch.Tensor], torch.Tensor],
+    down: Callable[[int, torch.Tensor], torch.Tensor],
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> torch.Tensor:
+    """The per-expert loop every MoE baseline and reference runs, whatever the experts' format:
+    for each expert the tokens visit, its rows through ``gate_up(e, rows)``, the activation, then
+    ``down(e, rows)`` (each projection with its bias), scaled by the routing weight and added into
+    the output in x's dtype. Syncs with the host (the visited experts)."""
     out = torch.zeros_like(x)
-    flat = topk_ids.reshape(-1)
-    for e in torch.unique(flat).tolist():
+    for e in torch.unique(topk_ids.reshape(-1)).tolist():
         token, slot = torch.where(topk_ids == e)
-        h = linear(x[token], w_gate_up[e], None if b_gate_up is None else b_gate_up[e])
-        h = linear(moe_activation(h, activation, alpha, limit), w_down[e], None if b_down is None else b_down[e])
+        h = down(e, moe_activation(gate_up(e, x[token]), activation, alpha, limit))
         out.index_add_(0, token, (h * topk_weights[token, slot, None]).to(x.dtype))
     return out
 
@@ -582,15 +604,16 @@ def fused_moe_fp8(
     between in x's dtype. ``floats``: the e4m3 weights as fp32, when the caller keeps them (the CPU
     engine)."""
     acts = "group" if s_gate_up.dim() == 3 else "token"
-    out = torch.zeros_like(x)
-    for e in torch.unique(topk_ids.reshape(-1)).tolist():
-        token, slot = torch.where(topk_ids == e)
-        gu_f, d_f = (None, None) if floats is None else (floats[0][e], floats[1][e])
-        b_gu, b_d = (None if b is None else b[e] for b in (b_gate_up, b_down))
-        h = fp8_linear(x[token], w_gate_up[e], s_gate_up[e], acts, bias=b_gu, qw_float=gu_f)
-        h = fp8_linear(moe_activation(h, activation, alpha, limit), w_down[e], s_down[e], acts, bias=b_d, qw_float=d_f)
-        out.index_add_(0, token, (h * topk_weights[token, slot, None]).to(x.dtype))
-    return out
+
+    def project(w: torch.Tensor, s: torch.Tensor, b: torch.Tensor | None, i: int) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        return lambda e, rows: fp8_linear(
+            rows, w[e], s[e], acts, bias=None if b is None else b[e], qw_float=None if floats is None else floats[i][e]
+        )
+
+    return expert_loop(
+        x, topk_weights, topk_ids, project(w_gate_up, s_gate_up, b_gate_up, 0), project(w_down, s_down, b_down, 1),
+        activation, alpha, limit,
+    )  # fmt: skip
 
 
 def moe_align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
