@@ -23,23 +23,10 @@ import json
 from pathlib import Path
 
 import torch
+from moe import SHAPES, rel_err  # benchmarks/moe.py: the same expert shapes
 
 from pagecast.kernels import fused_moe_w4a16, problems, tuning
-from pagecast.kernels.tuning import KernelConfig, ModelShapes
-
-_COMMON = {"num_heads": 32, "head_dim": 128, "block_size": 16, "dtype": "bfloat16", "max_num_seqs": 256}
-SHAPES = {
-    "qwen3-30b-a3b": ModelShapes(
-        num_kv_heads=4, hidden=2048, intermediate=6144, num_experts=128, top_k=8, moe_intermediate=768, **_COMMON
-    ),
-    "mixtral-8x7b": ModelShapes(
-        num_kv_heads=8, hidden=4096, intermediate=14336, num_experts=8, top_k=2, moe_intermediate=14336, **_COMMON
-    ),
-}
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
+from pagecast.kernels.tuning import KernelConfig
 
 
 def main() -> None:
