@@ -311,28 +311,24 @@ def moe_workspace_bytes(model: ModelIR, elt: int, max_batched_tokens: int, tp: i
     largest step, on one rank (experts' intermediate cut by tp), for whichever kernel the tuner
     may pick there: the default config, the naive loop or the widest tile. Layers run one after
     another, so one layer's workspace is the model's."""
-    from pagecast.kernels import fused_moe
+    from pagecast.kernels import fused_moe, fused_moe_fp8
     from pagecast.kernels.tuning import MOE_TOKEN_BUCKETS, KernelConfig
 
     moe = model.moe
     assert moe is not None
-    h, i = model.hidden_size, moe.intermediate_size // tp
+    h, i, k, e = model.hidden_size, moe.intermediate_size // tp, moe.top_k, moe.num_experts
     naive = KernelConfig({"naive": 1}, 4, 1)
     widest = KernelConfig({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, 8, 3)
+    block = fp8_weights == "block"
     out = {}
     buckets = [b for b in MOE_TOKEN_BUCKETS if b < max_batched_tokens] + [max_batched_tokens]
     for t in buckets:
-        configs = (fused_moe.default_config(t, moe.top_k, moe.num_experts, h, i), naive, widest)
         if fp8_weights:  # FP8 experts: their launcher's buffers, the quantised activations too
-            from pagecast.kernels import fused_moe_fp8
-
-            block = fp8_weights == "block"
-            configs = (fused_moe_fp8.default_config(t, moe.top_k, moe.num_experts, h, i, block=block), naive, widest)
-            out[f"t{t}"] = max(
-                fused_moe_fp8.workspace_bytes(t, moe.top_k, moe.num_experts, h, i, elt, c, block) for c in configs
-            )
-            continue
-        out[f"t{t}"] = max(fused_moe.workspace_bytes(t, moe.top_k, moe.num_experts, h, i, elt, c) for c in configs)
+            configs = (fused_moe_fp8.default_config(t, k, e, h, i, block=block), naive, widest)
+            out[f"t{t}"] = max(fused_moe_fp8.workspace_bytes(t, k, e, h, i, elt, c, block) for c in configs)
+        else:
+            configs = (fused_moe.default_config(t, k, e, h, i), naive, widest)
+            out[f"t{t}"] = max(fused_moe.workspace_bytes(t, k, e, h, i, elt, c) for c in configs)
     return out
 
 
