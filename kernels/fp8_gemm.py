@@ -24,8 +24,9 @@ Up to 16 rows, a ``{"SKINNY": 1, ...}`` config runs all of that as one launch in
 quantisation, split-K partials, their sum, the bias and the cast) were an estimated 0.5-1 ms of
 Llama-3-8B's 3.9 ms batch-1 decode step on an H200 (issue 29). Each program owns BLOCK_N output
 columns for every row and quantises the activations itself with the quantisation kernel's
-arithmetic (amax in fp32, max(amax, 1e-12) / 448, div_rn, clamp, e4m3): per token, a first pass
-over K for each row's amax (x is a few KB and stays in L2), static scales skip it. tl.dot needs 16
+arithmetic (amax in fp32; max(amax, 1e-12) / 448 and x / scale, each div_rn; clamp, e4m3): per
+token, a first pass over K for each row's amax (x is a few KB and stays in L2), static scales skip
+it. tl.dot needs 16
 rows; with ROWS = next_power_of_2(M) <= 8 the 16 rows of the quantised tile hold the real rows
 for 16 / ROWS consecutive K steps, so each activation is divided once per program rather than
 once per padding row: every step dots that tile with its [BLOCK_K, BLOCK_N] weight tile, keeps
@@ -100,7 +101,7 @@ def _quant_act_kernel(
         offs = g * GROUP_K + tl.arange(0, GROUP_K)
         ok = offs < K
         x = tl.load(x_row + offs, mask=ok, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0), MIN_AMAX) / QMAX
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), MIN_AMAX), QMAX)
         q = tl.clamp(tl.math.div_rn(x, scale), -QMAX, QMAX)
         tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
         tl.store(s_ptr + row.to(tl.int64) * tl.cdiv(K, GROUP_K) + g, scale)
@@ -113,7 +114,7 @@ def _quant_act_kernel(
                 offs = i * BLOCK + tl.arange(0, BLOCK)
                 x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.abs(x))
-            scale = tl.maximum(tl.max(amax, axis=0), MIN_AMAX) / QMAX
+            scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), MIN_AMAX), QMAX)
             tl.store(s_ptr + row, scale)
         for i in range(NUM_BLOCKS):
             offs = i * BLOCK + tl.arange(0, BLOCK)
@@ -308,8 +309,8 @@ def _fp8_skinny_kernel(
             row_amax = tl.reshape(tl.broadcast_to(rows_amax[None, :], (CHUNKS, ROWS)), (BLOCK_M,))
         else:
             rows_amax = row_amax
-        x_scale = tl.maximum(row_amax, MIN_AMAX) / QMAX  # [BLOCK_M]
-        rows_scale = tl.maximum(rows_amax, MIN_AMAX) / QMAX  # [ROWS], for the epilogue
+        x_scale = tl.math.div_rn(tl.maximum(row_amax, MIN_AMAX), QMAX)  # [BLOCK_M]
+        rows_scale = tl.math.div_rn(tl.maximum(rows_amax, MIN_AMAX), QMAX)  # [ROWS], for the epilogue
     elif MODE == 2:
         x_scale = tl.load(xs_ptr).to(tl.float32)
         rows_scale = x_scale
@@ -333,7 +334,7 @@ def _fp8_skinny_kernel(
             offs_k = (i + chunk)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
             x = tl.load(x_rows + offs_k, mask=row_ok[:, None] & (offs_k < k_end), other=0.0).to(tl.float32)
             if MODE == 1:  # a step is one 1x128 group: its scale from its own amax
-                g_scale = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX) / QMAX
+                g_scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX), QMAX)
                 q = _quantise_rows(x, g_scale[:, None], QMAX, w_ptr.dtype.element_ty)
             elif MODE == 0:
                 q = _quantise_rows(x, x_scale[:, None], QMAX, w_ptr.dtype.element_ty)

@@ -99,7 +99,7 @@ def _quant_kernel(
         offs = g * GROUP_K + tl.arange(0, GROUP_K)
         ok = offs < K
         x = tl.load(x_row + offs, mask=ok, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0), MIN_AMAX) / QMAX
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), MIN_AMAX), QMAX)
         q = _round_e4m3(tl.clamp(tl.math.div_rn(x, scale), -QMAX, QMAX))
         tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
         tl.store(s_ptr + row.to(tl.int64) * tl.cdiv(K, GROUP_K) + g, scale)
@@ -109,7 +109,7 @@ def _quant_kernel(
             offs = i * BLOCK + tl.arange(0, BLOCK)
             x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, axis=0), MIN_AMAX) / QMAX
+        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), MIN_AMAX), QMAX)
         tl.store(s_ptr + row, scale)
         for i in range(NUM_BLOCKS):
             offs = i * BLOCK + tl.arange(0, BLOCK)
@@ -266,7 +266,7 @@ def _expert_gemv_fp8(
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             amax = tl.maximum(amax, tl.abs(tl.load(a_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)))
-        sa = tl.maximum(tl.max(amax, axis=0), MIN_AMAX) / QMAX
+        sa = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), MIN_AMAX), QMAX)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -274,7 +274,7 @@ def _expert_gemv_fp8(
         k_ok = offs_k < K
         x = tl.load(a_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         if BLOCK_SCALED:
-            sa = tl.maximum(tl.max(tl.abs(x), axis=0), MIN_AMAX) / QMAX
+            sa = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), MIN_AMAX), QMAX)
         a = _round_e4m3(tl.clamp(tl.math.div_rn(x, sa), -QMAX, QMAX))[None, :]
         w_ok = n_ok[:, None] & k_ok[None, :]
         w = tl.load(w_base + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :], mask=w_ok, other=0.0)

@@ -313,6 +313,14 @@ FP8_MIN_AMAX = 1e-12
 FP8_GROUP = 128  # the block format's 128x128 weight blocks and 1x128 activation groups
 
 
+def _amax_scale(amax: torch.Tensor) -> torch.Tensor:
+    """max(amax, FP8_MIN_AMAX) / 448, divided exactly on every device: torch on CUDA divides by a
+    Python number as a multiply by its reciprocal, an ulp off now and then (and so, now and then,
+    were the e4m3 values of the GPU's bitwise tests); a tensor divisor is a true division, as are
+    the kernels' div_rn."""
+    return amax.clamp_min(FP8_MIN_AMAX) / amax.new_tensor(FP8_MAX)
+
+
 def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
@@ -320,7 +328,7 @@ def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[M, K] -> (e4m3 [M, K], fp32 [M]): one scale per row (activation token, weight channel)."""
     xf = x.float()
-    scale = xf.abs().amax(-1).clamp_min(FP8_MIN_AMAX) / FP8_MAX
+    scale = _amax_scale(xf.abs().amax(-1))
     return _to_fp8(xf, scale[:, None]), scale
 
 
@@ -331,7 +339,7 @@ def quantize_fp8_groups(x: torch.Tensor, group: int = FP8_GROUP) -> tuple[torch.
     m, k = xf.shape
     groups = -(-k // group)
     padded = torch.nn.functional.pad(xf.abs(), (0, groups * group - k)).view(m, groups, group)
-    scale = padded.amax(-1).clamp_min(FP8_MIN_AMAX) / FP8_MAX
+    scale = _amax_scale(padded.amax(-1))
     return _to_fp8(xf, scale.repeat_interleave(group, dim=1)[:, :k]), scale
 
 

@@ -34,6 +34,20 @@ def build_artifact(checkpoint: Path | str, output: Path, **options) -> Path:  # 
     return build(BuildOptions(model=str(checkpoint), output=output, force=True, quiet=True, **options))
 
 
+def cuda_workspace_bytes(call):  # type: ignore[no-untyped-def]
+    """(call's result, the peak bytes it requested from the caching allocator beyond what was held
+    before, less its result's): the allocator's requested-bytes counters, not its allocated ones,
+    which count whole cached blocks (a reused block up to 1 MiB larger than the request is not
+    split) and so exceed what the code asked for."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_stats()["requested_bytes.all.current"]
+    torch.cuda.reset_peak_memory_stats()
+    out = call()
+    torch.cuda.synchronize()
+    peak = torch.cuda.memory_stats()["requested_bytes.all.peak"]
+    return out, peak - base - out.numel() * out.element_size()
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint_factory(tmp_path_factory):  # type: ignore[no-untyped-def]
     cache: dict[tuple, Path] = {}

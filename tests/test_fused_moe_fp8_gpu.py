@@ -169,18 +169,15 @@ def test_tuner_fills_every_bucket(fp8):  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("tokens", [1, 16, 256, 4096])
 def test_workspace_bytes_bounds_what_a_call_allocates(tokens):  # type: ignore[no-untyped-def]
+    from conftest import cuda_workspace_bytes
+
     e, k, h, i = 128, 8, 2048, 768
     x, weights, ids, w_gu, s_gu, w_d, s_d = inputs(tokens, e, k, h, i, False)
     tiles = [c for c in fused_moe_fp8.CONFIG_SPACE if "BLOCK_M" in c.params]
     configs = [fused_moe_fp8.default_config(tokens, k, e, h, i), fused_moe_fp8.NAIVE, tiles[0], tiles[-1]]
     for cfg in configs:
         fused_moe_fp8.fused_moe_fp8(x, weights, ids, w_gu, s_gu, w_d, s_d, config=cfg)
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        out = fused_moe_fp8.fused_moe_fp8(x, weights, ids, w_gu, s_gu, w_d, s_d, config=cfg)
-        torch.cuda.synchronize()
-        used = torch.cuda.max_memory_allocated() - base - out.numel() * out.element_size()
+        _, used = cuda_workspace_bytes(lambda: fused_moe_fp8.fused_moe_fp8(x, weights, ids, w_gu, s_gu, w_d, s_d, config=cfg))  # noqa: B023
         assert used <= fused_moe_fp8.workspace_bytes(tokens, k, e, h, i, 2, cfg), (cfg.as_dict(), used)
 
 

@@ -189,6 +189,8 @@ def test_tuner_fills_every_bucket():
 def test_workspace_bytes_bounds_what_a_call_allocates(tokens):
     """fused_moe.workspace_bytes (what the memory plan counts) is at least the peak a call
     allocates beyond its inputs and output, for the default config and each path."""
+    from conftest import cuda_workspace_bytes
+
     e, k, h, i = 128, 8, 2048, 768
     x, weights, ids, w_gu, w_d, _, _ = moe_inputs(tokens, e, k, h, i, False)
     configs = [fused_moe.default_config(tokens, k, e, h, i), fused_moe.NAIVE]
@@ -197,10 +199,5 @@ def test_workspace_bytes_bounds_what_a_call_allocates(tokens):
     configs += [next(c for c in tiles if c.params.get("SPLIT_ACT"))]
     for cfg in configs:
         fused_moe.fused_moe(x, weights, ids, w_gu, w_d, config=cfg)  # compile outside the measurement
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        out = fused_moe.fused_moe(x, weights, ids, w_gu, w_d, config=cfg)
-        torch.cuda.synchronize()
-        used = torch.cuda.max_memory_allocated() - base - out.numel() * out.element_size()
+        _, used = cuda_workspace_bytes(lambda: fused_moe.fused_moe(x, weights, ids, w_gu, w_d, config=cfg))  # noqa: B023
         assert used <= fused_moe.workspace_bytes(tokens, k, e, h, i, 2, cfg), (cfg.as_dict(), used)
