@@ -387,16 +387,18 @@ def test_fused_moe_fp8_gpt_oss_experts_in_the_interpreter(t, config):  # type: i
 
 
 def test_activation_quantisation_is_bitwise_the_reference_in_the_interpreter() -> None:
-    """_round_e4m3 rounds where the interpreter's cast does not (carries into the next binade)."""
+    """_round_e4m3 rounds where the interpreter's cast does not (carries into the next binade), and
+    keeps the sign of a value that rounds to zero (bits, not only values: -0 is 0x80)."""
     from pagecast.kernels import fused_moe_fp8
 
     x = torch.randn(9, 300, generator=torch.Generator().manual_seed(3)) * 3
     x[2] = 0
-    x[4, :6] = torch.tensor([124.3, 1.9999, -15.9, 0.0005, 448.0, -600.0])  # carries, subnormal, saturation
+    # carries, subnormal, saturation, negatives that round to -0, and -0 itself
+    x[4, :8] = torch.tensor([124.3, 1.9999, -15.9, 0.0005, 448.0, -600.0, -0.0001, -0.0])
     for acts in ("token", "group"):
         q, s = fused_moe_fp8.quantize(x, acts)
         rq, rs = reference.quantize_fp8_activations(x, acts)
-        assert torch.equal(s, rs) and torch.equal(q.float(), rq.float()), acts
+        assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), acts
 
 
 def test_fused_moe_fp8_checks_shapes() -> None:
