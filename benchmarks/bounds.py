@@ -46,7 +46,9 @@ class Shape:
         return 2 * self.layers * self.kv_heads * self.head_dim * element_bytes
 
 
-def serial_bound(shape: Shape, prompt: int, output: int, peak_flops: float, copy_bps: float, kv_bytes: float) -> dict[str, float]:
+def serial_bound(
+    shape: Shape, prompt: int, output: int, peak_flops: float, copy_bps: float, kv_bytes: float
+) -> dict[str, float]:
     """Output tokens/s of one request mix at the serial bound, with its two parts in us per token."""
     body = 2 * shape.layers * shape.layer_params()  # FLOPs of one token through the layers
     head = 2 * shape.hidden * shape.vocab  # the LM head: the last prompt token and every output token
@@ -61,21 +63,29 @@ def serial_bound(shape: Shape, prompt: int, output: int, peak_flops: float, copy
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--peak-tflops", type=float, default=783.0, help="bf16 matmul peak measured on the GPU")
-    ap.add_argument("--copy-gbs", type=float, default=4262.0, help="device copy bandwidth measured on the GPU")
+    ap.add_argument(
+        "--copy-gbs", type=float, default=4262.0, help="device copy bandwidth measured on the GPU"
+    )
     ap.add_argument("--kv-bytes", type=float, default=2.0, help="bytes per KV element: 2 bf16, 1 fp8")
-    ap.add_argument("--matmul-speedup", type=float, default=1.0, help="2 for FP8 weights at twice the bf16 rate")
+    ap.add_argument(
+        "--matmul-speedup", type=float, default=1.0, help="2 for FP8 weights at twice the bf16 rate"
+    )
     ap.add_argument("--measured", default="", help="W1=tok/s,W6=tok/s to set against the bounds")
     args = ap.parse_args()
     measured = {k: float(v) for k, v in (item.split("=") for item in args.measured.split(",") if item)}
     shape = Shape()
     peak = args.peak_tflops * 1e12 * args.matmul_speedup
-    print("| workload | matmul us / token | KV us / token | serial bound tok/s | measured | measured / bound |")
+    print(
+        "| workload | matmul us / token | KV us / token | serial bound tok/s | measured | measured / bound |"
+    )
     print("| --- | --- | --- | --- | --- | --- |")
     for name, (prompt, output) in WORKLOADS.items():
         b = serial_bound(shape, prompt, output, peak, args.copy_gbs * 1e9, args.kv_bytes)
         got = measured.get(name)
         ratio = f"{got / b['tok_s']:.1%}" if got else "-"
-        print(f"| {name} | {b['matmul_us']:.1f} | {b['kv_us']:.1f} | {b['tok_s']:,.0f} | {f'{got:,.0f}' if got else '-'} | {ratio} |")
+        print(
+            f"| {name} | {b['matmul_us']:.1f} | {b['kv_us']:.1f} | {b['tok_s']:,.0f} | {f'{got:,.0f}' if got else '-'} | {ratio} |"
+        )
 
 
 if __name__ == "__main__":
