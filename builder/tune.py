@@ -56,6 +56,8 @@ def model_shapes(state: BuildState) -> dict[str, Any]:
         # sliding layers: their SLIDING variants are compiled too (tuning.compile_window_variants)
         "attn_window": max((layer.attention.sliding_window or 0) for layer in model.layers),
         "activation": model.dense_mlp.activation if model.dense_mlp is not None else "silu",  # MoE-only: no dense MLP
+        "biased": biased_projections(model),
+        "int4_act_order": bool(plan.quantization is not None and getattr(plan.quantization, "desc_act", False)),
         # MoE blocks: the fused-MoE kernel is tuned per token bucket at one rank's expert width.
         "num_experts": model.moe.num_experts if model.moe is not None else 0,
         "top_k": model.moe.top_k if model.moe is not None else 0,
@@ -65,6 +67,19 @@ def model_shapes(state: BuildState) -> dict[str, Any]:
         # kernels') does not hold: compiled untuned, at num_experts / top_k / dtype above.
         "moe_routing": moe_routing_fields(model.moe),
     }
+
+
+def biased_projections(model: Any) -> list[str]:
+    """The projections (tuning.PROJECTIONS) that carry a bias in any layer."""
+    attention = [layer.attention for layer in model.layers]
+    mlp = model.dense_mlp is not None and model.dense_mlp.bias
+    flags = {
+        "qkv": any(a.qkv_bias for a in attention),
+        "o": any(a.o_bias for a in attention),
+        "gate_up": mlp,
+        "down": mlp,
+    }
+    return [name for name, on in flags.items() if on]
 
 
 def moe_routing_fields(moe: Any) -> dict[str, Any] | None:

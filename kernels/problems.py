@@ -419,9 +419,10 @@ def make_problem(
         num_sets = max(1, min(MAX_LAUNCHES, math.ceil(COLD_BYTES / (n * k * _elt(shapes)))))
         weights = [randn(n, k) * k**-0.5 for _ in range(num_sets)]
         rows = randn(m, k)
+        bias = _bias(shapes, dims, n, device, dg)
 
         def gemm(cfg: KernelConfig | None, i: int) -> object:
-            return skinny_gemm.skinny_gemm(rows, weights[i % num_sets], None, config=cfg)
+            return skinny_gemm.skinny_gemm(rows, weights[i % num_sets], bias, config=cfg)
 
         return Problem(kernel, bucket, gemm, num_sets, nbytes, flops)
 
@@ -506,6 +507,16 @@ def make_problem(
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
+def _bias(
+    shapes: ModelShapes, dims: dict[str, int], n: int, device: torch.device, dg: torch.Generator
+) -> torch.Tensor | None:
+    """The projection's bias (in the model's dtype, as the artifact stores it) where the model's
+    has one (ModelShapes.biased): the GEMM kernels' HAS_BIAS variant is what serving launches."""
+    if PROJECTIONS[dims["projection"]] not in shapes.biased:
+        return None
+    return torch.randn((n,), generator=dg, device=device, dtype=shapes.torch_dtype) * 0.02
+
+
 def _w4a16_problem(
     shapes: ModelShapes, dims: dict[str, int], bucket: str, device: torch.device, dg: torch.Generator,
     nbytes: int, flops: int,
@@ -532,19 +543,23 @@ def _w4a16_problem(
         zeros = torch.randint(0, 16, (k // g, n), generator=dg, device=device, dtype=torch.int8)
         weights.append((qweight, scales, zeros))
     rows = torch.randn((m, 2 * k if fused_down else k), generator=dg, device=device, dtype=dtype)
+    bias = _bias(shapes, dims, n, device, dg)
+    # act-order: the artifact's perm (builder/quant.py; every projection but down), as a shuffle
+    has_perm = shapes.int4_act_order and PROJECTIONS[dims["projection"]] != "down"
+    perm = torch.randperm(k, generator=dg, device=device).to(torch.int32) if has_perm else None
 
     def gemm(cfg: KernelConfig | None, i: int) -> object:
         qweight, scales, zeros = weights[i % num_sets]
         if fused_down:
-            return w4a16_gemm.w4a16_silu_and_mul_gemm(rows, qweight, scales, zeros, None, g, None, config=cfg)
-        return w4a16_gemm.w4a16_gemm(rows, qweight, scales, zeros, None, g, None, config=cfg)
+            return w4a16_gemm.w4a16_silu_and_mul_gemm(rows, qweight, scales, zeros, perm, g, bias, config=cfg)
+        return w4a16_gemm.w4a16_gemm(rows, qweight, scales, zeros, perm, g, bias, config=cfg)
 
     dense_sets = max(1, min(MAX_LAUNCHES, math.ceil(COLD_BYTES / (n * k * _elt(shapes)))))
     dense = [torch.randn((n, k), generator=dg, device=device, dtype=dtype) for _ in range(dense_sets)]
 
     def half_gemm(cfg: KernelConfig | None, i: int) -> object:
         x = activation.silu_and_mul(rows) if fused_down else rows
-        return torch.nn.functional.linear(x, dense[i % dense_sets])
+        return torch.nn.functional.linear(x, dense[i % dense_sets], bias)
 
     marks = {"fused_silu": True} if fused_down else {}
     return Problem("w4a16_gemm", bucket, gemm, num_sets, nbytes, flops, reference=half_gemm, marks=marks)
@@ -802,20 +817,21 @@ def _fp8_problem(
         inp = torch.tensor([0.05], device=device) if activations == "static" else None
         weights.append(Fp8LinearWeight(q, s, inp, activations))
     rows = torch.randn((m, k), generator=dg, device=device, dtype=dtype)
+    bias = _bias(shapes, dims, n, device, dg)
 
     def gemm(cfg: KernelConfig | None, i: int) -> object:
-        return fp8_gemm.fp8_linear(rows, weights[i % num_sets], None, cfg)
+        return fp8_gemm.fp8_linear(rows, weights[i % num_sets], bias, cfg)
 
     if fp8_gemm.scaled_mm_supported(m, n, k, block, dtype):
 
         def reference_gemm(cfg: KernelConfig | None, i: int) -> object:
-            return fp8_gemm.fp8_linear(rows, weights[i % num_sets], None, fp8_gemm.SCALED_MM)
+            return fp8_gemm.fp8_linear(rows, weights[i % num_sets], bias, fp8_gemm.SCALED_MM)
 
     else:
         dense_sets = max(1, min(MAX_LAUNCHES, math.ceil(COLD_BYTES / (n * k * _elt(shapes)))))
         dense = [torch.randn((n, k), generator=dg, device=device, dtype=dtype) for _ in range(dense_sets)]
 
         def reference_gemm(cfg: KernelConfig | None, i: int) -> object:
-            return torch.nn.functional.linear(rows, dense[i % dense_sets])
+            return torch.nn.functional.linear(rows, dense[i % dense_sets], bias)
 
     return Problem("fp8_gemm", bucket, gemm, num_sets, nbytes, flops, reference=reference_gemm)

@@ -138,8 +138,18 @@ class ModelShapes:
     # FP8 (W8A8) projections: "<weights>-<activations>" of builder/fp8.py ("channel-token",
     # "channel-static", "block-group"); "" = not FP8.
     fp8: str = ""
+    # Projections (of PROJECTIONS) that carry a bias (Qwen2's qkv; gpt-oss's qkv and o): their GEMMs
+    # are timed, and compiled into the artifact, in the HAS_BIAS variant serving launches.
+    biased: tuple[str, ...] = ()
+    # GPTQ act-order int4 weights: every projection but down reads its inputs through a perm
+    # (builder/quant.py), so those are timed and compiled in their HAS_PERM variant.
+    int4_act_order: bool = False
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "biased", tuple(self.biased))  # a JSON list from the tune subprocess
+        unknown = set(self.biased) - set(PROJECTIONS)
+        if unknown:
+            raise ValueError(f"biased names projections {sorted(unknown)}, not among {PROJECTIONS}")
         if self.num_heads <= 0 or self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads {self.num_heads} must be a positive multiple of num_kv_heads {self.num_kv_heads}"

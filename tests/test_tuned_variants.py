@@ -1,0 +1,129 @@
+"""The build times, and so compiles into the artifact, each projection's GEMM in the variant serving
+launches: with a bias where the model's projection has one (Qwen2's qkv) and, for GPTQ act-order
+int4 weights, with the input perm every projection but down carries. Triton compiles a kernel per
+constexpr, and HAS_BIAS / HAS_PERM are constexprs: before, the tuner launched every projection
+without either, so an act-order or biased model compiled its GEMMs while serving (on the H200, at
+74f99cb, a tiny fp32 act-order Qwen3-MoE's warm-up was still compiling its qkv projection's
+``_w4a16_gemm_kernel`` when its test's 140 s ran out)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from pagecast.builder import pipeline, tune
+from pagecast.builder.ir import BuildOptions
+from pagecast.kernels import fp8_gemm, problems, skinny_gemm, tuning, w4a16_gemm
+
+DIMS = {
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "head_dim": 64,
+    "hidden": 256,
+    "intermediate": 512,
+    "block_size": 16,
+}
+
+
+def _record(monkeypatch, module, name: str, perm_at: int | None, bias_at: int) -> list[tuple[bool, bool]]:  # type: ignore[no-untyped-def]
+    """Replace module.name with a recorder of (perm given, bias given) per call."""
+    calls: list[tuple[bool, bool]] = []
+
+    def recorder(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append((perm_at is not None and args[perm_at] is not None, args[bias_at] is not None))
+
+    monkeypatch.setattr(module, name, recorder)
+    return calls
+
+
+def _launches(kernel: str, shapes: tuning.ModelShapes, calls: list[tuple[bool, bool]]) -> dict[str, set]:
+    """{projection: {(perm, bias), ...}} over every bucket of ``kernel``'s tuning problems."""
+    seen: dict[str, set] = {}
+    for bucket, dims in problems.buckets(kernel, shapes):
+        before = len(calls)
+        problems.make_problem(kernel, shapes, dims, "cpu").launch(None, 0)
+        assert len(calls) == before + 1, bucket
+        seen.setdefault(tuning.PROJECTIONS[dims["projection"]], set()).add(calls[-1])
+    return seen
+
+
+def test_int4_problems_launch_the_perm_and_bias_the_model_has(monkeypatch):  # type: ignore[no-untyped-def]
+    shapes = tuning.ModelShapes(
+        **DIMS, dtype="float32", quant_group_size=32, biased=("qkv",), int4_act_order=True
+    )
+    calls = _record(monkeypatch, w4a16_gemm, "w4a16_gemm", 4, 6)
+    fused = _record(monkeypatch, w4a16_gemm, "w4a16_silu_and_mul_gemm", 4, 6)
+    seen: dict[str, set] = {}
+    for bucket, dims in problems.buckets("w4a16_gemm", shapes):
+        problems.make_problem("w4a16_gemm", shapes, dims, "cpu").launch(None, 0)
+        projection = tuning.PROJECTIONS[dims["projection"]]
+        made = (fused if projection == "down" else calls).pop()  # down is timed with its SiLU folded in
+        assert not calls and not fused, bucket
+        seen.setdefault(projection, set()).add(made)
+    # down: no perm (act-order renumbers its inputs at build), no bias
+    assert seen == {
+        "qkv": {(True, True)},
+        "o": {(True, False)},
+        "gate_up": {(True, False)},
+        "down": {(False, False)},
+    }
+
+
+@pytest.mark.parametrize("kernel", ["skinny_gemm", "fp8_gemm"])
+def test_half_and_fp8_problems_launch_the_bias_the_model_has(kernel, monkeypatch):  # type: ignore[no-untyped-def]
+    extra = {"fp8": "channel-token"} if kernel == "fp8_gemm" else {}
+    shapes = tuning.ModelShapes(**DIMS, dtype="float32", biased=("qkv", "o"), **extra)
+    module, name = (fp8_gemm, "fp8_linear") if kernel == "fp8_gemm" else (skinny_gemm, "skinny_gemm")
+    calls = _record(monkeypatch, module, name, None, 2)
+    seen = _launches(kernel, shapes, calls)
+    assert seen == {
+        "qkv": {(False, True)},
+        "o": {(False, True)},
+        "gate_up": {(False, False)},
+        "down": {(False, False)},
+    }
+
+
+def test_the_build_tells_the_tuner_which_projections_have_a_bias_and_a_perm(
+    tiny_checkpoint_factory, tmp_path, monkeypatch
+):  # type: ignore[no-untyped-def]
+    """model_shapes for a Qwen2 (qkv bias) GPTQ act-order checkpoint, checked against the artifact
+    the same build writes: a perm on exactly the projections int4_act_order says, a bias on exactly
+    those ``biased`` names; a Llama in AWQ has neither."""
+    from quant_writer import Format, write
+
+    seen: list[dict] = []
+
+    def tune_pass(state):  # type: ignore[no-untyped-def]
+        seen.append(tune.model_shapes(state))
+        return tune.run(state)
+
+    monkeypatch.setattr(
+        pipeline, "PASSES", [(n, tune_pass if n == "tune" else r) for n, r in pipeline.PASSES]
+    )
+    built = {}
+    for family, fmt in (("qwen2", Format("gptq", 32, sym=True, desc_act=True)), ("llama", Format("awq", 32))):
+        ckpt, _ = write(tiny_checkpoint_factory(family), tmp_path / family, fmt)
+        out = tmp_path / f"{family}-art"
+        built[family] = pipeline.build(
+            BuildOptions(model=str(ckpt), output=out, gpu="cpu", force=True, quiet=True)
+        )
+    qwen2, llama = seen
+    assert (qwen2["biased"], qwen2["int4_act_order"]) == (["qkv"], True)
+    assert (llama["biased"], llama["int4_act_order"]) == ([], False)
+    fields = {k: v for k, v in qwen2.items() if k not in ("vocab_size", "logits_stride", "moe_routing")}
+    assert tuning.ModelShapes(**fields).biased == ("qkv",)  # as the tune subprocess reads the JSON
+
+    for family, shapes in (("qwen2", qwen2), ("llama", llama)):
+        names = set()
+        for f in sorted((Path(built[family]) / "weights").glob("*.safetensors")):
+            with safe_open(str(f), "pt") as st:
+                names |= set(st.keys())
+        layer0 = {n.split(".", 2)[2] for n in names if n.startswith("layers.0.")}
+        for proj in tuning.PROJECTIONS:
+            has_perm = f"{proj}_proj.perm" in layer0
+            has_bias = f"{proj}_proj.bias" in layer0
+            assert has_perm == (shapes["int4_act_order"] and proj != "down"), (family, proj, sorted(layer0))
+            assert has_bias == (proj in shapes["biased"]), (family, proj, sorted(layer0))
