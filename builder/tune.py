@@ -57,6 +57,7 @@ def model_shapes(state: BuildState) -> dict[str, Any]:
         "attn_window": max((layer.attention.sliding_window or 0) for layer in model.layers),
         "activation": model.dense_mlp.activation if model.dense_mlp is not None else "silu",  # MoE-only: no dense MLP
         "biased": biased_projections(model),
+        "rotary_dim": next((s.attention.rope.rotary_dim for s in model.layers if s.attention.rope is not None), 0),
         "int4_act_order": bool(plan.quantization is not None and getattr(plan.quantization, "desc_act", False)),
         # MoE blocks: the fused-MoE kernel is tuned per token bucket at one rank's expert width.
         "num_experts": model.moe.num_experts if model.moe is not None else 0,

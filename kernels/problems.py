@@ -466,7 +466,8 @@ def make_problem(
         from pagecast.kernels import rope
 
         max_pos = max(shapes.max_model_len, t)
-        cos_sin = rope.cos_sin_cache({"rope_type": "default", "rope_theta": 500000.0}, d, max_pos).to(device)
+        rotary_dim = shapes.rotary_dim or d  # ROTARY_DIM, a constexpr: the model's (partial) width
+        cos_sin = rope.cos_sin_cache({"rope_type": "default", "rope_theta": 500000.0}, rotary_dim, max_pos).to(device)
         qkv = randn(t, (h + 2 * kvh) * d)  # q, k, v as views of one fused projection, as the model has them
         q = qkv[:, : h * d].view(t, h, d)
         k = qkv[:, h * d : (h + kvh) * d].view(t, kvh, d)

@@ -144,9 +144,14 @@ class ModelShapes:
     # GPTQ act-order int4 weights: every projection but down reads its inputs through a perm
     # (builder/quant.py), so those are timed and compiled in their HAS_PERM variant.
     int4_act_order: bool = False
+    # The rotated dimensions of each head when not all of them (partial_rotary_factor, Phi-4-mini's
+    # 0.75): the rotary kernel's ROTARY_DIM constexpr; 0 = head_dim.
+    rotary_dim: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "biased", tuple(self.biased))  # a JSON list from the tune subprocess
+        if self.rotary_dim < 0 or self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+            raise ValueError(f"rotary_dim must be 0 (all of head_dim) or even and at most {self.head_dim}, got {self.rotary_dim}")
         unknown = set(self.biased) - set(PROJECTIONS)
         if unknown:
             raise ValueError(f"biased names projections {sorted(unknown)}, not among {PROJECTIONS}")

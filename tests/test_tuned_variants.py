@@ -127,3 +127,41 @@ def test_the_build_tells_the_tuner_which_projections_have_a_bias_and_a_perm(
             has_bias = f"{proj}_proj.bias" in layer0
             assert has_perm == (shapes["int4_act_order"] and proj != "down"), (family, proj, sorted(layer0))
             assert has_bias == (proj in shapes["biased"]), (family, proj, sorted(layer0))
+
+
+def test_rotary_problem_launches_the_models_rotary_width(monkeypatch):  # type: ignore[no-untyped-def]
+    """A partial-rotary model (Phi-4-mini rotates 0.75 of each head) runs the rotary kernel with
+    ROTARY_DIM = its cos/sin cache's width: the tuner's launches use that width, not head_dim."""
+    from pagecast.kernels import rotary_kv
+
+    widths: list[int] = []
+    monkeypatch.setattr(
+        rotary_kv, "rotary_and_write_kv", lambda *args, **kwargs: widths.append(args[4].shape[-1])
+    )
+    for rotary_dim, expected in ((48, 48), (0, 64)):
+        shapes = tuning.ModelShapes(**DIMS, dtype="float32", rotary_dim=rotary_dim)
+        widths.clear()
+        for _, dims in problems.buckets("rotary_kv", shapes):
+            problems.make_problem("rotary_kv", shapes, dims, "cpu").launch(None, 0)
+        assert widths and set(widths) == {expected}
+
+
+def test_the_build_tells_the_tuner_the_rotary_width(tiny_checkpoint_factory, tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    seen: list[dict] = []
+
+    def tune_pass(state):  # type: ignore[no-untyped-def]
+        seen.append(tune.model_shapes(state))
+        return tune.run(state)
+
+    monkeypatch.setattr(
+        pipeline, "PASSES", [(n, tune_pass if n == "tune" else r) for n, r in pipeline.PASSES]
+    )
+    ckpt = tiny_checkpoint_factory("llama", partial_rotary_factor=0.5)
+    art = pipeline.build(
+        BuildOptions(model=str(ckpt), output=tmp_path / "art", gpu="cpu", force=True, quiet=True)
+    )
+    head_dim = seen[0]["head_dim"]
+    assert seen[0]["rotary_dim"] == head_dim // 2
+    assert (
+        f"ROTARY_DIM = {head_dim // 2}\n" in (Path(art) / "model.py").read_text()
+    )  # what the model launches with
