@@ -57,6 +57,7 @@ def model_shapes(state: BuildState) -> dict[str, Any]:
         "attn_window": max((layer.attention.sliding_window or 0) for layer in model.layers),
         "activation": model.dense_mlp.activation if model.dense_mlp is not None else "silu",  # MoE-only: no dense MLP
         "biased": biased_projections(model),
+        "qk_norm_widths": qk_norm_widths(a, per_rank),
         "rotary_dim": next((s.attention.rope.rotary_dim for s in model.layers if s.attention.rope is not None), 0),
         "int4_act_order": bool(plan.quantization is not None and getattr(plan.quantization, "desc_act", False)),
         # MoE blocks: the fused-MoE kernel is tuned per token bucket at one rank's expert width.
@@ -68,6 +69,16 @@ def model_shapes(state: BuildState) -> dict[str, Any]:
         # kernels') does not hold: compiled untuned, at num_experts / top_k / dtype above.
         "moe_routing": moe_routing_fields(model.moe),
     }
+
+
+def qk_norm_widths(attention: Any, per_rank: Any) -> list[int]:
+    """The row widths the q/k RMSNorms run at on one rank (templates/model.py.j2): each head, or
+    the q and k projections whole (``qk_norm_kind`` "projection")."""
+    if not attention.qk_norm:
+        return []
+    if attention.qk_norm_kind == "projection":
+        return [per_rank.num_heads * attention.head_dim, per_rank.num_kv_heads * attention.head_dim]
+    return [attention.head_dim]
 
 
 def biased_projections(model: Any) -> list[str]:
@@ -133,6 +144,7 @@ def _tune_main(shapes_json: str, budget_s: str) -> None:
     kernels = tuning.KERNELS + (tuning.MOE_KERNELS if shapes.num_experts else ())  # fused MoE for MoE models
     table = tuning.tune(kernels, shapes, budget_s=float(budget_s), device="cuda")
     tuning.compile_window_variants(table, shapes, "cuda")
+    tuning.compile_norm_variants(table, shapes, "cuda")
     copy_gbs = tuning.measure_copy_bandwidth("cuda")
     table["copy_bandwidth_gbs"] = round(copy_gbs, 1)
     rows = tuning.bandwidth_report(table, shapes, copy_gbs)

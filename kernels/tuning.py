@@ -147,9 +147,14 @@ class ModelShapes:
     # The rotated dimensions of each head when not all of them (partial_rotary_factor, Phi-4-mini's
     # 0.75): the rotary kernel's ROTARY_DIM constexpr; 0 = head_dim.
     rotary_dim: int = 0
+    # The row widths of the model's q/k RMSNorms on this rank: (head_dim,) normalising each head
+    # (Qwen3, Gemma 3), the q and k projections' widths normalising them whole (OLMo2, OLMoE); ()
+    # without q/k norms. rms_norm's BLOCK is a constexpr: compile_norm_variants compiles them.
+    qk_norm_widths: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "biased", tuple(self.biased))  # a JSON list from the tune subprocess
+        object.__setattr__(self, "biased", tuple(self.biased))  # JSON lists from the tune subprocess
+        object.__setattr__(self, "qk_norm_widths", tuple(self.qk_norm_widths))
         if self.rotary_dim < 0 or self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
             raise ValueError(f"rotary_dim must be 0 (all of head_dim) or even and at most {self.head_dim}, got {self.rotary_dim}")
         unknown = set(self.biased) - set(PROJECTIONS)
@@ -529,6 +534,29 @@ def compile_window_variants(table: Mapping[str, Any], shapes: ModelShapes, devic
         problem = problems.make_problem(kernel, shapes, buckets[0][1], device, seed=0, window=shapes.attn_window)
         for cfg in configs.values():
             problem.launch(cfg, 0)
+            launches += 1
+    return launches
+
+
+def compile_norm_variants(table: Mapping[str, Any], shapes: ModelShapes, device: torch.device | str) -> int:
+    """Launch rms_norm at each of ``shapes.qk_norm_widths`` with every config serving can pick for
+    it (each in the table's rms_norm entries, whose buckets the q/k norms look up by their own row
+    counts, and the launcher's default at that width), once, so that those BLOCK variants are
+    compiled into TRITON_CACHE_DIR beside the timed hidden-width ones. Returns the launches."""
+    from pagecast.kernels import rms_norm
+
+    launches = 0
+    entries = table.get("kernels", {}).get("rms_norm", {})
+    tabled = [KernelConfig.coerce(lookup(table, "rms_norm", b)) for b in entries]
+    for width in shapes.qk_norm_widths:
+        configs: dict[tuple, KernelConfig] = {}
+        for cfg in [*tabled, rms_norm.default_config(width)]:
+            if cfg is not None:
+                configs.setdefault((tuple(sorted(cfg.params.items())), cfg.num_warps, cfg.num_stages), cfg)
+        x = torch.randn((16, width), device=device, dtype=shapes.torch_dtype)
+        weight = torch.ones((width,), device=device, dtype=shapes.torch_dtype)
+        for cfg in configs.values():
+            rms_norm.rms_norm(x, weight, 1e-6, config=cfg)
             launches += 1
     return launches
 

@@ -165,3 +165,53 @@ def test_the_build_tells_the_tuner_the_rotary_width(tiny_checkpoint_factory, tmp
     assert (
         f"ROTARY_DIM = {head_dim // 2}\n" in (Path(art) / "model.py").read_text()
     )  # what the model launches with
+
+
+def test_q_k_norms_are_compiled_at_their_own_widths(monkeypatch):  # type: ignore[no-untyped-def]
+    """The q/k norms run rms_norm at head_dim (or the q and k projections' widths), not at hidden:
+    another BLOCK. compile_norm_variants launches each width with every config serving can pick:
+    those in the table's rms_norm entries and the launcher's default there."""
+    from pagecast.kernels import rms_norm
+
+    launched: list[tuple[int, int]] = []
+    monkeypatch.setattr(
+        rms_norm, "rms_norm", lambda x, w, eps, config: launched.append((x.shape[1], config.num_warps))
+    )
+    table = {
+        "kernels": {
+            "rms_norm": {
+                "t1": {"config": {"num_warps": 8, "num_stages": 1}},
+                "t64": {"num_warps": 16, "num_stages": 1},
+            }
+        }
+    }
+    shapes = tuning.ModelShapes(**DIMS, dtype="float32", qk_norm_widths=(64, 256, 128))
+    assert tuning.compile_norm_variants(table, shapes, "cpu") == len(launched)
+    default = {w: rms_norm.default_config(w).num_warps for w in (64, 256, 128)}
+    assert set(launched) == {(w, n) for w in (64, 256, 128) for n in (8, 16, default[w])}
+    launched.clear()
+    assert tuning.compile_norm_variants(table, tuning.ModelShapes(**DIMS), "cpu") == 0 and not launched
+
+
+@pytest.mark.parametrize("family", ["qwen3", "olmo2", "llama"])
+def test_the_build_tells_the_tuner_its_q_k_norm_widths(
+    family, tiny_checkpoint_factory, tmp_path, monkeypatch
+):  # type: ignore[no-untyped-def]
+    seen: list[dict] = []
+
+    def tune_pass(state):  # type: ignore[no-untyped-def]
+        seen.append(tune.model_shapes(state))
+        return tune.run(state)
+
+    monkeypatch.setattr(
+        pipeline, "PASSES", [(n, tune_pass if n == "tune" else r) for n, r in pipeline.PASSES]
+    )
+    ckpt = tiny_checkpoint_factory(family)
+    pipeline.build(BuildOptions(model=str(ckpt), output=tmp_path / "art", gpu="cpu", force=True, quiet=True))
+    s = seen[0]
+    expected = {
+        "qwen3": [s["head_dim"]],  # each head
+        "olmo2": [s["num_heads"] * s["head_dim"], s["num_kv_heads"] * s["head_dim"]],  # q and k whole
+        "llama": [],
+    }
+    assert s["qk_norm_widths"] == expected[family]
