@@ -49,6 +49,23 @@ def _launches(kernel: str, shapes: tuning.ModelShapes, calls: list[tuple[bool, b
     return seen
 
 
+def _build(checkpoint: Path, output: Path, monkeypatch) -> tuple[Path, dict]:  # type: ignore[no-untyped-def]
+    """A CPU build of ``checkpoint``, and the model_shapes its tune pass would hand the tuner."""
+    seen: list[dict] = []
+
+    def tune_pass(state):  # type: ignore[no-untyped-def]
+        seen.append(tune.model_shapes(state))
+        return tune.run(state)
+
+    monkeypatch.setattr(
+        pipeline, "PASSES", [(n, tune_pass if n == "tune" else r) for n, r in pipeline.PASSES]
+    )
+    art = pipeline.build(
+        BuildOptions(model=str(checkpoint), output=output, gpu="cpu", force=True, quiet=True)
+    )
+    return Path(art), seen[-1]
+
+
 def test_int4_problems_launch_the_perm_and_bias_the_model_has(monkeypatch):  # type: ignore[no-untyped-def]
     shapes = tuning.ModelShapes(
         **DIMS, dtype="float32", quant_group_size=32, biased=("qkv",), int4_act_order=True
@@ -94,23 +111,11 @@ def test_the_build_tells_the_tuner_which_projections_have_a_bias_and_a_perm(
     those ``biased`` names; a Llama in AWQ has neither."""
     from quant_writer import Format, write
 
-    seen: list[dict] = []
-
-    def tune_pass(state):  # type: ignore[no-untyped-def]
-        seen.append(tune.model_shapes(state))
-        return tune.run(state)
-
-    monkeypatch.setattr(
-        pipeline, "PASSES", [(n, tune_pass if n == "tune" else r) for n, r in pipeline.PASSES]
-    )
-    built = {}
+    built, seen = {}, {}
     for family, fmt in (("qwen2", Format("gptq", 32, sym=True, desc_act=True)), ("llama", Format("awq", 32))):
         ckpt, _ = write(tiny_checkpoint_factory(family), tmp_path / family, fmt)
-        out = tmp_path / f"{family}-art"
-        built[family] = pipeline.build(
-            BuildOptions(model=str(ckpt), output=out, gpu="cpu", force=True, quiet=True)
-        )
-    qwen2, llama = seen
+        built[family], seen[family] = _build(ckpt, tmp_path / f"{family}-art", monkeypatch)
+    qwen2, llama = seen["qwen2"], seen["llama"]
     assert (qwen2["biased"], qwen2["int4_act_order"]) == (["qkv"], True)
     assert (llama["biased"], llama["int4_act_order"]) == ([], False)
     fields = {k: v for k, v in qwen2.items() if k not in ("vocab_size", "logits_stride", "moe_routing")}
@@ -118,7 +123,7 @@ def test_the_build_tells_the_tuner_which_projections_have_a_bias_and_a_perm(
 
     for family, shapes in (("qwen2", qwen2), ("llama", llama)):
         names = set()
-        for f in sorted((Path(built[family]) / "weights").glob("*.safetensors")):
+        for f in sorted((built[family] / "weights").glob("*.safetensors")):
             with safe_open(str(f), "pt") as st:
                 names |= set(st.keys())
         layer0 = {n.split(".", 2)[2] for n in names if n.startswith("layers.0.")}
@@ -147,24 +152,12 @@ def test_rotary_problem_launches_the_models_rotary_width(monkeypatch):  # type: 
 
 
 def test_the_build_tells_the_tuner_the_rotary_width(tiny_checkpoint_factory, tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
-    seen: list[dict] = []
-
-    def tune_pass(state):  # type: ignore[no-untyped-def]
-        seen.append(tune.model_shapes(state))
-        return tune.run(state)
-
-    monkeypatch.setattr(
-        pipeline, "PASSES", [(n, tune_pass if n == "tune" else r) for n, r in pipeline.PASSES]
+    art, shapes = _build(
+        tiny_checkpoint_factory("llama", partial_rotary_factor=0.5), tmp_path / "art", monkeypatch
     )
-    ckpt = tiny_checkpoint_factory("llama", partial_rotary_factor=0.5)
-    art = pipeline.build(
-        BuildOptions(model=str(ckpt), output=tmp_path / "art", gpu="cpu", force=True, quiet=True)
-    )
-    head_dim = seen[0]["head_dim"]
-    assert seen[0]["rotary_dim"] == head_dim // 2
-    assert (
-        f"ROTARY_DIM = {head_dim // 2}\n" in (Path(art) / "model.py").read_text()
-    )  # what the model launches with
+    head_dim = shapes["head_dim"]
+    assert shapes["rotary_dim"] == head_dim // 2
+    assert f"ROTARY_DIM = {head_dim // 2}\n" in (art / "model.py").read_text()  # what the model launches with
 
 
 def test_q_k_norms_are_compiled_at_their_own_widths(monkeypatch):  # type: ignore[no-untyped-def]
@@ -197,18 +190,7 @@ def test_q_k_norms_are_compiled_at_their_own_widths(monkeypatch):  # type: ignor
 def test_the_build_tells_the_tuner_its_q_k_norm_widths(
     family, tiny_checkpoint_factory, tmp_path, monkeypatch
 ):  # type: ignore[no-untyped-def]
-    seen: list[dict] = []
-
-    def tune_pass(state):  # type: ignore[no-untyped-def]
-        seen.append(tune.model_shapes(state))
-        return tune.run(state)
-
-    monkeypatch.setattr(
-        pipeline, "PASSES", [(n, tune_pass if n == "tune" else r) for n, r in pipeline.PASSES]
-    )
-    ckpt = tiny_checkpoint_factory(family)
-    pipeline.build(BuildOptions(model=str(ckpt), output=tmp_path / "art", gpu="cpu", force=True, quiet=True))
-    s = seen[0]
+    _, s = _build(tiny_checkpoint_factory(family), tmp_path / "art", monkeypatch)
     expected = {
         "qwen3": [s["head_dim"]],  # each head
         "olmo2": [s["num_heads"] * s["head_dim"], s["num_kv_heads"] * s["head_dim"]],  # q and k whole
