@@ -54,11 +54,41 @@ print(json.dumps({"at_start": at_start, "while_serving": while_serving}))
 # at their own sizes (not padded to a graph's) until their graph is captured.
 @pytest.mark.parametrize(("vocab", "graphs"), [(128_256, "eager"), (3001, "eager"), (128_256, "lazy")])
 def test_serving_every_sampling_feature_compiles_nothing(tmp_path: Path, vocab: int, graphs: str) -> None:
+    ckpt = make_checkpoint(tmp_path / "ckpt", "llama", tokenizer=False, vocab_size=vocab)
+    _assert_serving_compiles_nothing(ckpt, tmp_path / "art", graphs)
+
+
+# Each a constexpr the tuner once launched only one way, so serving compiled the other
+# (tests/test_tuned_variants.py checks the tuner's launches on the CPU): Qwen2's qkv bias, Qwen3's
+# per-head q/k norms, OLMo2's whole-projection q/k norms, a partial rotary width, and GPTQ act-order
+# int4 projections (their input perm) with a bias.
+FAMILY_VARIANTS = {
+    "qwen2-bias": ("qwen2", {}, None),
+    "qwen3-qk-norm": ("qwen3", {}, None),
+    "olmo2-projection-norm": ("olmo2", {}, None),
+    "llama-partial-rotary": ("llama", {"partial_rotary_factor": 0.5}, None),
+    "qwen2-gptq-act-order": ("qwen2", {}, "gptq-act-order"),
+}
+
+
+@pytest.mark.parametrize("variant", list(FAMILY_VARIANTS))
+def test_model_variants_compile_nothing_while_serving(tmp_path: Path, variant: str) -> None:
+    family, overrides, quant = FAMILY_VARIANTS[variant]
+    ckpt = make_checkpoint(tmp_path / "ckpt", family, tokenizer=False, **overrides)
+    if quant is not None:
+        from quant_writer import Format, write
+
+        ckpt, _ = write(ckpt, tmp_path / "q", Format("gptq", 32, sym=True, desc_act=True))
+    _assert_serving_compiles_nothing(ckpt, tmp_path / "art", "eager")
+
+
+def _assert_serving_compiles_nothing(ckpt: Path, out: Path, graphs: str) -> None:
+    """Build ``ckpt`` on this GPU, serve every sampling feature in a fresh process whose Triton
+    cache is the artifact's, and assert nothing compiled, at start or while serving."""
     from pagecast.runtime.kernel_cache import TritonCompiles
 
-    ckpt = make_checkpoint(tmp_path / "ckpt", "llama", tokenizer=False, vocab_size=vocab)
     built = TritonCompiles()  # what the build compiles into the artifact, to compare on failure
-    art = build_artifact(ckpt, tmp_path / "art", gpu="auto", dtype="bfloat16", tune_budget_s=10.0)
+    art = build_artifact(ckpt, out, gpu="auto", dtype="bfloat16", tune_budget_s=10.0)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
         [sys.executable, "-c", SERVE_EVERY_FEATURE, str(art), str(Path(__file__).parent), graphs],
