@@ -56,7 +56,7 @@ def model_shapes(state: BuildState) -> dict[str, Any]:
         # sliding layers: their SLIDING variants are compiled too (tuning.compile_window_variants)
         "attn_window": max((layer.attention.sliding_window or 0) for layer in model.layers),
         "activation": model.dense_mlp.activation if model.dense_mlp is not None else "silu",  # MoE-only: no dense MLP
-        "biased": biased_projections(model),
+        "biased": biased_projections(model, plan.tp),
         "qk_norm_widths": qk_norm_widths(a, per_rank),
         "rotary_dim": next((s.attention.rope.rotary_dim for s in model.layers if s.attention.rope is not None), 0),
         "int4_act_order": bool(plan.quantization is not None and getattr(plan.quantization, "desc_act", False)),
@@ -81,15 +81,17 @@ def qk_norm_widths(attention: Any, per_rank: Any) -> list[int]:
     return [attention.head_dim]
 
 
-def biased_projections(model: Any) -> list[str]:
-    """The projections (tuning.PROJECTIONS) that carry a bias in any layer."""
+def biased_projections(model: Any, tp: int) -> list[str]:
+    """The projections (tuning.PROJECTIONS) whose GEMM adds a bias: those with one in any layer,
+    less, at tp > 1, the row-parallel o and down (kernels/ops.row_parallel_linear adds their bias
+    after the all-reduce, so their GEMMs run without one)."""
     attention = [layer.attention for layer in model.layers]
     mlp = model.dense_mlp is not None and model.dense_mlp.bias
     flags = {
         "qkv": any(a.qkv_bias for a in attention),
-        "o": any(a.o_bias for a in attention),
+        "o": tp == 1 and any(a.o_bias for a in attention),
         "gate_up": mlp,
-        "down": mlp,
+        "down": tp == 1 and mlp,
     }
     return [name for name, on in flags.items() if on]
 

@@ -138,8 +138,9 @@ class ModelShapes:
     # FP8 (W8A8) projections: "<weights>-<activations>" of builder/fp8.py ("channel-token",
     # "channel-static", "block-group"); "" = not FP8.
     fp8: str = ""
-    # Projections (of PROJECTIONS) that carry a bias (Qwen2's qkv; gpt-oss's qkv and o): their GEMMs
-    # are timed, and compiled into the artifact, in the HAS_BIAS variant serving launches.
+    # Projections (of PROJECTIONS) whose GEMM adds a bias (Qwen2's qkv; gpt-oss's qkv and o, but
+    # not o at tp > 1, which adds it after the all-reduce): timed, and compiled into the artifact,
+    # in the HAS_BIAS variant serving launches (builder/tune.biased_projections).
     biased: tuple[str, ...] = ()
     # GPTQ act-order int4 weights: every projection but down reads its inputs through a perm
     # (builder/quant.py), so those are timed and compiled in their HAS_PERM variant.

@@ -197,3 +197,20 @@ def test_the_build_tells_the_tuner_its_q_k_norm_widths(
         "llama": [],
     }
     assert s["qk_norm_widths"] == expected[family]
+
+
+def test_row_parallel_projections_add_their_bias_after_the_all_reduce() -> None:
+    """At tp > 1, o and down run their GEMMs without the bias (ops.row_parallel_linear adds it once,
+    after the sum): the tuner must time them without one there, and with one at tp 1."""
+    from types import SimpleNamespace
+
+    attention = SimpleNamespace(qkv_bias=True, o_bias=True)
+    model = SimpleNamespace(
+        layers=[SimpleNamespace(attention=attention)] * 2, dense_mlp=SimpleNamespace(bias=True)
+    )
+    assert tune.biased_projections(model, 1) == ["qkv", "o", "gate_up", "down"]
+    assert tune.biased_projections(model, 2) == ["qkv", "gate_up"]
+    plain = SimpleNamespace(
+        layers=[SimpleNamespace(attention=SimpleNamespace(qkv_bias=False, o_bias=False))], dense_mlp=None
+    )
+    assert tune.biased_projections(plain, 1) == []
