@@ -75,7 +75,7 @@ def _round_e4m3(v):
     inv = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 1 / step, exactly
     r = ((a * inv + 12582912.0) - 12582912.0) * step  # 1.5 * 2^23: rounds to an integer, ties to even
     # v's sign bit onto r, as the cast keeps it: a tiny negative v is -0 in e4m3. (Triton's unary
-    # minus is 0 - r, which is +0 for r = 0: 21% of 200 random [37, 2048] rows had such a zero.)
+    # minus is 0 - r, +0 for r = 0: on an H200, 42 of 200 random [37, 2048] inputs had such a zero.)
     sign = v.to(tl.uint32, bitcast=True) & 0x80000000
     return (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
