@@ -158,6 +158,31 @@ def _tile_rows(
 
 
 @triton.jit
+def _tile_epilogue(
+    acc, acc_up, b_ptr, expert, stride_be, weights_ptr, c_ptr, stride_cm, offs_m, pair, m_ok, offs_n, n_ok, N,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+    MUL_ROUTING_WEIGHT: tl.constexpr,
+):  # fmt: skip
+    """A tile's fp32 sums to its output rows, as every MoE tile kernel ends: the expert's biases
+    (HAS_BIAS), the activation of gate and up (ACTIVATION), then gate_up stores in sorted order, or
+    down (MUL_ROUTING_WEIGHT) scales each row by its routing weight and scatters it to pair order."""
+    if HAS_BIAS:
+        b_base = b_ptr + expert.to(tl.int64) * stride_be
+        acc += tl.load(b_base + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if ACTIVATION != 0:
+            acc_up += tl.load(b_base + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if ACTIVATION != 0:
+        acc = _activate(acc, acc_up, ACTIVATION, ALPHA, LIMIT)
+    if MUL_ROUTING_WEIGHT:
+        acc *= tl.load(weights_ptr + pair, mask=m_ok, other=0.0)[:, None]
+        c_rows = pair.to(tl.int64)
+    else:
+        c_rows = offs_m.to(tl.int64)
+    c_ptrs = c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr,  # gate_up: x [T, K]; down: intermediate [max_blocks * BLOCK_M, K] in sorted order
     w_ptr,  # [E, N_w, K]: N_w = 2N (gate rows, then up rows) with an activation, else N
@@ -214,20 +239,10 @@ def _moe_gemm_kernel(
                 other=0.0,
             )
             acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
-    if HAS_BIAS:
-        b_base = b_ptr + expert.to(tl.int64) * stride_be
-        acc += tl.load(b_base + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if ACTIVATION != 0:
-            acc_up += tl.load(b_base + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if ACTIVATION != 0:
-        acc = _activate(acc, acc_up, ACTIVATION, ALPHA, LIMIT)
-    if MUL_ROUTING_WEIGHT:
-        acc *= tl.load(weights_ptr + pair, mask=m_ok, other=0.0)[:, None]
-        c_rows = pair.to(tl.int64)
-    else:
-        c_rows = offs_m.to(tl.int64)
-    c_ptrs = c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    _tile_epilogue(
+        acc, acc_up, b_ptr, expert, stride_be, weights_ptr, c_ptr, stride_cm, offs_m, pair, m_ok, offs_n, n_ok, N,
+        HAS_BIAS, ACTIVATION, ALPHA, LIMIT, MUL_ROUTING_WEIGHT,
+    )  # fmt: skip
 
 
 @triton.jit

@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from pagecast.kernels import fused_moe, reference
-from pagecast.kernels.fused_moe import _activate, _tile_block, _tile_rows
+from pagecast.kernels.fused_moe import _activate, _tile_block, _tile_epilogue, _tile_rows
 from pagecast.kernels.tuning import KernelConfig, num_sms
 
 GROUP = reference.FP8_GROUP
@@ -221,20 +221,10 @@ def _moe_fp8_gemm_kernel(
         acc = acc * sa * tl.load(s_base + offs_n, mask=n_ok, other=0.0)[None, :]
         if ACTIVATION != 0:
             acc_up = acc_up * sa * tl.load(s_base + N + offs_n, mask=n_ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        b_base = b_ptr + expert.to(tl.int64) * stride_be
-        acc += tl.load(b_base + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if ACTIVATION != 0:
-            acc_up += tl.load(b_base + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if ACTIVATION != 0:
-        acc = _activate(acc, acc_up, ACTIVATION, ALPHA, LIMIT)
-    if MUL_ROUTING_WEIGHT:
-        acc *= tl.load(weights_ptr + pair, mask=m_ok, other=0.0)[:, None]
-        c_rows = pair.to(tl.int64)
-    else:
-        c_rows = offs_m.to(tl.int64)
-    c_ptrs = c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    _tile_epilogue(
+        acc, acc_up, b_ptr, expert, stride_be, weights_ptr, c_ptr, stride_cm, offs_m, pair, m_ok, offs_n, n_ok, N,
+        HAS_BIAS, ACTIVATION, ALPHA, LIMIT, MUL_ROUTING_WEIGHT,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- the GEMV path

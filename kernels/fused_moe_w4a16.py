@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from pagecast.kernels import fused_moe, reference
-from pagecast.kernels.fused_moe import _activate, _tile_block, _tile_rows
+from pagecast.kernels.fused_moe import _activate, _tile_block, _tile_epilogue, _tile_rows
 from pagecast.kernels.quant_linear import Int4ExpertsWeight
 from pagecast.kernels.tuning import KernelConfig, num_sms
 
@@ -136,18 +136,11 @@ def _moe_w4a16_gemm_kernel(
         if ACTIVATION != 0:
             w_up = _dequant_tile(qw_base, s_base, z_base, k0, N + offs_n, n_ok, K, n_w, GROUP, BLOCK_K, BLOCK_N)
             acc_up = tl.dot(a, w_up.to(a.dtype), acc_up, input_precision=DOT_PRECISION)
-    if ACTIVATION != 0:
-        acc = _activate(acc, acc_up, ACTIVATION, ALPHA, LIMIT)
-    if MUL_ROUTING_WEIGHT:
-        acc *= tl.load(weights_ptr + pair, mask=m_ok, other=0.0)[:, None]
-        c_rows = pair.to(tl.int64)
-    else:
-        c_rows = offs_m.to(tl.int64)
-    tl.store(
-        c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :],
-        acc.to(c_ptr.dtype.element_ty),
-        mask=m_ok[:, None] & n_ok[None, :],
-    )
+    # no expert biases here: HAS_BIAS False, so b_ptr (weights_ptr again) and its stride go unused
+    _tile_epilogue(
+        acc, acc_up, weights_ptr, expert, 0, weights_ptr, c_ptr, stride_cm, offs_m, pair, m_ok, offs_n, n_ok, N,
+        False, ACTIVATION, ALPHA, LIMIT, MUL_ROUTING_WEIGHT,
+    )  # fmt: skip
 
 
 @triton.jit
