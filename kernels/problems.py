@@ -609,6 +609,33 @@ def moe_bound(
     }
 
 
+def _moe_routings(shapes: ModelShapes, t: int, device: torch.device) -> list[tuple[torch.Tensor, list[tuple]]]:
+    """MOE_ROUTINGS routings of ``moe_topk_ids``: (topk_ids on ``device``, the naive loop's (expert,
+    token rows, slots) of every visited expert), the visits found here once, so that the timed loop
+    needs no host sync."""
+    routings = []
+    for seed in range(MOE_ROUTINGS):
+        ids_cpu = moe_topk_ids(shapes, t, seed)
+        visits = [(ex, *(v.to(device) for v in torch.where(ids_cpu == ex))) for ex in ids_cpu.unique().tolist()]
+        routings.append((ids_cpu.to(device), visits))
+    return routings
+
+
+def _naive_loop(
+    x: torch.Tensor, topk_weights: torch.Tensor, visits: list[tuple], act: tuple,
+    gate_up: Callable[[int, torch.Tensor], torch.Tensor], down: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:  # fmt: skip
+    """The tuner's per-expert baseline over ``_moe_routings``' visits: each visited expert's rows
+    through ``gate_up(e, rows)``, the activation (``act``: the model's name, alpha and limit), then
+    ``down(e, rows)``, weighted and added into the output in x's dtype."""
+    out = torch.zeros_like(x)
+    for ex, token, slot in visits:
+        y = gate_up(ex, x[token])
+        y = activation.silu_and_mul(y) if act[0] == "silu" else reference.moe_activation(y, *act)
+        out.index_add_(0, token, (down(ex, y) * topk_weights[token, slot, None]).to(x.dtype))
+    return out
+
+
 def _moe_problem(
     shapes: ModelShapes, dims: dict[str, int], bucket: str, device: torch.device, dg: torch.Generator,
     nbytes: int, flops: int,
@@ -637,24 +664,15 @@ def _moe_problem(
     act = (shapes.moe_activation, shapes.moe_alpha, shapes.moe_limit)
     x = torch.randn((t, h), generator=dg, device=device, dtype=dtype)
     topk_weights = torch.rand((t, k), generator=dg, device=device).softmax(-1)
-    routings = []  # (topk_ids, the naive loop's (expert, token rows, slots) of every visited expert)
-    for seed in range(MOE_ROUTINGS):
-        ids_cpu = moe_topk_ids(shapes, t, seed)
-        visits = []
-        for ex in ids_cpu.unique().tolist():
-            token, slot = torch.where(ids_cpu == ex)
-            visits.append((ex, token.to(device), slot.to(device)))
-        routings.append((ids_cpu.to(device), visits))
+    routings = _moe_routings(shapes, t, device)
 
     def naive(i_set: int) -> torch.Tensor:
         w_gate_up, w_down = sets[i_set % num_sets]
-        out = torch.zeros_like(x)
-        for ex, token, slot in routings[i_set % MOE_ROUTINGS][1]:
-            y = torch.nn.functional.linear(x[token], w_gate_up[ex], None if b_gate_up is None else b_gate_up[ex])
-            y = activation.silu_and_mul(y) if act[0] == "silu" else reference.moe_activation(y, *act)
-            y = torch.nn.functional.linear(y, w_down[ex], None if b_down is None else b_down[ex])
-            out.index_add_(0, token, (y * topk_weights[token, slot, None]).to(dtype))
-        return out
+        return _naive_loop(
+            x, topk_weights, routings[i_set % MOE_ROUTINGS][1], act,
+            lambda ex, rows: torch.nn.functional.linear(rows, w_gate_up[ex], None if b_gate_up is None else b_gate_up[ex]),
+            lambda ex, rows: torch.nn.functional.linear(rows, w_down[ex], None if b_down is None else b_down[ex]),
+        )  # fmt: skip
 
     def launch(cfg: KernelConfig | None, i_set: int) -> object:
         if fused_moe.is_naive(cfg):
@@ -705,21 +723,18 @@ def _moe_w4a16_problem(
     sets = [(experts(2 * i, h), experts(h, i)) for _ in range(num_sets)]
     x = torch.randn((t, h), generator=dg, device=device, dtype=dtype)
     topk_weights = torch.rand((t, k), generator=dg, device=device).softmax(-1)
-    routings = []
-    for seed in range(MOE_ROUTINGS):
-        ids_cpu = moe_topk_ids(shapes, t, seed)
-        visits = [(ex, *(v.to(device) for v in torch.where(ids_cpu == ex))) for ex in ids_cpu.unique().tolist()]
-        routings.append((ids_cpu.to(device), visits))
+    routings = _moe_routings(shapes, t, device)
+
+    def int4(w: Int4ExpertsWeight) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        def gemm(ex: int, rows: torch.Tensor) -> torch.Tensor:
+            one = w.expert(ex)
+            return w4a16_gemm.w4a16_gemm(rows, one.qweight, one.scales, one.zeros, None, one.group_size)
+
+        return gemm
 
     def naive(i_set: int) -> torch.Tensor:
         w_gate_up, w_down = sets[i_set % num_sets]
-        out = torch.zeros_like(x)
-        for ex, token, slot in routings[i_set % MOE_ROUTINGS][1]:
-            gu, d = w_gate_up.expert(ex), w_down.expert(ex)
-            y = w4a16_gemm.w4a16_gemm(x[token], gu.qweight, gu.scales, gu.zeros, None, gu.group_size)
-            y = w4a16_gemm.w4a16_gemm(activation.silu_and_mul(y), d.qweight, d.scales, d.zeros, None, d.group_size)
-            out.index_add_(0, token, (y * topk_weights[token, slot, None]).to(dtype))
-        return out
+        return _naive_loop(x, topk_weights, routings[i_set % MOE_ROUTINGS][1], ("silu",), int4(w_gate_up), int4(w_down))
 
     def launch(cfg: KernelConfig | None, i_set: int) -> object:
         if fused_moe_w4a16.is_naive(cfg):
@@ -765,21 +780,15 @@ def _moe_fp8_problem(
     act = (shapes.moe_activation, shapes.moe_alpha, shapes.moe_limit)
     x = torch.randn((t, h), generator=dg, device=device, dtype=dtype)
     topk_weights = torch.rand((t, k), generator=dg, device=device).softmax(-1)
-    routings = []
-    for seed in range(MOE_ROUTINGS):
-        ids_cpu = moe_topk_ids(shapes, t, seed)
-        visits = [(ex, *(v.to(device) for v in torch.where(ids_cpu == ex))) for ex in ids_cpu.unique().tolist()]
-        routings.append((ids_cpu.to(device), visits))
+    routings = _moe_routings(shapes, t, device)
 
     def naive(i_set: int) -> torch.Tensor:
         w_gu, s_gu, w_d, s_d = sets[i_set % num_sets]
-        out = torch.zeros_like(x)
-        for ex, token, slot in routings[i_set % MOE_ROUTINGS][1]:
-            y = fp8_gemm.fp8_linear(x[token], Fp8LinearWeight(w_gu[ex], s_gu[ex], None, acts), None if b_gu is None else b_gu[ex])
-            y = activation.silu_and_mul(y) if act[0] == "silu" else reference.moe_activation(y, *act)
-            y = fp8_gemm.fp8_linear(y, Fp8LinearWeight(w_d[ex], s_d[ex], None, acts), None if b_d is None else b_d[ex])
-            out.index_add_(0, token, (y * topk_weights[token, slot, None]).to(dtype))
-        return out
+        return _naive_loop(
+            x, topk_weights, routings[i_set % MOE_ROUTINGS][1], act,
+            lambda ex, rows: fp8_gemm.fp8_linear(rows, Fp8LinearWeight(w_gu[ex], s_gu[ex], None, acts), None if b_gu is None else b_gu[ex]),
+            lambda ex, rows: fp8_gemm.fp8_linear(rows, Fp8LinearWeight(w_d[ex], s_d[ex], None, acts), None if b_d is None else b_d[ex]),
+        )  # fmt: skip
 
     def launch(cfg: KernelConfig | None, i_set: int) -> object:
         if fused_moe.is_naive(cfg):
