@@ -20,11 +20,13 @@ in and out (problems.problem_size), against the weight-streaming bound; TFLOP/s 
 binding bound's time over the measured time (problems.moe_bound).
 
     python benchmarks/moe.py [--shapes qwen3-30b-a3b,mixtral-8x7b] [--tokens 1,16,256,4096]
-                             [--no-sweep] [--out DIR] [--fp8 channel|block]
+                             [--no-sweep] [--out DIR] [--fp8 channel|block | --int4 GROUP]
 
 ``--fp8``: FP8 experts (kernel "fused_moe_fp8") against the per-expert loop of the dense FP8 GEMM;
 the compute bound is still the measured bf16 peak (FP8's is about twice that), so prefill
-fractions read high.
+fractions read high. ``--int4 GROUP``: AWQ/GPTQ-style int4 experts of that group size (kernel
+"fused_moe_w4a16", bf16 activations) against the per-expert loop of dense W4A16 GEMMs. With either,
+``bf16_default`` is the bf16 fused kernel at its default config on the same bucket, for scale.
 
 One JSON line per figure (also DIR/moe.jsonl with --out), then a table.
 """
@@ -127,7 +129,12 @@ def main() -> None:
     ap.add_argument("--fp8", choices=("channel", "block"), default=None,
                     help="FP8 experts (kernels/fused_moe_fp8.py): per-channel or 128x128-block scales, against "
                          "the per-expert loop of the dense FP8 GEMM")  # fmt: skip
+    ap.add_argument("--int4", type=int, default=None, metavar="GROUP",
+                    help="int4 experts of this group size (kernels/fused_moe_w4a16.py), against the per-expert "
+                         "loop of dense W4A16 GEMMs")  # fmt: skip
     args = ap.parse_args()
+    if args.fp8 and args.int4:
+        ap.error("--fp8 and --int4 are two kinds of experts: give one")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
 
@@ -143,11 +150,14 @@ def main() -> None:
             "bf16_mm_tflop_s": round(peak, 1)})  # fmt: skip
     table = []
     for name in args.shapes.split(","):
-        shapes = SHAPES[name]
+        bf16 = shapes = SHAPES[name]
         kernel = "fused_moe"
         if args.fp8:
             shapes = dataclasses.replace(shapes, fp8="channel-token" if args.fp8 == "channel" else "block-group")
             kernel = "fused_moe_fp8"
+        if args.int4:
+            shapes = dataclasses.replace(shapes, quant_group_size=args.int4)
+            kernel = "fused_moe_w4a16"
         for t in (int(v) for v in args.tokens.split(",")):
             dims = {"num_tokens": t}
             problem = problems.make_problem(kernel, shapes, dims, "cuda")
@@ -178,7 +188,7 @@ def main() -> None:
                             "error": f"{type(exc).__name__}: {str(exc)[:200]}"})  # fmt: skip
                     torch.cuda.synchronize()
             rows = [("naive", naive_us, fused_moe.NAIVE)]
-            eager_us = naive_eager_us(shapes, t, args.reps) if not args.fp8 else None
+            eager_us = naive_eager_us(shapes, t, args.reps) if kernel == "fused_moe" else None
             if timed and timed[0][1] is default:
                 rows.append(("fused_default", timed[0][0], default))
             if timed:
@@ -186,13 +196,20 @@ def main() -> None:
                 rows.append(("fused_best", best_us, best_cfg))
             if eager_us is not None:
                 rows.append(("naive_eager", eager_us, fused_moe.NAIVE))
+            del problem, time_cfg, naive_out  # the experts, before another bucket's are drawn
+            if kernel != "fused_moe":  # quantised experts: the bf16 kernel on the same bucket, for scale
+                half = problems.make_problem("fused_moe", bf16, dims, "cuda")
+                half_cfg = problems.default_config("fused_moe", bf16, dims)
+                half_us = tuning.time_launches(functools.partial(half.launch, half_cfg), half.launches_per_sample(), args.reps)
+                rows.append(("bf16_default", half_us, half_cfg))
+                del half
             for variant, us, cfg in rows:
-                bound = problems.moe_bound(shapes, dims, us, copy_gbs, peak, kernel)
+                half_row = variant == "bf16_default"
+                bound = problems.moe_bound(bf16 if half_row else shapes, dims, us, copy_gbs, peak, "fused_moe" if half_row else kernel)
                 row = {"figure": kernel, "shape": name, "tokens": t, "variant": variant, "time_us": round(us, 2),
                        "speedup_vs_naive": round(naive_us / us, 3), **bound, "config": cfg.as_dict()}  # fmt: skip
                 record(row)
                 table.append(row)
-            del problem
             torch.cuda.empty_cache()
 
     print(f"\ncopy {copy_gbs:.0f} GB/s, bf16 mm {peak:.0f} TFLOP/s")
