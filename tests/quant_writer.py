@@ -232,3 +232,22 @@ def write_fp8(src: Path, dst: Path, fmt: str, input_scales: dict[str, float] | N
     config["torch_dtype"] = config["dtype"] = "bfloat16"
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst, deq
+
+
+def quantised_artifacts(tiny_checkpoint_factory, tmp_path_factory, spec):  # type: ignore[no-untyped-def]
+    """``make(case)`` -> (quantised checkpoint, its exact dequantisation, a CPU artifact of it), each
+    made once per case: ``spec(case)`` gives (family, checkpoint overrides, Format)."""
+    from conftest import build_artifact
+
+    made: dict[str, tuple[Path, Path, Path]] = {}
+
+    def make(case: str) -> tuple[Path, Path, Path]:
+        if case not in made:
+            family, overrides, fmt = spec(case)
+            src = tiny_checkpoint_factory(family, **overrides)
+            root = tmp_path_factory.mktemp(f"quant-{case}")
+            ckpt, deq = write(src, root / case, fmt)
+            made[case] = (ckpt, deq, build_artifact(ckpt, root / "engine", gpu="cpu"))
+        return made[case]
+
+    return make

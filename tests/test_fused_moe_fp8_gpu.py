@@ -18,15 +18,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
+from test_fused_moe_gpu import DT, rel_err
+
 from pagecast.kernels import fused_moe, fused_moe_fp8, reference
-
-DT = torch.bfloat16
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    assert not actual.isnan().any(), "NaN in the output"
-    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
-
 
 # Where the kernels round the intermediate (the gate/up products and the activation: fp32 then
 # bf16 once, or bf16 at each step as the emulation does) moves some of its values across an e4m3

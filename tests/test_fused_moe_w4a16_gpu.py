@@ -14,18 +14,12 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
+from test_fused_moe_gpu import DT, rel_err
 from test_fused_moe_w4a16 import random_experts
 
 from pagecast.kernels import fused_moe_w4a16, moe_routing, ops, problems, reference, tuning
 from pagecast.kernels.quant_linear import Int4ExpertsWeight
 from pagecast.kernels.tuning import ModelShapes
-
-DT = torch.bfloat16
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    assert not actual.isnan().any(), "NaN in the output"
-    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
 def to_cuda(w: Int4ExpertsWeight) -> Int4ExpertsWeight:

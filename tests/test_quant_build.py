@@ -10,14 +10,13 @@ same way in test_quant_fixtures.py.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import build_artifact
 from engine_utils import assert_graphs_match_eager, engine_last_logits, hf_greedy
 from kv_cache_support import logit_agreement, teacher_forced_logits
-from quant_writer import Format, write
+from quant_writer import Format, quantised_artifacts, write
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
@@ -45,18 +44,9 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def quantised(tiny_checkpoint_factory, tmp_path_factory):  # type: ignore[no-untyped-def]
-    made: dict[str, tuple[Path, Path, Path]] = {}
-
-    def make(case: str) -> tuple[Path, Path, Path]:
-        if case not in made:
-            family, fmt = CASES[case]
-            src = tiny_checkpoint_factory(family, **SHAPE)
-            root = tmp_path_factory.mktemp(f"quant-{case}")
-            ckpt, deq = write(src, root / case, fmt)
-            made[case] = (ckpt, deq, build_artifact(ckpt, root / "engine", gpu="cpu"))
-        return made[case]
-
-    return make
+    return quantised_artifacts(
+        tiny_checkpoint_factory, tmp_path_factory, lambda case: (CASES[case][0], SHAPE, CASES[case][1])
+    )
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import build_artifact
 from engine_utils import engine_last_logits, hf_greedy
-from quant_writer import Format, write
+from quant_writer import Format, quantised_artifacts, write
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
@@ -46,18 +46,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def quantised(tiny_checkpoint_factory, tmp_path_factory):  # type: ignore[no-untyped-def]
-    made: dict[str, tuple[Path, Path, Path]] = {}
-
-    def make(case: str) -> tuple[Path, Path, Path]:
-        if case not in made:
-            family, overrides, fmt = CASES[case]
-            src = tiny_checkpoint_factory(family, **overrides)
-            root = tmp_path_factory.mktemp(f"quant-{case}")
-            ckpt, deq = write(src, root / case, fmt)
-            made[case] = (ckpt, deq, build_artifact(ckpt, root / "engine", gpu="cpu"))
-        return made[case]
-
-    return make
+    return quantised_artifacts(tiny_checkpoint_factory, tmp_path_factory, CASES.__getitem__)
 
 
 @pytest.mark.parametrize("case", list(CASES))
