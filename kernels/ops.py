@@ -91,6 +91,8 @@ def _config(kernel: str, bucket: str) -> KernelConfig | None:
                 (c for b in decode_fallback_buckets(bucket) if (c := lookup(table.tuning, kernel, b)) is not None),
                 None,
             )
+        if found is None and kernel == "paged_prefill_attention" and "." in bucket:
+            found = lookup(table.tuning, kernel, bucket.split(".")[0])  # a table from before its context buckets
         cfg = table.configs[key] = KernelConfig.coerce(found)
         return cfg
 
@@ -268,7 +270,7 @@ def paged_attention(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len, cfg,
             k_scale=k_scale, v_scale=v_scale, softcap=softcap, window=window, sinks=sinks,
         )  # fmt: skip
-    cfg = _config("paged_prefill_attention", prefill_bucket(q.shape[0]))
+    cfg = _config("paged_prefill_attention", prefill_bucket(q.shape[0], max_seq_len))
     return _kernels().prefill(  # type: ignore[no-any-return]
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, cfg, k_scale=k_scale, v_scale=v_scale,
         softcap=softcap, window=window, sinks=sinks,
@@ -324,7 +326,7 @@ def decodes_then_prefill(
     )  # fmt: skip
     kernels.prefill(
         q[d:], k_cache, v_cache, block_tables[d:], seq_lens[d:], query_start_loc[d:] - d, scale,
-        _config("paged_prefill_attention", prefill_bucket(q.shape[0] - d)), out=out[d:],
+        _config("paged_prefill_attention", prefill_bucket(q.shape[0] - d, max_seq_len)), out=out[d:],
         k_scale=k_scale, v_scale=v_scale, softcap=softcap, window=window, sinks=sinks,
     )  # fmt: skip
     return out

@@ -40,6 +40,8 @@ from pagecast.kernels.tuning import (
     FP8_ROW_BUCKETS,
     MOE_KERNELS,
     MOE_TOKEN_BUCKETS,
+    PREFILL_CONTEXT_BUCKETS,
+    PREFILL_SHORT_CONTEXT,
     PREFILL_TOKEN_BUCKETS,
     PROJECTIONS,
     SKINNY_ROW_BUCKETS,
@@ -48,6 +50,7 @@ from pagecast.kernels.tuning import (
     KernelConfig,
     ModelShapes,
     num_sms,
+    prefill_bucket,
     projection_dims,
 )
 
@@ -95,7 +98,14 @@ def buckets(kernel: str, shapes: ModelShapes) -> list[tuple[str, dict[str, int]]
             for c in upto(DECODE_CONTEXT_BUCKETS, shapes.max_model_len)
         ]
     if kernel == "paged_prefill_attention":
-        return [(f"t{t}", {"num_tokens": t}) for t in PREFILL_TOKEN_BUCKETS]
+        # Long contexts (the model allows them): the last t tokens of one sequence of the context
+        # bucket's length, or of max_model_len where that is shorter.
+        long = [
+            (prefill_bucket(t, c), {"num_tokens": t, "max_seq_len": min(c, shapes.max_model_len)})
+            for c in upto(PREFILL_CONTEXT_BUCKETS, shapes.max_model_len) if shapes.max_model_len > PREFILL_SHORT_CONTEXT
+            for t in PREFILL_TOKEN_BUCKETS
+        ]  # fmt: skip
+        return [(f"t{t}", {"num_tokens": t}) for t in PREFILL_TOKEN_BUCKETS] + long
     if kernel == "w4a16_gemm":
         if not shapes.quant_group_size:
             return []
@@ -185,6 +195,8 @@ def problem_size(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> tupl
         scales = 4 * (2 * i * -(-h // fp8_gemm.GROUP) + h * -(-i // fp8_gemm.GROUP) if _fp8_block(shapes) else 3 * i + h)
         return moe_visited_experts(shapes, t) * (3 * h * i + scales) + 2 * t * h * e, 2 * t * shapes.top_k * 3 * h * i
     if kernel == "paged_prefill_attention":
+        if context := dims.get("max_seq_len"):  # the last t tokens of one sequence: the prefix all, themselves causally
+            return t * 2 * h * e * d + context * 2 * kvh * kv_e * d, 4 * h * d * t * (context - t) + 2 * h * d * t * t
         n = min(t, PREFILL_SEQ_LEN)
         seqs = max(1, t // n)
         return seqs * n * (2 * h * e + 2 * kvh * kv_e) * d, seqs * 2 * h * d * n * n  # causal: half of 4*h*d*n*n
@@ -440,16 +452,20 @@ def make_problem(
 
     t = dims["num_tokens"]
     if kernel == "paged_prefill_attention":
-        n = min(t, PREFILL_SEQ_LEN)
-        seqs = max(1, t // n)
-        blocks_per_seq = math.ceil(n / shapes.block_size)
+        # Sequences of n tokens, all new; or (a long-context bucket) one sequence of `context`
+        # tokens whose last t are new.
+        context = dims.get("max_seq_len")
+        n = t if context else min(t, PREFILL_SEQ_LEN)
+        seqs = 1 if context else max(1, t // n)
+        seq_len = context or n
+        blocks_per_seq = math.ceil(seq_len / shapes.block_size)
         num_blocks = seqs * blocks_per_seq
         k_cache = random_cache((num_blocks, kvh, shapes.block_size, d), shapes, dg, device)
         v_cache = random_cache((num_blocks, kvh, shapes.block_size, d), shapes, dg, device)
         g = torch.Generator().manual_seed(seed)
         table = random_block_tables(seqs, blocks_per_seq, num_blocks, g, device)
         q = randn(seqs * n, h, d)
-        seq_lens = torch.full((seqs,), n, dtype=torch.int32, device=device)
+        seq_lens = torch.full((seqs,), seq_len, dtype=torch.int32, device=device)
         qsl = torch.arange(0, seqs * n + 1, n, dtype=torch.int32, device=device)
         out = torch.empty_like(q)
         sinks = attn_sinks(shapes, device, seed)

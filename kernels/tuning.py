@@ -39,6 +39,13 @@ DECODE_BATCH_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 1024)
 DECODE_CONTEXT_BUCKETS = (512, 2048, 8192, 32768)
 TOKEN_BUCKETS = (8, 64, 256, 1024, 4096, 16384)
 PREFILL_TOKEN_BUCKETS = (128, 512, 2048, 8192)
+# Prefill steps whose longest sequence passes PREFILL_SHORT_CONTEXT (chunked prefill of a long
+# prompt: every query tile reads the whole prefix) have buckets of their own, tuned at the
+# context (capped at the model's max_model_len): the plain t-buckets are timed on sequences of
+# 2,048 tokens, where smaller tiles win, and a 32k chunk's best tile is a deeper one
+# (benchmarks/RESULTS.md, issue 32). A table without one falls back to the plain bucket.
+PREFILL_SHORT_CONTEXT = 8192
+PREFILL_CONTEXT_BUCKETS = (32768, 131072)
 SKINNY_ROW_BUCKETS = (1, 2, 4, 8, 16)  # decode batches whose projections may leave cuBLAS
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 # Rows of an int4 projection (decode batches to prefill chunks): the W4A16 GEMM's buckets.
@@ -238,9 +245,14 @@ def token_bucket(num_tokens: int) -> str:
     return f"t{_ceil_bucket(TOKEN_BUCKETS, num_tokens)}"
 
 
-def prefill_bucket(num_tokens: int) -> str:
-    """'t<tokens>' for the prefill attention kernel (all query tokens of the batch)."""
-    return f"t{_ceil_bucket(PREFILL_TOKEN_BUCKETS, num_tokens)}"
+def prefill_bucket(num_tokens: int, max_seq_len: int = 0) -> str:
+    """'t<tokens>' for the prefill attention kernel (all query tokens of the batch), with
+    '.c<context>' where the batch's longest sequence passes PREFILL_SHORT_CONTEXT tokens, e.g.
+    prefill_bucket(8192, 20000) == 't8192.c32768'."""
+    tokens = f"t{_ceil_bucket(PREFILL_TOKEN_BUCKETS, num_tokens)}"
+    if max_seq_len <= PREFILL_SHORT_CONTEXT:
+        return tokens
+    return f"{tokens}.c{_ceil_bucket(PREFILL_CONTEXT_BUCKETS, max_seq_len)}"
 
 
 def skinny_bucket(projection: str, num_rows: int) -> str:
@@ -283,7 +295,7 @@ def bucket_for(kernel: str, **dims: int) -> str:
     if kernel == "paged_decode_attention":
         return decode_bucket(dims["num_seqs"], dims["max_seq_len"])
     if kernel == "paged_prefill_attention":
-        return prefill_bucket(dims["num_tokens"])
+        return prefill_bucket(dims["num_tokens"], dims.get("max_seq_len", 0))
     return token_bucket(dims["num_tokens"])
 
 

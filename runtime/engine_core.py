@@ -626,19 +626,28 @@ class EngineCore:
 
         budget = min(self.options.max_num_batched_tokens, self.max_model_len - 4)
         sizes = sorted({n for n in (*TOKEN_BUCKETS, *PREFILL_TOKEN_BUCKETS) if n <= budget} | {max(1, budget)})
-        greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        # Two tokens: the prefill, then one decode step at the prompt's context bucket.
+        greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         # The sampler's other paths: seeded sampling with truncation, and logprobs with penalties.
         sampled = SamplingParams(max_tokens=3, temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, seed=0, ignore_eos=True)
         scored = SamplingParams(max_tokens=3, temperature=0.0, logprobs=2, presence_penalty=0.5, ignore_eos=True)
         # And plain sampling (temperature only, unseeded): what an OpenAI client sends by default.
         plain = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
         runs = [(n, greedy) for n in sizes] + [(min(64, budget), p) for p in (sampled, scored, plain)]
+        # Where the warm-up's time goes (start-up log): the size classes, the sampler's paths, and
+        # how many kernels Triton loaded from the artifact's cache on the way.
+        loads = process_compiles().loads
+        loaded, t0 = len(loads), time.perf_counter()
         for i, (num_tokens, params) in enumerate(runs):
             # Distinct ids per run, so no prompt is a prefix-cache hit on an earlier one.
             ids = [(i * 7919 + j) % self.vocab_size for j in range(1, num_tokens + 1)]
-            self.add_request(f"pagecast-warm-up-{i}", ids, params, max_tokens=3)
+            self.add_request(f"pagecast-warm-up-{i}", ids, params, max_tokens=params.max_tokens)
             while self.has_unfinished_requests():
                 self.step()
+            if i == len(sizes) - 1:
+                self.startup_s["warm_up.sizes"] = time.perf_counter() - t0
+        self.startup_s["warm_up.sampler"] = time.perf_counter() - t0 - self.startup_s.get("warm_up.sizes", 0.0)
+        self.startup_s["warm_up.kernels_loaded"] = len(loads) - loaded
         self.block_pool.reset_prefix_cache()
         self.block_pool.num_prefix_queries = self.block_pool.num_prefix_hits = 0
         self.scheduler.num_preemptions = 0
