@@ -331,6 +331,22 @@ def dd_read_rate(files: list[Path]) -> float:
     return total / (time.perf_counter() - t) / 1e9
 
 
+def torch_import() -> dict:
+    """Seconds a fresh interpreter takes to import torch (the start's longest phase: 3.1-4.0 s of
+    the core's on the H200 machine), and whether torch's bytecode is cached. Where it is not and
+    cannot be written (PYTHONDONTWRITEBYTECODE, as on the H200 machine of 2026-12-03), every start
+    compiles torch's Python source again, which a pip-installed image does not."""
+    probe = (
+        "import importlib.util, os, sys, time; t = time.perf_counter(); import torch; "
+        "d = os.path.join(os.path.dirname(torch.__file__), '__pycache__'); "
+        "print(time.perf_counter() - t, os.path.isdir(d) and len(os.listdir(d)) > 0, sys.dont_write_bytecode)"
+    )
+    runs = [subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+            for _ in range(3)]  # fmt: skip
+    return dict(seconds=[round(float(r[0]), 2) for r in runs], bytecode_cached=runs[-1][1] == "True",
+                dont_write_bytecode=runs[-1][2] == "True")
+
+
 def phase_start(out: Path, artifact: str, args: argparse.Namespace) -> None:
     """engine-serve started --starts times: /health, first token, first and steady TTFT, compiles,
     the start-up timeline and the weights' read rate of each start (see the module's docstring)."""
@@ -342,6 +358,7 @@ def phase_start(out: Path, artifact: str, args: argparse.Namespace) -> None:
     if args.cold and files:
         drop_from_page_cache(files)
         disk_gbs = round(dd_read_rate(files), 2)
+    emit(out, figure="torch_import", **torch_import())
     rng = random.Random(7)
     for start in range(args.starts):
         if args.cold:

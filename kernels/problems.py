@@ -73,6 +73,12 @@ class Problem:
     reference: Callable[[KernelConfig | None, int], object] | None = None
     # Recorded in the bucket's table entry: how it was timed (the down projection's "fused_silu").
     marks: dict[str, Any] = field(default_factory=dict)
+    # Launched once, untimed, with each config the bucket times: the kernel's other specialisations
+    # serving launches at this bucket. Triton compiles a variant per integer argument divisible by
+    # 16 or not; a GEMM bucket of 32 rows is timed at 32 and serves 17-32, so without this a
+    # config chosen there compiled while serving (on the H200, a GPTQ act-order Qwen2's qkv at 20
+    # rows: `_w4a16_gemm_kernel` with BLOCK_M 32).
+    variants: Callable[[KernelConfig | None], object] | None = None
 
     def launches_per_sample(self, est_bandwidth: float = 3e12) -> int:
         """Launches per timed sample: every input set, and at least ~100 us of work."""
@@ -565,11 +571,14 @@ def _w4a16_problem(
     has_perm = shapes.int4_act_order and PROJECTIONS[dims["projection"]] != "down"
     perm = torch.randperm(k, generator=dg, device=device).to(torch.int32) if has_perm else None
 
-    def gemm(cfg: KernelConfig | None, i: int) -> object:
+    def run(x: torch.Tensor, cfg: KernelConfig | None, i: int) -> object:
         qweight, scales, zeros = weights[i % num_sets]
         if fused_down:
-            return w4a16_gemm.w4a16_silu_and_mul_gemm(rows, qweight, scales, zeros, perm, g, bias, config=cfg)
-        return w4a16_gemm.w4a16_gemm(rows, qweight, scales, zeros, perm, g, bias, config=cfg)
+            return w4a16_gemm.w4a16_silu_and_mul_gemm(x, qweight, scales, zeros, perm, g, bias, config=cfg)
+        return w4a16_gemm.w4a16_gemm(x, qweight, scales, zeros, perm, g, bias, config=cfg)
+
+    def gemm(cfg: KernelConfig | None, i: int) -> object:
+        return run(rows, cfg, i)
 
     dense_sets = max(1, min(MAX_LAUNCHES, math.ceil(COLD_BYTES / (n * k * _elt(shapes)))))
     dense = [torch.randn((n, k), generator=dg, device=device, dtype=dtype) for _ in range(dense_sets)]
@@ -579,7 +588,16 @@ def _w4a16_problem(
         return torch.nn.functional.linear(x, dense[i % dense_sets], bias)
 
     marks = {"fused_silu": True} if fused_down else {}
-    return Problem("w4a16_gemm", bucket, gemm, num_sets, nbytes, flops, reference=half_gemm, marks=marks)
+    return Problem(
+        "w4a16_gemm", bucket, gemm, num_sets, nbytes, flops, reference=half_gemm, marks=marks,
+        variants=_fewer_rows(m, lambda cfg: run(rows[: m - 1], cfg, 0)),
+    )  # fmt: skip
+
+
+def _fewer_rows(m: int, launch: Callable[[KernelConfig | None], object]) -> Callable[[KernelConfig | None], object] | None:
+    """A row bucket's other variant (Problem.variants): ``launch`` runs m - 1 rows, which serving
+    launches as "not divisible by 16" where m, the bucket's rows, is."""
+    return launch if m % 16 == 0 else None
 
 
 # ---------------------------------------------------------------------------- mixture of experts
@@ -848,6 +866,9 @@ def _fp8_problem(
     def gemm(cfg: KernelConfig | None, i: int) -> object:
         return fp8_gemm.fp8_linear(rows, weights[i % num_sets], bias, cfg)
 
+    def fewer(cfg: KernelConfig | None) -> object:
+        return fp8_gemm.fp8_linear(rows[: m - 1], weights[0], bias, cfg)
+
     if fp8_gemm.scaled_mm_supported(m, n, k, block, dtype):
 
         def reference_gemm(cfg: KernelConfig | None, i: int) -> object:
@@ -860,4 +881,6 @@ def _fp8_problem(
         def reference_gemm(cfg: KernelConfig | None, i: int) -> object:
             return torch.nn.functional.linear(rows, dense[i % dense_sets], bias)
 
-    return Problem("fp8_gemm", bucket, gemm, num_sets, nbytes, flops, reference=reference_gemm)
+    return Problem(
+        "fp8_gemm", bucket, gemm, num_sets, nbytes, flops, reference=reference_gemm, variants=_fewer_rows(m, fewer)
+    )

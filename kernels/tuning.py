@@ -481,6 +481,8 @@ def tune(
                     torch.cuda.synchronize()
                     continue
                 results.append((t_us, order, cfg))
+                if problem.variants is not None:
+                    problem.variants(cfg)
                 if time.monotonic() > deadline and results and not budget_spent:
                     break
             if not results:

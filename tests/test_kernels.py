@@ -450,7 +450,7 @@ def test_buckets_the_budget_cut_off_are_not_called_tuned(monkeypatch):  # type: 
         return 10.0
 
     problem = types.SimpleNamespace(launches_per_sample=lambda: 1, launch=lambda cfg, i: None, reference=None,
-                                    marks={"timed_as": "fake"})  # fmt: skip
+                                    marks={"timed_as": "fake"}, variants=None)  # fmt: skip
     monkeypatch.setattr(tuning, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     monkeypatch.setattr(tuning, "time_launches", timed)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake GPU")
@@ -468,6 +468,29 @@ def test_buckets_the_budget_cut_off_are_not_called_tuned(monkeypatch):  # type: 
     note = budget_note(table, 2.5)
     assert f"before {len(rest)} of {len(entries)} buckets" in note and "t64" in note and "--tune-budget" in note
     assert budget_note({"kernels": {"rms_norm": {"t8": first}}}, 2.5) == ""
+
+
+def test_the_tuner_launches_each_timed_configs_other_variants(monkeypatch):  # type: ignore[no-untyped-def]
+    """Problem.variants (a row bucket's rows not divisible by 16) runs once with every config the
+    tuner times, so each config that can win has that variant compiled into the artifact."""
+    import types
+
+    from pagecast.kernels import problems
+
+    timed_configs: list = []
+    variant_configs: list = []
+
+    def timed(launch, launches, reps):  # type: ignore[no-untyped-def]
+        timed_configs.append(launch.args[0])
+        return 10.0
+
+    problem = types.SimpleNamespace(launches_per_sample=lambda: 1, launch=lambda cfg, i: None, reference=None,
+                                    marks={}, variants=variant_configs.append)  # fmt: skip
+    monkeypatch.setattr(tuning, "time_launches", timed)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake GPU")
+    monkeypatch.setattr(problems, "make_problem", lambda *args, **kwargs: problem)
+    tuning.tune(["rms_norm"], tuning.ModelShapes(9, 3, 64, 576, 1536, 16), budget_s=60.0, device="cpu")
+    assert len(timed_configs) > len(tuning.TOKEN_BUCKETS) and variant_configs == timed_configs
 
 
 def test_a_bucket_the_budget_cut_off_keeps_the_previous_winner_when_it_is_faster(monkeypatch):  # type: ignore[no-untyped-def]
@@ -494,7 +517,8 @@ def test_a_bucket_the_budget_cut_off_keeps_the_previous_winner_when_it_is_faster
 
     def make_problem(*args, **kwargs):  # type: ignore[no-untyped-def]
         timed_configs.append([])
-        return types.SimpleNamespace(launches_per_sample=lambda: 1, launch=lambda cfg, i: None, reference=None, marks={})
+        return types.SimpleNamespace(launches_per_sample=lambda: 1, launch=lambda cfg, i: None, reference=None, marks={},
+                                     variants=None)  # fmt: skip
 
     monkeypatch.setattr(tuning, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     monkeypatch.setattr(tuning, "time_launches", timed)

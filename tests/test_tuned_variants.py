@@ -214,3 +214,32 @@ def test_row_parallel_projections_add_their_bias_after_the_all_reduce() -> None:
         layers=[SimpleNamespace(attention=SimpleNamespace(qkv_bias=False, o_bias=False))], dense_mlp=None
     )
     assert tune.biased_projections(plain, 1) == []
+
+
+@pytest.mark.parametrize("kernel", ["w4a16_gemm", "fp8_gemm"])
+def test_a_row_bucket_compiles_the_variant_its_served_rows_launch(monkeypatch, kernel):  # type: ignore[no-untyped-def]
+    """A GEMM bucket of 32 rows serves 17 to 32 rows, and Triton compiles a variant for a row count
+    divisible by 16 and one for the others: the tuner's launches (timed, and Problem.variants) must
+    hold the key of every served row count, for each config it times."""
+    from test_startup_compiles import _Recorded
+
+    module, name = (w4a16_gemm, "_w4a16_gemm_kernel") if kernel == "w4a16_gemm" else (fp8_gemm, "_fp8_gemm_kernel")
+    keys: set[tuple] = set()
+    monkeypatch.setattr(module, name, _Recorded(name, getattr(module, name), keys))
+    extra = {"quant_group_size": 32, "biased": ("qkv",), "int4_act_order": True} if kernel == "w4a16_gemm" else {"fp8": "channel-token"}
+    shapes = tuning.ModelShapes(**DIMS, dtype="bfloat16", **extra)
+    dims = dict(problems.buckets(kernel, shapes))["qkv.m32"]
+    problem = problems.make_problem(kernel, shapes, dims, "cpu")
+    tiles = [c for c in problems.config_space(kernel, shapes, dims) if c.params.get("BLOCK_M") == 32]
+    assert tiles and problem.variants is not None
+    for cfg in tiles:  # what tuning.tune runs for each config it times
+        problem.launch(cfg, 0)
+        problem.variants(cfg)
+    built, served = set(keys), set()
+    for cfg in tiles:
+        for rows in (17, 20, 31, 32):
+            keys.clear()
+            problem_rows = problems.make_problem(kernel, shapes, {**dims, "num_rows": rows}, "cpu")
+            problem_rows.launch(cfg, 0)
+            served |= keys
+    assert served and served <= built, served - built
