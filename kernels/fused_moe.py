@@ -51,7 +51,11 @@ ACT_NONE, ACT_SILU, ACT_SWIGLU_OAI = 0, 1, 2
 _ACTIVATIONS = {"silu": ACT_SILU, "swiglu_oai": ACT_SWIGLU_OAI}
 
 
-@triton.jit
+# The pair and block counts follow the batch's token count, and Triton would compile a variant per
+# count divisible by 16 or not: the tuner launches each bucket at one token count, serving at every
+# count up to it, so a config chosen for a bucket could compile while serving (the dense GEMMs' rows
+# were seen to, on the H200). The counts only bound loops and masks here, so they are not specialised.
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
 def _moe_align_kernel(
     ids_ptr,  # topk_ids [P] (int64): each pair's expert
     sorted_ids_ptr,  # int32 [max_blocks * BLOCK_M] out: filled with P here (padding)
@@ -94,7 +98,7 @@ def _moe_align_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_scatter_kernel(
     ids_ptr,  # topk_ids [P] (int64)
     sorted_ids_ptr,  # int32 [max_blocks * BLOCK_M]: each pair's id written at its place in its expert's run
@@ -182,7 +186,7 @@ def _tile_epilogue(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
 def _moe_gemm_kernel(
     a_ptr,  # gate_up: x [T, K]; down: intermediate [max_blocks * BLOCK_M, K] in sorted order
     w_ptr,  # [E, N_w, K]: N_w = 2N (gate rows, then up rows) with an activation, else N

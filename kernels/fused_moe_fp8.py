@@ -148,7 +148,7 @@ def quantize(x: torch.Tensor, activations: str) -> tuple[torch.Tensor, torch.Ten
 # ---------------------------------------------------------------------------- the tile path
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])  # one variant for every token count (fused_moe.py)
 def _moe_fp8_gemm_kernel(
     a_ptr,  # e4m3, gate_up: quantised x [T, K]; down: quantised intermediate [max_blocks * BLOCK_M, K]
     as_ptr,  # fp32 activation scales, a's rows: [rows] (token) or [rows, KB] (group)

@@ -80,7 +80,7 @@ def _dequant_tile(
     return (q - z).to(tl.float32) * s
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])  # one variant for every token count (fused_moe.py)
 def _moe_w4a16_gemm_kernel(
     a_ptr,  # gate_up: x [T, K]; down: intermediate [max_blocks * BLOCK_M, K] in sorted order
     qw_ptr,  # int32 [E, K / 8, N_w]: N_w = 2N (gate columns, then up columns) with an activation, else N

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from pagecast.builder import pipeline, tune
@@ -243,3 +244,38 @@ def test_a_row_bucket_compiles_the_variant_its_served_rows_launch(monkeypatch, k
             problem_rows.launch(cfg, 0)
             served |= keys
     assert served and served <= built, served - built
+
+
+def test_a_moe_token_bucket_compiles_the_variant_every_served_count_launches(monkeypatch):  # type: ignore[no-untyped-def]
+    """The fused-MoE tile path's pair and block counts follow the token count: every token count
+    a bucket serves (17-32 at the 32 bucket) must launch the kernels' variant the tuner's launch at
+    the bucket's own count compiled."""
+    from test_startup_compiles import _Recorded
+
+    from pagecast.kernels import fused_moe
+
+    keys: set[tuple] = set()
+    for name in ("_moe_align_kernel", "_moe_scatter_kernel", "_moe_gemm_kernel"):
+        monkeypatch.setattr(fused_moe, name, _Recorded(name, getattr(fused_moe, name), keys))
+    shapes = tuning.ModelShapes(**DIMS, dtype="bfloat16", num_experts=16, top_k=4, moe_intermediate=128)
+    tiles = [
+        c for c in problems.config_space("fused_moe", shapes, {"num_tokens": 32})
+        if "BLOCK_M" in c.params and not c.params.get("SPLIT_ACT")
+    ]  # fmt: skip
+    assert tiles
+    h, i, e = shapes.hidden, shapes.moe_intermediate, shapes.num_experts
+    w_gate_up, w_down = torch.randn(e, 2 * i, h, dtype=torch.bfloat16), torch.randn(e, h, i, dtype=torch.bfloat16)
+
+    def launch(t: int, cfg) -> set[tuple]:  # type: ignore[no-untyped-def]
+        keys.clear()
+        ids = torch.stack([torch.randperm(e)[: shapes.top_k] for _ in range(t)])
+        weights = torch.rand(t, shapes.top_k).softmax(-1)
+        fused_moe.fused_moe(torch.randn(t, h, dtype=torch.bfloat16), weights, ids, w_gate_up, w_down, config=cfg)
+        return set(keys)
+
+    for cfg in tiles:
+        built = launch(32, cfg)
+        assert {k[0] for k in built} == {"_moe_align_kernel", "_moe_scatter_kernel", "_moe_gemm_kernel"}
+        for t in (17, 18, 23, 31):
+            served = launch(t, cfg)
+            assert served <= built, (cfg.as_dict(), t, served - built)
