@@ -41,8 +41,8 @@ TOKEN_BUCKETS = (8, 64, 256, 1024, 4096, 16384)
 PREFILL_TOKEN_BUCKETS = (128, 512, 2048, 8192)
 # Prefill steps whose longest sequence passes PREFILL_SHORT_CONTEXT (chunked prefill of a long
 # prompt: every query tile reads the whole prefix) have buckets of their own, tuned at the
-# context (capped at the model's max_model_len): the plain t-buckets are timed on sequences of
-# 2,048 tokens, where smaller tiles win, and a 32k chunk's best tile is a deeper one
+# context (capped at the model's max_model_len). The plain t-buckets are timed on sequences of
+# 2,048 tokens, where 64x64 tiles won; one whole 32k prompt ran fastest with 128x128 ones
 # (benchmarks/RESULTS.md, issue 32). A table without one falls back to the plain bucket.
 PREFILL_SHORT_CONTEXT = 8192
 PREFILL_CONTEXT_BUCKETS = (32768, 131072)
