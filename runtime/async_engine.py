@@ -195,11 +195,18 @@ class AsyncEngine:
             while True:
                 item = await stream.queue.get()
                 # When the consumer lags: of cumulative outputs only the newest matters; deltas
-                # are merged into one.
+                # are merged into one. A failure queued behind outputs is raised after them: the
+                # tokens made before it still reach the client (a stream starts with them, then
+                # ends with the error, rather than being refused).
                 behind: list[RequestOutput] = []
+                failure: BaseException | None = None
                 while not stream.queue.empty() and isinstance(item, RequestOutput) and not item.finished:
+                    following = stream.queue.get_nowait()
+                    if isinstance(following, BaseException):
+                        failure = following
+                        break
                     behind.append(item)
-                    item = stream.queue.get_nowait()
+                    item = following
                 if behind and delta and isinstance(item, RequestOutput):
                     item = merge_deltas([*behind, item])
                 if isinstance(item, BaseException):
@@ -207,6 +214,9 @@ class AsyncEngine:
                     raise item
                 finished = item.finished
                 yield item
+                if failure is not None:
+                    finished = True
+                    raise failure
                 if finished:
                     return
         finally:

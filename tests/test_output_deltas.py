@@ -4,12 +4,15 @@ the length of the outputs; FINAL_ONLY requests get one output, at the end."""
 
 from __future__ import annotations
 
+import asyncio
 import tracemalloc
+import types
 
 import msgspec
 import pytest
 from transformers import AutoTokenizer
 
+from pagecast.runtime.async_engine import AsyncEngine
 from pagecast.runtime.core_process import step_updates
 from pagecast.runtime.engine_core import StepResult
 from pagecast.runtime.messages import EngineStats, StepOutputs
@@ -154,3 +157,53 @@ def test_a_steps_work_does_not_grow_with_the_output_length() -> None:
         child.output_token_ids.extend([5] * 5000)
         sizes.append(len(msgspec.msgpack.encode(StepOutputs(step_updates(result), EngineStats(0, 0, 1, 0, 0.0, 0, 0, 0, 0, 0)))))
     assert sizes[0] == sizes[1], sizes
+
+
+class _QueuedEngine(AsyncEngine):
+    """generate() over queues this test fills: no core process, nothing sent."""
+
+    def __init__(self) -> None:  # noqa: D107 - no core: the attributes generate() reads
+        self._model_name, self._error, self._streams, self.eos_token_ids = "m", None, {}, frozenset()
+        self.output_processor = types.SimpleNamespace(add=lambda parent: None)
+        self._client = types.SimpleNamespace(send=lambda message: None)
+        self.aborted: list[str] = []
+
+    def is_alive(self) -> bool:
+        return True
+
+    def validate(self, prompt, params):  # type: ignore[no-untyped-def]
+        return None, list(prompt), params.max_tokens
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
+def test_outputs_queued_before_a_failure_reach_a_lagging_consumer_first(kind) -> None:  # type: ignore[no-untyped-def]
+    """The core made three tokens, then failed, before the consumer (the server, whose first
+    output decides a stream's status) read any of them: it gets the tokens, then the error. It
+    used to get the error alone (in CI a stream answered 503 instead of 200 and its tokens)."""
+
+    def out(ids: list[int]) -> RequestOutput:
+        return RequestOutput("r", None, [1], [CompletionOutput(0, "x" * len(ids), ids, None)], False)
+
+    async def run() -> tuple[list[RequestOutput], BaseException | None]:
+        engine = _QueuedEngine()
+        stream = engine.generate([1, 2], SamplingParams(max_tokens=8, output_kind=kind), request_id="r")
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0)  # generate() has queued its request and waits for outputs
+        queue = engine._streams["r"].queue
+        for ids in ([5], [6], [7]) if kind == RequestOutputKind.DELTA else ([5], [5, 6], [5, 6, 7]):
+            queue.put_nowait(out(ids))
+        queue.put_nowait(RuntimeError("simulated device failure"))
+        got = [await first]
+        try:
+            async for o in stream:
+                got.append(o)
+        except RuntimeError as exc:
+            return got, exc
+        return got, None
+
+    got, error = asyncio.run(run())
+    assert [o.outputs[0].token_ids for o in got] == [[5, 6, 7]]  # merged deltas, or the newest whole
+    assert isinstance(error, RuntimeError) and "simulated" in str(error)
