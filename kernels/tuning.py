@@ -523,6 +523,19 @@ def _previous_winner(entries: Mapping[str, Any], configs: list[KernelConfig]) ->
     return None
 
 
+def _servable_configs(
+    table: Mapping[str, Any], kernel: str, defaults: list[KernelConfig | None]
+) -> list[KernelConfig]:
+    """Every distinct config serving can launch ``kernel`` with: those of its table entries, and
+    ``defaults`` (the launcher's, where a lookup finds none), each once."""
+    entries = table.get("kernels", {}).get(kernel, {})
+    configs: dict[tuple, KernelConfig] = {}
+    for cfg in [*(KernelConfig.coerce(lookup(table, kernel, b)) for b in entries), *defaults]:
+        if cfg is not None:
+            configs.setdefault((tuple(sorted(cfg.params.items())), cfg.num_warps, cfg.num_stages), cfg)
+    return list(configs.values())
+
+
 def compile_window_variants(table: Mapping[str, Any], shapes: ModelShapes, device: torch.device | str) -> int:
     """Launch both attention kernels with ``shapes.attn_window`` at every config a layer can run
     them with (each in the tuning table for them, and each bucket's launcher default), once, so
@@ -538,16 +551,10 @@ def compile_window_variants(table: Mapping[str, Any], shapes: ModelShapes, devic
         buckets = problems.buckets(kernel, shapes)
         if not buckets:
             continue
-        configs: dict[tuple, KernelConfig | None] = {}
-        entries = table.get("kernels", {}).get(kernel, {})
-        found = [KernelConfig.coerce(lookup(table, kernel, b)) for b in entries]
-        found += [problems.default_config(kernel, shapes, dims) for _, dims in buckets]
-        for cfg in found:
-            if cfg is not None:
-                configs.setdefault((tuple(sorted(cfg.params.items())), cfg.num_warps, cfg.num_stages), cfg)
+        configs = _servable_configs(table, kernel, [problems.default_config(kernel, shapes, dims) for _, dims in buckets])
         # the smallest bucket's inputs: every config's variant, at the least cost
         problem = problems.make_problem(kernel, shapes, buckets[0][1], device, seed=0, window=shapes.attn_window)
-        for cfg in configs.values():
+        for cfg in configs:
             problem.launch(cfg, 0)
             launches += 1
     return launches
@@ -561,16 +568,10 @@ def compile_norm_variants(table: Mapping[str, Any], shapes: ModelShapes, device:
     from pagecast.kernels import rms_norm
 
     launches = 0
-    entries = table.get("kernels", {}).get("rms_norm", {})
-    tabled = [KernelConfig.coerce(lookup(table, "rms_norm", b)) for b in entries]
     for width in shapes.qk_norm_widths:
-        configs: dict[tuple, KernelConfig] = {}
-        for cfg in [*tabled, rms_norm.default_config(width)]:
-            if cfg is not None:
-                configs.setdefault((tuple(sorted(cfg.params.items())), cfg.num_warps, cfg.num_stages), cfg)
         x = torch.randn((16, width), device=device, dtype=shapes.torch_dtype)
         weight = torch.ones((width,), device=device, dtype=shapes.torch_dtype)
-        for cfg in configs.values():
+        for cfg in _servable_configs(table, "rms_norm", [rms_norm.default_config(width)]):
             rms_norm.rms_norm(x, weight, 1e-6, config=cfg)
             launches += 1
     return launches
