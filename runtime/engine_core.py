@@ -638,20 +638,24 @@ class EngineCore:
         scored = SamplingParams(max_tokens=3, temperature=0.0, logprobs=2, presence_penalty=0.5, ignore_eos=True)
         # And plain sampling (temperature only, unseeded): what an OpenAI client sends by default.
         plain = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
-        runs = [(n, greedy) for n in sizes] + [(min(64, budget), p) for p in (sampled, scored, plain)]
+        phases = {
+            "sizes": [(n, greedy) for n in sizes],
+            "sampler": [(min(64, budget), p) for p in (sampled, scored, plain)],
+        }
         # Where the warm-up's time goes (start-up log): the size classes, the sampler's paths, and
         # how many kernels Triton loaded from the artifact's cache on the way.
         loads = process_compiles().loads
-        loaded, t0 = len(loads), time.perf_counter()
-        for i, (num_tokens, params) in enumerate(runs):
-            # Distinct ids per run, so no prompt is a prefix-cache hit on an earlier one.
-            ids = [(i * 7919 + j) % self.vocab_size for j in range(1, num_tokens + 1)]
-            self.add_request(f"pagecast-warm-up-{i}", ids, params, max_tokens=params.max_tokens)
-            while self.has_unfinished_requests():
-                self.step()
-            if i == len(sizes) - 1:
-                self.startup_s["warm_up.sizes"] = time.perf_counter() - t0
-        self.startup_s["warm_up.sampler"] = time.perf_counter() - t0 - self.startup_s.get("warm_up.sizes", 0.0)
+        loaded, i = len(loads), 0
+        for phase, runs in phases.items():
+            t0 = time.perf_counter()
+            for num_tokens, params in runs:
+                # Distinct ids per run, so no prompt is a prefix-cache hit on an earlier one.
+                ids = [(i * 7919 + j) % self.vocab_size for j in range(1, num_tokens + 1)]
+                self.add_request(f"pagecast-warm-up-{i}", ids, params, max_tokens=params.max_tokens)
+                while self.has_unfinished_requests():
+                    self.step()
+                i += 1
+            self.startup_s[f"warm_up.{phase}"] = time.perf_counter() - t0
         self.startup_s["warm_up.kernels_loaded"] = len(loads) - loaded
         self.block_pool.reset_prefix_cache()
         self.block_pool.num_prefix_queries = self.block_pool.num_prefix_hits = 0
