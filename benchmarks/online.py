@@ -337,7 +337,7 @@ def torch_import() -> dict:
     cannot be written (PYTHONDONTWRITEBYTECODE, as on the H200 machine of 2026-12-03), every start
     compiles torch's Python source again, which a pip-installed image does not."""
     probe = (
-        "import importlib.util, os, sys, time; t = time.perf_counter(); import torch; "
+        "import os, sys, time; t = time.perf_counter(); import torch; "
         "d = os.path.join(os.path.dirname(torch.__file__), '__pycache__'); "
         "print(time.perf_counter() - t, os.path.isdir(d) and len(os.listdir(d)) > 0, sys.dont_write_bytecode)"
     )

@@ -77,7 +77,8 @@ class Problem:
     # serving launches at this bucket. Triton compiles a variant per integer argument divisible by
     # 16 or not; a GEMM bucket of 32 rows is timed at 32 and serves 17-32, so without this a
     # config chosen there compiled while serving (on the H200, a GPTQ act-order Qwen2's qkv at 20
-    # rows: `_w4a16_gemm_kernel` with BLOCK_M 32).
+    # rows: `_w4a16_gemm_kernel` with BLOCK_M 32). Not do_not_specialize, as the fused-MoE kernels'
+    # counts are: the decode GEMVs of these buckets keep their specialisation for a single row.
     variants: Callable[[KernelConfig | None], object] | None = None
 
     def launches_per_sample(self, est_bandwidth: float = 3e12) -> int:
