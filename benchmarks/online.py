@@ -336,10 +336,10 @@ def torch_import() -> dict:
     the core's on the H200 machine), and whether torch's bytecode is cached. Where it is not and
     cannot be written (PYTHONDONTWRITEBYTECODE, as on the H200 machine of 2026-12-03), every start
     compiles torch's Python source again, which a pip-installed image does not."""
-    probe = (
-        "import os, sys, time; t = time.perf_counter(); import torch; "
-        "d = os.path.join(os.path.dirname(torch.__file__), '__pycache__'); "
-        "print(time.perf_counter() - t, os.path.isdir(d) and len(os.listdir(d)) > 0, sys.dont_write_bytecode)"
+    probe = (  # cached: the bytecode file Python looks for (PYTHONPYCACHEPREFIX honoured) exists
+        "import importlib.util, os, sys, time; t = time.perf_counter(); import torch; "
+        "print(time.perf_counter() - t, os.path.exists(importlib.util.cache_from_source(torch.__file__)), "
+        "sys.dont_write_bytecode)"
     )
     runs = [subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
             for _ in range(3)]  # fmt: skip

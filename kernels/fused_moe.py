@@ -304,9 +304,13 @@ def _moe_gemv_kernel(
     LIMIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PER_PAIR: tl.constexpr = False,  # down: a program per (pair, column block), fp32 rows [P, N]
 ):
     # gate_up: a program per (pair, column block). down: a program per (token, column block) adds
-    # up the token's top_k pairs' weighted rows itself (the top-k sum, without a [P, N] buffer).
+    # up the token's top_k pairs' weighted rows itself (the top-k sum, without a [P, N] buffer);
+    # with PER_PAIR, a program per (pair, column block) writes its pair's weighted row in fp32 and
+    # _moe_topk_sum_kernel adds them up: top_k times the programs, each reading one expert's rows
+    # rather than top_k experts' one after another (few tokens leave the serial loop latency-bound).
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -321,6 +325,17 @@ def _moe_gemv_kernel(
             gate += tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
             up += tl.load(b_ptr + expert * stride_be + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         y = _activate(gate, up, ACTIVATION, ALPHA, LIMIT)
+        row = pair.to(tl.int64)
+    elif PER_PAIR:
+        pair = tl.program_id(0)
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        down, _ = _expert_gemv(
+            a_ptr + pair.to(tl.int64) * stride_am, w_ptr + expert * stride_we, offs_n, n_ok, N, K, stride_wn,
+            False, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+        if HAS_BIAS:
+            down += tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        y = down * tl.load(weights_ptr + pair)
         row = pair.to(tl.int64)
     else:
         token = tl.program_id(0)
@@ -339,6 +354,28 @@ def _moe_gemv_kernel(
     tl.store(c_ptr + row * stride_cm + offs_n, y.to(c_ptr.dtype.element_ty), mask=n_ok)
 
 
+@triton.jit
+def _moe_topk_sum_kernel(
+    part_ptr,  # fp32 [T * top_k, N]: each pair's weighted down row (PER_PAIR)
+    out_ptr,  # [T, N]
+    N,
+    top_k,
+    BLOCK: tl.constexpr,
+):
+    # A program per (token, column block): the token's pairs added in pair order, in fp32 from
+    # zero, as the serial down launch adds them (so both give the same bits).
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    y = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in range(top_k):
+        y += tl.load(part_ptr + (token * top_k + j) * N + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + token * N + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+TOPK_SUM_BLOCK = 1024
+
+
 # ---------------------------------------------------------------------------- configs
 
 NAIVE = KernelConfig({"naive": 1}, num_warps=0, num_stages=0)  # the per-expert cuBLAS loop
@@ -354,6 +391,14 @@ _GEMV_TILES = (
     (64, 128, 4),
     (64, 64, 2),
     (128, 64, 4),
+)
+
+_PER_PAIR_GEMV_TILES = (
+    # (BLOCK_N, BLOCK_K, num_warps) with DOWN_PER_PAIR: the down launch a program per pair
+    (8, 256, 2),
+    (16, 128, 2),
+    (16, 256, 4),
+    (32, 128, 4),
 )
 
 _TILES = (
@@ -388,6 +433,10 @@ CONFIG_SPACE: list[KernelConfig] = (
     + [
         KernelConfig({"gemv": 1, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=1)
         for n, k, w in _GEMV_TILES
+    ]
+    + [
+        KernelConfig({"gemv": 1, "BLOCK_N": n, "BLOCK_K": k, "DOWN_PER_PAIR": 1}, num_warps=w, num_stages=1)
+        for n, k, w in _PER_PAIR_GEMV_TILES
     ]
     + [
         KernelConfig({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": g}, num_warps=w, num_stages=s)
@@ -545,7 +594,8 @@ def workspace_bytes(
     if is_naive(config):
         return buf(t * 8) * 3 + 6 * buf(t * max(2 * intermediate, hidden) * 4)
     if is_gemv(config):
-        return buf(p * 4) + buf(p * intermediate * elt)
+        per_pair = buf(p * hidden * 4) if config.params.get("DOWN_PER_PAIR") else 0
+        return buf(p * 4) + buf(p * intermediate * elt) + per_pair
     bm = config["BLOCK_M"]
     nb = max_blocks(p, num_experts, bm)
     align = buf(nb * bm * 4) + buf(nb * 4) + buf(num_experts * 4)
@@ -631,15 +681,22 @@ def fused_moe(
             (w_down, b_down, h, i, ACT_NONE),
         )
         bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+        per_pair = bool(cfg.params.get("DOWN_PER_PAIR"))
         inter = torch.empty((p, i), dtype=x.dtype, device=x.device)
         out = torch.empty((t, h), dtype=x.dtype, device=x.device)
-        for (w, b, n, k, a_kind), a, c, rows in zip(launches, (x, inter), (inter, out), (p, t)):
+        down_out = torch.empty((p, h), dtype=torch.float32, device=x.device) if per_pair else out
+        down_rows = p if per_pair else t
+        for (w, b, n, k, a_kind), a, c, rows in zip(launches, (x, inter), (inter, down_out), (p, down_rows)):
             _moe_gemv_kernel[(rows, triton.cdiv(n, bn))](
                 a, w, b if b is not None else w, c, ids, weights, n, k,
                 a.stride(0), w.stride(0), w.stride(1), b.stride(0) if b is not None else 0, c.stride(0), top_k,
-                ACTIVATION=a_kind, HAS_BIAS=b is not None, BLOCK_N=bn, BLOCK_K=bk,
+                ACTIVATION=a_kind, HAS_BIAS=b is not None, BLOCK_N=bn, BLOCK_K=bk, PER_PAIR=per_pair,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
             )  # fmt: skip
+        if per_pair:
+            block = min(TOPK_SUM_BLOCK, triton.next_power_of_2(h))
+            grid = (t, triton.cdiv(h, block))
+            _moe_topk_sum_kernel[grid](down_out, out, h, top_k, BLOCK=block, num_warps=4)
         return out
     bm, bn, bk, gm = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["GROUP_M"]
     sorted_ids, block_expert = align_by_expert(ids.view(t, top_k), num_experts, bm)

@@ -31,6 +31,7 @@ logger = logging.getLogger("pagecast.server")
 _ENGINE_OPTIONS = (
     "max_num_seqs",
     "max_num_batched_tokens",
+    "max_num_prefill_tokens",
     "gpu_memory_utilization",
     "kv_cache_memory",
     "max_model_len",
@@ -68,6 +69,14 @@ _ENGINE_OPTIONS = (
     type=click.IntRange(min=1),
     default=None,
     help="Token budget of one engine step [engine default: 2048].",
+)
+@click.option(
+    "--max-num-prefill-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Prompt tokens one step may compute beside the running streams' decodes (chunked prefill): lower "
+    "bounds the gap between a stream's tokens while prompts arrive, at some cost to time to first token "
+    "[engine default: none on a GPU, where --max-num-batched-tokens bounds the step; 128 on the CPU].",
 )
 @click.option(
     "--gpu-memory-utilization",

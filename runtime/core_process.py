@@ -219,6 +219,9 @@ def _serve(channel: CoreChannel, artifact: str, options: dict[str, Any], entered
     from pagecast.runtime.errors import ArtifactError
 
     startup.mark("import")
+    import torch
+
+    startup.warn_if_uncached(torch)
     # Where the seconds before the engine's own go: the interpreter and this module's imports,
     # then torch and the engine's (the core's clock starts after them).
     before_core = {"import": time.time() - entered}

@@ -281,6 +281,7 @@ def moe_inputs(t: int, e: int, k: int, h: int, i: int, dtype: torch.dtype, bias:
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (3e-3, 1e-2)}
 GEMV = {"gemv": 1, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
+GEMV_PER_PAIR = {**GEMV, "DOWN_PER_PAIR": 1}
 TILE = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 2}
 KERNEL_CASES = [
     # (tokens, experts, top-k, hidden, intermediate, activation, bias, config)
@@ -291,6 +292,8 @@ KERNEL_CASES = [
     pytest.param(9, 8, 8, 32, 16, "silu", False, {**TILE, "BLOCK_M": 32}, id="t9-e8-top8-tile32"),
     pytest.param(41, 8, 2, 48, 40, "swiglu_oai", True, TILE, id="t41-gptoss-bias-tile"),
     pytest.param(3, 8, 4, 48, 40, "swiglu_oai", True, GEMV, id="t3-gptoss-bias-gemv"),
+    pytest.param(9, 8, 2, 64, 40, "silu", False, GEMV_PER_PAIR, id="t9-e8-top2-gemv-per-pair"),
+    pytest.param(3, 8, 4, 48, 40, "swiglu_oai", True, GEMV_PER_PAIR, id="t3-gptoss-bias-gemv-per-pair"),
     pytest.param(9, 8, 2, 64, 40, "silu", False, {**TILE, "SPLIT_ACT": 1}, id="t9-e8-top2-split-act"),
     pytest.param(
         9, 8, 4, 48, 40, "swiglu_oai", True, {**TILE, "SPLIT_ACT": 1}, id="t9-gptoss-bias-split-act"
@@ -310,6 +313,19 @@ def test_fused_moe_matches_reference(t, e, k, h, i, activation, bias, config, dt
     assert out.dtype == dtype and out.shape == (t, h)
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(out.float(), expected, atol=atol, rtol=rtol)
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("top_k", [1, 4])
+def test_gemv_down_per_pair_gives_the_serial_launchs_bits(dtype, top_k):
+    """DOWN_PER_PAIR splits the decode down projection into a program per pair and a top-k sum;
+    the sum adds the pairs' fp32 rows in the order the serial launch does, so the output is the
+    same to the bit (a config the tuner picks must not change what a model generates)."""
+    x, weights, ids, w_gu, w_d, b_gu, b_d = moe_inputs(5, 8, top_k, 64, 40, dtype, True, seed=3)
+    serial = fused_moe.fused_moe(x, weights, ids, w_gu, w_d, b_gu, b_d, config=GEMV)
+    per_pair = fused_moe.fused_moe(x, weights, ids, w_gu, w_d, b_gu, b_d, config=GEMV_PER_PAIR)
+    assert torch.equal(per_pair, serial)
 
 
 @interpreter
@@ -422,7 +438,7 @@ def test_moe_problem_launches_agree(experts):  # type: ignore[no-untyped-def]
     problem = problems.make_problem("fused_moe", shapes, dims, "cpu")
     assert problem.bucket == "t4" and problem.num_sets > 1 and problem.reference is not None
     naive = problem.launch(fused_moe.NAIVE, 1)
-    gemv = KernelConfig.coerce(GEMV)
-    for cfg in (problems.default_config("fused_moe", shapes, dims), KernelConfig(dict(TILE), 4, 2), gemv):
+    gemv, per_pair = KernelConfig.coerce(GEMV), KernelConfig.coerce(GEMV_PER_PAIR)
+    for cfg in (problems.default_config("fused_moe", shapes, dims), KernelConfig(dict(TILE), 4, 2), gemv, per_pair):
         torch.testing.assert_close(problem.launch(cfg, 1), naive, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(problem.reference(None, 1), naive, atol=0, rtol=0)

@@ -243,3 +243,22 @@ def test_second_sigterm_ends_streams_with_an_error_event(tiny_artifact_factory, 
             finished.append(line)
     assert len(finished) == 2, finished
     assert all(line["status"] == 503 for line in finished), finished
+
+
+def test_engine_options_reach_the_engines(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    """The step-budget options are handed to every engine as given; the ones left unset are not
+    (the engine's own defaults apply)."""
+    from pagecast.runtime import cli
+
+    seen: dict = {}  # type: ignore[type-arg]
+
+    def load(artifacts, names, options):  # type: ignore[no-untyped-def]
+        seen.update(options)
+        raise SystemExit(3)
+
+    monkeypatch.setattr(cli, "_load_engines", load)
+    args = [str(tmp_path), "--max-num-prefill-tokens", "512", "--max-num-batched-tokens", "4096"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 3, result.output
+    assert seen == {"max_num_prefill_tokens": 512, "max_num_batched_tokens": 4096}
+    assert CliRunner().invoke(main, [str(tmp_path), "--max-num-prefill-tokens", "0"]).exit_code == 2

@@ -80,3 +80,29 @@ def test_a_process_start_is_read_to_the_clock_tick() -> None:
         child.wait()
     assert start is not None
     assert before - 0.05 <= start <= after + 0.05, (before, start, after)
+
+
+def test_a_package_without_cached_bytecode_is_named_with_what_to_do(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """Where a module's bytecode is not cached (PYTHONDONTWRITEBYTECODE, or an install made with
+    --no-compile), every start compiles its source again: the core warns, naming the fix. Once
+    the bytecode exists (here written by py_compile, where Python would look for it), nothing."""
+    import importlib.util
+    import py_compile
+    import types
+
+    source = tmp_path / "pkg" / "__init__.py"
+    source.parent.mkdir()
+    source.write_text("x = 1\n")
+    module = types.ModuleType("pkg")
+    module.__file__ = str(source)
+    cached = importlib.util.cache_from_source(str(source))
+    assert startup.bytecode_missing(module) == cached
+    with caplog.at_level(logging.WARNING, logger="pagecast.startup"):
+        startup.warn_if_uncached(module)
+    assert "pkg's bytecode is not cached" in caplog.text and "compileall" in caplog.text
+    py_compile.compile(str(source), cfile=cached)
+    caplog.clear()
+    assert startup.bytecode_missing(module) is None
+    startup.warn_if_uncached(module)
+    assert caplog.text == ""
+    assert startup.bytecode_missing(types.ModuleType("builtin_like")) is None  # no file: nothing to say
