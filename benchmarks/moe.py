@@ -187,6 +187,9 @@ def main() -> None:
                     record({"figure": "config_failed", "shape": name, "tokens": t, "config": cfg.as_dict(),
                             "error": f"{type(exc).__name__}: {str(exc)[:200]}"})  # fmt: skip
                     torch.cuda.synchronize()
+            for us, cfg in timed:  # every config, for the space's own shape (not only its best)
+                record({"figure": "config_time", "shape": name, "tokens": t, "time_us": round(us, 2),
+                        "config": cfg.as_dict()})  # fmt: skip
             rows = [("naive", naive_us, fused_moe.NAIVE)]
             eager_us = naive_eager_us(shapes, t, args.reps) if kernel == "fused_moe" else None
             if timed and timed[0][1] is default:

@@ -143,7 +143,9 @@ def _tune_main(shapes_json: str, budget_s: str) -> None:
     vocab, logits_stride = fields.pop("vocab_size", None), fields.pop("logits_stride", None)
     routing = fields.pop("moe_routing", None)  # the routing kernel's, likewise
     shapes = tuning.ModelShapes(**fields)
-    kernels = tuning.KERNELS + (tuning.MOE_KERNELS if shapes.num_experts else ())  # fused MoE for MoE models
+    # A MoE model's experts first: they carry most of its step (Qwen3-30B-A3B at one token: 1.8 of
+    # 4.3 ms; measured 2026-12-03), and a budget that runs out leaves the kernels after it untuned.
+    kernels = (tuning.MOE_KERNELS if shapes.num_experts else ()) + tuning.KERNELS
     table = tuning.tune(kernels, shapes, budget_s=float(budget_s), device="cuda")
     tuning.compile_window_variants(table, shapes, "cuda")
     tuning.compile_norm_variants(table, shapes, "cuda")
