@@ -394,11 +394,15 @@ _GEMV_TILES = (
 )
 
 _PER_PAIR_GEMV_TILES = (
-    # (BLOCK_N, BLOCK_K, num_warps) with DOWN_PER_PAIR: the down launch a program per pair
-    (8, 256, 2),
-    (16, 128, 2),
-    (16, 256, 4),
-    (32, 128, 4),
+    # (BLOCK_N, BLOCK_K, num_warps, num_stages) with DOWN_PER_PAIR: the down launch a program per
+    # pair. At one token of Qwen3-30B-A3B (H200, 2026-12-03) 8x256 took 32.0 us, the serial
+    # launch's best 38.2 us; num_stages > 1 is timed in case Triton pipelines the weight loads
+    (8, 256, 2, 1),
+    (8, 256, 2, 3),
+    (16, 128, 2, 1),
+    (16, 256, 4, 1),
+    (16, 256, 4, 3),
+    (32, 128, 4, 1),
 )
 
 _TILES = (
@@ -435,8 +439,8 @@ CONFIG_SPACE: list[KernelConfig] = (
         for n, k, w in _GEMV_TILES
     ]
     + [
-        KernelConfig({"gemv": 1, "BLOCK_N": n, "BLOCK_K": k, "DOWN_PER_PAIR": 1}, num_warps=w, num_stages=1)
-        for n, k, w in _PER_PAIR_GEMV_TILES
+        KernelConfig({"gemv": 1, "BLOCK_N": n, "BLOCK_K": k, "DOWN_PER_PAIR": 1}, num_warps=w, num_stages=st)
+        for n, k, w, st in _PER_PAIR_GEMV_TILES
     ]
     + [
         KernelConfig({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": g}, num_warps=w, num_stages=s)
@@ -514,7 +518,8 @@ def default_config(
     """Untuned choice: the GEMV for up to 32 pairs where a balanced router's tokens visit each
     expert they visit at most 1.5 times on average (the GEMV reads an expert's weights once a
     pair), its BLOCK_N the widest of 32, 16 and 8 that gives the down launch (a program per token
-    and column block) two programs a multiprocessor; else a tile sized by the rows an expert gets,
+    and column block) two programs a multiprocessor, and its down launch a program per pair where
+    a program per token would leave fewer than four a multiprocessor at BLOCK_N 8; else a tile sized by the rows an expert gets,
     pipelined less deep where its shared memory (activations of ``elt`` bytes) would not fit
     SHARED_MEMORY_LIMIT (fp32's widest tiles; half types always fit)."""
     pairs = num_tokens * top_k
@@ -522,7 +527,13 @@ def default_config(
     if pairs <= 32 and pairs <= 1.5 * visited:
         bn = next((b for b in (32, 16) if num_tokens * triton.cdiv(hidden, b) >= 2 * num_sms), 8)
         bk = min(256, triton.next_power_of_2(min(hidden, intermediate)))
-        return KernelConfig({"gemv": 1, "BLOCK_N": bn, "BLOCK_K": bk}, 4 if bn * bk >= 4096 else 2, 1)
+        params = {"gemv": 1, "BLOCK_N": bn, "BLOCK_K": bk}
+        if top_k > 1 and num_tokens * triton.cdiv(hidden, 8) < 4 * num_sms:
+            # Fewer than 4 down programs a multiprocessor even at the narrowest column block, each
+            # streaming top_k experts one after another: a program per pair instead (the tuner's
+            # pick at 1 and 2 tokens of Qwen3-30B-A3B; at 4 it kept the serial launch).
+            params["DOWN_PER_PAIR"] = 1
+        return KernelConfig(params, 4 if bn * bk >= 4096 else 2, 1)
     rows = triton.cdiv(pairs, min(num_experts, pairs))
     bk = 64 if min(hidden, intermediate) >= 64 else 32
     if rows <= 16:

@@ -76,7 +76,7 @@ _ENGINE_OPTIONS = (
     default=None,
     help="Prompt tokens one step may compute beside the running streams' decodes (chunked prefill): lower "
     "bounds the gap between a stream's tokens while prompts arrive, at some cost to time to first token "
-    "[engine default: none on a GPU, where --max-num-batched-tokens bounds the step; 128 on the CPU].",
+    "[engine default: 1024 on a GPU, 128 on the CPU].",
 )
 @click.option(
     "--gpu-memory-utilization",

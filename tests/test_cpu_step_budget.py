@@ -10,7 +10,12 @@ import pytest
 from pagecast.runtime import SamplingParams
 from pagecast.runtime.block_pool import BlockPool
 from pagecast.runtime.engine import LLMEngine
-from pagecast.runtime.engine_core import CPU_MAX_NUM_PREFILL_TOKENS, EngineOptions, default_max_num_prefill_tokens
+from pagecast.runtime.engine_core import (
+    CPU_MAX_NUM_PREFILL_TOKENS,
+    ONLINE_MAX_NUM_PREFILL_TOKENS,
+    EngineOptions,
+    default_max_num_prefill_tokens,
+)
 from pagecast.runtime.request import Request
 from pagecast.runtime.scheduler import Scheduler, SchedulerConfig
 
@@ -18,6 +23,10 @@ from pagecast.runtime.scheduler import Scheduler, SchedulerConfig
 def test_default_prefill_bound_by_device() -> None:
     assert default_max_num_prefill_tokens("cuda") is None
     assert default_max_num_prefill_tokens("cpu") == CPU_MAX_NUM_PREFILL_TOKENS < EngineOptions().max_num_batched_tokens
+    # Serving online on a GPU: a bound that keeps prompts from holding the running streams up.
+    assert default_max_num_prefill_tokens("cuda", online=True) == ONLINE_MAX_NUM_PREFILL_TOKENS
+    assert ONLINE_MAX_NUM_PREFILL_TOKENS < EngineOptions().max_num_batched_tokens
+    assert default_max_num_prefill_tokens("cpu", online=True) == CPU_MAX_NUM_PREFILL_TOKENS
     with pytest.raises(ValueError, match="max_num_prefill_tokens"):
         EngineOptions(max_num_prefill_tokens=0)
 
@@ -86,3 +95,25 @@ def test_a_long_prompt_is_chunked_while_a_stream_decodes(tiny_llama_artifact):  
     assert len(stream.output_token_ids) == tokens_before + len(prefill_steps)
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_async_engine_runs_its_core_as_online_and_llm_does_not(tiny_llama_artifact, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """AsyncEngine (what engine-serve runs) asks its core for the online defaults; an explicit
+    option still wins; LLM's engine keeps the offline ones."""
+    from pagecast.runtime import async_engine
+
+    sent: list[dict] = []  # type: ignore[type-arg]
+
+    class Client:
+        def __init__(self, artifact: str, options: dict) -> None:  # type: ignore[type-arg]
+            sent.append(options)
+            raise RuntimeError("no core in this test")
+
+    monkeypatch.setattr(async_engine, "CoreClient", Client)
+    for options in ({}, {"online": False, "max_num_prefill_tokens": 64}):
+        with pytest.raises(RuntimeError, match="no core"):
+            async_engine.AsyncEngine(tiny_llama_artifact, **options)
+    assert sent[0]["online"] is True and "max_num_prefill_tokens" not in sent[0]
+    assert sent[1] == {"online": False, "max_num_prefill_tokens": 64}
+    engine = LLMEngine(tiny_llama_artifact)
+    assert engine.core.options.online is False

@@ -421,6 +421,21 @@ def test_moe_config_space_by_bucket():
         problems.default_config("fused_moe", MIXTRAL, d)
 
 
+def test_default_splits_the_decode_down_launch_by_pair_where_tokens_are_few():
+    """At one and two tokens of Qwen3-30B-A3B the serial down launch has fewer than four programs
+    a multiprocessor (each streaming 8 experts in turn): the default runs a program per pair
+    there, the serial launch from four tokens, and never for top-1 (nothing to split)."""
+
+    def default(t: int, shapes: ModelShapes) -> KernelConfig:
+        return fused_moe.default_config(t, shapes.top_k, shapes.num_experts, shapes.hidden, shapes.moe_intermediate)
+
+    per_pair = {t: default(t, QWEN3_30B).params.get("DOWN_PER_PAIR") for t in (1, 2, 4)}
+    assert per_pair == {1: 1, 2: 1, 4: None}
+    assert default(1, MIXTRAL).params.get("DOWN_PER_PAIR") == 1
+    top1 = fused_moe.default_config(1, 1, 16, 2048, 768)
+    assert fused_moe.is_gemv(top1) and "DOWN_PER_PAIR" not in top1.params
+
+
 @interpreter
 @pytest.mark.parametrize(
     "experts", [{}, {"moe_activation": "swiglu_oai", "moe_alpha": 1.5, "moe_limit": 0.5, "moe_bias": True}],
@@ -439,6 +454,7 @@ def test_moe_problem_launches_agree(experts):  # type: ignore[no-untyped-def]
     assert problem.bucket == "t4" and problem.num_sets > 1 and problem.reference is not None
     naive = problem.launch(fused_moe.NAIVE, 1)
     gemv, per_pair = KernelConfig.coerce(GEMV), KernelConfig.coerce(GEMV_PER_PAIR)
-    for cfg in (problems.default_config("fused_moe", shapes, dims), KernelConfig(dict(TILE), 4, 2), gemv, per_pair):
+    tile = KernelConfig(dict(TILE), 4, 2)
+    for cfg in (problems.default_config("fused_moe", shapes, dims), tile, gemv, per_pair):
         torch.testing.assert_close(problem.launch(cfg, 1), naive, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(problem.reference(None, 1), naive, atol=0, rtol=0)
