@@ -68,7 +68,6 @@ class AsyncEngine:
     """
 
     def __init__(self, artifact: str | os.PathLike[str], client: CoreClient | None = None, **options: Any):
-        options = {"online": True, **options}  # requests arrive while others stream (EngineOptions.online)
         EngineOptions(**options)  # a bad option fails here, not in the child process
         self.artifact_path = Path(artifact)
         manifest = load_manifest(self.artifact_path)  # raises ArtifactError for a bad artifact

@@ -441,7 +441,8 @@ class _StartingEngines:
             kv_tokens = info.num_kv_blocks * info.block_size
             logger.info(
                 "serving %s as `%s` on %s: KV cache %d blocks of %d (%d tokens), %d sequences of the full "
-                "%d-token context at once, up to %d running; started in %.1f s (%s)",
+                "%d-token context at once, up to %d running; a step computes up to %d tokens, %s prompt "
+                "tokens; started in %.1f s (%s)",
                 path,
                 name,
                 info.device,
@@ -451,6 +452,8 @@ class _StartingEngines:
                 kv_tokens // engine.max_model_len,
                 engine.max_model_len,
                 engine.max_num_seqs,
+                info.max_num_batched_tokens,
+                f"at most {info.max_num_prefill_tokens}" if info.max_num_prefill_tokens else "any number of",
                 info.startup_s.get("total", 0.0),
                 " ".join(f"{k}={v:.2f}" for k, v in info.startup_s.items() if k != "total"),
             )

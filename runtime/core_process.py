@@ -213,9 +213,18 @@ def run_engine_core(
         shutil.rmtree(run_dir if server_gone else tmp, ignore_errors=True)
 
 
+def core_options(options: dict[str, Any]) -> Any:
+    """An engine-core process's EngineOptions: ``options`` as given, served online (requests
+    arrive while others stream) unless they say otherwise. Every online engine - engine-serve's,
+    and AsyncEngine's from Python - runs in such a process; LLM's engine never does."""
+    from pagecast.runtime.engine_core import EngineOptions
+
+    return EngineOptions(**{"online": True, **options})
+
+
 def _serve(channel: CoreChannel, artifact: str, options: dict[str, Any], entered: float, spawned_at: float | None) -> int:
     decoder = msgspec.msgpack.Decoder(FrontEndMessage)
-    from pagecast.runtime.engine_core import EngineCore, EngineOptions
+    from pagecast.runtime.engine_core import EngineCore
     from pagecast.runtime.errors import ArtifactError
 
     startup.mark("import")
@@ -234,7 +243,7 @@ def _serve(channel: CoreChannel, artifact: str, options: dict[str, Any], entered
     compiles = process_compiles()
     try:
         t0 = time.perf_counter()
-        core = EngineCore(artifact, EngineOptions(**options), load_tokenizer=False)
+        core = EngineCore(artifact, core_options(options), load_tokenizer=False)
         core.startup_s["total"] = time.perf_counter() - t0
         core.startup_s = {**before_core, **core.startup_s}
     except BaseException as exc:  # noqa: BLE001 - every failure to start is reported, then the process ends
@@ -284,6 +293,8 @@ def _loop(channel: CoreChannel, core: Any, decoder: Any, compiles: Any) -> int:
             block_size=core.block_size,
             device=str(core.artifact.device),
             startup_s=core.startup_s,
+            max_num_batched_tokens=core.options.max_num_batched_tokens,
+            max_num_prefill_tokens=core.max_num_prefill_tokens,
         )
     )
     inbox = channel.inbox

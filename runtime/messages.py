@@ -130,6 +130,8 @@ class CoreReady(msgspec.Struct, tag=True, array_like=True):
     block_size: int
     device: str
     startup_s: dict[str, float]  # where the start-up time went (load, verify, graphs, warm-up)
+    max_num_batched_tokens: int = 0  # the step's token budget
+    max_num_prefill_tokens: int | None = None  # the step's prompt tokens, decodes aside (None: no own bound)
 
 
 class CoreFailed(msgspec.Struct, tag=True, array_like=True):

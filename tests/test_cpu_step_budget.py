@@ -97,23 +97,12 @@ def test_a_long_prompt_is_chunked_while_a_stream_decodes(tiny_llama_artifact):  
         engine.step()
 
 
-def test_async_engine_runs_its_core_as_online_and_llm_does_not(tiny_llama_artifact, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """AsyncEngine (what engine-serve runs) asks its core for the online defaults; an explicit
-    option still wins; LLM's engine keeps the offline ones."""
-    from pagecast.runtime import async_engine
+def test_engine_core_processes_run_online_and_llm_does_not(tiny_llama_artifact) -> None:  # type: ignore[no-untyped-def]
+    """Every online engine (engine-serve's, AsyncEngine's) runs in an engine-core process, whose
+    options default to online; an explicit option still wins. LLM's engine stays offline."""
+    from pagecast.runtime.core_process import core_options
 
-    sent: list[dict] = []  # type: ignore[type-arg]
-
-    class Client:
-        def __init__(self, artifact: str, options: dict) -> None:  # type: ignore[type-arg]
-            sent.append(options)
-            raise RuntimeError("no core in this test")
-
-    monkeypatch.setattr(async_engine, "CoreClient", Client)
-    for options in ({}, {"online": False, "max_num_prefill_tokens": 64}):
-        with pytest.raises(RuntimeError, match="no core"):
-            async_engine.AsyncEngine(tiny_llama_artifact, **options)
-    assert sent[0]["online"] is True and "max_num_prefill_tokens" not in sent[0]
-    assert sent[1] == {"online": False, "max_num_prefill_tokens": 64}
-    engine = LLMEngine(tiny_llama_artifact)
-    assert engine.core.options.online is False
+    assert core_options({}).online is True
+    assert core_options({"max_num_seqs": 8}).max_num_seqs == 8
+    assert core_options({"online": False}).online is False
+    assert LLMEngine(tiny_llama_artifact).core.options.online is False

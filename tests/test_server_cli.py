@@ -262,3 +262,18 @@ def test_engine_options_reach_the_engines(tmp_path, monkeypatch):  # type: ignor
     assert result.exit_code == 3, result.output
     assert seen == {"max_num_prefill_tokens": 512, "max_num_batched_tokens": 4096}
     assert CliRunner().invoke(main, [str(tmp_path), "--max-num-prefill-tokens", "0"]).exit_code == 2
+
+
+def test_the_step_budget_in_effect_is_logged_at_start(tiny_artifact_factory, tmp_path):  # type: ignore[no-untyped-def]
+    """--max-num-prefill-tokens reaches the engine core, which reports the bound it schedules
+    with; the server names it, with the step's token budget, when it starts serving."""
+    artifact = tiny_artifact_factory("llama", max_position_embeddings=512)
+    log_path = tmp_path / "stderr.log"
+    proc, base = _start_engine_serve(artifact, log_path, "--max-num-prefill-tokens", "7", "--max-num-seqs", "8")
+    try:
+        assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    serving = [json.loads(raw)["message"] for raw in log_path.read_text().splitlines() if '"serving ' in raw]
+    assert len(serving) == 1 and "a step computes up to 2048 tokens, at most 7 prompt tokens" in serving[0]
