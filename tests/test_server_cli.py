@@ -269,7 +269,8 @@ def test_the_step_budget_in_effect_is_logged_at_start(tiny_artifact_factory, tmp
     with; the server names it, with the step's token budget, when it starts serving."""
     artifact = tiny_artifact_factory("llama", max_position_embeddings=512)
     log_path = tmp_path / "stderr.log"
-    proc, base = _start_engine_serve(artifact, log_path, "--max-num-prefill-tokens", "7", "--max-num-seqs", "8")
+    args = ("--max-num-prefill-tokens", "7", "--max-num-seqs", "8")
+    proc, base = _start_engine_serve(artifact, log_path, *args)
     try:
         assert httpx.get(f"{base}/health", timeout=10).status_code == 200
     finally:
