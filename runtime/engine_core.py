@@ -91,8 +91,9 @@ class EngineOptions:
     # step's time, hence the gap between a running stream's tokens, while a long prompt is
     # prefilled; ONLINE_MAX_NUM_PREFILL_TOKENS on a GPU serving online; else no bound of its own.
     max_num_prefill_tokens: int | None = None
-    # Requests arrive while others stream (AsyncEngine and engine-serve set it; LLM does not):
-    # only the default of max_num_prefill_tokens depends on it.
+    # Requests arrive while others stream: set by the engine-core process, which runs every
+    # AsyncEngine's and engine-serve's engine (core_process.core_options); LLM's engine is offline.
+    # Only the default of max_num_prefill_tokens depends on it.
     online: bool = False
     max_model_len: int | None = None  # at most the artifact's
     kv_cache_memory: int | str | None = None  # bytes for the KV cache; default: from gpu_memory_utilization
