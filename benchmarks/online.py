@@ -44,6 +44,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import random
 import re
 import socket
@@ -364,6 +365,9 @@ def phase_start(out: Path, artifact: str, args: argparse.Namespace) -> None:
         if args.cold:
             drop_from_page_cache(files)
         log = out / f"engine_serve_start{start}.log"
+        if args.profile_warm_up:  # the core inherits it (runtime/engine_core.py: PROFILE_WARM_UP_ENV)
+            profile = out / f"warm_up_profile_start{start}.txt"
+            os.environ["PAGECAST_PROFILE_WARM_UP"] = str(profile.resolve())
         server = Server(artifact, log, args.server_arg)
         try:
             healthy = server.wait_healthy()
@@ -421,6 +425,9 @@ def main() -> None:
                     help="when building: random (dummy artifact, weights drawn at load) or files (read and hashed at start)")
     ap.add_argument("--server-arg", action="append", default=[], help="extra engine-serve argument")
     ap.add_argument("--starts", type=int, default=3, help="start: how many times engine-serve is started")
+    ap.add_argument("--profile-warm-up", action="store_true",
+                    help="start: the warm-up of each start under torch.profiler, written to "
+                    "OUT/warm_up_profile_startN.txt (its runs' seconds and busiest operators; it slows that start)")
     ap.add_argument("--cold", action="store_true",
                     help="start: drop the weight files from the page cache before each start (and time dd on them)")
     ap.add_argument("--w8-seqs", type=int, default=256, help="W8: streams sent at once")

@@ -9,11 +9,13 @@ process and sends each step's tokens to the server, which detokenizes there.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import re
 import time
+from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,6 +80,32 @@ def default_max_num_prefill_tokens(device_type: str, online: bool = False) -> in
     if device_type == "cpu":
         return CPU_MAX_NUM_PREFILL_TOKENS
     return ONLINE_MAX_NUM_PREFILL_TOKENS if online else None
+
+
+# Where the warm-up's seconds go (issue 30: on an H200 it is the start's critical path, 1.7-2.5 s
+# for a few thousand tokens of work): set to a file path, the warm-up runs under torch.profiler and
+# writes there each run's seconds and the busiest operators by host and by device time.
+PROFILE_WARM_UP_ENV = "PAGECAST_PROFILE_WARM_UP"
+
+
+@contextlib.contextmanager
+def _warm_up_profile(path: str | None, each: list[tuple[str, int, float]]) -> Iterator[None]:
+    if not path:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        yield
+    averages = prof.key_averages()
+    lines = [f"{phase} {tokens} prompt tokens: {seconds * 1e3:.1f} ms" for phase, tokens, seconds in each]
+    lines.append(averages.table(sort_by="cpu_time_total", row_limit=40))
+    if torch.cuda.is_available():
+        lines.append(averages.table(sort_by="device_time_total", row_limit=40))
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    logger.info("warm-up profile written to %s", path)
 
 
 @dataclass(frozen=True)
@@ -662,16 +690,20 @@ class EngineCore:
         # how many kernels Triton loaded from the artifact's cache on the way.
         loads = process_compiles().loads
         loaded, i = len(loads), 0
-        for phase, runs in phases.items():
-            t0 = time.perf_counter()
-            for num_tokens, params in runs:
-                # Distinct ids per run, so no prompt is a prefix-cache hit on an earlier one.
-                ids = [(i * 7919 + j) % self.vocab_size for j in range(1, num_tokens + 1)]
-                self.add_request(f"pagecast-warm-up-{i}", ids, params, max_tokens=params.max_tokens)
-                while self.has_unfinished_requests():
-                    self.step()
-                i += 1
-            self.startup_s[f"warm_up.{phase}"] = time.perf_counter() - t0
+        each: list[tuple[str, int, float]] = []  # (phase, prompt tokens, seconds) of every run
+        with _warm_up_profile(os.environ.get(PROFILE_WARM_UP_ENV), each):
+            for phase, runs in phases.items():
+                t0 = time.perf_counter()
+                for num_tokens, params in runs:
+                    t1 = time.perf_counter()
+                    # Distinct ids per run, so no prompt is a prefix-cache hit on an earlier one.
+                    ids = [(i * 7919 + j) % self.vocab_size for j in range(1, num_tokens + 1)]
+                    self.add_request(f"pagecast-warm-up-{i}", ids, params, max_tokens=params.max_tokens)
+                    while self.has_unfinished_requests():
+                        self.step()
+                    i += 1
+                    each.append((phase, num_tokens, time.perf_counter() - t1))
+                self.startup_s[f"warm_up.{phase}"] = time.perf_counter() - t0
         self.startup_s["warm_up.kernels_loaded"] = len(loads) - loaded
         self.block_pool.reset_prefix_cache()
         self.block_pool.num_prefix_queries = self.block_pool.num_prefix_hits = 0
