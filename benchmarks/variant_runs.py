@@ -55,6 +55,7 @@ def build(out: Path, artifact: Path, variant: str, record: Recorder, max_model_l
     from pagecast.builder.pipeline import build as run_build
 
     if (artifact / "manifest.json").is_file():
+        record_cut_off(artifact, variant, record)
         return artifact
     # Llama-3-8B's keeps its old name (existing runs reuse it); another config's is named after its artifact.
     cfg_dir = out / ("llama3-8b-config" if config is None else f"{artifact.name}-config")
@@ -68,7 +69,28 @@ def build(out: Path, artifact: Path, variant: str, record: Recorder, max_model_l
         log=lambda line: print(f"  build {variant}", line, flush=True),
     )  # fmt: skip
     record(variant=variant, figure="enginebuild_seconds", value=round(time.perf_counter() - start, 1))
+    record_cut_off(artifact, variant, record)
     return artifact
+
+
+def cut_off_buckets(artifact: Path) -> dict[str, int]:
+    """Per kernel, the buckets of the artifact's tuning table that the build's tuning budget cut
+    off (``budget_spent``: the launcher's default or a neighbour's winner, not tuned there)."""
+    table_path = artifact / "tuning.json"
+    if not table_path.is_file():
+        return {}
+    kernels = json.loads(table_path.read_text()).get("kernels", {})
+    counts = {name: sum(bool(e.get("budget_spent")) for e in entries.values()) for name, entries in kernels.items()}
+    return {name: n for name, n in counts.items() if n}
+
+
+def record_cut_off(artifact: Path, variant: str, record: Recorder) -> None:
+    """A ``tuning_cut_off`` row: a figure measured on kernels the budget left untuned says so
+    (every Qwen3-30B-A3B W4 before 2026-12-03 ran untuned experts at --tune-budget 20)."""
+    cut = cut_off_buckets(artifact)
+    record(variant=variant, figure="tuning_cut_off", value=sum(cut.values()), buckets=cut)
+    if cut:
+        print(f"  {variant}: the tuning budget cut off {sum(cut.values())} buckets: {cut}", flush=True)
 
 
 def measure(out: Path, variant: str, artifact: Path, phases: set[str], record: Recorder,
