@@ -230,7 +230,7 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 class Server:
     """engine-serve in a subprocess on a free port; its log goes to ``log``."""
 
-    def __init__(self, artifact: str, log: Path, extra: list[str]):
+    def __init__(self, artifact: str, log: Path, extra: list[str], env: dict[str, str] | None = None):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -241,7 +241,7 @@ class Server:
             [sys.executable, "-m", "pagecast.runtime.cli", artifact, "--port", str(self.port),
              "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
              "--max-queue", "4096", *extra],
-            stdout=subprocess.DEVNULL, stderr=open(log, "w"),
+            stdout=subprocess.DEVNULL, stderr=open(log, "w"), env={**os.environ, **(env or {})},
         )
 
     def wait_healthy(self, timeout: float = 600) -> float:
@@ -351,6 +351,7 @@ def torch_import() -> dict:
 def phase_start(out: Path, artifact: str, args: argparse.Namespace) -> None:
     """engine-serve started --starts times: /health, first token, first and steady TTFT, compiles,
     the start-up timeline and the weights' read rate of each start (see the module's docstring)."""
+    from pagecast.runtime.engine_core import PROFILE_WARM_UP_ENV
     from pagecast.runtime.startup import parse_log
 
     files = weight_files(artifact)
@@ -365,10 +366,9 @@ def phase_start(out: Path, artifact: str, args: argparse.Namespace) -> None:
         if args.cold:
             drop_from_page_cache(files)
         log = out / f"engine_serve_start{start}.log"
-        if args.profile_warm_up:  # the core inherits it (runtime/engine_core.py: PROFILE_WARM_UP_ENV)
-            profile = out / f"warm_up_profile_start{start}.txt"
-            os.environ["PAGECAST_PROFILE_WARM_UP"] = str(profile.resolve())
-        server = Server(artifact, log, args.server_arg)
+        # This start's server alone (its core inherits the variable); later phases' are not profiled.
+        profile = {PROFILE_WARM_UP_ENV: str((out / f"warm_up_profile_start{start}.txt").resolve())}
+        server = Server(artifact, log, args.server_arg, profile if args.profile_warm_up else None)
         try:
             healthy = server.wait_healthy()
             model = args.model or server.model()
