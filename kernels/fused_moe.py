@@ -283,6 +283,24 @@ def _expert_gemv(
 
 
 @triton.jit
+def _weighted_down_row(
+    a_ptr, w_ptr, b_ptr, ids_ptr, weights_ptr, pair, offs_n, n_ok, N, K,
+    stride_am, stride_we, stride_wn, stride_be,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # One pair's down row (its expert's projection of its intermediate row, with the bias) times
+    # its routing weight, in fp32 [BLOCK_N].
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    down, _ = _expert_gemv(
+        a_ptr + pair.to(tl.int64) * stride_am, w_ptr + expert * stride_we, offs_n, n_ok, N, K, stride_wn,
+        False, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+    if HAS_BIAS:
+        down += tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    return down * tl.load(weights_ptr + pair)
+
+
+@triton.jit
 def _moe_gemv_kernel(
     a_ptr,  # gate_up: x [T, K]; down: intermediate [P, K] in pair order
     w_ptr,  # [E, N_w, K] as for _moe_gemm_kernel
@@ -328,28 +346,19 @@ def _moe_gemv_kernel(
         row = pair.to(tl.int64)
     elif PER_PAIR:
         pair = tl.program_id(0)
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        down, _ = _expert_gemv(
-            a_ptr + pair.to(tl.int64) * stride_am, w_ptr + expert * stride_we, offs_n, n_ok, N, K, stride_wn,
-            False, BLOCK_N, BLOCK_K,
+        y = _weighted_down_row(
+            a_ptr, w_ptr, b_ptr, ids_ptr, weights_ptr, pair, offs_n, n_ok, N, K,
+            stride_am, stride_we, stride_wn, stride_be, HAS_BIAS, BLOCK_N, BLOCK_K,
         )  # fmt: skip
-        if HAS_BIAS:
-            down += tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        y = down * tl.load(weights_ptr + pair)
         row = pair.to(tl.int64)
     else:
         token = tl.program_id(0)
         y = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for j in range(top_k):
-            pair = token * top_k + j
-            expert = tl.load(ids_ptr + pair).to(tl.int64)
-            a_row = a_ptr + pair.to(tl.int64) * stride_am
-            down, _ = _expert_gemv(
-                a_row, w_ptr + expert * stride_we, offs_n, n_ok, N, K, stride_wn, False, BLOCK_N, BLOCK_K
-            )
-            if HAS_BIAS:
-                down += tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-            y += down * tl.load(weights_ptr + pair)
+            y += _weighted_down_row(
+                a_ptr, w_ptr, b_ptr, ids_ptr, weights_ptr, token * top_k + j, offs_n, n_ok, N, K,
+                stride_am, stride_we, stride_wn, stride_be, HAS_BIAS, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
         row = token.to(tl.int64)
     tl.store(c_ptr + row * stride_cm + offs_n, y.to(c_ptr.dtype.element_ty), mask=n_ok)
 
@@ -518,8 +527,8 @@ def default_config(
     expert they visit at most 1.5 times on average (the GEMV reads an expert's weights once a
     pair), its BLOCK_N the widest of 32, 16 and 8 that gives the down launch (a program per token
     and column block) two programs a multiprocessor, and its down launch a program per pair where
-    a program per token would leave fewer than four a multiprocessor at BLOCK_N 8; else a tile sized by the rows an expert gets,
-    pipelined less deep where its shared memory (activations of ``elt`` bytes) would not fit
+    a program per token would leave fewer than four a multiprocessor at BLOCK_N 8; else a tile
+    sized by the rows an expert gets, pipelined less deep where its shared memory (activations of ``elt`` bytes) would not fit
     SHARED_MEMORY_LIMIT (fp32's widest tiles; half types always fit)."""
     pairs = num_tokens * top_k
     visited = num_experts * (1 - (1 - top_k / num_experts) ** num_tokens)  # expected, uniform routing
