@@ -693,17 +693,16 @@ class EngineCore:
         each: list[tuple[str, int, float]] = []  # (phase, prompt tokens, seconds) of every run
         with _warm_up_profile(os.environ.get(PROFILE_WARM_UP_ENV), each):
             for phase, runs in phases.items():
-                t0 = time.perf_counter()
                 for num_tokens, params in runs:
-                    t1 = time.perf_counter()
+                    t0 = time.perf_counter()
                     # Distinct ids per run, so no prompt is a prefix-cache hit on an earlier one.
                     ids = [(i * 7919 + j) % self.vocab_size for j in range(1, num_tokens + 1)]
                     self.add_request(f"pagecast-warm-up-{i}", ids, params, max_tokens=params.max_tokens)
                     while self.has_unfinished_requests():
                         self.step()
                     i += 1
-                    each.append((phase, num_tokens, time.perf_counter() - t1))
-                self.startup_s[f"warm_up.{phase}"] = time.perf_counter() - t0
+                    each.append((phase, num_tokens, time.perf_counter() - t0))
+                self.startup_s[f"warm_up.{phase}"] = sum(seconds for p, _, seconds in each if p == phase)
         self.startup_s["warm_up.kernels_loaded"] = len(loads) - loaded
         self.block_pool.reset_prefix_cache()
         self.block_pool.num_prefix_queries = self.block_pool.num_prefix_hits = 0
