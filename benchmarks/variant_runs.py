@@ -80,7 +80,8 @@ def cut_off_buckets(artifact: Path) -> dict[str, int]:
     if not table_path.is_file():
         return {}
     kernels = json.loads(table_path.read_text()).get("kernels", {})
-    counts = {name: sum(bool(e.get("budget_spent")) for e in entries.values()) for name, entries in kernels.items()}
+    counts = {name: sum(bool(e.get("budget_spent")) for e in entries.values())
+              for name, entries in kernels.items()}  # fmt: skip
     return {name: n for name, n in counts.items() if n}
 
 

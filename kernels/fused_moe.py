@@ -528,8 +528,8 @@ def default_config(
     pair), its BLOCK_N the widest of 32, 16 and 8 that gives the down launch (a program per token
     and column block) two programs a multiprocessor, and its down launch a program per pair where
     a program per token would leave fewer than four a multiprocessor at BLOCK_N 8; else a tile
-    sized by the rows an expert gets, pipelined less deep where its shared memory (activations of ``elt`` bytes) would not fit
-    SHARED_MEMORY_LIMIT (fp32's widest tiles; half types always fit)."""
+    sized by the rows an expert gets, pipelined less deep where its shared memory (activations of
+    ``elt`` bytes) would not fit SHARED_MEMORY_LIMIT (fp32's widest tiles; half types always fit)."""
     pairs = num_tokens * top_k
     visited = num_experts * (1 - (1 - top_k / num_experts) ** num_tokens)  # expected, uniform routing
     if pairs <= 32 and pairs <= 1.5 * visited:

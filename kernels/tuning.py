@@ -551,7 +551,8 @@ def compile_window_variants(table: Mapping[str, Any], shapes: ModelShapes, devic
         buckets = problems.buckets(kernel, shapes)
         if not buckets:
             continue
-        configs = _servable_configs(table, kernel, [problems.default_config(kernel, shapes, dims) for _, dims in buckets])
+        defaults = [problems.default_config(kernel, shapes, dims) for _, dims in buckets]
+        configs = _servable_configs(table, kernel, defaults)
         # the smallest bucket's inputs: every config's variant, at the least cost
         problem = problems.make_problem(kernel, shapes, buckets[0][1], device, seed=0, window=shapes.attn_window)
         for cfg in configs:

@@ -427,7 +427,9 @@ def test_default_splits_the_decode_down_launch_by_pair_where_tokens_are_few():
     there, the serial launch from four tokens, and never for top-1 (nothing to split)."""
 
     def default(t: int, shapes: ModelShapes) -> KernelConfig:
-        return fused_moe.default_config(t, shapes.top_k, shapes.num_experts, shapes.hidden, shapes.moe_intermediate)
+        return fused_moe.default_config(
+            t, shapes.top_k, shapes.num_experts, shapes.hidden, shapes.moe_intermediate
+        )
 
     per_pair = {t: default(t, QWEN3_30B).params.get("DOWN_PER_PAIR") for t in (1, 2, 4)}
     assert per_pair == {1: 1, 2: 1, 4: None}

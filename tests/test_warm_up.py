@@ -46,7 +46,8 @@ def test_warm_up_profile_names_every_run(tiny_llama_artifact, tmp_path, monkeypa
     engine = LLMEngine(tiny_llama_artifact, warm_up=True)
     text = path.read_text()
     runs = [line for line in text.splitlines() if " prompt tokens: " in line]
-    # The size classes up to the step budget (the tiny model's 512-token context), then the sampler's three paths.
+    # The size classes up to the step budget (the tiny model's 512-token context), then the
+    # sampler's three paths.
     budget = min(engine.core.options.max_num_batched_tokens, engine.core.max_model_len - 4)
     sizes = [int(line.split()[1]) for line in runs if line.startswith("sizes ")]
     assert sizes == sorted(sizes) and sizes[-1] == budget and len(sizes) >= 4
