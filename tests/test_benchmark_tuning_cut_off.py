@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 
-import variant_runs  # noqa: E402
+import variant_runs
 
 
 def test_cut_off_buckets_are_counted_and_recorded(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
