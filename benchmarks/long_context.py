@@ -167,7 +167,9 @@ def ceilings(run: Run, elt_dtype: torch.dtype) -> tuple[float, float]:
 # engine: TTFT and inter-token latency
 
 
-def build_artifact(run: Run, cfg: dict, kv: str, max_model_len: int, tune_budget: float) -> Path:
+def build_artifact(
+    run: Run, cfg: dict, kv: str, max_model_len: int, tune_budget: float, tune_first: tuple[str, ...] = ()
+) -> Path:
     from pagecast.builder.ir import BuildOptions
     from pagecast.builder.pipeline import build
 
@@ -180,7 +182,7 @@ def build_artifact(run: Run, cfg: dict, kv: str, max_model_len: int, tune_budget
         BuildOptions(
             model=str(cfg_dir), output=artifact, gpu="cpu" if run.dry_run else "auto", load_format="dummy",
             max_model_len=max_model_len, kv_cache_dtype="fp8" if kv == "fp8" else "auto", max_num_seqs=16,
-            tune_budget_s=tune_budget, force=True, quiet=True,
+            tune_budget_s=tune_budget, tune_first=tune_first, force=True, quiet=True,
         ),
         log=lambda line: print("  build", line, flush=True),
     )  # fmt: skip
@@ -485,6 +487,12 @@ def main(argv: list[str] | None = None) -> None:
         "decode buckets used it up and no prefill bucket was tuned; the run reports the buckets it cut)",
     )
     ap.add_argument(
+        "--tune-first",
+        default="paged_prefill_attention,paged_decode_attention",
+        help="enginebuild --tune-first: the attention kernels, which set W7's figures, are tuned before "
+        "the rest, so the budget cuts off the others (the report lists what it cut)",
+    )
+    ap.add_argument(
         "--dry-run",
         action="store_true",
         help="a tiny model on the CPU (Triton interpreter): checks the code paths, measures nothing",
@@ -516,7 +524,9 @@ def main(argv: list[str] | None = None) -> None:
             kernel_figures(run, cfg, kv, lengths, batch, batch_context, peak, copy)
         if not args.skip_engine:
             given = args.artifact_fp8 if kv == "fp8" else args.artifact
-            artifact = given or build_artifact(run, cfg, kv, cfg["max_position_embeddings"], args.tune_budget)
+            artifact = given or build_artifact(
+                run, cfg, kv, cfg["max_position_embeddings"], args.tune_budget, tuple(filter(None, args.tune_first.split(",")))
+            )
             prefill_table(run, artifact, kv)
             engine_figures(
                 run,

@@ -33,6 +33,9 @@ from pagecast.runtime.errors import BuildError
               help="KV-cache storage: auto (the model's dtype) or fp8 (e4m3, per-layer scales; twice the tokens).")
 @click.option("--tune-budget", "tune_budget_s", default=300.0, show_default=True, type=float,
               help="Seconds tuning may take on the GPU.")
+@click.option("--tune-first", default="", show_default=False,
+              help="Comma-separated kernels to tune before the others (e.g. paged_prefill_attention for long "
+                   "prompts): the budget cuts off what is tuned last, which keeps its default configs.")
 @click.option("--speculative-config", default=None,
               help='Speculative decoding to serve with by default, as JSON: {"method": "ngram"}, or '
                    '{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4} with DIR a smaller '

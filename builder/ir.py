@@ -26,6 +26,9 @@ class BuildOptions:
     load_format: str = "auto"  # "auto" (read weights) or "dummy" (random weights from a config-only dir)
     max_num_seqs: int = 256
     tune_budget_s: float = 300.0
+    # Kernels the tuner takes first, in this order (then the rest as usual): a budget that runs
+    # out cuts off what comes last, so a build meant for one workload tunes its kernels fully.
+    tune_first: tuple[str, ...] = ()
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "fp8" / "fp8_e4m3" (builder/kv_cache.py)
     force: bool = False
     quiet: bool = False
@@ -49,6 +52,14 @@ class BuildOptions:
             raise ValueError(f"--max-model-len must be at least 2 (got {self.max_model_len})")
         if self.max_num_seqs < 1:
             raise ValueError(f"--max-num-seqs must be positive (got {self.max_num_seqs})")
+        if isinstance(self.tune_first, str):  # the command line's comma-separated list
+            object.__setattr__(self, "tune_first", tuple(k.strip() for k in self.tune_first.split(",") if k.strip()))
+        if self.tune_first:
+            from pagecast.kernels.tuning import KERNELS, MOE_KERNELS
+
+            unknown = [k for k in self.tune_first if k not in KERNELS + MOE_KERNELS]
+        if self.tune_first and unknown:
+            raise ValueError(f"--tune-first: unknown kernel {unknown[0]!r}; the tuned kernels are {', '.join(KERNELS + MOE_KERNELS)}")
         from pagecast.builder.kv_cache import parse_option
 
         parse_option(self.kv_cache_dtype)  # ValueError naming the accepted values

@@ -93,6 +93,7 @@ def build_draft(state: BuildState, source: Path, dst: Path) -> None:
         load_format=opts.load_format,
         max_num_seqs=opts.max_num_seqs,
         tune_budget_s=opts.tune_budget_s,
+        tune_first=opts.tune_first,
         kv_cache_dtype=opts.kv_cache_dtype,
         force=True,
         quiet=True,
