@@ -9,6 +9,7 @@ process and sends each step's tokens to the server, which detokenizes there.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import logging
@@ -89,7 +90,7 @@ PROFILE_WARM_UP_ENV = "PAGECAST_PROFILE_WARM_UP"
 
 
 @contextlib.contextmanager
-def _warm_up_profile(path: str | None, each: list[tuple[str, int, float]]) -> Iterator[None]:
+def _warm_up_profile(path: str | None, each: list[WarmUpRun]) -> Iterator[None]:
     if not path:
         yield
         return
@@ -99,13 +100,31 @@ def _warm_up_profile(path: str | None, each: list[tuple[str, int, float]]) -> It
     with profile(activities=activities) as prof:
         yield
     averages = prof.key_averages()
-    lines = [f"{phase} {tokens} prompt tokens: {seconds * 1e3:.1f} ms" for phase, tokens, seconds in each]
+    lines = [run.line() for run in each]
     lines.append(averages.table(sort_by="cpu_time_total", row_limit=40))
     if torch.cuda.is_available():
         lines.append(averages.table(sort_by="device_time_total", row_limit=40))
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     logger.info("warm-up profile written to %s", path)
+
+
+@dataclass
+class WarmUpRun:
+    """One warm-up request, start to finish: its phase, prompt tokens, wall seconds and the Triton
+    kernels it loaded from the artifact's cache (names; a first launch in this process)."""
+
+    phase: str
+    tokens: int
+    seconds: float
+    loaded: list[str]
+
+    def line(self) -> str:
+        names = ", ".join(f"{n} x{c}" if c > 1 else n for n, c in collections.Counter(self.loaded).items())
+        return (
+            f"{self.phase} {self.tokens} prompt tokens: {self.seconds * 1e3:.1f} ms, "
+            f"{len(self.loaded)} kernels loaded" + (f" ({names})" if names else "")
+        )
 
 
 @dataclass(frozen=True)
@@ -687,23 +706,39 @@ class EngineCore:
             "sampler": [(min(64, budget), p) for p in (sampled, scored, plain)],
         }
         # Where the warm-up's time goes (start-up log): the size classes, the sampler's paths, and
-        # how many kernels Triton loaded from the artifact's cache on the way.
+        # how many kernels Triton loaded from the artifact's cache on the way (and before it).
         loads = process_compiles().loads
         loaded, i = len(loads), 0
-        each: list[tuple[str, int, float]] = []  # (phase, prompt tokens, seconds) of every run
-        with _warm_up_profile(os.environ.get(PROFILE_WARM_UP_ENV), each):
+        self.startup_s["warm_up.kernels_loaded_before"] = loaded
+        each: list[WarmUpRun] = []
+
+        def run_all(label: str = "") -> None:
+            nonlocal i
             for phase, runs in phases.items():
                 for num_tokens, params in runs:
-                    t0 = time.perf_counter()
+                    t0, before = time.perf_counter(), len(loads)
                     # Distinct ids per run, so no prompt is a prefix-cache hit on an earlier one.
                     ids = [(i * 7919 + j) % self.vocab_size for j in range(1, num_tokens + 1)]
                     self.add_request(f"pagecast-warm-up-{i}", ids, params, max_tokens=params.max_tokens)
                     while self.has_unfinished_requests():
                         self.step()
                     i += 1
-                    each.append((phase, num_tokens, time.perf_counter() - t0))
-                self.startup_s[f"warm_up.{phase}"] = sum(seconds for p, _, seconds in each if p == phase)
+                    names = [spec["name"] for spec in loads[before:]]
+                    each.append(WarmUpRun(label + phase, num_tokens, time.perf_counter() - t0, names))
+
+        profile_path = os.environ.get(PROFILE_WARM_UP_ENV)
+        with _warm_up_profile(profile_path, each):
+            run_all()
+        for phase in phases:
+            self.startup_s[f"warm_up.{phase}"] = sum(run.seconds for run in each if run.phase == phase)
         self.startup_s["warm_up.kernels_loaded"] = len(loads) - loaded
+        if profile_path:
+            # The same runs again, unprofiled: what a run costs once everything it needs is loaded,
+            # against its first time above (the start's own cost).
+            first = len(each)
+            run_all("again ")
+            with open(profile_path, "a") as f:
+                f.write("\n".join(run.line() for run in each[first:]) + "\n")
         self.block_pool.reset_prefix_cache()
         self.block_pool.num_prefix_queries = self.block_pool.num_prefix_hits = 0
         self.scheduler.num_preemptions = 0

@@ -44,6 +44,7 @@ def test_warm_up_profile_names_every_run(tiny_llama_artifact, tmp_path, monkeypa
     path = tmp_path / "warm_up.txt"
     monkeypatch.setenv(PROFILE_WARM_UP_ENV, str(path))
     engine = LLMEngine(tiny_llama_artifact, warm_up=True)
+    assert engine.core.num_prompt_tokens == 0 and not engine.core.has_unfinished_requests()
     text = path.read_text()
     runs = [line for line in text.splitlines() if " prompt tokens: " in line]
     # The size classes up to the step budget (the tiny model's 512-token context), then the
@@ -52,4 +53,10 @@ def test_warm_up_profile_names_every_run(tiny_llama_artifact, tmp_path, monkeypa
     sizes = [int(line.split()[1]) for line in runs if line.startswith("sizes ")]
     assert sizes == sorted(sizes) and sizes[-1] == budget and len(sizes) >= 4
     assert sum(line.startswith("sampler ") for line in runs) == 3
+    # Each run says how many kernels it loaded (none on the CPU: Triton does not run there), and
+    # the same runs follow again, unprofiled, for their cost once everything is loaded.
+    assert all(line.endswith(" 0 kernels loaded") for line in runs)
+    again = [line.removeprefix("again ") for line in runs if line.startswith("again ")]
+    first = [line for line in runs if not line.startswith("again ")]
+    assert [line.split(":")[0] for line in again] == [line.split(":")[0] for line in first]
     assert "Self CPU" in text  # the profiler's operator table
