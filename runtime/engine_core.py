@@ -94,19 +94,52 @@ def _warm_up_profile(path: str | None, each: list[WarmUpRun]) -> Iterator[None]:
     if not path:
         yield
         return
+    import cProfile
+    import io
+    import pstats
+
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    python = cProfile.Profile()
     with profile(activities=activities) as prof:
-        yield
+        python.enable()
+        try:
+            yield
+        finally:
+            python.disable()
     averages = prof.key_averages()
     lines = [run.line() for run in each]
+    lines.append(_triton_listener_state())
     lines.append(averages.table(sort_by="cpu_time_total", row_limit=40))
     if torch.cuda.is_available():
         lines.append(averages.table(sort_by="device_time_total", row_limit=40))
+    # The host's Python side, which the operator tables do not show (Triton's launches and loads,
+    # the scheduler, the model code): the functions with the most time under them.
+    text = io.StringIO()
+    pstats.Stats(python, stream=text).sort_stats("cumulative").print_stats(60)
+    lines.append(text.getvalue())
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     logger.info("warm-up profile written to %s", path)
+
+
+def _triton_listener_state() -> str:
+    """Whether this process's compile recorder is Triton's listener (the profile's kernel counts
+    depend on it)."""
+    import sys
+
+    if "triton" not in sys.modules:
+        return "triton: not imported"
+    from triton import knobs
+
+    listener = knobs.compilation.listener
+    recorder = process_compiles()
+    ours = getattr(listener, "__self__", None) is recorder
+    return (
+        f"triton: compile listener {listener!r} (the recorder's: {ours}); recorded {recorder.count} compiles, "
+        f"{len(recorder.loads)} loads; TRITON_CACHE_DIR {os.environ.get('TRITON_CACHE_DIR')}"
+    )
 
 
 @dataclass

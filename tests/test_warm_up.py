@@ -60,3 +60,4 @@ def test_warm_up_profile_names_every_run(tiny_llama_artifact, tmp_path, monkeypa
     first = [line for line in runs if not line.startswith("again ")]
     assert [line.split(":")[0] for line in again] == [line.split(":")[0] for line in first]
     assert "Self CPU" in text  # the profiler's operator table
+    assert "Ordered by: cumulative time" in text  # the Python side's (cProfile)
