@@ -296,6 +296,10 @@ class EngineCore:
         )
         self.startup_s["load"] = time.perf_counter() - t0
         self.startup_s.update({f"load.{k}": v for k, v in self.artifact.timings.items()})
+        if process_compiles().ensure_installed():
+            # The recorder is made before Triton is imported and installs itself at that import;
+            # it did not here, so compiles before this point (none should happen) went uncounted.
+            logger.warning("Triton's compile listener was not installed at its import; installed now")
         manifest = self.artifact.manifest
         self.model_name = manifest.name
         self.block_size = manifest.block_size

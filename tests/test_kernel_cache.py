@@ -205,3 +205,64 @@ def test_kernel_cache_keys_do_not_depend_on_which_kernel_a_process_launches_firs
         keys.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     assert "sampling._race_kernel" in keys[0] and len(keys[0]) > 20
     assert [name for name in keys[0] if keys[0][name] != keys[1][name]] == []
+
+
+# The engine core's order: the recorder is made before Triton is imported, and something looks
+# Triton up without importing it (torch's "is Triton installed" check) before the real import.
+LOOKED_UP_FIRST = textwrap.dedent(
+    """
+    import importlib.util, sys
+    from pagecast.runtime.kernel_cache import process_compiles
+
+    compiles = process_compiles()
+    assert "triton" not in sys.modules
+    assert importlib.util.find_spec("triton") is not None
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from pagecast.kernels import keyed_noise
+    from pagecast.kernels.reference import PHILOX_GROUP
+
+    signature = {"out_ptr": "*fp32", "keys_ptr": "*i64", "offsets_ptr": "*i64", "stride_out": "i32",
+                 "vocab": "i32", "GROUP": "constexpr"}
+    src = ASTSource(keyed_noise._keyed_exponential_kernel, signature=signature, constexprs={"GROUP": PHILOX_GROUP})
+    for _ in range(2):
+        triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    print(compiles.count, len(compiles.loads), compiles.ensure_installed())
+    """
+)
+
+
+def test_the_recorder_counts_compiles_when_triton_was_looked_up_before_its_import(tmp_path: Path) -> None:
+    """A recorder made before Triton's import installs itself as Triton's compile listener at that
+    import, even when Triton was looked up first without being imported (on the H200 host the
+    engine core's recorder missed the import this way, and counted nothing: every "0 compiles" it
+    reported could not have been otherwise)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    proc = subprocess.run(
+        [sys.executable, "-c", LOOKED_UP_FIRST], check=False, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    compiled, loaded, had_to_install = proc.stdout.split()
+    assert (compiled, loaded, had_to_install) == ("1", "1", "False")  # the compile, then the cache hit
+
+
+def test_triton_is_primed_on_a_thread_for_a_gpu_artifact_only(tmp_path: Path) -> None:
+    """prime_triton computes Triton's own cache key (hashing its compiler and library, 0.36 s on
+    the H200 host) on a thread for an artifact built for a GPU; a CPU artifact never imports
+    Triton, so nothing starts for one."""
+    from pagecast.runtime.kernel_cache import prime_triton
+
+    cpu, gpu = tmp_path / "cpu", tmp_path / "gpu"
+    for path, kind in ((cpu, "cpu"), (gpu, "gpu")):
+        path.mkdir()
+        (path / "manifest.json").write_text(json.dumps({"target": {"kind": kind, "name": "h200"}}))
+    assert prime_triton(cpu) is None
+    assert prime_triton(tmp_path / "missing") is None
+    thread = prime_triton(gpu)
+    assert thread is not None
+    thread.join(timeout=120)
+    from triton.runtime.cache import triton_key
+
+    assert triton_key.cache_info().currsize == 1
