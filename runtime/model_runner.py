@@ -347,7 +347,11 @@ class ModelRunner:
         """Forward pass (a decode graph when one fits) and the logits rows the step needs; with
         tensor parallelism every rank runs the same pass on the broadcast batch."""
         self._activate_kernels()
-        if self._lazy is not None:
+        if self._lazy is not None and batch.ctx.max_query_len == 1:
+            # Lazy graphs: one capture before a decode-only step (the kind a graph runs), none
+            # before a step with prompt tokens, whose TTFT would wait for it (a capture is an
+            # eager forward, a device sync and the capture; the first request after the start
+            # paid for one).
             self._capture_between_steps()
         use_graph = self._use_graph(batch, num_seqs)
         workers = self._sync_workers()

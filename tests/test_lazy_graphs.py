@@ -1,6 +1,7 @@
 """Lazy graphs (`engine-serve --lazy-graphs`): the engine serves before its decode graphs are
-captured, decode batches run eagerly until their graph is there, one graph is captured between
-each two steps, and the tokens are the same as without graphs.
+captured, decode batches run eagerly until their graph is there, one graph is captured before
+each decode-only step (none before a step with prompt tokens: its TTFT would wait), and the tokens
+are the same as without graphs.
 
 The CPU has no CUDA graphs: here a graph is a stand-in that replays by running the same forward
 pass on the same persistent buffers (what a CUDA graph's replay computes), so everything around
@@ -64,7 +65,8 @@ def test_requests_are_served_while_graphs_are_captured_between_steps(tiny_llama_
     runner.start_lazy_capture()
     first = llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
     assert first[0].outputs[0].token_ids == expected[0][:2]
-    assert graphs.captures == [4, 2] and graphs.pending == 1  # one per step, largest first
+    # The prefill step captured nothing; the decode step one graph (largest first).
+    assert graphs.captures == [4] and graphs.pending == 2
     assert graphs.replays == []  # batch 1 has no graph yet: eager
 
     outputs = llm.generate(PROMPTS, greedy, use_tqdm=False)
