@@ -228,8 +228,12 @@ def _serve(channel: CoreChannel, artifact: str, options: dict[str, Any], entered
     # The process's one recorder, made first, before Triton is imported (so it counts from here);
     # EngineCore's statistics read the same one.
     compiles = process_compiles()
-    prime_triton(artifact)  # Triton's own cache key, hashed while torch imports
-    from pagecast.runtime.engine_core import EngineCore
+    from pagecast.runtime.engine_core import EngineCore  # imports torch
+
+    # Triton's own cache key, hashed while the artifact loads. Only once torch is imported: a
+    # thread importing Triton while this one imports torch could deadlock on their module locks
+    # were either to import the other.
+    prime_triton(artifact)
     from pagecast.runtime.errors import ArtifactError
 
     startup.mark("import")

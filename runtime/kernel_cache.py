@@ -61,7 +61,7 @@ def relink_groups(cache: Path) -> int:
 
 def prime_triton(artifact_dir: str | Path) -> threading.Thread | None:
     """For an artifact built for a GPU: import Triton and compute Triton's own cache key on a
-    daemon thread, beside the engine's imports and load. That key (``triton_key``) hashes Triton's
+    daemon thread, beside the artifact's load (call it once torch is imported). That key (``triton_key``) hashes Triton's
     compiler sources and its shared library, once per process, when the first kernel is loaded:
     0.36 s on the H200 host, which the warm-up paid on the start's critical path. The hashing
     releases the GIL, so it overlaps. Returns the thread, or None for a CPU artifact (the CPU
