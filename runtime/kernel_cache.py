@@ -78,7 +78,7 @@ def prime_triton(artifact_dir: str | Path) -> threading.Thread | None:
             from triton.runtime.cache import triton_key
 
             triton_key()
-        except Exception:  # noqa: BLE001 - an optimisation only: the first kernel load computes it anyway
+        except Exception:  # an optimisation only: the first kernel load computes it anyway
             logger.debug("priming Triton's cache key failed", exc_info=True)
 
     thread = threading.Thread(target=prime, name="pagecast-prime-triton", daemon=True)
@@ -112,19 +112,33 @@ class TritonCompiles:
     def _install(self) -> None:
         from triton import knobs
 
-        if getattr(knobs.compilation.listener, "__self__", None) is self:
+        if self._called_by(knobs.compilation.listener):
             return
         self._previous = knobs.compilation.listener
         knobs.compilation.listener = self._listen
 
+    def _called_by(self, listener: Any) -> bool:
+        """Whether ``listener`` is this recorder's, or a recorder's that calls on to it (a
+        recorder made later chains the one before: installing this one again on top of it
+        would make a loop)."""
+        seen: set[int] = set()
+        while listener is not None and id(listener) not in seen:
+            seen.add(id(listener))
+            owner = getattr(listener, "__self__", None)
+            if owner is self:
+                return True
+            listener = owner._previous if isinstance(owner, TritonCompiles) else None
+        return False
+
     def ensure_installed(self) -> bool:
-        """Make this recorder Triton's compile listener where Triton is imported and it is not;
-        returns True when it had to (compiles and loads before now were not recorded)."""
+        """Make this recorder Triton's compile listener (or one that calls on to it) where Triton
+        is imported and it is not; returns True when it had to (compiles and loads before now were
+        not recorded)."""
         if "triton" not in sys.modules:
             return False
         from triton import knobs
 
-        if getattr(knobs.compilation.listener, "__self__", None) is self:
+        if self._called_by(knobs.compilation.listener):
             return False
         self._install()
         return True

@@ -266,3 +266,26 @@ def test_triton_is_primed_on_a_thread_for_a_gpu_artifact_only(tmp_path: Path) ->
     from triton.runtime.cache import triton_key
 
     assert triton_key.cache_info().currsize == 1
+
+
+def test_a_recorder_made_later_chains_the_process_one_and_nothing_loops() -> None:
+    """A recorder made after the engine's (a test's, a user's) calls on to it; the engine's check
+    that its recorder is installed then finds it in that chain and installs nothing more (which
+    would make the two call each other for ever)."""
+    from triton import knobs
+
+    from pagecast.runtime.kernel_cache import TritonCompiles, process_compiles
+
+    engine = process_compiles()
+    engine.ensure_installed()
+    before = engine.count
+    later = TritonCompiles()
+    try:
+        assert not engine.ensure_installed()
+        knobs.compilation.listener(
+            src=type("Src", (), {"name": "_chained_kernel"})(), metadata=None, metadata_group=None, times=None,
+            cache_hit=False,
+        )  # fmt: skip
+        assert later.names == ["_chained_kernel"] and engine.names[before:] == ["_chained_kernel"]
+    finally:
+        knobs.compilation.listener = later._previous  # the engine's again, for the tests after this
