@@ -201,18 +201,23 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         self.then = then
         self._fired = False
         self._lock = threading.Lock()
+        self._asking = threading.local()  # this thread is inside find_spec (another hook asked back)
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != self.name:
+        if fullname != self.name or getattr(self._asking, "active", False):
             return None
-        spec = None
-        for finder in list(sys.meta_path):  # the others: importlib.util.find_spec would ask this one again
-            find = getattr(finder, "find_spec", None)
-            if finder is self or find is None:
-                continue
-            spec = find(fullname, path, target)
-            if spec is not None:
-                break
+        self._asking.active = True
+        try:
+            spec = None
+            for finder in list(sys.meta_path):  # the others: importlib.util.find_spec would ask this one again
+                find = getattr(finder, "find_spec", None)
+                if finder is self or find is None:
+                    continue
+                spec = find(fullname, path, target)
+                if spec is not None:
+                    break
+        finally:
+            self._asking.active = False
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         exec_module = spec.loader.exec_module
