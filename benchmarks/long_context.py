@@ -168,7 +168,7 @@ def ceilings(run: Run, elt_dtype: torch.dtype) -> tuple[float, float]:
 
 
 def build_artifact(
-    run: Run, cfg: dict, kv: str, max_model_len: int, tune_budget: float, tune_first: tuple[str, ...] = ()
+    run: Run, cfg: dict, kv: str, max_model_len: int, tune_budget: float, tune_first: str = ""
 ) -> Path:
     from pagecast.builder.ir import BuildOptions
     from pagecast.builder.pipeline import build
@@ -525,7 +525,7 @@ def main(argv: list[str] | None = None) -> None:
         if not args.skip_engine:
             given = args.artifact_fp8 if kv == "fp8" else args.artifact
             artifact = given or build_artifact(
-                run, cfg, kv, cfg["max_position_embeddings"], args.tune_budget, tuple(filter(None, args.tune_first.split(",")))
+                run, cfg, kv, cfg["max_position_embeddings"], args.tune_budget, args.tune_first
             )
             prefill_table(run, artifact, kv)
             engine_figures(

@@ -426,9 +426,9 @@ def main() -> None:
     ap.add_argument("--server-arg", action="append", default=[], help="extra engine-serve argument")
     ap.add_argument("--starts", type=int, default=3, help="start: how many times engine-serve is started")
     ap.add_argument("--profile-warm-up", action="store_true",
-                    help="start: the warm-up of each start under torch.profiler, written to "
-                    "OUT/warm_up_profile_startN.txt (its runs' seconds and busiest operators; "
-                    "it slows the start)")
+                    help="start: the warm-up of each start under torch.profiler and cProfile, written to "
+                    "OUT/warm_up_profile_startN.txt (its runs' seconds and loaded kernels, the busiest "
+                    "operators and Python functions, the runs again unprofiled; it slows the start)")
     ap.add_argument("--cold", action="store_true",
                     help="start: drop the weight files from the page cache before each start (and time dd on them)")
     ap.add_argument("--w8-seqs", type=int, default=256, help="W8: streams sent at once")

@@ -58,8 +58,10 @@ class BuildOptions:
             from pagecast.kernels.tuning import KERNELS, MOE_KERNELS
 
             unknown = [k for k in self.tune_first if k not in KERNELS + MOE_KERNELS]
-        if self.tune_first and unknown:
-            raise ValueError(f"--tune-first: unknown kernel {unknown[0]!r}; the tuned kernels are {', '.join(KERNELS + MOE_KERNELS)}")
+            if unknown:
+                raise ValueError(
+                    f"--tune-first: unknown kernel {unknown[0]!r}; the tuned kernels are {', '.join(KERNELS + MOE_KERNELS)}"
+                )
         from pagecast.builder.kv_cache import parse_option
 
         parse_option(self.kv_cache_dtype)  # ValueError naming the accepted values

@@ -85,7 +85,9 @@ def default_max_num_prefill_tokens(device_type: str, online: bool = False) -> in
 
 # Where the warm-up's seconds go (issue 30: on an H200 it is the start's critical path, 1.7-2.5 s
 # for a few thousand tokens of work): set to a file path, the warm-up runs under torch.profiler and
-# writes there each run's seconds and the busiest operators by host and by device time.
+# cProfile and writes there each run's seconds and the kernels it loaded, whether the compile
+# recorder is installed, the busiest operators by host and by device time, the Python functions by
+# cumulative time, then each run's seconds again (run a second time, unprofiled).
 PROFILE_WARM_UP_ENV = "PAGECAST_PROFILE_WARM_UP"
 
 
@@ -133,11 +135,10 @@ def _triton_listener_state() -> str:
         return "triton: not imported"
     from triton import knobs
 
-    listener = knobs.compilation.listener
     recorder = process_compiles()
-    ours = getattr(listener, "__self__", None) is recorder
     return (
-        f"triton: compile listener {listener!r} (the recorder's: {ours}); recorded {recorder.count} compiles, "
+        f"triton: compile listener {knobs.compilation.listener!r} (calls the recorder: {recorder.installed}); "
+        f"recorded {recorder.count} compiles, "
         f"{len(recorder.loads)} loads; TRITON_CACHE_DIR {os.environ.get('TRITON_CACHE_DIR')}"
     )
 

@@ -61,10 +61,10 @@ def relink_groups(cache: Path) -> int:
 
 def prime_triton(artifact_dir: str | Path) -> threading.Thread | None:
     """For an artifact built for a GPU: import Triton and compute Triton's own cache key on a
-    daemon thread, beside the artifact's load (call it once torch is imported). That key (``triton_key``) hashes Triton's
-    compiler sources and its shared library, once per process, when the first kernel is loaded:
-    0.36 s on the H200 host, which the warm-up paid on the start's critical path. The hashing
-    releases the GIL, so it overlaps. Returns the thread, or None for a CPU artifact (the CPU
+    daemon thread, beside the artifact's load (call it once torch is imported). That key
+    (``triton_key``) hashes Triton's compiler sources and its shared library, once per process,
+    when the first kernel is loaded: 0.36 s on the H200 host, which the warm-up paid on the
+    start's critical path. The hashing releases the GIL, so it overlaps. Returns the thread, or None for a CPU artifact (the CPU
     engine never imports Triton) or one whose manifest cannot be read (the load says why)."""
     try:
         target = json.loads((Path(artifact_dir) / "manifest.json").read_text()).get("target") or {}
@@ -130,15 +130,21 @@ class TritonCompiles:
             listener = owner._previous if isinstance(owner, TritonCompiles) else None
         return False
 
-    def ensure_installed(self) -> bool:
-        """Make this recorder Triton's compile listener (or one that calls on to it) where Triton
-        is imported and it is not; returns True when it had to (compiles and loads before now were
-        not recorded)."""
+    @property
+    def installed(self) -> bool:
+        """Triton is imported and calls this recorder (as its listener, or through one that calls
+        on to it)."""
         if "triton" not in sys.modules:
             return False
         from triton import knobs
 
-        if self._called_by(knobs.compilation.listener):
+        return self._called_by(knobs.compilation.listener)
+
+    def ensure_installed(self) -> bool:
+        """Make this recorder Triton's compile listener (or one that calls on to it) where Triton
+        is imported and it is not; returns True when it had to (compiles and loads before now were
+        not recorded)."""
+        if "triton" not in sys.modules or self.installed:
             return False
         self._install()
         return True
