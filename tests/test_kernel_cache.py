@@ -262,13 +262,15 @@ def test_triton_is_primed_on_a_thread_for_a_gpu_artifact_only(tmp_path: Path) ->
     for path, kind in ((cpu, "cpu"), (gpu, "gpu")):
         path.mkdir()
         (path / "manifest.json").write_text(json.dumps({"target": {"kind": kind, "name": "h200"}}))
+    from triton.runtime.cache import triton_key
+
+    triton_key.cache_clear()  # computed by nothing but the thread below
     assert prime_triton(cpu) is None
     assert prime_triton(tmp_path / "missing") is None
+    assert triton_key.cache_info().currsize == 0
     thread = prime_triton(gpu)
     assert thread is not None
     thread.join(timeout=120)
-    from triton.runtime.cache import triton_key
-
     assert triton_key.cache_info().currsize == 1
 
 
