@@ -110,7 +110,7 @@ _ENGINE_OPTIONS = (
     "--lazy-graphs/--no-lazy-graphs",
     default=None,
     help="Serve as soon as the weights are loaded and capture the CUDA graphs between steps afterwards "
-    "(decode runs eagerly until its graph is there) [default: off].",
+    "(decode runs eagerly until its graph is there) [default: on].",
 )
 @click.option(
     "--speculative-config",

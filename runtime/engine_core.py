@@ -185,8 +185,10 @@ class EngineOptions:
     verify_weights: bool = True  # hash weight files on load
     cuda_graphs: bool = True  # capture decode graphs at start-up (GPU only)
     # Capture them after the engine is ready instead, one between each two steps: it serves sooner,
-    # decode batches eagerly until their graph is there (runtime/cuda_graphs.py).
-    lazy_graphs: bool = False
+    # decode batches eagerly until their graph is there (runtime/cuda_graphs.py). Default: on when
+    # serving online (engine-serve, AsyncEngine), where start-up time is what a user waits for;
+    # off for LLM, whose first batch would run eagerly.
+    lazy_graphs: bool | None = None
     # Plan step N+1 while step N runs on the device (default: on for GPUs), for every request:
     # logprobs, prompt logprobs and penalties are computed on the device too.
     async_scheduling: bool | None = None
@@ -220,6 +222,11 @@ class EngineOptions:
             raise ValueError("kv_cache_memory must be positive")
         if self.speculative_config != "off":
             SpeculativeConfig.parse(self.speculative_config)  # a bad config fails here, with its reason
+
+    @property
+    def lazy_graphs_on(self) -> bool:
+        """Whether CUDA graphs are captured between steps after start-up (see lazy_graphs)."""
+        return self.online if self.lazy_graphs is None else self.lazy_graphs
 
 
 @dataclass
@@ -368,7 +375,7 @@ class EngineCore:
             # The plan's batch sizes, up to this engine's max_num_seqs; larger decode batches run eagerly.
             planned = self.artifact.memory_plan.get("cuda_graph_batch_sizes") or [1]
             sizes = [b for b in planned if b <= options.max_num_seqs]
-            self.startup_s["cuda_graphs"] = self.runner.capture_cuda_graphs(sizes, self.max_model_len, options.lazy_graphs)
+            self.startup_s["cuda_graphs"] = self.runner.capture_cuda_graphs(sizes, self.max_model_len, options.lazy_graphs_on)
             graphs = getattr(self.runner, "graphs", None)
             self.startup_s.update({f"cuda_graphs.{k}": v for k, v in getattr(graphs, "timings", {}).items()})
         self.num_prompt_tokens = 0
