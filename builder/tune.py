@@ -378,6 +378,22 @@ def budget_note(table: dict[str, Any], budget_s: float) -> str:
     )
 
 
+def time_note(table: dict[str, Any]) -> str:
+    """The report's words for where the tuning time went, per kernel, longest first (empty for
+    a table without the tuner's timings): first launches are where Triton compiles a config."""
+    seconds = table.get("tune_seconds") or {}
+    parts = []
+    for kernel, spent in sorted(seconds.items(), key=lambda item: -sum(item[1].values())):
+        total = sum(spent.values())
+        if total >= 0.05:
+            parts.append(
+                f"{kernel} {total:.1f} s (first launches, which compile: {spent.get('first_launches', 0.0):.1f}; "
+                f"timing {spent.get('timing', 0.0):.1f}; problems {spent.get('problems', 0.0):.1f}; "
+                f"other {spent.get('other', 0.0):.1f})"
+            )
+    return ". Tuning time by kernel: " + "; ".join(parts) if parts else ""
+
+
 def run(state: BuildState) -> BuildState:
     plan = state.plan
     assert plan is not None and state.staging_dir is not None
@@ -401,7 +417,7 @@ def run(state: BuildState) -> BuildState:
         report["tuning_note"] = (
             f"tuned on this {plan.gpu_name} within {state.options.tune_budget_s:.0f} s; "
             f"measured copy bandwidth {copy_gbs:,.0f} GB/s"
-        ) + budget_note(table, state.options.tune_budget_s)
+        ) + budget_note(table, state.options.tune_budget_s) + time_note(table)
     else:
         table = tuning.default_table(plan.gpu_name) or {"device": plan.gpu_name, "tuned": False, "kernels": {}}
         table = dict(table, tuned=False)

@@ -436,9 +436,15 @@ def tune(
         },
         "versions": {"torch": torch.__version__, "triton": _triton_version()},
     }
+    # Where the time goes, per kernel (seconds): making each bucket's problem, each config's first
+    # launch (Triton compiles its kernel there, or loads it from the cache), timing, and the rest
+    # (the half-type reference, the variants compiled beside a config).
+    seconds: dict[str, dict[str, float]] = {}
+    table["tune_seconds"] = seconds
     for kernel in kernel_names:
         entries: dict[str, Any] = {}
         table["kernels"][kernel] = entries
+        spent = seconds.setdefault(kernel, {"problems": 0.0, "first_launches": 0.0, "timing": 0.0, "other": 0.0})
         for bucket, dims in problems.buckets(kernel, shapes):
             if kernel == "paged_decode_attention" and problems.kv_bytes(shapes, dims) > MAX_TUNE_KV_BYTES:
                 smaller = [
@@ -456,7 +462,9 @@ def tune(
                     }
                     continue
             torch.manual_seed(0)
+            t0 = time.monotonic()
             problem = problems.make_problem(kernel, shapes, dims, device, seed=0)
+            spent["problems"] += time.monotonic() - t0
             launches = problem.launches_per_sample()
             results: list[tuple[float, int, KernelConfig]] = []
             configs = problems.config_space(kernel, shapes, dims)
@@ -473,16 +481,26 @@ def tune(
             elif default in configs:  # first: a bucket the budget cuts short has at least the default
                 configs = [default] + [c for c in configs if c != default]
             for order, cfg in enumerate(configs):
+                t0 = time.monotonic()
                 try:
+                    problem.launch(cfg, 0)  # compiled (or loaded) here; time_launches warms up again
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    t1 = time.monotonic()
                     t_us = time_launches(functools.partial(problem.launch, cfg), launches, reps)
                 except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: skip this config
                     if log:
                         log(f"{kernel} {bucket} {cfg.as_dict()}: {type(exc).__name__}: {str(exc)[:120]}")
                     torch.cuda.synchronize()
+                    spent["first_launches"] += time.monotonic() - t0
                     continue
+                spent["first_launches"] += t1 - t0
+                spent["timing"] += time.monotonic() - t1
                 results.append((t_us, order, cfg))
                 if problem.variants is not None:
+                    t0 = time.monotonic()
                     problem.variants(cfg)
+                    spent["other"] += time.monotonic() - t0
                 if time.monotonic() > deadline and results and not budget_spent:
                     break
             if not results:
@@ -504,11 +522,14 @@ def tune(
                 entries[bucket]["budget_spent"] = True
             entries[bucket].update(problem.marks)
             if problem.reference is not None:  # the half-type baseline, for the report (never chosen)
+                t0 = time.monotonic()
                 entries[bucket]["reference_us"] = round(
                     time_launches(functools.partial(problem.reference, None), launches, reps), 2
                 )
+                spent["other"] += time.monotonic() - t0
             if log:
                 log(f"{kernel} {bucket}: {best[0]:.2f} us {best[2].as_dict()} ({len(results)} configs)")
+        seconds[kernel] = {k: round(v, 2) for k, v in spent.items()}
     return table
 
 

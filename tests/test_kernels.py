@@ -470,6 +470,51 @@ def test_buckets_the_budget_cut_off_are_not_called_tuned(monkeypatch):  # type: 
     assert budget_note({"kernels": {"rms_norm": {"t8": first}}}, 2.5) == ""
 
 
+def test_the_build_report_says_where_the_tuning_time_went(monkeypatch):  # type: ignore[no-untyped-def]
+    """The tuner splits each kernel's time into first launches (where Triton compiles a config),
+    timing, making problems and the rest, and the report names the kernels longest first: what a
+    budget that ran out was spent on. A fake clock: a config's first launch takes 2 s the first
+    time (a compile), timing 1 s, the half-type reference 0.5 s."""
+    import types
+
+    from pagecast.builder.tune import time_note
+    from pagecast.kernels import problems
+
+    clock = [0.0]
+    compiled: set[str] = set()
+
+    def launch(cfg, i):  # type: ignore[no-untyped-def]
+        key = repr(cfg.as_dict()) + repr((cfg.num_warps, cfg.num_stages))
+        if key not in compiled:
+            compiled.add(key)
+            clock[0] += 2.0
+
+    def timed(launch, launches, reps):  # type: ignore[no-untyped-def]
+        clock[0] += 1.0 if launch.args[0] is not None else 0.5
+        return 10.0
+
+    problem = types.SimpleNamespace(launches_per_sample=lambda: 1, launch=launch, reference=lambda cfg, i: None,
+                                    marks={}, variants=None)  # fmt: skip
+    monkeypatch.setattr(tuning, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(tuning, "time_launches", timed)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake GPU")
+    monkeypatch.setattr(problems, "make_problem", lambda *args, **kwargs: problem)
+    shapes = tuning.ModelShapes(9, 3, 64, 576, 1536, 16)
+    table = tuning.tune(["rms_norm", "silu_and_mul"], shapes, budget_s=1e9, device="cpu")
+    for kernel in ("rms_norm", "silu_and_mul"):
+        entries = table["kernels"][kernel]
+        spaces = [problems.config_space(kernel, shapes, d) for _, d in problems.buckets(kernel, shapes)]
+        distinct = {repr(c.as_dict()) + repr((c.num_warps, c.num_stages)) for space in spaces for c in space}
+        spent = table["tune_seconds"][kernel]
+        assert spent["timing"] == sum(len(space) for space in spaces) * 1.0
+        assert spent["other"] == len(entries) * 0.5
+        assert spent["first_launches"] == 2.0 * len(distinct)  # each config compiled once, then loaded
+    note = time_note(table)
+    longest = max(table["tune_seconds"], key=lambda k: sum(table["tune_seconds"][k].values()))
+    assert note.startswith(f". Tuning time by kernel: {longest} ") and "first launches, which compile" in note
+    assert time_note({"kernels": {}}) == ""
+
+
 def test_the_tuner_launches_each_timed_configs_other_variants(monkeypatch):  # type: ignore[no-untyped-def]
     """Problem.variants (a row bucket's rows not divisible by 16) runs once with every config the
     tuner times, so each config that can win has that variant compiled into the artifact."""
