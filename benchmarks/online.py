@@ -10,7 +10,8 @@ Without --artifact it builds the Llama-3-8B-shaped engine with random bf16 weigh
 
   start   engine-serve's start, --starts times (each a fresh engine-serve): seconds from the
           process start to /health 200 and to the first served token; that first request's TTFT
-          against the steady-state TTFT (median of the next 10 single requests); Triton kernels
+          against the steady-state TTFT (median of the next 10 single requests, sent once lazily
+          captured CUDA graphs are all in: waited_for_lazy_graphs_s); Triton kernels
           compiled at start and while serving; the start-up timeline of both processes (each
           phase's end, from the log's "start-up" lines) and the weights' read rate. With --cold,
           the weight files are dropped from the page cache before each start, and read once with
@@ -236,6 +237,7 @@ class Server:
             self.port = s.getsockname()[1]
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = log
+        self.extra = list(extra)
         self.start = time.perf_counter()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pagecast.runtime.cli", artifact, "--port", str(self.port),
@@ -259,6 +261,22 @@ class Server:
 
     def model(self) -> str:
         return json.load(urllib.request.urlopen(self.base + "/v1/models"))["data"][0]["id"]
+
+    def wait_lazy_graphs(self, timeout: float = 60) -> float | None:
+        """Seconds waited for the core's lazily captured CUDA graphs to be all in (its log's "cuda
+        graphs (lazy)" start-up mark); None where there is nothing to wait for: graphs captured
+        before serving, none at all (a CPU engine, --no-cuda-graphs), or a log that never says."""
+        if "--no-cuda-graphs" in self.extra or "--no-lazy-graphs" in self.extra:
+            return None
+        t = time.perf_counter()
+        while time.perf_counter() - t < timeout:
+            text = self.log.read_text()
+            if "cuda graphs (lazy) at" in text:
+                return time.perf_counter() - t
+            if "cuda graphs at" in text or " on cuda" not in text:  # captured before serving, or no GPU
+                return None
+            time.sleep(0.02)
+        return None
 
     def complete(self, model: str, prompt: list[int], max_tokens: int = 1) -> float:
         """A non-streamed request; seconds until its answer."""
@@ -373,6 +391,9 @@ def phase_start(out: Path, artifact: str, args: argparse.Namespace) -> None:
             healthy = server.wait_healthy()
             model = args.model or server.model()
             first = server.complete(model, [rng.randrange(1000, args.vocab) for _ in range(args.prompt_len)])
+            # Steady means with every graph in: lazy graphs are captured between requests at first,
+            # and a request that arrives during a capture waits for it.
+            graphs_waited = server.wait_lazy_graphs()
             steady = [server.complete(model, [rng.randrange(1000, args.vocab) for _ in range(args.prompt_len)])
                       for _ in range(10)]
         finally:
@@ -383,6 +404,7 @@ def phase_start(out: Path, artifact: str, args: argparse.Namespace) -> None:
         row = dict(start=start + 1, cold=bool(args.cold), health_s=round(healthy, 2),
                    first_token_s=round(healthy + first, 2), first_request_ttft_ms=round(first * 1000, 1),
                    steady_ttft_ms=round(statistics.median(steady) * 1000, 1),
+                   waited_for_lazy_graphs_s=None if graphs_waited is None else round(graphs_waited, 2),
                    triton_compiles_at_start=int(at_start[-1]) if at_start else 0,
                    triton_compiles_while_serving=triton_compiles(log), exit_code=status, timeline=timeline)
         read = [timeline.get("core weights allocated"), timeline.get("core weights read, on the device")]
