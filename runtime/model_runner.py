@@ -180,6 +180,11 @@ class ModelRunner:
             self._lazy.started = True
             self._lazy.since = time.perf_counter()
 
+    @property
+    def lazy_graphs_pending(self) -> bool:
+        """Lazy graphs: whether capture has started and graphs are still to capture."""
+        return self._lazy is not None and self._lazy.started
+
     def capture_while_idle(self) -> bool:
         """Lazy graphs: capture the next graph now, while no step runs (the engine-core process
         calls this when it has nothing to do, so an idle server finishes its graphs in about the

@@ -88,13 +88,33 @@ def test_an_idle_engine_captures_its_graphs_without_waiting_for_requests(tiny_ll
     graphs = ReplayOnCPU(runner.model, runner.device, [1, 2, 4], llm.engine.max_model_len, llm.engine.block_size)
     runner.capture_lazily(graphs)
     assert not runner.capture_while_idle() and not graphs.captures  # not started (before the warm-up)
+    assert not runner.lazy_graphs_pending
     runner.start_lazy_capture()
+    assert runner.lazy_graphs_pending
     assert runner.capture_while_idle() and graphs.captures == [4]
     assert runner.capture_while_idle() and graphs.captures == [4, 2]
     assert not runner.capture_while_idle() and graphs.captures == [4, 2, 1]
+    assert not runner.lazy_graphs_pending
     assert not runner.capture_while_idle() and graphs.captures == [4, 2, 1]  # all there: nothing more
 
     outputs = llm.generate(PROMPTS, greedy, use_tqdm=False)
     assert graphs.captures == [4, 2, 1]  # no capture between the steps any more
     assert graphs.replays and set(graphs.replays) <= {1, 2, 4}
     assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_an_idle_core_captures_only_after_a_quiet_spell() -> None:
+    """The engine-core process's idle step: with graphs to capture it waits for messages until the
+    engine has been idle LAZY_CAPTURE_QUIET_S (a request arriving just after another, or just after
+    /health, finds no capture running), then captures one graph per idle step; with none left it
+    sleeps IDLE_POLL_MS between liveness checks."""
+    from pagecast.runtime.core_process import IDLE_POLL_MS, LAZY_CAPTURE_QUIET_S, idle_poll
+
+    assert idle_poll(False, 0.0) == (False, IDLE_POLL_MS)
+    assert idle_poll(False, 10.0) == (False, IDLE_POLL_MS)
+    capture, wait_ms = idle_poll(True, 0.0)
+    assert not capture and wait_ms == round(LAZY_CAPTURE_QUIET_S * 1000)
+    capture, wait_ms = idle_poll(True, LAZY_CAPTURE_QUIET_S * 0.9)
+    assert not capture and 1 <= wait_ms <= LAZY_CAPTURE_QUIET_S * 1000 * 0.1 + 1
+    assert idle_poll(True, LAZY_CAPTURE_QUIET_S) == (True, 0)
+    assert idle_poll(True, 5.0) == (True, 0)
