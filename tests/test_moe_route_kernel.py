@@ -127,9 +127,11 @@ def check(logits: torch.Tensor, routing: MoeRouting) -> tuple[int, int]:
     return int(tie.sum()), int((~tie).sum())
 
 
+# (experts, top-k) of the families served: Mixtral's 8 x 2, Qwen2-MoE's 60 x 4, Qwen3-MoE's 128 x 8
+# (OLMoE's 64 x 8 and gpt-oss's 32 / 128 x 4 take the same paths), and top-1, where renormalising
+# makes every weight 1.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("e", [8, 60, 128])
-@pytest.mark.parametrize("top_k", [1, 2, 4, 8])
+@pytest.mark.parametrize(("e", "top_k"), [(8, 1), (8, 2), (60, 4), (128, 8)])
 def test_kernel_equals_the_torch_path(dtype: torch.dtype, e: int, top_k: int) -> None:
     ties = plain = 0
     for i, (scoring, renormalize, in_x) in enumerate(ROUTINGS):
