@@ -391,7 +391,9 @@ def time_note(table: dict[str, Any]) -> str:
                 f"timing {spent.get('timing', 0.0):.1f}; problems {spent.get('problems', 0.0):.1f}; "
                 f"other {spent.get('other', 0.0):.1f})"
             )
-    return ". Tuning time by kernel: " + "; ".join(parts) if parts else ""
+    threads = table.get("compile_threads") or 0
+    how = f" (configs compiled {threads} at a time)" if threads > 1 else ""
+    return f". Tuning time by kernel{how}: " + "; ".join(parts) if parts else ""
 
 
 def run(state: BuildState) -> BuildState:

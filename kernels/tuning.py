@@ -399,6 +399,77 @@ def measure_copy_bandwidth(
 MAX_TUNE_KV_BYTES = 8 << 30  # larger decode buckets reuse the config of a smaller context
 ALTERNATIVES_KEPT = 5
 
+# Compiling a bucket's configs at once, in threads, before timing them one by one. Tuning is
+# compile-bound: an FP8 build on an H200 spent 90 of fp8_gemm's 107 s in first launches (where
+# Triton compiles) and 3.7 s timing, and its host compiled 24 kernel variants 3.3x faster in 8
+# threads than one at a time (benchmarks/RESULTS.md, tenth session). Opt-in until measured in a
+# build: PAGECAST_TUNE_COMPILE_THREADS=N (0 or unset: one at a time, as before).
+COMPILE_THREADS_ENV = "PAGECAST_TUNE_COMPILE_THREADS"
+_COMPILE_ONLY: Any = None  # contextvars.ContextVar[bool], made with the hook below
+
+
+def compile_threads() -> int:
+    """Threads that compile a bucket's configs ahead of their timing (COMPILE_THREADS_ENV)."""
+    import os
+
+    value = os.environ.get(COMPILE_THREADS_ENV, "").strip()
+    try:
+        return max(0, int(value)) if value else 0
+    except ValueError:
+        raise ValueError(f"{COMPILE_THREADS_ENV} must be a whole number of threads, got {value!r}") from None
+
+
+def _install_compile_only_hook() -> None:
+    """Make Triton's launches compile without running while _COMPILE_ONLY is set (in this
+    context only): JITFunction.run with warmup=True, which Triton's own JITFunction.warmup uses."""
+    global _COMPILE_ONLY
+    import contextvars
+
+    from triton.runtime.jit import JITFunction
+
+    if _COMPILE_ONLY is None:
+        _COMPILE_ONLY = contextvars.ContextVar("pagecast_tune_compile_only", default=False)
+    if getattr(JITFunction.run, "_pagecast_compile_only", False):
+        return
+    original = JITFunction.run
+
+    def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+        return original(self, *args, grid=grid, warmup=warmup or _COMPILE_ONLY.get(), **kwargs)
+
+    run._pagecast_compile_only = True  # type: ignore[attr-defined]
+    JITFunction.run = run  # type: ignore[method-assign]
+
+
+def precompile(problem: Any, configs: list[KernelConfig], threads: int) -> int:
+    """Compile every Triton kernel that ``problem.launch`` (and ``problem.variants``) would
+    launch for each of ``configs``, in ``threads`` threads at once (Triton's AsyncCompileMode),
+    launching none of them. The launcher's own torch operations still run (on the uninitialised
+    outputs of the kernels not launched: no launcher reads a device value on the host). A config
+    that fails here is left to the timing loop, which meets and reports the same error. Returns
+    the configs whose launch ran through."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from triton.runtime._async_compile import AsyncCompileMode
+
+    _install_compile_only_hook()
+    failed = 0
+    token = _COMPILE_ONLY.set(True)
+    try:
+        with (
+            ThreadPoolExecutor(threads, thread_name_prefix="pagecast-compile") as pool,
+            AsyncCompileMode(pool, ignore_errors=True),
+        ):
+            for cfg in configs:
+                try:
+                    problem.launch(cfg, 0)
+                    if problem.variants is not None:
+                        problem.variants(cfg)
+                except Exception:  # noqa: BLE001 - the timing loop meets and reports the same error
+                    failed += 1
+    finally:
+        _COMPILE_ONLY.reset(token)
+    return len(configs) - failed
+
 
 def tune(
     kernel_names: list[str] | tuple[str, ...],
@@ -424,6 +495,7 @@ def tune(
     if unknown:
         raise ValueError(f"unknown kernels {unknown}; known: {KERNELS + MOE_KERNELS}")
     device = torch.device(device)
+    threads = compile_threads()
     deadline = time.monotonic() + budget_s
     table: dict[str, Any] = {
         "kernels": {},
@@ -435,6 +507,7 @@ def tune(
             "kv_cache_dtype": str(shapes.kv_torch_dtype).removeprefix("torch."),
         },
         "versions": {"torch": torch.__version__, "triton": _triton_version()},
+        "compile_threads": threads,
     }
     # Where the time goes, per kernel (seconds): making each bucket's problem, each config's first
     # launch (Triton compiles its kernel there, or loads it from the cache), timing, and the rest
@@ -480,6 +553,12 @@ def tune(
                 configs = [default] + ([previous] if previous is not None and previous != default else [])
             elif default in configs:  # first: a bucket the budget cuts short has at least the default
                 configs = [default] + [c for c in configs if c != default]
+            if threads > 1 and not budget_spent and len(configs) > 1:
+                t0 = time.monotonic()
+                precompile(problem, configs, threads)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                spent["first_launches"] += time.monotonic() - t0
             for order, cfg in enumerate(configs):
                 t0 = time.monotonic()
                 try:

@@ -515,6 +515,88 @@ def test_the_build_report_says_where_the_tuning_time_went(monkeypatch):  # type:
     assert time_note({"kernels": {}}) == ""
 
 
+def test_precompile_compiles_every_config_without_launching_a_kernel(monkeypatch):  # type: ignore[no-untyped-def]
+    """PAGECAST_TUNE_COMPILE_THREADS: before a bucket is timed, each config's launch runs once with
+    Triton's launches turned into compiles (JITFunction.run with warmup=True, in Triton's
+    AsyncCompileMode), variants too; a config whose launch fails is left to the timing loop; and
+    launches outside it run as before. (On the CPU Triton's run is a stand-in: there is no driver.)"""
+    from triton.runtime.jit import JITFunction
+
+    runs: list[tuple[str, bool]] = []
+
+    def fake_run(self, *args, grid, warmup, **kwargs):  # type: ignore[no-untyped-def]
+        runs.append((self.fn.__name__, warmup))
+
+    monkeypatch.setattr(JITFunction, "run", fake_run)
+
+    def kernel_a(x):  # type: ignore[no-untyped-def]
+        pass
+
+    def kernel_b(x):  # type: ignore[no-untyped-def]
+        pass
+
+    a, b = JITFunction(kernel_a), JITFunction(kernel_b)
+
+    def launch(cfg, i):  # type: ignore[no-untyped-def]
+        if cfg["BLOCK"] == 3:
+            raise RuntimeError("out of resources")
+        a[(1,)](torch.zeros(1))
+
+    problem = types.SimpleNamespace(launch=launch, variants=lambda cfg: b[(1,)](torch.zeros(1)))
+    configs = [tuning.KernelConfig({"BLOCK": n}, num_warps=4, num_stages=2) for n in (1, 2, 3)]
+    assert tuning.precompile(problem, configs, threads=2) == 2
+    assert runs == [("kernel_a", True), ("kernel_b", True)] * 2  # compiled, none launched
+    runs.clear()
+    launch(configs[0], 0)
+    assert runs == [("kernel_a", False)]  # outside precompile: a launch
+
+
+def test_the_tuner_precompiles_each_bucket_it_times_in_full(monkeypatch):  # type: ignore[no-untyped-def]
+    """With compile threads, every bucket the budget leaves whole is precompiled with the configs
+    it times, before the first is timed, and that time counts as first launches; a bucket the
+    budget cut (default and previous winner only) is not. Off by default. A fake clock."""
+    from pagecast.kernels import problems
+
+    clock = [0.0]
+    order: list[str] = []
+
+    def timed(launch, launches, reps):  # type: ignore[no-untyped-def]
+        order.append("time")
+        clock[0] += 1.0
+        return 10.0
+
+    def precompile(problem, configs, threads):  # type: ignore[no-untyped-def]
+        order.append(f"precompile {len(configs)} x{threads}")
+        clock[0] += 0.25
+        return len(configs)
+
+    problem = types.SimpleNamespace(launches_per_sample=lambda: 1, launch=lambda cfg, i: None, reference=None,
+                                    marks={}, variants=None)  # fmt: skip
+    monkeypatch.setattr(tuning, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(tuning, "time_launches", timed)
+    monkeypatch.setattr(tuning, "precompile", precompile)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake GPU")
+    monkeypatch.setattr(problems, "make_problem", lambda *args, **kwargs: problem)
+    shapes = tuning.ModelShapes(9, 3, 64, 576, 1536, 16)
+    monkeypatch.delenv(tuning.COMPILE_THREADS_ENV, raising=False)
+    table = tuning.tune(["rms_norm"], shapes, budget_s=1e9, device="cpu")
+    assert table["compile_threads"] == 0 and not any(o.startswith("precompile") for o in order)
+
+    monkeypatch.setenv(tuning.COMPILE_THREADS_ENV, "4")
+    order.clear()
+    table = tuning.tune(["rms_norm"], shapes, budget_s=2.5, device="cpu")
+    entries = table["kernels"]["rms_norm"]
+    first_space = problems.config_space("rms_norm", shapes, dict(problems.buckets("rms_norm", shapes))[next(iter(entries))])
+    assert table["compile_threads"] == 4
+    assert order[0] == f"precompile {len(first_space)} x4" and order[1] == "time"
+    assert sum(o.startswith("precompile") for o in order) == 1  # the cut buckets time their default alone
+    assert table["tune_seconds"]["rms_norm"]["first_launches"] == 0.25
+
+    monkeypatch.setenv(tuning.COMPILE_THREADS_ENV, "many")
+    with pytest.raises(ValueError, match="PAGECAST_TUNE_COMPILE_THREADS"):
+        tuning.tune(["rms_norm"], shapes, budget_s=1.0, device="cpu")
+
+
 def test_the_tuner_launches_each_timed_configs_other_variants(monkeypatch):  # type: ignore[no-untyped-def]
     """Problem.variants (a row bucket's rows not divisible by 16) runs once with every config the
     tuner times, so each config that can win has that variant compiled into the artifact."""
