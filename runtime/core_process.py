@@ -63,6 +63,11 @@ IDLE_POLL_MS = 1000  # an idle core wakes this often to check that its server is
 # so that a request arriving just after another (or just after /health) does not wait for a
 # capture (about 36 ms for an 8B model on an H200: one eager forward and the capture).
 LAZY_CAPTURE_QUIET_S = 0.05
+EXIT_GRACE_S = 0.5  # after the core exits, how long its last message has to arrive before we say "died"
+# How long a core may take to start (load, verify, capture graphs) before engine-serve gives up.
+START_TIMEOUT_S = float(os.environ.get("PAGECAST_START_TIMEOUT", "900"))
+SEND_TIMEOUT_MS = 1000  # a send blocked this long checks that the server is still there
+FLUSH_S = 2.0  # the longest a core's last message (CoreFailed) may take to leave on exit
 
 
 def idle_poll(graphs_pending: bool, idle_s: float) -> tuple[bool, int]:
@@ -75,11 +80,6 @@ def idle_poll(graphs_pending: bool, idle_s: float) -> tuple[bool, int]:
     if quiet_left <= 0:
         return True, 0
     return False, max(1, int(quiet_left * 1000 + 0.999))
-EXIT_GRACE_S = 0.5  # after the core exits, how long its last message has to arrive before we say "died"
-# How long a core may take to start (load, verify, capture graphs) before engine-serve gives up.
-START_TIMEOUT_S = float(os.environ.get("PAGECAST_START_TIMEOUT", "900"))
-SEND_TIMEOUT_MS = 1000  # a send blocked this long checks that the server is still there
-FLUSH_S = 2.0  # the longest a core's last message (CoreFailed) may take to leave on exit
 
 
 # -- the process side -------------------------------------------------------------------------
