@@ -453,6 +453,9 @@ def main() -> None:
                     "operators and Python functions, the runs again unprofiled; it slows the start)")
     ap.add_argument("--cold", action="store_true",
                     help="start: drop the weight files from the page cache before each start (and time dd on them)")
+    ap.add_argument("--tune-budget", type=float, default=90.0,
+                    help="enginebuild --tune-budget of the artifact built here (W8 compares two runs of one "
+                    "artifact: a short budget leaves time for its two 2M-token runs in one device call)")
     ap.add_argument("--w8-seqs", type=int, default=256, help="W8: streams sent at once")
     ap.add_argument("--w8-output", type=int, default=8192, help="W8: output tokens of each")
     ap.add_argument("--w8-prompt-len", type=int, default=128, help="W8: prompt tokens of each")
@@ -477,7 +480,7 @@ def main() -> None:
         import serving
 
         max_model_len = max(4096, args.w8_prompt_len + args.w8_output) if "W8" in phases else 4096
-        serving.build(out, Path(artifact), max_model_len, 90.0, args.weights)
+        serving.build(out, Path(artifact), max_model_len, args.tune_budget, args.weights)
         args.vocab = 120000
     if "start" in phases:
         phase_start(out, artifact, args)
