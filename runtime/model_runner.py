@@ -187,13 +187,11 @@ class ModelRunner:
 
     def capture_while_idle(self) -> bool:
         """Lazy graphs: capture the next graph now, while no step runs (the engine-core process
-        calls this when it has nothing to do, so an idle server finishes its graphs in about the
-        time an eager start takes and the first requests rarely pay for a capture). Returns whether
-        graphs are still to capture."""
-        if self._lazy is None or not self._lazy.started:
-            return False
-        self._capture_between_steps()
-        return self._lazy is not None
+        calls this once it has been idle a moment, so an idle server finishes its graphs in about
+        the time an eager start takes and the first requests rarely pay for a capture). Returns
+        whether graphs are still to capture."""
+        self._capture_between_steps()  # nothing before capture has started, or once all are in
+        return self.lazy_graphs_pending
 
     def _capture_between_steps(self) -> None:
         lazy, graphs = self._lazy, self.graphs
