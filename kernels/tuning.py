@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import functools
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -401,20 +402,24 @@ ALTERNATIVES_KEPT = 5
 
 # Compiling a bucket's configs at once, in threads, before timing them one by one. Tuning is
 # compile-bound: an FP8 build on an H200 spent 90 of fp8_gemm's 107 s in first launches (where
-# Triton compiles) and 3.7 s timing, and its host compiled 24 kernel variants 3.3x faster in 8
-# threads than one at a time (benchmarks/RESULTS.md, tenth session). Opt-in until measured in a
-# build: PAGECAST_TUNE_COMPILE_THREADS=N (0 or unset: one at a time, as before).
+# Triton compiles) and 3.7 s timing. With 8 compile threads the same build's fp8_gemm took 41.7 s
+# and the 100 s budget tuned every bucket, where it had cut 79 of them (benchmarks/RESULTS.md,
+# tenth and eleventh sessions). Default: min(8, the CPUs this process may use); set
+# PAGECAST_TUNE_COMPILE_THREADS=N to choose (0 or 1: one at a time).
 COMPILE_THREADS_ENV = "PAGECAST_TUNE_COMPILE_THREADS"
+DEFAULT_COMPILE_THREADS = 8
 _COMPILE_ONLY: Any = None  # contextvars.ContextVar[bool], made with the hook below
 
 
 def compile_threads() -> int:
-    """Threads that compile a bucket's configs ahead of their timing (COMPILE_THREADS_ENV)."""
-    import os
-
+    """Threads that compile a bucket's configs ahead of their timing (COMPILE_THREADS_ENV, else
+    min(DEFAULT_COMPILE_THREADS, usable CPUs))."""
     value = os.environ.get(COMPILE_THREADS_ENV, "").strip()
+    if not value:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return min(DEFAULT_COMPILE_THREADS, cpus)
     try:
-        return max(0, int(value)) if value else 0
+        return max(0, int(value))
     except ValueError:
         raise ValueError(f"{COMPILE_THREADS_ENV} must be a whole number of threads, got {value!r}") from None
 
