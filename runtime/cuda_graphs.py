@@ -3,8 +3,9 @@ graph, so a step costs one launch instead of a few hundred and no Python runs pe
 
 Graphs are captured for the batch sizes the artifact's plan lists (up to the engine's
 max_num_seqs) and for context-length buckets (the attention kernel's split count depends on the
-context bucket): all at start-up, or (lazy graphs) one between each two engine steps once the
-engine serves, decode batches running eagerly until their graph is there. A batch is padded up
+context bucket): all at start-up, or (lazy graphs) once the engine serves: a decode step whose
+bucket has no graph yet has it captured first, and an idle engine captures the rest; decode
+batches run eagerly until their graph is there. A batch is padded up
 to the next captured size: padding rows write no KV (slot -1) and attend to nothing (length 0).
 """
 
@@ -52,6 +53,7 @@ class DecodeGraphs:
         # sized by the first capture.
         self._plan = [(b, c) for c in reversed(self.contexts) for b in reversed(self.batch_sizes)]
         self._by_config: dict[tuple[int, str], tuple[int, int]] = {}
+        self._warmed: set[tuple[int, int]] = set()  # buckets whose warm-up forward has run
         self._stream: torch.cuda.Stream | None = None
         self.num_captured = 0
         # warm_up_sync: of the warm-up forwards, the time spent waiting for the device.
@@ -92,51 +94,96 @@ class DecodeGraphs:
         """(batch, context) buckets planned and not captured yet (0: every graph is there)."""
         return len(self._plan)
 
+    def _shared(self, batch: int, context: int) -> bool:
+        """A decode graph depends on the context bucket only through the attention kernel's
+        launch config: contexts whose configs agree share one graph. True (and the bucket maps to
+        the graph captured already) when ``(batch, context)`` needs no capture of its own."""
+        same = self._by_config.get((batch, repr(ops.decode_attention_config(batch, context))))
+        if same is None:
+            return False
+        self.graphs[(batch, context)] = self.graphs[same]
+        self.outputs[(batch, context)] = self.outputs[same]
+        return True
+
     @torch.inference_mode()
-    def capture_next(self) -> bool:
+    def capture_next(self, split: bool = False) -> bool:
         """Capture the next planned graph (buckets whose graph would be the same as one captured
-        already share it on the way); False when nothing is left to capture. Between engine steps
-        (lazy graphs), each call is one eager forward and one capture."""
+        already share it on the way); False when nothing was left to capture. Each graph is one
+        eager forward (the warm-up) and one capture; ``split`` (an idle engine between steps)
+        does only one of the two a call, so a request that arrives meanwhile waits for the shorter
+        of them."""
         while self._plan:
-            batch, context = self._plan.pop(0)
-            # A decode graph depends on the context bucket only through the attention kernel's
-            # launch config: contexts whose configs agree share one graph.
-            key = (batch, repr(ops.decode_attention_config(batch, context)))
-            same = self._by_config.get(key)
-            if same is not None:
-                self.graphs[(batch, context)] = self.graphs[same]
-                self.outputs[(batch, context)] = self.outputs[same]
+            batch, context = self._plan[0]
+            if self._shared(batch, context):
+                self._plan.pop(0)
                 continue
-            # Padding rows only: between steps (lazy graphs) the buffers hold the last replay's
-            # real rows, whose KV slots the capture's eager forward must not write.
-            self.slot_mapping[:batch].fill_(-1)
-            self.seq_lens[:batch].zero_()
-            self.input_ids[:batch].zero_()
-            self.positions[:batch].zero_()
-            graph, out = self._capture_one(batch, context)
-            self.graphs[(batch, context)] = graph
-            self.outputs[(batch, context)] = out
-            self._by_config[key] = (batch, context)
-            self.num_captured = len(self._by_config)
+            if (batch, context) not in self._warmed:
+                self._warm_up(batch, context)
+                if split:
+                    return True
+            self._plan.pop(0)
+            self._capture(batch, context)
             return True
         return False
+
+    @torch.inference_mode()
+    def capture_for(self, num_seqs: int, max_seq_len: int) -> bool:
+        """Lazy graphs, before a decode step: capture the graph of the step's own bucket if it is
+        planned and not there yet (the step then replays it); True when it captured one."""
+        if num_seqs > self.max_batch or max_seq_len > self.contexts[-1]:
+            return False
+        bucket = self._bucket(num_seqs, max_seq_len)
+        if bucket in self.graphs or bucket not in self._plan:
+            return False
+        self._plan.remove(bucket)
+        if self._shared(*bucket):
+            return False
+        if bucket not in self._warmed:
+            self._warm_up(*bucket)
+        self._capture(*bucket)
+        return True
 
     def _synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
+    def _pad(self, batch: int) -> None:
+        # Padding rows only: between steps (lazy graphs) the buffers hold the last replay's real
+        # rows, whose KV slots the warm-up's eager forward must not write.
+        self.slot_mapping[:batch].fill_(-1)
+        self.seq_lens[:batch].zero_()
+        self.input_ids[:batch].zero_()
+        self.positions[:batch].zero_()
+
+    def _warm_up(self, batch: int, context: int) -> None:
+        """The eager forward before a capture: the kernels of that batch size and context bucket
+        are loaded (and cuBLAS has chosen its algorithms) before they are recorded."""
+        self._pad(batch)
+        t0 = time.perf_counter()
+        self._forward(batch, context)
+        t_launched = time.perf_counter()
+        self._synchronize()
+        t1 = time.perf_counter()
+        self.timings["warm_up_forwards"] += t1 - t0
+        self.timings["warm_up_sync"] += t1 - t_launched
+        self._warmed.add((batch, context))
+
+    def _capture(self, batch: int, context: int) -> None:
+        t0 = time.perf_counter()
+        graph, out = self._capture_one(batch, context)
+        self.timings["captures"] += time.perf_counter() - t0
+        self.graphs[(batch, context)] = graph
+        self.outputs[(batch, context)] = out
+        self._by_config[(batch, repr(ops.decode_attention_config(batch, context)))] = (batch, context)
+        self.num_captured = len(self._by_config)
+
     def _capture_one(self, batch: int, context: int) -> tuple[Any, torch.Tensor]:
-        """One graph of ``batch`` rows for ``context``: an eager forward first (kernel selection,
-        the allocator), then the capture; returns the graph and its output buffer."""
+        """Record one graph of ``batch`` rows for ``context`` (after its warm-up); returns the
+        graph and its output buffer."""
         if self._stream is None:
             # capture_begin/capture_end on a side stream rather than the torch.cuda.graph context:
             # that one empties the allocator's cache before every capture, which made each capture
             # free and re-allocate the warm-up's memory (0.16 s a graph for Llama-3-8B).
             self._stream = torch.cuda.Stream(self.device)
-        t0 = time.perf_counter()
-        self._forward(batch, context)  # warm-up: kernel selection, allocator
-        t_launched = time.perf_counter()
-        self._synchronize()
-        t1 = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(self._stream):
             # thread_local: the weights may still be streaming in on other threads (their
@@ -146,9 +193,6 @@ class DecodeGraphs:
                 out = self._forward(batch, context)
             finally:
                 graph.capture_end()
-        self.timings["warm_up_forwards"] += t1 - t0
-        self.timings["warm_up_sync"] += t1 - t_launched
-        self.timings["captures"] += time.perf_counter() - t1
         if self.pool is None:
             self.pool = graph.pool()
         return graph, out

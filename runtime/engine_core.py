@@ -184,8 +184,9 @@ class EngineOptions:
     enable_prefix_caching: bool = True
     verify_weights: bool = True  # hash weight files on load
     cuda_graphs: bool = True  # capture decode graphs at start-up (GPU only)
-    # Capture them after the engine is ready instead, one between each two steps: it serves sooner,
-    # decode batches eagerly until their graph is there (runtime/cuda_graphs.py). Default: on when
+    # Capture them after the engine is ready instead (a decode step captures its own bucket first, an
+    # idle engine the rest): it serves sooner, decode batches eagerly until their graph is there
+    # (runtime/cuda_graphs.py). Default: on when
     # serving online (engine-serve, AsyncEngine), where start-up time is what a user waits for;
     # off for LLM, whose first batch would run eagerly.
     lazy_graphs: bool | None = None
@@ -400,7 +401,7 @@ class EngineCore:
         t0 = time.perf_counter()
         self.artifact.wait_verified()  # the weights are in, and are what was built
         self.startup_s["weights_wait"] = time.perf_counter() - t0
-        self.runner.start_lazy_capture()  # lazy graphs: captured between the steps from here on
+        self.runner.start_lazy_capture()  # lazy graphs: captured from here on, by the steps that need them and while idle
         # From here on a compile is one the artifact's cache and the warm-up did not cover.
         self._compiles = process_compiles()
         self._compiles_when_ready = self._compiles.count

@@ -78,7 +78,7 @@ class _LazyCapture:
 
     started: bool
     since: float = 0.0
-    steps: int = 0
+    for_steps: int = 0  # graphs captured for the decode step about to run
     seconds: float = 0.0
 
 
@@ -146,8 +146,8 @@ class ModelRunner:
 
     def capture_cuda_graphs(self, batch_sizes: list[int], max_model_len: int, lazy: bool = False) -> float:
         """Capture decode graphs (GPU only); returns the seconds it took. ``lazy``: capture none
-        now, but one between each two steps once ``start_lazy_capture`` is called (the engine
-        serves meanwhile, decode batches eagerly until their graph is there); tensor-parallel
+        now, but once ``start_lazy_capture`` is called (see ``capture_lazily``; the engine serves
+        meanwhile, decode batches eagerly until their graph is there); tensor-parallel
         engines capture at once (their ranks capture in lockstep)."""
         if self.device.type != "cuda" or not batch_sizes:
             return 0.0
@@ -168,14 +168,16 @@ class ModelRunner:
         return seconds
 
     def capture_lazily(self, graphs: DecodeGraphs) -> None:
-        """Serve with ``graphs``, whose planned graphs are captured one between each two steps
-        once ``start_lazy_capture`` is called; until its graph is there a decode batch runs eagerly."""
+        """Serve with ``graphs``, whose planned graphs are captured once ``start_lazy_capture`` is
+        called: a decode step whose bucket has no graph has it captured first, an idle engine
+        captures the rest (``capture_while_idle``); until its graph is there a decode batch runs
+        eagerly."""
         self.graphs = graphs
         self._lazy = _LazyCapture(started=False)
 
     def start_lazy_capture(self) -> None:
-        """Lazy graphs: from the next step on, capture one graph before each step until all are
-        there (the engine calls this once it serves, after its warm-up)."""
+        """Lazy graphs: from now on capture (the engine calls this once it serves, after its
+        warm-up)."""
         if self._lazy is not None:
             self._lazy.started = True
             self._lazy.since = time.perf_counter()
@@ -186,28 +188,45 @@ class ModelRunner:
         return self._lazy is not None and self._lazy.started
 
     def capture_while_idle(self) -> bool:
-        """Lazy graphs: capture the next graph now, while no step runs (the engine-core process
-        calls this once it has been idle a moment, so an idle server finishes its graphs in about
-        the time an eager start takes and the first requests rarely pay for a capture). Returns
-        whether graphs are still to capture."""
-        self._capture_between_steps()  # nothing before capture has started, or once all are in
-        return self.lazy_graphs_pending
-
-    def _capture_between_steps(self) -> None:
+        """Lazy graphs: one piece of the next graph's capture now, while no step runs: its eager
+        warm-up forward, or its capture (the engine-core process calls this once it has been idle
+        a moment, so an idle server finishes its graphs in about the time an eager start takes,
+        and a request that arrives meanwhile waits for one piece at most). Returns whether graphs
+        are still to capture."""
         lazy, graphs = self._lazy, self.graphs
         if lazy is None or not lazy.started or graphs is None:
+            return False
+        t0 = time.perf_counter()
+        graphs.capture_next(split=True)
+        lazy.seconds += time.perf_counter() - t0
+        self._lazy_progress()
+        return self.lazy_graphs_pending
+
+    def _capture_for_step(self, batch: _Batch) -> None:
+        """Lazy graphs, before a decode step a graph could run: capture its bucket's graph first
+        when it is not there yet (none before a step with prompt tokens: its TTFT would wait)."""
+        lazy, graphs = self._lazy, self.graphs
+        if lazy is None or not lazy.started or graphs is None or not self._graph_shaped(batch):
             return
         t0 = time.perf_counter()
-        graphs.capture_next()
+        if graphs.capture_for(batch.input_ids.shape[0], batch.ctx.max_seq_len):
+            lazy.for_steps += 1
         lazy.seconds += time.perf_counter() - t0
-        lazy.steps += 1
-        if not graphs.pending:
-            self._lazy = None
-            logger.info(
-                "captured %d decode CUDA graphs between %d steps, %.2f s of capture over %.1f s of serving",
-                graphs.num_captured, lazy.steps, lazy.seconds, time.perf_counter() - lazy.since,
-            )
-            startup.mark("cuda graphs (lazy)")
+        self._lazy_progress()
+
+    def _lazy_progress(self) -> None:
+        lazy, graphs = self._lazy, self.graphs
+        if lazy is None or graphs is None or graphs.pending:
+            return
+        self._lazy = None
+        t = graphs.timings
+        logger.info(
+            "captured %d decode CUDA graphs, %d of them for the step that needed them, %.2f s of capture over %.1f s "
+            "of serving (eager warm-up %.2f s, of which %.2f s waiting for the device; capture %.2f s)",
+            graphs.num_captured, lazy.for_steps, lazy.seconds, time.perf_counter() - lazy.since,
+            t["warm_up_forwards"], t["warm_up_sync"], t["captures"],
+        )  # fmt: skip
+        startup.mark("cuda graphs (lazy)")
 
     def forget(self, out: SchedulerOutput) -> None:
         """Drop the state kept for the requests ``out`` reports finished or preempted: their
@@ -334,15 +353,21 @@ class ModelRunner:
             spec=spec,
         )
 
-    def _use_graph(self, batch: _Batch, num_seqs: int) -> bool:
+    def _graph_shaped(self, batch: _Batch) -> bool:
         # A graph computes logits for every row: usable when each row is one token whose logits
         # are wanted (it samples, or it verifies a draft), in row order.
         num_rows = batch.input_ids.shape[0]
         return (
-            self.graphs is not None
-            and batch.ctx.max_query_len == 1
+            batch.ctx.max_query_len == 1
             and len(batch.sample_rows) + sum(len(d) + 1 for _, _, d in batch.spec) == num_rows
             and not batch.prompt_lp
+        )
+
+    def _use_graph(self, batch: _Batch, num_seqs: int) -> bool:
+        num_rows = batch.input_ids.shape[0]
+        return (
+            self.graphs is not None
+            and self._graph_shaped(batch)
             and self.graphs.can_run(num_rows, batch.ctx.max_seq_len)
         )
 
@@ -350,12 +375,8 @@ class ModelRunner:
         """Forward pass (a decode graph when one fits) and the logits rows the step needs; with
         tensor parallelism every rank runs the same pass on the broadcast batch."""
         self._activate_kernels()
-        if self._lazy is not None and batch.ctx.max_query_len == 1:
-            # Lazy graphs: one capture before a decode-only step (the kind a graph runs), none
-            # before a step with prompt tokens, whose TTFT would wait for it (a capture is an
-            # eager forward, a device sync and the capture; the first request after the start
-            # paid for one).
-            self._capture_between_steps()
+        if self._lazy is not None:
+            self._capture_for_step(batch)
         use_graph = self._use_graph(batch, num_seqs)
         workers = self._sync_workers()
         if workers is None:

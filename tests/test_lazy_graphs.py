@@ -1,7 +1,8 @@
 """Lazy graphs (`engine-serve --lazy-graphs`): the engine serves before its decode graphs are
-captured, decode batches run eagerly until their graph is there, one graph is captured before
-each decode-only step (none before a step with prompt tokens: its TTFT would wait), and the tokens
-are the same as without graphs.
+captured, decode batches run eagerly until their graph is there, a decode step whose bucket has no
+graph yet has it captured first (no capture before a step with prompt tokens: its TTFT would
+wait), an idle engine captures the rest one piece (warm-up forward or capture) at a time, and the
+tokens are the same as without graphs.
 
 The CPU has no CUDA graphs: here a graph is a stand-in that replays by running the same forward
 pass on the same persistent buffers (what a CUDA graph's replay computes), so everything around
@@ -44,7 +45,7 @@ class ReplayOnCPU(DecodeGraphs):
 
     def _capture_one(self, batch: int, context: int) -> tuple[Any, torch.Tensor]:
         self.captures.append(batch)
-        out = self._forward(batch, context).clone()  # the capture's eager forward, as on the GPU
+        out = self._forward(batch, context).clone()  # an output buffer of the right shape
         return _Replay(self, batch, context, out), out
 
 
@@ -65,19 +66,27 @@ def test_requests_are_served_while_graphs_are_captured_between_steps(tiny_llama_
     runner.start_lazy_capture()
     first = llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
     assert first[0].outputs[0].token_ids == expected[0][:2]
-    # The prefill step captured nothing; the decode step one graph (largest first).
-    assert graphs.captures == [4] and graphs.pending == 2
-    assert graphs.replays == []  # batch 1 has no graph yet: eager
+    # The prefill step captured nothing; the decode step the graph of its own bucket, and ran it.
+    assert graphs.captures == [1] and graphs.pending == 2
+    assert graphs.replays == [1]
 
     outputs = llm.generate(PROMPTS, greedy, use_tqdm=False)
-    assert graphs.captures == [4, 2, 1] and graphs.pending == 0
-    assert graphs.replays and set(graphs.replays) <= {1, 2, 4}  # decode batches of 3 padded to 4
+    assert graphs.captures == [1, 4] and graphs.pending == 1  # no step needed the graph of 2
+    assert graphs.replays[1:] == [4] * 5  # the four prompts' five decode steps
     assert [o.outputs[0].token_ids for o in outputs] == expected
+    # The rest while idle: a warm-up forward, then the capture.
+    assert runner.capture_while_idle() and graphs.captures == [1, 4]
+    assert not runner.capture_while_idle() and graphs.captures == [1, 4, 2]
+    assert not runner.lazy_graphs_pending
+    outputs = llm.generate(PROMPTS[:2], greedy, use_tqdm=False)
+    assert graphs.captures == [1, 4, 2] and graphs.replays[6:] == [2] * 5
+    assert [o.outputs[0].token_ids for o in outputs] == expected[:2]
 
 
 def test_an_idle_engine_captures_its_graphs_without_waiting_for_requests(tiny_llama_artifact) -> None:  # type: ignore[no-untyped-def]
-    """The engine-core process calls capture_while_idle when it has no request: one graph a call,
-    only once capture has started, so an idle server has all its graphs before traffic comes."""
+    """The engine-core process calls capture_while_idle when it has no request: one piece of a
+    graph a call (its warm-up forward, then its capture), largest first, only once capture has
+    started, so an idle server has all its graphs before traffic comes."""
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     eager = LLM(tiny_llama_artifact, max_num_seqs=4, async_scheduling=False)
     expected = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, greedy, use_tqdm=False)]
@@ -91,9 +100,12 @@ def test_an_idle_engine_captures_its_graphs_without_waiting_for_requests(tiny_ll
     assert not runner.lazy_graphs_pending
     runner.start_lazy_capture()
     assert runner.lazy_graphs_pending
-    assert runner.capture_while_idle() and graphs.captures == [4]
-    assert runner.capture_while_idle() and graphs.captures == [4, 2]
-    assert not runner.capture_while_idle() and graphs.captures == [4, 2, 1]
+    progress = []
+    while runner.capture_while_idle():
+        progress.append((list(graphs.captures), sorted(graphs._warmed)))
+    assert [c for c, _ in progress] == [[], [4], [4], [4, 2], [4, 2]]  # then the last capture: [4, 2, 1]
+    assert [len(w) for _, w in progress] == [1, 1, 2, 2, 3]  # a warm-up before each capture
+    assert graphs.captures == [4, 2, 1]
     assert not runner.lazy_graphs_pending
     assert not runner.capture_while_idle() and graphs.captures == [4, 2, 1]  # all there: nothing more
 
