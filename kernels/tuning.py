@@ -411,11 +411,14 @@ DEFAULT_COMPILE_THREADS = 8
 _COMPILE_ONLY: Any = None  # contextvars.ContextVar[bool], made with the hook below
 
 
-def compile_threads() -> int:
+def compile_threads(device: torch.device | str = "cuda") -> int:
     """Threads that compile a bucket's configs ahead of their timing (COMPILE_THREADS_ENV, else
-    min(DEFAULT_COMPILE_THREADS, usable CPUs))."""
+    min(DEFAULT_COMPILE_THREADS, usable CPUs) on a GPU; else none: Triton's interpreter, on the
+    CPU, compiles nothing)."""
     value = os.environ.get(COMPILE_THREADS_ENV, "").strip()
     if not value:
+        if torch.device(device).type != "cuda":
+            return 0
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         return min(DEFAULT_COMPILE_THREADS, cpus)
     try:
@@ -494,13 +497,13 @@ def tune(
     counts them). Every config in the table has been launched on ``device``, so its compiled
     kernel is in TRITON_CACHE_DIR.
     """
-    from pagecast.kernels import problems
+    from pagecast.kernels import pdl, problems
 
     unknown = [k for k in kernel_names if k not in KERNELS + MOE_KERNELS]
     if unknown:
         raise ValueError(f"unknown kernels {unknown}; known: {KERNELS + MOE_KERNELS}")
     device = torch.device(device)
-    threads = compile_threads()
+    threads = compile_threads(device)
     deadline = time.monotonic() + budget_s
     table: dict[str, Any] = {
         "kernels": {},
@@ -513,7 +516,12 @@ def tune(
         },
         "versions": {"torch": torch.__version__, "triton": _triton_version()},
         "compile_threads": threads,
+        # The decode kernels compiled and timed with programmatic dependent launch (kernels/pdl.py,
+        # PAGECAST_PDL=1 at build); serving launches them the same way.
+        "pdl": pdl.enabled(),
     }
+    if pdl.enabled():
+        pdl.check_device(device)
     # Where the time goes, per kernel (seconds): making each bucket's problem, each config's first
     # launch (Triton compiles its kernel there, or loads it from the cache), timing, and the rest
     # (the half-type reference, the variants compiled beside a config).

@@ -554,8 +554,8 @@ def test_precompile_compiles_every_config_without_launching_a_kernel(monkeypatch
 def test_the_tuner_precompiles_each_bucket_it_times_in_full(monkeypatch):  # type: ignore[no-untyped-def]
     """With compile threads, every bucket the budget leaves whole is precompiled with the configs
     it times, before the first is timed, and that time counts as first launches; a bucket the
-    budget cut (default and previous winner only) is not. By default min(8, usable CPUs) threads;
-    0 or 1 compiles one at a time. A fake clock."""
+    budget cut (default and previous winner only) is not. By default min(8, usable CPUs) threads on
+    a GPU, none on the CPU; 0 or 1 compiles one at a time. A fake clock."""
     from pagecast.kernels import problems
 
     clock = [0.0]
@@ -581,9 +581,10 @@ def test_the_tuner_precompiles_each_bucket_it_times_in_full(monkeypatch):  # typ
     shapes = tuning.ModelShapes(9, 3, 64, 576, 1536, 16)
     monkeypatch.delenv(tuning.COMPILE_THREADS_ENV, raising=False)
     monkeypatch.setattr(tuning.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
-    assert tuning.compile_threads() == 8
+    assert tuning.compile_threads("cuda") == 8
     monkeypatch.setattr(tuning.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    assert tuning.compile_threads() == 2
+    assert tuning.compile_threads("cuda") == 2
+    assert tuning.compile_threads("cpu") == 0  # the interpreter compiles nothing
     monkeypatch.setenv(tuning.COMPILE_THREADS_ENV, "0")
     table = tuning.tune(["rms_norm"], shapes, budget_s=1e9, device="cpu")
     assert table["compile_threads"] == 0 and not any(o.startswith("precompile") for o in order)
