@@ -405,8 +405,12 @@ def run(state: BuildState) -> BuildState:
         report["tuning_note"] = "CPU artifact: the torch reference kernels run; nothing to tune"
         return dataclasses.replace(state, tuning=table, report=report)
 
-    from pagecast.kernels import tuning
+    from pagecast.kernels import pdl, tuning
 
+    try:
+        pdl_requested = pdl.requested()
+    except ValueError as err:
+        raise BuildError(str(err)) from None
     if report.get("gpu_present"):
         table, rows = tune_in_subprocess(
             model_shapes(state),
@@ -420,13 +424,17 @@ def run(state: BuildState) -> BuildState:
             f"tuned on this {plan.gpu_name} within {state.options.tune_budget_s:.0f} s; "
             f"measured copy bandwidth {copy_gbs:,.0f} GB/s"
         ) + budget_note(table, state.options.tune_budget_s) + time_note(table)
+        if table.get("pdl"):
+            report["tuning_note"] += (
+                f". Decode kernels launch with programmatic dependent launch ({pdl.ENV}=1, experimental)"
+            )
     else:
         table = tuning.default_table(plan.gpu_name) or {"device": plan.gpu_name, "tuned": False, "kernels": {}}
         table = dict(table, tuned=False)
         report["tuning_note"] = (
             f"no {plan.gpu_name} present: the shipped default table for {plan.gpu_name} is used "
             f"(artifact marked untuned; rebuild on the GPU to tune)"
-        )
+        ) + (f"; {pdl.ENV}=1 ignored: programmatic dependent launch is built on the GPU" if pdl_requested else "")
     return dataclasses.replace(state, tuning=table, report=report)
 
 

@@ -13,7 +13,9 @@ from collections.abc import Mapping
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
+from pagecast.kernels import pdl
 from pagecast.kernels.tuning import KernelConfig
 
 
@@ -26,7 +28,10 @@ def _silu_and_mul_kernel(
     d,
     BLOCK: tl.constexpr,
     ACT: tl.constexpr,  # 0: silu, 1: gelu with the tanh approximation
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    if PDL:
+        gdc_wait()  # before any memory access: the kernel before may still be running
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -82,6 +87,7 @@ def _act_and_mul(x: torch.Tensor, config: Mapping[str, int] | None, act: int) ->
     cfg = KernelConfig.coerce(config) or default_config()
     block = cfg["BLOCK"]
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(d, block))](
-        x, out, x.stride(0), out.stride(0), d, BLOCK=block, ACT=act, num_warps=cfg.num_warps, num_stages=cfg.num_stages
+        x, out, x.stride(0), out.stride(0), d, BLOCK=block, ACT=act, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl.launch_options(),
     )
     return out

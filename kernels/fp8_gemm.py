@@ -67,8 +67,9 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
-from pagecast.kernels import reference, split_k
+from pagecast.kernels import pdl, reference, split_k
 from pagecast.kernels.tuning import KernelConfig
 
 FP8_MAX = reference.FP8_MAX
@@ -278,7 +279,10 @@ def _fp8_skinny_kernel(
     GROUP_K: tl.constexpr,
     MIN_AMAX: tl.constexpr,
     QMAX: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    if PDL:
+        gdc_wait()  # before any memory access: the kernel before may still be running
     # The dot's 16 rows hold the ROWS rows of x for CHUNKS consecutive K steps: tile row c * ROWS + r
     # is x row r at step i + c. Those activations are quantised together once per CHUNKS steps, so
     # each activation is divided once per program, not once per padding row; step i + c's product
@@ -652,6 +656,7 @@ def _launch_skinny(
         MODE=mode, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, ROWS=triton.next_power_of_2(m),
         BLOCK_M=SKINNY_MAX_ROWS, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, GROUP_K=GROUP,
         MIN_AMAX=reference.FP8_MIN_AMAX, QMAX=FP8_MAX, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl.launch_options(),
     )  # fmt: skip
 
 

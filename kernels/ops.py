@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pagecast.kernels import reference
+from pagecast.kernels import pdl, reference
 from pagecast.kernels.quant_linear import (
     Fp8ExpertsWeight,
     Fp8LinearWeight,
@@ -44,9 +44,12 @@ class KernelTable:
     in one process each keep their own table and ``activate`` it around their forward passes
     (and their CUDA-graph captures, which freeze the configs in force)."""
 
-    def __init__(self, tuning: dict[str, Any] | None = None, use_triton: bool = True):
+    def __init__(self, tuning: dict[str, Any] | None = None, use_triton: bool = True, pdl: bool = False):
         self.tuning = dict(tuning or {})
         self.use_triton = use_triton
+        # Launch the decode kernels with programmatic dependent launch (kernels/pdl.py): the
+        # artifact's table says whether it was built so (its Triton cache holds those variants).
+        self.pdl = pdl and use_triton
         self.configs: dict[tuple[str, str], KernelConfig | None] = {}
         # Tensor parallelism of the engine (set by runtime.parallel): its collectives run only
         # while its table is active, so a one-rank engine beside it in the process runs none.
@@ -58,12 +61,13 @@ class KernelTable:
 _active = KernelTable()
 
 
-def configure(tuning: dict[str, Any] | None = None, use_triton: bool = True) -> KernelTable:
-    """Make and activate a table; ``use_triton=False`` forces the torch reference.
+def configure(tuning: dict[str, Any] | None = None, use_triton: bool = True, pdl: bool = False) -> KernelTable:
+    """Make and activate a table; ``use_triton=False`` forces the torch reference; ``pdl``: the
+    artifact was built with programmatic dependent launch (tuning.json's "pdl").
 
     ``tuning`` is the whole tuning.json ({"kernels": {...}, ...}) or its "kernels" part.
     """
-    table = KernelTable(tuning, use_triton)
+    table = KernelTable(tuning, use_triton, pdl)
     activate(table)
     return table
 
@@ -73,6 +77,7 @@ def activate(table: KernelTable) -> None:
     forward pass, so two engines in one process never use each other's configs)."""
     global _active
     _active = table
+    pdl.set_enabled(table.pdl)
 
 
 def _triton(x: torch.Tensor) -> bool:

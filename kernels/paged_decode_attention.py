@@ -55,7 +55,9 @@ from collections.abc import Mapping
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
+from pagecast.kernels import pdl
 from pagecast.kernels.paged_attention_args import check_paged_attention_args, check_sinks
 from pagecast.kernels.tuning import KernelConfig, num_sms
 
@@ -227,7 +229,10 @@ def _paged_decode_kernel(
     SOFTCAP: tl.constexpr = False,
     SLIDING: tl.constexpr = False,
     HAS_SINKS: tl.constexpr = False,
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    if PDL:
+        gdc_wait()  # before any memory access: the kernel before may still be running
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -371,7 +376,10 @@ def _decode_merge_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr,
     HAS_SINKS: tl.constexpr = False,
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    if PDL:
+        gdc_wait()  # before any memory access: the kernel before may still be running
     seq = tl.program_id(0)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
@@ -588,11 +596,12 @@ def paged_decode_attention(
         USE_ASM=q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         SOFTCAP=softcap > 0, SLIDING=window > 0, HAS_SINKS=has_sinks,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(),
     )  # fmt: skip
     if not direct:
         _decode_merge_kernel[(num_seqs, num_heads)](
             part_out, part_lse, query_start_loc, out, sinks_arg, num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLIT_CHUNK=16, HAS_SINKS=has_sinks, num_warps=4,
+            **pdl.launch_options(),
         )  # fmt: skip
     return out

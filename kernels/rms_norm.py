@@ -12,7 +12,9 @@ from collections.abc import Mapping
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
+from pagecast.kernels import pdl
 from pagecast.kernels.tuning import KernelConfig
 
 
@@ -31,7 +33,10 @@ def _rms_norm_kernel(
     eps,
     BLOCK: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    if PDL:
+        gdc_wait()  # before any memory access: the kernel before may still be running
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -78,7 +83,7 @@ def _launch(x, residual, weight, out, residual_out, eps, config, add_residual) -
         x.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0),
         hidden, eps,
         BLOCK=triton.next_power_of_2(hidden), ADD_RESIDUAL=add_residual,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(),
     )  # fmt: skip
 
 

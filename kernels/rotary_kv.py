@@ -17,7 +17,9 @@ from collections.abc import Mapping
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
+from pagecast.kernels import pdl
 from pagecast.kernels.reference import FP8_DTYPE
 from pagecast.kernels.tuning import KernelConfig
 
@@ -70,7 +72,10 @@ def _rotary_kv_kernel(
     ROTARY_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     KV_FP8: tl.constexpr,  # the caches are float8e4nv: scale and saturate before the cast
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    if PDL:
+        gdc_wait()  # before any memory access: the kernel before may still be running
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token)
     HALF: tl.constexpr = ROTARY_DIM // 2
@@ -192,6 +197,6 @@ def rotary_and_write_kv(
         HEADS_PAD=triton.next_power_of_2(num_heads), KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         ROTARY_DIM=rotary_dim, BLOCK_SIZE=k_cache.shape[2], KV_FP8=kv_fp8,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(),
     )  # fmt: skip
     return q_out

@@ -18,8 +18,9 @@ from collections.abc import Mapping
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
-from pagecast.kernels import reference
+from pagecast.kernels import pdl, reference
 from pagecast.kernels.tuning import SKINNY_ROW_BUCKETS, KernelConfig
 
 MAX_ROWS = SKINNY_ROW_BUCKETS[-1]  # larger batches are GEMMs for cuBLAS
@@ -42,7 +43,10 @@ def _skinny_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    if PDL:
+        gdc_wait()  # before any memory access: the kernel before may still be running
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -114,6 +118,6 @@ def skinny_gemm(
         x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=cfg["BLOCK_K"],
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(),
     )  # fmt: skip
     return y

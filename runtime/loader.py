@@ -229,7 +229,7 @@ def load_rank(artifact_dir: str | os.PathLike[str], rank: int, device: torch.dev
     path = Path(artifact_dir)
     manifest = load_manifest(path)
     tuning = json.loads((path / "tuning.json").read_text())
-    ops.configure(tuning.get("kernels"), use_triton=device.type == "cuda")
+    ops.configure(tuning.get("kernels"), use_triton=device.type == "cuda", pdl=bool(tuning.get("pdl")))
     module = import_model_module(path)
     return module.Model(rank_weights(path, manifest, device, rank, verify), device)
 
@@ -257,7 +257,9 @@ def load_artifact(
     from pagecast.kernels import ops
 
     tuning = json.loads((path / "tuning.json").read_text())
-    kernels = ops.configure(tuning.get("kernels"), use_triton=device.type == "cuda")
+    # "pdl": built with programmatic dependent launch (kernels/pdl.py), whose kernel variants
+    # the artifact's Triton cache holds.
+    kernels = ops.configure(tuning.get("kernels"), use_triton=device.type == "cuda", pdl=bool(tuning.get("pdl")))
     module = import_model_module(path, manifest)
     check_kv_cache(path, manifest, module)
     timings["prepare"] = time.perf_counter() - t0
