@@ -42,9 +42,10 @@ from collections.abc import Mapping
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from pagecast.kernels import activation as activation_kernels
-from pagecast.kernels import reference
+from pagecast.kernels import pdl, reference
 from pagecast.kernels.tuning import KernelConfig, num_sms
 
 ACT_NONE, ACT_SILU, ACT_SWIGLU_OAI = 0, 1, 2
@@ -323,7 +324,10 @@ def _moe_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PER_PAIR: tl.constexpr = False,  # down: a program per (pair, column block), fp32 rows [P, N]
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    if PDL:
+        gdc_wait()  # before any memory access: the kernel before may still be running
     # gate_up: a program per (pair, column block). down: a program per (token, column block) adds
     # up the token's top_k pairs' weighted rows itself (the top-k sum, without a [P, N] buffer);
     # with PER_PAIR, a program per (pair, column block) writes its pair's weighted row in fp32 and
@@ -370,7 +374,10 @@ def _moe_topk_sum_kernel(
     N,
     top_k,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    if PDL:
+        gdc_wait()  # before any memory access: the kernel before may still be running
     # A program per (token, column block): the token's pairs added in pair order, in fp32 from
     # zero, as the serial down launch adds them (so both give the same bits).
     token = tl.program_id(0).to(tl.int64)
@@ -710,12 +717,12 @@ def fused_moe(
                 a, w, b if b is not None else w, c, ids, weights, n, k,
                 a.stride(0), w.stride(0), w.stride(1), b.stride(0) if b is not None else 0, c.stride(0), top_k,
                 ACTIVATION=a_kind, HAS_BIAS=b is not None, BLOCK_N=bn, BLOCK_K=bk, PER_PAIR=per_pair,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common, **pdl.launch_options(),
             )  # fmt: skip
         if per_pair:
             block = min(TOPK_SUM_BLOCK, triton.next_power_of_2(h))
             grid = (t, triton.cdiv(h, block))
-            _moe_topk_sum_kernel[grid](down_out, out, h, top_k, BLOCK=block, num_warps=4)
+            _moe_topk_sum_kernel[grid](down_out, out, h, top_k, BLOCK=block, num_warps=4, **pdl.launch_options())
         return out
     bm, bn, bk, gm = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["GROUP_M"]
     sorted_ids, block_expert = align_by_expert(ids.view(t, top_k), num_experts, bm)

@@ -46,7 +46,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
+from pagecast.kernels import pdl
 from pagecast.kernels.moe_routing import SCORINGS
 from pagecast.kernels.sampling import torch_exp
 
@@ -72,7 +74,10 @@ def _route_kernel(
     BLOCK_K: tl.constexpr,
     PRECISE_EXP: tl.constexpr,  # libdevice's exp (CUDA); tl.exp under the interpreter
     ROUND_TO_LOGITS: tl.constexpr,  # round the weights to the logits' (x's) dtype, then store them as fp32
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    if PDL:
+        gdc_wait()  # before any memory access: the kernel before may still be running
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     valid = offs < E
@@ -150,6 +155,6 @@ def route_logits(
     _route_kernel[(t,)](
         logits, weights, ids, E=e, K=top_k, TOPK_SOFTMAX=scoring == "topk_softmax", RENORMALIZE=renormalize,
         BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k), PRECISE_EXP=logits.is_cuda,
-        ROUND_TO_LOGITS=round_to_logits, num_warps=num_warps(e),
+        ROUND_TO_LOGITS=round_to_logits, num_warps=num_warps(e), **pdl.launch_options(),
     )  # fmt: skip
     return weights, ids

@@ -28,7 +28,8 @@ CHILD = textwrap.dedent(
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction, native_specialize_impl
-    from pagecast.kernels import activation, fp8_gemm, paged_decode_attention, pdl, rms_norm, rotary_kv, skinny_gemm
+    from pagecast.kernels import activation, fp8_gemm, fused_moe, moe_route_kernel, paged_decode_attention, pdl
+    from pagecast.kernels import rms_norm, rotary_kv, skinny_gemm
     from pagecast.kernels.tuning import KernelConfig
 
     pdl.set_enabled(sys.argv[1] == "on")
@@ -55,6 +56,13 @@ CHILD = textwrap.dedent(
     paged_decode_attention.paged_decode_attention(
         q, k_cache, v_cache, t([[0, 1], [2, 3]], dtype=torch.int32), t([6, 10], dtype=torch.int32),
         t([0, 1, 2], dtype=torch.int32), d ** -0.5, 32, KernelConfig({"BLOCK_N": 64, "num_splits": 4}, num_warps=4, num_stages=2))
+    experts, top_k, hidden, inter = 8, 2, 256, 128
+    weights, ids = moe_route_kernel.route_logits(torch.randn(2, experts, dtype=bf16), top_k, "softmax_topk", True,
+                                                 torch.float32, widen=True)
+    ids = t([[0, 3], [5, 3]])
+    fused_moe.fused_moe(torch.randn(2, hidden, dtype=bf16), weights, ids,
+                        torch.randn(experts, 2 * inter, hidden, dtype=bf16), torch.randn(experts, hidden, inter, dtype=bf16),
+                        config=KernelConfig({"gemv": 1, "BLOCK_N": 32, "BLOCK_K": 128, "DOWN_PER_PAIR": 1}, num_warps=4, num_stages=2))
 
     memory = re.compile(r"^\s*(@%p\d+\s+)?(ld\.global|st\.global|atom\.|red\.|cp\.async\.|ldmatrix|cp\.reduce|ld\.volatile\.global)")
     for fn, args, kwargs in launches:
@@ -93,6 +101,9 @@ KERNELS = {
     "_rotary_kv_kernel": 1,
     "_paged_decode_kernel": 1,
     "_decode_merge_kernel": 1,
+    "_route_kernel": 1,  # MoE decode: routing, the expert GEMVs (gate_up, down per pair), the top-k sum
+    "_moe_gemv_kernel": 2,
+    "_moe_topk_sum_kernel": 1,
 }
 
 
