@@ -14,7 +14,8 @@ load, store or atomic comes before the wait). So the only overlap is the launch 
 start with the end of the kernel before: correct whatever runs before or after (a kernel without
 PDL, torch's, cuBLAS's, waits for full completion as always). Participating: RMSNorm (with and
 without the residual add), the bf16 and FP8 skinny GEMMs, rotary + KV write, paged decode
-attention and its merge, and the gated activations.
+attention and its merge, the gated activations, and a bf16 MoE layer's decode path (the
+routing kernel, the expert GEMVs, the top-k sum).
 
 Whether it pays was not measured when this was written (benchmarks/pdl_chain.py measures the
 mechanism on a chain of GEMVs; W4 with an artifact built with and without it measures the step).
