@@ -25,11 +25,17 @@ dependency, as in a model). Modes, each captured in its own CUDA graph:
   trigger     as prefetch, and ``gdc_launch_dependents`` once the program's loads are issued, so
               the next kernel's programs may be scheduled before this one's finish
 
-Prints per mode and shape: us a link (graph replay time / links), the weight bytes' rate, and
-the saving against plain; the outputs of every mode are checked against plain's (bitwise: the
-arithmetic is the same, only the scheduling differs). The result says whether threading PDL
-through the decode kernels (norms, rotary, attention, GEMVs) is worth it; it is not wired into
-the engine.
+Two more modes chain the engine's own bf16 decode GEMV (kernels/skinny_gemm.py, BLOCK_N 32,
+BLOCK_K 256, one row) through its launcher, with kernels/pdl.py off and on:
+
+  engine      skinny_gemm as an engine built without PAGECAST_PDL launches it
+  engine_pdl  skinny_gemm as an engine built with PAGECAST_PDL=1 launches it (waits first)
+
+Prints per mode and shape: us a link (graph replay time / links), the weight bytes' rate, and the
+saving against plain (the engine modes: against engine). Every mode's output is checked against
+plain's (the engine modes: against engine's), bitwise: the arithmetic is the same, only the
+scheduling differs. The result says whether PDL in the decode kernels (kernels/pdl.py, opt-in at
+build) pays, and whether fetching weights before the wait would add to it.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 # or a rotary kernel's work, where the launch gap is all there is.
 SHAPES = {"o": (4096, 4096), "qkv": (6144, 4096), "down": (4096, 14336), "gate_up": (28672, 4096), "norm": (256, 256)}
 MODES = ("plain", "wait", "prefetch", "trigger")
+ENGINE_MODES = ("engine", "engine_pdl")
 
 
 @triton.jit
@@ -115,14 +122,38 @@ def make_links(shape: tuple[int, int], count: int, device: torch.device) -> list
     return links
 
 
-def time_mode(links: list, mode: int, sms: int, replays: int) -> tuple[float, torch.Tensor]:
-    chain(links, mode, sms)  # compile and load outside the capture
+def engine_chain(links: list, pdl_on: bool) -> torch.Tensor:
+    """The links through the engine's skinny_gemm launcher; returns the last output."""
+    from pagecast.kernels import pdl, skinny_gemm
+    from pagecast.kernels.tuning import KernelConfig
+
+    config = KernelConfig({"BLOCK_N": 32, "BLOCK_K": 256}, num_warps=4, num_stages=4)
+    pdl.set_enabled(pdl_on)
+    try:
+        x = links[0][1]
+        for w, _, _ in links:
+            x = skinny_gemm.skinny_gemm(x.view(1, -1), w, None, config).view(-1)
+        return x
+    finally:
+        pdl.set_enabled(False)
+
+
+def time_mode(links: list, mode: int | str, sms: int, replays: int) -> tuple[float, torch.Tensor]:
+    """Median us of one replay of the chain captured in a CUDA graph, and its last output."""
+    if isinstance(mode, str):
+        def run() -> torch.Tensor:
+            return engine_chain(links, mode == "engine_pdl")
+    else:
+        def run() -> torch.Tensor:
+            chain(links, mode, sms)
+            return links[-1][2]
+    run()  # compile and load outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         graph.capture_begin()
-        chain(links, mode, sms)
+        out = run()
         graph.capture_end()
     torch.cuda.synchronize()
     for _ in range(3):
@@ -137,7 +168,7 @@ def time_mode(links: list, mode: int, sms: int, replays: int) -> tuple[float, to
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)  # us
     times.sort()
-    return times[len(times) // 2], links[-1][2].clone()
+    return times[len(times) // 2], out.clone()
 
 
 def main() -> None:
@@ -155,15 +186,19 @@ def main() -> None:
         links = make_links(SHAPES[name], args.kernels, device)
         weight_bytes = sum(w.numel() * w.element_size() for w, _, _ in links)
         base, expected = None, None
-        for mode, label in enumerate(MODES):
+        engine_base, engine_expected = None, None
+        for mode, label in [*enumerate(MODES), *((m, m) for m in ENGINE_MODES)]:
             us, out = time_mode(links, mode, sms, args.replays)
             if expected is None:
                 base, expected = us, out
-            same = bool(torch.equal(out, expected))
+            if label == "engine":  # the engine's own kernel: compared with itself without PDL
+                engine_base, engine_expected = us, out
+            same = bool(torch.equal(out, engine_expected if label.startswith("engine") else expected))
             row = {
                 "shape": name, "mode": label, "us_per_link": round(us / args.kernels, 2),
                 "weight_tb_s": round(weight_bytes / (us * 1e-6) / 1e12, 3),
-                "saving_vs_plain": round(1 - us / base, 3), "output_equal_to_plain": same,
+                "saving_vs_plain": round(1 - us / (engine_base if label.startswith("engine") else base), 3),
+                "output_equal_to_plain": same,
             }  # fmt: skip
             print(json.dumps(row), flush=True)
             rows.append(row)
