@@ -117,10 +117,12 @@ def launch_args(
     return args, constexprs
 
 
-def compile_kernel(fn, args: list, constexprs: dict, warps: int, stages: int, target: GPUTarget = TARGET):
+def compile_kernel(fn, args: list, constexprs: dict, warps: int, stages: int, target: GPUTarget = TARGET, **options):
     """triton.compile of a jitted kernel for sm_90 (or target) with the signature and
     tt.divisibility attributes the JIT launcher derives from these arguments (its own
-    specialisation routine). benchmarks/prefill_ptx.py compiles the prefill kernel through this too."""
+    specialisation routine); defaulted parameters left out take their defaults; ``options``: more
+    compile options (e.g. launch_pdl). benchmarks/prefill_ptx.py compiles the prefill kernel through
+    this too, tests/test_pdl.py the launches it intercepts."""
     constexprs = dict(constexprs)
     signature, attrs = {}, {}
     for i, (name, value) in enumerate(zip(fn.arg_names, args)):
@@ -133,8 +135,12 @@ def compile_kernel(fn, args: list, constexprs: dict, warps: int, stages: int, ta
             attrs[(i,)] = CUDABackend.parse_attr(spec)
     for name in constexprs:
         signature[name] = "constexpr"
+    for i, name in enumerate(fn.arg_names):  # defaulted parameters the launch leaves out
+        if name not in signature:
+            signature[name] = "constexpr"
+            constexprs[name] = fn.params[i].default
     src = ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=target, options={"num_warps": warps, "num_stages": stages})
+    return triton.compile(src, target=target, options={"num_warps": warps, "num_stages": stages, **options})
 
 
 def compile_variant(

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -19,15 +20,15 @@ pytest.importorskip("triton.backends.nvidia.compiler")
 # Run in a child process: the test session runs Triton in interpreter mode (TRITON_INTERPRET=1),
 # where kernels cannot be compiled. The child calls the real launchers on CPU tensors with every
 # launch intercepted (nothing runs), then compiles each intercepted launch for sm_90 with the
-# launcher's own arguments, constexprs and options, the JIT's specialisation of them included.
+# launcher's own arguments, constexprs and options, the JIT's specialisation of them included
+# (benchmarks/decode_ptx.py's compile_kernel).
 CHILD = textwrap.dedent(
     r"""
     import json, re, sys
-    import torch, triton
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import CUDABackend
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction, native_specialize_impl
+    import torch
+    from triton.runtime.jit import JITFunction
+    sys.path.insert(0, sys.argv[2])
+    from decode_ptx import compile_kernel  # the launch's own specialisation, for sm_90
     from pagecast.kernels import activation, fp8_gemm, fused_moe, moe_route_kernel, paged_decode_attention, pdl
     from pagecast.kernels import rms_norm, rotary_kv, skinny_gemm
     from pagecast.kernels.tuning import KernelConfig
@@ -66,23 +67,9 @@ CHILD = textwrap.dedent(
 
     memory = re.compile(r"^\s*(@%p\d+\s+)?(ld\.global|st\.global|atom\.|red\.|cp\.async\.|ldmatrix|cp\.reduce|ld\.volatile\.global)")
     for fn, args, kwargs in launches:
-        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "launch_pdl") if k in kwargs}
-        constexprs, signature, attrs = dict(kwargs), {}, {}
-        for i, (name, value) in enumerate(zip(fn.arg_names, args)):
-            ty, spec = native_specialize_impl(CUDABackend, value, False, i not in fn.do_not_specialize, True)
-            if ty == "constexpr":
-                constexprs[name] = spec
-            signature[name] = ty
-            if isinstance(spec, str) and spec:
-                attrs[(i,)] = CUDABackend.parse_attr(spec)
-        for name in constexprs:
-            signature[name] = "constexpr"
-        for i, name in enumerate(fn.arg_names):  # defaulted parameters not passed (PDL when off)
-            if name not in signature:
-                signature[name] = "constexpr"
-                constexprs[name] = fn.params[i].default
-        compiled = triton.compile(ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                                  target=GPUTarget("cuda", 90, 32), options=options)
+        warps, stages = kwargs.pop("num_warps"), kwargs.pop("num_stages", 3)
+        options = {"launch_pdl": kwargs.pop("launch_pdl")} if "launch_pdl" in kwargs else {}
+        compiled = compile_kernel(fn, list(args), kwargs, warps, stages, **options)
         lines = compiled.asm["ptx"].splitlines()
         waits = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
         accesses = [i for i, line in enumerate(lines) if memory.match(line)]
@@ -110,7 +97,7 @@ KERNELS = {
 def _compile_launches(mode: str) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD, mode], env=env, capture_output=True, text=True, timeout=600, check=False
+        [sys.executable, "-c", CHILD, mode, str(Path(__file__).parent.parent / "benchmarks")], env=env, capture_output=True, text=True, timeout=600, check=False
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
