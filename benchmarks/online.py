@@ -33,6 +33,8 @@ Without --artifact it builds the Llama-3-8B-shaped engine with random bf16 weigh
           (after the server has stopped): output tok/s of both and their ratio (target >= 0.9), the
           inter-token p50/p99 of the streams. A dummy engine built for it gets the context it needs.
           A CPU dry run: --artifact TINY --phases W8 --prompt-len 8 --w8-seqs 4 --w8-output 16
+  W8server, W8engine   one side of W8 each (the same prompts), for two calls where one would not
+          fit both: at 8,192 tokens each side takes over six minutes on one H200
 
 The load comes from --client-procs processes (the generator must not be what saturates), each
 sending its share of one arrival schedule. Prints a table and one JSON line per figure (also
@@ -56,6 +58,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -64,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 RESULTS: list[dict] = []
 MAX_NUM_SEQS = 256
 MAX_NUM_BATCHED_TOKENS = 2048
+W8_PHASES = {"W8", "W8server", "W8engine"}
 
 
 def emit(out: Path | None, **row: object) -> None:
@@ -479,7 +483,7 @@ def main() -> None:
     if not (Path(artifact) / "manifest.json").is_file():
         import serving
 
-        max_model_len = max(4096, args.w8_prompt_len + args.w8_output) if "W8" in phases else 4096
+        max_model_len = max(4096, args.w8_prompt_len + args.w8_output) if phases & W8_PHASES else 4096
         serving.build(out, Path(artifact), max_model_len, args.tune_budget, args.weights)
         args.vocab = 120000
     if "start" in phases:
@@ -487,6 +491,11 @@ def main() -> None:
         if not phases - {"start"}:
             print_table()
             return
+    w8_prompts = random_prompts(args.w8_seqs, args.w8_prompt_len, args.vocab, 8)
+    if phases <= {"W8engine"}:
+        w8_engine(out, artifact, w8_prompts, args)
+        print_table()
+        return
     server = Server(artifact, out / "engine_serve.log", args.server_arg)
     try:
         server.wait_healthy()
@@ -513,8 +522,7 @@ def main() -> None:
                 summarize_by_kind(out, results, elapsed, args, figure="saturation_server", json_fraction=fraction)
         if "W5" in phases:
             phase_w5(out, server, model, args, cached=True)
-        if "W8" in phases:
-            w8_prompts = random_prompts(args.w8_seqs, args.w8_prompt_len, args.vocab, 8)
+        if phases & {"W8", "W8server"}:
             results, elapsed = send_load(server.base + "/v1", [body(model, p, args.w8_output) for p in w8_prompts],
                                          [0.0] * len(w8_prompts), args.client_procs)
             emit(out, figure="W8_server", seqs=args.w8_seqs, output_len=args.w8_output,
@@ -530,21 +538,13 @@ def main() -> None:
         finally:
             server.stop()
     llm = None
-    if "engine" in phases or "W8" in phases:
-        from pagecast.runtime import LLM, SamplingParams
-
-        llm = LLM(artifact, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
-    if "W8" in phases:
-        params = SamplingParams(max_tokens=args.w8_output, ignore_eos=True, temperature=0)
-        t = time.perf_counter()
-        outs = llm.generate(w8_prompts, params, use_tqdm=False)
-        secs = time.perf_counter() - t
-        n = sum(len(o.token_ids) for o in outs)
-        emit(out, figure="W8_engine", seqs=args.w8_seqs, output_len=args.w8_output, output_tok_s=round(n / secs, 1))
-        server_row = next((r for r in RESULTS if r.get("figure") == "W8_server"), None)
-        if server_row:
-            emit(out, figure="W8_server_engine_ratio", value=round(server_row["output_tok_s"] / (n / secs), 3), target=0.9)
+    if phases & {"engine", "W8", "W8engine"}:
+        llm = engine(artifact)
+    if phases & {"W8", "W8engine"}:
+        w8_engine(out, artifact, w8_prompts, args, llm)
     if "engine" in phases:
+        from pagecast.runtime import SamplingParams
+
         params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0)
         t = time.perf_counter()
         outs = llm.generate(sat_prompts, params)
@@ -556,6 +556,29 @@ def main() -> None:
         if server_row:
             emit(out, figure="server_engine_ratio", value=round(server_row["output_tok_s"] / (n / secs), 3), target=0.9)
     print_table()
+
+
+def engine(artifact: str) -> Any:
+    from pagecast.runtime import LLM
+
+    return LLM(artifact, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
+
+
+def w8_engine(out: Path, artifact: str, prompts: list[list[int]], args: argparse.Namespace, llm: Any = None) -> None:
+    """W8's engine side: the same prompts through LLM.generate, and the ratio to the server's
+    figure when this run measured it."""
+    from pagecast.runtime import SamplingParams
+
+    llm = llm or engine(artifact)
+    params = SamplingParams(max_tokens=args.w8_output, ignore_eos=True, temperature=0)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    secs = time.perf_counter() - t
+    n = sum(len(o.token_ids) for o in outs)
+    emit(out, figure="W8_engine", seqs=args.w8_seqs, output_len=args.w8_output, output_tok_s=round(n / secs, 1))
+    server_row = next((r for r in RESULTS if r.get("figure") == "W8_server"), None)
+    if server_row:
+        emit(out, figure="W8_server_engine_ratio", value=round(server_row["output_tok_s"] / (n / secs), 3), target=0.9)
 
 
 def print_table() -> None:

@@ -111,10 +111,13 @@ def build(out: Path, artifact: Path, max_model_len: int, tune_budget: float, wei
         return
     cfg_dir = out / f"llama3-8b-config-{weights}"
     cfg_dir.mkdir(parents=True, exist_ok=True)
-    (cfg_dir / "config.json").write_text(json.dumps(LLAMA3_8B))
+    # A context past Llama-3-8B's 8,192 (W8's 128 + 8,192 tokens) as Llama-3.1-8B has it: the same
+    # shape with a longer position table (the dummy weights make the rope variant irrelevant here).
+    config = dict(LLAMA3_8B, max_position_embeddings=max(LLAMA3_8B["max_position_embeddings"], max_model_len))
+    (cfg_dir / "config.json").write_text(json.dumps(config))
     start = time.perf_counter()
     if weights == "files":
-        random_checkpoint(cfg_dir, LLAMA3_8B)
+        random_checkpoint(cfg_dir, config)
         emit(out, figure="random_checkpoint_seconds", value=round(time.perf_counter() - start, 1))
         start = time.perf_counter()
     run_build(
