@@ -378,6 +378,25 @@ def budget_note(table: dict[str, Any], budget_s: float) -> str:
     )
 
 
+def rejected_note(table: dict[str, Any]) -> str:
+    """The report's words for configs the tuner refused because their output disagreed with the
+    bucket's first config's (kernels/tuning.output_disagreement; empty when none was): on a sound
+    compiler there are none, so each is worth a look (and a Triton bug report)."""
+    found = [
+        f"{kernel} {bucket} {entry['config']} (off by {entry['error']:.3g})"
+        for kernel, entries in table.get("kernels", {}).items()
+        for bucket, row in entries.items()
+        for entry in row.get("rejected", ())
+    ]
+    if not found:
+        return ""
+    shown = "; ".join(found[:8]) + (f"; and {len(found) - 8} more" if len(found) > 8 else "")
+    return (
+        f". {len(found)} config(s) computed a different result from their bucket's default config on this "
+        f"GPU and were not used: {shown}"
+    )
+
+
 def time_note(table: dict[str, Any]) -> str:
     """The report's words for where the tuning time went, per kernel, longest first (empty for
     a table without the tuner's timings): first launches are where Triton compiles a config."""
@@ -423,7 +442,7 @@ def run(state: BuildState) -> BuildState:
         report["tuning_note"] = (
             f"tuned on this {plan.gpu_name} within {state.options.tune_budget_s:.0f} s; "
             f"measured copy bandwidth {copy_gbs:,.0f} GB/s"
-        ) + budget_note(table, state.options.tune_budget_s) + time_note(table)
+        ) + budget_note(table, state.options.tune_budget_s) + rejected_note(table) + time_note(table)
         if table.get("pdl"):
             report["tuning_note"] += (
                 f". Decode kernels launch with programmatic dependent launch ({pdl.ENV}=1, experimental)"

@@ -11,7 +11,9 @@ so the lookup is a bisect plus a dict access. Tuning is deterministic up to timi
 fixed seeds, the median of repeats, and a config only displaces an earlier one in the space
 when it is faster by more than ``TIE_TOLERANCE``. Every config written into the table has
 been launched during tuning, so a TRITON_CACHE_DIR captured then holds every kernel the
-runtime will run for those buckets.
+runtime will run for those buckets. A config is timed only if its output agrees with the
+bucket's first config's (the launcher's default): one that a compiler gets wrong on this GPU
+is refused and listed in the entry's ``rejected``, never kept for being fast.
 
 This module imports triton lazily: the CPU runtime imports the bucket functions without it.
 """
@@ -494,7 +496,8 @@ def tune(
     ``tuned`` (False when the budget ran out first and the launcher's default was kept, or
     when the entry was derived from a smaller bucket), and ``budget_spent`` where the budget
     had run out before the bucket began (only the default was timed; ``untuned_buckets``
-    counts them). Every config in the table has been launched on ``device``, so its compiled
+    counts them), and ``rejected`` where configs computed a different result from the first
+    config's (``output_disagreement``) and were not timed. Every config in the table has been launched on ``device``, so its compiled
     kernel is in TRITON_CACHE_DIR.
     """
     from pagecast.kernels import pdl, problems
@@ -572,12 +575,26 @@ def tune(
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 spent["first_launches"] += time.monotonic() - t0
+            baseline: list[torch.Tensor] | None = None  # the first config's outputs (the default's)
+            rejected: list[dict[str, Any]] = []
             for order, cfg in enumerate(configs):
                 t0 = time.monotonic()
                 try:
-                    problem.launch(cfg, 0)  # compiled (or loaded) here; time_launches warms up again
+                    out = problem.launch(cfg, 0)  # compiled (or loaded) here; time_launches warms up again
                     if device.type == "cuda":
                         torch.cuda.synchronize()
+                    outputs = _output_tensors(out)
+                    if baseline is None:
+                        baseline = [t.detach().clone() for t in outputs]
+                    else:
+                        error = output_disagreement(outputs, baseline)
+                        if error is not None:
+                            rejected.append({"config": cfg.as_dict(), "error": error})
+                            if log:
+                                log(f"{kernel} {bucket} {cfg.as_dict()}: REJECTED, its output differs from the "
+                                    f"first config's by {error:.3g} of the largest value")
+                            spent["first_launches"] += time.monotonic() - t0
+                            continue
                     t1 = time.monotonic()
                     t_us = time_launches(functools.partial(problem.launch, cfg), launches, reps)
                 except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: skip this config
@@ -612,6 +629,8 @@ def tune(
             }
             if budget_spent:
                 entries[bucket]["budget_spent"] = True
+            if rejected:
+                entries[bucket]["rejected"] = rejected
             entries[bucket].update(problem.marks)
             if problem.reference is not None:  # the half-type baseline, for the report (never chosen)
                 t0 = time.monotonic()
@@ -623,6 +642,52 @@ def tune(
                 log(f"{kernel} {bucket}: {best[0]:.2f} us {best[2].as_dict()} ({len(results)} configs)")
         seconds[kernel] = {k: round(v, 2) for k, v in spent.items()}
     return table
+
+
+# How far a config's output may stray from the bucket's first config's (the launcher's default,
+# timed first) before the tuner refuses it: the largest difference over the largest magnitude of
+# the first config's output. Configs of one kernel compute the same thing and differ in the order
+# of their sums and where they round (half-type outputs: 2^-9 of a value; fp32 sums in another
+# order: far less), so 2% lets every legitimate difference through, and catches a miscompiled or
+# wrongly masked config (a missing K tile, a dropped split, a wrong column block: tens of percent,
+# or NaN where the first has a number) before it is timed, let alone kept.
+DISAGREEMENT_TOLERANCE = 0.02
+
+
+def _output_tensors(out: object) -> list[torch.Tensor]:
+    """The tensors a problem's launch returned (one, or a tuple of them; none for a kernel that
+    returns nothing)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for t in out if isinstance(t, torch.Tensor)]
+    return []
+
+
+def output_disagreement(outputs: list[torch.Tensor], baseline: list[torch.Tensor]) -> float | None:
+    """None when ``outputs`` match ``baseline`` (same shapes; within DISAGREEMENT_TOLERANCE of its
+    largest magnitude wherever the baseline is finite, and finite there too), else the largest
+    relative difference (inf for a shape mismatch or a NaN/inf where the baseline has a number)."""
+    if len(outputs) != len(baseline):
+        return float("inf")
+    worst = 0.0
+    for got, ref in zip(outputs, baseline, strict=True):
+        if got.shape != ref.shape:
+            return float("inf")
+        if ref.dtype in (torch.int32, torch.int64, torch.bool):
+            if not torch.equal(got, ref):
+                return float("inf")
+            continue
+        ref32, got32 = ref.float(), got.float()
+        finite = torch.isfinite(ref32)
+        if not bool(torch.isfinite(got32[finite]).all()):
+            return float("inf")
+        if not bool(finite.any()):
+            continue
+        scale = float(ref32[finite].abs().max())
+        diff = float((got32[finite] - ref32[finite]).abs().max())
+        worst = max(worst, diff / scale if scale > 0 else diff)
+    return worst if worst > DISAGREEMENT_TOLERANCE else None
 
 
 def _previous_winner(entries: Mapping[str, Any], configs: list[KernelConfig]) -> KernelConfig | None:

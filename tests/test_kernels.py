@@ -515,6 +515,112 @@ def test_the_build_report_says_where_the_tuning_time_went(monkeypatch):  # type:
     assert time_note({"kernels": {}}) == ""
 
 
+def test_the_tuner_refuses_a_config_whose_output_differs_from_the_defaults(monkeypatch):  # type: ignore[no-untyped-def]
+    """A config a compiler gets wrong on the GPU being built for (a dropped K tile, a NaN) must
+    never be kept for being fast: the tuner compares each config's output with the bucket's first
+    (the launcher's default) and times only those that agree; the table lists the others and the
+    build report names them. A config off by rounding only (what another summation order gives)
+    is not refused. Fake kernels: "wrong" is fastest, "nan" next, "rounded" faster than the default."""
+    import types
+
+    from pagecast.builder.tune import rejected_note
+    from pagecast.kernels import problems
+
+    shapes = tuning.ModelShapes(9, 3, 64, 576, 1536, 16)
+    right = torch.linspace(-3.0, 3.0, 64).reshape(8, 8)
+    default = problems.default_config("silu_and_mul", shapes, {"num_tokens": 8})
+    # Each config of the space stands for one behaviour, assigned in order after the default.
+    others = [c for c in problems.config_space("silu_and_mul", shapes, {"num_tokens": 8}) if c != default]
+    behaviour = {repr(c.as_dict()) + repr(c.num_warps): kind for c, kind in zip(others, ("wrong", "nan", "rounded"), strict=False)}
+    assert len(behaviour) == 3, "the silu_and_mul space needs three configs besides the default for this test"
+    speed = {"wrong": 1.0, "nan": 2.0, "rounded": 5.0, None: 10.0}
+
+    def kind(cfg):  # type: ignore[no-untyped-def]
+        return behaviour.get(repr(cfg.as_dict()) + repr(cfg.num_warps))
+
+    def launch(cfg, i):  # type: ignore[no-untyped-def]
+        out = right.clone()
+        if kind(cfg) == "wrong":
+            out[:, 4:] = 0.0  # half the columns never written
+        elif kind(cfg) == "nan":
+            out[3, 3] = float("nan")
+        elif kind(cfg) == "rounded":
+            out = out.to(torch.bfloat16).float() * (1 + 2**-9)
+        return out, out[:1]
+
+    problem = types.SimpleNamespace(launches_per_sample=lambda: 1, launch=launch, reference=None, marks={}, variants=None)
+    monkeypatch.setattr(tuning, "time_launches", lambda launch, launches, reps: speed[kind(launch.args[0])])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake GPU")
+    monkeypatch.setattr(problems, "make_problem", lambda *args, **kwargs: problem)
+    logged: list[str] = []
+    table = tuning.tune(["silu_and_mul"], shapes, budget_s=1e9, device="cpu", log=logged.append)
+    for bucket, entry in table["kernels"]["silu_and_mul"].items():
+        kept = [entry["config"]] + [a["config"] for a in entry["alternatives"]]
+        assert {kind(tuning.KernelConfig.coerce(c)) for c in kept} <= {"rounded", None}, bucket
+    entry = table["kernels"]["silu_and_mul"]["t8"]
+    assert sorted(kind(tuning.KernelConfig.coerce(r["config"])) for r in entry["rejected"]) == ["nan", "wrong"]
+    assert all(r["error"] > tuning.DISAGREEMENT_TOLERANCE for r in entry["rejected"])
+    assert entry["time_us"] == speed["rounded"]  # the fastest config that agrees
+    assert any("REJECTED" in line for line in logged)
+    note = rejected_note(table)
+    assert "were not used" in note and "silu_and_mul t8" in note
+    assert rejected_note({"kernels": {"silu_and_mul": {"t8": {"config": {}}}}}) == ""
+
+
+def test_output_disagreement_allows_rounding_and_refuses_wrong_values() -> None:
+    ref = [torch.randn(16, 32, generator=torch.Generator().manual_seed(0))]
+    assert tuning.output_disagreement([ref[0].to(torch.bfloat16).float()], ref) is None  # bf16 rounding
+    assert tuning.output_disagreement([ref[0] * 1.05], ref) is not None  # 5% off
+    shifted = ref[0].clone()
+    shifted[0, 0] += 0.1 * ref[0].abs().max()
+    assert tuning.output_disagreement([shifted], ref) == pytest.approx(0.1, rel=1e-3)  # one element off is enough
+    nan = ref[0].clone()
+    nan[1, 1] = float("nan")
+    assert tuning.output_disagreement([nan], ref) == float("inf")
+    assert tuning.output_disagreement([nan], [nan]) is None  # NaN where the default has one too: not compared
+    assert tuning.output_disagreement([ref[0][:8]], ref) == float("inf")  # shapes
+    ids = [torch.tensor([3, 1, 2])]
+    assert tuning.output_disagreement([torch.tensor([3, 1, 2])], ids) is None
+    assert tuning.output_disagreement([torch.tensor([3, 2, 1])], ids) == float("inf")  # integers: exact
+
+
+_AGREEMENT_SHAPES = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 64, "hidden": 256, "intermediate": 512, "block_size": 16,
+                     "dtype": "float16", "max_model_len": 1024, "max_num_seqs": 8}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kernel", "extra"),
+    [
+        ("paged_decode_attention", {}),
+        ("paged_prefill_attention", {}),
+        ("rotary_kv", {}),
+        ("fused_add_rms_norm", {}),
+        ("silu_and_mul", {}),
+        ("skinny_gemm", {}),
+        ("w4a16_gemm", {"quant_group_size": 128}),
+        ("fp8_gemm", {"fp8": "channel-token"}),
+        ("fused_moe", {"num_experts": 4, "top_k": 2, "moe_intermediate": 128}),
+    ],
+)
+def test_every_config_of_a_real_problem_agrees_with_the_default(kernel, extra) -> None:  # type: ignore[no-untyped-def]
+    """The tuner's agreement check must not refuse a sound config: on the interpreter (fp16, where
+    its dots are right) the first four configs of each kernel's space compute its first bucket's
+    problem as the default does, within the tolerance, and the problem's outputs are fully written."""
+    from pagecast.kernels import problems
+
+    shapes = tuning.ModelShapes(**_AGREEMENT_SHAPES, **extra)
+    bucket, dims = problems.buckets(kernel, shapes)[0]
+    problem = problems.make_problem(kernel, shapes, dims, "cpu", seed=0)
+    default = problems.default_config(kernel, shapes, dims)
+    configs = [c for c in problems.config_space(kernel, shapes, dims) if c != default][:4]
+    baseline = [t.clone() for t in tuning._output_tensors(problem.launch(default, 0))]
+    assert baseline and all(bool(torch.isfinite(t.float()).all()) for t in baseline), bucket
+    assert configs
+    for cfg in configs:
+        got = tuning._output_tensors(problem.launch(cfg, 0))
+        assert tuning.output_disagreement(got, baseline) is None, (bucket, cfg.as_dict())
+
+
 def test_precompile_compiles_every_config_without_launching_a_kernel(monkeypatch):  # type: ignore[no-untyped-def]
     """PAGECAST_TUNE_COMPILE_THREADS: before a bucket is timed, each config's launch runs once with
     Triton's launches turned into compiles (JITFunction.run with warmup=True, in Triton's
