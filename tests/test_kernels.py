@@ -600,6 +600,8 @@ _AGREEMENT_SHAPES = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 64, "hidden"
         ("w4a16_gemm", {"quant_group_size": 128}),
         ("fp8_gemm", {"fp8": "channel-token"}),
         ("fused_moe", {"num_experts": 4, "top_k": 2, "moe_intermediate": 128}),
+        ("fused_moe_w4a16", {"num_experts": 4, "top_k": 2, "moe_intermediate": 128, "quant_group_size": 128}),
+        ("fused_moe_fp8", {"num_experts": 4, "top_k": 2, "moe_intermediate": 128, "fp8": "channel-token"}),
     ],
 )
 def test_every_config_of_a_real_problem_agrees_with_the_default(kernel, extra) -> None:  # type: ignore[no-untyped-def]
