@@ -58,6 +58,7 @@ def model_shapes(state: BuildState) -> dict[str, Any]:
         "activation": model.dense_mlp.activation if model.dense_mlp is not None else "silu",  # MoE-only: no dense MLP
         "biased": biased_projections(model, plan.tp),
         "qk_norm_widths": qk_norm_widths(a, per_rank),
+        "head_qk_norm": bool(a.qk_norm and a.qk_norm_kind != "projection"),
         "rotary_dim": next((s.attention.rope.rotary_dim for s in model.layers if s.attention.rope is not None), 0),
         "int4_act_order": bool(plan.quantization is not None and getattr(plan.quantization, "desc_act", False)),
         # MoE blocks: the fused-MoE kernel is tuned per token bucket at one rank's expert width.
@@ -72,13 +73,12 @@ def model_shapes(state: BuildState) -> dict[str, Any]:
 
 
 def qk_norm_widths(attention: Any, per_rank: Any) -> list[int]:
-    """The row widths the q/k RMSNorms run at on one rank (templates/model.py.j2): each head, or
-    the q and k projections whole (``qk_norm_kind`` "projection")."""
-    if not attention.qk_norm:
+    """The row widths the q/k RMSNorms run rms_norm at on one rank (templates/model.py.j2): the q
+    and k projections whole (``qk_norm_kind`` "projection"); none for per-head norms, which run
+    inside the rotary kernel (``head_qk_norm``)."""
+    if not attention.qk_norm or attention.qk_norm_kind != "projection":
         return []
-    if attention.qk_norm_kind == "projection":
-        return [per_rank.num_heads * attention.head_dim, per_rank.num_kv_heads * attention.head_dim]
-    return [attention.head_dim]
+    return [per_rank.num_heads * attention.head_dim, per_rank.num_kv_heads * attention.head_dim]
 
 
 def biased_projections(model: Any, tp: int) -> list[str]:

@@ -2,7 +2,12 @@
 
 # The kernel ABI: the version of the calls the builder's rendered model.py makes into
 # pagecast.kernels (names, argument order, meaning). enginebuild records it in the manifest and
-# the runtime refuses an artifact built for another one. Bump it in the same change that alters
+# the runtime refuses an artifact built for a newer one, or for one older than KERNEL_ABI_OLDEST.
+# Bump it in the same change that alters
 # such a call (a template in templates/ or a kernel's signature), so old artifacts are refused
 # with a rebuild command instead of calling the new kernels with old arguments.
-KERNEL_ABI = 1
+# 2: ops.rotary_and_write_kv takes q_norm, k_norm and qk_norm_eps (per-head q/k RMSNorm fused into
+# the rotary kernel). A change that only adds to the calls keeps the older model code working:
+# KERNEL_ABI_OLDEST is the oldest ABI whose artifacts this pagecast still runs.
+KERNEL_ABI = 2
+KERNEL_ABI_OLDEST = 1

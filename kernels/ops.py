@@ -220,16 +220,24 @@ def rotary_and_write_kv(
     slot_mapping: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    qk_norm_eps: float = 0.0,
 ) -> torch.Tensor:
-    """Rotary on q and k, this step's K/V written to the cache (fp8 caches: x / scale, saturated)."""
+    """Rotary on q and k, this step's K/V written to the cache (fp8 caches: x / scale, saturated).
+    With ``q_norm`` / ``k_norm`` ([head_dim]), each q and k head is RMS-normalised first (Qwen3's
+    and Gemma 3's per-head norms), in the same launch on a GPU (kernel ABI 2)."""
     if not _triton(q):
+        if q_norm is not None:
+            q, k = reference.rms_norm(q, q_norm, qk_norm_eps), reference.rms_norm(k, k_norm, qk_norm_eps)
         return reference.rotary_and_write_kv(
             positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale
         )
     cfg = _config("rotary_kv", token_bucket(q.shape[0]))
     return _kernels().rotary(  # type: ignore[no-any-return]
-        positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, cfg, k_scale=k_scale, v_scale=v_scale
-    )
+        positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, cfg, k_scale=k_scale, v_scale=v_scale,
+        q_norm=q_norm, k_norm=k_norm, qk_norm_eps=qk_norm_eps,
+    )  # fmt: skip
 
 
 def paged_attention(

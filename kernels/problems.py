@@ -501,9 +501,13 @@ def make_problem(
         positions = torch.randint(0, max_pos, (t,), generator=dg, device=device)
         slots = torch.randperm(num_blocks * shapes.block_size, generator=dg, device=device)[:t]
 
+        norms = {}
+        if shapes.head_qk_norm:  # the QK_NORM variant the model launches
+            norms = {"q_norm": 1.0 + 0.1 * randn(d), "k_norm": 1.0 + 0.1 * randn(d), "qk_norm_eps": 1e-6}
+
         def rotary(cfg: KernelConfig | None, i: int) -> object:
             return rotary_kv.rotary_and_write_kv(
-                positions, q, k, v, cos_sin, k_cache, v_cache, slots, config=cfg
+                positions, q, k, v, cos_sin, k_cache, v_cache, slots, config=cfg, **norms
             )
 
         return Problem(kernel, bucket, rotary, 1, nbytes, flops)

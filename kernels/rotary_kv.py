@@ -7,7 +7,8 @@ Every rope variant (default, linear, llama3) is already folded into cos_sin_cach
 Like the reference (and transformers), cos and sin are rounded to q's dtype first; the
 rotation itself is computed in fp32 and rounded once. An fp8 (e4m3fn) cache gets
 fp8(x * (1 / scale)) with one K and one V scale per layer, saturated to +-448 (an
-out-of-range value stays finite instead of becoming NaN).
+out-of-range value stays finite instead of becoming NaN). Models that RMS-normalise each q and
+k head before rotary (Qwen3, Gemma 3) do it here too (``QK_NORM``), so the norms take no launches.
 """
 
 from __future__ import annotations
@@ -27,11 +28,24 @@ FP8_MAX: tl.constexpr = tl.constexpr(448.0)  # largest finite e4m3fn value (refe
 
 
 @triton.jit
-def _rotate(x_ptr, heads, offs_d, partner, cos, sin, num_heads, HEAD_DIM: tl.constexpr):
+def _rotate(
+    x_ptr, heads, offs_d, partner, cos, sin, num_heads, norm_ptr, eps, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr
+):  # fmt: skip
     # x_ptr points at one token's [num_heads, head_dim] rows (head stride applied by caller).
     mask = (heads < num_heads)[:, None] & (offs_d < HEAD_DIM)[None, :]
     x = tl.load(x_ptr + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     x_partner = tl.load(x_ptr + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    if QK_NORM:
+        # Each head RMS-normalised first, as rms_norm computes it: fp32 over the head's features,
+        # rounded to the input's dtype, times the weight, rounded again. A head's sum of squares is
+        # the same over its features in either order, so the partners share the head's factor.
+        dtype = x_ptr.dtype.element_ty
+        rstd = tl.math.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
+        d_ok = offs_d < HEAD_DIM
+        w = tl.load(norm_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        w_partner = tl.load(norm_ptr + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        x = (w * (x * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x_partner = (w_partner * (x_partner * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     return x * cos[None, :] + x_partner * sin[None, :], mask
 
 
@@ -46,6 +60,9 @@ def _rotary_kv_kernel(
     v_cache_ptr,  # v_cache: [num_blocks, num_kv_heads, block_size, head_dim]
     slot_mapping_ptr,  # slot_mapping: [num_tokens] int64, -1 = skip
     q_out_ptr,  # q_out: [num_tokens, num_heads, head_dim]
+    q_norm_ptr,  # q_norm weight: [head_dim] (QK_NORM), else unused
+    k_norm_ptr,  # k_norm weight: [head_dim] (QK_NORM), else unused
+    norm_eps,  # the q/k norms' epsilon (QK_NORM)
     k_inv_scale,  # 1 / k_scale (fp8 cache; 1.0 otherwise)
     v_inv_scale,  # 1 / v_scale
     stride_qt,
@@ -72,6 +89,7 @@ def _rotary_kv_kernel(
     ROTARY_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     KV_FP8: tl.constexpr,  # the caches are float8e4nv: scale and saturate before the cast
+    QK_NORM: tl.constexpr = False,  # RMSNorm each q and k head before rotating it (Qwen3, Gemma 3)
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     if PDL:
@@ -94,7 +112,7 @@ def _rotary_kv_kernel(
 
     heads = tl.arange(0, HEADS_PAD)
     q_rows = q_ptr + token * stride_qt + heads[:, None] * stride_qh
-    q_rot, q_mask = _rotate(q_rows, heads, offs_d, partner, cos, sin, NUM_HEADS, HEAD_DIM)
+    q_rot, q_mask = _rotate(q_rows, heads, offs_d, partner, cos, sin, NUM_HEADS, q_norm_ptr, norm_eps, HEAD_DIM, QK_NORM)
     tl.store(
         q_out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
         q_rot.to(dtype),
@@ -107,7 +125,9 @@ def _rotary_kv_kernel(
         offset = slot % BLOCK_SIZE
         kv_heads = tl.arange(0, KV_HEADS_PAD)
         k_rows = k_ptr + token * stride_kt + kv_heads[:, None] * stride_kh
-        k_rot, kv_mask = _rotate(k_rows, kv_heads, offs_d, partner, cos, sin, NUM_KV_HEADS, HEAD_DIM)
+        k_rot, kv_mask = _rotate(
+            k_rows, kv_heads, offs_d, partner, cos, sin, NUM_KV_HEADS, k_norm_ptr, norm_eps, HEAD_DIM, QK_NORM
+        )
         kc = (
             k_cache_ptr
             + block * stride_kcb
@@ -155,10 +175,16 @@ def rotary_and_write_kv(
     config: Mapping[str, int] | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    qk_norm_eps: float = 0.0,
 ) -> torch.Tensor:
     """Rotate q and k, write rotated k and v into the cache at slot_mapping; returns the rotated q.
 
-    The caches are in q's dtype, or fp8 e4m3fn holding fp8(x / k_scale) and fp8(v / v_scale)."""
+    The caches are in q's dtype, or fp8 e4m3fn holding fp8(x / k_scale) and fp8(v / v_scale).
+    With ``q_norm`` and ``k_norm`` ([head_dim] weights) each q and k head is RMS-normalised
+    (``qk_norm_eps``) before it is rotated, in this launch: what ``rms_norm`` on each head and
+    then this kernel compute, two launches fewer a layer."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     rotary_dim = cos_sin_cache.shape[-1]
@@ -180,6 +206,10 @@ def rotary_and_write_kv(
             raise ValueError(f"{name} needs a contiguous last (head_dim) dimension")
     if slot_mapping.shape[0] != num_tokens or positions.shape[0] != num_tokens:
         raise ValueError("positions and slot_mapping need one entry per token")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm go together")
+    if q_norm is not None and (q_norm.shape != (head_dim,) or k_norm.shape != (head_dim,)):  # type: ignore[union-attr]
+        raise ValueError(f"q_norm {tuple(q_norm.shape)} / k_norm {tuple(k_norm.shape)} must be [head_dim] ({head_dim})")  # type: ignore[union-attr]
     positions = positions.to(torch.int64)
     slot_mapping = slot_mapping.to(torch.int64)
     q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -187,7 +217,8 @@ def rotary_and_write_kv(
         return q_out
     cfg = KernelConfig.coerce(config) or default_config()
     _rotary_kv_kernel[(num_tokens,)](
-        positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, q_out, 1.0 / k_scale, 1.0 / v_scale,
+        positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, q_out,
+        q_out if q_norm is None else q_norm, q_out if k_norm is None else k_norm, qk_norm_eps, 1.0 / k_scale, 1.0 / v_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -196,7 +227,7 @@ def rotary_and_write_kv(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         HEADS_PAD=triton.next_power_of_2(num_heads), KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        ROTARY_DIM=rotary_dim, BLOCK_SIZE=k_cache.shape[2], KV_FP8=kv_fp8,
+        ROTARY_DIM=rotary_dim, BLOCK_SIZE=k_cache.shape[2], KV_FP8=kv_fp8, QK_NORM=q_norm is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(),
     )  # fmt: skip
     return q_out

@@ -158,10 +158,13 @@ class ModelShapes:
     # The rotated dimensions of each head when not all of them (partial_rotary_factor, Phi-4-mini's
     # 0.75): the rotary kernel's ROTARY_DIM constexpr; 0 = head_dim.
     rotary_dim: int = 0
-    # The row widths of the model's q/k RMSNorms on this rank: (head_dim,) normalising each head
-    # (Qwen3, Gemma 3), the q and k projections' widths normalising them whole (OLMo2, OLMoE); ()
-    # without q/k norms. rms_norm's BLOCK is a constexpr: compile_norm_variants compiles them.
+    # The row widths of the model's q/k RMSNorms that run as rms_norm on this rank: the q and k
+    # projections' widths normalising them whole (OLMo2, OLMoE); () otherwise (per-head norms run
+    # in the rotary kernel: head_qk_norm). rms_norm's BLOCK is a constexpr: compile_norm_variants compiles them.
     qk_norm_widths: tuple[int, ...] = ()
+    # Each q and k head RMS-normalised inside the rotary kernel (Qwen3, Gemma 3: the QK_NORM variant
+    # serving launches, so it is the one timed and compiled into the artifact).
+    head_qk_norm: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "biased", tuple(self.biased))  # JSON lists from the tune subprocess

@@ -29,7 +29,7 @@ from importlib import metadata
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from pagecast.kernels import KERNEL_ABI
+from pagecast.kernels import KERNEL_ABI, KERNEL_ABI_OLDEST
 from pagecast.runtime.errors import ArtifactError
 
 logger = logging.getLogger("pagecast.runtime")
@@ -279,15 +279,16 @@ _WARNED: set[tuple[str, str]] = set()
 
 
 def check_versions(artifact_dir: str | os.PathLike[str], manifest: Manifest) -> None:
-    """Compare what the artifact was built with to what is installed. A different kernel ABI is
-    refused (the model code would call the kernels wrongly), with the command that rebuilds
-    it; a different torch, transformers or (for GPU artifacts) triton is a warning, once per
+    """Compare what the artifact was built with to what is installed. A kernel ABI outside
+    KERNEL_ABI_OLDEST..KERNEL_ABI is refused (the model code would call the kernels wrongly),
+    with the command that rebuilds it; a different torch, transformers or (for GPU artifacts) triton is a warning, once per
     artifact and process: the artifact still runs, but its kernels were tuned and compiled
     against the other version, so speed (and, rarely, numerics) may differ."""
-    if manifest.kernel_abi != KERNEL_ABI:
+    if not KERNEL_ABI_OLDEST <= manifest.kernel_abi <= KERNEL_ABI:
+        have = f"ABI {KERNEL_ABI}" if KERNEL_ABI_OLDEST == KERNEL_ABI else f"ABI {KERNEL_ABI} (and run {KERNEL_ABI_OLDEST}-{KERNEL_ABI})"
         raise ArtifactError(
             f"{artifact_dir}: built for kernel ABI {manifest.kernel_abi} (pagecast "
-            f"{manifest.versions.get('pagecast', '?')}), but this pagecast's kernels have ABI {KERNEL_ABI}: "
+            f"{manifest.versions.get('pagecast', '?')}), but this pagecast's kernels have {have}: "
             "its model code calls kernels this version does not provide in that form. Rebuild it with this "
             f"pagecast: {rebuild_command(artifact_dir, manifest)}"
         )

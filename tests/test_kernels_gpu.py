@@ -89,8 +89,9 @@ def test_prefill_attention_with_prefix_and_decode_rows(model, block_size):
     assert rel_err(paged_prefill_attention(**x, scale=scale), ref_attention(x, scale)) < 1e-2
 
 
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk-norm"])
 @pytest.mark.parametrize("model", [LLAMA, SMOL], ids=["llama3-8b", "smollm2"])
-def test_rotary_and_write_kv(model):
+def test_rotary_and_write_kv(model, qk_norm):
     from pagecast.kernels.rotary_kv import rotary_and_write_kv
 
     h, kvh, d = model["num_heads"], model["num_kv_heads"], model["head_dim"]
@@ -108,8 +109,13 @@ def test_rotary_and_write_kv(model):
     k_cache = torch.randn(40, kvh, bs, d, device="cuda", dtype=DT)
     v_cache = torch.randn_like(k_cache)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    q_ref = reference.rotary_and_write_kv(positions, q, k, v, cos_sin, k_ref, v_ref, slots)
-    q_out = rotary_and_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slots)
+    norms, q_in, k_in = {}, q, k
+    if qk_norm:  # Qwen3's per-head q/k RMSNorm, in the same launch
+        norms = {"q_norm": 1 + 0.3 * torch.randn(d, device="cuda", dtype=DT),
+                 "k_norm": 1 + 0.3 * torch.randn(d, device="cuda", dtype=DT), "qk_norm_eps": 1e-6}  # fmt: skip
+        q_in, k_in = reference.rms_norm(q, norms["q_norm"], 1e-6), reference.rms_norm(k, norms["k_norm"], 1e-6)
+    q_ref = reference.rotary_and_write_kv(positions, q_in, k_in, v, cos_sin, k_ref, v_ref, slots)
+    q_out = rotary_and_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slots, **norms)
     torch.testing.assert_close(q_out, q_ref, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(k_cache, k_ref, atol=2e-2, rtol=2e-2)
     assert torch.equal(v_cache, v_ref)

@@ -193,11 +193,29 @@ def test_the_build_tells_the_tuner_its_q_k_norm_widths(
 ):  # type: ignore[no-untyped-def]
     _, s = _build(tiny_checkpoint_factory(family), tmp_path / "art", monkeypatch)
     expected = {
-        "qwen3": [s["head_dim"]],  # each head
+        "qwen3": [],  # each head: inside the rotary kernel
         "olmo2": [s["num_heads"] * s["head_dim"], s["num_kv_heads"] * s["head_dim"]],  # q and k whole
         "llama": [],
     }
     assert s["qk_norm_widths"] == expected[family]
+    assert s["head_qk_norm"] == (family == "qwen3")
+
+
+def test_the_rotary_problem_launches_the_q_k_norm_variant_a_qwen3_runs(monkeypatch):  # type: ignore[no-untyped-def]
+    """A model with per-head q/k norms launches the rotary kernel with them (its QK_NORM variant):
+    the tuner times and compiles that variant, not the plain one serving would never launch."""
+    from pagecast.kernels import rotary_kv
+
+    seen: list[bool] = []
+    monkeypatch.setattr(
+        rotary_kv, "rotary_and_write_kv", lambda *args, **kwargs: seen.append(kwargs.get("q_norm") is not None)
+    )
+    for flag in (True, False):
+        seen.clear()
+        shapes = tuning.ModelShapes(**DIMS, dtype="float32", head_qk_norm=flag)
+        for _, dims in problems.buckets("rotary_kv", shapes):
+            problems.make_problem("rotary_kv", shapes, dims, "cpu").launch(None, 0)
+        assert seen and set(seen) == {flag}
 
 
 def test_row_parallel_projections_add_their_bias_after_the_all_reduce() -> None:
