@@ -174,8 +174,8 @@ def _fp8_linear(x: torch.Tensor, w: Fp8LinearWeight, bias: torch.Tensor | None, 
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension; x may have extra leading dims (Qwen3's per-head q/k norm
-    passes [num_tokens, heads, head_dim])."""
+    """RMSNorm over the last dimension; x may have extra leading dims. (Per-head q/k norms run
+    inside rotary_and_write_kv.)"""
     if not _triton(x):
         return reference.rms_norm(x, weight, eps)
     rows = x.reshape(-1, x.shape[-1])

@@ -114,6 +114,19 @@ def test_another_kernel_abi_is_refused_with_the_rebuild_command(engine_dir):  # 
     assert f"--output {engine_dir} --force" in message
 
 
+def test_an_older_kernel_abi_this_pagecast_still_runs_is_accepted(engine_dir):  # type: ignore[no-untyped-def]
+    """ABI 2 only added arguments (the rotary kernel's q/k norms): model code built for ABI 1 calls
+    the kernels as they still take them, so its artifacts load; one older than that is refused."""
+    from pagecast.kernels import KERNEL_ABI_OLDEST
+
+    assert KERNEL_ABI_OLDEST <= KERNEL_ABI
+    edit_manifest(engine_dir, lambda m: m.__setitem__("kernel_abi", KERNEL_ABI_OLDEST))
+    assert load_manifest(engine_dir).kernel_abi == KERNEL_ABI_OLDEST
+    edit_manifest(engine_dir, lambda m: m.__setitem__("kernel_abi", KERNEL_ABI_OLDEST - 1))
+    with pytest.raises(ArtifactError, match=f"kernel ABI {KERNEL_ABI_OLDEST - 1}"):
+        load_manifest(engine_dir)
+
+
 def test_a_format_version_1_artifact_reads_as_kernel_abi_1(engine_dir):  # type: ignore[no-untyped-def]
     def to_v1(m: dict) -> None:  # type: ignore[type-arg]
         m["format_version"] = 1

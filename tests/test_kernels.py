@@ -607,6 +607,7 @@ _AGREEMENT_SHAPES = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 64, "hidden"
         ("paged_decode_attention", {}),
         ("paged_prefill_attention", {}),
         ("rotary_kv", {}),
+        ("rotary_kv", {"head_qk_norm": True}),
         ("fused_add_rms_norm", {}),
         ("silu_and_mul", {}),
         ("skinny_gemm", {}),

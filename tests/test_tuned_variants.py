@@ -162,7 +162,7 @@ def test_the_build_tells_the_tuner_the_rotary_width(tiny_checkpoint_factory, tmp
 
 
 def test_q_k_norms_are_compiled_at_their_own_widths(monkeypatch):  # type: ignore[no-untyped-def]
-    """The q/k norms run rms_norm at head_dim (or the q and k projections' widths), not at hidden:
+    """Whole-projection q/k norms (OLMo 2) run rms_norm at the q and k widths, not at hidden:
     another BLOCK. compile_norm_variants launches each width with every config serving can pick:
     those in the table's rms_norm entries and the launcher's default there."""
     from pagecast.kernels import rms_norm
