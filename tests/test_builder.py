@@ -31,7 +31,9 @@ def test_artifact_layout_and_plan(tiny_llama_artifact):  # type: ignore[no-untyp
 
 def test_qwen3_renders_qk_norm_and_qwen2_bias(tiny_artifact_factory):  # type: ignore[no-untyped-def]
     qwen3 = (tiny_artifact_factory("qwen3") / "model.py").read_text()
-    assert "QK_NORM_EPS" in qwen3 and "ops.rms_norm(q, q_norm, QK_NORM_EPS)" in qwen3
+    # per-head q/k norms: inside the rotary kernel's launch, not rms_norm launches of their own
+    assert "QK_NORM_EPS" in qwen3 and "q_norm=q_norm, k_norm=k_norm, qk_norm_eps=QK_NORM_EPS" in qwen3
+    assert "ops.rms_norm(q" not in qwen3
     qwen2 = (tiny_artifact_factory("qwen2") / "model.py").read_text()
     assert 'weights[p + "qkv_proj.bias"]' in qwen2
 
