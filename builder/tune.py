@@ -383,7 +383,8 @@ def rejected_note(table: dict[str, Any]) -> str:
     bucket's first config's (kernels/tuning.output_disagreement; empty when none was): on a sound
     compiler there are none, so each is worth a look (and a Triton bug report)."""
     found = [
-        f"{kernel} {bucket} {entry['config']} (off by {entry['error']:.3g})"
+        f"{kernel} {bucket} {entry['config']} "
+        + ("(NaN/inf or a wrong shape)" if entry.get("error") is None else f"(off by {entry['error']:.3g})")
         for kernel, entries in table.get("kernels", {}).items()
         for bucket, row in entries.items()
         for entry in row.get("rejected", ())

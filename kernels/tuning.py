@@ -160,7 +160,8 @@ class ModelShapes:
     rotary_dim: int = 0
     # The row widths of the model's q/k RMSNorms that run as rms_norm on this rank: the q and k
     # projections' widths normalising them whole (OLMo2, OLMoE); () otherwise (per-head norms run
-    # in the rotary kernel: head_qk_norm). rms_norm's BLOCK is a constexpr: compile_norm_variants compiles them.
+    # in the rotary kernel: head_qk_norm). rms_norm's BLOCK is a constexpr: compile_norm_variants
+    # compiles them.
     qk_norm_widths: tuple[int, ...] = ()
     # Each q and k head RMS-normalised inside the rotary kernel (Qwen3, Gemma 3: the QK_NORM variant
     # serving launches, so it is the one timed and compiled into the artifact).
@@ -500,7 +501,8 @@ def tune(
     when the entry was derived from a smaller bucket), and ``budget_spent`` where the budget
     had run out before the bucket began (only the default was timed; ``untuned_buckets``
     counts them), and ``rejected`` where configs computed a different result from the first
-    config's (``output_disagreement``) and were not timed. Every config in the table has been launched on ``device``, so its compiled
+    config's (``output_disagreement``; ``error`` None for a NaN/inf or a wrong shape) and were
+    not timed. Every config in the table has been launched on ``device``, so its compiled
     kernel is in TRITON_CACHE_DIR.
     """
     from pagecast.kernels import pdl, problems
@@ -592,7 +594,9 @@ def tune(
                     else:
                         error = output_disagreement(outputs, baseline)
                         if error is not None:
-                            rejected.append({"config": cfg.as_dict(), "error": error})
+                            # error None: a NaN/inf where the default has a number, or another shape
+                            finite = error != float("inf")
+                            rejected.append({"config": cfg.as_dict(), "error": round(error, 4) if finite else None})
                             if log:
                                 log(f"{kernel} {bucket} {cfg.as_dict()}: REJECTED, its output differs from the "
                                     f"first config's by {error:.3g} of the largest value")
