@@ -184,7 +184,8 @@ def rotary_and_write_kv(
     The caches are in q's dtype, or fp8 e4m3fn holding fp8(x / k_scale) and fp8(v / v_scale).
     With ``q_norm`` and ``k_norm`` ([head_dim] weights) each q and k head is RMS-normalised
     (``qk_norm_eps``) before it is rotated, in this launch: what ``rms_norm`` on each head and
-    then this kernel compute, two launches fewer a layer."""
+    then this kernel compute, without the norms' launches or the copies of the strided q and k
+    views they needed (four launches a layer)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     rotary_dim = cos_sin_cache.shape[-1]
