@@ -281,9 +281,9 @@ _WARNED: set[tuple[str, str]] = set()
 def check_versions(artifact_dir: str | os.PathLike[str], manifest: Manifest) -> None:
     """Compare what the artifact was built with to what is installed. A kernel ABI outside
     KERNEL_ABI_OLDEST..KERNEL_ABI is refused (the model code would call the kernels wrongly),
-    with the command that rebuilds it; a different torch, transformers or (for GPU artifacts) triton is a warning, once per
-    artifact and process: the artifact still runs, but its kernels were tuned and compiled
-    against the other version, so speed (and, rarely, numerics) may differ."""
+    with the command that rebuilds it; a different torch, transformers or (for GPU artifacts)
+    triton is a warning, once per artifact and process: the artifact still runs, but its kernels
+    were tuned and compiled against the other version, so speed (and, rarely, numerics) may differ."""
     if not KERNEL_ABI_OLDEST <= manifest.kernel_abi <= KERNEL_ABI:
         have = f"ABI {KERNEL_ABI}" if KERNEL_ABI_OLDEST == KERNEL_ABI else f"ABI {KERNEL_ABI} (and run {KERNEL_ABI_OLDEST}-{KERNEL_ABI})"
         raise ArtifactError(

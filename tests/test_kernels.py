@@ -535,8 +535,6 @@ def test_the_tuner_refuses_a_config_whose_output_differs_from_the_defaults(monke
     (the launcher's default) and times only those that agree; the table lists the others and the
     build report names them. A config off by rounding only (what another summation order gives)
     is not refused. Fake kernels: "wrong" is fastest, "nan" next, "rounded" faster than the default."""
-    import types
-
     from pagecast.builder.tune import rejected_note
     from pagecast.kernels import problems
 
@@ -545,12 +543,12 @@ def test_the_tuner_refuses_a_config_whose_output_differs_from_the_defaults(monke
     default = problems.default_config("silu_and_mul", shapes, {"num_tokens": 8})
     # Each config of the space stands for one behaviour, assigned in order after the default.
     others = [c for c in problems.config_space("silu_and_mul", shapes, {"num_tokens": 8}) if c != default]
-    behaviour = {repr(c.as_dict()) + repr(c.num_warps): kind for c, kind in zip(others, ("wrong", "nan", "rounded"), strict=False)}
+    behaviour = {repr(c.as_dict()): kind for c, kind in zip(others, ("wrong", "nan", "rounded"), strict=False)}
     assert len(behaviour) == 3, "the silu_and_mul space needs three configs besides the default for this test"
     speed = {"wrong": 1.0, "nan": 2.0, "rounded": 5.0, None: 10.0}
 
     def kind(cfg):  # type: ignore[no-untyped-def]
-        return behaviour.get(repr(cfg.as_dict()) + repr(cfg.num_warps))
+        return behaviour.get(repr(cfg.as_dict()))  # as_dict holds num_warps and num_stages too
 
     def launch(cfg, i):  # type: ignore[no-untyped-def]
         out = right.clone()
