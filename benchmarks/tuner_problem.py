@@ -5,6 +5,7 @@ table keeps a config the benchmarks say is not the fastest.
 
     python benchmarks/tuner_problem.py --kernel paged_prefill_attention --buckets t8192,t8192.c32768
         [--model llama3.1-8b] [--max-model-len 131072] [--reps 5]
+    python benchmarks/tuner_problem.py --kernel fp8_gemm --fp8 channel-token --buckets qkv.m1,o.m1,gate_up.m1,down.m1
     python benchmarks/tuner_problem.py --dry-run     # tiny shapes on the CPU interpreter: every config launches once
 
 Shapes: Llama-3.1-8B's attention and MLP (32 query heads over 8 KV heads, head_dim 128, hidden 4096,
@@ -34,6 +35,7 @@ def main() -> None:
     ap.add_argument("--buckets", default="t8192,t8192.c32768", help="bucket names of the tuner's (problems.buckets)")
     ap.add_argument("--max-model-len", type=int, default=131072)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--fp8", default="", help="FP8 projections, e.g. channel-token (for --kernel fp8_gemm)")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args()
     if args.dry_run:
@@ -44,7 +46,7 @@ def main() -> None:
     dims_of = dict(TINY if args.dry_run else LLAMA31_8B)
     shapes = tuning.ModelShapes(
         **dims_of, dtype="float32" if args.dry_run else "bfloat16",
-        max_model_len=9000 if args.dry_run else args.max_model_len,
+        max_model_len=9000 if args.dry_run else args.max_model_len, fp8=args.fp8,
     )  # fmt: skip
     device = "cpu" if args.dry_run else "cuda"
     known = dict(problems.buckets(args.kernel, shapes))
