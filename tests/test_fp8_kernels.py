@@ -777,6 +777,56 @@ def test_gpu_fused_decode_kernel_matches_the_two_launch_path_in_every_config(act
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("activations", ["token", "group", "static"])
+def test_gpu_one_row_register_kernel_matches_the_two_launch_path_and_replays_in_a_graph(activations):  # type: ignore[no-untyped-def]
+    """Every GEMV config at Llama-3-8B's four projections, one row, fp32 out, against
+    quantize_activations + the tiled GEMM (as the tensor-core decode configs are checked above),
+    and bf16 out as fp8_linear serves it; then the o projection's split and unsplit configs
+    captured in one CUDA graph and replayed on new rows, bitwise the eager result, the split
+    counters zero after."""
+    from pagecast.kernels import fp8_gemm
+
+    dev = _cuda()
+    g = torch.Generator(device=dev).manual_seed(8)
+    tile = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1}
+    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+        weight = _gpu_fp8_weight(n, k, activations, g, dev)
+        bias = torch.randn(n, generator=g, device=dev).to(torch.bfloat16)
+        x = (torch.randn(1, k, generator=g, device=dev) * 3).to(torch.bfloat16)
+        qx, sx = fp8_gemm.quantize_activations(x, activations, weight.input_scale)
+        two = fp8_gemm.fp8_gemm(qx, sx, weight.weight, weight.weight_scale, bias, torch.float32, tile)
+        two_bf16 = fp8_gemm.fp8_gemm(qx, sx, weight.weight, weight.weight_scale, bias, torch.bfloat16, tile).float()
+        configs = [c for c in fp8_gemm.prune_configs(fp8_gemm.CONFIG_SPACE, 1, n, k, activations == "group", torch.bfloat16)
+                   if fp8_gemm.is_gemv(c)]  # fmt: skip
+        assert len(configs) == (3 if activations == "group" else 10)
+        atol = 3e-5 * two.abs().max().item()
+        for cfg in configs:
+            y = fp8_gemm.fp8_skinny_linear(
+                x, weight.weight, weight.weight_scale, activations, weight.input_scale, bias, torch.float32, cfg
+            )
+            torch.testing.assert_close(y, two, rtol=1e-5, atol=atol, msg=lambda s, c=cfg, n=n: f"n={n} {c}: {s}")
+            yb = fp8_gemm.fp8_linear(x, weight, bias, cfg).float()
+            torch.testing.assert_close(yb, two_bf16, rtol=1.6e-2, atol=atol, msg=lambda s, c=cfg, n=n: f"n={n} {c}: {s}")
+    o = _gpu_fp8_weight(4096, 4096, activations, g, dev)
+    configs = [c for c in fp8_gemm.prune_configs(fp8_gemm.CONFIG_SPACE, 1, 4096, 4096, activations == "group", torch.bfloat16)
+               if fp8_gemm.is_gemv(c)]  # fmt: skip
+    x = torch.randn(1, 4096, generator=g, device=dev).to(torch.bfloat16)
+    for cfg in configs:
+        fp8_gemm.fp8_linear(x, o, None, cfg)  # compiled, counters allocated, before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [fp8_gemm.fp8_linear(x, o, None, cfg) for cfg in configs]
+    for _ in range(4):
+        x.copy_(torch.randn(1, 4096, generator=g, device=dev).to(torch.bfloat16) * 4)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not split_k.COUNTERS[x.device].any()
+        for out, cfg in zip(outs, configs, strict=True):
+            assert torch.equal(out, fp8_gemm.fp8_linear(x, o, None, cfg)), cfg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activations", ["token", "group", "static"])
 def test_gpu_fused_decode_kernel_is_capture_safe(activations):  # type: ignore[no-untyped-def]
     """Captured in a CUDA graph (no host syncs) and replayed on new rows in the captured buffer."""
     from pagecast.kernels import fp8_gemm
