@@ -361,130 +361,27 @@ def _fp8_skinny_kernel(
         y = tl.sum(tl.reshape(acc, (CHUNKS, ROWS, BLOCK_N)), axis=0)  # [ROWS, BLOCK_N]
     else:
         y = acc
-    _skinny_finish(
-        y, rows_scale, offs_n, n_ok, ws_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, M, N, MODE, HAS_BIAS, ROWS, SPLIT_K
-    )  # fmt: skip
-
-
-@triton.jit
-def _skinny_finish(
-    y, rows_scale, offs_n, n_ok, ws_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, M, N,
-    MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, SPLIT_K: tl.constexpr,
-):  # fmt: skip
-    """A decode program's end: its [ROWS, BLOCK_N] fp32 sum over its K steps through the epilogue,
-    or, with K split, the reduction in the same launch (the module docstring): the partial out, a
-    barrier so every thread of the program has stored it before one thread takes the ticket
-    (acq_rel at GPU scope: the partials happen-before a later ticket, whose holder reads them
-    after), and the last of the column block's SPLIT_K programs sums the partials in split order
-    0..SPLIT_K-1 (the same sum whichever program is last) and finishes the tile."""
     if SPLIT_K == 1:
         _skinny_store(y, rows_scale, offs_n, n_ok, ws_ptr, bias_ptr, y_ptr, M, N, MODE, HAS_BIAS, ROWS)
     else:
+        # The split-K reduction, in this launch (the module docstring): the partial out, a barrier
+        # so every thread of the program has stored it before one thread takes the ticket
+        # (acq_rel at GPU scope: the partials happen-before a later ticket, whose holder reads them
+        # after), and the last of the column block's SPLIT_K programs sums the partials in split
+        # order 0..SPLIT_K-1 (the same sum whichever program is last) and finishes the tile.
         offs_r = tl.arange(0, ROWS)
         r_ok = (offs_r < M)[:, None] & n_ok[None, :]
         parts = part_ptr + offs_r[:, None] * N + offs_n[None, :]
         tl.store(parts + tl.program_id(1) * (M * N), y, mask=r_ok)
         tl.debug_barrier()
-        counter = count_ptr + tl.program_id(0)
+        counter = count_ptr + pid
         ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if ticket == SPLIT_K - 1:
-            # .cg: from L2, where the other programs' partials are
-            total = tl.load(parts, mask=r_ok, other=0.0, cache_modifier=".cg")
-            for s in range(1, SPLIT_K):
+            total = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+            for s in range(SPLIT_K):  # .cg: from L2, where the other programs' partials are
                 total += tl.load(parts + s * (M * N), mask=r_ok, other=0.0, cache_modifier=".cg")
             _skinny_store(total, rows_scale, offs_n, n_ok, ws_ptr, bias_ptr, y_ptr, M, N, MODE, HAS_BIAS, ROWS)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero for the next launch
-
-
-@triton.jit
-def _fp8_gemv_kernel(
-    x_ptr,  # [1, K] half / fp32, K contiguous
-    w_ptr,  # e4m3 [N, K]
-    ws_ptr,  # fp32 [N] (channel) or [N, KB] (block)
-    xs_ptr,  # fp32 [1]: the static input scale (MODE 2), else unused
-    bias_ptr,  # [N] or unused
-    y_ptr,  # [1, N]
-    part_ptr,  # fp32 [SPLIT_K, 1, N] (SPLIT_K > 1), else unused
-    count_ptr,  # int32 [>= cdiv(N, BLOCK_N)] (SPLIT_K > 1)
-    N,
-    K,
-    STEPS,  # K steps per split (SPLIT_K > 1), else unused
-    MODE: tl.constexpr,  # 0 token, 1 group of GROUP_K (BLOCK_K == GROUP_K), 2 static
-    HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    GROUP_K: tl.constexpr,
-    MIN_AMAX: tl.constexpr,
-    QMAX: tl.constexpr,
-    PREFETCH: tl.constexpr = False,  # each weight tile loaded a step ahead
-    PDL: tl.constexpr = False,
-):
-    """The fused decode kernel for one row without the tensor cores (``{"SKINNY": 1, "GEMV": 1}``):
-    each weight tile goes from global memory straight into registers (16-byte loads along K), is
-    upcast there and multiplied into a [BLOCK_K, BLOCK_N] fp32 accumulator by the row's quantised
-    activations; the K lanes are summed once, at the end. The activations are quantised as in
-    _fp8_skinny_kernel (the same scales, the same e4m3 values); a block-scaled weight's step is one
-    1x128 group, its product scaled per element by both scales before it is added."""
-    if PDL:
-        gdc_wait()
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    offs_kk = tl.arange(0, BLOCK_K)
-    w_cols = w_ptr + offs_n[None, :].to(tl.int64) * K  # [BLOCK_K, BLOCK_N] tiles of w.T
-    num_steps = tl.cdiv(K, BLOCK_K)
-    if MODE == 0:
-        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for i in range(num_steps):
-            offs_k = i * BLOCK_K + offs_kk
-            amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)))
-        x_scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), MIN_AMAX), QMAX)
-        rows_scale = tl.full((1,), 0.0, tl.float32) + x_scale  # [ROWS = 1], for the epilogue
-    elif MODE == 2:
-        x_scale = tl.load(xs_ptr).to(tl.float32)
-        rows_scale = x_scale
-    else:
-        x_scale = 1.0
-        rows_scale = 1.0  # block scales are applied per step
-    if SPLIT_K == 1:
-        first = 0
-        last = num_steps
-        k_end = K
-    else:
-        first = tl.program_id(1) * STEPS
-        last = tl.minimum(first + STEPS, num_steps)
-        k_end = tl.minimum(last * BLOCK_K, K)
-    num_kb = tl.cdiv(K, GROUP_K)
-    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-    # PREFETCH: the weight tile is loaded a step ahead (a loop-carried register), so its copy is in
-    # flight while the step before is multiplied and across the step's barrier (x's layout change).
-    offs_k = first * BLOCK_K + offs_kk
-    w_next = tl.load(w_cols + offs_k[:, None], mask=(offs_k < k_end)[:, None] & n_ok[None, :], other=0.0)
-    for i in range(first, last):
-        offs_k = i * BLOCK_K + offs_kk
-        x = tl.load(x_ptr + offs_k, mask=offs_k < k_end, other=0.0).to(tl.float32)
-        if PREFETCH:
-            w = w_next
-            offs_next = offs_k + BLOCK_K
-            w_next = tl.load(w_cols + offs_next[:, None], mask=(offs_next < k_end)[:, None] & n_ok[None, :], other=0.0)
-        elif EVEN_K:
-            w = tl.load(w_cols + offs_k[:, None], mask=n_ok[None, :], other=0.0)
-        else:
-            w = tl.load(w_cols + offs_k[:, None], mask=(offs_k < K)[:, None] & n_ok[None, :], other=0.0)
-        if MODE == 1:
-            g_scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), MIN_AMAX), QMAX)
-            q = _quantise_rows(x, g_scale, QMAX, w_ptr.dtype.element_ty).to(tl.float32) * g_scale
-            sw = tl.load(ws_ptr + offs_n.to(tl.int64) * num_kb + i, mask=n_ok, other=0.0)
-            acc += w.to(tl.float32) * q[:, None] * sw[None, :]
-        else:
-            q = _quantise_rows(x, x_scale, QMAX, w_ptr.dtype.element_ty).to(tl.float32)
-            acc += w.to(tl.float32) * q[:, None]
-    y = tl.sum(acc, axis=0)[None, :]  # [1, BLOCK_N]
-    _skinny_finish(
-        y, rows_scale, offs_n, n_ok, ws_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, 1, N, MODE, HAS_BIAS, 1, SPLIT_K
-    )  # fmt: skip
 
 
 _TILES = (
@@ -547,23 +444,6 @@ _SKINNY_SPLIT_TILES = (
     (64, 256, 4, 4, 3),
     (64, 256, 8, 4, 3),
 )
-_GEMV_TILES = (
-    # (BLOCK_N, BLOCK_K, SPLIT_K, PREFETCH, num_warps) of the one-row register kernel
-    # (_fp8_gemv_kernel). Its accumulator holds BLOCK_K x BLOCK_N fp32: 32 registers a thread at
-    # 256 x 16 on 4 warps, 72 in all (sm_90); PREFETCH's second tile takes 70-86 at 128 x 16 and
-    # 126 at 256 x 16. Narrow column blocks and K splits give Llama-3-8B's N = 4096 projections
-    # 256-1,024 programs, each with a few KB of weight in flight.
-    (16, 256, 1, 0, 4),
-    (16, 256, 2, 0, 4),
-    (16, 256, 4, 0, 4),
-    (8, 512, 2, 0, 4),
-    (32, 256, 2, 0, 8),
-    (16, 128, 2, 0, 4),
-    (16, 128, 1, 1, 4),
-    (16, 128, 2, 1, 4),
-    (16, 128, 4, 1, 4),
-    (16, 256, 2, 1, 4),
-)
 SKINNY_MAX_ROWS = 16  # one 16-row dot holds every row: beyond that the tiles above take over
 CONFIG_SPACE: list[KernelConfig] = (
     [SCALED_MM]
@@ -576,10 +456,6 @@ CONFIG_SPACE: list[KernelConfig] = (
         KernelConfig({"SKINNY": 1, "BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": sk}, num_warps=w, num_stages=st)
         for (n, k, sk, w, st) in _SKINNY_SPLIT_TILES
     ]
-    + [
-        KernelConfig({"SKINNY": 1, "GEMV": 1, "BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": sk, "PREFETCH": p}, num_warps=w, num_stages=1)
-        for (n, k, sk, p, w) in _GEMV_TILES
-    ]
 )
 
 
@@ -589,11 +465,6 @@ def is_scaled_mm(config: KernelConfig | None) -> bool:
 
 def is_skinny(config: KernelConfig | None) -> bool:
     return config is not None and bool(config.params.get("SKINNY"))
-
-
-def is_gemv(config: KernelConfig | None) -> bool:
-    """A one-row register config of the fused decode kernel (``_fp8_gemv_kernel``)."""
-    return is_skinny(config) and bool(config.params.get("GEMV"))  # type: ignore[union-attr]
 
 
 def scaled_mm_supported(m: int, n: int, k: int, block: bool, dtype: torch.dtype) -> bool:
@@ -606,8 +477,7 @@ def prune_configs(configs: list[KernelConfig], m: int, n: int, k: int, block: bo
     """The configs worth timing for an [m, k] x [n, k] GEMM: tiles at most twice as tall as m needs,
     at least 64 tall from 256 rows; split-K only up to 64 rows and only where each split keeps at
     least two K steps; scaled_mm where it can run; the fused decode kernel up to 16 rows (with
-    BLOCK_K 128 for block scales; split only where K holds at least two steps per split), its
-    one-row register configs at one row only."""
+    BLOCK_K 128 for block scales; split only where K holds at least two steps per split)."""
     out = []
     for cfg in configs:
         if is_scaled_mm(cfg):
@@ -616,8 +486,6 @@ def prune_configs(configs: list[KernelConfig], m: int, n: int, k: int, block: bo
             continue
         if is_skinny(cfg):
             split = cfg.params.get("SPLIT_K", 1)
-            if is_gemv(cfg) and m != 1:
-                continue
             if 0 < m <= SKINNY_MAX_ROWS and not (block and cfg["BLOCK_K"] != GROUP) and (split == 1 or k // (cfg["BLOCK_K"] * split) >= 2):
                 out.append(cfg)
             continue
@@ -783,17 +651,6 @@ def _launch_skinny(
         counters = split_k.counters(x.device, blocks, "fp8_skinny_linear")
     else:
         part, counters, steps = y, y, 0  # unused
-    if is_gemv(cfg):
-        if m != 1:
-            raise ValueError(f"fp8 GEMV config {cfg.params} takes one row, got {m}")
-        _fp8_gemv_kernel[(blocks, split)](
-            x, weight, w_scale, xs, bias if bias is not None else w_scale, y, part, counters, n, k, steps,
-            MODE=mode, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
-            GROUP_K=GROUP, MIN_AMAX=reference.FP8_MIN_AMAX, QMAX=FP8_MAX, PREFETCH=bool(cfg.params.get("PREFETCH")),
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, **pdl.launch_options(),
-        )  # fmt: skip
-        return
     _fp8_skinny_kernel[(blocks, split)](
         x, weight, w_scale, xs, bias if bias is not None else w_scale, y, part, counters, m, n, k, x.stride(0), steps,
         MODE=mode, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, ROWS=triton.next_power_of_2(m),
@@ -809,8 +666,6 @@ def fp8_linear(x: torch.Tensor, w: Any, bias: torch.Tensor | None, config: Mappi
     m, k = x.shape
     block = w.weight_scale.dim() == 2
     cfg = KernelConfig.coerce(config) or default_config(m, w.weight.shape[0], k, block, x.dtype)
-    if is_gemv(cfg) and m != 1:
-        cfg = default_config(m, w.weight.shape[0], k, block, x.dtype)  # a one-row entry met by more rows
     if is_skinny(cfg):
         if 0 < m <= SKINNY_MAX_ROWS:
             return fp8_skinny_linear(x, w.weight, w.weight_scale, w.activations, w.input_scale, bias, x.dtype, cfg)

@@ -205,83 +205,15 @@ def test_fused_decode_kernel_takes_and_returns_each_activation_dtype(dtype, monk
     torch.testing.assert_close(y_default, ref)
 
 
-GEMV = {"SKINNY": 1, "GEMV": 1, "BLOCK_N": 16, "BLOCK_K": 128}
-
-
-@pytest.mark.parametrize(
-    ("activations", "n", "k", "block_n", "block_k", "split", "prefetch"),
-    [
-        ("token", 72, 300, 16, 256, 1, 0),  # K not a multiple of BLOCK_K, N of BLOCK_N
-        ("token", 40, 2176, 8, 512, 2, 0),
-        ("token", 64, 1024, 16, 256, 4, 0),
-        ("token", 72, 1000, 16, 128, 3, 1),  # 8 steps in splits of 3, 3 and 2
-        ("static", 32, 300, 16, 128, 1, 1),
-        ("static", 48, 1024, 32, 256, 2, 0),
-        ("group", 72, 300, 16, 128, 1, 0),
-        ("group", 200, 1024, 32, 128, 2, 1),
-    ],
-)
-def test_one_row_register_kernel_is_the_reference_where_the_interpreter_quantises_right(  # type: ignore[no-untyped-def]
-    activations, n, k, block_n, block_k, split, prefetch, launches
-):
-    """The GEMV configs (one row, no tensor cores): the same e4m3 activations and scales as the
-    reference, the exact products summed in another order, bias added, in each activation mode,
-    split or not, with the weight tile prefetched or not; the split counters are zero after."""
-    from pagecast.kernels import fp8_gemm
-
-    x, q, inp = _e4m3_rows(1, k, activations, seed=n)
-    qw, sw = _weights(n, k, activations == "group", seed=1)
-    bias = torch.randn(n, generator=torch.Generator().manual_seed(2))
-    rq, _ = reference.quantize_fp8_activations(x, activations, inp)
-    assert torch.equal(rq.float(), q)
-    cfg = {"SKINNY": 1, "GEMV": 1, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "PREFETCH": prefetch}
-    y = fp8_gemm.fp8_skinny_linear(x, qw, sw, activations, inp, bias, torch.float32, cfg)
-    ref = reference.fp8_linear(x, qw, sw, activations, inp, bias)
-    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
-    assert launches[-1][0] == split
-    if split > 1:
-        assert not _cpu_counters().any()
-
-
-@pytest.mark.parametrize("activations", ["token", "group", "static"])
-def test_one_row_register_kernel_matches_the_two_launch_path_on_random_rows(activations):  # type: ignore[no-untyped-def]
-    """Random activations, rounding carries included (see the tensor-core kernel's test above):
-    the GEMV quantises as _quant_act_kernel does, so both paths agree."""
-    from pagecast.kernels import fp8_gemm
-
-    x = torch.randn(1, 1000, generator=torch.Generator().manual_seed(9)) * 3
-    qw, sw = _weights(72, 1000, activations == "group")
-    inp = torch.tensor([0.02])
-    y = fp8_gemm.fp8_skinny_linear(x, qw, sw, activations, inp, None, torch.float32, dict(GEMV, SPLIT_K=2))
-    qx, sx = fp8_gemm.quantize_activations(x, activations, inp)
-    two = fp8_gemm.fp8_gemm(qx, sx, qw, sw, None, torch.float32, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 1})
-    torch.testing.assert_close(y, two, rtol=1e-6, atol=1e-6 * two.abs().max().item())
-
-
-def test_a_one_row_config_met_by_more_rows_runs_the_default_kernel() -> None:
-    """A table's one-row GEMV entry used for a batch of 3 (a bucket's config met by another row
-    count) must not run the one-row kernel on three rows: fp8_linear takes the default instead."""
-    from pagecast.kernels import fp8_gemm
-
-    x, _, _ = _e4m3_rows(3, 256, "token", seed=3)
-    qw, sw = _weights(48, 256, block=False)
-    y = fp8_gemm.fp8_linear(x, Fp8LinearWeight(qw, sw, None, "token"), None, GEMV)
-    torch.testing.assert_close(y, reference.fp8_linear(x, qw, sw, "token", None, None), rtol=1e-5, atol=1e-3)
-    with pytest.raises(ValueError, match="one row"):
-        fp8_gemm.fp8_skinny_linear(x, qw, sw, "token", None, None, torch.float32, GEMV)
-
-
 def test_skinny_configs_are_offered_up_to_16_rows_and_fall_back_past_them() -> None:
     from pagecast.kernels import fp8_gemm
 
-    gemv = [c for c in fp8_gemm.CONFIG_SPACE if fp8_gemm.is_gemv(c)]
-    skinny = [c for c in fp8_gemm.CONFIG_SPACE if fp8_gemm.is_skinny(c) and not fp8_gemm.is_gemv(c)]
+    skinny = [c for c in fp8_gemm.CONFIG_SPACE if fp8_gemm.is_skinny(c)]
     split = [c for c in skinny if c.params.get("SPLIT_K", 1) > 1]
-    assert 8 <= len(skinny) - len(split) <= 16 and 6 <= len(split) <= 12 and 6 <= len(gemv) <= 12
+    assert 8 <= len(skinny) - len(split) <= 16 and 6 <= len(split) <= 12
     for m in (1, 16):
         kept = fp8_gemm.prune_configs(fp8_gemm.CONFIG_SPACE, m, 4096, 4096, False, torch.bfloat16)
         assert all(c in kept for c in skinny)
-        assert all((c in kept) == (m == 1) for c in gemv)  # the register kernel takes one row
         block = [c for c in fp8_gemm.prune_configs(fp8_gemm.CONFIG_SPACE, m, 4096, 4096, True, torch.bfloat16) if fp8_gemm.is_skinny(c)]
         assert block and all(c["BLOCK_K"] == 128 for c in block)
         assert fp8_gemm.is_skinny(fp8_gemm.default_config(m, 4096, 4096, False, torch.bfloat16))
@@ -461,7 +393,7 @@ CHILD = textwrap.dedent(
     for job in sys.argv[1:]:
         name, sig, consts, divisible, options = json.loads(job)
         fn = {"gemm": fp8_gemm._fp8_gemm_kernel, "quant": fp8_gemm._quant_act_kernel,
-              "skinny": fp8_gemm._fp8_skinny_kernel, "gemv": fp8_gemm._fp8_gemv_kernel}[name]
+              "skinny": fp8_gemm._fp8_skinny_kernel}[name]
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible}
         src = ASTSource(fn, signature=dict(sig, **{k: "constexpr" for k in consts}), constexprs=consts, attrs=attrs)
         c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
@@ -476,8 +408,7 @@ CHILD = textwrap.dedent(
                           "spills": int(re.search(r"(\\d+) bytes spill stores", info).group(1)),
                           "mma": sorted(set(re.findall(r"\\b(?:wg)?mma[.\\w]*", ptx))),
                           "cvt": sorted(set(re.findall(r"cvt[.\\w]*e4m3[.\\w]*", ptx))),
-                          "sync": sorted(set(re.findall(r"\\b(?:atom|bar|fence|membar|ld\\.global\\.cg)[.\\w]*", ptx))),
-                          "loads": sorted(set(re.findall(r"\\bld\\.global[.\\w]*", ptx)))}))
+                          "sync": sorted(set(re.findall(r"\\b(?:atom|bar|fence|membar|ld\\.global\\.cg)[.\\w]*", ptx)))}))
     """
 )
 
@@ -567,35 +498,6 @@ def test_fused_decode_kernel_compiles_for_sm90_in_every_config_without_spilling(
         else:
             assert any(".acq_rel" in i and ".gpu" in i and ".add" in i for i in atomics), (job, r["sync"])
             assert any(i.startswith("bar.sync") for i in r["sync"]) and any(i.startswith("ld.global.cg") for i in r["sync"]), (job, r["sync"])
-
-
-def test_one_row_register_kernel_compiles_for_sm90_in_every_config_without_spilling() -> None:
-    """Every GEMV config the tuner may time, in each activation mode: no tensor-core instruction,
-    the weight read in 16-byte loads, the activations converted with the saturating
-    round-to-nearest-even cvt, no spills, and at most 128 registers a thread (four programs of
-    four warps a multiprocessor at least). Split configs take their ticket as the tensor-core
-    kernel's do."""
-    from pagecast.kernels import fp8_gemm
-
-    sig = {k: v for k, v in SKINNY_SIG.items() if k not in ("M", "stride_xm")}
-    jobs = []
-    for mode in (0, 1, 2):
-        for cfg in fp8_gemm.prune_configs(fp8_gemm.CONFIG_SPACE, 1, 4096, 4096, mode == 1, torch.bfloat16):
-            if not fp8_gemm.is_gemv(cfg):
-                continue
-            consts = {
-                "MODE": mode, "HAS_BIAS": mode == 2, "EVEN_K": True, "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
-                "SPLIT_K": cfg["SPLIT_K"], "GROUP_K": 128, "MIN_AMAX": 1e-12, "QMAX": 448.0,
-                "PREFETCH": bool(cfg.params.get("PREFETCH")),
-            }  # fmt: skip
-            jobs.append(("gemv", sig, consts, ["x_ptr", "w_ptr", "K", "N"], {"num_warps": cfg.num_warps, "num_stages": 1}))
-    assert len(jobs) >= 14
-    for job, r in zip(jobs, _compile(jobs), strict=True):
-        assert r["cubin"] and not r["mma"], job
-        assert "ld.global.v4.b32" in r["loads"] and "cvt.rn.satfinite.e4m3x2.f32" in r["cvt"], (job, r)
-        assert r["spills"] == 0 and r["regs"] <= 128, (job, r)
-        atomics = [i for i in r["sync"] if i.startswith("atom")]
-        assert bool(atomics) == (job[2]["SPLIT_K"] > 1), (job, r["sync"])
 
 
 # ---------------------------------------------------------------------------- on the GPU
@@ -777,56 +679,6 @@ def test_gpu_fused_decode_kernel_matches_the_two_launch_path_in_every_config(act
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("activations", ["token", "group", "static"])
-def test_gpu_one_row_register_kernel_matches_the_two_launch_path_and_replays_in_a_graph(activations):  # type: ignore[no-untyped-def]
-    """Every GEMV config at Llama-3-8B's four projections, one row, fp32 out, against
-    quantize_activations + the tiled GEMM (as the tensor-core decode configs are checked above),
-    and bf16 out as fp8_linear serves it; then the o projection's split and unsplit configs
-    captured in one CUDA graph and replayed on new rows, bitwise the eager result, the split
-    counters zero after."""
-    from pagecast.kernels import fp8_gemm
-
-    dev = _cuda()
-    g = torch.Generator(device=dev).manual_seed(8)
-    tile = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1}
-    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
-        weight = _gpu_fp8_weight(n, k, activations, g, dev)
-        bias = torch.randn(n, generator=g, device=dev).to(torch.bfloat16)
-        x = (torch.randn(1, k, generator=g, device=dev) * 3).to(torch.bfloat16)
-        qx, sx = fp8_gemm.quantize_activations(x, activations, weight.input_scale)
-        two = fp8_gemm.fp8_gemm(qx, sx, weight.weight, weight.weight_scale, bias, torch.float32, tile)
-        two_bf16 = fp8_gemm.fp8_gemm(qx, sx, weight.weight, weight.weight_scale, bias, torch.bfloat16, tile).float()
-        configs = [c for c in fp8_gemm.prune_configs(fp8_gemm.CONFIG_SPACE, 1, n, k, activations == "group", torch.bfloat16)
-                   if fp8_gemm.is_gemv(c)]  # fmt: skip
-        assert len(configs) == (3 if activations == "group" else 10)
-        atol = 3e-5 * two.abs().max().item()
-        for cfg in configs:
-            y = fp8_gemm.fp8_skinny_linear(
-                x, weight.weight, weight.weight_scale, activations, weight.input_scale, bias, torch.float32, cfg
-            )
-            torch.testing.assert_close(y, two, rtol=1e-5, atol=atol, msg=lambda s, c=cfg, n=n: f"n={n} {c}: {s}")
-            yb = fp8_gemm.fp8_linear(x, weight, bias, cfg).float()
-            torch.testing.assert_close(yb, two_bf16, rtol=1.6e-2, atol=atol, msg=lambda s, c=cfg, n=n: f"n={n} {c}: {s}")
-    o = _gpu_fp8_weight(4096, 4096, activations, g, dev)
-    configs = [c for c in fp8_gemm.prune_configs(fp8_gemm.CONFIG_SPACE, 1, 4096, 4096, activations == "group", torch.bfloat16)
-               if fp8_gemm.is_gemv(c)]  # fmt: skip
-    x = torch.randn(1, 4096, generator=g, device=dev).to(torch.bfloat16)
-    for cfg in configs:
-        fp8_gemm.fp8_linear(x, o, None, cfg)  # compiled, counters allocated, before capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = [fp8_gemm.fp8_linear(x, o, None, cfg) for cfg in configs]
-    for _ in range(4):
-        x.copy_(torch.randn(1, 4096, generator=g, device=dev).to(torch.bfloat16) * 4)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert not split_k.COUNTERS[x.device].any()
-        for out, cfg in zip(outs, configs, strict=True):
-            assert torch.equal(out, fp8_gemm.fp8_linear(x, o, None, cfg)), cfg
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("activations", ["token", "group", "static"])
 def test_gpu_fused_decode_kernel_is_capture_safe(activations):  # type: ignore[no-untyped-def]
     """Captured in a CUDA graph (no host syncs) and replayed on new rows in the captured buffer."""
     from pagecast.kernels import fp8_gemm
@@ -879,9 +731,7 @@ def test_gpu_split_fused_decode_kernel_matches_the_two_launch_path_and_repeats_b
         tile = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1}
         two = fp8_gemm.fp8_gemm(qx, sx, weight.weight, weight.weight_scale, bias, torch.float32, tile)
         configs = _split_configs(m, n, k, activations)
-        gemv = [c for c in configs if fp8_gemm.is_gemv(c)]
-        assert len(configs) - len(gemv) == (6 if activations == "group" else 12)
-        assert len(gemv) == (0 if m > 1 else 3 if activations == "group" else 8)
+        assert len(configs) == (6 if activations == "group" else 12)
         for cfg in configs:
             args = (x, weight.weight, weight.weight_scale, activations, weight.input_scale, bias, torch.float32, cfg)
             y = fp8_gemm.fp8_skinny_linear(*args)
