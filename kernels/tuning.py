@@ -572,7 +572,10 @@ def tune(
                 # bucket's winner took 34 us at 1 row; its 16-row time was not measured).
                 previous = _previous_winner(entries, configs)
                 configs = [default] + ([previous] if previous is not None and previous != default else [])
-            elif default in configs:  # first: a bucket the budget cuts short has at least the default
+            else:
+                # The default first: a bucket the budget cuts short has at least it, and so does one
+                # whose pruned space leaves it out (the launcher's default runs at every shape: the
+                # tiny Qwen3-MoE's per-pair decode GEMV, BLOCK_K 32, is in no space).
                 configs = [default] + [c for c in configs if c != default]
             if threads > 1 and not budget_spent and len(configs) > 1:
                 t0 = time.monotonic()

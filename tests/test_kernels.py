@@ -581,6 +581,29 @@ def test_the_tuner_refuses_a_config_whose_output_differs_from_the_defaults(monke
     assert rejected_note({"kernels": {"silu_and_mul": {"t8": {"config": {}}}}}) == ""
 
 
+def test_the_tuner_times_the_default_where_the_pruned_space_leaves_it_out(monkeypatch):  # type: ignore[no-untyped-def]
+    """The tiny Qwen3-MoE of the GPU parity test: at one token fused_moe's default is the per-pair
+    GEMV with BLOCK_K 32 (the smaller reduction, 32), which no config of the pruned space is, so
+    the build failed with "no config of fused_moe ran at bucket t1". The launcher's default runs at
+    every shape: the tuner times it first whatever the space holds. The real problem, on the CPU
+    interpreter, fp32."""
+    from pagecast.kernels import problems
+
+    shapes = tuning.ModelShapes(
+        num_heads=4, num_kv_heads=2, head_dim=16, hidden=64, intermediate=96, block_size=16, dtype="float32",
+        max_model_len=256, max_num_seqs=8, num_experts=8, top_k=2, moe_intermediate=32,
+    )  # fmt: skip
+    dims = dict(problems.buckets("fused_moe", shapes))["t1"]
+    default = problems.default_config("fused_moe", shapes, dims)
+    assert default not in problems.config_space("fused_moe", shapes, dims)
+    monkeypatch.setattr(problems, "buckets", lambda kernel, shapes: [("t1", dims)])
+    monkeypatch.setattr(tuning, "time_launches", lambda launch, launches, reps: 5.0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake GPU")
+    table = tuning.tune(["fused_moe"], shapes, budget_s=1e9, device="cpu")
+    entry = table["kernels"]["fused_moe"]["t1"]
+    assert entry["config"] == default.as_dict() and entry["time_us"] == 5.0
+
+
 def test_output_disagreement_allows_rounding_and_refuses_wrong_values() -> None:
     ref = [torch.randn(16, 32, generator=torch.Generator().manual_seed(0))]
     assert tuning.output_disagreement([ref[0].to(torch.bfloat16).float()], ref) is None  # bf16 rounding
