@@ -36,6 +36,11 @@ from pagecast.runtime.errors import BuildError
 @click.option("--tune-first", default="", show_default=False,
               help="Comma-separated kernels to tune before the others (e.g. paged_prefill_attention for long "
                    "prompts): the budget cuts off what is tuned last, which keeps its default configs.")
+@click.option("--tuning-from", type=click.Path(path_type=Path), default=None,
+              help="Reuse the kernel configs of another build of the same model shapes on the same GPU model "
+                   "(its artifact directory or tuning.json) instead of choosing them anew: they are compiled "
+                   "for this artifact and timed once, so the two artifacts run the same kernels (bitwise the "
+                   "same results); buckets that table lacks are tuned within --tune-budget.")
 @click.option("--speculative-config", default=None,
               help='Speculative decoding to serve with by default, as JSON: {"method": "ngram"}, or '
                    '{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4} with DIR a smaller '

@@ -29,6 +29,9 @@ class BuildOptions:
     # Kernels the tuner takes first, in this order (then the rest as usual): a budget that runs
     # out cuts off what comes last, so a build meant for one workload tunes its kernels fully.
     tune_first: tuple[str, ...] = ()
+    # --tuning-from: another build's tuning table (its tuning.json, or the artifact directory) whose
+    # kernel configs this build keeps instead of choosing anew (kernels/tuning.tune's ``pinned``).
+    tuning_from: Path | None = None
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "fp8" / "fp8_e4m3" (builder/kv_cache.py)
     force: bool = False
     quiet: bool = False

@@ -123,15 +123,17 @@ def o_proj_inputs(plan: Any, q_size: int) -> int:
 
 
 def tune_in_subprocess(
-    shapes: dict[str, Any], budget_s: float, cache_dir: Path, first: tuple[str, ...] = ()
+    shapes: dict[str, Any], budget_s: float, cache_dir: Path, first: tuple[str, ...] = (), pinned: Path | None = None
 ) -> tuple[dict[str, Any], list[Any]]:
     """Tune in a fresh process whose Triton cache is the artifact's: a kernel this process
     already compiled (an earlier build, a test) would otherwise be served from memory and never
     written into the artifact, and the server would compile it at start-up. ``first``: kernels
-    tuned before the others (kernel_order)."""
+    tuned before the others (kernel_order); ``pinned``: a tuning.json whose configs are kept
+    (pinned_table, tuning.tune)."""
     env = dict(os.environ, TRITON_CACHE_DIR=str(cache_dir))
-    cmd = [sys.executable, "-m", "pagecast.builder.tune", json.dumps(shapes), str(budget_s), ",".join(first)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    cmd = [sys.executable, "-m", "pagecast.builder.tune", json.dumps(shapes), str(budget_s), ",".join(first),
+           str(pinned or "")]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise BuildError(f"kernel tuning failed on this GPU:\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -149,7 +151,22 @@ def kernel_order(has_experts: bool, first: tuple[str, ...] = ()) -> tuple[str, .
     return tuple(first) + tuple(k for k in usual if k not in first)
 
 
-def _tune_main(shapes_json: str, budget_s: str, first: str = "") -> None:
+def pinned_table(path: Path) -> tuple[Path, dict[str, Any]]:
+    """--tuning-from's table: ``path`` itself or, for an artifact directory, its tuning.json; read
+    and parsed here, so a wrong path is a BuildError before anything is built on the GPU."""
+    file = path / "tuning.json" if path.is_dir() else path
+    try:
+        table = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise BuildError(f"--tuning-from: {file} does not exist (give an artifact directory or its tuning.json)") from None
+    except (OSError, ValueError) as err:
+        raise BuildError(f"--tuning-from: {file} is not a readable JSON tuning table ({err})") from None
+    if not isinstance(table, dict) or not table.get("kernels"):
+        raise BuildError(f"--tuning-from: {file} holds no tuned kernels (a CPU or untuned artifact's table?)")
+    return file, table
+
+
+def _tune_main(shapes_json: str, budget_s: str, first: str = "", pinned: str = "") -> None:
     from pagecast.kernels import tuning
 
     fields = json.loads(shapes_json)
@@ -158,7 +175,11 @@ def _tune_main(shapes_json: str, budget_s: str, first: str = "") -> None:
     routing = fields.pop("moe_routing", None)  # the routing kernel's, likewise
     shapes = tuning.ModelShapes(**fields)
     kernels = kernel_order(bool(shapes.num_experts), tuple(k for k in first.split(",") if k))
-    table = tuning.tune(kernels, shapes, budget_s=float(budget_s), device="cuda")
+    source = json.loads(Path(pinned).read_text()) if pinned else None
+    try:
+        table = tuning.tune(kernels, shapes, budget_s=float(budget_s), device="cuda", pinned=source)
+    except ValueError as err:  # check_pinned: the table reused is for other shapes or another GPU
+        sys.exit(f"--tuning-from {pinned}: {err}")
     tuning.compile_window_variants(table, shapes, "cuda")
     tuning.compile_norm_variants(table, shapes, "cuda")
     copy_gbs = tuning.measure_copy_bandwidth("cuda")
@@ -398,6 +419,15 @@ def rejected_note(table: dict[str, Any]) -> str:
     )
 
 
+def pinned_note(table: dict[str, Any], source: Path | None) -> str:
+    """The report's words for --tuning-from: how many buckets kept the reused table's configs."""
+    if source is None:
+        return ""
+    entries = [e for kernel in table.get("kernels", {}).values() for e in kernel.values()]
+    kept = sum(1 for e in entries if e.get("pinned"))
+    return f". Kernel configs of {kept} of {len(entries)} buckets reused from {source} (--tuning-from), the rest tuned here"
+
+
 def time_note(table: dict[str, Any]) -> str:
     """The report's words for where the tuning time went, per kernel, longest first (empty for
     a table without the tuner's timings): first launches are where Triton compiles a config."""
@@ -421,6 +451,8 @@ def run(state: BuildState) -> BuildState:
     assert plan is not None and state.staging_dir is not None
     report = dict(state.report)
     if plan.device == "cpu":
+        if state.options.tuning_from is not None:
+            raise BuildError("--tuning-from reuses GPU kernel configs; a CPU artifact runs the torch reference kernels")
         table: dict[str, Any] = {"device": "cpu", "tuned": False, "kernels": {}}
         report["tuning_note"] = "CPU artifact: the torch reference kernels run; nothing to tune"
         return dataclasses.replace(state, tuning=table, report=report)
@@ -431,19 +463,28 @@ def run(state: BuildState) -> BuildState:
         pdl_requested = pdl.requested()
     except ValueError as err:
         raise BuildError(str(err)) from None
+    pinned = None
+    if state.options.tuning_from is not None:
+        pinned, _ = pinned_table(Path(state.options.tuning_from))
+        if not report.get("gpu_present"):
+            raise BuildError(
+                f"--tuning-from {state.options.tuning_from}: no {plan.gpu_name} present; the configs it names are "
+                "compiled on the GPU, so build there (or leave --tuning-from out for an untuned artifact)"
+            )
     if report.get("gpu_present"):
         table, rows = tune_in_subprocess(
             model_shapes(state),
             state.options.tune_budget_s,
             state.staging_dir / TRITON_CACHE_SUBDIR,
             state.options.tune_first,
+            pinned,
         )
         copy_gbs = table["copy_bandwidth_gbs"]
         report["bandwidth_rows"] = rows
         report["tuning_note"] = (
             f"tuned on this {plan.gpu_name} within {state.options.tune_budget_s:.0f} s; "
             f"measured copy bandwidth {copy_gbs:,.0f} GB/s"
-        ) + budget_note(table, state.options.tune_budget_s) + rejected_note(table) + time_note(table)
+        ) + pinned_note(table, pinned) + budget_note(table, state.options.tune_budget_s) + rejected_note(table) + time_note(table)
         if table.get("pdl"):
             report["tuning_note"] += (
                 f". Decode kernels launch with programmatic dependent launch ({pdl.ENV}=1, experimental)"
@@ -459,4 +500,4 @@ def run(state: BuildState) -> BuildState:
 
 
 if __name__ == "__main__":
-    _tune_main(*sys.argv[1:4])
+    _tune_main(*sys.argv[1:5])

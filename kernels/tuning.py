@@ -485,6 +485,32 @@ def precompile(problem: Any, configs: list[KernelConfig], threads: int) -> int:
     return len(configs) - failed
 
 
+def table_shapes(shapes: ModelShapes) -> dict[str, Any]:
+    """A table's ``shapes``: the ModelShapes fields as JSON has them, dtypes by name."""
+    fields = {
+        **shapes.__dict__,
+        "dtype": str(shapes.torch_dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(shapes.kv_torch_dtype).removeprefix("torch."),
+    }
+    return json.loads(json.dumps(fields))  # tuples as lists, as a table read back has them
+
+
+def check_pinned(table: Mapping[str, Any], shapes: ModelShapes, device_name: str) -> dict[str, Any]:
+    """The kernels of ``table`` (another build's tuning.json) for ``tune(pinned=...)``, after
+    checking that it was tuned for these shapes on this GPU model: a config chosen for other shapes
+    or another GPU may not even run here. ValueError says what differs."""
+    if not isinstance(table.get("kernels"), Mapping) or not isinstance(table.get("shapes"), Mapping):
+        raise ValueError("not a tuning table (tuning.json of a GPU build): it has no 'kernels' or 'shapes'")  # noqa: TRY004 - a file's content
+    if table.get("device") != device_name:
+        raise ValueError(f"it was tuned on a {table.get('device')!r}, and this GPU is a {device_name!r}")
+    ours = table_shapes(shapes)
+    differ = sorted(k for k in set(ours) | set(table["shapes"]) if ours.get(k) != table["shapes"].get(k))
+    if differ:
+        what = ", ".join(f"{k} {table['shapes'].get(k)!r} (this build: {ours.get(k)!r})" for k in differ[:6])
+        raise ValueError(f"it was tuned for other model shapes: {what}")
+    return {k: v for k, v in table["kernels"].items() if isinstance(v, Mapping)}
+
+
 def tune(
     kernel_names: list[str] | tuple[str, ...],
     shapes: ModelShapes,
@@ -492,8 +518,13 @@ def tune(
     device: torch.device | str = "cuda",
     reps: int = 10,
     log: Callable[[str], None] | None = None,
+    pinned: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Time each kernel's config space over its shape buckets on ``device`` and keep the winners.
+
+    ``pinned``: another table of the same shapes and GPU (``check_pinned``), whose configs are
+    kept instead of choosing anew (enginebuild --tuning-from): each of its buckets runs its
+    config alone, compiled and timed here, marked ``pinned``; buckets it lacks are tuned as usual.
 
     Returns a JSON-able table (see the module docstring). Each entry holds the winning
     config, its median time, ``alternatives`` (the next fastest configs and their times) and
@@ -513,15 +544,12 @@ def tune(
     device = torch.device(device)
     threads = compile_threads(device)
     deadline = time.monotonic() + budget_s
+    pinned_kernels = check_pinned(pinned, shapes, torch.cuda.get_device_name(device)) if pinned else {}
     table: dict[str, Any] = {
         "kernels": {},
         "device": torch.cuda.get_device_name(device),
         "tuned": True,
-        "shapes": {
-            **shapes.__dict__,
-            "dtype": str(shapes.torch_dtype).removeprefix("torch."),
-            "kv_cache_dtype": str(shapes.kv_torch_dtype).removeprefix("torch."),
-        },
+        "shapes": table_shapes(shapes),
         "versions": {"torch": torch.__version__, "triton": _triton_version()},
         "compile_threads": threads,
         # The decode kernels compiled and timed with programmatic dependent launch (kernels/pdl.py,
@@ -563,8 +591,11 @@ def tune(
             results: list[tuple[float, int, KernelConfig]] = []
             configs = problems.config_space(kernel, shapes, dims)
             default = problems.default_config(kernel, shapes, dims)
-            budget_spent = time.monotonic() > deadline
-            if budget_spent:
+            source = (pinned_kernels.get(kernel) or {}).get(bucket)
+            budget_spent = source is None and time.monotonic() > deadline
+            if source is not None:
+                configs = [KernelConfig.coerce(source["config"])]  # type: ignore[list-item]
+            elif budget_spent:
                 # Only the launcher's default is timed (and compiled into the cache), and the
                 # previous bucket's winner where this bucket can run it: neighbouring buckets
                 # mostly share a winner, and a default can be far off (an FP8 build with a 45 s
@@ -577,7 +608,7 @@ def tune(
                 # whose pruned space leaves it out (the launcher's default runs at every shape: the
                 # tiny Qwen3-MoE's per-pair decode GEMV, BLOCK_K 32, is in no space).
                 configs = [default] + [c for c in configs if c != default]
-            if threads > 1 and not budget_spent and len(configs) > 1:
+            if threads > 1 and not budget_spent and len(configs) > 1:  # (a pinned bucket has one)
                 t0 = time.monotonic()
                 precompile(problem, configs, threads)
                 if device.type == "cuda":
@@ -623,7 +654,8 @@ def tune(
                 if time.monotonic() > deadline and results and not budget_spent:
                     break
             if not results:
-                raise RuntimeError(f"no config of {kernel} ran at bucket {bucket}")
+                pin = f" (its config pinned by the table reused: {source['config']})" if source is not None else ""
+                raise RuntimeError(f"no config of {kernel} ran at bucket {bucket}{pin}")
             best = results[0]
             for r in results[1:]:
                 if r[0] < best[0] * (1 - TIE_TOLERANCE):
@@ -637,6 +669,9 @@ def tune(
                 ],
                 "tuned": not budget_spent and (len(results) > 1 or len(configs) == 1),
             }
+            if source is not None:
+                entries[bucket]["tuned"] = bool(source.get("tuned", False))  # as chosen where it was timed
+                entries[bucket]["pinned"] = True
             if budget_spent:
                 entries[bucket]["budget_spent"] = True
             if rejected:
