@@ -179,6 +179,8 @@ def _tune_main(shapes_json: str, budget_s: str, first: str = "", pinned: str = "
     try:
         table = tuning.tune(kernels, shapes, budget_s=float(budget_s), device="cuda", pinned=source)
     except ValueError as err:  # check_pinned: the table reused is for other shapes or another GPU
+        if not pinned:
+            raise
         sys.exit(f"--tuning-from {pinned}: {err}")
     tuning.compile_window_variants(table, shapes, "cuda")
     tuning.compile_norm_variants(table, shapes, "cuda")

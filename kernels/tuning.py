@@ -544,10 +544,11 @@ def tune(
     device = torch.device(device)
     threads = compile_threads(device)
     deadline = time.monotonic() + budget_s
-    pinned_kernels = check_pinned(pinned, shapes, torch.cuda.get_device_name(device)) if pinned else {}
+    device_name = torch.cuda.get_device_name(device)
+    pinned_kernels = check_pinned(pinned, shapes, device_name) if pinned else {}
     table: dict[str, Any] = {
         "kernels": {},
-        "device": torch.cuda.get_device_name(device),
+        "device": device_name,
         "tuned": True,
         "shapes": table_shapes(shapes),
         "versions": {"torch": torch.__version__, "triton": _triton_version()},
