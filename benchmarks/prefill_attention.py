@@ -3,7 +3,7 @@ kernels/paged_prefill_attention.py, timed as benchmarks/long_context.py times "p
 alone", against the bf16 matmul peak measured the same way, in one run of a few minutes.
 
     python benchmarks/prefill_attention.py [--lengths 8192,32768,131072] [--quick] [--kv bf16|fp8]
-        [--keep 6] [--budget 210] [--jsonl FILE]
+        [--keep 6] [--budget 210] [--jsonl FILE] [--only "128x128 w8 s3 HFP;..."]
     python benchmarks/prefill_attention.py --dry-run   # a tiny shape on the CPU interpreter: code paths only
 
 Shape: Llama-3.1-8B (32 query heads over 8 KV heads, head_dim 128), bf16 q, block size 16, one
@@ -117,6 +117,9 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     ap.add_argument("--jsonl", type=Path, help="also append the JSON lines here")
     ap.add_argument(
+        "--only", help="candidate names to run, ';'-separated (e.g. '128x128 w8 s3 HFP'); the default runs too"
+    )
+    ap.add_argument(
         "--dry-run", action="store_true", help="a tiny shape on the CPU interpreter: measures nothing"
     )
     args = ap.parse_args(argv)
@@ -150,6 +153,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"matmul peak {peak / 1e12:.1f} TFLOP/s ({time.perf_counter() - t0:.0f} s)", flush=True)
     cands = candidates(args.quick or args.dry_run, group, hd)
     default_name = cands[0][0]
+    if args.only:
+        wanted = {name.strip() for name in args.only.split(";")}
+        unknown = wanted - {name for name, _ in cands}
+        if unknown:
+            sys.exit(f"prefill_attention.py: no candidate named {sorted(unknown)}; names look like '128x64 w8 s3 HFP'")
+        cands = [c for c in cands if c[0] in wanted or c[0] == default_name]
     rows: list[dict] = []
     lines: list[str] = []
 
