@@ -8,7 +8,7 @@ projection and row bucket against torch._scaled_mm, both times in report.md), th
 benchmarks/serving.py's phases in a fresh process (one engine holds most of the GPU's memory), so
 the figures are exactly the ones serving.py reports for bf16.
 
-    python benchmarks/fp8.py --out OUTDIR [--variants bf16,fp8,fp8+fp8kv] [--tune-budget 240]
+    python benchmarks/fp8.py --out OUTDIR [--variants bf16,fp8,fp8+fp8kv,fp8+fp8head] [--tune-budget 240]
                              [--phases W1,W6,W4] [--kv-phases W6]
     python benchmarks/fp8.py --dry-run        # CPU: a tiny config through the same build options
 
@@ -38,6 +38,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "bf16": {"tune_first": BF16_FIRST},
     "fp8": {"quant": "fp8", "tune_first": FP8_FIRST},
     "fp8+fp8kv": {"quant": "fp8", "kv_cache_dtype": "fp8", "tune_first": FP8_FIRST},
+    # enginebuild --fp8-lm-head; built with the fp8 variant's kernel configs where that artifact is
+    # in OUTDIR (--tuning-from), so the two differ in the LM head alone
+    "fp8+fp8head": {"quant": "fp8", "fp8_lm_head": True, "tune_first": FP8_FIRST},
 }
 TARGETS = {  # figure -> (comparison, value): ratios to bf16, or absolute
     "W1_output_tok_s": (">=", 1.4),
@@ -95,9 +98,12 @@ def main() -> None:
     record.machine()
     results: dict[str, dict[str, object]] = {}
     for variant in variants:
+        options = dict(VARIANTS[variant])
+        if variant == "fp8+fp8head" and (args.out / "llama3-8b-fp8" / "tuning.json").is_file():
+            options["tuning_from"] = args.out / "llama3-8b-fp8"
         artifact = variant_runs.build(
             args.out, args.out / f"llama3-8b-{variant}", variant, record, args.max_model_len, args.tune_budget,
-            **VARIANTS[variant],
+            **options,
         )
         record(variant=variant, figure="weight_bytes",
                value=sum(f.stat().st_size for f in (artifact / "weights").glob("*.safetensors")))  # fmt: skip

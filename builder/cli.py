@@ -24,6 +24,10 @@ from pagecast.runtime.errors import BuildError
 @click.option("--max-model-len", type=int, default=None, help="Longest context (prompt + output) to serve.")
 @click.option("--tp", default=1, show_default=True, type=int, help="Tensor-parallel degree: GPUs (one worker process each) the engine runs on.")
 @click.option("--quant", type=click.Choice(["awq", "gptq", "fp8"]), default=None, help="AWQ/GPTQ 4-bit or FP8 (W8A8) weights; read from the checkpoint's quantization_config (this must match it); fp8 also quantises a float checkpoint at build.")
+@click.option("--fp8-lm-head", is_flag=True,
+              help="With --quant fp8: quantise the LM head too (per output channel, at build; activations per "
+                   "token). It halves the head's bytes, which every decode step reads; its logits carry FP8 "
+                   "rounding. Off: the head stays in the half type. Not for heads tied to the embedding.")
 @click.option("--load-format", default="auto", show_default=True, type=click.Choice(["auto", "dummy"]),
               help="dummy: random weights from a config-only directory (benchmarks).")
 @click.option("--max-num-seqs", default=256, show_default=True, type=int,

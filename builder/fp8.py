@@ -81,6 +81,9 @@ class Fp8Config:
     method: str = "fp8"
     block_size: int = 0  # 128 for block weights / group activations
     group_size: int = 0  # no int4 groups (the W4A16 tuner keys on this)
+    # enginebuild --fp8-lm-head: the LM head quantised at build as a projection is (per output
+    # channel, activations per token; ``with_lm_head``); False keeps it in the half type.
+    lm_head: bool = False
 
     def __post_init__(self) -> None:
         if (self.weights, self.activations) not in (("channel", "token"), ("channel", "static"), ("block", "group")):
@@ -101,11 +104,45 @@ class Fp8Config:
             "block": "128x128 weight blocks",
         }[self.checkpoint_weights]
         origin = "quantised at build from the half-type weights" if self.source == "build" else f"{self.source} checkpoint"
-        return f"FP8 e4m3 W8A8 ({origin}): {weights}, {acts}; embedding and LM head in the half type."
+        if self.lm_head:
+            head = "embedding in the half type; LM head FP8 (--fp8-lm-head: per-channel scales computed at build)"
+        else:
+            head = "embedding and LM head in the half type"
+        return f"FP8 e4m3 W8A8 ({origin}): {weights}, {acts}; {head}."
 
 
 def is_fp8(cfg: Any) -> bool:
     return isinstance(cfg, Fp8Config)
+
+
+def with_lm_head(cfg: Any, model: Any) -> Fp8Config:
+    """``cfg`` with an FP8 LM head (enginebuild --fp8-lm-head), or a BuildError saying why not.
+
+    The head is quantised at build from its half-type weight (FP8 checkpoints leave it out), per
+    output channel, and its input quantised per token like the projections': so the build must be
+    per-channel weights with per-token activations. A head tied to the embedding is refused (it
+    would need an FP8 copy of the embedding matrix beside the half-type one the lookup reads)."""
+    if not is_fp8(cfg):
+        raise BuildError(
+            "--fp8-lm-head quantises the LM head of an FP8 build: add --quant fp8 (or build an FP8 checkpoint)"
+        )
+    if (cfg.weights, cfg.activations) != ("channel", "token"):
+        raise BuildError(
+            f"--fp8-lm-head needs per-channel weights with per-token activations (--quant fp8 on a float "
+            f"checkpoint, or an FP8_DYNAMIC one); this checkpoint is {cfg.checkpoint_weights} weights with "
+            f"{cfg.activations} activations: build without --fp8-lm-head"
+        )
+    if model.lm_head_name is None:
+        raise BuildError(
+            f"--fp8-lm-head: {model.architecture} ties its LM head to the embedding (tie_word_embeddings), so the "
+            f"head has no weight of its own to quantise; build without --fp8-lm-head"
+        )
+    return dataclasses.replace(cfg, lm_head=True)
+
+
+def is_lm_head(t: Any) -> bool:
+    """The LM head's weight or, once planned FP8, its scale."""
+    return t.name in ("lm_head.weight", "lm_head.weight_scale")
 
 
 # ---------------------------------------------------------------------------- reading the config
@@ -370,7 +407,7 @@ def plan_tensors(tensors: list[Any], cfg: Fp8Config, read: Any = None) -> tuple[
         if is_experts(t):
             out += _expert_parts(t, cfg)
             continue
-        if not is_projection(t):
+        if not (is_projection(t) or (cfg.lm_head and t.name == "lm_head.weight")):
             out.append(t)
             continue
         base = t.name.rpartition(".")[0]
@@ -452,7 +489,7 @@ class Materialiser:
         self._modules: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
 
     def handles(self, t: Any) -> bool:
-        return is_part(t) or is_expert_part(t)
+        return is_part(t) or is_expert_part(t) or (self.cfg.lm_head and is_lm_head(t))
 
     def __call__(self, t: Any) -> torch.Tensor:
         if is_expert_part(t):
@@ -493,18 +530,21 @@ class Materialiser:
         return torch.stack([g[0] if len(g) == 1 else torch.cat(g, dim=0) for g in groups]).contiguous()
 
     def _whole(self, base: str, t: Any) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        # The LM head (--fp8-lm-head) is quantised here from its half-type weight whatever the
+        # checkpoint's projections are (FP8 checkpoints leave it out of their quantisation).
+        cfg = _BUILD if base == "lm_head" else self.cfg
         if self.gen is not None:
             widths = self.dims[base]
-            return [random_module(self.cfg, n, widths[1], self.gen) for n in widths[0]]
+            return [random_module(cfg, n, widths[1], self.gen) for n in widths[0]]
         modules = [s.removesuffix(".weight") for s in t.sources]
-        return [read_module(self.cfg, m, self.read) for m in modules]
+        return [read_module(cfg, m, self.read) for m in modules]
 
 
 def _projection_dims(model: Any) -> dict[str, tuple[tuple[int, ...], int]]:
     """Artifact projection -> (output widths of its fused modules, K) for the whole model."""
     a, inter, h = model.attention, model.mlp.intermediate_size, model.hidden_size
     q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-    out: dict[str, tuple[tuple[int, ...], int]] = {}
+    out: dict[str, tuple[tuple[int, ...], int]] = {"lm_head": ((model.vocab_size,), h)}
     for layer in model.layers:
         o = f"layers.{layer.index}"
         out[f"{o}.qkv_proj"] = ((q, kv, kv), h)

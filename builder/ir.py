@@ -23,6 +23,7 @@ class BuildOptions:
     max_model_len: int | None = None
     tp: int = 1
     quant: str | None = None
+    fp8_lm_head: bool = False  # --fp8-lm-head: the LM head FP8 as well (builder/fp8.with_lm_head)
     load_format: str = "auto"  # "auto" (read weights) or "dummy" (random weights from a config-only dir)
     max_num_seqs: int = 256
     tune_budget_s: float = 300.0

@@ -384,6 +384,8 @@ def run(state: BuildState) -> BuildState:
         notes.append(f"max_model_len capped from {max_len} to the sliding window {window}")
         max_len = window
     tensors = tensor_layout(model)
+    if opts.fp8_lm_head:
+        ckpt.quant = fp8.with_lm_head(ckpt.quant, model)
     if fp8.is_fp8(ckpt.quant) and model.moe is not None:  # FP8 experts (builder/fp8.py, kernels/fused_moe_fp8.py)
         fp8.check_moe(ckpt.quant, model.moe, model.architecture)
     elif ckpt.quant is not None and model.moe is not None and model.moe.stacked:

@@ -44,6 +44,8 @@ def model_shapes(state: BuildState) -> dict[str, Any]:
         "quant_group_size": plan.quantization.group_size if plan.quantization is not None else 0,
         # FP8 projections (builder/fp8.py): the fp8_gemm problems' scale layout, "" otherwise.
         "fp8": f"{plan.quantization.weights}-{plan.quantization.activations}" if plan.quant == "fp8" else "",
+        # --fp8-lm-head: the head's vocabulary rows on this rank, tuned as fp8_gemm "lm_head" buckets
+        "fp8_lm_head": per_rank.vocab_per_rank if plan.quant == "fp8" and plan.quantization.lm_head else 0,
         # The attention kernels and the KV write are tuned on caches of the artifact's KV dtype.
         "kv_cache_dtype": plan.kv_cache.dtype if plan.kv_cache is not None else None,
         "o_proj_inputs": o_proj_inputs(plan, per_rank.num_heads * a.head_dim),

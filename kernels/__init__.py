@@ -9,5 +9,6 @@
 # 2: ops.rotary_and_write_kv takes q_norm, k_norm and qk_norm_eps (per-head q/k RMSNorm fused into
 # the rotary kernel). A change that only adds to the calls keeps the older model code working:
 # KERNEL_ABI_OLDEST is the oldest ABI whose artifacts this pagecast still runs.
-KERNEL_ABI = 2
+# 3: ops.lm_head takes an FP8 head (quant_linear.Fp8LinearWeight, enginebuild --fp8-lm-head).
+KERNEL_ABI = 3
 KERNEL_ABI_OLDEST = 1

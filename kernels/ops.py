@@ -444,10 +444,14 @@ def embedding(input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
 
 
-def lm_head(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def lm_head(hidden: torch.Tensor, weight: torch.Tensor | Fp8LinearWeight, vocab_size: int) -> torch.Tensor:
     """hidden: [rows, hidden] -> fp32 logits [rows, vocab_size]. Vocab-parallel: each rank
-    computes its vocabulary rows' logits, all ranks gather them (padding rows are cut off)."""
-    logits = torch.nn.functional.linear(hidden, weight)
+    computes its vocabulary rows' logits, all ranks gather them (padding rows are cut off). An
+    FP8 head (enginebuild --fp8-lm-head) runs as an FP8 projection, its bucket "lm_head"."""
+    if isinstance(weight, Fp8LinearWeight):
+        logits = _fp8_linear(hidden, weight, None, "lm_head")
+    else:
+        logits = torch.nn.functional.linear(hidden, weight)
     if _active.tp_size > 1:
         import torch.distributed as dist
 

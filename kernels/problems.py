@@ -57,6 +57,7 @@ from pagecast.kernels.tuning import (
 COLD_BYTES = 256 << 20  # about 4x the H100/H200 L2
 MAX_LAUNCHES = 64
 PREFILL_SEQ_LEN = 2048  # prefill buckets are sequences of this many tokens (or fewer)
+LM_HEAD = len(PROJECTIONS)  # an fp8_gemm bucket's "projection" index for the FP8 LM head (--fp8-lm-head)
 
 
 @dataclass
@@ -130,11 +131,18 @@ def buckets(kernel: str, shapes: ModelShapes) -> list[tuple[str, dict[str, int]]
         if not shapes.fp8:
             return []
         nk = projection_dims(shapes)
-        return [
+        out = [
             (f"{name}.m{m}", {"projection": i, "n": nk[name][0], "k": nk[name][1], "num_rows": m})
             for m in FP8_ROW_BUCKETS
             for i, name in enumerate(PROJECTIONS)
         ]
+        if shapes.fp8_lm_head:  # last (a budget cuts it first): the head runs on the sampled rows only,
+            # but on every bucket's worth of them with prompt logprobs or speculative verification
+            out += [
+                (f"lm_head.m{m}", {"projection": LM_HEAD, "n": shapes.fp8_lm_head, "k": shapes.hidden, "num_rows": m})
+                for m in FP8_ROW_BUCKETS
+            ]
+        return out
     if kernel == "skinny_gemm":
         if shapes.quant_group_size or shapes.fp8:
             return []  # the projections are int4 / fp8: the skinny GEMM never runs
@@ -540,7 +548,7 @@ def _bias(
 ) -> torch.Tensor | None:
     """The projection's bias (in the model's dtype, as the artifact stores it) where the model's
     has one (ModelShapes.biased): the GEMM kernels' HAS_BIAS variant is what serving launches."""
-    if PROJECTIONS[dims["projection"]] not in shapes.biased:
+    if dims["projection"] == LM_HEAD or PROJECTIONS[dims["projection"]] not in shapes.biased:
         return None
     return torch.randn((n,), generator=dg, device=device, dtype=shapes.torch_dtype) * 0.02
 

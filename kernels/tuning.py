@@ -21,6 +21,7 @@ This module imports triton lazily: the CPU runtime imports the bucket functions 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import json
 import os
@@ -148,6 +149,9 @@ class ModelShapes:
     # FP8 (W8A8) projections: "<weights>-<activations>" of builder/fp8.py ("channel-token",
     # "channel-static", "block-group"); "" = not FP8.
     fp8: str = ""
+    # The LM head's vocabulary rows on this rank when it is FP8 too (enginebuild --fp8-lm-head): its
+    # fp8_gemm buckets ("lm_head.m<rows>") are tuned after the projections'; 0 = a half-type head.
+    fp8_lm_head: int = 0
     # Projections (of PROJECTIONS) whose GEMM adds a bias (Qwen2's qkv; gpt-oss's qkv and o, but
     # not o at tp > 1, which adds it after the all-reduce): timed, and compiled into the artifact,
     # in the HAS_BIAS variant serving launches (builder/tune.biased_projections).
@@ -504,9 +508,14 @@ def check_pinned(table: Mapping[str, Any], shapes: ModelShapes, device_name: str
     if table.get("device") != device_name:
         raise ValueError(f"it was tuned on a {table.get('device')!r}, and this GPU is a {device_name!r}")
     ours = table_shapes(shapes)
-    differ = sorted(k for k in set(ours) | set(table["shapes"]) if ours.get(k) != table["shapes"].get(k))
+    # a field added since that table was written holds its default there
+    added = {f.name: f.default for f in dataclasses.fields(ModelShapes) if f.name not in table["shapes"]}
+    theirs = {**json.loads(json.dumps(added)), **table["shapes"]}
+    # An FP8 LM head only adds buckets of its own ("lm_head.m<rows>"): the projections' are the same
+    # problems with or without it, so a build with --fp8-lm-head may reuse one without, and back.
+    differ = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k) and k != "fp8_lm_head")
     if differ:
-        what = ", ".join(f"{k} {table['shapes'].get(k)!r} (this build: {ours.get(k)!r})" for k in differ[:6])
+        what = ", ".join(f"{k} {theirs.get(k)!r} (this build: {ours.get(k)!r})" for k in differ[:6])
         raise ValueError(f"it was tuned for other model shapes: {what}")
     return {k: v for k, v in table["kernels"].items() if isinstance(v, Mapping)}
 

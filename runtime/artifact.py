@@ -268,6 +268,8 @@ def rebuild_command(artifact_dir: str | os.PathLike[str], manifest: Manifest) ->
         value = opts.get(key, default)
         if value is not None and value != default:
             args += [f"--{key.replace('_', '-')}", str(value)]
+    if opts.get("fp8_lm_head"):
+        args.append("--fp8-lm-head")
     if opts.get("speculative_config"):
         args += ["--speculative-config", json.dumps(opts["speculative_config"], sort_keys=True)]
     args += ["--output", str(artifact_dir), "--force"]

@@ -76,7 +76,7 @@ def dequantised(ckpt: Path) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     return weights, inputs
 
 
-def reference_model(ckpt: Path, activations: str) -> torch.nn.Module:
+def reference_model(ckpt: Path, activations: str, quantised: tuple[str, ...] = PROJECTIONS) -> torch.nn.Module:
     weights, inputs = dequantised(ckpt)
     config = json.loads((ckpt / "config.json").read_text())
     config.pop("quantization_config", None)
@@ -94,7 +94,7 @@ def reference_model(ckpt: Path, activations: str) -> torch.nn.Module:
         if cfg.tie_word_embeddings:
             hf.lm_head.weight = hf.model.embed_tokens.weight
     for name, module in hf.named_modules():
-        if name.rpartition(".")[2] in PROJECTIONS:
+        if name.rpartition(".")[2] in quantised:
             scale = inputs.get(name)
 
             def hook(mod, args, scale=scale):  # type: ignore[no-untyped-def]
@@ -126,8 +126,10 @@ def _generate(artifact: Path, prompts: list[list[int]] = PROMPTS, logits: bool =
 NEAR_TIE = 0.1
 
 
-def _assert_greedy_parity(artifact: Path, ckpt: Path, activations: str, tp: int = 1) -> None:
-    hf = reference_model(ckpt, activations)
+def _assert_greedy_parity(
+    artifact: Path, ckpt: Path, activations: str, tp: int = 1, quantised: tuple[str, ...] = PROJECTIONS
+) -> None:
+    hf = reference_model(ckpt, activations, quantised)
     tokens, logits = _generate(artifact, logits=tp == 1)
     diverged = 0
     for ids, out in zip(PROMPTS, tokens, strict=True):
@@ -255,7 +257,7 @@ def test_quant_fp8_on_a_float_checkpoint_equals_per_channel_rounding(tiny_checkp
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert manifest["quantization"] == {
         "source": "build", "weights": "channel", "activations": "token", "checkpoint_weights": "channel",
-        "method": "fp8", "block_size": 0, "group_size": 0,
+        "method": "fp8", "block_size": 0, "group_size": 0, "lm_head": False,
     }  # fmt: skip
     # The memory plan counts the FP8 weights at one byte each (the KV blocks fit beside them).
     plan = json.loads((artifact / "memory_plan.json").read_text())
@@ -263,6 +265,91 @@ def test_quant_fp8_on_a_float_checkpoint_equals_per_channel_rounding(tiny_checkp
     header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
     header.pop("__metadata__", None)
     assert plan["weight_bytes"] == sum(v["data_offsets"][1] - v["data_offsets"][0] for v in header.values())
+
+
+# ---------------------------------------------------------------------------- --fp8-lm-head
+
+UNTIED = {**SHAPE, "tie_word_embeddings": False}
+
+
+def _per_channel(tensors: dict[str, torch.Tensor], quantised: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The float checkpoint with each named module's weight quantised per output channel (amax /
+    448), written as a compressed-tensors checkpoint holds it: e4m3 weight, fp32 weight_scale."""
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(".weight") and name.removesuffix(".weight").rpartition(".")[2] in quantised:
+            s = t.float().abs().amax(1, keepdim=True).clamp_min(1e-12) / E4M3_MAX
+            out[name] = (t.float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+            out[name.removesuffix("weight") + "weight_scale"] = s
+        else:
+            out[name] = t
+    return out
+
+
+def test_fp8_lm_head_greedy_tokens_equal_transformers_with_the_head_quantised(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    """--fp8-lm-head: the LM head quantised per output channel like the projections, its input per
+    token; the reference quantises the head's weight and fake-quantises its input the same way."""
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_checkpoint_factory("llama", **UNTIED)
+    artifact = build_artifact(src, tmp_path / "engine", gpu="cpu", quant="fp8", fp8_lm_head=True)
+    quantised = (*PROJECTIONS, "lm_head")
+    expected = tmp_path / "expected"
+    expected.mkdir()
+    out = _per_channel(load_file(str(src / "model.safetensors")), quantised)
+    save_file(out, str(expected / "model.safetensors"))
+    (expected / "config.json").write_text((src / "config.json").read_text())
+    _assert_greedy_parity(artifact, expected, "token", quantised=quantised)
+    with safe_open(str(artifact / "weights" / "rank0.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("lm_head.weight").view(torch.uint8), out["lm_head.weight"].view(torch.uint8))
+        torch.testing.assert_close(f.get_tensor("lm_head.weight_scale"), out["lm_head.weight_scale"].reshape(-1))
+        assert f.get_tensor("embed_tokens.weight").dtype == torch.float32  # the lookup stays in the half type
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["quantization"]["lm_head"] is True and manifest["build_options"]["fp8_lm_head"] is True
+    assert "LM head FP8" in (artifact / "report.md").read_text()
+    from pagecast.runtime.artifact import load_manifest, rebuild_command
+
+    assert "--fp8-lm-head" in rebuild_command(artifact, load_manifest(artifact)).split()
+    # The head's bytes are half the half-type build's (fp32 here: a quarter), and the plan counts them.
+    plain = build_artifact(src, tmp_path / "plain", gpu="cpu", quant="fp8")
+    saved = json.loads((plain / "memory_plan.json").read_text())["weight_bytes"] - json.loads(
+        (artifact / "memory_plan.json").read_text()
+    )["weight_bytes"]
+    assert saved == 512 * 192 * 4 - (512 * 192 + 512 * 4)
+
+
+def test_fp8_lm_head_tp2_cuts_the_head_and_its_scales_by_vocabulary_rows(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    """TP=2 on gloo: each rank holds its vocabulary rows of the FP8 head and their scales (the
+    second rank's padded with zeros past the vocabulary), and the engine serves."""
+    src = tiny_checkpoint_factory("llama", **{**UNTIED, "vocab_size": 509})  # odd: the last rank is padded
+    one = build_artifact(src, tmp_path / "tp1", gpu="cpu", quant="fp8", fp8_lm_head=True)
+    two = build_artifact(src, tmp_path / "tp2", gpu="cpu", quant="fp8", fp8_lm_head=True, tp=2)
+    with safe_open(str(one / "weights" / "rank0.safetensors"), "pt") as f:
+        whole_w, whole_s = f.get_tensor("lm_head.weight"), f.get_tensor("lm_head.weight_scale")
+    parts = []
+    for rank in (0, 1):
+        with safe_open(str(two / "weights" / f"rank{rank}.safetensors"), "pt") as f:
+            parts.append((f.get_tensor("lm_head.weight"), f.get_tensor("lm_head.weight_scale")))
+    assert [p[0].shape for p in parts] == [(255, 192), (255, 192)] and [p[1].shape for p in parts] == [(255,), (255,)]
+    assert torch.equal(torch.cat([p[0] for p in parts])[:509].view(torch.uint8), whole_w.view(torch.uint8))
+    assert torch.equal(torch.cat([p[1] for p in parts])[:509], whole_s)
+    assert not parts[1][1][-1].any()  # the padding row
+    tokens, _ = _generate(two, logits=False)
+    assert all(len(t) == MAX_TOKENS and max(t) < 509 for t in tokens)
+
+
+@pytest.mark.parametrize(
+    ("source", "overrides", "options", "message"),
+    [
+        ("llama", {}, {}, r"--fp8-lm-head quantises the LM head of an FP8 build: add --quant fp8"),
+        ("llama", {"tie_word_embeddings": True}, {"quant": "fp8"}, r"ties its LM head to the embedding"),
+        ("llmcompressor-fp8-static", None, {}, r"needs per-channel weights with per-token activations .* tensor weights with static"),
+    ],
+)  # fmt: skip
+def test_fp8_lm_head_is_refused_where_it_cannot_apply(source, overrides, options, message, tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    ckpt = FIXTURES / source if overrides is None else tiny_checkpoint_factory(source, **{**UNTIED, **overrides})
+    with pytest.raises(BuildError, match=message):
+        build_artifact(ckpt, tmp_path / "e", gpu="cpu", fp8_lm_head=True, **options)
 
 
 # ---------------------------------------------------------------------------- refusals

@@ -797,3 +797,30 @@ def test_gpu_split_fused_decode_kernel_replays_in_a_cuda_graph(activations):  # 
             assert not split_k.COUNTERS[x.device].any()
             eager = layer(x, h)
             assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
+
+
+def test_an_fp8_lm_head_is_tuned_as_fp8_gemm_buckets_after_the_projections() -> None:
+    """--fp8-lm-head (ModelShapes.fp8_lm_head: the head's rows on this rank): "lm_head.m<rows>"
+    buckets at every FP8 row bucket, [vocab rows, hidden], after all the projections' (a budget
+    cuts them first); none without it. Their problem runs (no bias: the head has none) and the
+    report's roofline fraction covers them."""
+    from pagecast.builder import fp8
+    from pagecast.kernels import problems
+    from pagecast.kernels.tuning import FP8_ROW_BUCKETS, ModelShapes
+
+    base = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "hidden": 64, "intermediate": 96, "block_size": 16,
+            "dtype": "float16", "fp8": "channel-token", "biased": ("qkv", "o")}  # fmt: skip
+    assert not any(b.startswith("lm_head") for b, _ in problems.buckets("fp8_gemm", ModelShapes(**base)))
+    shapes = ModelShapes(**base, fp8_lm_head=255)
+    names = [b for b, _ in problems.buckets("fp8_gemm", shapes)]
+    head = [b for b in names if b.startswith("lm_head.")]
+    assert head == [f"lm_head.m{m}" for m in FP8_ROW_BUCKETS] and names[-len(head) :] == head
+    dims = dict(problems.buckets("fp8_gemm", shapes))["lm_head.m4"]
+    assert (dims["n"], dims["k"]) == (255, 64)
+    out = problems.make_problem("fp8_gemm", shapes, dims, "cpu").launch(None, 0)
+    assert isinstance(out, torch.Tensor) and out.shape == (4, 255) and bool(torch.isfinite(out).all())
+    table = {"device": "NVIDIA H200", "copy_bandwidth_gbs": 4000.0,
+             "shapes": {**shapes.__dict__, "dtype": "float16", "kv_cache_dtype": "float16"}}  # fmt: skip
+    # one row: 255 x 64 fp8 bytes and 255 fp32 scales (+ the row in and out) at 4 TB/s, over 10 us
+    ideal_s = (255 * 64 + 255 * 4 + 64 * 2 + 255 * 2) / 4e12
+    assert fp8.roofline_fraction(table, "lm_head.m1", 10.0) == pytest.approx(ideal_s / 1e-5, rel=0.05)
