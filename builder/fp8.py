@@ -407,7 +407,7 @@ def plan_tensors(tensors: list[Any], cfg: Fp8Config, read: Any = None) -> tuple[
         if is_experts(t):
             out += _expert_parts(t, cfg)
             continue
-        if not (is_projection(t) or (cfg.lm_head and t.name == "lm_head.weight")):
+        if not (is_projection(t) or (cfg.lm_head and is_lm_head(t))):
             out.append(t)
             continue
         base = t.name.rpartition(".")[0]

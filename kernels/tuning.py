@@ -21,7 +21,6 @@ This module imports triton lazily: the CPU runtime imports the bucket functions 
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import functools
 import json
 import os
@@ -507,12 +506,10 @@ def check_pinned(table: Mapping[str, Any], shapes: ModelShapes, device_name: str
         raise ValueError("not a tuning table (tuning.json of a GPU build): it has no 'kernels' or 'shapes'")  # noqa: TRY004 - a file's content
     if table.get("device") != device_name:
         raise ValueError(f"it was tuned on a {table.get('device')!r}, and this GPU is a {device_name!r}")
-    ours = table_shapes(shapes)
-    # a field added since that table was written holds its default there
-    added = {f.name: f.default for f in dataclasses.fields(ModelShapes) if f.name not in table["shapes"]}
-    theirs = {**json.loads(json.dumps(added)), **table["shapes"]}
+    ours, theirs = table_shapes(shapes), table["shapes"]
     # An FP8 LM head only adds buckets of its own ("lm_head.m<rows>"): the projections' are the same
-    # problems with or without it, so a build with --fp8-lm-head may reuse one without, and back.
+    # problems with or without it, so a build with --fp8-lm-head may reuse a table without (or one
+    # written before the field existed), and back.
     differ = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k) and k != "fp8_lm_head")
     if differ:
         what = ", ".join(f"{k} {theirs.get(k)!r} (this build: {ours.get(k)!r})" for k in differ[:6])

@@ -65,7 +65,7 @@ def test_a_table_of_other_shapes_or_another_gpu_is_refused(monkeypatch: pytest.M
         tuning.tune(["silu_and_mul"], other, budget_s=1e9, device="cpu", pinned=table)
     with pytest.raises(ValueError, match="not a tuning table"):
         tuning.check_pinned({"kernels": {}}, SHAPES, "fake GPU")
-    # A table written before a ModelShapes field existed holds its default: still these shapes.
+    # A table written before --fp8-lm-head existed (no such field) is still of these shapes.
     older = {**table, "shapes": {k: v for k, v in table["shapes"].items() if k != "fp8_lm_head"}}
     assert tuning.check_pinned(older, SHAPES, "fake GPU") == table["kernels"]
     # An FP8 LM head adds buckets of its own, so a table without its buckets serves a build with it.
