@@ -168,7 +168,7 @@ def ceilings(run: Run, elt_dtype: torch.dtype) -> tuple[float, float]:
 
 
 def build_artifact(
-    run: Run, cfg: dict, kv: str, max_model_len: int, tune_budget: float, tune_first: str = ""
+    run: Run, cfg: dict, kv: str, max_model_len: int, tune_budget: float, tune_first: str = "", block: int = BLOCK
 ) -> Path:
     from pagecast.builder.ir import BuildOptions
     from pagecast.builder.pipeline import build
@@ -182,7 +182,7 @@ def build_artifact(
         BuildOptions(
             model=str(cfg_dir), output=artifact, gpu="cpu" if run.dry_run else "auto", load_format="dummy",
             max_model_len=max_model_len, kv_cache_dtype="fp8" if kv == "fp8" else "auto", max_num_seqs=16,
-            tune_budget_s=tune_budget, tune_first=tune_first, force=True, quiet=True,
+            tune_budget_s=tune_budget, tune_first=tune_first, force=True, quiet=True, block_size=block,
         ),
         log=lambda line: print("  build", line, flush=True),
     )  # fmt: skip
@@ -295,7 +295,7 @@ def engine_figures(
                 target="<= 1.3x roofline at 1 x 128k",
             )  # fmt: skip
 
-    fits = kv_tokens // batch - 2 * BLOCK
+    fits = kv_tokens // batch - 2 * engine.block_size
     # the early prompts decode while the later ones prefill: leave them room to
     ctx = (
         min(batch_context, fits, cfg["max_position_embeddings"])
@@ -321,16 +321,16 @@ def engine_figures(
 # kernels alone
 
 
-def kernel_inputs(run: Run, cfg: dict, kv: str, seqs: int, context: int, q_len: int) -> dict:
+def kernel_inputs(run: Run, cfg: dict, kv: str, seqs: int, context: int, q_len: int, block: int = BLOCK) -> dict:
     g = torch.Generator(device=run.device).manual_seed(0)
     heads, kv_heads, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     dtype = torch.bfloat16 if run.cuda else torch.float32
-    blocks = -(-context // BLOCK)
+    blocks = -(-context // block)
     pool = seqs * blocks + 1
     cache_dtype = torch.float8_e4m3fn if kv == "fp8" else dtype
 
     def cache() -> torch.Tensor:
-        x = torch.randn((pool, kv_heads, BLOCK, hd), generator=g, device=run.device, dtype=dtype)
+        x = torch.randn((pool, kv_heads, block, hd), generator=g, device=run.device, dtype=dtype)
         return (x * 0.5).to(cache_dtype)
 
     perm = torch.randperm(pool - 1, device=run.device, generator=g).to(torch.int32)
@@ -343,12 +343,12 @@ def kernel_inputs(run: Run, cfg: dict, kv: str, seqs: int, context: int, q_len: 
     }  # fmt: skip
 
 
-def model_shapes(cfg: dict, kv: str, run: Run):  # type: ignore[no-untyped-def]
+def model_shapes(cfg: dict, kv: str, run: Run, block: int = BLOCK):  # type: ignore[no-untyped-def]
     from pagecast.kernels import tuning
 
     return tuning.ModelShapes(
         num_heads=cfg["num_attention_heads"], num_kv_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"],
-        hidden=cfg["hidden_size"], intermediate=cfg["intermediate_size"], block_size=BLOCK,
+        hidden=cfg["hidden_size"], intermediate=cfg["intermediate_size"], block_size=block,
         dtype="bfloat16" if run.cuda else "float32", max_model_len=cfg["max_position_embeddings"], max_num_seqs=16,
         kv_cache_dtype="float8_e4m3fn" if kv == "fp8" else None,
     )  # fmt: skip
@@ -368,19 +368,20 @@ def best_of(run: Run, fn, configs: list, reps: int) -> tuple[float, object]:  # 
 
 
 def kernel_figures(
-    run: Run, cfg: dict, kv: str, lengths: list[int], batch: int, batch_context: int, peak: float, copy: float
+    run: Run, cfg: dict, kv: str, lengths: list[int], batch: int, batch_context: int, peak: float, copy: float,
+    block: int = BLOCK,
 ) -> None:
     from pagecast.kernels import paged_decode_attention as dec
     from pagecast.kernels import paged_prefill_attention as pre
     from pagecast.kernels import problems
 
-    shapes = model_shapes(cfg, kv, run)
+    shapes = model_shapes(cfg, kv, run, block)
     hd = cfg["head_dim"]
     configs_pre = problems.config_space("paged_prefill_attention", shapes, {"num_tokens": max(lengths)})
     if run.dry_run:
         configs_pre = configs_pre[:1]
     for length in lengths:
-        x = kernel_inputs(run, cfg, kv, 1, length, length)
+        x = kernel_inputs(run, cfg, kv, 1, length, length, block)
 
         def prefill(c, x=x):  # type: ignore[no-untyped-def]
             return pre.paged_prefill_attention(
@@ -398,7 +399,7 @@ def kernel_figures(
         del x
     kv_elt = 1 if kv == "fp8" else (2 if run.cuda else 4)
     for seqs, context in ((1, max(lengths)), (batch, min(batch_context, max(lengths)))):
-        x = kernel_inputs(run, cfg, kv, seqs, context, 1)
+        x = kernel_inputs(run, cfg, kv, seqs, context, 1, block)
         configs = problems.config_space(
             "paged_decode_attention", shapes, {"num_seqs": seqs, "max_seq_len": context}
         )
@@ -473,6 +474,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens (prefill chunk)")
     ap.add_argument("--skip-fp8", action="store_true", help="bf16 KV cache only")
+    ap.add_argument(
+        "--block-size", type=int, default=BLOCK,
+        help="KV-cache block size of the artifacts and kernel inputs",
+    )  # fmt: skip
     ap.add_argument("--skip-engine", action="store_true", help="kernels and ceilings only")
     ap.add_argument("--skip-kernels", action="store_true", help="engine figures and ceilings only")
     ap.add_argument(
@@ -521,11 +526,11 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.empty_cache()  # the engine sizes its KV cache from the free memory
     for kv in ["bf16"] + ([] if args.skip_fp8 else ["fp8"]):
         if not args.skip_kernels:
-            kernel_figures(run, cfg, kv, lengths, batch, batch_context, peak, copy)
+            kernel_figures(run, cfg, kv, lengths, batch, batch_context, peak, copy, args.block_size)
         if not args.skip_engine:
             given = args.artifact_fp8 if kv == "fp8" else args.artifact
             artifact = given or build_artifact(
-                run, cfg, kv, cfg["max_position_embeddings"], args.tune_budget, args.tune_first
+                run, cfg, kv, cfg["max_position_embeddings"], args.tune_budget, args.tune_first, args.block_size
             )
             prefill_table(run, artifact, kv)
             engine_figures(

@@ -6,7 +6,7 @@ alone", against the bf16 matmul peak measured the same way, in one run of a few 
         [--keep 6] [--budget 210] [--jsonl FILE] [--only "128x128 w8 s3 HFP;..."]
     python benchmarks/prefill_attention.py --dry-run   # a tiny shape on the CPU interpreter: code paths only
 
-Shape: Llama-3.1-8B (32 query heads over 8 KV heads, head_dim 128), bf16 q, block size 16, one
+Shape: Llama-3.1-8B (32 query heads over 8 KV heads, head_dim 128), bf16 q, block size 16 (--block-size), one
 sequence whose whole prompt is one launch (causal, no cached prefix), its blocks shuffled through
 the pool (long_context.kernel_inputs). FLOPs: 4 x heads x head_dim x L(L+1)/2 (QK^T and PV of the
 causal half; long_context.attention_flops). Peak: torch bf16 8192^3 matmul, median of 20.
@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
         help="seconds: past this, lengths not yet started run the default and the best so far only",
     )  # fmt: skip
     ap.add_argument("--jsonl", type=Path, help="also append the JSON lines here")
+    ap.add_argument("--block-size", type=int, default=lc.BLOCK, help="KV-cache block size in tokens")
     ap.add_argument(
         "--only", help="candidate names to run, ';'-separated (e.g. '128x128 w8 s3 HFP'); the default runs too"
     )
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
             todo = [c for c in cands if c[0] in {default_name, *ranked[:2]}]
         else:
             todo = cands
-        x = lc.kernel_inputs(run, cfg, args.kv, 1, length, length)
+        x = lc.kernel_inputs(run, cfg, args.kv, 1, length, length, args.block_size)
         flops = lc.attention_flops(cfg, length)
         reps = reps_for(length, args.quick, cuda)
         baseline = None

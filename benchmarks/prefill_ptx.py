@@ -47,13 +47,15 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = (
 NUM_TOKENS = 2048  # one 2048-token prompt (the t2048 bucket's problem)
 
 
-def launch_args(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> tuple[list, dict]:
+def launch_args(
+    q_dtype: torch.dtype, cache_dtype: torch.dtype, block_size: int = BLOCK_SIZE
+) -> tuple[list, dict]:
     """The positional arguments and constexprs paged_prefill_attention() passes at this shape
     (tiny CPU tensors stand in for the pointers: only their dtype and 16-byte alignment matter;
     strides come from meta tensors of the real shapes)."""
     q = torch.empty((NUM_TOKENS, NUM_HEADS, HEAD_DIM), dtype=q_dtype, device="meta")
-    cache = torch.empty((4096, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM), dtype=cache_dtype, device="meta")
-    tables = torch.empty((1, NUM_TOKENS // BLOCK_SIZE), dtype=torch.int32, device="meta")
+    cache = torch.empty((4096, NUM_KV_HEADS, block_size, HEAD_DIM), dtype=cache_dtype, device="meta")
+    tables = torch.empty((1, NUM_TOKENS // block_size), dtype=torch.int32, device="meta")
 
     def ptr(dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(16, dtype=dtype)
@@ -67,7 +69,7 @@ def launch_args(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> tuple[list, d
     group = NUM_HEADS // NUM_KV_HEADS
     constexprs = {
         "GROUP": group, "GROUP_PAD": triton.next_power_of_2(group), "HEAD_DIM": HEAD_DIM,
-        "HEAD_DIM_PAD": HEAD_DIM, "BLOCK_SIZE": BLOCK_SIZE,
+        "HEAD_DIM_PAD": HEAD_DIM, "BLOCK_SIZE": block_size,
         "DOT_PRECISION": "ieee" if q_dtype == torch.float32 else "tf32",
     }  # fmt: skip
     return args, constexprs
@@ -75,15 +77,16 @@ def launch_args(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> tuple[list, d
 
 def analyse(
     cache: str, block_m: int, block_n: int, warps: int, stages: int, dump: Path | None, arch: int = 90,
-    options: tuple[str, ...] = (),
+    options: tuple[str, ...] = (), block_size: int = BLOCK_SIZE,
 ) -> dict[str, object]:  # fmt: skip
     q_dtype, cache_dtype = decode_ptx.CACHES[cache]
-    args, constexprs = launch_args(q_dtype, cache_dtype)
+    args, constexprs = launch_args(q_dtype, cache_dtype, block_size)
     constexprs.update(BLOCK_M=block_m, BLOCK_N=block_n, **{name: True for name in options})
     target = decode_ptx.GPUTarget("cuda", arch, 32)
     kernel = decode_ptx.compile_kernel(ppa._paged_prefill_kernel, args, constexprs, warps, stages, target)
     arch_tag = f"_sm{arch}" if arch != 90 else ""
-    name = f"{cache}_m{block_m}_n{block_n}_w{warps}_s{stages}{arch_tag}" + "".join(f"_{o.lower()}" for o in options)
+    name = f"{cache}_b{block_size}_m{block_m}_n{block_n}_w{warps}_s{stages}{arch_tag}"
+    name += "".join(f"_{o.lower()}" for o in options)
     return {
         "variant": name, "cache": cache, "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps,
         "num_stages": stages, **decode_ptx.kernel_stats(kernel, name, dump, loop=0),
@@ -102,6 +105,7 @@ def main() -> None:
         "--options", default="",
         help="launch options switched on, comma-separated of " + ",".join(ppa.OPTION_NAMES),
     )  # fmt: skip
+    ap.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="KV-cache block size in tokens")
     ap.add_argument("--dump", type=Path, help="write each variant's TTGIR and PTX here")
     ap.add_argument("--json", type=Path, help="write the counts as JSON")
     args = ap.parse_args()
@@ -118,7 +122,7 @@ def main() -> None:
     for cache in args.caches.split(","):
         for block_m, block_n, warps, stages in variants:
             opts = tuple(o for o in args.options.split(",") if o)
-            r = analyse(cache, block_m, block_n, warps, stages, args.dump, args.arch, opts)
+            r = analyse(cache, block_m, block_n, warps, stages, args.dump, args.arch, opts, args.block_size)
             decode_ptx.print_row(r)
             rows.append(r)
     if args.json:
