@@ -56,43 +56,44 @@ def _attend_tile(
     # separate multiply pass is gone; qk_scale > 0, so scaling commutes with the max).
     offs_n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    if CAUSAL:
-        n_mask = offs_n < kv_end
-        block = tl.load(block_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        if HEAD_DIM_PAD == HEAD_DIM:
-            kv_mask = n_mask[:, None]
+    # Each key's cache row: (its block, its offset in the block). Where a cache block holds whole
+    # tiles (BLOCK_SIZE a multiple of BLOCK_N, e.g. --block-size 128) the tile is one block's
+    # consecutive rows: one block id (a scalar) and an affine offset, so the copies' addresses are
+    # the base plus a constant stride, not a gathered block id per key.
+    WHOLE: tl.constexpr = BLOCK_SIZE % BLOCK_N == 0
+    if WHOLE:
+        if blocks is None:
+            block = tl.load(block_row + start // BLOCK_SIZE).to(tl.int64)
         else:
-            kv_mask = n_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
-        k = tl.load(
-            k_base + block[:, None] * stride_kb + (offs_n % BLOCK_SIZE)[:, None] * stride_kt,
-            mask=kv_mask,
-            other=0.0,
-        )
-        v = tl.load(
-            v_base + block[:, None] * stride_vb + (offs_n % BLOCK_SIZE)[:, None] * stride_vt,
-            mask=kv_mask,
-            other=0.0,
-        )
+            block = blocks.to(tl.int64)  # loaded by the caller one tile ahead (PREFETCH_BLOCKS)
+        k_rows = k_base + block * stride_kb + (start % BLOCK_SIZE + tl.arange(0, BLOCK_N))[:, None] * stride_kt
+        v_rows = v_base + block * stride_vb + (start % BLOCK_SIZE + tl.arange(0, BLOCK_N))[:, None] * stride_vt
+    elif CAUSAL:
+        block = tl.load(block_row + offs_n // BLOCK_SIZE, mask=offs_n < kv_end, other=0).to(tl.int64)
+        k_rows = k_base + block[:, None] * stride_kb + (offs_n % BLOCK_SIZE)[:, None] * stride_kt
+        v_rows = v_base + block[:, None] * stride_vb + (offs_n % BLOCK_SIZE)[:, None] * stride_vt
     else:
         if blocks is None:
             block = tl.load(block_row + offs_n // BLOCK_SIZE).to(tl.int64)
         else:
-            block = blocks.to(tl.int64)  # loaded by the caller one tile ahead (PREFETCH_BLOCKS)
+            block = blocks.to(tl.int64)
+        k_rows = k_base + block[:, None] * stride_kb + (offs_n % BLOCK_SIZE)[:, None] * stride_kt
+        v_rows = v_base + block[:, None] * stride_vb + (offs_n % BLOCK_SIZE)[:, None] * stride_vt
+    if CAUSAL:
+        n_mask = offs_n < kv_end
         if HEAD_DIM_PAD == HEAD_DIM:
-            k = tl.load(k_base + block[:, None] * stride_kb + (offs_n % BLOCK_SIZE)[:, None] * stride_kt)
-            v = tl.load(v_base + block[:, None] * stride_vb + (offs_n % BLOCK_SIZE)[:, None] * stride_vt)
+            kv_mask = n_mask[:, None]
         else:
-            d_mask = (offs_d < HEAD_DIM)[None, :]
-            k = tl.load(
-                k_base + block[:, None] * stride_kb + (offs_n % BLOCK_SIZE)[:, None] * stride_kt,
-                mask=d_mask,
-                other=0.0,
-            )
-            v = tl.load(
-                v_base + block[:, None] * stride_vb + (offs_n % BLOCK_SIZE)[:, None] * stride_vt,
-                mask=d_mask,
-                other=0.0,
-            )
+            kv_mask = n_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(k_rows, mask=kv_mask, other=0.0)
+        v = tl.load(v_rows, mask=kv_mask, other=0.0)
+    elif HEAD_DIM_PAD == HEAD_DIM:
+        k = tl.load(k_rows)
+        v = tl.load(v_rows)
+    else:
+        d_mask = (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(k_rows, mask=d_mask, other=0.0)
+        v = tl.load(v_rows, mask=d_mask, other=0.0)
     k = k.to(q.dtype)  # fp8 cache: upcast in registers (a no-op for a cache in q's dtype)
     v = v.to(q.dtype)
     FOLD: tl.constexpr = FOLD_SCALE and not SOFTCAP
@@ -267,7 +268,10 @@ def _paged_prefill_kernel(
             # in the same iteration: the pipeliner sees no indirect load chain, so the K/V copies
             # can run num_stages - 1 tiles ahead (with the chain they run one ahead whatever the
             # stages, the table read taking the other stage).
-            offs_t = tl.arange(0, BLOCK_N)
+            if BLOCK_SIZE % BLOCK_N == 0:  # a tile's one block id (see _attend_tile)
+                offs_t = 0
+            else:  # each key's
+                offs_t = tl.arange(0, BLOCK_N)
             blocks = tl.load(block_row + (full_lo + offs_t) // BLOCK_SIZE, mask=full_lo + offs_t < full_end, other=0)
             for start in range(full_lo, full_end, BLOCK_N):
                 nxt = start + BLOCK_N + offs_t

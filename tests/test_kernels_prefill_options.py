@@ -1,5 +1,6 @@
 """The paged prefill kernel's launch options (issue 32), against the torch reference on the Triton
-interpreter: HEAVY_FIRST (programs in reverse order: every query tile must still be found by the
+interpreter, with 16-key tiles over cache blocks of 8 tokens (a block id per key) and of 16 (one per
+tile): HEAVY_FIRST (programs in reverse order: every query tile must still be found by the
 search over sequences, once), FOLD_SCALE (the softmax scale fused into the exp2 argument; with
 a soft-cap it steps aside) and PREFETCH_BLOCKS (the full-tile loop's block ids read a tile ahead:
 the first tile's before the loop, none past the loop's end) and LAZY_RESCALE (acc and l rescaled
@@ -90,8 +91,9 @@ def test_prefill_options_match_reference(
         pytest.param(1.5, 33, True, id="softcap-window-sinks"),
     ],
 )
-def test_prefill_options_with_window_softcap_and_sinks(softcap, window, sinks, dtype):  # type: ignore[no-untyped-def]
-    x = paged_inputs([90, 1, 33, 130], [37, 1, 20, 100], 8, 2, 16, 8, dtype)
+@pytest.mark.parametrize("block_size", [8, 16], ids=["tile-spans-blocks", "tile-in-one-block"])
+def test_prefill_options_with_window_softcap_and_sinks(softcap, window, sinks, dtype, block_size):  # type: ignore[no-untyped-def]
+    x = paged_inputs([90, 1, 33, 130], [37, 1, 20, 100], 8, 2, 16, block_size, dtype)
     scale = 16**-0.5
     s = torch.tensor([8.0, -8.0, 0.5, -2.0, 3.0, 0.0, -0.7, 5.0]) if sinks else None
     config = {"BLOCK_M": 16, "BLOCK_N": 16, **ALL}
