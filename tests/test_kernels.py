@@ -75,6 +75,8 @@ DECODE_CASES = [
     pytest.param(4, 4, 16, 8, [1, 9, 41], {"BLOCK_N": 16, "num_splits": 1}, id="mha-direct"),
     pytest.param(9, 3, 64, 16, [1, 9, 41, 341], {"BLOCK_N": 32, "num_splits": 4}, id="group3-split4"),
     pytest.param(8, 2, 16, 8, [341, 9], {"BLOCK_N": 16, "num_splits": 8}, id="group4-split8"),
+    # a 16-key tile is one 32-token block's first or second half: one block id a tile
+    pytest.param(8, 2, 16, 32, [1, 9, 41, 341], {"BLOCK_N": 16, "num_splits": 4}, id="tile-in-one-block"),
 ]
 
 

@@ -164,6 +164,10 @@ PAIRS = {"fp8_words": 2}
         pytest.param(6, 2, 32, 1, [5, 33], dict(PAIRS, BLOCK_N=16, num_splits=2), id="pairs-block-size-1"),
         # head_dim 24 is not read as words: the pair read's config falls back to the byte read
         pytest.param(6, 2, 24, 8, [1, 9, 41], dict(PAIRS, BLOCK_N=16, num_splits=2), id="pairs-head-dim-24"),
+        # tiles inside one cache block (one block id a tile), by each read
+        pytest.param(9, 3, 64, 32, [1, 9, 41, 341], {"BLOCK_N": 16, "num_splits": 4}, id="words-tile-in-block"),
+        pytest.param(8, 2, 128, 64, [3, 17, 64, 95], dict(PAIRS, BLOCK_N=32, num_splits=2), id="pairs-tile-in-block"),
+        pytest.param(6, 2, 24, 16, [1, 9, 41], {"BLOCK_N": 16, "num_splits": 2}, id="bytes-tile-in-block"),
     ],
 )
 def test_decode_attention_fp8_cache(num_heads, num_kv_heads, head_dim, block_size, seq_lens, config, dtype):  # type: ignore[no-untyped-def]
