@@ -187,15 +187,6 @@ def _soft_cap(s, cap):
     return cap * (1.0 - 2.0 / (tl.exp(2.0 * s / cap) + 1.0))
 
 
-@triton.jit
-def _rows(block, slot, stride_b, stride_t):
-    """[BLOCK_N, 1] element offsets of a tile's cache rows: block is one id (a tile inside one
-    block) or one per key."""
-    if len(block.shape) == 0:
-        return block * stride_b + slot[:, None] * stride_t
-    return block[:, None] * stride_b + slot[:, None] * stride_t
-
-
 @triton.jit(do_not_specialize=["num_splits", "stride_bt", "window"])
 def _paged_decode_kernel(
     q_ptr,  # q: [num_tokens, num_heads, head_dim]
@@ -312,14 +303,14 @@ def _paged_decode_kernel(
                 block = tl.load(block_row + first // BLOCK_SIZE, mask=first < seq_len, other=0).to(tl.int64)
                 slot = first % BLOCK_SIZE + tl.arange(0, BLOCK_N)
             else:
-                block = tl.load(block_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+                block = tl.load(block_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)[:, None]
                 slot = offs_n % BLOCK_SIZE
             # k, v: [BLOCK_N, HEAD_DIM_PAD], rows gathered through the block table
             if FP8_WORDS:
                 # [BLOCK_N, HEAD_DIM / 4] words -> [BLOCK_N, HEAD_DIM] fp16 (masked rows read 0)
                 w_mask = n_mask[:, None]
-                k_rows = _rows(block, slot, stride_kb, stride_kt)
-                v_rows = _rows(block, slot, stride_vb, stride_vt)
+                k_rows = block * stride_kb + slot[:, None] * stride_kt
+                v_rows = block * stride_vb + slot[:, None] * stride_vt
                 k = tl.load(k_base + k_rows, mask=w_mask, other=0)
                 v = tl.load(v_base + v_rows, mask=w_mask, other=0)
                 k = _e4m3_words_to_f16(k, USE_ASM)
@@ -328,8 +319,8 @@ def _paged_decode_kernel(
                 else:
                     v = _e4m3_words_to_f16(v, USE_ASM)
             else:
-                k = tl.load(k_base + _rows(block, slot, stride_kb, stride_kt), mask=kv_mask, other=0.0)
-                v = tl.load(v_base + _rows(block, slot, stride_vb, stride_vt), mask=kv_mask, other=0.0)
+                k = tl.load(k_base + block * stride_kb + slot[:, None] * stride_kt, mask=kv_mask, other=0.0)
+                v = tl.load(v_base + block * stride_vb + slot[:, None] * stride_vt, mask=kv_mask, other=0.0)
             k = k.to(q.dtype)  # fp8 cache: upcast in registers (a no-op for a cache in q's dtype)
             v = v.to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N]

@@ -60,25 +60,23 @@ def _attend_tile(
     # tiles (BLOCK_SIZE a multiple of BLOCK_N, e.g. --block-size 128) the tile is one block's
     # consecutive rows: one block id (a scalar) and an affine offset, so the copies' addresses are
     # the base plus a constant stride, not a gathered block id per key.
-    WHOLE: tl.constexpr = BLOCK_SIZE % BLOCK_N == 0
-    if WHOLE:
+    if BLOCK_SIZE % BLOCK_N == 0:
         if blocks is None:
             block = tl.load(block_row + start // BLOCK_SIZE).to(tl.int64)
         else:
             block = blocks.to(tl.int64)  # loaded by the caller one tile ahead (PREFETCH_BLOCKS)
-        k_rows = k_base + block * stride_kb + (start % BLOCK_SIZE + tl.arange(0, BLOCK_N))[:, None] * stride_kt
-        v_rows = v_base + block * stride_vb + (start % BLOCK_SIZE + tl.arange(0, BLOCK_N))[:, None] * stride_vt
-    elif CAUSAL:
-        block = tl.load(block_row + offs_n // BLOCK_SIZE, mask=offs_n < kv_end, other=0).to(tl.int64)
-        k_rows = k_base + block[:, None] * stride_kb + (offs_n % BLOCK_SIZE)[:, None] * stride_kt
-        v_rows = v_base + block[:, None] * stride_vb + (offs_n % BLOCK_SIZE)[:, None] * stride_vt
+        rows = start % BLOCK_SIZE + tl.arange(0, BLOCK_N)
     else:
-        if blocks is None:
-            block = tl.load(block_row + offs_n // BLOCK_SIZE).to(tl.int64)
-        else:
+        if blocks is not None:
             block = blocks.to(tl.int64)
-        k_rows = k_base + block[:, None] * stride_kb + (offs_n % BLOCK_SIZE)[:, None] * stride_kt
-        v_rows = v_base + block[:, None] * stride_vb + (offs_n % BLOCK_SIZE)[:, None] * stride_vt
+        elif CAUSAL:
+            block = tl.load(block_row + offs_n // BLOCK_SIZE, mask=offs_n < kv_end, other=0).to(tl.int64)
+        else:
+            block = tl.load(block_row + offs_n // BLOCK_SIZE).to(tl.int64)
+        block = block[:, None]
+        rows = offs_n % BLOCK_SIZE
+    k_rows = k_base + block * stride_kb + rows[:, None] * stride_kt
+    v_rows = v_base + block * stride_vb + rows[:, None] * stride_vt
     if CAUSAL:
         n_mask = offs_n < kv_end
         if HEAD_DIM_PAD == HEAD_DIM:
