@@ -17,7 +17,7 @@ Each of these for the bf16 KV cache and, unless --skip-fp8, for an fp8 (e4m3) KV
 artifact). One JSON line per figure (also appended to OUT/long_context.jsonl), then a table.
 
     python benchmarks/long_context.py --out /tmp/w7 [--lengths 8192,32768,131072] [--skip-fp8]
-        [--artifact DIR] [--artifact-fp8 DIR] [--tune-budget 300]
+        [--artifact DIR] [--artifact-fp8 DIR] [--tune-budget 300] [--block-size 128]
     python benchmarks/long_context.py --dry-run      # a tiny config on the CPU: the code paths only
 
 Counting. Linear FLOPs per prompt token: 2 x the parameters of every layer's projections (the
