@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pagecast.kernels import activation as activation_kernels
 from pagecast.kernels import pdl, reference
@@ -250,6 +251,62 @@ def _moe_gemm_kernel(
     )  # fmt: skip
 
 
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
+def _moe_gemm_tma_kernel(
+    a_desc,  # [rows, K] in sorted order (gate_up: x gathered by pair; down: the intermediate), box [BLOCK_M, BLOCK_K]
+    w_desc,  # the weights as [E * N_w, K], box [BLOCK_N, BLOCK_K]
+    b_ptr,
+    c_ptr,
+    sorted_ids_ptr,
+    block_expert_ptr,
+    weights_ptr,
+    N,
+    K,
+    num_pairs,
+    max_blocks,
+    stride_be,
+    stride_cm,
+    top_k,
+    ACTIVATION: tl.constexpr,
+    MUL_ROUTING_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """_moe_gemm_kernel with both operands read by the tensor memory accelerator (sm_90): a block's
+    rows are consecutive rows of ``a_desc`` (the launcher gathers gate_up's tokens into sorted order
+    first), its expert's weight tile consecutive rows of ``w_desc``. No per-element addresses or
+    masks in the K loop; the copy engine zero-fills past K and past the weight rows' end. A tile
+    whose columns pass N reads the next rows (the up half, or the next expert): those columns are
+    never stored."""
+    pid_m, pid_n, expert = _tile_block(max_blocks, block_expert_ptr, N, BLOCK_N, GROUP_M)
+    if expert < 0:
+        return
+    offs_m, pair, m_ok, _, offs_n, n_ok = _tile_rows(
+        pid_m, pid_n, sorted_ids_ptr, num_pairs, top_k, N, MUL_ROUTING_WEIGHT, BLOCK_M, BLOCK_N
+    )
+    w_row = expert * (2 * N if ACTIVATION != 0 else N) + pid_n * BLOCK_N
+    a_row = pid_m * BLOCK_M
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = a_desc.load([a_row, k0])
+        w = w_desc.load([w_row, k0])
+        acc = tl.dot(a, w.T, acc, input_precision=DOT_PRECISION)
+        if ACTIVATION != 0:
+            w_up = w_desc.load([w_row + N, k0])
+            acc_up = tl.dot(a, w_up.T, acc_up, input_precision=DOT_PRECISION)
+    _tile_epilogue(
+        acc, acc_up, b_ptr, expert, stride_be, weights_ptr, c_ptr, stride_cm, offs_m, pair, m_ok, offs_n, n_ok, N,
+        HAS_BIAS, ACTIVATION, ALPHA, LIMIT, MUL_ROUTING_WEIGHT,
+    )  # fmt: skip
+
+
 @triton.jit
 def _expert_gemv(
     a_ptr,  # one row of activations [K]
@@ -447,6 +504,17 @@ _SPLIT_TILES = (
     (128, 256, 64, 8, 8, 3),
 )
 
+_TMA_TILES = (
+    # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, SPLIT_ACT) read by the tensor
+    # memory accelerator (_moe_gemm_tma_kernel, sm_90): the prefill buckets' compute-bound tiles
+    (64, 128, 64, 8, 4, 4, 0),
+    (128, 64, 64, 8, 4, 4, 0),
+    (128, 128, 64, 8, 8, 3, 0),
+    (128, 128, 64, 8, 8, 4, 0),
+    (128, 256, 64, 8, 8, 3, 1),
+    (128, 256, 64, 8, 8, 4, 1),
+)
+
 CONFIG_SPACE: list[KernelConfig] = (
     [NAIVE]
     + [
@@ -469,6 +537,14 @@ CONFIG_SPACE: list[KernelConfig] = (
         )
         for m, n, k, g, w, s in _SPLIT_TILES
     ]
+    + [
+        KernelConfig(
+            {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": g, "TMA": 1, **({"SPLIT_ACT": 1} if split else {})},
+            num_warps=w,
+            num_stages=s,
+        )
+        for m, n, k, g, w, s, split in _TMA_TILES
+    ]
 )
 
 GEMV_MAX_PAIRS = 128  # more pairs re-read shared experts' weights once a pair (from L2 at best)
@@ -483,28 +559,52 @@ def is_gemv(config: KernelConfig | None) -> bool:
     return config is not None and bool(config.params.get("gemv"))
 
 
+def tma_supported() -> bool:
+    """Whether TMA tiles can run here: a CUDA GPU of compute capability 9 or more (Hopper), or no
+    GPU at all (Triton's CPU interpreter emulates the tensor descriptors)."""
+    return not torch.cuda.is_available() or torch.cuda.get_device_capability() >= (9, 0)
+
+
+def _tma_ready(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
+    """Whether the operands meet the copy engine's rules: contiguous weights at 16-byte aligned
+    addresses, and rows of x, of the weights and of the intermediate (I wide) a multiple of 16
+    bytes (x itself is gathered into a new tensor first)."""
+    elt = x.element_size()
+    return (
+        w_gate_up.is_contiguous()
+        and w_down.is_contiguous()
+        and w_gate_up.data_ptr() % 16 == 0
+        and w_down.data_ptr() % 16 == 0
+        and (x.shape[1] * elt) % 16 == 0
+        and (w_down.shape[2] * elt) % 16 == 0
+    )
+
+
 def shared_memory(config: KernelConfig, elt: int) -> int:
     """Bytes of shared memory a tile config of the gate_up launch (two weight tiles a K step, one
     with SPLIT_ACT) needs: the pipeliner's buffers of the activations and both weight tiles, num_stages of them
     where the dot runs on wgmma (half types, 64 or more rows), num_stages - 1 for half types'
     narrower tiles. Checked against sm_90 compiles of every tile in bf16 (Triton 3.6: exact;
-    tests/test_fused_moe_compile_sm90.py); fp32 is counted num_stages deep, an upper bound."""
+    tests/test_fused_moe_compile_sm90.py, TMA tiles too); fp32 is counted num_stages deep, an upper bound."""
     bm, bn, bk, stages = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"], config.num_stages
     buffers = max(stages - 1, 1) if elt <= 2 and bm < 64 else max(stages, 1)
     weight_tiles = 1 if config.params.get("SPLIT_ACT") else 2
-    return buffers * (bm * bk + weight_tiles * bk * bn) * elt
+    barriers = 32 * stages if config.params.get("TMA") else 0  # the copy engine's mbarriers (an upper bound)
+    return buffers * (bm * bk + weight_tiles * bk * bn) * elt + barriers
 
 
 def prune_configs(
     configs: list[KernelConfig], num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int,
-    *, elt: int = 2, allow_naive: bool = True,
+    *, elt: int = 2, allow_naive: bool = True, tma: bool | None = None,
 ) -> list[KernelConfig]:  # fmt: skip
     """The configs worth timing at this shape: the naive loop where ``allow_naive`` (batches never
     captured in a CUDA graph); the GEMV up to GEMV_MAX_PAIRS pairs, with BLOCK_K at most the
     smaller reduction (I, for down) rounded up to a power of two; tiles whose BLOCK_M is at most
     the expected rows an expert (P / min(E, P), rounded up to a power of two, at least 16) and,
     from 64 rows an expert, at least 64; whose BLOCK_K fits the smaller reduction; whose shared
-    memory fits SHARED_MEMORY_LIMIT."""
+    memory fits SHARED_MEMORY_LIMIT; TMA tiles only where ``tma`` (None: ``tma_supported()``)."""
+    if tma is None:
+        tma = tma_supported()
     pairs = num_tokens * top_k
     rows = max(16, triton.next_power_of_2(triton.cdiv(pairs, min(num_experts, pairs))))
     k_min = triton.next_power_of_2(min(hidden, intermediate))
@@ -520,7 +620,7 @@ def prune_configs(
             bm = c["BLOCK_M"]
             if bm > rows or (rows >= 64 and bm < 64) or c["BLOCK_K"] > k_min:
                 continue
-            if shared_memory(c, elt) > SHARED_MEMORY_LIMIT:
+            if shared_memory(c, elt) > SHARED_MEMORY_LIMIT or (c.params.get("TMA") and not tma):
                 continue
             kept.append(c)
     return kept
@@ -610,7 +710,7 @@ def workspace_bytes(
     """Device memory one fused_moe call allocates besides its output [T, H] (for the memory plan),
     each buffer rounded up to the caching allocator's 512 bytes: the routing weights in fp32, the
     intermediate, and for the tile path the align buffers and the per-pair output the top-k sum
-    reads. The naive loop: one expert's rows at worst (every token through one expert) through
+    reads (and with TMA the tokens gathered in sorted order). The naive loop: one expert's rows at worst (every token through one expert) through
     both projections (fp32 where the routing weights scale them), and their token lists."""
 
     def buf(n: int) -> int:
@@ -626,7 +726,9 @@ def workspace_bytes(
     nb = max_blocks(p, num_experts, bm)
     align = buf(nb * bm * 4) + buf(nb * 4) + buf(num_experts * 4)
     gate_up = buf(nb * bm * 2 * intermediate * elt) if config.params.get("SPLIT_ACT") else 0
-    return buf(p * 4) + align + gate_up + buf(nb * bm * intermediate * elt) + buf(p * hidden * elt)
+    # TMA: the tokens gathered into sorted order, and the row indices they are gathered by
+    gathered = buf(nb * bm * 4) + buf(nb * bm * hidden * elt) if config.params.get("TMA") else 0
+    return buf(p * 4) + align + gate_up + gathered + buf(nb * bm * intermediate * elt) + buf(p * hidden * elt)
 
 
 def check_shapes(
@@ -728,8 +830,21 @@ def fused_moe(
     sorted_ids, block_expert = align_by_expert(ids.view(t, top_k), num_experts, bm)
     nb = block_expert.shape[0]
 
+    tma = bool(cfg.params.get("TMA")) and _tma_ready(x, w_gate_up, w_down)
+
     def gemm(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, c: torch.Tensor, n: int, k: int,
              a_kind: int, weighted: bool) -> None:  # fmt: skip
+        if tma:
+            w2 = w.view(-1, k)  # [E * N_w, K]
+            _moe_gemm_tma_kernel[(nb * triton.cdiv(n, bn),)](
+                TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(w2, [bn, bk]),
+                b if b is not None else w, c, sorted_ids, block_expert, weights, n, k, p, nb,
+                b.stride(0) if b is not None else 0, c.stride(0), top_k,
+                ACTIVATION=a_kind, MUL_ROUTING_WEIGHT=weighted, HAS_BIAS=b is not None,
+                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, DOT_PRECISION=dot,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+            )  # fmt: skip
+            return
         _moe_gemm_kernel[(nb * triton.cdiv(n, bn),)](
             a, w, b if b is not None else w, c, sorted_ids, block_expert, weights, n, k, p, nb,
             a.stride(0), w.stride(0), w.stride(1), b.stride(0) if b is not None else 0, c.stride(0), top_k,
@@ -738,6 +853,10 @@ def fused_moe(
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
         )  # fmt: skip
 
+    if tma:
+        # The copy engine reads consecutive rows only: gather each block's tokens into sorted order
+        # (padding rows read the last token; the down launch never stores them).
+        x = x.index_select(0, (sorted_ids // top_k).clamp_(max=t - 1))
     if cfg.params.get("SPLIT_ACT"):
         # Padding rows stay uninitialised: the activation runs over them too, the down launch masks them.
         gate_up = torch.empty((nb * bm, 2 * i), dtype=x.dtype, device=x.device)

@@ -298,6 +298,11 @@ KERNEL_CASES = [
     pytest.param(
         9, 8, 4, 48, 40, "swiglu_oai", True, {**TILE, "SPLIT_ACT": 1}, id="t9-gptoss-bias-split-act"
     ),
+    # read by the tensor memory accelerator (descriptors; the interpreter emulates them)
+    pytest.param(41, 8, 2, 64, 40, "silu", False, {**TILE, "TMA": 1}, id="t41-e8-top2-tma"),
+    pytest.param(9, 60, 4, 32, 24, "silu", False, {**TILE, "BLOCK_N": 32, "TMA": 1}, id="t9-e60-top4-tma"),
+    pytest.param(41, 8, 2, 48, 40, "swiglu_oai", True, {**TILE, "TMA": 1}, id="t41-gptoss-bias-tma"),
+    pytest.param(9, 8, 2, 64, 40, "silu", False, {**TILE, "SPLIT_ACT": 1, "TMA": 1}, id="t9-split-act-tma"),
 ]
 
 
@@ -311,6 +316,35 @@ def test_fused_moe_matches_reference(t, e, k, h, i, activation, bias, config, dt
     up = [None if b is None else b.float() for b in (b_gu, b_d)]
     expected = reference.fused_moe(x.float(), weights, ids, w_gu.float(), w_d.float(), *up, activation)
     assert out.dtype == dtype and out.shape == (t, h)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out.float(), expected, atol=atol, rtol=rtol)
+
+
+@interpreter
+@pytest.mark.parametrize(
+    "i,dtype,tma",
+    [(40, torch.float16, True), (20, torch.float16, False), (20, torch.float32, True)],
+    ids=["i40-fp16", "i20-fp16-rows-of-40-bytes", "i20-fp32"],
+)
+def test_tma_tiles_run_where_the_copy_engine_can_read_the_rows(monkeypatch, i, dtype, tma):
+    """A TMA config launches the descriptor kernel when every row it reads is a multiple of 16
+    bytes, and otherwise the pointer kernel with the same tile; both give the reference's sums."""
+    launched = []
+
+    class Count:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launched.append(self.name)
+            return self.kernel[grid]
+
+    monkeypatch.setattr(fused_moe, "_moe_gemm_tma_kernel", Count("tma", fused_moe._moe_gemm_tma_kernel))
+    monkeypatch.setattr(fused_moe, "_moe_gemm_kernel", Count("pointer", fused_moe._moe_gemm_kernel))
+    x, weights, ids, w_gu, w_d, _, _ = moe_inputs(17, 8, 2, 64, i, dtype, False)
+    out = fused_moe.fused_moe(x, weights, ids, w_gu, w_d, config={**TILE, "TMA": 1})
+    assert launched == (["tma", "tma"] if tma else ["pointer", "pointer"])
+    expected = reference.fused_moe(x.float(), weights, ids, w_gu.float(), w_d.float())
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(out.float(), expected, atol=atol, rtol=rtol)
 

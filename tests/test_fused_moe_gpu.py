@@ -197,6 +197,7 @@ def test_workspace_bytes_bounds_what_a_call_allocates(tokens):
     tiles = [c for c in fused_moe.CONFIG_SPACE if "BLOCK_M" in c.params]
     configs += [next(c for c in tiles if c["BLOCK_M"] == 16), next(c for c in tiles if c["BLOCK_M"] == 128)]
     configs += [next(c for c in tiles if c.params.get("SPLIT_ACT"))]
+    configs += [next(c for c in tiles if c.params.get("TMA") and c.params.get("SPLIT_ACT"))]
     for cfg in configs:
         fused_moe.fused_moe(x, weights, ids, w_gu, w_d, config=cfg)  # compile outside the measurement
         _, used = cuda_workspace_bytes(lambda: fused_moe.fused_moe(x, weights, ids, w_gu, w_d, config=cfg))  # noqa: B023
