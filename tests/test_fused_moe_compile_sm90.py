@@ -82,6 +82,7 @@ def gemm_job(
     }  # fmt: skip
     if cfg.params.get("TMA"):
         # _moe_gemm_tma_kernel: both operands as tensor descriptors, no pointer strides
+        constexprs["WARP_SPECIALIZE"] = bool(cfg.params.get("WS"))
         elt = dtype[1:]
         signature = {
             "a_desc": f"tensordesc<{elt}[{cfg['BLOCK_M']}, {cfg['BLOCK_K']}]>",
