@@ -277,7 +277,6 @@ def _moe_gemm_tma_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr = False,  # Triton's Hopper warp specialisation of the K loop
 ):
     """_moe_gemm_kernel with both operands read by the tensor memory accelerator (sm_90): a block's
     rows are consecutive rows of ``a_desc`` (the launcher gathers gate_up's tokens into sorted order
@@ -286,8 +285,8 @@ def _moe_gemm_tma_kernel(
     whose columns pass N reads the next rows (the up half, or the next expert): those columns are
     never stored."""
     pid_m, pid_n, expert = _tile_block(max_blocks, block_expert_ptr, N, BLOCK_N, GROUP_M)
-    k_end = tl.where(expert >= 0, K, 0)  # an unused block: no K steps, and its rows are all padding
-    expert = tl.maximum(expert, 0)
+    if expert < 0:
+        return
     offs_m, pair, m_ok, _, offs_n, n_ok = _tile_rows(
         pid_m, pid_n, sorted_ids_ptr, num_pairs, top_k, N, MUL_ROUTING_WEIGHT, BLOCK_M, BLOCK_N
     )
@@ -295,7 +294,7 @@ def _moe_gemm_tma_kernel(
     a_row = pid_m * BLOCK_M
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in tl.range(0, k_end, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
+    for k0 in range(0, K, BLOCK_K):
         a = a_desc.load([a_row, k0])
         w = w_desc.load([w_row, k0])
         acc = tl.dot(a, w.T, acc, input_precision=DOT_PRECISION)
@@ -506,20 +505,14 @@ _SPLIT_TILES = (
 )
 
 _TMA_TILES = (
-    # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, SPLIT_ACT, WS) read by the tensor
-    # memory accelerator (_moe_gemm_tma_kernel, sm_90): the prefill buckets' compute-bound tiles.
-    # WS: Triton's Hopper warp specialisation of the K loop (producer and consumer warps; it
-    # splits the loop at num_warps=4 only, and adds warps of its own)
-    (64, 128, 64, 8, 4, 4, 0, 0),
-    (128, 64, 64, 8, 4, 4, 0, 0),
-    (128, 128, 64, 8, 8, 3, 0, 0),
-    (128, 128, 64, 8, 8, 4, 0, 0),
-    (128, 256, 64, 8, 8, 3, 1, 0),
-    (128, 256, 64, 8, 8, 4, 1, 0),
-    (64, 128, 64, 8, 4, 4, 0, 1),
-    (128, 64, 64, 8, 4, 4, 0, 1),
-    (128, 128, 64, 8, 4, 3, 1, 1),
-    (128, 128, 64, 8, 4, 4, 1, 1),
+    # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, SPLIT_ACT) read by the tensor
+    # memory accelerator (_moe_gemm_tma_kernel, sm_90): the prefill buckets' compute-bound tiles
+    (64, 128, 64, 8, 4, 4, 0),
+    (128, 64, 64, 8, 4, 4, 0),
+    (128, 128, 64, 8, 8, 3, 0),
+    (128, 128, 64, 8, 8, 4, 0),
+    (128, 256, 64, 8, 8, 3, 1),
+    (128, 256, 64, 8, 8, 4, 1),
 )
 
 CONFIG_SPACE: list[KernelConfig] = (
@@ -546,19 +539,11 @@ CONFIG_SPACE: list[KernelConfig] = (
     ]
     + [
         KernelConfig(
-            {
-                "BLOCK_M": m,
-                "BLOCK_N": n,
-                "BLOCK_K": k,
-                "GROUP_M": g,
-                "TMA": 1,
-                **({"SPLIT_ACT": 1} if split else {}),
-                **({"WS": 1} if ws else {}),
-            },
+            {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": g, "TMA": 1, **({"SPLIT_ACT": 1} if split else {})},
             num_warps=w,
             num_stages=s,
         )
-        for m, n, k, g, w, s, split, ws in _TMA_TILES
+        for m, n, k, g, w, s, split in _TMA_TILES
     ]
 )
 
@@ -605,8 +590,6 @@ def shared_memory(config: KernelConfig, elt: int) -> int:
     buffers = max(stages - 1, 1) if elt <= 2 and bm < 64 else max(stages, 1)
     weight_tiles = 1 if config.params.get("SPLIT_ACT") else 2
     barriers = 32 * stages if config.params.get("TMA") else 0  # the copy engine's mbarriers (an upper bound)
-    if config.params.get("WS"):
-        barriers += 16896  # warp specialisation's own buffers: 16.5 KiB at every tile (Triton 3.6, sm_90)
     return buffers * (bm * bk + weight_tiles * bk * bn) * elt + barriers
 
 
@@ -859,7 +842,6 @@ def fused_moe(
                 b.stride(0) if b is not None else 0, c.stride(0), top_k,
                 ACTIVATION=a_kind, MUL_ROUTING_WEIGHT=weighted, HAS_BIAS=b is not None,
                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, DOT_PRECISION=dot,
-                WARP_SPECIALIZE=bool(cfg.params.get("WS")),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
             )  # fmt: skip
             return

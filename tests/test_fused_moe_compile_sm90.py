@@ -82,7 +82,6 @@ def gemm_job(
     }  # fmt: skip
     if cfg.params.get("TMA"):
         # _moe_gemm_tma_kernel: both operands as tensor descriptors, no pointer strides
-        constexprs["WARP_SPECIALIZE"] = bool(cfg.params.get("WS"))
         elt = dtype[1:]
         signature = {
             "a_desc": f"tensordesc<{elt}[{cfg['BLOCK_M']}, {cfg['BLOCK_K']}]>",
