@@ -22,6 +22,11 @@ Prefill-sized batches (the tile path, ``_moe_gemm_kernel``):
    pair's routing weight (fp32) and scatters the rows to pair order: out [P, H].
 4. the top-k sum: out.view(T, k, H).sum(1) (deterministic; torch sums half types in fp32).
 
+With ``TMA`` (sm_90; the tuner times both) the two GEMMs are ``_moe_gemm_tma_kernel``: a block's
+rows and its expert's weight tile are read by the tensor memory accelerator, which needs
+consecutive rows, so the tokens are first gathered into sorted order (one index_select). Where a
+row is not a multiple of 16 bytes the same tile runs by pointers instead.
+
 Decode batches (the GEMV path, ``_moe_gemv_kernel``, ``{"gemv": 1, ...}``): a few pairs, each
 visiting its own expert, so tiles of 16 rows would be mostly padding. No sorting: for gate_up
 one program per (pair, BLOCK_N columns of I) streams its expert's gate and up rows once and
