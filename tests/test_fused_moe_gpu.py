@@ -110,25 +110,29 @@ def test_align_kernels_match_the_reference(t, e, k, block_m):
     assert torch.equal(runs[block_expert < 0], ref_runs[ref_blocks < 0])
 
 
-@pytest.mark.parametrize("tokens", [1, 64])
-def test_captured_in_a_cuda_graph(tokens):
+TMA_TILE = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "TMA": 1, "num_warps": 4, "num_stages": 4}
+
+
+@pytest.mark.parametrize("tokens,config", [(1, None), (64, None), (64, TMA_TILE)], ids=["gemv", "tile", "tma-tile"])
+def test_captured_in_a_cuda_graph(tokens, config):
     """The GEMV path (1 token) and the tile path with its align kernels (64) never sync with the
     host: a captured launch replays on new inputs (new routing) and matches an eager one (the
-    atomics may order an expert's rows differently; each row's values do not depend on it)."""
+    atomics may order an expert's rows differently; each row's values do not depend on it). The
+    TMA tile's descriptors are captured by value: they hold the addresses of the graph's buffers."""
     e, k, h, i = 16, 4, 256, 128
     x, weights, ids, w_gu, w_d, _, _ = moe_inputs(tokens, e, k, h, i, False)
-    fused_moe.fused_moe(x, weights, ids, w_gu, w_d)  # compile
+    fused_moe.fused_moe(x, weights, ids, w_gu, w_d, config=config)  # compile
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_moe.fused_moe(x, weights, ids, w_gu, w_d)
+        out = fused_moe.fused_moe(x, weights, ids, w_gu, w_d, config=config)
     x2, weights2, ids2, *_ = moe_inputs(tokens, e, k, h, i, False, seed=1)
     x.copy_(x2)
     weights.copy_(weights2)
     ids.copy_(ids2)
     graph.replay()
     torch.cuda.synchronize()
-    eager = fused_moe.fused_moe(x, weights, ids, w_gu, w_d)
+    eager = fused_moe.fused_moe(x, weights, ids, w_gu, w_d, config=config)
     torch.testing.assert_close(out, eager, atol=0, rtol=0)
 
 
