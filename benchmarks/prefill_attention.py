@@ -9,7 +9,7 @@ alone", against the bf16 matmul peak measured the same way, in one run of a few 
 Shape: Llama-3.1-8B (32 query heads over 8 KV heads, head_dim 128), bf16 q, block size 16 (--block-size), one
 sequence whose whole prompt is one launch (causal, no cached prefix), its blocks shuffled through
 the pool (long_context.kernel_inputs). FLOPs: 4 x heads x head_dim x L(L+1)/2 (QK^T and PV of the
-causal half; long_context.attention_flops). Peak: torch bf16 8192^3 matmul, median of 20.
+causal half; long_context.attention_flops). Peak: torch bf16 8192^3 matmul, the best of three medians of 20.
 
 Candidates: every tile of the tuner's space (_VARIANTS and _LONG_VARIANTS: BLOCK_M, BLOCK_N, warps,
 stages) with the launch options off ("-") and all on ("HFPR"), the default tile with each option
