@@ -265,6 +265,8 @@ def memory_plan(
     if model.moe is not None:
         moe_workspace = moe_workspace_bytes(model, elt, max_batched_tokens, tp, moe_fp8)
         activation_bytes += max(moe_workspace.values())
+    stage = prefill_stage_bytes(model, dtype, kv_dtype, block_size, max_model_len, tp)
+    activation_bytes += stage
     plan: dict[str, Any] = {
         "kv_cache_dtype": kv_dtype,
         "bytes_per_token": bytes_per_token,
@@ -281,6 +283,8 @@ def memory_plan(
     }
     if moe_workspace:
         plan["moe_workspace_bytes"] = moe_workspace  # per token bucket; the largest is in activation_bytes
+    if stage:
+        plan["prefill_stage_bytes"] = stage  # in activation_bytes
     windowed = [layer.index for layer in model.layers if layer.attention.sliding_window]
     if windowed:
         plan["sliding_window_layers"] = {
@@ -306,10 +310,26 @@ def memory_plan(
     return plan
 
 
+def prefill_stage_bytes(
+    model: ModelIR, dtype: str, kv_dtype: str, block_size: int, max_model_len: int, tp: int
+) -> int:
+    """The fp16 stage an fp8 cache's long-context prefill may be read through (the tuner's STAGE
+    option, kernels/paged_prefill_attention.py): one sequence's K and V at max_model_len, on one
+    rank, for one layer at a time. Zero without an fp8 cache or long-context buckets."""
+    from pagecast.kernels import paged_prefill_attention
+    from pagecast.kernels.tuning import PREFILL_SHORT_CONTEXT, torch_dtype
+
+    if kv_dtype != kv_cache.FP8 or max_model_len <= PREFILL_SHORT_CONTEXT:
+        return 0
+    a = model.attention
+    heads = -(-a.num_kv_heads // tp)
+    return paged_prefill_attention.stage_bytes(max_model_len, heads, a.head_dim, block_size, torch_dtype(dtype))
+
+
 def moe_workspace_bytes(model: ModelIR, elt: int, max_batched_tokens: int, tp: int, fp8_weights: str = "") -> dict[str, int]:
     """The fused-MoE call's own buffers (fused_moe.workspace_bytes) at each token bucket up to the
     largest step, on one rank (experts' intermediate cut by tp), for whichever kernel the tuner
-    may pick there: the default config, the naive loop or the widest tile. Layers run one after
+    may pick there: the default config, the naive loop or the widest tiles. Layers run one after
     another, so one layer's workspace is the model's."""
     from pagecast.kernels import fused_moe, fused_moe_fp8
     from pagecast.kernels.tuning import MOE_TOKEN_BUCKETS, KernelConfig
@@ -319,6 +339,10 @@ def moe_workspace_bytes(model: ModelIR, elt: int, max_batched_tokens: int, tp: i
     h, i, k, e = model.hidden_size, moe.intermediate_size // tp, moe.top_k, moe.num_experts
     naive = KernelConfig({"naive": 1}, 4, 1)
     widest = KernelConfig({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, 8, 3)
+    # the most a tile allocates: the [rows, 2I] product (SPLIT_ACT) and the gathered tokens (TMA)
+    widest_tma = KernelConfig(
+        {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "SPLIT_ACT": 1, "TMA": 1}, 8, 4
+    )
     block = fp8_weights == "block"
     out = {}
     buckets = [b for b in MOE_TOKEN_BUCKETS if b < max_batched_tokens] + [max_batched_tokens]
@@ -327,7 +351,7 @@ def moe_workspace_bytes(model: ModelIR, elt: int, max_batched_tokens: int, tp: i
             configs = (fused_moe_fp8.default_config(t, k, e, h, i, block=block), naive, widest)
             out[f"t{t}"] = max(fused_moe_fp8.workspace_bytes(t, k, e, h, i, elt, c, block) for c in configs)
         else:
-            configs = (fused_moe.default_config(t, k, e, h, i), naive, widest)
+            configs = (fused_moe.default_config(t, k, e, h, i), naive, widest, widest_tma)
             out[f"t{t}"] = max(fused_moe.workspace_bytes(t, k, e, h, i, elt, c) for c in configs)
     return out
 

@@ -227,9 +227,10 @@ def _paged_prefill_kernel(
             mask=io_mask,
             other=0.0,
         )
-        if k_cache_ptr.dtype.element_ty == tl.float8e4nv and q_ptr.dtype.element_ty == tl.bfloat16:
+        if k_cache_ptr.dtype.element_ty != q_ptr.dtype.element_ty and q_ptr.dtype.element_ty == tl.bfloat16:
             # As in decode: both dots of a bf16 engine over an fp8 cache run in fp16 (one
-            # conversion instruction per pair of e4m3 values; q and p lose nothing).
+            # conversion instruction per pair of e4m3 values; q and p lose nothing). So do they
+            # over the cache's fp16 stage (STAGE), which holds the same values.
             q = q.to(tl.float16)
         q_pos = prefix + tok  # [BLOCK_M] position of each row in its sequence
 
@@ -358,6 +359,87 @@ CONFIG_SPACE: list[KernelConfig] = [
 ]
 
 
+# The block-table width varies with every batch's longest context: not specialised, so a staged
+# launch at any width runs the variant the tuner compiled.
+@triton.jit(do_not_specialize=["max_blocks", "stride_bt"])
+def _stage_blocks_kernel(
+    k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, k_out_ptr, v_out_ptr, max_blocks,
+    stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_bt,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+):  # fmt: skip
+    """One program per (sequence x block-table column, KV head): that block's K and V rows,
+    converted to the output's dtype, into the stage [num_seqs * max_blocks, kv_heads, BLOCK_SIZE,
+    HEAD_DIM] (contiguous) at row seq * max_blocks + column. Columns past the sequence's blocks are
+    left as they are (the attention never reads them)."""
+    idx = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = idx // max_blocks
+    col = idx % max_blocks
+    if col * BLOCK_SIZE < tl.load(seq_lens_ptr + seq):
+        block = tl.load(block_tables_ptr + seq * stride_bt + col).to(tl.int64)
+        offs_t = tl.arange(0, BLOCK_SIZE)
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        mask = (offs_d < HEAD_DIM)[None, :]
+        dst = ((idx.to(tl.int64) * tl.num_programs(1) + head) * BLOCK_SIZE + offs_t[:, None]) * HEAD_DIM + offs_d[None, :]
+        k = tl.load(k_cache_ptr + block * stride_kb + head * stride_kh + offs_t[:, None] * stride_kt + offs_d[None, :], mask=mask)
+        tl.store(k_out_ptr + dst, k.to(k_out_ptr.dtype.element_ty), mask=mask)
+        v = tl.load(v_cache_ptr + block * stride_vb + head * stride_vh + offs_t[:, None] * stride_vt + offs_d[None, :], mask=mask)
+        tl.store(v_out_ptr + dst, v.to(v_out_ptr.dtype.element_ty), mask=mask)
+
+
+def stage_dtype(q_dtype: torch.dtype) -> torch.dtype:
+    """The dtype an fp8 cache is staged in for q of ``q_dtype``: fp16 for half types (every e4m3
+    value is exact in fp16, and the kernel's dots over an fp8 cache run in fp16 anyway), else q's."""
+    return torch.float16 if q_dtype in (torch.float16, torch.bfloat16) else q_dtype
+
+
+def stage_bytes(tokens: int, num_kv_heads: int, head_dim: int, block_size: int, q_dtype: torch.dtype) -> int:
+    """Device memory the STAGE path allocates for one sequence of ``tokens`` context: its K and V
+    blocks in stage_dtype (the memory plan counts it at max_model_len)."""
+    blocks = -(-tokens // block_size)
+    return 2 * blocks * num_kv_heads * block_size * head_dim * stage_dtype(q_dtype).itemsize
+
+
+def stage_cache(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The batch's K/V blocks gathered out of an fp8 cache into a contiguous ``dtype`` stage (one
+    memory-bound launch), with the block table that reads it: (k_stage, v_stage, table), the
+    stage [num_seqs * max_blocks, kv_heads, block_size, head_dim], sequence s's block j at row
+    s * max_blocks + j."""
+    num_seqs, max_blocks = block_tables.shape
+    _, num_kv_heads, block_size, head_dim = k_cache.shape
+    shape = (num_seqs * max_blocks, num_kv_heads, block_size, head_dim)
+    k_stage = torch.empty(shape, dtype=dtype, device=k_cache.device)
+    v_stage = torch.empty(shape, dtype=dtype, device=k_cache.device)
+    if num_seqs * max_blocks:
+        _stage_blocks_kernel[(num_seqs * max_blocks, num_kv_heads)](
+            k_cache, v_cache, block_tables, seq_lens, k_stage, v_stage, max_blocks,
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+            BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+            num_warps=4,
+        )  # fmt: skip
+    table = torch.arange(num_seqs * max_blocks, dtype=torch.int32, device=k_cache.device).view(num_seqs, max_blocks)
+    return k_stage, v_stage, table
+
+
+# STAGE (an fp8 cache only; issue 32): the batch's K/V blocks are first converted into an fp16
+# stage (stage_cache, one memory-bound launch), then the tile runs over the stage as over a cache
+# of q's dtype. Over an fp8 cache every query tile upcasts each K/V tile it reads, and at long
+# contexts a block is read by hundreds of tiles; the stage upcasts it once. Same values, same dots
+# (fp16 either way), so the same result up to the tile's own order. Only batches of up to
+# STAGE_MAX_SEQS sequences are staged (the stage holds their whole context: the memory plan counts
+# one sequence at max_model_len); others run the same tile over the fp8 cache. The tuner times it
+# in the long-context buckets of an fp8 cache (STAGE_TILES), against reading the cache directly.
+STAGE_MAX_SEQS = 1
+STAGE_TILES = [
+    KernelConfig({"BLOCK_M": m, "BLOCK_N": n, "STAGE": 1, **_OPTION_SETS[0]}, num_warps=w, num_stages=st)
+    for (m, n, w, st) in [(64, 64, 4, 3), (128, 64, 8, 4), (128, 128, 8, 3)]
+]
+
+
 def prune_configs(configs: list[KernelConfig], group: int, head_dim: int) -> list[KernelConfig]:
     """Drop tiles whose rows cannot hold one token's whole GQA group, and at head_dim > 128 tiles
     past 128x64 or whose half-type Q and K/V buffers pass 192 KiB of shared memory (K/V are
@@ -419,6 +501,8 @@ def paged_prefill_attention(
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     cfg = KernelConfig.coerce(config) or default_config(group, head_dim)
+    if cfg.params.get("STAGE") and k_cache.dtype == torch.float8_e4m3fn and num_seqs <= STAGE_MAX_SEQS:
+        k_cache, v_cache, block_tables = stage_cache(k_cache, v_cache, block_tables, seq_lens, stage_dtype(q.dtype))
     block_m = max(cfg["BLOCK_M"], group_pad, 16)
     block_q = block_m // group_pad
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))

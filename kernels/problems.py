@@ -237,7 +237,10 @@ def config_space(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> list
         return m.prune_configs(space, dims["num_seqs"], dims["max_seq_len"], shapes.num_kv_heads, num_sms())
     if kernel == "paged_prefill_attention":
         m2 = paged_prefill_attention
-        return m2.prune_configs(m2.CONFIG_SPACE, shapes.num_heads // shapes.num_kv_heads, shapes.head_dim)
+        space = m2.CONFIG_SPACE
+        if shapes.kv_torch_dtype == torch.float8_e4m3fn and dims.get("max_seq_len"):
+            space = space + m2.STAGE_TILES  # long contexts over an fp8 cache: staged in fp16 too
+        return m2.prune_configs(space, shapes.num_heads // shapes.num_kv_heads, shapes.head_dim)
     if kernel == "rotary_kv":
         return rotary_kv.prune_configs(rotary_kv.CONFIG_SPACE, shapes.num_heads, shapes.head_dim)
     if kernel in ("rms_norm", "fused_add_rms_norm"):

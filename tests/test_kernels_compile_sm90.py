@@ -45,7 +45,8 @@ CHILD = textwrap.dedent(
               "count_ties": sampling._count_ties_kernel, "logprob_stats": sampling._logprob_stats_kernel,
               "block_max": sampling._block_max_kernel, "threshold": sampling._threshold_kernel,
               "collect": sampling._collect_kernel, "select": sampling._select_kernel,
-              "moe_route": moe_route_kernel._route_kernel}[kernel]
+              "moe_route": moe_route_kernel._route_kernel,
+              "stage_blocks": paged_prefill_attention._stage_blocks_kernel}[kernel]
         sig = dict(signature, **{name: "constexpr" for name in constexprs})
         # the launcher's tt.divisibility=16 on the named arguments (16-byte aligned pointers, strides)
         attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
@@ -430,6 +431,33 @@ def test_paged_prefill_kernel_with_fp8_cache_compiles_for_sm90() -> None:
          "BLOCK_N": 64, "DOT_PRECISION": "tf32"},
     )  # fmt: skip
     assert "cubin" in asm and "ptx converts e4m3" in asm
+
+
+def test_fp8_stage_compiles_for_sm90() -> None:
+    """STAGE: the kernel converting an fp8 cache's blocks into the fp16 stage, and the prefill tile
+    over that stage for a bf16 engine (an fp16 cache under bf16 queries: the dots in fp16, as over
+    the fp8 cache), at the largest tile the tuner offers with it."""
+    stage_sig = {
+        "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+        "k_out_ptr": "*fp16", "v_out_ptr": "*fp16", "max_blocks": "i32",
+        **{s: "i32" for s in ("stride_kb", "stride_kh", "stride_kt", "stride_vb", "stride_vh", "stride_vt", "stride_bt")},
+    }  # fmt: skip
+    prefill_sig = dict(
+        _paged_signature("*fp16"), qk_scale="fp32", v_scale="fp32", num_seqs="i32",
+        **{s: "i32" for s in _PAGED_STRIDES},
+    )  # fmt: skip
+    outs = compile_sm90_batch(
+        [
+            ("stage_blocks", stage_sig, {"BLOCK_SIZE": 16, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128}, None, None),
+            ("paged_prefill", prefill_sig,
+             {"GROUP": 4, "GROUP_PAD": 4, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128, "BLOCK_SIZE": 128, "BLOCK_M": 128,
+              "BLOCK_N": 128, "DOT_PRECISION": "tf32", "HEAVY_FIRST": True, "FOLD_SCALE": True,
+              "PREFETCH_BLOCKS": True}, None, {"num_warps": 8, "num_stages": 3}),
+        ]
+    )  # fmt: skip
+    assert all("cubin" in out for out in outs), outs
+    assert "ptx converts e4m3" in outs[0]
+    assert int(outs[1].split("shared ")[1].split()[0]) <= 232448
 
 
 def test_paged_prefill_fp8_cache_streams_k_and_v_in_16_byte_copies() -> None:

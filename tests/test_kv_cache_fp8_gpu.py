@@ -94,6 +94,15 @@ def test_prefill_every_config_over_fp8(shape):  # type: ignore[no-untyped-def]
     for cfg in pre.prune_configs(pre.CONFIG_SPACE, group, shape["head_dim"]):
         out = pre.paged_prefill_attention(**x, scale=scale, config=cfg, k_scale=k_scale, v_scale=v_scale)
         assert rel_err(out, expected) < 1e-2, cfg
+    # STAGE: one sequence (a 1,500-token prefix, 548 new) through the fp16 stage, the same bits as
+    # the tile reading the fp8 cache
+    x = fp8_paged_inputs([2048], [548], **shape, block_size=16, k_scale=k_scale, v_scale=v_scale)
+    expected = ref(x, scale, k_scale, v_scale)
+    for cfg in pre.prune_configs(pre.STAGE_TILES, group, shape["head_dim"]):
+        out = pre.paged_prefill_attention(**x, scale=scale, config=cfg, k_scale=k_scale, v_scale=v_scale)
+        assert rel_err(out, expected) < 1e-2, cfg
+        direct = {k: v for k, v in cfg.as_dict().items() if k != "STAGE"}
+        assert torch.equal(out, pre.paged_prefill_attention(**x, scale=scale, config=direct, k_scale=k_scale, v_scale=v_scale)), cfg
 
 
 def test_rotary_fp8_write_matches_reference():

@@ -367,3 +367,95 @@ def test_tuning_problems_use_the_kv_cache_dtype():
     assert x["k_cache"].dtype == x["v_cache"].dtype == FP8_DTYPE and x["q"].dtype == torch.float32
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         tuning.ModelShapes(32, 8, 128, 4096, 14336, 16, "bfloat16", kv_cache_dtype="float16")
+
+
+# --------------------------------------------------------------------------- the fp16 stage (STAGE)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "block_size,config",
+    [
+        pytest.param(16, {"BLOCK_M": 32, "BLOCK_N": 16}, id="block16"),
+        pytest.param(32, {"BLOCK_M": 32, "BLOCK_N": 16, "HEAVY_FIRST": 1, "PREFETCH_BLOCKS": 1}, id="tile-in-block"),
+    ],
+)
+def test_prefill_over_the_stage_is_the_direct_read(monkeypatch, block_size, config, dtype):  # type: ignore[no-untyped-def]
+    """STAGE converts one sequence's fp8 blocks into a stage once, then runs the tile over it: the
+    same values and the same dots as the tile reading the fp8 cache, so the same bits, and the
+    reference's attention. A batch of two sequences is not staged (the tile reads the cache)."""
+    from pagecast.kernels import paged_prefill_attention as m
+
+    staged = []
+    stage_cache = m.stage_cache
+    monkeypatch.setattr(m, "stage_cache", lambda *a: staged.append(a[2].shape) or stage_cache(*a))
+    k_scale, v_scale = 0.02, 0.3
+    scale = 64**-0.5
+    # one sequence: a 200-token prefix, 41 new tokens (chunked prefill at a long context)
+    x = _paged_fp8_inputs([241], [41], 9, 3, 64, block_size, dtype, k_scale, v_scale)
+    direct = m.paged_prefill_attention(**x, scale=scale, config=config, k_scale=k_scale, v_scale=v_scale)
+    out = m.paged_prefill_attention(**x, scale=scale, config={**config, "STAGE": 1}, k_scale=k_scale, v_scale=v_scale)
+    assert staged == [x["block_tables"].shape]
+    assert torch.equal(out, direct)
+    _assert_matches_reference(out, x, scale, k_scale, v_scale, dtype)
+    # two sequences: the same tile over the cache
+    x = _paged_fp8_inputs([241, 50], [41, 7], 9, 3, 64, block_size, dtype, k_scale, v_scale)
+    out = m.paged_prefill_attention(**x, scale=scale, config={**config, "STAGE": 1}, k_scale=k_scale, v_scale=v_scale)
+    assert len(staged) == 1
+    _assert_matches_reference(out, x, scale, k_scale, v_scale, dtype)
+
+
+@interpreted
+def test_stage_holds_each_sequences_blocks_in_order():  # type: ignore[no-untyped-def]
+    """stage_cache: row s * max_blocks + j of the stage is sequence s's j-th block, converted
+    exactly (every e4m3 value is an fp16 value), for each block the sequence has."""
+    from pagecast.kernels.paged_prefill_attention import stage_cache, stage_dtype
+
+    x = _paged_fp8_inputs([70, 9], [70, 9], 4, 2, 24, 16, torch.float16, 0.5, 0.5)
+    k_stage, v_stage, table = stage_cache(
+        x["k_cache"], x["v_cache"], x["block_tables"], x["seq_lens"], stage_dtype(torch.bfloat16)
+    )
+    num_seqs, max_blocks = x["block_tables"].shape
+    assert k_stage.dtype == torch.float16 and k_stage.shape == (num_seqs * max_blocks, 2, 16, 24)
+    assert torch.equal(table, torch.arange(num_seqs * max_blocks, dtype=torch.int32).view(num_seqs, max_blocks))
+    for s, n in enumerate([70, 9]):
+        for j in range(-(-n // 16)):
+            block = int(x["block_tables"][s, j])
+            row = s * max_blocks + j
+            assert torch.equal(k_stage[row], x["k_cache"][block].to(torch.float16))
+            assert torch.equal(v_stage[row], x["v_cache"][block].to(torch.float16))
+
+
+def test_stage_is_timed_at_long_contexts_of_an_fp8_cache_and_counted_in_the_plan():
+    """The tuner offers STAGE only in an fp8 cache's long-context prefill buckets, and the memory plan
+    of an fp8-KV artifact with such buckets reserves one sequence's stage at max_model_len."""
+    from pagecast.builder.plan import prefill_stage_bytes
+    from pagecast.kernels import problems, tuning
+
+    def shapes(kv: str, max_model_len: int) -> tuning.ModelShapes:
+        return tuning.ModelShapes(
+            32, 8, 128, 4096, 14336, 16, "bfloat16", max_model_len, 256, kv_cache_dtype=kv
+        )
+
+    def staged(s: tuning.ModelShapes) -> dict[str, bool]:
+        return {
+            b: any(c.params.get("STAGE") for c in problems.config_space("paged_prefill_attention", s, d))
+            for b, d in problems.buckets("paged_prefill_attention", s)
+        }
+
+    fp8 = staged(shapes("float8_e4m3fn", 131072))
+    assert fp8["t8192.c131072"] and fp8["t2048.c32768"] and not fp8["t8192"]
+    assert not any(staged(shapes("bfloat16", 131072)).values())
+
+    class Attention:
+        num_kv_heads, head_dim = 8, 128
+
+    class Model:
+        attention = Attention()
+
+    # K and V of 131,072 tokens x 8 heads x 128 in fp16, on one rank; half on each of two
+    assert prefill_stage_bytes(Model(), "bfloat16", "float8_e4m3fn", 16, 131072, 1) == 2 * 131072 * 8 * 128 * 2
+    assert prefill_stage_bytes(Model(), "bfloat16", "float8_e4m3fn", 16, 131072, 2) == 131072 * 8 * 128 * 2
+    assert prefill_stage_bytes(Model(), "bfloat16", "bfloat16", 16, 131072, 1) == 0
+    assert prefill_stage_bytes(Model(), "bfloat16", "float8_e4m3fn", 16, 8192, 1) == 0
