@@ -22,10 +22,10 @@ Prefill-sized batches (the tile path, ``_moe_gemm_kernel``):
    pair's routing weight (fp32) and scatters the rows to pair order: out [P, H].
 4. the top-k sum: out.view(T, k, H).sum(1) (deterministic; torch sums half types in fp32).
 
-With ``TMA`` (sm_90; the tuner times both) the two GEMMs are ``_moe_gemm_tma_kernel``: a block's
-rows and its expert's weight tile are read by the tensor memory accelerator, which needs
-consecutive rows, so the tokens are first gathered into sorted order (one index_select). Where a
-row is not a multiple of 16 bytes the same tile runs by pointers instead.
+With ``TMA`` (sm_90; the tuner times both) the two GEMMs read a block's rows and its expert's
+weight tile with the tensor memory accelerator, which needs consecutive rows, so the tokens are
+first gathered into sorted order (one index_select). Where a row is not a multiple of 16 bytes
+the same tile runs by pointers instead.
 
 Decode batches (the GEMV path, ``_moe_gemv_kernel``, ``{"gemv": 1, ...}``): a few pairs, each
 visiting its own expert, so tiles of 16 rows would be mostly padding. No sorting: for gate_up
@@ -195,8 +195,8 @@ def _tile_epilogue(
 
 @triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
 def _moe_gemm_kernel(
-    a_ptr,  # gate_up: x [T, K]; down: intermediate [max_blocks * BLOCK_M, K] in sorted order
-    w_ptr,  # [E, N_w, K]: N_w = 2N (gate rows, then up rows) with an activation, else N
+    a_ptr,  # gate_up: x [T, K]; down: intermediate [max_blocks * BLOCK_M, K] in sorted order (TMA: see below)
+    w_ptr,  # [E, N_w, K]: N_w = 2N (gate rows, then up rows) with an activation, else N (TMA: see below)
     b_ptr,  # [E, N_w] or unused
     c_ptr,  # gate_up: intermediate [max_blocks * BLOCK_M, N] in sorted order; down: [P, N] in pair order
     sorted_ids_ptr,  # int32 [max_blocks * BLOCK_M]: pair ids grouped by expert, num_pairs = padding
@@ -222,90 +222,50 @@ def _moe_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr = False,
 ):
+    """One (block, column tile) of the tile path. With TMA (sm_90) both operands are tensor
+    descriptors read by the tensor memory accelerator: ``a_ptr`` over [rows, K] whose block rows
+    are consecutive (the launcher gathers gate_up's tokens into sorted order first), box [BLOCK_M,
+    BLOCK_K]; ``w_ptr`` over the weights as [E * N_w, K], box [BLOCK_N, BLOCK_K]; the three
+    operand strides are unused. The K loop then has no per-element addresses or masks: the copy
+    engine zero-fills past K and past the weight rows' end. A tile whose columns pass N reads the
+    next rows (the up half, or the next expert): those columns are never stored."""
     pid_m, pid_n, expert = _tile_block(max_blocks, block_expert_ptr, N, BLOCK_N, GROUP_M)
     if expert < 0:
         return
     offs_m, pair, m_ok, a_rows, offs_n, n_ok = _tile_rows(
         pid_m, pid_n, sorted_ids_ptr, num_pairs, top_k, N, MUL_ROUTING_WEIGHT, BLOCK_M, BLOCK_N
     )
-    w_base = w_ptr + expert.to(tl.int64) * stride_we
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        a = tl.load(
-            a_ptr + a_rows[:, None] * stride_am + offs_k[None, :],
-            mask=m_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        w_ok = k_ok[:, None] & n_ok[None, :]
-        w = tl.load(w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None], mask=w_ok, other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-        if ACTIVATION != 0:
-            w_up = tl.load(
-                w_base + (N + offs_n)[None, :].to(tl.int64) * stride_wn + offs_k[:, None],
-                mask=w_ok,
+    if TMA:
+        w_row = expert * (2 * N if ACTIVATION != 0 else N) + pid_n * BLOCK_N
+        for k0 in range(0, K, BLOCK_K):
+            a = a_ptr.load([pid_m * BLOCK_M, k0])
+            acc = tl.dot(a, w_ptr.load([w_row, k0]).T, acc, input_precision=DOT_PRECISION)
+            if ACTIVATION != 0:
+                acc_up = tl.dot(a, w_ptr.load([w_row + N, k0]).T, acc_up, input_precision=DOT_PRECISION)
+    else:
+        w_base = w_ptr + expert.to(tl.int64) * stride_we
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            a = tl.load(
+                a_ptr + a_rows[:, None] * stride_am + offs_k[None, :],
+                mask=m_ok[:, None] & k_ok[None, :],
                 other=0.0,
             )
-            acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
-    _tile_epilogue(
-        acc, acc_up, b_ptr, expert, stride_be, weights_ptr, c_ptr, stride_cm, offs_m, pair, m_ok, offs_n, n_ok, N,
-        HAS_BIAS, ACTIVATION, ALPHA, LIMIT, MUL_ROUTING_WEIGHT,
-    )  # fmt: skip
-
-
-@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
-def _moe_gemm_tma_kernel(
-    a_desc,  # [rows, K] in sorted order (gate_up: x gathered by pair; down: the intermediate), box [BLOCK_M, BLOCK_K]
-    w_desc,  # the weights as [E * N_w, K], box [BLOCK_N, BLOCK_K]
-    b_ptr,
-    c_ptr,
-    sorted_ids_ptr,
-    block_expert_ptr,
-    weights_ptr,
-    N,
-    K,
-    num_pairs,
-    max_blocks,
-    stride_be,
-    stride_cm,
-    top_k,
-    ACTIVATION: tl.constexpr,
-    MUL_ROUTING_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    ALPHA: tl.constexpr,
-    LIMIT: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """_moe_gemm_kernel with both operands read by the tensor memory accelerator (sm_90): a block's
-    rows are consecutive rows of ``a_desc`` (the launcher gathers gate_up's tokens into sorted order
-    first), its expert's weight tile consecutive rows of ``w_desc``. No per-element addresses or
-    masks in the K loop; the copy engine zero-fills past K and past the weight rows' end. A tile
-    whose columns pass N reads the next rows (the up half, or the next expert): those columns are
-    never stored."""
-    pid_m, pid_n, expert = _tile_block(max_blocks, block_expert_ptr, N, BLOCK_N, GROUP_M)
-    if expert < 0:
-        return
-    offs_m, pair, m_ok, _, offs_n, n_ok = _tile_rows(
-        pid_m, pid_n, sorted_ids_ptr, num_pairs, top_k, N, MUL_ROUTING_WEIGHT, BLOCK_M, BLOCK_N
-    )
-    w_row = expert * (2 * N if ACTIVATION != 0 else N) + pid_n * BLOCK_N
-    a_row = pid_m * BLOCK_M
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        a = a_desc.load([a_row, k0])
-        w = w_desc.load([w_row, k0])
-        acc = tl.dot(a, w.T, acc, input_precision=DOT_PRECISION)
-        if ACTIVATION != 0:
-            w_up = w_desc.load([w_row + N, k0])
-            acc_up = tl.dot(a, w_up.T, acc_up, input_precision=DOT_PRECISION)
+            w_ok = k_ok[:, None] & n_ok[None, :]
+            w = tl.load(w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None], mask=w_ok, other=0.0)
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+            if ACTIVATION != 0:
+                w_up = tl.load(
+                    w_base + (N + offs_n)[None, :].to(tl.int64) * stride_wn + offs_k[:, None],
+                    mask=w_ok,
+                    other=0.0,
+                )
+                acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
     _tile_epilogue(
         acc, acc_up, b_ptr, expert, stride_be, weights_ptr, c_ptr, stride_cm, offs_m, pair, m_ok, offs_n, n_ok, N,
         HAS_BIAS, ACTIVATION, ALPHA, LIMIT, MUL_ROUTING_WEIGHT,
@@ -511,7 +471,7 @@ _SPLIT_TILES = (
 
 _TMA_TILES = (
     # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, SPLIT_ACT) read by the tensor
-    # memory accelerator (_moe_gemm_tma_kernel, sm_90): the prefill buckets' compute-bound tiles.
+    # memory accelerator (_moe_gemm_kernel's TMA, sm_90): the prefill buckets' compute-bound tiles.
     # Timed at Mixtral-8x7B's 512, 1,024 and 4,096 tokens (H200, 2026-12-04), 128x128x64 at four
     # stages was the fastest of every tile at all three: 5-12% under the fastest tile read by pointers.
     # Also timed there and never within 10% of the best, so left out: 128x64x64 w4, BLOCK_K 128 at
@@ -843,22 +803,14 @@ def fused_moe(
 
     def gemm(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, c: torch.Tensor, n: int, k: int,
              a_kind: int, weighted: bool) -> None:  # fmt: skip
-        if tma:
-            w2 = w.view(-1, k)  # [E * N_w, K]
-            _moe_gemm_tma_kernel[(nb * triton.cdiv(n, bn),)](
-                TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(w2, [bn, bk]),
-                b if b is not None else w, c, sorted_ids, block_expert, weights, n, k, p, nb,
-                b.stride(0) if b is not None else 0, c.stride(0), top_k,
-                ACTIVATION=a_kind, MUL_ROUTING_WEIGHT=weighted, HAS_BIAS=b is not None,
-                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, DOT_PRECISION=dot,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
-            )  # fmt: skip
-            return
+        # With TMA: descriptors over a's rows and the weights as [E * N_w, K] (the strides unused)
+        a_arg = TensorDescriptor.from_tensor(a, [bm, bk]) if tma else a
+        w_arg = TensorDescriptor.from_tensor(w.view(-1, k), [bn, bk]) if tma else w
         _moe_gemm_kernel[(nb * triton.cdiv(n, bn),)](
-            a, w, b if b is not None else w, c, sorted_ids, block_expert, weights, n, k, p, nb,
+            a_arg, w_arg, b if b is not None else w, c, sorted_ids, block_expert, weights, n, k, p, nb,
             a.stride(0), w.stride(0), w.stride(1), b.stride(0) if b is not None else 0, c.stride(0), top_k,
             ACTIVATION=a_kind, MUL_ROUTING_WEIGHT=weighted, HAS_BIAS=b is not None,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, DOT_PRECISION=dot,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, DOT_PRECISION=dot, TMA=tma,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
         )  # fmt: skip
 

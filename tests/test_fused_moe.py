@@ -330,20 +330,20 @@ def test_tma_tiles_run_where_the_copy_engine_can_read_the_rows(monkeypatch, i, d
     """A TMA config launches the descriptor kernel when every row it reads is a multiple of 16
     bytes, and otherwise the pointer kernel with the same tile; both give the reference's sums."""
     launched = []
+    kernel = fused_moe._moe_gemm_kernel
 
     class Count:
-        def __init__(self, name, kernel):
-            self.name, self.kernel = name, kernel
-
         def __getitem__(self, grid):
-            launched.append(self.name)
-            return self.kernel[grid]
+            def launch(*args, **kwargs):
+                launched.append(("tma" if kwargs["TMA"] else "pointer", type(args[0]).__name__))
+                return kernel[grid](*args, **kwargs)
 
-    monkeypatch.setattr(fused_moe, "_moe_gemm_tma_kernel", Count("tma", fused_moe._moe_gemm_tma_kernel))
-    monkeypatch.setattr(fused_moe, "_moe_gemm_kernel", Count("pointer", fused_moe._moe_gemm_kernel))
+            return launch
+
+    monkeypatch.setattr(fused_moe, "_moe_gemm_kernel", Count())
     x, weights, ids, w_gu, w_d, _, _ = moe_inputs(17, 8, 2, 64, i, dtype, False)
     out = fused_moe.fused_moe(x, weights, ids, w_gu, w_d, config={**TILE, "TMA": 1})
-    assert launched == (["tma", "tma"] if tma else ["pointer", "pointer"])
+    assert launched == [("tma", "TensorDescriptor")] * 2 if tma else [("pointer", "Tensor")] * 2
     expected = reference.fused_moe(x.float(), weights, ids, w_gu.float(), w_d.float())
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(out.float(), expected, atol=atol, rtol=rtol)

@@ -29,8 +29,7 @@ CHILD = textwrap.dedent(
 
     for job in sys.argv[1:]:
         kernel, signature, constexprs, divisible, options = json.loads(job)
-        fn = {"gemm": fused_moe._moe_gemm_kernel, "gemm_tma": fused_moe._moe_gemm_tma_kernel,
-              "gemv": fused_moe._moe_gemv_kernel,
+        fn = {"gemm": fused_moe._moe_gemm_kernel, "gemv": fused_moe._moe_gemv_kernel,
               "align": fused_moe._moe_align_kernel, "scatter": fused_moe._moe_scatter_kernel}[kernel]
         sig = dict(signature, **{name: "constexpr" for name in constexprs})
         attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
@@ -81,18 +80,14 @@ def gemm_job(
         "BLOCK_K": cfg["BLOCK_K"], "GROUP_M": cfg["GROUP_M"], "DOT_PRECISION": "ieee" if dtype == "*fp32" else "tf32",
     }  # fmt: skip
     if cfg.params.get("TMA"):
-        # _moe_gemm_tma_kernel: both operands as tensor descriptors, no pointer strides
+        # both operands as tensor descriptors (the launcher's TMA=True)
         elt = dtype[1:]
-        signature = {
-            "a_desc": f"tensordesc<{elt}[{cfg['BLOCK_M']}, {cfg['BLOCK_K']}]>",
-            "w_desc": f"tensordesc<{elt}[{cfg['BLOCK_N']}, {cfg['BLOCK_K']}]>",
-            **{name: t for name, t in signature.items() if name not in ("a_ptr", "w_ptr")},
-        }
-        for name in ("stride_am", "stride_we", "stride_wn"):
-            del signature[name]
-        divisible = [name for name in divisible if name in signature]
+        signature["a_ptr"] = f"tensordesc<{elt}[{cfg['BLOCK_M']}, {cfg['BLOCK_K']}]>"
+        signature["w_ptr"] = f"tensordesc<{elt}[{cfg['BLOCK_N']}, {cfg['BLOCK_K']}]>"
+        constexprs["TMA"] = True
+        divisible = [name for name in divisible if name not in ("a_ptr", "w_ptr")]
     return (
-        "gemm_tma" if cfg.params.get("TMA") else "gemm",
+        "gemm",
         signature,
         constexprs,
         divisible,
