@@ -429,7 +429,7 @@ def stage_cache(
 # stage (stage_cache, one memory-bound launch), then the tile runs over the stage as over a cache
 # of q's dtype. Over an fp8 cache every query tile upcasts each K/V tile it reads, and at long
 # contexts a block is read by hundreds of tiles; the stage upcasts it once. Same values, same dots
-# (fp16 either way), so the same result up to the tile's own order. Only batches of up to
+# (fp16 either way), so the same bits as the tile reading the fp8 cache. Only batches of up to
 # STAGE_MAX_SEQS sequences are staged (the stage holds their whole context: the memory plan counts
 # one sequence at max_model_len); others run the same tile over the fp8 cache. The tuner times it
 # in the long-context buckets of an fp8 cache (STAGE_TILES), against reading the cache directly.
