@@ -343,7 +343,7 @@ def test_tma_tiles_run_where_the_copy_engine_can_read_the_rows(monkeypatch, i, d
     monkeypatch.setattr(fused_moe, "_moe_gemm_kernel", Count())
     x, weights, ids, w_gu, w_d, _, _ = moe_inputs(17, 8, 2, 64, i, dtype, False)
     out = fused_moe.fused_moe(x, weights, ids, w_gu, w_d, config={**TILE, "TMA": 1})
-    assert launched == [("tma", "TensorDescriptor")] * 2 if tma else [("pointer", "Tensor")] * 2
+    assert launched == ([("tma", "TensorDescriptor")] * 2 if tma else [("pointer", "Tensor")] * 2)
     expected = reference.fused_moe(x.float(), weights, ids, w_gu.float(), w_d.float())
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(out.float(), expected, atol=atol, rtol=rtol)
