@@ -43,8 +43,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import long_context as lc
 
-# Launch options by letter: H HEAVY_FIRST, F FOLD_SCALE, P PREFETCH_BLOCKS, R LAZY_RESCALE ("-": none).
-LETTERS = {"H": "HEAVY_FIRST", "F": "FOLD_SCALE", "P": "PREFETCH_BLOCKS", "R": "LAZY_RESCALE"}
+# Launch options by letter: H HEAVY_FIRST, F FOLD_SCALE, P PREFETCH_BLOCKS, R LAZY_RESCALE,
+# E POLY_EXP2 ("-": none).
+LETTERS = {"H": "HEAVY_FIRST", "F": "FOLD_SCALE", "P": "PREFETCH_BLOCKS", "R": "LAZY_RESCALE", "E": "POLY_EXP2"}
 QUICK_TILES = [
     (64, 64, 4, 2),
     (64, 64, 4, 3),
@@ -76,6 +77,7 @@ def candidates(quick: bool, group: int, head_dim: int) -> list[tuple[str, dict]]
     wanted += [(t, "HF") for t in HF_TILES]
     wanted += [(t, opts) for t in tiles for opts in ("-", "HFPR")]
     wanted += [(t, "HFP") for t in QUICK_TILES]
+    wanted += [(t, "HFPE") for t in ppa._POLY_TILES]
     out: dict[str, dict] = {}
     for tile, opts in wanted:
         m, n, w, s = tile

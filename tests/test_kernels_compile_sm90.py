@@ -61,6 +61,7 @@ CHILD = textwrap.dedent(
                             asm["ptx"])
         print(" ".join(sorted({f"cp.async {mode}{int(size, 0)}" for mode, size in copies})))
         print(f"byte shared loads {len(re.findall(r'ld[.]shared([.]v[24])?[.][bus]8[^0-9]', asm['ptx']))}")
+        print(f"ex2 {len(re.findall(r'ex2[.]approx', asm['ptx']))}")  # exponentials on the multi-function unit
     """
 )
 
@@ -73,8 +74,8 @@ def compile_sm90(
     options: dict[str, int] | None = None,
 ) -> str:
     """The child's output: the asm kinds, the shared memory a program needs ("shared <bytes>"),
-    whether the PTX converts e4m3, its cp.async kinds and its count of byte-wise shared loads (one
-    line each)."""
+    whether the PTX converts e4m3, its cp.async kinds, its count of byte-wise shared loads and of
+    ex2.approx instructions ("ex2 <n>"), one line each."""
     return compile_sm90_batch([(kernel, signature, constexprs, divisible, options)])[0]
 
 
@@ -560,3 +561,30 @@ def test_paged_prefill_launch_options_compile_for_sm90_and_fit_shared_memory() -
     tile = 64 * 128 * 2  # a 64-row Q tile, or one 64-key K or V tile, bf16
     # Q and three K and V buffers with the option only
     assert shared[2] < tile + 3 * 2 * tile <= shared[3], shared
+
+
+def test_poly_exp2_moves_one_exponential_in_four_off_the_multi_function_unit() -> None:
+    """POLY_EXP2 (issue 32): the prefill tile at the Llama-3-8B shape, as the tuner's long tiles
+    launch it, compiles for sm_90 with its inline PTX, and a quarter of the softmax's ex2
+    instructions are gone (computed on the FMA pipe instead), in the full-tile loop and the causal
+    one alike; the shared memory is unchanged."""
+
+    def job(poly: bool) -> Sm90Job:
+        sig = dict(
+            _paged_signature("*bf16"), sinks_ptr="*bf16", qk_scale="fp32", v_scale="fp32", softcap="fp32",
+            window="i32", num_seqs="i32", **{s: "i32" for s in _PAGED_STRIDES},
+        )  # fmt: skip
+        divisible = [n for n in sig if n.endswith("_ptr") or (n.startswith("stride") and n != "stride_bt")]
+        consts = {"GROUP": 4, "GROUP_PAD": 4, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128, "BLOCK_SIZE": 128,
+                  "BLOCK_M": 128, "BLOCK_N": 128, "DOT_PRECISION": "tf32", "HEAVY_FIRST": True,
+                  "FOLD_SCALE": True, "PREFETCH_BLOCKS": True, "POLY_EXP2": poly}  # fmt: skip
+        return ("paged_prefill", sig, consts, divisible, {"num_warps": 8, "num_stages": 3})
+
+    plain, poly = compile_sm90_batch([job(False), job(True)])
+    count = {name: int(next(ln for ln in out.splitlines() if ln.startswith("ex2 ")).split()[1])
+             for name, out in (("plain", plain), ("poly", poly))}  # fmt: skip
+    shared = [next(ln for ln in out.splitlines() if ln.startswith("shared ")) for out in (plain, poly)]
+    assert "cubin" in poly and shared[0] == shared[1]
+    # per thread: 64 scores of each of the two loops' tiles, and a rescale ex2 per row it holds
+    tile = 128 * 128 // (8 * 32)
+    assert count["plain"] - count["poly"] == 2 * tile // 4, count
