@@ -2,8 +2,11 @@
 
     python benchmarks/decode_fp8_time.py [--cases 128x512,256x2048] [--reps 20] [--all] [--json FILE]
                                          [--kernels bf16,fp8-bytes,fp8-words,fp8-pairs]
+                                         [--block-size 16] [--more-splits 128,256]
 
-Llama-3-8B decode shapes (32 query heads over 8 KV heads, head_dim 128, KV block size 16, q bf16).
+Llama-3-8B decode shapes (32 query heads over 8 KV heads, head_dim 128, KV block size 16 or
+--block-size, q bf16). --more-splits adds split counts past the tuner's (MAX_SPLITS) to every
+space, for one sequence or a few at long context, where the split count sets the programs.
 For each case, four kernels on the same inputs in one process:
 
   bf16        a bf16 cache
@@ -41,12 +44,32 @@ import torch
 from pagecast.kernels import paged_decode_attention as pda
 from pagecast.kernels import problems, tuning
 
+BLOCK_SIZE = 16  # --block-size
+MAX_MODEL_LEN = 32768  # raised to the longest --cases context
+
 
 def shapes(kv_cache_dtype: str | None) -> tuning.ModelShapes:
     return tuning.ModelShapes(
-        num_heads=32, num_kv_heads=8, head_dim=128, hidden=4096, intermediate=14336, block_size=16,
-        dtype="bfloat16", max_model_len=32768, max_num_seqs=256, kv_cache_dtype=kv_cache_dtype,
+        num_heads=32, num_kv_heads=8, head_dim=128, hidden=4096, intermediate=14336, block_size=BLOCK_SIZE,
+        dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_num_seqs=256, kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
+
+
+def add_splits(splits: list[int]) -> None:
+    """Every config space also at these split counts (and MAX_SPLITS raised to the largest)."""
+    pda.MAX_SPLITS = max([pda.MAX_SPLITS, *splits])
+
+    def more(space: list[tuning.KernelConfig]) -> list[tuning.KernelConfig]:
+        tiles = {tuple(sorted((k, v) for k, v in c.as_dict().items() if k != "num_splits")): c for c in space}
+        return space + [
+            tuning.KernelConfig({**c.params, "num_splits": n}, num_warps=c.num_warps, num_stages=c.num_stages)
+            for c in tiles.values()
+            for n in splits
+        ]
+
+    pda.CONFIG_SPACE = more(pda.CONFIG_SPACE)
+    pda.FP8_CONFIG_SPACE = more(pda.FP8_CONFIG_SPACE)
+    pda.FP8_PAIR_CONFIGS = [c for c in pda.FP8_CONFIG_SPACE if c["fp8_words"] == 2]
 
 
 class _FP8BytePath:
@@ -115,7 +138,7 @@ def time_case(kv: str, batch: int, context: int, reps: int) -> list[tuple[float,
             print(f"{batch}x{context} fp8-pairs {cfg.as_dict()}: WRONG OUTPUT (max difference {err:.3g})")
             continue
 
-        def launch(i: int, cfg: tuning.KernelConfig = cfg) -> object:
+        def launch(i: int, cfg: tuning.KernelConfig = cfg, problem: problems.Problem = problem) -> object:
             return problem.launch(cfg, i)
 
         if kv == "fp8-bytes":
@@ -136,7 +159,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--all", action="store_true", help="print every config's time")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--block-size", type=int, default=16, help="KV-cache block size in tokens")
+    ap.add_argument("--more-splits", default="", help="split counts to add to the spaces, e.g. 128,256")
     args = ap.parse_args()
+    global BLOCK_SIZE, MAX_MODEL_LEN
+    BLOCK_SIZE = args.block_size
+    MAX_MODEL_LEN = max([MAX_MODEL_LEN] + [int(c.split("x")[1]) for c in args.cases.split(",")])
+    if args.more_splits:
+        add_splits([int(n) for n in args.more_splits.split(",")])
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, sms {tuning.num_sms()}", flush=True)
     copy_gbs = statistics.median(tuning.measure_copy_bandwidth() for _ in range(3))

@@ -442,7 +442,12 @@ _VARIANTS = [
     (128, 8, 3),
 ]
 _SPLITS = (1, 2, 4, 8, 16, 32, 64)
-MAX_SPLITS = _SPLITS[-1]
+# An fp8 cache's programs do twice the per-byte work (each e4m3 value unpacked), so one or a few
+# long sequences want more of them in flight: on an H200 (block size 128, 2026-12-04,
+# benchmarks/decode_fp8_time.py --more-splits) one sequence of 128k read fastest at 128 splits of
+# one-warp pair-read programs, 82.0 us against 89.4 at 64 (the bf16 cache's best stayed at 32).
+_FP8_SPLITS = (*_SPLITS, 128)
+MAX_SPLITS = _FP8_SPLITS[-1]
 
 CONFIG_SPACE: list[KernelConfig] = [
     KernelConfig({"BLOCK_N": n, "num_splits": s}, num_warps=w, num_stages=st)
@@ -481,7 +486,7 @@ _FP8_VARIANTS = [(n, w, st, 2) for (n, w, st) in _FP8_PAIR_VARIANTS] + [
 ]
 FP8_CONFIG_SPACE: list[KernelConfig] = [
     KernelConfig({"BLOCK_N": n, "num_splits": s, "fp8_words": fw}, num_warps=w, num_stages=st)
-    for s in _SPLITS
+    for s in _FP8_SPLITS
     for (n, w, st, fw) in _FP8_VARIANTS
 ]
 FP8_PAIR_CONFIGS: list[KernelConfig] = [c for c in FP8_CONFIG_SPACE if c["fp8_words"] == 2]
@@ -512,7 +517,7 @@ def default_config(
     programs = max(1, num_seqs * num_kv_heads)
     splits = 1
     max_useful = max(1, triton.cdiv(max_seq_len, 4 * block_n))  # at least 4 tiles per split
-    while splits < MAX_SPLITS and programs * splits < 2 * sms and splits * 2 <= max_useful:
+    while splits < _SPLITS[-1] and programs * splits < 2 * sms and splits * 2 <= max_useful:
         splits *= 2
     return KernelConfig({"BLOCK_N": block_n, "num_splits": splits}, num_warps=4, num_stages=2)
 

@@ -441,6 +441,9 @@ def test_config_spaces_prune():
     small = dec.prune_configs(dec.CONFIG_SPACE, 1, 32768, 8, 132)
     large = dec.prune_configs(dec.CONFIG_SPACE, 256, 8192, 8, 132)
     assert max(c["num_splits"] for c in small) == 64
+    # an fp8 cache's programs unpack every byte: one long sequence may split 128 ways
+    assert max(c["num_splits"] for c in dec.prune_configs(dec.FP8_CONFIG_SPACE, 1, 131072, 8, 132)) == 128
+    assert max(c["num_splits"] for c in dec.prune_configs(dec.FP8_CONFIG_SPACE, 16, 32768, 8, 132)) == 32
     assert {c["num_splits"] for c in large} == {1, 2}
     assert dec.default_config(256, 8192, 8, 132)["num_splits"] == 1
     assert dec.default_config(1, 32768, 8, 132)["num_splits"] >= 32

@@ -168,6 +168,9 @@ PAIRS = {"fp8_words": 2}
         pytest.param(9, 3, 64, 32, [1, 9, 41, 341], {"BLOCK_N": 16, "num_splits": 4}, id="words-tile-in-block"),
         pytest.param(8, 2, 128, 64, [3, 17, 64, 95], dict(PAIRS, BLOCK_N=32, num_splits=2), id="pairs-tile-in-block"),
         pytest.param(6, 2, 24, 16, [1, 9, 41], {"BLOCK_N": 16, "num_splits": 2}, id="bytes-tile-in-block"),
+        # an fp8 cache's largest split count (one long sequence): past the tiles a short context has,
+        # most splits read nothing and the merge skips them
+        pytest.param(4, 2, 32, 16, [2100, 9, 300], dict(PAIRS, BLOCK_N=16, num_splits=128), id="pairs-split128"),
     ],
 )
 def test_decode_attention_fp8_cache(num_heads, num_kv_heads, head_dim, block_size, seq_lens, config, dtype):  # type: ignore[no-untyped-def]
