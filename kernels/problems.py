@@ -100,8 +100,10 @@ def buckets(kernel: str, shapes: ModelShapes) -> list[tuple[str, dict[str, int]]
         return kept + tuple(v for v in values if v >= limit)[:1]
 
     if kernel == "paged_decode_attention":
+        # the last context bucket is timed at max_model_len where that is shorter (a 40k model's
+        # 131072 bucket serves contexts up to 40k)
         return [
-            (f"{b}x{c}", {"num_seqs": b, "max_seq_len": c})
+            (f"{b}x{c}", {"num_seqs": b, "max_seq_len": min(c, shapes.max_model_len)})
             for b in upto(DECODE_BATCH_BUCKETS, shapes.max_num_seqs)
             for c in upto(DECODE_CONTEXT_BUCKETS, shapes.max_model_len)
         ]

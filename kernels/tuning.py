@@ -39,7 +39,10 @@ import torch
 # An engine only tunes the buckets up to its max_num_seqs; a table without a batch's bucket
 # (an older artifact) falls back to its largest smaller one (decode_fallback_buckets).
 DECODE_BATCH_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 1024)
-DECODE_CONTEXT_BUCKETS = (512, 2048, 8192, 32768)
+# The 131072 context bucket (issue 32): a 128k sequence's best split count is not a 32k one's (an
+# fp8 cache on an H200: 128 splits at 128k, 64 at 32k). Only models past 32k tune it; a table
+# without it (built before) falls back to the same batch at the largest smaller context.
+DECODE_CONTEXT_BUCKETS = (512, 2048, 8192, 32768, 131072)
 TOKEN_BUCKETS = (8, 64, 256, 1024, 4096, 16384)
 PREFILL_TOKEN_BUCKETS = (128, 512, 2048, 8192)
 # Prefill steps whose longest sequence passes PREFILL_SHORT_CONTEXT (chunked prefill of a long
@@ -244,10 +247,13 @@ def decode_bucket(num_seqs: int, max_seq_len: int) -> str:
 
 
 def decode_fallback_buckets(bucket: str) -> list[str]:
-    """The decode buckets of the same context and smaller batches, largest first: where a tuning
-    table lacks ``bucket`` (built before its batch bucket existed), its nearest tuned neighbour."""
-    batch, context = bucket.split("x")
-    return [f"{b}x{context}" for b in reversed(DECODE_BATCH_BUCKETS) if b < int(batch)]
+    """Where a tuning table lacks ``bucket`` (built before its batch or context bucket existed),
+    its nearest tuned neighbours in order: the same context at smaller batches, largest first,
+    then each smaller context, largest first, at the same batch and then the smaller ones."""
+    batch, context = (int(v) for v in bucket.split("x"))
+    batches = [b for b in reversed(DECODE_BATCH_BUCKETS) if b <= batch]
+    contexts = [c for c in reversed(DECODE_CONTEXT_BUCKETS) if c <= context]
+    return [f"{b}x{c}" for c in contexts for b in batches if (b, c) != (batch, context)]
 
 
 def token_bucket(num_tokens: int) -> str:

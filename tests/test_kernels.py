@@ -374,7 +374,8 @@ def test_buckets_and_lookup():
     assert tuning.decode_bucket(1, 1) == "1x512"
     assert tuning.decode_bucket(40, 1000) == "64x2048"
     assert tuning.decode_bucket(300, 1000) == "512x2048"
-    assert tuning.decode_bucket(5000, 100_000) == "1024x32768"
+    assert tuning.decode_bucket(5000, 100_000) == "1024x131072"
+    assert tuning.decode_bucket(1, 40_000) == "1x131072" and tuning.decode_bucket(1, 500_000) == "1x131072"
     assert tuning.token_bucket(3) == "t8" and tuning.token_bucket(20_000) == "t16384"
     assert tuning.prefill_bucket(300) == "t512"
     assert tuning.skinny_bucket("qkv", 1) == "qkv.m1" and tuning.skinny_bucket("down", 3) == "down.m4"
@@ -398,6 +399,10 @@ def test_buckets_and_lookup():
         assert tuning.decode_fallback_buckets("1024x2048")[:2] == ["512x2048", "256x2048"]
         assert ops.decode_attention_config(1000, 1500) == kc
         assert ops._config("paged_decode_attention", "1024x512") is None
+        # A table built before the 131072 context bucket: a 100k context runs its batch's 32k
+        # config (here the nearest is 64x2048's, two contexts down), not the untuned default.
+        assert tuning.decode_fallback_buckets("8x131072")[:3] == ["1x131072", "8x32768", "1x32768"]
+        assert ops.decode_attention_config(64, 100_000) == kc
     finally:
         ops.configure(None)
 
