@@ -23,7 +23,10 @@ from pagecast.runtime.forward_context import ForwardContext
 
 logger = logging.getLogger("pagecast.engine")
 
-CONTEXT_BUCKETS = (2048, 8192)
+# Below max_model_len (which always has its graphs). 32768 matches the decode kernel's tuned context
+# buckets past 8k (tuning.DECODE_CONTEXT_BUCKETS): a 128k model's 8k-32k contexts replay a graph
+# with the 32k bucket's split count, not the 128k bucket's. Graphs whose configs agree are shared.
+CONTEXT_BUCKETS = (2048, 8192, 32768)
 
 
 class DecodeGraphs:
