@@ -392,11 +392,21 @@ def model_shapes(cfg: dict, kv: str, run: Run, block: int = BLOCK):  # type: ign
     )  # fmt: skip
 
 
-def best_of(run: Run, fn, configs: list, reps: int) -> tuple[float, object]:  # type: ignore[no-untyped-def]
+def best_of(run: Run, fn, configs: list, reps: int, graph: bool = False) -> tuple[float, object]:  # type: ignore[no-untyped-def]
+    """(ms, config) of the fastest config; ``graph``: timed captured in a CUDA graph on the GPU
+    (tuning.time_launches, as the engine runs decode), so the launcher's host time stays out of
+    the events (it is most of a decode launch's tens of us when timed eagerly)."""
+    from pagecast.kernels import tuning
+
+    def ms(cfg):  # type: ignore[no-untyped-def]
+        if graph and run.cuda:
+            return tuning.time_launches(lambda i: fn(cfg), 4, reps=reps) / 1000
+        return run.median_ms(lambda: fn(cfg), reps)
+
     timed = []
     for cfg in configs:
         try:
-            timed.append((run.median_ms(lambda cfg=cfg: fn(cfg), reps), cfg))
+            timed.append((ms(cfg), cfg))
         except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: that config cannot run here
             print(f"  skipped {cfg.as_dict()}: {type(exc).__name__}", flush=True)
             run.sync()
@@ -450,16 +460,7 @@ def kernel_figures(
                 context, config=c, out=x["out"],
             )  # fmt: skip
 
-        if run.cuda:
-            # A decode launch is tens to hundreds of us: timed eagerly, the launcher's host time
-            # (argument checks, the partials' allocation) lands inside the events. Captured in a
-            # CUDA graph, as the engine runs decode, it does not (tuning.time_launches).
-            from pagecast.kernels import tuning
-
-            timed = [(tuning.time_launches(lambda i, c=c: decode(c), 4, reps=10) / 1000, c) for c in configs]
-            ms, best = min(timed, key=lambda t: t[0])
-        else:
-            ms, best = best_of(run, decode, configs, 3)
+        ms, best = best_of(run, decode, configs, 3 if run.dry_run else 10, graph=True)
         nbytes = seqs * context * 2 * cfg["num_key_value_heads"] * hd * kv_elt  # one layer's K and V
         run.emit(
             figure="decode_attention_fraction_of_copy", kv=kv, seqs=seqs, context=context,
