@@ -256,6 +256,7 @@ def paged_attention(
     softcap: float = 0.0,
     window: int = 0,
     sinks: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode batches (max_query_len == 1) take the split-context decode kernel; prefill and
     chunked prefill the prefill kernel. A mixed batch whose first ``num_decodes`` sequences have
@@ -265,28 +266,29 @@ def paged_attention(
     (Gemma 2), ``window`` > 0 is the layer's sliding window, ``sinks`` [num_heads] gpt-oss's
     per-head sink logits (each adds exp(sink) to its head's softmax denominator): both kernels
     take them on a GPU (the decode kernel adds each once, in its merge of the splits), the
-    reference on the CPU."""
+    reference on the CPU. ``out`` (q's shape and dtype): written instead of a new tensor."""
     if not _triton(q):
-        return reference.paged_attention(
+        result = reference.paged_attention(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale, softcap, window,
             sinks,
         )  # fmt: skip
+        return result if out is None else out.copy_(result)
     split = num_decodes - num_decodes % SPLIT_ALIGN
     if max_query_len > 1 and MIN_SPLIT_DECODES is not None and MIN_SPLIT_DECODES <= split < seq_lens.shape[0]:
         return decodes_then_prefill(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len, split,
-            k_scale, v_scale, softcap, window, sinks,
+            k_scale, v_scale, softcap, window, sinks, out,
         )  # fmt: skip
     if max_query_len == 1:
         cfg = _config("paged_decode_attention", decode_bucket(seq_lens.shape[0], max_seq_len))
         return _kernels().decode(  # type: ignore[no-any-return]
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len, cfg,
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len, cfg, out=out,
             k_scale=k_scale, v_scale=v_scale, softcap=softcap, window=window, sinks=sinks,
         )  # fmt: skip
     cfg = _config("paged_prefill_attention", prefill_bucket(q.shape[0], max_seq_len))
     return _kernels().prefill(  # type: ignore[no-any-return]
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, cfg, k_scale=k_scale, v_scale=v_scale,
-        softcap=softcap, window=window, sinks=sinks,
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, cfg, out=out, k_scale=k_scale,
+        v_scale=v_scale, softcap=softcap, window=window, sinks=sinks,
     )
 
 
@@ -325,12 +327,13 @@ def decodes_then_prefill(
     softcap: float = 0.0,
     window: int = 0,
     sinks: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a mixed batch whose first ``num_decodes`` sequences have one query token each
     (query rows 0..num_decodes - 1): the decode kernel over those, the prefill kernel over the
-    rest, into one output."""
+    rest, into one output (``out`` when given)."""
     d = num_decodes
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     kernels = _kernels()
     kernels.decode(
         q[:d], k_cache, v_cache, block_tables[:d], seq_lens[:d], query_start_loc[: d + 1], scale, max_seq_len,

@@ -38,6 +38,7 @@ _ENGINE_OPTIONS = (
     "async_scheduling",
     "cuda_graphs",
     "lazy_graphs",
+    "mixed_graphs",
     "speculative_config",
 )
 
@@ -111,6 +112,12 @@ _ENGINE_OPTIONS = (
     default=None,
     help="Serve as soon as the weights are loaded and capture the CUDA graphs between steps afterwards "
     "(decode runs eagerly until its graph is there) [default: on].",
+)
+@click.option(
+    "--mixed-graphs/--no-mixed-graphs",
+    default=None,
+    help="Replay steps with prompt tokens (up to 512 tokens) from CUDA graphs too, attention eagerly between "
+    "the layers' graphs; dense models on one GPU [default: off].",
 )
 @click.option(
     "--speculative-config",

@@ -235,3 +235,194 @@ class DecodeGraphs:
             self.positions[n:batch].zero_()
         self.graphs[(batch, context)].replay()
         return self.outputs[(batch, context)][:n]
+
+
+# Token counts a step with prompt tokens is padded to for MixedGraphs. Up to 512 tokens an 8B
+# model's projections are bound by their weight reads, so padding costs little there, while the
+# ~300 eager launches of such a step take about as long as its kernels; past 512 the kernels
+# take several times the launches' time, which asynchronous scheduling hides, and padding would
+# cost compute. Capped at the engine's step budget.
+MIXED_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 384, 512)
+
+
+def mixed_graph_sizes(max_num_batched_tokens: int) -> list[int]:
+    """MixedGraphs' token buckets for an engine whose steps take up to ``max_num_batched_tokens``."""
+    top = min(max_num_batched_tokens, MIXED_TOKEN_BUCKETS[-1])
+    return [s for s in MIXED_TOKEN_BUCKETS if s < top] + [top]
+
+
+class MixedGraphs:
+    """CUDA graphs for steps with prompt tokens (prefill chunks, alone or beside decodes), which
+    DecodeGraphs cannot take: the model between its attention calls is captured per token-count
+    bucket, and attention runs eagerly between the pieces with the step's own metadata (its
+    kernels and their grids follow how the step's tokens fall into sequences, which a graph could
+    not). A bucket is ``num_layers + 1`` graphs: the embedding and layer 0 up to its attention;
+    each layer from its attention's output up to the next layer's attention; the last layer's
+    rest and the final norm (the generated model's ``embed`` / ``before_attention`` /
+    ``after_attention`` / ``final_norm``).
+
+    The pieces talk through persistent buffers: the token inputs, q (a piece's output, attention's
+    input), attention's output, the residual stream, the final hidden states. A step of n tokens
+    is padded to its bucket: padding rows write no KV (slot -1) and attention skips them (it runs
+    over the first n rows only); their rows of the buffers hold finite leftovers, and every piece
+    works row by row, so they never reach a real row. Dense models only (``Model.GRAPH_PIECES``:
+    a MoE block routes some token counts through a loop that syncs with the host).
+    """
+
+    SPLIT_PIECES = 8  # pieces captured a call by an idle engine (capture_next(split=True))
+
+    def __init__(self, model: Any, device: torch.device, token_sizes: list[int]):
+        self.model = model
+        self.device = device
+        self.sizes = sorted(token_sizes)
+        self.num_layers = len(model.layers)
+        n = self.sizes[-1]
+        dtype = model.embed_tokens.dtype
+        heads, head_dim = model.Q_SHAPE
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.q = torch.zeros((n, heads, head_dim), dtype=dtype, device=device)
+        self.attn = torch.zeros((n, heads, head_dim), dtype=dtype, device=device)
+        self.residual = torch.zeros((n, model.HIDDEN_SIZE), dtype=dtype, device=device)
+        self.hidden = torch.zeros((n, model.HIDDEN_SIZE), dtype=dtype, device=device)
+        self.graphs: dict[int, list[Any]] = {}  # token bucket -> its pieces, in order
+        self.pool = None
+        self._plan = list(reversed(self.sizes))  # largest first: the shared pool is sized by it
+        self._warmed: set[int] = set()
+        self._partial: dict[int, list[Any]] = {}  # a bucket's pieces captured so far (split capture)
+        self._stream: torch.cuda.Stream | None = None
+        self.timings = {"warm_up_forwards": 0.0, "captures": 0.0}
+
+    @staticmethod
+    def supports(model: Any) -> bool:
+        """Whether ``model`` (generated code) comes in graph pieces: dense models rendered by this
+        version (artifacts built before have one ``forward``)."""
+        return bool(getattr(model, "GRAPH_PIECES", False))
+
+    # -- the pieces --------------------------------------------------------------------------
+
+    def _piece(self, k: int, n: int) -> None:
+        """Piece ``k`` of bucket ``n``, over the first n rows of the buffers."""
+        m = self.model
+        if k == 0:
+            hidden, residual = m.embed(self.input_ids[:n]), None
+        else:
+            hidden, residual = m.after_attention(k - 1, self.attn[:n], self.residual[:n])
+        if k == self.num_layers:
+            self.hidden[:n].copy_(m.final_norm(hidden, residual))
+            return
+        q, residual = m.before_attention(k, hidden, residual, self.positions[:n], self.slot_mapping[:n])
+        self.q[:n].copy_(q)
+        self.residual[:n].copy_(residual)
+
+    def _pad(self, n: int) -> None:
+        # Padding rows only: the warm-up before a capture must not write the KV slots the last
+        # step's real rows held.
+        self.slot_mapping[:n].fill_(-1)
+        self.input_ids[:n].zero_()
+        self.positions[:n].zero_()
+
+    # -- capture -----------------------------------------------------------------------------
+
+    @property
+    def pending(self) -> int:
+        """Buckets planned and not captured yet."""
+        return len(self._plan)
+
+    @torch.inference_mode()
+    def capture(self) -> float:
+        """Capture every planned bucket now; returns the seconds it took."""
+        start = time.perf_counter()
+        while self.capture_next():
+            pass
+        self._synchronize()
+        elapsed = time.perf_counter() - start
+        logger.info(
+            "captured mixed-step CUDA graphs for %d token buckets (%d pieces each) in %.1f s",
+            len(self.graphs), self.num_layers + 1, elapsed,
+        )  # fmt: skip
+        return elapsed
+
+    @torch.inference_mode()
+    def capture_next(self, split: bool = False) -> bool:
+        """Capture the next planned bucket: its eager warm-up (the pieces run once, so every kernel
+        is loaded before it is recorded), then its pieces. ``split`` (an idle engine between steps)
+        does the warm-up or up to SPLIT_PIECES captures a call, so a request that arrives meanwhile
+        waits for about one layer's worth of a decode graph's capture. False when nothing was left
+        to capture."""
+        if not self._plan:
+            return False
+        n = self._plan[0]
+        if n not in self._warmed:
+            self._warm_up(n)
+            if split:
+                return True
+        pieces = self._partial.setdefault(n, [])
+        t0 = time.perf_counter()
+        while len(pieces) <= self.num_layers:
+            pieces.append(self._capture_one(len(pieces), n))
+            if split and len(pieces) % self.SPLIT_PIECES == 0:
+                break
+        self.timings["captures"] += time.perf_counter() - t0
+        if len(pieces) == self.num_layers + 1:
+            self.graphs[n] = self._partial.pop(n)
+            self._plan.pop(0)
+        return True
+
+    def _synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def _warm_up(self, n: int) -> None:
+        self._pad(n)
+        t0 = time.perf_counter()
+        for k in range(self.num_layers + 1):
+            self._piece(k, n)
+        self._synchronize()
+        self.timings["warm_up_forwards"] += time.perf_counter() - t0
+        self._warmed.add(n)
+
+    def _capture_one(self, k: int, n: int) -> Any:
+        """Record piece ``k`` of bucket ``n`` (after the bucket's warm-up); returns the graph."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)  # as DecodeGraphs._capture_one
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(self._stream):
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            try:
+                self._piece(k, n)
+            finally:
+                graph.capture_end()
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph
+
+    # -- replay ------------------------------------------------------------------------------
+
+    def can_run(self, num_tokens: int) -> bool:
+        if num_tokens > self.sizes[-1]:
+            return False
+        return self._bucket(num_tokens) in self.graphs  # not captured yet: eager
+
+    def _bucket(self, num_tokens: int) -> int:
+        return self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """One step (inputs on the device, ``ctx`` the step's own metadata); returns the final
+        hidden states [num_tokens, hidden] (valid until the next run)."""
+        n = input_ids.shape[0]
+        size = self._bucket(n)
+        m = self.model
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(m.rope_positions(positions, ctx))
+        self.slot_mapping[:n].copy_(ctx.slot_mapping)
+        if size > n:  # padding rows: no KV write
+            self.slot_mapping[n:size].fill_(-1)
+            self.input_ids[n:size].zero_()
+            self.positions[n:size].zero_()
+        pieces = self.graphs[size]
+        pieces[0].replay()
+        for i in range(self.num_layers):
+            m.attention(i, self.q[:n], ctx, out=self.attn[:n])
+            pieces[i + 1].replay()
+        return self.hidden[:n]

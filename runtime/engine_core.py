@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from pagecast.runtime.block_pool import BlockPool
+from pagecast.runtime.cuda_graphs import mixed_graph_sizes
 from pagecast.runtime.errors import InvalidRequestError
 from pagecast.runtime.kernel_cache import process_compiles
 from pagecast.runtime.loader import LoadedArtifact, load_artifact, zeros_kv_cache
@@ -190,6 +191,10 @@ class EngineOptions:
     # serving online (engine-serve, AsyncEngine), where start-up time is what a user waits for;
     # off for LLM, whose first batch would run eagerly.
     lazy_graphs: bool | None = None
+    # CUDA graphs for steps with prompt tokens as well (runtime/cuda_graphs.py, MixedGraphs): the
+    # layers between attention calls replay per token bucket (up to 512 tokens), attention runs
+    # eagerly. Off by default until it has been measured on a GPU. Dense models on one device only.
+    mixed_graphs: bool = False
     # Plan step N+1 while step N runs on the device (default: on for GPUs), for every request:
     # logprobs, prompt logprobs and penalties are computed on the device too.
     async_scheduling: bool | None = None
@@ -376,7 +381,10 @@ class EngineCore:
             # The plan's batch sizes, up to this engine's max_num_seqs; larger decode batches run eagerly.
             planned = self.artifact.memory_plan.get("cuda_graph_batch_sizes") or [1]
             sizes = [b for b in planned if b <= options.max_num_seqs]
-            self.startup_s["cuda_graphs"] = self.runner.capture_cuda_graphs(sizes, self.max_model_len, options.lazy_graphs_on)
+            mixed = mixed_graph_sizes(options.max_num_batched_tokens) if options.mixed_graphs else []
+            self.startup_s["cuda_graphs"] = self.runner.capture_cuda_graphs(
+                sizes, self.max_model_len, options.lazy_graphs_on, mixed_sizes=mixed
+            )
             graphs = getattr(self.runner, "graphs", None)
             self.startup_s.update({f"cuda_graphs.{k}": v for k, v in getattr(graphs, "timings", {}).items()})
         self.num_prompt_tokens = 0

@@ -19,7 +19,7 @@ import torch
 
 from pagecast.kernels import ops
 from pagecast.runtime import startup
-from pagecast.runtime.cuda_graphs import DecodeGraphs
+from pagecast.runtime.cuda_graphs import DecodeGraphs, MixedGraphs
 from pagecast.runtime.forward_context import ForwardContext, leading_decodes
 from pagecast.runtime.input_batch import BlockTables
 from pagecast.runtime.outputs import PositionLogprobs
@@ -118,6 +118,7 @@ class ModelRunner:
         num_cols = -(-max_model_len // block_size) if max_model_len else 64
         self.block_tables = BlockTables(device, max_num_seqs, num_cols)
         self.graphs: DecodeGraphs | None = None
+        self.mixed: MixedGraphs | None = None  # graphs of steps with prompt tokens (opt-in)
         self._lazy: _LazyCapture | None = None  # lazy graphs still to capture
         # Output token counts of penalised requests, for asynchronous steps (launch).
         self.penalties = PenaltyState()
@@ -144,22 +145,33 @@ class ModelRunner:
         if self.kernels is not None:
             ops.activate(self.kernels)
 
-    def capture_cuda_graphs(self, batch_sizes: list[int], max_model_len: int, lazy: bool = False) -> float:
+    def capture_cuda_graphs(
+        self, batch_sizes: list[int], max_model_len: int, lazy: bool = False, mixed_sizes: list[int] | None = None
+    ) -> float:
         """Capture decode graphs (GPU only); returns the seconds it took. ``lazy``: capture none
         now, but once ``start_lazy_capture`` is called (see ``capture_lazily``; the engine serves
         meanwhile, decode batches eagerly until their graph is there); tensor-parallel
-        engines capture at once (their ranks capture in lockstep)."""
+        engines capture at once (their ranks capture in lockstep). ``mixed_sizes``: token buckets
+        of graphs for steps with prompt tokens too (MixedGraphs; after the decode graphs, and not
+        with tensor parallelism or a model without graph pieces, which run those steps eagerly)."""
         if self.device.type != "cuda" or not batch_sizes:
             return 0.0
         self._activate_kernels()
         graphs = DecodeGraphs(self.model, self.device, batch_sizes, max_model_len, self.block_size)
         workers = self._sync_workers()
+        if mixed_sizes and workers is None and MixedGraphs.supports(self.model):
+            self.mixed = MixedGraphs(self.model, self.device, mixed_sizes)
+        elif mixed_sizes:
+            logger.info("mixed-step CUDA graphs are not used: %s", "tensor parallelism" if workers else "a MoE model or an artifact built before them")
         if lazy and workers is None:
             self.capture_lazily(graphs)
             return 0.0
         self.graphs = graphs
         if workers is None:
             seconds = self.graphs.capture()
+            if self.mixed is not None:
+                self.mixed.pool = self.graphs.pool  # their pieces keep nothing in it between replays
+                seconds += self.mixed.capture()
         else:
             workers.capture(self.graphs.batch_sizes, max_model_len, self.block_size)
             with workers.guard():
@@ -197,7 +209,11 @@ class ModelRunner:
         if lazy is None or not lazy.started or graphs is None:
             return False
         t0 = time.perf_counter()
-        graphs.capture_next(split=True)
+        if graphs.pending:
+            graphs.capture_next(split=True)
+        elif self.mixed is not None:
+            self.mixed.pool = self.mixed.pool or graphs.pool  # their pieces keep nothing in it between replays
+            self.mixed.capture_next(split=True)
         lazy.seconds += time.perf_counter() - t0
         self._lazy_progress()
         return self.lazy_graphs_pending
@@ -216,7 +232,7 @@ class ModelRunner:
 
     def _lazy_progress(self) -> None:
         lazy, graphs = self._lazy, self.graphs
-        if lazy is None or graphs is None or graphs.pending:
+        if lazy is None or graphs is None or graphs.pending or (self.mixed is not None and self.mixed.pending):
             return
         self._lazy = None
         t = graphs.timings
@@ -393,7 +409,10 @@ class ModelRunner:
                 batch.input_ids, batch.positions, ctx.slot_mapping, ctx.block_tables, ctx.seq_lens, ctx.max_seq_len
             )
             return self.model.compute_logits(hidden)
-        hidden = self.model.forward(batch.input_ids, batch.positions, batch.ctx)
+        if self.mixed is not None and self.mixed.can_run(batch.input_ids.shape[0]):
+            hidden = self.mixed.run(batch.input_ids, batch.positions, batch.ctx)
+        else:
+            hidden = self.model.forward(batch.input_ids, batch.positions, batch.ctx)
         if batch.ctx.logits_indices.numel() == 0:
             return None
         return self.model.compute_logits(hidden[batch.ctx.logits_indices])
