@@ -519,6 +519,21 @@ def moe(
     return all_reduce(out)
 
 
+def moe_stays_on_device(num_tokens: int, w_gate_up: torch.Tensor | Int4ExpertsWeight | Fp8ExpertsWeight) -> bool:
+    """Whether ``moe`` over ``num_tokens`` rows of these experts runs without waiting for the host,
+    so a CUDA graph can hold it: every path but the naive per-expert loop, which the tuner may
+    keep at buckets past the decode graphs' batches."""
+    from pagecast.kernels import fused_moe
+
+    if isinstance(w_gate_up, Int4ExpertsWeight):
+        kernel = "fused_moe_w4a16"
+    elif isinstance(w_gate_up, Fp8ExpertsWeight):
+        kernel = "fused_moe_fp8"
+    else:
+        kernel = "fused_moe"
+    return not fused_moe.is_naive(_config(kernel, moe_bucket(num_tokens)))
+
+
 def _int4_moe(
     x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w_gate_up: Int4ExpertsWeight,
     w_down: Int4ExpertsWeight, act: MoeActivation,

@@ -117,7 +117,7 @@ _ENGINE_OPTIONS = (
     "--mixed-graphs/--no-mixed-graphs",
     default=None,
     help="Replay steps with prompt tokens (up to 512 tokens) from CUDA graphs too, attention eagerly between "
-    "the layers' graphs; dense models on one GPU [default: off].",
+    "the layers' graphs; one GPU, no tensor parallelism [default: off].",
 )
 @click.option(
     "--speculative-config",

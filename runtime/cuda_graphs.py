@@ -237,11 +237,12 @@ class DecodeGraphs:
         return self.outputs[(batch, context)][:n]
 
 
-# Token counts a step with prompt tokens is padded to for MixedGraphs. Up to 512 tokens an 8B
-# model's projections are bound by their weight reads, so padding costs little there, while the
-# ~300 eager launches of such a step take about as long as its kernels; past 512 the kernels
-# take several times the launches' time, which asynchronous scheduling hides, and padding would
-# cost compute. Capped at the engine's step budget.
+# Token counts a step with prompt tokens is padded to for MixedGraphs. The reasoning, not yet
+# measured: up to a few hundred tokens an 8B model's projections are bound by their weight reads
+# (about 4 ms a step on an H200), so padding costs little there, while the step's ~300 eager
+# launches cost host time of the same order; past 512 the kernels' time grows with the tokens,
+# asynchronous scheduling hides the launches behind it, and padding would cost compute.
+# Capped at the engine's step budget.
 MIXED_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 384, 512)
 
 
@@ -265,8 +266,9 @@ class MixedGraphs:
     input), attention's output, the residual stream, the final hidden states. A step of n tokens
     is padded to its bucket: padding rows write no KV (slot -1) and attention skips them (it runs
     over the first n rows only); their rows of the buffers hold finite leftovers, and every piece
-    works row by row, so they never reach a real row. Dense models only (``Model.GRAPH_PIECES``:
-    a MoE block routes some token counts through a loop that syncs with the host).
+    computes each row from that row alone (a MoE block's padding rows join expert groups, not
+    other rows' sums), so they never reach a real row. A MoE model's buckets are those where its
+    MoE blocks do not take the loop that waits for the host (``Model.pieces_fit``).
     """
 
     SPLIT_PIECES = 8  # pieces captured a call by an idle engine (capture_next(split=True))
@@ -296,9 +298,15 @@ class MixedGraphs:
 
     @staticmethod
     def supports(model: Any) -> bool:
-        """Whether ``model`` (generated code) comes in graph pieces: dense models rendered by this
-        version (artifacts built before have one ``forward``)."""
+        """Whether ``model`` (generated code) comes in graph pieces: models rendered by this version
+        (artifacts built before have one ``forward``)."""
         return bool(getattr(model, "GRAPH_PIECES", False))
+
+    @staticmethod
+    def sizes_for(model: Any, token_sizes: list[int]) -> list[int]:
+        """The buckets of ``token_sizes`` whose pieces ``model`` can have captured (under the
+        active kernel table, whose configs decide it for a MoE model)."""
+        return [n for n in token_sizes if model.pieces_fit(n)]
 
     # -- the pieces --------------------------------------------------------------------------
 

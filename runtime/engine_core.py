@@ -193,7 +193,7 @@ class EngineOptions:
     lazy_graphs: bool | None = None
     # CUDA graphs for steps with prompt tokens as well (runtime/cuda_graphs.py, MixedGraphs): the
     # layers between attention calls replay per token bucket (up to 512 tokens), attention runs
-    # eagerly. Off by default until it has been measured on a GPU. Dense models on one device only.
+    # eagerly. Off by default until it has been measured on a GPU. Not with tensor parallelism.
     mixed_graphs: bool = False
     # Plan step N+1 while step N runs on the device (default: on for GPUs), for every request:
     # logprobs, prompt logprobs and penalties are computed on the device too.

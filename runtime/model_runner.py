@@ -160,9 +160,17 @@ class ModelRunner:
         graphs = DecodeGraphs(self.model, self.device, batch_sizes, max_model_len, self.block_size)
         workers = self._sync_workers()
         if mixed_sizes and workers is None and MixedGraphs.supports(self.model):
-            self.mixed = MixedGraphs(self.model, self.device, mixed_sizes)
+            fitting = MixedGraphs.sizes_for(self.model, mixed_sizes)
+            if len(fitting) < len(mixed_sizes):
+                logger.info(
+                    "mixed-step CUDA graphs for %s tokens; steps of %s run eagerly (the MoE blocks wait for the host there)",
+                    fitting, sorted(set(mixed_sizes) - set(fitting)),
+                )  # fmt: skip
+            if fitting:
+                self.mixed = MixedGraphs(self.model, self.device, fitting)
         elif mixed_sizes:
-            logger.info("mixed-step CUDA graphs are not used: %s", "tensor parallelism" if workers else "a MoE model or an artifact built before them")
+            reason = "tensor parallelism" if workers else "an artifact built before them (rebuild it to have them)"
+            logger.info("mixed-step CUDA graphs are not used: %s", reason)
         if lazy and workers is None:
             self.capture_lazily(graphs)
             return 0.0
@@ -242,6 +250,12 @@ class ModelRunner:
             graphs.num_captured, lazy.for_steps, lazy.seconds, time.perf_counter() - lazy.since,
             t["warm_up_forwards"], t["warm_up_sync"], t["captures"],
         )  # fmt: skip
+        if self.mixed is not None:
+            m = self.mixed.timings
+            logger.info(
+                "mixed-step CUDA graphs: %d token buckets of %d pieces (eager warm-up %.2f s, capture %.2f s; part of the capture seconds "
+                "above)", len(self.mixed.graphs), self.mixed.num_layers + 1, m["warm_up_forwards"], m["captures"],
+            )  # fmt: skip
         startup.mark("cuda graphs (lazy)")
 
     def forget(self, out: SchedulerOutput) -> None:

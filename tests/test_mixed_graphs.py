@@ -60,11 +60,13 @@ def _generate(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "olmo2", "phi3", "granite"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "olmo2", "phi3", "granite", "qwen2_moe", "gpt_oss"])
 def test_mixed_steps_from_pieces_give_the_eager_tokens(family, tiny_artifact_factory) -> None:  # type: ignore[no-untyped-def]
     # llama: input norms, SiLU; gemma2: sliding windows, soft-caps, norms after attention and MLP,
     # GELU; olmo2: no input norm (the stream itself enters q/k/v), q/k norms over the projection;
-    # phi3: LongRoPE, whose positions follow each sequence's length; granite: multipliers.
+    # phi3: LongRoPE, whose positions follow each sequence's length; granite: multipliers;
+    # qwen2_moe: a dense first layer, then MoE blocks with a gated shared expert; gpt_oss: MoE with
+    # router and expert biases, attention sinks, alternating sliding windows.
     art = tiny_artifact_factory(family)
     options = {"max_num_seqs": 4, "max_num_batched_tokens": 32, "async_scheduling": False}
     expected = _generate(LLM(art, **options))
@@ -120,11 +122,21 @@ def test_bucket_sizes_follow_the_step_budget() -> None:
     assert mixed_graph_sizes(100) == [16, 32, 64, 100]
 
 
-def test_moe_models_run_mixed_steps_eagerly(tiny_artifact_factory) -> None:  # type: ignore[no-untyped-def]
-    # A MoE block routes some token counts through a loop that syncs with the host (no capture).
-    llm = LLM(tiny_artifact_factory("qwen2_moe"), max_num_seqs=4, async_scheduling=False)
-    assert not MixedGraphs.supports(llm.engine.runner.model)
-    assert MixedGraphs.supports(LLM(tiny_artifact_factory("llama"), max_num_seqs=4).engine.runner.model)
+def test_moe_buckets_where_the_experts_wait_for_the_host_run_eagerly(tiny_artifact_factory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from pagecast.kernels import fused_moe, ops
+    from pagecast.kernels.tuning import moe_bucket
+
+    moe = LLM(tiny_artifact_factory("qwen2_moe"), max_num_seqs=4, async_scheduling=False).engine.runner.model
+    dense = LLM(tiny_artifact_factory("llama"), max_num_seqs=4, async_scheduling=False).engine.runner.model
+    assert MixedGraphs.supports(moe) and MixedGraphs.supports(dense)
+    sizes = [16, 256, 512]
+    assert MixedGraphs.sizes_for(moe, sizes) == sizes  # untuned: the fused kernels everywhere
+    # A table that keeps the naive per-expert loop (it syncs with the host) at the 512-token bucket.
+    naive_at = moe_bucket(512)
+    monkeypatch.setattr(ops, "_config", lambda kernel, bucket: fused_moe.NAIVE if bucket == naive_at else None)
+    assert moe_bucket(256) != naive_at
+    assert MixedGraphs.sizes_for(moe, sizes) == [16, 256]
+    assert MixedGraphs.sizes_for(dense, sizes) == sizes
 
 
 def test_an_idle_engine_captures_the_mixed_pieces_after_the_decode_graphs(tiny_llama_artifact) -> None:  # type: ignore[no-untyped-def]

@@ -12,6 +12,7 @@ from conftest import build_artifact
 from tiny_models import make_checkpoint
 
 from pagecast.runtime import LLM, SamplingParams
+from pagecast.runtime.cuda_graphs import MixedGraphs
 
 pytestmark = pytest.mark.gpu
 
@@ -23,7 +24,9 @@ if not torch.cuda.is_available():
 PROMPTS = [[1 + (i * 37 + j * 11) % 4000 for j in range(n)] for i, n in enumerate([5, 17, 300, 64, 100, 3, 250, 9, 130, 40])]
 
 
-@pytest.mark.parametrize(("family", "dtype"), [("llama", "float32"), ("gemma2", "float32"), ("llama", "bfloat16")])
+@pytest.mark.parametrize(
+    ("family", "dtype"), [("llama", "float32"), ("gemma2", "float32"), ("qwen3_moe", "float32"), ("llama", "bfloat16")]
+)
 def test_mixed_graphs_give_the_eager_tokens(tmp_path, family, dtype):  # type: ignore[no-untyped-def]
     ckpt = make_checkpoint(tmp_path / "ckpt", family, tokenizer=False)
     art = build_artifact(ckpt, tmp_path / "art", gpu="auto", dtype=dtype, tune_budget_s=10.0)
@@ -38,7 +41,9 @@ def test_mixed_graphs_give_the_eager_tokens(tmp_path, family, dtype):  # type: i
     llm = LLM(art, mixed_graphs=True, **options)
     mixed = llm.engine.runner.mixed
     assert mixed is not None and mixed.pending == 0
-    assert sorted(mixed.graphs) == [16, 32, 64, 128, 256, 384, 512]
+    every = [16, 32, 64, 128, 256, 384, 512]
+    # A MoE model skips the buckets where the tuner kept the per-expert loop (it waits for the host).
+    assert sorted(mixed.graphs) == (MixedGraphs.sizes_for(llm.engine.runner.model, every) if "moe" in family else every)
     steps: list[int] = []
     run = mixed.run
     mixed.run = lambda ids, *args: steps.append(ids.shape[0]) or run(ids, *args)  # type: ignore[method-assign]
