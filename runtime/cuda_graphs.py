@@ -29,7 +29,57 @@ logger = logging.getLogger("pagecast.engine")
 CONTEXT_BUCKETS = (2048, 8192, 32768)
 
 
-class DecodeGraphs:
+class _GraphSet:
+    """What DecodeGraphs and MixedGraphs share: a plan captured piece by piece (``capture_next``),
+    each graph recorded on a side stream into one memory pool."""
+
+    device: torch.device
+    pool: Any = None
+    _stream: torch.cuda.Stream | None = None
+
+    def capture_next(self, split: bool = False) -> bool:
+        raise NotImplementedError
+
+    def _log_capture(self, seconds: float) -> None:
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def capture(self) -> float:
+        """Capture everything planned now; returns the seconds it took."""
+        start = time.perf_counter()
+        while self.capture_next():
+            pass
+        self._synchronize()
+        elapsed = time.perf_counter() - start
+        self._log_capture(elapsed)
+        return elapsed
+
+    def _synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def _record(self, fn: Any) -> tuple[Any, Any]:
+        """Record ``fn()`` as a graph; returns the graph and what ``fn`` returned (its output
+        buffers, which later replays overwrite)."""
+        if self._stream is None:
+            # capture_begin/capture_end on a side stream rather than the torch.cuda.graph context:
+            # that one empties the allocator's cache before every capture, which made each capture
+            # free and re-allocate the warm-up's memory (0.16 s a graph for Llama-3-8B).
+            self._stream = torch.cuda.Stream(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(self._stream):
+            # thread_local: the weights may still be streaming in on other threads (their
+            # copies and event waits would break a global-mode capture).
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            try:
+                out = fn()
+            finally:
+                graph.capture_end()
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph, out
+
+
+class DecodeGraphs(_GraphSet):
     """Captured decode graphs over persistent input buffers; ``run`` fills the buffers and replays."""
 
     def __init__(
@@ -57,7 +107,6 @@ class DecodeGraphs:
         self._plan = [(b, c) for c in reversed(self.contexts) for b in reversed(self.batch_sizes)]
         self._by_config: dict[tuple[int, str], tuple[int, int]] = {}
         self._warmed: set[tuple[int, int]] = set()  # buckets whose warm-up forward has run
-        self._stream: torch.cuda.Stream | None = None
         self.num_captured = 0
         # warm_up_sync: of the warm-up forwards, the time spent waiting for the device.
         self.timings = {"warm_up_forwards": 0.0, "warm_up_sync": 0.0, "captures": 0.0}
@@ -76,21 +125,13 @@ class DecodeGraphs:
         # [batch, vocab] fp32 output per captured graph would cost gigabytes.
         return self.model.forward(self.input_ids[:batch], self.positions[:batch], ctx)
 
-    @torch.inference_mode()
-    def capture(self) -> float:
-        """Capture every planned graph now; returns the seconds it took."""
-        start = time.perf_counter()
-        while self.capture_next():
-            pass
-        self._synchronize()
-        elapsed = time.perf_counter() - start
+    def _log_capture(self, elapsed: float) -> None:
         t = self.timings
         logger.info(
             "captured %d decode CUDA graphs for %d (batch, context) buckets in %.1f s (eager warm-up %.1f s of which "
             "%.1f s waiting for the device, capture %.1f s)",
             self.num_captured, len(self.graphs), elapsed, t["warm_up_forwards"], t["warm_up_sync"], t["captures"],
         )
-        return elapsed
 
     @property
     def pending(self) -> int:
@@ -146,9 +187,6 @@ class DecodeGraphs:
         self._capture(*bucket)
         return True
 
-    def _synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
-
     def _pad(self, batch: int) -> None:
         # Padding rows only: between steps (lazy graphs) the buffers hold the last replay's real
         # rows, whose KV slots the warm-up's eager forward must not write.
@@ -182,23 +220,7 @@ class DecodeGraphs:
     def _capture_one(self, batch: int, context: int) -> tuple[Any, torch.Tensor]:
         """Record one graph of ``batch`` rows for ``context`` (after its warm-up); returns the
         graph and its output buffer."""
-        if self._stream is None:
-            # capture_begin/capture_end on a side stream rather than the torch.cuda.graph context:
-            # that one empties the allocator's cache before every capture, which made each capture
-            # free and re-allocate the warm-up's memory (0.16 s a graph for Llama-3-8B).
-            self._stream = torch.cuda.Stream(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(self._stream):
-            # thread_local: the weights may still be streaming in on other threads (their
-            # copies and event waits would break a global-mode capture).
-            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-            try:
-                out = self._forward(batch, context)
-            finally:
-                graph.capture_end()
-        if self.pool is None:
-            self.pool = graph.pool()
-        return graph, out
+        return self._record(lambda: self._forward(batch, context))
 
     def can_run(self, num_seqs: int, max_seq_len: int) -> bool:
         if num_seqs > self.max_batch or max_seq_len > self.contexts[-1]:
@@ -252,7 +274,7 @@ def mixed_graph_sizes(max_num_batched_tokens: int) -> list[int]:
     return [s for s in MIXED_TOKEN_BUCKETS if s < top] + [top]
 
 
-class MixedGraphs:
+class MixedGraphs(_GraphSet):
     """CUDA graphs for steps with prompt tokens (prefill chunks, alone or beside decodes), which
     DecodeGraphs cannot take: the model between its attention calls is captured per token-count
     bucket, and attention runs eagerly between the pieces with the step's own metadata (its
@@ -293,7 +315,6 @@ class MixedGraphs:
         self._plan = list(reversed(self.sizes))  # largest first: the shared pool is sized by it
         self._warmed: set[int] = set()
         self._partial: dict[int, list[Any]] = {}  # a bucket's pieces captured so far (split capture)
-        self._stream: torch.cuda.Stream | None = None
         self.timings = {"warm_up_forwards": 0.0, "captures": 0.0}
 
     @staticmethod
@@ -338,19 +359,11 @@ class MixedGraphs:
         """Buckets planned and not captured yet."""
         return len(self._plan)
 
-    @torch.inference_mode()
-    def capture(self) -> float:
-        """Capture every planned bucket now; returns the seconds it took."""
-        start = time.perf_counter()
-        while self.capture_next():
-            pass
-        self._synchronize()
-        elapsed = time.perf_counter() - start
+    def _log_capture(self, elapsed: float) -> None:
         logger.info(
             "captured mixed-step CUDA graphs for %d token buckets (%d pieces each) in %.1f s",
             len(self.graphs), self.num_layers + 1, elapsed,
         )  # fmt: skip
-        return elapsed
 
     @torch.inference_mode()
     def capture_next(self, split: bool = False) -> bool:
@@ -378,9 +391,6 @@ class MixedGraphs:
             self._plan.pop(0)
         return True
 
-    def _synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
-
     def _warm_up(self, n: int) -> None:
         self._pad(n)
         t0 = time.perf_counter()
@@ -392,17 +402,7 @@ class MixedGraphs:
 
     def _capture_one(self, k: int, n: int) -> Any:
         """Record piece ``k`` of bucket ``n`` (after the bucket's warm-up); returns the graph."""
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)  # as DecodeGraphs._capture_one
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(self._stream):
-            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-            try:
-                self._piece(k, n)
-            finally:
-                graph.capture_end()
-        if self.pool is None:
-            self.pool = graph.pool()
+        graph, _ = self._record(lambda: self._piece(k, n))
         return graph
 
     # -- replay ------------------------------------------------------------------------------
