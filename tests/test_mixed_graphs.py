@@ -161,3 +161,37 @@ def test_an_idle_engine_captures_the_mixed_pieces_after_the_decode_graphs(tiny_l
     assert all(len(pieces) == 4 for pieces in mixed.graphs.values())
     llm.generate([PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
     assert mixed.steps == [9]
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_speculative_steps_from_pieces_draft_and_accept_as_eager_ones(method, tiny_llama_artifact, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # Verification steps beside prompt chunks run from the pieces; EAGLE-3's head reads the
+    # hidden states the pieces copy for each token's slot (padding rows: the spare row).
+    from eagle3_heads import make_head
+
+    if method == "eagle3":
+        config = {"method": "eagle3", "model": str(make_head(tmp_path / "head", seed=21)), "num_speculative_tokens": 3}
+    else:
+        config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [40 + i % 7 for i in range(40)], [9, 8, 9, 8, 9]]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    options = {"max_num_batched_tokens": 32, "max_num_seqs": 4, "speculative_config": config}
+
+    def run(pieces: bool) -> tuple[list[list[int]], list[list[int]], int]:
+        drafts: list[list[int]] = []
+        llm = LLM(tiny_llama_artifact, **options)
+        proposer = llm.engine.core.proposer
+        propose = proposer.propose
+        monkeypatch.setattr(proposer, "propose", lambda reqs, n: drafts.extend(out := propose(reqs, n)) or out)
+        if pieces:
+            runner = llm.engine.runner
+            runner.mixed = MixedOnCPU(runner.model, runner.device, [16, 32])
+            runner.mixed.capture()
+        out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        if pieces:
+            assert runner.mixed.steps, "no step ran from the pieces"
+        return out, drafts, llm.engine.core.stats().spec_num_accepted_tokens
+
+    eager = run(pieces=False)
+    assert eager[1], "nothing was drafted"
+    assert run(pieces=True) == eager
