@@ -10,5 +10,7 @@
 # the rotary kernel). A change that only adds to the calls keeps the older model code working:
 # KERNEL_ABI_OLDEST is the oldest ABI whose artifacts this pagecast still runs.
 # 3: ops.lm_head takes an FP8 head (quant_linear.Fp8LinearWeight, enginebuild --fp8-lm-head).
-KERNEL_ABI = 3
+# 4: ops.paged_attention takes out=, and ops.moe_stays_on_device is new (the model's graph pieces
+# for mixed-step CUDA graphs, runtime/cuda_graphs.py MixedGraphs).
+KERNEL_ABI = 4
 KERNEL_ABI_OLDEST = 1
