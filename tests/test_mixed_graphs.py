@@ -195,3 +195,24 @@ def test_speculative_steps_from_pieces_draft_and_accept_as_eager_ones(method, ti
     eager = run(pieces=False)
     assert eager[1], "nothing was drafted"
     assert run(pieces=True) == eager
+
+
+def test_engine_serve_passes_mixed_graphs_to_each_engine(tmp_path, monkeypatch, restore_root_logging) -> None:  # type: ignore[no-untyped-def]
+    from click.testing import CliRunner
+
+    from pagecast.runtime import cli
+    from pagecast.runtime.engine_core import EngineOptions
+
+    seen: list[dict] = []
+
+    def load_engines(artifacts, names, options):  # type: ignore[no-untyped-def]
+        seen.append(dict(options))
+        raise SystemExit(3)
+
+    monkeypatch.setattr(cli, "_load_engines", load_engines)
+    for flag, expected in (("--mixed-graphs", True), ("--no-mixed-graphs", False), (None, None)):
+        args = [str(tmp_path)] + ([flag] if flag else [])
+        assert CliRunner().invoke(cli.main, args).exit_code == 3
+        assert seen[-1].get("mixed_graphs") == expected
+    assert EngineOptions().mixed_graphs is False  # off unless asked for
+    assert EngineOptions(**seen[0]).mixed_graphs is True
