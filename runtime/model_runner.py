@@ -178,8 +178,9 @@ class ModelRunner:
         if workers is None:
             seconds = self.graphs.capture()
             if self.mixed is not None:
-                self.mixed.pool = self.graphs.pool  # their pieces keep nothing in it between replays
-                seconds += self.mixed.capture()
+                t0 = time.perf_counter()
+                self._capture_mixed(everything=True)
+                seconds += time.perf_counter() - t0
         else:
             workers.capture(self.graphs.batch_sizes, max_model_len, self.block_size)
             with workers.guard():
@@ -220,11 +221,28 @@ class ModelRunner:
         if graphs.pending:
             graphs.capture_next(split=True)
         elif self.mixed is not None:
-            self.mixed.pool = self.mixed.pool or graphs.pool  # their pieces keep nothing in it between replays
-            self.mixed.capture_next(split=True)
+            self._capture_mixed(everything=False)
         lazy.seconds += time.perf_counter() - t0
         self._lazy_progress()
         return self.lazy_graphs_pending
+
+    def _capture_mixed(self, everything: bool) -> None:
+        """Capture the mixed-step graphs (``everything``) or their next piece (an idle engine). If
+        a capture fails (a piece that waits for the host, no memory left for the pool), they are
+        turned off with a warning: steps with prompt tokens run eagerly, as without them."""
+        mixed, graphs = self.mixed, self.graphs
+        assert mixed is not None and graphs is not None
+        mixed.pool = mixed.pool or graphs.pool  # their pieces keep nothing in it between replays
+        try:
+            if everything:
+                mixed.capture()
+            else:
+                mixed.capture_next(split=True)
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+            logger.warning(
+                "mixed-step CUDA graphs turned off, capturing them failed: %s; steps with prompt tokens run eagerly", exc
+            )
+            self.mixed = None
 
     def _capture_for_step(self, batch: _Batch) -> None:
         """Lazy graphs, before a decode step a graph could run: capture its bucket's graph first

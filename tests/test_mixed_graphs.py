@@ -216,3 +216,28 @@ def test_engine_serve_passes_mixed_graphs_to_each_engine(tmp_path, monkeypatch, 
         assert seen[-1].get("mixed_graphs") == expected
     assert EngineOptions().mixed_graphs is False  # off unless asked for
     assert EngineOptions(**seen[0]).mixed_graphs is True
+
+
+def test_a_failed_capture_turns_the_mixed_graphs_off_and_steps_run_eagerly(tiny_llama_artifact, caplog) -> None:  # type: ignore[no-untyped-def]
+    from test_lazy_graphs import ReplayOnCPU
+
+    class FailingCapture(MixedOnCPU):
+        def _capture_one(self, k: int, n: int) -> Any:
+            if k == 2:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            return super()._capture_one(k, n)
+
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    options = {"max_num_seqs": 4, "max_num_batched_tokens": 32, "async_scheduling": False}
+    expected = [o.outputs[0].token_ids for o in LLM(tiny_llama_artifact, **options).generate(PROMPTS[:3], params, use_tqdm=False)]
+
+    llm = LLM(tiny_llama_artifact, **options)
+    runner = llm.engine.runner
+    runner.capture_lazily(ReplayOnCPU(runner.model, runner.device, [4], llm.engine.max_model_len, llm.engine.block_size))
+    runner.mixed = FailingCapture(runner.model, runner.device, [16])
+    runner.start_lazy_capture()
+    while runner.capture_while_idle():
+        pass
+    assert runner.mixed is None and not runner.lazy_graphs_pending
+    assert "mixed-step CUDA graphs turned off" in caplog.text
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)] == expected
