@@ -76,22 +76,6 @@ SHAPES = {
 }
 
 
-def peak_bf16_tflops(n: int = 8192, reps: int = 10) -> float:
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    torch.mm(a, b)
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.mm(a, b)
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3)
-    return 2 * n**3 / statistics.median(samples) / 1e12
-
-
 def naive_eager_us(shapes: ModelShapes, num_tokens: int, reps: int) -> float:
     """The per-expert loop as the runtime's naive path runs it (reference.fused_moe: it finds each
     expert's tokens every call, syncing with the host), on fresh random inputs: eager, the median
@@ -145,7 +129,7 @@ def main() -> None:
                 f.write(json.dumps(row) + "\n")
 
     copy_gbs = tuning.measure_copy_bandwidth()
-    peak = peak_bf16_tflops()
+    peak = tuning.measure_matmul_tflops()
     record({"figure": "ceilings", "device": torch.cuda.get_device_name(), "copy_gb_s": round(copy_gbs, 1),
             "bf16_mm_tflop_s": round(peak, 1)})  # fmt: skip
     table = []

@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from pagecast.builder import quant, shard
+from pagecast.builder import quant, shard, tune
 from pagecast.builder.ir import BuildState
 from pagecast.kernels import KERNEL_ABI
 from pagecast.runtime.artifact import FORMAT_VERSION, MANIFEST, Manifest, TargetDevice, hash_tree
@@ -133,6 +133,8 @@ def render_report(state: BuildState, manifest: Manifest) -> str:
                 f"| {r.get('kernel')} | {r.get('bucket')} | {r.get('config')} | {r.get('time_us') or 0:.1f} | "
                 f"{r.get('gb_s') or 0:,.0f} | {r.get('fraction_of_copy') or 0:.0%} |"
             )
+    if state.model is not None and state.model.moe is not None:
+        lines += tune.moe_report_lines(state.tuning, tune.model_shapes(state))
     lines += quant.report_lines(state.tuning, plan.quantization, plan.tp)
     if mem["budgets"]:
         lines += ["", "## Memory plan", "", "| gpu_memory_utilization | KV blocks | tokens | seqs at max_model_len |",

@@ -930,7 +930,8 @@ def report_lines(tuning: dict[str, Any] | None, cfg: QuantConfig | None, tp: int
             )
             + ".",
         ]
-    lines += quant_moe.report_lines(tuning)
+    if ((tuning or {}).get("kernels") or {}).get("fused_moe_w4a16"):
+        lines += ["", "MoE experts: int4 (the fused W4A16 MoE kernel: its tuning is in the Mixture of experts section), router in the half type."]
     entries = ((tuning or {}).get("kernels") or {}).get("w4a16_gemm") or {}
     if not entries:
         return lines + [

@@ -194,25 +194,3 @@ def _down_name(gate_module: str) -> str:
     if leaf not in _DOWN_OF_GATE:
         raise BuildError(f"internal: no down projection known beside the expert projection {gate_module}")
     return _DOWN_OF_GATE[leaf]
-
-
-def report_lines(tuning: dict[str, Any] | None) -> list[str]:
-    """report.md's lines on the int4 experts' kernel (none for a dense model): per token bucket the
-    fused W4A16 MoE choice (GEMV, tile or the naive loop), its time and the naive loop's."""
-    entries = ((tuning or {}).get("kernels") or {}).get("fused_moe_w4a16") or {}
-    if not entries:
-        return []
-    lines = [
-        "",
-        "MoE experts: int4 (fused W4A16 MoE kernel), router in the half type.",
-        "",
-        "| experts.tokens | chosen | time (us) | per-expert W4A16 loop (us) | fused / loop |",
-        "|---|---|---|---|---|",
-    ]
-    for bucket, entry in entries.items():
-        config = entry.get("config") or {}
-        chosen = "per-expert loop" if config.get("naive") else ", ".join(f"{k}={v}" for k, v in config.items())
-        t, ref = entry.get("time_us"), entry.get("reference_us")
-        ratio = f"{t / ref:.2f}" if t and ref else "-"
-        lines.append(f"| {bucket} | {chosen} | {t or 0:.1f} | {ref or 0:.1f} | {ratio} |")
-    return lines

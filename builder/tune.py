@@ -188,6 +188,8 @@ def _tune_main(shapes_json: str, budget_s: str, first: str = "", pinned: str = "
     tuning.compile_norm_variants(table, shapes, "cuda")
     copy_gbs = tuning.measure_copy_bandwidth("cuda")
     table["copy_bandwidth_gbs"] = round(copy_gbs, 1)
+    if shapes.num_experts:  # the MoE buckets' compute bound, for report.md (moe_report_lines)
+        table["matmul_tflops"] = round(tuning.measure_matmul_tflops("cuda"), 1)
     rows = tuning.bandwidth_report(table, shapes, copy_gbs)
     moe = None
     if shapes.num_experts and routing:
@@ -430,6 +432,54 @@ def pinned_note(table: dict[str, Any], source: Path | None) -> str:
     entries = [e for kernel in table.get("kernels", {}).values() for e in kernel.values()]
     kept = sum(1 for e in entries if e.get("pinned"))
     return f". Kernel configs of {kept} of {len(entries)} buckets reused from {source} (--tuning-from), the rest tuned here"
+
+
+def moe_report_lines(table: dict[str, Any] | None, shapes_fields: dict[str, Any]) -> list[str]:
+    """report.md's section on the fused-MoE kernel of a MoE build: per token bucket the tuner's
+    choice (a fused config, or the per-expert loop of cuBLAS GEMMs it times against), its time, the
+    loop's, and how close the choice comes to the bucket's bound: the weight-streaming bound (the
+    visited experts' weights and the tokens at the measured copy bandwidth) where that is the
+    longer, as at decode buckets, else the compute bound (the matmul FLOPs at the measured bf16
+    matmul peak), as at prefill buckets (kernels/problems.moe_bound). Empty for a dense model and
+    where nothing was tuned."""
+    from pagecast.kernels import problems, tuning
+
+    kernels = (table or {}).get("kernels") or {}
+    found = [(k, kernels[k]) for k in tuning.MOE_KERNELS if kernels.get(k)]
+    if not found:
+        return []
+    fields = {k: v for k, v in shapes_fields.items() if k not in ("vocab_size", "logits_stride", "moe_routing")}
+    shapes = tuning.ModelShapes(**fields)
+    copy_gbs, peak = (table or {}).get("copy_bandwidth_gbs"), (table or {}).get("matmul_tflops")
+    lines = [
+        "",
+        "## Mixture of experts",
+        "",
+        f"{shapes.num_experts} experts, top {shapes.top_k}, each {shapes.moe_intermediate} wide on this rank. Per token "
+        "bucket: the tuner's choice, its time, the per-expert loop of cuBLAS GEMMs it was timed against, and the "
+        "fraction of the bucket's bound the choice reaches: the weight-streaming bound (the visited experts' weights "
+        f"and the tokens at {copy_gbs or 0:,.0f} GB/s, the copy bandwidth measured here) where that is the longer, "
+        f"else the compute bound (its matmul FLOPs at {peak or 0:,.0f} TFLOP/s, a bf16 torch.mm measured here"
+        + ("; FP8 tensor cores run about twice that" if found[0][0] == "fused_moe_fp8" else "")
+        + ").",
+        "",
+        "| kernel | tokens | chosen | time (us) | per-expert loop (us) | chosen / loop | bound | fraction of bound |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for kernel, entries in found:
+        dims_by_bucket = dict(problems.buckets(kernel, shapes))
+        for bucket, entry in entries.items():
+            config = entry.get("config") or {}
+            chosen = "per-expert loop" if config.get("naive") else ", ".join(f"{k}={v}" for k, v in config.items())
+            t, ref = entry.get("time_us"), entry.get("reference_us")
+            ratio = f"{t / ref:.2f}" if t and ref else "-"
+            bound, fraction = "-", "-"
+            if t and copy_gbs and peak and bucket in dims_by_bucket:
+                b = problems.moe_bound(shapes, dims_by_bucket[bucket], t, copy_gbs, peak, kernel)
+                bound, fraction = f"{b['bound']} ({b['bound_us']:.2f} us)", f"{b['fraction']:.1%}"
+            tokens = bucket.removeprefix("t")
+            lines.append(f"| {kernel} | {tokens} | {chosen} | {t or 0:.1f} | {ref or 0:.1f} | {ratio} | {bound} | {fraction} |")
+    return lines
 
 
 def time_note(table: dict[str, Any]) -> str:

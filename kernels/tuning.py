@@ -410,6 +410,24 @@ def measure_copy_bandwidth(
     return 2 * nbytes / statistics.median(samples) / 1e9
 
 
+def measure_matmul_tflops(device: torch.device | str = "cuda", n: int = 8192, reps: int = 10) -> float:
+    """The bf16 matmul rate in TFLOP/s: an n x n x n torch.mm (cuBLAS), the median of ``reps``."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    torch.mm(a, b)
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.mm(a, b)
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3)
+    del a, b
+    return 2 * n**3 / statistics.median(samples) / 1e12
+
+
 # ---------------------------------------------------------------------------- tuning
 
 MAX_TUNE_KV_BYTES = 8 << 30  # larger decode buckets reuse the config of a smaller context

@@ -430,6 +430,36 @@ def test_moe_bound_names_weights_at_decode_and_compute_at_prefill():
     assert prefill["bound_us"] == pytest.approx(2 * 4096 * 2 * 3 * 4096 * 14336 / 783e6, rel=1e-3)
 
 
+def test_build_report_gives_each_moe_bucket_its_bound():
+    import dataclasses
+
+    from pagecast.builder.tune import moe_report_lines
+
+    table = {"copy_bandwidth_gbs": 4262.0, "matmul_tflops": 783.0, "kernels": {"fused_moe": {
+        "t1": {"config": {"gemv": 1, "BLOCK_N": 32}, "time_us": 20.0, "reference_us": 60.0},
+        "t4096": {"config": {"naive": 1}, "time_us": 1000.0, "reference_us": 1000.0},
+    }}}  # fmt: skip
+    lines = moe_report_lines(table, dataclasses.asdict(QWEN3_30B))
+    text = "\n".join(lines)
+    assert "128 experts, top 8, each 768 wide" in text and "4,262 GB/s" in text and "783 TFLOP/s" in text
+    decode = problems.moe_bound(QWEN3_30B, {"num_tokens": 1}, 20.0, 4262.0, 783.0)
+    prefill = problems.moe_bound(QWEN3_30B, {"num_tokens": 4096}, 1000.0, 4262.0, 783.0)
+    assert decode["bound"] == "weights" and prefill["bound"] == "compute"
+    assert (
+        f"| fused_moe | 1 | gemv=1, BLOCK_N=32 | 20.0 | 60.0 | 0.33 | weights ({decode['bound_us']:.2f} us) | "
+        f"{decode['fraction']:.1%} |" in text
+    )
+    assert (
+        f"| fused_moe | 4096 | per-expert loop | 1000.0 | 1000.0 | 1.00 | compute ({prefill['bound_us']:.2f} us) | "
+        f"{prefill['fraction']:.1%} |" in text
+    )
+    # Without the measured ceilings (an artifact tuned before they were recorded) the bound is left out.
+    bare = moe_report_lines({"kernels": table["kernels"]}, dataclasses.asdict(QWEN3_30B))
+    assert "| fused_moe | 1 | gemv=1, BLOCK_N=32 | 20.0 | 60.0 | 0.33 | - | - |" in "\n".join(bare)
+    # A dense model's table has no MoE section.
+    assert moe_report_lines({"kernels": {"rms_norm": {}}}, dataclasses.asdict(QWEN3_30B)) == []
+
+
 def test_moe_config_space_by_bucket():
     space = {
         b: problems.config_space("fused_moe", QWEN3_30B, d)

@@ -319,3 +319,35 @@ def test_moe_through_the_routing_and_fused_kernels(tmp_path, monkeypatch, family
     hf = hf_model(ckpt)
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 4) for p in prompts]
     assert routed and set(routed) == {torch.float32}
+
+
+def test_gpu_build_report_shows_each_moe_bucket_against_its_bound(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    """report.md of a MoE build for a GPU: per token bucket the fused-MoE choice, its time, the
+    per-expert loop's and the fraction of the bucket's bound, from the table the tune pass made
+    (here a stand-in: no GPU to time on)."""
+    import dataclasses
+
+    from tiny_models import tiny_config
+
+    from pagecast.builder import pipeline
+
+    ckpt = _config_only(tmp_path, tiny_config("qwen3_moe"))
+    table = {"device": "h200", "tuned": True, "copy_bandwidth_gbs": 4000.0, "matmul_tflops": 700.0, "kernels": {
+        "fused_moe": {
+            "t1": {"config": {"gemv": 1, "BLOCK_N": 16}, "time_us": 5.0, "reference_us": 25.0},
+            "t4096": {"config": {"naive": 1}, "time_us": 400.0, "reference_us": 400.0},
+        },
+    }}  # fmt: skip
+
+    def tune_pass(state):  # type: ignore[no-untyped-def]
+        return dataclasses.replace(state, tuning=table)
+
+    monkeypatch.setattr(pipeline, "PASSES", [(n, tune_pass if n == "tune" else r) for n, r in pipeline.PASSES])
+    options = {"model": str(ckpt), "force": True, "quiet": True, "load_format": "dummy"}
+    art = build(BuildOptions(output=tmp_path / "gpu", gpu="h200", **options))  # type: ignore[arg-type]
+    report = (art / "report.md").read_text()
+    assert "## Mixture of experts" in report and "4,000 GB/s" in report and "700 TFLOP/s" in report
+    # A tiny model's buckets are all bound by their bytes (the unit test in test_fused_moe.py has a
+    # real shape's compute-bound prefill buckets).
+    assert "| fused_moe | 1 | gemv=1, BLOCK_N=16 | 5.0 | 25.0 | 0.20 | weights (" in report
+    assert "| fused_moe | 4096 | per-expert loop | 400.0 | 400.0 | 1.00 | weights (" in report

@@ -264,12 +264,16 @@ def test_int4_moe_gpu_build_tunes_the_w4a16_moe_kernel(tmp_path, monkeypatch):  
 
 def test_report_lists_the_int4_moe_tuning():
     from pagecast.builder.quant import QuantConfig, report_lines
+    from pagecast.builder.tune import moe_report_lines
 
     cfg = QuantConfig("gptq", 128, True, False, "gptq")
     tuning = {"kernels": {"fused_moe_w4a16": {
         "t1": {"config": {"gemv": 1, "BLOCK_N": 16, "BLOCK_K": 128, "PAIRS": 1}, "time_us": 9.0, "reference_us": 30.0},
         "t4096": {"config": {"naive": 1}, "time_us": 900.0, "reference_us": 900.0},
     }}}  # fmt: skip
-    text = "\n".join(report_lines(tuning, cfg))
-    assert "| t1 | gemv=1, BLOCK_N=16, BLOCK_K=128, PAIRS=1 | 9.0 | 30.0 | 0.30 |" in text
-    assert "| t4096 | per-expert loop | 900.0 | 900.0 | 1.00 |" in text
+    assert "MoE experts: int4" in "\n".join(report_lines(tuning, cfg))
+    shapes = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "hidden": 64, "intermediate": 128, "block_size": 16,
+              "dtype": "float16", "quant_group_size": 128, "num_experts": 8, "top_k": 2, "moe_intermediate": 128}  # fmt: skip
+    text = "\n".join(moe_report_lines(tuning, shapes))
+    assert "| fused_moe_w4a16 | 1 | gemv=1, BLOCK_N=16, BLOCK_K=128, PAIRS=1 | 9.0 | 30.0 | 0.30 |" in text
+    assert "| fused_moe_w4a16 | 4096 | per-expert loop | 900.0 | 900.0 | 1.00 |" in text
