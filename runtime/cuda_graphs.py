@@ -7,6 +7,9 @@ context bucket): all at start-up, or (lazy graphs) once the engine serves: a dec
 bucket has no graph yet has it captured first, and an idle engine captures the rest; decode
 batches run eagerly until their graph is there. A batch is padded up
 to the next captured size: padding rows write no KV (slot -1) and attend to nothing (length 0).
+
+Steps with prompt tokens (MixedGraphs, opt-in: ``engine-serve --mixed-graphs``) replay the layers
+between attention calls as graphs per token bucket, and run each attention eagerly between them.
 """
 
 from __future__ import annotations
