@@ -292,6 +292,7 @@ def test_the_tune_process_compiles_the_models_routing_kernel(monkeypatch: pytest
     monkeypatch.setattr(tuning, "tune", lambda *args, **kwargs: {"kernels": {}})
     monkeypatch.setattr(tuning, "compile_window_variants", lambda *args: None)
     monkeypatch.setattr(tuning, "measure_copy_bandwidth", lambda device: 1000.0)
+    monkeypatch.setattr(tuning, "measure_matmul_tflops", lambda device: 500.0)  # a MoE build's report needs it
     monkeypatch.setattr(tuning, "bandwidth_report", lambda *args: [])
     calls: list[tuple] = []
     monkeypatch.setattr(tune, "_compile_untuned_kernels", lambda *args: calls.append(args))
@@ -300,8 +301,9 @@ def test_the_tune_process_compiles_the_models_routing_kernel(monkeypatch: pytest
              "block_size": 16, "dtype": "bfloat16", "vocab_size": 3001, "logits_stride": 3001}  # fmt: skip
     moe = {**dense, "num_experts": 60, "top_k": 4, "moe_intermediate": 32, "moe_routing": routing}
     tune._tune_main(json.dumps(moe), "1")
+    assert json.loads(capsys.readouterr().out)["table"]["matmul_tflops"] == 500.0
     tune._tune_main(json.dumps({**dense, "moe_routing": None}), "1")
-    capsys.readouterr()
+    assert "matmul_tflops" not in json.loads(capsys.readouterr().out)["table"]  # dense: not measured
     assert calls == [(3001, 3001, (60, 4, routing, torch.bfloat16)), (3001, 3001, None)]
     launched = []
     real = moe_route_kernel.route_logits
