@@ -390,42 +390,36 @@ def time_launches(launch: Callable[[int], object], launches: int, reps: int = 10
     return statistics.median(samples)
 
 
+def _median_event_seconds(fn: Callable[[], object], reps: int) -> float:
+    """Seconds of one ``fn()`` on the device (after one untimed call): the median of ``reps``,
+    each timed alone with CUDA events."""
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(samples)
+
+
 def measure_copy_bandwidth(
     device: torch.device | str = "cuda", nbytes: int = 2 << 30, reps: int = 10
 ) -> float:
     """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3)
-    del src, dst
-    return 2 * nbytes / statistics.median(samples) / 1e9
+    return 2 * nbytes / _median_event_seconds(lambda: dst.copy_(src), reps) / 1e9
 
 
 def measure_matmul_tflops(device: torch.device | str = "cuda", n: int = 8192, reps: int = 10) -> float:
     """The bf16 matmul rate in TFLOP/s: an n x n x n torch.mm (cuBLAS), the median of ``reps``."""
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    torch.mm(a, b)
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.mm(a, b)
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3)
-    del a, b
-    return 2 * n**3 / statistics.median(samples) / 1e12
+    return 2 * n**3 / _median_event_seconds(lambda: torch.mm(a, b), reps) / 1e12
 
 
 # ---------------------------------------------------------------------------- tuning
