@@ -190,18 +190,19 @@ class DecodeGraphs(_GraphSet):
         self._capture(*bucket)
         return True
 
-    def _pad(self, batch: int) -> None:
-        # Padding rows only: between steps (lazy graphs) the buffers hold the last replay's real
-        # rows, whose KV slots the warm-up's eager forward must not write.
-        self.slot_mapping[:batch].fill_(-1)
-        self.seq_lens[:batch].zero_()
-        self.input_ids[:batch].zero_()
-        self.positions[:batch].zero_()
+    def _pad(self, lo: int, hi: int) -> None:
+        """Rows [lo, hi) as padding: no KV write (slot -1), an empty context."""
+        self.slot_mapping[lo:hi].fill_(-1)
+        self.seq_lens[lo:hi].zero_()
+        self.input_ids[lo:hi].zero_()
+        self.positions[lo:hi].zero_()
 
     def _warm_up(self, batch: int, context: int) -> None:
         """The eager forward before a capture: the kernels of that batch size and context bucket
         are loaded (and cuBLAS has chosen its algorithms) before they are recorded."""
-        self._pad(batch)
+        # Padding rows only: between steps (lazy graphs) the buffers hold the last replay's real
+        # rows, whose KV slots the warm-up's eager forward must not write.
+        self._pad(0, batch)
         t0 = time.perf_counter()
         self._forward(batch, context)
         t_launched = time.perf_counter()
@@ -253,11 +254,8 @@ class DecodeGraphs(_GraphSet):
         self.seq_lens[:n].copy_(seq_lens)
         width = block_tables.shape[1]
         self.block_tables[:n, :width].copy_(block_tables)
-        if batch > n:  # padding rows: no KV write, empty context
-            self.slot_mapping[n:batch].fill_(-1)
-            self.seq_lens[n:batch].zero_()
-            self.input_ids[n:batch].zero_()
-            self.positions[n:batch].zero_()
+        if batch > n:
+            self._pad(n, batch)
         self.graphs[(batch, context)].replay()
         return self.outputs[(batch, context)][:n]
 
@@ -348,12 +346,11 @@ class MixedGraphs(_GraphSet):
         self.q[:n].copy_(q)
         self.residual[:n].copy_(residual)
 
-    def _pad(self, n: int) -> None:
-        # Padding rows only: the warm-up before a capture must not write the KV slots the last
-        # step's real rows held.
-        self.slot_mapping[:n].fill_(-1)
-        self.input_ids[:n].zero_()
-        self.positions[:n].zero_()
+    def _pad(self, lo: int, hi: int) -> None:
+        """Rows [lo, hi) as padding: no KV write (slot -1)."""
+        self.slot_mapping[lo:hi].fill_(-1)
+        self.input_ids[lo:hi].zero_()
+        self.positions[lo:hi].zero_()
 
     # -- capture -----------------------------------------------------------------------------
 
@@ -395,7 +392,9 @@ class MixedGraphs(_GraphSet):
         return True
 
     def _warm_up(self, n: int) -> None:
-        self._pad(n)
+        # Padding rows only: the warm-up before a capture must not write the KV slots the last
+        # step's real rows held.
+        self._pad(0, n)
         t0 = time.perf_counter()
         for k in range(self.num_layers + 1):
             self._piece(k, n)
@@ -427,10 +426,8 @@ class MixedGraphs(_GraphSet):
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(m.rope_positions(positions, ctx))
         self.slot_mapping[:n].copy_(ctx.slot_mapping)
-        if size > n:  # padding rows: no KV write
-            self.slot_mapping[n:size].fill_(-1)
-            self.input_ids[n:size].zero_()
-            self.positions[n:size].zero_()
+        if size > n:
+            self._pad(n, size)
         pieces = self.graphs[size]
         pieces[0].replay()
         for i in range(self.num_layers):
