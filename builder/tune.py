@@ -168,14 +168,24 @@ def pinned_table(path: Path) -> tuple[Path, dict[str, Any]]:
     return file, table
 
 
+# model_shapes' fields that ModelShapes (the tuned kernels' shapes) does not hold: the sampler's
+# shapes, and the routing kernel's switches (compiled untuned).
+NOT_KERNEL_SHAPES = ("vocab_size", "logits_stride", "moe_routing")
+
+
+def kernel_shapes(fields: dict[str, Any]) -> Any:
+    """The tuning.ModelShapes of ``model_shapes``' fields (those in NOT_KERNEL_SHAPES left out)."""
+    from pagecast.kernels import tuning
+
+    return tuning.ModelShapes(**{k: v for k, v in fields.items() if k not in NOT_KERNEL_SHAPES})
+
+
 def _tune_main(shapes_json: str, budget_s: str, first: str = "", pinned: str = "") -> None:
     from pagecast.kernels import tuning
 
     fields = json.loads(shapes_json)
-    # The sampler's shapes, which ModelShapes (the tuned kernels') does not hold.
-    vocab, logits_stride = fields.pop("vocab_size", None), fields.pop("logits_stride", None)
-    routing = fields.pop("moe_routing", None)  # the routing kernel's, likewise
-    shapes = tuning.ModelShapes(**fields)
+    vocab, logits_stride, routing = (fields.get(k) for k in NOT_KERNEL_SHAPES)
+    shapes = kernel_shapes(fields)
     kernels = kernel_order(bool(shapes.num_experts), tuple(k for k in first.split(",") if k))
     source = json.loads(Path(pinned).read_text()) if pinned else None
     try:
@@ -448,8 +458,7 @@ def moe_report_lines(table: dict[str, Any] | None, shapes_fields: dict[str, Any]
     found = [(k, kernels[k]) for k in tuning.MOE_KERNELS if kernels.get(k)]
     if not found:
         return []
-    fields = {k: v for k, v in shapes_fields.items() if k not in ("vocab_size", "logits_stride", "moe_routing")}
-    shapes = tuning.ModelShapes(**fields)
+    shapes = kernel_shapes(shapes_fields)
     copy_gbs, peak = (table or {}).get("copy_bandwidth_gbs"), (table or {}).get("matmul_tflops")
     lines = [
         "",

@@ -255,8 +255,7 @@ def test_int4_moe_gpu_build_tunes_the_w4a16_moe_kernel(tmp_path, monkeypatch):  
 
     monkeypatch.setattr(pipeline, "PASSES", [(n, tune_pass if n == "tune" else r) for n, r in pipeline.PASSES])
     build_artifact(config_dir, tmp_path / "gpu", gpu="h200", load_format="dummy", quant="awq")
-    fields = {k: v for k, v in shapes[0].items() if k not in ("vocab_size", "logits_stride", "moe_routing")}
-    model = tuning.ModelShapes(**fields)
+    model = tune.kernel_shapes(shapes[0])
     assert (model.quant_group_size, model.num_experts, model.moe_intermediate) == (128, 8, 128)
     assert "fused_moe_w4a16" in tuning.MOE_KERNELS
     assert problems.buckets("fused_moe_w4a16", model) and not problems.buckets("fused_moe", model)
