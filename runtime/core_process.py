@@ -68,6 +68,7 @@ EXIT_GRACE_S = 0.5  # after the core exits, how long its last message has to arr
 START_TIMEOUT_S = float(os.environ.get("PAGECAST_START_TIMEOUT", "900"))
 SEND_TIMEOUT_MS = 1000  # a send blocked this long checks that the server is still there
 FLUSH_S = 2.0  # the longest a core's last message (CoreFailed) may take to leave on exit
+SERVER_POLL_S = 0.5  # how often the core's watcher thread checks that its server is still there
 
 
 def idle_poll(graphs_pending: bool, idle_s: float) -> tuple[bool, int]:
@@ -185,6 +186,18 @@ def _private_tempdir(run_dir: str) -> str:
     return path
 
 
+def _watch_server(server_pid: int, run_dir: str) -> None:
+    """End this process when its server is gone (we were re-parented), whatever the main thread
+    is doing: loading the artifact, capturing graphs, inside a step. The loop's own check runs
+    only between steps, and a start-up holding the device's memory can last minutes. A dead
+    server cannot remove the run's directory, so the core does."""
+    while True:
+        time.sleep(SERVER_POLL_S)
+        if os.getppid() != server_pid:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            os._exit(1)
+
+
 def run_engine_core(
     artifact: str,
     options: dict[str, Any],
@@ -193,12 +206,16 @@ def run_engine_core(
     log_setup: tuple[str, int],
     secret: dict[str, Any],
     spawned_at: float | None = None,
+    server_pid: int | None = None,
 ) -> int:
     """The engine-core process: start the core, say ready, then loop over messages and steps.
     Returns the exit status. Every way out closes the sockets and removes the process's
     temporary files. ``spawned_at`` (the server's ``time.time()`` when it started this process)
-    times the interpreter's own start for the start-up log."""
+    times the interpreter's own start for the start-up log. ``server_pid`` is the server's
+    process id (default: our parent's now); from its death on the core lives at most
+    ``SERVER_POLL_S`` more, wherever it is."""
     entered = time.time()
+    server_pid = os.getppid() if server_pid is None else server_pid
     from pagecast.runtime.server.logs import configure_logging
 
     configure_logging(*log_setup)
@@ -209,12 +226,13 @@ def run_engine_core(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     run_dir = os.path.dirname(input_addr[len("ipc://"):])
+    threading.Thread(target=_watch_server, args=(server_pid, run_dir), name="pagecast-core-server", daemon=True).start()
     tmp = _private_tempdir(run_dir)
     channel: CoreChannel | None = None
     flush_s = 0.0
     server_gone = False
     try:
-        channel = CoreChannel(input_addr, output_addr, secret, os.getppid())
+        channel = CoreChannel(input_addr, output_addr, secret, server_pid)
         code = _serve(channel, artifact, options, entered, spawned_at)
         flush_s = FLUSH_S if code else 0.0  # let the CoreFailed reach the server
         return code
@@ -443,6 +461,7 @@ class CoreClient:
                 "log_setup": _log_setup(),
                 "secret": self._channel.peer_secret(),
                 "spawned_at": time.time(),
+                "server_pid": os.getpid(),
             }
         )
         self.name = f"pagecast-core-{os.path.basename(os.path.normpath(artifact))}"
@@ -620,7 +639,7 @@ def main() -> None:
     spec = json.loads(sys.stdin.buffer.read())
     code = run_engine_core(
         spec["artifact"], spec["options"], spec["input_addr"], spec["output_addr"], tuple(spec["log_setup"]),
-        spec["secret"], spec.get("spawned_at"),
+        spec["secret"], spec.get("spawned_at"), spec.get("server_pid"),
     )
     logging.shutdown()
     sys.stdout.flush()

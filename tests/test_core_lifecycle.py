@@ -124,6 +124,48 @@ def test_a_busy_core_whose_server_is_killed_exits_within_10_s(tiny_llama_artifac
     wait_for(lambda: leftovers(private_tmp) == [], timeout=5)
 
 
+STARTING_SERVER = """
+import sys, time
+from pagecast.runtime.core_process import CoreClient
+
+client = CoreClient(sys.argv[1], {"kv_cache_memory": "16MiB"})
+print(client.process.pid, flush=True)
+time.sleep(600)  # the test kills us while the core loads
+"""
+
+SLOW_LOAD = """
+import os as _os, time as _time
+open(_os.environ["PAGECAST_TEST_LOADING"], "w").close()
+_time.sleep(120)  # a load that takes minutes (a large artifact, graph capture)
+"""
+
+
+def test_a_core_whose_server_is_killed_while_it_starts_exits_within_10_s(tiny_llama_artifact, tmp_path, private_tmp, monkeypatch):  # type: ignore[no-untyped-def]
+    """The loop checks its server between steps; a core still loading the artifact (minutes on a
+    large model, holding device memory) must notice its server's death too."""
+    artifact = shutil.copytree(tiny_llama_artifact, tmp_path / "art")
+    (artifact / "model.py").write_text((artifact / "model.py").read_text() + SLOW_LOAD)
+    _rehash(artifact, "model.py")
+    loading = tmp_path / "loading"
+    monkeypatch.setenv("PAGECAST_TEST_LOADING", str(loading))
+    server = subprocess.Popen([sys.executable, "-c", STARTING_SERVER, str(artifact)], stdout=subprocess.PIPE, text=True)
+    core_pid = None
+    try:
+        core_pid = int(server.stdout.readline())  # type: ignore[union-attr]
+        wait_for(loading.exists, timeout=120)  # the core is inside the artifact's load
+        server.kill()
+        server.wait()
+        start = time.monotonic()
+        wait_for(lambda: gone(core_pid), timeout=10)
+        assert time.monotonic() - start < 10
+    finally:
+        if server.poll() is None:
+            server.kill()
+        if core_pid is not None and not gone(core_pid):
+            os.kill(core_pid, signal.SIGKILL)
+    wait_for(lambda: leftovers(private_tmp) == [], timeout=5)  # the run's directory went with it
+
+
 def test_a_core_that_fails_to_start_exits_and_leaves_no_temp_files(tiny_llama_artifact, tmp_path, private_tmp):  # type: ignore[no-untyped-def]
     artifact = with_triton_cache(shutil.copytree(tiny_llama_artifact, tmp_path / "art"))
     weights = artifact / "weights" / "rank0.safetensors"
