@@ -216,13 +216,18 @@ def load_manifest(artifact_dir: str | os.PathLike[str]) -> Manifest:
 
 
 def check_file_names(artifact_dir: str | os.PathLike[str], manifest: Manifest) -> None:
-    """Every name the manifest lists is a file inside the artifact: a relative POSIX path with
-    no ``..``, and (symlinks followed) still under the artifact directory. A manifest naming
+    """Every name the manifest lists (its files, and the drafter directory its ``speculative``
+    names) is inside the artifact: a relative POSIX path with no ``..``, and (symlinks followed)
+    still under the artifact directory. A manifest naming
     anything else is refused before any file is opened, hashed or read: it would make the
     runtime read (and print the digest of) a file outside the artifact."""
     root = Path(artifact_dir)
     real_root = root.resolve()
-    for rel in sorted(set(manifest.files) | set(manifest.chunk_hashes)):
+    names = set(manifest.files) | set(manifest.chunk_hashes)
+    drafter = (manifest.speculative or {}).get("model")
+    if drafter is not None:  # the drafter enginebuild put inside (``speculative/``): run from here, never from elsewhere
+        names.add(drafter)
+    for rel in sorted(names, key=str):
         if not isinstance(rel, str) or not _is_plain_relative(rel):
             raise ArtifactError(
                 f"{root}: the manifest names the file {rel!r}, which is not a relative path inside the "

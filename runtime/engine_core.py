@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -332,7 +333,9 @@ class EngineCore:
 
         # Speculative decoding: the proposer comes first, since a draft model's or a head's own
         # KV cache shares the target's blocks and so counts in their size.
-        self.speculative = speculative_config(options.speculative_config, getattr(manifest, "speculative", None))
+        self.speculative = speculative_config(
+            options.speculative_config, getattr(manifest, "speculative", None), self.artifact.path
+        )
         self.spec_stats = SpecStats()
         self.proposer = make_proposer(self.speculative, self) if self.speculative is not None else None
         num_blocks = self._num_kv_blocks()
@@ -839,14 +842,20 @@ def _missed(request: Request) -> None:
         request.spec_skip = min(2 ** (request.spec_misses - SPEC_MISSES_BEFORE_PAUSE + 1), SPEC_MAX_PAUSE)
 
 
-def speculative_config(option: Any, built_in: Any) -> SpeculativeConfig | None:
+def speculative_config(option: Any, built_in: Any, artifact_path: Path | None = None) -> SpeculativeConfig | None:
     """The engine's speculative decoding: the option when given ("off": none), else the
-    artifact's own (enginebuild --speculative-config), else none."""
+    artifact's own (enginebuild --speculative-config), else none. The artifact's own drafter
+    is the one inside it (``artifact_path`` / its name; artifact.check_file_names confines the
+    name), whatever the working directory holds."""
     if option == "off":
         return None
     if option is not None:
         return SpeculativeConfig.parse(option)
-    return SpeculativeConfig.parse(built_in) if built_in else None
+    if not built_in:
+        return None
+    if artifact_path is not None and built_in.get("model") is not None:
+        built_in = {**built_in, "model": str(Path(artifact_path) / built_in["model"])}
+    return SpeculativeConfig.parse(built_in)
 
 
 def new_sequences(

@@ -230,6 +230,24 @@ def test_the_nested_draft_is_verified_with_the_artifact(speculative_artifact, tm
         load_artifact(extra, load_tokenizer=False)
 
 
+@pytest.mark.parametrize("name", ["ABSOLUTE", "../elsewhere"])
+def test_a_manifest_whose_drafter_lies_outside_the_artifact_is_refused(speculative_artifact, tmp_path, name):  # type: ignore[no-untyped-def]
+    """The drafter the manifest names is code and weights that run in the engine: like every
+    other name the manifest lists, it must lie inside the artifact."""
+    import shutil
+
+    from pagecast.runtime.errors import ArtifactError
+    from pagecast.runtime.loader import load_artifact
+
+    elsewhere = shutil.copytree(speculative_artifact / "speculative", tmp_path / "elsewhere")
+    changed = shutil.copytree(speculative_artifact, tmp_path / "art")
+    manifest = json.loads((changed / "manifest.json").read_text())
+    manifest["speculative"]["model"] = str(elsewhere) if name == "ABSOLUTE" else name
+    (changed / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="not a relative path inside the artifact"):
+        load_artifact(changed, load_tokenizer=False)
+
+
 def test_the_manifests_entry_makes_a_working_proposer(speculative_artifact, hf_draft, tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
     (tmp_path / "speculative").mkdir()  # a directory of that name where the engine starts is not the draft
     monkeypatch.chdir(tmp_path)
@@ -397,7 +415,9 @@ def test_an_artifact_built_with_a_draft_speculates_by_default(speculative_artifa
     from pagecast.runtime import LLM
 
     llm = LLM(speculative_artifact, max_num_seqs=4)  # the same target as tiny_llama_artifact, and its draft
-    assert llm.engine.core.speculative == SpeculativeConfig("draft_model", 3, "speculative")
+    # The manifest's "speculative" is the directory inside the artifact, resolved against it.
+    drafter = str(llm.engine.core.artifact.path / "speculative")
+    assert llm.engine.core.speculative == SpeculativeConfig("draft_model", 3, drafter)
     assert generate(llm) == plain_outputs
     assert llm.engine.core.spec_stats.num_draft_tokens > 0
 
