@@ -146,6 +146,24 @@ def _rope(config: Any, head_dim: int, layer_type: str | None = None) -> RopeSpec
     return RopeSpec(rope_type=rope_type, params=clean, rotary_dim=int(head_dim * partial))
 
 
+def _context_limit(config: Any, layers: list[LayerSpec]) -> int:
+    """The longest context the model serves: config.max_position_embeddings, or with yarn
+    original_max_position_embeddings x factor where that is longer, as vLLM derives it. Qwen's
+    docs enable 128k by adding yarn (factor 4 over 32,768) and leave max_position_embeddings at
+    40,960 (Qwen3) or 32,768 (Qwen2.5); the rope itself only reads factor and the original length."""
+    limit = int(getattr(config, "max_position_embeddings", 2048))
+    for layer in layers:
+        rope = layer.attention.rope
+        if rope is not None and rope.rope_type == "yarn":
+            limit = max(limit, yarn_context(rope.params))
+    return limit
+
+
+def yarn_context(params: dict[str, Any]) -> int:
+    """original_max_position_embeddings x factor of a yarn rope's parameters (as _rope fills them)."""
+    return int(params["original_max_position_embeddings"] * params["factor"])
+
+
 def _logits(mod: ModuleTrace) -> tuple[float, float | None]:
     """The causal-LM wrapper's ops on the logits -> (divisor, final soft-cap)."""
     if mod.ops == []:
@@ -239,7 +257,7 @@ def lower(trace: TraceSummary, config: Any, family: str, architecture: str) -> M
         tie_word_embeddings=tied,
         embed_name="model.embed_tokens.weight",
         lm_head_name=None if tied else "lm_head.weight",
-        max_position_embeddings=int(getattr(config, "max_position_embeddings", 2048)),
+        max_position_embeddings=_context_limit(config, layers),
         embedding_multiplier=embedding_multiplier,
         embedding_multiplier_in_dtype=in_dtype,
         logits_divisor=logits_divisor,

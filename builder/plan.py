@@ -17,6 +17,7 @@ import torch
 from pagecast.builder import fp8, kv_cache, quant, shard
 from pagecast.builder.families import FAMILIES
 from pagecast.builder.ir import BuildState, LayerSpec, ModelIR, MoeSpec, NormSpec, Plan, TensorPlan
+from pagecast.builder.lower import yarn_context
 from pagecast.runtime.errors import BuildError
 
 # Known build targets: compute capability and memory, used when the GPU is not present.
@@ -386,6 +387,23 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+def _context_limit_text(model: ModelIR, config: Any) -> str:
+    """The model's context limit (lower._context_limit) and where it comes from, for a refusal."""
+    yarn = next(
+        (x.attention.rope.params for x in model.layers if x.attention.rope and x.attention.rope.rope_type == "yarn"),
+        None,
+    )
+    limit = model.max_position_embeddings
+    if yarn is None:
+        return f"the model's max_position_embeddings {limit}"
+    mpe = int(getattr(config, "max_position_embeddings", 0) or 0)
+    return (
+        f"the model's context limit {limit}, the larger of max_position_embeddings {mpe} and yarn's "
+        f"original_max_position_embeddings {yarn['original_max_position_embeddings']} x factor {yarn['factor']} "
+        f"= {yarn_context(yarn)}"
+    )
+
+
 def run(state: BuildState) -> BuildState:
     opts, ckpt, model = state.options, state.checkpoint, state.model
     assert model is not None
@@ -393,10 +411,7 @@ def run(state: BuildState) -> BuildState:
     dtype = resolve_dtype(opts.dtype, device, ckpt.config)
     max_len = opts.max_model_len or model.max_position_embeddings
     if opts.max_model_len and opts.max_model_len > model.max_position_embeddings:
-        raise BuildError(
-            f"--max-model-len {opts.max_model_len} exceeds the model's max_position_embeddings "
-            f"{model.max_position_embeddings}"
-        )
+        raise BuildError(f"--max-model-len {opts.max_model_len} exceeds {_context_limit_text(model, ckpt.config)}")
     notes = []
     window = getattr(ckpt.config, "sliding_window", None)
     if FAMILIES[model.architecture].window_source != "cap":

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -23,10 +24,10 @@ from pagecast.runtime import LLM, SamplingParams
 from pagecast.runtime.errors import BuildError
 
 CONTEXT = 16384
-SMALL = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=16, max_position_embeddings=CONTEXT,
-)  # fmt: skip
+SMALL = {
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": CONTEXT,
+}  # fmt: skip
 CASES = {
     # rope_theta 500000 with head_dim 16: wavelengths 6 .. 610k positions, so against an original
     # context of 1024 the frequencies fall in all three of llama3's bands (kept, smoothed, / factor).
@@ -109,13 +110,13 @@ def test_long_prompts_give_transformers_greedy_tokens(case, tmp_path):
         torch.testing.assert_close(ours, theirs, atol=1e-3, rtol=0)
 
 
-LLAMA31_8B = dict(
-    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-    num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
-    bos_token_id=128000, eos_token_id=128001,
-    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-)  # fmt: skip
+LLAMA31_8B = {
+    "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001,
+    "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +184,31 @@ def test_max_model_len_up_to_the_model_limit_and_refused_above_it(llama31_8b_con
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2
     assert "200000" in result.output and "131072" in result.output
+
+
+def test_yarn_qwen3_reaches_128k_past_its_max_position_embeddings(tmp_path):
+    """Qwen3's docs enable 128k by adding yarn (factor 4 over 32,768) and leave
+    max_position_embeddings at 40,960: the limit is original x factor, as vLLM takes it."""
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(
+        architectures=["Qwen3ForCausalLM"], **SMALL | {"max_position_embeddings": 40960}, vocab_size=1024,
+        rope_theta=1e6, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+    )  # fmt: skip
+    config.save_pretrained(str(tmp_path / "ckpt"))
+
+    def build(output, **options):  # type: ignore[no-untyped-def]
+        return _build_8b(tmp_path / "ckpt", tmp_path / output, **options)
+
+    for output, options in (("default", {}), ("128k", {"max_model_len": 131072})):
+        plan = json.loads((build(output, **options) / "memory_plan.json").read_text())
+        assert plan["max_model_len"] == 131072, output
+    refusal = (
+        "--max-model-len 131073 exceeds the model's context limit 131072, the larger of max_position_embeddings "
+        "40960 and yarn's original_max_position_embeddings 32768 x factor 4.0 = 131072"
+    )
+    with pytest.raises(BuildError, match=re.escape(refusal)):
+        build("over", max_model_len=131073)
 
 
 def test_w7_benchmark_counts_the_8b_shape_by_hand():
