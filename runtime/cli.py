@@ -207,6 +207,11 @@ def main(
 
     log_config = configure_logging(log_format, getattr(logging, log_level.upper()))
     startup.begin("server").mark("imports")
+    from pagecast.runtime.server.options import open_without_key_warning
+
+    exposed = open_without_key_warning(host, api_key)  # whatever starts it: the image's entrypoint, a unit, a shell
+    if exposed is not None:
+        logger.warning(exposed)
     if served_model_names and len(served_model_names) != len(artifacts):
         _fail(
             f"--served-model-name was given {len(served_model_names)} time(s) for {len(artifacts)} "

@@ -6,6 +6,7 @@ refused at start."""
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -242,3 +243,28 @@ def test_cors_any_origin_with_credentials_is_refused(tiny_llama_artifact, tmp_pa
     assert "--allowed-origins '*' cannot be combined with --allow-credentials" in proc.stderr
     assert "List the origins" in proc.stderr
     assert time.monotonic() - started < 60
+
+
+# -- listening beyond the machine without a key ----------------------------------------------------
+
+
+def test_serving_beyond_loopback_without_a_key_is_warned_about(tiny_llama_artifact):  # type: ignore[no-untyped-def]
+    from pagecast.runtime.server.options import open_without_key_warning
+
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"):
+        assert open_without_key_warning(host, None) is None, host
+    for host in ("0.0.0.0", "::", "192.168.1.20", "my-host.internal"):
+        warning = open_without_key_warning(host, None)
+        assert warning is not None and "WITHOUT an API key" in warning and "--api-key" in warning, host
+        assert open_without_key_warning(host, "k") is None  # a key: nothing to warn about
+        assert open_without_key_warning(host, "") is not None  # an empty key is no key
+    assert "all interfaces" in (open_without_key_warning("0.0.0.0", None) or "")
+    # engine-serve itself says so on start, however it was started (not only the image's
+    # entrypoint): here the start then stops at a refused option, before loading anything.
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagecast.runtime.cli", str(tiny_llama_artifact), "--host", "0.0.0.0",
+         "--allowed-origins", "*", "--allow-credentials"],
+        capture_output=True, text=True, timeout=120, check=False, env={**os.environ, "PAGECAST_API_KEY": ""},
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "serving on 0.0.0.0 (all interfaces) WITHOUT an API key" in proc.stderr

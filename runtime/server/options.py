@@ -25,3 +25,27 @@ def check_cors(allowed_origins: Sequence[str], allow_credentials: bool) -> None:
             "then make requests carrying your users' credentials. List the origins that may call "
             "with credentials (--allowed-origins https://app.example.com), or drop --allow-credentials"
         )
+
+
+def open_without_key_warning(host: str, api_key: str | None) -> str | None:
+    """The warning engine-serve logs when it listens beyond this machine with no API key (None
+    when it does not): anyone who reaches the port can use the model and its GPU. A loopback
+    address (127.0.0.0/8, ::1, localhost) is private to the machine; anything else, all
+    interfaces (0.0.0.0, ::) above all, is not."""
+    if api_key:
+        return None
+    import ipaddress
+
+    name = host.strip().strip("[]")
+    if name == "localhost":
+        return None
+    try:
+        if ipaddress.ip_address(name).is_loopback:
+            return None
+    except ValueError:
+        pass  # a host name: it may resolve to any interface
+    where = "all interfaces" if name in ("", "0.0.0.0", "::") else "an address other machines may reach"
+    return (
+        f"serving on {host or '0.0.0.0'} ({where}) WITHOUT an API key: anyone who can reach the port can use "
+        "this model and its compute. Pass --api-key (or set PAGECAST_API_KEY), or --host 127.0.0.1"
+    )
