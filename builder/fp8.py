@@ -9,7 +9,8 @@ Formats read (``read_config``; anything else is refused by name):
   ``tensor`` with static per-tensor activations (``input_scale``) or dynamic per-``token`` ones;
   ``block`` weights of [128, 128] with dynamic 1x128 ``group`` activations (FP8_BLOCK).
 - ModelOpt FP8 (``quant_method: modelopt``, ``quant_algo: FP8``): per-tensor weight and static
-  per-tensor input scales.
+  per-tensor input scales; its settings from config.json or, where that has none, ModelOpt's
+  hf_quant_config.json (``{"producer": ..., "quantization": {"quant_algo": ..., "exclude_modules": ...}}``).
 - the fine-grained block format of the Qwen3 / DeepSeek FP8 releases (``quant_method: fp8``,
   ``weight_block_size: [128, 128]``, ``weight_scale_inv``, dynamic 1x128 activation groups).
 
@@ -43,6 +44,10 @@ need not fall on 128-row boundaries; a row-parallel cut must fall on a 128-colum
 Static input scales of fused projections (q/k/v, gate/up: one input) are equal when calibrated on
 the same data; where a checkpoint's differ the largest is kept (no activation clips that did not
 before) and report.md says so.
+
+An LM head the checkpoint stores in FP8 (lm_head left out of its ignore list) is dequantised at
+build into the half type (``dequantise_head``; report.md notes it), or with --fp8-lm-head kept as
+it is. Any other FP8 tensor reaching the plain path is refused by builder/shard.py.
 """
 
 from __future__ import annotations
@@ -145,6 +150,36 @@ def is_lm_head(t: Any) -> bool:
     return t.name in ("lm_head.weight", "lm_head.weight_scale")
 
 
+def head_config(cfg: Fp8Config) -> Fp8Config:
+    """How an LM head the FP8 checkpoint itself stores in FP8 is read (``read_module``): in the
+    checkpoint's weight layout, with no static input scale required (the head runs in the half
+    type, or with --fp8-lm-head per token; it has no calibrated input of its own to keep)."""
+    return dataclasses.replace(cfg, activations="token") if cfg.activations == "static" else cfg
+
+
+def dequantise_head(cfg: Fp8Config, w: torch.Tensor, read: Any, dtype: torch.dtype) -> torch.Tensor:
+    """The checkpoint's FP8 LM head ``w`` in ``dtype``: its values times their scales (per tensor,
+    per channel or per 128x128 block, read as the projections' are)."""
+    q, scale, _ = read_module(head_config(cfg), "lm_head", lambda name: w if name == "lm_head.weight" else read(name))
+    out = torch.empty(q.shape, dtype=dtype)
+    for i in range(0, q.shape[0], 4096):  # in row chunks: an fp32 copy of a 128k-row head is GBs
+        out[i : i + 4096] = reference.dequantize_fp8(q[i : i + 4096], scale[i : i + 4096]).to(dtype)
+    return out
+
+
+def stores_fp8_head(cfg: Fp8Config, read: Any) -> bool:
+    """Whether the FP8 checkpoint quantised its LM head too (its scale is there: ignore /
+    exclude_modules / modules_to_not_convert left lm_head out of their list)."""
+    if cfg.source == "build":
+        return False
+    name = "lm_head.weight_scale_inv" if cfg.source == "fp8" else "lm_head.weight_scale"
+    try:
+        read(name)
+    except BuildError:
+        return False
+    return True
+
+
 # ---------------------------------------------------------------------------- reading the config
 
 _BUILD = Fp8Config(source="build", weights="channel", activations="token", checkpoint_weights="channel")
@@ -210,14 +245,33 @@ def _compressed_tensors(qc: dict[str, Any]) -> Fp8Config:
     raise refuse
 
 
+def _modelopt_section(qc: dict[str, Any]) -> dict[str, Any]:
+    """The ModelOpt settings: hf_quant_config.json (and some config.json exports) nest them under
+    ``quantization``; others put ``quant_algo`` / ``exclude_modules`` beside ``quant_method``."""
+    nested = qc.get("quantization")
+    return nested if isinstance(nested, dict) else qc
+
+
+def is_modelopt_kv_cache_only(qc: dict[str, Any] | None) -> bool:
+    """A ModelOpt config that quantises the KV cache and no weights (``quant_algo`` null,
+    ``kv_cache_quant_algo`` set): the weights are in the float type, so it builds as an ordinary
+    checkpoint (its KV scales are read by --kv-cache-dtype fp8)."""
+    if not qc or str(qc.get("quant_method", "")).lower() != "modelopt":
+        return False
+    section = _modelopt_section(qc)
+    return not section.get("quant_algo") and bool(section.get("kv_cache_quant_algo"))
+
+
 def _modelopt(qc: dict[str, Any]) -> Fp8Config:
-    algo = str(qc.get("quant_algo") or (qc.get("quantization") or {}).get("quant_algo") or "")
+    section = _modelopt_section(qc)
+    algo = str(section.get("quant_algo") or "")
     if algo.upper() != "FP8":
         raise BuildError(
             f"ModelOpt quant_algo {algo!r} is not supported: pagecast reads ModelOpt 'FP8' (per-tensor) checkpoints "
             f"only (NVFP4, INT4_AWQ, W4A8 and FP8_PB_WO are not)"
         )
-    _check_ignored([str(m) for m in qc.get("exclude_modules") or qc.get("ignore") or []], "exclude_modules")
+    excluded = section.get("exclude_modules") or section.get("ignore") or []
+    _check_ignored([str(m) for m in excluded], "exclude_modules")
     return Fp8Config("modelopt", "channel", "static", "tensor")
 
 
@@ -407,6 +461,16 @@ def plan_tensors(tensors: list[Any], cfg: Fp8Config, read: Any = None) -> tuple[
         if is_experts(t):
             out += _expert_parts(t, cfg)
             continue
+        if t.name == "lm_head.weight" and t.rank == 0 and read is not None and stores_fp8_head(cfg, read):
+            notes.append(
+                "lm_head: the checkpoint stores the LM head in FP8 (lm_head is not in its ignore list); "
+                + (
+                    "--fp8-lm-head runs it FP8 with the checkpoint's values and scales, its input per token"
+                    if cfg.lm_head
+                    else "it is dequantised at build (fp8 x scale) into the half type and runs as a half-type "
+                    "head (--fp8-lm-head keeps it FP8, for per-channel checkpoints with dynamic activations)"
+                )
+            )
         if not (is_projection(t) or (cfg.lm_head and is_lm_head(t))):
             out.append(t)
             continue
@@ -482,18 +546,28 @@ class Materialiser:
     """Converts each projection's checkpoint modules (or quantises the float ones) once and hands
     every rank its cut of the parts, in the planned order."""
 
-    def __init__(self, cfg: Fp8Config, read: Any, gen: torch.Generator | None, model: Any = None):
-        self.cfg, self.read, self.gen = cfg, read, gen
+    def __init__(
+        self, cfg: Fp8Config, read: Any, gen: torch.Generator | None, model: Any = None, dtype: str = "bfloat16"
+    ):
+        self.cfg, self.read, self.gen, self.dtype = cfg, read, gen, getattr(torch, dtype)
         self.dims = _projection_dims(model) if model is not None else {}
         self._base: str | None = None
         self._modules: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        self._head: torch.Tensor | None = None  # an FP8 checkpoint head dequantised, for every rank's cut
 
     def handles(self, t: Any) -> bool:
-        return is_part(t) or is_expert_part(t) or (self.cfg.lm_head and is_lm_head(t))
+        if self.cfg.lm_head and is_lm_head(t):
+            return True
+        if t.name == "lm_head.weight" and self.cfg.source != "build" and self.gen is None:
+            return True  # the half-type head of an FP8 checkpoint, which may store it in FP8 too
+        self._head = None
+        return is_part(t) or is_expert_part(t)
 
     def __call__(self, t: Any) -> torch.Tensor:
         if is_expert_part(t):
             return self._experts(t)
+        if t.name == "lm_head.weight" and not self.cfg.lm_head:
+            return self._half_head(t)
         base, _, part = t.name.rpartition(".")
         if base != self._base:
             self._base, self._modules = base, self._whole(base, t)
@@ -529,13 +603,26 @@ class Materialiser:
         groups = [pieces[i : i + t.stack] for i in range(0, len(pieces), t.stack)]
         return torch.stack([g[0] if len(g) == 1 else torch.cat(g, dim=0) for g in groups]).contiguous()
 
+    def _half_head(self, t: Any) -> torch.Tensor:
+        """A rank's cut of the LM head in the half type: an FP8 one dequantised once (for all ranks)."""
+        head = self._head if self._head is not None else self.read("lm_head.weight")
+        if head.dtype == torch.float8_e4m3fn:
+            head = self._head = dequantise_head(self.cfg, head, self.read, self.dtype)
+        return shard.rank_tensor(lambda _: head, t, self.dtype)
+
     def _whole(self, base: str, t: Any) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         # The LM head (--fp8-lm-head) is quantised here from its half-type weight whatever the
-        # checkpoint's projections are (FP8 checkpoints leave it out of their quantisation).
+        # checkpoint's projections are (FP8 checkpoints mostly leave it out of their quantisation);
+        # one the checkpoint stores in FP8 keeps its values and scales.
         cfg = _BUILD if base == "lm_head" else self.cfg
         if self.gen is not None:
             widths = self.dims[base]
             return [random_module(cfg, n, widths[1], self.gen) for n in widths[0]]
+        if base == "lm_head":
+            w = self.read("lm_head.weight")
+            if w.dtype == torch.float8_e4m3fn:
+                return [read_module(head_config(self.cfg), base, lambda n: w if n == "lm_head.weight" else self.read(n))]
+            return [read_module(cfg, base, lambda n: w if n == "lm_head.weight" else self.read(n))]
         modules = [s.removesuffix(".weight") for s in t.sources]
         return [read_module(cfg, m, self.read) for m in modules]
 

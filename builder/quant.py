@@ -850,7 +850,7 @@ class Int4Materialiser:
 def Materialiser(cfg: Any, read: Any, dtype: str, gen: torch.Generator | None, model: Any = None) -> Any:
     """What pack takes the quantised parts from: int4 (``Int4Materialiser``) or FP8 (builder/fp8.py)."""
     if fp8.is_fp8(cfg):
-        return fp8.Materialiser(cfg, read, gen, model)
+        return fp8.Materialiser(cfg, read, gen, model, dtype)
     return Int4Materialiser(cfg, read, dtype, gen, model)
 
 
@@ -868,22 +868,28 @@ def weight_bytes(tensors: list[Any], dtype_bytes: int) -> int:
 
 def read_checkpoint_config(path: Any, requested: str | None, dummy: bool) -> QuantConfig | None:
     """``read_config`` on the checkpoint directory: ``quantization_config`` in config.json, or the
-    separate quantize_config.json / quant_config.json older AutoGPTQ / AutoAWQ releases wrote."""
+    separate quantize_config.json / quant_config.json older AutoGPTQ / AutoAWQ releases wrote, or
+    ModelOpt's hf_quant_config.json (``{"producer": ..., "quantization": {"quant_algo": ...}}``,
+    read as ``quant_method: modelopt``)."""
     import json
     from pathlib import Path
 
     root = Path(path)
     qc = json.loads((root / "config.json").read_text()).get("quantization_config")
     if not qc:
-        for name in ("quantize_config.json", "quant_config.json"):
+        for name in ("quantize_config.json", "quant_config.json", "hf_quant_config.json"):
             if (root / name).is_file():
-                qc = json.loads((root / name).read_text())
-                qc.setdefault("quant_method", "awq" if name == "quant_config.json" else "gptq")
+                try:
+                    qc = json.loads((root / name).read_text())
+                except json.JSONDecodeError as e:
+                    raise BuildError(f"{root / name} is not valid JSON ({e}); fix or delete it") from e
+                default = {"quant_config.json": "awq", "quantize_config.json": "gptq"}.get(name, "modelopt")
+                qc.setdefault("quant_method", default)
                 break
     from pagecast.builder import kv_cache
 
-    if kv_cache.is_kv_cache_only(qc):  # float weights; the KV scales are read by --kv-cache-dtype fp8
-        qc = None
+    if kv_cache.is_kv_cache_only(qc) or fp8.is_modelopt_kv_cache_only(qc):
+        qc = None  # float weights; the KV scales are read by --kv-cache-dtype fp8
     if requested == "fp8" or str((qc or {}).get("quant_method", "")).lower() in fp8.FP8_METHODS:
         return fp8.read_config(qc, requested)
     return read_config(qc, requested, dummy)

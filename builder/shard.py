@@ -249,12 +249,26 @@ def read_source(read: Any, source: str) -> torch.Tensor:
     return tensor if rows is None else tensor[rows[0] : rows[1]]
 
 
+def _not_fp8(x: torch.Tensor, t: TensorPlan) -> torch.Tensor:
+    """``x``, or a BuildError where it is FP8: its values mean nothing without their scales, which
+    only builder/fp8.py reads (and float8 tensors have no isfinite)."""
+    if str(x.dtype).startswith("torch.float8"):
+        raise BuildError(
+            f"checkpoint tensor(s) {', '.join(t.sources)} (the artifact's {t.name}) are "
+            f"{str(x.dtype).removeprefix('torch.')}: pagecast reads FP8 weights only for the decoder projections "
+            f"and MoE experts (and the LM head) of an FP8 checkpoint whose quantization_config (or ModelOpt "
+            f"hf_quant_config.json) names its scheme; store this tensor in bf16/fp16, or build from the float "
+            f"checkpoint"
+        )
+    return x
+
+
 def rank_tensor(read: Any, t: TensorPlan, dtype: torch.dtype, prepare: Any = None) -> torch.Tensor:
     """A planned tensor's values on its rank: each checkpoint source (``read`` by name, passed
     through ``prepare`` if given) cut as planned, the pieces concatenated along dim 0, checked
     finite, offset (TensorPlan.offset, added in fp32) and cast to ``dtype``."""
     cuts = t.source_cuts or (None,) * len(t.sources)
-    sources = (read_source(read, src) for src in t.sources)
+    sources = (_not_fp8(read_source(read, src), t) for src in t.sources)
     parts = [cut_source(x if prepare is None else prepare(x), cut) for x, cut in zip(sources, cuts, strict=True)]
     if t.stack:  # MoE experts: each group of ``stack`` parts is one expert
         groups = [parts[i : i + t.stack] for i in range(0, len(parts), t.stack)]

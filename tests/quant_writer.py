@@ -149,7 +149,10 @@ def write(src: Path, dst: Path, fmt: Format, shared_perm: bool = True) -> tuple[
 # the multiplier that dequantises).
 
 E4M3_MAX = 448.0
-FP8_FORMATS = ("modelopt", "fp8-block", "ct-channel", "ct-block")
+# ct-channel-static: compressed-tensors channel weights with static per-tensor activations;
+# ct-tensor-token: per-tensor weights with dynamic per-token activations (both accepted by the reader).
+FP8_FORMATS = ("modelopt", "fp8-block", "ct-channel", "ct-block", "ct-channel-static", "ct-tensor-token")
+STATIC_FP8_FORMATS = ("modelopt", "ct-channel-static")  # with an input_scale per module
 
 
 def _e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -164,7 +167,11 @@ def fp8_quantise(w: torch.Tensor, fmt: str) -> tuple[dict[str, torch.Tensor], to
         scale = (w.abs().max().clamp_min(1e-12) / E4M3_MAX).reshape(())
         q = _e4m3(w, scale)
         return {"weight": q, "weight_scale": scale}, q.float() * scale
-    if fmt == "ct-channel":  # compressed-tensors FP8_DYNAMIC: one bf16 scale per output row, [N, 1]
+    if fmt == "ct-tensor-token":  # compressed-tensors per-tensor weights: one fp32 scale, shape [1]
+        scale = (w.abs().max().clamp_min(1e-12) / E4M3_MAX).reshape(1)
+        q = _e4m3(w, scale)
+        return {"weight": q, "weight_scale": scale}, q.float() * scale
+    if fmt in ("ct-channel", "ct-channel-static"):  # FP8_DYNAMIC: one bf16 scale per output row, [N, 1]
         scale = (w.abs().amax(1, keepdim=True).clamp_min(1e-12) / E4M3_MAX).to(torch.bfloat16)
         q = _e4m3(w, scale.float())
         return {"weight": q, "weight_scale": scale}, q.float() * scale.float()
@@ -185,29 +192,41 @@ def fp8_quantise(w: torch.Tensor, fmt: str) -> tuple[dict[str, torch.Tensor], to
     raise ValueError(f"unknown fp8 format {fmt!r}")
 
 
-def fp8_quantization_config(fmt: str) -> dict[str, object]:
+def fp8_quantization_config(fmt: str, lm_head: bool = False) -> dict[str, object]:
+    """``fmt``'s quantization_config; ``lm_head``: the LM head quantised too (not in the ignore list)."""
+    head = [] if lm_head else ["lm_head"]
     if fmt == "modelopt":
         return {"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": None,
-                "exclude_modules": ["lm_head"]}  # fmt: skip
-    if fmt in ("ct-channel", "ct-block"):  # llm-compressor's FP8_DYNAMIC / FP8_BLOCK, the MoE routers ignored
+                "exclude_modules": head}  # fmt: skip
+    if fmt.startswith("ct-"):  # llm-compressor's FP8_DYNAMIC / FP8_BLOCK / FP8 schemes, the MoE routers ignored
         scheme = {"type": "float", "num_bits": 8, "symmetric": True}
-        weights = {**scheme, "strategy": "channel", "dynamic": False}
+        weights = {**scheme, "strategy": "tensor" if fmt == "ct-tensor-token" else "channel", "dynamic": False}
         acts = {**scheme, "strategy": "token", "dynamic": True}
         if fmt == "ct-block":
             weights = {**weights, "strategy": "block", "block_structure": [128, 128]}
             acts = {**acts, "strategy": "group", "group_size": 128}
+        if fmt == "ct-channel-static":
+            acts = {**acts, "strategy": "tensor", "dynamic": False}
         return {"quant_method": "compressed-tensors", "format": "float-quantized",
                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}},
-                "ignore": ["lm_head", "re:.*mlp.gate$"]}  # fmt: skip
+                "ignore": [*head, "re:.*mlp.gate$"]}  # fmt: skip
     return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
-            "modules_to_not_convert": ["lm_head"]}  # fmt: skip
+            "modules_to_not_convert": head}  # fmt: skip
 
 
-def write_fp8(src: Path, dst: Path, fmt: str, input_scales: dict[str, float] | None = None) -> tuple[Path, dict[str, torch.Tensor]]:
+def write_fp8(
+    src: Path, dst: Path, fmt: str, input_scales: dict[str, float] | None = None, *, lm_head: bool = False,
+    hf_quant_config: bool = False,
+) -> tuple[Path, dict[str, torch.Tensor]]:  # fmt: skip
     """Quantise the float checkpoint ``src`` into ``dst`` in ``fmt`` (bf16 for what stays
     unquantised, as published checkpoints). Returns ``dst`` and every projection's exact fp32
-    dequantization. ModelOpt's static ``input_scale`` of a module is ``input_scales[key]``, the key
-    shared by the modules reading one input (q/k/v, gate/up: ``_input_key``), 0.02 by default."""
+    dequantization. A static format's ``input_scale`` of a module is ``input_scales[key]``, the key
+    shared by the modules reading one input (q/k/v, gate/up: ``_input_key``), 0.02 by default;
+    a module's own name as the key gives it alone that scale.
+
+    ``lm_head``: the LM head (an untied one) quantised in ``fmt`` too, without an input scale (as
+    a checkpoint whose ignore list leaves lm_head out). ``hf_quant_config`` (ModelOpt only): the
+    config in hf_quant_config.json, as ModelOpt's export writes it, and none in config.json."""
     shutil.rmtree(dst, ignore_errors=True)
     shutil.copytree(src, dst)
     for f in dst.glob("*.safetensors"):
@@ -216,19 +235,28 @@ def write_fp8(src: Path, dst: Path, fmt: str, input_scales: dict[str, float] | N
     for f in sorted(src.glob("*.safetensors")):
         tensors.update(load_file(str(f)))
     out, deq = {}, {}
+    scales = input_scales or {}
     for name, t in sorted(tensors.items()):
         module = name.removesuffix(".weight")
-        if name.endswith(".weight") and module.rpartition(".")[2] in PROJECTIONS:
+        projection = module.rpartition(".")[2] in PROJECTIONS
+        if name.endswith(".weight") and (projection or (lm_head and name == "lm_head.weight")):
             parts, d = fp8_quantise(t, fmt)
             out.update({f"{module}.{p}": v for p, v in parts.items()})
-            if fmt == "modelopt":
-                out[f"{module}.input_scale"] = torch.tensor((input_scales or {}).get(_input_key(module), 0.02))
+            if fmt in STATIC_FP8_FORMATS and projection:
+                out[f"{module}.input_scale"] = torch.tensor(scales.get(module, scales.get(_input_key(module), 0.02)))
             deq[name] = d
         else:
             out[name] = t.to(torch.bfloat16) if t.is_floating_point() else t
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((dst / "config.json").read_text())
-    config["quantization_config"] = fp8_quantization_config(fmt)
+    qc = fp8_quantization_config(fmt, lm_head)
+    if hf_quant_config:
+        assert fmt == "modelopt", "hf_quant_config.json is ModelOpt's"
+        section = {k: v for k, v in qc.items() if k != "quant_method"}
+        producer = {"name": "modelopt", "version": "0.29.0"}
+        (dst / "hf_quant_config.json").write_text(json.dumps({"producer": producer, "quantization": section}, indent=2))
+    else:
+        config["quantization_config"] = qc
     config["torch_dtype"] = config["dtype"] = "bfloat16"
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst, deq

@@ -429,3 +429,117 @@ def test_fp8_weights_with_the_fp8_kv_cache_build_and_serve(tmp_path, llmc_artifa
             assert torch.equal(a.get_tensor(key).view(torch.uint8), b.get_tensor(key).view(torch.uint8))
     tokens, _ = _generate(artifact, PROMPTS[:1], logits=False)
     assert len(tokens[0]) == MAX_TOKENS
+
+
+# ---------------------------------------------------------------------------- ModelOpt's hf_quant_config.json, FP8 LM heads
+
+
+def test_modelopt_export_with_only_hf_quant_config_builds_as_modelopt(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    """ModelOpt's export writes its settings to hf_quant_config.json (nested under "quantization")
+    and none to config.json: read as ModelOpt FP8, not as a float checkpoint whose FP8 weights
+    would crash the plain path."""
+    src = tiny_checkpoint_factory("llama", **SHAPE)
+    ckpt, _ = write_fp8(src, tmp_path / "modelopt", "modelopt", hf_quant_config=True)
+    assert "quantization_config" not in json.loads((ckpt / "config.json").read_text())
+    artifact = build_artifact(ckpt, tmp_path / "engine", gpu="cpu")
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["quant"] == "fp8"
+    assert (manifest["quantization"]["source"], manifest["quantization"]["activations"]) == ("modelopt", "static")
+    _assert_greedy_parity(artifact, ckpt, "static")
+
+
+def _hf_quant_config(ckpt: Path, **quantization) -> Path:  # type: ignore[no-untyped-def]
+    section = json.loads((ckpt / "hf_quant_config.json").read_text())
+    section["quantization"].update(quantization)
+    (ckpt / "hf_quant_config.json").write_text(json.dumps(section))
+    return ckpt
+
+
+def test_modelopt_hf_quant_config_exclude_modules_and_algorithm_are_checked(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    src = tiny_checkpoint_factory("llama", **SHAPE)
+    ckpt, _ = write_fp8(src, tmp_path / "modelopt", "modelopt", hf_quant_config=True)
+    _hf_quant_config(ckpt, exclude_modules=["lm_head", "model.layers.0.self_attn.q_proj"])
+    with pytest.raises(BuildError, match=r"exclude_modules \['model.layers.0.self_attn.q_proj'\] leaves decoder projections"):
+        build_artifact(ckpt, tmp_path / "e1", gpu="cpu")
+    _hf_quant_config(ckpt, exclude_modules=["lm_head"], quant_algo="NVFP4")
+    with pytest.raises(BuildError, match=r"ModelOpt quant_algo 'NVFP4' is not supported"):
+        build_artifact(ckpt, tmp_path / "e2", gpu="cpu")
+
+
+def test_modelopt_kv_cache_only_hf_quant_config_builds_float_weights(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    """quant_algo null with a KV algorithm: only the KV cache was calibrated; the weights are float."""
+    import shutil
+
+    ckpt = tmp_path / "kv-only"
+    shutil.copytree(tiny_checkpoint_factory("llama", **SHAPE), ckpt)
+    (ckpt / "hf_quant_config.json").write_text(json.dumps(
+        {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": None, "kv_cache_quant_algo": "FP8"}}
+    ))  # fmt: skip
+    manifest = json.loads((build_artifact(ckpt, tmp_path / "e", gpu="cpu") / "manifest.json").read_text())
+    assert manifest["quant"] is None
+
+
+@pytest.mark.parametrize(("fmt", "activations"), [("ct-channel", "token"), ("modelopt", "static"), ("fp8-block", "group")])
+def test_fp8_checkpoint_head_is_dequantised_into_the_half_type(fmt, activations, tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    """An FP8 checkpoint that quantised its LM head too (lm_head not in its ignore list; no input
+    scale for it, even with static activations) builds with the head dequantised at build (fp8 x
+    its per-channel, per-tensor or block scales) into the half type, as transformers' dequantised
+    model holds it; report.md says so."""
+    src = tiny_checkpoint_factory("llama", **UNTIED)
+    ckpt, deq = write_fp8(src, tmp_path / fmt, fmt, lm_head=True)
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("lm_head.weight").dtype == torch.float8_e4m3fn and "lm_head.input_scale" not in set(f.keys())
+    artifact = build_artifact(ckpt, tmp_path / "engine", gpu="cpu")
+    with safe_open(str(artifact / "weights" / "rank0.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("lm_head.weight"), deq["lm_head.weight"])  # fp32 artifact: exact
+    assert "the checkpoint stores the LM head in FP8" in (artifact / "report.md").read_text()
+    _assert_greedy_parity(artifact, ckpt, activations)
+
+
+def test_fp8_checkpoint_head_tp2_cuts_the_dequantised_head(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    src = tiny_checkpoint_factory("llama", **UNTIED)
+    ckpt, deq = write_fp8(src, tmp_path / "ct", "ct-channel", lm_head=True)
+    artifact = build_artifact(ckpt, tmp_path / "engine", gpu="cpu", tp=2)
+    parts = []
+    for rank in (0, 1):
+        with safe_open(str(artifact / "weights" / f"rank{rank}.safetensors"), "pt") as f:
+            parts.append(f.get_tensor("lm_head.weight"))
+    assert torch.equal(torch.cat(parts), deq["lm_head.weight"])
+
+
+def test_fp8_checkpoint_head_with_fp8_lm_head_keeps_its_values_and_scales(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    """--fp8-lm-head on a checkpoint whose head is FP8 already: its e4m3 values and scales as they are."""
+    src = tiny_checkpoint_factory("llama", **UNTIED)
+    ckpt, _ = write_fp8(src, tmp_path / "ct", "ct-channel", lm_head=True)
+    artifact = build_artifact(ckpt, tmp_path / "engine", gpu="cpu", fp8_lm_head=True)
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        q, s = f.get_tensor("lm_head.weight"), f.get_tensor("lm_head.weight_scale")
+    with safe_open(str(artifact / "weights" / "rank0.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("lm_head.weight").view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(f.get_tensor("lm_head.weight_scale"), s.float().reshape(-1))
+    _assert_greedy_parity(artifact, ckpt, "token", quantised=(*PROJECTIONS, "lm_head"))
+
+
+def _fp8_tensor(ckpt: Path, name: str) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    save_file(tensors, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    return ckpt
+
+
+def test_fp8_tensors_outside_the_fp8_reader_are_a_build_error(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    """The safety net: an FP8 tensor pagecast would read as a plain weight (an FP8 embedding; FP8
+    projections under no FP8 config) is refused by name, not a float8 NotImplementedError."""
+    src = tiny_checkpoint_factory("llama", **UNTIED)
+    ckpt, _ = write_fp8(src, tmp_path / "ct", "ct-channel")
+    _fp8_tensor(ckpt, "model.embed_tokens.weight")
+    with pytest.raises(BuildError, match=r"model.embed_tokens.weight \(the artifact's embed_tokens.weight\) are float8_e4m3fn: pagecast reads FP8 weights only for the decoder projections"):
+        build_artifact(ckpt, tmp_path / "e1", gpu="cpu")
+    bare, _ = write_fp8(src, tmp_path / "bare", "ct-channel")
+    config = json.loads((bare / "config.json").read_text())
+    del config["quantization_config"]
+    (bare / "config.json").write_text(json.dumps(config))
+    with pytest.raises(BuildError, match=r"model.layers.0.self_attn.q_proj.weight, .* are float8_e4m3fn"):
+        build_artifact(bare, tmp_path / "e2", gpu="cpu")
