@@ -175,7 +175,8 @@ class AsyncEngine:
         that a slow consumer missed arrive merged into one); the last has ``finished`` set."""
         if not self.is_alive():
             raise EngineDeadError(
-                f"the engine for {self.model_name} is not running" + (f" (it failed: {self._error})" if self._error else "")
+                f"the engine for {self.model_name} is not running" + (f" (it failed: {self._error})" if self._error else ""),
+                getattr(self._error, "error_id", None),
             )
         text, ids, max_tokens = self.validate(prompt, params)  # raises InvalidRequestError before anything is queued
         request_id = request_id or f"cmpl-{uuid.uuid4().hex}"
@@ -234,13 +235,21 @@ class AsyncEngine:
         loop = self._loop
         if loop is None or loop.is_closed():
             if isinstance(msg, CoreFailed):
-                self._error = EngineDeadError(f"the engine failed: {msg.message}")
+                self._error = self._dead(msg)
             return
         try:
             loop.call_soon_threadsafe(self._handle, msg)
         except RuntimeError:  # the loop closed meanwhile: nobody waits for these outputs
             if isinstance(msg, CoreFailed):
-                self._error = EngineDeadError(f"the engine failed: {msg.message}")
+                self._error = self._dead(msg)
+
+    def _dead(self, failure: CoreFailed) -> EngineDeadError:
+        """The error every request of a failed engine gets, its details logged once under an id
+        (the server gives clients that id, not the details: they can hold paths, tracebacks,
+        another request's data)."""
+        error_id = f"err-{uuid.uuid4().hex[:16]}"
+        logger.error("engine %s failed (error id %s): %s", self.model_name, error_id, failure.message)
+        return EngineDeadError(f"the engine failed: {failure.message}", error_id)
 
     def _handle(self, msg: CoreMessage) -> None:
         if isinstance(msg, CoreFailed):
@@ -315,8 +324,7 @@ class AsyncEngine:
             stream.put(out)
 
     def _fail_all(self, failure: CoreFailed) -> None:
-        logger.error("engine %s failed: %s", self.model_name, failure.message)
-        self._error = EngineDeadError(f"the engine failed: {failure.message}")
+        self._error = self._dead(failure)
         op = self.output_processor
         for request_id in list(op.parents):
             parent = op.parents[request_id]

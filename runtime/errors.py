@@ -19,7 +19,13 @@ class InvalidRequestError(PagecastError, ValueError):
 
 
 class EngineDeadError(PagecastError, RuntimeError):
-    """The engine loop has stopped (HTTP 503); no further request can be served."""
+    """The engine loop has stopped (HTTP 503); no further request can be served. The message
+    holds the failure's details (for Python callers and the log); ``error_id`` names the log
+    line that has them, which is all the server tells its clients."""
+
+    def __init__(self, message: str, error_id: str | None = None):
+        super().__init__(message)
+        self.error_id = error_id
 
 
 class ArtifactError(PagecastError):

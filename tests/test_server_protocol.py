@@ -121,9 +121,10 @@ def test_engine_errors_map_to_statuses():
         "context_length_exceeded",
         "invalid_request_error",
     )
-    e = errors.from_engine_error(EngineDeadError("boom"), "m")
+    e = errors.from_engine_error(EngineDeadError("boom", "err-0123456789abcdef"), "m")
     assert (e.status_code, e.code, e.type) == (503, "engine_dead", "server_error")
-    assert "boom" in e.message and "`m`" in e.message
+    # The failure's text stays in the log, under the id the client gets (issue 33).
+    assert "boom" not in e.message and "`m`" in e.message and "error id err-0123456789abcdef" in e.message
     e = errors.from_engine_error(RuntimeError("bug"), "m")
     # A fault of ours: the client gets an id to quote, never the exception's text (issue 33).
     assert (e.status_code, e.type) == (500, "server_error") and "bug" not in e.message

@@ -131,9 +131,13 @@ def cut_by_shutdown() -> APIError:
     )
 
 
-def engine_dead(model: str, detail: str = "") -> APIError:
-    message = f"The engine serving `{model}` has stopped" + (f": {detail}" if detail else ".")
-    return APIError(503, message, type="server_error", code="engine_dead")
+def engine_dead(model: str, detail: str = "", error_id: str | None = None) -> APIError:
+    """A 503: the engine has stopped. ``detail`` is the server's own words; an engine failure's
+    details stay in the log under ``error_id``, which the client gets to quote."""
+    message = f"The engine serving `{model}` has stopped" + (f": {detail}" if detail else "")
+    if error_id is not None:
+        message += f" (error id {error_id}); the server's log has the details under this id"
+    return APIError(503, message + ".", type="server_error", code="engine_dead")
 
 
 def internal_error(detail: str, request_id: str | None = None) -> APIError:
@@ -214,7 +218,7 @@ def from_engine_error(exc: BaseException, model: str) -> APIError:
     if isinstance(exc, InvalidRequestError):
         return invalid_request(exc.message, param=exc.param, code=exc.code or "invalid_value")
     if isinstance(exc, EngineDeadError):
-        return engine_dead(model, str(exc))
+        return engine_dead(model, "it failed" if exc.error_id else "", exc.error_id)
     if isinstance(exc, ValueError):
         # SamplingParams and tokenizers raise ValueError for bad input; it is the request's fault.
         return invalid_request(str(exc), code="invalid_value")
