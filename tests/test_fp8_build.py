@@ -76,7 +76,33 @@ def dequantised(ckpt: Path) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     return weights, inputs
 
 
-def reference_model(ckpt: Path, activations: str, quantised: tuple[str, ...] = PROJECTIONS) -> torch.nn.Module:
+_FP8_KV = "pagecast_fp8_kv_reference"
+
+
+def _fp8_kv_attention(hf: torch.nn.Module, k_scales: list[float], v_scales: list[float]) -> None:
+    """``hf``'s attention reads K (after rotary) and V as an e4m3 KV cache holds them: fp8(x /
+    scale) saturated to +-448, times the scale, with each layer's scales (the FP8 KV cache's
+    definition, written here independently of kernels/reference.py)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    def e4m3(x: torch.Tensor, scale: float) -> torch.Tensor:
+        return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
+
+    def attention(module, query, key, value, attention_mask, **kwargs):  # type: ignore[no-untyped-def]
+        i = module.layer_idx
+        return eager_attention_forward(module, query, e4m3(key, k_scales[i]), e4m3(value, v_scales[i]), attention_mask, **kwargs)
+
+    AttentionInterface.register(_FP8_KV, attention)
+    AttentionMaskInterface.register(_FP8_KV, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+    hf.config._attn_implementation = _FP8_KV
+
+
+def reference_model(
+    ckpt: Path, activations: str, quantised: tuple[str, ...] = PROJECTIONS, kv_scales: tuple[list[float], list[float]] | None = None
+) -> torch.nn.Module:
+    """``kv_scales``: (K, V) scales per layer of an FP8 KV cache, which the reference's attention then reads through."""
     weights, inputs = dequantised(ckpt)
     config = json.loads((ckpt / "config.json").read_text())
     config.pop("quantization_config", None)
@@ -101,6 +127,8 @@ def reference_model(ckpt: Path, activations: str, quantised: tuple[str, ...] = P
                 return (_fake_quant(args[0], activations, scale),)
 
             module.register_forward_pre_hook(hook)
+    if kv_scales is not None:
+        _fp8_kv_attention(hf, *kv_scales)
     return hf
 
 
@@ -127,9 +155,10 @@ NEAR_TIE = 0.1
 
 
 def _assert_greedy_parity(
-    artifact: Path, ckpt: Path, activations: str, tp: int = 1, quantised: tuple[str, ...] = PROJECTIONS
-) -> None:
-    hf = reference_model(ckpt, activations, quantised)
+    artifact: Path, ckpt: Path, activations: str, tp: int = 1, quantised: tuple[str, ...] = PROJECTIONS,
+    kv_scales: tuple[list[float], list[float]] | None = None,
+) -> None:  # fmt: skip
+    hf = reference_model(ckpt, activations, quantised, kv_scales)
     tokens, logits = _generate(artifact, logits=tp == 1)
     diverged = 0
     for ids, out in zip(PROMPTS, tokens, strict=True):
@@ -417,18 +446,30 @@ def test_tp2_static_fp8_greedy_tokens_equal_transformers_dequantised(tmp_path): 
     _assert_greedy_parity(artifact, FIXTURES / name, "static", tp=2)
 
 
-def test_fp8_weights_with_the_fp8_kv_cache_build_and_serve(tmp_path, llmc_artifacts):  # type: ignore[no-untyped-def]
+def test_fp8_weights_with_the_fp8_kv_cache_equal_transformers_with_k_and_v_quantised(tmp_path, llmc_artifacts):  # type: ignore[no-untyped-def]
+    """FP8 weights and the FP8 KV cache together compute what transformers computes with the
+    dequantised weights, the activations fake-quantised and K / V read through e4m3 at the
+    manifest's scales: the same tokens and last logits (2e-3). The model-dtype-cache engine of the
+    same weights is farther from that reference than the tolerance (and the FP8-cache engine from
+    the plain reference), so an engine that ignored the cache setting, or wrote or read the cache
+    wrongly, would fail."""
     name = "llmcompressor-fp8-dynamic"
     artifact = build_artifact(FIXTURES / name, tmp_path / "kv", gpu="cpu", kv_cache_dtype="fp8")
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert manifest["quant"] == "fp8" and manifest["kv_cache"]["dtype"] == "float8_e4m3fn"
-    # The cache's dtype changes no weight: the same FP8 tensors as the model-dtype cache build.
-    plain = llmc_artifacts(name)
-    with safe_open(str(artifact / "weights" / "rank0.safetensors"), "pt") as a, safe_open(str(plain / "weights" / "rank0.safetensors"), "pt") as b:
-        for key in ("layers.2.gate_up_proj.weight", "layers.2.gate_up_proj.weight_scale"):
-            assert torch.equal(a.get_tensor(key).view(torch.uint8), b.get_tensor(key).view(torch.uint8))
-    tokens, _ = _generate(artifact, PROMPTS[:1], logits=False)
-    assert len(tokens[0]) == MAX_TOKENS
+    scales = (manifest["kv_cache"]["k_scales"], manifest["kv_cache"]["v_scales"])
+    _assert_greedy_parity(artifact, FIXTURES / name, "token", kv_scales=scales)
+    fp8_kv = reference_model(FIXTURES / name, "token", kv_scales=scales)
+    plain = reference_model(FIXTURES / name, "token")
+    _, plain_engine = _generate(llmc_artifacts(name), PROMPTS[:1])
+    _, fp8_engine = _generate(artifact, PROMPTS[:1])
+    assert plain_engine is not None and fp8_engine is not None
+    with torch.no_grad():
+        ids = torch.tensor([PROMPTS[0]])
+        ref_fp8_kv, ref_plain = fp8_kv(ids).logits[0, -1], plain(ids).logits[0, -1]
+    torch.testing.assert_close(plain_engine, ref_plain, atol=2e-3, rtol=0)  # each engine matches its own reference
+    assert (plain_engine - ref_fp8_kv).abs().max() > 10 * 2e-3  # and not the other's
+    assert (fp8_engine - ref_plain).abs().max() > 10 * 2e-3
 
 
 # ---------------------------------------------------------------------------- ModelOpt's hf_quant_config.json, FP8 LM heads
