@@ -677,20 +677,34 @@ def report_lines(tuning: dict[str, Any] | None, cfg: Fp8Config, tp: int = 1) -> 
         "Reference: torch._scaled_mm (rowwise scales) where it runs"
         + (", else (block scales) the half-type F.linear of the same shape" if block else "")
         + ". Roofline fraction: the larger of the weight-and-rows bytes at the measured copy bandwidth and"
-        " the FLOPs at the GPU's dense FP8 peak, over the chosen time.",
+        " the FLOPs at the GPU's dense FP8 peak, over the chosen time. Best Triton tile: the fastest Triton"
+        " config timed (the chosen one unless torch._scaled_mm won; '-' where none was, e.g. a pinned or"
+        " budget-cut bucket).",
         "",
-        "| projection.rows | chosen | time (us) | reference (us) | roofline fraction |",
-        "|---|---|---|---|---|",
+        "| projection.rows | chosen | time (us) | best Triton tile (us) | reference (us) | roofline fraction |",
+        "|---|---|---|---|---|---|",
     ]
     for bucket, entry in entries.items():
         config = entry.get("config") or {}
         chosen = "torch._scaled_mm" if config.get("scaled_mm") else ", ".join(f"{k}={v}" for k, v in config.items())
         t, ref = entry.get("time_us"), entry.get("reference_us")
         frac = roofline_fraction(tuning or {}, bucket, t)
+        tile = best_triton_us(entry)
         lines.append(
-            f"| {bucket} | {chosen} | {t or 0:.1f} | {ref or 0:.1f} | {'-' if frac is None else f'{frac:.2f}'} |"
+            f"| {bucket} | {chosen} | {t or 0:.1f} | {'-' if tile is None else f'{tile:.1f}'} | {ref or 0:.1f} | "
+            f"{'-' if frac is None else f'{frac:.2f}'} |"
         )
     return lines
+
+
+def best_triton_us(entry: dict[str, Any]) -> float | None:
+    """The fastest Triton config's time in a tuning entry: the chosen config's where it is a Triton
+    tile, else the fastest of the ``alternatives`` the tuner kept (sorted by time; all of them
+    Triton tiles when torch._scaled_mm won) that is one; None where no Triton config was timed."""
+    timed = [(entry.get("config") or {}, entry.get("time_us"))]
+    timed += [(a.get("config") or {}, a.get("time_us")) for a in entry.get("alternatives") or []]
+    times = [float(t) for c, t in timed if not c.get("scaled_mm") and t is not None]
+    return min(times) if times else None
 
 
 # Dense FP8 tensor-core peak (FLOP/s) of the GPUs the tuner knows, from the vendors' data sheets (SXM).

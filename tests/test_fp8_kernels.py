@@ -248,7 +248,6 @@ def launches(monkeypatch):  # type: ignore[no-untyped-def]
 
 
 def _cpu_counters() -> torch.Tensor:
-    from pagecast.kernels import fp8_gemm
 
     return split_k.COUNTERS[torch.device("cpu")]
 
@@ -352,7 +351,6 @@ def test_split_fused_launches_back_to_back_share_the_counters(launches):  # type
 
 
 def test_split_counters_grow_outside_capture_and_keep_the_outgrown_buffer(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from pagecast.kernels import fp8_gemm
 
     monkeypatch.setattr(split_k, "COUNTERS", {})
     monkeypatch.setattr(split_k, "OUTGROWN", [])
@@ -605,17 +603,28 @@ def test_report_lists_each_bucket_with_the_scaled_mm_time_and_roofline_fraction(
         "shapes": {**shapes.__dict__, "dtype": "bfloat16", "kv_cache_dtype": "bfloat16"},
         "kernels": {"fp8_gemm": {
             "qkv.m1": {"config": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 4, "num_stages": 4},
-                       "time_us": 12.6, "reference_us": 14.0},
-            "down.m8192": {"config": {"scaled_mm": 1, "num_warps": 0, "num_stages": 0}, "time_us": 900.0, "reference_us": 900.0},
+                       "time_us": 12.6, "reference_us": 14.0,
+                       "alternatives": [{"config": {"scaled_mm": 1, "num_warps": 0, "num_stages": 0}, "time_us": 14.0},
+                                        {"config": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 4}, "time_us": 13.1}]},
+            "down.m8192": {"config": {"scaled_mm": 1, "num_warps": 0, "num_stages": 0}, "time_us": 900.0, "reference_us": 900.0,
+                           "alternatives": [{"config": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1}, "time_us": 951.3},
+                                            {"config": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1}, "time_us": 1003.0}]},
+            "up.m16": {"config": {"scaled_mm": 1, "num_warps": 0, "num_stages": 0}, "time_us": 30.0, "reference_us": 30.0,
+                       "pinned": True, "alternatives": []},
         }},
     }  # fmt: skip
     cfg = fp8.read_config(None, "fp8")
     assert cfg is not None
     lines = fp8.report_lines(table, cfg)
+    assert "| projection.rows | chosen | time (us) | best Triton tile (us) | reference (us) | roofline fraction |" in lines
     # qkv at one row moves 6144 x 4096 fp8 bytes (+ scales, rows): ~25.2 MB at 4 TB/s is 6.3 us of 12.6.
-    assert any(line.startswith("| qkv.m1 | BLOCK_M=16") and line.endswith("| 12.6 | 14.0 | 0.50 |") for line in lines)
-    # down at 8192 rows: 2 * 8192 * 4096 * 14336 FLOPs at 1979 TFLOP/s is 486 us of 900.
-    assert "| down.m8192 | torch._scaled_mm | 900.0 | 900.0 | 0.54 |" in lines
+    # A Triton tile won: it is the best Triton time.
+    assert any(line.startswith("| qkv.m1 | BLOCK_M=16") and line.endswith("| 12.6 | 12.6 | 14.0 | 0.50 |") for line in lines)
+    # down at 8192 rows: 2 * 8192 * 4096 * 14336 FLOPs at 1979 TFLOP/s is 486 us of 900. torch._scaled_mm
+    # won: the fastest Triton alternative's time is shown beside it.
+    assert "| down.m8192 | torch._scaled_mm | 900.0 | 951.3 | 900.0 | 0.54 |" in lines
+    # No Triton config timed (a pinned bucket runs its config alone).
+    assert any(line.startswith("| up.m16 | torch._scaled_mm | 30.0 | - | 30.0 |") for line in lines)
 
 
 @pytest.mark.parametrize("activations", ["token", "static"])
