@@ -247,12 +247,23 @@ def test_llmcompressor_artifact_layout_keeps_fp8_weights_and_half_embedding(llmc
 SHAPE = {"vocab_size": 512, "num_hidden_layers": 2, "hidden_size": 192, "intermediate_size": 320, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 32}
 
 
-@pytest.mark.parametrize(("fmt", "activations"), [("modelopt", "static"), ("fp8-block", "group")])
-def test_written_checkpoint_greedy_tokens_equal_transformers_dequantised(fmt, activations, tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+WRITTEN = {  # writer format -> (source, activations, checkpoint weights) in the manifest
+    "modelopt": ("modelopt", "static", "tensor"),
+    "fp8-block": ("fp8", "group", "block"),
+    # compressed-tensors schemes llm-compressor's presets do not produce, which the reader accepts:
+    "ct-channel-static": ("compressed-tensors", "static", "channel"),
+    "ct-tensor-token": ("compressed-tensors", "token", "tensor"),
+}
+
+
+@pytest.mark.parametrize("fmt", list(WRITTEN))
+def test_written_checkpoint_greedy_tokens_equal_transformers_dequantised(fmt, tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
     src = tiny_checkpoint_factory("llama", **SHAPE)
     ckpt, _ = write_fp8(src, tmp_path / fmt, fmt, input_scales={"model.layers.0.down_proj": 0.005})
     artifact = build_artifact(ckpt, tmp_path / "engine", gpu="cpu", quant="fp8")
-    _assert_greedy_parity(artifact, ckpt, activations)
+    q = json.loads((artifact / "manifest.json").read_text())["quantization"]
+    assert (q["source"], q["activations"], q["checkpoint_weights"]) == WRITTEN[fmt]
+    _assert_greedy_parity(artifact, ckpt, WRITTEN[fmt][1])
 
 
 def test_quant_fp8_on_a_float_checkpoint_equals_per_channel_rounding(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
