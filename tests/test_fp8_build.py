@@ -438,6 +438,114 @@ def test_unsupported_fp8_schemes_are_refused_naming_what_was_found(name, edit, m
         build_artifact(_edited(tmp_path, name, edit), tmp_path / "e", gpu="cpu")
 
 
+_FP8 = {"type": "float", "num_bits": 8, "symmetric": True}
+_CHANNEL = {**_FP8, "strategy": "channel", "dynamic": False}
+_TOKEN = {**_FP8, "strategy": "token", "dynamic": True}
+_BLOCK_W = {**_FP8, "strategy": "block", "block_structure": [128, 128], "dynamic": False}
+
+
+def _ct(*groups, **extra):  # type: ignore[no-untyped-def]
+    """A compressed-tensors quantization_config with one config group per (weights, activations)."""
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"], **extra,
+            "config_groups": {f"group_{i}": {"targets": ["Linear"], "weights": w, "input_activations": a}
+                              for i, (w, a) in enumerate(groups)}}  # fmt: skip
+
+
+def _fine(**qc):  # type: ignore[no-untyped-def]
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128], **qc}
+
+
+@pytest.mark.parametrize(
+    ("qc", "message"),
+    [
+        ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, r"ModelOpt quant_algo 'NVFP4' is not supported: pagecast reads ModelOpt 'FP8'"),
+        ({"quant_method": "modelopt", "quantization": {"quant_algo": "INT4_AWQ"}}, r"ModelOpt quant_algo 'INT4_AWQ' is not supported"),
+        ({"quant_method": "modelopt", "quantization": {"quant_algo": "FP8", "exclude_modules": ["lm_head", "model.layers.1.mlp.down_proj"]}},
+         r"exclude_modules \['model.layers.1.mlp.down_proj'\] leaves decoder projections unquantised"),
+        (_fine(weight_block_size=[64, 64]), r"quant_method fp8 with weight_block_size \[64, 64\] and activation_scheme 'dynamic' is not supported"),
+        (_fine(weight_block_size=None), r"quant_method fp8 with weight_block_size None and activation_scheme 'dynamic'"),
+        (_fine(activation_scheme="static"), r"weight_block_size \[128, 128\] and activation_scheme 'static' is not supported"),
+        (_fine(fmt="e5m2"), r"quant_method fp8 with fmt 'e5m2' is not supported \(only e4m3\)"),
+        (_fine(modules_to_not_convert=["lm_head", "model.layers.0.mlp.gate_proj"]), r"modules_to_not_convert \['model.layers.0.mlp.gate_proj'\] leaves"),
+        (_ct((_CHANNEL, _TOKEN), (_BLOCK_W, {**_TOKEN, "strategy": "group", "group_size": 128})),
+         r"config_groups \['group_0', 'group_1'\]: one scheme for every Linear is supported, not 2"),
+        (_ct((_BLOCK_W, {**_TOKEN, "strategy": "group", "group_size": 64})),
+         r"scheme not supported \(weights float 8-bit block \[128, 128\]; activations float 8-bit group dynamic\)"),
+        (_ct(({**_BLOCK_W, "block_structure": [64, 64]}, {**_TOKEN, "strategy": "group", "group_size": 128})),
+         r"scheme not supported \(weights float 8-bit block \[64, 64\]"),
+        (_ct((_BLOCK_W, {**_FP8, "strategy": "tensor", "dynamic": False})),
+         r"scheme not supported \(weights float 8-bit block \[128, 128\]; activations float 8-bit tensor static\)"),
+        (_ct((_CHANNEL, {**_TOKEN, "type": "int"})), r"scheme not supported \(weights float 8-bit channel; activations int 8-bit token dynamic\)"),
+        (_ct(({**_CHANNEL, "num_bits": 4}, _TOKEN)), r"scheme not supported \(weights float 4-bit channel"),
+        (_ct((_CHANNEL, {**_TOKEN, "dynamic": False})), r"activations float 8-bit token static\)"),
+        (_ct((_CHANNEL, _TOKEN), format="pack-quantized"), r"compressed-tensors format 'pack-quantized' .* is not supported"),
+    ],
+)  # fmt: skip
+def test_fp8_config_refusals_name_what_was_found(qc, message):  # type: ignore[no-untyped-def]
+    from pagecast.builder import fp8
+
+    with pytest.raises(BuildError, match=message):
+        fp8.read_config(qc, None)
+
+
+def _edited_tensors(tmp_path: Path, name: str, edit) -> Path:  # type: ignore[no-untyped-def]
+    """A copy of fixture ``name`` with ``edit`` applied to its tensors (a dict, edited in place)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dst = tmp_path / f"tensors-{name}"
+    shutil.copytree(FIXTURES / name, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+Q = "model.layers.0.self_attn.q_proj"
+K = "model.layers.0.self_attn.k_proj"
+
+
+def _bf16_q(t):  # type: ignore[no-untyped-def]
+    t[f"{Q}.weight"] = (t[f"{Q}.weight"].float() * t[f"{Q}.weight_scale"].float()).to(torch.bfloat16)
+
+
+def _half_the_channel_scales(t):  # type: ignore[no-untyped-def]
+    t[f"{Q}.weight_scale"] = t[f"{Q}.weight_scale"][:64].contiguous()
+
+
+def _block_scales_per_tensor(t):  # type: ignore[no-untyped-def]
+    t[f"{Q}.weight_scale"] = t[f"{Q}.weight_scale"].reshape(1)
+
+
+def _no_k_input_scale(t):  # type: ignore[no-untyped-def]
+    del t[f"{K}.input_scale"]
+
+
+def _no_k_weight_scale(t):  # type: ignore[no-untyped-def]
+    del t[f"{K}.weight_scale"]
+
+
+def _negative_scale(t):  # type: ignore[no-untyped-def]
+    t[f"{K}.weight_scale"] = -t[f"{K}.weight_scale"]
+
+
+@pytest.mark.parametrize(
+    ("name", "edit", "message"),
+    [
+        ("llmcompressor-fp8-dynamic", _bf16_q, rf"{Q}.weight is bfloat16, not float8_e4m3fn, in an FP8 \(compressed-tensors\) checkpoint"),
+        ("llmcompressor-fp8-dynamic", _half_the_channel_scales, rf"{Q}.weight_scale has shape \(64, 1\); expected one scale or 128 \(per channel\)"),
+        ("llmcompressor-fp8-block", _block_scales_per_tensor, rf"{Q} block scales have shape \(1,\), expected \(1, 1\) for \[128, 128\]"),
+        ("llmcompressor-fp8-static", _no_k_input_scale, rf"has static activations but no '{K}.input_scale'"),
+        ("llmcompressor-fp8-static", _no_k_weight_scale, rf"checkpoint has no tensor '{K}.weight_scale'"),
+        ("llmcompressor-fp8-dynamic", _negative_scale, rf"{K}.weight_scale holds NaN, inf or negative scales"),
+    ],
+)  # fmt: skip
+def test_fp8_checkpoint_tensors_that_do_not_fit_the_scheme_are_refused_by_name(name, edit, message, tmp_path):  # type: ignore[no-untyped-def]
+    with pytest.raises(BuildError, match=message):
+        build_artifact(_edited_tensors(tmp_path, name, edit), tmp_path / "e", gpu="cpu")
+
+
 def test_block_format_tp_that_cuts_a_weight_block_is_refused(tmp_path):  # type: ignore[no-untyped-def]
     with pytest.raises(BuildError, match=r"--tp 2: layers.0.o_proj is row-parallel and its 64 inputs per rank are not a multiple of the 128"):
         build_artifact(FIXTURES / "llmcompressor-fp8-block", tmp_path / "e", gpu="cpu", tp=2)
