@@ -80,17 +80,61 @@ def sharpened_checkpoint(path, family: str, **overrides):  # type: ignore[no-unt
     return path
 
 
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """case -> (checkpoint, artifact), each built once for the module's tests."""
+    built: dict[str, tuple] = {}
+
+    def get(case: str):  # type: ignore[no-untyped-def]
+        if case not in built:
+            family, rope = CASES[case]
+            root = tmp_path_factory.mktemp(case)
+            ckpt = sharpened_checkpoint(root / "ckpt", family, **SMALL, **rope)
+            built[case] = (ckpt, build_artifact(ckpt, root / "engine"))
+        return built[case]
+
+    return get
+
+
+def long_llm(artifact, **options):  # type: ignore[no-untyped-def]
+    """An engine taking prompts in chunks of up to 2,048 tokens (on the CPU a step's prompt tokens
+    are otherwise cut to CPU_MAX_NUM_PREFILL_TOKENS, 128)."""
+    options = {"max_num_batched_tokens": 2048, "max_num_prefill_tokens": 2048, "max_num_seqs": 2} | options
+    return LLM(artifact, **options)
+
+
+def record_prefill_chunks(llm, monkeypatch) -> dict[str, list[int]]:  # type: ignore[no-untyped-def]
+    """request id -> the prompt tokens the scheduler gave it in each step, filled as it schedules."""
+    scheduler = llm.engine.core.scheduler
+    schedule, chunks = scheduler.schedule, {}
+
+    def recording():  # type: ignore[no-untyped-def]
+        out = schedule()
+        for r, n in zip(out.scheduled_requests, out.num_scheduled_tokens):
+            if r.num_computed_tokens < r.num_prompt_tokens:
+                chunks.setdefault(r.request_id, []).append(n)
+        return out
+
+    monkeypatch.setattr(scheduler, "schedule", recording)
+    return chunks
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_long_prompts_give_transformers_greedy_tokens(case, tmp_path):
-    family, rope = CASES[case]
-    ckpt = sharpened_checkpoint(tmp_path / "ckpt", family, **SMALL, **rope)
-    artifact = build_artifact(ckpt, tmp_path / "engine")
+def test_long_prompts_give_transformers_greedy_tokens(case, long_model, monkeypatch):
+    rope = CASES[case][1]
+    ckpt, artifact = long_model(case)
     assert json.loads((artifact / "manifest.json").read_text())["max_model_len"] == CONTEXT
-    # 2048-token chunks: the 16k prompt is prefilled in 8 steps, its last chunk at positions 14k-16k
-    llm = LLM(artifact, max_num_batched_tokens=2048, max_num_seqs=2)
+    llm = long_llm(artifact)
+    chunks = record_prefill_chunks(llm, monkeypatch)
     prompts = _prompts(llm.engine.vocab_size, seed=len(case))
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     outputs = llm.generate(prompts, params, use_tqdm=False)
+    # 2048-token chunks: the 9k prompt in 5 steps; the 16k one takes what it leaves of those steps'
+    # budget, then 2,047 a step beside the 9k one's decodes, its last chunk past position 14k.
+    short, long = (chunks[o.request_id] for o in outputs)
+    assert short == [2048] * 4 + [9000 - 4 * 2048]
+    assert len(long) >= 8 and max(long) <= 2048 and sum(long) == PROMPT_LENGTHS[1]
+    assert sum(long[:-1]) >= 14000
 
     hf = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32, attn_implementation="sdpa")
     hf.eval()
