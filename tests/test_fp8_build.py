@@ -546,6 +546,26 @@ def test_fp8_checkpoint_tensors_that_do_not_fit_the_scheme_are_refused_by_name(n
         build_artifact(_edited_tensors(tmp_path, name, edit), tmp_path / "e", gpu="cpu")
 
 
+def test_fused_modules_with_different_static_input_scales_keep_the_largest_and_say_so(tmp_path):  # type: ignore[no-untyped-def]
+    """q/k/v read one input, so the fused qkv_proj has one static input scale: where the
+    checkpoint's differ the largest is kept (nothing clips that did not) and report.md names them."""
+    scales = {}
+
+    def k_scale_4x(t):  # type: ignore[no-untyped-def]
+        t[f"{K}.input_scale"] = t[f"{Q}.input_scale"] * 4
+        scales.update({m: float(t[f"model.layers.0.self_attn.{m}.input_scale"].float()) for m in ("q_proj", "k_proj", "v_proj")})
+
+    artifact = build_artifact(_edited_tensors(tmp_path, "llmcompressor-fp8-static", k_scale_4x), tmp_path / "e", gpu="cpu")
+    assert scales["k_proj"] == 4 * scales["q_proj"] and scales["k_proj"] > scales["v_proj"]
+    with safe_open(str(artifact / "weights" / "rank0.safetensors"), "pt") as f:
+        assert f.get_tensor("layers.0.qkv_proj.input_scale").tolist() == [scales["k_proj"]]
+        assert f.get_tensor("layers.1.qkv_proj.input_scale").tolist() != [scales["k_proj"]]
+    report = (artifact / "report.md").read_text()
+    listed = ", ".join(f"{scales[m]:.6g}" for m in ("q_proj", "k_proj", "v_proj"))
+    assert f"layers.0.qkv_proj: the fused modules' static input scales differ ({listed}); their shared input uses the largest" in report
+    assert "layers.1.qkv_proj: the fused" not in report  # the unedited layers' are equal: no note
+
+
 def test_block_format_tp_that_cuts_a_weight_block_is_refused(tmp_path):  # type: ignore[no-untyped-def]
     with pytest.raises(BuildError, match=r"--tp 2: layers.0.o_proj is row-parallel and its 64 inputs per rank are not a multiple of the 128"):
         build_artifact(FIXTURES / "llmcompressor-fp8-block", tmp_path / "e", gpu="cpu", tp=2)
