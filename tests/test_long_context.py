@@ -4,7 +4,11 @@
   give transformers' greedy tokens in float32 for prompts of 9k-16k tokens, prefilled through
   chunked prefill in many chunks (positions far beyond the original context, so every rope
   frequency band matters).
-- --max-model-len is accepted up to the model's limit and refused above it with both numbers.
+- --max-model-len is accepted up to the model's limit (yarn: original context x factor where
+  longer) and refused above it with the numbers.
+- On the llama3 model, a 12k shared prefix is served from the prefix cache with the uncached run's
+  tokens; a KV cache of one context preempts and recomputes a 12k request, seeded with penalties,
+  without changing its tokens.
 - The memory plan of a Llama-3.1-8B-shaped dummy build at 128k states the KV bytes per token and
   per 128k sequence and how many such sequences fit, matching a hand computation.
 """
@@ -152,6 +156,56 @@ def test_long_prompts_give_transformers_greedy_tokens(case, long_model, monkeypa
         ours = torch.tensor([out.outputs[0].logprobs[i][t].logprob for i, t in enumerate(expected)])
         theirs = torch.stack([torch.log_softmax(step[0].float(), -1)[t] for step, t in zip(ref.logits, expected)])
         torch.testing.assert_close(ours, theirs, atol=1e-3, rtol=0)
+
+
+SHARED = 12000  # a whole number of 16-token blocks: every shared token can be served from the cache
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+# Seeded sampling with every penalty: the repetition penalty reads the 12k prompt's tokens, presence
+# and frequency the outputs so far.
+SEEDED = SamplingParams(
+    temperature=1.0, seed=1234, max_tokens=2 * MAX_TOKENS, ignore_eos=True, repetition_penalty=1.3,
+    presence_penalty=0.5, frequency_penalty=0.5,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def shared_prefix(long_model):  # type: ignore[no-untyped-def]
+    """On the 16k llama3 model, two prompts of a 12k shared prefix and 100 tokens of their own, run
+    in one engine with the prefix cache: the first greedily (nothing cached), then the second
+    greedily and seeded (the first's prefix cached). -> (artifact, prompts, first, second's two)."""
+    _, artifact = long_model("llama3")
+    llm = long_llm(artifact)
+    g = torch.Generator().manual_seed(12)
+    prefix = torch.randint(3, llm.engine.vocab_size, (SHARED,), generator=g).tolist()
+    prompts = [prefix + torch.randint(3, llm.engine.vocab_size, (100,), generator=g).tolist() for _ in range(2)]
+    (first,) = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+    second = llm.generate([prompts[1]] * 2, [GREEDY, SEEDED], use_tqdm=False)
+    return artifact, prompts, first, second
+
+
+def test_a_12k_shared_prefix_is_served_from_the_cache(shared_prefix):  # type: ignore[no-untyped-def]
+    artifact, prompts, first, second = shared_prefix
+    assert first.metrics.num_cached_tokens == 0
+    assert [o.metrics.num_cached_tokens for o in second] == [SHARED, SHARED]
+    # the same tokens as the whole prompt computed without the cache
+    (uncached,) = long_llm(artifact, enable_prefix_caching=False).generate(prompts[1:], GREEDY, use_tqdm=False)
+    assert uncached.metrics.num_cached_tokens == 0
+    assert uncached.token_ids == second[0].token_ids
+
+
+def test_preemption_and_seeded_penalties_at_long_context(shared_prefix):  # type: ignore[no-untyped-def]
+    """A KV cache of one 16k context, no prefix cache: the two 12.1k prompts cannot both be held, so
+    the second (seeded, with penalties) is preempted while the first decodes and is recomputed. Its
+    tokens are those of the run above that read its prefix from the cache, and the first's too."""
+    artifact, prompts, first, second = shared_prefix
+    plan = json.loads((artifact / "memory_plan.json").read_text())
+    tight = long_llm(artifact, enable_prefix_caching=False, kv_cache_memory=CONTEXT * plan["bytes_per_token"])
+    assert tight.engine.stats().num_kv_blocks_total * 16 == CONTEXT
+    outputs = tight.generate(prompts, [GREEDY, SEEDED], use_tqdm=False)
+    assert tight.engine.stats().num_preemptions > 0 and outputs[1].metrics.num_preemptions > 0
+    assert outputs[0].token_ids == first.token_ids
+    assert outputs[1].token_ids == second[1].token_ids
+    assert second[1].token_ids[:MAX_TOKENS] != second[0].token_ids  # sampled, not greedy
 
 
 LLAMA31_8B = {
