@@ -422,3 +422,37 @@ def test_tight_pool_preempts_but_produces_the_same_outputs() -> None:
     assert tight.num_preemptions > 0
     assert tight_outputs == roomy_outputs
     assert tight.block_pool.num_prefix_hits > 0
+
+
+def test_a_128k_prompt_in_8k_chunks_and_a_100k_prefix_hit() -> None:
+    """max_model_len 131,072 with 16-token blocks (issue 32): a prompt of all but two tokens of the
+    context is prefilled in 16 chunks of up to 8,192 tokens, holding ceil(computed / 16) blocks
+    after each, 8,192 at the end; a later prompt sharing its first 100,000 tokens finds them in
+    the prefix cache."""
+    context, chunk = 131072, 8192
+    sched = make_scheduler(
+        num_blocks=2 * context // 16, block_size=16, max_num_seqs=2, max_num_batched_tokens=chunk,
+        max_model_len=context,
+    )  # fmt: skip
+    rng = random.Random(0)
+    prompt = [rng.randrange(3, 60_000) for _ in range(context - 2)]  # two output tokens fill the context
+    a = make_request("a", prompt, max_tokens=2)
+    sched.add_request(a)
+    chunks = []
+    while a.num_output_tokens == 0:
+        out, _ = step(sched)
+        chunks += out.num_scheduled_tokens
+        assert len(a.block_ids) == -(-a.num_computed_tokens // 16)
+    assert chunks == [chunk] * 15 + [chunk - 2]
+    assert len(a.block_ids) == context // 16 == 8192 and sched.block_pool.num_free_blocks == 8192
+    out, _ = step(sched)  # the last token's decode
+    assert out.num_scheduled_tokens == [1] and len(a.block_ids) == 0
+    assert a.status == RequestStatus.FINISHED_LENGTH and a.num_tokens == context
+    assert sched.block_pool.num_free_blocks == sched.block_pool.num_blocks  # its blocks freed
+
+    b = make_request("b", prompt[:100_000] + [rng.randrange(3, 60_000) for _ in range(1000)])
+    sched.add_request(b)
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == [1000]  # 100,000 / 16 = 6,250 whole blocks from the cache
+    assert b.num_cached_tokens == 100_000 and sched.block_pool.num_prefix_hits == 100_000
+    assert len(b.block_ids) == -(-101_000 // 16) and b.num_output_tokens == 1
