@@ -331,6 +331,32 @@ def test_w7_benchmark_counts_the_8b_shape_by_hand():
     assert w7.decode_weight_bytes(cfg, 2) == 2 * (8_030_261_248 - 128256 * 4096)
 
 
+def test_w7_benchmark_dry_run(tmp_path, monkeypatch, capsys):  # type: ignore[no-untyped-def]
+    """benchmarks/long_context.py --dry-run (a tiny model on the CPU, about 12 s): every figure's
+    code path runs and writes its rows to OUT/long_context.jsonl, and the table is printed."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import long_context as w7
+
+    monkeypatch.setattr(w7, "RESULTS", [])
+    w7.main(["--dry-run", "--out", str(tmp_path)])
+    rows = [json.loads(line) for line in (tmp_path / "long_context.jsonl").read_text().splitlines()]
+    by_figure: dict[str, list[dict]] = {}
+    for row in rows:
+        by_figure.setdefault(row["figure"], []).append(row)
+    assert [r["prompt_tokens"] for r in by_figure["ttft_s"]] == [256, 512 - 4 - 4]  # the longest leaves room
+    assert [r["seqs"] for r in by_figure["inter_token_latency_ms"]] == [1, 2]
+    assert [r["tokens"] for r in by_figure["prefill_attention_fraction_of_peak"]] == [256, 512]
+    assert [r["seqs"] for r in by_figure["decode_attention_fraction_of_copy"]] == [1, 2]
+    for figure in ("matmul_peak_tflops", "copy_bandwidth_gb_s", "enginebuild_seconds", "total_seconds"):
+        assert len(by_figure[figure]) == 1, figure
+    assert all(r["kv"] == "bf16" for r in rows if "kv" in r)  # the dry run skips the fp8 KV cache
+    assert all(r["value"] > 0 for r in by_figure["ttft_s"] + by_figure["inter_token_latency_ms"])
+    assert "| TTFT | bf16 | 1 x 504 |" in capsys.readouterr().out
+
+
 def test_tp2_plan_states_one_ranks_kv_per_128k_sequence(llama31_8b_config_dir, tmp_path):
     artifact = _build_8b(llama31_8b_config_dir, tmp_path / "engine", max_model_len=131072, tp=2)
     plan = json.loads((artifact / "memory_plan.json").read_text())
