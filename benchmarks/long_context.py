@@ -518,7 +518,7 @@ def main(argv: list[str] | None = None) -> None:
         "--decode-tokens",
         type=int,
         default=32,
-        help="decode steps timed (median) for the inter-token figures",
+        help="decode steps timed for the inter-token figures (their mean: no sync between steps)",
     )
     ap.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens (prefill chunk)")
     ap.add_argument(

@@ -355,6 +355,11 @@ def test_w7_benchmark_dry_run(tmp_path, monkeypatch, capsys):  # type: ignore[no
     assert all(r["kv"] == "bf16" for r in rows if "kv" in r)  # the dry run skips the fp8 KV cache
     assert all(r["value"] > 0 for r in by_figure["ttft_s"] + by_figure["inter_token_latency_ms"])
     assert "| TTFT | bf16 | 1 x 504 |" in capsys.readouterr().out
+    # the inter-token figure is the mean of the timed steps (drive), as --help says
+    with pytest.raises(SystemExit):
+        w7.main(["--help"])
+    usage = " ".join(capsys.readouterr().out.split())
+    assert "--decode-tokens DECODE_TOKENS decode steps timed for the inter-token figures (their mean" in usage
 
 
 def test_tp2_plan_states_one_ranks_kv_per_128k_sequence(llama31_8b_config_dir, tmp_path):
