@@ -58,14 +58,17 @@ def parse_size(value: int | str) -> int:
 # On the CPU a prompt token costs far more than on a GPU, and more the longer its context: with
 # the embedded SmolLM2-135M, 2048-token chunks of a 7.8k-token prompt held every running stream
 # up to 23 s between two tokens (issue 33). Measured on the 2-core development machine in CPU
-# time (one torch thread, so the other processes' load does not count; benchmarks/
-# cpu_step_budget.py, chunks of 128 and 256 tokens after 0 and 2,048 of context): a prompt token
-# costs 4.0-4.5 ms plus 1.9 us per token of context before it, about 19 ms at 7.8k; the issue's
-# 23 s for a 2048-token chunk there implies about 1.5x from the two cores. 128 prompt tokens per
-# step then cost at most 128 x 19 / 1.5 = 1.6 s, under 3 s with the running streams' decodes
-# beside them (256 would be about 3.2 s); a prompt costs the same in all (the work is per token),
-# so it starts hardly later.
-CPU_MAX_NUM_PREFILL_TOKENS = 128
+# time, one torch thread (what engine-serve gives a core there: cores - 1), with
+# benchmarks/cpu_step_budget.py: a chunk of 32-128 tokens costs about 2.9 ms a token at the start
+# of a prompt and 14-20 ms a token after 6,144 tokens of context, so about 2.3 us more per token of
+# context: a token after c tokens costs about (1 + c / 1,260) tokens at the start. A flat bound of
+# 128 tokens a step therefore still cost about 2.2 s at 7.8k (1.8 s median and 5.2 s largest gaps
+# between a stream's tokens through engine-serve, on a loaded machine). So on the CPU the bound is
+# one of cost: 256 start-of-prompt tokens (0.75 s), a token after c tokens of context counting as
+# 1 + c / 1,024 of them (a little more than measured): about 30 tokens a step at 7.8k, also about
+# 0.7 s. A prompt then costs a few more steps, not more work (the work is per token).
+CPU_MAX_NUM_PREFILL_TOKENS = 256
+CPU_PREFILL_CONTEXT_WEIGHT = 1 / 1024
 
 # A GPU engine serving online (requests arriving while others stream: AsyncEngine, engine-serve)
 # takes at most this many prompt tokens a step. Measured on one H200 (Llama-3-8B shape, 512-token
@@ -358,12 +361,16 @@ class EngineCore:
         self.max_num_prefill_tokens = options.max_num_prefill_tokens or default_max_num_prefill_tokens(
             self.artifact.device.type, options.online
         )
+        # The CPU's default bound is one of cost (see CPU_PREFILL_CONTEXT_WEIGHT); one given in
+        # the options is a plain token count.
+        cpu_default = options.max_num_prefill_tokens is None and self.artifact.device.type == "cpu"
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=options.max_num_seqs,
                 max_num_batched_tokens=max(options.max_num_batched_tokens, 1),
                 max_num_prefill_tokens=self.max_num_prefill_tokens,
                 max_model_len=self.max_model_len,
+                prefill_context_weight=CPU_PREFILL_CONTEXT_WEIGHT if cpu_default else 0.0,
             ),
             self.block_pool,
         )

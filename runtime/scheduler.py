@@ -29,12 +29,16 @@ class SchedulerConfig:
     own) bounds a step's prompt tokens, decodes aside: where a prompt token costs so much that a
     step of max_num_batched_tokens of them would hold every running stream up for seconds (the
     CPU), prompts are prefilled in chunks that small while every running request still decodes.
+    ``prefill_context_weight`` (w, 0: none) makes that bound one of cost: a prompt token after c
+    tokens of context counts as 1 + c * w of it, so a chunk at the end of a long prompt, where
+    each token attends to all before it, is smaller than one at its start (the CPU's).
     """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
     max_model_len: int = 4096
     max_num_prefill_tokens: int | None = None
+    prefill_context_weight: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_num_prefill_tokens"):
@@ -43,6 +47,8 @@ class SchedulerConfig:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not self.prefill_context_weight >= 0.0:
+            raise ValueError(f"prefill_context_weight must be >= 0, got {self.prefill_context_weight!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
@@ -123,12 +129,26 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def _prefill_tokens(self, prefill_budget: float, context: int) -> int:
+        """How many prompt tokens after ``context`` tokens the rest of a step's prefill budget
+        buys (SchedulerConfig.prefill_context_weight); at least one from a whole budget, so a
+        prompt always advances."""
+        per_token = 1.0 + context * self.config.prefill_context_weight
+        n = int(prefill_budget / per_token)
+        if n < 1 and prefill_budget >= (self.config.max_num_prefill_tokens or self.config.max_num_batched_tokens):
+            return 1
+        return n
+
+    def _prefill_cost(self, num_tokens: int, context: int) -> float:
+        return num_tokens * (1.0 + context * self.config.prefill_context_weight)
+
     def schedule(self) -> SchedulerOutput:
         """Plan one step: running requests first (in order), then waiting ones (FCFS)."""
         pool = self.block_pool
         budget = self.config.max_num_batched_tokens
-        # Prompt tokens (chunks of more than one token) this step may still take; decodes aside.
-        prefill_budget = self.config.max_num_prefill_tokens or budget
+        # Prompt tokens (chunks of more than one token) this step may still take, each weighted by
+        # its context where prefill_context_weight says so; decodes aside.
+        prefill_budget: float = self.config.max_num_prefill_tokens or budget
         scheduled: list[Request] = []
         counts: list[int] = []
         preempted: list[Request] = []
@@ -158,7 +178,7 @@ class Scheduler:
                     i += 1
                     continue
             if num_new > 1:  # a prompt chunk, not a decode
-                num_new = min(num_new, prefill_budget)
+                num_new = min(num_new, self._prefill_tokens(prefill_budget, request.num_computed_tokens))
             if num_new <= 0:  # nothing to compute until it gets a token (or no prefill budget left)
                 i += 1
                 continue
@@ -173,7 +193,7 @@ class Scheduler:
                 counts.append(num_new)
                 budget -= num_new
                 if num_new > 1:
-                    prefill_budget -= num_new
+                    prefill_budget -= self._prefill_cost(num_new, request.num_computed_tokens)
                 i += 1
 
         # After a preemption blocks are short: admitting anyone now would only thrash.
@@ -194,7 +214,7 @@ class Scheduler:
                     computed_blocks, num_cached = [], 0
                 else:
                     computed_blocks, num_cached = pool.get_computed_blocks(request)
-                num_new = min(request.num_tokens - num_cached, budget, prefill_budget)
+                num_new = min(request.num_tokens - num_cached, budget, self._prefill_tokens(prefill_budget, num_cached))
                 if num_new <= 0:
                     break  # no prompt tokens left for this step
                 if not pool.allocate_slots(request, num_new, computed_blocks):
@@ -205,7 +225,7 @@ class Scheduler:
                 scheduled.append(request)
                 counts.append(num_new)
                 budget -= num_new
-                prefill_budget -= num_new
+                prefill_budget -= self._prefill_cost(num_new, num_cached)
 
         finished_ids, self._finished_request_ids = self._finished_request_ids, set()
         return SchedulerOutput(
