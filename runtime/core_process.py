@@ -137,7 +137,7 @@ class CoreChannel:
     def __init__(self, input_addr: str, output_addr: str, secret: dict[str, Any], server_pid: int):
         self.server_pid = server_pid
         self.ctx = zmq.Context()
-        self.inbox = ipc.connect(self.ctx, zmq.PULL, input_addr, secret)
+        self.inbox = ipc.connect(self.ctx, zmq.PULL, input_addr, secret, unbounded=True)  # see CoreClient
         self.outbox = ipc.connect(self.ctx, zmq.PUSH, output_addr, secret)
         self.outbox.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         self.encoder = msgspec.msgpack.Encoder()
@@ -415,7 +415,7 @@ class CoreClient:
     watchdog thread of its own (so that it still runs if the receiver is stuck in a callback)
     turns every way the core can stop serving into one ``CoreFailed`` for ``on_message``: the
     process died, it stopped answering while requests were in flight, it did not start within
-    ``start_timeout_s``, it stopped taking messages, or the channel itself failed.
+    ``start_timeout_s``, or the channel itself failed.
     """
 
     def __init__(
@@ -435,8 +435,14 @@ class CoreClient:
         self._start_timeout_s = START_TIMEOUT_S if start_timeout_s is None else start_timeout_s
         self._ctx = zmq.Context()
         self._channel = ipc.PrivateServer(self._ctx)
-        self._to_core = self._channel.bind(zmq.PUSH, "in")
-        # A core that takes no message for this long is stuck: better an error than a frozen server.
+        # ``send`` runs on the server's event loop, so it must never wait for the core: no limit on
+        # the messages queued for it, on either end (ZeroMQ's default high-water marks, 1,000
+        # messages, blocked the loop, and every stream and /health with it, behind a burst of
+        # requests arriving during one long step). The server's admission bounds the queue; a
+        # core that stops taking messages is a hang, which the watchdog reports once requests
+        # wait on it.
+        self._to_core = self._channel.bind(zmq.PUSH, "in", unbounded=True)
+        # Should a send still block (the channel failing), this long is a stuck core.
         self._to_core.setsockopt(zmq.SNDTIMEO, int(self._hang_timeout_s * 1000))
         self._from_core = self._channel.bind(zmq.PULL, "out")
         self._inbox_addr, self._outbox_addr = self._channel.address("in"), self._channel.address("out")
@@ -492,8 +498,9 @@ class CoreClient:
         return self.ready if self.ready is not None else self.failed  # type: ignore[return-value]
 
     def send(self, message: FrontEndMessage) -> None:
-        """Queue ``message`` for the core. Never raises: a core that takes nothing for
-        ``hang_timeout_s`` is killed and reported through ``on_message`` like any failure."""
+        """Queue ``message`` for the core, without waiting for it to read (the queue has no
+        bound). Never raises: a channel that fails is reported through ``on_message`` like any
+        failure, and the core killed."""
         data = self._encoder.encode(message)
         with self._send_lock:
             if self._closing or self.failed is not None:

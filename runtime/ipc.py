@@ -70,9 +70,14 @@ class PrivateServer:
     def address(self, name: str) -> str:
         return f"ipc://{os.path.join(self.dir, name)}"
 
-    def bind(self, socket_type: int, name: str) -> zmq.Socket:
+    def bind(self, socket_type: int, name: str, unbounded: bool = False) -> zmq.Socket:
+        """A socket bound to the channel's ``name``. ``unbounded``: no high-water mark, so a
+        send never waits for the reader (the messages queue in memory)."""
         sock = self.ctx.socket(socket_type)
         sock.setsockopt(zmq.LINGER, 0)
+        if unbounded:
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt_string(zmq.ZAP_DOMAIN, _DOMAIN)
         if self.mechanism == "curve":
             sock.curve_server = True
@@ -101,10 +106,16 @@ class PrivateServer:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def connect(ctx: zmq.Context, socket_type: int, address: str, secret: dict[str, Any]) -> zmq.Socket:
-    """The connecting side: a socket that presents the run's secret to ``address``."""
+def connect(
+    ctx: zmq.Context, socket_type: int, address: str, secret: dict[str, Any], unbounded: bool = False
+) -> zmq.Socket:
+    """The connecting side: a socket that presents the run's secret to ``address``
+    (``unbounded``: as for ``PrivateServer.bind``)."""
     sock = ctx.socket(socket_type)
     sock.setsockopt(zmq.LINGER, 0)
+    if unbounded:
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
     if secret["mechanism"] == "curve":
         sock.curve_serverkey = secret["server_public"].encode()
         sock.curve_publickey = secret["public"].encode()

@@ -289,3 +289,27 @@ def test_a_core_that_does_not_start_in_time_is_killed_and_reported(tiny_llama_ar
     finally:
         client.shutdown(timeout=5)
     assert leftovers(private_tmp) == []
+
+
+def test_sending_to_a_core_busy_in_a_long_step_never_blocks_the_server(tiny_llama_artifact, private_tmp):  # type: ignore[no-untyped-def]
+    """``CoreClient.send`` runs on the server's event loop: a burst of messages while the core is
+    inside one long step (a CPU prefill, a graph capture) must queue, not stall every stream and
+    /health until the core reads. Past ZeroMQ's default high-water mark (1,000 messages) the
+    send blocked, up to hang_timeout_s, and then the core was killed as hung."""
+    from pagecast.runtime.messages import AbortRequests
+
+    client = CoreClient(str(tiny_llama_artifact), {"kv_cache_memory": "16MiB"}, hang_timeout_s=3.0)
+    try:
+        assert not isinstance(client.wait_ready(120), CoreFailed)
+        os.kill(client.process.pid, signal.SIGSTOP)  # a step that does not return for now
+        try:
+            start = time.monotonic()
+            for i in range(20_000):
+                client.send(AbortRequests([f"r{i}"]))
+            elapsed = time.monotonic() - start
+        finally:
+            os.kill(client.process.pid, signal.SIGCONT)
+        assert elapsed < 2.0, elapsed
+        assert client.failed is None and client.is_alive()
+    finally:
+        client.shutdown(timeout=10)
