@@ -372,7 +372,12 @@ def mismatch_message(
     """What a failed hash check can truly say. Only digests are stored, so the first byte that
     differs is not knowable; the first piece whose digest differs is, and it bounds it: the
     first changed byte lies in that piece (every earlier piece matched)."""
-    if piece is not None:
+    if piece == 0 and size is not None and size <= chunk_bytes:
+        where = (
+            f"its sha256 differs; a file of up to {chunk_bytes:,} bytes is hashed as one piece, so the changed "
+            f"bytes may lie anywhere in its {size:,}"
+        )
+    elif piece is not None:
         end = chunk_bytes * (piece + 1) if size is None else min(size, chunk_bytes * (piece + 1))
         where = (
             f"the first changed byte lies in bytes {piece * chunk_bytes:,} to {end - 1:,} (piece {piece} of "

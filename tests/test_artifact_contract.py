@@ -174,6 +174,12 @@ def test_a_corrupted_weight_file_names_the_piece_holding_the_first_changed_byte(
     message = str(info.value)
     assert "first changed byte lies in bytes 4,096 to 5,119" in message, message
     assert "all bytes before it match" in message
+    # A file of one piece: no bound to give, and the message does not pretend to one.
+    whole = [hashlib.sha256(bytes(data)).hexdigest()[::-1]]  # any digest but the file's
+    with pytest.raises(ArtifactError) as info:
+        load_safetensors(path, torch.device("cpu"), len(data), whole, label="w.safetensors")
+    message = str(info.value)
+    assert f"may lie anywhere in its {len(data):,}" in message and "first changed byte" not in message, message
 
 
 def test_verify_files_names_the_piece_too(engine_dir, monkeypatch):  # type: ignore[no-untyped-def]
