@@ -18,6 +18,7 @@ import os
 import secrets
 import shutil
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -32,6 +33,55 @@ _DOMAIN = "pagecast"
 def private_dir(prefix: str) -> str:
     """A fresh directory only this user can enter (``mkdtemp`` makes it 0700)."""
     return tempfile.mkdtemp(prefix=prefix)
+
+
+OWNER = "owner"  # in a run's directory: "PID START" of the server that made it
+
+
+def _start_time(pid: int) -> str:
+    """The process's start time in clock ticks since boot (/proc/PID/stat's 22nd field), which
+    tells a process from a later one given the same pid; "" where there is no /proc."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _alive(owner: str) -> bool:
+    pid_text, _, start = owner.partition(" ")
+    try:
+        pid = int(pid_text)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (ValueError, PermissionError):
+        return True  # unreadable, or someone else's process: not ours to judge
+    return not start or _start_time(pid) in ("", start)
+
+
+def sweep_stale_runs(prefix: str, root: str | None = None) -> list[str]:
+    """Remove this user's run directories whose server is gone (killed outright: SIGKILL, the
+    OOM killer, a machine's power), with everything the cores kept there (their copies of the
+    artifacts' Triton caches are tens to hundreds of MB each); returns what was removed. A
+    directory with no owner file, or another user's, is left alone."""
+    removed = []
+    base = Path(root or tempfile.gettempdir())
+    try:
+        entries = list(base.glob(f"{prefix}*"))
+    except OSError:
+        return removed
+    for path in entries:
+        try:
+            if path.is_symlink() or not path.is_dir() or path.stat().st_uid != os.getuid():
+                continue
+            owner = (path / OWNER).read_text()
+        except OSError:
+            continue
+        if not _alive(owner):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path))
+    return removed
 
 
 class _OneKey:
@@ -53,7 +103,10 @@ class PrivateServer:
 
     def __init__(self, ctx: zmq.Context, prefix: str = "pagecast-run-"):
         self.ctx = ctx
+        for path in sweep_stale_runs(prefix):
+            logger.info("removed %s, left by a server that was killed", path)
         self.dir = private_dir(prefix)
+        Path(self.dir, OWNER).write_text(f"{os.getpid()} {_start_time(os.getpid())}")
         self.mechanism = "curve" if zmq.has("curve") else "plain"
         self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("pagecast.engine.zap"))
         self._auth.start()

@@ -178,7 +178,7 @@ def test_a_core_that_fails_to_start_exits_and_leaves_no_temp_files(tiny_llama_ar
         assert isinstance(result, CoreFailed) and result.kind == "artifact", result
         assert "does not match the manifest" in result.message
         assert client.process.wait(timeout=10) == 2  # by itself: nobody asked it to stop
-        assert run_files(private_tmp) == ["in", "out"]  # its temporary files are gone
+        assert run_files(private_tmp) == ["in", "out", "owner"]  # its temporary files are gone
     finally:
         client.shutdown(timeout=5)
     assert leftovers(private_tmp) == []  # and the server's side removed the run's directory
@@ -201,7 +201,7 @@ def test_a_core_whose_loop_fails_exits_and_leaves_no_temp_files(tiny_llama_artif
         with pytest.raises(EngineDeadError, match="simulated device failure"):
             asyncio.run(run())
         assert engine._client.process.wait(timeout=10) == 1
-        assert run_files(private_tmp) == ["in", "out"]
+        assert run_files(private_tmp) == ["in", "out", "owner"]
     finally:
         engine.shutdown()
     assert leftovers(private_tmp) == []

@@ -220,3 +220,40 @@ def test_forged_messages_never_reach_the_engine_on_a_curve_less_libzmq(monkeypat
         server.close()
         other.term()
         ctx.term()
+
+
+def test_a_new_server_removes_the_run_directories_of_killed_servers(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    """A server killed outright (SIGKILL, the OOM killer) cannot remove its run directory, which
+    holds its cores' copies of the artifacts' Triton caches: the next server of the user does.
+    Live servers' directories, and directories that name no owner, are left alone."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+
+    def run_dir(name: str, owner: str | None) -> Path:
+        path = tmp_path / name
+        (path / "core-tmp-x").mkdir(parents=True)
+        (path / "core-tmp-x" / "kernel.cubin").write_bytes(b"\0" * 1024)
+        if owner is not None:
+            (path / ipc.OWNER).write_text(owner)
+        return path
+
+    killed = run_dir("pagecast-run-killed", f"{dead.pid} ")
+    reused = run_dir("pagecast-run-reused", f"{os.getpid()} 1")  # our pid, but another start time
+    live = run_dir("pagecast-run-live", f"{os.getpid()} {ipc._start_time(os.getpid())}")
+    unowned = run_dir("pagecast-run-unowned", None)
+    other = run_dir("pagecast-tp-x", f"{dead.pid} ")  # not a run directory
+    ctx = zmq.Context()
+    server = ipc.PrivateServer(ctx)
+    try:
+        assert not killed.exists() and not reused.exists()
+        assert live.exists() and unowned.exists() and other.exists()
+        mine = Path(server.dir)
+        assert (mine / ipc.OWNER).read_text().split()[0] == str(os.getpid())
+        assert ipc.sweep_stale_runs("pagecast-run-") == []  # a live server's directory stays
+        assert mine.exists()
+    finally:
+        server.close()
+        ctx.term()
