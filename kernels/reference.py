@@ -192,6 +192,7 @@ def paged_attention(
             q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, softcap, window, sinks
         )
     out = torch.empty_like(q)
+    head_dim = q.shape[2]
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     for i, seq_len in enumerate(lens):
@@ -199,21 +200,23 @@ def paged_attention(
         q_len = q_end - q_start
         if q_len == 0:
             continue
-        k = gather_kv(k_cache, block_tables[i], seq_len).float()
+        k = gather_kv(k_cache, block_tables[i], seq_len).float()  # [kv_heads, seq_len, head_dim]
         v = gather_kv(v_cache, block_tables[i], seq_len).float()
-        if group > 1:
-            k = k.repeat_interleave(group, dim=0)
-            v = v.repeat_interleave(group, dim=0)
-        qi = q[q_start:q_end].transpose(0, 1).float()  # [num_heads, q_len, head_dim]
-        scores = soft_cap(torch.matmul(qi, k.transpose(1, 2)) * (scale * k_scale), softcap)  # [heads, q_len, seq_len]
+        # Head h reads KV head h // group. The group's query rows are stacked on one KV head's
+        # rows, so K and V are read as they are, not copied once per query head.
+        qi = q[q_start:q_end].float().view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        qi = qi.reshape(num_kv_heads, group * q_len, head_dim)  # [kv_heads, group * q_len, head_dim]
+        scores = soft_cap(torch.matmul(qi, k.transpose(1, 2)) * (scale * k_scale), softcap)
+        scores = scores.view(num_kv_heads, group, q_len, seq_len)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
         k_pos = torch.arange(seq_len, device=q.device)[None, :]
         hidden = k_pos > q_pos
         if window:
             hidden |= k_pos <= q_pos - window
         scores.masked_fill_(hidden, float("-inf"))
-        probs = _softmax_with_sinks(scores, None if sinks is None else sinks.float().view(-1, 1, 1))
-        out[q_start:q_end] = (torch.matmul(probs, v) * v_scale).transpose(0, 1).to(q.dtype)
+        probs = _softmax_with_sinks(scores, None if sinks is None else sinks.float().view(num_kv_heads, group, 1, 1))
+        o = torch.matmul(probs.view(num_kv_heads, group * q_len, seq_len), v) * v_scale
+        out[q_start:q_end] = o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim).to(q.dtype)
     return out
 
 
