@@ -82,6 +82,15 @@ def run_files(tmp: Path) -> list[str]:
     return sorted(str(p.relative_to(run)) for p in run.rglob("*"))
 
 
+def kill_and_wait_for_core(server: subprocess.Popen[str], core_pid: int) -> None:
+    """SIGKILL the server; its core must be gone within 10 s."""
+    server.kill()
+    server.wait()
+    start = time.monotonic()
+    wait_for(lambda: gone(core_pid), timeout=10)
+    assert time.monotonic() - start < 10
+
+
 ORPHAN_SERVER = """
 import asyncio, sys
 from pagecast.runtime import AsyncEngine
@@ -111,11 +120,7 @@ def test_a_busy_core_whose_server_is_killed_exits_within_10_s(tiny_llama_artifac
     try:
         line = server.stdout.readline()  # type: ignore[union-attr]
         core_pid = int(line)
-        server.kill()  # mid-generation: 8 streams of ~500 tokens still running
-        server.wait()
-        start = time.monotonic()
-        wait_for(lambda: gone(core_pid), timeout=10)
-        assert time.monotonic() - start < 10
+        kill_and_wait_for_core(server, core_pid)  # mid-generation: 8 streams of ~500 tokens still running
     finally:
         if server.poll() is None:
             server.kill()
@@ -153,11 +158,7 @@ def test_a_core_whose_server_is_killed_while_it_starts_exits_within_10_s(tiny_ll
     try:
         core_pid = int(server.stdout.readline())  # type: ignore[union-attr]
         wait_for(loading.exists, timeout=120)  # the core is inside the artifact's load
-        server.kill()
-        server.wait()
-        start = time.monotonic()
-        wait_for(lambda: gone(core_pid), timeout=10)
-        assert time.monotonic() - start < 10
+        kill_and_wait_for_core(server, core_pid)
     finally:
         if server.poll() is None:
             server.kill()
