@@ -68,7 +68,6 @@ EXIT_GRACE_S = 0.5  # after the core exits, how long its last message has to arr
 START_TIMEOUT_S = float(os.environ.get("PAGECAST_START_TIMEOUT", "900"))
 SEND_TIMEOUT_MS = 1000  # a send blocked this long checks that the server is still there
 FLUSH_S = 2.0  # the longest a core's last message (CoreFailed) may take to leave on exit
-SERVER_POLL_S = 0.5  # how often the core's watcher thread checks that its server is still there
 
 
 def idle_poll(graphs_pending: bool, idle_s: float) -> tuple[bool, int]:
@@ -186,18 +185,6 @@ def _private_tempdir(run_dir: str) -> str:
     return path
 
 
-def _watch_server(server_pid: int, run_dir: str) -> None:
-    """End this process when its server is gone (we were re-parented), whatever the main thread
-    is doing: loading the artifact, capturing graphs, inside a step. The loop's own check runs
-    only between steps, and a start-up holding the device's memory can last minutes. A dead
-    server cannot remove the run's directory, so the core does."""
-    while True:
-        time.sleep(SERVER_POLL_S)
-        if os.getppid() != server_pid:
-            shutil.rmtree(run_dir, ignore_errors=True)
-            os._exit(1)
-
-
 def run_engine_core(
     artifact: str,
     options: dict[str, Any],
@@ -213,7 +200,8 @@ def run_engine_core(
     temporary files. ``spawned_at`` (the server's ``time.time()`` when it started this process)
     times the interpreter's own start for the start-up log. ``server_pid`` is the server's
     process id (default: our parent's now); from its death on the core lives at most
-    ``SERVER_POLL_S`` more, wherever it is."""
+    ``ipc.PARENT_POLL_S`` more, wherever it is (the loop's own check runs only between steps,
+    and a start-up holding the device's memory can last minutes)."""
     entered = time.time()
     server_pid = os.getppid() if server_pid is None else server_pid
     from pagecast.runtime.server.logs import configure_logging
@@ -226,7 +214,7 @@ def run_engine_core(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     run_dir = os.path.dirname(input_addr[len("ipc://"):])
-    threading.Thread(target=_watch_server, args=(server_pid, run_dir), name="pagecast-core-server", daemon=True).start()
+    ipc.exit_with_parent(server_pid, [run_dir], "pagecast-core-server")
     tmp = _private_tempdir(run_dir)
     channel: CoreChannel | None = None
     flush_s = 0.0

@@ -18,6 +18,8 @@ import os
 import secrets
 import shutil
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,27 @@ _DOMAIN = "pagecast"
 def private_dir(prefix: str) -> str:
     """A fresh directory only this user can enter (``mkdtemp`` makes it 0700)."""
     return tempfile.mkdtemp(prefix=prefix)
+
+
+PARENT_POLL_S = 0.5  # how often a child's watcher checks that its parent is still there
+
+
+def exit_with_parent(parent: int, leftovers: list[str], name: str) -> None:
+    """Start a thread that ends this process (exit status 1) within ``PARENT_POLL_S`` of its
+    parent's death (we were re-parented), whatever the main thread is doing or waits on: a
+    load, a graph capture, a step, a collective. A dead parent cannot remove the directories
+    it shared with us, so the thread removes ``leftovers`` first (read then: a caller may add
+    to the list later)."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(PARENT_POLL_S)
+            if os.getppid() != parent:
+                for path in leftovers:
+                    shutil.rmtree(path, ignore_errors=True)
+                os._exit(1)
+
+    threading.Thread(target=watch, name=name, daemon=True).start()
 
 
 OWNER = "owner"  # in a run's directory: "PID START" of the server that made it
@@ -84,6 +107,12 @@ def sweep_stale_runs(prefix: str, root: str | None = None) -> list[str]:
     return removed
 
 
+def _no_high_water_mark(sock: zmq.Socket) -> None:
+    """No limit on the messages queued in either direction (set before bind / connect)."""
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+
+
 class _OneKey:
     """ZAP credentials for CURVE: exactly one client public key is allowed."""
 
@@ -129,8 +158,7 @@ class PrivateServer:
         sock = self.ctx.socket(socket_type)
         sock.setsockopt(zmq.LINGER, 0)
         if unbounded:
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
+            _no_high_water_mark(sock)
         sock.setsockopt_string(zmq.ZAP_DOMAIN, _DOMAIN)
         if self.mechanism == "curve":
             sock.curve_server = True
@@ -167,8 +195,7 @@ def connect(
     sock = ctx.socket(socket_type)
     sock.setsockopt(zmq.LINGER, 0)
     if unbounded:
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
+        _no_high_water_mark(sock)
     if secret["mechanism"] == "curve":
         sock.curve_serverkey = secret["server_public"].encode()
         sock.curve_publickey = secret["public"].encode()

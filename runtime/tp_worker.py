@@ -4,7 +4,7 @@ It loads rank r's weight shard, joins rank 0's process group and then mirrors ra
 forward pass step by step (see ``parallel`` for the messages): the same eager pass or the
 same decode CUDA graph, the same LM-head gather. It samples nothing and returns nothing.
 It exits on a shutdown message, when rank 0's end of the pipe closes, within
-``PARENT_POLL_S`` of rank 0's death wherever it is (a collective or the rendezvous included,
+``ipc.PARENT_POLL_S`` of rank 0's death wherever it is (a collective or the rendezvous included,
 which would otherwise wait for ``COLLECTIVE_TIMEOUT_S``), or on any error (rank 0 then sees a
 dead worker). It ignores SIGINT and SIGTERM: a signal to the process group is the server's to
 handle, and rank 0 stops its workers when it stops.
@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import multiprocessing.connection
 import os
-import shutil
 import signal
 import sys
-import threading
-import time
 import traceback
 from typing import Any
 
 import torch
 
+from pagecast.runtime import ipc
 from pagecast.runtime.parallel import Op, StepHeader, TPLaunch, init_group, symmetric_buffer, unpack_step
 
 
@@ -76,29 +74,14 @@ class Worker:
             self.model.compute_logits(hidden[ctx.logits_indices])
 
 
-PARENT_POLL_S = 0.5  # how often a worker checks that rank 0 is still there
-
-
 _rendezvous_dir: list[str] = []  # set once the arguments arrived: removed if rank 0 cannot
-
-
-def _watch_parent(parent: int) -> None:
-    """End this process when rank 0 is gone (we were re-parented), whatever the main thread
-    waits on; a dead rank 0 cannot remove the rendezvous directory, so the worker does."""
-    while True:
-        time.sleep(PARENT_POLL_S)
-        if os.getppid() != parent:
-            for path in _rendezvous_dir:
-                shutil.rmtree(path, ignore_errors=True)
-            os._exit(1)
 
 
 def main() -> None:
     """``python -m pagecast.runtime.tp_worker FD``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    parent = os.getppid()
-    threading.Thread(target=_watch_parent, args=(parent,), name="pagecast-tp-parent", daemon=True).start()
+    ipc.exit_with_parent(os.getppid(), _rendezvous_dir, "pagecast-tp-parent")
     conn = multiprocessing.connection.Connection(int(sys.argv[1]))
     try:
         launch, rank, init_method, threads = conn.recv()
