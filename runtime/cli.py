@@ -465,11 +465,20 @@ class _StartingEngines:
                 engine.max_model_len,
                 engine.max_num_seqs,
                 info.max_num_batched_tokens,
-                f"at most {info.max_num_prefill_tokens}" if info.max_num_prefill_tokens else "any number of",
+                _prefill_bound_text(info.max_num_prefill_tokens, info.prefill_context_weight),
                 info.startup_s.get("total", 0.0),
                 " ".join(f"{k}={v:.2f}" for k, v in info.startup_s.items() if k != "total"),
             )
         return engines
+
+
+def _prefill_bound_text(max_prefill: int | None, context_weight: float) -> str:
+    """The start-up line's words for a step's bound on prompt tokens."""
+    if not max_prefill:
+        return "any number of"
+    if context_weight > 0:
+        return f"at most {max_prefill} (one after c tokens of context counts 1 + c/{1 / context_weight:,.0f})"
+    return f"at most {max_prefill}"
 
 
 def _warm_templates(engine: Any) -> None:

@@ -322,6 +322,7 @@ def _loop(channel: CoreChannel, core: Any, decoder: Any, compiles: Any) -> int:
             startup_s=core.startup_s,
             max_num_batched_tokens=core.options.max_num_batched_tokens,
             max_num_prefill_tokens=core.max_num_prefill_tokens,
+            prefill_context_weight=core.scheduler.config.prefill_context_weight,
         )
     )
     inbox = channel.inbox

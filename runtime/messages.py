@@ -132,6 +132,7 @@ class CoreReady(msgspec.Struct, tag=True, array_like=True):
     startup_s: dict[str, float]  # where the start-up time went (load, verify, graphs, warm-up)
     max_num_batched_tokens: int = 0  # the step's token budget
     max_num_prefill_tokens: int | None = None  # the step's prompt tokens, decodes aside (None: no own bound)
+    prefill_context_weight: float = 0.0  # a prompt token after c of context counts 1 + c * this
 
 
 class CoreFailed(msgspec.Struct, tag=True, array_like=True):

@@ -278,3 +278,15 @@ def test_the_step_budget_in_effect_is_logged_at_start(tiny_artifact_factory, tmp
         assert proc.wait(timeout=60) == 0
     serving = [json.loads(raw)["message"] for raw in log_path.read_text().splitlines() if '"serving ' in raw]
     assert len(serving) == 1 and "a step computes up to 2048 tokens, at most 7 prompt tokens" in serving[0]
+
+
+def test_the_start_up_line_names_the_cpu_cost_bound() -> None:
+    """On the CPU the default bound is one of cost; the start-up line says how a token further
+    into a prompt counts, not only the count."""
+    from pagecast.runtime.cli import _prefill_bound_text
+    from pagecast.runtime.engine_core import CPU_MAX_NUM_PREFILL_TOKENS, CPU_PREFILL_CONTEXT_WEIGHT
+
+    text = _prefill_bound_text(CPU_MAX_NUM_PREFILL_TOKENS, CPU_PREFILL_CONTEXT_WEIGHT)
+    assert text == f"at most {CPU_MAX_NUM_PREFILL_TOKENS} (one after c tokens of context counts 1 + c/1,024)"
+    assert _prefill_bound_text(7, 0.0) == "at most 7"
+    assert _prefill_bound_text(None, 0.0) == "any number of"
