@@ -129,6 +129,10 @@ def test_engine_errors_map_to_statuses():
     # A fault of ours: the client gets an id to quote, never the exception's text (issue 33).
     assert (e.status_code, e.type) == (500, "server_error") and "bug" not in e.message
     assert "request id err-" in e.message and e.headers["X-Request-Id"] in e.message
+    # A bare ValueError from inside the engine is a bug too, not the request's fault: it was a 400
+    # that showed its text.
+    e = errors.from_engine_error(ValueError("cannot reshape tensor of 0 elements"), "m")
+    assert (e.status_code, e.type) == (500, "server_error") and "reshape" not in e.message
 
 
 def test_error_body_shape_and_headers():

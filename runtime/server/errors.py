@@ -219,7 +219,6 @@ def from_engine_error(exc: BaseException, model: str) -> APIError:
         return invalid_request(exc.message, param=exc.param, code=exc.code or "invalid_value")
     if isinstance(exc, EngineDeadError):
         return engine_dead(model, "it failed" if exc.error_id else "", exc.error_id)
-    if isinstance(exc, ValueError):
-        # SamplingParams and tokenizers raise ValueError for bad input; it is the request's fault.
-        return invalid_request(str(exc), code="invalid_value")
+    # Anything else is ours, a bare ValueError included: the engine marks the request's own faults
+    # as InvalidRequestError, so a ValueError reaching here is a bug, not a 400 with its text.
     return internal_error(f"{type(exc).__name__}: {exc}")
