@@ -1,0 +1,50 @@
+"""Dense FP8 (W8A8) engines on a GPU (run with `pytest -m gpu` on the accelerator): the
+llm-compressor fixtures (per-token, static and 1x128-group activations) built for the GPU, tuned
+there, run the FP8 GEMM kernels (or torch._scaled_mm where the tuner kept it) in fp32 activations
+with CUDA graphs, and give the greedy tokens of transformers running the dequantised weights with
+the same activation quantisation (tests/test_fp8_build.py's reference), on the same GPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import build_artifact
+from engine_utils import hf_greedy
+from test_fp8_build import FIXTURES, LLMC, MAX_TOKENS, NEAR_TIE, PROMPTS, reference_model
+
+from pagecast.runtime import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+
+@pytest.mark.parametrize("name", list(LLMC))
+def test_fp8_engine_greedy_tokens_equal_transformers_dequantised_on_gpu(name, tmp_path):  # type: ignore[no-untyped-def]
+    art = build_artifact(FIXTURES / name, tmp_path / "art", gpu="auto", dtype="float32", tune_budget_s=10.0)
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["target"]["kind"] == "cuda" and manifest["quant"] == "fp8"
+    llm = LLM(art, max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory="256MiB")
+    assert llm.engine.runner.graphs is not None
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    hf = reference_model(FIXTURES / name, LLMC[name][0]).cuda()
+    diverged = 0
+    for ids, out in zip(PROMPTS, outs, strict=True):
+        ref = hf_greedy(hf, ids, MAX_TOKENS)
+        if out.token_ids == ref:
+            continue
+        # Only where the reference's top two are within an e4m3 rounding of each other (see
+        # test_fp8_build.NEAR_TIE), and then not compared further.
+        i = next(j for j, (a, b) in enumerate(zip(out.token_ids, ref, strict=True)) if a != b)
+        with torch.no_grad():
+            step = hf(torch.tensor([ids + ref[:i]], device="cuda")).logits[0, -1]
+        assert step[ref[i]] - step[out.token_ids[i]] < NEAR_TIE, (name, ids[:4], i)
+        diverged += 1
+    assert diverged <= 1, f"{name}: {diverged} prompts diverged from the reference"
+    assert llm.engine.block_pool.num_used_blocks == 0
+    llm.engine.runner.close()
+    del llm, hf
+    torch.cuda.empty_cache()
