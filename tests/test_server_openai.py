@@ -504,7 +504,10 @@ def test_chat_logprobs_match_reference(client, llm, reference):  # type: ignore[
     ):
         if chunk.choices and chunk.choices[0].logprobs:
             streamed += [e.logprob for e in chunk.choices[0].logprobs.content]
-    assert streamed == pytest.approx([e.logprob for e in content], abs=1e-6)
+    # The streamed request runs again (its prompt from the prefix cache, in other step shapes), so
+    # fp32 sums may differ by an ulp or two (1e-6 failed once at -7.3, by 1.4e-6); a logprob given
+    # to the wrong token or position differs by far more.
+    assert streamed == pytest.approx([e.logprob for e in content], abs=1e-5)
 
 
 # -- penalties and min_p against transformers' processors ----------------------------------------
