@@ -2,7 +2,13 @@
 llm-compressor fixtures (per-token, static and 1x128-group activations) built for the GPU, tuned
 there, run the FP8 GEMM kernels (or torch._scaled_mm where the tuner kept it) in fp32 activations
 with CUDA graphs, and give the greedy tokens of transformers running the dequantised weights with
-the same activation quantisation (tests/test_fp8_build.py's reference), on the same GPU."""
+the same activation quantisation (tests/test_fp8_build.py's reference), on the same GPU.
+
+Unlike the CPU's exact emulation, Hopper's fp8 tensor cores add a dot's products at reduced
+precision (kernels/fp8_gemm.py promotes every BLOCK_K), so a tiny random model's near ties can go
+the other way: the first run (2026-12-05) had 3 of 3 prompts diverge for per-token activations,
+each where the reference's top two were within NEAR_TIE. So: every last-prompt-position logit
+within LOGIT_TOL of the reference, and greedy tokens equal up to a near tie."""
 
 from __future__ import annotations
 
@@ -11,12 +17,14 @@ import json
 import pytest
 import torch
 from conftest import build_artifact
-from engine_utils import hf_greedy
+from engine_utils import engine_last_logits, hf_greedy
 from test_fp8_build import FIXTURES, LLMC, MAX_TOKENS, NEAR_TIE, PROMPTS, reference_model
 
 from pagecast.runtime import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
+
+LOGIT_TOL = 0.02  # fp32 activations; logits of these tiny models are O(1)
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
@@ -31,19 +39,21 @@ def test_fp8_engine_greedy_tokens_equal_transformers_dequantised_on_gpu(name, tm
     assert llm.engine.runner.graphs is not None
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
     hf = reference_model(FIXTURES / name, LLMC[name][0]).cuda()
-    diverged = 0
+    with torch.no_grad():
+        for ids in PROMPTS:
+            got = engine_last_logits(llm.engine, ids).float()
+            ref = hf(torch.tensor([ids], device="cuda")).logits[0, -1]
+            diff = (got - ref).abs().max().item()
+            print(f"{name}: prompt of {len(ids)}: largest logit difference {diff:.2e}")
+            assert diff <= LOGIT_TOL, (name, len(ids), diff)
     for ids, out in zip(PROMPTS, outs, strict=True):
         ref = hf_greedy(hf, ids, MAX_TOKENS)
         if out.token_ids == ref:
             continue
-        # Only where the reference's top two are within an e4m3 rounding of each other (see
-        # test_fp8_build.NEAR_TIE), and then not compared further.
         i = next(j for j, (a, b) in enumerate(zip(out.token_ids, ref, strict=True)) if a != b)
         with torch.no_grad():
             step = hf(torch.tensor([ids + ref[:i]], device="cuda")).logits[0, -1]
         assert step[ref[i]] - step[out.token_ids[i]] < NEAR_TIE, (name, ids[:4], i)
-        diverged += 1
-    assert diverged <= 1, f"{name}: {diverged} prompts diverged from the reference"
     assert llm.engine.block_pool.num_used_blocks == 0
     llm.engine.runner.close()
     del llm, hf
