@@ -303,6 +303,9 @@ KERNEL_CASES = [
     pytest.param(9, 60, 4, 32, 24, "silu", False, {**TILE, "BLOCK_N": 32, "TMA": 1}, id="t9-e60-top4-tma"),
     pytest.param(41, 8, 2, 48, 40, "swiglu_oai", True, {**TILE, "TMA": 1}, id="t41-gptoss-bias-tma"),
     pytest.param(9, 8, 2, 64, 40, "silu", False, {**TILE, "SPLIT_ACT": 1, "TMA": 1}, id="t9-split-act-tma"),
+    # each expert's last block, where at most half full, by the half-height launch (TAIL)
+    pytest.param(41, 8, 2, 64, 40, "silu", False, {**TILE, "BLOCK_M": 64, "TAIL": 1}, id="t41-tail64"),
+    pytest.param(9, 60, 4, 32, 24, "silu", False, {**TILE, "BLOCK_M": 32, "TAIL": 1}, id="t9-e60-top4-tail"),
 ]
 
 
@@ -396,6 +399,185 @@ def test_naive_config_runs_the_reference_loop():
     x, weights, ids, w_gu, w_d, _, _ = moe_inputs(5, 4, 2, 16, 8, torch.float32, False)
     out = fused_moe.fused_moe(x, weights, ids, w_gu, w_d, config=fused_moe.NAIVE)
     torch.testing.assert_close(out, reference.fused_moe(x, weights, ids, w_gu, w_d), atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------- TAIL: half-height tail blocks
+
+
+def routing_with_counts(counts: list[int], top_k: int, seed: int = 0) -> torch.Tensor:
+    """topk_ids [T, top_k] (T = sum(counts) / top_k) giving expert e exactly counts[e] pairs, no
+    token an expert twice (every count at most T), the tokens in a random order."""
+    t = sum(counts) // top_k
+    assert t * top_k == sum(counts) and max(counts) <= t
+    experts = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    # token i's slot j takes experts[j * T + i]: a run of at most T equal experts gives no token two
+    ids = experts.view(top_k, t).T
+    return ids[torch.randperm(t, generator=torch.Generator().manual_seed(seed))].contiguous()
+
+
+TAIL_TILE = {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 2, "TAIL": 1}  # tails of 16 rows
+TAIL_ROUTINGS = [
+    # (pairs an expert, top-k, activation, bias) at BLOCK_M 32, a tail holding at most 16 pairs: 16
+    # (exactly half a block: a tail), 17 (one more: none), 1, 64 and 32 (whole blocks: no partial
+    # block), 0 (no blocks), 49 (a full block and 17: none), 47 and 33 (a full block and a tail)
+    pytest.param([16, 17, 1, 64, 0, 0, 49, 47], 2, "silu", False, id="top2"),
+    pytest.param([33, 16, 0, 32, 15, 20], 1, "silu", True, id="top1-bias"),
+    pytest.param([16, 1, 17, 0, 24, 26, 8, 12], 4, "swiglu_oai", True, id="top4-gptoss-bias"),
+]
+TAIL_CONFIGS = [
+    pytest.param(TAIL_TILE, id="tail"),
+    pytest.param({**TAIL_TILE, "SPLIT_ACT": 1}, id="tail-split-act"),
+    pytest.param({**TAIL_TILE, "TMA": 1}, id="tail-tma"),
+]
+
+
+def routed_inputs(counts: list[int], k: int, dtype: torch.dtype, bias: bool):  # type: ignore[no-untyped-def]
+    """moe_inputs' tensors (hidden 64, intermediate 40) with routing_with_counts' routing."""
+    ids = routing_with_counts(counts, k)
+    t, e = ids.shape[0], len(counts)
+    x, _, _, w_gu, w_d, b_gu, b_d = moe_inputs(t, e, k, 64, 40, dtype, bias)
+    weights = torch.rand(t, k, generator=torch.Generator().manual_seed(1)).softmax(-1)
+    return x, weights, ids, w_gu, w_d, b_gu, b_d
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("config", TAIL_CONFIGS)
+@pytest.mark.parametrize("counts,k,activation,bias", TAIL_ROUTINGS)
+def test_tail_configs_match_reference(counts, k, activation, bias, config, dtype):
+    """TAIL configs (pointer, SPLIT_ACT, TMA) against the reference at routings made by hand to
+    hold tails of exactly BLOCK_M / 2 pairs and of 1, last blocks one pair past half, whole
+    blocks, and experts without pairs, at top-1, 2 and 4."""
+    x, weights, ids, w_gu, w_d, b_gu, b_d = routed_inputs(counts, k, dtype, bias)
+    out = fused_moe.fused_moe(x, weights, ids, w_gu, w_d, b_gu, b_d, activation, config=config)
+    up = [None if b is None else b.float() for b in (b_gu, b_d)]
+    expected = reference.fused_moe(x.float(), weights, ids, w_gu.float(), w_d.float(), *up, activation)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out.float(), expected, atol=atol, rtol=rtol)
+
+
+def random_ids(t: int, e: int, k: int) -> torch.Tensor:
+    return torch.topk(torch.randn(t, e, generator=torch.Generator().manual_seed(t)), k).indices
+
+
+@interpreter
+@pytest.mark.parametrize(
+    "ids,e,block_m",
+    [
+        pytest.param(routing_with_counts([16, 17, 1, 64, 0, 0, 49, 47], 2), 8, 32, id="by-hand-32"),
+        pytest.param(routing_with_counts([64, 65, 1, 128, 0, 192, 255, 100], 1), 8, 128, id="by-hand-128"),
+        pytest.param(random_ids(300, 8, 8), 8, 32, id="random-t300-e8-top8"),
+        pytest.param(random_ids(41, 60, 4), 60, 32, id="random-t41-e60-top4"),
+        pytest.param(random_ids(1000, 8, 2), 8, 128, id="random-t1000-e8-top2"),
+    ],
+)  # fmt: skip
+def test_align_with_tails_marks_the_reference_tails(ids, e, block_m):
+    """align_with_tails marks the blocks reference.moe_align_tails finds by definition (an
+    expert's last block where it holds at most block_m / 2 pairs), the experts a count says have
+    one, with their pairs in the tail's first rows, and otherwise lays out align_by_expert's blocks."""
+    sorted_ids, block_expert, tail_block = fused_moe.align_with_tails(ids, e, block_m)
+    ref_blocks, ref_tails = reference.moe_align_tails(ids, e, block_m)
+    assert torch.equal(block_expert, ref_blocks) and torch.equal(tail_block, ref_tails)
+    counts = torch.bincount(ids.flatten(), minlength=e).tolist()
+    assert [x for x, b in enumerate(tail_block.tolist()) if b >= 0] == [
+        x for x, c in enumerate(counts) if 0 < c % block_m <= block_m // 2
+    ]
+    assert (block_expert <= -2).sum() == (tail_block >= 0).sum()
+    p = ids.numel()
+    for x, b in enumerate(tail_block.tolist()):
+        if b >= 0:
+            assert block_expert[b] == -2 - x
+            rows = sorted_ids[b * block_m : (b + 1) * block_m]
+            assert (rows[: counts[x] % block_m] < p).all() and (rows[counts[x] % block_m :] == p).all()
+    plain_ids, plain_blocks = fused_moe.align_by_expert(ids, e, block_m)
+    assert torch.equal(torch.where(block_expert <= -2, -2 - block_expert, block_expert), plain_blocks)
+    runs, plain_runs = sorted_ids.view(-1, block_m), plain_ids.view(-1, block_m)
+    for x in range(e):
+        mine = runs[plain_blocks == x].flatten().sort().values
+        assert torch.equal(mine, plain_runs[plain_blocks == x].flatten().sort().values)
+
+
+@interpreter
+@pytest.mark.parametrize("config", TAIL_CONFIGS)
+def test_tail_launch_computes_the_tail_rows_and_the_main_launch_the_rest(monkeypatch, config):
+    """Each GEMM is a main launch and then a tail launch; each launch runs into an output of NaN
+    (the tail launch's rows then merged with the main launch's), so the rows each writes are
+    seen: the main launch writes every pair's row outside the tail blocks and none in them, the
+    tail launch exactly those in them. A missing tail launch leaves NaN rows in the result, a
+    main launch that also computed the tails fails the row check."""
+    kernel = fused_moe._moe_gemm_kernel
+    launches = []  # (TAIL, down, rows written)
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                c, sorted_ids, block_expert = args[3], args[4], args[5]
+                before = c.clone()
+                c.fill_(float("nan"))
+                kernel[grid](*args, **kwargs)
+                written = ~c.isnan().all(1)
+                assert not c[written].isnan().any()  # whole rows
+                if kwargs["TAIL"]:
+                    c.copy_(torch.where(c.isnan(), before, c))  # and the main launch's rows
+                p = args[10]
+                blocks = block_expert.repeat_interleave(kwargs["BLOCK_M"] * (2 if kwargs["TAIL"] else 1))
+                real = sorted_ids < p
+                in_launch = real & ((blocks <= -2) if kwargs["TAIL"] else (blocks >= 0))
+                if kwargs["MUL_ROUTING_WEIGHT"]:  # down: out's rows are the pairs
+                    expected = torch.zeros(p, dtype=torch.bool)
+                    expected[sorted_ids[in_launch].long()] = True
+                else:  # gate_up: the intermediate's rows in sorted order
+                    expected = in_launch
+                assert torch.equal(written, expected), kwargs["TAIL"]
+                launches.append((kwargs["TAIL"], kwargs["MUL_ROUTING_WEIGHT"], int(written.sum())))
+
+            return launch
+
+    monkeypatch.setattr(fused_moe, "_moe_gemm_kernel", Spy())
+    counts = [16, 17, 1, 64, 0, 0, 49, 47]
+    x, weights, ids, w_gu, w_d, _, _ = routed_inputs(counts, 2, torch.float32, False)
+    out = fused_moe.fused_moe(x, weights, ids, w_gu, w_d, config=config)
+    tail_pairs = 16 + 1 + (47 - 32)  # the experts of 16, 1 and 47 pairs have tails
+    main_pairs = sum(counts) - tail_pairs
+    assert launches == [(False, False, main_pairs), (True, False, tail_pairs), (False, True, main_pairs),
+                        (True, True, tail_pairs)]  # fmt: skip
+    expected = reference.fused_moe(x, weights, ids, w_gu, w_d)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_tail_needs_blocks_of_32_rows():
+    x, weights, ids, w_gu, w_d, _, _ = moe_inputs(5, 4, 2, 16, 8, torch.float32, False)
+    with pytest.raises(ValueError, match="TAIL needs BLOCK_M >= 32"):
+        fused_moe.fused_moe(x, weights, ids, w_gu, w_d, config={**TILE, "TAIL": 1})
+    cfg = KernelConfig(dict(TILE, TAIL=1), 4, 2)
+    assert fused_moe.prune_configs([cfg], 4096, 2, 8, 64, 64, tma=True) == []
+
+
+def test_tail_configs_in_the_space():
+    """TAIL configs are 128-row tiles of the space again with TAIL (so the tuner times each with
+    and without): every 128-row TMA tile and four read by pointers, no more than 8; kept at
+    Mixtral's prefill buckets as their tiles are (TMA ones only where TMA is), never at decode
+    buckets; their workspace is their tile's and the [E] tail blocks'."""
+    space = fused_moe.CONFIG_SPACE
+    tails = [c for c in space if c.params.get("TAIL")]
+    plain = [
+        KernelConfig({k: v for k, v in c.params.items() if k != "TAIL"}, c.num_warps, c.num_stages)
+        for c in tails
+    ]
+    assert 0 < len(tails) <= 8 and all(c in space for c in plain) and all(c["BLOCK_M"] == 128 for c in tails)
+    tma_128 = [c for c in space if c.params.get("TMA") and c["BLOCK_M"] == 128 and not c.params.get("TAIL")]
+    assert all(c in plain for c in tma_128) and sum(not c.params.get("TMA") for c in tails) == 4
+    shape = (MIXTRAL.top_k, MIXTRAL.num_experts, MIXTRAL.hidden, MIXTRAL.moe_intermediate)
+    for tma in (True, False):
+        kept = fused_moe.prune_configs(space, 1024, *shape, tma=tma)
+        kept_tails = [c for c in kept if c.params.get("TAIL")]
+        assert kept_tails and all(bool(c.params.get("TMA")) <= tma for c in kept_tails)
+        for c, base in zip(tails, plain):
+            assert (c in kept) == (base in kept)
+    assert not any(c.params.get("TAIL") for c in fused_moe.prune_configs(space, 16, *shape, tma=True))
+    for c, base in zip(tails, plain):
+        with_tail, without = (fused_moe.workspace_bytes(1024, *shape, 2, cfg) for cfg in (c, base))
+        assert with_tail - without == 512  # 8 experts' tail blocks, in the allocator's 512 bytes
 
 
 # ---------------------------------------------------------------------------- tuner problems
