@@ -553,12 +553,18 @@ def test_tail_needs_blocks_of_32_rows():
     assert fused_moe.prune_configs([cfg], 4096, 2, 8, 64, 64, tma=True) == []
 
 
-def test_tail_configs_in_the_space():
-    """TAIL configs are 128-row tiles of the space again with TAIL (so the tuner times each with
+def test_tail_configs_beside_the_space():
+    """TAIL configs are 128-row tiles of the space again with TAIL (so a sweep times each with
     and without): every 128-row TMA tile and four read by pointers, no more than 8; kept at
     Mixtral's prefill buckets as their tiles are (TMA ones only where TMA is), never at decode
-    buckets; their workspace is their tile's and the [E] tail blocks'."""
-    space = fused_moe.CONFIG_SPACE
+    buckets; their workspace is their tile's and the [E] tail blocks'. The build's tuner does not
+    time them until they have run on a GPU (fused_moe.TAIL_SPACE), and benchmarks/moe.py --tail does."""
+    assert not any(c.params.get("TAIL") for c in fused_moe.CONFIG_SPACE)
+    dims = {"num_tokens": 1024}
+    assert not any(c.params.get("TAIL") for c in problems.config_space("fused_moe", MIXTRAL, dims))
+    swept = problems.config_space("fused_moe", MIXTRAL, dims, fused_moe.TAIL_SPACE)
+    assert any(c.params.get("TAIL") for c in swept)
+    space = fused_moe.CONFIG_SPACE + fused_moe.TAIL_SPACE
     tails = [c for c in space if c.params.get("TAIL")]
     plain = [
         KernelConfig({k: v for k, v in c.params.items() if k != "TAIL"}, c.num_warps, c.num_stages)

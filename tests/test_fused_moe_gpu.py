@@ -132,7 +132,7 @@ def test_tail_configs_at_routings_made_by_hand_bf16():
         x, _, _, w_gu, w_d, _, _ = moe_inputs(t, len(counts), k, 256, 128, False)
         weights = torch.rand(t, k, device="cuda").softmax(-1)
         expected = fp32_reference(x, weights, ids, w_gu, w_d, None, None)
-        for cfg in (c for c in fused_moe.CONFIG_SPACE if c.params.get("TAIL")):
+        for cfg in fused_moe.TAIL_SPACE:
             out = fused_moe.fused_moe(x, weights, ids, w_gu, w_d, config=cfg)
             assert rel_err(out, expected) < 1e-2, (k, cfg.as_dict())
 
@@ -233,7 +233,7 @@ def test_workspace_bytes_bounds_what_a_call_allocates(tokens):
     e, k, h, i = 128, 8, 2048, 768
     x, weights, ids, w_gu, w_d, _, _ = moe_inputs(tokens, e, k, h, i, False)
     configs = [fused_moe.default_config(tokens, k, e, h, i), fused_moe.NAIVE]
-    tiles = [c for c in fused_moe.CONFIG_SPACE if "BLOCK_M" in c.params]
+    tiles = [c for c in fused_moe.CONFIG_SPACE + fused_moe.TAIL_SPACE if "BLOCK_M" in c.params]
     configs += [next(c for c in tiles if c["BLOCK_M"] == 16), next(c for c in tiles if c["BLOCK_M"] == 128)]
     configs += [next(c for c in tiles if c.params.get("SPLIT_ACT"))]
     configs += [next(c for c in tiles if c.params.get("TMA") and c.params.get("SPLIT_ACT"))]
