@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import build_artifact
-from engine_utils import engine_last_logits, hf_greedy
+from engine_utils import engine_last_logits, near_tie_divergences
 from quant_writer import write_fp8
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
@@ -160,16 +160,7 @@ def _assert_greedy_parity(
 ) -> None:  # fmt: skip
     hf = reference_model(ckpt, activations, quantised, kv_scales)
     tokens, logits = _generate(artifact, logits=tp == 1)
-    diverged = 0
-    for ids, out in zip(PROMPTS, tokens, strict=True):
-        ref = hf_greedy(hf, ids, MAX_TOKENS)
-        if out == ref:
-            continue
-        i = next(j for j, (a, b) in enumerate(zip(out, ref, strict=True)) if a != b)
-        with torch.no_grad():
-            step = hf(torch.tensor([ids + ref[:i]])).logits[0, -1]
-        assert step[ref[i]] - step[out[i]] < NEAR_TIE, f"prompt {ids[:4]}...: token {i} is {out[i]}, not {ref[i]} ({step[ref[i]]:.3f} vs {step[out[i]]:.3f})"
-        diverged += 1
+    diverged = near_tie_divergences(hf, PROMPTS, tokens, MAX_TOKENS, NEAR_TIE)
     assert diverged <= 1, "more than one prompt diverged from the reference"
     if logits is None:
         return

@@ -17,7 +17,7 @@ import json
 import pytest
 import torch
 from conftest import build_artifact
-from engine_utils import engine_last_logits, hf_greedy
+from engine_utils import engine_last_logits, near_tie_divergences
 from test_fp8_build import FIXTURES, LLMC, MAX_TOKENS, NEAR_TIE, PROMPTS, reference_model
 
 from pagecast.runtime import LLM, SamplingParams
@@ -46,14 +46,7 @@ def test_fp8_engine_greedy_tokens_equal_transformers_dequantised_on_gpu(name, tm
             diff = (got - ref).abs().max().item()
             print(f"{name}: prompt of {len(ids)}: largest logit difference {diff:.2e}")
             assert diff <= LOGIT_TOL, (name, len(ids), diff)
-    for ids, out in zip(PROMPTS, outs, strict=True):
-        ref = hf_greedy(hf, ids, MAX_TOKENS)
-        if out.token_ids == ref:
-            continue
-        i = next(j for j, (a, b) in enumerate(zip(out.token_ids, ref, strict=True)) if a != b)
-        with torch.no_grad():
-            step = hf(torch.tensor([ids + ref[:i]], device="cuda")).logits[0, -1]
-        assert step[ref[i]] - step[out.token_ids[i]] < NEAR_TIE, (name, ids[:4], i)
+    near_tie_divergences(hf, PROMPTS, [o.token_ids for o in outs], MAX_TOKENS, NEAR_TIE)
     assert llm.engine.block_pool.num_used_blocks == 0
     llm.engine.runner.close()
     del llm, hf
