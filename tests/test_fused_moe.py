@@ -251,20 +251,29 @@ def test_align_reference_groups_and_pads_each_experts_pairs():
     assert sorted_ids.tolist() == [0, 3, 9, pad, 1, 2, 4, 5, 6, 8, pad, pad, 7, pad, pad, pad] + [pad] * 12
 
 
+def random_ids(t: int, e: int, k: int) -> torch.Tensor:
+    return torch.topk(torch.randn(t, e, generator=torch.Generator().manual_seed(t)), k).indices
+
+
+def assert_runs_hold_the_same_pairs(sorted_ids, other_ids, block_expert, e: int, block_m: int) -> None:  # type: ignore[no-untyped-def]
+    """Each expert's blocks (by ``block_expert``) hold the same pairs in both layouts, in any
+    order (the align kernels' atomics choose it)."""
+    runs, other = sorted_ids.view(-1, block_m), other_ids.view(-1, block_m)
+    for expert in range(e):
+        mine = runs[block_expert == expert].flatten().sort().values
+        assert torch.equal(mine, other[block_expert == expert].flatten().sort().values)
+
+
 @interpreter
 @pytest.mark.parametrize("t,e,k,block_m", [(5, 4, 2, 4), (41, 60, 4, 16), (9, 3, 1, 32), (300, 8, 8, 16)])
 def test_align_kernels_match_the_reference(t, e, k, block_m):
     """The same blocks, and in each expert's run the same pairs (the atomics choose their order)."""
-    g = torch.Generator().manual_seed(t)
-    ids = torch.topk(torch.randn(t, e, generator=g), k).indices
+    ids = random_ids(t, e, k)
     sorted_ids, block_expert = fused_moe.align_by_expert(ids, e, block_m)
     ref_ids, ref_blocks = reference.moe_align_by_expert(ids, e, block_m)
     assert torch.equal(block_expert, ref_blocks)
-    runs = sorted_ids.view(-1, block_m)
-    ref_runs = ref_ids.view(-1, block_m)
-    for expert in range(e):
-        mine = runs[block_expert == expert].flatten().sort().values
-        assert torch.equal(mine, ref_runs[ref_blocks == expert].flatten().sort().values)
+    assert_runs_hold_the_same_pairs(sorted_ids, ref_ids, block_expert, e, block_m)
+    runs, ref_runs = sorted_ids.view(-1, block_m), ref_ids.view(-1, block_m)
     assert torch.equal(runs[block_expert < 0], ref_runs[ref_blocks < 0])  # all padding
 
 
@@ -456,10 +465,6 @@ def test_tail_configs_match_reference(counts, k, activation, bias, config, dtype
     torch.testing.assert_close(out.float(), expected, atol=atol, rtol=rtol)
 
 
-def random_ids(t: int, e: int, k: int) -> torch.Tensor:
-    return torch.topk(torch.randn(t, e, generator=torch.Generator().manual_seed(t)), k).indices
-
-
 @interpreter
 @pytest.mark.parametrize(
     "ids,e,block_m",
@@ -491,10 +496,7 @@ def test_align_with_tails_marks_the_reference_tails(ids, e, block_m):
             assert (rows[: counts[x] % block_m] < p).all() and (rows[counts[x] % block_m :] == p).all()
     plain_ids, plain_blocks = fused_moe.align_by_expert(ids, e, block_m)
     assert torch.equal(torch.where(block_expert <= -2, -2 - block_expert, block_expert), plain_blocks)
-    runs, plain_runs = sorted_ids.view(-1, block_m), plain_ids.view(-1, block_m)
-    for x in range(e):
-        mine = runs[plain_blocks == x].flatten().sort().values
-        assert torch.equal(mine, plain_runs[plain_blocks == x].flatten().sort().values)
+    assert_runs_hold_the_same_pairs(sorted_ids, plain_ids, plain_blocks, e, block_m)
 
 
 @interpreter
