@@ -108,8 +108,6 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--tokens", default="1,16,256,4096")
     ap.add_argument("--no-sweep", action="store_true", help="time the default config only")
-    ap.add_argument("--tail", action="store_true",
-                    help="also time fused_moe.TAIL_SPACE (kept out of the build's space until timed on a GPU)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--fp8", choices=("channel", "block"), default=None,
@@ -160,11 +158,7 @@ def main() -> None:
             candidates = [default]
             if not args.no_sweep:
                 candidates += [
-                    c
-                    for c in problems.config_space(
-                        kernel, shapes, dims, fused_moe.TAIL_SPACE if args.tail and kernel == "fused_moe" else ()
-                    )
-                    if not fused_moe.is_naive(c)
+                    c for c in problems.config_space(kernel, shapes, dims) if not fused_moe.is_naive(c)
                 ]
             timed: list[tuple[float, KernelConfig]] = []
             for cfg in candidates:

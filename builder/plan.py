@@ -340,12 +340,9 @@ def moe_workspace_bytes(model: ModelIR, elt: int, max_batched_tokens: int, tp: i
     h, i, k, e = model.hidden_size, moe.intermediate_size // tp, moe.top_k, moe.num_experts
     naive = KernelConfig({"naive": 1}, 4, 1)
     widest = KernelConfig({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, 8, 3)
-    # the most a tile allocates: the [rows, 2I] product (SPLIT_ACT), the gathered tokens (TMA) and
-    # each expert's tail block (TAIL)
+    # the most a tile allocates: the [rows, 2I] product (SPLIT_ACT) and the gathered tokens (TMA)
     widest_tma = KernelConfig(
-        {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "SPLIT_ACT": 1, "TMA": 1, "TAIL": 1},
-        num_warps=8,
-        num_stages=4,
+        {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "SPLIT_ACT": 1, "TMA": 1}, 8, 4
     )
     block = fp8_weights == "block"
     out = {}

@@ -27,25 +27,6 @@ weight tile with the tensor memory accelerator, which needs consecutive rows, so
 first gathered into sorted order (one index_select). Where a row is not a multiple of 16 bytes
 the same tile runs by pointers instead.
 
-With ``TAIL`` (128-row tiles, ``TAIL_SPACE``: kept out of the tuner's space until they have run
-on a GPU) an expert's last block, where it is at most half full, is computed by tiles of half the
-height. The reason is padding:
-at Mixtral-8x7B's shape with random routing, 128-row blocks compute 19.75 blocks for 16 blocks
-of pairs at 1,024 tokens (23% more rows than pairs; 6% at 4,096), and there the tile path ran at
-0.92x the naive loop's speed, 0.97x at 4,096; 64-row tiles throughout, which pad half as much,
-ran 7-15% slower (measured on the H200, benchmarks/RESULTS.md). The layout stays as above;
-``align_with_tails`` also marks an expert's last block as its tail where it holds 1 to
-BLOCK_M / 2 pairs (the scatter fills a run from its start, so they are its first rows):
-block_expert holds -2 - e for it, so the launches above skip it as they skip unused blocks, and
-tail_block [E] its index (-1: no tail). Each GEMM launch (SPLIT_ACT's gate_up too) is followed
-by a launch of the same kernel with TAIL: BLOCK_M / 2-row tiles, a program per (expert, column
-tile), each computing the first half of its expert's tail block into the same rows of the
-intermediate or of out, so down's tail reads what gate_up's tail wrote. Its grid is E times the
-column tiles whatever the routing: no host sync, so a CUDA graph can capture it. Counted (not
-timed) over 20 random routings of that kind: 9.5% fewer rows computed at 1,024 tokens, 3% at
-4,096, 17% at 512. Whether it is faster is not measured yet: a half-height tile does half the
-work per weight tile it reads, and each GEMM is one launch more.
-
 Decode batches (the GEMV path, ``_moe_gemv_kernel``, ``{"gemv": 1, ...}``): a few pairs, each
 visiting its own expert, so tiles of 16 rows would be mostly padding. No sorting: for gate_up
 one program per (pair, BLOCK_N columns of I) streams its expert's gate and up rows once and
@@ -85,8 +66,7 @@ _ACTIVATIONS = {"silu": ACT_SILU, "swiglu_oai": ACT_SWIGLU_OAI}
 def _moe_align_kernel(
     ids_ptr,  # topk_ids [P] (int64): each pair's expert
     sorted_ids_ptr,  # int32 [max_blocks * BLOCK_M] out: filled with P here (padding)
-    block_expert_ptr,  # int32 [max_blocks] out: each block's expert, -1 past the used blocks (TAIL: below)
-    tail_block_ptr,  # TAIL: int32 [E] out, each expert's tail block or -1; else unused
+    block_expert_ptr,  # int32 [max_blocks] out: each block's expert, -1 past the used blocks
     cursor_ptr,  # int32 [E] out: each expert's first padded position (_moe_scatter_kernel's cursors)
     num_pairs,
     num_experts,
@@ -95,7 +75,6 @@ def _moe_align_kernel(
     NUM_BINS: tl.constexpr,  # E rounded up to a power of two
     CHUNK: tl.constexpr,
     BLOCKS_STEP: tl.constexpr,  # blocks a step compares with every expert's run end
-    TAIL: tl.constexpr = False,
 ):
     # One program: count each expert's pairs, pad the counts to whole blocks, and lay the blocks out.
     counts = tl.zeros((NUM_BINS,), dtype=tl.int32)
@@ -109,13 +88,6 @@ def _moe_align_kernel(
     offs_e = tl.arange(0, NUM_BINS)
     e_ok = offs_e < num_experts
     tl.store(cursor_ptr + offs_e, ends - padded, mask=e_ok)
-    if TAIL:
-        # An expert's last block is its tail where it holds 1 to BLOCK_M / 2 pairs: the scatter
-        # fills a run from its start, so they are the block's first rows.
-        last = counts - (padded - BLOCK_M)  # pairs in the last block (BLOCK_M for an empty expert)
-        is_tail = e_ok & (counts > 0) & (last <= BLOCK_M // 2)
-        tail = tl.where(is_tail, ends // BLOCK_M - 1, -1)
-        tl.store(tail_block_ptr + offs_e, tail, mask=e_ok)
     # A block's expert is the first whose run ends after the block starts: the count of runs
     # ending at or before it (empty experts' runs end where the one before ends).
     for b0 in range(0, max_blocks, BLOCKS_STEP):
@@ -123,10 +95,6 @@ def _moe_align_kernel(
         ended = (ends[None, :] <= (offs_b * BLOCK_M)[:, None]) & e_ok[None, :]
         expert = tl.sum(ended.to(tl.int32), axis=1)
         expert = tl.where(expert < num_experts, expert, -1)
-        if TAIL:
-            # a tail block's expert e is stored as -2 - e: the main launch skips it (expert < 0)
-            at_tail = tl.sum((offs_b[:, None] == tail[None, :]).to(tl.int32), axis=1) > 0
-            expert = tl.where(at_tail, -2 - expert, expert)
         tl.store(block_expert_ptr + offs_b, expert, mask=offs_b < max_blocks)
     for s0 in range(0, max_blocks * BLOCK_M, CHUNK):
         offs_s = s0 + tl.arange(0, CHUNK)
@@ -232,8 +200,7 @@ def _moe_gemm_kernel(
     b_ptr,  # [E, N_w] or unused
     c_ptr,  # gate_up: intermediate [max_blocks * BLOCK_M, N] in sorted order; down: [P, N] in pair order
     sorted_ids_ptr,  # int32 [max_blocks * BLOCK_M]: pair ids grouped by expert, num_pairs = padding
-    block_expert_ptr,  # int32 [max_blocks]: the expert of each block, < 0 for unused (and tail) blocks
-    tail_block_ptr,  # TAIL: int32 [E], each expert's tail block or -1; else unused
+    block_expert_ptr,  # int32 [max_blocks]: the expert of each block, -1 for unused blocks
     weights_ptr,  # fp32 [P] routing weights (MUL_ROUTING_WEIGHT) or unused
     N,  # output columns
     K,
@@ -256,7 +223,6 @@ def _moe_gemm_kernel(
     GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TMA: tl.constexpr = False,
-    TAIL: tl.constexpr = False,
 ):
     """One (block, column tile) of the tile path. With TMA (sm_90) both operands are tensor
     descriptors read by the tensor memory accelerator: ``a_ptr`` over [rows, K] whose block rows
@@ -264,23 +230,10 @@ def _moe_gemm_kernel(
     BLOCK_K]; ``w_ptr`` over the weights as [E * N_w, K], box [BLOCK_N, BLOCK_K]; the three
     operand strides are unused. The K loop then has no per-element addresses or masks: the copy
     engine zero-fills past K and past the weight rows' end. A tile whose columns pass N reads the
-    next rows (the up half, or the next expert): those columns are never stored.
-
-    With TAIL, the launch over the experts' tail blocks: BLOCK_M is half the alignment's block, a
-    program per (expert, column tile), and program (e, n) computes the first BLOCK_M rows of
-    expert e's tail block (``tail_block_ptr``; nothing where it is -1), the rows its pairs occupy."""
-    if TAIL:
-        num_n = tl.cdiv(N, BLOCK_N)
-        expert = tl.program_id(0) // num_n
-        pid_n = tl.program_id(0) % num_n
-        block = tl.load(tail_block_ptr + expert)
-        if block < 0:
-            return
-        pid_m = 2 * block  # in tiles of BLOCK_M rows: the tail block's first half
-    else:
-        pid_m, pid_n, expert = _tile_block(max_blocks, block_expert_ptr, N, BLOCK_N, GROUP_M)
-        if expert < 0:
-            return
+    next rows (the up half, or the next expert): those columns are never stored."""
+    pid_m, pid_n, expert = _tile_block(max_blocks, block_expert_ptr, N, BLOCK_N, GROUP_M)
+    if expert < 0:
+        return
     offs_m, pair, m_ok, a_rows, offs_n, n_ok = _tile_rows(
         pid_m, pid_n, sorted_ids_ptr, num_pairs, top_k, N, MUL_ROUTING_WEIGHT, BLOCK_M, BLOCK_N
     )
@@ -531,23 +484,6 @@ _TMA_TILES = (
     (128, 256, 64, 8, 8, 4, 1),
 )
 
-_TAIL_TILES = (
-    # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, SPLIT_ACT, TMA) with TAIL: tiles
-    # of the lists above again, each expert's last block computed by the half-height launch where
-    # it is at most half full (fused_moe's docstring). Not timed on a GPU yet. Every 128-row TMA
-    # tile, and four of the 128-row tiles read by pointers (the TMA tiles' fallback, and the tiles
-    # of GPUs before sm_90); 128x128x32 and 128x256 fused (over sm_90's shared memory in half
-    # types) are left out to keep the space small.
-    (128, 64, 64, 8, 4, 4, 0, 0),
-    (128, 128, 64, 8, 8, 3, 0, 0),
-    (128, 128, 64, 8, 8, 4, 1, 0),
-    (128, 256, 64, 8, 8, 3, 1, 0),
-    (128, 128, 64, 8, 8, 3, 0, 1),
-    (128, 128, 64, 8, 8, 4, 0, 1),
-    (128, 256, 64, 8, 8, 3, 1, 1),
-    (128, 256, 64, 8, 8, 4, 1, 1),
-)
-
 CONFIG_SPACE: list[KernelConfig] = (
     [NAIVE]
     + [
@@ -580,33 +516,8 @@ CONFIG_SPACE: list[KernelConfig] = (
     ]
 )
 
-# The TAIL configs, NOT in CONFIG_SPACE, so the build's tuner does not time them: the tuner keeps
-# the fastest config without checking its output, and these have run only in the interpreter and
-# compiled for sm_90, never on a GPU. To admit them: `pytest -m gpu tests/test_fused_moe_gpu.py -k
-# tail` passes, and `benchmarks/moe.py --tail` shows them faster somewhere; then add them to the space.
-TAIL_SPACE: list[KernelConfig] = [
-    KernelConfig(
-        {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": g}
-        | ({"SPLIT_ACT": 1} if split else {})
-        | ({"TMA": 1} if tma else {})
-        | {"TAIL": 1},
-        num_warps=w,
-        num_stages=s,
-    )
-    for m, n, k, g, w, s, split, tma in _TAIL_TILES
-]
-
 GEMV_MAX_PAIRS = 128  # more pairs re-read shared experts' weights once a pair (from L2 at best)
 SHARED_MEMORY_LIMIT = 232448  # sm_90 (H100/H200): bytes of shared memory one program may use
-TAIL_MIN_ROWS = 16  # a TAIL config's tail tiles (BLOCK_M / 2 rows) are at least this high: tl.dot's least M
-
-
-def tail_warps(num_warps: int) -> int:
-    """The TAIL launch's warps: half the main tile's, as its tile holds half the rows, so each
-    thread holds as many accumulators as in the main tile (compiled for sm_90, Triton 3.6, ptxas
-    -v: every tail launch of the space within 16 registers of its main launch, none spilling); at
-    least 4, one warpgroup, which sm_90's wgmma needs (the 4-warp tails compile to it)."""
-    return max(4, num_warps // 2)
 
 
 def is_naive(config: KernelConfig | None) -> bool:
@@ -643,9 +554,7 @@ def shared_memory(config: KernelConfig, elt: int) -> int:
     with SPLIT_ACT) needs: the pipeliner's buffers of the activations and both weight tiles, num_stages of them
     where the dot runs on wgmma (half types, 64 or more rows), num_stages - 1 for half types'
     narrower tiles. Checked against sm_90 compiles of every tile in bf16 (Triton 3.6: exact;
-    tests/test_fused_moe_compile_sm90.py, TMA tiles too); fp32 is counted num_stages deep, an upper bound.
-    A TAIL config's second launch, the same tile at half the rows, needs no more (checked by the
-    same test)."""
+    tests/test_fused_moe_compile_sm90.py, TMA tiles too); fp32 is counted num_stages deep, an upper bound."""
     bm, bn, bk, stages = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"], config.num_stages
     buffers = max(stages - 1, 1) if elt <= 2 and bm < 64 else max(stages, 1)
     weight_tiles = 1 if config.params.get("SPLIT_ACT") else 2
@@ -662,9 +571,7 @@ def prune_configs(
     smaller reduction (I, for down) rounded up to a power of two; tiles whose BLOCK_M is at most
     the expected rows an expert (P / min(E, P), rounded up to a power of two, at least 16) and,
     from 64 rows an expert, at least 64; whose BLOCK_K fits the smaller reduction; whose shared
-    memory fits SHARED_MEMORY_LIMIT; TMA tiles only where ``tma`` (None: ``tma_supported()``);
-    TAIL tiles (kept by the same rules as the tile without it) only where BLOCK_M / 2 is at least
-    TAIL_MIN_ROWS."""
+    memory fits SHARED_MEMORY_LIMIT; TMA tiles only where ``tma`` (None: ``tma_supported()``)."""
     if tma is None:
         tma = tma_supported()
     pairs = num_tokens * top_k
@@ -683,8 +590,6 @@ def prune_configs(
             if bm > rows or (rows >= 64 and bm < 64) or c["BLOCK_K"] > k_min:
                 continue
             if shared_memory(c, elt) > SHARED_MEMORY_LIMIT or (c.params.get("TMA") and not tma):
-                continue
-            if c.params.get("TAIL") and bm < 2 * TAIL_MIN_ROWS:
                 continue
             kept.append(c)
     return kept
@@ -749,42 +654,22 @@ def align_by_expert(
     each block's expert, -1 past the used blocks). Two launches (count and lay out, then
     scatter), no host sync; within an expert's run the pairs' order is the atomics' (which
     reference.moe_align_by_expert, the same layout in pair order, leaves out)."""
-    sorted_ids, block_expert, _ = _align(topk_ids, num_experts, block_m, tail=False)
-    return sorted_ids, block_expert
-
-
-def align_with_tails(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``align_by_expert``'s layout with each expert's tail marked (the TAIL configs): an expert's
-    last block is its tail where it holds at most block_m / 2 pairs (its first rows), and then
-    block_expert holds -2 - e for it (the main launch skips it) and tail_block int32 [E] its
-    index (-1 for an expert without a tail, or without pairs). The same two launches."""
-    sorted_ids, block_expert, tail_block = _align(topk_ids, num_experts, block_m, tail=True)
-    assert tail_block is not None
-    return sorted_ids, block_expert, tail_block
-
-
-def _align(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int, tail: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     flat = topk_ids.reshape(-1)
     p = flat.numel()
     nb = max_blocks(p, num_experts, block_m)
     dev = flat.device
     sorted_ids = torch.empty((nb * block_m,), dtype=torch.int32, device=dev)
     block_expert = torch.empty((nb,), dtype=torch.int32, device=dev)
-    tail_block = torch.empty((num_experts,), dtype=torch.int32, device=dev) if tail else None
     cursor = torch.empty((num_experts,), dtype=torch.int32, device=dev)
     _moe_align_kernel[(1,)](
-        flat, sorted_ids, block_expert, tail_block if tail else cursor, cursor, p, num_experts, nb,
+        flat, sorted_ids, block_expert, cursor, p, num_experts, nb,
         BLOCK_M=block_m, NUM_BINS=(bins := triton.next_power_of_2(num_experts)), CHUNK=ALIGN_CHUNK,
-        BLOCKS_STEP=max(16, 8192 // bins), TAIL=tail, num_warps=8,
+        BLOCKS_STEP=max(16, 8192 // bins), num_warps=8,
     )  # fmt: skip
     _moe_scatter_kernel[(triton.cdiv(p, ALIGN_CHUNK),)](
         flat, sorted_ids, cursor, p, CHUNK=ALIGN_CHUNK, num_warps=4
     )
-    return sorted_ids, block_expert, tail_block
+    return sorted_ids, block_expert
 
 
 def workspace_bytes(
@@ -793,10 +678,9 @@ def workspace_bytes(
 ) -> int:  # fmt: skip
     """Device memory one fused_moe call allocates besides its output [T, H] (for the memory plan),
     each buffer rounded up to the caching allocator's 512 bytes: the routing weights in fp32, the
-    intermediate, and for the tile path the align buffers (with TAIL the tail blocks' [E] too) and
-    the per-pair output the top-k sum reads (and with TMA the tokens gathered in sorted order).
-    The naive loop: one expert's rows at worst (every token through one expert) through both
-    projections (fp32 where the routing weights scale them), and their token lists."""
+    intermediate, and for the tile path the align buffers and the per-pair output the top-k sum
+    reads (and with TMA the tokens gathered in sorted order). The naive loop: one expert's rows at worst (every token through one expert) through
+    both projections (fp32 where the routing weights scale them), and their token lists."""
 
     def buf(n: int) -> int:
         return -(-n // 512) * 512
@@ -809,8 +693,7 @@ def workspace_bytes(
         return buf(p * 4) + buf(p * intermediate * elt) + per_pair
     bm = config["BLOCK_M"]
     nb = max_blocks(p, num_experts, bm)
-    # sorted_ids, block_expert, the scatter's cursors, and with TAIL each expert's tail block
-    align = buf(nb * bm * 4) + buf(nb * 4) + buf(num_experts * 4) * (2 if config.params.get("TAIL") else 1)
+    align = buf(nb * bm * 4) + buf(nb * 4) + buf(num_experts * 4)
     gate_up = buf(nb * bm * 2 * intermediate * elt) if config.params.get("SPLIT_ACT") else 0
     # TMA: the tokens gathered into sorted order, and the row indices they are gathered by
     gathered = buf(nb * bm * 4) + buf(nb * bm * hidden * elt) if config.params.get("TMA") else 0
@@ -865,10 +748,7 @@ def fused_moe(
 ) -> torch.Tensor:
     """reference.fused_moe's result (x [T, H] -> [T, H] in x's dtype, fp32 accumulation) by the
     tile path, the GEMV path or the naive loop as ``config`` says (None: ``default_config``).
-    The tile and GEMV paths never sync with the host. A tile config with ``TAIL`` (BLOCK_M at
-    least 2 * TAIL_MIN_ROWS) aligns with ``align_with_tails`` and follows each GEMM launch with the
-    launch over the experts' tail blocks: BLOCK_M / 2-row tiles, ``tail_warps`` warps, the same
-    BLOCK_N, BLOCK_K and stages, a grid of E times the column tiles (the module's docstring)."""
+    The tile and GEMV paths never sync with the host."""
     check_shapes(x, topk_weights, topk_ids, w_gate_up, w_down, b_gate_up, b_down)
     if activation not in _ACTIVATIONS:
         raise ValueError(f"unknown MoE activation {activation!r}")
@@ -916,37 +796,23 @@ def fused_moe(
             _moe_topk_sum_kernel[grid](down_out, out, h, top_k, BLOCK=block, num_warps=4, **pdl.launch_options())
         return out
     bm, bn, bk, gm = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["GROUP_M"]
-    tail = bool(cfg.params.get("TAIL"))
-    if tail and bm < 2 * TAIL_MIN_ROWS:
-        raise ValueError(f"TAIL needs BLOCK_M >= {2 * TAIL_MIN_ROWS} (tails of BLOCK_M / 2 rows), got {bm}")
-    if tail:
-        sorted_ids, block_expert, tail_block = align_with_tails(ids.view(t, top_k), num_experts, bm)
-    else:
-        sorted_ids, block_expert = align_by_expert(ids.view(t, top_k), num_experts, bm)
-        tail_block = block_expert  # unused
+    sorted_ids, block_expert = align_by_expert(ids.view(t, top_k), num_experts, bm)
     nb = block_expert.shape[0]
-    # (rows of a tile, programs per column tile, TAIL, warps): the main launch over every block
-    # (tail blocks return at once), then with TAIL the launch of half-height tiles over the tails
-    launches = [(bm, nb, False, cfg.num_warps)]
-    if tail:
-        launches.append((bm // 2, num_experts, True, tail_warps(cfg.num_warps)))
 
     tma = bool(cfg.params.get("TMA")) and _tma_ready(x, w_gate_up, w_down)
 
     def gemm(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, c: torch.Tensor, n: int, k: int,
              a_kind: int, weighted: bool) -> None:  # fmt: skip
-        # With TMA: descriptors over a's rows (a box of each launch's tile rows) and the weights as
-        # [E * N_w, K] (the strides unused)
+        # With TMA: descriptors over a's rows and the weights as [E * N_w, K] (the strides unused)
+        a_arg = TensorDescriptor.from_tensor(a, [bm, bk]) if tma else a
         w_arg = TensorDescriptor.from_tensor(w.view(-1, k), [bn, bk]) if tma else w
-        for rows, programs, is_tail, warps in launches:
-            a_arg = TensorDescriptor.from_tensor(a, [rows, bk]) if tma else a
-            _moe_gemm_kernel[(programs * triton.cdiv(n, bn),)](
-                a_arg, w_arg, b if b is not None else w, c, sorted_ids, block_expert, tail_block, weights,
-                n, k, p, nb, a.stride(0), w.stride(0), w.stride(1), b.stride(0) if b is not None else 0,
-                c.stride(0), top_k, ACTIVATION=a_kind, MUL_ROUTING_WEIGHT=weighted, HAS_BIAS=b is not None,
-                BLOCK_M=rows, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, DOT_PRECISION=dot, TMA=tma, TAIL=is_tail,
-                num_warps=warps, num_stages=cfg.num_stages, **common,
-            )  # fmt: skip
+        _moe_gemm_kernel[(nb * triton.cdiv(n, bn),)](
+            a_arg, w_arg, b if b is not None else w, c, sorted_ids, block_expert, weights, n, k, p, nb,
+            a.stride(0), w.stride(0), w.stride(1), b.stride(0) if b is not None else 0, c.stride(0), top_k,
+            ACTIVATION=a_kind, MUL_ROUTING_WEIGHT=weighted, HAS_BIAS=b is not None,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, DOT_PRECISION=dot, TMA=tma,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+        )  # fmt: skip
 
     if tma:
         # The copy engine reads consecutive rows only: gather each block's tokens into sorted order

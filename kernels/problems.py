@@ -12,7 +12,7 @@ step every layer reads its own cache).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -231,11 +231,8 @@ def problem_size(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> tupl
 # ---------------------------------------------------------------------------- config spaces
 
 
-def config_space(
-    kernel: str, shapes: ModelShapes, dims: dict[str, int], extra: Sequence[KernelConfig] = ()
-) -> list[KernelConfig]:
-    """The pruned configs to time for a kernel at a bucket, in preference order. ``extra``: fused_moe
-    configs to consider beside its space (benchmarks/moe.py --tail: fused_moe.TAIL_SPACE)."""
+def config_space(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> list[KernelConfig]:
+    """The pruned configs to time for a kernel at a bucket, in preference order."""
     if kernel == "paged_decode_attention":
         m = paged_decode_attention
         space = m.FP8_CONFIG_SPACE if shapes.kv_torch_dtype == torch.float8_e4m3fn else m.CONFIG_SPACE
@@ -256,7 +253,7 @@ def config_space(
         return skinny_gemm.prune_configs(skinny_gemm.CONFIG_SPACE, dims["n"], dims["k"])
     if kernel == "fused_moe":
         return fused_moe.prune_configs(
-            fused_moe.CONFIG_SPACE + list(extra), dims["num_tokens"], shapes.top_k, shapes.num_experts, shapes.hidden,
+            fused_moe.CONFIG_SPACE, dims["num_tokens"], shapes.top_k, shapes.num_experts, shapes.hidden,
             shapes.moe_intermediate, elt=_elt(shapes), allow_naive=dims["num_tokens"] > shapes.max_num_seqs,
         )  # fmt: skip
     if kernel == "fused_moe_w4a16":

@@ -648,24 +648,3 @@ def moe_align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) 
     sorted_ids[dest] = order.to(torch.int32)
     block_expert = torch.searchsorted(ends, torch.arange(nb, device=dev) * block_m, right=True)
     return sorted_ids, torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
-
-
-def moe_align_tails(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tails a TAIL config of the fused-MoE tile path computes apart (kernels/fused_moe.py,
-    align_with_tails), found in ``moe_align_by_expert``'s layout by their definition: an expert's
-    last block is its tail where it holds at most block_m / 2 pairs. -> (block_expert int32
-    [max_blocks] with each tail's expert e as -2 - e, tail_block int32 [E]: each expert's tail
-    block, -1 where it has none). Device ops only (no host sync)."""
-    sorted_ids, block_expert = moe_align_by_expert(topk_ids, num_experts, block_m)
-    nb = block_expert.numel()
-    real = (sorted_ids.view(nb, block_m) < topk_ids.numel()).sum(1)  # pairs in each block
-    after = torch.cat((block_expert[1:], block_expert.new_full((1,), -1)))
-    tail = (block_expert >= 0) & (after != block_expert) & (real <= block_m // 2)
-    marked = torch.where(tail, -2 - block_expert, block_expert)
-    # each tail's index at its expert; the other blocks' go to a spare slot past the experts
-    slot = torch.where(tail, block_expert, num_experts).long()
-    index = torch.where(tail, torch.arange(nb, device=block_expert.device), -1).to(torch.int32)
-    tail_block = torch.full((num_experts + 1,), -1, dtype=torch.int32, device=block_expert.device)
-    return marked.to(torch.int32), tail_block.scatter_(0, slot, index)[:num_experts]

@@ -56,13 +56,10 @@ INTS = ("N", "K", "stride_am", "stride_we", "stride_wn", "stride_be", "stride_cm
 
 
 def gemm_job(
-    cfg: KernelConfig, gate_up: bool, bias: bool, activation: int = fused_moe.ACT_SILU, dtype: str = "*bf16",
-    tail: bool = False,
-) -> tuple:  # fmt: skip
+    cfg: KernelConfig, gate_up: bool, bias: bool, activation: int = fused_moe.ACT_SILU, dtype: str = "*bf16"
+) -> tuple:
     """_moe_gemm_kernel as fused_moe launches it in bf16 (Qwen3-30B-A3B's expert shape); a
-    SPLIT_ACT config's gate_up launch writes [rows, 2I] without an activation. ``tail``: a TAIL
-    config's second launch (half the rows, tail_warps warps)."""
-    rows = cfg["BLOCK_M"] // 2 if tail else cfg["BLOCK_M"]
+    SPLIT_ACT config's gate_up launch writes [rows, 2I] without an activation."""
     h, i = 2048, 768
     n, k = (i, h) if gate_up else (h, i)
     if gate_up and cfg.params.get("SPLIT_ACT"):
@@ -71,8 +68,7 @@ def gemm_job(
             "stride_be": 2 * i if gate_up else h, "stride_cm": n, "top_k": 8}  # fmt: skip
     signature = {
         "a_ptr": dtype, "w_ptr": dtype, "b_ptr": dtype, "c_ptr": dtype, "sorted_ids_ptr": "*i32",
-        "block_expert_ptr": "*i32", "tail_block_ptr": "*i32", "weights_ptr": "*fp32", "num_pairs": "i32",
-        "max_blocks": "i32",
+        "block_expert_ptr": "*i32", "weights_ptr": "*fp32", "num_pairs": "i32", "max_blocks": "i32",
         **{name: "i32" for name in ints},
     }  # fmt: skip
     divisible = [name for name in signature if name.endswith("_ptr")] + [
@@ -80,26 +76,22 @@ def gemm_job(
     ]
     constexprs = {
         "ACTIVATION": activation if gate_up else 0, "MUL_ROUTING_WEIGHT": not gate_up,
-        "HAS_BIAS": bias, "ALPHA": 1.702, "LIMIT": 7.0, "BLOCK_M": rows, "BLOCK_N": cfg["BLOCK_N"],
+        "HAS_BIAS": bias, "ALPHA": 1.702, "LIMIT": 7.0, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"],
         "BLOCK_K": cfg["BLOCK_K"], "GROUP_M": cfg["GROUP_M"], "DOT_PRECISION": "ieee" if dtype == "*fp32" else "tf32",
     }  # fmt: skip
     if cfg.params.get("TMA"):
         # both operands as tensor descriptors (the launcher's TMA=True)
         elt = dtype[1:]
-        signature["a_ptr"] = f"tensordesc<{elt}[{rows}, {cfg['BLOCK_K']}]>"
+        signature["a_ptr"] = f"tensordesc<{elt}[{cfg['BLOCK_M']}, {cfg['BLOCK_K']}]>"
         signature["w_ptr"] = f"tensordesc<{elt}[{cfg['BLOCK_N']}, {cfg['BLOCK_K']}]>"
         constexprs["TMA"] = True
         divisible = [name for name in divisible if name not in ("a_ptr", "w_ptr")]
-    warps = cfg.num_warps
-    if tail:
-        constexprs["TAIL"] = True
-        warps = fused_moe.tail_warps(warps)
     return (
         "gemm",
         signature,
         constexprs,
         divisible,
-        {"num_warps": warps, "num_stages": cfg.num_stages},
+        {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
     )
 
 
@@ -131,9 +123,7 @@ def test_fused_moe_kernels_compile_for_sm90_and_fit_shared_memory() -> None:
     shape (two weight tiles a step, SiLU fused); fused_moe.shared_memory (which the pruning goes
     by) bounds the shared memory each needs, and every tile the tuner times at some bucket fits
     232448 bytes. The down launch, the gpt-oss activation with biases and the GEMV path compile
-    too, and so do the align kernels. A TAIL config's second launch (half the rows, TMA
-    descriptors of that box) compiles as gate_up for every TAIL config, as down for one, and
-    needs no more shared memory than its config counts."""
+    too, and so do the align kernels."""
     shapes = ModelShapes(
         32, 4, 128, 2048, 6144, 16, "bfloat16", num_experts=128, top_k=8, moe_intermediate=768
     )
@@ -145,13 +135,7 @@ def test_fused_moe_kernels_compile_for_sm90_and_fit_shared_memory() -> None:
     configs = [c for c in fused_moe.CONFIG_SPACE if "BLOCK_M" in c.params]
     timed = [json.dumps(c.as_dict(), sort_keys=True) in tiles for c in configs]
     assert sum(timed) >= len(configs) - 1  # all but the largest tile (over the limit) are timed
-    tails = list(fused_moe.TAIL_SPACE)  # not timed by the build yet; their main launches compile too
-    configs += tails
     jobs = [gemm_job(c, gate_up=True, bias=False) for c in configs]
-    tail_tma = next(c for c in tails if c.params.get("TMA") and not c.params.get("SPLIT_ACT"))
-    tail_jobs = [gemm_job(c, gate_up=True, bias=False, tail=True) for c in tails] + [
-        gemm_job(tail_tma, gate_up=False, bias=True, tail=True)
-    ]
     default = fused_moe.default_config(256, 8, 128, 2048, 768)
     gemv = fused_moe.default_config(1, 8, 128, 2048, 768)
     extra = [
@@ -160,16 +144,11 @@ def test_fused_moe_kernels_compile_for_sm90_and_fit_shared_memory() -> None:
         gemv_job(gemv, gate_up=True, bias=False),
         gemv_job(gemv, gate_up=False, bias=True),
         gemv_job(gemv, gate_up=True, bias=True, activation=fused_moe.ACT_SWIGLU_OAI),
+        ("align", {"ids_ptr": "*i64", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "cursor_ptr": "*i32",
+                   "num_pairs": "i32", "num_experts": "i32", "max_blocks": "i32"},
+         {"BLOCK_M": 64, "NUM_BINS": 128, "CHUNK": fused_moe.ALIGN_CHUNK, "BLOCKS_STEP": 64}, [], {"num_warps": 8}),
         ("scatter", {"ids_ptr": "*i64", "sorted_ids_ptr": "*i32", "cursor_ptr": "*i32", "num_pairs": "i32"},
          {"CHUNK": fused_moe.ALIGN_CHUNK}, [], {"num_warps": 4}),
-    ]  # fmt: skip
-    align = {"ids_ptr": "*i64", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
-             "tail_block_ptr": "*i32", "cursor_ptr": "*i32", "num_pairs": "i32", "num_experts": "i32",
-             "max_blocks": "i32"}  # fmt: skip
-    extra += [
-        ("align", align, {"BLOCK_M": m, "NUM_BINS": 128, "CHUNK": fused_moe.ALIGN_CHUNK, "BLOCKS_STEP": 64,
-                          "TAIL": tail}, [], {"num_warps": 8})
-        for m, tail in ((64, False), (128, True))
     ]  # fmt: skip
     # fp32 (a GPU engine built in float32): the default tile at each token bucket's rows
     fp32 = {json.dumps(c.as_dict(), sort_keys=True): c for c in (
@@ -177,16 +156,12 @@ def test_fused_moe_kernels_compile_for_sm90_and_fit_shared_memory() -> None:
     ) if "BLOCK_M" in c.params}  # fmt: skip
     fp32_configs = list(fp32.values())
     extra += [gemm_job(c, gate_up=True, bias=False, dtype="*fp32") for c in fp32_configs]
-    all_jobs = jobs + extra + tail_jobs
+    all_jobs = jobs + extra
     with ThreadPoolExecutor(2) as pool:
         halves = list(pool.map(compile_batch, (all_jobs[::2], all_jobs[1::2])))
     results: list[dict] = [None] * len(all_jobs)  # type: ignore[list-item]
     results[::2], results[1::2] = halves[0], halves[1]
     assert all("cubin" in r["asm"] for r in results)
-    tail_results = results[len(results) - len(tail_jobs) :]
-    results = results[: len(results) - len(tail_jobs)]
-    for cfg, r in zip([*tails, tail_tma], tail_results):
-        assert r["shared"] <= fused_moe.shared_memory(cfg, 2), ("tail", cfg.as_dict(), r["shared"])
     for cfg, r in zip(fp32_configs, results[len(results) - len(fp32_configs) :]):
         assert r["shared"] <= fused_moe.SHARED_MEMORY_LIMIT, ("fp32", cfg.as_dict(), r["shared"])
         assert fused_moe.shared_memory(cfg, 4) >= r["shared"], ("fp32", cfg.as_dict(), r["shared"])

@@ -110,50 +110,15 @@ def test_align_kernels_match_the_reference(t, e, k, block_m):
     assert torch.equal(runs[block_expert < 0], ref_runs[ref_blocks < 0])
 
 
-@pytest.mark.parametrize(
-    "t,e,k,block_m", [(41, 60, 4, 32), (4096, 128, 8, 64), (8192, 8, 2, 128), (1000, 8, 2, 128)]
-)
-def test_align_with_tails_matches_the_reference(t, e, k, block_m):
-    ids = torch.topk(torch.randn(t, e, device="cuda"), k).indices
-    _, block_expert, tail_block = fused_moe.align_with_tails(ids, e, block_m)
-    ref_blocks, ref_tails = reference.moe_align_tails(ids, e, block_m)
-    assert torch.equal(block_expert, ref_blocks) and torch.equal(tail_block, ref_tails)
-
-
-def test_tail_configs_at_routings_made_by_hand_bf16():
-    """Every TAIL config of the space (128-row blocks, tails of at most 64 pairs) against the fp32
-    reference at routings whose experts get 64 pairs (a tail of exactly half a block), 65 (none),
-    1, 128 (a whole block), 0, 192 (a block and a tail), 255 and 100, top-1 and top-2."""
-    from test_fused_moe import routing_with_counts
-
-    for counts, k in (([64, 65, 1, 128, 0, 192, 255, 100], 1), ([64, 65, 1, 128, 0, 192, 129, 101], 2)):
-        ids = routing_with_counts(counts, k).cuda()
-        t = ids.shape[0]
-        x, _, _, w_gu, w_d, _, _ = moe_inputs(t, len(counts), k, 256, 128, False)
-        weights = torch.rand(t, k, device="cuda").softmax(-1)
-        expected = fp32_reference(x, weights, ids, w_gu, w_d, None, None)
-        for cfg in fused_moe.TAIL_SPACE:
-            out = fused_moe.fused_moe(x, weights, ids, w_gu, w_d, config=cfg)
-            assert rel_err(out, expected) < 1e-2, (k, cfg.as_dict())
-
-
 TMA_TILE = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "TMA": 1, "num_warps": 4, "num_stages": 4}
-TAIL_TILE = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "TMA": 1, "TAIL": 1, "num_warps": 8,
-             "num_stages": 4}  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "tokens,config",
-    [(1, None), (64, None), (64, TMA_TILE), (512, TAIL_TILE)],
-    ids=["gemv", "tile", "tma-tile", "tail-tma-tile"],
-)
+@pytest.mark.parametrize("tokens,config", [(1, None), (64, None), (64, TMA_TILE)], ids=["gemv", "tile", "tma-tile"])
 def test_captured_in_a_cuda_graph(tokens, config):
     """The GEMV path (1 token) and the tile path with its align kernels (64) never sync with the
     host: a captured launch replays on new inputs (new routing) and matches an eager one (the
     atomics may order an expert's rows differently; each row's values do not depend on it). The
-    TMA tile's descriptors are captured by value: they hold the addresses of the graph's buffers.
-    A TAIL tile (512 tokens: experts of about 128 pairs, some with tails, some not) launches over
-    the tails a grid of E times the column tiles, whatever the routing."""
+    TMA tile's descriptors are captured by value: they hold the addresses of the graph's buffers."""
     e, k, h, i = 16, 4, 256, 128
     x, weights, ids, w_gu, w_d, _, _ = moe_inputs(tokens, e, k, h, i, False)
     fused_moe.fused_moe(x, weights, ids, w_gu, w_d, config=config)  # compile
@@ -233,11 +198,10 @@ def test_workspace_bytes_bounds_what_a_call_allocates(tokens):
     e, k, h, i = 128, 8, 2048, 768
     x, weights, ids, w_gu, w_d, _, _ = moe_inputs(tokens, e, k, h, i, False)
     configs = [fused_moe.default_config(tokens, k, e, h, i), fused_moe.NAIVE]
-    tiles = [c for c in fused_moe.CONFIG_SPACE + fused_moe.TAIL_SPACE if "BLOCK_M" in c.params]
+    tiles = [c for c in fused_moe.CONFIG_SPACE if "BLOCK_M" in c.params]
     configs += [next(c for c in tiles if c["BLOCK_M"] == 16), next(c for c in tiles if c["BLOCK_M"] == 128)]
     configs += [next(c for c in tiles if c.params.get("SPLIT_ACT"))]
     configs += [next(c for c in tiles if c.params.get("TMA") and c.params.get("SPLIT_ACT"))]
-    configs += [next(c for c in tiles if c.params.get("TAIL") and c.params.get("SPLIT_ACT"))]
     for cfg in configs:
         fused_moe.fused_moe(x, weights, ids, w_gu, w_d, config=cfg)  # compile outside the measurement
         _, used = cuda_workspace_bytes(lambda: fused_moe.fused_moe(x, weights, ids, w_gu, w_d, config=cfg))  # noqa: B023
