@@ -101,9 +101,12 @@ def random_checkpoint(cfg_dir: Path, config: dict, shard_bytes: int = 5 << 30) -
             shard, size = {}, 0
 
 
-def build(out: Path, artifact: Path, max_model_len: int, tune_budget: float, weights: str = "random") -> None:
+def build(
+    out: Path, artifact: Path, max_model_len: int, tune_budget: float, weights: str = "random", kv_cache_dtype: str = "auto"
+) -> None:
     """The Llama-3-8B-shaped artifact; weights "random": --load-format dummy (drawn at load, no
-    weight files), "files": built from a random checkpoint on disk (start-up reads and hashes)."""
+    weight files), "files": built from a random checkpoint on disk (start-up reads and hashes);
+    ``kv_cache_dtype`` as enginebuild's --kv-cache-dtype."""
     from pagecast.builder.ir import BuildOptions
     from pagecast.builder.pipeline import build as run_build
 
@@ -122,7 +125,8 @@ def build(out: Path, artifact: Path, max_model_len: int, tune_budget: float, wei
         start = time.perf_counter()
     run_build(
         BuildOptions(model=str(cfg_dir), output=artifact, gpu="auto", load_format="dummy" if weights == "random" else "auto",
-                     max_model_len=max_model_len, tune_budget_s=tune_budget, force=True, quiet=True, max_num_seqs=1024),
+                     max_model_len=max_model_len, tune_budget_s=tune_budget, force=True, quiet=True, max_num_seqs=1024,
+                     kv_cache_dtype=kv_cache_dtype),
         log=lambda line: print("  build", line, flush=True),
     )
     emit(out, figure="enginebuild_seconds", value=round(time.perf_counter() - start, 1))
