@@ -10,8 +10,10 @@ naive loop with its token lists found outside the timed launch), timed as it tim
 (tuning.time_launches: the median of CUDA-graph replays; the naive loop is captured too). For
 each bucket: the naive loop, the fused kernel at the launcher's default config, and the fused
 kernel at the best config of the tuner's space for that bucket (what a build would pick, the
-naive candidate aside); and ``naive_eager``, the loop as the runtime's naive path runs it
-(reference.fused_moe, finding each expert's tokens every call, eager), for context. Every fused config is checked against the naive loop's output first.
+naive candidate aside); ``grouped``, fused_moe.GROUPED (torch._grouped_mm, not in the tuner's
+space until timed here), timed and checked the same way; and ``naive_eager``, the loop as the
+runtime's naive path runs it (reference.fused_moe, finding each expert's tokens every call,
+eager), for context. Every fused config is checked against the naive loop's output first.
 
 Ceilings measured in the same run: device copy bandwidth (tuning.measure_copy_bandwidth) and
 bf16 matmul peak (an 8192^3 torch.mm). TB/s counts the visited experts' weights plus the tokens
@@ -160,8 +162,9 @@ def main() -> None:
                 candidates += [
                     c for c in problems.config_space(kernel, shapes, dims) if not fused_moe.is_naive(c)
                 ]
+            grouped = kernel == "fused_moe" and fused_moe.grouped_supported(torch.bfloat16)
             timed: list[tuple[float, KernelConfig]] = []
-            for cfg in candidates:
+            for cfg in candidates + ([fused_moe.GROUPED] if grouped else []):
                 try:
                     err = rel_err(problem.launch(cfg, 0), naive_out)  # type: ignore[arg-type]
                     if err > 1e-2:
@@ -178,9 +181,13 @@ def main() -> None:
             eager_us = naive_eager_us(shapes, t, args.reps) if kernel == "fused_moe" else None
             if timed and timed[0][1] is default:
                 rows.append(("fused_default", timed[0][0], default))
+            grouped_us = [us for us, cfg in timed if fused_moe.is_grouped(cfg)]
+            timed = [(us, cfg) for us, cfg in timed if not fused_moe.is_grouped(cfg)]
             if timed:
                 best_us, best_cfg = min(timed, key=lambda r: r[0])
                 rows.append(("fused_best", best_us, best_cfg))
+            if grouped_us:
+                rows.append(("grouped", grouped_us[0], fused_moe.GROUPED))
             if eager_us is not None:
                 rows.append(("naive_eager", eager_us, fused_moe.NAIVE))
             del problem, time_cfg, naive_out  # the experts, before another bucket's are drawn

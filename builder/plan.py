@@ -353,6 +353,8 @@ def moe_workspace_bytes(model: ModelIR, elt: int, max_batched_tokens: int, tp: i
             out[f"t{t}"] = max(fused_moe_fp8.workspace_bytes(t, k, e, h, i, elt, c, block) for c in configs)
         else:
             configs = (fused_moe.default_config(t, k, e, h, i), naive, widest, widest_tma)
+            if fused_moe.GROUPED in fused_moe.CONFIG_SPACE:  # counted once the tuner may pick it
+                configs += (fused_moe.GROUPED,)
             out[f"t{t}"] = max(fused_moe.workspace_bytes(t, k, e, h, i, elt, c) for c in configs)
     return out
 

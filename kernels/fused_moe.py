@@ -35,6 +35,13 @@ for down one program per (token, BLOCK_N columns of H) adds up its k pairs' weig
 top-k sum in the same launch). Only the visited experts' weights are read (the weight-streaming
 bound), in two launches.
 
+``{"grouped": 1}`` (``GROUPED``; sm_90 bf16, and the CPU): the same layout (``align_by_expert``
+at GROUP_ALIGN rows a block) with both GEMMs as ``torch._grouped_mm`` (PyTorch's CUTLASS grouped
+GEMM: one launch over every expert's rows, the group ends computed on the device), the
+activation a launch of its own, and ``_moe_gather_sum_kernel`` adding each token's k rows times
+their routing weights. No host sync. Not in CONFIG_SPACE until a GPU run has timed it against
+the tile path and the naive loop (``benchmarks/moe.py`` times it as the variant "grouped").
+
 ``{"naive": 1}`` is the baseline the tuner times against: the per-expert loop of cuBLAS GEMMs
 (reference.fused_moe). It syncs with the host, so it is a candidate only for batches that are
 never captured in a CUDA graph (kernels/problems.py).
@@ -414,9 +421,34 @@ def _moe_topk_sum_kernel(
 TOPK_SUM_BLOCK = 1024
 
 
+@triton.jit
+def _moe_gather_sum_kernel(
+    rows_ptr,  # [R, N] in x's dtype: the down product in sorted order (GROUPED)
+    row_of_pair_ptr,  # int32 [>= T * top_k]: each pair's row in rows_ptr
+    weights_ptr,  # fp32 [T * top_k]: each pair's routing weight
+    out_ptr,  # [T, N]
+    N,
+    top_k,
+    BLOCK: tl.constexpr,
+):
+    # A program per (token, column block): the token's pairs' rows times their weights, added in
+    # pair order in fp32 from zero, rounded once to the output's dtype.
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    y = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in range(top_k):
+        pair = token * top_k + j
+        row = tl.load(row_of_pair_ptr + pair).to(tl.int64)
+        y += tl.load(weights_ptr + pair) * tl.load(rows_ptr + row * N + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * N + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
 # ---------------------------------------------------------------------------- configs
 
 NAIVE = KernelConfig({"naive": 1}, num_warps=0, num_stages=0)  # the per-expert cuBLAS loop
+GROUPED = KernelConfig({"grouped": 1}, num_warps=0, num_stages=0)  # torch._grouped_mm (module docstring)
+GROUP_ALIGN = 16  # GROUPED: each expert's rows padded to a multiple of this
 
 _GEMV_TILES = (
     # (BLOCK_N, BLOCK_K, num_warps): a program streams BLOCK_N rows of its expert's weight
@@ -528,6 +560,21 @@ def is_gemv(config: KernelConfig | None) -> bool:
     return config is not None and bool(config.params.get("gemv"))
 
 
+def is_grouped(config: KernelConfig | None) -> bool:
+    return config is not None and bool(config.params.get("grouped"))
+
+
+def grouped_supported(dtype: torch.dtype) -> bool:
+    """Whether GROUPED runs here in ``dtype``: PyTorch's grouped GEMM on a Hopper GPU takes bf16
+    (and no other dtype without a slower fallback); on the CPU (no GPU) torch computes it in any
+    float dtype, which is what the tests use."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if not torch.cuda.is_available():
+        return True
+    return dtype == torch.bfloat16 and torch.cuda.get_device_capability() >= (9, 0)
+
+
 def tma_supported() -> bool:
     """Whether TMA tiles can run here: a CUDA GPU of compute capability 9 or more (Hopper), or no
     GPU at all (Triton's CPU interpreter emulates the tensor descriptors)."""
@@ -564,14 +611,16 @@ def shared_memory(config: KernelConfig, elt: int) -> int:
 
 def prune_configs(
     configs: list[KernelConfig], num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int,
-    *, elt: int = 2, allow_naive: bool = True, tma: bool | None = None,
+    *, elt: int = 2, allow_naive: bool = True, tma: bool | None = None, grouped: bool = False,
 ) -> list[KernelConfig]:  # fmt: skip
     """The configs worth timing at this shape: the naive loop where ``allow_naive`` (batches never
     captured in a CUDA graph); the GEMV up to GEMV_MAX_PAIRS pairs, with BLOCK_K at most the
     smaller reduction (I, for down) rounded up to a power of two; tiles whose BLOCK_M is at most
     the expected rows an expert (P / min(E, P), rounded up to a power of two, at least 16) and,
     from 64 rows an expert, at least 64; whose BLOCK_K fits the smaller reduction; whose shared
-    memory fits SHARED_MEMORY_LIMIT; TMA tiles only where ``tma`` (None: ``tma_supported()``)."""
+    memory fits SHARED_MEMORY_LIMIT; TMA tiles only where ``tma`` (None: ``tma_supported()``);
+    GROUPED only where ``grouped`` (``grouped_supported`` for the model's dtype) and an expert gets
+    at least GROUP_ALIGN rows on average (below that the GEMV and the small tiles read less)."""
     if tma is None:
         tma = tma_supported()
     pairs = num_tokens * top_k
@@ -581,6 +630,9 @@ def prune_configs(
     for c in configs:
         if is_naive(c):
             if allow_naive:
+                kept.append(c)
+        elif is_grouped(c):
+            if grouped and pairs >= GROUP_ALIGN * min(num_experts, pairs):
                 kept.append(c)
         elif is_gemv(c):
             if pairs <= GEMV_MAX_PAIRS and c["BLOCK_K"] <= k_min:
@@ -691,6 +743,19 @@ def workspace_bytes(
     if is_gemv(config):
         per_pair = buf(p * hidden * 4) if config.params.get("DOWN_PER_PAIR") else 0
         return buf(p * 4) + buf(p * intermediate * elt) + per_pair
+    if is_grouped(config):
+        rows = max_blocks(p, num_experts, GROUP_ALIGN) * GROUP_ALIGN
+        # align_by_expert's buffers, the pairs' fp32 weights and ones, the counts and group ends
+        # (and a temporary), sorted_ids widened, the gather index, the rows' experts, each pair's row
+        fixed = (
+            buf(rows * 4) + buf(rows // GROUP_ALIGN * 4) + 4 * buf(num_experts * 4) + 2 * buf(p * 4)
+            + buf(rows * 8) + 3 * buf(rows * 4) + buf((p + 1) * 4)
+        )  # fmt: skip
+        x_rows, gu_rows, i_rows = (buf(rows * n * elt) for n in (hidden, 2 * intermediate, intermediate))
+        # alive at once (_grouped_experts frees each product after its last use; a bias's rows
+        # are gathered into a temporary the size of the product it is added to)
+        phases = (x_rows + 2 * gu_rows, gu_rows + i_rows, i_rows + 2 * x_rows)
+        return fixed + max(phases)
     bm = config["BLOCK_M"]
     nb = max_blocks(p, num_experts, bm)
     align = buf(nb * bm * 4) + buf(nb * 4) + buf(num_experts * 4)
@@ -772,6 +837,8 @@ def fused_moe(
     act = _ACTIVATIONS[activation]
     dot = "ieee" if x.dtype == torch.float32 else "tf32"
     common = {"ALPHA": alpha, "LIMIT": limit}
+    if is_grouped(cfg):
+        return _grouped_experts(x, weights, ids, w_gate_up, w_down, b_gate_up, b_down, activation, alpha, limit)
     if is_gemv(cfg):
         launches = (  # (weight, bias, output columns, reduction, activation)
             (w_gate_up, b_gate_up, i, h, act),
@@ -829,3 +896,44 @@ def fused_moe(
     out = torch.empty((p, h), dtype=x.dtype, device=x.device)
     gemm(inter, w_down, b_down, out, h, i, ACT_NONE, True)
     return out if top_k == 1 else out.view(t, top_k, h).sum(1)
+
+
+def _grouped_experts(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+    b_gate_up: torch.Tensor | None, b_down: torch.Tensor | None, activation: str, alpha: float, limit: float,
+) -> torch.Tensor:  # fmt: skip
+    """GROUPED (the module docstring): x [T, H], the pairs' fp32 weights and experts [P] -> [T, H]."""
+    t, h = x.shape
+    num_experts, p = w_gate_up.shape[0], ids.numel()
+    top_k = p // t
+    dev = x.device
+    sorted_ids, block_expert = align_by_expert(ids.view(t, top_k), num_experts, GROUP_ALIGN)
+    rows = sorted_ids.numel()
+    # Each expert's group ends where align_by_expert's padded run ends: the cumulative padded counts.
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
+    counts.scatter_add_(0, ids, torch.ones(p, dtype=torch.int32, device=dev))
+    ends = ((counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN).cumsum(0, dtype=torch.int32)
+    # Padding rows read the last token; past the last group's end the products are never read.
+    # Each product is freed after its last use (workspace_bytes counts what is alive at once).
+    gathered = x.index_select(0, (sorted_ids // top_k).clamp_(max=t - 1))
+    gate_up = torch._grouped_mm(gathered, w_gate_up.transpose(1, 2), offs=ends)
+    del gathered
+    if b_gate_up is not None or b_down is not None:
+        row_expert = block_expert.clamp(min=0).repeat_interleave(GROUP_ALIGN)
+    if b_gate_up is not None:  # torch._grouped_mm takes no bias
+        gate_up += b_gate_up.index_select(0, row_expert)
+    inter = _activation(gate_up, activation, alpha, limit)
+    del gate_up
+    down = torch._grouped_mm(inter, w_down.transpose(1, 2), offs=ends)
+    del inter
+    if b_down is not None:
+        down += b_down.index_select(0, row_expert)
+    # Each pair's row: sorted_ids inverted (every padding slot holds P, so they all land in slot P).
+    row_of_pair = torch.empty(p + 1, dtype=torch.int32, device=dev)
+    row_of_pair.scatter_(0, sorted_ids.long(), torch.arange(rows, dtype=torch.int32, device=dev))
+    out = torch.empty((t, h), dtype=x.dtype, device=dev)
+    block = min(TOPK_SUM_BLOCK, triton.next_power_of_2(h))
+    _moe_gather_sum_kernel[(t, triton.cdiv(h, block))](
+        down, row_of_pair, weights, out, h, top_k, BLOCK=block, num_warps=4
+    )
+    return out

@@ -312,6 +312,12 @@ KERNEL_CASES = [
     pytest.param(9, 60, 4, 32, 24, "silu", False, {**TILE, "BLOCK_N": 32, "TMA": 1}, id="t9-e60-top4-tma"),
     pytest.param(41, 8, 2, 48, 40, "swiglu_oai", True, {**TILE, "TMA": 1}, id="t41-gptoss-bias-tma"),
     pytest.param(9, 8, 2, 64, 40, "silu", False, {**TILE, "SPLIT_ACT": 1, "TMA": 1}, id="t9-split-act-tma"),
+    # torch._grouped_mm's two GEMMs (torch's own CPU loop here; the GPU tests run CUTLASS's)
+    pytest.param(41, 8, 2, 64, 40, "silu", False, {"grouped": 1}, id="t41-e8-top2-grouped"),
+    pytest.param(9, 60, 4, 32, 24, "silu", False, {"grouped": 1}, id="t9-e60-top4-grouped"),
+    pytest.param(1, 8, 2, 32, 24, "silu", False, {"grouped": 1}, id="t1-e8-top2-grouped"),
+    pytest.param(41, 8, 2, 48, 40, "swiglu_oai", True, {"grouped": 1}, id="t41-gptoss-bias-grouped"),
+    pytest.param(300, 8, 8, 32, 16, "silu", True, {"grouped": 1}, id="t300-e8-top8-bias-grouped"),
 ]
 
 
@@ -492,6 +498,25 @@ def test_moe_config_space_by_bucket():
     for b, d in problems.buckets("fused_moe", MIXTRAL):
         assert problems.config_space("fused_moe", MIXTRAL, d), b
         problems.default_config("fused_moe", MIXTRAL, d)
+
+
+def test_grouped_is_kept_where_torch_runs_it_and_experts_get_rows():
+    prune = fused_moe.prune_configs
+    space = [fused_moe.GROUPED]
+    # Mixtral at 4,096 tokens: 1,024 rows an expert
+    assert prune(space, 4096, 2, 8, 4096, 14336, grouped=True) == space
+    assert prune(space, 4096, 2, 8, 4096, 14336, grouped=False) == []
+    # Qwen3-30B-A3B at 16 tokens: 128 pairs over up to 128 experts, about 1 row each
+    assert prune(space, 16, 8, 128, 2048, 768, grouped=True) == []
+    assert prune(space, 256, 8, 128, 2048, 768, grouped=True) == space  # 16 rows an expert
+    # not a tuner candidate until a GPU run has timed it (benchmarks/moe.py's "grouped" variant)
+    assert fused_moe.GROUPED not in fused_moe.CONFIG_SPACE
+
+
+def test_grouped_support_follows_the_device():
+    if torch.cuda.is_available():
+        pytest.skip("the GPU's answer depends on the card")
+    assert fused_moe.grouped_supported(torch.float32) == hasattr(torch, "_grouped_mm")
 
 
 def test_default_splits_the_decode_down_launch_by_pair_where_tokens_are_few():

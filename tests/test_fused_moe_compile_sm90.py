@@ -30,7 +30,8 @@ CHILD = textwrap.dedent(
     for job in sys.argv[1:]:
         kernel, signature, constexprs, divisible, options = json.loads(job)
         fn = {"gemm": fused_moe._moe_gemm_kernel, "gemv": fused_moe._moe_gemv_kernel,
-              "align": fused_moe._moe_align_kernel, "scatter": fused_moe._moe_scatter_kernel}[kernel]
+              "align": fused_moe._moe_align_kernel, "scatter": fused_moe._moe_scatter_kernel,
+              "gather_sum": fused_moe._moe_gather_sum_kernel}[kernel]
         sig = dict(signature, **{name: "constexpr" for name in constexprs})
         attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
         compiled = triton.compile(
@@ -123,7 +124,7 @@ def test_fused_moe_kernels_compile_for_sm90_and_fit_shared_memory() -> None:
     shape (two weight tiles a step, SiLU fused); fused_moe.shared_memory (which the pruning goes
     by) bounds the shared memory each needs, and every tile the tuner times at some bucket fits
     232448 bytes. The down launch, the gpt-oss activation with biases and the GEMV path compile
-    too, and so do the align kernels."""
+    too, and so do the align kernels and GROUPED's gather sum."""
     shapes = ModelShapes(
         32, 4, 128, 2048, 6144, 16, "bfloat16", num_experts=128, top_k=8, moe_intermediate=768
     )
@@ -149,6 +150,10 @@ def test_fused_moe_kernels_compile_for_sm90_and_fit_shared_memory() -> None:
          {"BLOCK_M": 64, "NUM_BINS": 128, "CHUNK": fused_moe.ALIGN_CHUNK, "BLOCKS_STEP": 64}, [], {"num_warps": 8}),
         ("scatter", {"ids_ptr": "*i64", "sorted_ids_ptr": "*i32", "cursor_ptr": "*i32", "num_pairs": "i32"},
          {"CHUNK": fused_moe.ALIGN_CHUNK}, [], {"num_warps": 4}),
+        # GROUPED's weighted top-k sum of the grouped down product
+        ("gather_sum", {"rows_ptr": "*bf16", "row_of_pair_ptr": "*i32", "weights_ptr": "*fp32", "out_ptr": "*bf16",
+                        "N": "i32", "top_k": "i32"},
+         {"BLOCK": fused_moe.TOPK_SUM_BLOCK}, ["rows_ptr", "out_ptr", "N"], {"num_warps": 4}),
     ]  # fmt: skip
     # fp32 (a GPU engine built in float32): the default tile at each token bucket's rows
     fp32 = {json.dumps(c.as_dict(), sort_keys=True): c for c in (

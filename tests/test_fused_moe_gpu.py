@@ -113,7 +113,9 @@ def test_align_kernels_match_the_reference(t, e, k, block_m):
 TMA_TILE = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "TMA": 1, "num_warps": 4, "num_stages": 4}
 
 
-@pytest.mark.parametrize("tokens,config", [(1, None), (64, None), (64, TMA_TILE)], ids=["gemv", "tile", "tma-tile"])
+@pytest.mark.parametrize(
+    "tokens,config", [(1, None), (64, None), (64, TMA_TILE), (64, {"grouped": 1})], ids=["gemv", "tile", "tma-tile", "grouped"]
+)
 def test_captured_in_a_cuda_graph(tokens, config):
     """The GEMV path (1 token) and the tile path with its align kernels (64) never sync with the
     host: a captured launch replays on new inputs (new routing) and matches an eager one (the
@@ -202,7 +204,20 @@ def test_workspace_bytes_bounds_what_a_call_allocates(tokens):
     configs += [next(c for c in tiles if c["BLOCK_M"] == 16), next(c for c in tiles if c["BLOCK_M"] == 128)]
     configs += [next(c for c in tiles if c.params.get("SPLIT_ACT"))]
     configs += [next(c for c in tiles if c.params.get("TMA") and c.params.get("SPLIT_ACT"))]
+    configs += [fused_moe.GROUPED] if fused_moe.grouped_supported(DT) else []
     for cfg in configs:
         fused_moe.fused_moe(x, weights, ids, w_gu, w_d, config=cfg)  # compile outside the measurement
         _, used = cuda_workspace_bytes(lambda: fused_moe.fused_moe(x, weights, ids, w_gu, w_d, config=cfg))  # noqa: B023
         assert used <= fused_moe.workspace_bytes(tokens, k, e, h, i, 2, cfg), (cfg.as_dict(), used)
+
+
+@pytest.mark.parametrize("t,e,k,h,i,activation,bias,every", ODD)
+def test_grouped_matches_the_reference_bf16(t, e, k, h, i, activation, bias, every):
+    """fused_moe.GROUPED (torch._grouped_mm, PyTorch's CUTLASS grouped GEMM on sm_90) at the odd
+    shapes, against the fp32 reference as the Triton configs are."""
+    if not fused_moe.grouped_supported(DT):
+        pytest.skip("torch._grouped_mm does not run bf16 on this GPU")
+    x, weights, ids, w_gu, w_d, b_gu, b_d = moe_inputs(t, e, k, h, i, bias)
+    expected = fp32_reference(x, weights, ids, w_gu, w_d, b_gu, b_d, activation)
+    out = fused_moe.fused_moe(x, weights, ids, w_gu, w_d, b_gu, b_d, activation, config=fused_moe.GROUPED)
+    assert rel_err(out, expected) < 1e-2
