@@ -448,7 +448,7 @@ def _moe_gather_sum_kernel(
 
 NAIVE = KernelConfig({"naive": 1}, num_warps=0, num_stages=0)  # the per-expert cuBLAS loop
 GROUPED = KernelConfig({"grouped": 1}, num_warps=0, num_stages=0)  # torch._grouped_mm (module docstring)
-GROUP_ALIGN = 16  # GROUPED: each expert's rows padded to a multiple of this
+GROUP_ALIGN = 16  # GROUPED: each expert's rows padded to a multiple of this (PyTorch's CUDA grouped GEMM wants group ends divisible by 16)
 
 _GEMV_TILES = (
     # (BLOCK_N, BLOCK_K, num_warps): a program streams BLOCK_N rows of its expert's weight
