@@ -1,0 +1,157 @@
+"""Would two half-batches on two CUDA streams beat one batch on one stream? (issue 33's W6 lead)
+
+bf16 W6's target (24,000 tok/s) is 98.6% of its serial bound: a decode step runs its matmuls
+(compute-bound at 512 rows) and then its attention (bound by the KV it reads) one after the
+other. Only running one half-batch's attention while the other half's matmuls run can pass that
+bound. Before building that into the engine, this measures what the GPU gives, on the engine's
+own kernels at Llama-3-8B's shapes (dummy weights, one GPU):
+
+    one     ``--layers`` layers of [qkv, o, gate_up, down GEMMs at ``--batch`` rows (cuBLAS, as
+            ops.linear runs them from 17 rows up), then paged decode attention over ``--batch``
+            sequences of ``--context`` tokens (the launcher's default config)], one stream
+    two     the same work as two half-batches, each its own chain of those layers on its own
+            stream, the second chain starting with its attention so that the chains' phases are
+            offset; both captured in one CUDA graph (a fork and a join), as a decode graph would be
+    parts   the GEMMs alone and the attention alone at the full batch (one stream), for the
+            serial sum
+
+Each is captured in a CUDA graph and replayed; the median of ``--reps`` replays, timed with CUDA
+events. ``one / two`` above 1 is what overlap gives; the issue needs about 1.14x on the step.
+
+    python benchmarks/overlap.py [--batch 512] [--context 640] [--layers 8] [--reps 20] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from pagecast.kernels import problems
+from pagecast.kernels.tuning import ModelShapes
+
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128
+
+
+def shapes(batch: int, context: int) -> ModelShapes:
+    return ModelShapes(
+        HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTERMEDIATE, 16, "bfloat16", max_model_len=max(2048, context),
+        max_num_seqs=batch,
+    )  # fmt: skip
+
+
+class Half:
+    """One (half-)batch: its activations, the shared weights, and its attention problem."""
+
+    def __init__(self, rows: int, context: int, weights: dict[str, torch.Tensor], seed: int):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        self.x = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
+        self.inter = torch.randn(rows, INTERMEDIATE, device="cuda", dtype=torch.bfloat16, generator=g)
+        self.w = weights
+        s = shapes(rows, context)
+        dims = {"num_seqs": rows, "max_seq_len": context}
+        self.attn = problems.make_problem("paged_decode_attention", s, dims, "cuda", seed=seed)
+        self.attn_cfg = problems.default_config("paged_decode_attention", s, dims)
+        self.calls = 0
+
+    def gemms(self) -> None:
+        torch.mm(self.x, self.w["qkv"].T)
+        torch.mm(self.x, self.w["o"].T)
+        torch.mm(self.x, self.w["gate_up"].T)
+        torch.mm(self.inter, self.w["down"].T)
+
+    def attention(self) -> None:
+        self.attn.launch(self.attn_cfg, self.calls)  # rotates block tables: KV not left in L2
+        self.calls += 1
+
+
+def timed(capture: Callable[[], None], reps: int) -> float:
+    """Median microseconds of a replay of the graph ``capture`` records."""
+    capture()  # compile and warm up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        capture()
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--context", type=int, default=640, help="tokens of every sequence (W6's mean is 640)")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sizes = {"qkv": (6144, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTERMEDIATE, HIDDEN), "down": (HIDDEN, INTERMEDIATE)}
+    weights = {
+        name: torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * k**-0.5 for name, (n, k) in sizes.items()
+    }  # fmt: skip
+    whole = Half(args.batch, args.context, weights, seed=1)
+    a = Half(args.batch // 2, args.context, weights, seed=2)
+    b = Half(args.batch - args.batch // 2, args.context, weights, seed=3)
+
+    def one() -> None:
+        for _ in range(args.layers):
+            whole.gemms()
+            whole.attention()
+
+    def gemms_only() -> None:
+        for _ in range(args.layers):
+            whole.gemms()
+
+    def attention_only() -> None:
+        for _ in range(args.layers):
+            whole.attention()
+
+    side = torch.cuda.Stream()
+
+    def two() -> None:
+        main_stream = torch.cuda.current_stream()
+        side.wait_stream(main_stream)  # fork
+        for _ in range(args.layers):
+            a.gemms()
+            a.attention()
+        with torch.cuda.stream(side):
+            for _ in range(args.layers):
+                b.attention()
+                b.gemms()
+        main_stream.wait_stream(side)  # join
+
+    rows = {}
+    for name, fn in (("one", one), ("two", two), ("gemms", gemms_only), ("attention", attention_only)):
+        rows[name] = timed(fn, args.reps)
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "batch": args.batch,
+        "context": args.context,
+        "layers": args.layers,
+        **{f"{k}_us": round(v, 1) for k, v in rows.items()},
+        "one_over_two": round(rows["one"] / rows["two"], 3),
+        "serial_sum_over_one": round((rows["gemms"] + rows["attention"]) / rows["one"], 3),
+        "attention_share": round(rows["attention"] / (rows["gemms"] + rows["attention"]), 3),
+    }
+    print(json.dumps(result))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        with open(args.out / "overlap.jsonl", "a") as f:
+            f.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()
