@@ -746,10 +746,12 @@ def workspace_bytes(
     if is_grouped(config):
         rows = max_blocks(p, num_experts, GROUP_ALIGN) * GROUP_ALIGN
         # align_by_expert's buffers, the pairs' fp32 weights and ones, the counts and group ends
-        # (and a temporary), sorted_ids widened, the gather index, the rows' experts, each pair's row
+        # (and their temporaries), sorted_ids widened, the gather index, the blocks' and rows'
+        # experts, each pair's row; and torch._grouped_mm's own workspace (the groups' problem
+        # shapes and pointers), bounded at 1 MiB
         fixed = (
-            buf(rows * 4) + buf(rows // GROUP_ALIGN * 4) + 4 * buf(num_experts * 4) + 2 * buf(p * 4)
-            + buf(rows * 8) + 3 * buf(rows * 4) + buf((p + 1) * 4)
+            buf(rows * 4) + 2 * buf(rows // GROUP_ALIGN * 4) + 6 * buf(num_experts * 4) + 2 * buf(p * 4)
+            + buf(rows * 8) + 3 * buf(rows * 4) + buf((p + 1) * 4) + (1 << 20)
         )  # fmt: skip
         x_rows, gu_rows, i_rows = (buf(rows * n * elt) for n in (hidden, 2 * intermediate, intermediate))
         # alive at once (_grouped_experts frees each product after its last use; a bias's rows
