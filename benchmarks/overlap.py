@@ -15,8 +15,8 @@ own kernels at Llama-3-8B's shapes (dummy weights, one GPU):
     parts   the GEMMs alone and the attention alone at the full batch (one stream), for the
             serial sum
 
-Each is captured in a CUDA graph and replayed; the median of ``--reps`` replays, timed with CUDA
-events. ``one / two`` above 1 is what overlap gives; the issue needs about 1.14x on the step.
+Each is captured in a CUDA graph and replayed (tuning.time_launches, as the tuner times kernels);
+the median of ``--reps`` replays, timed with CUDA events. ``one / two`` above 1 is what overlap gives; the issue needs about 1.14x on the step.
 
     python benchmarks/overlap.py [--batch 512] [--context 640] [--layers 8] [--reps 20] [--out DIR]
 """
@@ -25,13 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from pagecast.kernels import problems
+from pagecast.kernels import problems, tuning
 from pagecast.kernels.tuning import ModelShapes
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128
@@ -67,26 +65,6 @@ class Half:
     def attention(self) -> None:
         self.attn.launch(self.attn_cfg, self.calls)  # rotates block tables: KV not left in L2
         self.calls += 1
-
-
-def timed(capture: Callable[[], None], reps: int) -> float:
-    """Median microseconds of a replay of the graph ``capture`` records."""
-    capture()  # compile and warm up
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        capture()
-    graph.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(samples)
 
 
 def main() -> None:
@@ -135,7 +113,7 @@ def main() -> None:
 
     rows = {}
     for name, fn in (("one", one), ("two", two), ("gemms", gemms_only), ("attention", attention_only)):
-        rows[name] = timed(fn, args.reps)
+        rows[name] = tuning.time_launches(lambda _i, fn=fn: fn(), 1, args.reps)  # one graph of fn
     result = {
         "device": torch.cuda.get_device_name(),
         "batch": args.batch,
