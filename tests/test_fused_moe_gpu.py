@@ -121,6 +121,8 @@ def test_captured_in_a_cuda_graph(tokens, config):
     host: a captured launch replays on new inputs (new routing) and matches an eager one (the
     atomics may order an expert's rows differently; each row's values do not depend on it). The
     TMA tile's descriptors are captured by value: they hold the addresses of the graph's buffers."""
+    if config is not None and config.get("grouped") and not fused_moe.grouped_supported(DT):
+        pytest.skip("torch._grouped_mm does not run bf16 on this GPU")
     e, k, h, i = 16, 4, 256, 128
     x, weights, ids, w_gu, w_d, _, _ = moe_inputs(tokens, e, k, h, i, False)
     fused_moe.fused_moe(x, weights, ids, w_gu, w_d, config=config)  # compile
