@@ -120,7 +120,8 @@ def test_captured_in_a_cuda_graph(tokens, config):
     """The GEMV path (1 token) and the tile path with its align kernels (64) never sync with the
     host: a captured launch replays on new inputs (new routing) and matches an eager one (the
     atomics may order an expert's rows differently; each row's values do not depend on it). The
-    TMA tile's descriptors are captured by value: they hold the addresses of the graph's buffers."""
+    TMA tile's descriptors are captured by value: they hold the addresses of the graph's buffers.
+    GROUPED's grouped GEMMs read their group ends from the device."""
     if config is not None and config.get("grouped") and not fused_moe.grouped_supported(DT):
         pytest.skip("torch._grouped_mm does not run bf16 on this GPU")
     e, k, h, i = 16, 4, 256, 128
