@@ -745,13 +745,13 @@ def workspace_bytes(
         return buf(p * 4) + buf(p * intermediate * elt) + per_pair
     if is_grouped(config):
         rows = max_blocks(p, num_experts, GROUP_ALIGN) * GROUP_ALIGN
-        # align_by_expert's buffers, the pairs' fp32 weights and ones, the counts and group ends
-        # (and their temporaries), sorted_ids widened, the gather index, the blocks' and rows'
-        # experts, each pair's row; and torch._grouped_mm's own workspace (the groups' problem
-        # shapes and pointers), bounded at 1 MiB
+        # align_by_expert's buffers, the pairs' fp32 weights, the blocks' experts (twice: the sort
+        # key, the biases' clamp), the experts, the group ends (int64, then int32), sorted_ids
+        # widened, the gather index, the rows' experts, the row numbers, each pair's row; and
+        # torch._grouped_mm's own workspace (the groups' problem shapes and pointers), bounded at 1 MiB
         fixed = (
-            buf(rows * 4) + 2 * buf(rows // GROUP_ALIGN * 4) + 6 * buf(num_experts * 4) + 2 * buf(p * 4)
-            + buf(rows * 8) + 3 * buf(rows * 4) + buf((p + 1) * 4) + (1 << 20)
+            buf(rows * 4) + 3 * buf(rows // GROUP_ALIGN * 4) + 2 * buf(num_experts * 4) + buf(num_experts * 8)
+            + buf(num_experts * 4) + buf(p * 4) + buf(rows * 8) + 3 * buf(rows * 4) + buf((p + 1) * 4) + (1 << 20)
         )  # fmt: skip
         x_rows, gu_rows, i_rows = (buf(rows * n * elt) for n in (hidden, 2 * intermediate, intermediate))
         # alive at once (_grouped_experts frees each product after its last use; a bias's rows
@@ -911,10 +911,11 @@ def _grouped_experts(
     dev = x.device
     sorted_ids, block_expert = align_by_expert(ids.view(t, top_k), num_experts, GROUP_ALIGN)
     rows = sorted_ids.numel()
-    # Each expert's group ends where align_by_expert's padded run ends: the cumulative padded counts.
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
-    counts.scatter_add_(0, ids, torch.ones(p, dtype=torch.int32, device=dev))
-    ends = ((counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN).cumsum(0, dtype=torch.int32)
+    # Each expert's group ends where its last block of align_by_expert's layout does: the blocks of
+    # experts up to it (the unused blocks, -1, sort last), read from the layout itself.
+    blocks = torch.where(block_expert < 0, num_experts, block_expert)
+    experts = torch.arange(num_experts, dtype=blocks.dtype, device=dev)
+    ends = (torch.searchsorted(blocks, experts, right=True) * GROUP_ALIGN).to(torch.int32)
     # Padding rows read the last token; past the last group's end the products are never read.
     # Each product is freed after its last use (workspace_bytes counts what is alive at once).
     gathered = x.index_select(0, (sorted_ids // top_k).clamp_(max=t - 1))
