@@ -457,7 +457,11 @@ def make_problem(
         def gemm(cfg: KernelConfig | None, i: int) -> object:
             return skinny_gemm.skinny_gemm(rows, weights[i % num_sets], bias, config=cfg)
 
-        return Problem(kernel, bucket, gemm, num_sets, nbytes, flops)
+        # The 16-row bucket serves 9-15 rows too: M not divisible by 16, another compiled variant.
+        return Problem(
+            kernel, bucket, gemm, num_sets, nbytes, flops,
+            variants=_fewer_rows(m, lambda cfg: skinny_gemm.skinny_gemm(rows[: m - 1], weights[0], bias, config=cfg)),
+        )  # fmt: skip
 
     if kernel == "w4a16_gemm":
         return _w4a16_problem(shapes, dims, bucket, device, dg, nbytes, flops)

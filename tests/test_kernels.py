@@ -217,6 +217,43 @@ def test_skinny_gemm(dtype, rows, n, k, bias):
     close(out, torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("split,k", [(2, 128), (3, 160), (4, 96), (8, 64)])
+def test_skinny_gemm_split_k_sums_the_splits_in_the_launch(dtype, rows, split, k):
+    """K split over programs per column block, the last one of each adding the partials: the same
+    product as unsplit (and as F.linear), with the bias once; splits that would get no K step are
+    not launched (k 96 at BLOCK_K 16 is 6 steps: 4 splits become 3 of 2); the counters end at 0."""
+    from pagecast.kernels import split_k
+
+    g = torch.Generator().manual_seed(rows * k + split)
+    n = 40
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) * k**-0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    config = {"BLOCK_N": 16, "BLOCK_K": 16, "SPLIT_K": split, "num_warps": 4, "num_stages": 2}
+    out = skinny_gemm(x, w, b, config)
+    expected = torch.nn.functional.linear(x.float(), w.float(), b.float()).to(dtype)
+    close(out, expected, dtype)
+    unsplit = skinny_gemm(x, w, b, {"BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 2})
+    close(out, unsplit, dtype)
+    assert int(split_k.counters(x.device, 4, "test").abs().sum()) == 0
+
+
+def test_skinny_gemm_split_configs_are_kept_for_narrow_projections_only():
+    from pagecast.kernels import skinny_gemm as sg
+
+    def splits(n, k):
+        return {sg.split_of(c) for c in sg.prune_configs(sg.CONFIG_SPACE, n, k)}
+
+    # Qwen3-30B-A3B's o (N 2048, K 4096): 128 column blocks of 16, split up to 8
+    assert splits(2048, 4096) >= {1, 2, 4, 8}
+    # Llama-3-8B's gate_up (N 28672): a program a multiprocessor many times over without splitting
+    assert splits(28672, 4096) == {1}
+    # every split gets two K steps or more: K 1024 is 8 steps of 128, so four splits at most
+    assert max(splits(2048, 1024)) == 4
+
+
 def test_skinny_gemm_falls_back_to_torch():
     x, w = torch.randn(2, 48), torch.randn(24, 48)
     expected = torch.nn.functional.linear(x, w)

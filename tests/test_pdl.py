@@ -46,6 +46,8 @@ CHILD = textwrap.dedent(
     rms_norm.fused_add_rms_norm(x, x.clone(), w, 1e-6, KernelConfig({}, num_warps=8, num_stages=1))
     skinny_gemm.skinny_gemm(x, torch.randn(512, 4096, dtype=bf16), None,
                             KernelConfig({"BLOCK_N": 64, "BLOCK_K": 128}, num_warps=4, num_stages=4))
+    skinny_gemm.skinny_gemm(x, torch.randn(512, 4096, dtype=bf16), None,
+                            KernelConfig({"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 4}, num_warps=4, num_stages=4))
     weight = torch.randn(512, 4096).to(torch.float8_e4m3fn)
     fp8_gemm.fp8_skinny_linear(x, weight, torch.ones(512), "token", None, None, bf16,
                                KernelConfig({"SKINNY": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4}, num_warps=4, num_stages=4))
@@ -82,7 +84,7 @@ CHILD = textwrap.dedent(
 
 KERNELS = {
     "_rms_norm_kernel": 2,  # rms_norm and fused_add_rms_norm
-    "_skinny_gemm_kernel": 1,
+    "_skinny_gemm_kernel": 2,  # unsplit and split-K
     "_fp8_skinny_kernel": 1,
     "_silu_and_mul_kernel": 1,
     "_rotary_kv_kernel": 1,
