@@ -12,8 +12,11 @@ and 1, 16 and 256 tokens, bf16:
     gemv    the router logits alone (F.linear), the part both paths share
     torch   what ops.moe ran before: F.linear, then moe_routing.route_torch (softmax, topk, sum,
             divide, cast), then fused_moe's .float() of the weights
-    kernel  what ops.moe runs now: route(..., use_kernel=True, widen=True), F.linear and the
+    kernel  what ops.moe runs unfused: route(..., use_kernel=True, widen=True), F.linear and the
             routing kernel (kernels/moe_route_kernel.py) writing fp32 weights
+    fused   the router GEMV and the routing in one launch (moe_route_kernel.router_route), each
+            pruned config of FUSED_CONFIG_SPACE (path "fused <config>"), up to 16 tokens; the
+            build's tuner times the same against "kernel" per token bucket ("moe_router")
 
     python benchmarks/moe_routing.py [--tokens 1,16,256] [--out DIR]
 
@@ -29,7 +32,7 @@ from typing import Any
 
 import torch
 
-from pagecast.kernels import tuning
+from pagecast.kernels import moe_route_kernel, tuning
 from pagecast.kernels.moe_routing import MoeRouting, route, route_torch
 
 LAYERS = 48
@@ -53,7 +56,15 @@ def launches(x: torch.Tensor, weights: list, biases: list, routing: MoeRouting) 
     def kernel_path(i: int) -> object:
         return route(x, weights[i], biases[i], routing, use_kernel=True, widen=True)
 
-    return {"gemv": gemv, "torch": torch_path, "kernel": kernel_path}
+    paths = {"gemv": gemv, "torch": torch_path, "kernel": kernel_path}
+    experts, hidden = weights[0].shape
+    if moe_route_kernel.fused_supported(x.shape[0], experts, routing.top_k):
+        for cfg in moe_route_kernel.prune_configs(moe_route_kernel.FUSED_CONFIG_SPACE, experts, hidden):
+            if moe_route_kernel.is_fused(cfg):
+                paths[f"fused {json.dumps(cfg.as_dict(), sort_keys=True)}"] = (
+                    lambda i, cfg=cfg: route(x, weights[i], biases[i], routing, use_kernel=True, widen=True, config=cfg)
+                )
+    return paths
 
 
 def main() -> None:

@@ -107,11 +107,16 @@ def moe_routing_fields(moe: Any) -> dict[str, Any] | None:
 
 
 def moe_variant(moe: Any) -> dict[str, Any]:
-    """The fused-MoE kernel's constexprs a MoE model fixes (its experts' activation and biases), so
-    that the tuner times, and compiles into the artifact, the variant the model runs."""
+    """The fused-MoE and fused-router kernels' constexprs a MoE model fixes (its experts' activation
+    and biases, its router's bias and routing), so that the tuner times, and compiles into the
+    artifact, the variants the model runs."""
     if moe is None:
         return {}
-    return {"moe_activation": moe.activation, "moe_alpha": moe.alpha, "moe_limit": moe.limit, "moe_bias": moe.expert_bias}
+    return {
+        "moe_activation": moe.activation, "moe_alpha": moe.alpha, "moe_limit": moe.limit, "moe_bias": moe.expert_bias,
+        "moe_router_bias": moe.router_bias, "moe_scoring": moe.scoring, "moe_renormalize": moe.renormalize,
+        "moe_weights_in_x_dtype": moe.weights_in_x_dtype,
+    }  # fmt: skip
 
 
 def o_proj_inputs(plan: Any, q_size: int) -> int:
@@ -455,7 +460,7 @@ def moe_report_lines(table: dict[str, Any] | None, shapes_fields: dict[str, Any]
     from pagecast.kernels import problems, tuning
 
     kernels = (table or {}).get("kernels") or {}
-    found = [(k, kernels[k]) for k in tuning.MOE_KERNELS if kernels.get(k)]
+    found = [(k, kernels[k]) for k in tuning.EXPERT_KERNELS if kernels.get(k)]
     if not found:
         return []
     shapes = kernel_shapes(shapes_fields)

@@ -35,6 +35,20 @@ fp32 holding the same values (rounded to x's dtype first where the routing keeps
 fp32 weights fused_moe reads: its ``.float()`` is then no launch, so a MoE layer's routing is the
 router GEMV and this one launch.
 
+**The router GEMV with it** (``router_route``, ``_router_route_kernel``; the tuning table's
+"moe_router" entry per decode bucket of up to 16 tokens): at one token Qwen3-30B-A3B's router
+GEMV (cuBLAS, 0.5 MB) took 4.7 us and this kernel 3.9 more, a layer (H200, benchmarks/
+moe_routing.py), both latency-bound. The fused launch computes the logits of BLOCK_X experts over
+a 1/SPLIT_H share of H per program (tl.dot, the tokens padded to 16 rows), stores the fp32
+partials, and the program drawing the last ticket of the launch's shared counter
+(kernels/split_k.py: a CTA barrier, then acq_rel at GPU scope) adds them in split order, adds the
+bias, rounds to x's dtype (F.linear's output) and routes every token as ``_route_kernel`` does
+(``_route_rows``, a [tokens, experts] tile) before setting the counter back to 0. The sums come in
+another order than cuBLAS's, so a logit may round to the neighbouring value of x's dtype; the
+tuner (kernels/problems.py) compares the two paths on integer-valued inputs, where both are exact.
+Whether it pays was not measured when this was written: the tuner keeps the unfused path where
+it is faster, and it is the default.
+
 Rows run one program each with no integer arguments (the row stride is E, a constexpr), so one
 compiled variant per model (E, k, scoring, renormalisation, dtypes) serves every batch size and a
 CUDA graph captures it like any launch; builder/tune.py compiles it into the artifact
@@ -48,9 +62,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from pagecast.kernels import pdl
+from pagecast.kernels import pdl, split_k
 from pagecast.kernels.moe_routing import SCORINGS
 from pagecast.kernels.sampling import torch_exp
+from pagecast.kernels.tuning import KernelConfig
 
 MAX_EXPERTS = 1024  # one row in one program's registers; wider routers take the torch path
 MAX_TOP_K = 32  # k passes unrolled
@@ -59,6 +74,62 @@ MAX_TOP_K = 32  # k passes unrolled
 def supported(num_experts: int, top_k: int) -> bool:
     """Whether the kernel routes this many experts and this top-k (else the torch path does)."""
     return 1 <= top_k <= min(num_experts, MAX_TOP_K) and num_experts <= MAX_EXPERTS
+
+
+@triton.jit
+def _route_rows(
+    x,  # fp32 [BLOCK_T, BLOCK_E]: rows of logits in x's dtype's values, -inf past E
+    rows,  # int64 [BLOCK_T]: the rows' indices in the outputs
+    row_ok,  # [BLOCK_T]
+    valid,  # [BLOCK_E]: offs < E
+    offs,  # [BLOCK_E]: tl.arange(0, BLOCK_E)
+    weights_ptr,  # [T, K] out: fp32 or x's dtype
+    ids_ptr,  # [T, K] out: int64
+    x_dtype_ptr,  # any pointer of x's (the logits') dtype: ROUND_TO_LOGITS rounds to it
+    K: tl.constexpr,
+    TOPK_SOFTMAX: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISE_EXP: tl.constexpr,
+    ROUND_TO_LOGITS: tl.constexpr,
+):
+    # The routing of BLOCK_T rows at once, every reduction along the experts (axis 1).
+    if TOPK_SOFTMAX:
+        score = x
+    else:
+        e = torch_exp(x - tl.max(x, axis=1)[:, None], PRECISE_EXP)  # padding: exp(-inf) = 0
+        score = tl.math.div_rn(e, tl.sum(e, axis=1)[:, None])  # IEEE, as torch (Triton's / is div.full)
+    # The ranking key: NaN first (torch.topk's rule; x != x, the interpreter has no isnan), a -inf
+    # score above the experts already taken (-inf here), so each pass takes a new expert.
+    key = tl.where(score != score, float("inf"), score)  # noqa: PLR0124
+    key = tl.where(key == float("-inf"), -3.4028234663852886e38, key)
+    alive = valid[None, :] & (rows >= 0)[:, None]  # [BLOCK_T, BLOCK_E]
+    slots = tl.arange(0, BLOCK_K)[None, :]
+    top = tl.zeros([x.shape[0], BLOCK_K], dtype=tl.float32)
+    ids = tl.zeros([x.shape[0], BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(K):
+        # One (value, index) reduction a row: the largest key, the lowest index among equal ones.
+        _, pick = tl.max(tl.where(alive, key, float("-inf")), axis=1, return_indices=True,
+                         return_indices_tie_break_left=True)  # fmt: skip
+        chosen = offs[None, :] == pick[:, None]
+        top = tl.where(slots == j, tl.sum(tl.where(chosen, score, 0.0), axis=1)[:, None], top)
+        ids = tl.where(slots == j, pick[:, None], ids)
+        alive = alive & (offs[None, :] != pick[:, None])
+    in_k = slots < K
+    if TOPK_SOFTMAX:
+        t = tl.where(in_k, top, float("-inf"))
+        e = torch_exp(t - tl.max(t, axis=1)[:, None], PRECISE_EXP)
+        w = tl.math.div_rn(e, tl.sum(e, axis=1)[:, None])
+    elif RENORMALIZE:
+        w = tl.math.div_rn(top, tl.sum(tl.where(in_k, top, 0.0), axis=1)[:, None])
+    else:
+        w = top
+    if ROUND_TO_LOGITS:
+        w = w.to(x_dtype_ptr.dtype.element_ty).to(tl.float32)
+    out = rows[:, None] * K + slots
+    ok = row_ok[:, None] & in_k
+    tl.store(weights_ptr + out, w.to(weights_ptr.dtype.element_ty), mask=ok)
+    tl.store(ids_ptr + out, ids.to(tl.int64), mask=ok)
 
 
 @triton.jit
@@ -78,44 +149,14 @@ def _route_kernel(
 ):
     if PDL:
         gdc_wait()  # before any memory access: the kernel before may still be running
-    row = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)  # one row a program
     offs = tl.arange(0, BLOCK_E)
     valid = offs < E
-    x = tl.load(logits_ptr + row * E + offs, mask=valid, other=float("-inf")).to(tl.float32)
-    if TOPK_SOFTMAX:
-        score = x
-    else:
-        e = torch_exp(x - tl.max(x, axis=0), PRECISE_EXP)  # padding: exp(-inf) = 0
-        score = tl.math.div_rn(e, tl.sum(e, axis=0))  # IEEE, as torch (Triton's / is div.full)
-    # The ranking key: NaN first (torch.topk's rule; x != x, the interpreter has no isnan), a -inf
-    # score above the experts already taken (-inf here), so each pass takes a new expert.
-    key = tl.where(score != score, float("inf"), score)  # noqa: PLR0124
-    key = tl.where(key == float("-inf"), -3.4028234663852886e38, key)
-    alive = valid
-    slots = tl.arange(0, BLOCK_K)
-    top = tl.zeros([BLOCK_K], dtype=tl.float32)
-    ids = tl.zeros([BLOCK_K], dtype=tl.int32)
-    for j in tl.static_range(K):
-        # One (value, index) reduction: the largest key, the lowest index among equal ones.
-        _, pick = tl.max(tl.where(alive, key, float("-inf")), axis=0, return_indices=True,
-                         return_indices_tie_break_left=True)  # fmt: skip
-        top = tl.where(slots == j, tl.sum(tl.where(offs == pick, score, 0.0), axis=0), top)
-        ids = tl.where(slots == j, pick, ids)
-        alive = alive & (offs != pick)
-    in_k = slots < K
-    if TOPK_SOFTMAX:
-        t = tl.where(in_k, top, float("-inf"))
-        e = torch_exp(t - tl.max(t, axis=0), PRECISE_EXP)
-        w = tl.math.div_rn(e, tl.sum(e, axis=0))
-    elif RENORMALIZE:
-        w = tl.math.div_rn(top, tl.sum(tl.where(in_k, top, 0.0), axis=0))
-    else:
-        w = top
-    if ROUND_TO_LOGITS:
-        w = w.to(logits_ptr.dtype.element_ty).to(tl.float32)
-    out = row * K + slots
-    tl.store(weights_ptr + out, w.to(weights_ptr.dtype.element_ty), mask=in_k)
-    tl.store(ids_ptr + out, ids.to(tl.int64), mask=in_k)
+    x = tl.load(logits_ptr + rows[:, None] * E + offs[None, :], mask=valid[None, :], other=float("-inf"))
+    _route_rows(
+        x.to(tl.float32), rows, rows >= 0, valid, offs, weights_ptr, ids_ptr, logits_ptr, K, TOPK_SOFTMAX,
+        RENORMALIZE, BLOCK_K, PRECISE_EXP, ROUND_TO_LOGITS,
+    )  # fmt: skip
 
 
 def num_warps(num_experts: int) -> int:
@@ -156,5 +197,173 @@ def route_logits(
         logits, weights, ids, E=e, K=top_k, TOPK_SOFTMAX=scoring == "topk_softmax", RENORMALIZE=renormalize,
         BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k), PRECISE_EXP=logits.is_cuda,
         ROUND_TO_LOGITS=round_to_logits, num_warps=num_warps(e), **pdl.launch_options(),
+    )  # fmt: skip
+    return weights, ids
+
+
+# ---------------------------------------------------------------------------- router GEMV + routing, one launch
+
+
+@triton.jit(do_not_specialize=["T"])
+def _router_route_kernel(
+    x_ptr,  # [T, H], H contiguous
+    w_ptr,  # router [E, H] contiguous, x's dtype
+    b_ptr,  # router bias [E] or unused
+    part_ptr,  # fp32 [SPLIT_H, T, E]: each split's partial logits
+    count_ptr,  # int32 [>= 1]: programs finished, 0 between launches (kernels/split_k.py)
+    weights_ptr,  # [T, K] out: fp32 or x's dtype
+    ids_ptr,  # [T, K] out: int64
+    T,
+    H,
+    stride_xm,
+    STEPS,  # BLOCK_H steps per split (the last split may have fewer)
+    E: tl.constexpr,
+    K: tl.constexpr,
+    TOPK_SOFTMAX: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # 16: the tensor cores' minimum rows, >= T
+    ROUTE_T: tl.constexpr,  # next_power_of_2(T): the rows the last program routes
+    BLOCK_X: tl.constexpr,  # experts a program computes the logits of
+    BLOCK_H: tl.constexpr,
+    SPLIT_H: tl.constexpr,  # programs per expert block, each over STEPS steps of H (grid axis 1)
+    BLOCK_E: tl.constexpr,  # next_power_of_2(E)
+    BLOCK_K: tl.constexpr,
+    PRECISE_EXP: tl.constexpr,
+    ROUND_TO_LOGITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
+):
+    if PDL:
+        gdc_wait()  # before any memory access: the kernel before may still be running
+    # The logits of BLOCK_X experts over this program's share of H, for every token.
+    offs_t = tl.arange(0, BLOCK_T)
+    t_ok = offs_t < T
+    offs_x = tl.program_id(0) * BLOCK_X + tl.arange(0, BLOCK_X)
+    x_ok = offs_x < E
+    first = tl.program_id(1) * STEPS
+    last = tl.minimum(first + STEPS, tl.cdiv(H, BLOCK_H))
+    acc = tl.zeros((BLOCK_T, BLOCK_X), dtype=tl.float32)
+    for i in range(first, last):
+        offs_h = i * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_ok = offs_h < H
+        a = tl.load(x_ptr + offs_t[:, None] * stride_xm + offs_h[None, :], mask=t_ok[:, None] & h_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + offs_x[None, :].to(tl.int64) * H + offs_h[:, None], mask=h_ok[:, None] & x_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+    tl.store(part_ptr + tl.program_id(1) * (T * E) + offs_t[:, None] * E + offs_x[None, :], acc,
+             mask=t_ok[:, None] & x_ok[None, :])  # fmt: skip
+    # Every program's partial stored (a CTA barrier, then one ticket each, acq_rel at GPU scope:
+    # the partials happen-before a later ticket); the program drawing the last ticket adds the
+    # partials in split order (the same sum whichever program is last), adds the bias, rounds to
+    # x's dtype as F.linear's output is, routes every token and sets the counter back to 0.
+    tl.debug_barrier()
+    ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    if ticket == tl.num_programs(0) * SPLIT_H - 1:
+        rows = tl.arange(0, ROUTE_T).to(tl.int64)
+        r_ok = rows < T
+        offs = tl.arange(0, BLOCK_E)
+        valid = offs < E
+        ok = r_ok[:, None] & valid[None, :]
+        logits = tl.zeros((ROUTE_T, BLOCK_E), dtype=tl.float32)
+        for s in range(SPLIT_H):  # .cg: from L2, where the other programs' partials are
+            logits += tl.load(part_ptr + s * (T * E) + rows[:, None] * E + offs[None, :], mask=ok, other=0.0,
+                              cache_modifier=".cg")  # fmt: skip
+        if HAS_BIAS:
+            logits += tl.load(b_ptr + offs, mask=valid, other=0.0).to(tl.float32)[None, :]
+        logits = logits.to(x_ptr.dtype.element_ty).to(tl.float32)
+        logits = tl.where(valid[None, :], logits, float("-inf"))
+        _route_rows(
+            logits, rows, r_ok, valid, offs, weights_ptr, ids_ptr, x_ptr, K, TOPK_SOFTMAX, RENORMALIZE, BLOCK_K,
+            PRECISE_EXP, ROUND_TO_LOGITS,
+        )  # fmt: skip
+        tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")  # zero for the next launch
+
+
+UNFUSED = KernelConfig({"unfused": 1}, num_warps=0, num_stages=0)  # F.linear (cuBLAS), then _route_kernel
+FUSED_MAX_TOKENS = 16  # one 16-row dot holds every token (and the split counters serve 16 rows at most)
+FUSED_MAX_EXPERTS = 256  # the last program holds [tokens, experts] logits in registers
+FUSED_CONFIG_SPACE: list[KernelConfig] = [UNFUSED] + [
+    KernelConfig({"BLOCK_X": bx, "BLOCK_H": bh, "SPLIT_H": sh}, num_warps=w, num_stages=st)
+    for (bx, bh, sh, w, st) in (
+        # (experts a program, BLOCK_H, splits of H, num_warps, num_stages). A router is small
+        # (Qwen3-30B-A3B's 128 x 2048 bf16: 0.5 MB), so the launch is latency-bound: many small
+        # programs, each a few K steps.
+        (16, 128, 1, 4, 4),
+        (16, 128, 2, 4, 4),
+        (16, 128, 4, 4, 3),
+        (16, 128, 8, 4, 2),
+        (16, 256, 4, 4, 2),
+        (32, 128, 4, 4, 3),
+        (32, 64, 8, 4, 3),
+        (64, 128, 2, 4, 3),
+    )
+]
+
+
+def is_fused(config: KernelConfig | None) -> bool:
+    return config is not None and "BLOCK_X" in config.params
+
+
+def fused_supported(num_tokens: int, num_experts: int, top_k: int) -> bool:
+    """Whether ``router_route`` takes this many tokens, experts and this top-k."""
+    return 1 <= num_tokens <= FUSED_MAX_TOKENS and num_experts <= FUSED_MAX_EXPERTS and supported(num_experts, top_k)
+
+
+def prune_configs(configs: list[KernelConfig], num_experts: int, hidden: int) -> list[KernelConfig]:
+    """The unfused path, and fused tiles no wider than the experts (rounded up to 16, tl.dot's
+    minimum) whose every split gets at least one BLOCK_H step."""
+    widest = max(16, triton.next_power_of_2(num_experts))
+    return [
+        c for c in configs
+        if not is_fused(c) or (c["BLOCK_X"] <= widest and triton.cdiv(hidden, c["BLOCK_H"]) >= c["SPLIT_H"])
+    ]  # fmt: skip
+
+
+def router_route(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    router_bias: torch.Tensor | None,
+    top_k: int,
+    scoring: str,
+    renormalize: bool,
+    weights_dtype: torch.dtype,
+    widen: bool,
+    config: KernelConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``route_logits(F.linear(x, router_weight, router_bias), ...)`` in one launch for up to
+    FUSED_MAX_TOKENS tokens (``fused_supported``): the router GEMV split over expert blocks and H,
+    the last program to finish adding the partial logits in a fixed order and routing every token
+    (the module docstring's routing, unchanged). The logits are the GEMV's fp32 sums rounded to x's
+    dtype, as F.linear's are, summed in another order than cuBLAS's: a token whose top-k boundary
+    lies within a rounding step of x's dtype may be routed as either would. No host sync; the
+    caller checks ``fused_supported``."""
+    t, h = x.shape
+    e = router_weight.shape[0]
+    if not fused_supported(t, e, top_k):
+        raise ValueError(f"the fused router takes 1-{FUSED_MAX_TOKENS} tokens and up to {FUSED_MAX_EXPERTS} experts")
+    if scoring not in SCORINGS:
+        raise ValueError(f"unknown scoring {scoring!r}")
+    if weights_dtype not in (torch.float32, x.dtype):
+        raise ValueError(f"the weights are fp32 or x's dtype {x.dtype}, not {weights_dtype}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    router_weight = router_weight.contiguous()
+    bx, bh = config["BLOCK_X"], config["BLOCK_H"]
+    num_steps = triton.cdiv(h, bh)
+    steps = triton.cdiv(num_steps, min(config["SPLIT_H"], num_steps))
+    split = triton.cdiv(num_steps, steps)  # none empty
+    round_to_logits = widen and weights_dtype != torch.float32
+    weights = torch.empty((t, top_k), dtype=torch.float32 if widen else weights_dtype, device=x.device)
+    ids = torch.empty((t, top_k), dtype=torch.int64, device=x.device)
+    part = torch.empty((split, t, e), dtype=torch.float32, device=x.device)
+    counters = split_k.counters(x.device, 1, "router_route")
+    _router_route_kernel[(triton.cdiv(e, bx), split)](
+        x, router_weight, router_bias if router_bias is not None else router_weight, part, counters, weights, ids,
+        t, h, x.stride(0), steps, E=e, K=top_k, TOPK_SOFTMAX=scoring == "topk_softmax", RENORMALIZE=renormalize,
+        HAS_BIAS=router_bias is not None, BLOCK_T=FUSED_MAX_TOKENS, ROUTE_T=triton.next_power_of_2(t), BLOCK_X=bx,
+        BLOCK_H=bh, SPLIT_H=split, BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k),
+        PRECISE_EXP=x.is_cuda, ROUND_TO_LOGITS=round_to_logits,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(),
     )  # fmt: skip
     return weights, ids

@@ -129,6 +129,7 @@ def route(
     routing: MoeRouting,
     use_kernel: bool | None = None,
     widen: bool = False,
+    config: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H], router_weight [E, H], router_bias [E] or None -> (topk_weights [T, k] (fp32, or
     x's dtype where the routing says so), topk_ids [T, k] int64), in transformers' order (exact
@@ -139,18 +140,31 @@ def route(
     width and top-k, else in torch (``route_torch``). With ``widen`` weights in x's dtype come as
     fp32 holding the same values: fused_moe reads fp32 weights, and the kernel writes them so in
     its one launch (ops.moe on a GPU; a bf16 or fp16 weight times an activation of that dtype is
-    exact in fp32, so even the naive expert loop's products round as before)."""
-    logits = torch.nn.functional.linear(x, router_weight, router_bias)  # [T, E] in x's dtype
+    exact in fp32, so even the naive expert loop's products round as before).
+
+    ``config`` (the tuning table's "moe_router" entry for the token bucket; kernel path only): a
+    fused config runs the router GEMV and the routing as one launch
+    (moe_route_kernel.router_route) where it takes the batch; None or the unfused one keeps
+    F.linear and the routing kernel."""
     if use_kernel is None:
-        use_kernel = logits.is_cuda
+        use_kernel = x.is_cuda
     if use_kernel:
         from pagecast.kernels import moe_route_kernel
 
-        if moe_route_kernel.supported(logits.shape[-1], routing.top_k):
-            dtype = weights_dtype(routing, x.dtype)
+        dtype = weights_dtype(routing, x.dtype)
+        if moe_route_kernel.is_fused(config) and moe_route_kernel.fused_supported(
+            x.shape[0], router_weight.shape[0], routing.top_k
+        ):
+            return moe_route_kernel.router_route(
+                x, router_weight, router_bias, routing.top_k, routing.scoring, routing.renormalize, dtype, widen,
+                config,
+            )  # fmt: skip
+        if moe_route_kernel.supported(router_weight.shape[0], routing.top_k):
+            logits = torch.nn.functional.linear(x, router_weight, router_bias)  # [T, E] in x's dtype
             return moe_route_kernel.route_logits(
                 logits, routing.top_k, routing.scoring, routing.renormalize, dtype, widen
             )
+    logits = torch.nn.functional.linear(x, router_weight, router_bias)
     weights, ids = route_torch(logits, routing)
     return (weights.float() if widen else weights), ids
 

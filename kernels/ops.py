@@ -493,7 +493,11 @@ def moe(
     With tensor parallelism each rank's partial sum is all-reduced once."""
     # On a GPU: routed in one launch (kernels/moe_route_kernel.py), the weights as the fp32 fused_moe reads.
     kernels = _triton(x)
-    topk_weights, topk_ids = route(x, router_weight, router_bias, routing, use_kernel=kernels, widen=kernels)
+    # Decode batches may run the router GEMV and the routing as one launch (the table's choice).
+    router_cfg = _config("moe_router", moe_bucket(x.shape[0])) if kernels else None
+    topk_weights, topk_ids = route(
+        x, router_weight, router_bias, routing, use_kernel=kernels, widen=kernels, config=router_cfg
+    )
     act = activation
     # A bucket past the decode graphs' batches may run the naive loop (it syncs with the host);
     # the tuner offers it nowhere else (kernels/problems.py).

@@ -24,6 +24,7 @@ from pagecast.kernels import (
     fused_moe,
     fused_moe_fp8,
     fused_moe_w4a16,
+    moe_route_kernel,
     paged_decode_attention,
     paged_prefill_attention,
     reference,
@@ -37,8 +38,8 @@ from pagecast.kernels.quant_linear import scale_dtype_for
 from pagecast.kernels.tuning import (
     DECODE_BATCH_BUCKETS,
     DECODE_CONTEXT_BUCKETS,
+    EXPERT_KERNELS,
     FP8_ROW_BUCKETS,
-    MOE_KERNELS,
     MOE_TOKEN_BUCKETS,
     PREFILL_CONTEXT_BUCKETS,
     PREFILL_SHORT_CONTEXT,
@@ -154,7 +155,12 @@ def buckets(kernel: str, shapes: ModelShapes) -> list[tuple[str, dict[str, int]]
             for i, name in enumerate(PROJECTIONS)
             for m in upto(SKINNY_ROW_BUCKETS, shapes.max_num_seqs)
         ]
-    if kernel in MOE_KERNELS:  # one of them runs a build's experts: FP8, int4 (AWQ/GPTQ) or half-type
+    if kernel == "moe_router":  # decode buckets the fused router takes (up to max_num_seqs)
+        if not (shapes.num_experts and moe_route_kernel.fused_supported(1, shapes.num_experts, shapes.top_k)):
+            return []
+        sizes = upto(tuple(t for t in MOE_TOKEN_BUCKETS if t <= moe_route_kernel.FUSED_MAX_TOKENS), shapes.max_num_seqs)
+        return [(f"t{t}", {"num_tokens": t}) for t in sizes]
+    if kernel in EXPERT_KERNELS:  # one of them runs a build's experts: FP8, int4 (AWQ/GPTQ) or half-type
         experts = "fused_moe_fp8" if shapes.fp8 else "fused_moe_w4a16" if shapes.quant_group_size else "fused_moe"
         return [(f"t{t}", {"num_tokens": t}) for t in MOE_TOKEN_BUCKETS] if shapes.num_experts and kernel == experts else []
     return [(f"t{t}", {"num_tokens": t}) for t in TOKEN_BUCKETS]
@@ -211,6 +217,9 @@ def problem_size(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> tupl
         h, i = shapes.hidden, shapes.moe_intermediate
         scales = 4 * (2 * i * -(-h // fp8_gemm.GROUP) + h * -(-i // fp8_gemm.GROUP) if _fp8_block(shapes) else 3 * i + h)
         return moe_visited_experts(shapes, t) * (3 * h * i + scales) + 2 * t * h * e, 2 * t * shapes.top_k * 3 * h * i
+    if kernel == "moe_router":  # the router's weight once, the tokens in, the weights and ids out
+        e, k = shapes.num_experts, shapes.top_k
+        return (e + t) * shapes.hidden * _elt(shapes) + t * k * (4 + 8), 2 * t * e * shapes.hidden
     if kernel == "paged_prefill_attention":
         if context := dims.get("max_seq_len"):  # the last t tokens of one sequence: the prefix all, themselves causally
             return t * 2 * h * e * d + context * 2 * kvh * kv_e * d, 4 * h * d * t * (context - t) + 2 * h * d * t * t
@@ -257,6 +266,8 @@ def config_space(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> list
             shapes.moe_intermediate, elt=_elt(shapes), allow_naive=dims["num_tokens"] > shapes.max_num_seqs,
             grouped=fused_moe.grouped_supported(shapes.torch_dtype),
         )  # fmt: skip
+    if kernel == "moe_router":
+        return moe_route_kernel.prune_configs(moe_route_kernel.FUSED_CONFIG_SPACE, shapes.num_experts, shapes.hidden)
     if kernel == "fused_moe_w4a16":
         return fused_moe_w4a16.prune_configs(
             fused_moe_w4a16.CONFIG_SPACE, dims["num_tokens"], shapes.top_k, shapes.num_experts, shapes.hidden,
@@ -303,6 +314,8 @@ def default_config(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> Ke
             dims["num_tokens"], shapes.top_k, shapes.num_experts, shapes.hidden, shapes.moe_intermediate, num_sms(),
             _elt(shapes),
         )
+    if kernel == "moe_router":
+        return moe_route_kernel.UNFUSED  # F.linear and the routing kernel, as before the fused router
     if kernel == "fused_moe_w4a16":
         return fused_moe_w4a16.default_config(
             dims["num_tokens"], shapes.top_k, shapes.num_experts, shapes.hidden, shapes.moe_intermediate,
@@ -470,6 +483,8 @@ def make_problem(
 
     if kernel == "fused_moe":
         return _moe_problem(shapes, dims, bucket, device, dg, nbytes, flops)
+    if kernel == "moe_router":
+        return _router_problem(shapes, dims, bucket, device, dg, nbytes, flops)
     if kernel == "fused_moe_w4a16":
         return _moe_w4a16_problem(shapes, dims, bucket, device, dg, nbytes, flops)
     if kernel == "fused_moe_fp8":
@@ -746,6 +761,40 @@ def _moe_problem(
     return Problem(
         "fused_moe", bucket, launch, sets_per_sample, nbytes, flops, reference=lambda cfg, i_set: naive(i_set)
     )
+
+
+def _router_problem(
+    shapes: ModelShapes, dims: dict[str, int], bucket: str, device: torch.device, dg: torch.Generator, nbytes: int,
+    flops: int,
+) -> Problem:  # fmt: skip
+    """The router of one MoE layer at a decode bucket, as ops.moe runs it on a GPU (``route`` with
+    the kernel, widened weights), the unfused path or the fused router by the config. Inputs and
+    weights hold small integers, so every sum of products is exact in fp32 whatever the order: the
+    two paths' logits, hence their routings, are bit for bit the same and the tuner's output check
+    compares like with like (on real activations the paths may differ by a rounding step of the
+    logits). Several router weights, so a launch reads its router from memory, as a decode step
+    does after the layer's experts have streamed through L2."""
+    from pagecast.kernels.moe_routing import MoeRouting, route
+
+    t, e, hidden = dims["num_tokens"], shapes.num_experts, shapes.hidden
+    dtype = shapes.torch_dtype
+    routing = MoeRouting(
+        shapes.top_k, scoring=shapes.moe_scoring, renormalize=shapes.moe_renormalize,
+        weights_in_x_dtype=shapes.moe_weights_in_x_dtype,
+    )  # fmt: skip
+
+    def ints(*shape: int) -> torch.Tensor:
+        return torch.randint(-2, 3, shape, generator=dg, device=device).to(dtype)
+
+    num_sets = max(1, min(MAX_LAUNCHES, math.ceil(COLD_BYTES / (e * hidden * _elt(shapes)))))
+    routers = [ints(e, hidden) for _ in range(num_sets)]
+    bias = ints(e) if shapes.moe_router_bias else None
+    x = ints(t, hidden)
+
+    def launch(cfg: KernelConfig | None, i: int) -> object:
+        return route(x, routers[i % num_sets], bias, routing, use_kernel=True, widen=True, config=cfg)
+
+    return Problem("moe_router", bucket, launch, num_sets, nbytes, flops)
 
 
 def _moe_min_group(shapes: ModelShapes) -> int:

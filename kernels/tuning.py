@@ -72,7 +72,10 @@ KERNELS = (
 )
 # Kernels only MoE models have: a build tunes them where its model's ModelShapes has experts
 # (``tune(KERNELS + MOE_KERNELS, ...)``); shipped tables for dense models need no entry.
-MOE_KERNELS = ("fused_moe", "fused_moe_w4a16", "fused_moe_fp8")  # half-type, int4 (AWQ/GPTQ) and FP8 experts
+EXPERT_KERNELS = ("fused_moe", "fused_moe_w4a16", "fused_moe_fp8")  # half-type, int4 (AWQ/GPTQ) and FP8 experts
+# ... and the router: its GEMV and the routing as one launch at decode buckets, or F.linear and the
+# routing kernel (kernels/moe_route_kernel.py).
+MOE_KERNELS = (*EXPERT_KERNELS, "moe_router")
 
 TIE_TOLERANCE = 0.02  # a later config must beat the best so far by 2% to take its place
 _DEFAULTS_DIR = Path(__file__).parent / "tuning_defaults"
@@ -136,6 +139,12 @@ class ModelShapes:
     moe_alpha: float = 1.702
     moe_limit: float = 7.0
     moe_bias: bool = False
+    # The router's bias (gpt-oss) and routing (kernels/moe_routing.MoeRouting's fields but top_k):
+    # the fused router kernel's constexprs ("moe_router"), timed and compiled in the model's variant.
+    moe_router_bias: bool = False
+    moe_scoring: str = "softmax_topk"
+    moe_renormalize: bool = False
+    moe_weights_in_x_dtype: bool = False
     # Gemma 2's attention-logit soft-cap (0: none): the attention kernels are timed, and compiled into
     # the artifact, in the variant the model runs. Sliding windows are not timed: a sliding layer
     # reads at most its window, the full layers beside it are the larger work (attn_window below).

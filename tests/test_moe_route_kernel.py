@@ -312,3 +312,150 @@ def test_the_tune_process_compiles_the_models_routing_kernel(monkeypatch: pytest
     )
     tune.compile_route_kernel("cpu", *calls[0][2])
     assert launched == [(4, "softmax_topk", True, torch.bfloat16, True)] * len(tune.ROUTE_ROWS)
+
+
+# ---------------------------------------------------------------------------- the fused router (GEMV + routing)
+
+FAMILY_ROUTERS = {  # (experts, top_k, routing fields, router bias): Qwen3-MoE, Mixtral, gpt-oss, Qwen2-MoE
+    "qwen3": (128, 8, {"scoring": "softmax_topk", "renormalize": True, "weights_in_x_dtype": True}, False),
+    "mixtral": (8, 2, {"scoring": "softmax_topk", "renormalize": True, "weights_in_x_dtype": False}, False),
+    "gpt-oss": (32, 4, {"scoring": "topk_softmax", "renormalize": False, "weights_in_x_dtype": False}, True),
+    "qwen2-moe": (60, 4, {"scoring": "softmax_topk", "renormalize": False, "weights_in_x_dtype": True}, False),
+}
+
+
+def small_ints(shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    """Integers in [-2, 2]: every sum of their products is exact in fp32, in any order."""
+    return torch.randint(-2, 3, shape, generator=g).to(dtype)
+
+
+# fp32 and fp16 (the interpreter's bf16 tl.dot is wrong; bf16 runs in the GPU test)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("family", list(FAMILY_ROUTERS))
+def test_fused_router_routes_bit_for_bit_as_the_gemv_then_the_routing_kernel(dtype: torch.dtype, family: str) -> None:
+    """Every pruned fused config, 1 to 16 tokens, against F.linear then the routing kernel (what
+    runs unfused): where the logits are exact (integer inputs), the same ids and the same weights,
+    bit for bit, widened or not, with the router's bias where the family has one. So the fused
+    launch sums every split, rounds the logits to x's dtype as F.linear does and routes as before.
+    Integer logits tie often: the ties go to the lowest index in both."""
+    e, k, fields, has_bias = FAMILY_ROUTERS[family]
+    routing = MoeRouting(k, **fields)
+    hidden = 256  # two steps of 128: split in two
+    g = torch.Generator().manual_seed(e)
+    router = small_ints((e, hidden), dtype, g)
+    bias = small_ints((e,), dtype, g) if has_bias else None
+    configs = [c for c in moe_route_kernel.prune_configs(moe_route_kernel.FUSED_CONFIG_SPACE, e, hidden)
+               if moe_route_kernel.is_fused(c)]  # fmt: skip
+    assert {c["SPLIT_H"] for c in configs} >= {1, 2}
+    for tokens in (1, 3, 16):
+        x = small_ints((tokens, hidden), dtype, g)
+        for widen in (False, True):
+            want_w, want_ids = route(x, router, bias, routing, use_kernel=True, widen=widen)
+            for cfg in configs:
+                got_w, got_ids = route(x, router, bias, routing, use_kernel=True, widen=widen, config=cfg)
+                assert torch.equal(got_ids, want_ids), (tokens, cfg)
+                assert got_w.dtype == want_w.dtype and torch.equal(got_w, want_w), (tokens, cfg)
+
+
+def test_fused_router_on_real_valued_logits_routes_as_the_torch_path() -> None:
+    """fp32 activations and router of real values: the fused sums come in another order than
+    F.linear's, so the logits may differ in the last bits; the ids are the torch path's on every
+    token whose k-th and (k+1)-th probabilities are more than 1e-4 apart (all of them here), the
+    weights within 1e-5; the split counters are back at 0 after each launch."""
+    from pagecast.kernels import split_k
+
+    g = torch.Generator().manual_seed(7)
+    routing = MoeRouting(8, renormalize=True, weights_in_x_dtype=True)
+    x, router = torch.randn(16, 256, generator=g), torch.randn(128, 256, generator=g) * 0.1
+    want_w, want_ids = route_torch(torch.nn.functional.linear(x, router), routing)
+    probs = torch.softmax(torch.nn.functional.linear(x, router), dim=-1).sort(dim=-1, descending=True).values
+    assert bool(((probs[:, 7] - probs[:, 8]) > 1e-4).all())
+    for cfg in (c for c in moe_route_kernel.FUSED_CONFIG_SPACE if moe_route_kernel.is_fused(c)):
+        got_w, got_ids = route(x, router, None, routing, use_kernel=True, config=cfg)
+        assert torch.equal(got_ids, want_ids), cfg
+        torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+        assert int(split_k.counters(x.device, 1, "test")[0]) == 0
+
+
+def test_the_fused_router_runs_only_where_it_takes_the_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fused config past FUSED_MAX_TOKENS tokens, or for a router wider than FUSED_MAX_EXPERTS,
+    keeps F.linear and the routing kernel (same result as no config); an unfused config too; the
+    torch path (use_kernel False: the CPU engine) never runs a kernel."""
+    fused = next(c for c in moe_route_kernel.FUSED_CONFIG_SPACE if moe_route_kernel.is_fused(c))
+    ran: list[int] = []
+    real = moe_route_kernel.router_route
+    monkeypatch.setattr(moe_route_kernel, "router_route", lambda x, *a: ran.append(x.shape[0]) or real(x, *a))
+    g = torch.Generator().manual_seed(3)
+    routing = MoeRouting(2, renormalize=True)
+    router = torch.randn(8, 32, generator=g)
+    for tokens in (1, 16, 17):
+        x = torch.randn(tokens, 32, generator=g)
+        unfused = route(x, router, None, routing, use_kernel=True)
+        for cfg in (fused, moe_route_kernel.UNFUSED, None):
+            got = route(x, router, None, routing, use_kernel=True, config=cfg)
+            assert torch.equal(got[1], unfused[1])
+        assert torch.equal(route(x, router, None, routing, use_kernel=False, config=fused)[1], route_torch(x @ router.T, routing)[1])
+    assert ran == [1, 16]  # the fused config, at 1 and 16 tokens only
+    wide = torch.randn(moe_route_kernel.FUSED_MAX_EXPERTS * 2, 32, generator=g)
+    route(torch.randn(2, 32, generator=g), wide, None, MoeRouting(4), use_kernel=True, config=fused)
+    assert ran == [1, 16]
+
+
+def test_ops_moe_takes_the_tables_router_config_for_the_token_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ops.moe on a GPU reads the table's "moe_router" entry for the batch's token bucket: fused
+    at t1 and t4 here, unfused at t2, nothing past t16."""
+    from pagecast.kernels import ops
+
+    monkeypatch.setattr(ops, "_triton", lambda x: True)
+    monkeypatch.setattr(ops, "_moe_kernel", lambda: lambda x, *args: torch.zeros_like(x))
+    ran: list[int] = []
+    real = moe_route_kernel.router_route
+    monkeypatch.setattr(moe_route_kernel, "router_route", lambda x, *a: ran.append(x.shape[0]) or real(x, *a))
+    fused = {"BLOCK_X": 16, "BLOCK_H": 64, "SPLIT_H": 2, "num_warps": 4, "num_stages": 2}
+    ops.configure({"kernels": {"moe_router": {"t1": {"config": fused}, "t2": {"config": {"unfused": 1}},
+                                              "t4": {"config": fused}}}})  # fmt: skip
+    try:
+        routing = MoeRouting(2, renormalize=True)
+        w = torch.randn(8, 48)
+        experts = torch.zeros(8, 2, 48), torch.zeros(8, 48, 1)
+        for rows in (1, 2, 3, 4, 5, 20):
+            ops.moe(torch.randn(rows, 48), w, None, *experts, routing=routing)
+    finally:
+        ops.configure(None)
+    assert ran == [1, 3, 4]
+
+
+def test_the_tuner_times_the_fused_router_against_the_unfused_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tuning.tune on the CPU (the interpreter; times stubbed): the "moe_router" buckets are the
+    decode buckets up to 16 tokens (and max_num_seqs), the unfused path is the default and timed
+    first, no fused config's output is rejected (the problem's exact logits), and a faster fused
+    config is kept. A dense model, and a router wider than the fused kernel takes, have no buckets."""
+    from pagecast.kernels import problems, tuning
+
+    shapes = tuning.ModelShapes(
+        num_heads=4, num_kv_heads=2, head_dim=16, hidden=64, intermediate=96, block_size=16, dtype="float32",
+        max_model_len=256, max_num_seqs=4, num_experts=32, top_k=4, moe_intermediate=32, moe_router_bias=True,
+        moe_scoring="topk_softmax",
+    )  # fmt: skip
+    assert [b for b, _ in problems.buckets("moe_router", shapes)] == ["t1", "t2", "t4"]
+    assert [b for b, _ in problems.buckets("moe_router", tuning.ModelShapes(4, 2, 16, 64, 96, 16))] == []
+    wide = tuning.ModelShapes(4, 2, 16, 64, 96, 16, num_experts=512, top_k=8, moe_intermediate=32)
+    assert problems.buckets("moe_router", wide) == []
+    dims = dict(problems.buckets("moe_router", shapes))["t2"]
+    assert problems.default_config("moe_router", shapes, dims) == moe_route_kernel.UNFUSED
+    space = problems.config_space("moe_router", shapes, dims)
+    assert space[0] == moe_route_kernel.UNFUSED and all(c["BLOCK_X"] <= 32 for c in space[1:])
+    winner = space[-1]
+
+    def timed(launch: Any, launches: int, reps: int) -> float:
+        return 1.0 if launch.args[0] == winner else 5.0
+
+    monkeypatch.setattr(tuning, "time_launches", timed)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake GPU")
+    logged: list[str] = []
+    table = tuning.tune(["moe_router"], shapes, budget_s=1e9, device="cpu", log=logged.append)
+    entries = table["kernels"]["moe_router"]
+    assert set(entries) == {"t1", "t2", "t4"}
+    assert not [line for line in logged if "REJECTED" in line], logged
+    for entry in entries.values():
+        assert entry["config"] == winner.as_dict() and entry["time_us"] == 1.0

@@ -132,6 +132,63 @@ def test_captured_in_a_cuda_graph(family: str) -> None:
         assert torch.equal(ids, eager_ids) and torch.equal(weights, eager_w)
 
 
+FUSED = [c for c in moe_route_kernel.FUSED_CONFIG_SPACE if moe_route_kernel.is_fused(c)]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("tokens", [1, 3, 16])
+def test_fused_router_in_bf16_against_the_unfused_path(family: str, tokens: int) -> None:
+    """The fused router (GEMV + routing in one launch) in bf16 on CUDA, every pruned config: with
+    integer-valued inputs (exact logits in any summation order) the same weights and ids as
+    cuBLAS's F.linear then the routing kernel, bit for bit; with real values the same ids wherever
+    the top-k boundary is more than a few bf16 rounding steps of the logits from a tie."""
+    e, routing = FAMILIES[family]
+    has_bias = routing.scoring == "topk_softmax"
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+
+    def ints(*shape: int) -> torch.Tensor:
+        return torch.randint(-2, 3, shape, generator=g, device="cuda").bfloat16()
+
+    w, b = ints(e, HIDDEN), (ints(e) if has_bias else None)
+    x = ints(tokens, HIDDEN)
+    configs = moe_route_kernel.prune_configs(FUSED, e, HIDDEN)
+    assert configs
+    want = route(x, w, b, routing, widen=True)
+    for cfg in configs:
+        got = route(x, w, b, routing, widen=True, config=cfg)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), cfg
+    w, b = router(e, torch.bfloat16, bias=has_bias, seed=tokens)
+    x = torch.randn(tokens, HIDDEN, generator=g, device="cuda").bfloat16()
+    logits = torch.nn.functional.linear(x, w, b).float()
+    s = scores(logits, routing.scoring).sort(dim=-1, descending=True).values
+    # a logit's bf16 step is 2^-8 of it: 5% of the k-th score is several steps either way
+    margin = (s[:, routing.top_k - 1] - s[:, routing.top_k]) > 0.05 * s[:, routing.top_k - 1].abs()
+    assert bool(margin.any())
+    want = route(x, w, b, routing, widen=True)
+    for cfg in configs:
+        got = route(x, w, b, routing, widen=True, config=cfg)
+        assert torch.equal(got[1][margin], want[1][margin]), cfg
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_fused_router_captured_in_a_cuda_graph(family: str) -> None:
+    """The fused router replays in a CUDA graph (its workspace from the graph's pool, the shared
+    split counters back at 0 after every launch): three replays route as eager launches do."""
+    e, routing = FAMILIES[family]
+    w, b = router(e, torch.bfloat16, bias=routing.scoring == "topk_softmax")
+    cfg = next(c for c in moe_route_kernel.prune_configs(FUSED, e, HIDDEN) if c["SPLIT_H"] > 1)
+    x = torch.randn(4, HIDDEN, device="cuda").bfloat16()
+    route(x, w, b, routing, widen=True, config=cfg)  # compiled, and the counters made, before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        weights, ids = route(x, w, b, routing, widen=True, config=cfg)
+    for seed in range(3):
+        x.copy_(torch.randn(4, HIDDEN, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda"))
+        graph.replay()
+        eager_w, eager_ids = route(x, w, b, routing, widen=True, config=cfg)
+        assert torch.equal(ids, eager_ids) and torch.equal(weights, eager_w)
+
+
 # A fresh process with the given Triton cache: argv[1] "build" runs builder/tune.py's routing pass
 # for one family, "serve" routes batches of every size (eager and in a CUDA graph) and prints how
 # many kernels Triton compiled.

@@ -62,6 +62,9 @@ CHILD = textwrap.dedent(
     experts, top_k, hidden, inter = 8, 2, 256, 128
     weights, ids = moe_route_kernel.route_logits(torch.randn(2, experts, dtype=bf16), top_k, "softmax_topk", True,
                                                  torch.float32, widen=True)
+    moe_route_kernel.router_route(torch.randn(2, 2048, dtype=bf16), torch.randn(128, 2048, dtype=bf16), None, 8,
+                                  "softmax_topk", True, bf16, True,
+                                  KernelConfig({"BLOCK_X": 16, "BLOCK_H": 128, "SPLIT_H": 4}, num_warps=4, num_stages=3))
     ids = t([[0, 3], [5, 3]])
     fused_moe.fused_moe(torch.randn(2, hidden, dtype=bf16), weights, ids,
                         torch.randn(experts, 2 * inter, hidden, dtype=bf16), torch.randn(experts, hidden, inter, dtype=bf16),
@@ -90,7 +93,8 @@ KERNELS = {
     "_rotary_kv_kernel": 1,
     "_paged_decode_kernel": 1,
     "_decode_merge_kernel": 1,
-    "_route_kernel": 1,  # MoE decode: routing, the expert GEMVs (gate_up, down per pair), the top-k sum
+    "_route_kernel": 1,  # MoE decode: routing (or the router GEMV with it), the expert GEMVs (gate_up, down per pair), the top-k sum
+    "_router_route_kernel": 1,
     "_moe_gemv_kernel": 2,
     "_moe_topk_sum_kernel": 1,
 }
