@@ -33,7 +33,12 @@ one program per (pair, BLOCK_N columns of I) streams its expert's gate and up ro
 reduces over K on CUDA cores, the activation fused, into the intermediate [P, I] (pair order);
 for down one program per (token, BLOCK_N columns of H) adds up its k pairs' weighted rows (the
 top-k sum in the same launch). Only the visited experts' weights are read (the weight-streaming
-bound), in two launches.
+bound), in two launches. With ``DOWN_PER_PAIR`` the down launch runs a program per (pair, column
+block) writing fp32 rows and ``_moe_topk_sum_kernel`` adds a token's rows up; with
+``TOPK_TICKET`` as well (up to TICKET_MAX_TOKENS tokens) the last of a token's pairs to finish a
+column block adds them up in that launch (a ticket on a kernels/split_k.py counter; pair order, so
+the same bits), one launch fewer a layer. ``DOWN_BLOCK_N``, ``DOWN_BLOCK_K`` and ``DOWN_WARPS``
+give the down launch a tile of its own (else gate_up's): its reduction is I, not H.
 
 ``{"grouped": 1}`` (``GROUPED``; sm_90 bf16, and the CPU): the same layout (``align_by_expert``
 at GROUP_ALIGN rows a block) with both GEMMs as ``torch._grouped_mm`` (PyTorch's CUTLASS grouped
@@ -58,7 +63,7 @@ from triton.language.extra.cuda import gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pagecast.kernels import activation as activation_kernels
-from pagecast.kernels import pdl, reference
+from pagecast.kernels import pdl, reference, split_k
 from pagecast.kernels.tuning import KernelConfig, num_sms
 
 ACT_NONE, ACT_SILU, ACT_SWIGLU_OAI = 0, 1, 2
@@ -346,6 +351,8 @@ def _moe_gemv_kernel(
     stride_be,
     stride_cm,
     top_k,  # a runtime argument: one compiled kernel serves every top-k
+    out_ptr,  # TICKET: out [T, N] in x's dtype; else unused
+    count_ptr,  # TICKET: int32 [T * cdiv(N, BLOCK_N)] counters, 0 between launches (kernels/split_k.py); else unused
     ACTIVATION: tl.constexpr,  # gate_up: 1 or 2; 0: the down launch
     HAS_BIAS: tl.constexpr,
     ALPHA: tl.constexpr,
@@ -353,6 +360,7 @@ def _moe_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PER_PAIR: tl.constexpr = False,  # down: a program per (pair, column block), fp32 rows [P, N]
+    TICKET: tl.constexpr = False,  # PER_PAIR: the last of a token's pairs adds them up (no top-k sum launch)
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     if PDL:
@@ -384,6 +392,24 @@ def _moe_gemv_kernel(
             stride_am, stride_we, stride_wn, stride_be, HAS_BIAS, BLOCK_N, BLOCK_K,
         )  # fmt: skip
         row = pair.to(tl.int64)
+        if TICKET:
+            # The top-k sum in this launch: the pair's fp32 row stored, a CTA barrier, one ticket on
+            # the (token, column block) counter (acq_rel at GPU scope: the rows happen-before a later
+            # ticket); the token's last pair to finish adds its top_k rows in pair order, in fp32
+            # from zero, as _moe_topk_sum_kernel does (the same bits), and zeroes the counter.
+            tl.store(c_ptr + row * stride_cm + offs_n, y, mask=n_ok)
+            tl.debug_barrier()
+            token = (pair // top_k).to(tl.int64)
+            counter = count_ptr + token * tl.num_programs(1) + pid_n
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if ticket == top_k - 1:
+                total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                for j in range(top_k):  # .cg: from L2, where the other pairs' rows are
+                    total += tl.load(c_ptr + (token * top_k + j) * stride_cm + offs_n, mask=n_ok, other=0.0,
+                                     cache_modifier=".cg")  # fmt: skip
+                tl.store(out_ptr + token * N + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero for the next launch
+            return
     else:
         token = tl.program_id(0)
         y = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -474,6 +500,20 @@ _PER_PAIR_GEMV_TILES = (
     (32, 128, 4, 1),
 )
 
+# TOPK_TICKET (the top-k sum in the per-pair down launch, no launch of its own) for every per-pair
+# tile, and for the two narrow ones (the tuner's picks at one and two tokens of Qwen3-30B-A3B) also
+# with a down tile of its own: gate_up reads 2 x BLOCK_N rows of H, down BLOCK_N rows of the
+# narrower I, so at one token its programs were a quarter as long (8 x 768 per program at 8 x 256).
+# Neither was timed on a GPU when this was written; the tuner keeps them only where they win.
+_DOWN_TILED = ((8, 256, 2), (16, 256, 4))
+_DOWN_GEMV_TILES = (
+    # (DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS)
+    (16, 256, 4),
+    (32, 256, 4),
+    (64, 128, 4),
+)
+TICKET_MAX_TOKENS = 16  # the split counters serve launches of up to 16 rows (kernels/split_k.py)
+
 _TILES = (
     # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
     # few rows an expert: 16-row blocks, narrow columns for programs enough to fill the GPU
@@ -525,6 +565,18 @@ CONFIG_SPACE: list[KernelConfig] = (
     + [
         KernelConfig({"gemv": 1, "BLOCK_N": n, "BLOCK_K": k, "DOWN_PER_PAIR": 1}, num_warps=w, num_stages=st)
         for n, k, w, st in _PER_PAIR_GEMV_TILES
+    ]
+    + [
+        KernelConfig(
+            {"gemv": 1, "BLOCK_N": n, "BLOCK_K": k, "DOWN_PER_PAIR": 1, "TOPK_TICKET": 1, **down},
+            num_warps=w, num_stages=st,
+        )
+        for n, k, w, st in _PER_PAIR_GEMV_TILES
+        for down in [{}] + [
+            {"DOWN_BLOCK_N": dn, "DOWN_BLOCK_K": dk, "DOWN_WARPS": dw}
+            for dn, dk, dw in _DOWN_GEMV_TILES
+            if (n, k, w) in _DOWN_TILED and (dn, dk, dw) != (n, k, w)
+        ]
     ]
     + [
         KernelConfig({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": g}, num_warps=w, num_stages=s)
@@ -635,7 +687,8 @@ def prune_configs(
             if grouped and pairs >= GROUP_ALIGN * min(num_experts, pairs):
                 kept.append(c)
         elif is_gemv(c):
-            if pairs <= GEMV_MAX_PAIRS and c["BLOCK_K"] <= k_min:
+            ticket_ok = num_tokens <= TICKET_MAX_TOKENS or not c.params.get("TOPK_TICKET")
+            if pairs <= GEMV_MAX_PAIRS and max(c["BLOCK_K"], c.params.get("DOWN_BLOCK_K", 0)) <= k_min and ticket_ok:
                 kept.append(c)
         else:
             bm = c["BLOCK_M"]
@@ -846,20 +899,30 @@ def fused_moe(
             (w_gate_up, b_gate_up, i, h, act),
             (w_down, b_down, h, i, ACT_NONE),
         )
-        bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
         per_pair = bool(cfg.params.get("DOWN_PER_PAIR"))
+        # The down launch's own tile where the config names one (DOWN_BLOCK_N, DOWN_BLOCK_K,
+        # DOWN_WARPS: its reduction is I, not H, and its programs a pair's H columns), else gate_up's.
+        tiles = (
+            (cfg["BLOCK_N"], cfg["BLOCK_K"], cfg.num_warps),
+            (cfg.params.get("DOWN_BLOCK_N", cfg["BLOCK_N"]), cfg.params.get("DOWN_BLOCK_K", cfg["BLOCK_K"]),
+             cfg.params.get("DOWN_WARPS", cfg.num_warps)),
+        )  # fmt: skip
+        ticket = per_pair and bool(cfg.params.get("TOPK_TICKET")) and t <= TICKET_MAX_TOKENS
         inter = torch.empty((p, i), dtype=x.dtype, device=x.device)
         out = torch.empty((t, h), dtype=x.dtype, device=x.device)
         down_out = torch.empty((p, h), dtype=torch.float32, device=x.device) if per_pair else out
         down_rows = p if per_pair else t
-        for (w, b, n, k, a_kind), a, c, rows in zip(launches, (x, inter), (inter, down_out), (p, down_rows)):
+        counters = split_k.counters(x.device, t * triton.cdiv(h, tiles[1][0]), "fused_moe") if ticket else out
+        for (w, b, n, k, a_kind), a, c, rows, (bn, bk, warps), last in zip(
+            launches, (x, inter), (inter, down_out), (p, down_rows), tiles, (False, True)
+        ):
             _moe_gemv_kernel[(rows, triton.cdiv(n, bn))](
                 a, w, b if b is not None else w, c, ids, weights, n, k,
                 a.stride(0), w.stride(0), w.stride(1), b.stride(0) if b is not None else 0, c.stride(0), top_k,
-                ACTIVATION=a_kind, HAS_BIAS=b is not None, BLOCK_N=bn, BLOCK_K=bk, PER_PAIR=per_pair,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common, **pdl.launch_options(),
+                out, counters, ACTIVATION=a_kind, HAS_BIAS=b is not None, BLOCK_N=bn, BLOCK_K=bk, PER_PAIR=per_pair,
+                TICKET=ticket and last, num_warps=warps, num_stages=cfg.num_stages, **common, **pdl.launch_options(),
             )  # fmt: skip
-        if per_pair:
+        if per_pair and not ticket:
             block = min(TOPK_SUM_BLOCK, triton.next_power_of_2(h))
             grid = (t, triton.cdiv(h, block))
             _moe_topk_sum_kernel[grid](down_out, out, h, top_k, BLOCK=block, num_warps=4, **pdl.launch_options())

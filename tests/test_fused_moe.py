@@ -475,6 +475,53 @@ def test_build_report_gives_each_moe_bucket_its_bound():
     assert moe_report_lines({"kernels": {"rms_norm": {}}}, dataclasses.asdict(QWEN3_30B)) == []
 
 
+@interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("top_k,tokens", [(1, 5), (4, 5), (2, 16)])
+def test_gemv_down_ticket_and_down_tiles_give_the_serial_launchs_bits(monkeypatch, dtype, top_k, tokens):
+    """TOPK_TICKET adds a token's pairs up in the per-pair down launch (the last of its pairs to
+    finish, in pair order), and DOWN_BLOCK_N / DOWN_BLOCK_K / DOWN_WARPS give that launch a tile of
+    its own: the same bits as the serial launch where the reduction's BLOCK_K is the same (the
+    column block does not change the order of a sum), the same result within rounding where it is
+    not, and the shared counters back at 0. Past TICKET_MAX_TOKENS tokens a ticket config runs the
+    top-k sum as a launch of its own."""
+    from pagecast.kernels import split_k
+
+    x, weights, ids, w_gu, w_d, b_gu, b_d = moe_inputs(tokens, 8, top_k, 64, 40, dtype, True, seed=5)
+    serial = fused_moe.fused_moe(x, weights, ids, w_gu, w_d, b_gu, b_d, config=GEMV)
+    launched = []
+    kernel = fused_moe._moe_topk_sum_kernel
+
+    class Count:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(fused_moe, "_moe_topk_sum_kernel", Count())
+    for extra in ({}, {"DOWN_BLOCK_N": 16, "DOWN_BLOCK_K": 16, "DOWN_WARPS": 2}, {"DOWN_BLOCK_N": 64}):
+        cfg = {**GEMV_PER_PAIR, "TOPK_TICKET": 1, **extra}
+        out = fused_moe.fused_moe(x, weights, ids, w_gu, w_d, b_gu, b_d, config=cfg)
+        if "DOWN_BLOCK_K" in extra:  # another order of the down reduction's fp32 sums
+            torch.testing.assert_close(out, serial, atol=TOL[dtype][0], rtol=TOL[dtype][1])
+        else:
+            assert torch.equal(out, serial), extra
+        assert launched == []  # no top-k sum launch
+        assert int(split_k.counters(x.device, 1, "test").abs().sum()) == 0
+    x, weights, ids, *_ = moe_inputs(fused_moe.TICKET_MAX_TOKENS + 1, 8, top_k, 64, 40, dtype, True, seed=6)
+    big = fused_moe.fused_moe(x, weights, ids, w_gu, w_d, b_gu, b_d, config={**GEMV_PER_PAIR, "TOPK_TICKET": 1})
+    assert len(launched) == 1
+    assert torch.equal(big, fused_moe.fused_moe(x, weights, ids, w_gu, w_d, b_gu, b_d, config=GEMV))
+
+
+def test_ticket_configs_are_pruned_past_their_token_limit():
+    def tickets(tokens):
+        cfgs = fused_moe.prune_configs(fused_moe.CONFIG_SPACE, tokens, 8, 128, 2048, 768, tma=False)
+        return [c for c in cfgs if c.params.get("TOPK_TICKET")]
+
+    assert tickets(1) and any("DOWN_BLOCK_N" in c.params for c in tickets(1))
+    assert tickets(fused_moe.TICKET_MAX_TOKENS) and not tickets(fused_moe.TICKET_MAX_TOKENS + 1)
+
+
 def test_moe_config_space_by_bucket():
     space = {
         b: problems.config_space("fused_moe", QWEN3_30B, d)

@@ -113,12 +113,19 @@ def test_align_kernels_match_the_reference(t, e, k, block_m):
 TMA_TILE = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "TMA": 1, "num_warps": 4, "num_stages": 4}
 
 
+TICKET_GEMV = {"gemv": 1, "BLOCK_N": 8, "BLOCK_K": 128, "DOWN_PER_PAIR": 1, "TOPK_TICKET": 1, "DOWN_BLOCK_N": 32,
+               "DOWN_BLOCK_K": 128, "DOWN_WARPS": 4, "num_warps": 2, "num_stages": 1}  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "tokens,config", [(1, None), (64, None), (64, TMA_TILE), (64, {"grouped": 1})], ids=["gemv", "tile", "tma-tile", "grouped"]
+    "tokens,config",
+    [(1, None), (4, TICKET_GEMV), (64, None), (64, TMA_TILE), (64, {"grouped": 1})],
+    ids=["gemv", "gemv-ticket", "tile", "tma-tile", "grouped"],
 )
 def test_captured_in_a_cuda_graph(tokens, config):
-    """The GEMV path (1 token) and the tile path with its align kernels (64) never sync with the
-    host: a captured launch replays on new inputs (new routing) and matches an eager one (the
+    """The GEMV path (1 token; 4 with the top-k sum in the down launch, whose shared counters must
+    be back at 0 after a replay for the eager launch after it) and the tile path with its align
+    kernels (64) never sync with the host: a captured launch replays on new inputs (new routing) and matches an eager one (the
     atomics may order an expert's rows differently; each row's values do not depend on it). The
     TMA tile's descriptors are captured by value: they hold the addresses of the graph's buffers.
     GROUPED's grouped GEMMs read their group ends from the device."""
