@@ -393,22 +393,19 @@ def _moe_gemv_kernel(
         )  # fmt: skip
         row = pair.to(tl.int64)
         if TICKET:
-            # The top-k sum in this launch: the pair's fp32 row stored, a CTA barrier, one ticket on
-            # the (token, column block) counter (acq_rel at GPU scope: the rows happen-before a later
-            # ticket); the token's last pair to finish adds its top_k rows in pair order, in fp32
-            # from zero, as _moe_topk_sum_kernel does (the same bits), and zeroes the counter.
+            # The top-k sum in this launch: the pair's fp32 row stored, then a ticket on the (token,
+            # column block) counter; the token's last pair to finish adds its top_k rows in pair
+            # order, in fp32 from zero, as _moe_topk_sum_kernel does (the same bits).
             tl.store(c_ptr + row * stride_cm + offs_n, y, mask=n_ok)
-            tl.debug_barrier()
             token = (pair // top_k).to(tl.int64)
             counter = count_ptr + token * tl.num_programs(1) + pid_n
-            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if ticket == top_k - 1:
+            if split_k.last_to_arrive(counter, top_k):
                 total = tl.zeros((BLOCK_N,), dtype=tl.float32)
                 for j in range(top_k):  # .cg: from L2, where the other pairs' rows are
                     total += tl.load(c_ptr + (token * top_k + j) * stride_cm + offs_n, mask=n_ok, other=0.0,
                                      cache_modifier=".cg")  # fmt: skip
                 tl.store(out_ptr + token * N + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero for the next launch
+                split_k.reset(counter)
             return
     else:
         token = tl.program_id(0)

@@ -252,13 +252,10 @@ def _router_route_kernel(
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     tl.store(part_ptr + tl.program_id(1) * (T * E) + offs_t[:, None] * E + offs_x[None, :], acc,
              mask=t_ok[:, None] & x_ok[None, :])  # fmt: skip
-    # Every program's partial stored (a CTA barrier, then one ticket each, acq_rel at GPU scope:
-    # the partials happen-before a later ticket); the program drawing the last ticket adds the
-    # partials in split order (the same sum whichever program is last), adds the bias, rounds to
-    # x's dtype as F.linear's output is, routes every token and sets the counter back to 0.
-    tl.debug_barrier()
-    ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-    if ticket == tl.num_programs(0) * SPLIT_H - 1:
+    # The program drawing the launch's last ticket adds the partials in split order (the same sum
+    # whichever program is last), adds the bias, rounds to x's dtype as F.linear's output is,
+    # routes every token and sets the counter back to 0.
+    if split_k.last_to_arrive(count_ptr, tl.num_programs(0) * SPLIT_H):
         rows = tl.arange(0, ROUTE_T).to(tl.int64)
         r_ok = rows < T
         offs = tl.arange(0, BLOCK_E)
@@ -276,7 +273,7 @@ def _router_route_kernel(
             logits, rows, r_ok, valid, offs, weights_ptr, ids_ptr, x_ptr, K, TOPK_SOFTMAX, RENORMALIZE, BLOCK_K,
             PRECISE_EXP, ROUND_TO_LOGITS,
         )  # fmt: skip
-        tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")  # zero for the next launch
+        split_k.reset(count_ptr)
 
 
 UNFUSED = KernelConfig({"unfused": 1}, num_warps=0, num_stages=0)  # F.linear (cuBLAS), then _route_kernel

@@ -91,23 +91,19 @@ def _skinny_gemm_kernel(
             acc += tl.load(b_ptr + offs_n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_ok)
     else:
-        # The split-K reduction in this launch (the module docstring): the partial out, a barrier so
-        # every thread of the program has stored it before one thread takes the ticket (acq_rel at
-        # GPU scope: the partials happen-before a later ticket, whose holder reads them after); the
-        # last of the column block's SPLIT_K programs adds the partials in split order.
+        # The split-K reduction in this launch (the module docstring): the partial out; the last of
+        # the column block's SPLIT_K programs adds the partials in split order.
         parts = part_ptr + offs_m[:, None] * N + offs_n[None, :]
         tl.store(parts + tl.program_id(1) * (M * N), acc, mask=y_ok)
-        tl.debug_barrier()
         counter = count_ptr + pid
-        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLIT_K - 1:
+        if split_k.last_to_arrive(counter, SPLIT_K):
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in range(SPLIT_K):  # .cg: from L2, where the other programs' partials are
                 total += tl.load(parts + s * (M * N), mask=y_ok, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 total += tl.load(b_ptr + offs_n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_ok)
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero for the next launch
+            split_k.reset(counter)
 
 
 TORCH = KernelConfig({"torch": 1}, num_warps=0, num_stages=0)  # F.linear (cuBLAS)

@@ -13,6 +13,8 @@ stays allocated, not freed.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 COUNTERS: dict[torch.device, torch.Tensor] = {}
 OUTGROWN: list[torch.Tensor] = []
@@ -33,3 +35,19 @@ def counters(device: torch.device, size: int, kernel: str) -> torch.Tensor:
         buffer = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
         COUNTERS[device] = buffer
     return buffer
+
+
+@triton.jit
+def last_to_arrive(counter, arrivals):
+    """Called by each of ``arrivals`` programs sharing ``counter`` once its partial results are
+    stored: whether this program is the last to get here. A CTA barrier first (every thread's stores
+    ordered before the ticket), then one ticket, an atomic add acq_rel at GPU scope: the earlier
+    programs' stores happen-before the last program's loads (which read from L2, ``.cg``)."""
+    tl.debug_barrier()
+    return tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == arrivals - 1
+
+
+@triton.jit
+def reset(counter):
+    """The last program, done with the partials: the counter back to 0 for the next launch."""
+    tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
