@@ -913,6 +913,13 @@ def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int, max_mo
             param="prompt",
             code="invalid_token_id",
         )
+    bad = [t for t in params.logit_bias or () if t >= vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            f"logit_bias names token id {bad[0]}, out of range for this model's vocabulary of {vocab_size}",
+            param="logit_bias",
+            code="invalid_token_id",
+        )
     return resolve_max_tokens(len(ids), params, max_model_len)
 
 

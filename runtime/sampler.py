@@ -30,6 +30,9 @@ stream of ``kernels/keyed_noise.py``, so a seeded request gives the same tokens 
 in the batch, in either scheduling mode and after a preemption. On a GPU the race kernel draws
 that noise itself, for unseeded rows from a key drawn on the device each step.
 
+A request's ``logit_bias`` (OpenAI's: token id -> value in [-100, 100]) is added to its row
+before the penalties, as vLLM applies it; logprobs stay those of the raw logits.
+
 Until a request has ``min_tokens`` output tokens, its stop token ids and (unless
 ``ignore_eos``) the end-of-sequence ids are masked, as transformers' ``MinNewTokensLogitsProcessor``
 does, so they cannot be sampled early. Logprobs still describe the raw distribution.
@@ -135,7 +138,7 @@ def sample_token_ids(
     # truncation work in fp32); only masks and penalties make an fp32 copy, since bf16 has too
     # few mantissa bits for penalties. Every step below is out of place, so the caller's logits
     # (and the raw logprobs) survive.
-    work = _mask_stop_tokens(logits, requests)
+    work = _add_logit_bias(_mask_stop_tokens(logits, requests), requests)
     if token_bitmask is not None:
         from pagecast.runtime.structured_output import apply_bitmask
 
@@ -222,6 +225,26 @@ def _mask_stop_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Te
     # The values are filled on the device: a tensor made from a host scalar would be a
     # pageable copy, which may wait for the step in flight.
     return logits.float().index_put(index, torch.full((len(rows),), float("-inf"), device=logits.device))
+
+
+def _add_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """OpenAI's ``logit_bias``: each row's biases added to its logits (an fp32 copy; ``logits``
+    itself when no row has one). A token masked to ``-inf`` stays masked."""
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    vocab = logits.shape[1]
+    for i, request in enumerate(requests):
+        for token, value in (request.sampling_params.logit_bias or {}).items():
+            if 0 <= token < vocab:  # (the engine refuses others when the request arrives)
+                rows.append(i)
+                cols.append(token)
+                values.append(value)
+    if not rows:
+        return logits
+    device = logits.device
+    index = (to_device(rows, device, torch.int64), to_device(cols, device, torch.int64))
+    return logits.float().index_put(index, to_device(values, device, torch.float32), accumulate=True)
 
 
 # --- penalties -------------------------------------------------------------------------------

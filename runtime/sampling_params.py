@@ -123,6 +123,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # JSON mode, a JSON schema, a regex, a choice or a grammar: a grammar masks the tokens that would break it.
     structured_output: StructuredOutput | None = None
+    # OpenAI's logit_bias: token id -> a value in [-100, 100] added to that token's logit before the
+    # penalties, temperature and truncation (logprobs still describe the model's own distribution).
+    logit_bias: dict[int, float] | None = None
     # What the request's outputs hold (the front end's business; the engine core ignores it).
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
@@ -159,6 +162,18 @@ class SamplingParams:
             value = getattr(self, name)
             _check(value is None or (isinstance(value, int) and 0 <= value <= 20), name, "must be in [0, 20]")
         _check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+        if self.logit_bias is not None:
+            _check(isinstance(self.logit_bias, dict), "logit_bias", "must map token ids to numbers")
+            _check(
+                all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.logit_bias),
+                "logit_bias", "keys must be token ids",
+            )  # fmt: skip
+            _check(
+                all(isinstance(v, (int, float)) and not isinstance(v, bool) and -100.0 <= v <= 100.0
+                    for v in self.logit_bias.values()),
+                "logit_bias", "values must be numbers in [-100, 100]",
+            )  # fmt: skip
+            self.logit_bias = {t: float(v) for t, v in self.logit_bias.items()} or None
         _check(isinstance(self.output_kind, RequestOutputKind), "output_kind", "must be a RequestOutputKind")
         if self.structured_output is not None:
             _check(isinstance(self.structured_output, StructuredOutput), "structured_output", "must be a StructuredOutput")

@@ -80,6 +80,39 @@ def test_greedy_is_argmax(dtype: torch.dtype) -> None:
     assert torch.equal(logits, before), "the sampler must not modify the caller's logits"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logit_bias_moves_its_rows_only_and_keeps_min_tokens_masks(dtype: torch.dtype) -> None:
+    """logit_bias adds to its own row's logits: -100 on the argmax takes the runner-up, +100 on any
+    token picks it even at temperature 1; rows without a bias are as before; a stop token masked by
+    min_tokens stays masked whatever its bias; logprobs are the raw logits' and the caller's logits
+    are not modified."""
+    logits = random_logits(4).to(dtype)
+    before = logits.clone()
+    top2 = logits.float().topk(2, dim=-1).indices
+    eos = int(top2[3, 0])
+    requests = [
+        make_request(index=0, temperature=0.0, logit_bias={int(top2[0, 0]): -100.0}, logprobs=1),
+        make_request(index=1, temperature=1.0, seed=5, logit_bias={7: 100.0}),
+        make_request(index=2, temperature=0.0),
+        make_request(index=3, temperature=0.0, min_tokens=2, stop_token_ids=[eos], logit_bias={eos: 100.0}),
+    ]
+    out = sample(logits, requests)
+    assert out.token_ids[:3] == [int(top2[0, 1]), 7, int(logits[2].float().argmax())]
+    assert out.token_ids[3] != eos
+    raw = torch.log_softmax(logits[0].float(), dim=-1)[int(top2[0, 1])].item()
+    assert out.logprobs[0] is not None
+    assert out.logprobs[0][int(top2[0, 1])].logprob == pytest.approx(raw, abs=1e-4)
+    assert torch.equal(logits, before)
+
+
+def test_logit_bias_values_are_checked() -> None:
+    assert SamplingParams(logit_bias={5: 3}).logit_bias == {5: 3.0}
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    for bad in ({5: 100.5}, {5: float("nan")}, {-1: 1.0}, {"5": 1.0}, {True: 1.0}, [1, 2]):
+        with pytest.raises(ValueError, match="^logit_bias"):
+            SamplingParams(logit_bias=bad)  # type: ignore[arg-type]
+
+
 def test_empty_batch_and_bad_shape() -> None:
     assert sample(torch.empty(0, VOCAB), []).token_ids == []
     with pytest.raises(ValueError, match="one row per request"):

@@ -191,11 +191,32 @@ def test_non_finite_numbers_are_named(server, name, literal):  # type: ignore[no
 
 
 @pytest.mark.parametrize(
+    "bias, says",
+    [
+        ({"hello": 5}, "token ids"),
+        ({"-3": 5}, "token ids"),
+        ({"99999999999999999999999": 5}, "token ids"),
+        ({"50": 101}, "[-100, 100]"),
+        ({"50": -100.5}, "[-100, 100]"),
+        ({"1000000": 1}, "out of range"),
+    ],
+)
+def test_bad_logit_bias_is_a_400_naming_it(server, bias, says):  # type: ignore[no-untyped-def]
+    """A key that is not a token id of the model, or a value outside OpenAI's range, is a 400 with
+    param logit_bias, on both endpoints; a good one is served."""
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1, "logit_bias": bias}
+    assert_error(post(server, "/v1/completions", body), 400, "invalid_request_error", param="logit_bias", says=says)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "logit_bias": bias}
+    assert_error(post(server, "/v1/chat/completions", chat), 400, "invalid_request_error", param="logit_bias", says=says)
+    ok = {"model": MODEL, "prompt": "hi", "max_tokens": 1, "logit_bias": {"50": 2.5}}
+    assert post(server, "/v1/completions", ok).status_code == 200
+
+
+@pytest.mark.parametrize(
     "path, body, param",
     [
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "suffix": "tail"}, "suffix"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": 3}, "best_of"),
-        ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"50": 5}}, "logit_bias"),
         (
             "/v1/chat/completions",
             {

@@ -12,7 +12,7 @@ import openai
 import pytest
 import torch
 from server_support import ReferenceModel, make_engine, metric, metric_samples, serve
-from transformers import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
+from transformers import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
 
 from pagecast.runtime import LLM, SamplingParams
 from pagecast.runtime.server.sse import DONE
@@ -562,6 +562,35 @@ def test_penalties_match_transformers_processors(client, reference, penalties): 
         extra_body={"return_token_ids": True, "ignore_eos": True},
     )
     assert plain.choices[0].model_extra["token_ids"] == reference.greedy(ids, 16, [])
+
+
+def test_logit_bias_matches_transformers_sequence_bias(client, reference):  # type: ignore[no-untyped-def]
+    """OpenAI's logit_bias (token id strings -> [-100, 100]) through the SDK: greedy tokens as
+    transformers' SequenceBiasLogitsProcessor of one-token sequences gives them, added before the
+    repetition penalty (vLLM's order); a +100 bias makes that token the answer, while its reported
+    logprob is still the model's own (logprobs describe the raw distribution)."""
+    ids = [1, 42, 42, 42, 3000, 3000, 17]
+    bias = {"3000": 8.0, "42": -100, "17": 5.5}
+    resp = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=12, temperature=0, logit_bias=bias,
+        extra_body={"return_token_ids": True, "ignore_eos": True, "repetition_penalty": 1.3},
+    )  # fmt: skip
+    processors = [
+        SequenceBiasLogitsProcessor([[[int(t)], float(b)] for t, b in bias.items()]),
+        RepetitionPenaltyLogitsProcessor(1.3),
+    ]
+    got = resp.choices[0].model_extra["token_ids"]
+    assert got == reference.greedy(ids, 12, processors)
+    assert got != reference.greedy(ids, 12, [RepetitionPenaltyLogitsProcessor(1.3)])  # the bias mattered
+    forced = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=3, temperature=0.8, seed=1, logit_bias={"977": 100}, logprobs=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )  # fmt: skip
+    choice = forced.choices[0]
+    assert choice.model_extra["token_ids"] == [977, 977, 977]
+    raw = torch.log_softmax(reference.logits(ids)[-1].float(), dim=-1)[977].item()
+    assert choice.logprobs.token_logprobs[0] == pytest.approx(raw, abs=1e-3)
+    assert raw < -1.0  # far from the biased distribution's ~0
 
 
 def test_min_p_samples_only_what_transformers_allows(client, reference):  # type: ignore[no-untyped-def]

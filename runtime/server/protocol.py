@@ -102,7 +102,7 @@ class _SamplingRequest(RequestModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
-    # OpenAI parameters we do not implement: declared so that they are refused, not ignored.
+    # token id (a string of digits, as JSON keys are) -> a bias in [-100, 100] added to its logit
     logit_bias: dict[str, float] | None = None
 
     @field_validator("stop")
@@ -125,8 +125,6 @@ class _SamplingRequest(RequestModel):
         return value
 
     def check_common(self) -> None:
-        if self.logit_bias:
-            raise unsupported("logit_bias")
         if self.stream_options is not None and not self.stream:
             raise invalid_request("`stream_options` is only allowed when `stream` is true.", "stream_options")
 
@@ -204,6 +202,7 @@ class _SamplingRequest(RequestModel):
             "prompt_logprobs": prompt_logprobs,
             "seed": self.seed,
             "structured_output": constraint,
+            "logit_bias": self._token_biases(),
         }
         # None means "the default": leave it to SamplingParams so there is one default per field.
         for name in (
@@ -222,6 +221,21 @@ class _SamplingRequest(RequestModel):
             return SamplingParams(**kwargs)
         except ValueError as exc:
             raise from_sampling_value_error(exc, {**rename, "structured_output": source}) from None
+
+    def _token_biases(self) -> dict[int, float] | None:
+        """``logit_bias`` with its keys as token ids (the range against the vocabulary is checked
+        with the prompt, engine_core.check_prompt)."""
+        if not self.logit_bias:
+            return None
+        biases = {}
+        for key, value in self.logit_bias.items():
+            token = key.strip()
+            if not (token.isascii() and token.isdigit()) or int(token) >= 2**31:
+                raise invalid_request(
+                    f"`logit_bias` keys are token ids (strings of digits below 2^31), got {key[:40]!r}.", "logit_bias"
+                )
+            biases[int(token)] = value
+        return biases
 
     def _forced_name(self) -> str:
         return "required or a named function"
