@@ -1,0 +1,181 @@
+"""The GPU measurements still owed, in the order they are worth device time, run one after another
+within one device call's limit: each step under its own timeout (a step that hangs costs its
+timeout, not the call), its output in OUT/<step>.log, a JSON line per step in OUT/queue.jsonl
+(rc, seconds, whether it timed out). A step starts only if its timeout fits in what is left of
+``--budget``; ``--from`` resumes at a step in the next call (the machine may be a fresh one, so
+each step builds what it needs).
+
+    python benchmarks/gpu_queue.py --out $OUT [--budget 570] [--from STEP] [--only STEP,STEP]
+    python benchmarks/gpu_queue.py --list
+
+The steps and what each decides are in STEPS; benchmarks/RESULTS.md says where each lead stands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+PY = sys.executable
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    command: list[str]
+    timeout_s: int
+    decides: str
+
+
+def _pytest(*args: str) -> list[str]:
+    return [PY, "-m", "pytest", "-m", "gpu", "-q", "-x", "-p", "no:cacheprovider", *args]
+
+
+def steps(out: Path) -> list[Step]:
+    """The queue (``out``: where benchmarks that take --out write)."""
+    bench = Path(__file__).parent
+    return [
+        Step(
+            "kernel_tests",
+            _pytest(
+                "tests/test_kernels_gpu.py", "tests/test_moe_route_kernel_gpu.py", "tests/test_fused_moe_gpu.py",
+                "-k", "skinny or fused_router or captured or grouped or workspace",
+            ),
+            240,
+            "the new kernels compute the right thing in bf16 on sm_90 (skinny split-K, fused router, MoE "
+            "top-k ticket, GROUPED): nothing below counts until these pass",
+        ),
+        Step(
+            "halves_tests",
+            _pytest("tests/test_decode_halves_gpu.py"),
+            150,
+            "decode halves: two half-batch forwards on two streams in one graph give the whole batch's tokens",
+        ),
+        Step(
+            "overlap",
+            [PY, str(bench / "overlap.py"), "--out", str(out)],
+            120,
+            "whether a half-batch's attention runs beside the other half's GEMMs at all (W1/W6's lead)",
+        ),
+        Step(
+            "w6_w1",
+            [PY, str(bench / "serving.py"), "--out", str(out / "w6_w1"), "--artifact", str(out / "llama3-8b"),
+             "--phases", "W6,W1", "--tune-budget", "60"],
+            360,
+            "bf16 W6 and W1 without the leads, built here (issue 33: >= 24,000 and >= 11,500 tok/s)",
+        ),
+        Step(
+            "w6_w1_halves",
+            [PY, str(bench / "serving.py"), "--out", str(out / "w6_w1_halves"), "--artifact", str(out / "llama3-8b"),
+             "--phases", "W6,W1", "--decode-halves-from", "256", "--tune-budget", "60"],
+            360,
+            "the same artifact (built again, as w6_w1 does, on a fresh machine) with decode halves from 256 rows: "
+            "the default if it wins both",
+        ),
+        Step(
+            "w6_w1_mixed",
+            [PY, str(bench / "serving.py"), "--out", str(out / "w6_w1_mixed"), "--artifact", str(out / "llama3-8b"),
+             "--phases", "W6,W1", "--mixed-graphs", "--tune-budget", "60"],
+            360,
+            "the same artifact with mixed-step CUDA graphs (W1's prefill steps)",
+        ),
+        Step(
+            "qwen3_skinny",
+            [PY, str(bench / "tuner_problem.py"), "--model", "qwen3-30b-a3b", "--kernel", "skinny_gemm",
+             "--buckets", "o.m1,qkv.m1,o.m4"],
+            120,
+            "skinny split-K against cuBLAS on Qwen3-30B-A3B's o and qkv (cuBLAS: 8.9 and 7.7 us at one row)",
+        ),
+        Step(
+            "qwen3_router",
+            [PY, str(bench / "tuner_problem.py"), "--model", "qwen3-30b-a3b", "--kernel", "moe_router",
+             "--buckets", "t1,t4,t16"],
+            90,
+            "the router GEMV + routing in one launch against F.linear + the routing kernel (8.55 us at one token)",
+        ),
+        Step(
+            "qwen3_moe_gemv",
+            [PY, str(bench / "tuner_problem.py"), "--model", "qwen3-30b-a3b", "--kernel", "fused_moe",
+             "--buckets", "t1,t2,t4"],
+            180,
+            "TOPK_TICKET and the down tiles against the per-pair GEMV (31.3 us a layer at one token)",
+        ),
+        Step(
+            "grouped",
+            [PY, str(bench / "moe.py"), "--shapes", "mixtral-8x7b,qwen3-30b-a3b", "--tokens", "16,256,1024,4096",
+             "--no-sweep", "--out", str(out)],
+            240,
+            "GROUPED (torch._grouped_mm) against the tile path and the naive loop (Mixtral fused/naive 0.95x at 4,096)",
+        ),
+        Step(
+            "qwen3_w4",
+            [PY, str(bench / "families.py"), "--out", str(out), "--models", "qwen3-30b-a3b", "--phases", "W4",
+             "--tune-budget", "60"],
+            330,
+            "issue 27's Qwen3-30B-A3B W4 against its roofline with every lead in the tuner's space (3.749 ms, 2.565x)",
+        ),
+        Step(
+            "fp8_tests",
+            _pytest("tests/test_fp8_gpu.py"),
+            300,
+            "the mended FP8 engine test (e4m3 rounding flips bounded, one prompt exact per checkpoint)",
+        ),
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("gpu-queue-out"))
+    ap.add_argument("--budget", type=float, default=570.0, help="seconds for the whole queue (a device call's limit, less a margin)")
+    ap.add_argument("--from", dest="start", default="", help="skip the steps before this one")
+    ap.add_argument("--only", default="", help="comma-separated steps to run (in queue order)")
+    ap.add_argument("--list", action="store_true", help="print the steps and stop")
+    args = ap.parse_args()
+    queue = steps(args.out)
+    names = [s.name for s in queue]
+    for name in [args.start, *filter(None, args.only.split(","))]:
+        if name and name not in names:
+            sys.exit(f"no step {name!r}; the steps are {', '.join(names)}")
+    if args.start:
+        queue = queue[names.index(args.start) :]
+    if args.only:
+        wanted = set(args.only.split(","))
+        queue = [s for s in queue if s.name in wanted]
+    if args.list:
+        for s in queue:
+            print(f"{s.name:16} {s.timeout_s:4d} s  {s.decides}")
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + args.budget
+    for step in queue:
+        left = deadline - time.monotonic()
+        row: dict[str, object] = {"step": step.name, "command": step.command}
+        if step.timeout_s > left:
+            row.update(skipped=f"its timeout ({step.timeout_s} s) does not fit the {left:.0f} s left; rerun with --from {step.name}")
+            _record(args.out, row)
+            break
+        t0 = time.monotonic()
+        with open(args.out / f"{step.name}.log", "w") as log:
+            try:
+                rc: int | None = subprocess.run(step.command, stdout=log, stderr=subprocess.STDOUT, timeout=step.timeout_s, check=False).returncode
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                rc, timed_out = None, True
+        row.update(rc=rc, timed_out=timed_out, seconds=round(time.monotonic() - t0, 1))
+        _record(args.out, row)
+
+
+def _record(out: Path, row: dict[str, object]) -> None:
+    line = json.dumps(row)
+    print(line, flush=True)
+    with open(out / "queue.jsonl", "a") as f:
+        f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""benchmarks/gpu_queue.py, the runner of the GPU measurements still owed, on the CPU with stand-in
+steps: each step's log and JSON line, a failing step does not stop the queue, a hanging one costs
+its timeout only, a step whose timeout does not fit the budget left is skipped with the --from that
+resumes it, and every step of the real queue names a file that exists."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+
+import gpu_queue  # noqa: E402
+
+
+def _fake(out: Path) -> list[gpu_queue.Step]:
+    py = sys.executable
+    return [
+        gpu_queue.Step("ok", [py, "-c", "print('measured')"], 30, "a step that works"),
+        gpu_queue.Step("fails", [py, "-c", "raise SystemExit(3)"], 30, "a step that fails"),
+        gpu_queue.Step("hangs", [py, "-c", "import time; time.sleep(60)"], 2, "a step that hangs"),
+        gpu_queue.Step("too_long", [py, "-c", "print('never')"], 10_000, "a step the budget cannot hold"),
+        gpu_queue.Step("after", [py, "-c", "print('never')"], 1, "after the skipped one"),
+    ]
+
+
+def test_the_queue_runs_steps_under_their_timeouts_and_stops_where_the_budget_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gpu_queue, "steps", _fake)
+    monkeypatch.setattr(sys, "argv", ["gpu_queue.py", "--out", str(tmp_path), "--budget", "120"])
+    gpu_queue.main()
+    rows = [json.loads(line) for line in (tmp_path / "queue.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == ["ok", "fails", "hangs", "too_long"]
+    assert (rows[0]["rc"], rows[1]["rc"], rows[2]["rc"]) == (0, 3, None)
+    assert rows[2]["timed_out"] and rows[2]["seconds"] < 30
+    assert "--from too_long" in rows[3]["skipped"]
+    assert (tmp_path / "ok.log").read_text().strip() == "measured"
+    monkeypatch.setattr(sys, "argv", ["gpu_queue.py", "--out", str(tmp_path), "--from", "nope"])
+    with pytest.raises(SystemExit, match="no step 'nope'"):
+        gpu_queue.main()
+
+
+def test_every_step_of_the_real_queue_names_files_that_exist(tmp_path: Path) -> None:
+    root = Path(__file__).parents[1]
+    for step in gpu_queue.steps(tmp_path):
+        files = [a for a in step.command if a.endswith(".py")]
+        assert files, step.name
+        for f in files:
+            assert (root / f).is_file() or Path(f).is_file(), (step.name, f)
