@@ -303,6 +303,13 @@ KERNEL_CASES = [
     pytest.param(3, 8, 4, 48, 40, "swiglu_oai", True, GEMV, id="t3-gptoss-bias-gemv"),
     pytest.param(9, 8, 2, 64, 40, "silu", False, GEMV_PER_PAIR, id="t9-e8-top2-gemv-per-pair"),
     pytest.param(3, 8, 4, 48, 40, "swiglu_oai", True, GEMV_PER_PAIR, id="t3-gptoss-bias-gemv-per-pair"),
+    # the GEMV through tl.dot (the row padded to 16): serial down, and per pair with the top-k ticket
+    pytest.param(9, 8, 2, 64, 40, "silu", False, {**GEMV, "DOT": 1, "BLOCK_N": 16, "BLOCK_K": 16}, id="t9-gemv-dot"),
+    pytest.param(
+        3, 8, 4, 48, 40, "swiglu_oai", True,
+        {**GEMV_PER_PAIR, "DOT": 1, "BLOCK_N": 16, "BLOCK_K": 32, "TOPK_TICKET": 1, "num_stages": 3},
+        id="t3-gptoss-bias-gemv-dot-ticket",
+    ),  # fmt: skip
     pytest.param(9, 8, 2, 64, 40, "silu", False, {**TILE, "SPLIT_ACT": 1}, id="t9-e8-top2-split-act"),
     pytest.param(
         9, 8, 4, 48, 40, "swiglu_oai", True, {**TILE, "SPLIT_ACT": 1}, id="t9-gptoss-bias-split-act"

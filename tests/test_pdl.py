@@ -73,6 +73,10 @@ CHILD = textwrap.dedent(
                         torch.randn(experts, 2 * inter, hidden, dtype=bf16), torch.randn(experts, hidden, inter, dtype=bf16),
                         config=KernelConfig({"gemv": 1, "BLOCK_N": 8, "BLOCK_K": 128, "DOWN_PER_PAIR": 1, "TOPK_TICKET": 1,
                                              "DOWN_BLOCK_N": 32, "DOWN_BLOCK_K": 64, "DOWN_WARPS": 4}, num_warps=2, num_stages=1))
+    fused_moe.fused_moe(torch.randn(2, hidden, dtype=bf16), weights, ids,
+                        torch.randn(experts, 2 * inter, hidden, dtype=bf16), torch.randn(experts, hidden, inter, dtype=bf16),
+                        config=KernelConfig({"gemv": 1, "DOT": 1, "BLOCK_N": 32, "BLOCK_K": 128, "DOWN_PER_PAIR": 1,
+                                             "TOPK_TICKET": 1}, num_warps=4, num_stages=3))
 
     memory = re.compile(r"^\s*(@%p\d+\s+)?(ld\.global|st\.global|atom\.|red\.|cp\.async\.|ldmatrix|cp\.reduce|ld\.volatile\.global)")
     for fn, args, kwargs in launches:
@@ -99,7 +103,8 @@ KERNELS = {
     "_decode_merge_kernel": 1,
     "_route_kernel": 1,  # MoE decode: routing (or the router GEMV with it), the expert GEMVs (gate_up, down per pair), the top-k sum
     "_router_route_kernel": 1,
-    "_moe_gemv_kernel": 4,  # gate_up and down, twice: the second down launch sums the top k itself (TOPK_TICKET)
+    "_moe_gemv_kernel": 6,  # gate_up and down, three times: then the top k summed in the down launch
+    #                         (TOPK_TICKET), then also through tl.dot (DOT)
     "_moe_topk_sum_kernel": 1,
 }
 
