@@ -103,7 +103,7 @@ def steps(out: Path) -> list[Step]:
             [PY, str(bench / "tuner_problem.py"), "--model", "qwen3-30b-a3b", "--kernel", "fused_moe",
              "--buckets", "t1,t2,t4"],
             180,
-            "TOPK_TICKET and the down tiles against the per-pair GEMV (31.3 us a layer at one token)",
+            "TOPK_TICKET, the down tiles and the tl.dot GEMV (DOT) against the per-pair GEMV (31.3 us a layer at one token)",
         ),
         Step(
             "grouped",
