@@ -86,6 +86,7 @@ def gemm_job(
         signature["a_ptr"] = f"tensordesc<{elt}[{cfg['BLOCK_M']}, {cfg['BLOCK_K']}]>"
         signature["w_ptr"] = f"tensordesc<{elt}[{cfg['BLOCK_N']}, {cfg['BLOCK_K']}]>"
         constexprs["TMA"] = True
+        constexprs["WS"] = bool(cfg.params.get("WS"))  # the launcher's: warp-specialised K loop
         divisible = [name for name in divisible if name not in ("a_ptr", "w_ptr")]
     return (
         "gemm",
@@ -102,7 +103,8 @@ def gemv_job(cfg: KernelConfig, gate_up: bool, bias: bool, activation: int = fus
     ints = {"N": n, "K": k, "stride_am": k, "stride_we": (2 * i if gate_up else h) * k, "stride_wn": k,
             "stride_be": 2 * i if gate_up else h, "stride_cm": n, "top_k": 8}  # fmt: skip
     signature = {"a_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "ids_ptr": "*i64",
-                 "weights_ptr": "*fp32", **{name: "i32" for name in ints}}  # fmt: skip
+                 "weights_ptr": "*fp32", **{name: "i32" for name in ints}, "out_ptr": "*bf16",
+                 "count_ptr": "*i32"}  # fmt: skip
     divisible = [name for name in signature if name.endswith("_ptr")] + [
         n for n, v in ints.items() if v % 16 == 0
     ]
