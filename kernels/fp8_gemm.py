@@ -645,10 +645,7 @@ def _launch_skinny(
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
     blocks = triton.cdiv(n, bn)
     if split > 1:
-        # The partials: per launch from the caching allocator (no host sync; inside a capture, from
-        # the graph's pool), [split, M, N] fp32, every element written before it is read.
-        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        counters = split_k.counters(x.device, blocks, "fp8_skinny_linear")
+        part, counters = split_k.partials(x.device, split, m, n, blocks, "fp8_skinny_linear")
     else:
         part, counters, steps = y, y, 0  # unused
     _fp8_skinny_kernel[(blocks, split)](

@@ -352,8 +352,7 @@ def router_route(
     round_to_logits = widen and weights_dtype != torch.float32
     weights = torch.empty((t, top_k), dtype=torch.float32 if widen else weights_dtype, device=x.device)
     ids = torch.empty((t, top_k), dtype=torch.int64, device=x.device)
-    part = torch.empty((split, t, e), dtype=torch.float32, device=x.device)
-    counters = split_k.counters(x.device, 1, "router_route")
+    part, counters = split_k.partials(x.device, split, t, e, 1, "router_route")
     _router_route_kernel[(triton.cdiv(e, bx), split)](
         x, router_weight, router_bias if router_bias is not None else router_weight, part, counters, weights, ids,
         t, h, x.stride(0), steps, E=e, K=top_k, TOPK_SOFTMAX=scoring == "topk_softmax", RENORMALIZE=renormalize,

@@ -188,10 +188,7 @@ def skinny_gemm(
     steps = triton.cdiv(num_steps, min(split_of(cfg), num_steps))
     split = triton.cdiv(num_steps, steps)
     if split > 1:
-        # The partials: per launch from the caching allocator (no host sync; inside a capture, from
-        # the graph's pool), [split, M, N] fp32, every element written before it is read.
-        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        counters = split_k.counters(x.device, blocks, "skinny_gemm")
+        part, counters = split_k.partials(x.device, split, m, n, blocks, "skinny_gemm")
     else:
         part, counters, steps = y, y, 0  # unused
     _skinny_gemm_kernel[(blocks, split)](

@@ -37,6 +37,13 @@ def counters(device: torch.device, size: int, kernel: str) -> torch.Tensor:
     return buffer
 
 
+def partials(device: torch.device, split: int, rows: int, cols: int, blocks: int, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A split launch's workspace: fp32 partials [split, rows, cols], per launch from the caching
+    allocator (no host sync; inside a capture, from the graph's pool; the kernel writes every
+    element before it reads it), and the device's counters, ``blocks`` of them at least."""
+    return torch.empty((split, rows, cols), dtype=torch.float32, device=device), counters(device, blocks, kernel)
+
+
 @triton.jit
 def last_to_arrive(counter, arrivals):
     """Called by each of ``arrivals`` programs sharing ``counter`` once its partial results are
