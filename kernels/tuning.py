@@ -515,6 +515,9 @@ def precompile(problem: Any, configs: list[KernelConfig], threads: int) -> int:
     return len(configs) - failed
 
 
+ROUTER_FIELDS = ("moe_router_bias", "moe_scoring", "moe_renormalize", "moe_weights_in_x_dtype")
+
+
 def table_shapes(shapes: ModelShapes) -> dict[str, Any]:
     """A table's ``shapes``: the ModelShapes fields as JSON has them, dtypes by name."""
     fields = {
@@ -536,8 +539,12 @@ def check_pinned(table: Mapping[str, Any], shapes: ModelShapes, device_name: str
     ours, theirs = table_shapes(shapes), table["shapes"]
     # An FP8 LM head only adds buckets of its own ("lm_head.m<rows>"): the projections' are the same
     # problems with or without it, so a build with --fp8-lm-head may reuse a table without (or one
-    # written before the field existed), and back.
-    differ = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k) and k != "fp8_lm_head")
+    # written before the field existed), and back. The router's fields only shape the "moe_router"
+    # buckets, which a table written before they existed lacks (tuned afresh when reused).
+    differ = sorted(
+        k for k in set(ours) | set(theirs)
+        if ours.get(k) != theirs.get(k) and k != "fp8_lm_head" and not (k in ROUTER_FIELDS and k not in theirs)
+    )  # fmt: skip
     if differ:
         what = ", ".join(f"{k} {theirs.get(k)!r} (this build: {ours.get(k)!r})" for k in differ[:6])
         raise ValueError(f"it was tuned for other model shapes: {what}")

@@ -5,6 +5,7 @@ build's refusals on the CPU)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 from pathlib import Path
@@ -71,6 +72,17 @@ def test_a_table_of_other_shapes_or_another_gpu_is_refused(monkeypatch: pytest.M
     # An FP8 LM head adds buckets of its own, so a table without its buckets serves a build with it.
     head = tuning.ModelShapes(9, 3, 64, 576, 1536, 16, fp8_lm_head=512)
     assert tuning.check_pinned(older, head, "fake GPU") == table["kernels"]
+    # A table written before the router's fields existed (the "moe_router" buckets) serves a MoE
+    # build whatever its routing; one that has them must agree.
+    moe = tuning.ModelShapes(9, 3, 64, 576, 1536, 16, num_experts=8, top_k=2, moe_intermediate=64,
+                             moe_renormalize=True, moe_router_bias=True)  # fmt: skip
+    moe_table = {**table, "shapes": tuning.table_shapes(moe)}
+    before = {**moe_table, "shapes": {k: v for k, v in moe_table["shapes"].items() if k not in tuning.ROUTER_FIELDS}}
+    assert tuning.check_pinned(before, moe, "fake GPU") == table["kernels"]
+    assert tuning.check_pinned(moe_table, moe, "fake GPU") == table["kernels"]
+    other_routing = dataclasses.replace(moe, moe_scoring="topk_softmax")
+    with pytest.raises(ValueError, match="moe_scoring 'softmax_topk' \\(this build: 'topk_softmax'\\)"):
+        tuning.check_pinned(moe_table, other_routing, "fake GPU")
 
 
 def test_the_table_is_read_from_an_artifact_directory_or_a_file_and_bad_ones_are_build_errors(tmp_path: Path) -> None:
