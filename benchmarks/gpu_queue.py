@@ -8,6 +8,10 @@ each step builds what it needs).
     python benchmarks/gpu_queue.py --out $OUT [--budget 570] [--from STEP] [--only STEP,STEP]
     python benchmarks/gpu_queue.py --list
 
+On the device tool's machine: ``bash benchmarks/device_wheels.sh`` here first (the wheels the GPU
+image lacks, the test tokenizer, .whl/setup.sh), then a run with carry [".whl"] and the command
+``source .whl/setup.sh && python3 benchmarks/gpu_queue.py --out $OUT``.
+
 The steps and what each decides are in STEPS; benchmarks/RESULTS.md says where each lead stands.
 """
 
