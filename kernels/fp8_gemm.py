@@ -621,8 +621,8 @@ def fp8_skinny_linear(
     # Each split takes ceil(steps / SPLIT_K) K steps; fewer splits where that leaves the last ones
     # without a step (prune_configs offers none such, a table entry met by another K may be).
     num_steps = triton.cdiv(k, bk)
-    steps = triton.cdiv(num_steps, cfg.params.get("SPLIT_K", 1))
-    _launch_skinny(x, weight, w_scale, xs, bias, y, mode, triton.cdiv(num_steps, steps), steps, cfg)
+    split, steps = split_k.split_steps(num_steps, cfg.params.get("SPLIT_K", 1))
+    _launch_skinny(x, weight, w_scale, xs, bias, y, mode, split, steps, cfg)
     return y
 
 

@@ -347,8 +347,7 @@ def router_route(
     router_weight = router_weight.contiguous()
     bx, bh = config["BLOCK_X"], config["BLOCK_H"]
     num_steps = triton.cdiv(h, bh)
-    steps = triton.cdiv(num_steps, min(config["SPLIT_H"], num_steps))
-    split = triton.cdiv(num_steps, steps)  # none empty
+    split, steps = split_k.split_steps(num_steps, config["SPLIT_H"])
     round_to_logits = widen and weights_dtype != torch.float32
     weights = torch.empty((t, top_k), dtype=torch.float32 if widen else weights_dtype, device=x.device)
     ids = torch.empty((t, top_k), dtype=torch.int64, device=x.device)

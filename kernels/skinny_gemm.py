@@ -184,9 +184,7 @@ def skinny_gemm(
     block_n, block_k = cfg["BLOCK_N"], cfg["BLOCK_K"]
     blocks = triton.cdiv(n, block_n)
     num_steps = k // block_k
-    # Fewer splits where the last would get no K step (every split then has at least one).
-    steps = triton.cdiv(num_steps, min(split_of(cfg), num_steps))
-    split = triton.cdiv(num_steps, steps)
+    split, steps = split_k.split_steps(num_steps, split_of(cfg))
     if split > 1:
         part, counters = split_k.partials(x.device, split, m, n, blocks, "skinny_gemm")
     else:

@@ -37,6 +37,13 @@ def counters(device: torch.device, size: int, kernel: str) -> torch.Tensor:
     return buffer
 
 
+def split_steps(num_steps: int, wanted: int) -> tuple[int, int]:
+    """(splits, steps each) for ``num_steps`` K steps split ``wanted`` ways, fewer splits where
+    the last would get no step: every split has at least one."""
+    steps = -(-num_steps // max(1, min(wanted, num_steps)))
+    return -(-num_steps // steps), steps
+
+
 def partials(device: torch.device, split: int, rows: int, cols: int, blocks: int, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
     """A split launch's workspace: fp32 partials [split, rows, cols], per launch from the caching
     allocator (no host sync; inside a capture, from the graph's pool; the kernel writes every
