@@ -15,7 +15,7 @@ mkdir -p .whl/tokenizer
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
-    pytest pluggy iniconfig pytest-timeout click starlette anyio sniffio uvicorn h11 pydantic pydantic-core \
+    pytest pluggy iniconfig pygments packaging pytest-timeout click starlette anyio sniffio uvicorn h11 pydantic pydantic-core \
     annotated-types typing-inspection typing_extensions prometheus-client rich markdown-it-py mdurl pyzmq \
     msgspec xgrammar apache-tvm-ffi
 tokenizer=$(.venv/bin/python -c "import sys; sys.path.insert(0, 'tests'); from tiny_models import smollm2_dir; print(smollm2_dir())")
