@@ -40,76 +40,23 @@ def _pytest(*args: str) -> list[str]:
     return [PY, "-m", "pytest", "-m", "gpu", "-q", "-x", "-p", "no:cacheprovider", *args]
 
 
-def steps(out: Path, work: Path | None = None) -> list[Step]:
-    """The queue (``out``: where benchmarks that take --out write; ``work``: where the 8B artifact is
-    built, reused by the steps after the first, and by the next call while the machine stays warm)."""
-    work = work or out
+def steps(out: Path) -> list[Step]:
+    """The queue (``out``: where benchmarks that take --out write)."""
     bench = Path(__file__).parent
     return [
         Step(
+            "qwen3_w4",
+            [PY, str(bench / "families.py"), "--out", str(out), "--models", "qwen3-30b-a3b", "--phases", "W4",
+             "--tune-budget", "120"],
+            420,
+            "issue 27's Qwen3-30B-A3B W4 against its roofline with every lead in the tuner's space (3.749 ms, 2.565x, "
+            "built at 60 s; the leads add configs, so 120 s, and the build report says whether a bucket was cut)",
+        ),
+        Step(
             "kernel_tests",
-            _pytest(
-                "tests/test_kernels_gpu.py", "tests/test_moe_route_kernel_gpu.py", "tests/test_fused_moe_gpu.py",
-                "-k", "skinny or fused_router or captured or grouped or workspace",
-            ),
-            240,
-            "the new kernels compute the right thing in bf16 on sm_90 (skinny split-K, fused router, MoE "
-            "top-k ticket, GROUPED): nothing below counts until these pass",
-        ),
-        Step(
-            "halves_tests",
-            _pytest("tests/test_decode_halves_gpu.py"),
+            _pytest("tests/test_fused_moe_gpu.py", "-k", "grouped"),
             150,
-            "decode halves: two half-batch forwards on two streams in one graph give the whole batch's tokens",
-        ),
-        Step(
-            "overlap",
-            [PY, str(bench / "overlap.py"), "--out", str(out)],
-            120,
-            "whether a half-batch's attention runs beside the other half's GEMMs at all (W1/W6's lead)",
-        ),
-        Step(
-            "w6_w1",
-            [PY, str(bench / "serving.py"), "--out", str(out / "w6_w1"), "--artifact", str(work / "llama3-8b"),
-             "--phases", "W6,W1", "--tune-budget", "60"],
-            360,
-            "bf16 W6 and W1 without the leads, built here (issue 33: >= 24,000 and >= 11,500 tok/s)",
-        ),
-        Step(
-            "w6_w1_halves",
-            [PY, str(bench / "serving.py"), "--out", str(out / "w6_w1_halves"), "--artifact", str(work / "llama3-8b"),
-             "--phases", "W6,W1", "--decode-halves-from", "256", "--tune-budget", "60"],
-            360,
-            "the same artifact (built again, as w6_w1 does, on a fresh machine) with decode halves from 256 rows: "
-            "the default if it wins both",
-        ),
-        Step(
-            "w6_w1_mixed",
-            [PY, str(bench / "serving.py"), "--out", str(out / "w6_w1_mixed"), "--artifact", str(work / "llama3-8b"),
-             "--phases", "W6,W1", "--mixed-graphs", "--tune-budget", "60"],
-            360,
-            "the same artifact with mixed-step CUDA graphs (W1's prefill steps)",
-        ),
-        Step(
-            "qwen3_skinny",
-            [PY, str(bench / "tuner_problem.py"), "--model", "qwen3-30b-a3b", "--kernel", "skinny_gemm",
-             "--buckets", "o.m1,qkv.m1,o.m4"],
-            120,
-            "skinny split-K against cuBLAS on Qwen3-30B-A3B's o and qkv (cuBLAS: 8.9 and 7.7 us at one row)",
-        ),
-        Step(
-            "qwen3_router",
-            [PY, str(bench / "tuner_problem.py"), "--model", "qwen3-30b-a3b", "--kernel", "moe_router",
-             "--buckets", "t1,t4,t16"],
-            90,
-            "the router GEMV + routing in one launch against F.linear + the routing kernel (8.55 us at one token)",
-        ),
-        Step(
-            "qwen3_moe_gemv",
-            [PY, str(bench / "tuner_problem.py"), "--model", "qwen3-30b-a3b", "--kernel", "fused_moe",
-             "--buckets", "t1,t2,t4"],
-            180,
-            "TOPK_TICKET, the down tiles and the tl.dot GEMV (DOT) against the per-pair GEMV (31.3 us a layer at one token)",
+            "GROUPED (torch._grouped_mm) computes the right thing in bf16 on sm_90: it joins the tuner's space only then",
         ),
         Step(
             "mixtral_prefill",
@@ -126,14 +73,6 @@ def steps(out: Path, work: Path | None = None) -> list[Step]:
             "GROUPED against the default tile and the naive loop at Qwen3-30B-A3B's buckets",
         ),
         Step(
-            "qwen3_w4",
-            [PY, str(bench / "families.py"), "--out", str(out), "--models", "qwen3-30b-a3b", "--phases", "W4",
-             "--tune-budget", "120"],
-            420,
-            "issue 27's Qwen3-30B-A3B W4 against its roofline with every lead in the tuner's space (3.749 ms, 2.565x, "
-            "built at 60 s; the leads add configs, so 120 s, and the build report says whether a bucket was cut)",
-        ),
-        Step(
             "fp8_tests",
             _pytest("tests/test_fp8_gpu.py"),
             300,
@@ -145,7 +84,6 @@ def steps(out: Path, work: Path | None = None) -> list[Step]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("gpu-queue-out"))
-    ap.add_argument("--work", type=Path, default=None, help="where the 8B artifact is built (default --out; /tmp/... outlives the call on a warm machine)")
     ap.add_argument("--budget", type=float, default=570.0, help="seconds for the whole queue (a device call's limit, less a margin)")
     ap.add_argument("--from", dest="start", default="", help="skip the steps before this one")
     ap.add_argument("--only", default="", help="comma-separated steps to run (in queue order)")
@@ -153,7 +91,7 @@ def main() -> None:
                     help="start a step when this share of its timeout fits in what is left (it then gets what is left)")
     ap.add_argument("--list", action="store_true", help="print the steps and stop")
     args = ap.parse_args()
-    queue = steps(args.out, args.work)
+    queue = steps(args.out)
     names = [s.name for s in queue]
     for name in [args.start, *filter(None, args.only.split(","))]:
         if name and name not in names:

@@ -1046,7 +1046,7 @@ def fused_moe(
     if tma:
         # The copy engine reads consecutive rows only: gather each block's tokens into sorted order
         # (padding rows read the last token; the down launch never stores them).
-        x = x.index_select(0, (sorted_ids // top_k).clamp_(max=t - 1))
+        x = x.index_select(0, (sorted_ids // top_k).clamp_(0, t - 1))
     if cfg.params.get("SPLIT_ACT"):
         # Padding rows stay uninitialised: the activation runs over them too, the down launch masks them.
         gate_up = torch.empty((nb * bm, 2 * i), dtype=x.dtype, device=x.device)
@@ -1078,11 +1078,11 @@ def _grouped_experts(
     ends = (torch.searchsorted(blocks, experts, right=True) * GROUP_ALIGN).to(torch.int32)
     # Padding rows read the last token; past the last group's end the products are never read.
     # Each product is freed after its last use (workspace_bytes counts what is alive at once).
-    gathered = x.index_select(0, (sorted_ids // top_k).clamp_(max=t - 1))
+    gathered = x.index_select(0, (sorted_ids // top_k).clamp_(0, t - 1))
     gate_up = torch._grouped_mm(gathered, w_gate_up.transpose(1, 2), offs=ends)
     del gathered
     if b_gate_up is not None or b_down is not None:
-        row_expert = block_expert.clamp(min=0).repeat_interleave(GROUP_ALIGN)
+        row_expert = block_expert.clamp(0, num_experts - 1).repeat_interleave(GROUP_ALIGN)
     if b_gate_up is not None:  # torch._grouped_mm takes no bias
         gate_up += b_gate_up.index_select(0, row_expert)
     inter = _activation(gate_up, activation, alpha, limit)
@@ -1093,7 +1093,7 @@ def _grouped_experts(
         down += b_down.index_select(0, row_expert)
     # Each pair's row: sorted_ids inverted (every padding slot holds P, so they all land in slot P).
     row_of_pair = torch.empty(p + 1, dtype=torch.int32, device=dev)
-    row_of_pair.scatter_(0, sorted_ids.long(), torch.arange(rows, dtype=torch.int32, device=dev))
+    row_of_pair.scatter_(0, sorted_ids.long().clamp_(0, p), torch.arange(rows, dtype=torch.int32, device=dev))
     out = torch.empty((t, h), dtype=x.dtype, device=dev)
     block = min(TOPK_SUM_BLOCK, triton.next_power_of_2(h))
     _moe_gather_sum_kernel[(t, triton.cdiv(h, block))](

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from pagecast.runtime.block_pool import BlockPool
-from pagecast.runtime.cuda_graphs import MIN_HALF_ROWS, mixed_graph_sizes
+from pagecast.runtime.cuda_graphs import mixed_graph_sizes
 from pagecast.runtime.errors import InvalidRequestError
 from pagecast.runtime.kernel_cache import process_compiles
 from pagecast.runtime.loader import LoadedArtifact, load_artifact, zeros_kv_cache
@@ -199,11 +199,6 @@ class EngineOptions:
     # layers between attention calls replay per token bucket (up to 512 tokens), attention runs
     # eagerly. Off by default until it has been measured on a GPU. Not with tensor parallelism.
     mixed_graphs: bool = False
-    # Decode graphs of at least this many rows replay as two half-batches on two CUDA streams, so
-    # that one half's attention may run beside the other half's matmuls (runtime/cuda_graphs.py).
-    # 0: off, the default until it has been measured on a GPU; else at least 64. Not with tensor
-    # parallelism.
-    decode_halves_from: int = 0
     # Plan step N+1 while step N runs on the device (default: on for GPUs), for every request:
     # logprobs, prompt logprobs and penalties are computed on the device too.
     async_scheduling: bool | None = None
@@ -237,11 +232,6 @@ class EngineOptions:
             raise ValueError("kv_cache_memory must be positive")
         if self.speculative_config != "off":
             SpeculativeConfig.parse(self.speculative_config)  # a bad config fails here, with its reason
-        if self.decode_halves_from and self.decode_halves_from < 2 * MIN_HALF_ROWS:
-            raise ValueError(
-                f"decode_halves_from must be 0 (off) or at least {2 * MIN_HALF_ROWS} (got {self.decode_halves_from}): "
-                f"each half needs {MIN_HALF_ROWS} rows"
-            )
 
     @property
     def lazy_graphs_on(self) -> bool:
@@ -403,8 +393,7 @@ class EngineCore:
             sizes = [b for b in planned if b <= options.max_num_seqs]
             mixed = mixed_graph_sizes(options.max_num_batched_tokens) if options.mixed_graphs else []
             self.startup_s["cuda_graphs"] = self.runner.capture_cuda_graphs(
-                sizes, self.max_model_len, options.lazy_graphs_on, mixed_sizes=mixed,
-                halves_from=options.decode_halves_from,
+                sizes, self.max_model_len, options.lazy_graphs_on, mixed_sizes=mixed
             )
             graphs = getattr(self.runner, "graphs", None)
             self.startup_s.update({f"cuda_graphs.{k}": v for k, v in getattr(graphs, "timings", {}).items()})

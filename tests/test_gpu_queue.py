@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 import gpu_queue  # noqa: E402
 
 
-def _fake(out: Path, work: Path | None = None) -> list[gpu_queue.Step]:
+def _fake(out: Path) -> list[gpu_queue.Step]:
     py = sys.executable
     return [
         gpu_queue.Step("ok", [py, "-c", "print('measured')"], 30, "a step that works"),
@@ -58,7 +58,7 @@ def test_fit_starts_a_step_whose_share_fits_and_cuts_it_to_what_is_left(
 ) -> None:
     py = sys.executable
     queue = [gpu_queue.Step("long", [py, "-c", "import time; time.sleep(60)"], 20, "longer than the budget")]
-    monkeypatch.setattr(gpu_queue, "steps", lambda out, work=None: queue)
+    monkeypatch.setattr(gpu_queue, "steps", lambda out: queue)
     monkeypatch.setattr(sys, "argv", ["gpu_queue.py", "--out", str(tmp_path), "--budget", "3", "--fit", "0.1"])
     gpu_queue.main()
     (row,) = [json.loads(line) for line in (tmp_path / "queue.jsonl").read_text().splitlines()]

@@ -158,16 +158,18 @@ def test_fused_router_in_bf16_against_the_unfused_path(family: str, tokens: int)
         got = route(x, w, b, routing, widen=True, config=cfg)
         assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), cfg
     w, b = router(e, torch.bfloat16, bias=has_bias, seed=tokens)
-    x = torch.randn(tokens, HIDDEN, generator=g, device="cuda").bfloat16()
-    logits = torch.nn.functional.linear(x, w, b).float()
-    s = scores(logits, routing.scoring).sort(dim=-1, descending=True).values
-    # a logit's bf16 step is 2^-8 of it: 5% of the k-th score is several steps either way
-    margin = (s[:, routing.top_k - 1] - s[:, routing.top_k]) > 0.05 * s[:, routing.top_k - 1].abs()
-    assert bool(margin.any())
+    # Real-valued rows whose top-k boundary is clear of bf16 rounding: a logit's bf16 step is 2^-8
+    # of it, so 5% of the k-th score is several steps either way. With 128 experts few random rows
+    # have such a gap, so the batch is drawn from rows that do (and every row is routed in one batch).
+    pool = torch.randn(512, HIDDEN, generator=g, device="cuda").bfloat16()
+    s = scores(torch.nn.functional.linear(pool, w, b).float(), routing.scoring).sort(dim=-1, descending=True).values
+    clear = (s[:, routing.top_k - 1] - s[:, routing.top_k]) > 0.05 * s[:, routing.top_k - 1].abs()
+    assert int(clear.sum()) >= tokens, int(clear.sum())
+    x = pool[clear][:tokens].contiguous()
     want = route(x, w, b, routing, widen=True)
     for cfg in configs:
         got = route(x, w, b, routing, widen=True, config=cfg)
-        assert torch.equal(got[1][margin], want[1][margin]), cfg
+        assert torch.equal(got[1], want[1]), cfg
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
