@@ -140,11 +140,48 @@ def tune_in_subprocess(
     env = dict(os.environ, TRITON_CACHE_DIR=str(cache_dir))
     cmd = [sys.executable, "-m", "pagecast.builder.tune", json.dumps(shapes), str(budget_s), ",".join(first),
            str(pinned or "")]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise BuildError(f"kernel tuning failed on this GPU:\n{proc.stderr[-3000:]}")
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    stall_s = float(os.environ.get("PAGECAST_TUNE_STALL_S", TUNE_STALL_S))
+    rc, out, err = run_watched(cmd, env, stall_s, "kernel tuning")
+    if rc != 0:
+        raise BuildError(f"kernel tuning failed on this GPU:\n{err[-3000:]}")
+    result = json.loads(out.strip().splitlines()[-1])
     return result["table"], result["rows"]
+
+
+# The tuner reports each bucket as it begins and ends (and each config it refuses or that fails);
+# a bucket's compiles and timing take seconds to a minute. Silence this long means a launch that
+# never returns (a kernel that hangs the GPU), which no budget would end.
+TUNE_STALL_S = 600.0
+
+
+def run_watched(cmd: list[str], env: dict[str, str], stall_s: float, what: str) -> tuple[int, str, str]:
+    """Run ``cmd``, its stdout and stderr to temporary files (no pipe to fill), and end it if its
+    stderr stays silent for ``stall_s`` seconds: a BuildError then names the last lines it wrote
+    (for the tuner: the kernel, bucket and config it was on). Returns (exit code, stdout, stderr)."""
+    import tempfile
+    import time
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True)
+        seen, quiet_since = 0, time.monotonic()
+        while proc.poll() is None:
+            time.sleep(min(1.0, stall_s / 10))
+            size = os.fstat(err.fileno()).st_size
+            if size != seen:
+                seen, quiet_since = size, time.monotonic()
+            elif time.monotonic() - quiet_since > stall_s:
+                proc.kill()
+                proc.wait()
+                err.seek(0)
+                tail = "\n".join(err.read().splitlines()[-20:])
+                raise BuildError(
+                    f"{what} made no progress for {stall_s:.0f} s and was stopped (a kernel launch that never "
+                    f"returned?). The last it reported:\n{tail}\nRebuild with the config it names left out "
+                    "(--tuning-from a table that pins the bucket), or report it with these lines."
+                )
+        out.seek(0)
+        err.seek(0)
+        return proc.returncode, out.read(), err.read()
 
 
 def kernel_order(has_experts: bool, first: tuple[str, ...] = ()) -> tuple[str, ...]:
@@ -185,6 +222,11 @@ def kernel_shapes(fields: dict[str, Any]) -> Any:
     return tuning.ModelShapes(**{k: v for k, v in fields.items() if k not in NOT_KERNEL_SHAPES})
 
 
+def _progress(line: str) -> None:
+    """The tuner's progress, on stderr: tune_in_subprocess's watchdog reads it as a heartbeat."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def _tune_main(shapes_json: str, budget_s: str, first: str = "", pinned: str = "") -> None:
     from pagecast.kernels import tuning
 
@@ -194,11 +236,12 @@ def _tune_main(shapes_json: str, budget_s: str, first: str = "", pinned: str = "
     kernels = kernel_order(bool(shapes.num_experts), tuple(k for k in first.split(",") if k))
     source = json.loads(Path(pinned).read_text()) if pinned else None
     try:
-        table = tuning.tune(kernels, shapes, budget_s=float(budget_s), device="cuda", pinned=source)
+        table = tuning.tune(kernels, shapes, budget_s=float(budget_s), device="cuda", pinned=source, log=_progress)
     except ValueError as err:  # check_pinned: the table reused is for other shapes or another GPU
         if not pinned:
             raise
         sys.exit(f"--tuning-from {pinned}: {err}")
+    _progress("compiling the tuned kernels' other variants, measuring copy bandwidth, compiling the untuned kernels")
     tuning.compile_window_variants(table, shapes, "cuda")
     tuning.compile_norm_variants(table, shapes, "cuda")
     copy_gbs = tuning.measure_copy_bandwidth("cuda")

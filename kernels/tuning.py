@@ -649,6 +649,8 @@ def tune(
                 # whose pruned space leaves it out (the launcher's default runs at every shape: the
                 # tiny Qwen3-MoE's per-pair decode GEMV, BLOCK_K 32, is in no space).
                 configs = [default] + [c for c in configs if c != default]
+            if log:
+                log(f"{kernel} {bucket}: {len(configs)} configs")
             if threads > 1 and not budget_spent and len(configs) > 1:  # (a pinned bucket has one)
                 t0 = time.monotonic()
                 precompile(problem, configs, threads)
@@ -659,6 +661,8 @@ def tune(
             rejected: list[dict[str, Any]] = []
             for order, cfg in enumerate(configs):
                 t0 = time.monotonic()
+                if log:
+                    log(f"{kernel} {bucket} {cfg.as_dict()}")
                 try:
                     out = problem.launch(cfg, 0)  # compiled (or loaded) here; time_launches warms up again
                     if device.type == "cuda":

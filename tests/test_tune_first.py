@@ -36,7 +36,7 @@ def test_the_order_reaches_the_tuner(monkeypatch: pytest.MonkeyPatch) -> None:
     class Stop(Exception):
         pass
 
-    def fake_tune(kernels, shapes, budget_s, device, pinned=None):
+    def fake_tune(kernels, shapes, budget_s, device, pinned=None, log=None):
         handed.append(tuple(kernels))
         assert budget_s == 12.0
         raise Stop

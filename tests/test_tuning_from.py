@@ -109,7 +109,7 @@ def test_the_table_path_reaches_the_tuner_subprocess(monkeypatch: pytest.MonkeyP
     class Stop(Exception):
         pass
 
-    def fake_tune(kernels, shapes, budget_s, device, pinned=None):  # type: ignore[no-untyped-def]
+    def fake_tune(kernels, shapes, budget_s, device, pinned=None, log=None):  # type: ignore[no-untyped-def]
         handed.append(pinned)
         raise Stop
 
