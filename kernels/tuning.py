@@ -491,6 +491,35 @@ def precompile(problem: Any, configs: list[KernelConfig], threads: int) -> int:
     outputs of the kernels not launched: no launcher reads a device value on the host). A config
     that fails here is left to the timing loop, which meets and reports the same error. Returns
     the configs whose launch ran through."""
+
+    def launch(cfg: KernelConfig) -> None:
+        problem.launch(cfg, 0)
+        if problem.variants is not None:
+            problem.variants(cfg)
+
+    return _compile_only([functools.partial(launch, cfg) for cfg in configs], threads)
+
+
+def precompile_defaults(make: list[Callable[[], tuple[Any, KernelConfig]]], threads: int) -> int:
+    """Once the budget has run out, the buckets left each still compile their default (serving
+    must find it in the artifact's cache): compile them all at once, in ``threads`` threads, rather
+    than one bucket after another. ``make``: for each bucket, a function making its problem and
+    default config (each problem is dropped once its launch, and its variants', have handed Triton
+    their compiles).
+    Returns the launches that ran through."""
+
+    def launch(make_one: Callable[[], tuple[Any, KernelConfig]]) -> None:
+        problem, default = make_one()
+        problem.launch(default, 0)
+        if problem.variants is not None:
+            problem.variants(default)
+
+    return _compile_only([functools.partial(launch, m) for m in make], threads)
+
+
+def _compile_only(launches: list[Callable[[], None]], threads: int) -> int:
+    """Run ``launches`` with every Triton launch turned into a compile, ``threads`` compiles at a
+    time; returns how many ran through (a failure is left to the launch that meets it later)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from triton.runtime._async_compile import AsyncCompileMode
@@ -503,16 +532,14 @@ def precompile(problem: Any, configs: list[KernelConfig], threads: int) -> int:
             ThreadPoolExecutor(threads, thread_name_prefix="pagecast-compile") as pool,
             AsyncCompileMode(pool, ignore_errors=True),
         ):
-            for cfg in configs:
+            for launch in launches:
                 try:
-                    problem.launch(cfg, 0)
-                    if problem.variants is not None:
-                        problem.variants(cfg)
+                    launch()
                 except Exception:  # noqa: BLE001 - the timing loop meets and reports the same error
                     failed += 1
     finally:
         _COMPILE_ONLY.reset(token)
-    return len(configs) - failed
+    return len(launches) - failed
 
 
 ROUTER_FIELDS = ("moe_router_bias", "moe_scoring", "moe_renormalize", "moe_weights_in_x_dtype")
@@ -608,7 +635,27 @@ def tune(
         entries: dict[str, Any] = {}
         table["kernels"][kernel] = entries
         spent = seconds.setdefault(kernel, {"problems": 0.0, "first_launches": 0.0, "timing": 0.0, "other": 0.0})
-        for bucket, dims in problems.buckets(kernel, shapes):
+        rest_compiled = False  # the defaults of the buckets past the deadline, compiled at once
+        kernel_buckets = list(problems.buckets(kernel, shapes))
+        for index, (bucket, dims) in enumerate(kernel_buckets):
+            if (
+                threads > 1 and not rest_compiled and time.monotonic() > deadline
+                and not (pinned_kernels.get(kernel) or {}).get(bucket)
+            ):  # fmt: skip
+                rest_compiled = True
+                t0 = time.monotonic()
+                rest = [
+                    functools.partial(_problem_and_default, kernel, shapes, d, device)
+                    for b, d in kernel_buckets[index:]
+                    if not (pinned_kernels.get(kernel) or {}).get(b)
+                    and not (kernel == "paged_decode_attention" and problems.kv_bytes(shapes, d) > MAX_TUNE_KV_BYTES)
+                ]
+                if log:
+                    log(f"{kernel}: the budget is spent; compiling the defaults of its {len(rest)} buckets left")
+                precompile_defaults(rest, threads)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                spent["first_launches"] += time.monotonic() - t0
             if kernel == "paged_decode_attention" and problems.kv_bytes(shapes, dims) > MAX_TUNE_KV_BYTES:
                 smaller = [
                     b
@@ -732,6 +779,13 @@ def tune(
                 log(f"{kernel} {bucket}: {best[0]:.2f} us {best[2].as_dict()} ({len(results)} configs)")
         seconds[kernel] = {k: round(v, 2) for k, v in spent.items()}
     return table
+
+
+def _problem_and_default(kernel: str, shapes: ModelShapes, dims: dict[str, int], device: torch.device) -> tuple[Any, KernelConfig]:
+    from pagecast.kernels import problems
+
+    torch.manual_seed(0)
+    return problems.make_problem(kernel, shapes, dims, device, seed=0), problems.default_config(kernel, shapes, dims)
 
 
 # How far a config's output may stray from the bucket's first config's (the launcher's default,

@@ -8,6 +8,7 @@ bf16 tl.dot is wrong.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import types
@@ -743,6 +744,17 @@ def test_precompile_compiles_every_config_without_launching_a_kernel(monkeypatch
     launch(configs[0], 0)
     assert runs == [("kernel_a", False)]  # outside precompile: a launch
 
+    # once the budget is spent: each bucket left made and its default's launch compiled, in one go
+    runs.clear()
+    made: list[int] = []
+
+    def make(n):  # type: ignore[no-untyped-def]
+        made.append(n)
+        return problem, tuning.KernelConfig({"BLOCK": n}, num_warps=4, num_stages=2)
+
+    assert tuning.precompile_defaults([functools.partial(make, n) for n in (1, 3, 2)], threads=2) == 2
+    assert made == [1, 3, 2] and runs == [("kernel_a", True), ("kernel_b", True)] * 2
+
 
 def test_the_tuner_precompiles_each_bucket_it_times_in_full(monkeypatch):  # type: ignore[no-untyped-def]
     """With compile threads, every bucket the budget leaves whole is precompiled with the configs
@@ -764,11 +776,18 @@ def test_the_tuner_precompiles_each_bucket_it_times_in_full(monkeypatch):  # typ
         clock[0] += 0.25
         return len(configs)
 
+    def precompile_defaults(make, threads):  # type: ignore[no-untyped-def]
+        made = [m() for m in make]
+        order.append(f"defaults {len(made)} x{threads}")
+        clock[0] += 0.5
+        return len(made)
+
     problem = types.SimpleNamespace(launches_per_sample=lambda: 1, launch=lambda cfg, i: None, reference=None,
                                     marks={}, variants=None)  # fmt: skip
     monkeypatch.setattr(tuning, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     monkeypatch.setattr(tuning, "time_launches", timed)
     monkeypatch.setattr(tuning, "precompile", precompile)
+    monkeypatch.setattr(tuning, "precompile_defaults", precompile_defaults)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake GPU")
     monkeypatch.setattr(problems, "make_problem", lambda *args, **kwargs: problem)
     shapes = tuning.ModelShapes(9, 3, 64, 576, 1536, 16)
@@ -790,7 +809,12 @@ def test_the_tuner_precompiles_each_bucket_it_times_in_full(monkeypatch):  # typ
     assert table["compile_threads"] == 4
     assert order[0] == f"precompile {len(first_space)} x4" and order[1] == "time"
     assert sum(o.startswith("precompile") for o in order) == 1  # the cut buckets time their default alone
-    assert table["tune_seconds"]["rms_norm"]["first_launches"] == 0.25
+    # ... whose compiles ran at once, before the first of them: every bucket after the timed one
+    cut = [b for b, e in entries.items() if e.get("budget_spent")]
+    assert cut == list(entries)[1:] and cut
+    assert order.count(f"defaults {len(cut)} x4") == 1, order
+    assert order[order.index(f"defaults {len(cut)} x4") + 1 :] == ["time"] * len(cut), order
+    assert table["tune_seconds"]["rms_norm"]["first_launches"] == 0.75
 
     monkeypatch.setenv(tuning.COMPILE_THREADS_ENV, "many")
     with pytest.raises(ValueError, match="PAGECAST_TUNE_COMPILE_THREADS"):
