@@ -161,7 +161,7 @@ def run_watched(cmd: list[str], env: dict[str, str], stall_s: float, what: str) 
     import tempfile
     import time
 
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+    with tempfile.TemporaryFile("w+", errors="replace") as out, tempfile.TemporaryFile("w+", errors="replace") as err:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True)
         seen, quiet_since = 0, time.monotonic()
         while proc.poll() is None:
