@@ -56,12 +56,12 @@ def steps(out: Path) -> list[Step]:
         Step(
             "qwen3_w4",
             ["env", "PAGECAST_TUNE_STALL_S=120", PY, str(bench / "families.py"), "--out", str(out), "--models",
-             "qwen3-30b-a3b", "--phases", "W4",
-             "--tune-budget", "120"],
+             "qwen3-30b-a3b", "--phases", "W4", "--tune-budget", "120"],
             420,
             "issue 27's Qwen3-30B-A3B W4 against its roofline with every lead in the tuner's space (3.749 ms, 2.565x, "
             "built at 60 s; the leads won 0.39 ms at one token in the twenty-third session). A 60 s build there was still "
-            "tuning after 160 s: the watchdog's error, or the report's tune_seconds, says where the time went"),
+            "tuning after 160 s: the watchdog's error, or the report's tune_seconds, says where the time went",
+        ),
         Step(
             "mixtral_prefill",
             [PY, str(bench / "moe.py"), "--shapes", "mixtral-8x7b", "--tokens", "512,1024,4096", "--out", str(out / "mixtral")],

@@ -13,6 +13,8 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -158,9 +160,6 @@ def run_watched(cmd: list[str], env: dict[str, str], stall_s: float, what: str) 
     """Run ``cmd``, its stdout and stderr to temporary files (no pipe to fill), and end it if its
     stderr stays silent for ``stall_s`` seconds: a BuildError then names the last lines it wrote
     (for the tuner: the kernel, bucket and config it was on). Returns (exit code, stdout, stderr)."""
-    import tempfile
-    import time
-
     with tempfile.TemporaryFile("w+", errors="replace") as out, tempfile.TemporaryFile("w+", errors="replace") as err:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True)
         seen, quiet_since = 0, time.monotonic()

@@ -635,20 +635,17 @@ def tune(
         entries: dict[str, Any] = {}
         table["kernels"][kernel] = entries
         spent = seconds.setdefault(kernel, {"problems": 0.0, "first_launches": 0.0, "timing": 0.0, "other": 0.0})
+        pinned_here = pinned_kernels.get(kernel) or {}
         rest_compiled = False  # the defaults of the buckets past the deadline, compiled at once
         kernel_buckets = list(problems.buckets(kernel, shapes))
         for index, (bucket, dims) in enumerate(kernel_buckets):
-            if (
-                threads > 1 and not rest_compiled and time.monotonic() > deadline
-                and not (pinned_kernels.get(kernel) or {}).get(bucket)
-            ):  # fmt: skip
+            if threads > 1 and not rest_compiled and bucket not in pinned_here and time.monotonic() > deadline:
                 rest_compiled = True
                 t0 = time.monotonic()
                 rest = [
                     functools.partial(_problem_and_default, kernel, shapes, d, device)
                     for b, d in kernel_buckets[index:]
-                    if not (pinned_kernels.get(kernel) or {}).get(b)
-                    and not (kernel == "paged_decode_attention" and problems.kv_bytes(shapes, d) > MAX_TUNE_KV_BYTES)
+                    if b not in pinned_here and not _over_tuning_kv(kernel, shapes, d)
                 ]
                 if log:
                     log(f"{kernel}: the budget is spent; compiling the defaults of its {len(rest)} buckets left")
@@ -656,12 +653,8 @@ def tune(
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 spent["first_launches"] += time.monotonic() - t0
-            if kernel == "paged_decode_attention" and problems.kv_bytes(shapes, dims) > MAX_TUNE_KV_BYTES:
-                smaller = [
-                    b
-                    for b, d in problems.buckets(kernel, shapes)
-                    if d["num_seqs"] == dims["num_seqs"] and b in entries
-                ]
+            if _over_tuning_kv(kernel, shapes, dims):
+                smaller = [b for b, d in kernel_buckets if d["num_seqs"] == dims["num_seqs"] and b in entries]
                 if smaller:
                     entries[bucket] = {
                         "config": entries[smaller[-1]]["config"],
@@ -671,15 +664,13 @@ def tune(
                         "derived_from": smaller[-1],
                     }
                     continue
-            torch.manual_seed(0)
             t0 = time.monotonic()
-            problem = problems.make_problem(kernel, shapes, dims, device, seed=0)
+            problem, default = _problem_and_default(kernel, shapes, dims, device)
             spent["problems"] += time.monotonic() - t0
             launches = problem.launches_per_sample()
             results: list[tuple[float, int, KernelConfig]] = []
             configs = problems.config_space(kernel, shapes, dims)
-            default = problems.default_config(kernel, shapes, dims)
-            source = (pinned_kernels.get(kernel) or {}).get(bucket)
+            source = pinned_here.get(bucket)
             budget_spent = source is None and time.monotonic() > deadline
             if source is not None:
                 configs = [KernelConfig.coerce(source["config"])]  # type: ignore[list-item]
@@ -782,10 +773,19 @@ def tune(
 
 
 def _problem_and_default(kernel: str, shapes: ModelShapes, dims: dict[str, int], device: torch.device) -> tuple[Any, KernelConfig]:
+    """A bucket's problem (seeded) and its launcher's default config."""
     from pagecast.kernels import problems
 
     torch.manual_seed(0)
     return problems.make_problem(kernel, shapes, dims, device, seed=0), problems.default_config(kernel, shapes, dims)
+
+
+def _over_tuning_kv(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> bool:
+    """A decode-attention bucket whose KV is past MAX_TUNE_KV_BYTES (it takes a smaller context's
+    config where one with its batch was tuned)."""
+    from pagecast.kernels import problems
+
+    return kernel == "paged_decode_attention" and problems.kv_bytes(shapes, dims) > MAX_TUNE_KV_BYTES
 
 
 # How far a config's output may stray from the bucket's first config's (the launcher's default,
