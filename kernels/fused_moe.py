@@ -682,15 +682,21 @@ CONFIG_SPACE: list[KernelConfig] = (
         )
         for m, n, k, g, w, s, split in _TMA_TILES
     ]
-    + [
-        KernelConfig(
-            {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": g, "TMA": 1, "WS": 1, **({"SPLIT_ACT": 1} if split else {})},
-            num_warps=w,
-            num_stages=s,
-        )
-        for m, n, k, g, w, s, split in _WS_TILES
-    ]
 )
+
+# The WS tiles, kept out of CONFIG_SPACE (as GROUPED is) until a GPU run has checked and timed them:
+# Triton's warp specialisation of this kernel's K loop hung on the H200 once (sixteenth session), and a
+# config that hangs would stall every build that tunes a prefill bucket (the build's watchdog stops it
+# only after PAGECAST_TUNE_STALL_S). benchmarks/moe.py times them as the variant "ws";
+# tests/test_fused_moe_gpu.py checks them against the reference.
+WS_CONFIGS: list[KernelConfig] = [
+    KernelConfig(
+        {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": g, "TMA": 1, "WS": 1, **({"SPLIT_ACT": 1} if split else {})},
+        num_warps=w,
+        num_stages=s,
+    )
+    for m, n, k, g, w, s, split in _WS_TILES
+]
 
 GEMV_MAX_PAIRS = 128  # more pairs re-read shared experts' weights once a pair (from L2 at best)
 SHARED_MEMORY_LIMIT = 232448  # sm_90 (H100/H200): bytes of shared memory one program may use

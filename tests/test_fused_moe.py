@@ -570,6 +570,16 @@ def test_grouped_is_kept_where_torch_runs_it_and_experts_get_rows():
     assert fused_moe.GROUPED not in fused_moe.CONFIG_SPACE
 
 
+def test_warp_specialised_tiles_are_no_tuner_candidates_until_timed():
+    """The WS tiles (whose Triton pass once hung on the H200) never reach a build's tuner: a
+    Mixtral prefill bucket's space, where they would fit, holds TMA tiles but no WS one."""
+    assert fused_moe.WS_CONFIGS and all(c.params.get("WS") for c in fused_moe.WS_CONFIGS)
+    space = fused_moe.prune_configs(fused_moe.CONFIG_SPACE, 4096, 2, 8, 4096, 14336, tma=True)
+    assert any(c.params.get("TMA") for c in space)
+    assert not any(c.params.get("WS") for c in space)
+    assert fused_moe.prune_configs(fused_moe.WS_CONFIGS, 4096, 2, 8, 4096, 14336, tma=True)  # they would fit
+
+
 def test_grouped_support_follows_the_device():
     if torch.cuda.is_available():
         pytest.skip("the GPU's answer depends on the card")
