@@ -51,23 +51,23 @@ def steps(out: Path) -> list[Step]:
             ["env", "PAGECAST_TUNE_STALL_S=120", PY, str(bench / "families.py"), "--out", str(out), "--models",
              "qwen3-30b-a3b", "--phases", "W4", "--tune-budget", "120"],
             420,
-            "issue 27's Qwen3-30B-A3B W4 against its roofline with every lead in the tuner's space (3.749 ms, 2.565x, "
-            "built at 60 s; the leads won 0.39 ms at one token in the twenty-third session). A 60 s build there was still "
-            "tuning after 160 s: the watchdog's error, or the report's tune_seconds, says where the time went",
+            "issue 27's Qwen3-30B-A3B W4 against its roofline on an H200, with every lead in the tuner's space (3.749 ms, "
+            "2.565x on the H200 before the leads; 3.982 ms, 1.964x on an H100 with them, twenty-fourth session)",
         ),
         Step(
             "kernel_tests",
             _pytest("tests/test_fused_moe_gpu.py", "-k", "grouped or configs_match"),
             240,
-            "every fused_moe config (the DOT GEMV and the WS tiles among them) and GROUPED against the reference in "
-            "bf16 on sm_90: GROUPED joins the tuner's space only then",
+            "every fused_moe config (the DOT GEMV among them) and GROUPED against the reference in bf16 on sm_90: "
+            "GROUPED joins the tuner's space only then (the first case ran past 120 s with the WS tiles, since removed)",
         ),
         Step(
             "mixtral_prefill",
-            [PY, str(bench / "moe.py"), "--shapes", "mixtral-8x7b", "--tokens", "512,1024,4096", "--out", str(out / "mixtral")],
-            420,
-            "every tile (the warp-specialised WS tiles too) and GROUPED against the naive loop at Mixtral's prefill "
-            "buckets (fused/naive 0.95x at 4,096: the best tile 552.5 TFLOP/s, cuBLAS 583.6)",
+            [PY, str(bench / "moe.py"), "--shapes", "mixtral-8x7b", "--tokens", "512,1024,4096", "--no-sweep",
+             "--out", str(out / "mixtral")],
+            240,
+            "GROUPED against the default tile and the naive loop at Mixtral's prefill buckets (fused/naive 0.95x at "
+            "4,096: the best tile 552.5 TFLOP/s, cuBLAS 583.6, sixteenth session)",
         ),
         Step(
             "grouped_qwen3",
@@ -80,7 +80,8 @@ def steps(out: Path) -> list[Step]:
             "fp8_tests",
             _pytest("tests/test_fp8_gpu.py"),
             300,
-            "the mended FP8 engine test (e4m3 rounding flips bounded, one prompt exact per checkpoint)",
+            "the FP8 engine test: a divergence allowed where the reference's gap is under twice the prompts' largest "
+            "logit move (failed on the H100 in the twenty-fourth session at a 0.18 gap with a fixed 0.1)",
         ),
     ]
 

@@ -11,8 +11,7 @@ naive loop with its token lists found outside the timed launch), timed as it tim
 each bucket: the naive loop, the fused kernel at the launcher's default config, and the fused
 kernel at the best config of the tuner's space for that bucket (what a build would pick, the
 naive candidate aside); ``grouped``, fused_moe.GROUPED (torch._grouped_mm, not in the tuner's
-space until timed here), and ``ws``, the best of fused_moe.WS_CONFIGS (the warp-specialised TMA
-tiles, likewise out of the space; with the sweep), each timed and checked the same way; and ``naive_eager``, the loop as the
+space until timed here), timed and checked the same way; and ``naive_eager``, the loop as the
 runtime's naive path runs it (reference.fused_moe, finding each expert's tokens every call,
 eager), for context. Every fused config is checked against the naive loop's output first.
 
@@ -164,13 +163,8 @@ def main() -> None:
                     c for c in problems.config_space(kernel, shapes, dims) if not fused_moe.is_naive(c)
                 ]
             grouped = kernel == "fused_moe" and fused_moe.grouped_supported(torch.bfloat16)
-            ws = []
-            if kernel == "fused_moe" and not args.no_sweep:  # out of the space: reported apart
-                ws = fused_moe.prune_configs(
-                    fused_moe.WS_CONFIGS, t, shapes.top_k, shapes.num_experts, shapes.hidden, shapes.moe_intermediate,
-                )  # fmt: skip
             timed: list[tuple[float, KernelConfig]] = []
-            for cfg in candidates + ([fused_moe.GROUPED] if grouped else []) + ws:
+            for cfg in candidates + ([fused_moe.GROUPED] if grouped else []):
                 try:
                     err = rel_err(problem.launch(cfg, 0), naive_out)  # type: ignore[arg-type]
                     if err > 1e-2:
@@ -188,15 +182,12 @@ def main() -> None:
             if timed and timed[0][1] is default:
                 rows.append(("fused_default", timed[0][0], default))
             grouped_us = [us for us, cfg in timed if fused_moe.is_grouped(cfg)]
-            ws_timed = [(us, cfg) for us, cfg in timed if cfg.params.get("WS")]
-            timed = [(us, cfg) for us, cfg in timed if not fused_moe.is_grouped(cfg) and not cfg.params.get("WS")]
+            timed = [(us, cfg) for us, cfg in timed if not fused_moe.is_grouped(cfg)]
             if timed:
                 best_us, best_cfg = min(timed, key=lambda r: r[0])
                 rows.append(("fused_best", best_us, best_cfg))
             if grouped_us:
                 rows.append(("grouped", grouped_us[0], fused_moe.GROUPED))
-            if ws_timed:
-                rows.append(("ws", *min(ws_timed, key=lambda r: r[0])))
             if eager_us is not None:
                 rows.append(("naive_eager", eager_us, fused_moe.NAIVE))
             del problem, time_cfg, naive_out  # the experts, before another bucket's are drawn

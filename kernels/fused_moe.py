@@ -238,7 +238,6 @@ def _moe_gemm_kernel(
     GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TMA: tl.constexpr = False,
-    WS: tl.constexpr = False,  # TMA: the K loop warp-specialised (producer warps load, the rest compute)
 ):
     """One (block, column tile) of the tile path. With TMA (sm_90) both operands are tensor
     descriptors read by the tensor memory accelerator: ``a_ptr`` over [rows, K] whose block rows
@@ -248,34 +247,8 @@ def _moe_gemm_kernel(
     engine zero-fills past K and past the weight rows' end. A tile whose columns pass N reads the
     next rows (the up half, or the next expert): those columns are never stored."""
     pid_m, pid_n, expert = _tile_block(max_blocks, block_expert_ptr, N, BLOCK_N, GROUP_M)
-    if WS:
-        # Triton's warp-specialisation pass takes structured control flow only (an early return is
-        # a branch it refuses): the tile under an if. Without WS the return stays, as timed.
-        if expert >= 0:
-            _moe_gemm_tile(
-                a_ptr, w_ptr, b_ptr, c_ptr, sorted_ids_ptr, weights_ptr, N, K, num_pairs, stride_am, stride_we,
-                stride_wn, stride_be, stride_cm, top_k, pid_m, pid_n, expert, ACTIVATION, MUL_ROUTING_WEIGHT,
-                HAS_BIAS, ALPHA, LIMIT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TMA, WS,
-            )  # fmt: skip
-    else:
-        if expert < 0:
-            return
-        _moe_gemm_tile(
-            a_ptr, w_ptr, b_ptr, c_ptr, sorted_ids_ptr, weights_ptr, N, K, num_pairs, stride_am, stride_we,
-            stride_wn, stride_be, stride_cm, top_k, pid_m, pid_n, expert, ACTIVATION, MUL_ROUTING_WEIGHT,
-            HAS_BIAS, ALPHA, LIMIT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, TMA, WS,
-        )  # fmt: skip
-
-
-@triton.jit
-def _moe_gemm_tile(
-    a_ptr, w_ptr, b_ptr, c_ptr, sorted_ids_ptr, weights_ptr, N, K, num_pairs, stride_am, stride_we, stride_wn,
-    stride_be, stride_cm, top_k, pid_m, pid_n, expert,
-    ACTIVATION: tl.constexpr, MUL_ROUTING_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ALPHA: tl.constexpr,
-    LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
-):  # fmt: skip
-    # _moe_gemm_kernel's tile (block pid_m of expert ``expert`` >= 0, column tile pid_n).
+    if expert < 0:
+        return
     offs_m, pair, m_ok, a_rows, offs_n, n_ok = _tile_rows(
         pid_m, pid_n, sorted_ids_ptr, num_pairs, top_k, N, MUL_ROUTING_WEIGHT, BLOCK_M, BLOCK_N
     )
@@ -283,7 +256,7 @@ def _moe_gemm_tile(
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if TMA:
         w_row = expert * (2 * N if ACTIVATION != 0 else N) + pid_n * BLOCK_N
-        for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WS):
+        for k0 in range(0, K, BLOCK_K):
             a = a_ptr.load([pid_m * BLOCK_M, k0])
             acc = tl.dot(a, w_ptr.load([w_row, k0]).T, acc, input_precision=DOT_PRECISION)
             if ACTIVATION != 0:
@@ -620,18 +593,6 @@ _TMA_TILES = (
     (128, 256, 64, 8, 8, 3, 1),
     (128, 256, 64, 8, 8, 4, 1),
 )
-_WS_TILES = (
-    # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, SPLIT_ACT): TMA tiles with the K
-    # loop warp-specialised (WS; Triton's Hopper pass splits it into producer and consumer warps at
-    # num_warps 4, with TMA loads only). A toy attention loop gained 10.6% from it on the H200
-    # (benchmarks/attention_ws_probe.py: 75.9% of the matmul peak against 68.6%), and one of its
-    # tiles there gave NaN: the tuner's output check rejects such a config. Four warps hold
-    # 128 x 128 fp32 in 128 registers a thread, so a fused activation (gate and up accumulators)
-    # takes 64 columns, SPLIT_ACT 128. Not timed on a GPU when added.
-    (128, 64, 64, 8, 4, 4, 0),
-    (128, 128, 64, 8, 4, 3, 1),
-    (128, 128, 64, 8, 4, 4, 1),
-)
 
 CONFIG_SPACE: list[KernelConfig] = (
     [NAIVE]
@@ -683,20 +644,6 @@ CONFIG_SPACE: list[KernelConfig] = (
         for m, n, k, g, w, s, split in _TMA_TILES
     ]
 )
-
-# The WS tiles, kept out of CONFIG_SPACE (as GROUPED is) until a GPU run has checked and timed them:
-# Triton's warp specialisation of this kernel's K loop hung on the H200 once (sixteenth session), and a
-# config that hangs would stall every build that tunes a prefill bucket (the build's watchdog stops it
-# only after PAGECAST_TUNE_STALL_S). benchmarks/moe.py times them as the variant "ws";
-# tests/test_fused_moe_gpu.py checks them against the reference.
-WS_CONFIGS: list[KernelConfig] = [
-    KernelConfig(
-        {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": g, "TMA": 1, "WS": 1, **({"SPLIT_ACT": 1} if split else {})},
-        num_warps=w,
-        num_stages=s,
-    )
-    for m, n, k, g, w, s, split in _WS_TILES
-]
 
 GEMV_MAX_PAIRS = 128  # more pairs re-read shared experts' weights once a pair (from L2 at best)
 SHARED_MEMORY_LIMIT = 232448  # sm_90 (H100/H200): bytes of shared memory one program may use
@@ -756,10 +703,7 @@ def shared_memory(config: KernelConfig, elt: int) -> int:
     buffers = max(stages - 1, 1) if elt <= 2 and bm < 64 else max(stages, 1)
     weight_tiles = 1 if config.params.get("SPLIT_ACT") else 2
     barriers = 32 * stages if config.params.get("TMA") else 0  # the copy engine's mbarriers (an upper bound)
-    # A warp-specialised loop (WS) keeps one more activation tile and its producer/consumer barriers
-    # (sm_90 compiles, Triton 3.6: 16,488-16,584 bytes more than the same tile without WS).
-    ws = bm * bk * elt + 256 if config.params.get("WS") else 0
-    return buffers * (bm * bk + weight_tiles * bk * bn) * elt + barriers + ws
+    return buffers * (bm * bk + weight_tiles * bk * bn) * elt + barriers
 
 
 def prune_configs(
@@ -1046,7 +990,7 @@ def fused_moe(
             a.stride(0), w.stride(0), w.stride(1), b.stride(0) if b is not None else 0, c.stride(0), top_k,
             ACTIVATION=a_kind, MUL_ROUTING_WEIGHT=weighted, HAS_BIAS=b is not None,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, DOT_PRECISION=dot, TMA=tma,
-            WS=tma and bool(cfg.params.get("WS")), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
         )  # fmt: skip
 
     if tma:

@@ -54,7 +54,11 @@ def test_fp8_engine_greedy_tokens_equal_transformers_dequantised_on_gpu(name, tm
             print(f"{name}: prompt of {len(ids)}: largest logit difference {diffs[-1]:.2e}")
     assert max(diffs) <= FLIP_TOL, (name, diffs)
     assert min(diffs) <= EXACT_TOL, (name, diffs)
-    near_tie_divergences(hf, PROMPTS, [o.token_ids for o in outs], MAX_TOKENS, NEAR_TIE)
+    # A flip moves each logit by at most about what the prompts' logits moved (on the H100, 0.18-0.20
+    # for the block-scaled checkpoint, where one token took another at a reference gap of 0.18), so it
+    # can reorder only two tokens whose reference gap is under twice that.
+    near_tie = max(NEAR_TIE, 2 * max(diffs))
+    near_tie_divergences(hf, PROMPTS, [o.token_ids for o in outs], MAX_TOKENS, near_tie)
     assert llm.engine.block_pool.num_used_blocks == 0
     llm.engine.runner.close()
     del llm, hf

@@ -320,8 +320,6 @@ KERNEL_CASES = [
     pytest.param(41, 8, 2, 48, 40, "swiglu_oai", True, {**TILE, "TMA": 1}, id="t41-gptoss-bias-tma"),
     pytest.param(9, 8, 2, 64, 40, "silu", False, {**TILE, "SPLIT_ACT": 1, "TMA": 1}, id="t9-split-act-tma"),
     # the K loop warp-specialised (sm_90; the interpreter runs the same loop), the tile under an if
-    pytest.param(41, 8, 2, 64, 40, "silu", False, {**TILE, "TMA": 1, "WS": 1}, id="t41-e8-top2-tma-ws"),
-    pytest.param(41, 8, 2, 48, 40, "swiglu_oai", True, {**TILE, "TMA": 1, "WS": 1, "SPLIT_ACT": 1}, id="t41-gptoss-tma-ws"),
     # torch._grouped_mm's two GEMMs (torch's own CPU loop here; the GPU tests run CUTLASS's)
     pytest.param(41, 8, 2, 64, 40, "silu", False, {"grouped": 1}, id="t41-e8-top2-grouped"),
     pytest.param(9, 60, 4, 32, 24, "silu", False, {"grouped": 1}, id="t9-e60-top4-grouped"),
@@ -568,16 +566,6 @@ def test_grouped_is_kept_where_torch_runs_it_and_experts_get_rows():
     assert prune(space, 256, 8, 128, 2048, 768, grouped=True) == space  # 16 rows an expert
     # not a tuner candidate until a GPU run has timed it (benchmarks/moe.py's "grouped" variant)
     assert fused_moe.GROUPED not in fused_moe.CONFIG_SPACE
-
-
-def test_warp_specialised_tiles_are_no_tuner_candidates_until_timed():
-    """The WS tiles (whose Triton pass once hung on the H200) never reach a build's tuner: a
-    Mixtral prefill bucket's space, where they would fit, holds TMA tiles but no WS one."""
-    assert fused_moe.WS_CONFIGS and all(c.params.get("WS") for c in fused_moe.WS_CONFIGS)
-    space = fused_moe.prune_configs(fused_moe.CONFIG_SPACE, 4096, 2, 8, 4096, 14336, tma=True)
-    assert any(c.params.get("TMA") for c in space)
-    assert not any(c.params.get("WS") for c in space)
-    assert fused_moe.prune_configs(fused_moe.WS_CONFIGS, 4096, 2, 8, 4096, 14336, tma=True)  # they would fit
 
 
 def test_grouped_support_follows_the_device():

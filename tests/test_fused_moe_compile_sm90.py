@@ -86,7 +86,6 @@ def gemm_job(
         signature["a_ptr"] = f"tensordesc<{elt}[{cfg['BLOCK_M']}, {cfg['BLOCK_K']}]>"
         signature["w_ptr"] = f"tensordesc<{elt}[{cfg['BLOCK_N']}, {cfg['BLOCK_K']}]>"
         constexprs["TMA"] = True
-        constexprs["WS"] = bool(cfg.params.get("WS"))  # the launcher's: warp-specialised K loop
         divisible = [name for name in divisible if name not in ("a_ptr", "w_ptr")]
     return (
         "gemm",
@@ -138,7 +137,7 @@ def test_fused_moe_kernels_compile_for_sm90_and_fit_shared_memory() -> None:
     configs = [c for c in fused_moe.CONFIG_SPACE if "BLOCK_M" in c.params]
     timed = [json.dumps(c.as_dict(), sort_keys=True) in tiles for c in configs]
     assert sum(timed) >= len(configs) - 1  # all but the largest tile (over the limit) are timed
-    jobs = [gemm_job(c, gate_up=True, bias=False) for c in configs + fused_moe.WS_CONFIGS]  # WS: out of the space
+    jobs = [gemm_job(c, gate_up=True, bias=False) for c in configs]
     default = fused_moe.default_config(256, 8, 128, 2048, 768)
     gemv = fused_moe.default_config(1, 8, 128, 2048, 768)
     extra = [
