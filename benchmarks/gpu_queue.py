@@ -13,12 +13,16 @@ image lacks, the test tokenizer, .whl/setup.sh), then a run with carry [".whl"] 
 ``source .whl/setup.sh && python3 benchmarks/gpu_queue.py --out $OUT``.
 
 The steps and what each decides are in STEPS; benchmarks/RESULTS.md says where each lead stands.
+When the queue ends, every Triton cache and every file over 64 MiB under OUT is deleted (listed
+in queue.jsonl): the device tool returns only so many files, and a built artifact's cache would
+crowd out its report.md and tuning.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PY = sys.executable
+KEEP_BYTES = 64 << 20  # files under OUT larger than this are deleted when the queue ends
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,14 @@ def steps(out: Path) -> list[Step]:
             420,
             "issue 27's Qwen3-30B-A3B W4 against its roofline on an H200, with every lead in the tuner's space (3.749 ms, "
             "2.565x on the H200 before the leads; 3.982 ms, 1.964x on an H100 with them, twenty-fourth session)",
+        ),
+        Step(
+            "qwen3_profile",
+            [PY, str(bench / "profile_step.py"), "--artifact", str(out / "qwen3-30b-a3b-bf16"), "--batch", "1",
+             "--context", "128", "--steps", "16", "--top", "40"],
+            180,
+            "where the W4 step of that artifact goes, kernel by kernel (the thirteenth session's profile: 3.4 ms of "
+            "kernels in 3.75 ms), and so which decode leads its table kept",
         ),
         Step(
             "kernel_tests",
@@ -129,6 +142,24 @@ def main() -> None:
                 rc, timed_out = None, True
         row.update(rc=rc, timed_out=timed_out, seconds=round(time.monotonic() - t0, 1))
         _record(args.out, row)
+    trimmed = trim(args.out)
+    if trimmed:
+        _record(args.out, {"trimmed": trimmed})
+
+
+def trim(out: Path) -> list[str]:
+    """Delete the Triton caches and the files over KEEP_BYTES in ``out``'s folders (the queue's own
+    logs, directly in ``out``, stay); returns what went, relative to ``out``."""
+    gone = []
+    for cache in sorted(out.rglob("triton_cache")):
+        if cache.is_dir():
+            shutil.rmtree(cache)
+            gone.append(str(cache.relative_to(out)) + "/")
+    for f in sorted(out.rglob("*")):
+        if f.parent != out and f.is_file() and f.stat().st_size > KEEP_BYTES:
+            f.unlink()
+            gone.append(str(f.relative_to(out)))
+    return gone
 
 
 def _record(out: Path, row: dict[str, object]) -> None:

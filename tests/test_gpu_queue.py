@@ -63,3 +63,22 @@ def test_fit_starts_a_step_whose_share_fits_and_cuts_it_to_what_is_left(
     gpu_queue.main()
     (row,) = [json.loads(line) for line in (tmp_path / "queue.jsonl").read_text().splitlines()]
     assert row["timed_out"] and row["seconds"] < 10
+
+
+def test_the_queue_ends_by_trimming_caches_and_large_files_so_reports_come_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    art = tmp_path / "model-bf16"
+    (art / "triton_cache" / "ABC").mkdir(parents=True)
+    (art / "triton_cache" / "ABC" / "k.cubin").write_bytes(b"x" * 10)
+    (art / "report.md").write_text("# report")
+    monkeypatch.setattr(gpu_queue, "KEEP_BYTES", 50)
+    (art / "weights.bin").write_bytes(b"x" * 100)
+    py = sys.executable
+    monkeypatch.setattr(gpu_queue, "steps", lambda out: [gpu_queue.Step("ok", [py, "-c", "print(1)"], 30, "")])
+    monkeypatch.setattr(sys, "argv", ["gpu_queue.py", "--out", str(tmp_path), "--budget", "60"])
+    gpu_queue.main()
+    assert (art / "report.md").read_text() == "# report"
+    assert not (art / "triton_cache").exists() and not (art / "weights.bin").exists()
+    rows = [json.loads(line) for line in (tmp_path / "queue.jsonl").read_text().splitlines()]
+    assert rows[-1] == {"trimmed": ["model-bf16/triton_cache/", "model-bf16/weights.bin"]}
