@@ -68,6 +68,14 @@ def steps(out: Path) -> list[Step]:
             "kernels in 3.75 ms), and so which decode leads its table kept",
         ),
         Step(
+            "l2_prefetch",
+            [PY, str(bench / "l2_prefetch.py")],
+            120,
+            "whether a batch-1 o projection is faster when a side stream has its weights prefetched into L2 while "
+            "attention runs (the mechanism alone, in a CUDA graph; bulk prefetch against a plain chain): a lead for "
+            "every W4 of issues 27, 29 and 33 if it saves several us a layer",
+        ),
+        Step(
             "kernel_tests",
             _pytest("tests/test_fused_moe_gpu.py", "-k", "grouped or configs_match"),
             240,
