@@ -76,6 +76,28 @@ def steps(out: Path) -> list[Step]:
             "every W4 of issues 27, 29 and 33 if it saves several us a layer",
         ),
         Step(
+            "w4_plain",
+            [PY, str(bench / "serving.py"), "--out", str(out / "w4"), "--artifact", str(out / "w4" / "plain"),
+             "--phases", "W4", "--tune-budget", "30"],
+            240,
+            "the baseline of the next step: Llama-3-8B bf16 W4 (4.667 ms on the H200, twelfth session)",
+        ),
+        Step(
+            "w4_l2_prefetch",
+            ["env", "PAGECAST_L2_PREFETCH=1", PY, str(bench / "serving.py"), "--out", str(out / "w4"), "--artifact",
+             str(out / "w4" / "prefetch"), "--phases", "W4", "--tuning-from", str(out / "w4" / "plain")],
+            240,
+            "W4 with the o projection prefetched into L2 during attention (kernels/l2_prefetch.py), the baseline's "
+            "kernel configs, same call: the option's end-to-end worth",
+        ),
+        Step(
+            "build_options_test",
+            _pytest("tests/test_build_options_gpu.py"),
+            240,
+            "PDL and the L2 prefetch: an artifact built with each serves the same bf16 greedy tokens, graphs on and "
+            "off, and compiles nothing (the prefetch's side stream inside the captured graph)",
+        ),
+        Step(
             "kernel_tests",
             _pytest("tests/test_fused_moe_gpu.py", "-k", "grouped or configs_match"),
             240,

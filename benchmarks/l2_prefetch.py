@@ -16,12 +16,15 @@ Llama-3-8B's shape, so nothing stays in L2 from one replay to the next):
 timed per layer (median of graph replays), in three modes:
 
     plain       as above
-    bulk        after the qkv GEMV, a side stream (forked in the graph) runs _l2_prefetch_kernel over
-                the layer's o weight: ``cp.async.bulk.prefetch.L2`` (sm_90), one per lane for
-                --sub-kib KiB, so a few programs issue the whole matrix and return; the copy engine
-                fills L2 while the spin kernel runs. The branches join once, at the graph's end.
-    read        the same side stream reads the o weight (a torch sum over it: every SM's loads), for
-                contrast
+    bulk        after the qkv GEMV, a side stream (forked in the graph) runs kernels/l2_prefetch.py's
+                kernel over the layer's o weight: ``cp.async.bulk.prefetch.L2`` (sm_90), one per lane
+                for --sub-kib KiB, so a few programs issue the whole matrix and return; the copy
+                engine fills L2 while the spin kernel runs. The branch joins before the o GEMV.
+    bulk_early  the same, joined before the spin kernel, as the engine does (l2_prefetch.fork/join
+                within the layer's part before attention): as fast as ``bulk`` only if the prefetch
+                kernel returns before its data has arrived
+    read        the same side stream reads the o weight (a torch sum over it: every SM's loads),
+                joined before the o GEMV, for contrast
 
 and ``hot``: the o GEMV alone, its weight read just before (an upper bound on what a prefetch can give).
 
@@ -36,46 +39,14 @@ import statistics
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
+
+from pagecast.kernels import l2_prefetch
 
 SHAPES = {
     # name: (hidden, qkv rows, o input)
     "llama3-8b": (4096, 6144, 4096),
     "qwen3-30b-a3b": (2048, 5120, 4096),
 }
-
-
-@triton.jit
-def _l2_prefetch_kernel(base_ptr, nbytes, SUB: tl.constexpr, LANES: tl.constexpr):
-    """Program p asks the copy engine to bring bytes [p * LANES * SUB, (p + 1) * LANES * SUB) of
-    ``base_ptr`` into L2, SUB bytes a lane (multiples of 16, as cp.async.bulk requires); lanes past
-    ``nbytes`` issue nothing. Nothing waits for the data."""
-    start = tl.program_id(0).to(tl.int64) * (LANES * SUB) + tl.arange(0, LANES).to(tl.int64) * SUB
-    size = tl.minimum(tl.maximum(nbytes - start, 0), SUB).to(tl.int32)
-    tl.inline_asm_elementwise(
-        """
-        {
-        .reg .pred p;
-        setp.ne.u32 p, $2, 0;
-        @p cp.async.bulk.prefetch.L2.global [$1], $2;
-        mov.u32 $0, 0;
-        }
-        """,
-        "=r,l,r",
-        [base_ptr + start, size],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-def l2_prefetch(w: torch.Tensor, sub_bytes: int, lanes: int = 32) -> None:
-    """Launch the prefetch of ``w``'s bytes (contiguous, 16-byte aligned) on the current stream."""
-    flat = w.view(-1).view(torch.uint8)
-    nbytes = flat.numel() - flat.numel() % 16
-    grid = (triton.cdiv(nbytes, lanes * sub_bytes),)
-    _l2_prefetch_kernel[grid](flat, nbytes, SUB=sub_bytes, LANES=lanes, num_warps=1)
 
 
 def time_graph(fn, reps: int) -> float:  # type: ignore[no-untyped-def]
@@ -115,6 +86,7 @@ def main() -> None:
     end.synchronize()
     khz = 20_000_000 / start.elapsed_time(end)  # cycles a millisecond
     side = torch.cuda.Stream()
+    l2_prefetch.SUB_BYTES = args.sub_kib << 10
     print(json.dumps({"figure": "machine", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "sm_clock_khz": khz}))  # fmt: skip
     for name in args.shapes.split(","):
@@ -139,15 +111,17 @@ def run_shape(name: str, args: argparse.Namespace, side: torch.cuda.Stream, khz:
             if mode != "plain":
                 side.wait_stream(cur)
                 with torch.cuda.stream(side):
-                    if mode == "bulk":
-                        l2_prefetch(w_o[layer], args.sub_kib << 10)
+                    if mode.startswith("bulk"):
+                        l2_prefetch.launch(w_o[layer])
                     else:
                         w_o[layer].sum()
+                if mode == "bulk_early":
+                    cur.wait_stream(side)
             if cycles:
                 torch.cuda._sleep(cycles)
+            if mode != "plain":
+                cur.wait_stream(side)
             torch.mm(a, w_o[layer].t(), out=outs[layer])
-        if mode != "plain":
-            cur.wait_stream(side)
 
     def o_only(hot: bool) -> None:
         for layer in range(args.layers):
@@ -164,7 +138,7 @@ def run_shape(name: str, args: argparse.Namespace, side: torch.cuda.Stream, khz:
             "window_us": window,
             "layers": args.layers,
         }
-        for mode in ("plain", "bulk", "read"):
+        for mode in ("plain", "bulk", "bulk_early", "read"):
             us = time_graph(lambda mode=mode, cycles=cycles: chain(mode, cycles), args.reps) / args.layers
             row[f"{mode}_us_per_layer"] = round(us, 2)
             got = torch.stack(outs)

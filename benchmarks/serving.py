@@ -102,11 +102,12 @@ def random_checkpoint(cfg_dir: Path, config: dict, shard_bytes: int = 5 << 30) -
 
 
 def build(
-    out: Path, artifact: Path, max_model_len: int, tune_budget: float, weights: str = "random", kv_cache_dtype: str = "auto"
-) -> None:
+    out: Path, artifact: Path, max_model_len: int, tune_budget: float, weights: str = "random", kv_cache_dtype: str = "auto",
+    tuning_from: Path | None = None,
+) -> None:  # fmt: skip
     """The Llama-3-8B-shaped artifact; weights "random": --load-format dummy (drawn at load, no
     weight files), "files": built from a random checkpoint on disk (start-up reads and hashes);
-    ``kv_cache_dtype`` as enginebuild's --kv-cache-dtype."""
+    ``kv_cache_dtype`` and ``tuning_from`` as enginebuild's --kv-cache-dtype and --tuning-from."""
     from pagecast.builder.ir import BuildOptions
     from pagecast.builder.pipeline import build as run_build
 
@@ -126,7 +127,7 @@ def build(
     run_build(
         BuildOptions(model=str(cfg_dir), output=artifact, gpu="auto", load_format="dummy" if weights == "random" else "auto",
                      max_model_len=max_model_len, tune_budget_s=tune_budget, force=True, quiet=True, max_num_seqs=1024,
-                     kv_cache_dtype=kv_cache_dtype),
+                     kv_cache_dtype=kv_cache_dtype, tuning_from=tuning_from),
         log=lambda line: print("  build", line, flush=True),
     )
     emit(out, figure="enginebuild_seconds", value=round(time.perf_counter() - start, 1))
@@ -351,13 +352,15 @@ def main() -> None:
     ap.add_argument("--weights", choices=["random", "files"], default="random",
                     help="random: dummy artifact (weights drawn at load); files: built from a random checkpoint")
     ap.add_argument("--mixed-graphs", action="store_true", help="the engine phases with mixed-step CUDA graphs on")
+    ap.add_argument("--tuning-from", type=Path, default=None,
+                    help="build with another artifact's kernel configs (enginebuild --tuning-from): an A/B of a build option")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     artifact = args.artifact or args.out / "llama3-8b-dummy"
     phases = set(args.phases.split(","))
     emit(args.out, figure="machine", value=torch.cuda.get_device_name(0), torch=torch.__version__,
          date=time.strftime("%Y-%m-%d"), commit=os.environ.get("PAGECAST_COMMIT", "unknown"))
-    build(args.out, artifact, args.max_model_len, args.tune_budget, args.weights)
+    build(args.out, artifact, args.max_model_len, args.tune_budget, args.weights, tuning_from=args.tuning_from)
     for name, fn in (("start", lambda: phase_start(args.out, artifact)), ("base", lambda: phase_base(args.out, artifact))):
         if name in phases:
             try:

@@ -567,10 +567,11 @@ def run(state: BuildState) -> BuildState:
         report["tuning_note"] = "CPU artifact: the torch reference kernels run; nothing to tune"
         return dataclasses.replace(state, tuning=table, report=report)
 
-    from pagecast.kernels import pdl, tuning
+    from pagecast.kernels import l2_prefetch, pdl, tuning
 
     try:
         pdl_requested = pdl.requested()
+        l2_requested = l2_prefetch.requested()
     except ValueError as err:
         raise BuildError(str(err)) from None
     pinned = None
@@ -599,13 +600,20 @@ def run(state: BuildState) -> BuildState:
             report["tuning_note"] += (
                 f". Decode kernels launch with programmatic dependent launch ({pdl.ENV}=1, experimental)"
             )
+        if table.get("l2_prefetch"):
+            report["tuning_note"] += (
+                f". Steps of up to {l2_prefetch.MAX_ROWS} rows prefetch the o projection into L2 during attention "
+                f"({l2_prefetch.ENV}=1, experimental)"
+            )
     else:
         table = tuning.default_table(plan.gpu_name) or {"device": plan.gpu_name, "tuned": False, "kernels": {}}
         table = dict(table, tuned=False)
         report["tuning_note"] = (
             f"no {plan.gpu_name} present: the shipped default table for {plan.gpu_name} is used "
             f"(artifact marked untuned; rebuild on the GPU to tune)"
-        ) + (f"; {pdl.ENV}=1 ignored: programmatic dependent launch is built on the GPU" if pdl_requested else "")
+        ) + (f"; {pdl.ENV}=1 ignored: programmatic dependent launch is built on the GPU" if pdl_requested else "") + (
+            f"; {l2_prefetch.ENV}=1 ignored: the L2 prefetch is built on the GPU" if l2_requested else ""
+        )
     return dataclasses.replace(state, tuning=table, report=report)
 
 

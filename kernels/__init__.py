@@ -12,5 +12,6 @@
 # 3: ops.lm_head takes an FP8 head (quant_linear.Fp8LinearWeight, enginebuild --fp8-lm-head).
 # 4: ops.paged_attention takes out=, and ops.moe_stays_on_device is new (the model's graph pieces
 # for mixed-step CUDA graphs, runtime/cuda_graphs.py MixedGraphs).
-KERNEL_ABI = 4
+# 5: ops.prefetch_to_l2 and ops.join_prefetch are new (kernels/l2_prefetch.py).
+KERNEL_ABI = 5
 KERNEL_ABI_OLDEST = 1

@@ -229,7 +229,10 @@ def load_rank(artifact_dir: str | os.PathLike[str], rank: int, device: torch.dev
     path = Path(artifact_dir)
     manifest = load_manifest(path)
     tuning = json.loads((path / "tuning.json").read_text())
-    ops.configure(tuning.get("kernels"), use_triton=device.type == "cuda", pdl=bool(tuning.get("pdl")))
+    ops.configure(
+        tuning.get("kernels"), use_triton=device.type == "cuda", pdl=bool(tuning.get("pdl")),
+        l2_prefetch=bool(tuning.get("l2_prefetch")),
+    )  # fmt: skip
     module = import_model_module(path)
     return module.Model(rank_weights(path, manifest, device, rank, verify), device)
 
@@ -258,8 +261,11 @@ def load_artifact(
 
     tuning = json.loads((path / "tuning.json").read_text())
     # "pdl": built with programmatic dependent launch (kernels/pdl.py), whose kernel variants
-    # the artifact's Triton cache holds.
-    kernels = ops.configure(tuning.get("kernels"), use_triton=device.type == "cuda", pdl=bool(tuning.get("pdl")))
+    # the artifact's Triton cache holds; "l2_prefetch": with the L2 prefetch (kernels/l2_prefetch.py).
+    kernels = ops.configure(
+        tuning.get("kernels"), use_triton=device.type == "cuda", pdl=bool(tuning.get("pdl")),
+        l2_prefetch=bool(tuning.get("l2_prefetch")),
+    )  # fmt: skip
     module = import_model_module(path, manifest)
     check_kv_cache(path, manifest, module)
     timings["prepare"] = time.perf_counter() - t0

@@ -1,4 +1,4 @@
-"""benchmarks/l2_prefetch.py's prefetch kernel compiled for an H100/H200 (sm_90) without a GPU:
+"""kernels/l2_prefetch.py's kernel compiled for an H100/H200 (sm_90) without a GPU:
 ptxas accepts the bulk L2 prefetch, each lane issues one (predicated off past the end), and the
 kernel neither loads nor stores anything itself."""
 
@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -16,16 +15,14 @@ pytest.importorskip("triton.backends.nvidia.compiler")
 
 CHILD = textwrap.dedent(
     """
-    import sys
-    sys.path.insert(0, sys.argv[1])
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    import l2_prefetch
+    from pagecast.kernels import l2_prefetch
 
     sig = {"base_ptr": "*u8", "nbytes": "i64", "SUB": "constexpr", "LANES": "constexpr"}
     compiled = triton.compile(
-        ASTSource(l2_prefetch._l2_prefetch_kernel, signature=sig, constexprs={"SUB": 16384, "LANES": 32}),
+        ASTSource(l2_prefetch._kernel(), signature=sig, constexprs={"SUB": l2_prefetch.SUB_BYTES, "LANES": l2_prefetch.LANES}),
         target=GPUTarget("cuda", 90, 32), options={"num_warps": 1},
     )
     assert "cubin" in compiled.asm
@@ -36,9 +33,8 @@ CHILD = textwrap.dedent(
 
 def test_the_prefetch_kernel_compiles_for_sm90_to_one_predicated_bulk_prefetch_a_lane() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    bench = str(Path(__file__).parents[1] / "benchmarks")
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD, bench],
+        [sys.executable, "-c", CHILD],
         env=env,
         capture_output=True,
         text=True,
