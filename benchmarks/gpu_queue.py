@@ -85,7 +85,8 @@ def steps(out: Path) -> list[Step]:
         Step(
             "w4_l2_prefetch",
             ["env", "PAGECAST_L2_PREFETCH=1", PY, str(bench / "serving.py"), "--out", str(out / "w4"), "--artifact",
-             str(out / "w4" / "prefetch"), "--phases", "W4", "--tuning-from", str(out / "w4" / "plain")],
+             str(out / "w4" / "prefetch"), "--phases", "W4", "--tune-budget", "30", "--tuning-from",
+             str(out / "w4" / "plain")],
             240,
             "W4 with the o projection prefetched into L2 during attention (kernels/l2_prefetch.py), the baseline's "
             "kernel configs, same call: the option's end-to-end worth",
