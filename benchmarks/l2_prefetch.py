@@ -10,10 +10,10 @@ already in L2 (50 MiB on H100/H200), it would read them from there.
 The chain, one CUDA graph, ``--layers`` layers each with its own cold weights (x 48 MiB + 32 MiB at
 Llama-3-8B's shape, so nothing stays in L2 from one replay to the next):
 
-    qkv GEMV (1 row)  ->  a spin kernel of ``--window-us`` (torch.cuda._sleep: no memory traffic,
+    qkv GEMV (1 row)  ->  a spin kernel of each ``--windows`` us (torch.cuda._sleep: no memory traffic,
     standing in for rotary, attention and merge)  ->  o GEMV (1 row)
 
-timed per layer (median of graph replays), in three modes:
+timed per layer (median of graph replays), in four modes (tuning.time_launches):
 
     plain       as above
     bulk        after the qkv GEMV, a side stream (forked in the graph) runs kernels/l2_prefetch.py's
@@ -35,38 +35,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
 
 from pagecast.kernels import l2_prefetch
+from pagecast.kernels.tuning import time_launches
 
 SHAPES = {
     # name: (hidden, qkv rows, o input)
     "llama3-8b": (4096, 6144, 4096),
     "qwen3-30b-a3b": (2048, 5120, 4096),
 }
-
-
-def time_graph(fn, reps: int) -> float:  # type: ignore[no-untyped-def]
-    """Median us of one replay of ``fn`` captured in a CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -129,6 +109,11 @@ def run_shape(name: str, args: argparse.Namespace, side: torch.cuda.Stream, khz:
                 w_o[layer].sum()  # the weight into L2 just before
             torch.mm(a, w_o[layer].t(), out=outs[layer])
 
+    # time_launches times eagerly what it cannot capture: the side stream must capture here, or the
+    # figures would be eager ones
+    chain("bulk", 0)
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        chain("bulk", 0)
     ref = None
     for window in (float(v) for v in args.windows.split(",")):
         cycles = int(window * khz / 1000)
@@ -139,7 +124,10 @@ def run_shape(name: str, args: argparse.Namespace, side: torch.cuda.Stream, khz:
             "layers": args.layers,
         }
         for mode in ("plain", "bulk", "bulk_early", "read"):
-            us = time_graph(lambda mode=mode, cycles=cycles: chain(mode, cycles), args.reps) / args.layers
+            us = (
+                time_launches(lambda _, mode=mode, cycles=cycles: chain(mode, cycles), 1, args.reps)
+                / args.layers
+            )
             row[f"{mode}_us_per_layer"] = round(us, 2)
             got = torch.stack(outs)
             if ref is None:
@@ -148,9 +136,9 @@ def run_shape(name: str, args: argparse.Namespace, side: torch.cuda.Stream, khz:
         row["bulk_saves_us"] = round(float(row["plain_us_per_layer"]) - float(row["bulk_us_per_layer"]), 2)  # type: ignore[arg-type]
         print(json.dumps(row), flush=True)
 
-    cold = time_graph(lambda: o_only(False), args.reps) / args.layers
-    both = time_graph(lambda: o_only(True), args.reps) / args.layers
-    read = time_graph(lambda: [w.sum() for w in w_o], args.reps) / args.layers
+    cold = time_launches(lambda _: o_only(False), 1, args.reps) / args.layers
+    both = time_launches(lambda _: o_only(True), 1, args.reps) / args.layers
+    read = time_launches(lambda _: [w.sum() for w in w_o], 1, args.reps) / args.layers
     print(json.dumps({"figure": "o_gemv", "shape": name, "cold_us": round(cold, 2), "hot_us": round(both - read, 2),
                       "read_us": round(read, 2), "o_mib": round(w_o[0].numel() * 2 / 2**20, 1)}), flush=True)  # fmt: skip
 

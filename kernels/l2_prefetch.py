@@ -21,10 +21,11 @@ restored by the runtime (``ops.configure(..., l2_prefetch=...)``), so serving co
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import torch
+
+from pagecast.kernels import build_env
 
 ENV = "PAGECAST_L2_PREFETCH"
 MAX_ROWS = 16  # steps of more rows read each weight for many rows: no prefetch
@@ -37,14 +38,8 @@ _forked: set[torch.device] = set()
 
 
 def requested(strict: bool = True) -> bool:
-    """Whether this build was asked for the prefetch (ENV=1); ``strict``: a value other than 1 or
-    0 is an error (else it reads as off)."""
-    value = os.environ.get(ENV, "").strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if strict and value not in ("", "0", "false", "no", "off"):
-        raise ValueError(f"{ENV} must be 1 or 0, got {value!r}")
-    return False
+    """Whether this build was asked for the prefetch (ENV=1; kernels/build_env.py's flag)."""
+    return build_env.flag(ENV, strict)
 
 
 def enabled() -> bool:
@@ -58,11 +53,7 @@ def set_enabled(on: bool) -> None:
 
 def check_device(device: Any = "cuda") -> None:
     """Refuse the prefetch on a GPU before sm_90, which has no bulk copy engine."""
-    major, minor = torch.cuda.get_device_capability(device)
-    if major < 9:
-        raise RuntimeError(
-            f"{ENV}=1: the bulk L2 prefetch needs an sm_90 or newer GPU, this one is sm_{major}{minor}; build without {ENV}"
-        )
+    build_env.require_sm90(ENV, "the bulk L2 prefetch", device)
 
 
 def tensors_of(weight: Any) -> list[torch.Tensor]:
@@ -118,7 +109,9 @@ def launch(t: torch.Tensor) -> None:
 
     flat = t.view(-1).view(torch.uint8)
     nbytes = flat.numel() - flat.numel() % 16
-    _kernel()[(triton.cdiv(nbytes, LANES * SUB_BYTES),)](flat, nbytes, SUB=SUB_BYTES, LANES=LANES, num_warps=1)
+    _kernel()[(triton.cdiv(nbytes, LANES * SUB_BYTES),)](
+        flat, nbytes, SUB=SUB_BYTES, LANES=LANES, num_warps=1
+    )
 
 
 def warm(device: torch.device) -> None:

@@ -26,8 +26,9 @@ cache holds the PDL variants the tuner compiled) and restored by the runtime fro
 
 from __future__ import annotations
 
-import os
 from typing import Any
+
+from pagecast.kernels import build_env
 
 ENV = "PAGECAST_PDL"
 
@@ -35,14 +36,8 @@ _enabled = False  # the launchers' setting in this process (the build's: from EN
 
 
 def requested(strict: bool = True) -> bool:
-    """Whether this build was asked for PDL (ENV=1); ``strict``: a value other than 1 or 0 is an
-    error (else it reads as off)."""
-    value = os.environ.get(ENV, "").strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if strict and value not in ("", "0", "false", "no", "off"):
-        raise ValueError(f"{ENV} must be 1 or 0, got {value!r}")
-    return False
+    """Whether this build was asked for PDL (ENV=1; kernels/build_env.py's flag)."""
+    return build_env.flag(ENV, strict)
 
 
 def enabled() -> bool:
@@ -57,14 +52,7 @@ def set_enabled(on: bool) -> None:
 
 def check_device(device: Any = "cuda") -> None:
     """Refuse PDL on a GPU before sm_90, which has no griddepcontrol."""
-    import torch
-
-    major, minor = torch.cuda.get_device_capability(device)
-    if major < 9:
-        raise RuntimeError(
-            f"{ENV}=1: programmatic dependent launch needs an sm_90 or newer GPU, this one is sm_{major}{minor}; "
-            f"build without {ENV}"
-        )
+    build_env.require_sm90(ENV, "programmatic dependent launch", device)
 
 
 def launch_options() -> dict[str, Any]:

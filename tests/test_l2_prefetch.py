@@ -90,11 +90,8 @@ def test_the_tuning_table_carries_the_prefetch_to_serving(monkeypatch: pytest.Mo
     assert not l2_prefetch.enabled()
     ops.activate(off)
 
-    monkeypatch.setenv(l2_prefetch.ENV, "1")
+    monkeypatch.setenv("PAGECAST_L2_PREFETCH", "1")  # (tests/test_pdl.py: how the value reads)
     assert l2_prefetch.requested()
-    monkeypatch.setenv(l2_prefetch.ENV, "0")
-    assert not l2_prefetch.requested()
-    monkeypatch.setenv(l2_prefetch.ENV, "maybe")
-    with pytest.raises(ValueError, match="PAGECAST_L2_PREFETCH"):
+    monkeypatch.setenv("PAGECAST_L2_PREFETCH", "maybe")
+    with pytest.raises(ValueError, match="PAGECAST_L2_PREFETCH must be 1 or 0"):
         l2_prefetch.requested()
-    assert not l2_prefetch.requested(strict=False)
