@@ -19,6 +19,28 @@ def flag(env: str, strict: bool = True) -> bool:
     return False
 
 
+class Option:
+    """One experimental build option: the variable that asks for it at build, what it is (for the
+    error on an older GPU), and whether it is on in this process (``on``: the build's from the
+    variable; serving's from the artifact's tuning table, through ops.configure)."""
+
+    def __init__(self, env: str, feature: str):
+        self.env, self.feature = env, feature
+        self.on = flag(env, strict=False)
+
+    def requested(self, strict: bool = True) -> bool:
+        return flag(self.env, strict)
+
+    def enabled(self) -> bool:
+        return self.on
+
+    def set_enabled(self, on: bool) -> None:
+        self.on = bool(on)
+
+    def check_device(self, device: Any = "cuda") -> None:
+        require_sm90(self.env, self.feature, device)
+
+
 def require_sm90(env: str, feature: str, device: Any = "cuda") -> None:
     """Refuse ``feature`` (asked for by ``env``) on a GPU before sm_90."""
     import torch

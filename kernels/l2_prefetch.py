@@ -32,28 +32,18 @@ MAX_ROWS = 16  # steps of more rows read each weight for many rows: no prefetch
 SUB_BYTES = 16 << 10  # bytes one lane asks for (a multiple of 16, as cp.async.bulk requires)
 LANES = 32  # lanes a program (one warp)
 
-_enabled = False  # this process's setting (the build's: from ENV; serving: from the table)
 _side: dict[torch.device, torch.cuda.Stream] = {}
 _forked: set[torch.device] = set()
 
 
-def requested(strict: bool = True) -> bool:
-    """Whether this build was asked for the prefetch (ENV=1; kernels/build_env.py's flag)."""
-    return build_env.flag(ENV, strict)
-
-
-def enabled() -> bool:
-    return _enabled
-
-
-def set_enabled(on: bool) -> None:
-    global _enabled
-    _enabled = bool(on)
-
-
-def check_device(device: Any = "cuda") -> None:
-    """Refuse the prefetch on a GPU before sm_90, which has no bulk copy engine."""
-    build_env.require_sm90(ENV, "the bulk L2 prefetch", device)
+# requested(), enabled(), set_enabled(on) and check_device() as kernels/build_env.py's Option has them
+OPTION = build_env.Option(ENV, "the bulk L2 prefetch")
+requested, enabled, set_enabled, check_device = (
+    OPTION.requested,
+    OPTION.enabled,
+    OPTION.set_enabled,
+    OPTION.check_device,
+)
 
 
 def tensors_of(weight: Any) -> list[torch.Tensor]:
@@ -74,7 +64,7 @@ def _prefetchable(t: torch.Tensor) -> bool:
 def fork(num_rows: int, *weights: Any) -> None:
     """Prefetch ``weights``' tensors into L2 from the device's side stream, after the work queued
     so far on the current stream; a no-op when off, past MAX_ROWS rows, or on the CPU."""
-    if not _enabled or num_rows > MAX_ROWS:
+    if not OPTION.on or num_rows > MAX_ROWS:
         return
     tensors = [t for w in weights for t in tensors_of(w) if _prefetchable(t)]
     if not tensors:
@@ -154,6 +144,3 @@ def _kernel() -> Any:
 
         _KERNEL = _l2_prefetch_kernel
     return _KERNEL
-
-
-_enabled = requested(strict=False)

@@ -32,33 +32,17 @@ from pagecast.kernels import build_env
 
 ENV = "PAGECAST_PDL"
 
-_enabled = False  # the launchers' setting in this process (the build's: from ENV; serving: from the table)
-
-
-def requested(strict: bool = True) -> bool:
-    """Whether this build was asked for PDL (ENV=1; kernels/build_env.py's flag)."""
-    return build_env.flag(ENV, strict)
-
-
-def enabled() -> bool:
-    return _enabled
-
-
-def set_enabled(on: bool) -> None:
-    """Launch the participating kernels with PDL from now on (or not)."""
-    global _enabled
-    _enabled = bool(on)
-
-
-def check_device(device: Any = "cuda") -> None:
-    """Refuse PDL on a GPU before sm_90, which has no griddepcontrol."""
-    build_env.require_sm90(ENV, "programmatic dependent launch", device)
+# requested(), enabled(), set_enabled(on) and check_device() as kernels/build_env.py's Option has them
+OPTION = build_env.Option(ENV, "programmatic dependent launch")
+requested, enabled, set_enabled, check_device = (
+    OPTION.requested,
+    OPTION.enabled,
+    OPTION.set_enabled,
+    OPTION.check_device,
+)
 
 
 def launch_options() -> dict[str, Any]:
     """Keyword arguments a participating kernel's launch adds: the kernel's ``PDL`` constexpr and
     Triton's ``launch_pdl`` when PDL is on; nothing when it is off (the kernels default to PDL=False)."""
-    return {"PDL": True, "launch_pdl": True} if _enabled else {}
-
-
-_enabled = requested(strict=False)
+    return {"PDL": True, "launch_pdl": True} if OPTION.on else {}

@@ -49,9 +49,9 @@ def test_fork_does_nothing_when_off_past_max_rows_or_on_the_cpu(monkeypatch: pyt
     launched = []
     monkeypatch.setattr(l2_prefetch, "launch", launched.append)
     w = torch.randn(64, 64)
-    monkeypatch.setattr(l2_prefetch, "_enabled", False)
+    monkeypatch.setattr(l2_prefetch.OPTION, "on", False)
     l2_prefetch.fork(1, w)
-    monkeypatch.setattr(l2_prefetch, "_enabled", True)
+    monkeypatch.setattr(l2_prefetch.OPTION, "on", True)
     l2_prefetch.fork(l2_prefetch.MAX_ROWS + 1, w)
     l2_prefetch.fork(1, w)  # a CPU tensor: no copy engine to ask
     l2_prefetch.join()
@@ -79,7 +79,7 @@ def test_the_tuning_table_carries_the_prefetch_to_serving(monkeypatch: pytest.Mo
     """ops.configure(..., l2_prefetch=...) (the loader passes the table's "l2_prefetch") switches it on
     for a GPU engine only, and activating another engine's table switches it back; the build's
     PAGECAST_L2_PREFETCH accepts 1 and 0 only."""
-    monkeypatch.setattr(l2_prefetch, "_enabled", False)
+    monkeypatch.setattr(l2_prefetch.OPTION, "on", False)
     on = ops.configure({}, use_triton=True, l2_prefetch=True)
     assert l2_prefetch.enabled()
     off = ops.configure({}, use_triton=True)

@@ -142,7 +142,7 @@ def test_the_tuning_table_carries_pdl_to_serving(monkeypatch: pytest.MonkeyPatch
     activating another engine's table switches them back; PAGECAST_PDL accepts 1 and 0 only."""
     from pagecast.kernels import ops, pdl
 
-    monkeypatch.setattr(pdl, "_enabled", False)
+    monkeypatch.setattr(pdl.OPTION, "on", False)
     with_pdl = ops.configure({}, use_triton=True, pdl=True)
     assert pdl.enabled() and pdl.launch_options() == {"PDL": True, "launch_pdl": True}
     without = ops.configure({}, use_triton=True)
