@@ -109,11 +109,11 @@ def run_shape(name: str, args: argparse.Namespace, side: torch.cuda.Stream, khz:
                 w_o[layer].sum()  # the weight into L2 just before
             torch.mm(a, w_o[layer].t(), out=outs[layer])
 
-    # time_launches times eagerly what it cannot capture: the side stream must capture here, or the
-    # figures would be eager ones
-    chain("bulk", 0)
+    # time_launches times eagerly what it cannot capture: the side stream and the spin must capture
+    # here, or the figures would be eager ones
+    chain("bulk", 1000)
     with torch.cuda.graph(torch.cuda.CUDAGraph()):
-        chain("bulk", 0)
+        chain("bulk", 1000)
     ref = None
     for window in (float(v) for v in args.windows.split(",")):
         cycles = int(window * khz / 1000)
