@@ -86,8 +86,9 @@ def fork(num_rows: int, *weights: Any) -> None:
 
 
 def join() -> None:
-    """The current stream waits for the prefetch launches forked since the last join (they only
-    issue the hints: the data keeps arriving after)."""
+    """The current stream waits for the prefetch launches forked since the last join. Those only
+    issue the hints, and the data should keep arriving after they end (the PTX ISA gives the bulk
+    prefetch no completion to wait for); benchmarks/l2_prefetch.py's ``bulk_early`` checks that."""
     for device in list(_forked):
         torch.cuda.current_stream(device).wait_stream(_side[device])
         _forked.discard(device)
