@@ -569,9 +569,8 @@ def run(state: BuildState) -> BuildState:
 
     from pagecast.kernels import l2_prefetch, pdl, tuning
 
-    try:
-        pdl_requested = pdl.requested()
-        l2_requested = l2_prefetch.requested()
+    try:  # the experimental options asked for (kernels/build_env.py)
+        requested = [o for o in (pdl.OPTION, l2_prefetch.OPTION) if o.requested()]
     except ValueError as err:
         raise BuildError(str(err)) from None
     pinned = None
@@ -611,9 +610,7 @@ def run(state: BuildState) -> BuildState:
         report["tuning_note"] = (
             f"no {plan.gpu_name} present: the shipped default table for {plan.gpu_name} is used "
             f"(artifact marked untuned; rebuild on the GPU to tune)"
-        ) + (f"; {pdl.ENV}=1 ignored: programmatic dependent launch is built on the GPU" if pdl_requested else "") + (
-            f"; {l2_prefetch.ENV}=1 ignored: the L2 prefetch is built on the GPU" if l2_requested else ""
-        )
+        ) + "".join(f"; {o.env}=1 ignored: {o.feature} is built on the GPU" for o in requested)
     return dataclasses.replace(state, tuning=table, report=report)
 
 

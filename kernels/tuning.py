@@ -491,13 +491,7 @@ def precompile(problem: Any, configs: list[KernelConfig], threads: int) -> int:
     outputs of the kernels not launched: no launcher reads a device value on the host). A config
     that fails here is left to the timing loop, which meets and reports the same error. Returns
     the configs whose launch ran through."""
-
-    def launch(cfg: KernelConfig) -> None:
-        problem.launch(cfg, 0)
-        if problem.variants is not None:
-            problem.variants(cfg)
-
-    return _compile_only([functools.partial(launch, cfg) for cfg in configs], threads)
+    return _compile_only([functools.partial(_launch_with_variants, problem, cfg) for cfg in configs], threads)
 
 
 def precompile_defaults(make: list[Callable[[], tuple[Any, KernelConfig]]], threads: int) -> int:
@@ -507,14 +501,14 @@ def precompile_defaults(make: list[Callable[[], tuple[Any, KernelConfig]]], thre
     default config (each problem is dropped once its launch, and its variants', have handed Triton
     their compiles).
     Returns the launches that ran through."""
+    return _compile_only([lambda m=m: _launch_with_variants(*m()) for m in make], threads)
 
-    def launch(make_one: Callable[[], tuple[Any, KernelConfig]]) -> None:
-        problem, default = make_one()
-        problem.launch(default, 0)
-        if problem.variants is not None:
-            problem.variants(default)
 
-    return _compile_only([functools.partial(launch, m) for m in make], threads)
+def _launch_with_variants(problem: Any, cfg: KernelConfig) -> None:
+    """``problem``'s launch at ``cfg``, and the variants serving may launch beside it."""
+    problem.launch(cfg, 0)
+    if problem.variants is not None:
+        problem.variants(cfg)
 
 
 def _compile_only(launches: list[Callable[[], None]], threads: int) -> int:

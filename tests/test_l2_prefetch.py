@@ -95,3 +95,26 @@ def test_the_tuning_table_carries_the_prefetch_to_serving(monkeypatch: pytest.Mo
     monkeypatch.setenv("PAGECAST_L2_PREFETCH", "maybe")
     with pytest.raises(ValueError, match="PAGECAST_L2_PREFETCH must be 1 or 0"):
         l2_prefetch.requested()
+
+
+def test_a_build_without_the_gpu_says_the_options_asked_for_are_ignored_and_refuses_a_bad_value(
+    tmp_path, tiny_llama_checkpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from conftest import build_artifact
+
+    from pagecast.runtime.errors import BuildError
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without a GPU")
+    monkeypatch.setenv("PAGECAST_PDL", "1")
+    monkeypatch.setenv("PAGECAST_L2_PREFETCH", "1")
+    art = build_artifact(tiny_llama_checkpoint, tmp_path / "art", gpu="h200", load_format="dummy")
+    note = (art / "report.md").read_text()
+    assert "PAGECAST_PDL=1 ignored: programmatic dependent launch is built on the GPU" in note
+    assert "PAGECAST_L2_PREFETCH=1 ignored: the bulk L2 prefetch is built on the GPU" in note
+    assert not json.loads((art / "tuning.json").read_text()).get("l2_prefetch")
+    monkeypatch.setenv("PAGECAST_L2_PREFETCH", "maybe")
+    with pytest.raises(BuildError, match="PAGECAST_L2_PREFETCH must be 1 or 0"):
+        build_artifact(tiny_llama_checkpoint, tmp_path / "bad", gpu="h200", load_format="dummy")
