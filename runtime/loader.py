@@ -224,17 +224,25 @@ def load_rank(artifact_dir: str | os.PathLike[str], rank: int, device: torch.dev
     """A tensor-parallel worker's model: rank ``rank``'s weights (hashes checked while read)
     under the artifact's model code. Rank 0 (load_artifact) has checked the manifest and the
     device and pointed Triton at the artifact's kernels (inherited through the environment)."""
-    from pagecast.kernels import ops
 
     path = Path(artifact_dir)
     manifest = load_manifest(path)
-    tuning = json.loads((path / "tuning.json").read_text())
-    ops.configure(
+    configure_kernels(json.loads((path / "tuning.json").read_text()), device)
+    module = import_model_module(path)
+    return module.Model(rank_weights(path, manifest, device, rank, verify), device)
+
+
+def configure_kernels(tuning: dict[str, Any], device: torch.device) -> Any:
+    """Activate the artifact's kernel table (tuning.json) for ``device``: its configs; "pdl", built
+    with programmatic dependent launch (kernels/pdl.py), whose kernel variants the artifact's Triton
+    cache holds; "l2_prefetch", built with the L2 prefetch (kernels/l2_prefetch.py). Returns the
+    ops.KernelTable."""
+    from pagecast.kernels import ops
+
+    return ops.configure(
         tuning.get("kernels"), use_triton=device.type == "cuda", pdl=bool(tuning.get("pdl")),
         l2_prefetch=bool(tuning.get("l2_prefetch")),
     )  # fmt: skip
-    module = import_model_module(path)
-    return module.Model(rank_weights(path, manifest, device, rank, verify), device)
 
 
 def load_artifact(
@@ -257,15 +265,8 @@ def load_artifact(
     if triton_cache.is_dir():
         os.environ["TRITON_CACHE_DIR"] = str(private_cache_copy(triton_cache))
 
-    from pagecast.kernels import ops
-
     tuning = json.loads((path / "tuning.json").read_text())
-    # "pdl": built with programmatic dependent launch (kernels/pdl.py), whose kernel variants
-    # the artifact's Triton cache holds; "l2_prefetch": with the L2 prefetch (kernels/l2_prefetch.py).
-    kernels = ops.configure(
-        tuning.get("kernels"), use_triton=device.type == "cuda", pdl=bool(tuning.get("pdl")),
-        l2_prefetch=bool(tuning.get("l2_prefetch")),
-    )  # fmt: skip
+    kernels = configure_kernels(tuning, device)
     module = import_model_module(path, manifest)
     check_kv_cache(path, manifest, module)
     timings["prepare"] = time.perf_counter() - t0
