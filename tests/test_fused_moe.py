@@ -319,7 +319,6 @@ KERNEL_CASES = [
     pytest.param(9, 60, 4, 32, 24, "silu", False, {**TILE, "BLOCK_N": 32, "TMA": 1}, id="t9-e60-top4-tma"),
     pytest.param(41, 8, 2, 48, 40, "swiglu_oai", True, {**TILE, "TMA": 1}, id="t41-gptoss-bias-tma"),
     pytest.param(9, 8, 2, 64, 40, "silu", False, {**TILE, "SPLIT_ACT": 1, "TMA": 1}, id="t9-split-act-tma"),
-    # the K loop warp-specialised (sm_90; the interpreter runs the same loop), the tile under an if
     # torch._grouped_mm's two GEMMs (torch's own CPU loop here; the GPU tests run CUTLASS's)
     pytest.param(41, 8, 2, 64, 40, "silu", False, {"grouped": 1}, id="t41-e8-top2-grouped"),
     pytest.param(9, 60, 4, 32, 24, "silu", False, {"grouped": 1}, id="t9-e60-top4-grouped"),
