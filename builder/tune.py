@@ -567,10 +567,10 @@ def run(state: BuildState) -> BuildState:
         report["tuning_note"] = "CPU artifact: the torch reference kernels run; nothing to tune"
         return dataclasses.replace(state, tuning=table, report=report)
 
-    from pagecast.kernels import l2_prefetch, pdl, tuning
+    from pagecast.kernels import pdl, tuning
 
     try:  # the experimental options asked for (kernels/build_env.py)
-        requested = [o for o in (pdl.OPTION, l2_prefetch.OPTION) if o.requested()]
+        requested = [o for o in (pdl.OPTION,) if o.requested()]
     except ValueError as err:
         raise BuildError(str(err)) from None
     pinned = None
@@ -598,11 +598,6 @@ def run(state: BuildState) -> BuildState:
         if table.get("pdl"):
             report["tuning_note"] += (
                 f". Decode kernels launch with programmatic dependent launch ({pdl.ENV}=1, experimental)"
-            )
-        if table.get("l2_prefetch"):
-            report["tuning_note"] += (
-                f". Steps of up to {l2_prefetch.MAX_ROWS} rows prefetch the o projection into L2 during attention "
-                f"({l2_prefetch.ENV}=1, experimental)"
             )
     else:
         table = tuning.default_table(plan.gpu_name) or {"device": plan.gpu_name, "tuned": False, "kernels": {}}

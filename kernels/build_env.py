@@ -1,6 +1,5 @@
 """The experimental build options switched on by an environment variable at build
-(kernels/pdl.py's PAGECAST_PDL, kernels/l2_prefetch.py's PAGECAST_L2_PREFETCH): how the value
-reads, and the check that the GPU has what the option needs."""
+(kernels/pdl.py's PAGECAST_PDL): how the value reads, and the check that the GPU has what the option needs."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pagecast.kernels import l2_prefetch, pdl, reference
+from pagecast.kernels import pdl, reference
 from pagecast.kernels.quant_linear import (
     Fp8ExpertsWeight,
     Fp8LinearWeight,
@@ -44,17 +44,12 @@ class KernelTable:
     in one process each keep their own table and ``activate`` it around their forward passes
     (and their CUDA-graph captures, which freeze the configs in force)."""
 
-    def __init__(
-        self, tuning: dict[str, Any] | None = None, use_triton: bool = True, pdl: bool = False, l2_prefetch: bool = False
-    ):
+    def __init__(self, tuning: dict[str, Any] | None = None, use_triton: bool = True, pdl: bool = False):
         self.tuning = dict(tuning or {})
         self.use_triton = use_triton
         # Launch the decode kernels with programmatic dependent launch (kernels/pdl.py): the
         # artifact's table says whether it was built so (its Triton cache holds those variants).
         self.pdl = pdl and use_triton
-        # Prefetch the o projection's weights into L2 during small steps' attention
-        # (kernels/l2_prefetch.py), where the artifact was built so.
-        self.l2_prefetch = l2_prefetch and use_triton
         self.configs: dict[tuple[str, str], KernelConfig | None] = {}
         # Tensor parallelism of the engine (set by runtime.parallel): its collectives run only
         # while its table is active, so a one-rank engine beside it in the process runs none.
@@ -66,16 +61,13 @@ class KernelTable:
 _active = KernelTable()
 
 
-def configure(
-    tuning: dict[str, Any] | None = None, use_triton: bool = True, pdl: bool = False, l2_prefetch: bool = False
-) -> KernelTable:
+def configure(tuning: dict[str, Any] | None = None, use_triton: bool = True, pdl: bool = False) -> KernelTable:
     """Make and activate a table; ``use_triton=False`` forces the torch reference; ``pdl``: the
-    artifact was built with programmatic dependent launch (tuning.json's "pdl"); ``l2_prefetch``:
-    with the L2 prefetch of the o projection (tuning.json's "l2_prefetch").
+    artifact was built with programmatic dependent launch (tuning.json's "pdl").
 
     ``tuning`` is the whole tuning.json ({"kernels": {...}, ...}) or its "kernels" part.
     """
-    table = KernelTable(tuning, use_triton, pdl, l2_prefetch)
+    table = KernelTable(tuning, use_triton, pdl)
     activate(table)
     return table
 
@@ -86,7 +78,6 @@ def activate(table: KernelTable) -> None:
     global _active
     _active = table
     pdl.set_enabled(table.pdl)
-    l2_prefetch.set_enabled(table.l2_prefetch)
 
 
 def _triton(x: torch.Tensor) -> bool:
@@ -247,18 +238,6 @@ def rotary_and_write_kv(
         positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, cfg, k_scale=k_scale, v_scale=v_scale,
         q_norm=q_norm, k_norm=k_norm, qk_norm_eps=qk_norm_eps,
     )  # fmt: skip
-
-
-def prefetch_to_l2(num_rows: int, *weights: Any) -> None:
-    """Where the engine's table says so and the step has at most l2_prefetch.MAX_ROWS rows: bring
-    ``weights`` (projection weights, as linear takes them) into L2 from a side stream while the
-    step goes on; no result changes. Pair with ``join_prefetch`` in the same layer method."""
-    l2_prefetch.fork(num_rows, *weights)
-
-
-def join_prefetch() -> None:
-    """The step's stream waits for the prefetch launches (not for their data): kernels/l2_prefetch.py."""
-    l2_prefetch.join()
 
 
 def paged_attention(

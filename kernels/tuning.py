@@ -597,7 +597,7 @@ def tune(
     not timed. Every config in the table has been launched on ``device``, so its compiled
     kernel is in TRITON_CACHE_DIR.
     """
-    from pagecast.kernels import l2_prefetch, pdl, problems
+    from pagecast.kernels import pdl, problems
 
     unknown = [k for k in kernel_names if k not in KERNELS + MOE_KERNELS]
     if unknown:
@@ -617,15 +617,9 @@ def tune(
         # The decode kernels compiled and timed with programmatic dependent launch (kernels/pdl.py,
         # PAGECAST_PDL=1 at build); serving launches them the same way.
         "pdl": pdl.enabled(),
-        # The o projection's weights prefetched into L2 during small steps' attention
-        # (kernels/l2_prefetch.py, PAGECAST_L2_PREFETCH=1 at build); its kernel compiled here.
-        "l2_prefetch": l2_prefetch.enabled(),
     }
     if pdl.enabled():
         pdl.check_device(device)
-    if l2_prefetch.enabled():
-        l2_prefetch.check_device(device)
-        l2_prefetch.warm(device)
     # Where the time goes, per kernel (seconds): making each bucket's problem, each config's first
     # launch (Triton compiles its kernel there, or loads it from the cache), timing, and the rest
     # (the half-type reference, the variants compiled beside a config).

@@ -235,14 +235,10 @@ def load_rank(artifact_dir: str | os.PathLike[str], rank: int, device: torch.dev
 def configure_kernels(tuning: dict[str, Any], device: torch.device) -> Any:
     """Activate the artifact's kernel table (tuning.json) for ``device``: its configs; "pdl", built
     with programmatic dependent launch (kernels/pdl.py), whose kernel variants the artifact's Triton
-    cache holds; "l2_prefetch", built with the L2 prefetch (kernels/l2_prefetch.py). Returns the
-    ops.KernelTable."""
+    cache holds. Returns the ops.KernelTable."""
     from pagecast.kernels import ops
 
-    return ops.configure(
-        tuning.get("kernels"), use_triton=device.type == "cuda", pdl=bool(tuning.get("pdl")),
-        l2_prefetch=bool(tuning.get("l2_prefetch")),
-    )  # fmt: skip
+    return ops.configure(tuning.get("kernels"), use_triton=device.type == "cuda", pdl=bool(tuning.get("pdl")))
 
 
 def load_artifact(

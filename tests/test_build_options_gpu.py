@@ -1,9 +1,7 @@
 """The experimental build options on a GPU (run with `pytest -m gpu` on an sm_90 accelerator):
-programmatic dependent launch (PAGECAST_PDL=1, kernels/pdl.py) and the L2 prefetch of the o
-projection (PAGECAST_L2_PREFETCH=1, kernels/l2_prefetch.py). An artifact built with one records it,
+programmatic dependent launch (PAGECAST_PDL=1, kernels/pdl.py). An artifact built with it records it,
 serves the same greedy tokens as one built without (bf16: the same kernel configs, reused with
---tuning-from, and arithmetic; only their scheduling differs), with and without CUDA graphs (the
-prefetch's side stream a branch of the captured graph), at one row (the skinny GEMMs) and at
+--tuning-from, and arithmetic; only their scheduling differs), with and without CUDA graphs, at one row (the skinny GEMMs) and at
 several, and (with graphs, as served) compiles no kernel at start or while serving
 (tests/test_pdl.py checks on the CPU that each PDL kernel waits before its first memory access)."""
 
@@ -42,13 +40,12 @@ for graphs in (True, False):
     result[f"one_{graphs}"] = [o.outputs[0].token_ids for o in llm.generate(prompts[:1], greedy, use_tqdm=False)]
     if graphs:  # the serving default: every kernel from the artifact
         result["compiles"] = list(compiles.names)
-        result["side_streams"] = len(getattr(option, "_side", {}))  # the prefetch forked
     del llm
 print(json.dumps(result))
 """
 
 
-@pytest.mark.parametrize("env,module", [("PAGECAST_PDL", "pdl"), ("PAGECAST_L2_PREFETCH", "l2_prefetch")])
+@pytest.mark.parametrize("env,module", [("PAGECAST_PDL", "pdl")])
 def test_an_artifact_built_with_the_option_serves_the_same_tokens_and_compiles_nothing(
     env: str, module: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -80,7 +77,6 @@ def test_an_artifact_built_with_the_option_serves_the_same_tokens_and_compiles_n
         result = json.loads(proc.stdout.strip().splitlines()[-1])
         assert result["on_True"] is on and result["on_False"] is on  # from the table, not the environment
         assert result["compiles"] == []
-        assert result["side_streams"] == (1 if on and module == "l2_prefetch" else 0)
         assert result["batch_True"] == result["batch_False"] and result["one_True"] == result["one_False"]
         served[on] = result
     assert served[True]["batch_True"] == served[False]["batch_True"]
