@@ -12,7 +12,7 @@
 # 3: ops.lm_head takes an FP8 head (quant_linear.Fp8LinearWeight, enginebuild --fp8-lm-head).
 # 4: ops.paged_attention takes out=, and ops.moe_stays_on_device is new (the model's graph pieces
 # for mixed-step CUDA graphs, runtime/cuda_graphs.py MixedGraphs).
-# 5: ops.prefetch_to_l2 and ops.join_prefetch were new (an L2 prefetch of the o projection).
-# 6: those two are gone again (measured: no faster end to end, RESULTS.md twenty-fifth session).
-KERNEL_ABI = 6
+# 5: ops.prefetch_to_l2 and ops.join_prefetch are new (an experimental L2 prefetch of the o
+# projection, removed since: no faster end to end). ABI-5 model code still calls them; they do nothing.
+KERNEL_ABI = 5
 KERNEL_ABI_OLDEST = 1

@@ -240,6 +240,15 @@ def rotary_and_write_kv(
     )  # fmt: skip
 
 
+def prefetch_to_l2(num_rows: int, *weights: Any) -> None:
+    """Kernel ABI 5's L2 prefetch of the o projection, removed (it was no faster end to end):
+    artifacts built at ABI 5 still call it, and it does nothing."""
+
+
+def join_prefetch() -> None:
+    """The other half of ABI 5's removed prefetch (``prefetch_to_l2``): does nothing."""
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
