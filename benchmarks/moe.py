@@ -23,7 +23,7 @@ in and out (problems.problem_size), against the weight-streaming bound; TFLOP/s 
 binding bound's time over the measured time (problems.moe_bound).
 
     python benchmarks/moe.py [--shapes qwen3-30b-a3b,mixtral-8x7b] [--tokens 1,16,256,4096]
-                             [--no-sweep] [--out DIR] [--fp8 channel|block | --int4 GROUP]
+                             [--no-sweep] [--out DIR] [--fp8 channel|block | --int4 GROUP] [--profile]
 
 ``--fp8``: FP8 experts (kernel "fused_moe_fp8") against the per-expert loop of the dense FP8 GEMM;
 the compute bound is still the measured bf16 peak (FP8's is about twice that), so prefill
@@ -31,7 +31,9 @@ fractions read high. ``--int4 GROUP``: AWQ/GPTQ-style int4 experts of that group
 "fused_moe_w4a16", bf16 activations) against the per-expert loop of dense W4A16 GEMMs. With either,
 ``bf16_default`` is the bf16 fused kernel at its default config on the same bucket, for scale.
 
-One JSON line per figure (also DIR/moe.jsonl with --out), then a table.
+One JSON line per figure (also DIR/moe.jsonl with --out), then a table. ``--profile``: for each
+bucket, the device time per kernel (torch.profiler, a mean over several eager launches, us a
+launch) of the naive loop, the best tile, and GROUPED: where a path's time goes beside its GEMMs.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import dataclasses
 import functools
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -102,6 +105,23 @@ def naive_eager_us(shapes: ModelShapes, num_tokens: int, reps: int) -> float:
     return statistics.median(samples)
 
 
+def kernel_times(launch: Callable[[], object], launches: int = 8) -> list[tuple[str, float]]:
+    """Device time per kernel name of ``launch()`` (eager, after one untimed call), in us a
+    launch, largest first: torch.profiler's CUDA events over ``launches`` calls."""
+    launch()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(launches):
+            launch()
+        torch.cuda.synchronize()
+    per_name: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_name[event.name] = per_name.get(event.name, 0.0) + event.device_time_total / launches
+    return sorted(per_name.items(), key=lambda kv: -kv[1])
+
+
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
 
@@ -112,6 +132,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,16,256,4096")
     ap.add_argument("--no-sweep", action="store_true", help="time the default config only")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--profile", action="store_true", help="device time per kernel: naive, best tile, GROUPED")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--fp8", choices=("channel", "block"), default=None,
                     help="FP8 experts (kernels/fused_moe_fp8.py): per-channel or 128x128-block scales, against "
@@ -195,6 +216,13 @@ def main() -> None:
                 rows.append(("grouped", grouped_us[0], fused_moe.GROUPED))
             if eager_us is not None:
                 rows.append(("naive_eager", eager_us, fused_moe.NAIVE))
+            if args.profile:
+                profiled = [("naive", fused_moe.NAIVE)] + [(v, c) for v, _, c in rows if v in ("fused_best", "grouped")]
+                for variant, cfg in profiled:
+                    kernels = kernel_times(functools.partial(problem.launch, cfg, 0))
+                    record({"figure": "kernel_times", "shape": name, "tokens": t, "variant": variant,
+                            "total_us": round(sum(us for _, us in kernels), 1),
+                            "kernels": [[k[:90], round(us, 1)] for k, us in kernels[:12]]})  # fmt: skip
             del problem, time_cfg, naive_out  # the experts, before another bucket's are drawn
             if kernel != "fused_moe":  # quantised experts: the bf16 kernel on the same bucket, for scale
                 half = problems.make_problem("fused_moe", bf16, dims, "cuda")
