@@ -13,9 +13,10 @@ image lacks, the test tokenizer, .whl/setup.sh), then a run with carry [".whl"] 
 ``source .whl/setup.sh && python3 benchmarks/gpu_queue.py --out $OUT``.
 
 The steps and what each decides are in STEPS; benchmarks/RESULTS.md says where each lead stands.
-When the queue ends, every Triton cache and every file over 64 MiB under OUT is deleted (listed
-in queue.jsonl): the device tool returns only so many files, and a built artifact's cache would
-crowd out its report.md and tuning.json.
+When the queue ends, what the steps wrote in OUT's folders is packed into OUT/bundle.tar.gz
+(Triton caches and files over 4 MiB left out; listed in queue.jsonl) and the folders deleted: the
+device tool returns at most 8 files, and an artifact's own files would crowd out its tuning
+table. Here: ``tar xzf /work/.device/N/bundle.tar.gz``.
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ import json
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 PY = sys.executable
-KEEP_BYTES = 64 << 20  # files under OUT larger than this are deleted when the queue ends
+KEEP_BYTES = 4 << 20  # files in OUT's folders larger than this are not bundled (weights, not tables)
+BUNDLE = "bundle.tar.gz"  # what the steps wrote in OUT's folders, packed when the queue ends
 
 
 @dataclass(frozen=True)
@@ -52,56 +55,35 @@ def steps(out: Path) -> list[Step]:
     bench = Path(__file__).parent
     return [
         Step(
+            "router_tests",
+            _pytest("tests/test_moe_route_kernel_gpu.py", "-vv"),  # -q and -vv: a line a test
+            180,
+            "the fused router's new one- and two-warp configs (routing in one warp's shuffles) against the unfused "
+            "path in bf16 on sm_90, every pruned config, before a build may keep one",
+        ),
+        Step(
             "qwen3_w4",
             ["env", "PAGECAST_TUNE_STALL_S=120", PY, str(bench / "families.py"), "--out", str(out), "--models",
              "qwen3-30b-a3b", "--phases", "W4", "--tune-budget", "120"],
             420,
-            "issue 27's Qwen3-30B-A3B W4 against its roofline on an H200, with every lead in the tuner's space (3.749 ms, "
-            "2.565x on the H200 before the leads; 3.982 ms, 1.964x on an H100 with them, twenty-fourth session)",
+            "issue 27's Qwen3-30B-A3B W4 on an H200 with the fewer-warp router configs in the tuner's space "
+            "(3.373 ms, 2.322x its 1.453 ms roofline with the earlier leads, twenty-fifth session; the router "
+            "launch took 7.1 us a layer); its tuning table comes back in the bundle",
         ),
         Step(
             "qwen3_profile",
             [PY, str(bench / "profile_step.py"), "--artifact", str(out / "qwen3-30b-a3b-bf16"), "--batch", "1",
              "--context", "128", "--steps", "16", "--top", "40"],
             180,
-            "where the W4 step of that artifact goes, kernel by kernel (the thirteenth session's profile: 3.4 ms of "
-            "kernels in 3.75 ms), and so which decode leads its table kept",
+            "where the W4 step of that artifact goes, kernel by kernel (twenty-fifth session: 12.8 us a MoE GEMV, "
+            "7.7 qkv, 7.4 o, 7.1 router, 3.8 + 2.5 attention and merge)",
         ),
         Step(
-            "build_options_test",
-            _pytest("tests/test_build_options_gpu.py"),
-            240,
-            "PDL: an artifact built with it serves the same bf16 greedy tokens, graphs on and off, and compiles "
-            "nothing",
-        ),
-        Step(
-            "kernel_tests",
-            _pytest("tests/test_fused_moe_gpu.py", "-k", "grouped or configs_match"),
-            240,
-            "every fused_moe config (the DOT GEMV among them) and GROUPED against the reference in bf16 on sm_90: "
-            "GROUPED joins the tuner's space only then (the first case ran past 120 s with the WS tiles, since removed)",
-        ),
-        Step(
-            "mixtral_prefill",
-            [PY, str(bench / "moe.py"), "--shapes", "mixtral-8x7b", "--tokens", "512,1024,4096", "--no-sweep",
-             "--out", str(out / "mixtral")],
-            240,
-            "GROUPED against the default tile and the naive loop at Mixtral's prefill buckets (fused/naive 0.95x at "
-            "4,096: the best tile 552.5 TFLOP/s, cuBLAS 583.6, sixteenth session)",
-        ),
-        Step(
-            "grouped_qwen3",
-            [PY, str(bench / "moe.py"), "--shapes", "qwen3-30b-a3b", "--tokens", "16,256,1024,4096", "--no-sweep",
-             "--out", str(out / "qwen3")],
-            240,
-            "GROUPED against the default tile and the naive loop at Qwen3-30B-A3B's buckets",
-        ),
-        Step(
-            "fp8_tests",
-            _pytest("tests/test_fp8_gpu.py"),
-            300,
-            "the FP8 engine test: a divergence allowed where the reference's gap is under twice the prompts' largest "
-            "logit move (failed on the H100 in the twenty-fourth session at a 0.18 gap with a fixed 0.1)",
+            "moe_quant_tests",
+            _pytest("tests/test_fused_moe_fp8_gpu.py", "tests/test_fused_moe_w4a16_gpu.py", "-vv"),
+            420,
+            "the FP8 and int4 fused-MoE kernels against their references on the H200 (5 passed, none failed, before "
+            "the twenty-fifth session's 130 s ran out)",
         ),
     ]
 
@@ -149,24 +131,35 @@ def main() -> None:
                 rc, timed_out = None, True
         row.update(rc=rc, timed_out=timed_out, seconds=round(time.monotonic() - t0, 1))
         _record(args.out, row)
-    trimmed = trim(args.out)
-    if trimmed:
-        _record(args.out, {"trimmed": trimmed})
+    bundled = bundle(args.out)
+    if bundled:
+        _record(args.out, bundled)
 
 
-def trim(out: Path) -> list[str]:
-    """Delete the Triton caches and the files over KEEP_BYTES in ``out``'s folders (the queue's own
-    logs, directly in ``out``, stay); returns what went, relative to ``out``."""
-    gone = []
-    for cache in sorted(out.rglob("triton_cache")):
-        if cache.is_dir():
-            shutil.rmtree(cache)
-            gone.append(str(cache.relative_to(out)) + "/")
-    for f in sorted(out.rglob("*")):
-        if f.parent != out and f.is_file() and f.stat().st_size > KEEP_BYTES:
-            f.unlink()
-            gone.append(str(f.relative_to(out)))
-    return gone
+def bundle(out: Path) -> dict[str, object]:
+    """Pack what the steps wrote in ``out``'s folders (artifacts' report.md, tuning.json and
+    model.py, benchmarks' jsonl) into out/BUNDLE and delete those folders: the device tool returns
+    at most 8 files, so an artifact's own files would crowd out its tuning table. Left out: the
+    Triton caches and files over KEEP_BYTES (weights). The queue's logs and queue.jsonl, directly
+    in ``out``, stay. Returns what was packed and what was left out, relative to ``out``."""
+    packed, left_out = [], []
+    folders = sorted(p for p in out.iterdir() if p.is_dir())
+    if not folders:
+        return {}
+    with tarfile.open(out / BUNDLE, "w:gz") as tar:
+        for folder in folders:
+            for f in sorted(folder.rglob("*")):
+                if not f.is_file():
+                    continue
+                name = str(f.relative_to(out))
+                if "triton_cache" in f.relative_to(out).parts or f.stat().st_size > KEEP_BYTES:
+                    left_out.append(name)
+                else:
+                    tar.add(f, arcname=name)
+                    packed.append(name)
+    for folder in folders:
+        shutil.rmtree(folder)
+    return {"bundle": BUNDLE, "packed": packed, "left_out": left_out}
 
 
 def _record(out: Path, row: dict[str, object]) -> None:

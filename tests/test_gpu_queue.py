@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -65,20 +66,24 @@ def test_fit_starts_a_step_whose_share_fits_and_cuts_it_to_what_is_left(
     assert row["timed_out"] and row["seconds"] < 10
 
 
-def test_the_queue_ends_by_trimming_caches_and_large_files_so_reports_come_back(
+def test_the_queue_ends_by_bundling_its_folders_so_tuning_tables_come_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     art = tmp_path / "model-bf16"
     (art / "triton_cache" / "ABC").mkdir(parents=True)
     (art / "triton_cache" / "ABC" / "k.cubin").write_bytes(b"x" * 10)
     (art / "report.md").write_text("# report")
+    (art / "tuning.json").write_text('{"kernels": {}}')
     monkeypatch.setattr(gpu_queue, "KEEP_BYTES", 50)
     (art / "weights.bin").write_bytes(b"x" * 100)
     py = sys.executable
     monkeypatch.setattr(gpu_queue, "steps", lambda out: [gpu_queue.Step("ok", [py, "-c", "print(1)"], 30, "")])
     monkeypatch.setattr(sys, "argv", ["gpu_queue.py", "--out", str(tmp_path), "--budget", "60"])
     gpu_queue.main()
-    assert (art / "report.md").read_text() == "# report"
-    assert not (art / "triton_cache").exists() and not (art / "weights.bin").exists()
+    # what comes back: the log, queue.jsonl and one bundle, whatever the folders held
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle.tar.gz", "ok.log", "queue.jsonl"]
+    with tarfile.open(tmp_path / "bundle.tar.gz") as tar:
+        assert sorted(tar.getnames()) == ["model-bf16/report.md", "model-bf16/tuning.json"]
+        assert tar.extractfile("model-bf16/report.md").read() == b"# report"  # type: ignore[union-attr]
     rows = [json.loads(line) for line in (tmp_path / "queue.jsonl").read_text().splitlines()]
-    assert rows[-1] == {"trimmed": ["model-bf16/triton_cache/", "model-bf16/weights.bin"]}
+    assert rows[-1]["left_out"] == ["model-bf16/triton_cache/ABC/k.cubin", "model-bf16/weights.bin"]

@@ -45,7 +45,7 @@ CHILD = textwrap.dedent(
               "count_ties": sampling._count_ties_kernel, "logprob_stats": sampling._logprob_stats_kernel,
               "block_max": sampling._block_max_kernel, "threshold": sampling._threshold_kernel,
               "collect": sampling._collect_kernel, "select": sampling._select_kernel,
-              "moe_route": moe_route_kernel._route_kernel,
+              "moe_route": moe_route_kernel._route_kernel, "router_route": moe_route_kernel._router_route_kernel,
               "stage_blocks": paged_prefill_attention._stage_blocks_kernel}[kernel]
         sig = dict(signature, **{name: "constexpr" for name in constexprs})
         # the launcher's tt.divisibility=16 on the named arguments (16-byte aligned pointers, strides)
@@ -185,6 +185,35 @@ def test_moe_route_kernel_compiles_for_sm90() -> None:
         job(moe_route_kernel.MAX_EXPERTS, moe_route_kernel.MAX_TOP_K, "fp32", "fp32", False, False, False),
     ])  # fmt: skip
     assert all("cubin" in asm for asm in outputs)
+
+
+def test_fused_router_configs_with_fewer_warps_compile_for_sm90() -> None:
+    """The fused router GEMV + routing (moe_route_kernel._router_route_kernel) at Qwen3-30B-A3B's
+    router (128 experts top-8, hidden 2048, bf16, weights widened to fp32) and 16 tokens, the most
+    it routes in its last program: every config of the space with fewer than 4 warps (their tl.dot
+    on one or two warps, the routing's [16, 128] tile in their registers), and a 4-warp one."""
+    from pagecast.kernels import moe_route_kernel, split_k
+
+    triton = pytest.importorskip("triton")
+    fused = [c for c in moe_route_kernel.FUSED_CONFIG_SPACE if moe_route_kernel.is_fused(c)]
+    configs = [c for c in fused if c.num_warps < 4] + [fused[0]]
+    assert len(configs) > 1
+    e, k, h, t = 128, 8, 2048, 16
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
+           "weights_ptr": "*fp32", "ids_ptr": "*i64", "T": "i32", "H": "i32", "stride_xm": "i32", "STEPS": "i32"}  # fmt: skip
+    jobs: list[Sm90Job] = []
+    for c in configs:
+        split, _ = split_k.split_steps(triton.cdiv(h, c["BLOCK_H"]), c["SPLIT_H"])
+        consts = {
+            "E": e, "K": k, "TOPK_SOFTMAX": False, "RENORMALIZE": True, "HAS_BIAS": False,
+            "BLOCK_T": moe_route_kernel.FUSED_MAX_TOKENS, "ROUTE_T": t, "BLOCK_X": c["BLOCK_X"],
+            "BLOCK_H": c["BLOCK_H"], "SPLIT_H": split, "BLOCK_E": e, "BLOCK_K": k, "PRECISE_EXP": True,
+            "ROUND_TO_LOGITS": True, "DOT_PRECISION": "tf32", "PDL": False,
+        }  # fmt: skip
+        options = {"num_warps": c.num_warps, "num_stages": c.num_stages}
+        jobs.append(("router_route", sig, consts, ["x_ptr", "w_ptr", "part_ptr", "weights_ptr", "ids_ptr"], options))
+    outputs = compile_sm90_batch(jobs)
+    assert all("cubin" in asm for asm in outputs), outputs
 
 
 def test_w4a16_gemm_fp32_configs_fit_sm90_shared_memory() -> None:
