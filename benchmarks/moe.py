@@ -222,7 +222,7 @@ def main() -> None:
                     kernels = kernel_times(functools.partial(problem.launch, cfg, 0))
                     record({"figure": "kernel_times", "shape": name, "tokens": t, "variant": variant,
                             "total_us": round(sum(us for _, us in kernels), 1),
-                            "kernels": [[k[:90], round(us, 1)] for k, us in kernels[:12]]})  # fmt: skip
+                            "kernels": [[k[:90], round(us, 1)] for k, us in kernels[:30]]})  # fmt: skip
             del problem, time_cfg, naive_out  # the experts, before another bucket's are drawn
             if kernel != "fused_moe":  # quantised experts: the bf16 kernel on the same bucket, for scale
                 half = problems.make_problem("fused_moe", bf16, dims, "cuda")
