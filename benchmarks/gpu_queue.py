@@ -79,6 +79,15 @@ def steps(out: Path) -> list[Step]:
             "7.7 qkv, 7.4 o, 7.1 router, 3.8 + 2.5 attention and merge)",
         ),
         Step(
+            "mixtral_profile",
+            [PY, str(bench / "moe.py"), "--shapes", "mixtral-8x7b", "--tokens", "1024,4096", "--profile", "--out",
+             str(out / "mixtral")],
+            240,
+            "why the fused MoE's summed kernel time beat the naive loop at Mixtral's 1,024 and 4,096 tokens (1,414 "
+            "against 1,504 us; 4,340 against 4,503) while the benchmark's graph medians tied or lost (1,540 against "
+            "1,540; 5,028 against 4,870): each path's fixed-routing graph time beside both",
+        ),
+        Step(
             "moe_quant_tests",
             _pytest("tests/test_fused_moe_fp8_gpu.py", "tests/test_fused_moe_w4a16_gpu.py", "-vv"),
             420,

@@ -33,7 +33,8 @@ fractions read high. ``--int4 GROUP``: AWQ/GPTQ-style int4 experts of that group
 
 One JSON line per figure (also DIR/moe.jsonl with --out), then a table. ``--profile``: for each
 bucket, the device time per kernel (torch.profiler, a mean over several eager launches, us a
-launch) of the naive loop, the best tile, and GROUPED: where a path's time goes beside its GEMMs.
+launch) of the naive loop, the best tile, and GROUPED: where a path's time goes beside its GEMMs;
+and ``fixed_graph_us``, the same single routing and weight set timed as the benchmark times.
 """
 
 from __future__ import annotations
@@ -219,9 +220,14 @@ def main() -> None:
             if args.profile:
                 profiled = [("naive", fused_moe.NAIVE)] + [(v, c) for v, _, c in rows if v in ("fused_best", "grouped")]
                 for variant, cfg in profiled:
-                    kernels = kernel_times(functools.partial(problem.launch, cfg, 0))
+                    launch0 = functools.partial(problem.launch, cfg, 0)
+                    kernels = kernel_times(launch0)
+                    # the same routing and weights replayed in a graph: the benchmark's time but for
+                    # its rotation over routings and weight sets (twenty-fifth session: the summed
+                    # kernel times and the benchmark's medians ranked the paths differently)
+                    fixed_us = tuning.time_launches(lambda _i, f=launch0: f(), 1, args.reps)
                     record({"figure": "kernel_times", "shape": name, "tokens": t, "variant": variant,
-                            "total_us": round(sum(us for _, us in kernels), 1),
+                            "total_us": round(sum(us for _, us in kernels), 1), "fixed_graph_us": round(fixed_us, 1),
                             "kernels": [[k[:90], round(us, 1)] for k, us in kernels[:30]]})  # fmt: skip
             del problem, time_cfg, naive_out  # the experts, before another bucket's are drawn
             if kernel != "fused_moe":  # quantised experts: the bf16 kernel on the same bucket, for scale
