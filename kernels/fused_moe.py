@@ -47,9 +47,10 @@ streams as in the dense skinny GEMM; the CUDA-core loop keeps one load in flight
 at GROUP_ALIGN rows a block) with both GEMMs as ``torch._grouped_mm`` (PyTorch's CUTLASS grouped
 GEMM: one launch over every expert's rows, the group ends computed on the device), the
 activation a launch of its own, and ``_moe_gather_sum_kernel`` adding each token's k rows times
-their routing weights. No host sync. In CONFIG_SPACE since its bf16 GPU tests passed and it beat
-the best tile at Mixtral's 512 and 4,096 tokens on an H100 (RESULTS.md, twenty-fifth session); it
-loses to the tiles at Qwen3-30B-A3B's buckets, where the tuner keeps the tiles.
+their routing weights. No host sync. In CONFIG_SPACE since its bf16 GPU tests passed: at
+Mixtral's 4,096 tokens it is the fastest config on an H100 and on the H200, and it loses to the
+tiles at Qwen3-30B-A3B's buckets and at Mixtral's 512-2,048 on the H200 (RESULTS.md,
+twenty-fourth and twenty-fifth sessions), where the tuner keeps a tile.
 
 ``{"naive": 1}`` is the baseline the tuner times against: the per-expert loop of cuBLAS GEMMs
 (reference.fused_moe). It syncs with the host, so it is a candidate only for batches that are
