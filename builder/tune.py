@@ -569,8 +569,8 @@ def run(state: BuildState) -> BuildState:
 
     from pagecast.kernels import pdl, tuning
 
-    try:  # the experimental options asked for (kernels/build_env.py)
-        requested = [o for o in (pdl.OPTION,) if o.requested()]
+    try:
+        pdl_requested = pdl.requested()
     except ValueError as err:
         raise BuildError(str(err)) from None
     pinned = None
@@ -605,7 +605,7 @@ def run(state: BuildState) -> BuildState:
         report["tuning_note"] = (
             f"no {plan.gpu_name} present: the shipped default table for {plan.gpu_name} is used "
             f"(artifact marked untuned; rebuild on the GPU to tune)"
-        ) + "".join(f"; {o.env}=1 ignored: {o.feature} is built on the GPU" for o in requested)
+        ) + (f"; {pdl.ENV}=1 ignored: programmatic dependent launch is built on the GPU" if pdl_requested else "")
     return dataclasses.replace(state, tuning=table, report=report)
 
 

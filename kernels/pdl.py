@@ -26,23 +26,51 @@ cache holds the PDL variants the tuner compiled) and restored by the runtime fro
 
 from __future__ import annotations
 
+import os
 from typing import Any
-
-from pagecast.kernels import build_env
 
 ENV = "PAGECAST_PDL"
 
-# requested(), enabled(), set_enabled(on) and check_device() as kernels/build_env.py's Option has them
-OPTION = build_env.Option(ENV, "programmatic dependent launch")
-requested, enabled, set_enabled, check_device = (
-    OPTION.requested,
-    OPTION.enabled,
-    OPTION.set_enabled,
-    OPTION.check_device,
-)
+_enabled = False  # the launchers' setting in this process (the build's: from ENV; serving: from the table)
+
+
+def requested(strict: bool = True) -> bool:
+    """Whether this build was asked for PDL (ENV=1); ``strict``: a value other than 1 or 0 is an
+    error (else it reads as off)."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if strict and value not in ("", "0", "false", "no", "off"):
+        raise ValueError(f"{ENV} must be 1 or 0, got {value!r}")
+    return False
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def set_enabled(on: bool) -> None:
+    """Launch the participating kernels with PDL from now on (or not)."""
+    global _enabled
+    _enabled = bool(on)
+
+
+def check_device(device: Any = "cuda") -> None:
+    """Refuse PDL on a GPU before sm_90, which has no griddepcontrol."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        raise RuntimeError(
+            f"{ENV}=1: programmatic dependent launch needs an sm_90 or newer GPU, this one is sm_{major}{minor}; "
+            f"build without {ENV}"
+        )
 
 
 def launch_options() -> dict[str, Any]:
     """Keyword arguments a participating kernel's launch adds: the kernel's ``PDL`` constexpr and
     Triton's ``launch_pdl`` when PDL is on; nothing when it is off (the kernels default to PDL=False)."""
-    return {"PDL": True, "launch_pdl": True} if OPTION.on else {}
+    return {"PDL": True, "launch_pdl": True} if _enabled else {}
+
+
+_enabled = requested(strict=False)

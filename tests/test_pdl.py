@@ -142,7 +142,7 @@ def test_the_tuning_table_carries_pdl_to_serving(monkeypatch: pytest.MonkeyPatch
     activating another engine's table switches them back; PAGECAST_PDL accepts 1 and 0 only."""
     from pagecast.kernels import ops, pdl
 
-    monkeypatch.setattr(pdl.OPTION, "on", False)
+    monkeypatch.setattr(pdl, "_enabled", False)
     with_pdl = ops.configure({}, use_triton=True, pdl=True)
     assert pdl.enabled() and pdl.launch_options() == {"PDL": True, "launch_pdl": True}
     without = ops.configure({}, use_triton=True)
@@ -160,3 +160,24 @@ def test_the_tuning_table_carries_pdl_to_serving(monkeypatch: pytest.MonkeyPatch
     with pytest.raises(ValueError, match="PAGECAST_PDL"):
         pdl.requested()
     assert not pdl.requested(strict=False)
+
+
+def test_a_build_without_the_gpu_says_pdl_is_ignored_and_refuses_a_bad_value(
+    tmp_path: Path, tiny_llama_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An untuned build (no GPU) asked for PDL says in its report that the option was not built,
+    records it off, and a value other than 1 or 0 stops the build naming the variable."""
+    import torch
+    from conftest import build_artifact
+
+    from pagecast.runtime.errors import BuildError
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without a GPU")
+    monkeypatch.setenv("PAGECAST_PDL", "1")
+    art = build_artifact(tiny_llama_checkpoint, tmp_path / "art", gpu="h200", load_format="dummy")
+    assert "PAGECAST_PDL=1 ignored: programmatic dependent launch is built on the GPU" in (art / "report.md").read_text()
+    assert not json.loads((art / "tuning.json").read_text()).get("pdl")
+    monkeypatch.setenv("PAGECAST_PDL", "maybe")
+    with pytest.raises(BuildError, match="PAGECAST_PDL must be 1 or 0"):
+        build_artifact(tiny_llama_checkpoint, tmp_path / "bad", gpu="h200", load_format="dummy")
