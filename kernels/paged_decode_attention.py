@@ -5,7 +5,8 @@ sequence's paged K/V once and serves every query head of that KV head's group wi
 tl.dot (the group is padded to 16 rows, the smallest dot tile; decode is bound by the
 K/V bytes, so the idle rows cost nothing measurable). When the context is split, each
 program writes a normalised partial output and its log-sum-exp, and a second kernel
-merges the splits. Every sequence's context is divided into the same number of splits,
+merges the splits (or, with the config's "merge", the last split of each sequence and KV head
+to finish, found by a ticket as kernels/split_k.py's kernels find theirs). Every sequence's context is divided into the same number of splits,
 so the grid depends on shapes only and the launch is safe to capture in a CUDA graph.
 
 An fp8 (e4m3fn) cache halves the bytes read: K and V tiles are upcast in registers (exact:
@@ -57,7 +58,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from pagecast.kernels import pdl
+from pagecast.kernels import pdl, split_k
 from pagecast.kernels.paged_attention_args import check_paged_attention_args, check_sinks
 from pagecast.kernels.tuning import KernelConfig, num_sms
 
@@ -198,7 +199,8 @@ def _paged_decode_kernel(
     out_ptr,  # out: [num_tokens, num_heads, head_dim]
     part_out_ptr,  # part_out: [num_seqs, num_heads, num_splits, HEAD_DIM_PAD] fp32
     part_lse_ptr,  # part_lse: [num_seqs, num_heads, num_splits] fp32 (log2 domain)
-    sinks_ptr,  # sinks: [num_heads] fp32/bf16 (HAS_SINKS; read here only when DIRECT)
+    sinks_ptr,  # sinks: [num_heads] fp32/bf16 (HAS_SINKS; read here only when DIRECT or MERGE)
+    count_ptr,  # int32 [num_seqs * num_kv_heads] (MERGE): splits finished, 0 between launches
     qk_scale,  # softmax scale * k_scale * log2(e)
     v_scale,  # V's dequantisation scale (fp8 cache; 1.0 otherwise)
     softcap,  # logit soft-cap * log2(e) (SOFTCAP): scores -> cap * tanh(scores / cap)
@@ -229,6 +231,7 @@ def _paged_decode_kernel(
     SOFTCAP: tl.constexpr = False,
     SLIDING: tl.constexpr = False,
     HAS_SINKS: tl.constexpr = False,
+    MERGE: tl.constexpr = False,  # split: the last split of a (sequence, KV head) merges them here
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     if PDL:
@@ -362,6 +365,40 @@ def _paged_decode_kernel(
             g_mask = offs_g < GROUP
             tl.store(part_lse_ptr + part, lse, mask=g_mask)
             tl.store(part_out_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :], o, mask=g_mask[:, None])
+            if MERGE:
+                # The split drawing the last ticket of its (sequence, KV head) merges every split's
+                # partials for the group's heads, as _decode_merge_kernel does, and sets the
+                # counter back to 0: no second launch (kernels/split_k.py for the ordering).
+                counter = count_ptr + seq * tl.num_programs(1) + kv_head
+                if split_k.last_to_arrive(counter, num_splits):
+                    base = (seq.to(tl.int64) * num_heads + heads) * num_splits  # [GROUP_PAD]
+                    lse_top = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+                    for s in range(num_splits):  # .cg: from L2, where the other splits' partials are
+                        lse_s = tl.load(part_lse_ptr + base + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
+                        lse_top = tl.maximum(lse_top, lse_s)
+                    if HAS_SINKS:
+                        sink_m = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+                        lse_top = tl.maximum(lse_top, sink_m)
+                    # all splits empty (an empty context): weights are 0, the output is 0
+                    lse_ref = tl.where(lse_top == float("-inf"), 0.0, lse_top)
+                    merged = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+                    total = tl.zeros([GROUP_PAD], tl.float32)
+                    for s in range(num_splits):
+                        lse_s = tl.load(part_lse_ptr + base + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
+                        w_s = tl.exp2(lse_s - lse_ref)
+                        o_s = tl.load(part_out_ptr + (base + s)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+                                      mask=g_mask[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
+                        merged += w_s[:, None] * o_s
+                        total += w_s
+                    if HAS_SINKS:
+                        total += tl.exp2(sink_m - lse_ref)
+                    merged = merged / tl.where(total > 0.0, total, 1.0)[:, None]
+                    tl.store(
+                        out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                        merged.to(out_ptr.dtype.element_ty),
+                        mask=q_mask,
+                    )
+                    split_k.reset(counter)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -491,6 +528,26 @@ FP8_CONFIG_SPACE: list[KernelConfig] = [
 ]
 FP8_PAIR_CONFIGS: list[KernelConfig] = [c for c in FP8_CONFIG_SPACE if c["fp8_words"] == 2]
 
+# The merge inside the attention launch ("merge": 1): the last split of each (sequence, KV head),
+# found by a ticket, merges the splits, so a split context costs one launch, not two. At one
+# sequence the merge kernel was 2.5 us of a 6.3 us attention a layer (Qwen3-30B-A3B W4 on the
+# H200, twenty-fifth session), most of it a launch's ramp and drain. Timed only at small batches
+# (MERGE_MAX_SEQS), where the step is a chain of latency-bound launches; at large ones the merge
+# kernel is a small share and the last splits' serial merges would trail the launch.
+MERGE_MAX_SEQS = 8
+MERGE_CONFIGS: list[KernelConfig] = [
+    KernelConfig({**c.params, "merge": 1}, num_warps=c.num_warps, num_stages=c.num_stages)
+    for c in CONFIG_SPACE
+    if c["num_splits"] > 1
+]
+FP8_MERGE_CONFIGS: list[KernelConfig] = [
+    KernelConfig({**c.params, "merge": 1}, num_warps=c.num_warps, num_stages=c.num_stages)
+    for c in FP8_PAIR_CONFIGS
+    if c["num_splits"] > 1
+]
+CONFIG_SPACE = CONFIG_SPACE + MERGE_CONFIGS
+FP8_CONFIG_SPACE = FP8_CONFIG_SPACE + FP8_MERGE_CONFIGS
+
 
 def prune_configs(
     configs: list[KernelConfig], num_seqs: int, max_seq_len: int, num_kv_heads: int, sms: int
@@ -498,11 +555,14 @@ def prune_configs(
     """Drop configs that cannot win: splits with no tile to read, or far more programs than SMs.
 
     Splitting also evens out the last wave of programs, so split counts up to ~32 programs
-    per multiprocessor stay in; 1 (no merge kernel) is always kept.
+    per multiprocessor stay in; 1 (no merge kernel) is always kept. The in-launch merge is
+    timed only up to MERGE_MAX_SEQS sequences.
     """
     kept = []
     for cfg in configs:
         s, n = cfg["num_splits"], cfg["BLOCK_N"]
+        if cfg.params.get("merge", 0) and num_seqs > MERGE_MAX_SEQS:
+            continue
         if s == 1 or (s <= triton.cdiv(max_seq_len, n) and num_seqs * num_kv_heads * s <= 32 * sms):
             kept.append(cfg)
     return kept
@@ -581,6 +641,15 @@ def paged_decode_attention(
     )
     if fp8_words and read == 2:
         fp8_words = 2
+    merge = not direct and bool(cfg.params.get("merge", 0))
+    counters = seq_lens  # unread without MERGE
+    if merge:
+        need = num_seqs * num_kv_heads
+        have = split_k.COUNTERS.get(q.device)
+        if (have is None or have.numel() < need) and q.is_cuda and torch.cuda.is_current_stream_capturing():
+            merge = False  # the counters cannot grow inside a capture: the merge kernel instead
+        else:
+            counters = split_k.counters(q.device, need, "paged_decode_attention")
     if direct:
         part_out = part_lse = out  # unused by the DIRECT variant
     else:
@@ -591,7 +660,7 @@ def paged_decode_attention(
     has_sinks = sinks is not None
     sinks_arg = sinks if sinks is not None else q  # unread without HAS_SINKS
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse, sinks_arg,
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse, sinks_arg, counters,
         scale * k_scale * _LOG2E, v_scale, softcap * _LOG2E, window, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -602,10 +671,10 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=direct, FP8_WORDS=fp8_words,
         USE_ASM=q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        SOFTCAP=softcap > 0, SLIDING=window > 0, HAS_SINKS=has_sinks,
+        SOFTCAP=softcap > 0, SLIDING=window > 0, HAS_SINKS=has_sinks, MERGE=merge,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(),
     )  # fmt: skip
-    if not direct:
+    if not direct and not merge:
         _decode_merge_kernel[(num_seqs, num_heads)](
             part_out, part_lse, query_start_loc, out, sinks_arg, num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLIT_CHUNK=16, HAS_SINKS=has_sinks, num_warps=4,

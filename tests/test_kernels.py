@@ -78,6 +78,9 @@ DECODE_CASES = [
     pytest.param(8, 2, 16, 8, [341, 9], {"BLOCK_N": 16, "num_splits": 8}, id="group4-split8"),
     # a 16-key tile is one 32-token block's first or second half: one block id a tile
     pytest.param(8, 2, 16, 32, [1, 9, 41, 341], {"BLOCK_N": 16, "num_splits": 4}, id="tile-in-one-block"),
+    # the last split of each sequence and KV head merges in the same launch (an empty split too:
+    # 41 tokens in 16-token tiles give the fourth split nothing)
+    pytest.param(9, 3, 64, 16, [1, 9, 41, 341], {"BLOCK_N": 16, "num_splits": 4, "merge": 1}, id="merge-in-launch"),
 ]
 
 
@@ -98,6 +101,20 @@ def test_decode_attention_skips_slots_without_a_query():
         **x, scale=0.25, max_seq_len=41, config={"BLOCK_N": 16, "num_splits": 2}, out=poison
     )
     close(out, ref_attention(x, 0.25), torch.float32)
+
+
+def test_decode_attention_merged_in_launch_leaves_its_counters_at_zero():
+    # The in-launch merge's tickets reset themselves: two launches in a row (as graph replays run)
+    # both merge, a padded slot (no query) takes no ticket, and every counter is 0 afterwards.
+    from pagecast.kernels import split_k
+
+    x = paged_inputs([9, 41, 17], [1, 0, 1], 8, 2, 16, 8, torch.float32)
+    cfg = {"BLOCK_N": 8, "num_splits": 3, "merge": 1}
+    for _ in range(2):
+        poison = torch.full_like(x["q"], float("nan"))
+        out = paged_decode_attention(**x, scale=0.25, max_seq_len=41, config=cfg, out=poison)
+        close(out, ref_attention(x, 0.25), torch.float32)
+    assert int(split_k.COUNTERS[torch.device("cpu")].abs().sum()) == 0
 
 
 def test_decode_attention_default_config():
@@ -488,6 +505,10 @@ def test_config_spaces_prune():
     assert max(c["num_splits"] for c in dec.prune_configs(dec.FP8_CONFIG_SPACE, 1, 131072, 8, 132)) == 128
     assert max(c["num_splits"] for c in dec.prune_configs(dec.FP8_CONFIG_SPACE, 16, 32768, 8, 132)) == 32
     assert {c["num_splits"] for c in large} == {1, 2}
+    # the in-launch merge is timed at small batches only, and never without a split
+    assert any(c.params.get("merge") for c in small)
+    assert not any(c.params.get("merge") for c in large)
+    assert all(c["num_splits"] > 1 for c in dec.CONFIG_SPACE + dec.FP8_CONFIG_SPACE if c.params.get("merge"))
     assert dec.default_config(256, 8192, 8, 132)["num_splits"] == 1
     assert dec.default_config(1, 32768, 8, 132)["num_splits"] >= 32
     with pytest.raises(ValueError):

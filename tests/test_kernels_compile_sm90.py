@@ -369,6 +369,22 @@ def test_paged_decode_kernel_with_fp8_cache_compiles_for_sm90(direct: bool, fp8_
     assert "cubin" in asm and "ptx converts e4m3" in asm
 
 
+@pytest.mark.parametrize("cache", ["*bf16", "*fp8e4nv"])
+def test_paged_decode_kernel_merging_in_its_launch_compiles_for_sm90(cache: str) -> None:
+    """The in-launch merge (MERGE: the last split's ticket, then the merge of every split)."""
+    sig = dict(
+        _paged_signature(cache), part_out_ptr="*fp32", part_lse_ptr="*fp32", sinks_ptr="*fp32", count_ptr="*i32",
+        qk_scale="fp32", v_scale="fp32", num_splits="i32", **{s: "i32" for s in _PAGED_STRIDES},
+    )  # fmt: skip
+    asm = compile_sm90(
+        "paged_decode", sig,
+        {"GROUP": 8, "GROUP_PAD": 16, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128, "BLOCK_SIZE": 16, "BLOCK_N": 64,
+         "DIRECT": False, "FP8_WORDS": 2 if cache == "*fp8e4nv" else 0, "USE_ASM": True, "DOT_PRECISION": "tf32",
+         "HAS_SINKS": True, "MERGE": True},
+    )  # fmt: skip
+    assert "cubin" in asm
+
+
 def test_paged_decode_fp8_cache_streams_k_and_v_in_16_byte_copies() -> None:
     """The fp8 cache's K and V tiles reach shared memory in 16-byte cp.async.cg, as a bf16
     cache's do, and the dot reads none of them back a byte at a time. Read as fp8 values, V

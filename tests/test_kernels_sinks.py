@@ -77,6 +77,10 @@ DECODE_CASES = [
     pytest.param(
         6, 2, 24, 8, [341, 64, 65], {"BLOCK_N": 32, "num_splits": 2}, 64, "mixed", id="odd-head-dim"
     ),
+    # merged in the launch: the sink enters once, in the last split's merge
+    pytest.param(
+        8, 2, 16, 8, [341, 2, 100], {"BLOCK_N": 16, "num_splits": 8, "merge": 1}, 20, "mixed", id="merge-in-launch"
+    ),
 ]
 
 

@@ -73,6 +73,9 @@ DECODE_CASES = [
     pytest.param(
         6, 2, 24, 8, [341, 64, 65], {"BLOCK_N": 32, "num_splits": 2}, 3.0, 64, id="odd-head-dim-window-64"
     ),
+    pytest.param(
+        6, 2, 24, 8, [341, 64, 65], {"BLOCK_N": 32, "num_splits": 2, "merge": 1}, 3.0, 64, id="odd-head-dim-merge"
+    ),
 ]
 
 
