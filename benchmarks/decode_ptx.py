@@ -101,7 +101,7 @@ def launch_args(
 
     args = [
         ptr(q_dtype), ptr(cache_dtype), ptr(cache_dtype), ptr(torch.int32), ptr(torch.int32),
-        ptr(torch.int32), ptr(q_dtype), ptr(torch.float32), ptr(torch.float32), ptr(q_dtype),
+        ptr(torch.int32), ptr(q_dtype), ptr(torch.float32), ptr(torch.float32), ptr(q_dtype), ptr(torch.int32),
         0.125 * pda._LOG2E, 1.0, 0.0, 0, 1 if direct else 4,
         q.stride(0), q.stride(1), *cache.stride()[:3], *cache.stride()[:3], tables.stride(0),
         q.stride(0), q.stride(1),

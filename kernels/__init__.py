@@ -14,5 +14,7 @@
 # for mixed-step CUDA graphs, runtime/cuda_graphs.py MixedGraphs).
 # 5: ops.prefetch_to_l2 and ops.join_prefetch are new (an experimental L2 prefetch of the o
 # projection, removed since: no faster end to end). ABI-5 model code still calls them; they do nothing.
-KERNEL_ABI = 5
+# 6: ops.add_norm_moe is new (a MoE layer's residual add and post-attention norm, inside the fused
+# router's launch where the table fuses the router).
+KERNEL_ABI = 6
 KERNEL_ABI_OLDEST = 1

@@ -49,6 +49,14 @@ tuner (kernels/problems.py) compares the two paths on integer-valued inputs, whe
 Whether it pays was not measured when this was written: the tuner keeps the unfused path where
 it is faster, and it is the default.
 
+**The residual add and the post-attention RMSNorm with it** (``add_norm_router_route``, NORM; what
+ops.add_norm_moe runs where the table fuses the router): every program computes its tokens' rstd
+over the whole row of x + residual (2-8 KB a token, read from L2) and normalises its own share of
+H before the dot; the first expert block's programs store that share of the normalised rows (the
+experts' input) and of x + residual. One launch a layer fewer (the norm kernel took 1.9 us a
+layer at one token on the H200). It is not tuned on its own: it follows the router's fused or
+unfused choice.
+
 Rows run one program each with no integer arguments (the row stride is E, a constexpr), so one
 compiled variant per model (E, k, scoring, renormalisation, dtypes) serves every batch size and a
 CUDA graph captures it like any launch; builder/tune.py compiles it into the artifact
@@ -206,13 +214,18 @@ def route_logits(
 
 @triton.jit(do_not_specialize=["T"])
 def _router_route_kernel(
-    x_ptr,  # [T, H], H contiguous
+    x_ptr,  # [T, H], H contiguous (NORM: the stream's new part, added to the residual first)
     w_ptr,  # router [E, H] contiguous, x's dtype
     b_ptr,  # router bias [E] or unused
     part_ptr,  # fp32 [SPLIT_H, T, E]: each split's partial logits
     count_ptr,  # int32 [>= 1]: programs finished, 0 between launches (kernels/split_k.py)
     weights_ptr,  # [T, K] out: fp32 or x's dtype
     ids_ptr,  # [T, K] out: int64
+    res_ptr,  # NORM: residual [T, H] contiguous, x's dtype
+    norm_w_ptr,  # NORM: the RMSNorm weight [H], x's dtype
+    res_out_ptr,  # NORM: out, x + residual [T, H] contiguous
+    normed_ptr,  # NORM: out, RMSNorm(x + residual) * weight [T, H] contiguous: the experts' input
+    eps,  # NORM: the RMSNorm epsilon
     T,
     H,
     stride_xm,
@@ -232,6 +245,7 @@ def _router_route_kernel(
     PRECISE_EXP: tl.constexpr,
     ROUND_TO_LOGITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    NORM: tl.constexpr = False,  # the residual add and the RMSNorm first (rms_norm.fused_add_rms_norm's)
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     if PDL:
@@ -243,11 +257,34 @@ def _router_route_kernel(
     x_ok = offs_x < E
     first = tl.program_id(1) * STEPS
     last = tl.minimum(first + STEPS, tl.cdiv(H, BLOCK_H))
+    if NORM:
+        # Every program needs each token's rstd over the whole row (2-8 KB a token, from L2): the
+        # sum of squares of x + residual rounded to x's dtype, as fused_add_rms_norm sums them.
+        sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        for j in range(tl.cdiv(H, BLOCK_H)):
+            offs_j = j * BLOCK_H + tl.arange(0, BLOCK_H)
+            m = t_ok[:, None] & (offs_j < H)[None, :]
+            row = offs_t[:, None] * stride_xm + offs_j[None, :]
+            xr = tl.load(x_ptr + row, mask=m, other=0.0).to(tl.float32) + tl.load(res_ptr + row, mask=m, other=0.0).to(tl.float32)
+            xr = xr.to(x_ptr.dtype.element_ty).to(tl.float32)
+            sq += tl.sum(xr * xr, axis=1)
+        rstd = tl.math.rsqrt(sq / H + eps)
     acc = tl.zeros((BLOCK_T, BLOCK_X), dtype=tl.float32)
     for i in range(first, last):
         offs_h = i * BLOCK_H + tl.arange(0, BLOCK_H)
         h_ok = offs_h < H
         a = tl.load(x_ptr + offs_t[:, None] * stride_xm + offs_h[None, :], mask=t_ok[:, None] & h_ok[None, :], other=0.0)
+        if NORM:
+            # This program's share of the row: x + residual, normalised and weighted as
+            # fused_add_rms_norm rounds them; the first expert block's programs store both.
+            m = t_ok[:, None] & h_ok[None, :]
+            row = offs_t[:, None] * stride_xm + offs_h[None, :]
+            xr = (a.to(tl.float32) + tl.load(res_ptr + row, mask=m, other=0.0).to(tl.float32)).to(a.dtype)
+            normed = (xr.to(tl.float32) * rstd[:, None]).to(a.dtype).to(tl.float32)
+            a = (tl.load(norm_w_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32)[None, :] * normed).to(a.dtype)
+            store = m & (tl.program_id(0) == 0)
+            tl.store(res_out_ptr + row, xr, mask=store)
+            tl.store(normed_ptr + row, a, mask=store)
         w = tl.load(w_ptr + offs_x[None, :].to(tl.int64) * H + offs_h[:, None], mask=h_ok[:, None] & x_ok[None, :], other=0.0)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     tl.store(part_ptr + tl.program_id(1) * (T * E) + offs_t[:, None] * E + offs_x[None, :], acc,
@@ -341,6 +378,60 @@ def router_route(
     dtype, as F.linear's are, summed in another order than cuBLAS's: a token whose top-k boundary
     lies within a rounding step of x's dtype may be routed as either would. No host sync; the
     caller checks ``fused_supported``."""
+    weights, ids, _, _ = _router_launch(
+        x, None, router_weight, router_bias, top_k, scoring, renormalize, weights_dtype, widen, config
+    )
+    return weights, ids
+
+
+def norm_fusable(hidden: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, router_weight: torch.Tensor) -> bool:
+    """Whether ``add_norm_router_route`` takes these: one dtype for all four, contiguous rows."""
+    return (
+        hidden.dtype == residual.dtype == norm_weight.dtype == router_weight.dtype
+        and hidden.is_contiguous() and residual.is_contiguous() and norm_weight.is_contiguous()
+    )  # fmt: skip
+
+
+def add_norm_router_route(
+    hidden: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    router_weight: torch.Tensor,
+    router_bias: torch.Tensor | None,
+    top_k: int,
+    scoring: str,
+    renormalize: bool,
+    weights_dtype: torch.dtype,
+    widen: bool,
+    config: KernelConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """rms_norm.fused_add_rms_norm(hidden, residual, norm_weight, eps) and ``router_route`` of its
+    output in the router's one launch: returns (x, residual', topk_weights, topk_ids), x =
+    RMSNorm(hidden + residual) * norm_weight (the experts' input), residual' = hidden + residual,
+    as new tensors. Every program computes its tokens' rstd over the whole row; the first expert
+    block's programs store their share of x and residual'. The sum of squares adds in another
+    order than the norm kernel's, so x may differ from it by a rounding step of its dtype. The
+    caller checks ``fused_supported`` and ``norm_fusable``."""
+    weights, ids, x, residual_out = _router_launch(
+        hidden, (residual, norm_weight, eps), router_weight, router_bias, top_k, scoring, renormalize,
+        weights_dtype, widen, config,
+    )  # fmt: skip
+    return x, residual_out, weights, ids  # type: ignore[return-value]
+
+
+def _router_launch(
+    x: torch.Tensor,
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None,
+    router_weight: torch.Tensor,
+    router_bias: torch.Tensor | None,
+    top_k: int,
+    scoring: str,
+    renormalize: bool,
+    weights_dtype: torch.dtype,
+    widen: bool,
+    config: KernelConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     t, h = x.shape
     e = router_weight.shape[0]
     if not fused_supported(t, e, top_k):
@@ -349,7 +440,12 @@ def router_route(
         raise ValueError(f"unknown scoring {scoring!r}")
     if weights_dtype not in (torch.float32, x.dtype):
         raise ValueError(f"the weights are fp32 or x's dtype {x.dtype}, not {weights_dtype}")
-    if x.stride(1) != 1:
+    if norm is not None:
+        residual, norm_weight, eps = norm
+        if not norm_fusable(x, residual, norm_weight, router_weight) or residual.shape != x.shape:
+            raise ValueError("the fused norm takes contiguous hidden, residual, norm and router weights of one dtype")
+        res_out, normed = torch.empty_like(x), torch.empty_like(x)
+    elif x.stride(1) != 1:
         x = x.contiguous()
     router_weight = router_weight.contiguous()
     bx, bh = config["BLOCK_X"], config["BLOCK_H"]
@@ -359,13 +455,18 @@ def router_route(
     weights = torch.empty((t, top_k), dtype=torch.float32 if widen else weights_dtype, device=x.device)
     ids = torch.empty((t, top_k), dtype=torch.int64, device=x.device)
     part, counters = split_k.partials(x.device, split, t, e, 1, "router_route")
+    if norm is None:
+        residual = norm_weight = res_out = normed = x  # unread without NORM
+        eps = 0.0
     _router_route_kernel[(triton.cdiv(e, bx), split)](
         x, router_weight, router_bias if router_bias is not None else router_weight, part, counters, weights, ids,
-        t, h, x.stride(0), steps, E=e, K=top_k, TOPK_SOFTMAX=scoring == "topk_softmax", RENORMALIZE=renormalize,
+        residual, norm_weight, res_out, normed, eps, t, h, x.stride(0), steps, E=e, K=top_k, TOPK_SOFTMAX=scoring == "topk_softmax", RENORMALIZE=renormalize,
         HAS_BIAS=router_bias is not None, BLOCK_T=FUSED_MAX_TOKENS, ROUTE_T=triton.next_power_of_2(t), BLOCK_X=bx,
         BLOCK_H=bh, SPLIT_H=split, BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k),
         PRECISE_EXP=x.is_cuda, ROUND_TO_LOGITS=round_to_logits,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", NORM=norm is not None,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(),
     )  # fmt: skip
-    return weights, ids
+    if norm is None:
+        return weights, ids, None, None
+    return weights, ids, normed, res_out

@@ -507,6 +507,69 @@ def moe(
     topk_weights, topk_ids = route(
         x, router_weight, router_bias, routing, use_kernel=kernels, widen=kernels, config=router_cfg
     )
+    return _moe_experts(x, topk_weights, topk_ids, w_gate_up, w_down, b_gate_up, b_down, activation, shared_expert)
+
+
+def add_norm_moe(
+    hidden: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    router_weight: torch.Tensor,
+    router_bias: torch.Tensor | None,
+    w_gate_up: torch.Tensor | Int4ExpertsWeight | Fp8ExpertsWeight,
+    w_down: torch.Tensor | Int4ExpertsWeight | Fp8ExpertsWeight,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    *,
+    routing: MoeRouting,
+    activation: MoeActivation = SILU,
+    shared_expert: SharedExpert | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fused_add_rms_norm`` then ``moe``: residual' = hidden + residual, returns
+    (moe(RMSNorm(residual') * norm_weight, ...), residual'). Where the tuning table runs the fused
+    router at this token bucket (decode batches), the add and the norm run inside the router's
+    launch (moe_route_kernel.add_norm_router_route), one launch a layer fewer; elsewhere the norm
+    kernel runs first."""
+    if _triton(hidden):
+        from pagecast.kernels import moe_route_kernel as mrk
+
+        router_cfg = _config("moe_router", moe_bucket(hidden.shape[0]))
+        if (
+            mrk.is_fused(router_cfg)
+            and mrk.fused_supported(hidden.shape[0], router_weight.shape[0], routing.top_k)
+            and mrk.norm_fusable(hidden, residual, norm_weight, router_weight)
+        ):
+            from pagecast.kernels.moe_routing import weights_dtype
+
+            x, residual, topk_weights, topk_ids = mrk.add_norm_router_route(
+                hidden, residual, norm_weight, eps, router_weight, router_bias, routing.top_k, routing.scoring,
+                routing.renormalize, weights_dtype(routing, hidden.dtype), True, router_cfg,  # type: ignore[arg-type]
+            )  # fmt: skip
+            out = _moe_experts(
+                x, topk_weights, topk_ids, w_gate_up, w_down, b_gate_up, b_down, activation, shared_expert
+            )
+            return out, residual
+    x, residual = fused_add_rms_norm(hidden, residual, norm_weight, eps)
+    out = moe(
+        x, router_weight, router_bias, w_gate_up, w_down, b_gate_up, b_down,
+        routing=routing, activation=activation, shared_expert=shared_expert,
+    )  # fmt: skip
+    return out, residual
+
+
+def _moe_experts(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w_gate_up: torch.Tensor | Int4ExpertsWeight | Fp8ExpertsWeight,
+    w_down: torch.Tensor | Int4ExpertsWeight | Fp8ExpertsWeight,
+    b_gate_up: torch.Tensor | None,
+    b_down: torch.Tensor | None,
+    activation: MoeActivation,
+    shared_expert: SharedExpert | None,
+) -> torch.Tensor:
+    """``moe`` from its routing: the routed experts, the shared expert, the all-reduce."""
     act = activation
     # A bucket past the decode graphs' batches may run the naive loop (it syncs with the host);
     # the tuner offers it nowhere else (kernels/problems.py).

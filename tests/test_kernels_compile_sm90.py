@@ -200,15 +200,18 @@ def test_fused_router_configs_with_fewer_warps_compile_for_sm90() -> None:
     assert len(configs) > 1
     e, k, h, t = 128, 8, 2048, 16
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
-           "weights_ptr": "*fp32", "ids_ptr": "*i64", "T": "i32", "H": "i32", "stride_xm": "i32", "STEPS": "i32"}  # fmt: skip
+           "weights_ptr": "*fp32", "ids_ptr": "*i64", "res_ptr": "*bf16", "norm_w_ptr": "*bf16",
+           "res_out_ptr": "*bf16", "normed_ptr": "*bf16", "eps": "fp32", "T": "i32", "H": "i32",
+           "stride_xm": "i32", "STEPS": "i32"}  # fmt: skip
     jobs: list[Sm90Job] = []
-    for c in configs:
+    # each config plain, and the first two with the residual add and RMSNorm inside (NORM)
+    for c, norm in [(c, False) for c in configs] + [(c, True) for c in configs[:2]]:
         split, _ = split_k.split_steps(triton.cdiv(h, c["BLOCK_H"]), c["SPLIT_H"])
         consts = {
             "E": e, "K": k, "TOPK_SOFTMAX": False, "RENORMALIZE": True, "HAS_BIAS": False,
             "BLOCK_T": moe_route_kernel.FUSED_MAX_TOKENS, "ROUTE_T": t, "BLOCK_X": c["BLOCK_X"],
             "BLOCK_H": c["BLOCK_H"], "SPLIT_H": split, "BLOCK_E": e, "BLOCK_K": k, "PRECISE_EXP": True,
-            "ROUND_TO_LOGITS": True, "DOT_PRECISION": "tf32", "PDL": False,
+            "ROUND_TO_LOGITS": True, "DOT_PRECISION": "tf32", "NORM": norm, "PDL": False,
         }  # fmt: skip
         options = {"num_warps": c.num_warps, "num_stages": c.num_stages}
         jobs.append(("router_route", sig, consts, ["x_ptr", "w_ptr", "part_ptr", "weights_ptr", "ids_ptr"], options))

@@ -65,8 +65,9 @@ DECODE_LENS = [1, 17, 129, 2049, 4000, 9, 700, 3333]
         None,
         {"BLOCK_N": 64, "num_splits": 1, "num_warps": 4, "num_stages": 2},
         {"BLOCK_N": 32, "num_splits": 16, "num_warps": 4, "num_stages": 3},
+        {"BLOCK_N": 32, "num_splits": 16, "num_warps": 4, "num_stages": 3, "merge": 1},
     ],
-    ids=["default", "direct", "split16"],
+    ids=["default", "direct", "split16", "split16-merge-in-launch"],
 )
 def test_decode_attention(model, block_size, config):
     from pagecast.kernels.paged_decode_attention import paged_decode_attention

@@ -377,6 +377,74 @@ def test_fused_router_on_real_valued_logits_routes_as_the_torch_path() -> None:
         assert int(split_k.counters(x.device, 1, "test")[0]) == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_the_norm_inside_the_router_equals_the_norm_kernel_then_the_router(dtype: torch.dtype) -> None:
+    """add_norm_router_route against rms_norm.fused_add_rms_norm then router_route (same config),
+    every pruned fused config, 1, 3 and 16 tokens, H 320 (not a multiple of 128: the last step is
+    masked): the same residual' bit for bit, the normalised rows within a rounding step of the dtype
+    (the sum of squares adds in another order), the same routing wherever the unfused path's
+    normalised rows are fed to both (checked through the ids: the inputs keep every top-k boundary
+    clear of a rounding step), the counters back at 0."""
+    from pagecast.kernels import rms_norm, split_k
+
+    e, k, fields, _ = FAMILY_ROUTERS["qwen3"]
+    routing = MoeRouting(k, **fields)
+    hidden = 320
+    g = torch.Generator().manual_seed(11)
+    router = (torch.randn(e, hidden, generator=g) * 0.5).to(dtype)
+    norm_w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype)
+    configs = [c for c in moe_route_kernel.prune_configs(moe_route_kernel.FUSED_CONFIG_SPACE, e, hidden)
+               if moe_route_kernel.is_fused(c)]  # fmt: skip
+    step = 1e-6 if dtype == torch.float32 else 2e-3
+    for tokens in (1, 3, 16):
+        h = torch.randn(tokens, hidden, generator=g).to(dtype)
+        r = torch.randn(tokens, hidden, generator=g).to(dtype)
+        want_x, want_r = rms_norm.fused_add_rms_norm(h, r, norm_w, 1e-6)
+        for cfg in configs:
+            want_w, want_ids = moe_route_kernel.router_route(want_x, router, None, k, routing.scoring,
+                                                             routing.renormalize, torch.float32, True, cfg)  # fmt: skip
+            x, res, w, ids = moe_route_kernel.add_norm_router_route(
+                h, r, norm_w, 1e-6, router, None, k, routing.scoring, routing.renormalize, torch.float32, True, cfg
+            )
+            assert torch.equal(res, want_r), (tokens, cfg)
+            torch.testing.assert_close(x, want_x, rtol=step, atol=step)
+            assert torch.equal(ids, want_ids), (tokens, cfg)
+            torch.testing.assert_close(w, want_w, rtol=10 * step, atol=10 * step)
+            assert int(split_k.counters(h.device, 1, "test")[0]) == 0
+
+
+def test_ops_add_norm_moe_fuses_the_norm_only_where_the_router_is_fused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ops.add_norm_moe on a "GPU" (the interpreter): where the table fuses the router (t1, t4 here)
+    the add and norm run in its launch, elsewhere the norm kernel then ops.moe; both give the
+    reference's residual' and (fp32) the same block output within fp32 rounding."""
+    from pagecast.kernels import ops, reference
+
+    monkeypatch.setattr(ops, "_triton", lambda x: True)
+    fused_runs: list[int] = []
+    real = moe_route_kernel.add_norm_router_route
+    monkeypatch.setattr(moe_route_kernel, "add_norm_router_route",
+                        lambda h, *a: fused_runs.append(h.shape[0]) or real(h, *a))  # fmt: skip
+    fused = {"BLOCK_X": 16, "BLOCK_H": 64, "SPLIT_H": 2, "num_warps": 4, "num_stages": 2}
+    ops.configure({"kernels": {"moe_router": {"t1": {"config": fused}, "t2": {"config": {"unfused": 1}},
+                                              "t4": {"config": fused}}}})  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    routing = MoeRouting(2, renormalize=True)
+    router, norm_w = torch.randn(8, 48, generator=g), 1 + 0.1 * torch.randn(48, generator=g)
+    w_gu, w_down = torch.randn(8, 64, 48, generator=g) * 0.2, torch.randn(8, 48, 32, generator=g) * 0.2
+    try:
+        for rows in (1, 2, 3, 4, 20):
+            h, r = torch.randn(rows, 48, generator=g), torch.randn(rows, 48, generator=g)
+            out, res = ops.add_norm_moe(h, r, norm_w, 1e-5, router, None, w_gu, w_down, routing=routing)
+            x, want_r = reference.fused_add_rms_norm(h, r, norm_w, 1e-5)
+            tw, ti = route(x, router, None, routing, use_kernel=False)
+            want = reference.fused_moe(x, tw.float(), ti, w_gu, w_down, None, None, "silu", 1.0, None)
+            assert torch.equal(res, want_r)
+            torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    finally:
+        ops.configure(None)
+    assert fused_runs == [1, 3, 4]
+
+
 def test_the_fused_router_runs_only_where_it_takes_the_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     """A fused config past FUSED_MAX_TOKENS tokens, or for a router wider than FUSED_MAX_EXPERTS,
     keeps F.linear and the routing kernel (same result as no config); an unfused config too; the

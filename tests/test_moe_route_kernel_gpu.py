@@ -172,6 +172,47 @@ def test_fused_router_in_bf16_against_the_unfused_path(family: str, tokens: int)
         assert torch.equal(got[1], want[1]), cfg
 
 
+@pytest.mark.parametrize("tokens", [1, 3, 16])
+def test_norm_inside_the_fused_router_in_bf16(tokens: int) -> None:
+    """add_norm_router_route in bf16 on CUDA, every pruned fused config of a 128-expert top-8 router
+    (Qwen3-MoE): residual' bit for bit the norm kernel's, the normalised rows within one bf16 step
+    of it (another summation order), the same ids as the norm kernel then the fused router on rows
+    whose top-k boundary is clear of bf16 rounding; and three CUDA-graph replays equal eager."""
+    from pagecast.kernels import rms_norm
+
+    family = next(f for f, (e, r) in FAMILIES.items() if e == 128)
+    e, routing = FAMILIES[family]
+    w, _ = router(e, torch.bfloat16, bias=False, seed=tokens)
+    g = torch.Generator(device="cuda").manual_seed(100 + tokens)
+    norm_w = (1 + 0.1 * torch.randn(HIDDEN, generator=g, device="cuda")).bfloat16()
+    pool_h = torch.randn(512, HIDDEN, generator=g, device="cuda").bfloat16()
+    pool_r = torch.randn(512, HIDDEN, generator=g, device="cuda").bfloat16()
+    px, _ = rms_norm.fused_add_rms_norm(pool_h, pool_r, norm_w, 1e-6)
+    s = scores(torch.nn.functional.linear(px, w).float(), routing.scoring).sort(dim=-1, descending=True).values
+    clear = (s[:, routing.top_k - 1] - s[:, routing.top_k]) > 0.05 * s[:, routing.top_k - 1].abs()
+    assert int(clear.sum()) >= tokens, int(clear.sum())
+    h, r = pool_h[clear][:tokens].contiguous(), pool_r[clear][:tokens].contiguous()
+    want_x, want_r = rms_norm.fused_add_rms_norm(h, r, norm_w, 1e-6)
+    configs = [c for c in moe_route_kernel.prune_configs(FUSED, e, HIDDEN) if moe_route_kernel.is_fused(c)]
+    args = (routing.top_k, routing.scoring, routing.renormalize, torch.bfloat16, True)
+    for cfg in configs:
+        x, res, _, ids = moe_route_kernel.add_norm_router_route(h, r, norm_w, 1e-6, w, None, *args, cfg)
+        assert torch.equal(res, want_r), cfg
+        assert ((x.float() - want_x.float()).abs() <= want_x.float().abs() * 2**-7 + 1e-6).all(), cfg
+        _, want_ids = moe_route_kernel.router_route(want_x, w, None, *args, cfg)
+        assert torch.equal(ids, want_ids), cfg
+    cfg = next(c for c in configs if c["SPLIT_H"] > 1)
+    moe_route_kernel.add_norm_router_route(h, r, norm_w, 1e-6, w, None, *args, cfg)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = moe_route_kernel.add_norm_router_route(h, r, norm_w, 1e-6, w, None, *args, cfg)
+    for seed in range(3):
+        h.copy_(torch.randn(h.shape, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda"))
+        graph.replay()
+        eager = moe_route_kernel.add_norm_router_route(h, r, norm_w, 1e-6, w, None, *args, cfg)
+        assert all(torch.equal(a, b) for a, b in zip(outs, eager, strict=True))
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_fused_router_captured_in_a_cuda_graph(family: str) -> None:
     """The fused router replays in a CUDA graph (its workspace from the graph's pool, the shared
