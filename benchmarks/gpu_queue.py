@@ -53,30 +53,52 @@ def _pytest(*args: str) -> list[str]:
 def steps(out: Path) -> list[Step]:
     """The queue (``out``: where benchmarks that take --out write)."""
     bench = Path(__file__).parent
+    qwen3_w4 = ["env", "PAGECAST_TUNE_STALL_S=120", PY, "benchmarks/families.py", "--models", "qwen3-30b-a3b",
+                "--phases", "W4", "--tune-budget", "120", "--out"]  # fmt: skip
+    # The baseline: main before this session's fusions (d0734a9), exported here into .baseline/ (git archive
+    # d0734a9 builder kernels runtime templates benchmarks pyproject.toml | tar x -C .baseline; carry it),
+    # imported as pagecast through its own links.
+    baseline = (
+        "mkdir -p /tmp/pcb/pagecast && for d in builder kernels runtime templates; do "
+        'ln -sfn "$PWD/.baseline/$d" "/tmp/pcb/pagecast/$d"; done && touch /tmp/pcb/pagecast/__init__.py && '
+        "cd .baseline && PYTHONPATH=/tmp/pcb:/tmp/site "
+    )
     return [
         Step(
-            "router_tests",
-            _pytest("tests/test_moe_route_kernel_gpu.py", "-vv"),  # -q and -vv: a line a test
-            180,
-            "the fused router's new one- and two-warp configs (routing in one warp's shuffles) against the unfused "
-            "path in bf16 on sm_90, every pruned config, before a build may keep one",
+            "fusion_tests",
+            _pytest("tests/test_kernels_gpu.py", "tests/test_moe_route_kernel_gpu.py", "tests/test_moe_families_gpu.py",
+                    "-k", "decode_attention or norm_inside or fused_router or moe_families", "-vv"),  # fmt: skip
+            200,
+            "the in-launch decode merge (bf16, Llama-3-8B and SmolLM2 shapes) and the norm inside the fused router "
+            "(bf16, every config, in a CUDA graph) against their references, and the fp32 MoE engines against "
+            "transformers through ops.add_norm_moe, before any timing",
         ),
         Step(
             "qwen3_w4",
-            ["env", "PAGECAST_TUNE_STALL_S=120", PY, str(bench / "families.py"), "--out", str(out), "--models",
-             "qwen3-30b-a3b", "--phases", "W4", "--tune-budget", "120"],
-            420,
-            "issue 27's Qwen3-30B-A3B W4 on an H200 with the fewer-warp router configs in the tuner's space "
-            "(3.373 ms, 2.322x its 1.453 ms roofline with the earlier leads, twenty-fifth session; the router "
-            "launch took 7.1 us a layer); its tuning table comes back in the bundle",
+            [*qwen3_w4, str(out / "new")],
+            300,
+            "issue 27's Qwen3-30B-A3B W4 with the decode merge in the attention launch and the post-attention norm in "
+            "the router's (two launches a layer fewer) and the fewer-warp router configs in the space",
         ),
         Step(
             "qwen3_profile",
-            [PY, str(bench / "profile_step.py"), "--artifact", str(out / "qwen3-30b-a3b-bf16"), "--batch", "1",
-             "--context", "128", "--steps", "16", "--top", "40"],
-            180,
-            "where the W4 step of that artifact goes, kernel by kernel (twenty-fifth session: 12.8 us a MoE GEMV, "
-            "7.7 qkv, 7.4 o, 7.1 router, 3.8 + 2.5 attention and merge)",
+            [PY, str(bench / "profile_step.py"), "--artifact", str(out / "new" / "qwen3-30b-a3b-bf16"), "--batch", "1",
+             "--context", "128", "--steps", "16", "--top", "40"],  # fmt: skip
+            120,
+            "where that W4 step goes, kernel by kernel: the merge and post-attention norm launches should be gone "
+            "(twenty-fifth session: 12.8 us a MoE GEMV, 7.7 qkv, 7.4 o, 7.1 router, 3.8 + 2.5 attention and merge)",
+        ),
+        Step(
+            "qwen3_w4_base",
+            ["bash", "-c", baseline + " ".join(qwen3_w4) + " " + str(out / "base")],
+            300,
+            "the same W4 built from d0734a9 (before the fusions) on the same machine: the same-run baseline",
+        ),
+        Step(
+            "qwen3_w4_pdl",
+            ["env", "PAGECAST_PDL=1", *qwen3_w4[1:], str(out / "pdl")],
+            300,
+            "the same W4 with programmatic dependent launch (never measured on a MoE model: about 600 launches a step)",
         ),
         Step(
             "mixtral_profile",
