@@ -243,6 +243,8 @@ def _tune_main(shapes_json: str, budget_s: str, first: str = "", pinned: str = "
     _progress("compiling the tuned kernels' other variants, measuring copy bandwidth, compiling the untuned kernels")
     tuning.compile_window_variants(table, shapes, "cuda")
     tuning.compile_norm_variants(table, shapes, "cuda")
+    if shapes.num_experts:
+        tuning.compile_router_norm_variants(table, shapes, "cuda")
     copy_gbs = tuning.measure_copy_bandwidth("cuda")
     table["copy_bandwidth_gbs"] = round(copy_gbs, 1)
     if shapes.num_experts:  # the MoE buckets' compute bound, for report.md (moe_report_lines)

@@ -231,7 +231,8 @@ def _paged_decode_kernel(
     SOFTCAP: tl.constexpr = False,
     SLIDING: tl.constexpr = False,
     HAS_SINKS: tl.constexpr = False,
-    MERGE: tl.constexpr = False,  # split: the last split of a (sequence, KV head) merges them here
+    MERGE: tl.constexpr = 0,  # > 0 (num_splits rounded up to a power of two): the last split of a
+    #                            (sequence, KV head) merges the splits here
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     if PDL:
@@ -371,27 +372,30 @@ def _paged_decode_kernel(
                 # counter back to 0: no second launch (kernels/split_k.py for the ordering).
                 counter = count_ptr + seq * tl.num_programs(1) + kv_head
                 if split_k.last_to_arrive(counter, num_splits):
+                    # Every load below is independent of the others (all splits' log-sum-exps in
+                    # one, each split's output unrolled), so their L2 round trips overlap: a loop
+                    # over the splits that loads, then adds, costs one round trip a split.
                     base = (seq.to(tl.int64) * num_heads + heads) * num_splits  # [GROUP_PAD]
-                    lse_top = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-                    for s in range(num_splits):  # .cg: from L2, where the other splits' partials are
-                        lse_s = tl.load(part_lse_ptr + base + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
-                        lse_top = tl.maximum(lse_top, lse_s)
+                    offs_s = tl.arange(0, MERGE)
+                    lse_all = tl.load(part_lse_ptr + base[:, None] + offs_s[None, :],
+                                      mask=g_mask[:, None] & (offs_s < num_splits)[None, :], other=float("-inf"),
+                                      cache_modifier=".cg")  # fmt: skip  # .cg: from L2, where the partials are
+                    lse_top = tl.max(lse_all, axis=1)
                     if HAS_SINKS:
                         sink_m = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32) * 1.4426950408889634
                         lse_top = tl.maximum(lse_top, sink_m)
                     # all splits empty (an empty context): weights are 0, the output is 0
                     lse_ref = tl.where(lse_top == float("-inf"), 0.0, lse_top)
-                    merged = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-                    total = tl.zeros([GROUP_PAD], tl.float32)
-                    for s in range(num_splits):
-                        lse_s = tl.load(part_lse_ptr + base + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
-                        w_s = tl.exp2(lse_s - lse_ref)
-                        o_s = tl.load(part_out_ptr + (base + s)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
-                                      mask=g_mask[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
-                        merged += w_s[:, None] * o_s
-                        total += w_s
+                    w_all = tl.exp2(lse_all - lse_ref[:, None])  # [GROUP_PAD, MERGE]; 0 past num_splits
+                    total = tl.sum(w_all, axis=1)
                     if HAS_SINKS:
                         total += tl.exp2(sink_m - lse_ref)
+                    merged = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+                    for s in tl.static_range(MERGE):
+                        o_s = tl.load(part_out_ptr + (base + s)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+                                      mask=g_mask[:, None] & (s < num_splits), other=0.0, cache_modifier=".cg")  # fmt: skip
+                        w_s = tl.sum(tl.where(offs_s[None, :] == s, w_all, 0.0), axis=1)
+                        merged += w_s[:, None] * o_s
                     merged = merged / tl.where(total > 0.0, total, 1.0)[:, None]
                     tl.store(
                         out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -535,15 +539,16 @@ FP8_PAIR_CONFIGS: list[KernelConfig] = [c for c in FP8_CONFIG_SPACE if c["fp8_wo
 # (MERGE_MAX_SEQS), where the step is a chain of latency-bound launches; at large ones the merge
 # kernel is a small share and the last splits' serial merges would trail the launch.
 MERGE_MAX_SEQS = 8
+MERGE_MAX_SPLITS = 16  # the merge's loads are unrolled over the splits
 MERGE_CONFIGS: list[KernelConfig] = [
     KernelConfig({**c.params, "merge": 1}, num_warps=c.num_warps, num_stages=c.num_stages)
     for c in CONFIG_SPACE
-    if c["num_splits"] > 1
+    if 1 < c["num_splits"] <= MERGE_MAX_SPLITS
 ]
 FP8_MERGE_CONFIGS: list[KernelConfig] = [
     KernelConfig({**c.params, "merge": 1}, num_warps=c.num_warps, num_stages=c.num_stages)
     for c in FP8_PAIR_CONFIGS
-    if c["num_splits"] > 1
+    if 1 < c["num_splits"] <= MERGE_MAX_SPLITS
 ]
 CONFIG_SPACE = CONFIG_SPACE + MERGE_CONFIGS
 FP8_CONFIG_SPACE = FP8_CONFIG_SPACE + FP8_MERGE_CONFIGS
@@ -641,7 +646,7 @@ def paged_decode_attention(
     )
     if fp8_words and read == 2:
         fp8_words = 2
-    merge = not direct and bool(cfg.params.get("merge", 0))
+    merge = not direct and bool(cfg.params.get("merge", 0)) and num_splits <= MERGE_MAX_SPLITS
     counters = seq_lens  # unread without MERGE
     if merge:
         need = num_seqs * num_kv_heads
@@ -671,7 +676,8 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=direct, FP8_WORDS=fp8_words,
         USE_ASM=q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        SOFTCAP=softcap > 0, SLIDING=window > 0, HAS_SINKS=has_sinks, MERGE=merge,
+        SOFTCAP=softcap > 0, SLIDING=window > 0, HAS_SINKS=has_sinks,
+        MERGE=triton.next_power_of_2(num_splits) if merge else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(),
     )  # fmt: skip
     if not direct and not merge:

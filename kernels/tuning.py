@@ -894,6 +894,37 @@ def compile_norm_variants(table: Mapping[str, Any], shapes: ModelShapes, device:
     return launches
 
 
+def compile_router_norm_variants(table: Mapping[str, Any], shapes: ModelShapes, device: torch.device | str) -> int:
+    """Launch the fused router with the residual add and RMSNorm inside (NORM, what
+    ops.add_norm_moe runs where the table fuses the router) at each "moe_router" bucket whose
+    config is fused, at the bucket's token count (the ROUTE_T variant it serves), once, so that
+    those variants go into TRITON_CACHE_DIR beside the timed ones. Returns the launches."""
+    from pagecast.kernels import moe_route_kernel
+    from pagecast.kernels.moe_routing import MoeRouting, weights_dtype
+
+    entries = table.get("kernels", {}).get("moe_router", {})
+    launches = 0
+    e, h, dtype = shapes.num_experts, shapes.hidden, shapes.torch_dtype
+    routing = MoeRouting(
+        shapes.top_k, scoring=shapes.moe_scoring, renormalize=shapes.moe_renormalize,
+        weights_in_x_dtype=shapes.moe_weights_in_x_dtype,
+    )  # fmt: skip
+    for bucket in entries:
+        cfg = KernelConfig.coerce(lookup(table, "moe_router", bucket))
+        t = int(bucket.lstrip("t"))
+        if not moe_route_kernel.is_fused(cfg) or not moe_route_kernel.fused_supported(t, e, shapes.top_k):
+            continue
+        rows = [torch.randn((t, h), device=device, dtype=dtype) for _ in range(2)]
+        router = torch.randn((e, h), device=device, dtype=dtype)
+        bias = torch.zeros((e,), device=device, dtype=dtype) if shapes.moe_router_bias else None
+        moe_route_kernel.add_norm_router_route(
+            rows[0], rows[1], torch.ones((h,), device=device, dtype=dtype), 1e-6, router, bias, shapes.top_k,
+            routing.scoring, routing.renormalize, weights_dtype(routing, dtype), True, cfg,  # type: ignore[arg-type]
+        )  # fmt: skip
+        launches += 1
+    return launches
+
+
 def untuned_buckets(table: Mapping[str, Any]) -> dict[str, list[str]]:
     """Kernel -> the buckets whose tuning the budget cut off (``budget_spent``: the launcher's
     default config was kept untimed against the others)."""

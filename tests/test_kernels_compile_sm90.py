@@ -211,7 +211,8 @@ def test_fused_router_configs_with_fewer_warps_compile_for_sm90() -> None:
             "E": e, "K": k, "TOPK_SOFTMAX": False, "RENORMALIZE": True, "HAS_BIAS": False,
             "BLOCK_T": moe_route_kernel.FUSED_MAX_TOKENS, "ROUTE_T": t, "BLOCK_X": c["BLOCK_X"],
             "BLOCK_H": c["BLOCK_H"], "SPLIT_H": split, "BLOCK_E": e, "BLOCK_K": k, "PRECISE_EXP": True,
-            "ROUND_TO_LOGITS": True, "DOT_PRECISION": "tf32", "NORM": norm, "PDL": False,
+            "ROUND_TO_LOGITS": True, "DOT_PRECISION": "tf32", "NORM": norm, "NORM_H": h,
+            "NORM_CHUNK": min(h, 256 * c.num_warps), "PDL": False,
         }  # fmt: skip
         options = {"num_warps": c.num_warps, "num_stages": c.num_stages}
         jobs.append(("router_route", sig, consts, ["x_ptr", "w_ptr", "part_ptr", "weights_ptr", "ids_ptr"], options))
@@ -383,7 +384,7 @@ def test_paged_decode_kernel_merging_in_its_launch_compiles_for_sm90(cache: str)
         "paged_decode", sig,
         {"GROUP": 8, "GROUP_PAD": 16, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128, "BLOCK_SIZE": 16, "BLOCK_N": 64,
          "DIRECT": False, "FP8_WORDS": 2 if cache == "*fp8e4nv" else 0, "USE_ASM": True, "DOT_PRECISION": "tf32",
-         "HAS_SINKS": True, "MERGE": True},
+         "HAS_SINKS": True, "MERGE": 16},
     )  # fmt: skip
     assert "cubin" in asm
 

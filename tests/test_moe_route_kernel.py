@@ -445,6 +445,57 @@ def test_ops_add_norm_moe_fuses_the_norm_only_where_the_router_is_fused(monkeypa
     assert fused_runs == [1, 3, 4]
 
 
+def test_the_build_compiles_the_norm_variants_serving_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tuning.compile_router_norm_variants (run by the build's tuner) launches the fused router with
+    the norm inside in the Triton variant (specialisation and constexprs, through Triton's own
+    binder) that ops.add_norm_moe launches at every token count of each bucket the table fuses
+    (t1 and t4 here, t2 unfused: no norm variant), and nothing where no bucket is fused."""
+    from pagecast.kernels import ops, tuning
+
+    monkeypatch.setattr(ops, "_triton", lambda x: True)
+    monkeypatch.setattr(ops, "_moe_kernel", lambda: lambda x, *args: torch.zeros_like(x))
+    kernel = moe_route_kernel._router_route_kernel
+    jit = JITFunction(getattr(kernel, "fn", kernel))
+    binder = create_function_from_signature(jit.signature, jit.params, BaseBackend)
+    keys: list[tuple] = []
+
+    class Recorded:
+        def __getitem__(self, grid: Any) -> Any:
+            def launch(*args: Any, **kwargs: Any) -> None:
+                _, specialization, options = binder(*args, **kwargs)
+                if kwargs.get("NORM"):
+                    keys.append((tuple(map(tuple, specialization)), tuple(sorted(options.items()))))
+                kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(moe_route_kernel, "_router_route_kernel", Recorded())
+    fused = {"BLOCK_X": 16, "BLOCK_H": 64, "SPLIT_H": 2, "num_warps": 4, "num_stages": 2}
+    table = {"kernels": {"moe_router": {"t1": {"config": fused}, "t2": {"config": {"unfused": 1}},
+                                        "t4": {"config": fused}}}}  # fmt: skip
+    shapes = tuning.ModelShapes(
+        num_heads=4, num_kv_heads=2, head_dim=16, hidden=128, intermediate=256, block_size=16, dtype="float32",
+        num_experts=8, top_k=2, moe_intermediate=32, moe_renormalize=True,
+    )  # fmt: skip
+    assert tuning.compile_router_norm_variants(table, shapes, "cpu") == 2
+    built = set(keys)
+    assert len(built) == 2  # one variant a fused bucket (its ROUTE_T)
+    keys.clear()
+    routing = MoeRouting(2, renormalize=True)
+    w, norm_w = torch.randn(8, 128), torch.ones(128)
+    experts = torch.zeros(8, 64, 128), torch.zeros(8, 128, 32)
+    ops.configure(table)
+    try:
+        for rows in (1, 2, 3, 4):
+            ops.add_norm_moe(torch.randn(rows, 128), torch.randn(rows, 128), norm_w, 1e-6, w, None, *experts,
+                             routing=routing)  # fmt: skip
+    finally:
+        ops.configure(None)
+    assert len(keys) == 3 and set(keys) <= built  # rows 1, 3 and 4; row 2's bucket is unfused
+    keys.clear()
+    assert tuning.compile_router_norm_variants({"kernels": {}}, shapes, "cpu") == 0 and not keys
+
+
 def test_the_fused_router_runs_only_where_it_takes_the_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     """A fused config past FUSED_MAX_TOKENS tokens, or for a router wider than FUSED_MAX_EXPERTS,
     keeps F.linear and the routing kernel (same result as no config); an unfused config too; the
