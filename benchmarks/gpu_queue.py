@@ -74,7 +74,7 @@ def steps(out: Path) -> list[Step]:
         Step(
             "qwen3_profile",
             [PY, str(bench / "profile_step.py"), "--artifact", str(out / "new" / "qwen3-30b-a3b-bf16"), "--batch", "1",
-             "--context", "128", "--steps", "16", "--top", "40"],  # fmt: skip
+             "--context", "128", "--steps", "16", "--top", "40"],
             120,
             "where that W4 step goes, kernel by kernel: the merge and post-attention norm launches should be gone "
             "(twenty-fifth session: 12.8 us a MoE GEMV, 7.7 qkv, 7.4 o, 7.1 router, 3.8 + 2.5 attention and merge)",
@@ -88,7 +88,7 @@ def steps(out: Path) -> list[Step]:
         Step(
             "fusion_tests",
             _pytest("tests/test_kernels_gpu.py", "tests/test_moe_route_kernel_gpu.py", "tests/test_moe_families_gpu.py",
-                    "-k", "merge or norm_inside or moe_fp32", "-vv"),  # fmt: skip
+                    "-k", "merge or norm_inside or moe_fp32", "-vv"),
             240,
             "the in-launch decode merge (bf16, Llama-3-8B and SmolLM2 shapes) and the norm inside the fused router "
             "(bf16, every config, in a CUDA graph) against their references, and the fp32 MoE engines against "
