@@ -175,7 +175,7 @@ def test_fused_router_in_bf16_against_the_unfused_path(family: str, tokens: int)
 @pytest.mark.parametrize("tokens", [1, 3, 16])
 def test_norm_inside_the_fused_router_in_bf16(tokens: int) -> None:
     """add_norm_router_route in bf16 on CUDA, every pruned fused config of a 128-expert top-8 router
-    (Qwen3-MoE): residual' bit for bit the norm kernel's, the normalised rows within one bf16 step
+    (Qwen3-MoE; two of them at 16 tokens): residual' bit for bit the norm kernel's, the normalised rows within one bf16 step
     of it (another summation order), the same ids as the norm kernel then the fused router on rows
     whose top-k boundary is clear of bf16 rounding; and three CUDA-graph replays equal eager."""
     from pagecast.kernels import rms_norm
@@ -194,6 +194,8 @@ def test_norm_inside_the_fused_router_in_bf16(tokens: int) -> None:
     h, r = pool_h[clear][:tokens].contiguous(), pool_r[clear][:tokens].contiguous()
     want_x, want_r = rms_norm.fused_add_rms_norm(h, r, norm_w, 1e-6)
     configs = [c for c in moe_route_kernel.prune_configs(FUSED, e, HIDDEN) if moe_route_kernel.is_fused(c)]
+    if tokens == 16:  # the 16-row variants compile slowly (all configs ran past 120 s in LLVM on an H100)
+        configs = [configs[0], next(c for c in configs if c.num_warps == 1)]
     args = (routing.top_k, routing.scoring, routing.renormalize, torch.bfloat16, True)
     for cfg in configs:
         x, res, _, ids = moe_route_kernel.add_norm_router_route(h, r, norm_w, 1e-6, w, None, *args, cfg)
