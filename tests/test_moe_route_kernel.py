@@ -5,6 +5,7 @@ launches. tests/test_moe_route_kernel_gpu.py checks the same on CUDA."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -232,6 +233,31 @@ def test_widened_weights_change_no_expert_loop_result(dtype: torch.dtype) -> Non
     )
 
 
+def record_variants(
+    monkeypatch: pytest.MonkeyPatch, name: str, only: Callable[[dict[str, Any]], bool] = lambda kwargs: True
+) -> list[tuple]:
+    """Replace moe_route_kernel.<name> by a launcher that records each launch's Triton variant
+    (specialisation and options, through Triton's own argument binder) where ``only`` says, then
+    launches it; returns the list the keys go to."""
+    kernel = getattr(moe_route_kernel, name)
+    jit = JITFunction(getattr(kernel, "fn", kernel))
+    binder = create_function_from_signature(jit.signature, jit.params, BaseBackend)
+    keys: list[tuple] = []
+
+    class Recorded:
+        def __getitem__(self, grid: Any) -> Any:
+            def launch(*args: Any, **kwargs: Any) -> None:
+                _, specialization, options = binder(*args, **kwargs)
+                if only(kwargs):
+                    keys.append((tuple(map(tuple, specialization)), tuple(sorted(options.items()))))
+                kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(moe_route_kernel, name, Recorded())
+    return keys
+
+
 def test_served_launches_are_the_built_variant(monkeypatch: pytest.MonkeyPatch) -> None:
     """The build (builder/tune.py, compile_route_kernel) launches the routing kernel in the variant
     (Triton's specialisation key, through its own argument binder) that ops.moe's launches take
@@ -242,22 +268,7 @@ def test_served_launches_are_the_built_variant(monkeypatch: pytest.MonkeyPatch) 
 
     monkeypatch.setattr(ops, "_triton", lambda x: True)
     monkeypatch.setattr(ops, "_moe_kernel", lambda: lambda x, *args: torch.zeros_like(x))
-
-    kernel = moe_route_kernel._route_kernel
-    jit = JITFunction(getattr(kernel, "fn", kernel))
-    binder = create_function_from_signature(jit.signature, jit.params, BaseBackend)
-    keys: list[tuple] = []
-
-    class Recorded:
-        def __getitem__(self, grid: Any) -> Any:
-            def launch(*args: Any, **kwargs: Any) -> None:
-                _, specialization, options = binder(*args, **kwargs)
-                keys.append((tuple(map(tuple, specialization)), tuple(sorted(options.items()))))
-                kernel[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(moe_route_kernel, "_route_kernel", Recorded())
+    keys = record_variants(monkeypatch, "_route_kernel")
     families = {  # (experts, top_k, routing): Qwen3-30B-A3B, Mixtral, gpt-oss-20b
         "qwen3": (128, 8, {"scoring": "softmax_topk", "renormalize": True, "weights_in_x_dtype": True}),
         "mixtral": (8, 2, {"scoring": "softmax_topk", "renormalize": True, "weights_in_x_dtype": False}),
@@ -454,22 +465,7 @@ def test_the_build_compiles_the_norm_variants_serving_launches(monkeypatch: pyte
 
     monkeypatch.setattr(ops, "_triton", lambda x: True)
     monkeypatch.setattr(ops, "_moe_kernel", lambda: lambda x, *args: torch.zeros_like(x))
-    kernel = moe_route_kernel._router_route_kernel
-    jit = JITFunction(getattr(kernel, "fn", kernel))
-    binder = create_function_from_signature(jit.signature, jit.params, BaseBackend)
-    keys: list[tuple] = []
-
-    class Recorded:
-        def __getitem__(self, grid: Any) -> Any:
-            def launch(*args: Any, **kwargs: Any) -> None:
-                _, specialization, options = binder(*args, **kwargs)
-                if kwargs.get("NORM"):
-                    keys.append((tuple(map(tuple, specialization)), tuple(sorted(options.items()))))
-                kernel[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(moe_route_kernel, "_router_route_kernel", Recorded())
+    keys = record_variants(monkeypatch, "_router_route_kernel", only=lambda kwargs: bool(kwargs.get("NORM")))
     fused = {"BLOCK_X": 16, "BLOCK_H": 64, "SPLIT_H": 2, "num_warps": 4, "num_stages": 2}
     table = {"kernels": {"moe_router": {"t1": {"config": fused}, "t2": {"config": {"unfused": 1}},
                                         "t4": {"config": fused}}}}  # fmt: skip
