@@ -2,7 +2,8 @@
 SmolLM2-135M-Instruct in transformers (fp32), every decoder projection (q/k/v/o, gate/up/down)
 quantised in plain torch - weights to e4m3 per output channel (amax / 448, round to nearest),
 inputs to e4m3 per token at run time - against the float model, on text shipped with Python
-(pydoc_data.topics). Variants leave parts in float to show where the cost comes from.
+(pydoc_data.topics). Variants leave parts in float to show where the cost comes from, or search
+each weight row's scale for the least squared error (clipping) instead of amax / 448.
 
     python benchmarks/fp8_format_cost.py [--tokens 4096] [--window 1024]
 
@@ -24,19 +25,40 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 
 E4M3_MAX = 448.0
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-VARIANTS = {  # name -> (quantise weights, quantise activations, module-name parts left in float)
+VARIANTS = {  # name -> (quantise weights ("mse": clipped scales), quantise activations, module-name parts left in float)
     "fp8 weights and activations": (True, True, ()),
     "fp8 weights only": (True, False, ()),
     "fp8 activations only": (False, True, ()),
     "all but down_proj": (True, True, ("down_proj",)),
     "all but the first and last layers": (True, True, ("layers.0.", "layers.29.")),
+    "weights with MSE-clipped scales, and activations": ("mse", True, ()),
+    "weights only, MSE-clipped scales": ("mse", False, ()),
 }
+CLIP_RATIOS = tuple(1.0 - 0.02 * i for i in range(21))  # the clipped scales' search: amax x 1.0 ... 0.6
 
 
 def fp8_round_trip(x: torch.Tensor, dim: int) -> torch.Tensor:
     """x through e4m3 and back, one scale per slice along ``dim`` (amax / 448)."""
     scale = x.abs().amax(dim=dim, keepdim=True).clamp(min=1e-12) / E4M3_MAX
     return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
+
+
+def fp8_clipped_round_trip(w: torch.Tensor) -> torch.Tensor:
+    """w [out, in] through e4m3 and back, each output row's scale (amax x r / 448) at the clip
+    ratio r of CLIP_RATIOS that gives the row the least squared error (an MSE observer)."""
+    amax = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
+    best, best_err = None, None
+    for r in CLIP_RATIOS:
+        scale = amax * r / E4M3_MAX
+        q = (w / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
+        err = ((q - w) ** 2).sum(dim=1, keepdim=True)
+        if best is None or best_err is None:
+            best, best_err = q, err
+        else:
+            better = err < best_err
+            best, best_err = torch.where(better, q, best), torch.where(better, err, best_err)
+    assert best is not None
+    return best
 
 
 def perplexity(model: torch.nn.Module, ids: torch.Tensor, window: int) -> float:
@@ -50,7 +72,7 @@ def perplexity(model: torch.nn.Module, ids: torch.Tensor, window: int) -> float:
     return math.exp(nll / count)
 
 
-def quantised(path: Path, weights: bool, activations: bool, keep: tuple[str, ...]) -> torch.nn.Module:
+def quantised(path: Path, weights: bool | str, activations: bool, keep: tuple[str, ...]) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -59,7 +81,9 @@ def quantised(path: Path, weights: bool, activations: bool, keep: tuple[str, ...
             continue
         if any(part in name for part in keep):
             continue
-        if weights:
+        if weights == "mse":
+            module.weight.data = fp8_clipped_round_trip(module.weight.data)
+        elif weights:
             module.weight.data = fp8_round_trip(module.weight.data, 1)
         if activations:
             module.register_forward_pre_hook(lambda _module, args: (fp8_round_trip(args[0], -1), *args[1:]))
