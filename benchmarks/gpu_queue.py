@@ -55,14 +55,9 @@ def steps(out: Path) -> list[Step]:
     bench = Path(__file__).parent
     qwen3_w4 = ["env", "PAGECAST_TUNE_STALL_S=120", PY, "benchmarks/families.py", "--models", "qwen3-30b-a3b",
                 "--phases", "W4", "--tune-budget", "120", "--out"]  # fmt: skip
-    # The baseline: main before this session's fusions (d0734a9), exported here into .baseline/ (git archive
-    # d0734a9 builder kernels runtime templates benchmarks pyproject.toml | tar x -C .baseline; carry it),
-    # imported as pagecast through its own links.
-    baseline = (
-        "mkdir -p /tmp/pcb/pagecast && for d in builder kernels runtime templates; do "
-        'ln -sfn "$PWD/.baseline/$d" "/tmp/pcb/pagecast/$d"; done && touch /tmp/pcb/pagecast/__init__.py && '
-        "cd .baseline && PYTHONPATH=/tmp/pcb:/tmp/site "
-    )
+    # The baseline: main before the twenty-sixth session's fusions (d0734a9), exported into .baseline/ here
+    # (benchmarks/at_commit.py says how; carry it) and run from there.
+    at_d0734a9 = [PY, "benchmarks/at_commit.py", "--tree", ".baseline"]
     return [
         Step(
             "qwen3_w4",
@@ -81,7 +76,7 @@ def steps(out: Path) -> list[Step]:
         ),
         Step(
             "qwen3_w4_base",
-            ["bash", "-c", baseline + " ".join(qwen3_w4) + " " + str(out / "base")],
+            [*qwen3_w4[:2], *at_d0734a9, *qwen3_w4[3:], str(out / "base")],
             300,
             "the same W4 built from d0734a9 (before the fusions) on the same machine: the same-run baseline",
         ),

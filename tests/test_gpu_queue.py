@@ -87,3 +87,27 @@ def test_the_queue_ends_by_bundling_its_folders_so_tuning_tables_come_back(
         assert tar.extractfile("model-bf16/report.md").read() == b"# report"  # type: ignore[union-attr]
     rows = [json.loads(line) for line in (tmp_path / "queue.jsonl").read_text().splitlines()]
     assert rows[-1]["left_out"] == ["model-bf16/triton_cache/ABC/k.cubin", "model-bf16/weights.bin"]
+
+
+def test_at_commit_runs_a_benchmark_against_the_other_trees_package(tmp_path: Path) -> None:
+    """benchmarks/at_commit.py (the queue's baseline steps): the script runs in the tree, importing
+    the tree's pagecast, with its arguments, and its exit status comes back; a tree that lacks the
+    package is refused with what to do."""
+    import subprocess
+
+    tree = tmp_path / "tree"
+    for d in ("builder", "kernels", "runtime", "templates", "benchmarks"):
+        (tree / d).mkdir(parents=True)
+    (tree / "kernels" / "__init__.py").write_text("KERNEL_ABI = 99\n")
+    (tree / "benchmarks" / "probe.py").write_text(
+        "import os, sys\nimport pagecast.kernels as k\nprint(k.KERNEL_ABI, os.getcwd(), sys.argv[1:])\nsys.exit(7)\n"
+    )
+    script = Path(__file__).parents[1] / "benchmarks" / "at_commit.py"
+    run = subprocess.run([sys.executable, str(script), "--tree", str(tree), "benchmarks/probe.py", "--out", "x"],
+                         capture_output=True, text=True, check=False)  # fmt: skip
+    assert run.returncode == 7, run.stderr
+    assert run.stdout.strip() == f"99 {tree.resolve()} ['--out', 'x']"
+    (tree / "runtime").rmdir()
+    run = subprocess.run([sys.executable, str(script), "--tree", str(tree), "benchmarks/probe.py"],
+                         capture_output=True, text=True, check=False)  # fmt: skip
+    assert run.returncode != 0 and "lacks runtime" in run.stderr and "git archive" in run.stderr
