@@ -357,6 +357,11 @@ def fused_supported(num_tokens: int, num_experts: int, top_k: int) -> bool:
     return 1 <= num_tokens <= FUSED_MAX_TOKENS and num_experts <= FUSED_MAX_EXPERTS and supported(num_experts, top_k)
 
 
+def runs_fused(config: KernelConfig | None, num_tokens: int, num_experts: int, top_k: int) -> bool:
+    """Whether the router runs fused (``router_route``) for this batch: a fused config that takes it."""
+    return is_fused(config) and fused_supported(num_tokens, num_experts, top_k)
+
+
 def prune_configs(configs: list[KernelConfig], num_experts: int, hidden: int) -> list[KernelConfig]:
     """The unfused path, and fused tiles no wider than the experts (rounded up to 16, tl.dot's
     minimum) whose every split gets at least one BLOCK_H step."""

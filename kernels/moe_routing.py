@@ -152,9 +152,7 @@ def route(
         from pagecast.kernels import moe_route_kernel
 
         dtype = weights_dtype(routing, x.dtype)
-        if moe_route_kernel.is_fused(config) and moe_route_kernel.fused_supported(
-            x.shape[0], router_weight.shape[0], routing.top_k
-        ):
+        if moe_route_kernel.runs_fused(config, x.shape[0], router_weight.shape[0], routing.top_k):
             return moe_route_kernel.router_route(
                 x, router_weight, router_bias, routing.top_k, routing.scoring, routing.renormalize, dtype, widen,
                 config,

@@ -475,7 +475,7 @@ def lm_head(hidden: torch.Tensor, weight: torch.Tensor | Fp8LinearWeight, vocab_
 
 # -- mixture of experts ------------------------------------------------------------------------
 
-from pagecast.kernels.moe_routing import SILU, MoeActivation, MoeRouting, SharedExpert, route
+from pagecast.kernels.moe_routing import SILU, MoeActivation, MoeRouting, SharedExpert, route, weights_dtype
 from pagecast.kernels.tuning import moe_bucket
 
 
@@ -535,13 +535,9 @@ def add_norm_moe(
         from pagecast.kernels import moe_route_kernel as mrk
 
         router_cfg = _config("moe_router", moe_bucket(hidden.shape[0]))
-        if (
-            mrk.is_fused(router_cfg)
-            and mrk.fused_supported(hidden.shape[0], router_weight.shape[0], routing.top_k)
-            and mrk.norm_fusable(hidden, residual, norm_weight, router_weight)
+        if mrk.runs_fused(router_cfg, hidden.shape[0], router_weight.shape[0], routing.top_k) and mrk.norm_fusable(
+            hidden, residual, norm_weight, router_weight
         ):
-            from pagecast.kernels.moe_routing import weights_dtype
-
             x, residual, topk_weights, topk_ids = mrk.add_norm_router_route(
                 hidden, residual, norm_weight, eps, router_weight, router_bias, routing.top_k, routing.scoring,
                 routing.renormalize, weights_dtype(routing, hidden.dtype), True, router_cfg,  # type: ignore[arg-type]

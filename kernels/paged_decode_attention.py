@@ -540,16 +540,19 @@ FP8_PAIR_CONFIGS: list[KernelConfig] = [c for c in FP8_CONFIG_SPACE if c["fp8_wo
 # kernel is a small share and the last splits' serial merges would trail the launch.
 MERGE_MAX_SEQS = 8
 MERGE_MAX_SPLITS = 16  # the merge's loads are unrolled over the splits
-MERGE_CONFIGS: list[KernelConfig] = [
-    KernelConfig({**c.params, "merge": 1}, num_warps=c.num_warps, num_stages=c.num_stages)
-    for c in CONFIG_SPACE
-    if 1 < c["num_splits"] <= MERGE_MAX_SPLITS
-]
-FP8_MERGE_CONFIGS: list[KernelConfig] = [
-    KernelConfig({**c.params, "merge": 1}, num_warps=c.num_warps, num_stages=c.num_stages)
-    for c in FP8_PAIR_CONFIGS
-    if 1 < c["num_splits"] <= MERGE_MAX_SPLITS
-]
+
+
+def _merging(configs: list[KernelConfig]) -> list[KernelConfig]:
+    """The split configs of ``configs`` (up to MERGE_MAX_SPLITS) with the merge in the launch."""
+    return [
+        KernelConfig({**c.params, "merge": 1}, num_warps=c.num_warps, num_stages=c.num_stages)
+        for c in configs
+        if 1 < c["num_splits"] <= MERGE_MAX_SPLITS
+    ]
+
+
+MERGE_CONFIGS = _merging(CONFIG_SPACE)
+FP8_MERGE_CONFIGS = _merging(FP8_PAIR_CONFIGS)
 CONFIG_SPACE = CONFIG_SPACE + MERGE_CONFIGS
 FP8_CONFIG_SPACE = FP8_CONFIG_SPACE + FP8_MERGE_CONFIGS
 
@@ -649,12 +652,10 @@ def paged_decode_attention(
     merge = not direct and bool(cfg.params.get("merge", 0)) and num_splits <= MERGE_MAX_SPLITS
     counters = seq_lens  # unread without MERGE
     if merge:
-        need = num_seqs * num_kv_heads
-        have = split_k.COUNTERS.get(q.device)
-        if (have is None or have.numel() < need) and q.is_cuda and torch.cuda.is_current_stream_capturing():
-            merge = False  # the counters cannot grow inside a capture: the merge kernel instead
+        if split_k.available(q.device, num_seqs * num_kv_heads):
+            counters = split_k.counters(q.device, num_seqs * num_kv_heads, "paged_decode_attention")
         else:
-            counters = split_k.counters(q.device, need, "paged_decode_attention")
+            merge = False  # the counters cannot grow inside a capture: the merge kernel instead
     if direct:
         part_out = part_lse = out  # unused by the DIRECT variant
     else:

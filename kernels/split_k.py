@@ -37,6 +37,15 @@ def counters(device: torch.device, size: int, kernel: str) -> torch.Tensor:
     return buffer
 
 
+def available(device: torch.device, size: int) -> bool:
+    """Whether ``counters(device, size, ...)`` can serve now: the buffer holds ``size`` counters
+    already, or may still grow (no CUDA-graph capture is running)."""
+    buffer = COUNTERS.get(device)
+    if buffer is not None and buffer.numel() >= size:
+        return True
+    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
 def split_steps(num_steps: int, wanted: int) -> tuple[int, int]:
     """(splits, steps each) for ``num_steps`` K steps split ``wanted`` ways, fewer splits where
     the last would get no step: every split has at least one."""

@@ -912,13 +912,13 @@ def compile_router_norm_variants(table: Mapping[str, Any], shapes: ModelShapes, 
     for bucket in entries:
         cfg = KernelConfig.coerce(lookup(table, "moe_router", bucket))
         t = int(bucket.lstrip("t"))
-        if not moe_route_kernel.is_fused(cfg) or not moe_route_kernel.fused_supported(t, e, shapes.top_k):
+        if not moe_route_kernel.runs_fused(cfg, t, e, shapes.top_k):
             continue
-        rows = [torch.randn((t, h), device=device, dtype=dtype) for _ in range(2)]
+        hidden, residual = (torch.randn((t, h), device=device, dtype=dtype) for _ in range(2))
         router = torch.randn((e, h), device=device, dtype=dtype)
         bias = torch.zeros((e,), device=device, dtype=dtype) if shapes.moe_router_bias else None
         moe_route_kernel.add_norm_router_route(
-            rows[0], rows[1], torch.ones((h,), device=device, dtype=dtype), 1e-6, router, bias, shapes.top_k,
+            hidden, residual, torch.ones((h,), device=device, dtype=dtype), 1e-6, router, bias, shapes.top_k,
             routing.scoring, routing.renormalize, weights_dtype(routing, dtype), True, cfg,  # type: ignore[arg-type]
         )  # fmt: skip
         launches += 1
