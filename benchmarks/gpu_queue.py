@@ -55,30 +55,45 @@ def steps(out: Path) -> list[Step]:
     bench = Path(__file__).parent
     qwen3_w4 = ["env", "PAGECAST_TUNE_STALL_S=120", PY, "benchmarks/families.py", "--models", "qwen3-30b-a3b",
                 "--phases", "W4", "--tune-budget", "120", "--out"]  # fmt: skip
-    # The baseline: main before the twenty-sixth session's fusions (d0734a9), exported into .baseline/ here
-    # (benchmarks/at_commit.py says how; carry it) and run from there.
-    at_d0734a9 = [PY, "benchmarks/at_commit.py", "--tree", ".baseline"]
+    # The baseline: main before the twenty-seventh session's single-launch expert GEMVs (df39987),
+    # exported into .baseline/ here (benchmarks/at_commit.py says how; carry it) and run from there.
+    at_base = [PY, "benchmarks/at_commit.py", "--tree", ".baseline"]
     return [
+        Step(
+            "one_launch_tests",
+            _pytest("tests/test_fused_moe_gpu.py", "-k", "one_launch", "-vv"),
+            240,
+            "every ONE_LAUNCH config (gate_up, down and the top-k sum in one launch, down waiting on a flag a "
+            "pair) against the fp32 reference at Qwen3-30B-A3B's shape and gpt-oss's with biases, and captured "
+            "in a CUDA graph, before any timing: a wait that never ends shows here, under the test's timeout",
+        ),
+        Step(
+            "moe_decode_space",
+            [PY, str(bench / "tuner_problem.py"), "--model", "qwen3-30b-a3b", "--kernel", "fused_moe", "--buckets",
+             "t1,t2,t4,t8,t16"],
+            240,
+            "every config of the space at Qwen3-30B-A3B's decode buckets, timed as the build does: whether one "
+            "launch beats the two-launch ticket GEMV (33.9 us at t1 on the H100, 74% of the weight bound)",
+        ),
         Step(
             "qwen3_w4",
             [*qwen3_w4, str(out / "new")],
             300,
-            "issue 27's Qwen3-30B-A3B W4 with the decode merge in the attention launch and the post-attention norm in "
-            "the router's (two launches a layer fewer) and the fewer-warp router configs in the space",
+            "issue 27's Qwen3-30B-A3B W4 with the expert GEMVs in one launch where the tuner keeps it",
+        ),
+        Step(
+            "qwen3_w4_base",
+            [*qwen3_w4[:2], *at_base, *qwen3_w4[3:], str(out / "base")],
+            300,
+            "the same W4 built from df39987 (two expert launches) on the same machine: the same-run baseline",
         ),
         Step(
             "qwen3_profile",
             [PY, str(bench / "profile_step.py"), "--artifact", str(out / "new" / "qwen3-30b-a3b-bf16"), "--batch", "1",
              "--context", "128", "--steps", "16", "--top", "40"],
             120,
-            "where that W4 step goes, kernel by kernel: the merge and post-attention norm launches should be gone "
-            "(twenty-fifth session: 12.8 us a MoE GEMV, 7.7 qkv, 7.4 o, 7.1 router, 3.8 + 2.5 attention and merge)",
-        ),
-        Step(
-            "qwen3_w4_base",
-            [*qwen3_w4[:2], *at_d0734a9, *qwen3_w4[3:], str(out / "base")],
-            300,
-            "the same W4 built from d0734a9 (before the fusions) on the same machine: the same-run baseline",
+            "where that W4 step goes, kernel by kernel (twenty-sixth session, H100: 16.3 us a MoE GEMV launch, two a "
+            "layer; 9.7 qkv, 9.1 o, 7.2 router with its norm, 6.5 attention with its merge)",
         ),
         Step(
             "fusion_tests",

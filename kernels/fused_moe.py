@@ -451,6 +451,118 @@ def _moe_gemv_kernel(
     tl.store(c_ptr + row * stride_cm + offs_n, y.to(c_ptr.dtype.element_ty), mask=n_ok)
 
 
+@triton.jit(do_not_specialize=["num_pairs"])
+def _moe_gemv_one_launch_kernel(
+    x_ptr,  # [T, K = H]
+    w_gu_ptr,  # [E, 2I, H]
+    w_d_ptr,  # [E, H, I]
+    b_gu_ptr,  # [E, 2I] or unused
+    b_d_ptr,  # [E, H] or unused
+    inter_ptr,  # [P, I] in x's dtype: the activated gate_up rows, in pair order
+    part_ptr,  # fp32 [P, H]: each pair's weighted down row
+    out_ptr,  # [T, H] in x's dtype
+    ids_ptr,  # topk_ids [P] (int64)
+    weights_ptr,  # fp32 [P] routing weights
+    count_ptr,  # int32, 0 between launches (kernels/split_k.py): [T * cdiv(H, DOWN_BLOCK_N)] top-k tickets, then [P] pair flags
+    num_pairs,
+    H,
+    I,
+    stride_xm,
+    stride_gue,
+    stride_gun,
+    stride_gube,
+    stride_de,
+    stride_dn,
+    stride_dbe,
+    top_k,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,  # gate_up's
+    HAS_DOWN_BIAS: tl.constexpr,
+    ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # gate_up: columns of I a program
+    BLOCK_K: tl.constexpr,
+    DOWN_BLOCK_N: tl.constexpr,  # down: columns of H a program
+    DOWN_K: tl.constexpr,  # next_power_of_2(I): a down program's whole weight tile is loaded at once
+    DOT: tl.constexpr = False,  # gate_up's products through tl.dot (_expert_gemv)
+    DOT_PRECISION: tl.constexpr = "tf32",
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
+):
+    if PDL:
+        gdc_wait()  # before any memory access: the kernel before may still be running
+    # ONE_LAUNCH (the module docstring): programs 0 .. P * gu_blocks - 1 are gate_up's, one per
+    # (pair, column block of I), in pair order; the rest are down's, one per (pair, column block of
+    # H). A down program loads its expert's weight tile first, then waits for its pair's gate_up
+    # programs (a flag each counts up, release), so the down weights stream while gate_up runs.
+    # Programs start in the order of their ids, so every gate_up program has started before any
+    # down program waits: the wait always ends.
+    pid = tl.program_id(0)
+    gu_blocks = tl.cdiv(I, BLOCK_N)
+    down_blocks = tl.cdiv(H, DOWN_BLOCK_N)
+    num_tokens = num_pairs // top_k
+    gu_programs = num_pairs * gu_blocks
+    if pid < gu_programs:
+        pair = pid // gu_blocks
+        offs_n = (pid % gu_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < I
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        gate, up = _expert_gemv(
+            x_ptr + (pair // top_k).to(tl.int64) * stride_xm, w_gu_ptr + expert * stride_gue, offs_n, n_ok, I, H,
+            stride_gun, True, BLOCK_N, BLOCK_K, DOT, DOT_PRECISION,
+        )  # fmt: skip
+        if HAS_BIAS:
+            gate += tl.load(b_gu_ptr + expert * stride_gube + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            up += tl.load(b_gu_ptr + expert * stride_gube + I + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        y = _activate(gate, up, ACTIVATION, ALPHA, LIMIT)
+        tl.store(inter_ptr + pair.to(tl.int64) * I + offs_n, y.to(inter_ptr.dtype.element_ty), mask=n_ok)
+        # every thread's stores before the flag (a CTA barrier), then the flag up with release
+        tl.debug_barrier()
+        tl.atomic_add(count_ptr + num_tokens * down_blocks + pair, 1, sem="release", scope="gpu")
+    else:
+        d = pid - gu_programs
+        d_pair = d // down_blocks
+        pid_n = d % down_blocks
+        cols = pid_n * DOWN_BLOCK_N + tl.arange(0, DOWN_BLOCK_N)
+        cols_ok = cols < H
+        offs_k = tl.arange(0, DOWN_K)
+        k_ok = offs_k < I
+        d_expert = tl.load(ids_ptr + d_pair).to(tl.int64)
+        # the weight tile (and bias, routing weight) in flight before the wait
+        w = tl.load(
+            w_d_ptr + d_expert * stride_de + cols[:, None].to(tl.int64) * stride_dn + offs_k[None, :],
+            mask=cols_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        routing = tl.load(weights_ptr + d_pair)
+        if HAS_DOWN_BIAS:
+            bias = tl.load(b_d_ptr + d_expert * stride_dbe + cols, mask=cols_ok, other=0.0).to(tl.float32)
+        flag = count_ptr + num_tokens * down_blocks + d_pair
+        while tl.atomic_add(flag, 0, sem="acquire", scope="gpu") < gu_blocks:
+            pass
+        # .cg: from L2, where the gate_up programs' rows are
+        a = tl.load(inter_ptr + d_pair.to(tl.int64) * I + offs_k, mask=k_ok, other=0.0, cache_modifier=".cg")
+        acc = tl.sum(w.to(tl.float32) * a.to(tl.float32)[None, :], axis=1)
+        if HAS_DOWN_BIAS:
+            acc += bias
+        acc = acc * routing
+        # The pair's flag: its gate_up programs counted it to gu_blocks, its down programs count on;
+        # the last of them sets it back to 0 for the next launch.
+        if split_k.last_to_arrive(flag, gu_blocks + down_blocks):
+            split_k.reset(flag)
+        # The top-k sum in this launch, as _moe_gemv_kernel's TICKET does (pair order, the same bits).
+        row = d_pair.to(tl.int64)
+        tl.store(part_ptr + row * H + cols, acc, mask=cols_ok)
+        token = (d_pair // top_k).to(tl.int64)
+        counter = count_ptr + token * down_blocks + pid_n
+        if split_k.last_to_arrive(counter, top_k):
+            total = tl.zeros((DOWN_BLOCK_N,), dtype=tl.float32)
+            for j in range(top_k):  # .cg: from L2, where the other pairs' rows are
+                total += tl.load(part_ptr + (token * top_k + j) * H + cols, mask=cols_ok, other=0.0,
+                                 cache_modifier=".cg")  # fmt: skip
+            tl.store(out_ptr + token * H + cols, total.to(out_ptr.dtype.element_ty), mask=cols_ok)
+            split_k.reset(counter)
+
+
 @triton.jit
 def _moe_topk_sum_kernel(
     part_ptr,  # fp32 [T * top_k, N]: each pair's weighted down row (PER_PAIR)
@@ -553,6 +665,24 @@ _DOT_GEMV_TILES = (
     (32, 256, 4, 3),
     (64, 128, 4, 3),
 )
+_ONE_LAUNCH_GEMV_TILES = (
+    # (BLOCK_N, BLOCK_K, num_warps, num_stages, DOT, DOWN_BLOCK_N) of ONE_LAUNCH: gate_up's tile
+    # (through tl.dot or on CUDA cores, as above), and the columns of H a down program holds, all
+    # of I at once (ONE_LAUNCH_MAX_ELEMENTS bounds it)
+    (16, 128, 4, 4, 1, 8),
+    (16, 128, 4, 4, 1, 16),
+    (16, 256, 4, 4, 1, 16),
+    (32, 128, 4, 4, 1, 16),
+    (64, 128, 4, 3, 1, 16),
+    (32, 128, 8, 4, 1, 32),
+    (16, 128, 8, 4, 1, 16),
+    (8, 256, 2, 1, 0, 8),
+    (16, 256, 4, 1, 0, 8),
+    (16, 256, 4, 1, 0, 16),
+)
+# A down program of ONE_LAUNCH holds its DOWN_BLOCK_N x next_power_of_2(I) weight tile in registers:
+# at most this many elements a thread (bf16: half as many 32-bit registers)
+ONE_LAUNCH_MAX_ELEMENTS = 128
 
 _TILES = (
     # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
@@ -624,6 +754,14 @@ CONFIG_SPACE: list[KernelConfig] = (
             num_warps=w, num_stages=st,
         )
         for n, k, w, st in _DOT_GEMV_TILES
+    ]
+    + [
+        KernelConfig(
+            {"gemv": 1, "ONE_LAUNCH": 1, **({"DOT": 1} if dot else {}), "BLOCK_N": n, "BLOCK_K": k,
+             "DOWN_BLOCK_N": dn, "DOWN_PER_PAIR": 1, "TOPK_TICKET": 1},
+            num_warps=w, num_stages=st,
+        )  # fmt: skip
+        for n, k, w, st, dot, dn in _ONE_LAUNCH_GEMV_TILES
     ]
     + [
         KernelConfig({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": g}, num_warps=w, num_stages=s)
@@ -736,6 +874,8 @@ def prune_configs(
                 kept.append(c)
         elif is_gemv(c):
             ticket_ok = num_tokens <= TICKET_MAX_TOKENS or not c.params.get("TOPK_TICKET")
+            if c.params.get("ONE_LAUNCH") and not one_launch_fits(c, intermediate):
+                continue
             if pairs <= GEMV_MAX_PAIRS and max(c["BLOCK_K"], c.params.get("DOWN_BLOCK_K", 0)) <= k_min and ticket_ok:
                 kept.append(c)
         else:
@@ -746,6 +886,13 @@ def prune_configs(
                 continue
             kept.append(c)
     return kept
+
+
+def one_launch_fits(config: KernelConfig, intermediate: int) -> bool:
+    """Whether a ONE_LAUNCH config's down programs can hold their weight tile (DOWN_BLOCK_N rows of
+    all of I, padded to a power of two) in registers: ONE_LAUNCH_MAX_ELEMENTS a thread at most."""
+    elements = config["DOWN_BLOCK_N"] * triton.next_power_of_2(intermediate)
+    return elements <= ONE_LAUNCH_MAX_ELEMENTS * 32 * config.num_warps
 
 
 def default_config(
@@ -959,6 +1106,22 @@ def fused_moe(
         dot_gemv = bool(cfg.params.get("DOT"))
         inter = torch.empty((p, i), dtype=x.dtype, device=x.device)
         out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+        if ticket and cfg.params.get("ONE_LAUNCH"):
+            down_out = torch.empty((p, h), dtype=torch.float32, device=x.device)
+            bn, dbn = cfg["BLOCK_N"], cfg["DOWN_BLOCK_N"]
+            down_blocks = triton.cdiv(h, dbn)
+            counters = split_k.counters(x.device, t * down_blocks + p, "fused_moe")
+            grid = (p * (triton.cdiv(i, bn) + down_blocks),)
+            _moe_gemv_one_launch_kernel[grid](
+                x, w_gate_up, w_down, b_gate_up if b_gate_up is not None else w_gate_up,
+                b_down if b_down is not None else w_down, inter, down_out, out, ids, weights, counters, p, h, i,
+                x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), b_gate_up.stride(0) if b_gate_up is not None else 0,
+                w_down.stride(0), w_down.stride(1), b_down.stride(0) if b_down is not None else 0, top_k,
+                ACTIVATION=act, HAS_BIAS=b_gate_up is not None, HAS_DOWN_BIAS=b_down is not None, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], DOWN_BLOCK_N=dbn,
+                DOWN_K=triton.next_power_of_2(i), DOT=dot_gemv, DOT_PRECISION=dot, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages, **common, **pdl.launch_options(),
+            )  # fmt: skip
+            return out
         down_out = torch.empty((p, h), dtype=torch.float32, device=x.device) if per_pair else out
         down_rows = p if per_pair else t
         counters = split_k.counters(x.device, t * triton.cdiv(h, tiles[1][0]), "fused_moe") if ticket else out

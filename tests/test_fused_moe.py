@@ -520,6 +520,64 @@ def test_gemv_down_ticket_and_down_tiles_give_the_serial_launchs_bits(monkeypatc
     assert torch.equal(big, fused_moe.fused_moe(x, weights, ids, w_gu, w_d, b_gu, b_d, config=GEMV))
 
 
+ONE_LAUNCH = {**GEMV_PER_PAIR, "TOPK_TICKET": 1, "ONE_LAUNCH": 1, "BLOCK_N": 16, "BLOCK_K": 32, "DOWN_BLOCK_N": 16}
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "tokens,top_k,activation,bias,extra",
+    [
+        (1, 8, "silu", False, {}),
+        (5, 2, "silu", False, {"DOT": 1, "BLOCK_K": 16, "num_stages": 3, "DOWN_BLOCK_N": 32}),
+        (3, 4, "swiglu_oai", True, {}),
+        (16, 1, "silu", True, {"DOWN_BLOCK_N": 8}),
+    ],
+)
+def test_one_launch_gives_the_reference_in_a_single_launch(monkeypatch, dtype, tokens, top_k, activation, bias, extra):
+    """ONE_LAUNCH runs gate_up and down (and the top-k sum) as one launch, each down program
+    waiting on its pair's flag: the reference's result within rounding (its down products add
+    up in another order), the ticket launches' result within the same, one launch and no other,
+    and the shared counters (tickets and pair flags) back at 0 for the next launch."""
+    from pagecast.kernels import split_k
+
+    x, weights, ids, w_gu, w_d, b_gu, b_d = moe_inputs(tokens, 8, top_k, 64, 40, dtype, bias, seed=7)
+    expected = reference.fused_moe(x, weights, ids, w_gu, w_d, b_gu, b_d, activation)
+    ticket = fused_moe.fused_moe(
+        x, weights, ids, w_gu, w_d, b_gu, b_d, activation, config={**GEMV_PER_PAIR, "TOPK_TICKET": 1}
+    )
+    launched = []
+    for name in ("_moe_gemv_kernel", "_moe_topk_sum_kernel", "_moe_gemv_one_launch_kernel"):
+        kernel = getattr(fused_moe, name)
+
+        class Count:
+            def __getitem__(self, grid, name=name, kernel=kernel):
+                launched.append(name)
+                return kernel[grid]
+
+        monkeypatch.setattr(fused_moe, name, Count())
+    cfg = {**ONE_LAUNCH, **extra}
+    out = fused_moe.fused_moe(x, weights, ids, w_gu, w_d, b_gu, b_d, activation, config=cfg)
+    assert launched == ["_moe_gemv_one_launch_kernel"]
+    torch.testing.assert_close(out, expected, atol=TOL[dtype][0], rtol=TOL[dtype][1])
+    torch.testing.assert_close(out, ticket, atol=TOL[dtype][0], rtol=TOL[dtype][1])
+    assert int(split_k.counters(x.device, 1, "test").abs().sum()) == 0
+
+
+def test_one_launch_configs_only_where_a_down_tile_fits_in_registers():
+    """A ONE_LAUNCH down program holds DOWN_BLOCK_N rows of all of I: Qwen3-30B-A3B's 768 fits
+    every ONE_LAUNCH config of the space at one to 16 tokens, Mixtral's 14,336 none."""
+    def one_launch(tokens, hidden, intermediate, top_k, experts):
+        cfgs = fused_moe.prune_configs(fused_moe.CONFIG_SPACE, tokens, top_k, experts, hidden, intermediate, tma=False)
+        return [c for c in cfgs if c.params.get("ONE_LAUNCH")]
+
+    every = [c for c in fused_moe.CONFIG_SPACE if c.params.get("ONE_LAUNCH")]
+    assert one_launch(1, 2048, 768, 8, 128) == every
+    assert one_launch(16, 2048, 768, 8, 128) == every
+    assert one_launch(1, 4096, 14336, 2, 8) == []
+    assert one_launch(fused_moe.TICKET_MAX_TOKENS + 1, 2048, 768, 8, 128) == []
+
+
 def test_ticket_configs_are_pruned_past_their_token_limit():
     def tickets(tokens):
         cfgs = fused_moe.prune_configs(fused_moe.CONFIG_SPACE, tokens, 8, 128, 2048, 768, tma=False)

@@ -175,3 +175,57 @@ def test_fused_moe_kernels_compile_for_sm90_and_fit_shared_memory() -> None:
         if is_timed:
             assert r["shared"] <= fused_moe.SHARED_MEMORY_LIMIT, (cfg.as_dict(), r["shared"])
         assert fused_moe.shared_memory(cfg, 2) >= r["shared"], (cfg.as_dict(), r["shared"])
+
+
+ONE_LAUNCH_CHILD = textwrap.dedent(
+    r"""
+    import json, re, sys
+    import torch
+    from triton.runtime.jit import JITFunction
+    sys.path.insert(0, sys.argv[1])
+    from decode_ptx import compile_kernel  # the launch's own specialisation, for sm_90
+    from pagecast.kernels import fused_moe
+
+    launches = []
+    def run(self, *args, grid, warmup, **kwargs):
+        launches.append((self, args, kwargs))
+    JITFunction.run = run
+
+    bf16 = torch.bfloat16
+    e, k, h, i = 128, 8, 2048, 768  # Qwen3-30B-A3B's experts
+    w_gu, w_d = torch.randn(e, 2 * i, h, dtype=bf16), torch.randn(e, h, i, dtype=bf16)
+    configs = [c for c in fused_moe.CONFIG_SPACE if c.params.get("ONE_LAUNCH")]
+    for cfg in configs:
+        for t in (1, 16):
+            weights, ids = torch.topk(torch.randn(t, e).softmax(-1), k)
+            fused_moe.fused_moe(torch.randn(t, h, dtype=bf16), weights, ids, w_gu, w_d, config=cfg)
+    load = re.compile(r"^\s*(@%p\d+\s+)?ld\.global")
+    for (fn, args, kwargs), t in zip(launches, [1, 16] * len(configs)):
+        warps, stages = kwargs.pop("num_warps"), kwargs.pop("num_stages")
+        compiled = compile_kernel(fn, list(args), kwargs, warps, stages)
+        lines = compiled.asm["ptx"].splitlines()
+        wait = next(n for n, line in enumerate(lines) if "ld.global.gpu.acquire" in line)
+        late = [line.strip() for line in lines[wait + 1 :] if load.match(line) and ".cg" not in line]
+        print(json.dumps({"kernel": fn.__name__, "tokens": t, "config": kwargs.get("DOWN_BLOCK_N"),
+                          "cubin": "cubin" in compiled.asm, "late_loads": late}))
+    """
+)
+
+
+def test_one_launch_configs_compile_for_sm90_with_the_down_weights_read_before_the_wait() -> None:
+    """Every ONE_LAUNCH config compiles for sm_90 as fused_moe launches it at Qwen3-30B-A3B's expert
+    shape (1 and 16 tokens: the pair count is not specialised, so both are one kernel), and in the
+    PTX every global load after the down programs' wait on their pair's flag (an acquire load) reads
+    from L2 (``.cg``: the intermediate row and the pairs' partial rows): the down weight tile is in
+    flight before the wait, which is what the single launch is for."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    proc = subprocess.run(
+        [sys.executable, "-c", ONE_LAUNCH_CHILD, bench], env=env, capture_output=True, text=True, timeout=900, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 2 * sum(1 for c in fused_moe.CONFIG_SPACE if c.params.get("ONE_LAUNCH"))
+    for row in rows:
+        assert row["kernel"] == "_moe_gemv_one_launch_kernel" and row["cubin"], row
+        assert row["late_loads"] == [], row

@@ -115,12 +115,14 @@ TMA_TILE = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "TMA": 1
 
 TICKET_GEMV = {"gemv": 1, "BLOCK_N": 8, "BLOCK_K": 128, "DOWN_PER_PAIR": 1, "TOPK_TICKET": 1, "DOWN_BLOCK_N": 32,
                "DOWN_BLOCK_K": 128, "DOWN_WARPS": 4, "num_warps": 2, "num_stages": 1}  # fmt: skip
+ONE_LAUNCH_GEMV = {"gemv": 1, "ONE_LAUNCH": 1, "DOT": 1, "BLOCK_N": 16, "BLOCK_K": 128, "DOWN_BLOCK_N": 16,
+                   "DOWN_PER_PAIR": 1, "TOPK_TICKET": 1, "num_warps": 4, "num_stages": 4}  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "tokens,config",
-    [(1, None), (4, TICKET_GEMV), (64, None), (64, TMA_TILE), (64, {"grouped": 1})],
-    ids=["gemv", "gemv-ticket", "tile", "tma-tile", "grouped"],
+    [(1, None), (4, TICKET_GEMV), (4, ONE_LAUNCH_GEMV), (64, None), (64, TMA_TILE), (64, {"grouped": 1})],
+    ids=["gemv", "gemv-ticket", "gemv-one-launch", "tile", "tma-tile", "grouped"],
 )
 def test_captured_in_a_cuda_graph(tokens, config):
     """The GEMV path (1 token; 4 with the top-k sum in the down launch, whose shared counters must
@@ -146,6 +148,34 @@ def test_captured_in_a_cuda_graph(tokens, config):
     torch.cuda.synchronize()
     eager = fused_moe.fused_moe(x, weights, ids, w_gu, w_d, config=config)
     torch.testing.assert_close(out, eager, atol=0, rtol=0)
+
+
+ONE_LAUNCH_SHAPES = [
+    # (tokens, experts, top-k, hidden, intermediate, activation, bias)
+    pytest.param(1, 128, 8, 2048, 768, "silu", False, id="qwen3-30b-t1"),
+    pytest.param(3, 128, 8, 2048, 768, "silu", False, id="qwen3-30b-t3"),
+    pytest.param(16, 128, 8, 2048, 768, "silu", False, id="qwen3-30b-t16"),
+    pytest.param(5, 32, 4, 256, 192, "swiglu_oai", True, id="gptoss-bias-t5"),
+]
+
+
+@pytest.mark.parametrize("t,e,k,h,i,activation,bias", ONE_LAUNCH_SHAPES)
+def test_one_launch_configs_match_the_reference_bf16(t, e, k, h, i, activation, bias):
+    """Every ONE_LAUNCH config (gate_up and down in one launch, each down program waiting on its
+    pair's flag) against the fp32 reference in bf16, launched three times over on new routing
+    each time (the flags and tickets must be back at 0, or a launch waits on nothing or for ever)."""
+    from pagecast.kernels import split_k
+
+    configs = [c for c in fused_moe.CONFIG_SPACE if c.params.get("ONE_LAUNCH") and fused_moe.one_launch_fits(c, i)]
+    assert configs
+    for seed in range(3):
+        x, weights, ids, w_gu, w_d, b_gu, b_d = moe_inputs(t, e, k, h, i, bias, seed=seed)
+        expected = fp32_reference(x, weights, ids, w_gu, w_d, b_gu, b_d, activation)
+        for cfg in configs:
+            out = fused_moe.fused_moe(x, weights, ids, w_gu, w_d, b_gu, b_d, activation, config=cfg)
+            assert rel_err(out, expected) < 1e-2, (seed, cfg.as_dict())
+    torch.cuda.synchronize()
+    assert int(split_k.counters(x.device, 1, "test").abs().sum()) == 0
 
 
 def test_op_uses_the_tuning_table_and_matches_transformers():

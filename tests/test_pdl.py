@@ -77,6 +77,10 @@ CHILD = textwrap.dedent(
                         torch.randn(experts, 2 * inter, hidden, dtype=bf16), torch.randn(experts, hidden, inter, dtype=bf16),
                         config=KernelConfig({"gemv": 1, "DOT": 1, "BLOCK_N": 32, "BLOCK_K": 128, "DOWN_PER_PAIR": 1,
                                              "TOPK_TICKET": 1}, num_warps=4, num_stages=3))
+    fused_moe.fused_moe(torch.randn(2, hidden, dtype=bf16), weights, ids,
+                        torch.randn(experts, 2 * inter, hidden, dtype=bf16), torch.randn(experts, hidden, inter, dtype=bf16),
+                        config=KernelConfig({"gemv": 1, "ONE_LAUNCH": 1, "DOT": 1, "BLOCK_N": 16, "BLOCK_K": 128,
+                                             "DOWN_BLOCK_N": 16, "DOWN_PER_PAIR": 1, "TOPK_TICKET": 1}, num_warps=4, num_stages=4))
 
     memory = re.compile(r"^\s*(@%p\d+\s+)?(ld\.global|st\.global|atom\.|red\.|cp\.async\.|ldmatrix|cp\.reduce|ld\.volatile\.global)")
     for fn, args, kwargs in launches:
@@ -106,6 +110,7 @@ KERNELS = {
     "_moe_gemv_kernel": 6,  # gate_up and down, three times: then the top k summed in the down launch
     #                         (TOPK_TICKET), then also through tl.dot (DOT)
     "_moe_topk_sum_kernel": 1,
+    "_moe_gemv_one_launch_kernel": 1,  # gate_up, down and the top-k sum in one launch (ONE_LAUNCH)
 }
 
 
