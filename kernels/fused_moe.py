@@ -37,7 +37,16 @@ bound), in two launches. With ``DOWN_PER_PAIR`` the down launch runs a program p
 block) writing fp32 rows and ``_moe_topk_sum_kernel`` adds a token's rows up; with
 ``TOPK_TICKET`` as well (up to TICKET_MAX_TOKENS tokens) the last of a token's pairs to finish a
 column block adds them up in that launch (a ticket on a kernels/split_k.py counter; pair order, so
-the same bits), one launch fewer a layer. ``DOWN_BLOCK_N``, ``DOWN_BLOCK_K`` and ``DOWN_WARPS``
+the same bits), one launch fewer a layer. With ``ONE_LAUNCH`` as well (``_moe_gemv_one_launch_kernel``)
+gate_up, down and the top-k sum are one launch: its first programs are gate_up's, each counting
+its pair's flag up (release) once its intermediate columns are stored; each down program (a pair
+and DOWN_BLOCK_N columns of H) loads its expert's whole [DOWN_BLOCK_N, I] weight tile into
+registers, then waits for the flag to reach the pair's gate_up program count (acquire), reads the
+pair's intermediate row from L2 and finishes as TOPK_TICKET does. So the down weights stream
+while gate_up runs, and the gap between two launches and the down launch's ramp go. Programs
+start in id order, so every gate_up program has started before any down program waits. Only
+where a down tile fits in registers (``one_launch_fits``), and timed by the build only with
+PAGECAST_MOE_ONE_LAUNCH=1 until it has run on a GPU (``config_space``). ``DOWN_BLOCK_N``, ``DOWN_BLOCK_K`` and ``DOWN_WARPS``
 give the down launch a tile of its own (else gate_up's): its reduction is I, not H. With ``DOT``
 the products run through tl.dot, the row padded to a 16-row tile whose other rows are masked
 (never read): loads that feed a dot are the ones Triton pipelines (num_stages), so the weight
@@ -59,6 +68,7 @@ never captured in a CUDA graph (kernels/problems.py).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 import torch
@@ -756,14 +766,6 @@ CONFIG_SPACE: list[KernelConfig] = (
         for n, k, w, st in _DOT_GEMV_TILES
     ]
     + [
-        KernelConfig(
-            {"gemv": 1, "ONE_LAUNCH": 1, **({"DOT": 1} if dot else {}), "BLOCK_N": n, "BLOCK_K": k,
-             "DOWN_BLOCK_N": dn, "DOWN_PER_PAIR": 1, "TOPK_TICKET": 1},
-            num_warps=w, num_stages=st,
-        )  # fmt: skip
-        for n, k, w, st, dot, dn in _ONE_LAUNCH_GEMV_TILES
-    ]
-    + [
         KernelConfig({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": g}, num_warps=w, num_stages=s)
         for m, n, k, g, w, s in _TILES
     ]
@@ -785,6 +787,24 @@ CONFIG_SPACE: list[KernelConfig] = (
     ]
     + [GROUPED]
 )
+
+# ONE_LAUNCH configs: timed by the build only with PAGECAST_MOE_ONE_LAUNCH=1 (config_space) until
+# they have run on a GPU (their down programs wait on flags other programs of the launch set)
+ONE_LAUNCH_SPACE: list[KernelConfig] = [
+    KernelConfig(
+        {"gemv": 1, "ONE_LAUNCH": 1, **({"DOT": 1} if dot else {}), "BLOCK_N": n, "BLOCK_K": k,
+         "DOWN_BLOCK_N": dn, "DOWN_PER_PAIR": 1, "TOPK_TICKET": 1},
+        num_warps=w, num_stages=st,
+    )  # fmt: skip
+    for n, k, w, st, dot, dn in _ONE_LAUNCH_GEMV_TILES
+]
+
+
+def config_space() -> list[KernelConfig]:
+    """The build tuner's space: CONFIG_SPACE, and ONE_LAUNCH_SPACE where the environment sets
+    PAGECAST_MOE_ONE_LAUNCH=1 (read at each call, so a build process can set it)."""
+    return CONFIG_SPACE + (ONE_LAUNCH_SPACE if os.environ.get("PAGECAST_MOE_ONE_LAUNCH") == "1" else [])
+
 
 GEMV_MAX_PAIRS = 128  # more pairs re-read shared experts' weights once a pair (from L2 at best)
 SHARED_MEMORY_LIMIT = 232448  # sm_90 (H100/H200): bytes of shared memory one program may use

@@ -262,7 +262,7 @@ def config_space(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> list
         return skinny_gemm.prune_configs(skinny_gemm.CONFIG_SPACE, dims["n"], dims["k"])
     if kernel == "fused_moe":
         return fused_moe.prune_configs(
-            fused_moe.CONFIG_SPACE, dims["num_tokens"], shapes.top_k, shapes.num_experts, shapes.hidden,
+            fused_moe.config_space(), dims["num_tokens"], shapes.top_k, shapes.num_experts, shapes.hidden,
             shapes.moe_intermediate, elt=_elt(shapes), allow_naive=dims["num_tokens"] > shapes.max_num_seqs,
             grouped=fused_moe.grouped_supported(shapes.torch_dtype),
         )  # fmt: skip

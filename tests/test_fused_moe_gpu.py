@@ -166,7 +166,7 @@ def test_one_launch_configs_match_the_reference_bf16(t, e, k, h, i, activation, 
     each time (the flags and tickets must be back at 0, or a launch waits on nothing or for ever)."""
     from pagecast.kernels import split_k
 
-    configs = [c for c in fused_moe.CONFIG_SPACE if c.params.get("ONE_LAUNCH") and fused_moe.one_launch_fits(c, i)]
+    configs = [c for c in fused_moe.ONE_LAUNCH_SPACE if fused_moe.one_launch_fits(c, i)]
     assert configs
     for seed in range(3):
         x, weights, ids, w_gu, w_d, b_gu, b_d = moe_inputs(t, e, k, h, i, bias, seed=seed)
