@@ -243,6 +243,7 @@ def _tune_main(shapes_json: str, budget_s: str, first: str = "", pinned: str = "
     _progress("compiling the tuned kernels' other variants, measuring copy bandwidth, compiling the untuned kernels")
     tuning.compile_window_variants(table, shapes, "cuda")
     tuning.compile_norm_variants(table, shapes, "cuda")
+    tuning.compile_fp8_input_variants(table, shapes, "cuda")
     if shapes.num_experts:
         tuning.compile_router_norm_variants(table, shapes, "cuda")
     copy_gbs = tuning.measure_copy_bandwidth("cuda")

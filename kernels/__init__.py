@@ -16,5 +16,7 @@
 # projection, removed since: no faster end to end). ABI-5 model code still calls them; they do nothing.
 # 6: ops.add_norm_moe is new (a MoE layer's residual add and post-attention norm, inside the fused
 # router's launch where the table fuses the router).
-KERNEL_ABI = 6
+# 7: ops.norm_linear is new (a layer's norm and the projection it feeds, the FP8 projections' input
+# quantised in the norm's launch).
+KERNEL_ABI = 7
 KERNEL_ABI_OLDEST = 1

@@ -669,3 +669,43 @@ def fp8_linear(x: torch.Tensor, w: Any, bias: torch.Tensor | None, config: Mappi
         cfg = _default_tile(m, w.weight.shape[0], k)  # no rows, or a table entry of a smaller bucket
     qx, sx = quantize_activations(x, w.activations, w.input_scale)
     return fp8_gemm(qx, sx, w.weight, w.weight_scale, bias, x.dtype, cfg)
+
+
+def fp8_gemm_quantised(
+    qx: torch.Tensor, x_scale: torch.Tensor, w: Any, bias: torch.Tensor | None, out_dtype: torch.dtype,
+    config: Mapping[str, int] | KernelConfig | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """``fp8_linear``'s GEMM for an input quantised already (qx e4m3 [M, K] and its scales in the
+    weight's activation scheme): the table's config, a tile where it names SKINNY (which quantises
+    an unquantised input itself; ``quantises_apart`` says where that runs)."""
+    m, k = qx.shape
+    block = w.weight_scale.dim() == 2
+    cfg = KernelConfig.coerce(config) or default_config(m, w.weight.shape[0], k, block, out_dtype)
+    if is_skinny(cfg):
+        cfg = _default_tile(m, w.weight.shape[0], k)
+    return fp8_gemm(qx, x_scale, w.weight, w.weight_scale, bias, out_dtype, cfg)
+
+
+def quantises_apart(m: int, k: int, w: Any, dtype: torch.dtype, config: Mapping[str, int] | KernelConfig | None) -> bool:
+    """Whether ``fp8_linear`` of an [m, k] input in ``dtype`` quantises it in a launch of its own
+    (a tile or torch._scaled_mm config, or rows past a SKINNY config's), not inside the GEMM."""
+    block = w.weight_scale.dim() == 2
+    cfg = KernelConfig.coerce(config) or default_config(m, w.weight.shape[0], k, block, dtype)
+    return not (is_skinny(cfg) and 0 < m <= SKINNY_MAX_ROWS)
+
+
+def fp8_act_and_mul_linear(
+    x: torch.Tensor, w: Any, bias: torch.Tensor | None, activation: str,
+    config: Mapping[str, int] | KernelConfig | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """The down projection of a gated MLP where ``quantises_apart`` holds: act(gate) * up of x
+    [M, 2 * d] (gate, up) @ W.T (+ bias) for an ``Fp8LinearWeight``, the value of
+    ``fp8_linear(act_and_mul(x), ...)``, with the activation and the quantisation in one launch
+    (``activation.act_and_mul_fp8``): the [M, d] intermediate in x's dtype is never written."""
+    from pagecast.kernels import activation as act_kernels
+
+    m, d = x.shape[0], x.shape[1] // 2
+    if not quantises_apart(m, d, w, x.dtype, config):
+        raise ValueError(f"fp8_act_and_mul_linear: {m} rows run the SKINNY kernel, which quantises its input itself")
+    qx, sx = act_kernels.act_and_mul_fp8(x, activation, w.activations, w.input_scale)
+    return fp8_gemm_quantised(qx, sx, w, bias, x.dtype, config)

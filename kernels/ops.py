@@ -11,6 +11,7 @@ runtime does not need it.
 from __future__ import annotations
 
 import functools
+import os
 from types import SimpleNamespace
 from typing import Any
 
@@ -125,6 +126,10 @@ def _kernels() -> SimpleNamespace:
     return SimpleNamespace(
         skinny_gemm=skinny_gemm.skinny_gemm,
         fp8_linear=fp8_gemm.fp8_linear,
+        fp8_quantises_apart=fp8_gemm.quantises_apart,
+        fp8_gemm_quantised=fp8_gemm.fp8_gemm_quantised,
+        rms_norm_fp8=rms_norm.rms_norm_fp8,
+        fp8_act_and_mul_linear=fp8_gemm.fp8_act_and_mul_linear,
         w4a16_gemm=w4a16_gemm.w4a16_gemm,
         w4a16_silu_and_mul_gemm=w4a16_gemm.w4a16_silu_and_mul_gemm,
         fuses_silu_and_mul=w4a16_tcgemv.fuses_silu_and_mul,
@@ -190,6 +195,35 @@ def fused_add_rms_norm(
         return reference.fused_add_rms_norm(x, residual, weight, eps)
     cfg = _config("fused_add_rms_norm", token_bucket(x.shape[0]))
     return _kernels().fused_add_rms_norm(x, residual, weight, eps, cfg)  # type: ignore[no-any-return]
+
+
+def norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor | Int4LinearWeight | Fp8LinearWeight,
+    bias: torch.Tensor | None,
+    projection: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's norm and the column-parallel projection it feeds (qkv, gate_up): x joins the
+    residual stream (``residual`` None: x is the stream), is RMS-normalised and projected. Returns
+    (the projection's output, the stream). An FP8 projection that would quantise its input in a
+    launch of its own (fp8_gemm.quantises_apart) gets it quantised by the norm's launch
+    (rms_norm.rms_norm_fp8: the same bits, no [rows, hidden] normalised rows in memory)."""
+    if FUSE_ACT_QUANT_FP8 and isinstance(weight, Fp8LinearWeight) and _triton(x):
+        cfg = _config("fp8_gemm", fp8_bucket(projection, x.shape[0]))
+        kernels = _kernels()
+        if kernels.fp8_quantises_apart(x.shape[0], x.shape[1], weight, x.dtype, cfg):
+            bucket = token_bucket(x.shape[0])
+            norm_cfg = _config("rms_norm" if residual is None else "fused_add_rms_norm", bucket)
+            qx, sx, stream = kernels.rms_norm_fp8(x, residual, norm_weight, eps, weight.activations, weight.input_scale, norm_cfg)
+            return kernels.fp8_gemm_quantised(qx, sx, weight, bias, x.dtype, cfg), stream
+    if residual is None:
+        normed, stream = rms_norm(x, norm_weight, eps), x
+    else:
+        normed, stream = fused_add_rms_norm(x, residual, norm_weight, eps)
+    return linear(normed, weight, bias, projection), stream
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -419,6 +453,14 @@ def row_parallel_linear(
 # AWQ-G128 Llama-3-8B W4: 2.676 ms against 2.724 without (same artifact and run, eleventh session).
 FUSE_SILU_DOWN = True
 
+# The per-token (or group, or static) quantisation of an FP8 projection's input inside the launch
+# that makes the input, where the projection would quantise in a launch of its own (more than 16
+# rows, or a tile config): the gated activation before down (fp8_gemm.fp8_act_and_mul_linear) and
+# the norm before qkv and gate_up (norm_linear); the same bits as the two launches
+# (tests/test_fp8_kernels.py). Not yet timed on a GPU: PAGECAST_FUSE_ACT_QUANT_FP8=0
+# in a serving process turns it off, for the same-artifact comparison (benchmarks/gpu_queue.py).
+FUSE_ACT_QUANT_FP8 = os.environ.get("PAGECAST_FUSE_ACT_QUANT_FP8", "1") != "0"
+
 
 def _linear_of(
     x: torch.Tensor,
@@ -430,6 +472,11 @@ def _linear_of(
 ) -> torch.Tensor:
     if not silu_and_mul_first:
         return linear(x, weight, bias, projection)
+    if FUSE_ACT_QUANT_FP8 and isinstance(weight, Fp8LinearWeight) and activation in ("silu", "gelu_tanh") and _triton(x):
+        # the activation and the FP8 quantisation of down's input in one launch (fp8_gemm.fp8_act_and_mul_linear)
+        cfg = _config("fp8_gemm", fp8_bucket(projection, x.shape[0]))
+        if _kernels().fp8_quantises_apart(x.shape[0], x.shape[1] // 2, weight, x.dtype, cfg):
+            return _kernels().fp8_act_and_mul_linear(x, weight, bias, activation, cfg)  # type: ignore[no-any-return]
     if activation != "silu":
         return linear(act_and_mul(x, activation), weight, bias, projection)
     if FUSE_SILU_DOWN and isinstance(weight, Int4LinearWeight) and _triton(x):

@@ -198,7 +198,8 @@ def problem_size(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> tupl
     if kernel == "fp8_gemm":  # fp8 weight and its fp32 scales once; the rows in (half), quantised, out
         m, n, k = dims["num_rows"], dims["n"], dims["k"]
         scales = n * 4 * (-(-k // fp8_gemm.GROUP) if shapes.fp8.startswith("block") else 1)
-        return n * k + scales + (m * k + m * n) * e, 2 * m * n * k
+        rows_in = 2 * k if _fp8_gated_down(shapes, dims) else k  # down: gate_up's rows, activated in the launch
+        return n * k + scales + (m * rows_in + m * n) * e, 2 * m * n * k
     if kernel == "w4a16_gemm":  # packed weight, fp16 scales, int8 zeros once; the rows in and out
         m, n, k = dims["num_rows"], dims["n"], dims["k"]
         groups = k // _group_size(shapes, k)
@@ -340,6 +341,12 @@ def default_config(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> Ke
 
 def _fp8_block(shapes: ModelShapes) -> bool:
     return shapes.fp8.startswith("block")
+
+
+def _fp8_gated_down(shapes: ModelShapes, dims: dict[str, int]) -> bool:
+    """Whether this fp8_gemm bucket is the down projection, whose input serving activates on the way
+    in (ops' silu_and_mul_first: fp8_gemm.fp8_act_and_mul_linear where the input is quantised apart)."""
+    return dims["projection"] == PROJECTIONS.index("down") and shapes.activation in ("silu", "gelu_tanh")
 
 
 def _group_size(shapes: ModelShapes, k: int) -> int:
@@ -916,7 +923,8 @@ def _fp8_problem(
 ) -> Problem:  # fmt: skip
     """Random FP8 weights of one projection in the artifact layout (several, so each launch reads
     its weight from memory), launched as serving launches them: the activation quantisation, then
-    the GEMM (or torch._scaled_mm, the {"scaled_mm": 1} config). The reference, timed for the
+    the GEMM (or torch._scaled_mm, the {"scaled_mm": 1} config); down with its input activated on
+    the way in (``_fp8_gated_down``). The reference, timed for the
     report, is torch._scaled_mm with rowwise scales where it runs (bf16, per-channel weights), else
     the half-type F.linear of the same shape."""
     from pagecast.kernels.quant_linear import Fp8LinearWeight
@@ -932,26 +940,43 @@ def _fp8_problem(
         q, s = reference.quantize_fp8_groups(w) if block else reference.quantize_fp8_rows(w)
         inp = torch.tensor([0.05], device=device) if activations == "static" else None
         weights.append(Fp8LinearWeight(q, s, inp, activations))
-    rows = torch.randn((m, k), generator=dg, device=device, dtype=dtype)
     bias = _bias(shapes, dims, n, device, dg)
+    if _fp8_gated_down(shapes, dims):
+        # down as ops runs it: gate_up's rows activated on the way in, with the quantisation in one
+        # launch where the config quantises apart, else the activation's launch, then the projection
+        from pagecast.kernels import activation as act_kernels
+
+        rows = torch.randn((m, 2 * k), generator=dg, device=device, dtype=dtype)
+        act = act_kernels.silu_and_mul if shapes.activation == "silu" else act_kernels.gelu_tanh_and_mul
+
+        def linear(x: torch.Tensor, w: Fp8LinearWeight, cfg: KernelConfig | None) -> object:
+            if fp8_gemm.quantises_apart(x.shape[0], k, w, dtype, cfg):
+                return fp8_gemm.fp8_act_and_mul_linear(x, w, bias, shapes.activation, cfg)
+            return fp8_gemm.fp8_linear(act(x), w, bias, cfg)
+
+    else:
+        rows = torch.randn((m, k), generator=dg, device=device, dtype=dtype)
+
+        def linear(x: torch.Tensor, w: Fp8LinearWeight, cfg: KernelConfig | None) -> object:
+            return fp8_gemm.fp8_linear(x, w, bias, cfg)
 
     def gemm(cfg: KernelConfig | None, i: int) -> object:
-        return fp8_gemm.fp8_linear(rows, weights[i % num_sets], bias, cfg)
+        return linear(rows, weights[i % num_sets], cfg)
 
     def fewer(cfg: KernelConfig | None) -> object:
-        return fp8_gemm.fp8_linear(rows[: m - 1], weights[0], bias, cfg)
+        return linear(rows[: m - 1], weights[0], cfg)
 
     if fp8_gemm.scaled_mm_supported(m, n, k, block, dtype):
 
         def reference_gemm(cfg: KernelConfig | None, i: int) -> object:
-            return fp8_gemm.fp8_linear(rows, weights[i % num_sets], bias, fp8_gemm.SCALED_MM)
+            return linear(rows, weights[i % num_sets], fp8_gemm.SCALED_MM)
 
     else:
         dense_sets = max(1, min(MAX_LAUNCHES, math.ceil(COLD_BYTES / (n * k * _elt(shapes)))))
         dense = [torch.randn((n, k), generator=dg, device=device, dtype=dtype) for _ in range(dense_sets)]
 
         def reference_gemm(cfg: KernelConfig | None, i: int) -> object:
-            return torch.nn.functional.linear(rows, dense[i % dense_sets], bias)
+            return torch.nn.functional.linear(rows[:, :k], dense[i % dense_sets], bias)
 
     return Problem(
         "fp8_gemm", bucket, gemm, num_sets, nbytes, flops, reference=reference_gemm, variants=_fewer_rows(m, fewer)

@@ -894,6 +894,32 @@ def compile_norm_variants(table: Mapping[str, Any], shapes: ModelShapes, device:
     return launches
 
 
+def compile_fp8_input_variants(table: Mapping[str, Any], shapes: ModelShapes, device: torch.device | str) -> int:
+    """For an FP8 build (``shapes.fp8``): launch the kernels that quantise an FP8 projection's input
+    in the launch that makes it, where ops runs them (more than 16 rows: ops.norm_linear,
+    fp8_gemm.fp8_act_and_mul_linear) - the norm with every config serving can pick for rms_norm
+    (layer 0) and fused_add_rms_norm (the rest), and the gated activation - once each, so that
+    they are in TRITON_CACHE_DIR whatever the tuning budget reached. Returns the launches."""
+    from pagecast.kernels import activation, rms_norm
+
+    if not shapes.fp8:
+        return 0
+    activations = shapes.fp8.partition("-")[2]
+    dtype, h, launches = shapes.torch_dtype, shapes.hidden, 0
+    x, residual = (torch.randn((32, h), device=device, dtype=dtype) for _ in range(2))
+    weight = torch.ones((h,), device=device, dtype=dtype)
+    scale = torch.ones((1,), device=device)
+    for kernel, res in (("rms_norm", None), ("fused_add_rms_norm", residual)):
+        for cfg in _servable_configs(table, kernel, [rms_norm.default_config(h)]):
+            rms_norm.rms_norm_fp8(x, res, weight, 1e-6, activations, scale, cfg)
+            launches += 1
+    if shapes.activation in ("silu", "gelu_tanh"):
+        gate_up = torch.randn((32, 2 * shapes.intermediate), device=device, dtype=dtype)
+        activation.act_and_mul_fp8(gate_up, shapes.activation, activations, scale)
+        launches += 1
+    return launches
+
+
 def compile_router_norm_variants(table: Mapping[str, Any], shapes: ModelShapes, device: torch.device | str) -> int:
     """Launch the fused router with the residual add and RMSNorm inside (NORM, what
     ops.add_norm_moe runs where the table fuses the router) at each "moe_router" bucket whose

@@ -386,12 +386,16 @@ CHILD = textwrap.dedent(
     from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from pagecast.kernels import fp8_gemm
+    import triton.language as tl
+    from pagecast.kernels import activation, fp8_gemm, rms_norm
 
     for job in sys.argv[1:]:
         name, sig, consts, divisible, options = json.loads(job)
+        if "OUT_DTYPE" in consts:
+            consts["OUT_DTYPE"] = getattr(tl, consts["OUT_DTYPE"])
         fn = {"gemm": fp8_gemm._fp8_gemm_kernel, "quant": fp8_gemm._quant_act_kernel,
-              "skinny": fp8_gemm._fp8_skinny_kernel}[name]
+              "skinny": fp8_gemm._fp8_skinny_kernel, "act_quant": activation._act_and_mul_fp8_kernel,
+              "norm_quant": rms_norm._rms_norm_fp8_kernel}[name]
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible}
         src = ASTSource(fn, signature=dict(sig, **{k: "constexpr" for k in consts}), constexprs=consts, attrs=attrs)
         c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
@@ -498,6 +502,36 @@ def test_fused_decode_kernel_compiles_for_sm90_in_every_config_without_spilling(
             assert any(i.startswith("bar.sync") for i in r["sync"]) and any(i.startswith("ld.global.cg") for i in r["sync"]), (job, r["sync"])
 
 
+def test_input_quantising_kernels_compile_for_sm90_without_spilling() -> None:
+    """act_and_mul_fp8's kernel as its launcher launches it for bf16 rows of Llama-3-8B's 14,336
+    (one pass, the row held in registers: 16,384 columns over 16 warps), half that (TP 2) and
+    SmolLM2's 1,536 per token, and per 1x128 group and static scale; rms_norm_fp8's at hidden 4,096
+    (each scheme), 576 per group and 8,192 (16 warps): no register spills, the saturating round-to-nearest-even
+    e4m3 conversion."""
+    from pagecast.kernels import activation
+
+    sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "stride_x": "i32", "d": "i32"}
+    jobs = []
+    for d, mode in ((14336, 0), (7168, 0), (1536, 0), (14336, 1), (14336, 2)):
+        block = min(activation.FP8_ROW_BLOCK_MAX, 1 << (d - 1).bit_length()) if mode == 0 else 128
+        warps = max(4, min(16, block // 1024)) if mode == 0 else 1
+        consts = {"ACT": 0, "MODE": mode, "GROUP_K": 128, "BLOCK": block, "NUM_BLOCKS": -(-d // block),
+                  "MIN_AMAX": 1e-12, "QMAX": 448.0}  # fmt: skip
+        jobs.append(("act_quant", sig, consts, ["x_ptr", "q_ptr", "stride_x", "d"], {"num_warps": warps}))
+    norm_sig = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+                "residual_out_ptr": "*bf16", "stride_x": "i32", "stride_r": "i32", "stride_ro": "i32", "hidden": "i32",
+                "eps": "fp32"}  # fmt: skip
+    # (8,192 at 8 warps, 32 values a thread, spilled 4 bytes in this compile: 16 warps there)
+    for hidden, mode, add, warps in ((4096, 0, True, 8), (4096, 1, True, 4), (4096, 2, False, 8), (576, 1, False, 4),
+                                     (8192, 0, True, 16)):  # fmt: skip
+        consts = {"BLOCK": max(128, 1 << (hidden - 1).bit_length()), "ADD_RESIDUAL": add, "OUT_DTYPE": "bfloat16",
+                  "MODE": mode, "GROUP_K": 128, "MIN_AMAX": 1e-12, "QMAX": 448.0}  # fmt: skip
+        jobs.append(("norm_quant", norm_sig, consts, ["x_ptr", "q_ptr", "stride_x", "hidden"], {"num_warps": warps}))
+    for job, r in zip(jobs, _compile(jobs), strict=True):
+        assert r["cubin"] and r["spills"] == 0, (job, r)
+        assert r["cvt"] == ["cvt.rn.satfinite.e4m3x2.f32"], (job, r)
+
+
 # ---------------------------------------------------------------------------- on the GPU
 
 
@@ -520,6 +554,51 @@ def test_gpu_activation_quantisation_is_bitwise_the_reference(activations, m):  
     rq, rs = reference.quantize_fp8_activations(x, activations, inp)
     assert torch.equal(s, rs)
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activations", ["token", "group", "static"])
+@pytest.mark.parametrize(("m", "d"), [(1, 14336), (64, 14336), (300, 7168), (17, 1536)])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gpu_activation_and_quantisation_in_one_launch_are_bitwise_the_two_launches(activations, m, d, activation):  # type: ignore[no-untyped-def]
+    """activation.act_and_mul_fp8 in bf16 on the GPU: the bits and scales of the activation's
+    launch then fp8_gemm.quantize_activations, at Llama-3-8B's intermediate (the row in one
+    block), half of it (TP 2) and SmolLM2's."""
+    from pagecast.kernels import activation as act_kernels
+    from pagecast.kernels import fp8_gemm
+
+    dev = _cuda()
+    x = (torch.randn(m, 2 * d, device=dev) * 3).to(torch.bfloat16)
+    inp = torch.tensor([0.02], device=dev)
+    two = act_kernels.silu_and_mul(x) if activation == "silu" else act_kernels.gelu_tanh_and_mul(x)
+    rq, rs = fp8_gemm.quantize_activations(two, activations, inp)
+    q, s = act_kernels.act_and_mul_fp8(x, activation, activations, inp)
+    assert torch.equal(s, rs)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activations", ["token", "group", "static"])
+@pytest.mark.parametrize(("m", "hidden"), [(17, 4096), (300, 2048), (64, 576)])
+def test_gpu_norm_and_quantisation_in_one_launch_are_bitwise_the_two_launches(activations, m, hidden):  # type: ignore[no-untyped-def]
+    """rms_norm.rms_norm_fp8 in bf16 on the GPU, with the residual add and without (layer 0): the
+    bits, scales and residual stream of the norm's launch then fp8_gemm.quantize_activations, at
+    Llama-3-8B's hidden, Qwen3-30B-A3B's and SmolLM2's (not a multiple of the 128-column group)."""
+    from pagecast.kernels import fp8_gemm, rms_norm
+
+    dev = _cuda()
+    x, r = ((torch.randn(m, hidden, device=dev) * 3).to(torch.bfloat16) for _ in range(2))
+    w = torch.randn(hidden, device=dev).to(torch.bfloat16)
+    inp = torch.tensor([0.02], device=dev)
+    for residual in (None, r):
+        if residual is None:
+            normed, stream = rms_norm.rms_norm(x, w, 1e-6), x
+        else:
+            normed, stream = rms_norm.fused_add_rms_norm(x, residual, w, 1e-6)
+        rq, rs = fp8_gemm.quantize_activations(normed, activations, inp)
+        q, s, got = rms_norm.rms_norm_fp8(x, residual, w, 1e-6, activations, inp)
+        assert torch.equal(s, rs) and torch.equal(got, stream)
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
 
 
 def _gpu_configs(m: int, block: bool) -> list[dict[str, int] | None]:
@@ -833,3 +912,133 @@ def test_an_fp8_lm_head_is_tuned_as_fp8_gemm_buckets_after_the_projections() -> 
     # one row: 255 x 64 fp8 bytes and 255 fp32 scales (+ the row in and out) at 4 TB/s, over 10 us
     ideal_s = (255 * 64 + 255 * 4 + 64 * 2 + 255 * 2) / 4e12
     assert fp8.roofline_fraction(table, "lm_head.m1", 10.0) == pytest.approx(ideal_s / 1e-5, rel=0.05)
+
+
+@pytest.mark.parametrize("activations", ["token", "group", "static"])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize(("d", "row_block"), [(300, None), (1000, 256)])
+def test_activation_and_quantisation_in_one_launch_give_the_two_launches_bits(activations, activation, d, row_block, monkeypatch):  # type: ignore[no-untyped-def]
+    """activation.act_and_mul_fp8 (the gated activation and the FP8 quantisation of down's input
+    in one launch) gives the bits and scales of silu_and_mul (or gelu_tanh_and_mul) then
+    fp8_gemm.quantize_activations, per token with the row in one block and in two passes of
+    256-column blocks (row_block), per 1x128 group, and with a static scale; a zero row gets the
+    clamped scale and zeros."""
+    from pagecast.kernels import activation as act_kernels
+    from pagecast.kernels import fp8_gemm
+
+    if row_block is not None:
+        monkeypatch.setattr(act_kernels, "FP8_ROW_BLOCK_MAX", row_block)
+    for dtype in (torch.float16, torch.float32):
+        x = (torch.randn(5, 2 * d, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+        x[2] = 0
+        inp = torch.tensor([0.05])
+        two = act_kernels.silu_and_mul(x) if activation == "silu" else act_kernels.gelu_tanh_and_mul(x)
+        rq, rs = fp8_gemm.quantize_activations(two, activations, inp)
+        q, s = act_kernels.act_and_mul_fp8(x, activation, activations, inp)
+        assert torch.equal(s, rs), dtype
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), dtype
+        assert torch.equal(q[2].float(), torch.zeros(d))
+
+
+def test_fp8_down_projection_fuses_the_activation_into_the_quantisation_past_16_rows(monkeypatch):  # type: ignore[no-untyped-def]
+    """ops' down projection of an FP8 MLP: past 16 rows (where fp8_linear would quantise in a
+    launch of its own) the activation and the quantisation run as one launch, no [rows, d]
+    intermediate is made, and the result has the bits of the two-launch path; up to 16 rows under
+    a SKINNY config the fused decode kernel quantises as before, after the activation's launch."""
+    from pagecast.kernels import activation as act_kernels
+    from pagecast.kernels import fp8_gemm, ops
+
+    d, n = 256, 64
+    qw, sw = _weights(n, d, False)
+    w = Fp8LinearWeight(qw, sw, None, "token")
+    tile = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 1}
+    skinny = {"SKINNY": 1, "BLOCK_N": 32, "BLOCK_K": 128}
+    x = (torch.randn(20, 2 * d, generator=torch.Generator().manual_seed(4)) * 2).to(torch.float16)
+    expected = fp8_gemm.fp8_linear(act_kernels.silu_and_mul(x), w, None, tile)
+    expected_4 = fp8_gemm.fp8_linear(act_kernels.silu_and_mul(x[:4]), w, None, skinny)
+
+    calls = []
+    silu = act_kernels.silu_and_mul
+    monkeypatch.setattr(act_kernels, "silu_and_mul", lambda *a, **k: calls.append("silu_and_mul") or silu(*a, **k))
+    monkeypatch.setattr(ops, "_triton", lambda x: True)  # ops' GPU path, on the interpreter
+    table = ops.configure({"kernels": {"fp8_gemm": {"down.m32": {"config": tile}, "down.m4": {"config": skinny}}}})
+    try:
+        fused = ops.row_parallel_linear(x, w, None, "down", silu_and_mul_first=True)
+        assert table.configs[("fp8_gemm", "down.m32")] is not None  # the table's entry was looked up
+        assert calls == []  # no activation launch: fused into the quantisation
+        assert torch.equal(fused, expected)
+        assert torch.equal(ops.row_parallel_linear(x[:4], w, None, "down", silu_and_mul_first=True), expected_4)
+        assert calls == ["silu_and_mul"]  # 4 rows: the SKINNY kernel quantises the activation's output itself
+    finally:
+        ops.configure()
+    assert fp8_gemm.quantises_apart(20, d, w, x.dtype, tile)
+    assert not fp8_gemm.quantises_apart(4, d, w, x.dtype, skinny)
+    assert fp8_gemm.quantises_apart(17, d, w, x.dtype, skinny)
+    with pytest.raises(ValueError, match="SKINNY"):
+        fp8_gemm.fp8_act_and_mul_linear(x[:4], w, None, "silu", skinny)
+
+
+@pytest.mark.parametrize("activations", ["token", "group", "static"])
+@pytest.mark.parametrize("hidden", [64, 300, 576])
+def test_norm_and_quantisation_in_one_launch_give_the_two_launches_bits(activations, hidden):  # type: ignore[no-untyped-def]
+    """rms_norm.rms_norm_fp8 (a layer's norm with the FP8 quantisation of the projection's input in
+    its launch) gives the bits of rms_norm (or fused_add_rms_norm) then
+    fp8_gemm.quantize_activations, and the same residual stream; hidden sizes under one 128-group,
+    not a multiple of it, and SmolLM2's."""
+    from pagecast.kernels import fp8_gemm, rms_norm
+
+    inp = torch.tensor([0.05])
+    for dtype in (torch.float16, torch.float32):
+        g = torch.Generator().manual_seed(hidden)
+        x, r = ((torch.randn(5, hidden, generator=g) * 3).to(dtype) for _ in range(2))
+        w = torch.randn(hidden, generator=g).to(dtype)
+        for residual in (None, r):
+            if residual is None:
+                normed, stream = rms_norm.rms_norm(x, w, 1e-6), x
+            else:
+                normed, stream = rms_norm.fused_add_rms_norm(x, residual, w, 1e-6)
+            rq, rs = fp8_gemm.quantize_activations(normed, activations, inp)
+            q, s, got_stream = rms_norm.rms_norm_fp8(x, residual, w, 1e-6, activations, inp)
+            assert torch.equal(s, rs), (dtype, residual is None)
+            assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), (dtype, residual is None)
+            assert torch.equal(got_stream, stream)
+
+
+def test_fp8_norm_linear_quantises_in_the_norm_launch_past_16_rows(monkeypatch):  # type: ignore[no-untyped-def]
+    """ops.norm_linear (a layer's norm and the projection it feeds): for an FP8 projection past 16
+    rows the norm's launch quantises the projection's input (no normalised rows in the model's
+    dtype, no quantisation launch), with the bits and the residual stream of the two-launch path;
+    up to 16 rows under a SKINNY config, the norm then the fused decode kernel, as before."""
+    from pagecast.kernels import fp8_gemm, ops, rms_norm
+
+    hidden, n = 256, 64
+    qw, sw = _weights(n, hidden, False)
+    w = Fp8LinearWeight(qw, sw, None, "token")
+    tile = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 1}
+    skinny = {"SKINNY": 1, "BLOCK_N": 32, "BLOCK_K": 128}
+    g = torch.Generator().manual_seed(5)
+    x, r = ((torch.randn(20, hidden, generator=g) * 2).to(torch.float16) for _ in range(2))
+    norm_w = torch.randn(hidden, generator=g).to(torch.float16)
+    normed, stream = rms_norm.fused_add_rms_norm(x, r, norm_w, 1e-6)
+    expected = fp8_gemm.fp8_linear(normed, w, None, tile)
+    expected_first = fp8_gemm.fp8_linear(rms_norm.rms_norm(x, norm_w, 1e-6), w, None, tile)
+    normed4, stream4 = rms_norm.fused_add_rms_norm(x[:4], r[:4], norm_w, 1e-6)
+    expected_4 = fp8_gemm.fp8_linear(normed4, w, None, skinny)
+
+    launched = []
+    quantize = fp8_gemm.quantize_activations
+    monkeypatch.setattr(fp8_gemm, "quantize_activations", lambda *a, **k: launched.append("quantize") or quantize(*a, **k))
+    monkeypatch.setattr(ops, "_triton", lambda x: True)  # ops' GPU path, on the interpreter
+    table = ops.configure({"kernels": {"fp8_gemm": {"qkv.m32": {"config": tile}, "qkv.m4": {"config": skinny}}}})
+    try:
+        y, got_stream = ops.norm_linear(x, r, norm_w, 1e-6, w, None, "qkv")
+        assert table.configs[("fp8_gemm", "qkv.m32")] is not None  # the table's entry was looked up
+        assert launched == []
+        assert torch.equal(y, expected) and torch.equal(got_stream, stream)
+        y, got_stream = ops.norm_linear(x, None, norm_w, 1e-6, w, None, "qkv")  # layer 0: the stream is x
+        assert torch.equal(y, expected_first) and got_stream is x
+        y, got_stream = ops.norm_linear(x[:4], r[:4], norm_w, 1e-6, w, None, "qkv")
+        assert torch.equal(y, expected_4) and torch.equal(got_stream, stream4)
+        assert launched == []  # 4 rows: the SKINNY kernel quantises its input itself
+    finally:
+        ops.configure()

@@ -95,6 +95,8 @@ def test_half_and_fp8_problems_launch_the_bias_the_model_has(kernel, monkeypatch
     shapes = tuning.ModelShapes(**DIMS, dtype="float32", biased=("qkv", "o"), **extra)
     module, name = (fp8_gemm, "fp8_linear") if kernel == "fp8_gemm" else (skinny_gemm, "skinny_gemm")
     calls = _record(monkeypatch, module, name, None, 2)
+    if kernel == "fp8_gemm":  # down past 16 rows: its activation and quantisation in one launch, then the GEMM
+        monkeypatch.setattr(fp8_gemm, "fp8_act_and_mul_linear", lambda *a, **k: calls.append((False, a[2] is not None)))
     seen = _launches(kernel, shapes, calls)
     assert seen == {
         "qkv": {(False, True)},
@@ -184,6 +186,33 @@ def test_q_k_norms_are_compiled_at_their_own_widths(monkeypatch):  # type: ignor
     assert set(launched) == {(w, n) for w in (64, 256, 128) for n in (8, 16, default[w])}
     launched.clear()
     assert tuning.compile_norm_variants(table, tuning.ModelShapes(**DIMS), "cpu") == 0 and not launched
+
+
+def test_fp8_builds_compile_the_norm_and_activation_that_quantise_for_the_projections(monkeypatch):  # type: ignore[no-untyped-def]
+    """An FP8 build's FP8 projections past 16 rows get their input quantised by the norm's launch
+    (ops.norm_linear) or the gated activation's (fp8_gemm.fp8_act_and_mul_linear), kernels no tuning
+    problem times: compile_fp8_input_variants launches the norm with every config serving can pick
+    for rms_norm (layer 0, no residual) and fused_add_rms_norm, and the activation, in the build's
+    activation scheme; nothing for a half-type build."""
+    from pagecast.kernels import activation, rms_norm
+
+    norms: list[tuple[bool, str, int]] = []
+    acts: list[tuple[str, str, int]] = []
+    monkeypatch.setattr(
+        rms_norm, "rms_norm_fp8",
+        lambda x, res, w, eps, acts_, scale, cfg: norms.append((res is not None, acts_, cfg.num_warps)),
+    )  # fmt: skip
+    monkeypatch.setattr(activation, "act_and_mul_fp8", lambda x, act, acts_, scale: acts.append((act, acts_, x.shape[1])))
+    table = {"kernels": {"rms_norm": {"t1": {"config": {"num_warps": 2, "num_stages": 1}}},
+                         "fused_add_rms_norm": {"t1": {"config": {"num_warps": 16, "num_stages": 1}}}}}  # fmt: skip
+    shapes = tuning.ModelShapes(**DIMS, dtype="float32", fp8="channel-token", activation="gelu_tanh")
+    assert tuning.compile_fp8_input_variants(table, shapes, "cpu") == len(norms) + len(acts)
+    default = rms_norm.default_config(DIMS["hidden"]).num_warps
+    assert set(norms) == {(False, "token", 2), (False, "token", default), (True, "token", 16), (True, "token", default)}
+    assert acts == [("gelu_tanh", "token", 2 * DIMS["intermediate"])]
+    norms.clear()
+    acts.clear()
+    assert tuning.compile_fp8_input_variants(table, tuning.ModelShapes(**DIMS), "cpu") == 0 and not norms and not acts
 
 
 @pytest.mark.parametrize("family", ["qwen3", "olmo2", "llama"])
