@@ -28,6 +28,11 @@ from pagecast.runtime.errors import BuildError
               help="With --quant fp8: quantise the LM head too (per output channel, at build; activations per "
                    "token). It halves the head's bytes, which every decode step reads; its logits carry FP8 "
                    "rounding. Off: the head stays in the half type. Not for heads tied to the embedding.")
+@click.option("--fp8-scheme", type=click.Choice(["channel", "block"]), default=None,
+              help="With --quant fp8 on a float checkpoint: channel (the default: per-output-channel weight scales, "
+                   "activations per token) or block (a scale per 128x128 weight block and per 1x128 activation group, "
+                   "the format of the official Qwen3/DeepSeek FP8 releases: half the perplexity cost of channel on "
+                   "SmolLM2, speed not yet measured).")
 @click.option("--load-format", default="auto", show_default=True, type=click.Choice(["auto", "dummy"]),
               help="dummy: random weights from a config-only directory (benchmarks).")
 @click.option("--max-num-seqs", default=256, show_default=True, type=int,

@@ -145,6 +145,23 @@ def with_lm_head(cfg: Any, model: Any) -> Fp8Config:
     return dataclasses.replace(cfg, lm_head=True)
 
 
+def with_scheme(cfg: Any, scheme: str) -> Fp8Config:
+    """``cfg`` for enginebuild --fp8-scheme: a float checkpoint quantised at build (--quant fp8) per
+    output channel with per-token activations ("channel", the default) or in 128x128 weight blocks
+    with 1x128 activation groups ("block"); an FP8 checkpoint keeps its own scheme, so naming
+    another is refused, as is the option without an FP8 build."""
+    if not is_fp8(cfg):
+        raise BuildError("--fp8-scheme chooses how --quant fp8 quantises a float checkpoint: add --quant fp8")
+    if cfg.source == "build":
+        return _BUILD_BLOCK if scheme == "block" else _BUILD
+    if cfg.weights != scheme:
+        raise BuildError(
+            f"--fp8-scheme {scheme}: the checkpoint is already FP8 ({cfg.source}: {cfg.checkpoint_weights} weights, "
+            f"{cfg.activations} activations), built as it is; drop --fp8-scheme"
+        )
+    return cfg
+
+
 def is_lm_head(t: Any) -> bool:
     """The LM head's weight or, once planned FP8, its scale."""
     return t.name in ("lm_head.weight", "lm_head.weight_scale")
@@ -183,6 +200,7 @@ def stores_fp8_head(cfg: Fp8Config, read: Any) -> bool:
 # ---------------------------------------------------------------------------- reading the config
 
 _BUILD = Fp8Config(source="build", weights="channel", activations="token", checkpoint_weights="channel")
+_BUILD_BLOCK = Fp8Config(source="build", weights="block", activations="group", checkpoint_weights="block", block_size=BLOCK)
 
 
 def _check_ignored(names: list[str], key: str) -> None:
@@ -325,6 +343,20 @@ def quantise_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return reference.quantize_fp8_rows(w.float())
 
 
+def quantise_weight_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Half/fp32 [N, K] -> (e4m3 [N, K], fp32 [N, ceil(K / 128)]): a scale (amax / 448) per 128 x
+    128 block (the last ones partial), in the artifact's layout: each block's scale on each of its
+    rows, as read_module holds a block checkpoint's."""
+    wf = w.float()
+    n, k = wf.shape
+    nb, kb = -(-n // BLOCK), -(-k // BLOCK)
+    padded = torch.nn.functional.pad(wf.abs(), (0, kb * BLOCK - k, 0, nb * BLOCK - n)).view(nb, BLOCK, kb, BLOCK)
+    blocks = reference.fp8_amax_scale(padded.amax(dim=(1, 3)))  # [nb, kb]
+    rows = blocks.repeat_interleave(BLOCK, dim=0)[:n]  # [N, kb]
+    q = (wf / rows.repeat_interleave(BLOCK, dim=1)[:, :k]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, rows.contiguous()
+
+
 def _scale_tensor(module: str, kind: str, read: Any) -> torch.Tensor:
     try:
         s = read(f"{module}.{kind}")
@@ -346,7 +378,7 @@ def read_module(cfg: Fp8Config, module: str, read: Any) -> tuple[torch.Tensor, t
             raise BuildError(f"{module}.weight is already fp8 but the checkpoint has no FP8 quantization_config")
         if not torch.isfinite(w).all():
             raise BuildError(f"{module}.weight contains NaN or inf; the checkpoint is corrupt")
-        q, s = quantise_weight(w)
+        q, s = quantise_weight_blocks(w) if cfg.weights == "block" else quantise_weight(w)
         return q, s, None
     if w.dtype != torch.float8_e4m3fn:
         raise BuildError(

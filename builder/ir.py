@@ -24,6 +24,10 @@ class BuildOptions:
     tp: int = 1
     quant: str | None = None
     fp8_lm_head: bool = False  # --fp8-lm-head: the LM head FP8 as well (builder/fp8.with_lm_head)
+    # --fp8-scheme: how --quant fp8 quantises a float checkpoint (builder/fp8.with_scheme): "channel"
+    # (per-output-channel weights, per-token activations) or "block" (128x128 weight blocks, 1x128
+    # activation groups); None: channel, and whatever an FP8 checkpoint holds
+    fp8_scheme: str | None = None
     load_format: str = "auto"  # "auto" (read weights) or "dummy" (random weights from a config-only dir)
     max_num_seqs: int = 256
     tune_budget_s: float = 300.0

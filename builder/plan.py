@@ -425,6 +425,8 @@ def run(state: BuildState) -> BuildState:
         notes.append(f"max_model_len capped from {max_len} to the sliding window {window}")
         max_len = window
     tensors = tensor_layout(model)
+    if opts.fp8_scheme is not None:
+        ckpt.quant = fp8.with_scheme(ckpt.quant, opts.fp8_scheme)
     if opts.fp8_lm_head:
         ckpt.quant = fp8.with_lm_head(ckpt.quant, model)
     if fp8.is_fp8(ckpt.quant) and model.moe is not None:  # FP8 experts (builder/fp8.py, kernels/fused_moe_fp8.py)

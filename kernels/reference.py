@@ -324,6 +324,9 @@ def _amax_scale(amax: torch.Tensor) -> torch.Tensor:
     return amax.clamp_min(FP8_MIN_AMAX) / amax.new_tensor(FP8_MAX)
 
 
+fp8_amax_scale = _amax_scale  # for the builder's weight blocks (builder/fp8.quantise_weight_blocks)
+
+
 def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 

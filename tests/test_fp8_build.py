@@ -298,6 +298,62 @@ def test_quant_fp8_on_a_float_checkpoint_equals_per_channel_rounding(tiny_checkp
     assert plan["weight_bytes"] == sum(v["data_offsets"][1] - v["data_offsets"][0] for v in header.values())
 
 
+def test_quant_fp8_block_scheme_on_a_float_checkpoint_is_the_block_format(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    """--quant fp8 --fp8-scheme block: each projection quantised at build in 128x128 blocks (amax /
+    448 a block; hidden 192 leaves partial blocks), activations per 1x128 group at run time: the
+    e4m3 values of the fine-grained block checkpoint the test writer makes from the same weights,
+    and transformers' greedy tokens on that checkpoint dequantised, its activations so quantised."""
+    from quant_writer import fp8_quantise
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_checkpoint_factory("llama", **SHAPE)
+    artifact = build_artifact(src, tmp_path / "engine", gpu="cpu", quant="fp8", fp8_scheme="block")
+    # The expected checkpoint: each projection in the writer's fine-grained block format
+    # (weight_scale_inv per 128x128 block), every other tensor as it is.
+    expected = tmp_path / "expected"
+    expected.mkdir()
+    out = {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if name.endswith(".weight") and name.removesuffix(".weight").rpartition(".")[2] in PROJECTIONS:
+            parts, _ = fp8_quantise(t, "fp8-block")
+            out.update({f"{name.removesuffix('weight')}{leaf}": v for leaf, v in parts.items()})
+        else:
+            out[name] = t
+    save_file(out, str(expected / "model.safetensors"))
+    (expected / "config.json").write_text((src / "config.json").read_text())
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["quantization"] == {
+        "source": "build", "weights": "block", "activations": "group", "checkpoint_weights": "block",
+        "method": "fp8", "block_size": 128, "group_size": 0, "lm_head": False,
+    }  # fmt: skip
+    assert manifest["build_options"]["fp8_scheme"] == "block"
+    _assert_greedy_parity(artifact, expected, "group")
+    with safe_open(str(artifact / "weights" / "rank0.safetensors"), "pt") as f, \
+            safe_open(str(expected / "model.safetensors"), "pt") as e:  # fmt: skip
+        got = f.get_tensor("layers.1.gate_up_proj.weight")
+        gate, up = (e.get_tensor(f"model.layers.1.mlp.{p}_proj.weight") for p in ("gate", "up"))
+        assert torch.equal(got.view(torch.uint8), torch.cat([gate, up]).view(torch.uint8))
+        scale = f.get_tensor("layers.1.down_proj.weight_scale")  # [N, ceil(K / 128)]: each block's scale on its rows
+        blocks = e.get_tensor("model.layers.1.mlp.down_proj.weight_scale_inv")
+        assert torch.equal(scale, blocks.repeat_interleave(128, 0)[: scale.shape[0]])
+    assert "128x128 weight blocks" in (artifact / "report.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("source", "options", "message"),
+    [
+        ("float", {}, "add --quant fp8"),
+        ("ct-channel", {"quant": "fp8"}, "already FP8"),
+    ],
+)
+def test_fp8_scheme_is_refused_where_it_cannot_apply(source, options, message, tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    ckpt = tiny_checkpoint_factory("llama", **SHAPE)
+    if source != "float":
+        ckpt, _ = write_fp8(ckpt, tmp_path / source, source)
+    with pytest.raises(BuildError, match=message):
+        build_artifact(ckpt, tmp_path / "e", gpu="cpu", fp8_scheme="block", **options)
+
+
 # ---------------------------------------------------------------------------- --fp8-lm-head
 
 UNTIED = {**SHAPE, "tie_word_embeddings": False}

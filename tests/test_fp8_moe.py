@@ -64,7 +64,15 @@ def per_channel(w: torch.Tensor) -> torch.Tensor:
     return (w.float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * s
 
 
-def quantised_modules(ckpt: Path) -> dict[str, torch.Tensor]:
+def per_block(w: torch.Tensor) -> torch.Tensor:
+    """--quant fp8 --fp8-scheme block's weight, dequantised: each 128x128 block's amax / 448 (the
+    test writer's fine-grained block format)."""
+    from quant_writer import fp8_quantise
+
+    return fp8_quantise(w, "fp8-block")[1]
+
+
+def quantised_modules(ckpt: Path, quantise=per_channel) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
     """--quant fp8 on a float checkpoint: every projection and expert module, dequantised. gpt-oss
     stacks its experts as [E, in, out] (gate/up interleaved by column): each output column its own."""
     out = {}
@@ -72,9 +80,9 @@ def quantised_modules(ckpt: Path) -> dict[str, torch.Tensor]:
         for name in set(f.keys()):
             module = name.removesuffix(".weight")
             if name.endswith(".weight") and module.rpartition(".")[2] in LINEARS + ("w1", "w2", "w3"):
-                out[name] = per_channel(f.get_tensor(name))
+                out[name] = quantise(f.get_tensor(name))
             elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-                out[name] = torch.stack([per_channel(w.t()).t() for w in f.get_tensor(name)])
+                out[name] = torch.stack([quantise(w.t()).t() for w in f.get_tensor(name)])
     return out
 
 
@@ -196,6 +204,18 @@ def test_quant_fp8_moe_greedy_tokens_equal_transformers_with_fp8_experts(family,
     header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
     header.pop("__metadata__", None)
     assert plan["weight_bytes"] == sum(v["data_offsets"][1] - v["data_offsets"][0] for v in header.values())
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_quant_fp8_block_scheme_moe_greedy_tokens_equal_transformers(family, tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    """--quant fp8 --fp8-scheme block on a float MoE checkpoint: experts and projections in 128x128
+    weight blocks, activations per 1x128 group (the FP8 MoE kernels' block path). Hidden 160 and
+    experts 144 wide: partial blocks and more than one activation group, as the written block
+    checkpoint's test has them."""
+    ckpt = tiny_checkpoint_factory(family, hidden_size=160, moe_intermediate_size=144, num_hidden_layers=2)
+    artifact = build_artifact(ckpt, tmp_path / "engine", gpu="cpu", quant="fp8", fp8_scheme="block")
+    assert json.loads((artifact / "manifest.json").read_text())["quantization"]["weights"] == "block"
+    _assert_greedy_parity(artifact, reference_model(ckpt, quantised_modules(ckpt, per_block), "group"))
 
 
 def test_quant_fp8_moe_tp2_greedy_tokens_equal_transformers(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
