@@ -940,6 +940,21 @@ def test_activation_and_quantisation_in_one_launch_give_the_two_launches_bits(ac
         assert torch.equal(q[2].float(), torch.zeros(d))
 
 
+def _count_launches(monkeypatch, module, name: str) -> list[str]:  # type: ignore[no-untyped-def]
+    """The launches of module's jitted kernel ``name`` from now on (ops holds the launchers, so
+    the kernel object, which they look up at each launch, is what is replaced)."""
+    launched: list[str] = []
+    kernel = getattr(module, name)
+
+    class Count:
+        def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+            launched.append(name)
+            return kernel[grid]
+
+    monkeypatch.setattr(module, name, Count())
+    return launched
+
+
 def test_fp8_down_projection_fuses_the_activation_into_the_quantisation_past_16_rows(monkeypatch):  # type: ignore[no-untyped-def]
     """ops' down projection of an FP8 MLP: past 16 rows (where fp8_linear would quantise in a
     launch of its own) the activation and the quantisation run as one launch, no [rows, d]
@@ -957,15 +972,7 @@ def test_fp8_down_projection_fuses_the_activation_into_the_quantisation_past_16_
     expected = fp8_gemm.fp8_linear(act_kernels.silu_and_mul(x), w, None, tile)
     expected_4 = fp8_gemm.fp8_linear(act_kernels.silu_and_mul(x[:4]), w, None, skinny)
 
-    calls = []
-    kernel = act_kernels._silu_and_mul_kernel
-
-    class Count:  # the activation's own launches (ops holds the launchers, not this module's names)
-        def __getitem__(self, grid):  # type: ignore[no-untyped-def]
-            calls.append("silu_and_mul")
-            return kernel[grid]
-
-    monkeypatch.setattr(act_kernels, "_silu_and_mul_kernel", Count())
+    calls = _count_launches(monkeypatch, act_kernels, "_silu_and_mul_kernel")
     monkeypatch.setattr(ops, "_triton", lambda x: True)  # ops' GPU path, on the interpreter
     table = ops.configure({"kernels": {"fp8_gemm": {"down.m32": {"config": tile}, "down.m4": {"config": skinny}}}})
     try:
@@ -974,7 +981,7 @@ def test_fp8_down_projection_fuses_the_activation_into_the_quantisation_past_16_
         assert calls == []  # no activation launch: fused into the quantisation
         assert torch.equal(fused, expected)
         assert torch.equal(ops.row_parallel_linear(x[:4], w, None, "down", silu_and_mul_first=True), expected_4)
-        assert calls == ["silu_and_mul"]  # 4 rows: the SKINNY kernel quantises the activation's output itself
+        assert calls == ["_silu_and_mul_kernel"]  # 4 rows: the SKINNY kernel quantises the activation's output itself
     finally:
         ops.configure()
     assert fp8_gemm.quantises_apart(20, d, w, x.dtype, tile)
@@ -1031,15 +1038,7 @@ def test_fp8_norm_linear_quantises_in_the_norm_launch_past_16_rows(monkeypatch):
     normed4, stream4 = rms_norm.fused_add_rms_norm(x[:4], r[:4], norm_w, 1e-6)
     expected_4 = fp8_gemm.fp8_linear(normed4, w, None, skinny)
 
-    launched = []
-    kernel = fp8_gemm._quant_act_kernel
-
-    class Count:  # the quantisation's own launches
-        def __getitem__(self, grid):  # type: ignore[no-untyped-def]
-            launched.append("quantize")
-            return kernel[grid]
-
-    monkeypatch.setattr(fp8_gemm, "_quant_act_kernel", Count())
+    launched = _count_launches(monkeypatch, fp8_gemm, "_quant_act_kernel")
     monkeypatch.setattr(ops, "_triton", lambda x: True)  # ops' GPU path, on the interpreter
     table = ops.configure({"kernels": {"fp8_gemm": {"qkv.m32": {"config": tile}, "qkv.m4": {"config": skinny}}}})
     try:
