@@ -900,7 +900,7 @@ def compile_fp8_input_variants(table: Mapping[str, Any], shapes: ModelShapes, de
     fp8_gemm.fp8_act_and_mul_linear) - the norm with every config serving can pick for rms_norm
     (layer 0) and fused_add_rms_norm (the rest), and the gated activation - once each, so that
     they are in TRITON_CACHE_DIR whatever the tuning budget reached. Returns the launches."""
-    from pagecast.kernels import activation, rms_norm
+    from pagecast.kernels import activation, fp8_gemm, rms_norm
 
     if not shapes.fp8:
         return 0
@@ -916,7 +916,10 @@ def compile_fp8_input_variants(table: Mapping[str, Any], shapes: ModelShapes, de
     if shapes.activation in ("silu", "gelu_tanh"):
         gate_up = torch.randn((32, 2 * shapes.intermediate), device=device, dtype=dtype)
         activation.act_and_mul_fp8(gate_up, shapes.activation, activations, scale)
-        launches += 1
+        # and the separate quantisation of down's input, for a server with the fusion off
+        # (PAGECAST_FUSE_ACT_QUANT_FP8=0, the same-artifact comparison): no compile while it serves
+        fp8_gemm.quantize_activations(gate_up[:, : shapes.intermediate], activations, scale)
+        launches += 2
     return launches
 
 

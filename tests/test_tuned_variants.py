@@ -193,7 +193,8 @@ def test_fp8_builds_compile_the_norm_and_activation_that_quantise_for_the_projec
     (ops.norm_linear) or the gated activation's (fp8_gemm.fp8_act_and_mul_linear), kernels no tuning
     problem times: compile_fp8_input_variants launches the norm with every config serving can pick
     for rms_norm (layer 0, no residual) and fused_add_rms_norm, and the activation, in the build's
-    activation scheme; nothing for a half-type build."""
+    activation scheme, and down's input quantisation alone (PAGECAST_FUSE_ACT_QUANT_FP8=0); nothing
+    for a half-type build."""
     from pagecast.kernels import activation, rms_norm
 
     norms: list[tuple[bool, str, int]] = []
@@ -203,13 +204,15 @@ def test_fp8_builds_compile_the_norm_and_activation_that_quantise_for_the_projec
         lambda x, res, w, eps, acts_, scale, cfg: norms.append((res is not None, acts_, cfg.num_warps)),
     )  # fmt: skip
     monkeypatch.setattr(activation, "act_and_mul_fp8", lambda x, act, acts_, scale: acts.append((act, acts_, x.shape[1])))
+    monkeypatch.setattr(fp8_gemm, "quantize_activations", lambda x, acts_, scale: acts.append(("none", acts_, x.shape[1])))
     table = {"kernels": {"rms_norm": {"t1": {"config": {"num_warps": 2, "num_stages": 1}}},
                          "fused_add_rms_norm": {"t1": {"config": {"num_warps": 16, "num_stages": 1}}}}}  # fmt: skip
     shapes = tuning.ModelShapes(**DIMS, dtype="float32", fp8="channel-token", activation="gelu_tanh")
     assert tuning.compile_fp8_input_variants(table, shapes, "cpu") == len(norms) + len(acts)
     default = rms_norm.default_config(DIMS["hidden"]).num_warps
     assert set(norms) == {(False, "token", 2), (False, "token", default), (True, "token", 16), (True, "token", default)}
-    assert acts == [("gelu_tanh", "token", 2 * DIMS["intermediate"])]
+    # the activation with the quantisation, and the quantisation alone (a server with the fusion off)
+    assert acts == [("gelu_tanh", "token", 2 * DIMS["intermediate"]), ("none", "token", DIMS["intermediate"])]
     norms.clear()
     acts.clear()
     assert tuning.compile_fp8_input_variants(table, tuning.ModelShapes(**DIMS), "cpu") == 0 and not norms and not acts
