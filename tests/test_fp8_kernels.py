@@ -584,21 +584,10 @@ def test_gpu_norm_and_quantisation_in_one_launch_are_bitwise_the_two_launches(ac
     """rms_norm.rms_norm_fp8 in bf16 on the GPU, with the residual add and without (layer 0): the
     bits, scales and residual stream of the norm's launch then fp8_gemm.quantize_activations, at
     Llama-3-8B's hidden, Qwen3-30B-A3B's and SmolLM2's (not a multiple of the 128-column group)."""
-    from pagecast.kernels import fp8_gemm, rms_norm
-
     dev = _cuda()
     x, r = ((torch.randn(m, hidden, device=dev) * 3).to(torch.bfloat16) for _ in range(2))
     w = torch.randn(hidden, device=dev).to(torch.bfloat16)
-    inp = torch.tensor([0.02], device=dev)
-    for residual in (None, r):
-        if residual is None:
-            normed, stream = rms_norm.rms_norm(x, w, 1e-6), x
-        else:
-            normed, stream = rms_norm.fused_add_rms_norm(x, residual, w, 1e-6)
-        rq, rs = fp8_gemm.quantize_activations(normed, activations, inp)
-        q, s, got = rms_norm.rms_norm_fp8(x, residual, w, 1e-6, activations, inp)
-        assert torch.equal(s, rs) and torch.equal(got, stream)
-        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    _assert_norm_fp8_gives_the_two_launches(x, r, w, activations, torch.tensor([0.02], device=dev))
 
 
 def _gpu_configs(m: int, block: bool) -> list[dict[str, int] | None]:
@@ -998,23 +987,28 @@ def test_norm_and_quantisation_in_one_launch_give_the_two_launches_bits(activati
     its launch) gives the bits of rms_norm (or fused_add_rms_norm) then
     fp8_gemm.quantize_activations, and the same residual stream; hidden sizes under one 128-group,
     not a multiple of it, and SmolLM2's."""
-    from pagecast.kernels import fp8_gemm, rms_norm
-
-    inp = torch.tensor([0.05])
     for dtype in (torch.float16, torch.float32):
         g = torch.Generator().manual_seed(hidden)
         x, r = ((torch.randn(5, hidden, generator=g) * 3).to(dtype) for _ in range(2))
         w = torch.randn(hidden, generator=g).to(dtype)
-        for residual in (None, r):
-            if residual is None:
-                normed, stream = rms_norm.rms_norm(x, w, 1e-6), x
-            else:
-                normed, stream = rms_norm.fused_add_rms_norm(x, residual, w, 1e-6)
-            rq, rs = fp8_gemm.quantize_activations(normed, activations, inp)
-            q, s, got_stream = rms_norm.rms_norm_fp8(x, residual, w, 1e-6, activations, inp)
-            assert torch.equal(s, rs), (dtype, residual is None)
-            assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), (dtype, residual is None)
-            assert torch.equal(got_stream, stream)
+        _assert_norm_fp8_gives_the_two_launches(x, r, w, activations, torch.tensor([0.05]))
+
+
+def _assert_norm_fp8_gives_the_two_launches(x, r, w, activations: str, input_scale: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
+    """rms_norm_fp8 with the residual r and without (layer 0): the bits and scales of the norm's
+    launch then quantize_activations, and the residual stream of the norm."""
+    from pagecast.kernels import fp8_gemm, rms_norm
+
+    for residual in (None, r):
+        if residual is None:
+            normed, stream = rms_norm.rms_norm(x, w, 1e-6), x
+        else:
+            normed, stream = rms_norm.fused_add_rms_norm(x, residual, w, 1e-6)
+        rq, rs = fp8_gemm.quantize_activations(normed, activations, input_scale)
+        q, s, got_stream = rms_norm.rms_norm_fp8(x, residual, w, 1e-6, activations, input_scale)
+        assert torch.equal(s, rs), (x.dtype, residual is None)
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), (x.dtype, residual is None)
+        assert torch.equal(got_stream, stream)
 
 
 def test_fp8_norm_linear_quantises_in_the_norm_launch_past_16_rows(monkeypatch):  # type: ignore[no-untyped-def]
