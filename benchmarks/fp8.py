@@ -1,6 +1,7 @@
 """FP8 weights (W8A8) against bf16 on one GPU, in the same run (issue 29): W1, W6 and W4 of a
 Llama-3-8B-shaped engine with random weights, for bf16, ``--quant fp8`` (per-channel e4m3 weights,
-per-token activations) and ``--quant fp8`` with the FP8 KV cache (W6 only by default).
+per-token activations) and ``--quant fp8`` with the FP8 KV cache (W6 only by default); on request
+(``--variants``) with an FP8 LM head too, or ``--fp8-scheme block`` (``fp8block``).
 
 Each variant is built with --load-format dummy (``--quant fp8`` draws random e4m3 weights with
 per-channel scales at build, in the artifact layout; the FP8 GEMM is tuned on this GPU per
@@ -8,7 +9,7 @@ projection and row bucket against torch._scaled_mm, both times in report.md), th
 benchmarks/serving.py's phases in a fresh process (one engine holds most of the GPU's memory), so
 the figures are exactly the ones serving.py reports for bf16.
 
-    python benchmarks/fp8.py --out OUTDIR [--variants bf16,fp8,fp8+fp8kv,fp8+fp8head] [--tune-budget 240]
+    python benchmarks/fp8.py --out OUTDIR [--variants bf16,fp8,fp8+fp8kv,fp8+fp8head,fp8block] [--tune-budget 240]
                              [--phases W1,W6,W4] [--kv-phases W6]
     python benchmarks/fp8.py --dry-run        # CPU: a tiny config through the same build options
 
@@ -41,6 +42,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # enginebuild --fp8-lm-head; built with the fp8 variant's kernel configs where that artifact is
     # in OUTDIR (--tuning-from), so the two differ in the LM head alone
     "fp8+fp8head": {"quant": "fp8", "fp8_lm_head": True, "tune_first": FP8_FIRST},
+    # enginebuild --fp8-scheme block: 128x128 weight blocks, activations per 1x128 group
+    "fp8block": {"quant": "fp8", "fp8_scheme": "block", "tune_first": FP8_FIRST},
 }
 TARGETS = {  # figure -> (comparison, value): ratios to bf16, or absolute
     "W1_output_tok_s": (">=", 1.4),
