@@ -16,6 +16,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from pagecast.kernels import pdl
+from pagecast.kernels.fp8_gemm import _quantise_rows, _scale_of
 from pagecast.kernels.tuning import KernelConfig
 
 
@@ -73,43 +74,44 @@ def _act_and_mul_fp8_kernel(
     QMAX: tl.constexpr,
 ):
     # act(gate) * up rounded to x's dtype (what the unfused kernel stores), then quantised to e4m3
-    # with fp8_gemm._quant_act_kernel's arithmetic: the same bits as the two launches, one read of
-    # x and no [num_tokens, d] intermediate in x's dtype.
+    # with fp8_gemm._quant_act_kernel's arithmetic (its _scale_of and _quantise_rows): the same bits
+    # as the two launches, one read of x and no [num_tokens, d] intermediate in x's dtype.
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     q_row = q_ptr + row * d
     dtype = x_ptr.dtype.element_ty
+    fp8 = q_ptr.dtype.element_ty
     if MODE == 0 and NUM_BLOCKS == 1:
         cols = tl.arange(0, BLOCK)
         ok = cols < d
         y = _gated(x_row, cols, ok, d, ACT).to(dtype).to(tl.float32)
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(y), axis=0), MIN_AMAX), QMAX)
+        scale = _scale_of(tl.max(tl.abs(y), axis=0), MIN_AMAX, QMAX)
         tl.store(s_ptr + row, scale)
-        tl.store(q_row + cols, tl.clamp(tl.math.div_rn(y, scale), -QMAX, QMAX).to(q_ptr.dtype.element_ty), mask=ok)
+        tl.store(q_row + cols, _quantise_rows(y, scale, QMAX, fp8), mask=ok)
     elif MODE == 0:
         # two passes over the row: the amax, then the quantisation (the second reads x from L2)
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for i in range(NUM_BLOCKS):
             cols = i * BLOCK + tl.arange(0, BLOCK)
             amax = tl.maximum(amax, tl.abs(_gated(x_row, cols, cols < d, d, ACT).to(dtype).to(tl.float32)))
-        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), MIN_AMAX), QMAX)
+        scale = _scale_of(tl.max(amax, axis=0), MIN_AMAX, QMAX)
         tl.store(s_ptr + row, scale)
         for i in range(NUM_BLOCKS):
             cols = i * BLOCK + tl.arange(0, BLOCK)
             ok = cols < d
             y = _gated(x_row, cols, ok, d, ACT).to(dtype).to(tl.float32)
-            tl.store(q_row + cols, tl.clamp(tl.math.div_rn(y, scale), -QMAX, QMAX).to(q_ptr.dtype.element_ty), mask=ok)
+            tl.store(q_row + cols, _quantise_rows(y, scale, QMAX, fp8), mask=ok)
     else:
         g = tl.program_id(1)
         cols = g * GROUP_K + tl.arange(0, GROUP_K)
         ok = cols < d
         y = _gated(x_row, cols, ok, d, ACT).to(dtype).to(tl.float32)
         if MODE == 1:
-            scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(y), axis=0), MIN_AMAX), QMAX)
+            scale = _scale_of(tl.max(tl.abs(y), axis=0), MIN_AMAX, QMAX)
             tl.store(s_ptr + row * tl.cdiv(d, GROUP_K) + g, scale)
         else:
             scale = tl.load(s_ptr).to(tl.float32)
-        tl.store(q_row + cols, tl.clamp(tl.math.div_rn(y, scale), -QMAX, QMAX).to(q_ptr.dtype.element_ty), mask=ok)
+        tl.store(q_row + cols, _quantise_rows(y, scale, QMAX, fp8), mask=ok)
 
 
 CONFIG_SPACE: list[KernelConfig] = [

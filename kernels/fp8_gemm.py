@@ -102,9 +102,8 @@ def _quant_act_kernel(
         offs = g * GROUP_K + tl.arange(0, GROUP_K)
         ok = offs < K
         x = tl.load(x_row + offs, mask=ok, other=0.0).to(tl.float32)
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), MIN_AMAX), QMAX)
-        q = tl.clamp(tl.math.div_rn(x, scale), -QMAX, QMAX)
-        tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
+        scale = _scale_of(tl.max(tl.abs(x), axis=0), MIN_AMAX, QMAX)
+        tl.store(q_row + offs, _quantise_rows(x, scale, QMAX, q_ptr.dtype.element_ty), mask=ok)
         tl.store(s_ptr + row.to(tl.int64) * tl.cdiv(K, GROUP_K) + g, scale)
     else:
         if MODE == 2:
@@ -115,14 +114,13 @@ def _quant_act_kernel(
                 offs = i * BLOCK + tl.arange(0, BLOCK)
                 x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.abs(x))
-            scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), MIN_AMAX), QMAX)
+            scale = _scale_of(tl.max(amax, axis=0), MIN_AMAX, QMAX)
             tl.store(s_ptr + row, scale)
         for i in range(NUM_BLOCKS):
             offs = i * BLOCK + tl.arange(0, BLOCK)
             ok = offs < K
             x = tl.load(x_row + offs, mask=ok, other=0.0).to(tl.float32)
-            q = tl.clamp(tl.math.div_rn(x, scale), -QMAX, QMAX)
-            tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
+            tl.store(q_row + offs, _quantise_rows(x, scale, QMAX, q_ptr.dtype.element_ty), mask=ok)
 
 
 def quantize_activations(
@@ -231,6 +229,13 @@ def _fp8_gemm_kernel(
 def _quantise_rows(x, scale, QMAX: tl.constexpr, dtype: tl.constexpr):
     """x / scale saturated to +-QMAX and rounded to nearest even: _quant_act_kernel's arithmetic."""
     return tl.clamp(tl.math.div_rn(x, scale), -QMAX, QMAX).to(dtype)
+
+
+@triton.jit
+def _scale_of(amax, MIN_AMAX: tl.constexpr, QMAX: tl.constexpr):
+    """The dynamic scale of values whose largest magnitude is ``amax``: max(amax, MIN_AMAX) / QMAX,
+    divided exactly (reference._amax_scale)."""
+    return tl.math.div_rn(tl.maximum(amax, MIN_AMAX), QMAX)
 
 
 @triton.jit

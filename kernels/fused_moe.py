@@ -375,6 +375,44 @@ def _weighted_down_row(
 
 
 @triton.jit
+def _gate_up_row(
+    x_ptr, w_ptr, b_ptr, ids_ptr, pair, offs_n, n_ok, N, K, stride_xm, stride_we, stride_wn, stride_be, top_k,
+    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    # One pair's BLOCK_N intermediate columns in fp32: its expert's gate and up rows times its
+    # token's row of x, the biases, the activation.
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    gate, up = _expert_gemv(
+        x_ptr + (pair // top_k).to(tl.int64) * stride_xm, w_ptr + expert * stride_we, offs_n, n_ok, N, K, stride_wn,
+        True, BLOCK_N, BLOCK_K, DOT, DOT_PRECISION,
+    )  # fmt: skip
+    if HAS_BIAS:
+        gate += tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        up += tl.load(b_ptr + expert * stride_be + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    return _activate(gate, up, ACTIVATION, ALPHA, LIMIT)
+
+
+@triton.jit
+def _topk_ticket_sum(y, pair, top_k, part_ptr, stride_pm, out_ptr, counter_row, count_ptr, offs_n, n_ok, N,
+                     BLOCK_N: tl.constexpr):  # fmt: skip
+    # The top-k sum in the down launch (TOPK_TICKET): the pair's weighted fp32 row y stored, then a
+    # ticket on its (token, column block) counter, count_ptr + token * counter_row; the token's
+    # last pair to finish adds its top_k rows in pair order, in fp32 from zero, as
+    # _moe_topk_sum_kernel does (the same bits), and sets the counter back to 0.
+    tl.store(part_ptr + pair.to(tl.int64) * stride_pm + offs_n, y, mask=n_ok)
+    token = (pair // top_k).to(tl.int64)
+    counter = count_ptr + token * counter_row
+    if split_k.last_to_arrive(counter, top_k):
+        total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for j in range(top_k):  # .cg: from L2, where the other pairs' rows are
+            total += tl.load(part_ptr + (token * top_k + j) * stride_pm + offs_n, mask=n_ok, other=0.0,
+                             cache_modifier=".cg")  # fmt: skip
+        tl.store(out_ptr + token * N + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+        split_k.reset(counter)
+
+
+@triton.jit
 def _moe_gemv_kernel(
     a_ptr,  # gate_up: x [T, K]; down: intermediate [P, K] in pair order
     w_ptr,  # [E, N_w, K] as for _moe_gemm_kernel
@@ -416,16 +454,10 @@ def _moe_gemv_kernel(
     n_ok = offs_n < N
     if ACTIVATION != 0:
         pair = tl.program_id(0)
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        a_row = a_ptr + (pair // top_k).to(tl.int64) * stride_am
-        gate, up = _expert_gemv(
-            a_row, w_ptr + expert * stride_we, offs_n, n_ok, N, K, stride_wn, True, BLOCK_N, BLOCK_K, DOT,
-            DOT_PRECISION,
+        y = _gate_up_row(
+            a_ptr, w_ptr, b_ptr, ids_ptr, pair, offs_n, n_ok, N, K, stride_am, stride_we, stride_wn, stride_be, top_k,
+            ACTIVATION, HAS_BIAS, ALPHA, LIMIT, BLOCK_N, BLOCK_K, DOT, DOT_PRECISION,
         )  # fmt: skip
-        if HAS_BIAS:
-            gate += tl.load(b_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-            up += tl.load(b_ptr + expert * stride_be + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        y = _activate(gate, up, ACTIVATION, ALPHA, LIMIT)
         row = pair.to(tl.int64)
     elif PER_PAIR:
         pair = tl.program_id(0)
@@ -434,20 +466,11 @@ def _moe_gemv_kernel(
             stride_am, stride_we, stride_wn, stride_be, HAS_BIAS, BLOCK_N, BLOCK_K, DOT, DOT_PRECISION,
         )  # fmt: skip
         row = pair.to(tl.int64)
-        if TICKET:
-            # The top-k sum in this launch: the pair's fp32 row stored, then a ticket on the (token,
-            # column block) counter; the token's last pair to finish adds its top_k rows in pair
-            # order, in fp32 from zero, as _moe_topk_sum_kernel does (the same bits).
-            tl.store(c_ptr + row * stride_cm + offs_n, y, mask=n_ok)
-            token = (pair // top_k).to(tl.int64)
-            counter = count_ptr + token * tl.num_programs(1) + pid_n
-            if split_k.last_to_arrive(counter, top_k):
-                total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                for j in range(top_k):  # .cg: from L2, where the other pairs' rows are
-                    total += tl.load(c_ptr + (token * top_k + j) * stride_cm + offs_n, mask=n_ok, other=0.0,
-                                     cache_modifier=".cg")  # fmt: skip
-                tl.store(out_ptr + token * N + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
-                split_k.reset(counter)
+        if TICKET:  # the top-k sum in this launch
+            _topk_ticket_sum(
+                y, pair, top_k, c_ptr, stride_cm, out_ptr, tl.num_programs(1), count_ptr + pid_n, offs_n, n_ok, N,
+                BLOCK_N,
+            )  # fmt: skip
             return
     else:
         token = tl.program_id(0)
@@ -515,15 +538,10 @@ def _moe_gemv_one_launch_kernel(
         pair = pid // gu_blocks
         offs_n = (pid % gu_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < I
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        gate, up = _expert_gemv(
-            x_ptr + (pair // top_k).to(tl.int64) * stride_xm, w_gu_ptr + expert * stride_gue, offs_n, n_ok, I, H,
-            stride_gun, True, BLOCK_N, BLOCK_K, DOT, DOT_PRECISION,
+        y = _gate_up_row(
+            x_ptr, w_gu_ptr, b_gu_ptr, ids_ptr, pair, offs_n, n_ok, I, H, stride_xm, stride_gue, stride_gun,
+            stride_gube, top_k, ACTIVATION, HAS_BIAS, ALPHA, LIMIT, BLOCK_N, BLOCK_K, DOT, DOT_PRECISION,
         )  # fmt: skip
-        if HAS_BIAS:
-            gate += tl.load(b_gu_ptr + expert * stride_gube + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-            up += tl.load(b_gu_ptr + expert * stride_gube + I + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        y = _activate(gate, up, ACTIVATION, ALPHA, LIMIT)
         tl.store(inter_ptr + pair.to(tl.int64) * I + offs_n, y.to(inter_ptr.dtype.element_ty), mask=n_ok)
         # every thread's stores before the flag (a CTA barrier), then the flag up with release
         tl.debug_barrier()
@@ -559,18 +577,10 @@ def _moe_gemv_one_launch_kernel(
         # the last of them sets it back to 0 for the next launch.
         if split_k.last_to_arrive(flag, gu_blocks + down_blocks):
             split_k.reset(flag)
-        # The top-k sum in this launch, as _moe_gemv_kernel's TICKET does (pair order, the same bits).
-        row = d_pair.to(tl.int64)
-        tl.store(part_ptr + row * H + cols, acc, mask=cols_ok)
-        token = (d_pair // top_k).to(tl.int64)
-        counter = count_ptr + token * down_blocks + pid_n
-        if split_k.last_to_arrive(counter, top_k):
-            total = tl.zeros((DOWN_BLOCK_N,), dtype=tl.float32)
-            for j in range(top_k):  # .cg: from L2, where the other pairs' rows are
-                total += tl.load(part_ptr + (token * top_k + j) * H + cols, mask=cols_ok, other=0.0,
-                                 cache_modifier=".cg")  # fmt: skip
-            tl.store(out_ptr + token * H + cols, total.to(out_ptr.dtype.element_ty), mask=cols_ok)
-            split_k.reset(counter)
+        # the top-k sum in this launch, as _moe_gemv_kernel's TICKET does
+        _topk_ticket_sum(
+            acc, d_pair, top_k, part_ptr, H, out_ptr, down_blocks, count_ptr + pid_n, cols, cols_ok, H, DOWN_BLOCK_N
+        )
 
 
 @triton.jit

@@ -15,6 +15,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from pagecast.kernels import pdl
+from pagecast.kernels.fp8_gemm import _quantise_rows, _scale_of
 from pagecast.kernels.tuning import KernelConfig
 
 
@@ -86,28 +87,30 @@ def _rms_norm_fp8_kernel(
     QMAX: tl.constexpr,
 ):
     # The norm as _rms_norm_kernel computes it, rounded to its output dtype, then quantised to e4m3
-    # with fp8_gemm._quant_act_kernel's arithmetic: the bits of the two launches, the row read once.
+    # with fp8_gemm._quant_act_kernel's arithmetic (its _scale_of and _quantise_rows): the bits of
+    # the two launches, the row read once.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     y = _normalise(x_ptr, residual_ptr, weight_ptr, residual_out_ptr, row, cols, mask, stride_x, stride_r, stride_ro,
                    hidden, eps, ADD_RESIDUAL)  # fmt: skip
     y = y.to(OUT_DTYPE).to(tl.float32)
+    fp8 = q_ptr.dtype.element_ty
     if MODE == 0:
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(y), axis=0), MIN_AMAX), QMAX)
+        scale = _scale_of(tl.max(tl.abs(y), axis=0), MIN_AMAX, QMAX)
         tl.store(s_ptr + row, scale)
-        q = tl.math.div_rn(y, scale)
+        q = _quantise_rows(y, scale, QMAX, fp8)
     elif MODE == 1:
         # a scale per GROUP_K columns: the row as [groups, GROUP_K] (padding columns are 0)
         groups: tl.constexpr = BLOCK // GROUP_K
-        amax = tl.max(tl.reshape(tl.abs(y), (groups, GROUP_K)), axis=1)
-        scales = tl.math.div_rn(tl.maximum(amax, MIN_AMAX), QMAX)  # [groups]
+        y_groups = tl.reshape(y, (groups, GROUP_K))
+        scales = _scale_of(tl.max(tl.abs(y_groups), axis=1), MIN_AMAX, QMAX)  # [groups]
         offs_g = tl.arange(0, groups)
         tl.store(s_ptr + row * tl.cdiv(hidden, GROUP_K) + offs_g, scales, mask=offs_g * GROUP_K < hidden)
-        q = tl.reshape(tl.math.div_rn(tl.reshape(y, (groups, GROUP_K)), scales[:, None]), (BLOCK,))
+        q = tl.reshape(_quantise_rows(y_groups, scales[:, None], QMAX, fp8), (BLOCK,))
     else:
-        q = tl.math.div_rn(y, tl.load(s_ptr).to(tl.float32))
-    tl.store(q_ptr + row * hidden + cols, tl.clamp(q, -QMAX, QMAX).to(q_ptr.dtype.element_ty), mask=mask)
+        q = _quantise_rows(y, tl.load(s_ptr).to(tl.float32), QMAX, fp8)
+    tl.store(q_ptr + row * hidden + cols, q, mask=mask)
 
 
 CONFIG_SPACE: list[KernelConfig] = [KernelConfig({}, num_warps=w, num_stages=1) for w in (4, 1, 2, 8, 16)]
