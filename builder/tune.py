@@ -61,6 +61,7 @@ def model_shapes(state: BuildState) -> dict[str, Any]:
         "attn_window": max((layer.attention.sliding_window or 0) for layer in model.layers),
         "activation": model.dense_mlp.activation if model.dense_mlp is not None else "silu",  # MoE-only: no dense MLP
         "biased": biased_projections(model, plan.tp),
+        "normed": normed_projections(model),
         "qk_norm_widths": qk_norm_widths(a, per_rank),
         "head_qk_norm": bool(a.qk_norm and a.qk_norm_kind != "projection"),
         "rotary_dim": next((s.attention.rope.rotary_dim for s in model.layers if s.attention.rope is not None), 0),
@@ -96,6 +97,17 @@ def biased_projections(model: Any, tp: int) -> list[str]:
         "o": tp == 1 and any(a.o_bias for a in attention),
         "gate_up": mlp,
         "down": tp == 1 and mlp,
+    }
+    return [name for name, on in flags.items() if on]
+
+
+def normed_projections(model: Any) -> list[str]:
+    """The projections (tuning.PROJECTIONS) whose input a layer's RMSNorm makes in the same ops
+    call (templates/model.py.j2's ops.norm_linear): qkv in pre-norm layers, gate_up in those whose
+    dense MLP has its norm on the input (a MoE block's norm runs in the router's launch)."""
+    flags = {
+        "qkv": any(layer.attn_in_norm is not None for layer in model.layers),
+        "gate_up": any(layer.mlp_in_norm is not None and layer.mlp.kind == "dense" for layer in model.layers),
     }
     return [name for name, on in flags.items() if on]
 

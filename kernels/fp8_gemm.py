@@ -239,6 +239,17 @@ def _scale_of(amax, MIN_AMAX: tl.constexpr, QMAX: tl.constexpr):
 
 
 @triton.jit
+def _skinny_input(x_rows, r_rows, offs_k, mask, NORM: tl.constexpr):
+    """The fused kernel's input at ``offs_k`` in x's dtype: x, or with NORM 2 x + residual (added in
+    fp32 and rounded, as rms_norm's fused add stores the stream)."""
+    x = tl.load(x_rows + offs_k, mask=mask, other=0.0)
+    if NORM == 2:
+        r = tl.load(r_rows + offs_k, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
 def _skinny_store(
     y, rows_scale, offs_n, n_ok, ws_ptr, bias_ptr, y_ptr, M, N,
     MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
@@ -268,11 +279,16 @@ def _fp8_skinny_kernel(
     y_ptr,  # [M, N]
     part_ptr,  # fp32 [SPLIT_K, M, N]: each split's partial sums (SPLIT_K > 1), else unused
     count_ptr,  # int32 [>= cdiv(N, BLOCK_N)]: splits finished per column block, 0 between launches (SPLIT_K > 1)
+    r_ptr,  # [M, K]: the residual stream x joins (NORM 2), else unused
+    g_ptr,  # [K]: the RMSNorm weight (NORM > 0), else unused
+    stream_ptr,  # [M, K], contiguous: x + residual, written by program (0, 0) (NORM 2), else unused
     M,
     N,
     K,
     stride_xm,
+    stride_rm,
     STEPS,  # K steps per split (SPLIT_K > 1; the last split may have fewer, even none), else unused
+    eps,  # the RMSNorm's epsilon (NORM > 0)
     MODE: tl.constexpr,  # 0 token, 1 group of GROUP_K (block weights, BLOCK_K == GROUP_K), 2 static
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks on the weight
@@ -284,6 +300,7 @@ def _fp8_skinny_kernel(
     GROUP_K: tl.constexpr,
     MIN_AMAX: tl.constexpr,
     QMAX: tl.constexpr,
+    NORM: tl.constexpr = 0,  # x is: 0 the input; 1 RMS-normalised first; 2 added to r_ptr's rows, then normalised
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     if PDL:
@@ -301,23 +318,49 @@ def _fp8_skinny_kernel(
     row_ok = row < M
     n_ok = offs_n < N
     x_rows = x_ptr + row[:, None].to(tl.int64) * stride_xm
+    r_rows = r_ptr + row[:, None].to(tl.int64) * stride_rm
     w_cols = w_ptr + offs_n[None, :].to(tl.int64) * K  # [BLOCK_K, BLOCK_N] tiles: w.T
     num_steps = tl.cdiv(K, BLOCK_K)
     # The activation scale, as _quant_act_kernel computes it: the row's amax (a max, so the order
     # does not matter) over the whole row first, in every split too (the same scale as unsplit);
-    # x is a few KB, read again from L2 below.
-    if MODE == 0:
+    # x is a few KB, read again from L2 below. With NORM the same pass sums the stream's squares
+    # for each row's rstd and takes the amax of stream x norm weight: rstd > 0 scales every value
+    # of a row alike and fp32 rounding keeps order, so rstd times that amax is exactly the amax of
+    # the normalised row ((s * g) * rstd, formed so below). Program (0, 0) stores the stream (NORM 2).
+    if MODE == 0 or NORM > 0:
         amax = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+        row_sumsq = tl.zeros((BLOCK_M,), dtype=tl.float32)  # summed per step: fewer live registers
+        stores_stream = (pid == 0) & (tl.program_id(1) == 0)
         for i in range(tl.cdiv(num_steps, CHUNKS)):
             offs_k = (i * CHUNKS + chunk)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
-            x = tl.load(x_rows + offs_k, mask=row_ok[:, None] & (offs_k < K), other=0.0)
-            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+            in_k = row_ok[:, None] & (offs_k < K)
+            x = _skinny_input(x_rows, r_rows, offs_k, in_k, NORM)
+            if NORM == 2:
+                tl.store(stream_ptr + row[:, None].to(tl.int64) * K + offs_k, x, mask=in_k & stores_stream)
+            x = x.to(tl.float32)
+            if NORM > 0:
+                row_sumsq += tl.sum(x * x, axis=1)
+                x = x * tl.load(g_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        if NORM > 0:
+            if CHUNKS > 1:
+                rows_sumsq = tl.sum(tl.reshape(row_sumsq, (CHUNKS, ROWS)), axis=0)
+                row_sumsq = tl.reshape(tl.broadcast_to(rows_sumsq[None, :], (CHUNKS, ROWS)), (BLOCK_M,))
+            # [BLOCK_M]: each tile row's x row's (padding rows 0, not the inf of eps 0)
+            rstd = tl.where(row_ok, tl.math.rsqrt(row_sumsq / K + eps), 0.0)
+    if MODE == 0:
         row_amax = tl.max(amax, axis=1)  # each tile row's share of its x row
         if CHUNKS > 1:
             rows_amax = tl.max(tl.reshape(row_amax, (CHUNKS, ROWS)), axis=0)
             row_amax = tl.reshape(tl.broadcast_to(rows_amax[None, :], (CHUNKS, ROWS)), (BLOCK_M,))
         else:
             rows_amax = row_amax
+        if NORM > 0:
+            row_amax = row_amax * rstd
+            if CHUNKS > 1:
+                rows_amax = tl.max(tl.reshape(row_amax, (CHUNKS, ROWS)), axis=0)  # the chunks' are alike
+            else:
+                rows_amax = row_amax
         x_scale = tl.math.div_rn(tl.maximum(row_amax, MIN_AMAX), QMAX)  # [BLOCK_M]
         rows_scale = tl.math.div_rn(tl.maximum(rows_amax, MIN_AMAX), QMAX)  # [ROWS], for the epilogue
     elif MODE == 2:
@@ -341,7 +384,14 @@ def _fp8_skinny_kernel(
     for i in range(first, last):
         if (i - first) % CHUNKS == 0:
             offs_k = (i + chunk)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
-            x = tl.load(x_rows + offs_k, mask=row_ok[:, None] & (offs_k < k_end), other=0.0).to(tl.float32)
+            x = _skinny_input(x_rows, r_rows, offs_k, row_ok[:, None] & (offs_k < k_end), NORM).to(tl.float32)
+            if NORM > 0:
+                if CHUNKS == 1:  # every tile row at the same columns: the norm weight's once
+                    offs_g = i * BLOCK_K + tl.arange(0, BLOCK_K)
+                    g = tl.load(g_ptr + offs_g, mask=offs_g < k_end, other=0.0).to(tl.float32)[None, :]
+                else:
+                    g = tl.load(g_ptr + offs_k, mask=offs_k < k_end, other=0.0).to(tl.float32)
+                x = x * g * rstd[:, None]
             if MODE == 1:  # a step is one 1x128 group: its scale from its own amax
                 g_scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX), QMAX)
                 q = _quantise_rows(x, g_scale[:, None], QMAX, w_ptr.dtype.element_ty)
@@ -604,6 +654,50 @@ def fp8_skinny_linear(
     """x [M <= 16, K] (half / fp32) -> [M, N] in ``out_dtype`` in one launch: the activations
     quantised as ``quantize_activations`` does, inside the GEMM (``{"SKINNY": 1, ...}`` configs).
     Capture-safe (no host syncs)."""
+    return _skinny(x, weight, w_scale, activations, input_scale, bias, out_dtype, config, None)
+
+
+def fp8_skinny_norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    w: Any,
+    bias: torch.Tensor | None,
+    config: Mapping[str, int] | KernelConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's RMSNorm and the FP8 projection it feeds (an ``Fp8LinearWeight``), for up to 16
+    rows, in one launch of the fused decode kernel: x joins the residual stream (``residual`` None:
+    x is the stream), each row is RMS-normalised (sum of squares in fp32) times ``norm_weight``,
+    kept in fp32, and quantised and multiplied as ``fp8_skinny_linear`` does. Returns (y [M, N] in
+    x's dtype, the stream: x + residual added in fp32 and rounded to x's dtype, as
+    fused_add_rms_norm stores it). ``reference.fp8_norm_linear`` is its definition. ``config``: a
+    SKINNY one (None: the untuned default, SKINNY up to 16 rows)."""
+    m, k = x.shape
+    block = w.weight_scale.dim() == 2
+    cfg = KernelConfig.coerce(config) or default_config(m, w.weight.shape[0], k, block, x.dtype)
+    if not is_skinny(cfg) or not 0 < m <= SKINNY_MAX_ROWS:
+        raise ValueError(f"fp8_skinny_norm_linear: {m} rows with config {cfg} (a SKINNY config, 1-{SKINNY_MAX_ROWS} rows)")
+    if tuple(norm_weight.shape) != (k,) or (residual is not None and residual.shape != x.shape):
+        raise ValueError(f"fp8_skinny_norm_linear: x {tuple(x.shape)}, norm weight {tuple(norm_weight.shape)}")
+    if residual is not None and residual.stride(1) != 1:
+        residual = residual.contiguous()
+    stream = x if residual is None else torch.empty((m, k), dtype=x.dtype, device=x.device)
+    y = _skinny(x, w.weight, w.weight_scale, w.activations, w.input_scale, bias, x.dtype, cfg, (residual, norm_weight, eps, stream))
+    return y, stream
+
+
+def _skinny(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    w_scale: torch.Tensor,
+    activations: str,
+    input_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    config: Mapping[str, int] | KernelConfig,
+    norm: tuple[torch.Tensor | None, torch.Tensor, float, torch.Tensor] | None,
+) -> torch.Tensor:
     cfg = KernelConfig.coerce(config)
     assert cfg is not None and is_skinny(cfg)
     m, k = x.shape
@@ -627,7 +721,7 @@ def fp8_skinny_linear(
     # without a step (prune_configs offers none such, a table entry met by another K may be).
     num_steps = triton.cdiv(k, bk)
     split, steps = split_k.split_steps(num_steps, cfg.params.get("SPLIT_K", 1))
-    _launch_skinny(x, weight, w_scale, xs, bias, y, mode, split, steps, cfg)
+    _launch_skinny(x, weight, w_scale, xs, bias, y, mode, split, steps, cfg, norm)
     return y
 
 
@@ -642,9 +736,11 @@ def _launch_skinny(
     split: int,
     steps: int,
     cfg: KernelConfig,
+    norm: tuple[torch.Tensor | None, torch.Tensor, float, torch.Tensor] | None = None,
 ) -> None:
     """One launch of _fp8_skinny_kernel: ``split`` programs per column block of ``steps`` K steps
-    each (fp8_skinny_linear leaves none of them empty; the kernel handles an empty one)."""
+    each (fp8_skinny_linear leaves none of them empty; the kernel handles an empty one). ``norm``:
+    (residual or None, norm weight, eps, the stream out) to normalise x first (NORM 2 or 1)."""
     m, k = x.shape
     n = weight.shape[0]
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
@@ -653,12 +749,18 @@ def _launch_skinny(
         part, counters = split_k.partials(x.device, split, m, n, blocks, "fp8_skinny_linear")
     else:
         part, counters, steps = y, y, 0  # unused
+    if norm is None:
+        residual, g, eps, stream, norm_mode = x, x, 0.0, x, 0  # unused
+    else:
+        res, g, eps, stream = norm
+        residual, norm_mode = (x, 1) if res is None else (res, 2)
     _fp8_skinny_kernel[(blocks, split)](
-        x, weight, w_scale, xs, bias if bias is not None else w_scale, y, part, counters, m, n, k, x.stride(0), steps,
+        x, weight, w_scale, xs, bias if bias is not None else w_scale, y, part, counters, residual, g, stream,
+        m, n, k, x.stride(0), residual.stride(0), steps, eps,
         MODE=mode, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, ROWS=triton.next_power_of_2(m),
         BLOCK_M=SKINNY_MAX_ROWS, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, GROUP_K=GROUP,
-        MIN_AMAX=reference.FP8_MIN_AMAX, QMAX=FP8_MAX, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl.launch_options(),
+        MIN_AMAX=reference.FP8_MIN_AMAX, QMAX=FP8_MAX, NORM=norm_mode, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl.launch_options(),
     )  # fmt: skip
 
 

@@ -128,6 +128,7 @@ def _kernels() -> SimpleNamespace:
         fp8_linear=fp8_gemm.fp8_linear,
         fp8_quantises_apart=fp8_gemm.quantises_apart,
         fp8_gemm_quantised=fp8_gemm.fp8_gemm_quantised,
+        fp8_skinny_norm_linear=fp8_gemm.fp8_skinny_norm_linear,
         rms_norm_fp8=rms_norm.rms_norm_fp8,
         fp8_act_and_mul_linear=fp8_gemm.fp8_act_and_mul_linear,
         w4a16_gemm=w4a16_gemm.w4a16_gemm,
@@ -210,15 +211,20 @@ def norm_linear(
     residual stream (``residual`` None: x is the stream), is RMS-normalised and projected. Returns
     (the projection's output, the stream). An FP8 projection that would quantise its input in a
     launch of its own (fp8_gemm.quantises_apart) gets it quantised by the norm's launch
-    (rms_norm.rms_norm_fp8: the same bits, no [rows, hidden] normalised rows in memory)."""
-    if FUSE_ACT_QUANT_FP8 and isinstance(weight, Fp8LinearWeight) and _triton(x):
+    (rms_norm.rms_norm_fp8: the same bits, no [rows, hidden] normalised rows in memory); one that
+    quantises inside its own launch (the fused decode kernel, up to 16 rows) normalises there too
+    (fp8_gemm.fp8_skinny_norm_linear: no norm launch)."""
+    if isinstance(weight, Fp8LinearWeight) and _triton(x):
         cfg = _config("fp8_gemm", fp8_bucket(projection, x.shape[0]))
         kernels = _kernels()
-        if kernels.fp8_quantises_apart(x.shape[0], x.shape[1], weight, x.dtype, cfg):
+        apart = kernels.fp8_quantises_apart(x.shape[0], x.shape[1], weight, x.dtype, cfg)
+        if apart and FUSE_ACT_QUANT_FP8:
             bucket = token_bucket(x.shape[0])
             norm_cfg = _config("rms_norm" if residual is None else "fused_add_rms_norm", bucket)
             qx, sx, stream = kernels.rms_norm_fp8(x, residual, norm_weight, eps, weight.activations, weight.input_scale, norm_cfg)
             return kernels.fp8_gemm_quantised(qx, sx, weight, bias, x.dtype, cfg), stream
+        if not apart and FUSE_NORM_FP8_DECODE:
+            return kernels.fp8_skinny_norm_linear(x, residual, norm_weight, eps, weight, bias, cfg)  # type: ignore[no-any-return]
     if residual is None:
         normed, stream = rms_norm(x, norm_weight, eps), x
     else:
@@ -460,6 +466,11 @@ FUSE_SILU_DOWN = True
 # (tests/test_fp8_kernels.py). Not yet timed on a GPU: PAGECAST_FUSE_ACT_QUANT_FP8=0
 # in a serving process turns it off, for the same-artifact comparison (benchmarks/gpu_queue.py).
 FUSE_ACT_QUANT_FP8 = os.environ.get("PAGECAST_FUSE_ACT_QUANT_FP8", "1") != "0"
+# The RMSNorm (and the residual add before it) inside the fused FP8 decode kernel that quantises
+# its output, up to 16 rows (norm_linear, fp8_gemm.fp8_skinny_norm_linear): one launch a layer's
+# qkv and gate_up instead of two. Not yet timed on a GPU: PAGECAST_FUSE_NORM_FP8_DECODE=0 in a
+# serving process turns it off, for the same-artifact comparison (benchmarks/gpu_queue.py).
+FUSE_NORM_FP8_DECODE = os.environ.get("PAGECAST_FUSE_NORM_FP8_DECODE", "1") != "0"
 
 
 def _linear_of(

@@ -198,7 +198,9 @@ def problem_size(kernel: str, shapes: ModelShapes, dims: dict[str, int]) -> tupl
     if kernel == "fp8_gemm":  # fp8 weight and its fp32 scales once; the rows in (half), quantised, out
         m, n, k = dims["num_rows"], dims["n"], dims["k"]
         scales = n * 4 * (-(-k // fp8_gemm.GROUP) if shapes.fp8.startswith("block") else 1)
-        rows_in = 2 * k if _fp8_gated_down(shapes, dims) else k  # down: gate_up's rows, activated in the launch
+        # down: gate_up's rows, activated in the launch; a normed projection: the rows and the
+        # residual in, the stream out (its norm, in the launch, or in one beside a tile's)
+        rows_in = 2 * k if _fp8_gated_down(shapes, dims) else 3 * k if _fp8_normed(shapes, dims) else k
         return n * k + scales + (m * rows_in + m * n) * e, 2 * m * n * k
     if kernel == "w4a16_gemm":  # packed weight, fp16 scales, int8 zeros once; the rows in and out
         m, n, k = dims["num_rows"], dims["n"], dims["k"]
@@ -347,6 +349,13 @@ def _fp8_gated_down(shapes: ModelShapes, dims: dict[str, int]) -> bool:
     """Whether this fp8_gemm bucket is the down projection, whose input serving activates on the way
     in (ops' silu_and_mul_first: fp8_gemm.fp8_act_and_mul_linear where the input is quantised apart)."""
     return dims["projection"] == PROJECTIONS.index("down") and shapes.activation in ("silu", "gelu_tanh")
+
+
+def _fp8_normed(shapes: ModelShapes, dims: dict[str, int]) -> bool:
+    """Whether this fp8_gemm bucket is a projection whose input serving normalises in the same ops
+    call (ops.norm_linear: the RMSNorm inside the fused decode kernel, or in the launch that
+    quantises for a tile), so that the tuner times the norm with each config."""
+    return dims["projection"] != LM_HEAD and PROJECTIONS[dims["projection"]] in shapes.normed
 
 
 def _group_size(shapes: ModelShapes, k: int) -> int:
@@ -954,6 +963,30 @@ def _fp8_problem(
                 return fp8_gemm.fp8_act_and_mul_linear(x, w, bias, shapes.activation, cfg)
             return fp8_gemm.fp8_linear(act(x), w, bias, cfg)
 
+    elif _fp8_normed(shapes, dims):
+        # qkv / gate_up as ops.norm_linear runs them: the residual add and RMSNorm inside the fused
+        # decode kernel, or in the launch that quantises the input for a tile (rms_norm_fp8); the
+        # variants run layer 0's (no residual) too
+        from pagecast.kernels import rms_norm
+
+        rows = torch.randn((m, k), generator=dg, device=device, dtype=dtype)
+        residual = torch.randn((m, k), generator=dg, device=device, dtype=dtype)
+        norm_weight = torch.rand((k,), generator=dg, device=device).to(dtype) + 0.5
+
+        def norm_linear(x: torch.Tensor, w: Fp8LinearWeight, cfg: KernelConfig | None, first: bool) -> object:
+            res = None if first else residual[: x.shape[0]]
+            if fp8_gemm.quantises_apart(x.shape[0], k, w, dtype, cfg):
+                qx, sx, stream = rms_norm.rms_norm_fp8(x, res, norm_weight, 1e-6, w.activations, w.input_scale)
+                return fp8_gemm.fp8_gemm_quantised(qx, sx, w, bias, dtype, cfg), stream
+            return fp8_gemm.fp8_skinny_norm_linear(x, res, norm_weight, 1e-6, w, bias, cfg)
+
+        def first_layer(cfg: KernelConfig | None) -> object:
+            norm_linear(rows, weights[0], cfg, True)
+            return None if m % 16 else norm_linear(rows[: m - 1], weights[0], cfg, True)
+
+        def linear(x: torch.Tensor, w: Fp8LinearWeight, cfg: KernelConfig | None) -> object:
+            return norm_linear(x, w, cfg, False)
+
     else:
         rows = torch.randn((m, k), generator=dg, device=device, dtype=dtype)
 
@@ -978,6 +1011,13 @@ def _fp8_problem(
         def reference_gemm(cfg: KernelConfig | None, i: int) -> object:
             return torch.nn.functional.linear(rows[:, :k], dense[i % dense_sets], bias)
 
-    return Problem(
-        "fp8_gemm", bucket, gemm, num_sets, nbytes, flops, reference=reference_gemm, variants=_fewer_rows(m, fewer)
-    )
+    fewer_rows = _fewer_rows(m, fewer)
+    variants = fewer_rows
+    if _fp8_normed(shapes, dims):
+
+        def both(cfg: KernelConfig | None) -> object:
+            first_layer(cfg)
+            return None if fewer_rows is None else fewer_rows(cfg)
+
+        variants = both
+    return Problem("fp8_gemm", bucket, gemm, num_sets, nbytes, flops, reference=reference_gemm, variants=variants)

@@ -410,6 +410,30 @@ def fp8_linear(
     return fp8_gemm(qx, xs, qw, w_scale, bias, x.dtype, qw_float)
 
 
+def fp8_norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    qw: torch.Tensor,
+    w_scale: torch.Tensor,
+    activations: str,
+    input_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm feeding an FP8 linear, as the fused decode kernel computes it
+    (fp8_gemm.fp8_skinny_norm_linear): the stream x (+ residual, rounded to x's dtype), each row
+    times rsqrt(mean of squares + eps) in fp32 and the norm weight, not rounded to x's dtype before
+    the quantisation (rms_norm rounds twice, so the unfused path differs by those roundings).
+    Returns (y in x's dtype, the stream)."""
+    stream = x if residual is None else x + residual
+    sf = stream.float()
+    rstd = torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps)
+    normed = (sf * norm_weight.float()) * rstd
+    qx, xs = quantize_fp8_activations(normed, activations, input_scale)
+    return fp8_gemm(qx, xs, qw, w_scale, bias, x.dtype), stream
+
+
 def dequantize_fp8(qw: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """An artifact FP8 weight -> fp32 [N, K]: weight x scale (per channel, or per row and 128-column block)."""
     wf = qw.float()

@@ -167,6 +167,10 @@ class ModelShapes:
     # not o at tp > 1, which adds it after the all-reduce): timed, and compiled into the artifact,
     # in the HAS_BIAS variant serving launches (builder/tune.biased_projections).
     biased: tuple[str, ...] = ()
+    # Projections (qkv, gate_up) whose input a layer's RMSNorm makes in the same ops call
+    # (ops.norm_linear: pre-norm layers): an FP8 one is timed with that norm, as serving runs it
+    # (builder/tune.normed_projections).
+    normed: tuple[str, ...] = ()
     # GPTQ act-order int4 weights: every projection but down reads its inputs through a perm
     # (builder/quant.py), so those are timed and compiled in their HAS_PERM variant.
     int4_act_order: bool = False
@@ -184,12 +188,14 @@ class ModelShapes:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "biased", tuple(self.biased))  # JSON lists from the tune subprocess
+        object.__setattr__(self, "normed", tuple(self.normed))
         object.__setattr__(self, "qk_norm_widths", tuple(self.qk_norm_widths))
         if self.rotary_dim < 0 or self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
             raise ValueError(f"rotary_dim must be 0 (all of head_dim) or even and at most {self.head_dim}, got {self.rotary_dim}")
-        unknown = set(self.biased) - set(PROJECTIONS)
-        if unknown:
-            raise ValueError(f"biased names projections {sorted(unknown)}, not among {PROJECTIONS}")
+        for field_name in ("biased", "normed"):
+            unknown = set(getattr(self, field_name)) - set(PROJECTIONS)
+            if unknown:
+                raise ValueError(f"{field_name} names projections {sorted(unknown)}, not among {PROJECTIONS}")
         if self.num_heads <= 0 or self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads {self.num_heads} must be a positive multiple of num_kv_heads {self.num_kv_heads}"

@@ -464,27 +464,28 @@ def test_fp8_kernels_compile_for_sm90_with_wgmma_and_saturating_e4m3_conversion(
 
 SKINNY_SIG = {
     "x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "xs_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16",
-    "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "STEPS": "i32",
+    "part_ptr": "*fp32", "count_ptr": "*i32", "r_ptr": "*bf16", "g_ptr": "*bf16", "stream_ptr": "*bf16", "M": "i32",
+    "N": "i32", "K": "i32", "stride_xm": "i32", "stride_rm": "i32", "STEPS": "i32", "eps": "fp32",
 }  # fmt: skip
 
 
 def test_fused_decode_kernel_compiles_for_sm90_in_every_config_without_spilling() -> None:
-    """Every SKINNY config the tuner may time, in each activation mode: e4m3 operands into
-    mma.sync (16 rows, below wgmma's 64), the activations converted with the saturating
-    round-to-nearest-even cvt in the kernel itself, within Hopper's 227 KB of shared memory per
-    block and without register spills. The split configs take their ticket with an acq_rel atomic
-    at GPU scope after a CTA barrier, and read the partials from L2 (ld.global.cg); unsplit ones
-    have no atomic."""
+    """Every SKINNY config the tuner may time, in each activation mode (and with the residual add
+    and RMSNorm inside, per token and per group): e4m3 operands into mma.sync (16 rows, below
+    wgmma's 64), the activations converted with the saturating round-to-nearest-even cvt in the
+    kernel itself, within Hopper's 227 KB of shared memory per block and without register spills.
+    The split configs take their ticket with an acq_rel atomic at GPU scope after a CTA barrier,
+    and read the partials from L2 (ld.global.cg); unsplit ones have no atomic."""
     from pagecast.kernels import fp8_gemm
 
     jobs = []
-    for mode in (0, 1, 2):
+    for mode, norm in ((0, 0), (1, 0), (2, 0), (0, 2), (1, 2)):
         for cfg in fp8_gemm.prune_configs(fp8_gemm.CONFIG_SPACE, 16, 4096, 4096, mode == 1, torch.bfloat16):
             for rows in (1, 16) if fp8_gemm.is_skinny(cfg) else ():  # 1: 16 steps a tile, 16: one
                 consts = {
                     "MODE": mode, "HAS_BIAS": mode == 2, "EVEN_K": True, "ROWS": rows, "BLOCK_M": 16,
                     "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"], "SPLIT_K": cfg.params.get("SPLIT_K", 1),
-                    "GROUP_K": 128, "MIN_AMAX": 1e-12, "QMAX": 448.0,
+                    "GROUP_K": 128, "MIN_AMAX": 1e-12, "QMAX": 448.0, "NORM": norm,
                 }  # fmt: skip
                 options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
                 jobs.append(("skinny", SKINNY_SIG, consts, ["x_ptr", "w_ptr", "K", "N", "stride_xm"], options))
@@ -778,6 +779,54 @@ def test_gpu_fused_decode_kernel_is_capture_safe(activations):  # type: ignore[n
         assert torch.equal(out, fp8_gemm.fp8_linear(x, weight, None, cfg))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("activations", ["token", "group", "static"])
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (28672, 4096), (1536, 576)])
+def test_gpu_norm_inside_the_fused_decode_kernel_matches_the_kernel_on_normalised_rows(activations, n, k):  # type: ignore[no-untyped-def]
+    """Llama-3-8B's qkv and gate_up (SmolLM2's qkv-sized 576 too) at 1, 3 and 16 rows in bf16, every
+    SKINNY config, with the residual add and without (layer 0): fp8_skinny_norm_linear against the
+    same kernel without the norm on the rows normalised as reference.fp8_norm_linear does (in fp32),
+    and the stream bitwise x + residual. The rstd differs from torch's in its last bits (another
+    sum order, rsqrt.approx), which may round an activation to the other e4m3 value: allowed
+    (~1e-4 of the largest output each); a wrong rstd, weight or index moves outputs by their size.
+    Replayed in a CUDA graph on new rows, the same bits."""
+    from pagecast.kernels import fp8_gemm
+
+    dev = _cuda()
+    g = torch.Generator(device=dev).manual_seed(5)
+    weight = _gpu_fp8_weight(n, k, activations, g, dev)
+    bias = torch.randn(n, generator=g, device=dev).to(torch.bfloat16)
+    norm_w = (torch.rand(k, generator=g, device=dev) + 0.5).to(torch.bfloat16)
+    for m in (1, 3, 16):
+        x, r = ((torch.randn(m, k, generator=g, device=dev) * 3).to(torch.bfloat16) for _ in range(2))
+        configs = [c for c in fp8_gemm.prune_configs(fp8_gemm.CONFIG_SPACE, m, n, k, activations == "group", torch.bfloat16)
+                   if fp8_gemm.is_skinny(c)]  # fmt: skip
+        assert configs
+        for residual in (r, None):
+            stream = x if residual is None else x + residual
+            sf = stream.float()
+            normed = (sf * norm_w.float()) * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + 1e-6)
+            for cfg in configs:
+                y, got_stream = fp8_gemm.fp8_skinny_norm_linear(x, residual, norm_w, 1e-6, weight, bias, cfg)
+                want = fp8_gemm.fp8_skinny_linear(
+                    normed, weight.weight, weight.weight_scale, activations, weight.input_scale, bias, torch.bfloat16, cfg
+                ).float()
+                assert torch.equal(got_stream, stream)
+                atol = 5e-4 * want.abs().max().item()
+                torch.testing.assert_close(y.float(), want, rtol=1.6e-2, atol=atol, msg=lambda s, c=cfg, m=m: f"m={m} {c}: {s}")
+    cfg = configs[0]
+    y = fp8_gemm.fp8_skinny_norm_linear(x, r, norm_w, 1e-6, weight, bias, cfg)[0]  # compiled before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, out_stream = fp8_gemm.fp8_skinny_norm_linear(x, r, norm_w, 1e-6, weight, bias, cfg)
+    x.copy_(torch.randn(x.shape, generator=g, device=dev).to(torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    want, want_stream = fp8_gemm.fp8_skinny_norm_linear(x, r, norm_w, 1e-6, weight, bias, cfg)
+    assert torch.equal(out, want) and torch.equal(out_stream, want_stream) and not torch.equal(out, y)
+
+
 def _split_configs(m: int, n: int, k: int, activations: str) -> list:  # type: ignore[type-arg]
     from pagecast.kernels import fp8_gemm
 
@@ -1015,7 +1064,9 @@ def test_fp8_norm_linear_quantises_in_the_norm_launch_past_16_rows(monkeypatch):
     """ops.norm_linear (a layer's norm and the projection it feeds): for an FP8 projection past 16
     rows the norm's launch quantises the projection's input (no normalised rows in the model's
     dtype, no quantisation launch), with the bits and the residual stream of the two-launch path;
-    up to 16 rows under a SKINNY config, the norm then the fused decode kernel, as before."""
+    up to 16 rows under a SKINNY config, the fused decode kernel normalises as well (no norm
+    launch: fp8_skinny_norm_linear's result and stream), or with PAGECAST_FUSE_NORM_FP8_DECODE=0
+    the norm then the fused decode kernel, as before."""
     from pagecast.kernels import fp8_gemm, ops, rms_norm
 
     hidden, n = 256, 64
@@ -1042,8 +1093,94 @@ def test_fp8_norm_linear_quantises_in_the_norm_launch_past_16_rows(monkeypatch):
         assert torch.equal(y, expected) and torch.equal(got_stream, stream)
         y, got_stream = ops.norm_linear(x, None, norm_w, 1e-6, w, None, "qkv")  # layer 0: the stream is x
         assert torch.equal(y, expected_first) and got_stream is x
+        norms = _count_launches(monkeypatch, rms_norm, "_rms_norm_kernel")
+        for res in (r[:4], None):
+            y, got_stream = ops.norm_linear(x[:4], res, norm_w, 1e-6, w, None, "qkv")
+            fused, _ = fp8_gemm.fp8_skinny_norm_linear(x[:4], res, norm_w, 1e-6, w, None, skinny)
+            assert torch.equal(y, fused) and torch.equal(got_stream, stream4 if res is not None else x[:4])
+        assert norms == [] and launched == []  # 4 rows: the SKINNY kernel normalises and quantises its input itself
+        monkeypatch.setattr(ops, "FUSE_NORM_FP8_DECODE", False)
         y, got_stream = ops.norm_linear(x[:4], r[:4], norm_w, 1e-6, w, None, "qkv")
         assert torch.equal(y, expected_4) and torch.equal(got_stream, stream4)
-        assert launched == []  # 4 rows: the SKINNY kernel quantises its input itself
+        assert norms == ["_rms_norm_kernel"] and launched == []
     finally:
         ops.configure()
+
+
+def _norm_rows(m: int, k: int, activations: str, residual: bool, seed: int):  # type: ignore[no-untyped-def]
+    """(x, residual or None, norm weight, the stream, the normalised rows) for RMSNorm feeding an FP8
+    projection, built so that every step is exact in fp32 and the interpreter quantises right: the
+    norm weight g is a row of _e4m3_rows, each stream row is +-2^e (its own e, signs at random), so
+    its rstd (eps 0) is 2^-e and the normalised row (s * g) * rstd is +-g exactly; x is the stream
+    less a residual of multiples of 2^(e - 3)."""
+    gen = torch.Generator().manual_seed(seed)
+    g, _, _ = _e4m3_rows(1, k, activations, seed=seed)
+    g = g[0]
+    e = torch.randint(-3, 4, (m, 1), generator=gen).float()
+    sign = torch.where(torch.rand(m, k, generator=gen) < 0.5, -1.0, 1.0)
+    stream = sign * 2.0**e
+    normed = sign * g
+    if not residual:
+        return stream, None, g, stream, normed
+    r = torch.randint(-8, 9, (m, k), generator=gen).float() * 2.0 ** (e - 3)
+    return stream - r, r, g, stream, normed
+
+
+@pytest.mark.parametrize("activations", ["token", "group", "static"])
+@pytest.mark.parametrize(("m", "k"), [(1, 300), (1, 2176), (3, 1024), (8, 384), (16, 300)])
+@pytest.mark.parametrize("residual", [False, True])
+def test_norm_inside_the_fused_decode_kernel_is_the_reference_on_exact_rows(activations, m, k, residual, launches):  # type: ignore[no-untyped-def]
+    """fp8_gemm.fp8_skinny_norm_linear (the RMSNorm, with the residual add or without, inside the
+    fused decode kernel) on rows whose normalisation is exact: the projection of the normalised
+    rows as reference.fp8_linear computes it (so the norm, its weight, the rstd and the scales
+    from them are each applied once and in the right place), the same as
+    reference.fp8_norm_linear, unsplit and split in 2 and 3, and the stream x + residual exactly.
+    One row puts 16 K steps in a quantised tile, 3 rows 4, 16 rows one."""
+    from pagecast.kernels import fp8_gemm
+
+    n = 72
+    x, r, g, stream, normed = _norm_rows(m, k, activations, residual, seed=m + k)
+    _, _, inp = _e4m3_rows(1, k, activations, seed=m + k)
+    qw, sw = _weights(n, k, activations == "group", seed=6)
+    w = Fp8LinearWeight(qw, sw, inp if activations == "static" else None, activations)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(7))
+    ref = reference.fp8_linear(normed, qw, sw, activations, inp, bias)
+    ref_fused, ref_stream = reference.fp8_norm_linear(x, r, g, 0.0, qw, sw, activations, inp, bias)
+    torch.testing.assert_close(ref_fused, ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
+    assert torch.equal(ref_stream, stream)
+    for split in (1, 2, 3):
+        y, got_stream = fp8_gemm.fp8_skinny_norm_linear(x, r, g, 0.0, w, bias, _split(SKINNY, split))
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item(), msg=lambda s, sp=split: f"SPLIT_K {sp}: {s}")
+        assert torch.equal(got_stream, stream)
+        assert (got_stream is x) == (r is None)  # layer 0: the stream is x itself
+        assert split == 1 or not _cpu_counters().any()
+    assert [sp for sp, _ in launches] == [1, 2, 3]
+
+
+def test_norm_inside_the_fused_decode_kernel_takes_eps_and_half_rows_and_refuses_what_it_cannot_run() -> None:
+    """Random fp16 rows with eps, at SmolLM2's hidden size (4.5 steps of 128): the fused kernel
+    without the norm on the rows reference.fp8_norm_linear normalises (the interpreter's e4m3
+    conversion rounds some carrying values wrongly, the same in both, so not against the reference
+    itself), that reference within the FP8 products' error of the float product, the stream
+    bitwise x + residual; rows past 16, or a config that is not SKINNY, refused with the reason."""
+    from pagecast.kernels import fp8_gemm
+
+    gen = torch.Generator().manual_seed(11)
+    m, k, n = 5, 576, 48
+    x, r = ((torch.randn(m, k, generator=gen) * 2).to(torch.float16) for _ in range(2))
+    g = (torch.rand(k, generator=gen) + 0.5).to(torch.float16)
+    qw, sw = _weights(n, k, block=False, seed=8)
+    w = Fp8LinearWeight(qw, sw, None, "token")
+    y, stream = fp8_gemm.fp8_skinny_norm_linear(x, r, g, 1e-5, w, None, SKINNY)
+    ref, ref_stream = reference.fp8_norm_linear(x, r, g, 1e-5, qw, sw, "token")
+    assert y.dtype == torch.float16 and torch.equal(stream, ref_stream)
+    sf = ref_stream.float()
+    normed = (sf * g.float()) * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + 1e-5)
+    unfused = fp8_gemm.fp8_skinny_linear(normed, qw, sw, "token", None, None, torch.float32, SKINNY)
+    torch.testing.assert_close(y.float(), unfused, rtol=1e-3, atol=1e-3 * unfused.abs().max().item())
+    exact = normed @ reference.dequantize_fp8(qw, sw).t()
+    assert (ref.float() - exact).abs().max() < 0.05 * exact.abs().max()
+    with pytest.raises(ValueError, match="SKINNY"):
+        fp8_gemm.fp8_skinny_norm_linear(torch.randn(17, k), None, g.float(), 1e-5, w, None, SKINNY)
+    with pytest.raises(ValueError, match="SKINNY"):
+        fp8_gemm.fp8_skinny_norm_linear(x, r, g, 1e-5, w, None, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 1})

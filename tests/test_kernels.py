@@ -706,6 +706,7 @@ _AGREEMENT_SHAPES = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 64, "hidden"
         ("skinny_gemm", {}),
         ("w4a16_gemm", {"quant_group_size": 128}),
         ("fp8_gemm", {"fp8": "channel-token"}),
+        ("fp8_gemm", {"fp8": "channel-token", "normed": ("qkv",)}),  # the norm inside the fused decode kernel
         ("fused_moe", {"num_experts": 4, "top_k": 2, "moe_intermediate": 128}),
         ("fused_moe_w4a16", {"num_experts": 4, "top_k": 2, "moe_intermediate": 128, "quant_group_size": 128}),
         ("fused_moe_fp8", {"num_experts": 4, "top_k": 2, "moe_intermediate": 128, "fp8": "channel-token"}),

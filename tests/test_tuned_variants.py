@@ -266,6 +266,22 @@ def test_row_parallel_projections_add_their_bias_after_the_all_reduce() -> None:
     assert tune.biased_projections(plain, 1) == []
 
 
+def test_the_tuner_is_told_which_projections_a_norm_feeds() -> None:
+    """qkv where a layer normalises the attention's input, gate_up where a dense MLP's input is
+    normalised (ops.norm_linear): not for post-norm layers (OLMo 2) or a MoE block, whose norm runs in
+    the router's launch."""
+    from types import SimpleNamespace
+
+    def layer(attn_in: bool, mlp_in: bool, kind: str = "dense") -> SimpleNamespace:
+        norm = SimpleNamespace(eps=1e-6)
+        return SimpleNamespace(attn_in_norm=norm if attn_in else None, mlp_in_norm=norm if mlp_in else None, mlp=SimpleNamespace(kind=kind))
+
+    assert tune.normed_projections(SimpleNamespace(layers=[layer(True, True)] * 2)) == ["qkv", "gate_up"]
+    assert tune.normed_projections(SimpleNamespace(layers=[layer(False, False)] * 2)) == []
+    assert tune.normed_projections(SimpleNamespace(layers=[layer(True, True, "moe")] * 2)) == ["qkv"]
+    assert tune.normed_projections(SimpleNamespace(layers=[layer(True, True), layer(True, True, "moe")])) == ["qkv", "gate_up"]
+
+
 @pytest.mark.parametrize("kernel", ["w4a16_gemm", "fp8_gemm"])
 def test_a_row_bucket_compiles_the_variant_its_served_rows_launch(monkeypatch, kernel):  # type: ignore[no-untyped-def]
     """A GEMM bucket of 32 rows serves 17 to 32 rows, and Triton compiles a variant for a row count
@@ -328,3 +344,53 @@ def test_a_moe_token_bucket_compiles_the_variant_every_served_count_launches(mon
         for t in (17, 18, 23, 31):
             served = launch(t, cfg)
             assert served <= built, (cfg.as_dict(), t, served - built)
+
+
+def test_an_fp8_normed_decode_bucket_compiles_the_variants_serving_launches(monkeypatch):  # type: ignore[no-untyped-def]
+    """An FP8 qkv or gate_up fed by a layer's norm (ModelShapes.normed) runs, up to 16 rows under a
+    SKINNY config, the fused decode kernel with the norm inside (ops.norm_linear), with the residual
+    and, in layer 0, without: the tuner's launches of each config it times (the problem, and
+    Problem.variants) hold the key of every launch serving makes for the rows a bucket serves (3-4
+    at 4, 9-16 at 16), and a tile config's launches go through the norm that quantises for it."""
+    from test_startup_compiles import _Recorded
+
+    from pagecast.kernels import reference, rms_norm
+    from pagecast.kernels.quant_linear import Fp8LinearWeight
+
+    keys: set[tuple] = set()
+    monkeypatch.setattr(fp8_gemm, "_fp8_skinny_kernel", _Recorded("_fp8_skinny_kernel", fp8_gemm._fp8_skinny_kernel, keys))
+    norms: list[bool] = []
+    real_norm = rms_norm.rms_norm_fp8
+    monkeypatch.setattr(rms_norm, "rms_norm_fp8", lambda x, res, *a, **k: norms.append(res is not None) or real_norm(x, res, *a, **k))
+    shapes = tuning.ModelShapes(**DIMS, dtype="bfloat16", fp8="channel-token", normed=("qkv", "gate_up"), biased=("qkv",))
+    for bucket, served_rows in (("qkv.m4", (3, 4)), ("gate_up.m16", (9, 15, 16))):
+        dims = dict(problems.buckets("fp8_gemm", shapes))[bucket]
+        problem = problems.make_problem("fp8_gemm", shapes, dims, "cpu")
+        space = problems.config_space("fp8_gemm", shapes, dims)
+        skinny = [c for c in space if fp8_gemm.is_skinny(c)][:3]
+        assert skinny and problem.variants is not None
+        keys.clear()
+        for cfg in skinny:  # what tuning.tune runs for each config it times
+            problem.launch(cfg, 0)
+            problem.variants(cfg)
+        built, served = set(keys), set()
+        n, k = dims["n"], dims["k"]
+        w = Fp8LinearWeight(*reference.quantize_fp8_rows(torch.randn(n, k)), None, "token")
+        bias = torch.zeros(n, dtype=torch.bfloat16) if bucket.startswith("qkv") else None
+        g = torch.ones(k, dtype=torch.bfloat16)
+        for cfg in skinny:
+            for rows in served_rows:
+                x = torch.randn(rows, k, dtype=torch.bfloat16)
+                for residual in (None, torch.randn(rows, k, dtype=torch.bfloat16)):
+                    keys.clear()
+                    fp8_gemm.fp8_skinny_norm_linear(x, residual, g, 1e-6, w, bias, cfg)
+                    served |= keys
+        assert served and served <= built, (bucket, served - built)
+        keys.clear()
+        fp8_gemm.fp8_skinny_linear(x, w.weight, w.weight_scale, "token", None, bias, torch.bfloat16, skinny[0])
+        assert keys and not keys & served  # the norm's are variants of their own, which the plain launches do not compile
+        norms.clear()
+        tile = next(c for c in space if not fp8_gemm.is_skinny(c) and not fp8_gemm.is_scaled_mm(c))
+        problem.launch(tile, 0)
+        problem.variants(tile)
+        assert norms[0] is True and False in norms  # the stream's norm, and layer 0's
