@@ -35,6 +35,16 @@ of the chunks are summed at the end. Block-scaled weights take BLOCK_K 128, so a
 one 1x128 activation group whose scale comes from the tile itself and is applied, with the
 weight's, to the step's product. No torch ops after.
 
+The RMSNorm that makes a projection's input (qkv, gate_up: ops.norm_linear) runs inside that
+kernel too (``fp8_skinny_norm_linear``, NORM 1, or NORM 2 with the residual add): its first pass
+over x, which takes the amax, also sums each row's squares of the stream s (x + residual, added in
+fp32 and rounded to x's dtype, as fused_add_rms_norm stores it; program (0, 0) stores it) and takes
+the amax of s * g, g the norm's weight. rstd = rsqrt(mean + eps) scales every value of a row alike
+and fp32 rounding keeps order, so rstd times that amax is exactly the amax of the normalised row
+(s * g) * rstd, which the quantising steps form. The normalised row is not rounded to x's dtype
+first, as rms_norm's output is (``reference.fp8_norm_linear`` is the definition). One launch a
+layer's norm fewer at decode.
+
 Narrow projections give that kernel too few programs (N = 4096 in column blocks of 32: 128 on an
 H200's 132 multiprocessors, each reading all of K; o_proj streamed 1.65 TB/s of weight at one row
 against 3.45 at gate_up's 28,672 columns), so a SKINNY config may also split K:
