@@ -115,6 +115,14 @@ def steps(out: Path) -> list[Step]:
             "same-artifact baseline of fp8_w1_w6",
         ),
         Step(
+            "fp8_profile",
+            [PY, str(bench / "profile_step.py"), "--artifact", str(out / "fp8" / "llama3-8b-fp8"), "--batch", "1",
+             "--context", "128", "--steps", "16", "--top", "30"],
+            120,
+            "where FP8 W4's step goes now, kernel by kernel (thirteenth session: the skinny GEMV 2.32 ms in 128 "
+            "launches, norms 0.14 ms in 65, the bf16 LM head 0.25 ms, attention 0.20 ms; 0.62x of bf16 is 2.89 ms)",
+        ),
+        Step(
             "fp8_block_speed",
             [PY, str(bench / "fp8.py"), "--out", str(out / "fp8b"), "--variants", "bf16,fp8block", "--phases",
              "W1,W6,W4", "--tune-budget", "60"],

@@ -17,6 +17,7 @@ from triton.language.extra.cuda import gdc_wait
 
 from pagecast.kernels import pdl
 from pagecast.kernels.fp8_gemm import _quantise_rows, _scale_of
+from pagecast.kernels.gated import gated_product as _gated
 from pagecast.kernels.tuning import KernelConfig
 
 
@@ -38,24 +39,6 @@ def _silu_and_mul_kernel(
     mask = cols < d
     y = _gated(x_ptr + row * stride_x, cols, mask, d, ACT)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _gated(x_row, cols, mask, d, ACT: tl.constexpr):
-    # act(gate) * up in fp32 for the columns ``cols`` of one row of x (gate, up): the activation
-    # in fp32, rounded to x's dtype before the multiply, as torch's two ops round it
-    gate = tl.load(x_row + cols, mask=mask, other=0.0)
-    up = tl.load(x_row + d + cols, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    if ACT == 0:
-        act = g / (1.0 + tl.exp(-g))
-    else:
-        # 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(z) = 1 - 2 / (exp(2z) + 1): exp
-        # overflowing to inf gives tanh 1, exactly as it should, so no clamp is needed
-        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        act = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
-    act = act.to(gate.dtype).to(tl.float32)
-    return act * up.to(tl.float32)
 
 
 @triton.jit

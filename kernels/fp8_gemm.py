@@ -80,11 +80,13 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from pagecast.kernels import pdl, reference, split_k
+from pagecast.kernels.gated import gated_product as _gated
 from pagecast.kernels.tuning import KernelConfig
 
 FP8_MAX = reference.FP8_MAX
 GROUP = reference.FP8_GROUP
 SCALED_MM = KernelConfig({"scaled_mm": 1}, num_warps=0, num_stages=0)  # torch._scaled_mm (cuBLASLt)
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # the gated activations the fused decode kernel applies (ACT)
 
 
 # ---------------------------------------------------------------------------- activation quantisation
@@ -249,9 +251,12 @@ def _scale_of(amax, MIN_AMAX: tl.constexpr, QMAX: tl.constexpr):
 
 
 @triton.jit
-def _skinny_input(x_rows, r_rows, offs_k, mask, NORM: tl.constexpr):
-    """The fused kernel's input at ``offs_k`` in x's dtype: x, or with NORM 2 x + residual (added in
-    fp32 and rounded, as rms_norm's fused add stores the stream)."""
+def _skinny_input(x_rows, r_rows, offs_k, mask, K, NORM: tl.constexpr, ACT: tl.constexpr):
+    """The fused kernel's input at ``offs_k`` in x's dtype: x; with NORM 2 x + residual (added in
+    fp32 and rounded, as rms_norm's fused add stores the stream); with ACT >= 0 act(gate) * up of
+    x's rows (gate, up) rounded as silu_and_mul / gelu_tanh_and_mul store it (activation._gated)."""
+    if ACT >= 0:
+        return _gated(x_rows, offs_k, mask, K, ACT).to(x_rows.dtype.element_ty)
     x = tl.load(x_rows + offs_k, mask=mask, other=0.0)
     if NORM == 2:
         r = tl.load(r_rows + offs_k, mask=mask, other=0.0)
@@ -311,6 +316,7 @@ def _fp8_skinny_kernel(
     MIN_AMAX: tl.constexpr,
     QMAX: tl.constexpr,
     NORM: tl.constexpr = 0,  # x is: 0 the input; 1 RMS-normalised first; 2 added to r_ptr's rows, then normalised
+    ACT: tl.constexpr = -1,  # >= 0: x [M, 2K] holds (gate, up), the input is act(gate) * up (0 silu, 1 gelu_tanh)
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     if PDL:
@@ -344,7 +350,7 @@ def _fp8_skinny_kernel(
         for i in range(tl.cdiv(num_steps, CHUNKS)):
             offs_k = (i * CHUNKS + chunk)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
             in_k = row_ok[:, None] & (offs_k < K)
-            x = _skinny_input(x_rows, r_rows, offs_k, in_k, NORM)
+            x = _skinny_input(x_rows, r_rows, offs_k, in_k, K, NORM, ACT)
             if NORM == 2:
                 tl.store(stream_ptr + row[:, None].to(tl.int64) * K + offs_k, x, mask=in_k & stores_stream)
             x = x.to(tl.float32)
@@ -394,7 +400,7 @@ def _fp8_skinny_kernel(
     for i in range(first, last):
         if (i - first) % CHUNKS == 0:
             offs_k = (i + chunk)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
-            x = _skinny_input(x_rows, r_rows, offs_k, row_ok[:, None] & (offs_k < k_end), NORM).to(tl.float32)
+            x = _skinny_input(x_rows, r_rows, offs_k, row_ok[:, None] & (offs_k < k_end), K, NORM, ACT).to(tl.float32)
             if NORM > 0:
                 if CHUNKS == 1:  # every tile row at the same columns: the norm weight's once
                     offs_g = i * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -707,10 +713,13 @@ def _skinny(
     out_dtype: torch.dtype,
     config: Mapping[str, int] | KernelConfig,
     norm: tuple[torch.Tensor | None, torch.Tensor, float, torch.Tensor] | None,
+    act: int = -1,
 ) -> torch.Tensor:
+    """The fused decode kernel's launch for x [M, K] (or, with ``act`` >= 0, x [M, 2K] holding
+    gate and up, activated on the way in)."""
     cfg = KernelConfig.coerce(config)
     assert cfg is not None and is_skinny(cfg)
-    m, k = x.shape
+    m, k = x.shape[0], x.shape[1] // 2 if act >= 0 else x.shape[1]
     n = weight.shape[0]
     block = w_scale.dim() == 2
     bk = cfg["BLOCK_K"]
@@ -731,7 +740,7 @@ def _skinny(
     # without a step (prune_configs offers none such, a table entry met by another K may be).
     num_steps = triton.cdiv(k, bk)
     split, steps = split_k.split_steps(num_steps, cfg.params.get("SPLIT_K", 1))
-    _launch_skinny(x, weight, w_scale, xs, bias, y, mode, split, steps, cfg, norm)
+    _launch_skinny(x, weight, w_scale, xs, bias, y, mode, split, steps, cfg, norm, act)
     return y
 
 
@@ -747,11 +756,13 @@ def _launch_skinny(
     steps: int,
     cfg: KernelConfig,
     norm: tuple[torch.Tensor | None, torch.Tensor, float, torch.Tensor] | None = None,
+    act: int = -1,
 ) -> None:
     """One launch of _fp8_skinny_kernel: ``split`` programs per column block of ``steps`` K steps
     each (fp8_skinny_linear leaves none of them empty; the kernel handles an empty one). ``norm``:
-    (residual or None, norm weight, eps, the stream out) to normalise x first (NORM 2 or 1)."""
-    m, k = x.shape
+    (residual or None, norm weight, eps, the stream out) to normalise x first (NORM 2 or 1);
+    ``act`` >= 0: x holds (gate, up), activated first (ACT: 0 silu, 1 gelu_tanh)."""
+    m, k = x.shape[0], x.shape[1] // 2 if act >= 0 else x.shape[1]
     n = weight.shape[0]
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
     blocks = triton.cdiv(n, bn)
@@ -769,7 +780,7 @@ def _launch_skinny(
         m, n, k, x.stride(0), residual.stride(0), steps, eps,
         MODE=mode, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, ROWS=triton.next_power_of_2(m),
         BLOCK_M=SKINNY_MAX_ROWS, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, GROUP_K=GROUP,
-        MIN_AMAX=reference.FP8_MIN_AMAX, QMAX=FP8_MAX, NORM=norm_mode, num_warps=cfg.num_warps,
+        MIN_AMAX=reference.FP8_MIN_AMAX, QMAX=FP8_MAX, NORM=norm_mode, ACT=act, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl.launch_options(),
     )  # fmt: skip
 
@@ -815,14 +826,19 @@ def fp8_act_and_mul_linear(
     x: torch.Tensor, w: Any, bias: torch.Tensor | None, activation: str,
     config: Mapping[str, int] | KernelConfig | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """The down projection of a gated MLP where ``quantises_apart`` holds: act(gate) * up of x
-    [M, 2 * d] (gate, up) @ W.T (+ bias) for an ``Fp8LinearWeight``, the value of
-    ``fp8_linear(act_and_mul(x), ...)``, with the activation and the quantisation in one launch
-    (``activation.act_and_mul_fp8``): the [M, d] intermediate in x's dtype is never written."""
+    """The down projection of a gated MLP: act(gate) * up of x [M, 2 * d] (gate, up) @ W.T (+ bias)
+    for an ``Fp8LinearWeight``, with the bits of ``fp8_linear(act_and_mul(x), ...)`` (activation
+    "silu" or "gelu_tanh"). Where ``quantises_apart`` holds the activation and the quantisation run
+    in one launch (``activation.act_and_mul_fp8``), else (up to 16 rows, a SKINNY config) the fused
+    decode kernel activates its input on the way in (ACT): the [M, d] intermediate in x's dtype is
+    never written, and no launch is the activation's alone."""
     from pagecast.kernels import activation as act_kernels
 
     m, d = x.shape[0], x.shape[1] // 2
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"fp8_act_and_mul_linear: activation {activation!r}, not one of {sorted(ACTIVATIONS)}")
     if not quantises_apart(m, d, w, x.dtype, config):
-        raise ValueError(f"fp8_act_and_mul_linear: {m} rows run the SKINNY kernel, which quantises its input itself")
+        cfg = KernelConfig.coerce(config) or default_config(m, w.weight.shape[0], d, w.weight_scale.dim() == 2, x.dtype)
+        return _skinny(x, w.weight, w.weight_scale, w.activations, w.input_scale, bias, x.dtype, cfg, None, ACTIVATIONS[activation])
     qx, sx = act_kernels.act_and_mul_fp8(x, activation, w.activations, w.input_scale)
     return fp8_gemm_quantised(qx, sx, w, bias, x.dtype, config)

@@ -463,7 +463,9 @@ FUSE_SILU_DOWN = True
 # that makes the input, where the projection would quantise in a launch of its own (more than 16
 # rows, or a tile config): the gated activation before down (fp8_gemm.fp8_act_and_mul_linear) and
 # the norm before qkv and gate_up (norm_linear); the same bits as the two launches
-# (tests/test_fp8_kernels.py). Not yet timed on a GPU: PAGECAST_FUSE_ACT_QUANT_FP8=0
+# (tests/test_fp8_kernels.py). Up to 16 rows under a SKINNY config, down's fused decode kernel
+# (which quantises its input itself) activates it on the way in instead: no activation launch, the
+# same bits. Not yet timed on a GPU: PAGECAST_FUSE_ACT_QUANT_FP8=0
 # in a serving process turns it off, for the same-artifact comparison (benchmarks/gpu_queue.py).
 FUSE_ACT_QUANT_FP8 = os.environ.get("PAGECAST_FUSE_ACT_QUANT_FP8", "1") != "0"
 # The RMSNorm (and the residual add before it) inside the fused FP8 decode kernel that quantises
@@ -484,10 +486,10 @@ def _linear_of(
     if not silu_and_mul_first:
         return linear(x, weight, bias, projection)
     if FUSE_ACT_QUANT_FP8 and isinstance(weight, Fp8LinearWeight) and activation in ("silu", "gelu_tanh") and _triton(x):
-        # the activation and the FP8 quantisation of down's input in one launch (fp8_gemm.fp8_act_and_mul_linear)
+        # the activation in the launch that quantises down's input (fp8_gemm.fp8_act_and_mul_linear):
+        # the quantising kernel's, or up to 16 rows the fused decode GEMV's
         cfg = _config("fp8_gemm", fp8_bucket(projection, x.shape[0]))
-        if _kernels().fp8_quantises_apart(x.shape[0], x.shape[1] // 2, weight, x.dtype, cfg):
-            return _kernels().fp8_act_and_mul_linear(x, weight, bias, activation, cfg)  # type: ignore[no-any-return]
+        return _kernels().fp8_act_and_mul_linear(x, weight, bias, activation, cfg)  # type: ignore[no-any-return]
     if activation != "silu":
         return linear(act_and_mul(x, activation), weight, bias, projection)
     if FUSE_SILU_DOWN and isinstance(weight, Int4LinearWeight) and _triton(x):

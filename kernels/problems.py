@@ -347,7 +347,7 @@ def _fp8_block(shapes: ModelShapes) -> bool:
 
 def _fp8_gated_down(shapes: ModelShapes, dims: dict[str, int]) -> bool:
     """Whether this fp8_gemm bucket is the down projection, whose input serving activates on the way
-    in (ops' silu_and_mul_first: fp8_gemm.fp8_act_and_mul_linear where the input is quantised apart)."""
+    in (ops' silu_and_mul_first: fp8_gemm.fp8_act_and_mul_linear)."""
     return dims["projection"] == PROJECTIONS.index("down") and shapes.activation in ("silu", "gelu_tanh")
 
 
@@ -951,17 +951,12 @@ def _fp8_problem(
         weights.append(Fp8LinearWeight(q, s, inp, activations))
     bias = _bias(shapes, dims, n, device, dg)
     if _fp8_gated_down(shapes, dims):
-        # down as ops runs it: gate_up's rows activated on the way in, with the quantisation in one
-        # launch where the config quantises apart, else the activation's launch, then the projection
-        from pagecast.kernels import activation as act_kernels
-
+        # down as ops runs it: gate_up's rows activated on the way in, in the launch that quantises
+        # them for a tile (or torch._scaled_mm), or inside the fused decode kernel (SKINNY configs)
         rows = torch.randn((m, 2 * k), generator=dg, device=device, dtype=dtype)
-        act = act_kernels.silu_and_mul if shapes.activation == "silu" else act_kernels.gelu_tanh_and_mul
 
         def linear(x: torch.Tensor, w: Fp8LinearWeight, cfg: KernelConfig | None) -> object:
-            if fp8_gemm.quantises_apart(x.shape[0], k, w, dtype, cfg):
-                return fp8_gemm.fp8_act_and_mul_linear(x, w, bias, shapes.activation, cfg)
-            return fp8_gemm.fp8_linear(act(x), w, bias, cfg)
+            return fp8_gemm.fp8_act_and_mul_linear(x, w, bias, shapes.activation, cfg)
 
     elif _fp8_normed(shapes, dims):
         # qkv / gate_up as ops.norm_linear runs them: the residual add and RMSNorm inside the fused

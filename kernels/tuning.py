@@ -926,7 +926,49 @@ def compile_fp8_input_variants(table: Mapping[str, Any], shapes: ModelShapes, de
         # (PAGECAST_FUSE_ACT_QUANT_FP8=0, the same-artifact comparison): no compile while it serves
         fp8_gemm.quantize_activations(gate_up[:, : shapes.intermediate], activations, scale)
         launches += 2
+    return launches + _compile_fp8_decode_unfused(table, shapes, device)
+
+
+def _compile_fp8_decode_unfused(table: Mapping[str, Any], shapes: ModelShapes, device: torch.device | str) -> int:
+    """For a server with the decode fusions off (PAGECAST_FUSE_NORM_FP8_DECODE=0: the norm before
+    qkv and gate_up in its own launch; PAGECAST_FUSE_ACT_QUANT_FP8=0: down's activation), the
+    same-artifact comparison: the fused decode kernel without its norm or activation (what the
+    tuner times in their place, ModelShapes.normed and the gated down) at each such bucket of 1-16
+    rows whose config is SKINNY, at its rows (and one fewer at 16). Returns the launches."""
+    from pagecast.kernels import fp8_gemm, problems
+
+    if not shapes.fp8:
+        return 0
+    launches = 0
+    dims = dict(problems.buckets("fp8_gemm", shapes))
+    fused = [*shapes.normed, *(("down",) if shapes.activation in ("silu", "gelu_tanh") else ())]
+    for projection in fused:
+        n, k = projection_dims(shapes)[projection]
+        weight = None
+        for m in (b for b in FP8_ROW_BUCKETS if b <= fp8_gemm.SKINNY_MAX_ROWS):
+            bucket = fp8_bucket(projection, m)
+            cfg = KernelConfig.coerce(lookup(table, "fp8_gemm", bucket)) or problems.default_config("fp8_gemm", shapes, dims[bucket])
+            if not fp8_gemm.is_skinny(cfg):
+                continue
+            if weight is None:
+                weight = _random_fp8_weight(shapes, n, k, device)
+            bias = torch.zeros((n,), device=device, dtype=shapes.torch_dtype) if projection in shapes.biased else None
+            for rows in (m, m - 1) if m % 16 == 0 else (m,):
+                x = torch.randn((rows, k), device=device, dtype=shapes.torch_dtype)
+                fp8_gemm.fp8_linear(x, weight, bias, cfg)
+                launches += 1
     return launches
+
+
+def _random_fp8_weight(shapes: ModelShapes, n: int, k: int, device: torch.device | str) -> Any:
+    """An [n, k] FP8 projection in the build's scheme (builder/fp8.py's layout), random values."""
+    from pagecast.kernels import reference
+    from pagecast.kernels.quant_linear import Fp8LinearWeight
+
+    weights_kind, _, activations = shapes.fp8.partition("-")
+    w = torch.randn((n, k), device=device) * 0.02
+    q, s = reference.quantize_fp8_groups(w) if weights_kind == "block" else reference.quantize_fp8_rows(w)
+    return Fp8LinearWeight(q, s, torch.ones((1,), device=device) if activations == "static" else None, activations)
 
 
 def compile_router_norm_variants(table: Mapping[str, Any], shapes: ModelShapes, device: torch.device | str) -> int:

@@ -205,17 +205,27 @@ def test_fp8_builds_compile_the_norm_and_activation_that_quantise_for_the_projec
     )  # fmt: skip
     monkeypatch.setattr(activation, "act_and_mul_fp8", lambda x, act, acts_, scale: acts.append((act, acts_, x.shape[1])))
     monkeypatch.setattr(fp8_gemm, "quantize_activations", lambda x, acts_, scale: acts.append(("none", acts_, x.shape[1])))
+    plain: list[tuple[int, int, bool]] = []
+    monkeypatch.setattr(fp8_gemm, "fp8_linear", lambda x, w, bias, cfg: plain.append((w.weight.shape[0], x.shape[0], fp8_gemm.is_skinny(cfg))))
+    tile = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 1}
     table = {"kernels": {"rms_norm": {"t1": {"config": {"num_warps": 2, "num_stages": 1}}},
-                         "fused_add_rms_norm": {"t1": {"config": {"num_warps": 16, "num_stages": 1}}}}}  # fmt: skip
-    shapes = tuning.ModelShapes(**DIMS, dtype="float32", fp8="channel-token", activation="gelu_tanh")
-    assert tuning.compile_fp8_input_variants(table, shapes, "cpu") == len(norms) + len(acts)
+                         "fused_add_rms_norm": {"t1": {"config": {"num_warps": 16, "num_stages": 1}}},
+                         "fp8_gemm": {"qkv.m4": {"config": tile}}}}  # fmt: skip
+    shapes = tuning.ModelShapes(**DIMS, dtype="float32", fp8="channel-token", activation="gelu_tanh", normed=("qkv",))
+    assert tuning.compile_fp8_input_variants(table, shapes, "cpu") == len(norms) + len(acts) + len(plain)
+    # and, for a server with the decode fusions off, the fused decode kernel alone at qkv's (normed)
+    # and down's (activated) SKINNY buckets (qkv.m4's tile quantises apart: none there)
+    qkv_n = (DIMS["num_heads"] + 2 * DIMS["num_kv_heads"]) * DIMS["head_dim"]
+    expected = [(qkv_n, m, True) for m in (1, 2, 8, 16, 15)] + [(DIMS["hidden"], m, True) for m in (1, 2, 4, 8, 16, 15)]
+    assert plain == expected
     default = rms_norm.default_config(DIMS["hidden"]).num_warps
     assert set(norms) == {(False, "token", 2), (False, "token", default), (True, "token", 16), (True, "token", default)}
     # the activation with the quantisation, and the quantisation alone (a server with the fusion off)
     assert acts == [("gelu_tanh", "token", 2 * DIMS["intermediate"]), ("none", "token", DIMS["intermediate"])]
     norms.clear()
     acts.clear()
-    assert tuning.compile_fp8_input_variants(table, tuning.ModelShapes(**DIMS), "cpu") == 0 and not norms and not acts
+    plain.clear()
+    assert tuning.compile_fp8_input_variants(table, tuning.ModelShapes(**DIMS), "cpu") == 0 and not norms and not acts and not plain
 
 
 @pytest.mark.parametrize("family", ["qwen3", "olmo2", "llama"])

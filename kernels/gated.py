@@ -1,0 +1,26 @@
+"""The gated MLP's activation, act(gate) * up, as one Triton helper: the activation kernels
+(kernels/activation.py) and the FP8 decode kernel that applies it to its input on the way in
+(kernels/fp8_gemm.py, ACT) compute it the same way, so their results agree to the bit."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def gated_product(x_row, cols, mask, d, ACT: tl.constexpr):
+    # act(gate) * up in fp32 for the columns ``cols`` of one row of x (gate, up): the activation
+    # in fp32, rounded to x's dtype before the multiply, as torch's two ops round it
+    gate = tl.load(x_row + cols, mask=mask, other=0.0)
+    up = tl.load(x_row + d + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    if ACT == 0:
+        act = g / (1.0 + tl.exp(-g))
+    else:
+        # 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(z) = 1 - 2 / (exp(2z) + 1): exp
+        # overflowing to inf gives tanh 1, exactly as it should, so no clamp is needed
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        act = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
+    act = act.to(gate.dtype).to(tl.float32)
+    return act * up.to(tl.float32)
