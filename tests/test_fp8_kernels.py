@@ -832,6 +832,31 @@ def test_gpu_norm_inside_the_fused_decode_kernel_matches_the_kernel_on_normalise
     assert torch.equal(out, want) and torch.equal(out_stream, want_stream) and not torch.equal(out, y)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("activations", ["token", "group", "static"])
+@pytest.mark.parametrize(("n", "d"), [(4096, 14336), (576, 1536)])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gpu_activation_inside_the_fused_decode_kernel_gives_the_two_launches_bits(activations, n, d, activation):  # type: ignore[no-untyped-def]
+    """Llama-3-8B's and SmolLM2's down at 1, 5 and 16 rows in bf16, every SKINNY config:
+    fp8_act_and_mul_linear (the activation inside the fused decode kernel) has the bits of the
+    activation's launch then the same kernel."""
+    from pagecast.kernels import activation as act_kernels
+    from pagecast.kernels import fp8_gemm
+
+    dev = _cuda()
+    g = torch.Generator(device=dev).manual_seed(6)
+    weight = _gpu_fp8_weight(n, d, activations, g, dev)
+    act = act_kernels.silu_and_mul if activation == "silu" else act_kernels.gelu_tanh_and_mul
+    for m in (1, 5, 16):
+        x = (torch.randn(m, 2 * d, generator=g, device=dev) * 3).to(torch.bfloat16)
+        configs = [c for c in fp8_gemm.prune_configs(fp8_gemm.CONFIG_SPACE, m, n, d, activations == "group", torch.bfloat16)
+                   if fp8_gemm.is_skinny(c)]  # fmt: skip
+        assert configs
+        for cfg in configs:
+            y = fp8_gemm.fp8_act_and_mul_linear(x, weight, None, activation, cfg)
+            assert torch.equal(y, fp8_gemm.fp8_linear(act(x), weight, None, cfg)), (m, cfg)
+
+
 def _split_configs(m: int, n: int, k: int, activations: str) -> list:  # type: ignore[type-arg]
     from pagecast.kernels import fp8_gemm
 
