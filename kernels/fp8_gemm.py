@@ -657,22 +657,6 @@ def fp8_gemm(
     return out.to(out_dtype)
 
 
-def fp8_skinny_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    w_scale: torch.Tensor,
-    activations: str,
-    input_scale: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-    config: Mapping[str, int] | KernelConfig,
-) -> torch.Tensor:
-    """x [M <= 16, K] (half / fp32) -> [M, N] in ``out_dtype`` in one launch: the activations
-    quantised as ``quantize_activations`` does, inside the GEMM (``{"SKINNY": 1, ...}`` configs).
-    Capture-safe (no host syncs)."""
-    return _skinny(x, weight, w_scale, activations, input_scale, bias, out_dtype, config, None)
-
-
 def fp8_skinny_norm_linear(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -699,11 +683,11 @@ def fp8_skinny_norm_linear(
     if residual is not None and residual.stride(1) != 1:
         residual = residual.contiguous()
     stream = x if residual is None else torch.empty((m, k), dtype=x.dtype, device=x.device)
-    y = _skinny(x, w.weight, w.weight_scale, w.activations, w.input_scale, bias, x.dtype, cfg, (residual, norm_weight, eps, stream))
+    y = fp8_skinny_linear(x, w.weight, w.weight_scale, w.activations, w.input_scale, bias, x.dtype, cfg, (residual, norm_weight, eps, stream))
     return y, stream
 
 
-def _skinny(
+def fp8_skinny_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     w_scale: torch.Tensor,
@@ -712,11 +696,13 @@ def _skinny(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
     config: Mapping[str, int] | KernelConfig,
-    norm: tuple[torch.Tensor | None, torch.Tensor, float, torch.Tensor] | None,
+    norm: tuple[torch.Tensor | None, torch.Tensor, float, torch.Tensor] | None = None,
     act: int = -1,
 ) -> torch.Tensor:
-    """The fused decode kernel's launch for x [M, K] (or, with ``act`` >= 0, x [M, 2K] holding
-    gate and up, activated on the way in)."""
+    """x [M <= 16, K] (half / fp32) -> [M, N] in ``out_dtype`` in one launch: the activations
+    quantised as ``quantize_activations`` does, inside the GEMM (``{"SKINNY": 1, ...}`` configs).
+    ``norm`` (fp8_skinny_norm_linear's): normalise x first; ``act`` >= 0: x is [M, 2K] holding
+    gate and up, activated on the way in (ACTIVATIONS' codes). Capture-safe (no host syncs)."""
     cfg = KernelConfig.coerce(config)
     assert cfg is not None and is_skinny(cfg)
     m, k = x.shape[0], x.shape[1] // 2 if act >= 0 else x.shape[1]
@@ -839,6 +825,6 @@ def fp8_act_and_mul_linear(
         raise ValueError(f"fp8_act_and_mul_linear: activation {activation!r}, not one of {sorted(ACTIVATIONS)}")
     if not quantises_apart(m, d, w, x.dtype, config):
         cfg = KernelConfig.coerce(config) or default_config(m, w.weight.shape[0], d, w.weight_scale.dim() == 2, x.dtype)
-        return _skinny(x, w.weight, w.weight_scale, w.activations, w.input_scale, bias, x.dtype, cfg, None, ACTIVATIONS[activation])
+        return fp8_skinny_linear(x, w.weight, w.weight_scale, w.activations, w.input_scale, bias, x.dtype, cfg, act=ACTIVATIONS[activation])
     qx, sx = act_kernels.act_and_mul_fp8(x, activation, w.activations, w.input_scale)
     return fp8_gemm_quantised(qx, sx, w, bias, x.dtype, config)
