@@ -108,7 +108,7 @@ def steps(out: Path) -> list[Step]:
         ),
         Step(
             "fp8_w1_w6_unfused",
-            ["env", "PAGECAST_FUSE_ACT_QUANT_FP8=0", "PAGECAST_FUSE_NORM_FP8_DECODE=0", PY, str(bench / "serving.py"),
+            ["env", "PAGECAST_FUSE_ACT_QUANT_FP8=0", "PAGECAST_FUSE_NORM_DECODE=0", PY, str(bench / "serving.py"),
              "--artifact", str(out / "fp8" / "llama3-8b-fp8"), "--phases", "W4,W1,W6", "--out", str(out / "fp8_unfused")],
             200,
             "the same FP8 artifact served with both fusions off (the norm its own launch before the decode GEMV, "

@@ -223,7 +223,7 @@ def norm_linear(
             norm_cfg = _config("rms_norm" if residual is None else "fused_add_rms_norm", bucket)
             qx, sx, stream = kernels.rms_norm_fp8(x, residual, norm_weight, eps, weight.activations, weight.input_scale, norm_cfg)
             return kernels.fp8_gemm_quantised(qx, sx, weight, bias, x.dtype, cfg), stream
-        if not apart and FUSE_NORM_FP8_DECODE:
+        if not apart and FUSE_NORM_DECODE:
             return kernels.fp8_skinny_norm_linear(x, residual, norm_weight, eps, weight, bias, cfg)  # type: ignore[no-any-return]
     if residual is None:
         normed, stream = rms_norm(x, norm_weight, eps), x
@@ -470,9 +470,11 @@ FUSE_SILU_DOWN = True
 FUSE_ACT_QUANT_FP8 = os.environ.get("PAGECAST_FUSE_ACT_QUANT_FP8", "1") != "0"
 # The RMSNorm (and the residual add before it) inside the fused FP8 decode kernel that quantises
 # its output, up to 16 rows (norm_linear, fp8_gemm.fp8_skinny_norm_linear): one launch a layer's
-# qkv and gate_up instead of two. Not yet timed on a GPU: PAGECAST_FUSE_NORM_FP8_DECODE=0 in a
-# serving process turns it off, for the same-artifact comparison (benchmarks/gpu_queue.py).
-FUSE_NORM_FP8_DECODE = os.environ.get("PAGECAST_FUSE_NORM_FP8_DECODE", "1") != "0"
+# qkv and gate_up instead of two. (The half-type skinny kernel with the norm inside, tried in the
+# twenty-eighth session, held 200-255 registers and spilled, against 40-80 without: not built.)
+# Not yet timed on a GPU: PAGECAST_FUSE_NORM_DECODE=0 in a serving process turns it off, for the
+# same-artifact comparison (benchmarks/gpu_queue.py).
+FUSE_NORM_DECODE = os.environ.get("PAGECAST_FUSE_NORM_DECODE", "1") != "0"
 
 
 def _linear_of(

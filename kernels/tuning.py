@@ -930,7 +930,7 @@ def compile_fp8_input_variants(table: Mapping[str, Any], shapes: ModelShapes, de
 
 
 def _compile_fp8_decode_unfused(table: Mapping[str, Any], shapes: ModelShapes, device: torch.device | str) -> int:
-    """For a server with the decode fusions off (PAGECAST_FUSE_NORM_FP8_DECODE=0: the norm before
+    """For a server with the decode fusions off (PAGECAST_FUSE_NORM_DECODE=0: the norm before
     qkv and gate_up in its own launch; PAGECAST_FUSE_ACT_QUANT_FP8=0: down's activation), the
     same-artifact comparison: the fused decode kernel without its norm or activation (what the
     tuner times in their place, ModelShapes.normed and the gated down) at each such bucket of 1-16

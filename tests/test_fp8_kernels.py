@@ -1099,7 +1099,7 @@ def test_fp8_norm_linear_quantises_in_the_norm_launch_past_16_rows(monkeypatch):
     rows the norm's launch quantises the projection's input (no normalised rows in the model's
     dtype, no quantisation launch), with the bits and the residual stream of the two-launch path;
     up to 16 rows under a SKINNY config, the fused decode kernel normalises as well (no norm
-    launch: fp8_skinny_norm_linear's result and stream), or with PAGECAST_FUSE_NORM_FP8_DECODE=0
+    launch: fp8_skinny_norm_linear's result and stream), or with PAGECAST_FUSE_NORM_DECODE=0
     the norm then the fused decode kernel, as before."""
     from pagecast.kernels import fp8_gemm, ops, rms_norm
 
@@ -1133,7 +1133,7 @@ def test_fp8_norm_linear_quantises_in_the_norm_launch_past_16_rows(monkeypatch):
             fused, _ = fp8_gemm.fp8_skinny_norm_linear(x[:4], res, norm_w, 1e-6, w, None, skinny)
             assert torch.equal(y, fused) and torch.equal(got_stream, stream4 if res is not None else x[:4])
         assert norms == [] and launched == []  # 4 rows: the SKINNY kernel normalises and quantises its input itself
-        monkeypatch.setattr(ops, "FUSE_NORM_FP8_DECODE", False)
+        monkeypatch.setattr(ops, "FUSE_NORM_DECODE", False)
         y, got_stream = ops.norm_linear(x[:4], r[:4], norm_w, 1e-6, w, None, "qkv")
         assert torch.equal(y, expected_4) and torch.equal(got_stream, stream4)
         assert norms == ["_rms_norm_kernel"] and launched == []
