@@ -90,12 +90,13 @@ def steps(out: Path) -> list[Step]:
         ),
         Step(
             "fp8_act_quant_tests",
-            _pytest("tests/test_fp8_kernels.py", "-k", "one_launch_are_bitwise or gpu_fp8_gemm_matches or gpu_norm_inside or gpu_activation_inside", "-vv"),
-            240,
+            _pytest("tests/test_fp8_kernels.py", "-k", "one_launch_are_bitwise or gpu_fp8_gemm_matches or gpu_norm_inside or gpu_activation_inside", "-vv",
+                    "tests/test_fp8_gpu.py"),
+            300,
             "the gated activation and the FP8 quantisation of down's input in one launch, bitwise the two launches "
             "in bf16 (Llama-3-8B's 14,336, TP 2's half, SmolLM2's); the RMSNorm inside the fused decode kernel "
             "(every SKINNY config, 1-16 rows, in a CUDA graph) and the activation inside it (bitwise the two "
-            "launches); the FP8 GEMM configs, before any timing",
+            "launches); the FP8 GEMM configs; the FP8 engines against transformers' dequantised models, before any timing",
         ),
         Step(
             "fp8_w1_w6",
