@@ -90,7 +90,8 @@ def steps(out: Path) -> list[Step]:
         ),
         Step(
             "fp8_act_quant_tests",
-            _pytest("tests/test_fp8_kernels.py", "-k", "one_launch_are_bitwise or gpu_fp8_gemm_matches or gpu_norm_inside or gpu_activation_inside", "-vv",
+            _pytest("tests/test_fp8_kernels.py", "-k", "one_launch_are_bitwise or gpu_fp8_gemm_matches or gpu_norm_inside or gpu_activation_inside or fp8_engine_greedy",
+                    "-vv",
                     "tests/test_fp8_gpu.py"),
             300,
             "the gated activation and the FP8 quantisation of down's input in one launch, bitwise the two launches "
