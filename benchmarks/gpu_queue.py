@@ -100,6 +100,22 @@ def steps(out: Path) -> list[Step]:
             "launches); the FP8 GEMM configs; the FP8 engines against transformers' dequantised models, before any timing",
         ),
         Step(
+            "fp8_w4",
+            [PY, str(bench / "fp8.py"), "--out", str(out / "fp8w4"), "--variants", "bf16,fp8", "--phases", "W4",
+             "--tune-budget", "60"],
+            330,
+            "issue 29's FP8 W4 against bf16 with the norm and the activation inside the fused decode GEMV (last: "
+            "0.701x; target 0.62x)",
+        ),
+        Step(
+            "fp8_w4_unfused",
+            ["env", "PAGECAST_FUSE_ACT_QUANT_FP8=0", "PAGECAST_FUSE_NORM_DECODE=0", PY, str(bench / "serving.py"),
+             "--artifact", str(out / "fp8w4" / "llama3-8b-fp8"), "--phases", "W4", "--out", str(out / "fp8w4_unfused")],
+            90,
+            "the same FP8 artifact's W4 with the norm and the activation in launches of their own: the same-run, "
+            "same-artifact baseline of fp8_w4",
+        ),
+        Step(
             "fp8_w1_w6",
             [PY, str(bench / "fp8.py"), "--out", str(out / "fp8"), "--variants", "bf16,fp8", "--phases", "W4,W1,W6",
              "--tune-budget", "60"],
