@@ -1230,7 +1230,7 @@ def test_norm_inside_the_fused_decode_kernel_takes_eps_and_half_rows_and_refuses
 
 @pytest.mark.parametrize("activations", ["token", "group", "static"])
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize(("m", "d"), [(1, 300), (3, 1024), (16, 384)])
+@pytest.mark.parametrize(("m", "d"), [(1, 300), (16, 384)])
 def test_activation_inside_the_fused_decode_kernel_gives_the_two_launches_bits(activations, activation, m, d, launches):  # type: ignore[no-untyped-def]
     """fp8_gemm.fp8_act_and_mul_linear up to 16 rows under a SKINNY config (down at decode): the
     fused decode kernel applies act(gate) * up to its input on the way in, with the bits of the
