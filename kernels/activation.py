@@ -17,6 +17,7 @@ from triton.language.extra.cuda import gdc_wait
 
 from pagecast.kernels import pdl
 from pagecast.kernels.fp8_gemm import _quantise_rows, _scale_of
+from pagecast.kernels.gated import ACT_CODES
 from pagecast.kernels.gated import gated_product as _gated
 from pagecast.kernels.tuning import KernelConfig
 
@@ -154,7 +155,7 @@ def act_and_mul_fp8(
 
     if x.dim() != 2 or x.shape[1] % 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be [num_tokens, 2 * d] with a contiguous last dim, got {tuple(x.shape)}")
-    act = {"silu": 0, "gelu_tanh": 1}[activation]
+    act = ACT_CODES[activation]
     m, d = x.shape[0], x.shape[1] // 2
     q = torch.empty((m, d), dtype=torch.float8_e4m3fn, device=x.device)
     group = fp8_gemm.GROUP

@@ -80,13 +80,13 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from pagecast.kernels import pdl, reference, split_k
+from pagecast.kernels.gated import ACT_CODES
 from pagecast.kernels.gated import gated_product as _gated
 from pagecast.kernels.tuning import KernelConfig
 
 FP8_MAX = reference.FP8_MAX
 GROUP = reference.FP8_GROUP
 SCALED_MM = KernelConfig({"scaled_mm": 1}, num_warps=0, num_stages=0)  # torch._scaled_mm (cuBLASLt)
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # the gated activations the fused decode kernel applies (ACT)
 
 
 # ---------------------------------------------------------------------------- activation quantisation
@@ -254,7 +254,7 @@ def _scale_of(amax, MIN_AMAX: tl.constexpr, QMAX: tl.constexpr):
 def _skinny_input(x_rows, r_rows, offs_k, mask, K, NORM: tl.constexpr, ACT: tl.constexpr):
     """The fused kernel's input at ``offs_k`` in x's dtype: x; with NORM 2 x + residual (added in
     fp32 and rounded, as rms_norm's fused add stores the stream); with ACT >= 0 act(gate) * up of
-    x's rows (gate, up) rounded as silu_and_mul / gelu_tanh_and_mul store it (activation._gated)."""
+    x's rows (gate, up) rounded as silu_and_mul / gelu_tanh_and_mul store it (gated.gated_product)."""
     if ACT >= 0:
         return _gated(x_rows, offs_k, mask, K, ACT).to(x_rows.dtype.element_ty)
     x = tl.load(x_rows + offs_k, mask=mask, other=0.0)
@@ -702,7 +702,7 @@ def fp8_skinny_linear(
     """x [M <= 16, K] (half / fp32) -> [M, N] in ``out_dtype`` in one launch: the activations
     quantised as ``quantize_activations`` does, inside the GEMM (``{"SKINNY": 1, ...}`` configs).
     ``norm`` (fp8_skinny_norm_linear's): normalise x first; ``act`` >= 0: x is [M, 2K] holding
-    gate and up, activated on the way in (ACTIVATIONS' codes). Capture-safe (no host syncs)."""
+    gate and up, activated on the way in (gated.ACT_CODES). Capture-safe (no host syncs)."""
     cfg = KernelConfig.coerce(config)
     assert cfg is not None and is_skinny(cfg)
     m, k = x.shape[0], x.shape[1] // 2 if act >= 0 else x.shape[1]
@@ -821,10 +821,10 @@ def fp8_act_and_mul_linear(
     from pagecast.kernels import activation as act_kernels
 
     m, d = x.shape[0], x.shape[1] // 2
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"fp8_act_and_mul_linear: activation {activation!r}, not one of {sorted(ACTIVATIONS)}")
+    if activation not in ACT_CODES:
+        raise ValueError(f"fp8_act_and_mul_linear: activation {activation!r}, not one of {sorted(ACT_CODES)}")
     if not quantises_apart(m, d, w, x.dtype, config):
         cfg = KernelConfig.coerce(config) or default_config(m, w.weight.shape[0], d, w.weight_scale.dim() == 2, x.dtype)
-        return fp8_skinny_linear(x, w.weight, w.weight_scale, w.activations, w.input_scale, bias, x.dtype, cfg, act=ACTIVATIONS[activation])
+        return fp8_skinny_linear(x, w.weight, w.weight_scale, w.activations, w.input_scale, bias, x.dtype, cfg, act=ACT_CODES[activation])
     qx, sx = act_kernels.act_and_mul_fp8(x, activation, w.activations, w.input_scale)
     return fp8_gemm_quantised(qx, sx, w, bias, x.dtype, config)

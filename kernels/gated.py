@@ -7,6 +7,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+ACT_CODES = {"silu": 0, "gelu_tanh": 1}  # the activations gated_product computes: its ACT constexpr
+
 
 @triton.jit
 def gated_product(x_row, cols, mask, d, ACT: tl.constexpr):

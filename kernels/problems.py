@@ -34,7 +34,7 @@ from pagecast.kernels import (
     w4a16_gemm,
     w4a16_tcgemv,
 )
-from pagecast.kernels.quant_linear import scale_dtype_for
+from pagecast.kernels.quant_linear import Fp8LinearWeight, scale_dtype_for
 from pagecast.kernels.tuning import (
     DECODE_BATCH_BUCKETS,
     DECODE_CONTEXT_BUCKETS,
@@ -349,6 +349,17 @@ def _fp8_gated_down(shapes: ModelShapes, dims: dict[str, int]) -> bool:
     """Whether this fp8_gemm bucket is the down projection, whose input serving activates on the way
     in (ops' silu_and_mul_first: fp8_gemm.fp8_act_and_mul_linear)."""
     return dims["projection"] == PROJECTIONS.index("down") and shapes.activation in ("silu", "gelu_tanh")
+
+
+def random_fp8_weight(
+    shapes: ModelShapes, n: int, k: int, device: torch.device | str, generator: torch.Generator | None = None
+) -> Fp8LinearWeight:
+    """A random [n, k] FP8 projection in the build's scheme (builder/fp8.py's artifact layout)."""
+    activations = shapes.fp8.partition("-")[2]
+    w = torch.randn((n, k), generator=generator, device=device) * 0.02
+    q, s = reference.quantize_fp8_groups(w) if _fp8_block(shapes) else reference.quantize_fp8_rows(w)
+    inp = torch.tensor([0.05], device=device) if activations == "static" else None
+    return Fp8LinearWeight(q, s, inp, activations)
 
 
 def _fp8_normed(shapes: ModelShapes, dims: dict[str, int]) -> bool:
@@ -936,20 +947,13 @@ def _fp8_problem(
     the way in (``_fp8_gated_down``). The reference, timed for the
     report, is torch._scaled_mm with rowwise scales where it runs (bf16, per-channel weights), else
     the half-type F.linear of the same shape."""
-    from pagecast.kernels.quant_linear import Fp8LinearWeight
-
     m, n, k = dims["num_rows"], dims["n"], dims["k"]
     dtype = shapes.torch_dtype
-    weights_kind, _, activations = shapes.fp8.partition("-")
-    block = weights_kind == "block"
+    block = _fp8_block(shapes)
     num_sets = max(1, min(MAX_LAUNCHES, math.ceil(COLD_BYTES / (n * k))))
-    weights = []
-    for _ in range(num_sets):
-        w = torch.randn((n, k), generator=dg, device=device) * 0.02
-        q, s = reference.quantize_fp8_groups(w) if block else reference.quantize_fp8_rows(w)
-        inp = torch.tensor([0.05], device=device) if activations == "static" else None
-        weights.append(Fp8LinearWeight(q, s, inp, activations))
+    weights = [random_fp8_weight(shapes, n, k, device, dg) for _ in range(num_sets)]
     bias = _bias(shapes, dims, n, device, dg)
+    variants: Callable[[KernelConfig | None], object] | None = None  # else the bucket's fewer rows
     if _fp8_gated_down(shapes, dims):
         # down as ops runs it: gate_up's rows activated on the way in, in the launch that quantises
         # them for a tile (or torch._scaled_mm), or inside the fused decode kernel (SKINNY configs)
@@ -975,9 +979,10 @@ def _fp8_problem(
                 return fp8_gemm.fp8_gemm_quantised(qx, sx, w, bias, dtype, cfg), stream
             return fp8_gemm.fp8_skinny_norm_linear(x, res, norm_weight, 1e-6, w, bias, cfg)
 
-        def first_layer(cfg: KernelConfig | None) -> object:
-            norm_linear(rows, weights[0], cfg, True)
-            return None if m % 16 else norm_linear(rows[: m - 1], weights[0], cfg, True)
+        def variants(cfg: KernelConfig | None) -> object:  # layer 0's (no residual), and 15 rows at 16
+            for x in (rows, rows[: m - 1]) if m % 16 == 0 else (rows,):
+                norm_linear(x, weights[0], cfg, True)
+            return None if m % 16 else norm_linear(rows[: m - 1], weights[0], cfg, False)
 
         def linear(x: torch.Tensor, w: Fp8LinearWeight, cfg: KernelConfig | None) -> object:
             return norm_linear(x, w, cfg, False)
@@ -1006,13 +1011,6 @@ def _fp8_problem(
         def reference_gemm(cfg: KernelConfig | None, i: int) -> object:
             return torch.nn.functional.linear(rows[:, :k], dense[i % dense_sets], bias)
 
-    fewer_rows = _fewer_rows(m, fewer)
-    variants = fewer_rows
-    if _fp8_normed(shapes, dims):
-
-        def both(cfg: KernelConfig | None) -> object:
-            first_layer(cfg)
-            return None if fewer_rows is None else fewer_rows(cfg)
-
-        variants = both
+    if variants is None:
+        variants = _fewer_rows(m, fewer)
     return Problem("fp8_gemm", bucket, gemm, num_sets, nbytes, flops, reference=reference_gemm, variants=variants)

@@ -945,30 +945,19 @@ def _compile_fp8_decode_unfused(table: Mapping[str, Any], shapes: ModelShapes, d
     for projection in fused:
         n, k = projection_dims(shapes)[projection]
         weight = None
+        bias = torch.zeros((n,), device=device, dtype=shapes.torch_dtype) if projection in shapes.biased else None
         for m in (b for b in FP8_ROW_BUCKETS if b <= fp8_gemm.SKINNY_MAX_ROWS):
             bucket = fp8_bucket(projection, m)
             cfg = KernelConfig.coerce(lookup(table, "fp8_gemm", bucket)) or problems.default_config("fp8_gemm", shapes, dims[bucket])
             if not fp8_gemm.is_skinny(cfg):
                 continue
             if weight is None:
-                weight = _random_fp8_weight(shapes, n, k, device)
-            bias = torch.zeros((n,), device=device, dtype=shapes.torch_dtype) if projection in shapes.biased else None
+                weight = problems.random_fp8_weight(shapes, n, k, device)
             for rows in (m, m - 1) if m % 16 == 0 else (m,):
                 x = torch.randn((rows, k), device=device, dtype=shapes.torch_dtype)
                 fp8_gemm.fp8_linear(x, weight, bias, cfg)
                 launches += 1
     return launches
-
-
-def _random_fp8_weight(shapes: ModelShapes, n: int, k: int, device: torch.device | str) -> Any:
-    """An [n, k] FP8 projection in the build's scheme (builder/fp8.py's layout), random values."""
-    from pagecast.kernels import reference
-    from pagecast.kernels.quant_linear import Fp8LinearWeight
-
-    weights_kind, _, activations = shapes.fp8.partition("-")
-    w = torch.randn((n, k), device=device) * 0.02
-    q, s = reference.quantize_fp8_groups(w) if weights_kind == "block" else reference.quantize_fp8_rows(w)
-    return Fp8LinearWeight(q, s, torch.ones((1,), device=device) if activations == "static" else None, activations)
 
 
 def compile_router_norm_variants(table: Mapping[str, Any], shapes: ModelShapes, device: torch.device | str) -> int:
