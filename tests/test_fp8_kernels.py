@@ -795,6 +795,20 @@ def _some_skinny_configs(m: int, n: int, k: int, block: bool) -> list:  # type: 
     return unsplit[:1] + unsplit[-1:] + split[:1] + split[-1:]
 
 
+def _assert_close_but_rare_e4m3_flips(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Outputs within 5e-4 of the largest (and 1.6% of their own size), except a few: one activation
+    rounded to the neighbouring e4m3 value moves a row's outputs by up to an e4m3 step of that
+    activation times its weights, which passes the tight bound for most columns and not for the
+    largest weights (seen on an H100: 2 of 98,304 outputs at 1.1x the bound). Those stay within 2%
+    of the largest output, and there are at most 1 in 1,000; a wrong rstd, weight or index moves
+    most outputs by their own size."""
+    scale = want.abs().max().item()
+    diff = (got - want).abs()
+    outside = diff > 5e-4 * scale + 1.6e-2 * want.abs()
+    assert int(outside.sum()) <= max(2, outside.numel() // 1000), f"{what}: {int(outside.sum())} of {outside.numel()} outside"
+    assert diff.max().item() <= 2e-2 * scale, f"{what}: largest difference {diff.max().item()} of {scale}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("activations", ["token", "group", "static"])
 @pytest.mark.parametrize(("n", "k"), [(6144, 4096), (1536, 576)])
@@ -827,8 +841,7 @@ def test_gpu_norm_inside_the_fused_decode_kernel_matches_the_kernel_on_normalise
                     normed, weight.weight, weight.weight_scale, activations, weight.input_scale, bias, torch.bfloat16, cfg
                 ).float()
                 assert torch.equal(got_stream, stream)
-                atol = 5e-4 * want.abs().max().item()
-                torch.testing.assert_close(y.float(), want, rtol=1.6e-2, atol=atol, msg=lambda s, c=cfg, m=m: f"m={m} {c}: {s}")
+                _assert_close_but_rare_e4m3_flips(y.float(), want, f"m={m} {cfg}")
     cfg = configs[0]
     y = fp8_gemm.fp8_skinny_norm_linear(x, r, norm_w, 1e-6, weight, bias, cfg)[0]  # compiled before capture
     torch.cuda.synchronize()
