@@ -80,8 +80,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from pagecast.kernels import pdl, reference, split_k
-from pagecast.kernels.gated import ACT_CODES
-from pagecast.kernels.gated import gated_product as _gated
+from pagecast.kernels.gated import ACT_CODES, gated_apply, gated_load
 from pagecast.kernels.tuning import KernelConfig
 
 FP8_MAX = reference.FP8_MAX
@@ -251,17 +250,35 @@ def _scale_of(amax, MIN_AMAX: tl.constexpr, QMAX: tl.constexpr):
 
 
 @triton.jit
-def _skinny_input(x_rows, r_rows, offs_k, mask, K, NORM: tl.constexpr, ACT: tl.constexpr):
-    """The fused kernel's input at ``offs_k`` in x's dtype: x; with NORM 2 x + residual (added in
-    fp32 and rounded, as rms_norm's fused add stores the stream); with ACT >= 0 act(gate) * up of
-    x's rows (gate, up) rounded as silu_and_mul / gelu_tanh_and_mul store it (gated.gated_product)."""
+def _skinny_load(x_rows, r_rows, offs_k, mask, K, NORM: tl.constexpr, ACT: tl.constexpr):
+    """The loads of the fused kernel's input at ``offs_k``, as a pair for _skinny_combine: (x, x); with
+    NORM 2 (x, residual); with ACT >= 0 x's rows' (gate, up). Apart, so that a loop can issue the
+    next step's loads before it waits on this step's."""
     if ACT >= 0:
-        return _gated(x_rows, offs_k, mask, K, ACT).to(x_rows.dtype.element_ty)
+        return gated_load(x_rows, offs_k, mask, K)
     x = tl.load(x_rows + offs_k, mask=mask, other=0.0)
     if NORM == 2:
-        r = tl.load(r_rows + offs_k, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-    return x
+        return x, tl.load(r_rows + offs_k, mask=mask, other=0.0)
+    return x, x
+
+
+@triton.jit
+def _skinny_combine(a, b, NORM: tl.constexpr, ACT: tl.constexpr):
+    """The fused kernel's input in x's dtype from _skinny_load's pair: x; with NORM 2 x + residual
+    (added in fp32 and rounded, as rms_norm's fused add stores the stream); with ACT >= 0
+    act(gate) * up rounded as silu_and_mul / gelu_tanh_and_mul store it (gated.gated_apply)."""
+    if ACT >= 0:
+        return gated_apply(a, b, ACT).to(a.dtype)
+    if NORM == 2:
+        return (a.to(tl.float32) + b.to(tl.float32)).to(a.dtype)
+    return a
+
+
+@triton.jit
+def _skinny_input(x_rows, r_rows, offs_k, mask, K, NORM: tl.constexpr, ACT: tl.constexpr):
+    """The fused kernel's input at ``offs_k`` in x's dtype (_skinny_combine of _skinny_load)."""
+    a, b = _skinny_load(x_rows, r_rows, offs_k, mask, K, NORM, ACT)
+    return _skinny_combine(a, b, NORM, ACT)
 
 
 @triton.jit
@@ -347,16 +364,41 @@ def _fp8_skinny_kernel(
         amax = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
         row_sumsq = tl.zeros((BLOCK_M,), dtype=tl.float32)  # summed per step: fewer live registers
         stores_stream = (pid == 0) & (tl.program_id(1) == 0)
+        # Each pass step's loads are issued a step ahead (a, b), before the arithmetic that waits on
+        # the step before's: the pass is a chain of L2 reads (the previous kernel's output), one
+        # latency each otherwise. The same values in the same order, so the same bits. Up to 8 rows
+        # (a few steps of a chunked tile), or x alone: at 16 rows two steps' gate and up tiles, or
+        # stream, residual and norm weight, spill registers in some configs (ptxas, sm_90).
+        AHEAD: tl.constexpr = CHUNKS > 1 or (ACT < 0 and NORM == 0)
+        if AHEAD:
+            pre_k = chunk[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+            a, b = _skinny_load(x_rows, r_rows, pre_k, row_ok[:, None] & (pre_k < K), K, NORM, ACT)
+            if NORM > 0:
+                gw = tl.load(g_ptr + pre_k, mask=pre_k < K, other=0.0)
         for i in range(tl.cdiv(num_steps, CHUNKS)):
-            offs_k = (i * CHUNKS + chunk)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
-            in_k = row_ok[:, None] & (offs_k < K)
-            x = _skinny_input(x_rows, r_rows, offs_k, in_k, K, NORM, ACT)
+            pre_k = (i * CHUNKS + chunk)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+            pre_ok = row_ok[:, None] & (pre_k < K)
+            if AHEAD:
+                next_k = pre_k + CHUNKS * BLOCK_K
+                a_next, b_next = _skinny_load(x_rows, r_rows, next_k, row_ok[:, None] & (next_k < K), K, NORM, ACT)
+                if NORM > 0:
+                    gw_next = tl.load(g_ptr + next_k, mask=next_k < K, other=0.0)
+                x = _skinny_combine(a, b, NORM, ACT)
+                a, b = a_next, b_next
+            else:
+                x = _skinny_input(x_rows, r_rows, pre_k, pre_ok, K, NORM, ACT)
+                if NORM > 0:
+                    gw_next = tl.load(g_ptr + pre_k, mask=pre_k < K, other=0.0)
             if NORM == 2:
-                tl.store(stream_ptr + row[:, None].to(tl.int64) * K + offs_k, x, mask=in_k & stores_stream)
+                tl.store(stream_ptr + row[:, None].to(tl.int64) * K + pre_k, x, mask=pre_ok & stores_stream)
             x = x.to(tl.float32)
             if NORM > 0:
                 row_sumsq += tl.sum(x * x, axis=1)
-                x = x * tl.load(g_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+                if AHEAD:
+                    x = x * gw.to(tl.float32)
+                    gw = gw_next
+                else:
+                    x = x * gw_next.to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
         if NORM > 0:
             if CHUNKS > 1:

@@ -11,11 +11,18 @@ ACT_CODES = {"silu": 0, "gelu_tanh": 1}  # the activations gated_product compute
 
 
 @triton.jit
-def gated_product(x_row, cols, mask, d, ACT: tl.constexpr):
-    # act(gate) * up in fp32 for the columns ``cols`` of one row of x (gate, up): the activation
-    # in fp32, rounded to x's dtype before the multiply, as torch's two ops round it
+def gated_load(x_row, cols, mask, d):
+    # the (gate, up) halves of one row of x at the columns ``cols``, as loaded: gated_apply's inputs
+    # (a caller may issue the next columns' loads before it applies the activation to these)
     gate = tl.load(x_row + cols, mask=mask, other=0.0)
     up = tl.load(x_row + d + cols, mask=mask, other=0.0)
+    return gate, up
+
+
+@triton.jit
+def gated_apply(gate, up, ACT: tl.constexpr):
+    # act(gate) * up in fp32: the activation in fp32, rounded to x's dtype before the multiply, as
+    # torch's two ops round it
     g = gate.to(tl.float32)
     if ACT == 0:
         act = g / (1.0 + tl.exp(-g))
@@ -26,3 +33,10 @@ def gated_product(x_row, cols, mask, d, ACT: tl.constexpr):
         act = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
     act = act.to(gate.dtype).to(tl.float32)
     return act * up.to(tl.float32)
+
+
+@triton.jit
+def gated_product(x_row, cols, mask, d, ACT: tl.constexpr):
+    # act(gate) * up in fp32 for the columns ``cols`` of one row of x (gate, up)
+    gate, up = gated_load(x_row, cols, mask, d)
+    return gated_apply(gate, up, ACT)
