@@ -1,34 +1,31 @@
 """The FP8 decode GEMV at one row, per Llama-3-8B projection, as serving launches it, timed in a
-CUDA graph: this tree's kernels/fp8_gemm.py against another commit's copy of that file (``--base``),
-and against the two-launch path it replaced (GPU only).
+CUDA graph: with the scale pass's loads a step ahead (fp8_gemm.PASS_AHEAD) and without, and against
+the two-launch path the fusions replaced (GPU only).
 
-    git show REV:kernels/fp8_gemm.py > /tmp/fp8_gemm_base.py
-    python benchmarks/fp8_decode_chain.py --base /tmp/fp8_gemm_base.py [--links 32] [--replays 20]
+    python benchmarks/fp8_decode_chain.py [--links 32] [--replays 20] [--only qkv,o,gate_up,down]
 
 Paths, each a chain of ``--links`` launches captured in one graph, the weights cycling over enough
 copies that they stream from memory, not L2 (as in a model, where each layer has its own):
 
   fused        qkv and gate_up with the residual add and RMSNorm inside (fp8_skinny_norm_linear),
                o plain, down with SiLU(gate) * up inside (fp8_act_and_mul_linear): what runs
-  base         the same launches through ``--base``'s module
+  one_step     the same launches with fp8_gemm.PASS_AHEAD False: the scale pass one step at a time
   two_launch   the norm (fused_add_rms_norm) or silu_and_mul in a launch of its own, then the
                plain kernel of this tree: the path with PAGECAST_FUSE_NORM_DECODE=0 and
                PAGECAST_FUSE_ACT_QUANT_FP8=0
 
 Configs: each projection's SKINNY config from the H100 build of 2026-12-06 (report.md) and the
 launcher's default. Prints one JSON line per (projection, config, path): us a launch, and the
-weight bytes' rate; fused and base outputs are compared bitwise (the change it measures is meant
-to keep the bits).
+weight bytes' rate; fused and one_step outputs are compared bitwise (the loads' order changes,
+not the arithmetic).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 from functools import partial
-from pathlib import Path
 
 import torch
 
@@ -50,14 +47,18 @@ def _config(raw: dict) -> KernelConfig:  # type: ignore[type-arg]
     return KernelConfig(params=params, num_warps=raw["num_warps"], num_stages=raw["num_stages"])
 
 
-def _served(module, feed, x, residual, norm_w, weights, cfg, i):  # type: ignore[no-untyped-def]
-    """Link i as serving launches it, through ``module`` (this tree's fp8_gemm or the base's)."""
+def _served(ahead, feed, x, residual, norm_w, weights, cfg, i):  # type: ignore[no-untyped-def]
+    """Link i as serving launches it, the scale pass's loads a step ahead or not."""
+    fp8_gemm.PASS_AHEAD = ahead
     w = weights[i % len(weights)]
-    if feed == "norm":
-        return module.fp8_skinny_norm_linear(x, residual, norm_w, 1e-5, w, None, cfg)[0]
-    if feed == "silu":
-        return module.fp8_act_and_mul_linear(x, w, None, "silu", cfg)
-    return module.fp8_linear(x, w, None, cfg)
+    try:
+        if feed == "norm":
+            return fp8_gemm.fp8_skinny_norm_linear(x, residual, norm_w, 1e-5, w, None, cfg)[0]
+        if feed == "silu":
+            return fp8_gemm.fp8_act_and_mul_linear(x, w, None, "silu", cfg)
+        return fp8_gemm.fp8_linear(x, w, None, cfg)
+    finally:
+        fp8_gemm.PASS_AHEAD = True
 
 
 def _two_launch(feed, x, residual, norm_w, weights, cfg, i):  # type: ignore[no-untyped-def]
@@ -92,15 +93,10 @@ def _time(fn, links: int, replays: int) -> float:  # type: ignore[no-untyped-def
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--base", type=Path, required=True, help="another commit's kernels/fp8_gemm.py")
     ap.add_argument("--links", type=int, default=32)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--only", default="", help="comma-separated projections")
     args = ap.parse_args()
-    spec = importlib.util.spec_from_file_location("fp8_gemm_base", args.base)
-    assert spec is not None and spec.loader is not None
-    base = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(base)
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size
@@ -122,7 +118,7 @@ def main() -> None:
         default = fp8_gemm.default_config(1, n, k, False, torch.bfloat16)
         for label, cfg in (("tuned_h100", _config(tuned)), ("default", default)):
             inputs = (feed, x, residual, norm_w, weights, cfg)
-            paths = (("fused", partial(_served, fp8_gemm, *inputs)), ("base", partial(_served, base, *inputs)),
+            paths = (("fused", partial(_served, True, *inputs)), ("one_step", partial(_served, False, *inputs)),
                      ("two_launch", partial(_two_launch, *inputs)))  # fmt: skip
             outs = {}
             for path, fn in paths:
@@ -130,7 +126,7 @@ def main() -> None:
                 outs[path] = fn(0)
                 print(json.dumps({"projection": name, "config": label, "path": path, "us": round(us, 2),
                                   "gb_s": round(n * k / us / 1e3, 1), "params": str(cfg)}), flush=True)  # fmt: skip
-            print(json.dumps({"projection": name, "config": label, "fused_equals_base": bool(torch.equal(outs["fused"], outs["base"]))}))
+            print(json.dumps({"projection": name, "config": label, "fused_equals_one_step": bool(torch.equal(outs["fused"], outs["one_step"]))}))
 
 if __name__ == "__main__":
     main()

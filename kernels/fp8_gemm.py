@@ -335,6 +335,7 @@ def _fp8_skinny_kernel(
     NORM: tl.constexpr = 0,  # x is: 0 the input; 1 RMS-normalised first; 2 added to r_ptr's rows, then normalised
     ACT: tl.constexpr = -1,  # >= 0: x [M, 2K] holds (gate, up), the input is act(gate) * up (0 silu, 1 gelu_tanh)
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
+    PASS_AHEAD: tl.constexpr = True,  # the scale pass's loads a step ahead where they fit (below)
 ):
     if PDL:
         gdc_wait()  # before any memory access: the kernel before may still be running
@@ -369,7 +370,7 @@ def _fp8_skinny_kernel(
         # latency each otherwise. The same values in the same order, so the same bits. Up to 8 rows
         # (a few steps of a chunked tile), or x alone: at 16 rows two steps' gate and up tiles, or
         # stream, residual and norm weight, spill registers in some configs (ptxas, sm_90).
-        AHEAD: tl.constexpr = CHUNKS > 1 or (ACT < 0 and NORM == 0)
+        AHEAD: tl.constexpr = PASS_AHEAD and (CHUNKS > 1 or (ACT < 0 and NORM == 0))
         if AHEAD:
             pre_k = chunk[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
             a, b = _skinny_load(x_rows, r_rows, pre_k, row_ok[:, None] & (pre_k < K), K, NORM, ACT)
@@ -772,6 +773,11 @@ def fp8_skinny_linear(
     return y
 
 
+# The fused decode kernel's scale pass issues its loads a step ahead (PASS_AHEAD). False: one step
+# at a time, as before 6417833; for benchmarks/fp8_decode_chain.py's comparison in one process.
+PASS_AHEAD = True
+
+
 def _launch_skinny(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -808,8 +814,8 @@ def _launch_skinny(
         m, n, k, x.stride(0), residual.stride(0), steps, eps,
         MODE=mode, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, ROWS=triton.next_power_of_2(m),
         BLOCK_M=SKINNY_MAX_ROWS, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, GROUP_K=GROUP,
-        MIN_AMAX=reference.FP8_MIN_AMAX, QMAX=FP8_MAX, NORM=norm_mode, ACT=act, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl.launch_options(),
+        MIN_AMAX=reference.FP8_MIN_AMAX, QMAX=FP8_MAX, NORM=norm_mode, ACT=act, PASS_AHEAD=PASS_AHEAD,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(),
     )  # fmt: skip
 
 

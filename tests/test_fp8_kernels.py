@@ -1266,3 +1266,38 @@ def test_activation_inside_the_fused_decode_kernel_gives_the_two_launches_bits(a
             assert y.dtype == dtype and torch.equal(y, two), (dtype, split)
             assert split == 1 or not _cpu_counters().any()
     assert [sp for sp, _ in launches] == [1, 1, 2, 2, 3, 3] * 2  # the fused launch, then the two-launch path's kernel
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("feed", ["plain", "norm", "silu"])
+def test_scale_pass_a_step_ahead_gives_the_bits_of_one_step_at_a_time(feed, m, monkeypatch):  # type: ignore[no-untyped-def]
+    """The fused decode kernel's scale pass with its loads issued a step ahead (fp8_gemm.PASS_AHEAD,
+    the default; up to 8 rows, or x alone at 16) and one step at a time: the same outputs to the bit
+    (and the same stream), plain, with the residual add and norm, and with SiLU gating, unsplit and
+    split, over K that ends inside a step and with more pass steps than one."""
+    from pagecast.kernels import fp8_gemm
+
+    k, n = 1300, 48
+    g = torch.Generator().manual_seed(m)
+    qw, sw = _weights(n, k, False, seed=11)
+    w = Fp8LinearWeight(qw, sw, None, "token")
+    width = 2 * k if feed == "silu" else k
+    x = torch.randn(m, width, generator=g) * 3
+    r = torch.randn(m, k, generator=g)
+    gamma = torch.rand(k, generator=g) + 0.5
+    cfg = dict(SKINNY, BLOCK_K=64)  # 21 steps: two pass steps at one row, six at 3 rows
+
+    def run(split):  # type: ignore[no-untyped-def]
+        c = _split(cfg, split)
+        if feed == "norm":
+            return fp8_gemm.fp8_skinny_norm_linear(x, r, gamma, 1e-5, w, None, c)
+        if feed == "silu":
+            return (fp8_gemm.fp8_act_and_mul_linear(x, w, None, "silu", c),)
+        return (fp8_gemm.fp8_linear(x, w, None, c),)
+
+    for split in (1, 3):
+        ahead = run(split)
+        monkeypatch.setattr(fp8_gemm, "PASS_AHEAD", False)
+        one_step = run(split)
+        monkeypatch.setattr(fp8_gemm, "PASS_AHEAD", True)
+        assert all(torch.equal(a, b) for a, b in zip(ahead, one_step, strict=True)), (feed, m, split)
