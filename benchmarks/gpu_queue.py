@@ -100,12 +100,21 @@ def steps(out: Path) -> list[Step]:
             "launches); the FP8 GEMM configs; the FP8 engines against transformers' dequantised models, before any timing",
         ),
         Step(
+            "fp8_pass_ahead",
+            [PY, str(bench / "fp8_decode_chain.py")],
+            200,
+            "the FP8 decode GEMV at one row, per Llama-3-8B projection as serving launches it, with the scale "
+            "pass's loads a step ahead (PASS_AHEAD, the default since 6417833) against one step at a time and "
+            "against the two-launch path: whether the pass was the fixed cost (H100, 36cb59d: about 14 us a layer "
+            "over 80% of copy; the fusions saved nothing end to end, W4 4.062 against 4.053 ms)",
+        ),
+        Step(
             "fp8_w4",
             [PY, str(bench / "fp8.py"), "--out", str(out / "fp8w4"), "--variants", "bf16,fp8", "--phases", "W4",
              "--tune-budget", "60"],
             330,
             "issue 29's FP8 W4 against bf16 with the norm and the activation inside the fused decode GEMV (last: "
-            "0.701x; target 0.62x)",
+            "0.647x on an H100 and 0.701x on an H200 without them; target 0.62x)",
         ),
         Step(
             "fp8_w4_unfused",
