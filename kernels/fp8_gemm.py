@@ -388,8 +388,6 @@ def _fp8_skinny_kernel(
                 a, b = a_next, b_next
             else:
                 x = _skinny_input(x_rows, r_rows, pre_k, pre_ok, K, NORM, ACT)
-                if NORM > 0:
-                    gw_next = tl.load(g_ptr + pre_k, mask=pre_k < K, other=0.0)
             if NORM == 2:
                 tl.store(stream_ptr + row[:, None].to(tl.int64) * K + pre_k, x, mask=pre_ok & stores_stream)
             x = x.to(tl.float32)
@@ -399,7 +397,7 @@ def _fp8_skinny_kernel(
                     x = x * gw.to(tl.float32)
                     gw = gw_next
                 else:
-                    x = x * gw_next.to(tl.float32)
+                    x = x * tl.load(g_ptr + pre_k, mask=pre_k < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
         if NORM > 0:
             if CHUNKS > 1:

@@ -482,13 +482,13 @@ def test_fused_decode_kernel_compiles_for_sm90_in_every_config_without_spilling(
     jobs = []
     # (mode, NORM, ACT, rows): 1 row puts 16 steps in a tile, 16 rows one (the most registers live)
     for mode, norm, act, all_rows in ((0, 0, -1, (1, 16)), (1, 0, -1, (1, 16)), (2, 0, -1, (1, 16)), (0, 2, -1, (1, 16)),
-                                      (1, 2, -1, (16,)), (0, 0, 0, (16,)), (0, 0, 1, (16,))):  # fmt: skip
+                                      (1, 2, -1, (16,)), (0, 0, 0, (1, 16)), (0, 0, 1, (16,))):  # fmt: skip
         for cfg in fp8_gemm.prune_configs(fp8_gemm.CONFIG_SPACE, 16, 4096, 4096, mode == 1, torch.bfloat16):
             for rows in all_rows if fp8_gemm.is_skinny(cfg) else ():
                 consts = {
                     "MODE": mode, "HAS_BIAS": mode == 2, "EVEN_K": True, "ROWS": rows, "BLOCK_M": 16,
                     "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"], "SPLIT_K": cfg.params.get("SPLIT_K", 1),
-                    "GROUP_K": 128, "MIN_AMAX": 1e-12, "QMAX": 448.0, "NORM": norm, "ACT": act,
+                    "GROUP_K": 128, "MIN_AMAX": 1e-12, "QMAX": 448.0, "NORM": norm, "ACT": act, "PASS_AHEAD": True,
                 }  # fmt: skip
                 options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
                 jobs.append(("skinny", SKINNY_SIG, consts, ["x_ptr", "w_ptr", "K", "N", "stride_xm"], options))
