@@ -7,16 +7,17 @@ the two-launch path the fusions replaced (GPU only).
 Paths, each a chain of ``--links`` launches captured in one graph, the weights cycling over enough
 copies that they stream from memory, not L2 (as in a model, where each layer has its own):
 
-  fused        qkv and gate_up with the residual add and RMSNorm inside (fp8_skinny_norm_linear),
-               o plain, down with SiLU(gate) * up inside (fp8_act_and_mul_linear): what runs
-  one_step     the same launches with fp8_gemm.PASS_AHEAD False: the scale pass one step at a time
+  one_step     qkv and gate_up with the residual add and RMSNorm inside (fp8_skinny_norm_linear),
+               o plain, down with SiLU(gate) * up inside (fp8_act_and_mul_linear): what runs now
+               (fp8_gemm.PASS_AHEAD off: the scale pass one step at a time)
+  ahead        the same launches with PASS_AHEAD on: the scale pass's loads a step ahead
   two_launch   the norm (fused_add_rms_norm) or silu_and_mul in a launch of its own, then the
                plain kernel of this tree: the path with PAGECAST_FUSE_NORM_DECODE=0 and
                PAGECAST_FUSE_ACT_QUANT_FP8=0
 
 Configs: each projection's SKINNY config from the H100 build of 2026-12-06 (report.md) and the
 launcher's default. Prints one JSON line per (projection, config, path): us a launch, and the
-weight bytes' rate; fused and one_step outputs are compared bitwise (the loads' order changes,
+weight bytes' rate; ahead and one_step outputs are compared bitwise (the loads' order changes,
 not the arithmetic).
 """
 
@@ -49,7 +50,7 @@ def _config(raw: dict) -> KernelConfig:  # type: ignore[type-arg]
 
 def _served(ahead, feed, x, residual, norm_w, weights, cfg, i):  # type: ignore[no-untyped-def]
     """Link i as serving launches it, the scale pass's loads a step ahead or not."""
-    fp8_gemm.PASS_AHEAD = ahead
+    before, fp8_gemm.PASS_AHEAD = fp8_gemm.PASS_AHEAD, ahead
     w = weights[i % len(weights)]
     try:
         if feed == "norm":
@@ -58,8 +59,7 @@ def _served(ahead, feed, x, residual, norm_w, weights, cfg, i):  # type: ignore[
             return fp8_gemm.fp8_act_and_mul_linear(x, w, None, "silu", cfg)
         return fp8_gemm.fp8_linear(x, w, None, cfg)
     finally:
-        fp8_gemm.PASS_AHEAD = True
-
+        fp8_gemm.PASS_AHEAD = before
 
 def _two_launch(feed, x, residual, norm_w, weights, cfg, i):  # type: ignore[no-untyped-def]
     """Link i with the norm or the activation in a launch of its own, then the plain kernel."""
@@ -118,7 +118,7 @@ def main() -> None:
         default = fp8_gemm.default_config(1, n, k, False, torch.bfloat16)
         for label, cfg in (("tuned_h100", _config(tuned)), ("default", default)):
             inputs = (feed, x, residual, norm_w, weights, cfg)
-            paths = (("fused", partial(_served, True, *inputs)), ("one_step", partial(_served, False, *inputs)),
+            paths = (("one_step", partial(_served, False, *inputs)), ("ahead", partial(_served, True, *inputs)),
                      ("two_launch", partial(_two_launch, *inputs)))  # fmt: skip
             outs = {}
             for path, fn in paths:
@@ -126,7 +126,7 @@ def main() -> None:
                 outs[path] = fn(0)
                 print(json.dumps({"projection": name, "config": label, "path": path, "us": round(us, 2),
                                   "gb_s": round(n * k / us / 1e3, 1), "params": str(cfg)}), flush=True)  # fmt: skip
-            print(json.dumps({"projection": name, "config": label, "fused_equals_one_step": bool(torch.equal(outs["fused"], outs["one_step"]))}))
+            print(json.dumps({"projection": name, "config": label, "ahead_equals_one_step": bool(torch.equal(outs["ahead"], outs["one_step"]))}))
 
 if __name__ == "__main__":
     main()

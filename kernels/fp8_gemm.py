@@ -335,7 +335,7 @@ def _fp8_skinny_kernel(
     NORM: tl.constexpr = 0,  # x is: 0 the input; 1 RMS-normalised first; 2 added to r_ptr's rows, then normalised
     ACT: tl.constexpr = -1,  # >= 0: x [M, 2K] holds (gate, up), the input is act(gate) * up (0 silu, 1 gelu_tanh)
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
-    PASS_AHEAD: tl.constexpr = True,  # the scale pass's loads a step ahead where they fit (below)
+    PASS_AHEAD: tl.constexpr = False,  # the scale pass's loads a step ahead where they fit (below)
 ):
     if PDL:
         gdc_wait()  # before any memory access: the kernel before may still be running
@@ -771,9 +771,10 @@ def fp8_skinny_linear(
     return y
 
 
-# The fused decode kernel's scale pass issues its loads a step ahead (PASS_AHEAD). False: one step
-# at a time, as before 6417833; for benchmarks/fp8_decode_chain.py's comparison in one process.
-PASS_AHEAD = True
+# Whether the fused decode kernel's scale pass issues its loads a step ahead (the kernel's
+# PASS_AHEAD). Off until timed on a GPU (benchmarks/fp8_decode_chain.py compares both in one
+# process; gpu_queue's fp8_pass_ahead): off, the kernel is the one before 6417833 line for line.
+PASS_AHEAD = False
 
 
 def _launch_skinny(

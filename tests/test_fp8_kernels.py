@@ -1271,8 +1271,8 @@ def test_activation_inside_the_fused_decode_kernel_gives_the_two_launches_bits(a
 @pytest.mark.parametrize("m", [1, 3, 16])
 @pytest.mark.parametrize("feed", ["plain", "norm", "silu"])
 def test_scale_pass_a_step_ahead_gives_the_bits_of_one_step_at_a_time(feed, m, monkeypatch):  # type: ignore[no-untyped-def]
-    """The fused decode kernel's scale pass with its loads issued a step ahead (fp8_gemm.PASS_AHEAD,
-    the default; up to 8 rows, or x alone at 16) and one step at a time: the same outputs to the bit
+    """The fused decode kernel's scale pass with its loads issued a step ahead (fp8_gemm.PASS_AHEAD;
+    up to 8 rows, or x alone at 16) and one step at a time: the same outputs to the bit
     (and the same stream), plain, with the residual add and norm, and with SiLU gating, unsplit and
     split, over K that ends inside a step and with more pass steps than one."""
     from pagecast.kernels import fp8_gemm
@@ -1296,8 +1296,8 @@ def test_scale_pass_a_step_ahead_gives_the_bits_of_one_step_at_a_time(feed, m, m
         return (fp8_gemm.fp8_linear(x, w, None, c),)
 
     for split in (1, 3):
+        monkeypatch.setattr(fp8_gemm, "PASS_AHEAD", True)
         ahead = run(split)
         monkeypatch.setattr(fp8_gemm, "PASS_AHEAD", False)
         one_step = run(split)
-        monkeypatch.setattr(fp8_gemm, "PASS_AHEAD", True)
         assert all(torch.equal(a, b) for a, b in zip(ahead, one_step, strict=True)), (feed, m, split)
