@@ -44,10 +44,10 @@ class Step:
     decides: str
 
 
-def _pytest(*args: str) -> list[str]:
+def _pytest(*args: str, stop_at_first: bool = True) -> list[str]:
     # pytest-timeout's thread method: a test that hangs on the GPU is named, with its stack, and ended
-    return [PY, "-m", "pytest", "-m", "gpu", "-q", "-x", "-p", "no:cacheprovider", "--timeout", "120",
-            "--timeout-method", "thread", *args]
+    return [PY, "-m", "pytest", "-m", "gpu", "-q", *(["-x"] if stop_at_first else []), "-p", "no:cacheprovider",
+            "--timeout", "120", "--timeout-method", "thread", *args]
 
 
 def steps(out: Path) -> list[Step]:
@@ -90,14 +90,13 @@ def steps(out: Path) -> list[Step]:
         ),
         Step(
             "fp8_act_quant_tests",
-            _pytest("tests/test_fp8_kernels.py", "-k", "one_launch_are_bitwise or gpu_fp8_gemm_matches or gpu_norm_inside or gpu_activation_inside or fp8_engine_greedy",
-                    "-vv",
-                    "tests/test_fp8_gpu.py"),
+            _pytest("tests/test_fp8_gpu.py", "tests/test_fp8_kernels.py", "-k",
+                    "fp8_engine_greedy or gpu_norm_inside or gpu_activation_inside", "-vv", stop_at_first=False),
             300,
-            "the gated activation and the FP8 quantisation of down's input in one launch, bitwise the two launches "
-            "in bf16 (Llama-3-8B's 14,336, TP 2's half, SmolLM2's); the RMSNorm inside the fused decode kernel "
-            "(every SKINNY config, 1-16 rows, in a CUDA graph) and the activation inside it (bitwise the two "
-            "launches); the FP8 GEMM configs; the FP8 engines against transformers' dequantised models, before any timing",
+            "the FP8 GPU tests the twenty-ninth session's H100 call did not reach (its -x stopped at the norm-inside "
+            "test's bound, since mended; 48 others passed): the FP8 engines against transformers' dequantised "
+            "models, the RMSNorm inside the fused decode kernel (SKINNY configs, 1-16 rows, in a CUDA graph) and the "
+            "activation inside it (bitwise the two launches), before any timing; all of them, not stopping at one",
         ),
         Step(
             "fp8_pass_ahead",
