@@ -465,15 +465,16 @@ FUSE_SILU_DOWN = True
 # the norm before qkv and gate_up (norm_linear); the same bits as the two launches
 # (tests/test_fp8_kernels.py). Up to 16 rows under a SKINNY config, down's fused decode kernel
 # (which quantises its input itself) activates it on the way in instead: no activation launch, the
-# same bits. Not yet timed on a GPU: PAGECAST_FUSE_ACT_QUANT_FP8=0
-# in a serving process turns it off, for the same-artifact comparison (benchmarks/gpu_queue.py).
+# same bits. PAGECAST_FUSE_ACT_QUANT_FP8=0 in a serving process turns it off, for the
+# same-artifact comparison (benchmarks/gpu_queue.py; on an H100 with the norm's below, W4 4.062 ms
+# on and 4.053 off: no gain and no loss, benchmarks/RESULTS.md, twenty-ninth session).
 FUSE_ACT_QUANT_FP8 = os.environ.get("PAGECAST_FUSE_ACT_QUANT_FP8", "1") != "0"
 # The RMSNorm (and the residual add before it) inside the fused FP8 decode kernel that quantises
 # its output, up to 16 rows (norm_linear, fp8_gemm.fp8_skinny_norm_linear): one launch a layer's
 # qkv and gate_up instead of two. (The half-type skinny kernel with the norm inside, tried in the
 # twenty-eighth session, held 200-255 registers and spilled, against 40-80 without: not built.)
-# Not yet timed on a GPU: PAGECAST_FUSE_NORM_DECODE=0 in a serving process turns it off, for the
-# same-artifact comparison (benchmarks/gpu_queue.py).
+# PAGECAST_FUSE_NORM_DECODE=0 in a serving process turns it off, for the same-artifact comparison
+# (benchmarks/gpu_queue.py; timed with the activation's above).
 FUSE_NORM_DECODE = os.environ.get("PAGECAST_FUSE_NORM_DECODE", "1") != "0"
 
 
