@@ -30,7 +30,7 @@ from functools import partial
 
 import torch
 
-from pagecast.kernels import activation, fp8_gemm, rms_norm
+from pagecast.kernels import activation, fp8_gemm, reference, rms_norm
 from pagecast.kernels.quant_linear import Fp8LinearWeight
 from pagecast.kernels.tuning import KernelConfig
 
@@ -41,11 +41,6 @@ PROJECTIONS = (
     ("gate_up", 28672, 4096, "norm", {"SKINNY": 1, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}),
     ("down", 4096, 14336, "silu", {"SKINNY": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 4, "num_stages": 4}),
 )  # fmt: skip
-
-
-def _config(raw: dict) -> KernelConfig:  # type: ignore[type-arg]
-    params = {k: v for k, v in raw.items() if k not in ("num_warps", "num_stages")}
-    return KernelConfig(params=params, num_warps=raw["num_warps"], num_stages=raw["num_stages"])
 
 
 def _served(ahead, feed, x, residual, norm_w, weights, cfg, i):  # type: ignore[no-untyped-def]
@@ -60,6 +55,7 @@ def _served(ahead, feed, x, residual, norm_w, weights, cfg, i):  # type: ignore[
         return fp8_gemm.fp8_linear(x, w, None, cfg)
     finally:
         fp8_gemm.PASS_AHEAD = before
+
 
 def _two_launch(feed, x, residual, norm_w, weights, cfg, i):  # type: ignore[no-untyped-def]
     """Link i with the norm or the activation in a launch of its own, then the plain kernel."""
@@ -105,18 +101,16 @@ def main() -> None:
         if args.only and name not in args.only.split(","):
             continue
         copies = max(2, math.ceil(4 * l2 / (n * k)))
-        weights = []
-        for _ in range(copies):
-            w = torch.randn(n, k, generator=g, device=dev) * 0.02
-            scale = w.abs().amax(dim=1).clamp_min(1e-12) / 448.0
-            weights.append(Fp8LinearWeight((w / scale[:, None]).to(torch.float8_e4m3fn), scale, None, "token"))
-            del w
+        weights = [
+            Fp8LinearWeight(*reference.quantize_fp8_rows(torch.randn(n, k, generator=g, device=dev) * 0.02), None, "token")
+            for _ in range(copies)
+        ]
         width = 2 * k if feed == "silu" else k
         x = torch.randn(1, width, generator=g, device=dev).to(torch.bfloat16)
         residual = torch.randn(1, k, generator=g, device=dev).to(torch.bfloat16)
         norm_w = (torch.rand(k, generator=g, device=dev) + 0.5).to(torch.bfloat16)
         default = fp8_gemm.default_config(1, n, k, False, torch.bfloat16)
-        for label, cfg in (("tuned_h100", _config(tuned)), ("default", default)):
+        for label, cfg in (("tuned_h100", KernelConfig.coerce(tuned)), ("default", default)):
             inputs = (feed, x, residual, norm_w, weights, cfg)
             paths = (("one_step", partial(_served, False, *inputs)), ("ahead", partial(_served, True, *inputs)),
                      ("two_launch", partial(_two_launch, *inputs)))  # fmt: skip
@@ -127,6 +121,7 @@ def main() -> None:
                 print(json.dumps({"projection": name, "config": label, "path": path, "us": round(us, 2),
                                   "gb_s": round(n * k / us / 1e3, 1), "params": str(cfg)}), flush=True)  # fmt: skip
             print(json.dumps({"projection": name, "config": label, "ahead_equals_one_step": bool(torch.equal(outs["ahead"], outs["one_step"]))}))
+
 
 if __name__ == "__main__":
     main()

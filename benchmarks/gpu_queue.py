@@ -104,8 +104,9 @@ def steps(out: Path) -> list[Step]:
             200,
             "the FP8 decode GEMV at one row, per Llama-3-8B projection as serving launches it, with the scale "
             "pass's loads a step ahead (fp8_gemm.PASS_AHEAD, off until this runs) against one step at a time and "
-            "against the two-launch path: whether the pass is the fixed cost (if ahead wins, turn it on) (H100, 36cb59d: about 14 us a layer "
-            "over 80% of copy; the fusions saved nothing end to end, W4 4.062 against 4.053 ms)",
+            "against the two-launch path: whether the pass is the fixed cost, and if ahead wins, turn it on "
+            "(H100, 36cb59d: about 14 us a layer over 80% of copy; the fusions saved nothing end to end, W4 "
+            "4.062 against 4.053 ms)",
         ),
         Step(
             "fp8_w4",
