@@ -711,10 +711,12 @@ def report_lines(tuning: dict[str, Any] | None, cfg: Fp8Config, tp: int = 1) -> 
         + ". Roofline fraction: the larger of the weight-and-rows bytes at the measured copy bandwidth and"
         " the FLOPs at the GPU's dense FP8 peak, over the chosen time. Best Triton tile: the fastest Triton"
         " config timed (the chosen one unless torch._scaled_mm won; '-' where none was, e.g. a pinned or"
-        " budget-cut bucket).",
+        " budget-cut bucket). Input apart: qkv and gate_up with their norm, down with its activation, in a"
+        " launch of their own before the chosen config, where the fused decode kernel would take them in;"
+        " 'kept' where that was faster and serving runs it so.",
         "",
-        "| projection.rows | chosen | time (us) | best Triton tile (us) | reference (us) | roofline fraction |",
-        "|---|---|---|---|---|---|",
+        "| projection.rows | chosen | time (us) | best Triton tile (us) | reference (us) | roofline fraction | input apart (us) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for bucket, entry in entries.items():
         config = entry.get("config") or {}
@@ -722,9 +724,11 @@ def report_lines(tuning: dict[str, Any] | None, cfg: Fp8Config, tp: int = 1) -> 
         t, ref = entry.get("time_us"), entry.get("reference_us")
         frac = roofline_fraction(tuning or {}, bucket, t)
         tile = best_triton_us(entry)
+        apart = entry.get("apart_us")
+        apart_text = "-" if apart is None else f"{apart:.1f}" + (" (kept)" if entry.get("feed_apart") else "")
         lines.append(
             f"| {bucket} | {chosen} | {t or 0:.1f} | {'-' if tile is None else f'{tile:.1f}'} | {ref or 0:.1f} | "
-            f"{'-' if frac is None else f'{frac:.2f}'} |"
+            f"{'-' if frac is None else f'{frac:.2f}'} | {apart_text} |"
         )
     return lines
 

@@ -213,8 +213,9 @@ def norm_linear(
     launch of its own (fp8_gemm.quantises_apart) gets it quantised by the norm's launch
     (rms_norm.rms_norm_fp8: the same bits, no [rows, hidden] normalised rows in memory); one that
     quantises inside its own launch (the fused decode kernel, up to 16 rows) normalises there too
-    (fp8_gemm.fp8_skinny_norm_linear: no norm launch)."""
-    if isinstance(weight, Fp8LinearWeight) and _triton(x):
+    (fp8_gemm.fp8_skinny_norm_linear: no norm launch), unless the tuner found the norm's own launch
+    faster at this bucket (``_feed_apart``)."""
+    if isinstance(weight, Fp8LinearWeight) and _triton(x) and not _feed_apart(fp8_bucket(projection, x.shape[0])):
         cfg = _config("fp8_gemm", fp8_bucket(projection, x.shape[0]))
         kernels = _kernels()
         apart = kernels.fp8_quantises_apart(x.shape[0], x.shape[1], weight, x.dtype, cfg)
@@ -476,6 +477,18 @@ FUSE_ACT_QUANT_FP8 = os.environ.get("PAGECAST_FUSE_ACT_QUANT_FP8", "1") != "0"
 # PAGECAST_FUSE_NORM_DECODE=0 in a serving process turns it off, for the same-artifact comparison
 # (benchmarks/gpu_queue.py; timed with the activation's above).
 FUSE_NORM_DECODE = os.environ.get("PAGECAST_FUSE_NORM_DECODE", "1") != "0"
+# The tuner's "feed_apart" marks (_feed_apart) followed; PAGECAST_FEED_APART=0 in a serving process
+# ignores them, every bucket fused as above, for the same-artifact comparison (benchmarks/gpu_queue.py).
+FEED_APART = os.environ.get("PAGECAST_FEED_APART", "1") != "0"
+
+
+def _feed_apart(bucket: str) -> bool:
+    """Whether the tuner timed this FP8 bucket faster with its input made (normalised, activated) in
+    a launch of its own than inside the fused decode kernel (the entry's "feed_apart" mark,
+    kernels/tuning.py): on an H100 the down projection's activation inside the one-row kernel cost
+    1.7 us over its own launch (29.86 against 28.14 us), qkv's norm saved 0.8 (benchmarks/RESULTS.md,
+    thirtieth session). Its kernels are in the artifact either way (tuning.compile_fp8_input_variants)."""
+    return FEED_APART and bool((table_entry(_active.tuning, "fp8_gemm", bucket) or {}).get("feed_apart", False))
 
 
 def _linear_of(
@@ -488,7 +501,8 @@ def _linear_of(
 ) -> torch.Tensor:
     if not silu_and_mul_first:
         return linear(x, weight, bias, projection)
-    if FUSE_ACT_QUANT_FP8 and isinstance(weight, Fp8LinearWeight) and activation in ("silu", "gelu_tanh") and _triton(x):
+    fp8_fused = FUSE_ACT_QUANT_FP8 and isinstance(weight, Fp8LinearWeight) and activation in ("silu", "gelu_tanh")
+    if fp8_fused and _triton(x) and not _feed_apart(fp8_bucket(projection, x.shape[0])):
         # the activation in the launch that quantises down's input (fp8_gemm.fp8_act_and_mul_linear):
         # the quantising kernel's, or up to 16 rows the fused decode GEMV's
         cfg = _config("fp8_gemm", fp8_bucket(projection, x.shape[0]))

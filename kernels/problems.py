@@ -82,6 +82,11 @@ class Problem:
     # rows: `_w4a16_gemm_kernel` with BLOCK_M 32). Not do_not_specialize, as the fused-MoE kernels'
     # counts are: the decode GEMVs of these buckets keep their specialisation for a single row.
     variants: Callable[[KernelConfig | None], object] | None = None
+    # The same work with the projection's input made (normalised, activated) in a launch of its own
+    # before the GEMM: the FP8 decode kernel's norm or activation taken out of it. Timed once, with
+    # the bucket's best config; where it beats that config by TIE_TOLERANCE the entry is marked
+    # "feed_apart" and serving runs the bucket so (kernels/ops.py).
+    apart: Callable[[KernelConfig | None, int], object] | None = None
 
     def launches_per_sample(self, est_bandwidth: float = 3e12) -> int:
         """Launches per timed sample: every input set, and at least ~100 us of work."""
@@ -962,6 +967,10 @@ def _fp8_problem(
         def linear(x: torch.Tensor, w: Fp8LinearWeight, cfg: KernelConfig | None) -> object:
             return fp8_gemm.fp8_act_and_mul_linear(x, w, bias, shapes.activation, cfg)
 
+        def feed_apart(x: torch.Tensor, w: Fp8LinearWeight, cfg: KernelConfig | None) -> object:
+            act = activation.silu_and_mul if shapes.activation == "silu" else activation.gelu_tanh_and_mul
+            return fp8_gemm.fp8_linear(act(x), w, bias, cfg)
+
     elif _fp8_normed(shapes, dims):
         # qkv / gate_up as ops.norm_linear runs them: the residual add and RMSNorm inside the fused
         # decode kernel, or in the launch that quantises the input for a tile (rms_norm_fp8); the
@@ -987,8 +996,13 @@ def _fp8_problem(
         def linear(x: torch.Tensor, w: Fp8LinearWeight, cfg: KernelConfig | None) -> object:
             return norm_linear(x, w, cfg, False)
 
+        def feed_apart(x: torch.Tensor, w: Fp8LinearWeight, cfg: KernelConfig | None) -> object:
+            normed, stream = rms_norm.fused_add_rms_norm(x, residual[: x.shape[0]], norm_weight, 1e-6)
+            return fp8_gemm.fp8_linear(normed, w, bias, cfg), stream
+
     else:
         rows = torch.randn((m, k), generator=dg, device=device, dtype=dtype)
+        feed_apart = None
 
         def linear(x: torch.Tensor, w: Fp8LinearWeight, cfg: KernelConfig | None) -> object:
             return fp8_gemm.fp8_linear(x, w, bias, cfg)
@@ -1011,6 +1025,14 @@ def _fp8_problem(
         def reference_gemm(cfg: KernelConfig | None, i: int) -> object:
             return torch.nn.functional.linear(rows[:, :k], dense[i % dense_sets], bias)
 
+    apart = None
+    if feed_apart is not None and m <= fp8_gemm.SKINNY_MAX_ROWS:
+        # where the fused decode kernel may take the norm or the activation in: the two launches it replaces
+        def apart(cfg: KernelConfig | None, i: int) -> object:
+            return feed_apart(rows, weights[i % num_sets], cfg)
+
     if variants is None:
         variants = _fewer_rows(m, fewer)
-    return Problem("fp8_gemm", bucket, gemm, num_sets, nbytes, flops, reference=reference_gemm, variants=variants)
+    return Problem(
+        "fp8_gemm", bucket, gemm, num_sets, nbytes, flops, reference=reference_gemm, variants=variants, apart=apart
+    )

@@ -760,6 +760,10 @@ def tune(
             if rejected:
                 entries[bucket]["rejected"] = rejected
             entries[bucket].update(problem.marks)
+            if problem.apart is not None and not budget_spent:
+                t0 = time.monotonic()
+                entries[bucket].update(_time_apart(problem, best, launches, reps, log))
+                spent["other"] += time.monotonic() - t0
             if problem.reference is not None:  # the half-type baseline, for the report (never chosen)
                 t0 = time.monotonic()
                 entries[bucket]["reference_us"] = round(
@@ -770,6 +774,27 @@ def tune(
                 log(f"{kernel} {bucket}: {best[0]:.2f} us {best[2].as_dict()} ({len(results)} configs)")
         seconds[kernel] = {k: round(v, 2) for k, v in spent.items()}
     return table
+
+
+def _time_apart(
+    problem: Any, best: tuple[float, int, KernelConfig], launches: int, reps: int, log: Callable[[str], None] | None
+) -> dict[str, Any]:
+    """The bucket's work with the projection's input made in a launch of its own (Problem.apart), timed
+    with the best config: its time, and the "feed_apart" mark where it beats the best by
+    TIE_TOLERANCE (serving then runs the bucket that way, kernels/ops.py). A launch that fails
+    leaves the bucket as tuned."""
+    try:
+        apart_us = time_launches(functools.partial(problem.apart, best[2]), launches, reps)
+    except Exception as exc:  # noqa: BLE001 - the fused form stays
+        if log:
+            log(f"{problem.kernel} {problem.bucket} apart: {type(exc).__name__}: {str(exc)[:120]}")
+        return {}
+    marks: dict[str, Any] = {"apart_us": round(apart_us, 2)}
+    if apart_us < best[0] * (1 - TIE_TOLERANCE):
+        marks["feed_apart"] = True
+    if log:
+        log(f"{problem.kernel} {problem.bucket}: input made apart {apart_us:.2f} us" + (" (kept)" if "feed_apart" in marks else ""))
+    return marks
 
 
 def _problem_and_default(kernel: str, shapes: ModelShapes, dims: dict[str, int], device: torch.device) -> tuple[Any, KernelConfig]:

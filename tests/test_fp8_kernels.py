@@ -677,7 +677,7 @@ def test_report_lists_each_bucket_with_the_scaled_mm_time_and_roofline_fraction(
         "shapes": {**shapes.__dict__, "dtype": "bfloat16", "kv_cache_dtype": "bfloat16"},
         "kernels": {"fp8_gemm": {
             "qkv.m1": {"config": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 4, "num_stages": 4},
-                       "time_us": 12.6, "reference_us": 14.0,
+                       "time_us": 12.6, "reference_us": 14.0, "apart_us": 13.4,
                        "alternatives": [{"config": {"scaled_mm": 1, "num_warps": 0, "num_stages": 0}, "time_us": 14.0},
                                         {"config": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 4}, "time_us": 13.1}]},
             "down.m8192": {"config": {"scaled_mm": 1, "num_warps": 0, "num_stages": 0}, "time_us": 900.0, "reference_us": 900.0,
@@ -685,18 +685,23 @@ def test_report_lists_each_bucket_with_the_scaled_mm_time_and_roofline_fraction(
                                             {"config": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1}, "time_us": 1003.0}]},
             "up.m16": {"config": {"scaled_mm": 1, "num_warps": 0, "num_stages": 0}, "time_us": 30.0, "reference_us": 30.0,
                        "pinned": True, "alternatives": []},
+            "down.m1": {"config": {"SKINNY": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 4, "num_stages": 4},
+                        "time_us": 29.9, "reference_us": 40.0, "apart_us": 28.1, "feed_apart": True, "alternatives": []},
         }},
     }  # fmt: skip
     cfg = fp8.read_config(None, "fp8")
     assert cfg is not None
     lines = fp8.report_lines(table, cfg)
-    assert "| projection.rows | chosen | time (us) | best Triton tile (us) | reference (us) | roofline fraction |" in lines
+    header = "| projection.rows | chosen | time (us) | best Triton tile (us) | reference (us) | roofline fraction | input apart (us) |"
+    assert header in lines
     # qkv at one row moves 6144 x 4096 fp8 bytes (+ scales, rows): ~25.2 MB at 4 TB/s is 6.3 us of 12.6.
     # A Triton tile won: it is the best Triton time.
-    assert any(line.startswith("| qkv.m1 | BLOCK_M=16") and line.endswith("| 12.6 | 12.6 | 14.0 | 0.50 |") for line in lines)
+    assert any(line.startswith("| qkv.m1 | BLOCK_M=16") and line.endswith("| 12.6 | 12.6 | 14.0 | 0.50 | 13.4 |") for line in lines)
+    # down at one row ran faster with its activation in a launch of its own: kept, and said so
+    assert any(line.startswith("| down.m1 | SKINNY=1") and line.endswith("| 29.9 | 29.9 | 40.0 | 0.49 | 28.1 (kept) |") for line in lines)
     # down at 8192 rows: 2 * 8192 * 4096 * 14336 FLOPs at 1979 TFLOP/s is 486 us of 900. torch._scaled_mm
     # won: the fastest Triton alternative's time is shown beside it.
-    assert "| down.m8192 | torch._scaled_mm | 900.0 | 951.3 | 900.0 | 0.54 |" in lines
+    assert "| down.m8192 | torch._scaled_mm | 900.0 | 951.3 | 900.0 | 0.54 | - |" in lines
     # No Triton config timed (a pinned bucket runs its config alone).
     assert any(line.startswith("| up.m16 | torch._scaled_mm | 30.0 | - | 30.0 |") for line in lines)
 
@@ -795,18 +800,31 @@ def _some_skinny_configs(m: int, n: int, k: int, block: bool) -> list:  # type: 
     return unsplit[:1] + unsplit[-1:] + split[:1] + split[-1:]
 
 
-def _assert_close_but_rare_e4m3_flips(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    """Outputs within 5e-4 of the largest (and 1.6% of their own size), except a few: one activation
-    rounded to the neighbouring e4m3 value moves a row's outputs by up to an e4m3 step of that
-    activation times its weights, which passes the tight bound for most columns and not for the
-    largest weights (seen on an H100: 2 of 98,304 outputs at 1.1x the bound). Those stay within 2%
-    of the largest output, and there are at most 1 in 1,000; a wrong rstd, weight or index moves
-    most outputs by their own size."""
+def _assert_close_but_for_a_few_e4m3_flips(
+    got: torch.Tensor, want: torch.Tensor, w: torch.Tensor, x_amax: torch.Tensor, what: str, flips: int = 3
+) -> None:  # fmt: skip
+    """got [M, N] against want, each row computed from activations that may differ in a few e4m3
+    roundings: one activation j rounded to the neighbouring e4m3 value moves the row by c * W[:, j]
+    (W [N, K] the dequantised weight), |c| at most an e4m3 step of the row's largest activation
+    (x_amax [M]: 1/8 of it). Per row, up to ``flips`` such moves are found (the column that explains
+    most of what is left, least squares) and taken off; every output must then be within 5e-4 of
+    the largest and 1.6% of its own size (the bf16 output's rounding). A wrong rstd, weight or index
+    moves the whole row along want, which no few columns explain. At a small K one flip moves most
+    of a row past the tight bound (SmolLM2's 576 on an H100: 53 of 1,536 outputs), so counting the
+    outputs outside is no test."""
     scale = want.abs().max().item()
-    diff = (got - want).abs()
-    outside = diff > 5e-4 * scale + 1.6e-2 * want.abs()
-    assert int(outside.sum()) <= max(2, outside.numel() // 1000), f"{what}: {int(outside.sum())} of {outside.numel()} outside"
-    assert diff.max().item() <= 2e-2 * scale, f"{what}: largest difference {diff.max().item()} of {scale}"
+    norms = w.pow(2).sum(0)  # [K]
+    for row in range(got.shape[0]):
+        left = got[row] - want[row]
+        for _ in range(flips):
+            if bool((left.abs() <= 5e-4 * scale + 1.6e-2 * want[row].abs()).all()):
+                break
+            coef = (w.t() @ left) / norms  # [K]: each column's least-squares share of what is left
+            j = int(((coef * coef) * norms).argmax())
+            assert abs(coef[j].item()) <= x_amax[row].item() / 8, f"{what}: row {row} moved by {coef[j].item()} along column {j}"
+            left = left - coef[j] * w[:, j]
+        outside = left.abs() > 5e-4 * scale + 1.6e-2 * want[row].abs()
+        assert int(outside.sum()) == 0, f"{what}: row {row}: {int(outside.sum())} of {outside.numel()} outside after {flips} flips"
 
 
 @pytest.mark.gpu
@@ -817,8 +835,9 @@ def test_gpu_norm_inside_the_fused_decode_kernel_matches_the_kernel_on_normalise
     SKINNY configs, with the residual add and without (layer 0): fp8_skinny_norm_linear against the
     same kernel without the norm on the rows normalised as reference.fp8_norm_linear does (in fp32),
     and the stream bitwise x + residual. The rstd differs from torch's in its last bits (another
-    sum order, rsqrt.approx), which may round an activation to the other e4m3 value: allowed
-    (~1e-4 of the largest output each); a wrong rstd, weight or index moves outputs by their size.
+    sum order, rsqrt.approx), which may round an activation to the other e4m3 value: up to three such
+    flips a row are allowed (_assert_close_but_for_a_few_e4m3_flips); a wrong rstd, weight or index
+    moves outputs by their size.
     Replayed in a CUDA graph on new rows, the same bits."""
     from pagecast.kernels import fp8_gemm
 
@@ -827,6 +846,7 @@ def test_gpu_norm_inside_the_fused_decode_kernel_matches_the_kernel_on_normalise
     weight = _gpu_fp8_weight(n, k, activations, g, dev)
     bias = torch.randn(n, generator=g, device=dev).to(torch.bfloat16)
     norm_w = (torch.rand(k, generator=g, device=dev) + 0.5).to(torch.bfloat16)
+    w_deq = reference.dequantize_fp8(weight.weight, weight.weight_scale)
     for m in (1, 3, 16):
         x, r = ((torch.randn(m, k, generator=g, device=dev) * 3).to(torch.bfloat16) for _ in range(2))
         configs = _some_skinny_configs(m, n, k, activations == "group")
@@ -841,7 +861,7 @@ def test_gpu_norm_inside_the_fused_decode_kernel_matches_the_kernel_on_normalise
                     normed, weight.weight, weight.weight_scale, activations, weight.input_scale, bias, torch.bfloat16, cfg
                 ).float()
                 assert torch.equal(got_stream, stream)
-                _assert_close_but_rare_e4m3_flips(y.float(), want, f"m={m} {cfg}")
+                _assert_close_but_for_a_few_e4m3_flips(y.float(), want, w_deq, normed.abs().amax(-1), f"m={m} {cfg}")
     cfg = configs[0]
     y = fp8_gemm.fp8_skinny_norm_linear(x, r, norm_w, 1e-6, weight, bias, cfg)[0]  # compiled before capture
     torch.cuda.synchronize()
@@ -1049,7 +1069,8 @@ def test_fp8_down_projection_fuses_the_activation_into_the_quantisation_past_16_
     launch of its own) the activation and the quantisation run as one launch, no [rows, d]
     intermediate is made, and the result has the bits of the two-launch path; up to 16 rows under
     a SKINNY config the fused decode kernel activates its input on the way in (no activation
-    launch either), with the bits of the activation's launch then that kernel."""
+    launch either), with the bits of the activation's launch then that kernel; where the tuner
+    marked the bucket "feed_apart" (timed faster so), the activation's launch then that kernel."""
     from pagecast.kernels import activation as act_kernels
     from pagecast.kernels import fp8_gemm, ops
 
@@ -1075,6 +1096,15 @@ def test_fp8_down_projection_fuses_the_activation_into_the_quantisation_past_16_
         monkeypatch.setattr(ops, "FUSE_ACT_QUANT_FP8", False)
         assert torch.equal(ops.row_parallel_linear(x[:4], w, None, "down", silu_and_mul_first=True), expected_4)
         assert calls == ["_silu_and_mul_kernel"]  # off: the activation's launch, then the kernel
+        monkeypatch.setattr(ops, "FUSE_ACT_QUANT_FP8", True)
+        calls.clear()
+        # on, but the tuner timed this bucket faster with the activation in its own launch
+        ops.configure({"kernels": {"fp8_gemm": {"down.m4": {"config": skinny, "apart_us": 9.0, "feed_apart": True}}}})
+        assert torch.equal(ops.row_parallel_linear(x[:4], w, None, "down", silu_and_mul_first=True), expected_4)
+        assert calls == ["_silu_and_mul_kernel"]
+        monkeypatch.setattr(ops, "FEED_APART", False)  # PAGECAST_FEED_APART=0: the mark ignored, fused
+        assert torch.equal(ops.row_parallel_linear(x[:4], w, None, "down", silu_and_mul_first=True), expected_4)
+        assert calls == ["_silu_and_mul_kernel"]
     finally:
         ops.configure()
     assert fp8_gemm.quantises_apart(20, d, w, x.dtype, tile)
@@ -1120,8 +1150,9 @@ def test_fp8_norm_linear_quantises_in_the_norm_launch_past_16_rows(monkeypatch):
     rows the norm's launch quantises the projection's input (no normalised rows in the model's
     dtype, no quantisation launch), with the bits and the residual stream of the two-launch path;
     up to 16 rows under a SKINNY config, the fused decode kernel normalises as well (no norm
-    launch: fp8_skinny_norm_linear's result and stream), or with PAGECAST_FUSE_NORM_DECODE=0
-    the norm then the fused decode kernel, as before."""
+    launch: fp8_skinny_norm_linear's result and stream), or with PAGECAST_FUSE_NORM_DECODE=0, or
+    where the tuner marked the bucket "feed_apart" (timed faster so), the norm then the fused
+    decode kernel, as before."""
     from pagecast.kernels import fp8_gemm, ops, rms_norm
 
     hidden, n = 256, 64
@@ -1155,6 +1186,13 @@ def test_fp8_norm_linear_quantises_in_the_norm_launch_past_16_rows(monkeypatch):
             assert torch.equal(y, fused) and torch.equal(got_stream, stream4 if res is not None else x[:4])
         assert norms == [] and launched == []  # 4 rows: the SKINNY kernel normalises and quantises its input itself
         monkeypatch.setattr(ops, "FUSE_NORM_DECODE", False)
+        y, got_stream = ops.norm_linear(x[:4], r[:4], norm_w, 1e-6, w, None, "qkv")
+        assert torch.equal(y, expected_4) and torch.equal(got_stream, stream4)
+        assert norms == ["_rms_norm_kernel"] and launched == []
+        monkeypatch.setattr(ops, "FUSE_NORM_DECODE", True)
+        norms.clear()
+        # on, but the tuner timed this bucket faster with the norm in its own launch
+        ops.configure({"kernels": {"fp8_gemm": {"qkv.m4": {"config": skinny, "apart_us": 9.0, "feed_apart": True}}}})
         y, got_stream = ops.norm_linear(x[:4], r[:4], norm_w, 1e-6, w, None, "qkv")
         assert torch.equal(y, expected_4) and torch.equal(got_stream, stream4)
         assert norms == ["_rms_norm_kernel"] and launched == []
@@ -1301,3 +1339,37 @@ def test_scale_pass_a_step_ahead_gives_the_bits_of_one_step_at_a_time(feed, m, m
         monkeypatch.setattr(fp8_gemm, "PASS_AHEAD", False)
         one_step = run(split)
         assert all(torch.equal(a, b) for a, b in zip(ahead, one_step, strict=True)), (feed, m, split)
+
+
+def test_fp8_decode_problems_time_the_input_made_apart_as_serving_runs_it():  # type: ignore[no-untyped-def]
+    """The tuner's "feed_apart" choice (kernels/tuning.py): each FP8 bucket of up to 16 rows whose
+    input serving makes inside the fused decode kernel - qkv's and gate_up's norm, down's
+    activation - also has an ``apart`` launch, the norm or the activation in a launch of its own
+    and then the projection, which is what serving runs where the bucket is marked; o and the
+    prefill buckets have none. Under a SKINNY config the two compute the same projection: down's
+    with the same bits, the normed ones within the e4m3 rounding of rows normalised in fp32 inside and
+    in the model's dtype apart."""
+    from pagecast.kernels import fp8_gemm, problems, tuning
+
+    shapes = tuning.ModelShapes(num_heads=4, num_kv_heads=2, head_dim=16, hidden=64, intermediate=96, block_size=16,
+                                dtype="float16", max_num_seqs=16, fp8="channel-token", normed=("qkv", "gate_up"))  # fmt: skip
+    skinny = tuning.KernelConfig({"SKINNY": 1, "BLOCK_N": 32, "BLOCK_K": 64}, num_warps=4, num_stages=2)
+    seen = set()
+    for bucket, dims in problems.buckets("fp8_gemm", shapes):
+        problem = problems.make_problem("fp8_gemm", shapes, dims, "cpu")
+        projection, m = tuning.PROJECTIONS[dims["projection"]], dims["num_rows"]
+        made_inside = projection in ("qkv", "gate_up", "down") and m <= fp8_gemm.SKINNY_MAX_ROWS  # (ModelShapes.normed)
+        assert (problem.apart is not None) == made_inside, bucket
+        if not made_inside or m not in (1, 16):
+            continue
+        seen.add(projection)
+        fused, apart = problem.launch(skinny, 0), problem.apart(skinny, 0)
+        if projection == "down":
+            assert torch.equal(fused, apart), bucket
+        else:
+            assert torch.equal(fused[1], apart[1]), bucket  # the residual stream, exactly
+            # the norm's fp16 rows (apart) or fp32 ones (inside) round ~1% of activations to the other e4m3 value
+            off = (fused[0].float() - apart[0].float()).norm() / apart[0].float().norm()
+            assert off <= 0.03, (bucket, off)  # measured 0.0002-0.01; a lost norm or residual: ~1
+            assert not torch.equal(apart[0], torch.zeros_like(apart[0]))
+    assert seen == {"qkv", "gate_up", "down"}

@@ -533,7 +533,7 @@ def test_buckets_the_budget_cut_off_are_not_called_tuned(monkeypatch):  # type: 
         return 10.0
 
     problem = types.SimpleNamespace(launches_per_sample=lambda: 1, launch=lambda cfg, i: None, reference=None,
-                                    marks={"timed_as": "fake"}, variants=None)  # fmt: skip
+                                    marks={"timed_as": "fake"}, variants=None, apart=None)  # fmt: skip
     monkeypatch.setattr(tuning, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     monkeypatch.setattr(tuning, "time_launches", timed)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake GPU")
@@ -577,7 +577,7 @@ def test_the_build_report_says_where_the_tuning_time_went(monkeypatch):  # type:
         return 10.0
 
     problem = types.SimpleNamespace(launches_per_sample=lambda: 1, launch=launch, reference=lambda cfg, i: None,
-                                    marks={}, variants=None)  # fmt: skip
+                                    marks={}, variants=None, apart=None)  # fmt: skip
     monkeypatch.setattr(tuning, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     monkeypatch.setattr(tuning, "time_launches", timed)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake GPU")
@@ -629,7 +629,7 @@ def test_the_tuner_refuses_a_config_whose_output_differs_from_the_defaults(monke
             out = out.to(torch.bfloat16).float() * (1 + 2**-9)
         return out, out[:1]
 
-    problem = types.SimpleNamespace(launches_per_sample=lambda: 1, launch=launch, reference=None, marks={}, variants=None)
+    problem = types.SimpleNamespace(launches_per_sample=lambda: 1, launch=launch, reference=None, marks={}, variants=None, apart=None)
     monkeypatch.setattr(tuning, "time_launches", lambda launch, launches, reps: speed[kind(launch.args[0])])
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake GPU")
     monkeypatch.setattr(problems, "make_problem", lambda *args, **kwargs: problem)
@@ -671,6 +671,50 @@ def test_the_tuner_times_the_default_where_the_pruned_space_leaves_it_out(monkey
     table = tuning.tune(["fused_moe"], shapes, budget_s=1e9, device="cpu")
     entry = table["kernels"]["fused_moe"]["t1"]
     assert entry["config"] == default.as_dict() and entry["time_us"] == 5.0
+
+
+def test_the_tuner_marks_a_bucket_whose_input_made_apart_was_faster(monkeypatch):  # type: ignore[no-untyped-def]
+    """Problem.apart (an FP8 decode bucket with its norm or activation in a launch of its own, not in
+    the fused decode kernel): timed once, with the bucket's best config. The entry records its time,
+    and the "feed_apart" mark that serving follows (kernels/ops.py) only where it beat the best by
+    TIE_TOLERANCE; a launch that fails leaves the bucket fused and unmarked."""
+    from pagecast.kernels import problems
+
+    shapes = tuning.ModelShapes(9, 3, 64, 576, 1536, 16)
+    dims = dict(problems.buckets("silu_and_mul", shapes))["t8"]
+    monkeypatch.setattr(problems, "buckets", lambda kernel, shapes: [("t8", dims)])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake GPU")
+    best = 10.0
+    given: list[object] = []
+
+    def tuned_with(apart_us):  # type: ignore[no-untyped-def]
+        def apart(cfg, i):  # type: ignore[no-untyped-def]
+            given.append(cfg)
+            if apart_us is None:
+                raise RuntimeError("out of resources")
+            return torch.ones(2)
+
+        problem = types.SimpleNamespace(launches_per_sample=lambda: 1, launch=lambda cfg, i: torch.ones(2), reference=None,
+                                        marks={}, variants=None, apart=apart)  # fmt: skip
+
+        def timed(launch, launches, reps):  # type: ignore[no-untyped-def]
+            if launch.func is apart:
+                launch(0)
+                return apart_us
+            return best
+
+        monkeypatch.setattr(problems, "make_problem", lambda *args, **kwargs: problem)
+        monkeypatch.setattr(tuning, "time_launches", timed)
+        given.clear()
+        return tuning.tune(["silu_and_mul"], shapes, budget_s=1e9, device="cpu")["kernels"]["silu_and_mul"]["t8"]
+
+    entry = tuned_with(best * (1 - 2 * tuning.TIE_TOLERANCE))
+    assert entry["feed_apart"] is True and entry["apart_us"] == pytest.approx(best * (1 - 2 * tuning.TIE_TOLERANCE))
+    assert [tuning.KernelConfig.coerce(c).as_dict() for c in given] == [entry["config"]]  # with the chosen config
+    entry = tuned_with(best * (1 - tuning.TIE_TOLERANCE / 2))  # faster, but within the tie tolerance
+    assert "feed_apart" not in entry and entry["apart_us"] == pytest.approx(best * (1 - tuning.TIE_TOLERANCE / 2))
+    entry = tuned_with(None)  # the launch fails
+    assert "feed_apart" not in entry and "apart_us" not in entry and entry["time_us"] == best
 
 
 def test_output_disagreement_allows_rounding_and_refuses_wrong_values() -> None:
@@ -805,7 +849,7 @@ def test_the_tuner_precompiles_each_bucket_it_times_in_full(monkeypatch):  # typ
         return len(made)
 
     problem = types.SimpleNamespace(launches_per_sample=lambda: 1, launch=lambda cfg, i: None, reference=None,
-                                    marks={}, variants=None)  # fmt: skip
+                                    marks={}, variants=None, apart=None)  # fmt: skip
     monkeypatch.setattr(tuning, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     monkeypatch.setattr(tuning, "time_launches", timed)
     monkeypatch.setattr(tuning, "precompile", precompile)
@@ -858,7 +902,7 @@ def test_the_tuner_launches_each_timed_configs_other_variants(monkeypatch):  # t
         return 10.0
 
     problem = types.SimpleNamespace(launches_per_sample=lambda: 1, launch=lambda cfg, i: None, reference=None,
-                                    marks={}, variants=variant_configs.append)  # fmt: skip
+                                    marks={}, variants=variant_configs.append, apart=None)  # fmt: skip
     monkeypatch.setattr(tuning, "time_launches", timed)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake GPU")
     monkeypatch.setattr(problems, "make_problem", lambda *args, **kwargs: problem)
@@ -891,7 +935,7 @@ def test_a_bucket_the_budget_cut_off_keeps_the_previous_winner_when_it_is_faster
     def make_problem(*args, **kwargs):  # type: ignore[no-untyped-def]
         timed_configs.append([])
         return types.SimpleNamespace(launches_per_sample=lambda: 1, launch=lambda cfg, i: None, reference=None, marks={},
-                                     variants=None)  # fmt: skip
+                                     variants=None, apart=None)  # fmt: skip
 
     monkeypatch.setattr(tuning, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     monkeypatch.setattr(tuning, "time_launches", timed)

@@ -74,7 +74,7 @@ def test_the_tuner_reports_every_bucket_and_config_before_it_launches_them(monke
     from pagecast.kernels import problems
 
     problem = types.SimpleNamespace(launches_per_sample=lambda: 1, launch=lambda cfg, i: None, reference=None,
-                                    marks={}, variants=None)  # fmt: skip
+                                    marks={}, variants=None, apart=None)  # fmt: skip
     monkeypatch.setattr(problems, "make_problem", lambda *args, **kwargs: problem)
     monkeypatch.setattr(tuning, "time_launches", lambda launch, launches, reps: 10.0)
     logged: list[str] = []

@@ -27,7 +27,7 @@ SHAPES = tuning.ModelShapes(9, 3, 64, 576, 1536, 16)
 def _fake_tuner(monkeypatch: pytest.MonkeyPatch, speed: dict[str, float]) -> None:
     """silu_and_mul's real config space on a fake problem whose configs take speed[repr] us (10 else)."""
     problem = types.SimpleNamespace(launches_per_sample=lambda: 1, launch=lambda cfg, i: torch.ones(4),
-                                    reference=None, marks={}, variants=None)  # fmt: skip
+                                    reference=None, marks={}, variants=None, apart=None)  # fmt: skip
     monkeypatch.setattr(problems, "make_problem", lambda *args, **kwargs: problem)
     monkeypatch.setattr(
         tuning, "time_launches", lambda launch, launches, reps: speed.get(repr(launch.args[0].as_dict()), 10.0)
