@@ -596,6 +596,25 @@ def test_gpu_norm_and_quantisation_in_one_launch_are_bitwise_the_two_launches(ac
     _assert_norm_fp8_gives_the_two_launches(x, r, w, activations, torch.tensor([0.02], device=dev))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("activations", ["token", "group", "static"])
+@pytest.mark.parametrize("hidden", [256, 576])
+def test_gpu_norm_and_quantisation_in_one_launch_in_fp32_under_every_config(activations, hidden):  # type: ignore[no-untyped-def]
+    """The same in fp32 (the tiny engines of the GPU parity tests) at 120 rows, under every config
+    the tuner may give the norm at this hidden size (at 256 the pruned space keeps only one warp):
+    an H100 found the tuned fp32 FP8 Qwen3-MoE engine (hidden 256) off at a 120-token prefill, where
+    ops.norm_linear runs rms_norm_fp8 with the norm's tuned config (thirtieth session)."""
+    from pagecast.kernels import rms_norm
+
+    dev = _cuda()
+    g = torch.Generator(device=dev).manual_seed(1)
+    x, r = (torch.randn(120, hidden, generator=g, device=dev) * 3 for _ in range(2))
+    w = torch.randn(hidden, generator=g, device=dev)
+    configs = [None, *rms_norm.prune_configs(rms_norm.CONFIG_SPACE, hidden)]
+    for cfg in configs:
+        _assert_norm_fp8_gives_the_two_launches(x, r, w, activations, torch.tensor([0.02], device=dev), cfg)
+
+
 def _gpu_configs(m: int, block: bool) -> list[dict[str, int] | None]:
     from pagecast.kernels import fp8_gemm
 
@@ -1128,18 +1147,19 @@ def test_norm_and_quantisation_in_one_launch_give_the_two_launches_bits(activati
         _assert_norm_fp8_gives_the_two_launches(x, r, w, activations, torch.tensor([0.05]))
 
 
-def _assert_norm_fp8_gives_the_two_launches(x, r, w, activations: str, input_scale: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
+def _assert_norm_fp8_gives_the_two_launches(x, r, w, activations: str, input_scale: torch.Tensor, config=None) -> None:  # type: ignore[no-untyped-def]
     """rms_norm_fp8 with the residual r and without (layer 0): the bits and scales of the norm's
-    launch then quantize_activations, and the residual stream of the norm."""
+    launch then quantize_activations, and the residual stream of the norm (both norms under
+    ``config``, the tuner's choice for the bucket, as ops.norm_linear passes it)."""
     from pagecast.kernels import fp8_gemm, rms_norm
 
     for residual in (None, r):
         if residual is None:
-            normed, stream = rms_norm.rms_norm(x, w, 1e-6), x
+            normed, stream = rms_norm.rms_norm(x, w, 1e-6, config=config), x
         else:
-            normed, stream = rms_norm.fused_add_rms_norm(x, residual, w, 1e-6)
+            normed, stream = rms_norm.fused_add_rms_norm(x, residual, w, 1e-6, config=config)
         rq, rs = fp8_gemm.quantize_activations(normed, activations, input_scale)
-        q, s, got_stream = rms_norm.rms_norm_fp8(x, residual, w, 1e-6, activations, input_scale)
+        q, s, got_stream = rms_norm.rms_norm_fp8(x, residual, w, 1e-6, activations, input_scale, config)
         assert torch.equal(s, rs), (x.dtype, residual is None)
         assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), (x.dtype, residual is None)
         assert torch.equal(got_stream, stream)
