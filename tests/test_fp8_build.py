@@ -156,8 +156,12 @@ NEAR_TIE = 0.1
 
 def _assert_greedy_parity(
     artifact: Path, ckpt: Path, activations: str, tp: int = 1, quantised: tuple[str, ...] = PROJECTIONS,
-    kv_scales: tuple[list[float], list[float]] | None = None,
+    kv_scales: tuple[list[float], list[float]] | None = None, flip_tol: float | None = None,
 ) -> None:  # fmt: skip
+    """Greedy tokens equal up to a near tie, and the first prompt's last logits within 2e-3 of the
+    reference's. ``flip_tol``: every prompt's last logits compared instead, each within
+    ``flip_tol`` and at least one within 2e-3 (where one value in the pass may round to the other
+    e4m3 value, see NEAR_TIE)."""
     hf = reference_model(ckpt, activations, quantised, kv_scales)
     tokens, logits = _generate(artifact, logits=tp == 1)
     diverged = near_tie_divergences(hf, PROMPTS, tokens, MAX_TOKENS, NEAR_TIE)
@@ -165,10 +169,18 @@ def _assert_greedy_parity(
     if logits is None:
         return
     with torch.no_grad():
-        ref = hf(torch.tensor([PROMPTS[0]])).logits[0, -1]
-    # The same fp8 values and scales; only fp32 summation order differs (and, rarely, an
-    # activation that rounds the other way to e4m3 because of it).
-    torch.testing.assert_close(logits, ref, atol=2e-3, rtol=0)
+        refs = [hf(torch.tensor([p])).logits[0, -1] for p in PROMPTS]
+    if flip_tol is None:
+        # The same fp8 values and scales; only fp32 summation order differs (and, rarely, an
+        # activation that rounds the other way to e4m3 because of it).
+        torch.testing.assert_close(logits, refs[0], atol=2e-3, rtol=0)
+        return
+    llm = LLM(artifact, max_num_seqs=4, max_num_batched_tokens=64)
+    try:
+        diffs = [(engine_last_logits(llm.engine, p) - ref).abs().max().item() for p, ref in zip(PROMPTS, refs, strict=True)]
+    finally:
+        llm.engine.runner.close()
+    assert max(diffs) <= flip_tol and min(diffs) <= 2e-3, diffs
 
 
 # ---------------------------------------------------------------------------- llm-compressor checkpoints
@@ -644,7 +656,10 @@ def test_fp8_weights_with_the_fp8_kv_cache_equal_transformers_with_k_and_v_quant
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert manifest["quant"] == "fp8" and manifest["kv_cache"]["dtype"] == "float8_e4m3fn"
     scales = (manifest["kv_cache"]["k_scales"], manifest["kv_cache"]["v_scales"])
-    _assert_greedy_parity(artifact, FIXTURES / name, "token", kv_scales=scales)
+    # Each K and V value is rounded to e4m3 on both sides, computed in another fp32 order: on a
+    # Sapphire Rapids CPU (2026-12-06) one rounded the other way and moved the first prompt's logits
+    # by 0.063, against 0.30 between the two caches' references (checked below).
+    _assert_greedy_parity(artifact, FIXTURES / name, "token", kv_scales=scales, flip_tol=0.1)
     fp8_kv = reference_model(FIXTURES / name, "token", kv_scales=scales)
     plain = reference_model(FIXTURES / name, "token")
     _, plain_engine = _generate(llmc_artifacts(name), PROMPTS[:1])
