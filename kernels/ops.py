@@ -215,8 +215,8 @@ def norm_linear(
     quantises inside its own launch (the fused decode kernel, up to 16 rows) normalises there too
     (fp8_gemm.fp8_skinny_norm_linear: no norm launch), unless the tuner found the norm's own launch
     faster at this bucket (``_feed_apart``)."""
-    if isinstance(weight, Fp8LinearWeight) and _triton(x) and not _feed_apart(fp8_bucket(projection, x.shape[0])):
-        cfg = _config("fp8_gemm", fp8_bucket(projection, x.shape[0]))
+    if isinstance(weight, Fp8LinearWeight) and _triton(x) and not _feed_apart(bucket := fp8_bucket(projection, x.shape[0])):
+        cfg = _config("fp8_gemm", bucket)
         kernels = _kernels()
         apart = kernels.fp8_quantises_apart(x.shape[0], x.shape[1], weight, x.dtype, cfg)
         if apart and FUSE_ACT_QUANT_FP8:
@@ -488,7 +488,12 @@ def _feed_apart(bucket: str) -> bool:
     kernels/tuning.py): on an H100 the down projection's activation inside the one-row kernel cost
     1.7 us over its own launch (29.86 against 28.14 us), qkv's norm saved 0.8 (benchmarks/RESULTS.md,
     thirtieth session). Its kernels are in the artifact either way (tuning.compile_fp8_input_variants)."""
-    return FEED_APART and bool((table_entry(_active.tuning, "fp8_gemm", bucket) or {}).get("feed_apart", False))
+    return FEED_APART and _marked("fp8_gemm", bucket, "feed_apart")
+
+
+def _marked(kernel: str, bucket: str, mark: str) -> bool:
+    """Whether the active table's (kernel, bucket) entry carries ``mark`` (how the tuner timed it)."""
+    return bool((table_entry(_active.tuning, kernel, bucket) or {}).get(mark, False))
 
 
 def _linear_of(
@@ -502,17 +507,17 @@ def _linear_of(
     if not silu_and_mul_first:
         return linear(x, weight, bias, projection)
     fp8_fused = FUSE_ACT_QUANT_FP8 and isinstance(weight, Fp8LinearWeight) and activation in ("silu", "gelu_tanh")
-    if fp8_fused and _triton(x) and not _feed_apart(fp8_bucket(projection, x.shape[0])):
+    if fp8_fused and _triton(x) and not _feed_apart(bucket := fp8_bucket(projection, x.shape[0])):
         # the activation in the launch that quantises down's input (fp8_gemm.fp8_act_and_mul_linear):
         # the quantising kernel's, or up to 16 rows the fused decode GEMV's
-        cfg = _config("fp8_gemm", fp8_bucket(projection, x.shape[0]))
+        cfg = _config("fp8_gemm", bucket)
         return _kernels().fp8_act_and_mul_linear(x, weight, bias, activation, cfg)  # type: ignore[no-any-return]
     if activation != "silu":
         return linear(act_and_mul(x, activation), weight, bias, projection)
     if FUSE_SILU_DOWN and isinstance(weight, Int4LinearWeight) and _triton(x):
         bucket = w4a16_bucket(projection, x.shape[0])
         cfg = _config("w4a16_gemm", bucket)
-        timed_fused = (table_entry(_active.tuning, "w4a16_gemm", bucket) or {}).get("fused_silu", False)
+        timed_fused = _marked("w4a16_gemm", bucket, "fused_silu")
         # a config that cannot fuse (prefill-sized buckets) keeps the tuned activation below
         if timed_fused and cfg is not None and _kernels().fuses_silu_and_mul(cfg):
             return _kernels().w4a16_silu_and_mul_gemm(  # type: ignore[no-any-return]
