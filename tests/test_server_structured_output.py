@@ -162,22 +162,29 @@ def test_options_the_grammar_cannot_honour_are_a_400_naming_response_format(clie
 
 
 # Planted in the engine core (its model.py, which only the core process runs): grammar compiles
-# that take seconds (schemas titled "slow-grammar") or fail there (titled "broken-grammar"),
-# although the server's own check, which compiles without the tokenizer, accepts both.
-COMPILE_DELAY_S = 4.0
+# that wait for the test's word (schemas titled "slow-grammar": the compile writes
+# compile-started beside model.py, then waits until the test writes compile-gate there) or fail
+# there (titled "broken-grammar"), although the server's own check, which compiles without the
+# tokenizer, accepts both.
+GATE_TIMEOUT_S = 120.0
 PLANTED = f'''
 
-# -- planted by tests/test_server_structured_output.py: slow and failing grammar compiles --
+# -- planted by tests/test_server_structured_output.py: gated and failing grammar compiles --
+import pathlib as _planted_pathlib
 import time as _planted_time
 
 from pagecast.runtime import structured_output as _planted_so
 
 _planted_compile = _planted_so.GrammarState._compile
+_planted_here = _planted_pathlib.Path(__file__).parent
 
 
 def _planted_slow_compile(self, key):
     if '"slow-grammar"' in (key[1] or ""):
-        _planted_time.sleep({COMPILE_DELAY_S})
+        (_planted_here / "compile-started").touch()
+        deadline = _planted_time.monotonic() + {GATE_TIMEOUT_S}
+        while not (_planted_here / "compile-gate").exists() and _planted_time.monotonic() < deadline:
+            _planted_time.sleep(0.01)
     if '"broken-grammar"' in (key[1] or ""):
         raise ValueError("structured_output the JSON schema cannot be compiled: planted failure")
     return _planted_compile(self, key)
@@ -211,38 +218,43 @@ def test_a_slow_grammar_compile_in_the_core_holds_up_no_other_request(tiny_llama
 
     from server_support import make_engine, serve
 
-    engine = make_engine(planted_artifact(tiny_llama_artifact, tmp_path / "planted"), async_scheduling=True)
+    planted = planted_artifact(tiny_llama_artifact, tmp_path / "planted")
+    engine = make_engine(planted, async_scheduling=True)
     try:
         with serve({MODEL: engine}) as server:
             url = f"{server.url}/v1/completions"
 
             def post(body):  # type: ignore[no-untyped-def]
-                r = httpx.post(url, json=body, timeout=120)
-                return r, time.monotonic()
+                return httpx.post(url, json=body, timeout=2 * GATE_TIMEOUT_S)
 
             plain = {"model": MODEL, "prompt": "The weather today is", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
             constrained = {"model": MODEL, "prompt": "An order:", "max_tokens": 150, "temperature": 0,
                            "response_format": _titled("slow-grammar")}  # fmt: skip
-            with concurrent.futures.ThreadPoolExecutor(2) as pool:
-                start = time.monotonic()
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 slow = pool.submit(post, constrained)
-                time.sleep(0.3)  # the constrained request reaches the core first
-                fast = pool.submit(post, plain)
-                (plain_r, plain_at), (slow_r, slow_at) = fast.result(), slow.result()
-            # The unconstrained request was served while the core compiled the grammar.
-            assert plain_at - start < COMPILE_DELAY_S <= slow_at - start
+                deadline = time.monotonic() + 60
+                while not (planted / "compile-started").exists():
+                    assert time.monotonic() < deadline and not slow.done(), "the grammar compile never started"
+                    time.sleep(0.01)
+                # The core compiles the grammar (held there until the gate opens) and serves the
+                # unconstrained request meanwhile; a core that waited for the compile would answer
+                # it only after GATE_TIMEOUT_S, past this request's timeout.
+                plain_r = httpx.post(url, json=plain, timeout=GATE_TIMEOUT_S / 2)
+                assert plain_r.status_code == 200 and not slow.done()
+                (planted / "compile-gate").touch()
+                slow_r = slow.result()
             assert slow_r.status_code == 200 and slow_r.json()["choices"][0]["finish_reason"] == "stop"
             Order.model_validate_json(slow_r.json()["choices"][0]["text"])
-            alone = httpx.post(url, json=plain, timeout=120).json()["choices"][0]["text"]
+            alone = post(plain).json()["choices"][0]["text"]
             assert plain_r.json()["choices"][0]["text"] == alone
 
             # A grammar that fails to compile in the core ends its request with a 400 that names
             # response_format and says why (the user's schema is at fault, not the server); the
             # engine serves on.
-            broken = httpx.post(url, json={**constrained, "response_format": _titled("broken-grammar")}, timeout=120)
+            broken = post({**constrained, "response_format": _titled("broken-grammar")})
             assert broken.status_code == 400, broken.text
             error = broken.json()["error"]
             assert "planted failure" in error["message"] and error["param"] == "response_format", error
-            assert httpx.post(url, json=plain, timeout=120).json()["choices"][0]["text"] == alone
+            assert post(plain).json()["choices"][0]["text"] == alone
     finally:
         engine.shutdown()
