@@ -74,6 +74,15 @@ def steps(out: Path) -> list[Step]:
             "failing engine's table has it): one suspect of fp8_moe_ops_check's failure",
         ),
         Step(
+            "fp8_moe_engine_unfused",
+            ["env", "PAGECAST_FUSE_ACT_QUANT_FP8=0", *_pytest("tests/test_fused_moe_fp8_gpu.py", "-k", "tuned_fp32", "-v")],
+            240,
+            "the failing tuned fp32 FP8-MoE engine test with the RMSNorm and the activation quantisation in "
+            "launches of their own (ops.FUSE_ACT_QUANT_FP8 off): a review of the code found no GPU-only hazard in "
+            "the MoE kernels and named the fused norm + quantise before qkv (added after the H200 pass at 9c55d4d; "
+            "[120, 256] fp32 rows, one warp) as the likeliest culprit, o_proj's K of 64 under BLOCK_K 128 next",
+        ),
+        Step(
             "qwen3_w4",
             [*qwen3_w4, str(out / "new")],
             300,
