@@ -71,7 +71,8 @@ def steps(out: Path) -> list[Step]:
             _pytest("tests/test_fp8_kernels.py", "-k", "in_fp32_under_every_config", "-v", stop_at_first=False),
             120,
             "rms_norm_fp8 in fp32 at 120 rows under every config of the norm's space (one warp at hidden 256, as the "
-            "failing engine's table has it): one suspect of fp8_moe_ops_check's failure",
+            "failing engine's table has it), and fp8_linear in fp32 at that engine's qkv and o shapes (o's K of 64 "
+            "under BLOCK_K 128) under every config: suspects of fp8_moe_ops_check's failure",
         ),
         Step(
             "fp8_moe_engine_unfused",

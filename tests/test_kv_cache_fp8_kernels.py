@@ -2,9 +2,9 @@
 interpreter, and the reference's own definition (quantisation, saturation, scales).
 
 The interpreter loads and stores float8e4nv, but its float -> fp8 rounding is wrong (no carry
-into the exponent): the tests replace that one conversion with torch's, which rounds to nearest
-even as the GPU's cvt.rn does (tests/test_kernels_compile_sm90.py compiles the kernels for
-sm_90, and the GPU tests check them on the device); bf16
+into the exponent): kernels/interpreter_fix.py (applied by conftest) converts with torch, which
+rounds to nearest even as the GPU's cvt.rn does (tests/test_kernels_compile_sm90.py compiles the
+kernels for sm_90, and the GPU tests check them on the device); bf16
 is left to the GPU tests (the interpreter's bf16 tl.dot is wrong), so the attention kernels
 run with fp32 and fp16 queries over fp8 caches.
 """
@@ -71,40 +71,6 @@ def test_reference_attention_reads_fp8_as_value_times_scale():
 interpreted = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="CPU kernel tests run under the Triton interpreter"
 )
-
-
-def _interpreter_fp8_fix() -> None:
-    """triton 3.6's interpreter converts fp32/fp16 -> float8e4nv by cutting the mantissa and adding
-    the round bit without carrying into the exponent (7.8 becomes 4.0, not 8.0; a plain cast
-    truncates). The GPU rounds to nearest even (cvt.rn), as torch does: convert fp8 with torch."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    if getattr(interpreter, "_pagecast_fp8_fix", False):
-        return
-    original = interpreter._convert_float
-    floats = {
-        tl.float32: (np.float32, np.uint32, torch.float32),
-        tl.float16: (np.float16, np.uint16, torch.float16),
-    }
-
-    def convert(input, input_dtype, output_dtype, rounding_mode):  # type: ignore[no-untyped-def]
-        if output_dtype == tl.float8e4nv and input_dtype in floats:
-            x = torch.from_numpy(np.frombuffer(input.tobytes(), dtype=floats[input_dtype][0]).copy())
-            return x.to(FP8_DTYPE).view(torch.uint8).numpy().reshape(input.shape)
-        if input_dtype == tl.float8e4nv and output_dtype in floats:
-            _, np_uint, torch_float = floats[output_dtype]
-            x = torch.from_numpy(np.frombuffer(input.tobytes(), dtype=np.uint8).copy()).view(FP8_DTYPE)
-            return x.to(torch_float).numpy().view(np_uint).reshape(input.shape)
-        return original(input, input_dtype, output_dtype, rounding_mode)
-
-    interpreter._convert_float = convert
-    interpreter._pagecast_fp8_fix = True
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _interpreter_fp8_fix()
 
 
 def _fp8_steps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
