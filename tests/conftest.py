@@ -26,7 +26,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 # cores wait for each other in every parallel region. Measured there: smollm2's greedy parity
 # test took 113 s beside parity tests with two threads a worker, 11.5 s with one.
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-_threads = int(os.environ.get("PAGECAST_TEST_THREADS", max(1, min(2, (os.cpu_count() or 1) // _workers))))
+_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+_threads = int(os.environ.get("PAGECAST_TEST_THREADS", max(1, min(2, _cores // _workers))))
 torch.set_num_threads(_threads)
 if _workers > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
