@@ -18,8 +18,6 @@ triton; call the function, once the interpreter is wanted (a second call is a no
 
 from __future__ import annotations
 
-E4M3_MAX = 448.0
-
 
 def interpreter_index_fix() -> None:
     """Patch triton's interpreter: a 1-element array works as a loop bound, and float-to-e4m3
@@ -48,6 +46,8 @@ def _e4m3_by_torch(convert):  # type: ignore[no-untyped-def]
     import torch
     import triton.language as tl
 
+    from pagecast.kernels.reference import FP8_MAX
+
     floats = {  # triton type: (numpy type holding it, numpy type of the same width torch reads, torch type)
         tl.float32: (np.float32, np.float32, torch.float32),
         tl.float16: (np.float16, np.float16, torch.float16),
@@ -59,7 +59,7 @@ def _e4m3_by_torch(convert):  # type: ignore[no-untyped-def]
         if output_dtype == tl.float8e4nv and input_dtype in floats:
             _, as_read, torch_type = floats[input_dtype]
             x = torch.from_numpy(np.ascontiguousarray(data).view(as_read).copy()).view(torch_type).float()
-            q = x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)  # clamp keeps NaN
+            q = x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # clamp keeps NaN
             return q.view(torch.uint8).numpy().reshape(shape)
         if input_dtype == tl.float8e4nv and output_dtype in floats:
             held, as_read, torch_type = floats[output_dtype]

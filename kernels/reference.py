@@ -311,7 +311,6 @@ def w4a16_linear(
 # exact in fp32, so the emulation below (fp32 matmul of the fp8 values, then the scales) is the
 # kernel's arithmetic up to the order of the fp32 sums.
 
-FP8_MAX = 448.0
 FP8_MIN_AMAX = 1e-12
 FP8_GROUP = 128  # the block format's 128x128 weight blocks and 1x128 activation groups
 

@@ -667,12 +667,13 @@ def test_fp8_linear_in_fp32_under_every_config_at_the_tiny_moe_shapes(device, m,
     weight = Fp8LinearWeight(qw, sw, None, "token")
     x = torch.randn(m, k, generator=g, device=dev) * 3
     ref = reference.fp8_linear(x, qw, sw, "token")
+    w, x_amax = reference.dequantize_fp8(qw, sw), x.abs().amax(1)
     configs = [None, *(c.as_dict() for c in fp8_gemm.prune_configs(fp8_gemm.CONFIG_SPACE, m, n, k, False, torch.float32))]
     for cfg in configs:
         y = fp8_gemm.fp8_linear(x, weight, None, cfg)
         # exact products summed in another order, and an activation the kernel's scale rounds to the
         # other e4m3 value now and then; a wrong scale, index or mask moves outputs by their own size
-        _assert_close_but_for_a_few_e4m3_flips(y, ref, reference.dequantize_fp8(qw, sw), x.abs().amax(1), f"config {cfg}")
+        _assert_close_but_for_a_few_e4m3_flips(y, ref, w, x_amax, f"config {cfg}")
 
 
 def _gpu_configs(m: int, block: bool) -> list[dict[str, int] | None]:

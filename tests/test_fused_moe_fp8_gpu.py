@@ -209,10 +209,7 @@ def test_tuned_fp32_fp8_moe_engine_matches_transformers(tmp_path):  # type: igno
     for prefill in (120, 8):
         got = logit_agreement(teacher_forced_logits(art, tokens, prefill).cpu().float(), expected)
         # on failure, the configs this GPU's tuner picked (the table is gone with tmp_path)
-        picks = {
-            k: {b: e.get("config") if isinstance(e, dict) else e for b, e in buckets.items()} if isinstance(buckets, dict) else buckets
-            for k, buckets in tuning["kernels"].items()
-        }
+        picks = {k: {b: e.get("config") for b, e in buckets.items()} for k, buckets in tuning["kernels"].items()}
         assert got["top1_agreement"] >= 0.95 and got["mean_rel_diff"] <= min(0.02, 0.05 * far), (prefill, got, far, picks)
 
 
