@@ -635,9 +635,9 @@ def test_gpu_norm_and_quantisation_in_one_launch_are_bitwise_the_two_launches(ac
 @pytest.mark.parametrize("hidden", [256, 576])
 def test_gpu_norm_and_quantisation_in_one_launch_in_fp32_under_every_config(activations, hidden):  # type: ignore[no-untyped-def]
     """The same in fp32 (the tiny engines of the GPU parity tests) at 120 rows, under every config
-    the tuner may give the norm at this hidden size (at 256 the pruned space keeps only one warp):
-    an H100 found the tuned fp32 FP8 Qwen3-MoE engine (hidden 256) off at a 120-token prefill, where
-    ops.norm_linear runs rms_norm_fp8 with the norm's tuned config (thirtieth session)."""
+    the tuner may give the norm at this hidden size (at 256 the pruned space keeps only one warp),
+    as ops.norm_linear runs rms_norm_fp8 with the norm's tuned config: equal but for ulps (fp32's
+    bounds in _assert_norm_fp8_gives_the_two_launches)."""
     from pagecast.kernels import rms_norm
 
     dev = _cuda()
@@ -1212,7 +1212,13 @@ def test_norm_and_quantisation_in_one_launch_give_the_two_launches_bits(activati
 def _assert_norm_fp8_gives_the_two_launches(x, r, w, activations: str, input_scale: torch.Tensor, config=None) -> None:  # type: ignore[no-untyped-def]
     """rms_norm_fp8 with the residual r and without (layer 0): the bits and scales of the norm's
     launch then quantize_activations, and the residual stream of the norm (both norms under
-    ``config``, the tuner's choice for the bucket, as ops.norm_linear passes it)."""
+    ``config``, the tuner's choice for the bucket, as ops.norm_linear passes it).
+
+    Bitwise for half types (the normalised rows rounded to x's dtype in both) and in the
+    interpreter. fp32 rows on the GPU are not rounded, and the two compiled kernels' rows come out
+    ulps apart (an H100: scales equal to the fourth digit, not bitwise), so there the scales are
+    held to 4 ulps and the e4m3 values to equal but for the rare one that lands on the other side
+    of a rounding boundary, one e4m3 step away."""
     from pagecast.kernels import fp8_gemm, rms_norm
 
     for residual in (None, r):
@@ -1222,9 +1228,19 @@ def _assert_norm_fp8_gives_the_two_launches(x, r, w, activations: str, input_sca
             normed, stream = rms_norm.fused_add_rms_norm(x, residual, w, 1e-6, config=config)
         rq, rs = fp8_gemm.quantize_activations(normed, activations, input_scale)
         q, s, got_stream = rms_norm.rms_norm_fp8(x, residual, w, 1e-6, activations, input_scale, config)
-        assert torch.equal(s, rs), (x.dtype, residual is None)
-        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), (x.dtype, residual is None)
-        assert torch.equal(got_stream, stream)
+        what = (x.dtype, residual is None, config)
+        assert torch.equal(got_stream, stream), what
+        if x.dtype != torch.float32 or not x.is_cuda:
+            assert torch.equal(s, rs), what
+            assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), what
+            continue
+        torch.testing.assert_close(s, rs, rtol=4 * 2.0**-23, atol=0, msg=lambda m: f"{what}: {m}")  # noqa: B023
+        codes, want = q.view(torch.uint8).int(), rq.view(torch.uint8).int()
+        apart = codes != want
+        # e4m3's codes are sign | magnitude: neighbours of one sign differ by one in the low 7 bits
+        steps = ((codes & 0x7F) - (want & 0x7F)).abs()
+        assert bool((steps[apart] == 1).all()) and bool(((codes ^ want)[apart] & 0x80 == 0).all()), what
+        assert int(apart.sum()) <= max(2, apart.numel() // 1000), (what, int(apart.sum()), apart.numel())
 
 
 def test_fp8_norm_linear_quantises_in_the_norm_launch_past_16_rows(monkeypatch):  # type: ignore[no-untyped-def]
