@@ -4,12 +4,12 @@ pass carries on with. Each call's output, and any input either path writes (the 
 compared as ||got - want|| / ||want|| over the whole tensor.
 
 Why a GPU engine test needs it: with FP8 activations an engine cannot be held to transformers'
-emulation closer than the format's own rounding. Hopper's FP8 tensor cores accumulate in reduced
-precision (an H100 put the fp32 FP8 GEMMs of a tiny Qwen3-MoE 1.3e-4 from the exact sums), an
-activation that close to an e4m3 boundary rounds the other way, and each such flip is an error of
-1/16 that the next quantisation multiplies: within two layers the engine is as far from the
-emulation as two FP8 roundings of the same model are (tests/test_fused_moe_fp8_gpu.py). Op by op,
-on the same inputs, nothing compounds, and a wrong kernel stands out by orders of magnitude.
+emulation much closer than the format's own rounding. Hopper's FP8 tensor cores accumulate in
+reduced precision (an H100 put the fp32 FP8 GEMMs of a tiny Qwen3-MoE 1.3e-4 from the reference), an
+activation that close to an e4m3 boundary rounds the other way, and each such flip, up to 1/8 of
+the value, flips more at the next quantisation: that engine ended a third of the way from the
+emulation to the unquantised model (tests/test_fused_moe_fp8_gpu.py). Op by op, on the same
+inputs, nothing compounds, and a wrong kernel stands out by orders of magnitude.
 
 Used by tests/test_fused_moe_fp8_gpu.py and benchmarks/ops_check.py."""
 
@@ -21,6 +21,15 @@ import torch
 
 if TYPE_CHECKING:
     from typing_extensions import Self
+
+# Every call within this of the reference on the same inputs, in fp32 engines. Measured: 1.3e-4 at
+# most on an H100 (the FP8 GEMMs: Hopper's FP8 tensor cores accumulate in reduced precision), 3.4e-7
+# elsewhere and in the CPU interpreter. Above those because the two paths' norms come out ulps apart
+# and an activation x_j that close to an e4m3 boundary rounds to the neighbouring value, a step of up
+# to |x_j| / 8: at one row that moves the output by up to |x_j| / (8 ||x||), about 2e-2 for the
+# largest of 256 Gaussian activations. A wrong scale, tile, mask or expert moves an output by the
+# size of what it gets wrong.
+OP_TOLERANCE = 5e-2
 
 OPS = ("norm_linear", "linear", "row_parallel_linear", "rotary_and_write_kv", "paged_attention", "fused_add_rms_norm",
        "rms_norm", "add_norm_moe", "moe", "lm_head", "embedding")  # fmt: skip

@@ -412,6 +412,7 @@ def test_fp8_moe_engine_through_the_triton_kernels(tmp_path, monkeypatch):  # ty
     can check of it (not races, not num_warps). Here: 1.0 and 0.0045 at the prefill, as the H200
     measured its tuned engine at 9c55d4d."""
     from kv_cache_support import logit_agreement, teacher_forced_logits
+    from op_check import OP_TOLERANCE, OpChecker
     from tiny_models import make_checkpoint
 
     from pagecast.kernels import ops
@@ -423,7 +424,12 @@ def test_fp8_moe_engine_through_the_triton_kernels(tmp_path, monkeypatch):  # ty
         expected = reference_model(ckpt, quantised_modules(ckpt), "token")(torch.tensor([tokens])).logits[0].float()
     monkeypatch.setattr(ops, "_triton", lambda x: True)  # ops' GPU path, on the interpreter
     for prefill, length in ((120, 120), (16, 18)):  # two decode steps: the interpreter takes ~4 s a step
-        got = logit_agreement(teacher_forced_logits(art, tokens[:length], prefill).float(), expected[:length])
+        with OpChecker(ops) as checker:  # each call against the reference path on its inputs too
+            logits = teacher_forced_logits(art, tokens[:length], prefill).float()
+        op, call, error = checker.worst()
+        # 3.4e-7 at most here (the sums' order); the GPU test's bound, as op_check explains
+        assert error <= OP_TOLERANCE, (prefill, op, call, checker.report(OP_TOLERANCE))
+        got = logit_agreement(logits, expected[:length])
         assert got["top1_agreement"] >= 0.95 and got["mean_rel_diff"] <= 0.02, (prefill, got)
 
 
