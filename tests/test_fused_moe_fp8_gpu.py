@@ -177,9 +177,9 @@ def test_workspace_bytes_bounds_what_a_call_allocates(tokens):  # type: ignore[n
 
 
 # End to end, the engine against transformers' emulation, as a share of the distance from the
-# emulation to the unquantised model (``far``): that H100 0.33 (top-1 0.817), the CPU 0.24-0.38
-# (top-1 0.71-0.86) with 1e-4 relative noise added to each FP8 GEMM of its reference path, over 16
-# draws. Without the activation quantisation it would be 1.0 (top-1 0.48).
+# emulation to the unquantised model (``far``): an H100 (thirty-second session) 0.33, top-1 0.817; the
+# CPU 0.24-0.38, top-1 0.71-0.86, over 16 draws of 1e-4 or 3e-4 relative noise added to each FP8
+# GEMM's output on the engine's reference path. Without the activation quantisation: 1.0, top-1 0.48.
 FAR_SHARE, TOP1 = 0.5, 0.65
 
 
