@@ -15,11 +15,11 @@ table, with the FP8 input quantised in a launch of its own: ops.FUSE_ACT_QUANT_F
 checking itself is tests/op_check.py's.
 
 What it found (H100, thirty-second session): every call within 1.3e-4 of its reference (the FP8
-GEMMs; at most 1.7e-7 in the CPU interpreter's prefill), the same logits under all three variants, and those logits
-0.488 of their spread from the emulation on average (top-1 0.817). The CPU reproduces that distance
-with 1e-4 or 3e-4 relative noise added to each FP8 GEMM's output (0.24-0.38 of the distance to the
-unquantised model over 16 draws, top-1 0.71-0.86): Hopper's FP8 accumulation, compounded by the
-e4m3 roundings it flips, not a wrong kernel.
+GEMMs; at most 1.7e-7 in the CPU interpreter's prefill), the same logits under all three
+variants, and those logits 0.488 of their spread from the emulation on average (top-1 0.817). The
+CPU reproduces that distance with 1e-4 or 3e-4 relative noise added to each FP8 GEMM's output
+(0.24-0.38 of the distance to the unquantised model over 16 draws, top-1 0.71-0.86): Hopper's FP8
+accumulation, compounded by the e4m3 roundings it flips, not a wrong kernel.
 """
 
 from __future__ import annotations
