@@ -1,5 +1,5 @@
 """Helpers for the FP8 KV-cache tests (CPU and GPU): teacher-forced logits of an artifact and
-checkpoints that carry calibrated KV scales."""
+checkpoints that carry calibrated KV scales, and how far apart two e4m3 tensors are."""
 
 from __future__ import annotations
 
@@ -8,6 +8,14 @@ import math
 from pathlib import Path
 
 import torch
+
+
+def fp8_steps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many e4m3 codes apart two e4m3 tensors are, element by element (a code is sign |
+    magnitude, so of one sign the codes are ordered; across signs the two magnitudes add up)."""
+    ai, bi = a.view(torch.uint8).int(), b.view(torch.uint8).int()
+    mag = (ai & 0x7F) - (bi & 0x7F)
+    return torch.where((ai >> 7) == (bi >> 7), mag.abs(), (ai & 0x7F) + (bi & 0x7F))
 
 
 def teacher_forced_logits(artifact: Path, tokens: list[int], prefill_len: int) -> torch.Tensor:

@@ -1219,6 +1219,8 @@ def _assert_norm_fp8_gives_the_two_launches(x, r, w, activations: str, input_sca
     ulps apart (an H100: scales equal to the fourth digit, not bitwise), so there the scales are
     held to 4 ulps and the e4m3 values to equal but for the rare one that lands on the other side
     of a rounding boundary, one e4m3 step away."""
+    from kv_cache_support import fp8_steps_apart
+
     from pagecast.kernels import fp8_gemm, rms_norm
 
     for residual in (None, r):
@@ -1236,9 +1238,8 @@ def _assert_norm_fp8_gives_the_two_launches(x, r, w, activations: str, input_sca
             continue
         torch.testing.assert_close(s, rs, rtol=4 * 2.0**-23, atol=0, msg=lambda m: f"{what}: {m}")  # noqa: B023
         codes, want = q.view(torch.uint8).int(), rq.view(torch.uint8).int()
-        apart = codes != want
-        # e4m3's codes are sign | magnitude: neighbours of one sign differ by one in the low 7 bits
-        steps = ((codes & 0x7F) - (want & 0x7F)).abs()
+        apart = codes != want  # neighbours of one sign: one code apart, the sign bit the same
+        steps = fp8_steps_apart(q, rq)
         assert bool((steps[apart] == 1).all()) and bool(((codes ^ want)[apart] & 0x80 == 0).all()), what
         assert int(apart.sum()) <= max(2, apart.numel() // 1000), (what, int(apart.sum()), apart.numel())
 

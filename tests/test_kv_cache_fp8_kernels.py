@@ -17,6 +17,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from kv_cache_support import fp8_steps_apart
 
 from pagecast.kernels import reference, rope
 from pagecast.kernels.paged_decode_attention import (
@@ -71,14 +72,6 @@ def test_reference_attention_reads_fp8_as_value_times_scale():
 interpreted = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="CPU kernel tests run under the Triton interpreter"
 )
-
-
-def _fp8_steps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """How many fp8 codes apart two fp8 tensors are (same sign: the bit patterns are ordered)."""
-    ai, bi = a.view(torch.uint8).int(), b.view(torch.uint8).int()
-    sa, sb = ai >> 7, bi >> 7
-    mag = (ai & 0x7F) - (bi & 0x7F)
-    return torch.where(sa == sb, mag.abs(), (ai & 0x7F) + (bi & 0x7F))
 
 
 def _paged_fp8_inputs(
@@ -300,7 +293,7 @@ def test_rotary_writes_fp8_cache(dtype, k_scale, v_scale):  # type: ignore[no-un
     # few codes, so the dequantised values are compared within that plus one fp8 step.
     assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
     if dtype == torch.float32:
-        steps = _fp8_steps_apart(k_cache, k_ref)
+        steps = fp8_steps_apart(k_cache, k_ref)
         assert int(steps.max()) <= 1
         assert float((steps > 0).float().mean()) < 0.005
     else:
