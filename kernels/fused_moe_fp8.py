@@ -11,12 +11,11 @@ Expert weights in the artifact layout (builder/fp8.py, ``expert parts``):
 Activations are quantised at run time as the dense FP8 GEMM quantises them (kernels/fp8_gemm.py,
 reference.quantize_fp8_activations): per token with channel scales ("token"), per 1x128 group with
 block scales ("group"): x before gate_up, and each (token, expert) pair's intermediate row before
-down. The tile path quantises each input in a launch of its own (``_quant_kernel``), the GEMV path
-in its programs' registers; both round to e4m3 in fp32 arithmetic (``_round_e4m3``: round to
-nearest even on the e4m3 grid, then an exact conversion) rather than by the fp32 -> e4m3 cast: the
-same bits as the GPU's ``cvt.rn.satfinite`` and, unlike the cast in Triton 3.6's interpreter
-(which gets carries into the next binade wrong), right on the CPU too, so the whole launcher is
-tested there against ``reference.fused_moe_fp8``.
+down. The tile path quantises each input in a launch of its own (``fp8_gemm.quantize_activations``,
+the dense GEMM's), the GEMV path in its programs' registers with the same arithmetic
+(``fp8_gemm._scale_of`` and ``_quantise_rows``: the saturating round-to-nearest-even cast), so the
+whole launcher is tested on the CPU (kernels/interpreter_fix.py makes the interpreter's e4m3 casts
+torch's) against ``reference.fused_moe_fp8``.
 
 Prefill-sized batches (the tile path, ``_moe_fp8_gemm_kernel``): fused_moe.align_by_expert's sorted
 blocks; a program's [BLOCK_M, BLOCK_N] tile takes ``tl.dot`` of e4m3 tiles every BLOCK_K step,
@@ -52,97 +51,12 @@ import triton
 import triton.language as tl
 
 from pagecast.kernels import fused_moe, reference
+from pagecast.kernels.fp8_gemm import _quantise_rows, _scale_of, quantize_activations
 from pagecast.kernels.fused_moe import _activate, _tile_block, _tile_epilogue, _tile_rows
 from pagecast.kernels.tuning import KernelConfig, num_sms
 
 GROUP = reference.FP8_GROUP
 FP8_MAX = reference.FP8_MAX
-MODES = {"token": 0, "group": 1}
-
-
-# ---------------------------------------------------------------------------- activation quantisation
-
-
-@triton.jit
-def _round_e4m3(v):
-    """v fp32 within +-448 -> the nearest e4m3 value (ties to even), still fp32: the grid step of
-    v's binade (2^(e - 3); 2^-9 in the subnormal range) from its exponent bits, and the magic-number
-    rounding of v / step (< 16, exact) to an integer."""
-    a = tl.abs(v)
-    e = (a.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased fp32 exponent
-    e = tl.maximum(e, 127 - 6) - 3  # the step's biased exponent
-    step = (e << 23).to(tl.float32, bitcast=True)
-    inv = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 1 / step, exactly
-    r = ((a * inv + 12582912.0) - 12582912.0) * step  # 1.5 * 2^23: rounds to an integer, ties to even
-    # v's sign bit onto r, as the cast keeps it: a tiny negative v is -0 in e4m3. (Triton's unary
-    # minus is 0 - r, +0 for r = 0: on an H200, 42 of 200 random [37, 2048] inputs had such a zero.)
-    sign = v.to(tl.uint32, bitcast=True) & 0x80000000
-    return (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _quant_kernel(
-    x_ptr,  # [M, K] half / fp32
-    q_ptr,  # float8e4nv [M, K]
-    s_ptr,  # fp32 [M] (token) or [M, KB] (group)
-    K,
-    stride_xm,
-    MODE: tl.constexpr,  # 0 token, 1 group of GROUP_K
-    GROUP_K: tl.constexpr,
-    BLOCK: tl.constexpr,
-    NUM_BLOCKS: tl.constexpr,
-    MIN_AMAX: tl.constexpr,
-    QMAX: tl.constexpr,
-):
-    row = tl.program_id(0)
-    x_row = x_ptr + row.to(tl.int64) * stride_xm
-    q_row = q_ptr + row.to(tl.int64) * K
-    if MODE == 1:
-        g = tl.program_id(1)
-        offs = g * GROUP_K + tl.arange(0, GROUP_K)
-        ok = offs < K
-        x = tl.load(x_row + offs, mask=ok, other=0.0).to(tl.float32)
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), MIN_AMAX), QMAX)
-        q = _round_e4m3(tl.clamp(tl.math.div_rn(x, scale), -QMAX, QMAX))
-        tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
-        tl.store(s_ptr + row.to(tl.int64) * tl.cdiv(K, GROUP_K) + g, scale)
-    else:
-        amax = tl.zeros((BLOCK,), dtype=tl.float32)
-        for i in range(NUM_BLOCKS):
-            offs = i * BLOCK + tl.arange(0, BLOCK)
-            x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), MIN_AMAX), QMAX)
-        tl.store(s_ptr + row, scale)
-        for i in range(NUM_BLOCKS):
-            offs = i * BLOCK + tl.arange(0, BLOCK)
-            ok = offs < K
-            x = tl.load(x_row + offs, mask=ok, other=0.0).to(tl.float32)
-            q = _round_e4m3(tl.clamp(tl.math.div_rn(x, scale), -QMAX, QMAX))
-            tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
-
-
-def quantize(x: torch.Tensor, activations: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (e4m3 [M, K], fp32 scales [M] or [M, KB]): reference.quantize_fp8_activations'
-    values (token or group), in one launch."""
-    m, k = x.shape
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    mode = MODES[activations]
-    if mode == 1:
-        s = torch.empty((m, triton.cdiv(k, GROUP)), dtype=torch.float32, device=x.device)
-        grid: tuple[int, ...] = (m, s.shape[1])
-    else:
-        s = torch.empty((m,), dtype=torch.float32, device=x.device)
-        grid = (m,)
-    if m:
-        block = min(1024, triton.next_power_of_2(k))
-        _quant_kernel[grid](
-            x, q, s, k, x.stride(0), MODE=mode, GROUP_K=GROUP, BLOCK=block, NUM_BLOCKS=triton.cdiv(k, block),
-            MIN_AMAX=reference.FP8_MIN_AMAX, QMAX=FP8_MAX, num_warps=4,
-        )  # fmt: skip
-    return q, s
 
 
 # ---------------------------------------------------------------------------- the tile path
@@ -248,7 +162,7 @@ def _expert_gemv_fp8(
     MIN_AMAX: tl.constexpr,
     QMAX: tl.constexpr,
 ):
-    # The row quantised as _quant_kernel does (per token: a first pass for the amax, the row is a
+    # The row quantised as quantize_activations does (per token: a first pass for the amax, the row is a
     # few KB and stays in L2; per group: each step's own amax), held as fp32 values on the e4m3
     # grid; [BLOCK_N, BLOCK_K] partial products in fp32 (exact), reduced over K at the end; block
     # scales weight each step's products, channel scales the sums.
@@ -259,7 +173,7 @@ def _expert_gemv_fp8(
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             amax = tl.maximum(amax, tl.abs(tl.load(a_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)))
-        sa = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), MIN_AMAX), QMAX)
+        sa = _scale_of(tl.max(amax, axis=0), MIN_AMAX, QMAX)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -267,8 +181,8 @@ def _expert_gemv_fp8(
         k_ok = offs_k < K
         x = tl.load(a_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         if BLOCK_SCALED:
-            sa = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), MIN_AMAX), QMAX)
-        a = _round_e4m3(tl.clamp(tl.math.div_rn(x, sa), -QMAX, QMAX))[None, :]
+            sa = _scale_of(tl.max(tl.abs(x), axis=0), MIN_AMAX, QMAX)
+        a = _quantise_rows(x, sa, QMAX, tl.float8e4nv).to(tl.float32)[None, :]
         w_ok = n_ok[:, None] & k_ok[None, :]
         w = tl.load(w_base + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :], mask=w_ok, other=0.0)
         prod = w.to(tl.float32) * a
@@ -566,7 +480,7 @@ def fused_moe_fp8(
         gemv(x, w_gate_up, s_gate_up, b_gate_up, inter, p, i, h, act)
         gemv(inter, w_down, s_down, b_down, out, t, h, i, fused_moe.ACT_NONE)
         return out
-    qx, sx = quantize(x, acts)
+    qx, sx = quantize_activations(x, acts)
     bm, bn, bk, gm = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["GROUP_M"]
     sorted_ids, block_expert = fused_moe.align_by_expert(ids.view(t, top_k), num_experts, bm)
     nb = block_expert.shape[0]
@@ -583,7 +497,7 @@ def fused_moe_fp8(
     # Padding rows of the intermediate stay uninitialised: quantised with the rest, never read back.
     inter = torch.empty((nb * bm, i), dtype=x.dtype, device=x.device)
     gemm(qx, sx, w_gate_up, s_gate_up, b_gate_up, inter, i, h, act, False)
-    qi, si = quantize(inter, acts)
+    qi, si = quantize_activations(inter, acts)
     out = torch.empty((p, h), dtype=x.dtype, device=x.device)
     gemm(qi, si, w_down, s_down, b_down, out, h, i, fused_moe.ACT_NONE, True)
     return out if top_k == 1 else out.view(t, top_k, h).sum(1)

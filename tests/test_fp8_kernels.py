@@ -75,6 +75,22 @@ def test_activation_scales_match_the_reference_in_the_interpreter(activations): 
     assert torch.equal(q[3].float(), torch.zeros(300))
 
 
+def test_activation_quantisation_is_bitwise_the_reference_in_the_interpreter() -> None:
+    """The activation quantisation the dense FP8 GEMM and the fused MoE's tile path share gives the
+    reference's bits: carries into the next binade, subnormals, saturation, and the sign of a value
+    that rounds to zero (bits, not only values: -0 is 0x80)."""
+    from pagecast.kernels import fp8_gemm
+
+    x = torch.randn(9, 300, generator=torch.Generator().manual_seed(3)) * 3
+    x[2] = 0
+    # carries, subnormal, saturation, negatives that round to -0, and -0 itself
+    x[4, :8] = torch.tensor([124.3, 1.9999, -15.9, 0.0005, 448.0, -600.0, -0.0001, -0.0])
+    for acts in ("token", "group"):
+        q, s = fp8_gemm.quantize_activations(x, acts)
+        rq, rs = reference.quantize_fp8_activations(x, acts)
+        assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), acts
+
+
 def test_the_interpreter_converts_to_and_from_e4m3_as_torch_does() -> None:
     """interpreter_fix (applied by conftest): in a kernel run by Triton's interpreter, fp32, fp16 and
     bf16 values round to e4m3 as torch rounds them (to nearest even, saturating at 448, NaN kept),
