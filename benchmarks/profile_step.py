@@ -27,12 +27,13 @@ from collections import defaultdict
 import torch
 
 CLASSES = (
+    ("activation quantisation", ("quant_act",)),  # FP8: a launch of its own (the fused ones count as norm / activation)
     ("decode attention", ("paged_decode", "decode_merge")),
     ("prefill attention", ("paged_prefill",)),
     ("rotary + KV write", ("rotary_kv",)),
     ("norm", ("rms_norm",)),
-    ("activation", ("silu_and_mul",)),
-    ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "sm80_")),
+    ("activation", ("silu_and_mul", "act_and_mul")),
+    ("gemm", ("gemm", "gemv", "fp8_skinny", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "sm80_")),
 )
 
 
