@@ -46,15 +46,25 @@ class LLM:
         *,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or to
         a list of conversations, each rendered with the artifact's chat template (or
         ``chat_template``, a Jinja template string) exactly as engine-serve renders
-        /v1/chat/completions. One RequestOutput per conversation, in order."""
+        /v1/chat/completions. One RequestOutput per conversation, in order.
+        ``continue_final_message``: the final message (an assistant's opening words) is left
+        open and the reply continues it (``add_generation_prompt=False`` with it);
+        ``chat_template_kwargs``: more variables for the template, e.g. ``{"enable_thinking":
+        False}`` for Qwen3's."""
         conversations = chat_prompts.as_conversations(messages)
+        chat_prompts.check_template_options(add_generation_prompt, continue_final_message, chat_template_kwargs)
         prompts = [
-            chat_prompts.render(self.tokenizer, c, chat_template, add_generation_prompt) for c in conversations
+            chat_prompts.render(
+                self.tokenizer, c, chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs
+            )
+            for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -70,6 +70,51 @@ def test_chat_with_another_template(llm: LLM) -> None:
     assert llm.tokenizer.decode(out.prompt_token_ids) == "[user] Hi\n[assistant]"
 
 
+def test_chat_continues_a_prefilled_final_message(llm: LLM) -> None:
+    """continue_final_message leaves the assistant's opening words open, as transformers renders
+    it (no end of turn after them, no new turn), and the reply is what comes after them."""
+    conversation = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My answer is"}]
+    (out,) = llm.chat(
+        conversation, GREEDY, add_generation_prompt=False, continue_final_message=True, use_tqdm=False
+    )
+    text = llm.tokenizer.apply_chat_template(conversation, tokenize=False, continue_final_message=True)
+    assert out.prompt_token_ids == list(llm.tokenizer(text, add_special_tokens=False)["input_ids"])
+    assert llm.tokenizer.decode(out.prompt_token_ids).endswith("<|im_start|>assistant\nMy answer is")
+    (same,) = llm.generate([out.prompt_token_ids], GREEDY, use_tqdm=False)
+    assert out.outputs[0].token_ids == same.outputs[0].token_ids
+    # without it the assistant's turn is closed
+    (closed,) = llm.chat(conversation, GREEDY, add_generation_prompt=False, use_tqdm=False)
+    assert llm.tokenizer.decode(closed.prompt_token_ids).rstrip().endswith("My answer is<|im_end|>")
+
+
+def test_chat_template_kwargs_reach_the_template(llm: LLM) -> None:
+    template = (
+        "{% for m in messages %}{{ m.content }}\n{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+    )
+    conversation = [{"role": "user", "content": "Hi"}]
+    (plain,) = llm.chat(conversation, GREEDY, chat_template=template, use_tqdm=False)
+    (off,) = llm.chat(
+        conversation, GREEDY, chat_template=template, chat_template_kwargs={"enable_thinking": False}, use_tqdm=False
+    )
+    assert llm.tokenizer.decode(plain.prompt_token_ids) == "Hi\n"
+    assert llm.tokenizer.decode(off.prompt_token_ids) == "Hi\n<think></think>"
+
+
+def test_chat_refuses_template_options_that_cannot_work(llm: LLM) -> None:
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        llm.chat(conversation, GREEDY, continue_final_message=True)  # the generation prompt is on by default
+    with pytest.raises(ValueError, match="'tokenize' is set by the renderer"):
+        llm.chat(conversation, GREEDY, chat_template_kwargs={"tokenize": True})
+    # a template that drops the assistant's words leaves nothing to continue
+    users_only = "{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}{% endif %}{% endfor %}"
+    with pytest.raises(ValueError, match="failed with these chat template kwargs: TypeError"):
+        llm.chat(conversation, GREEDY, chat_template="{% set ns = namespace(n=0) %}x", chat_template_kwargs={"namespace": 1})
+    with pytest.raises(ValueError, match="final message cannot be continued"):
+        llm.chat(conversation, GREEDY, chat_template=users_only, add_generation_prompt=False, continue_final_message=True)
+
+
 def test_chat_rejects_malformed_messages(llm: LLM) -> None:
     with pytest.raises(ValueError, match="role"):
         llm.chat([{"content": "no role"}], GREEDY)

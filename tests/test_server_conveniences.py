@@ -74,6 +74,104 @@ def test_tokenize_messages_as_chat_completions_renders_them(server: Any) -> None
     assert r.json()["token_strs"] is None
 
 
+PREFILLED = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My answer is"}]
+CONTINUE = {"continue_final_message": True, "add_generation_prompt": False}
+
+
+def test_chat_continues_a_prefilled_final_message(server: Any) -> None:
+    """vLLM's continue_final_message through the openai SDK: the prompt is transformers' rendering
+    with the final message left open, and the reply is the continuation of that prompt."""
+    import openai
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(server_tokenizer_dir(server)))
+    text = tokenizer.apply_chat_template(PREFILLED, tokenize=False, continue_final_message=True)
+    expected = tokenizer.encode(text, add_special_tokens=False)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="k", max_retries=0, timeout=60)
+    reply = client.chat.completions.create(
+        model="tiny", messages=PREFILLED, max_tokens=6, temperature=0, extra_body={**CONTINUE, "return_token_ids": True}
+    )
+    assert reply.model_extra["prompt_token_ids"] == expected
+    assert tokenizer.decode(expected).endswith("<|im_start|>assistant\nMy answer is")
+    continued = client.completions.create(model="tiny", prompt=expected, max_tokens=6, temperature=0)
+    assert reply.choices[0].message.content == continued.choices[0].text
+    # /tokenize renders it the same way
+    r = _post(server, "/tokenize", {"model": "tiny", "messages": PREFILLED, **CONTINUE})
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == expected
+    closed = _post(server, "/tokenize", {"model": "tiny", "messages": PREFILLED, "add_generation_prompt": False})
+    assert closed.json()["tokens"] != expected  # the assistant's turn closed: not a continuation
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"continue_final_message": True}, "continue_final_message"),  # with the default generation prompt
+        ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"not a name": 1}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": [1]}, "chat_template_kwargs"),
+    ],
+)
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_chat_template_options_that_cannot_work_are_400s(
+    server: Any, path: str, extra: dict[str, Any], param: str
+) -> None:
+    r = _post(server, path, {"model": "tiny", "messages": PREFILLED, "max_tokens": 2, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tiny_llama_artifact: Path):  # type: ignore[no-untyped-def]
+    """A served model whose chat template reads ``enable_thinking``, as Qwen3's does."""
+    from pagecast.runtime.server.chat_template import use_chat_template
+
+    engine = make_engine(tiny_llama_artifact)
+    use_chat_template(
+        {"tiny": engine},
+        "{% set ns = namespace(turns=0) %}"  # as Qwen3's template keeps its state
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}",
+    )
+    with serve({"tiny": engine}) as running:
+        yield running
+
+
+def test_chat_template_kwargs_reach_the_template(thinking_server: Any) -> None:
+    import openai
+
+    messages = [{"role": "user", "content": "Hi"}]
+    client = openai.OpenAI(base_url=f"{thinking_server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def prompt(**extra: Any) -> list[int]:
+        r = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=1, extra_body={"return_token_ids": True, **extra}
+        )
+        return r.model_extra["prompt_token_ids"]  # type: ignore[no-any-return]
+
+    tokenizer = thinking_server.server.config.app.state.server.models["tiny"].engine.tokenizer
+    off = prompt(chat_template_kwargs={"enable_thinking": False})
+    assert tokenizer.decode(off).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert tokenizer.decode(prompt()).endswith("<|im_start|>assistant\n")
+    assert prompt(chat_template_kwargs={"enable_thinking": True}) == prompt()
+    tokenized = httpx.post(
+        f"{thinking_server.url}/tokenize",
+        json={"messages": messages, "chat_template_kwargs": {"enable_thinking": False}},
+        timeout=60,
+    )
+    assert tokenized.json()["tokens"] == off
+    # a kwarg that shadows what the template calls breaks it: a 400 naming the field, not a 500
+    broken = httpx.post(
+        f"{thinking_server.url}/v1/chat/completions",
+        json={"model": "tiny", "messages": messages, "chat_template_kwargs": {"namespace": 1}},
+        timeout=60,
+    )
+    assert broken.status_code == 400, broken.text
+    assert broken.json()["error"]["param"] == "chat_template_kwargs"
+
+
 def test_detokenize_inverts_tokenize(server: Any) -> None:
     text = "Paged attention, with a KV cache."
     tokens = _post(server, "/tokenize", {"prompt": text}).json()["tokens"]

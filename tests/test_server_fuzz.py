@@ -125,6 +125,8 @@ chat_bodies = st.fixed_dictionaries(
         "logprobs": maybe(st.booleans()),
         "top_logprobs": maybe(small_ints),
         "add_generation_prompt": maybe(st.booleans()),
+        "continue_final_message": maybe(st.booleans()),
+        "chat_template_kwargs": maybe(st.dictionaries(st.text(max_size=8), json_values, max_size=2)),
         "tools": maybe(st.lists(json_values, max_size=1)),
         "tool_choice": json_values,
         "response_format": maybe(st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])})),

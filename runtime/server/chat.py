@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import jinja2
-
+from pagecast.runtime.chat_prompts import TemplateRenderError, apply_template
 from pagecast.runtime.server.errors import APIError, invalid_request
 from pagecast.runtime.server.protocol import ChatMessage
 from pagecast.runtime.server.tool_calls import template_tool_calls
@@ -17,10 +16,14 @@ def render_chat_prompt(
     messages: list[ChatMessage],
     add_generation_prompt: bool = True,
     tools: list[dict[str, Any]] | None = None,
+    continue_final_message: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Token ids of the conversation rendered by the tokenizer's chat template, with ``tools``
     (OpenAI function tools) passed to it as transformers passes them; a template that does not
-    read ``tools`` leaves them out.
+    read ``tools`` leaves them out. ``continue_final_message`` and ``template_kwargs``
+    (``chat_template_kwargs``): as in chat_prompts.apply_template, checked by the request model
+    (protocol.check_chat_template_options).
 
     The rendered text is tokenised without special tokens: the template writes its own BOS
     and turn markers, and adding them again would double the BOS.
@@ -35,14 +38,19 @@ def render_chat_prompt(
         )
     conversation = [_template_message(m, i) for i, m in enumerate(messages)]
     try:
-        text = tokenizer.apply_chat_template(
-            conversation, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt
+        text = apply_template(
+            tokenizer,
+            conversation,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=tools,
+            template_kwargs=template_kwargs,
         )
-    except jinja2.TemplateError as exc:
-        # Templates reject conversations they cannot format (e.g. roles that do not alternate).
-        raise invalid_request(f"The chat template rejected the conversation: {exc}", "messages") from None
-    if not isinstance(text, str):  # some transformers versions return a list for batched input
-        text = text[0]
+    except TemplateRenderError as exc:
+        # Templates reject conversations they cannot format (e.g. roles that do not alternate),
+        # and a final message the template rewrites cannot be continued.
+        reason = str(exc)
+        raise invalid_request(reason[:1].upper() + reason[1:], exc.param) from None
     return encode_text(tokenizer, text)
 
 

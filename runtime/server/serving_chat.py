@@ -69,7 +69,14 @@ def _prepare(
         chars = sum(len(m.text(i)) for i, m in enumerate(req.messages))
         check_text_size(chars, tokenizer, int(model.engine.max_model_len), "messages")
     tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, getattr(tokenizer, "chat_template", None))
-    prompt_ids = render_chat_prompt(tokenizer, req.messages, req.add_generation_prompt, tools.tools if tools else None)
+    prompt_ids = render_chat_prompt(
+        tokenizer,
+        req.messages,
+        req.add_generation_prompt,
+        tools.tools if tools else None,
+        req.continue_final_message,
+        req.chat_template_kwargs,
+    )
     max_tokens = req.requested_max_tokens
     check_prompt_fits(model, prompt_ids, max_tokens, "messages")
     params = req.to_sampling_params(max_tokens, tools.structured_output if tools else None)

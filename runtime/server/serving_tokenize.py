@@ -1,7 +1,8 @@
 """POST /tokenize and POST /detokenize, shaped as vLLM's: what a prompt costs in tokens, and
 what token ids read as, with the served model's own tokenizer.
 
-    POST /tokenize    {"model", "prompt"} or {"model", "messages", "add_generation_prompt", "tools"}
+    POST /tokenize    {"model", "prompt"} or {"model", "messages", "add_generation_prompt",
+                      "continue_final_message", "chat_template_kwargs", "tools"}
                       -> {"count", "max_model_len", "tokens", "token_strs"}
     POST /detokenize  {"model", "tokens"} -> {"prompt"}
 
@@ -22,7 +23,7 @@ from starlette.responses import Response
 from pagecast.runtime.server import errors
 from pagecast.runtime.server.chat import render_chat_prompt
 from pagecast.runtime.server.limits import RequestModel
-from pagecast.runtime.server.protocol import ChatMessage
+from pagecast.runtime.server.protocol import ChatMessage, check_chat_template_options
 from pagecast.runtime.server.serving import ServedModel, ServerState
 from pagecast.runtime.server.tool_calls import Tool
 from pagecast.runtime.tokenization import encode_text
@@ -38,6 +39,8 @@ class TokenizeRequest(RequestModel):
     prompt: str | None = Field(None, max_length=MAX_TOKENIZE_CHARS)
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # with messages, as in chat requests
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None  # with messages: rendered as chat requests render them
     add_special_tokens: bool = False
     return_token_strs: bool = False
@@ -105,7 +108,10 @@ def _tokenize(body: bytes, state: ServerState) -> Response:
                 "messages",
             )
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        ids = render_chat_prompt(tokenizer, req.messages, req.add_generation_prompt, tools)
+        check_chat_template_options(req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs)
+        ids = render_chat_prompt(
+            tokenizer, req.messages, req.add_generation_prompt, tools, req.continue_final_message, req.chat_template_kwargs
+        )
     else:
         ids = encode_text(tokenizer, req.prompt, req.add_special_tokens)
     body_out: dict[str, Any] = {
