@@ -70,6 +70,11 @@ HERMES_CASES = [
     ("An ordinary answer with < and <tool and a trailing blank \n", "An ordinary answer with < and <tool and a trailing blank \n", []),
     # Cut short by max_tokens: the call keeps what was generated.
     ('<tool_call>\n{"name": "f", "arguments": {"text": "unfinish', None, [("f", '{"text": "unfinish')]),
+    # Cut inside the closing marker: the part of the marker is not the model's answer.
+    ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_c', None, [("f", '{"a": 1}')]),
+    ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n<', None, [("f", '{"a": 1}')]),
+    # ... but other text after an unclosed call is.
+    ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\nDone.', "Done.", [("f", '{"a": 1}')]),
 ]
 
 LLAMA_CASES = [

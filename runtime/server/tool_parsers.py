@@ -385,6 +385,9 @@ class ToolCallParser:
         if final:  # no closing marker: what follows the call is text
             buf, self._buf = self._buf, ""
             self._state = _TEXT
+            rest = buf.lstrip(_WHITESPACE)
+            if rest and _HERMES_END.startswith(rest):
+                return False  # the output ended inside the closing marker (max_tokens): not text
             self._text(buf)
         return False
 
