@@ -217,6 +217,8 @@ def test_bad_logit_bias_is_a_400_naming_it(server, bias, says):  # type: ignore[
     [
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "suffix": "tail"}, "suffix"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": 3}, "best_of"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "priority": -1}, "priority"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "priority": 5}, "priority"),
         (
             "/v1/chat/completions",
             {
@@ -261,6 +263,11 @@ def test_unsupported_parameters_say_so(server, path, body, param):  # type: igno
         code="unsupported_parameter",
         says="not supported",
     )
+
+
+def test_the_default_priority_is_accepted(server):  # type: ignore[no-untyped-def]
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "priority": 0, "max_tokens": 2})
+    assert r.status_code == 200, r.text
 
 
 def test_best_of_equal_to_n_is_accepted(server):  # type: ignore[no-untyped-def]

@@ -105,6 +105,9 @@ class _SamplingRequest(RequestModel):
     structured_outputs: StructuredOutputs | None = None
     # token id (a string of digits, as JSON keys are) -> a bias in [-100, 100] added to its logit
     logit_bias: dict[str, float] | None = None
+    # vLLM's: a scheduling priority, where priority scheduling is on. This server schedules first
+    # come, first served, so only the default is accepted (as vLLM does under its default policy).
+    priority: int = 0
 
     @field_validator("stop")
     @classmethod
@@ -128,6 +131,8 @@ class _SamplingRequest(RequestModel):
     def check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise invalid_request("`stream_options` is only allowed when `stream` is true.", "stream_options")
+        if self.priority != 0:
+            raise unsupported("priority", "requests are scheduled first come, first served; leave it at 0")
 
     @property
     def include_usage(self) -> bool:
