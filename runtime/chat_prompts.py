@@ -102,12 +102,10 @@ def apply_template(
         )
     except jinja2.TemplateError as exc:
         raise TemplateRenderError(f"the chat template rejected the conversation: {exc}") from None
-    except ValueError as exc:
-        if not continue_final_message:
-            raise
-        # transformers' checks: the final message has text the rendered prompt ends with
-        raise TemplateRenderError(f"the final message cannot be continued: {exc}") from None
     except Exception as exc:
+        if isinstance(exc, ValueError) and continue_final_message:
+            # transformers' checks: the final message has text the rendered prompt ends with
+            raise TemplateRenderError(f"the final message cannot be continued: {exc}") from None
         if not template_kwargs:
             raise
         # A kwarg that shadows what the template calls (namespace, range, raise_exception) breaks
