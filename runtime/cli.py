@@ -131,6 +131,13 @@ _ENGINE_OPTIONS = (
     default=None,
     help="Jinja chat template file used instead of the artifact's (every served model).",
 )
+@click.option(
+    "--reasoning-parser",
+    type=click.Choice(["qwen3", "deepseek_r1"]),
+    default=None,
+    help="Report a thinking model's <think> text as reasoning_content beside content (as vLLM's option): qwen3 "
+    "when outputs open with <think>, deepseek_r1 when the template opens it in the prompt [default: off].",
+)
 @click.option("--ssl-keyfile", type=click.Path(exists=True, dir_okay=False), default=None, help="TLS private key (PEM).")
 @click.option("--ssl-certfile", type=click.Path(exists=True, dir_okay=False), default=None, help="TLS certificate (PEM).")
 @click.option(
@@ -192,6 +199,7 @@ def main(
     log_format: str,
     log_level: str,
     chat_template: Path | None,
+    reasoning_parser: str | None,
     ssl_keyfile: str | None,
     ssl_certfile: str | None,
     ssl_ca_certs: str | None,
@@ -269,7 +277,13 @@ def main(
             use_chat_template(engines, template)
         except ValueError as exc:
             _fail(f"--chat-template: {exc}")
-    app = create_app(engines, api_key=api_key or None, max_queue=max_queue, max_request_bytes=max_request_bytes)
+    app = create_app(
+        engines,
+        api_key=api_key or None,
+        max_queue=max_queue,
+        max_request_bytes=max_request_bytes,
+        reasoning_parser=reasoning_parser,
+    )
     origins = _split_list(allowed_origins)
     if origins:
         add_cors(

@@ -50,6 +50,7 @@ def test_bad_option_values_are_usage_errors(tmp_path):  # type: ignore[no-untype
         ["--gpu-memory-utilization", "1.5"],
         ["--log-format", "xml"],
         ["--max-request-bytes", "0"],
+        ["--reasoning-parser", "r1"],
     ):
         result = CliRunner().invoke(main, [str(tmp_path), *args])
         assert result.exit_code == 2, args
@@ -262,6 +263,29 @@ def test_engine_options_reach_the_engines(tmp_path, monkeypatch):  # type: ignor
     assert result.exit_code == 3, result.output
     assert seen == {"max_num_prefill_tokens": 512, "max_num_batched_tokens": 4096}
     assert CliRunner().invoke(main, [str(tmp_path), "--max-num-prefill-tokens", "0"]).exit_code == 2
+
+
+def test_the_reasoning_parser_reaches_the_app(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    from pagecast.runtime import cli
+    from pagecast.runtime.server import app
+
+    class Starting:
+        engines: list = []  # type: ignore[type-arg]
+
+        def wait(self):  # type: ignore[no-untyped-def]
+            return {}
+
+    seen: dict = {}  # type: ignore[type-arg]
+
+    def create(engines, **options):  # type: ignore[no-untyped-def]
+        seen.update(options)
+        raise SystemExit(3)
+
+    monkeypatch.setattr(cli, "_load_engines", lambda *a: Starting())
+    monkeypatch.setattr(app, "create_app", create)
+    result = CliRunner().invoke(main, [str(tmp_path), "--reasoning-parser", "deepseek_r1"])
+    assert result.exit_code == 3, result.output
+    assert seen["reasoning_parser"] == "deepseek_r1"
 
 
 def test_the_step_budget_in_effect_is_logged_at_start(tiny_artifact_factory, tmp_path):  # type: ignore[no-untyped-def]

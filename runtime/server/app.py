@@ -49,6 +49,7 @@ def create_app(
     *,
     manage_engines: bool = True,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    reasoning_parser: str | None = None,
 ) -> Starlette:
     """An app serving ``engines`` (served model name -> AsyncEngine).
 
@@ -59,8 +60,10 @@ def create_app(
     ``manage_engines``: start the engines when the app starts and shut them down when it
     stops (turn off to share engines between apps).
     ``max_request_bytes``: larger request bodies get 413 before they are parsed.
+    ``reasoning_parser``: report a thinking model's ``<think>`` text as ``reasoning_content``
+    (runtime/server/reasoning.py's styles: "qwen3", "deepseek_r1").
     """
-    state = ServerState(engines, api_key, max_queue)
+    state = ServerState(engines, api_key, max_queue, reasoning_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

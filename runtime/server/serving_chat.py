@@ -20,6 +20,7 @@ from pagecast.runtime.server.chat import render_chat_prompt
 from pagecast.runtime.server.errors import APIError
 from pagecast.runtime.server.limits import check_text_size
 from pagecast.runtime.server.protocol import ChatCompletionRequest, parse_request
+from pagecast.runtime.server.reasoning import ReasoningParser, split_reasoning
 from pagecast.runtime.server.serving import (
     GenerationRun,
     ServedModel,
@@ -136,9 +137,13 @@ def _response(
                 "refusal": None,
             }
         message: dict[str, Any] = {"role": "assistant", "content": o.text, "refusal": None}
+        answer = o.text
+        if state.reasoning_parser is not None:
+            reasoning, answer = split_reasoning(o.text, state.reasoning_parser)
+            message.update(content=answer, reasoning_content=reasoning)
         finish_reason = o.finish_reason
-        if tools is not None:
-            content, calls = parse_tool_calls(o.text, tools.format, tools.max_calls)
+        if tools is not None and answer is not None:
+            content, calls = parse_tool_calls(answer, tools.format, tools.max_calls)
             if calls:
                 message.update(content=content, tool_calls=calls)
                 finish_reason = finish_reason_with_calls(finish_reason)
@@ -208,6 +213,7 @@ async def _stream(
     num_tokens: dict[int, int] = {}
     finished: set[int] = set()
     parsers: dict[int, ToolCallParser] = {}
+    thinking: dict[int, ReasoningParser] = {}
     prompt_tokens = 0
     k = req.top_logprobs or 0
     try:
@@ -231,9 +237,15 @@ async def _stream(
                 new_ids = o.token_ids
                 num_tokens[index] += len(new_ids)
                 deltas = [{"content": delta}] if delta else []
+                if state.reasoning_parser is not None:
+                    thinker = thinking.setdefault(index, ReasoningParser(state.reasoning_parser))
+                    deltas = thinker.feed(delta) + (thinker.finish() if o.finished else [])
                 if tools is not None:
+                    # Calls are read from the answer only; reasoning deltas pass through.
                     parser = parsers.setdefault(index, ToolCallParser(tools.format, tools.max_calls))
-                    deltas = parser.feed(delta) + (parser.finish() if o.finished else [])
+                    answer = "".join(d.get("content", "") for d in deltas)
+                    deltas = [d for d in deltas if "reasoning_content" in d] + parser.feed(answer)
+                    deltas += parser.finish() if o.finished else []
                 if not deltas and (logprobs is not None or (new_ids and req.return_token_ids)):
                     deltas = [{"content": ""}]
                 for j, d in enumerate(deltas):
