@@ -270,7 +270,8 @@ def test_the_reasoning_parser_reaches_the_app(tmp_path, monkeypatch):  # type: i
     from pagecast.runtime.server import app
 
     class Starting:
-        engines: list = []  # type: ignore[type-arg]
+        def __init__(self) -> None:
+            self.engines: list = []  # type: ignore[type-arg]
 
         def wait(self):  # type: ignore[no-untyped-def]
             return {}
