@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagecast.runtime.server.tool_parsers import partial_marker
+
 START, END = "<think>", "</think>"
 STYLES = {"qwen3": False, "deepseek_r1": True}  # style -> the output thinks from its first token
 _WHITESPACE = " \t\r\n"
@@ -71,7 +73,7 @@ class ReasoningParser:
             else:
                 # Hold back a tail that may begin "</think>", and trailing whitespace (dropped if
                 # the tag follows it).
-                keep = 0 if final else _partial(self._buf, END)
+                keep = 0 if final else partial_marker(self._buf, END)
                 text = self._buf[: len(self._buf) - keep]
                 body = text.rstrip(_WHITESPACE)
                 self._emit(events, "reasoning_content", body)
@@ -95,14 +97,6 @@ class ReasoningParser:
             events[-1][key] += text
         else:
             events.append({key: text})
-
-
-def _partial(s: str, tag: str) -> int:
-    """Length of the longest tail of ``s`` that is a proper prefix of ``tag``."""
-    for n in range(min(len(s), len(tag) - 1), 0, -1):
-        if tag.startswith(s[-n:]):
-            return n
-    return 0
 
 
 def split_reasoning(text: str, style: str) -> tuple[str | None, str | None]:

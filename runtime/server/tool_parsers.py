@@ -158,7 +158,7 @@ def _decode_calls(text: str, separated: bool) -> list[tuple[str, str]] | None:
     return calls or None
 
 
-def _partial_marker(s: str, marker: str) -> int:
+def partial_marker(s: str, marker: str) -> int:
     """Length of the longest tail of ``s`` that is a proper prefix of ``marker``."""
     for n in range(min(len(s), len(marker) - 1), 0, -1):
         if marker.startswith(s[-n:]):
@@ -306,7 +306,7 @@ class ToolCallParser:
             self._text(buf[:at])
             self._start_call(marker, buf[at + len(marker) :])
             return True
-        keep = 0 if final else _partial_marker(buf, marker)
+        keep = 0 if final else partial_marker(buf, marker)
         self._text(buf[: len(buf) - keep])
         self._buf = buf[len(buf) - keep :]
         return False
