@@ -20,7 +20,7 @@ pytestmark = [
 
 from test_fused_moe_gpu import DT, rel_err
 
-from pagecast.kernels import fused_moe, fused_moe_fp8, reference
+from pagecast.kernels import fp8_gemm, fused_moe, fused_moe_fp8, reference
 
 # Where the kernels round the intermediate (the gate/up products and the activation: fp32 then
 # bf16 once, or bf16 at each step as the emulation does) moves some of its values across an e4m3
@@ -89,10 +89,12 @@ def test_every_config_matches_the_emulation(t, e, k, h, i, block):  # type: igno
 
 @pytest.mark.parametrize("acts", ["token", "group"])
 def test_activation_quantisation_is_bitwise_the_reference(acts):  # type: ignore[no-untyped-def]
+    """The quantisation the tile path's inputs take (the dense GEMM's, shared since the MoE's own
+    kernel went)."""
     x = (torch.randn(37, 2048, device="cuda") * 4).to(DT)
     x[3] = 0
     x[5, :2] = torch.tensor([-1e-5, -0.0])  # e4m3 -0: the sign bit kept (fails at 9c55d4d: +0)
-    q, s = fused_moe_fp8.quantize(x, acts)
+    q, s = fp8_gemm.quantize_activations(x, acts)
     rq, rs = reference.quantize_fp8_activations(x, acts)
     assert torch.equal(s, rs)
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
