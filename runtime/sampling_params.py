@@ -123,6 +123,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # JSON mode, a JSON schema, a regex, a choice or a grammar: a grammar masks the tokens that would break it.
     structured_output: StructuredOutput | None = None
+    # A thinking model's end-of-thinking token (Qwen3's "</think>"): the structured output
+    # constrains only the tokens after it, as vLLM's does with a reasoning parser; None: all of them.
+    structured_output_after: int | None = None
     # OpenAI's logit_bias: token id -> a value in [-100, 100] added to that token's logit before the
     # penalties, temperature and truncation (logprobs still describe the model's own distribution).
     logit_bias: dict[int, float] | None = None
@@ -181,6 +184,12 @@ class SamplingParams:
             # both options would make it continue past that, where every token is masked.
             _check(not self.ignore_eos, "structured_output", "cannot be combined with ignore_eos")
             _check(self.min_tokens == 0, "structured_output", "cannot be combined with min_tokens")
+        if self.structured_output_after is not None:
+            _check(
+                isinstance(self.structured_output_after, int) and not isinstance(self.structured_output_after, bool)
+                and self.structured_output_after >= 0 and self.structured_output is not None,
+                "structured_output_after", "must be a token id, with a structured_output",
+            )  # fmt: skip
 
     @property
     def greedy(self) -> bool:

@@ -136,14 +136,30 @@ def choice_grammar(choices: list[str] | tuple[str, ...]) -> str:
 
 
 class _Constrained:
-    """One constrained sequence: its matcher and how many of its output tokens it has accepted."""
+    """One constrained sequence: its matcher, how many of its output tokens it has seen, and the
+    token that starts the constraint while it has not come yet (``SamplingParams.
+    structured_output_after``: the output is free, and the matcher not fed, up to and including
+    that token)."""
 
-    __slots__ = ("fed", "matcher", "request")
+    __slots__ = ("fed", "matcher", "request", "waiting_for")
 
     def __init__(self, request: Request, matcher: Any):
         self.request = request
         self.matcher = matcher
         self.fed = 0
+        self.waiting_for: int | None = request.sampling_params.structured_output_after
+
+    def take(self, tokens: list[int]) -> None:
+        """Feed the sequence's next output tokens: to the matcher once the constraint has started."""
+        for token in tokens:
+            if self.waiting_for is not None:
+                if token == self.waiting_for:
+                    self.waiting_for = None
+                continue
+            # Every token was sampled under this matcher's mask, so it is accepted; a stop
+            # token ends the matcher, and the request with it.
+            self.matcher.accept_token(token)
+        self.fed += len(tokens)
 
 
 class GrammarState:
@@ -321,12 +337,10 @@ class GrammarState:
                 if pending_token is None:
                     raise RuntimeError(f"request {request.request_id!r}: its pending token is not known")
                 tokens = [*tokens, pending_token(request)]
-            for token in tokens:
-                # Every token was sampled under this matcher's mask, so it is accepted; a stop
-                # token ends the matcher, and the request with it.
-                state.matcher.accept_token(token)
-            state.fed += len(tokens)
-            if state.matcher.is_terminated():
+            state.take(tokens)
+            if state.waiting_for is not None:
+                bitmask[j].fill_(-1)  # before the constraint starts: every token allowed
+            elif state.matcher.is_terminated():
                 # It accepted its stop token in the step in flight: the request ends when that
                 # token is booked, and what this step samples for it is never used.
                 bitmask[j].fill_(-1)
@@ -366,12 +380,16 @@ class GrammarState:
         row = 0
         for state, drafts in plan:
             request = state.request
-            for token in request.output_token_ids[state.fed :]:
-                state.matcher.accept_token(token)
-            state.fed = request.num_output_tokens
+            state.take(request.output_token_ids[state.fed :])
             matcher = state.matcher
             accepted = 0
+            waiting = state.waiting_for  # the drafts before the starting token are free too
             for j in range(len(drafts) + 1):
+                if waiting is not None:
+                    bitmask[row + j].fill_(-1)
+                    if j < len(drafts) and drafts[j] == waiting:
+                        waiting = None
+                    continue
                 if matcher.is_terminated():
                     bitmask[row + j :].narrow(0, 0, len(drafts) + 1 - j).fill_(-1)
                     break

@@ -52,3 +52,22 @@ def test_reasoning_streams_before_the_block_closes() -> None:
 def test_an_unknown_style_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown reasoning parser 'nope'; choose from deepseek_r1, qwen3"):
         ReasoningParser("nope")
+
+
+def test_the_constraint_starts_after_a_single_end_of_thinking_token_the_prompt_does_not_close() -> None:
+    """constraint_start: the id of ``</think>`` when the vocabulary has it as one token and the
+    prompt has not closed the thinking itself (Qwen3's template with enable_thinking false does);
+    None otherwise, and then the grammar constrains the whole output."""
+    from tiny_models import tokenizer_dir
+    from transformers import AutoTokenizer
+
+    from pagecast.runtime.server.reasoning import constraint_start
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir())
+    assert constraint_start(tokenizer, [1, 2, 3]) is None  # SmolLM2 has no "</think>" token
+    tokenizer.add_tokens(["<think>", "</think>"])
+    end = tokenizer.convert_tokens_to_ids("</think>")
+    opened = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    closed = tokenizer.encode("<|im_start|>assistant\n<think>\n\n</think>\n\n", add_special_tokens=False)
+    assert constraint_start(tokenizer, opened) == end
+    assert constraint_start(tokenizer, closed) is None

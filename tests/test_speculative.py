@@ -357,3 +357,33 @@ def test_draft_masks_follow_the_grammar_through_the_drafts_and_leave_the_matcher
         assert torch.equal(fresh[0], mask[0])
     finally:
         core.grammar.drop(["masked"])
+
+
+def test_draft_masks_leave_the_drafts_free_up_to_the_token_that_starts_the_constraint(ngram: LLM) -> None:
+    """structured_output_after: the positions up to and including the starting token's draft are
+    unmasked, the grammar masks the ones after it from its start; nothing is committed (the
+    request still waits for that token until it is verified)."""
+    from pagecast.runtime.request import Request
+
+    core = ngram.engine.core
+    ab, c, x = ngram.engine.tokenizer.convert_tokens_to_ids(["ab", "c", "x"])
+    so = StructuredOutput(type="regex", regex="(ab){1,3}c")
+    params = SamplingParams(max_tokens=8, structured_output=so, structured_output_after=x)
+    request = Request("later", [1, 2, 3], params)
+    core.grammar.add([request], core.grammar.collect(so.key, core.grammar.prepare(so.key)))
+    try:
+
+        def allowed(mask, row: int, token: int) -> bool:  # type: ignore[no-untyped-def]
+            return bool((int(mask[row, token // 32]) >> (token % 32)) & 1)
+
+        rows, mask = core.grammar.draft_bitmask([(request, 0, [c, x, ab, c])])
+        assert rows == [0, 1, 2, 3, 4]
+        assert bool((mask[0] == -1).all()) and bool((mask[1] == -1).all())  # before and at "x": free
+        assert allowed(mask, 2, ab) and not allowed(mask, 2, c)  # the grammar from its start
+        assert allowed(mask, 3, ab) and allowed(mask, 3, c)
+        assert not allowed(mask, 4, ab)  # "abc" is complete
+        assert core.grammar.matchers["later"].waiting_for == x  # the drafts are not verified yet
+        rows, mask = core.grammar.bitmask([request])
+        assert rows == [0] and bool((mask[0] == -1).all())
+    finally:
+        core.grammar.drop(["later"])

@@ -4,6 +4,7 @@ scheduling modes, and unconstrained neighbours are unchanged."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Literal
 
@@ -67,6 +68,29 @@ def test_an_unconstrained_neighbour_gets_the_same_greedy_tokens(tiny_llama_artif
         assert not llm.engine.core.grammar.matchers  # every finished request's matcher is gone
 
 
+def test_the_constraint_can_start_after_a_token(tiny_llama_artifact):  # type: ignore[no-untyped-def]
+    """structured_output_after (a thinking model's end-of-thinking token): the output runs free,
+    as unconstrained greedy decoding does, up to and including that token; the grammar governs
+    what follows, in both scheduling modes."""
+    import re
+
+    regex = StructuredOutput("regex", regex="[A-Z]{2,6}")
+    plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for async_scheduling in (False, True):
+        llm = LLM(tiny_llama_artifact, async_scheduling=async_scheduling)
+        free = llm.generate(PROMPTS[0], plain, use_tqdm=False)[0].outputs[0].token_ids
+        at = next(j for j in range(2, len(free)) if free[j] not in free[:j])  # a token first seen at j >= 2
+        after = SamplingParams(max_tokens=24, temperature=0.0, structured_output=regex, structured_output_after=free[at])
+        out = llm.generate(PROMPTS[0], after, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids[: at + 1] == free[: at + 1]  # unmasked through the starting token
+        answer = llm.tokenizer.decode(out.token_ids[at + 1 :], skip_special_tokens=True)
+        assert re.fullmatch("[A-Z]{2,6}", answer), answer
+        assert out.finish_reason == "stop"
+        whole = llm.generate(PROMPTS[0], dataclasses.replace(after, structured_output_after=None), use_tqdm=False)
+        assert re.fullmatch("[A-Z]{2,6}", whole[0].outputs[0].text)  # without it: constrained from the start
+        assert not llm.engine.core.grammar.matchers
+
+
 def test_json_object_mode_gives_an_object(tiny_llama_artifact):  # type: ignore[no-untyped-def]
     llm = LLM(tiny_llama_artifact, async_scheduling=True)
     params = SamplingParams(max_tokens=64, temperature=0.0, n=2, structured_output=StructuredOutput("json_object"))
@@ -110,6 +134,10 @@ def test_options_that_would_outrun_the_grammar_are_refused():  # type: ignore[no
     with pytest.raises(ValueError, match="grammar cannot be compiled: .*not defined"):
         StructuredOutput("grammar", grammar="root ::= missing")
     assert StructuredOutput("choice", choice=["a", "b"]).key == ("choice", '["a", "b"]')
+    with pytest.raises(ValueError, match="structured_output_after must be a token id, with a structured_output"):
+        SamplingParams(structured_output_after=5)
+    with pytest.raises(ValueError, match="structured_output_after must be a token id"):
+        SamplingParams(structured_output=StructuredOutput(), structured_output_after=-1)
 
 
 def test_constrained_requests_survive_preemption(tiny_llama_artifact):  # type: ignore[no-untyped-def]

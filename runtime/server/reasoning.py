@@ -105,3 +105,17 @@ def split_reasoning(text: str, style: str) -> tuple[str | None, str | None]:
     parser.feed(text)
     parser.finish()
     return "".join(parser.reasoning) or None, "".join(parser.content) or None
+
+
+def constraint_start(tokenizer: Any, prompt_ids: list[int]) -> int | None:
+    """The token after which a thinking request's structured output starts (its ``</think>``), as
+    vLLM constrains only the answer; None where the constraint covers the whole output: the
+    vocabulary has no single ``</think>`` token (the grammar then constrains the thinking too), or
+    the prompt already holds one (thinking was closed by the template, as Qwen3's does with
+    ``enable_thinking: false``; templates drop earlier turns' reasoning, so an end tag in the prompt
+    is this turn's)."""
+    end = tokenizer.convert_tokens_to_ids(END)
+    if not isinstance(end, int) or end < 0 or tokenizer.convert_ids_to_tokens(end) != END:
+        return None
+    return None if end in prompt_ids else end
+

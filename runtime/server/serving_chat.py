@@ -20,7 +20,7 @@ from pagecast.runtime.server.chat import render_chat_prompt
 from pagecast.runtime.server.errors import APIError
 from pagecast.runtime.server.limits import check_text_size
 from pagecast.runtime.server.protocol import ChatCompletionRequest, parse_request
-from pagecast.runtime.server.reasoning import ReasoningParser, split_reasoning
+from pagecast.runtime.server.reasoning import ReasoningParser, constraint_start, split_reasoning
 from pagecast.runtime.server.serving import (
     GenerationRun,
     ServedModel,
@@ -81,6 +81,11 @@ def _prepare(
     max_tokens = req.requested_max_tokens
     check_prompt_fits(model, prompt_ids, max_tokens, "messages")
     params = req.to_sampling_params(max_tokens, tools.structured_output if tools else None)
+    if state.reasoning_parser is not None and params.structured_output is not None and tokenizer is not None:
+        # The answer is constrained, not the thinking before it (as vLLM does with a reasoning parser).
+        after = constraint_start(tokenizer, prompt_ids)
+        if after is not None:
+            params = dataclasses.replace(params, structured_output_after=after)
     params = generation_config.for_request(params, req, model.engine, [len(prompt_ids)])  # checkpoint defaults
     # A stream sends what is new at each step; an answer is built once, at the end.
     params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY)
