@@ -118,4 +118,3 @@ def constraint_start(tokenizer: Any, prompt_ids: list[int]) -> int | None:
     if not isinstance(end, int) or end < 0 or tokenizer.convert_ids_to_tokens(end) != END:
         return None
     return None if end in prompt_ids else end
-
