@@ -55,22 +55,28 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )  # fmt: skip
 
 
-def check_template_options(
+def _check_options(
     add_generation_prompt: bool, continue_final_message: bool, template_kwargs: Mapping[str, Any] | None
 ) -> None:
-    """ValueError naming the problem with a render's options: ``continue_final_message`` with a
-    generation prompt (the final message would be closed, then a new one opened), or a template
-    kwarg that is not a string key or that names what the renderer sets itself."""
+    """TemplateRenderError naming the problem with a render's options (and, as ``param``, the
+    request field): ``continue_final_message`` with a generation prompt (the final message would
+    be closed, then a new one opened), or a template kwarg that is not a string key or that names
+    what the renderer sets itself."""
     if continue_final_message and add_generation_prompt:
-        raise ValueError(
+        raise TemplateRenderError(
             "continue_final_message and add_generation_prompt cannot both be true: continuing the final "
-            "message leaves it open, a generation prompt starts a new one; set add_generation_prompt to false"
+            "message leaves it open, a generation prompt starts a new one; set add_generation_prompt to false",
+            "continue_final_message",
         )
     for key in template_kwargs or {}:
         if not isinstance(key, str) or not key.isidentifier():
-            raise ValueError(f"chat template kwargs need names a template can read, got {key!r}")
+            raise TemplateRenderError(
+                f"chat template kwargs need names a template can read, got {key!r}", "chat_template_kwargs"
+            )
         if key in RESERVED_TEMPLATE_KWARGS:
-            raise ValueError(f"chat template kwarg {key!r} is set by the renderer itself; use its own option")
+            raise TemplateRenderError(
+                f"chat template kwarg {key!r} is set by the renderer itself; use its own option", "chat_template_kwargs"
+            )
 
 
 def apply_template(
@@ -87,9 +93,9 @@ def apply_template(
     transformers renders it. ``continue_final_message``: the final message is left open (no
     end-of-turn after it) so the model continues it, as vLLM's option of that name does;
     ``template_kwargs``: more variables for the template (``enable_thinking`` for Qwen3's).
-    TemplateRenderError (with the template's or transformers' reason) where it cannot be rendered,
-    ValueError (check_template_options) for options that cannot go together."""
-    check_template_options(add_generation_prompt, continue_final_message, template_kwargs)
+    TemplateRenderError (with the template's or transformers' reason, or _check_options')
+    where it cannot be rendered."""
+    _check_options(add_generation_prompt, continue_final_message, template_kwargs)
     try:
         text = tokenizer.apply_chat_template(
             conversation,

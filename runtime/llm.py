@@ -59,7 +59,6 @@ class LLM:
         ``chat_template_kwargs``: more variables for the template, e.g. ``{"enable_thinking":
         False}`` for Qwen3's."""
         conversations = chat_prompts.as_conversations(messages)
-        chat_prompts.check_template_options(add_generation_prompt, continue_final_message, chat_template_kwargs)
         prompts = [
             chat_prompts.render(
                 self.tokenizer, c, chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs

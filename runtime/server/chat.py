@@ -22,8 +22,8 @@ def render_chat_prompt(
     """Token ids of the conversation rendered by the tokenizer's chat template, with ``tools``
     (OpenAI function tools) passed to it as transformers passes them; a template that does not
     read ``tools`` leaves them out. ``continue_final_message`` and ``template_kwargs``
-    (``chat_template_kwargs``): as in chat_prompts.apply_template, checked by the request model
-    (protocol.check_chat_template_options).
+    (``chat_template_kwargs``): as in chat_prompts.apply_template; options it refuses are 400s
+    naming their field.
 
     The rendered text is tokenised without special tokens: the template writes its own BOS
     and turn markers, and adding them again would double the BOS.
@@ -47,8 +47,8 @@ def render_chat_prompt(
             template_kwargs=template_kwargs,
         )
     except TemplateRenderError as exc:
-        # Templates reject conversations they cannot format (e.g. roles that do not alternate),
-        # and a final message the template rewrites cannot be continued.
+        # Templates reject conversations they cannot format (e.g. roles that do not alternate), a
+        # final message the template rewrites cannot be continued, and some options cannot work.
         reason = str(exc)
         raise invalid_request(reason[:1].upper() + reason[1:], exc.param) from None
     return encode_text(tokenizer, text)

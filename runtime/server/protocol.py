@@ -16,7 +16,6 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator
 
-from pagecast.runtime.chat_prompts import check_template_options
 from pagecast.runtime.sampling_params import SamplingParams, StructuredOutput
 from pagecast.runtime.server.errors import (
     APIError,
@@ -391,7 +390,6 @@ class ChatCompletionRequest(_SamplingRequest):
         check_tool_choice(self.tools, self.tool_choice)
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid_request("`top_logprobs` requires `logprobs` to be true.", "top_logprobs")
-        check_chat_template_options(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs)
 
     def to_sampling_params(self, max_tokens: int | None, forced: StructuredOutput | None = None) -> SamplingParams:
         """``forced``: the grammar of a forced tool call (tool_choice required or named)."""
@@ -401,22 +399,6 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-
-def check_chat_template_options(
-    add_generation_prompt: bool, continue_final_message: bool, chat_template_kwargs: dict[str, Any] | None
-) -> None:
-    """A 400 naming the parameter for options chat_prompts.check_template_options refuses."""
-    if continue_final_message and add_generation_prompt:
-        raise invalid_request(
-            "`continue_final_message` and `add_generation_prompt` cannot both be true: continuing the final "
-            "message leaves it open, a generation prompt starts a new one. Set `add_generation_prompt` to false.",
-            "continue_final_message",
-        )
-    try:
-        check_template_options(False, False, chat_template_kwargs)
-    except ValueError as exc:
-        raise invalid_request(f"Invalid `chat_template_kwargs`: {exc}.", "chat_template_kwargs") from None
 
 
 def structured_output(response_format: dict[str, Any] | None) -> StructuredOutput | None:

@@ -23,7 +23,7 @@ from starlette.responses import Response
 from pagecast.runtime.server import errors
 from pagecast.runtime.server.chat import render_chat_prompt
 from pagecast.runtime.server.limits import RequestModel
-from pagecast.runtime.server.protocol import ChatMessage, check_chat_template_options
+from pagecast.runtime.server.protocol import ChatMessage
 from pagecast.runtime.server.serving import ServedModel, ServerState
 from pagecast.runtime.server.tool_calls import Tool
 from pagecast.runtime.tokenization import encode_text
@@ -108,7 +108,6 @@ def _tokenize(body: bytes, state: ServerState) -> Response:
                 "messages",
             )
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        check_chat_template_options(req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs)
         ids = render_chat_prompt(
             tokenizer, req.messages, req.add_generation_prompt, tools, req.continue_final_message, req.chat_template_kwargs
         )
