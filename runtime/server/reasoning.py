@@ -36,13 +36,10 @@ class ReasoningParser:
     ``{"content": ...}``, in order. Not thread-safe; one per choice."""
 
     def __init__(self, style: str):
-        if style not in STYLES:
-            raise ValueError(f"unknown reasoning parser {style!r}; choose from {', '.join(sorted(STYLES))}")
+        check_style(style)
         self._thinks_first = STYLES[style]
         self._state = _OPENING
         self._buf = ""  # text not yet decided: a possible start of a tag, or trailing whitespace
-        self.reasoning: list[str] = []
-        self.content: list[str] = []
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         self._buf += text
@@ -92,19 +89,24 @@ class ReasoningParser:
     def _emit(self, events: list[dict[str, Any]], key: str, text: str) -> None:
         if not text:
             return
-        (self.reasoning if key == "reasoning_content" else self.content).append(text)
         if events and key in events[-1]:
             events[-1][key] += text
         else:
             events.append({key: text})
 
 
+def check_style(style: str) -> None:
+    if style not in STYLES:
+        raise ValueError(f"unknown reasoning parser {style!r}; choose from {', '.join(sorted(STYLES))}")
+
+
 def split_reasoning(text: str, style: str) -> tuple[str | None, str | None]:
     """(reasoning, content) of a whole output; None where a part is empty."""
     parser = ReasoningParser(style)
-    parser.feed(text)
-    parser.finish()
-    return "".join(parser.reasoning) or None, "".join(parser.content) or None
+    deltas = parser.feed(text) + parser.finish()
+    reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
+    content = "".join(d.get("content", "") for d in deltas)
+    return reasoning or None, content or None
 
 
 def constraint_start(tokenizer: Any, prompt_ids: list[int]) -> int | None:

@@ -23,7 +23,7 @@ from pagecast.runtime.server import errors
 from pagecast.runtime.server.errors import APIError
 from pagecast.runtime.server.logs import log_request
 from pagecast.runtime.server.metrics import RequestRecorder, ServerMetrics
-from pagecast.runtime.server.reasoning import STYLES as REASONING_STYLES
+from pagecast.runtime.server.reasoning import check_style as check_reasoning_style
 from pagecast.runtime.server.sse import SSEResponse
 
 T = TypeVar("T")
@@ -65,10 +65,8 @@ class ServerState:
             raise ValueError("engines must name at least one engine")
         if max_queue < 0:
             raise ValueError("max_queue must be >= 0")
-        if reasoning_parser is not None and reasoning_parser not in REASONING_STYLES:
-            raise ValueError(
-                f"unknown reasoning parser {reasoning_parser!r}; choose from {', '.join(sorted(REASONING_STYLES))}"
-            )
+        if reasoning_parser is not None:
+            check_reasoning_style(reasoning_parser)
         self.reasoning_parser = reasoning_parser
         self.models = {name: ServedModel(name, engine) for name, engine in engines.items()}
         self.api_key = api_key
