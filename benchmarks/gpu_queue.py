@@ -115,6 +115,21 @@ def steps(out: Path) -> list[Step]:
             "launches, norms 0.14 ms in 65, the bf16 LM head 0.25 ms, attention 0.20 ms; 0.62x of bf16 is 2.89 ms)",
         ),
         Step(
+            "bf16_w1_w6",
+            [PY, str(bench / "serving.py"), "--out", str(out / "bf16"), "--phases", "W1,W6", "--tune-budget", "60"],
+            330,
+            "issue 33's bf16 W1 and W6 on main at the benchmark's token budget of 8,192 a step (targets 11,500 and "
+            "24,000; the H200's last 11,214 and 21,131, twenty-third session): the baseline of bf16_w1_w6_16k",
+        ),
+        Step(
+            "bf16_w1_w6_16k",
+            [PY, str(bench / "serving.py"), "--artifact", str(out / "bf16" / "llama3-8b-dummy"), "--out",
+             str(out / "bf16_16k"), "--phases", "W1,W6", "--max-num-batched-tokens", "16384"],
+            150,
+            "the same artifact with 16,384 tokens a step (vLLM's offline default on this class of GPU): half as many "
+            "prefill steps, and larger prefill GEMMs",
+        ),
+        Step(
             "fp8_w1",
             [PY, str(bench / "fp8.py"), "--out", str(out / "fp8p"), "--variants", "fp8", "--phases", "W1",
              "--tune-budget", "60"],

@@ -271,14 +271,16 @@ def run_engine(engine, prompts, params_list, sample_kv: bool = False, only_finis
 
 
 def phase_ours(
-    out: Path, artifact: Path, phases: set[str], scale: float = 1.0, llama_targets: bool = True, mixed_graphs: bool = False
+    out: Path, artifact: Path, phases: set[str], scale: float = 1.0, llama_targets: bool = True, mixed_graphs: bool = False,
+    max_num_batched_tokens: int = 8192,
 ) -> None:
     """The in-process engine's phases. Each row also says how many Triton kernels compiled during
     it (``triton_compiles``, the artifact's cache missed them; a compile takes seconds, so a
     nonzero count explains a slow figure). ``scale`` < 1 shrinks W1's and W4's request counts and
     lengths and the engine's batch (a CPU dry run); ``llama_targets``: the rows carry
     PERFORMANCE.md's Llama-3-8B targets and roofline (off for another model); ``mixed_graphs``: the
-    engine replays steps with prompt tokens from CUDA graphs too (EngineOptions.mixed_graphs)."""
+    engine replays steps with prompt tokens from CUDA graphs too (EngineOptions.mixed_graphs);
+    ``max_num_batched_tokens``: the engine's token budget a step."""
     from pagecast.runtime.artifact import load_manifest
     from pagecast.runtime.engine import LLMEngine
     from pagecast.runtime.kernel_cache import process_compiles
@@ -295,12 +297,12 @@ def phase_ours(
     compiles = process_compiles()
     start = time.perf_counter()
     engine = LLMEngine(
-        artifact, max_num_seqs=sized(1024), max_num_batched_tokens=sized(8192), gpu_memory_utilization=0.92,
-        mixed_graphs=mixed_graphs,
+        artifact, max_num_seqs=sized(1024), max_num_batched_tokens=sized(max_num_batched_tokens),
+        gpu_memory_utilization=0.92, mixed_graphs=mixed_graphs,
     )
     emit(out, figure="engine_init_seconds", value=round(time.perf_counter() - start, 1),
          kv_blocks=engine.block_pool.num_blocks, kv_tokens=engine.block_pool.num_blocks * engine.block_size,
-         triton_compiles=compiles.count, mixed_graphs=mixed_graphs)  # fmt: skip
+         triton_compiles=compiles.count, mixed_graphs=mixed_graphs, max_num_batched_tokens=max_num_batched_tokens)  # fmt: skip
     run_engine(engine, prompts(8, 64, 5), [SamplingParams(max_tokens=8, ignore_eos=True)] * 8)  # warm-up
     seen = compiles.count
 
@@ -352,6 +354,7 @@ def main() -> None:
     ap.add_argument("--weights", choices=["random", "files"], default="random",
                     help="random: dummy artifact (weights drawn at load); files: built from a random checkpoint")
     ap.add_argument("--mixed-graphs", action="store_true", help="the engine phases with mixed-step CUDA graphs on")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the engine phases' token budget a step")
     ap.add_argument("--tuning-from", type=Path, default=None,
                     help="build with another artifact's kernel configs (enginebuild --tuning-from): an A/B of a build option")
     args = ap.parse_args()
@@ -369,7 +372,7 @@ def main() -> None:
                 emit(args.out, figure=f"{name}_failed", value=f"{type(e).__name__}: {e}")
     if phases & {"W1", "W2", "W4", "W6"}:
         try:
-            phase_ours(args.out, artifact, phases, mixed_graphs=args.mixed_graphs)
+            phase_ours(args.out, artifact, phases, mixed_graphs=args.mixed_graphs, max_num_batched_tokens=args.max_num_batched_tokens)
         except Exception as e:
             import traceback
 
