@@ -130,6 +130,15 @@ def steps(out: Path) -> list[Step]:
             "prefill steps, and larger prefill GEMMs",
         ),
         Step(
+            "bf16_w1_profile",
+            [PY, str(bench / "profile_step.py"), "--artifact", str(out / "bf16" / "llama3-8b-dummy"), "--mode", "run",
+             "--batch", "1024", "--context", "512", "--output", "256", "--top", "25"],
+            200,
+            "where bf16 W1's time goes now, by kernel class (second session, 10,625 tok/s: GEMMs 16.38 s at 686 "
+            "TFLOP/s, decode attention 4.76, prefill attention 1.38, elementwise 1.10, GPU idle 0.87 of 24.67 s); "
+            "11,500 is 22.8 s",
+        ),
+        Step(
             "fp8_w1",
             [PY, str(bench / "fp8.py"), "--out", str(out / "fp8p"), "--variants", "fp8", "--phases", "W1",
              "--tune-budget", "60"],
