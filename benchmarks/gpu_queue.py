@@ -139,6 +139,15 @@ def steps(out: Path) -> list[Step]:
             "11,500 is 22.8 s",
         ),
         Step(
+            "bf16_w6_profile",
+            [PY, str(bench / "profile_step.py"), "--artifact", str(out / "bf16" / "llama3-8b-dummy"), "--mode", "run",
+             "--batch", "512", "--context", "128", "--output", "1024", "--top", "25"],
+            200,
+            "where bf16 W6's time goes, by kernel class (never profiled): 21,131 tok/s is 24.8 s, of which the "
+            "twenty-third session's overlap.py accounts for about 19.1 ms a decode step in the layers (8-layer "
+            "graph, batch 512, context 640) against about 22.8 ms measured",
+        ),
+        Step(
             "fp8_w1",
             [PY, str(bench / "fp8.py"), "--out", str(out / "fp8p"), "--variants", "fp8", "--phases", "W1",
              "--tune-budget", "60"],
