@@ -18,6 +18,7 @@ from pagecast.builder import fp8, kv_cache, quant, shard
 from pagecast.builder.families import FAMILIES
 from pagecast.builder.ir import BuildState, LayerSpec, ModelIR, MoeSpec, NormSpec, Plan, TensorPlan
 from pagecast.builder.lower import yarn_context
+from pagecast.runtime.engine_core import DEFAULT_STEP_TOKENS
 from pagecast.runtime.errors import BuildError
 
 # Known build targets: compute capability and memory, used when the GPU is not present.
@@ -258,7 +259,7 @@ def memory_plan(
     weight_bytes = n_params * elt if weight_bytes is None else weight_bytes  # int4 builds pass their own
     # Activations of the largest step: logits in fp32 plus the MLP's widest intermediates, with slack for
     # the allocator and CUDA graph pools.
-    max_batched_tokens = max(2048, max_num_seqs)
+    max_batched_tokens = max(DEFAULT_STEP_TOKENS, max_num_seqs)  # the engine's default step budget
     activation_bytes = max_batched_tokens * (
         4 * model.vocab_size // 8 + elt * (4 * model.mlp.intermediate_size + 6 * model.hidden_size)
     ) + (512 << 20)

@@ -63,13 +63,13 @@ _ENGINE_OPTIONS = (
     "--max-num-seqs",
     type=click.IntRange(min=1),
     default=None,
-    help="Most sequences running at once, per engine [engine default: 256].",
+    help="Most sequences running at once, per engine [default: what the artifact was built for, enginebuild --max-num-seqs].",
 )
 @click.option(
     "--max-num-batched-tokens",
     type=click.IntRange(min=1),
     default=None,
-    help="Token budget of one engine step [engine default: 2048].",
+    help="Token budget of one engine step [default: max(2048, max-num-seqs)].",
 )
 @click.option(
     "--max-num-prefill-tokens",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -76,6 +77,12 @@ CPU_PREFILL_CONTEXT_WEIGHT = 1 / 1024
 # the inter-token p99 was 52.6 ms and TTFT p50/p99 74.7/364.8 ms; at 1,024, 34.6 ms and 55.2/278.0
 # ms, at the same throughput; at 512, 36.4 ms, but TTFT 114.9/402.8 ms and a doubled inter-token p50.
 ONLINE_MAX_NUM_PREFILL_TOKENS = 1024
+
+# The batch an artifact that does not record its build's --max-num-seqs was built for (enginebuild's
+# default), and the least token budget of a step when the options leave it unset: the memory plan
+# sizes a step's activations for max(DEFAULT_STEP_TOKENS, max_num_seqs) tokens (builder/plan.py).
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_STEP_TOKENS = 2048
 
 
 def default_max_num_prefill_tokens(device_type: str, online: bool = False) -> int | None:
@@ -170,8 +177,13 @@ class WarmUpRun:
 class EngineOptions:
     """Run-time options; what the artifact fixed (dtype, block size, ...) is not here."""
 
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    # Sequences running at once. Default: what the artifact was built for (enginebuild
+    # --max-num-seqs: its memory plan, its CUDA graphs and its tuned batch buckets), 256 for an
+    # artifact that does not say.
+    max_num_seqs: int | None = None
+    # Tokens one step computes. Default: max(2048, max_num_seqs), the step the memory plan sizes
+    # activations for.
+    max_num_batched_tokens: int | None = None
     # Prompt tokens one step may compute, decodes aside (chunked prefill). Default
     # (default_max_num_prefill_tokens): CPU_MAX_NUM_PREFILL_TOKENS on the CPU, which bounds a
     # step's time, hence the gap between a running stream's tokens, while a long prompt is
@@ -215,23 +227,37 @@ class EngineOptions:
     speculative_config: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be positive (got {self.max_num_seqs})")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be positive (got {self.max_num_batched_tokens})")
         if self.max_num_prefill_tokens is not None and self.max_num_prefill_tokens < 1:
             raise ValueError(f"max_num_prefill_tokens must be positive (got {self.max_num_prefill_tokens})")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
-                f"({self.max_num_seqs}), so every running request can decode in one step"
-            )
+        if self.max_num_seqs is not None and self.max_num_batched_tokens is not None:
+            self._check_step_fits(self.max_num_seqs, self.max_num_batched_tokens)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
         if self.kv_cache_memory is not None and parse_size(self.kv_cache_memory) <= 0:
             raise ValueError("kv_cache_memory must be positive")
         if self.speculative_config != "off":
             SpeculativeConfig.parse(self.speculative_config)  # a bad config fails here, with its reason
+
+    @staticmethod
+    def _check_step_fits(max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_num_seqs "
+                f"({max_num_seqs}), so every running request can decode in one step"
+            )
+
+    def resolved(self, built_max_num_seqs: int) -> EngineOptions:
+        """These options with the batch sizes left unset filled in: max_num_seqs from the artifact
+        (``built_max_num_seqs``, what it was built for), max_num_batched_tokens as max(2048,
+        max_num_seqs)."""
+        seqs = self.max_num_seqs if self.max_num_seqs is not None else built_max_num_seqs
+        tokens = self.max_num_batched_tokens if self.max_num_batched_tokens is not None else max(DEFAULT_STEP_TOKENS, seqs)
+        self._check_step_fits(seqs, tokens)
+        return dataclasses.replace(self, max_num_seqs=seqs, max_num_batched_tokens=tokens)
 
     @property
     def lazy_graphs_on(self) -> bool:
@@ -319,6 +345,15 @@ class EngineCore:
             # it did not here, so compiles before this point (none should happen) went uncounted.
             logger.warning("Triton's compile listener was not installed at its import; installed now")
         manifest = self.artifact.manifest
+        built = int(manifest.build_options.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
+        self.options = options = options.resolved(built)
+        if options.max_num_seqs > built and self.artifact.device.type == "cuda":
+            logger.warning(
+                "max_num_seqs %d is more than the %d this artifact was built for: decode batches above %d run "
+                "without CUDA graphs, on kernel configs tuned for smaller batches, and its memory plan did not "
+                "count them; rebuild with `enginebuild --max-num-seqs %d` to plan and tune for them",
+                options.max_num_seqs, built, built, options.max_num_seqs,
+            )  # fmt: skip
         self.model_name = manifest.name
         self.block_size = manifest.block_size
         self.eos_token_ids = frozenset(manifest.eos_token_ids)

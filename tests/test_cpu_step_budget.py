@@ -13,6 +13,7 @@ from pagecast.runtime.engine import LLMEngine
 from pagecast.runtime.engine_core import (
     CPU_MAX_NUM_PREFILL_TOKENS,
     CPU_PREFILL_CONTEXT_WEIGHT,
+    DEFAULT_MAX_NUM_SEQS,
     ONLINE_MAX_NUM_PREFILL_TOKENS,
     EngineOptions,
     default_max_num_prefill_tokens,
@@ -23,10 +24,10 @@ from pagecast.runtime.scheduler import Scheduler, SchedulerConfig
 
 def test_default_prefill_bound_by_device() -> None:
     assert default_max_num_prefill_tokens("cuda") is None
-    assert default_max_num_prefill_tokens("cpu") == CPU_MAX_NUM_PREFILL_TOKENS < EngineOptions().max_num_batched_tokens
+    assert default_max_num_prefill_tokens("cpu") == CPU_MAX_NUM_PREFILL_TOKENS < EngineOptions().resolved(DEFAULT_MAX_NUM_SEQS).max_num_batched_tokens
     # Serving online on a GPU: a bound that keeps prompts from holding the running streams up.
     assert default_max_num_prefill_tokens("cuda", online=True) == ONLINE_MAX_NUM_PREFILL_TOKENS
-    assert ONLINE_MAX_NUM_PREFILL_TOKENS < EngineOptions().max_num_batched_tokens
+    assert ONLINE_MAX_NUM_PREFILL_TOKENS < EngineOptions().resolved(DEFAULT_MAX_NUM_SEQS).max_num_batched_tokens
     assert default_max_num_prefill_tokens("cpu", online=True) == CPU_MAX_NUM_PREFILL_TOKENS
     with pytest.raises(ValueError, match="max_num_prefill_tokens"):
         EngineOptions(max_num_prefill_tokens=0)
