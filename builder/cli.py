@@ -36,7 +36,7 @@ from pagecast.runtime.errors import BuildError
 @click.option("--load-format", default="auto", show_default=True, type=click.Choice(["auto", "dummy"]),
               help="dummy: random weights from a config-only directory (benchmarks).")
 @click.option("--max-num-seqs", default=256, show_default=True, type=int,
-              help="Most concurrent sequences the plan (and CUDA graphs) are sized for.")
+              help="Most concurrent sequences the plan (and CUDA graphs) are sized for; the engine's default max_num_seqs.")
 @click.option("--kv-cache-dtype", default="auto", show_default=True,
               type=click.Choice(["auto", "fp8", "fp8_e4m3"], case_sensitive=False),
               help="KV-cache storage: auto (the model's dtype) or fp8 (e4m3, per-layer scales; twice the tokens).")
