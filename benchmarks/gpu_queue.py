@@ -50,6 +50,12 @@ def _pytest(*args: str, stop_at_first: bool = True) -> list[str]:
             "--timeout", "120", "--timeout-method", "thread", *args]
 
 
+def _profile_run(artifact: Path, batch: int, context: int, output: int) -> list[str]:
+    """profile_step.py's whole-workload mode: device time by kernel class, GPU idle, GEMM TFLOP/s."""
+    return [PY, str(Path(__file__).parent / "profile_step.py"), "--artifact", str(artifact), "--mode", "run",
+            "--batch", str(batch), "--context", str(context), "--output", str(output), "--top", "25"]
+
+
 def steps(out: Path) -> list[Step]:
     """The queue (``out``: where benchmarks that take --out write)."""
     bench = Path(__file__).parent
@@ -131,8 +137,7 @@ def steps(out: Path) -> list[Step]:
         ),
         Step(
             "bf16_w1_profile",
-            [PY, str(bench / "profile_step.py"), "--artifact", str(out / "bf16" / "llama3-8b-dummy"), "--mode", "run",
-             "--batch", "1024", "--context", "512", "--output", "256", "--top", "25"],
+            _profile_run(out / "bf16" / "llama3-8b-dummy", 1024, 512, 256),
             200,
             "where bf16 W1's time goes now, by kernel class (second session, 10,625 tok/s: GEMMs 16.38 s at 686 "
             "TFLOP/s, decode attention 4.76, prefill attention 1.38, elementwise 1.10, GPU idle 0.87 of 24.67 s); "
@@ -140,8 +145,7 @@ def steps(out: Path) -> list[Step]:
         ),
         Step(
             "bf16_w6_profile",
-            [PY, str(bench / "profile_step.py"), "--artifact", str(out / "bf16" / "llama3-8b-dummy"), "--mode", "run",
-             "--batch", "512", "--context", "128", "--output", "1024", "--top", "25"],
+            _profile_run(out / "bf16" / "llama3-8b-dummy", 512, 128, 1024),
             200,
             "where bf16 W6's time goes, by kernel class (never profiled): 21,131 tok/s is 24.8 s, of which the "
             "twenty-third session's overlap.py accounts for about 19.1 ms a decode step in the layers (8-layer "
@@ -156,8 +160,7 @@ def steps(out: Path) -> list[Step]:
         ),
         Step(
             "fp8_w1_profile",
-            [PY, str(bench / "profile_step.py"), "--artifact", str(out / "fp8p" / "llama3-8b-fp8"), "--mode", "run",
-             "--batch", "1024", "--context", "512", "--output", "256", "--top", "25"],
+            _profile_run(out / "fp8p" / "llama3-8b-fp8", 1024, 512, 256),
             200,
             "where FP8 W1's time goes, by kernel class (GEMM TFLOP/s against the workload's FLOPs, attention, the "
             "quantising launches, GPU idle): FP8 W1 is 68.5% of its serial bound against bf16's 81.4% (sixth "
