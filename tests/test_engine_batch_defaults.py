@@ -57,3 +57,6 @@ def test_a_served_engine_reports_the_built_batch(built_for_six) -> None:  # type
         assert engine.max_num_seqs == 6  # what engine-serve's queue and 429s count against
     finally:
         engine.shutdown()
+    # A budget below the built batch is refused with its reason, though the check now runs in the core.
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(5\) must be at least max_num_seqs \(6\)"):
+        make_engine(built_for_six, kv_cache_memory="16MiB", max_num_batched_tokens=5)
