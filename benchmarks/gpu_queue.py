@@ -215,6 +215,15 @@ def steps(out: Path) -> list[Step]:
             "path)",
         ),
         Step(
+            "moe_fp8_speed",
+            [PY, str(bench / "moe.py"), "--shapes", "qwen3-30b-a3b", "--fp8", "channel", "--tokens", "1,16,256",
+             "--out", str(out / "moefp8")],
+            300,
+            "the FP8 fused MoE's speed against the per-expert loop of the dense FP8 GEMM at Qwen3-30B-A3B's decode "
+            "buckets, never timed on a GPU (the thirty-third session moved its activation quantisation into the dense "
+            "path's code)",
+        ),
+        Step(
             "moe_int4_tests",
             _pytest("tests/test_fused_moe_w4a16_gpu.py", "-vv"),
             300,
