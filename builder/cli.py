@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from pagecast.runtime.artifact import DEFAULT_MAX_NUM_SEQS
 from pagecast.runtime.errors import BuildError
 
 
@@ -35,7 +36,7 @@ from pagecast.runtime.errors import BuildError
                    "channel's +5.2%; speed not yet measured).")
 @click.option("--load-format", default="auto", show_default=True, type=click.Choice(["auto", "dummy"]),
               help="dummy: random weights from a config-only directory (benchmarks).")
-@click.option("--max-num-seqs", default=256, show_default=True, type=int,
+@click.option("--max-num-seqs", default=DEFAULT_MAX_NUM_SEQS, show_default=True, type=int,
               help="Most concurrent sequences the plan (and CUDA graphs) are sized for; the engine's default max_num_seqs.")
 @click.option("--kv-cache-dtype", default="auto", show_default=True,
               type=click.Choice(["auto", "fp8", "fp8_e4m3"], case_sensitive=False),

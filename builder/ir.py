@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagecast.runtime.artifact import DEFAULT_MAX_NUM_SEQS
+
 
 @dataclass(frozen=True)
 class BuildOptions:
@@ -29,7 +31,7 @@ class BuildOptions:
     # activation groups); None: channel, and whatever an FP8 checkpoint holds
     fp8_scheme: str | None = None
     load_format: str = "auto"  # "auto" (read weights) or "dummy" (random weights from a config-only dir)
-    max_num_seqs: int = 256
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     tune_budget_s: float = 300.0
     # Kernels the tuner takes first, in this order (then the rest as usual): a budget that runs
     # out cuts off what comes last, so a build meant for one workload tunes its kernels fully.

@@ -18,7 +18,7 @@ from pagecast.builder import fp8, kv_cache, quant, shard
 from pagecast.builder.families import FAMILIES
 from pagecast.builder.ir import BuildState, LayerSpec, ModelIR, MoeSpec, NormSpec, Plan, TensorPlan
 from pagecast.builder.lower import yarn_context
-from pagecast.runtime.engine_core import DEFAULT_STEP_TOKENS
+from pagecast.runtime.artifact import DEFAULT_STEP_TOKENS
 from pagecast.runtime.errors import BuildError
 
 # Known build targets: compute capability and memory, used when the GPU is not present.

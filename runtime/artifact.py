@@ -32,6 +32,13 @@ from typing import Any
 from pagecast.kernels import KERNEL_ABI, KERNEL_ABI_OLDEST
 from pagecast.runtime.errors import ArtifactError
 
+# The batch enginebuild plans, captures CUDA graphs and tunes for unless given --max-num-seqs, and
+# so the batch an engine runs by default on an artifact that does not record its build's; and the
+# least token budget of a step when the engine's options leave it unset: the memory plan sizes a
+# step's activations for max(DEFAULT_STEP_TOKENS, max_num_seqs) tokens (builder/plan.py).
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_STEP_TOKENS = 2048
+
 logger = logging.getLogger("pagecast.runtime")
 
 # 2 added ``kernel_abi``. A format_version 1 manifest has none and is read as kernel ABI 1: the
@@ -268,7 +275,7 @@ def rebuild_command(artifact_dir: str | os.PathLike[str], manifest: Manifest) ->
     opts = manifest.build_options
     args = ["enginebuild", "--model", str(opts.get("model", "MODEL"))]
     defaults = {"gpu": "auto", "tp": 1, "dtype": "auto", "quant": None, "block_size": 16, "max_model_len": None,
-                "kv_cache_dtype": "auto", "load_format": "auto", "max_num_seqs": 256}
+                "kv_cache_dtype": "auto", "load_format": "auto", "max_num_seqs": DEFAULT_MAX_NUM_SEQS}
     for key, default in defaults.items():
         value = opts.get(key, default)
         if value is not None and value != default:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from pagecast.runtime.artifact import DEFAULT_MAX_NUM_SEQS, DEFAULT_STEP_TOKENS
 from pagecast.runtime.block_pool import BlockPool
 from pagecast.runtime.cuda_graphs import mixed_graph_sizes
 from pagecast.runtime.errors import InvalidRequestError
@@ -77,12 +78,6 @@ CPU_PREFILL_CONTEXT_WEIGHT = 1 / 1024
 # the inter-token p99 was 52.6 ms and TTFT p50/p99 74.7/364.8 ms; at 1,024, 34.6 ms and 55.2/278.0
 # ms, at the same throughput; at 512, 36.4 ms, but TTFT 114.9/402.8 ms and a doubled inter-token p50.
 ONLINE_MAX_NUM_PREFILL_TOKENS = 1024
-
-# The batch an artifact that does not record its build's --max-num-seqs was built for (enginebuild's
-# default), and the least token budget of a step when the options leave it unset: the memory plan
-# sizes a step's activations for max(DEFAULT_STEP_TOKENS, max_num_seqs) tokens (builder/plan.py).
-DEFAULT_MAX_NUM_SEQS = 256
-DEFAULT_STEP_TOKENS = 2048
 
 
 def default_max_num_prefill_tokens(device_type: str, online: bool = False) -> int | None:

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 
 from pagecast.runtime import SamplingParams
+from pagecast.runtime.artifact import DEFAULT_MAX_NUM_SEQS
 from pagecast.runtime.block_pool import BlockPool
 from pagecast.runtime.engine import LLMEngine
 from pagecast.runtime.engine_core import (
     CPU_MAX_NUM_PREFILL_TOKENS,
     CPU_PREFILL_CONTEXT_WEIGHT,
-    DEFAULT_MAX_NUM_SEQS,
     ONLINE_MAX_NUM_PREFILL_TOKENS,
     EngineOptions,
     default_max_num_prefill_tokens,

@@ -11,8 +11,9 @@ import pytest
 from conftest import build_artifact
 
 from pagecast.runtime import SamplingParams
+from pagecast.runtime.artifact import DEFAULT_MAX_NUM_SEQS, DEFAULT_STEP_TOKENS
 from pagecast.runtime.engine import LLMEngine
-from pagecast.runtime.engine_core import DEFAULT_MAX_NUM_SEQS, DEFAULT_STEP_TOKENS, EngineOptions
+from pagecast.runtime.engine_core import EngineOptions
 
 
 @pytest.fixture(scope="module")
