@@ -147,9 +147,9 @@ def steps(out: Path) -> list[Step]:
             "bf16_w6_profile",
             _profile_run(out / "bf16" / "llama3-8b-dummy", 512, 128, 1024),
             200,
-            "where bf16 W6's time goes, by kernel class (never profiled): 21,131 tok/s is 24.8 s, of which the "
-            "twenty-third session's overlap.py accounts for about 19.1 ms a decode step in the layers (8-layer "
-            "graph, batch 512, context 640) against about 22.8 ms measured",
+            "where bf16 W6's time goes, by kernel class (never profiled): 21,131 tok/s is 24.8 s, 24.2 ms for each "
+            "512 tokens with the prefill included; the twenty-third session's overlap.py timed the layers at 19.1 ms "
+            "for 32 (4,768.5 us for 8, batch 512, context 640)",
         ),
         Step(
             "fp8_w1",
