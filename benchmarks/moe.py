@@ -127,6 +127,16 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
+# How far a config's output may be from the naive loop's before it is reported as failed, not
+# timed. FP8 experts quantise the intermediate (the activation of the gate/up products) to e4m3
+# before the down projection; where each path rounds that intermediate on the way (fp32 then bf16
+# once, or bf16 at each step) moves some values across an e4m3 rounding boundary, which alone
+# parts two correct paths by 1.4-1.8% at these shapes (tests/test_fused_moe_fp8_gpu.py measures it
+# and holds the kernels to 2.5%). At 1% every FP8 config "failed" on an H200 (1.47-1.83% from the
+# loop, the same for every config of a bucket: the rounding, not a config's bug).
+AGREEMENT = {"fused_moe": 1e-2, "fused_moe_w4a16": 1e-2, "fused_moe_fp8": 2.5e-2}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -194,8 +204,8 @@ def main() -> None:
             for cfg in candidates:
                 try:
                     err = rel_err(problem.launch(cfg, 0), naive_out)  # type: ignore[arg-type]
-                    if err > 1e-2:
-                        raise AssertionError(f"relative error {err:.3g} against the naive loop")
+                    if err > AGREEMENT[kernel]:
+                        raise AssertionError(f"relative error {err:.3g} against the naive loop (over {AGREEMENT[kernel]:g})")
                     timed.append((time_cfg(cfg), cfg))
                 except Exception as exc:  # noqa: BLE001 - a config that fails is reported, not fatal
                     record({"figure": "config_failed", "shape": name, "tokens": t, "config": cfg.as_dict(),
