@@ -9,6 +9,7 @@ the artifact is marked untuned. CPU artifacts run the torch reference and need n
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import subprocess
@@ -266,16 +267,19 @@ def _tune_main(shapes_json: str, budget_s: str, first: str = "", pinned: str = "
     moe = None
     if shapes.num_experts and routing:
         moe = (shapes.num_experts, shapes.top_k, routing, shapes.torch_dtype)
-    _compile_untuned_kernels(vocab, logits_stride, moe)
+    _compile_untuned_kernels(vocab, logits_stride, moe, shapes.torch_dtype)
     print(json.dumps({"table": table, "rows": rows}))
 
 
 def _compile_untuned_kernels(
-    vocab: int | None = None, logits_stride: int | None = None, moe: tuple[Any, ...] | None = None
+    vocab: int | None = None,
+    logits_stride: int | None = None,
+    moe: tuple[Any, ...] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> None:
     """Kernels with nothing to tune still go into the artifact's Triton cache, so serving
     compiles nothing: the seeded-sampling noise (kernels/keyed_noise.py), the sampler's kernels
-    (at this model's vocabulary, ``compile_sampler_kernels``), xgrammar's grammar mask kernel and,
+    (at this model's vocabulary and dtype, ``compile_sampler_kernels``), xgrammar's grammar mask kernel and,
     for a MoE model (``moe``: its experts, top-k, routing fields and dtype), the routing kernel
     (``compile_route_kernel``)."""
     import torch
@@ -286,7 +290,7 @@ def _compile_untuned_kernels(
     for width in (4096, 4097):
         keyed_exponential(zeros, zeros, width)
     if vocab is not None:
-        compile_sampler_kernels("cuda", vocab, logits_stride or vocab)
+        compile_sampler_kernels("cuda", vocab, logits_stride or vocab, dtype or torch.float32)
     compile_grammar_mask_kernels("cuda")
     if moe is not None:
         compile_route_kernel("cuda", *moe)
@@ -345,7 +349,7 @@ def sampler_settings(vocab: int) -> list[Any]:
     ]
 
 
-def compile_sampler_kernels(device: str, vocab: int, logits_stride: int) -> None:
+def compile_sampler_kernels(device: str, vocab: int, logits_stride: int, dtype: torch.dtype | None = None) -> None:
     """Run the sampler's kernels the way a server launches them, at this model's vocabulary, so
     that every variant Triton can compile for them goes into the artifact's cache.
 
@@ -356,9 +360,11 @@ def compile_sampler_kernels(device: str, vocab: int, logits_stride: int) -> None
     kernels run, and their constexpr switches), one row or several, the logits as the LM head
     returns them (a view of a padded [rows, logits_stride] tensor when the vocabulary is
     padded) or as a copy (rows picked, masked or penalised), the prompt-logprob chunks' first
-    row, and logits with ties (integer-valued ones: top-p's tie groups). Each combination runs
-    here; tests/test_startup_compiles.py checks on the CPU that a served engine launches no
-    variant outside them."""
+    row, logits with ties (integer-valued ones: top-p's tie groups), and the logits' dtype: the
+    model's (``dtype``: the LM head returns it, ops.lm_head widen=False) and fp32 (the masked and
+    penalised copies, and the scaled logits of Gemma 2 or Granite). Each combination runs here;
+    tests/test_startup_compiles.py checks on the CPU that a served engine launches no variant
+    outside them."""
     import torch
 
     from pagecast.runtime.request import Request
@@ -367,30 +373,30 @@ def compile_sampler_kernels(device: str, vocab: int, logits_stride: int) -> None
     settings = sampler_settings(vocab)
     generator = torch.Generator(device).manual_seed(0)
 
-    def logits(rows: int, ties: bool, padded: bool) -> torch.Tensor:
+    def logits(rows: int, ties: bool, padded: bool, dtype: torch.dtype) -> torch.Tensor:
         full = torch.randn(rows, logits_stride, generator=generator, device=device) * 3
-        full = full.round() if ties else full
+        full = (full.round() if ties else full).to(dtype)
         view = full[:, :vocab]  # what ops.lm_head returns
         return view if padded else view.contiguous()
 
-    for padded in (True, False):
+    for logits_dtype, padded in itertools.product(dict.fromkeys((dtype or torch.float32, torch.float32)), (True, False)):
         for ties in (False, True):
             for rows in (1, 3):
                 for i, params in enumerate(settings):
                     # The setting alone, and beside a greedy and a sampled row (mixed batches).
                     batch = [params] if rows == 1 else [params, settings[0], settings[4]]
                     requests = [Request(f"r{i}-{j}", [1, 2, 3], p) for j, p in enumerate(batch)]
-                    x = logits(rows, ties, padded)
+                    x = logits(rows, ties, padded, logits_dtype)
                     token_ids = sample_token_ids(x, requests)
                     logprob_tensors(x, token_ids, requests)
             # Prompt logprobs on a row slice of the logits, starting at an even and an odd row.
             for first in (0, 1):
-                x = logits(first + 3, ties, padded)
+                x = logits(first + 3, ties, padded, logits_dtype)
                 targets = torch.zeros(3, dtype=torch.int64, device=device)
                 prompt_logprob_tensors(x[first : first + 3], targets, 2)
         if torch.device(device).type == "cuda":
             for rows in (1, 3):
-                compile_race_switches(logits(rows, False, padded))
+                compile_race_switches(logits(rows, False, padded, logits_dtype))
 
 
 def compile_race_switches(logits: torch.Tensor) -> None:

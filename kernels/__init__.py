@@ -18,5 +18,7 @@
 # router's launch where the table fuses the router).
 # 7: ops.norm_linear is new (a layer's norm and the projection it feeds, the FP8 projections' input
 # quantised in the norm's launch).
-KERNEL_ABI = 7
+# 8: ops.lm_head takes widen= (False: the logits in the model's dtype, not an fp32 copy; the
+# default keeps older model code's fp32 logits).
+KERNEL_ABI = 8
 KERNEL_ABI_OLDEST = 1

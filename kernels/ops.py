@@ -538,10 +538,21 @@ def embedding(input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
 
 
-def lm_head(hidden: torch.Tensor, weight: torch.Tensor | Fp8LinearWeight, vocab_size: int) -> torch.Tensor:
-    """hidden: [rows, hidden] -> fp32 logits [rows, vocab_size]. Vocab-parallel: each rank
-    computes its vocabulary rows' logits, all ranks gather them (padding rows are cut off). An
-    FP8 head (enginebuild --fp8-lm-head) runs as an FP8 projection, its bucket "lm_head"."""
+def lm_head(
+    hidden: torch.Tensor, weight: torch.Tensor | Fp8LinearWeight, vocab_size: int, *, widen: bool = True
+) -> torch.Tensor:
+    """hidden: [rows, hidden] -> logits [rows, vocab_size]: fp32, or with ``widen=False`` in
+    hidden's dtype as the GEMM wrote them (a view of [rows, padded vocabulary] when the head is
+    padded). Vocab-parallel: each rank computes its vocabulary rows' logits, all ranks gather
+    them (padding rows are cut off). An FP8 head (enginebuild --fp8-lm-head) runs as an FP8
+    projection, its bucket "lm_head".
+
+    Model code since kernel ABI 8 asks for ``widen=False`` where nothing scales the logits: a
+    bf16 GEMM's output holds only bf16 values, so an fp32 copy adds no precision, and at
+    512-1,024 rows of a 128k vocabulary it cost a 213-338 us kernel a step (0.22 s of bf16 W6's
+    26.2 s in its H200 profile). The sampler reads either dtype; what needs more mantissa
+    (penalties, masks, logprobs' sums) works in fp32 on what it touches. Older model code gets
+    fp32, as it was built for."""
     if isinstance(weight, Fp8LinearWeight):
         logits = _fp8_linear(hidden, weight, None, "lm_head")
     else:
@@ -552,7 +563,8 @@ def lm_head(hidden: torch.Tensor, weight: torch.Tensor | Fp8LinearWeight, vocab_
         parts = [torch.empty_like(logits) for _ in range(_active.tp_size)]
         dist.all_gather(parts, logits.contiguous())
         logits = torch.cat(parts, dim=-1)
-    return logits[:, :vocab_size].float()
+    logits = logits[:, :vocab_size]
+    return logits.float() if widen else logits
 
 
 # -- mixture of experts ------------------------------------------------------------------------

@@ -315,7 +315,8 @@ def test_the_tune_process_compiles_the_models_routing_kernel(monkeypatch: pytest
     assert json.loads(capsys.readouterr().out)["table"]["matmul_tflops"] == 500.0
     tune._tune_main(json.dumps({**dense, "moe_routing": None}), "1")
     assert "matmul_tflops" not in json.loads(capsys.readouterr().out)["table"]  # dense: not measured
-    assert calls == [(3001, 3001, (60, 4, routing, torch.bfloat16)), (3001, 3001, None)]
+    # the sampler's kernels are compiled in the model's dtype too (its LM head's logits)
+    assert calls == [(3001, 3001, (60, 4, routing, torch.bfloat16), torch.bfloat16), (3001, 3001, None, torch.bfloat16)]
     launched = []
     real = moe_route_kernel.route_logits
     monkeypatch.setattr(

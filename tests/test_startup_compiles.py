@@ -91,11 +91,11 @@ def record_launches(monkeypatch: pytest.MonkeyPatch) -> set[tuple]:
     return keys
 
 
-def built_keys(keys: set[tuple], vocab: int, logits_stride: int) -> set[tuple]:
+def built_keys(keys: set[tuple], vocab: int, logits_stride: int, dtype: torch.dtype | None = None) -> set[tuple]:
     from pagecast.builder import tune
 
     keys.clear()
-    tune.compile_sampler_kernels("cpu", vocab, logits_stride)
+    tune.compile_sampler_kernels("cpu", vocab, logits_stride, dtype)
     built = set(keys)
     keys.clear()
     return built
@@ -169,3 +169,24 @@ def test_the_build_covers_a_padded_vocabulary(record_launches: set[tuple]) -> No
     served = set(record_launches)
     assert served and served <= built
     assert not served <= built_keys(record_launches, 4096, 4096)
+
+
+def test_the_build_covers_logits_in_the_models_dtype(record_launches: set[tuple]) -> None:
+    """A bf16 model's LM head hands the sampler bf16 logits (ops.lm_head widen=False): a pointer
+    of another dtype is another variant, so the build's sampler pass runs in the model's dtype as
+    well as in fp32 (the masked and penalised copies)."""
+    from pagecast.runtime.request import Request
+    from pagecast.runtime.sampler import prompt_logprob_tensors, sample
+    from pagecast.runtime.sampling_params import SamplingParams
+
+    built = built_keys(record_launches, VOCAB, VOCAB, torch.bfloat16)
+    logits = (torch.randn(3, VOCAB) * 3).to(torch.bfloat16)
+    sampled = SamplingParams(temperature=0.8, top_k=9, top_p=0.9, logprobs=1)
+    penalised = SamplingParams(temperature=0.7, presence_penalty=0.5, logprobs=2)
+    greedy = SamplingParams(temperature=0.0, logprobs=3)
+    sample(logits, [Request("a", [1, 2], sampled), Request("b", [1, 2], penalised), Request("c", [1, 2], greedy)])
+    prompt_logprob_tensors(logits[1:3], torch.zeros(2, dtype=torch.int64), 2)
+    served = set(record_launches)
+    assert served and served <= built
+    fp32_only = built_keys(record_launches, VOCAB, VOCAB)
+    assert not served <= fp32_only
