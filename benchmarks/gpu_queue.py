@@ -2,8 +2,10 @@
 within one device call's limit: each step under its own timeout (a step that hangs costs its
 timeout, not the call), its output in OUT/<step>.log, a JSON line per step in OUT/queue.jsonl
 (rc, seconds, whether it timed out). A step starts only if its timeout fits in what is left of
-``--budget``; ``--from`` resumes at a step in the next call (the machine may be a fresh one, so
-each step builds what it needs).
+``--budget``; ``--from`` resumes at a step in the next call. A step that serves an earlier step's
+artifact (``--artifact`` in its command) needs that step in the same call: the machine may be a
+fresh one, and the queue's folders are bundled and deleted when it ends. Without the artifact the
+step is skipped, saying so, and the queue goes on.
 
     python benchmarks/gpu_queue.py --out $OUT [--budget 570] [--from STEP] [--only STEP,STEP]
     python benchmarks/gpu_queue.py --list
@@ -22,6 +24,7 @@ table. Here: ``tar xzf /work/.device/N/bundle.tar.gz``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shutil
 import subprocess
@@ -277,6 +280,11 @@ def main() -> None:
             row.update(skipped=f"its timeout ({step.timeout_s} s) does not fit the {left:.0f} s left; rerun with --from {step.name}")
             _record(args.out, row)
             break
+        missing = _missing_artifact(step)
+        if missing is not None:
+            row.update(skipped=f"it serves {missing}, which an earlier step builds: run that step in the same call")
+            _record(args.out, row)
+            continue
         t0 = time.monotonic()
         with open(args.out / f"{step.name}.log", "w") as log:
             try:
@@ -290,6 +298,15 @@ def main() -> None:
     bundled = bundle(args.out)
     if bundled:
         _record(args.out, bundled, echo={**bundled, "packed": len(bundled["packed"]), "left_out": len(bundled["left_out"])})
+
+
+def _missing_artifact(step: Step) -> str | None:
+    """The artifact ``step`` serves (the path after ``--artifact``) when it does not exist, else None."""
+    args = step.command
+    for flag, value in itertools.pairwise(args):
+        if flag == "--artifact" and not Path(value).exists():
+            return value
+    return None
 
 
 def bundle(out: Path) -> dict[str, object]:

@@ -111,3 +111,34 @@ def test_at_commit_runs_a_benchmark_against_the_other_trees_package(tmp_path: Pa
     run = subprocess.run([sys.executable, str(script), "--tree", str(tree), "benchmarks/probe.py"],
                          capture_output=True, text=True, check=False)  # fmt: skip
     assert run.returncode != 0 and "lacks runtime" in run.stderr and "git archive" in run.stderr
+
+
+def test_a_step_whose_artifact_an_earlier_step_builds_is_skipped_without_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps that serve another step's artifact are skipped, saying which, when that step did not
+    run in this call (it builds under OUT, bundled and deleted at the end); the queue goes on."""
+    py = sys.executable
+    art = tmp_path / "out" / "a" / "engine"
+
+    def fake(out: Path) -> list[gpu_queue.Step]:
+        build = f"import pathlib; pathlib.Path({str(art)!r}).mkdir(parents=True)"
+        return [
+            gpu_queue.Step("build", [py, "-c", build], 30, "builds the artifact"),
+            gpu_queue.Step("serve", [py, "-c", "print('served')", "--artifact", str(art)], 30, "serves it"),
+            gpu_queue.Step("after", [py, "-c", "print('after')"], 30, "a step after it"),
+        ]
+
+    monkeypatch.setattr(gpu_queue, "steps", fake)
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["gpu_queue.py", "--out", str(out), "--only", "serve,after"])
+    gpu_queue.main()
+    rows = [json.loads(line) for line in (out / "queue.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == ["serve", "after"]
+    assert str(art) in rows[0]["skipped"] and rows[1]["rc"] == 0
+    (out / "queue.jsonl").unlink()
+    monkeypatch.setattr(sys, "argv", ["gpu_queue.py", "--out", str(out)])
+    gpu_queue.main()
+    rows = [json.loads(line) for line in (out / "queue.jsonl").read_text().splitlines()]
+    assert [r.get("rc") for r in rows if "step" in r] == [0, 0, 0]
+    assert (out / "serve.log").read_text().strip() == "served"
