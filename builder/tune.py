@@ -290,7 +290,7 @@ def _compile_untuned_kernels(
     for width in (4096, 4097):
         keyed_exponential(zeros, zeros, width)
     if vocab is not None:
-        compile_sampler_kernels("cuda", vocab, logits_stride or vocab, dtype or torch.float32)
+        compile_sampler_kernels("cuda", vocab, logits_stride or vocab, dtype)
     compile_grammar_mask_kernels("cuda")
     if moe is not None:
         compile_route_kernel("cuda", *moe)
