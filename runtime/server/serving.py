@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -427,7 +429,7 @@ def clamp_logprob(value: float) -> float:
 
 
 class TokenTexts:
-    """The text of single tokens (for logprobs), decoded once per id per request."""
+    """The text of single tokens (for logprobs), decoded once per id per request, and their bytes."""
 
     def __init__(self, tokenizer: Any):
         self._tokenizer = tokenizer
@@ -442,8 +444,42 @@ class TokenTexts:
             self._cache[token_id] = text
         return text
 
+    def token_bytes(self, token_id: int, text: str) -> list[int]:
+        """The token's own bytes (the chat logprobs' ``bytes``: a client joins them across tokens to
+        rebuild a character split between tokens). A token holding part of a UTF-8 character decodes
+        alone to U+FFFD, so its bytes are read from the vocabulary entry instead: byte-level BPE's
+        byte-to-character map (GPT-2, Llama 3, Qwen, SmolLM) or SentencePiece's ``<0xNN>`` fallback."""
+        if "\ufffd" in text:
+            raw = raw_token_bytes(self._tokenizer.convert_ids_to_tokens(token_id))
+            if raw is not None:
+                return list(raw)
+        return list(text.encode("utf-8"))
+
     def decode(self, token_ids: list[int]) -> str:
         return str(self._tokenizer.decode(token_ids, skip_special_tokens=False))
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _byte_level_chars() -> dict[str, int]:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {ch: b for b, ch in bytes_to_unicode().items()}
+
+
+def raw_token_bytes(piece: Any) -> bytes | None:
+    """The bytes a vocabulary entry stands for, where it is a byte-fallback piece or written in the
+    byte-level alphabet; None for anything else (the caller keeps the decoded text's bytes)."""
+    if not isinstance(piece, str) or not piece:
+        return None
+    if m := _BYTE_FALLBACK.fullmatch(piece):
+        return bytes([int(m.group(1), 16)])
+    chars = _byte_level_chars()
+    if all(ch in chars for ch in piece):
+        return bytes(chars[ch] for ch in piece)
+    return None
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -105,18 +105,18 @@ def _logprob_entries(
         chosen = position.get(token_id)
         if chosen is None:
             raise errors.internal_error(f"the engine returned no logprob for token {token_id}")
-        text = texts(token_id, chosen.decoded_token)
         top = [
-            _token_logprob(texts(tid, lp.decoded_token), lp.logprob)
+            _token_logprob(texts, tid, lp.decoded_token, lp.logprob)
             for tid, lp in sorted(position.items(), key=lambda item: item[1].rank)
             if lp.rank <= k
         ]
-        entries.append({**_token_logprob(text, chosen.logprob), "top_logprobs": top[:k]})
+        entries.append({**_token_logprob(texts, token_id, chosen.decoded_token, chosen.logprob), "top_logprobs": top[:k]})
     return entries
 
 
-def _token_logprob(text: str, logprob: float) -> dict[str, Any]:
-    return {"token": text, "logprob": clamp_logprob(logprob), "bytes": list(text.encode("utf-8"))}
+def _token_logprob(texts: TokenTexts, token_id: int, decoded: str | None, logprob: float) -> dict[str, Any]:
+    text = texts(token_id, decoded)
+    return {"token": text, "logprob": clamp_logprob(logprob), "bytes": texts.token_bytes(token_id, text)}
 
 
 def _response(
