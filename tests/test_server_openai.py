@@ -446,6 +446,43 @@ def test_echo_of_a_text_prompt(client, llm):  # type: ignore[no-untyped-def]
     assert streamed == PROMPTS[0] + expected.text
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, llm):  # type: ignore[no-untyped-def]
+    # vLLM's truncate_prompt_tokens: the prompt's last k tokens are what the model sees (and what
+    # usage counts and echo repeats), for text, token-id and chat prompts alike.
+    max_model_len = int(llm.engine.max_model_len)
+    text = " ".join(PROMPTS) + " and the lazy dog slept"
+    ids = prompt_ids(llm, text)
+    k = 6
+    assert len(ids) > k
+    expected = llm.generate([ids[-k:]], greedy(8))[0]
+    for prompt in (text, ids):
+        resp = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=8, temperature=0, echo=True,
+            extra_body={"truncate_prompt_tokens": k},
+        )  # fmt: skip
+        assert resp.usage.prompt_tokens == k
+        assert resp.choices[0].text == llm.tokenizer.decode(ids[-k:]) + expected.text
+    # A text longer than the context is served once truncated, not refused.
+    long_text = "the quick brown fox " * (max_model_len // 2)
+    assert len(prompt_ids(llm, long_text)) > max_model_len
+    resp = client.completions.create(
+        model=MODEL, prompt=long_text, max_tokens=2, temperature=0, extra_body={"truncate_prompt_tokens": k}
+    )
+    assert resp.usage.prompt_tokens == k
+    messages = [{"role": "user", "content": "Count to three, then tell me a story."}]
+    chat = chat_ids(llm, messages)
+    expected_chat = llm.generate([chat[-k:]], greedy(8))[0]
+    resp = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0, extra_body={"truncate_prompt_tokens": k}
+    )
+    assert resp.usage.prompt_tokens == k
+    assert resp.choices[0].message.content == expected_chat.text
+    for bad in (0, -2, max_model_len + 1):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=MODEL, prompt=text, max_tokens=2, extra_body={"truncate_prompt_tokens": bad})
+        assert err.value.body["param"] == "truncate_prompt_tokens"
+
+
 def test_echo_logprobs_of_a_long_prompt_streamed_and_not(client):  # type: ignore[no-untyped-def]
     """A prompt prefilled in several chunks (the server's budget is 32 tokens): streamed and
     non-streamed answers carry the same echo, logprobs and text."""

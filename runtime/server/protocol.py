@@ -104,6 +104,9 @@ class _SamplingRequest(RequestModel):
     structured_outputs: StructuredOutputs | None = None
     # token id (a string of digits, as JSON keys are) -> a bias in [-100, 100] added to its logit
     logit_bias: dict[str, float] | None = None
+    # vLLM's: keep only the prompt's last k tokens (-1: as many as the context holds), so a long
+    # document can be sent as it is; usage counts the tokens kept.
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
     # vLLM's: a scheduling priority, where priority scheduling is on. This server schedules first
     # come, first served, so only the default is accepted (as vLLM does under its default policy).
     priority: int = 0
@@ -119,6 +122,26 @@ class _SamplingRequest(RequestModel):
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
         return stops
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _check_truncation(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("must be at least 1 (the tokens kept), or -1 for as many as the context holds")
+        return value
+
+    def kept_prompt_tokens(self, max_model_len: int) -> int | None:
+        """How many of the prompt's last tokens ``truncate_prompt_tokens`` keeps (None: all)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return None
+        if k > max_model_len:
+            raise invalid_request(
+                f"`truncate_prompt_tokens` is {k}, more than this model's maximum context length "
+                f"({max_model_len} tokens).",
+                "truncate_prompt_tokens",
+            )
+        return max_model_len if k == -1 else k
 
     @field_validator("stop_token_ids")
     @classmethod

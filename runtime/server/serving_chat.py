@@ -64,7 +64,8 @@ def _prepare(
     model = state.resolve(req.model)
     state.check_request_size(model, 1, req.n)
     tokenizer = model.engine.tokenizer
-    if tokenizer is not None:
+    keep = req.kept_prompt_tokens(int(model.engine.max_model_len))
+    if tokenizer is not None and keep is None:  # a truncated prompt is bounded by the body's size
         # The template writes every message's text into the prompt: if the texts alone are too
         # long for the context, refuse before rendering and tokenizing them.
         chars = sum(len(m.text(i)) for i, m in enumerate(req.messages))
@@ -78,6 +79,8 @@ def _prepare(
         req.continue_final_message,
         req.chat_template_kwargs,
     )
+    if keep is not None:
+        prompt_ids = prompt_ids[-keep:]  # the rendered prompt's last tokens, as vLLM keeps them
     max_tokens = req.requested_max_tokens
     check_prompt_fits(model, prompt_ids, max_tokens, "messages")
     params = req.to_sampling_params(max_tokens, tools.structured_output if tools else None)

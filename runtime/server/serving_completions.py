@@ -91,13 +91,16 @@ def _tokenize_prompts(req: CompletionRequest, model: ServedModel) -> tuple[list[
     texts: list[str | None] = []
     vocab_size = model.vocab_size
     max_model_len = int(model.engine.max_model_len)
+    keep = req.kept_prompt_tokens(max_model_len)
     for prompt in req.prompts:
         if isinstance(prompt, str):
             tokenizer = model.engine.tokenizer
-            if tokenizer is not None:
+            if tokenizer is not None and keep is None:  # a truncated text is bounded by the body's size
                 check_text_size(len(prompt), tokenizer, max_model_len, "prompt")
-            ids.append(model.tokenize(prompt))
-            texts.append(prompt)
+            prompt_ids = model.tokenize(prompt)
+            cut = keep is not None and len(prompt_ids) > keep
+            ids.append(prompt_ids[-keep:] if cut else prompt_ids)
+            texts.append(None if cut else prompt)  # echo: the text of the tokens kept
         else:
             bad = next((t for t in prompt if t >= vocab_size), None)
             if bad is not None:
@@ -106,7 +109,7 @@ def _tokenize_prompts(req: CompletionRequest, model: ServedModel) -> tuple[list[
                     "prompt",
                     "invalid_token_id",
                 )
-            ids.append(list(prompt))
+            ids.append(list(prompt[-keep:]) if keep is not None else list(prompt))
             texts.append(None)
     return ids, texts
 
