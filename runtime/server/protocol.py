@@ -7,14 +7,15 @@ below.
 
 Parameters OpenAI defines that this server does not implement are declared too, so that
 using them gets a 400 that says so instead of being ignored. Unknown extra fields are
-ignored, as vLLM does, so newer clients keep working.
+ignored, as vLLM does, so newer clients keep working; the log names each such field once.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator
 
 from pagecast.runtime.sampling_params import SamplingParams, StructuredOutput
 from pagecast.runtime.server.errors import (
@@ -47,6 +48,10 @@ MAX_REPETITION_PENALTY = 2.0
 MIN_SEED, MAX_SEED = -(2**31), 2**32 - 1
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
+logger = logging.getLogger("pagecast.server")
+_warned_extra: set[str] = set()  # ignored request fields the log has named (each once per process)
+_MAX_WARNED_EXTRA = 256  # past this many names, no more: a client sending random names cannot grow it
+
 
 # Every model below derives from RequestModel (limits.py): strict parsing, NaN and infinities
 # refused by name ("must be a finite number") instead of failing a range check with a confusing
@@ -74,6 +79,9 @@ class StructuredOutputs(RequestModel):
 
 class _SamplingRequest(RequestModel):
     """Fields common to /v1/completions and /v1/chat/completions."""
+
+    # Unknown top-level fields are kept aside (model_extra), unused, so the log can name them.
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -463,7 +471,18 @@ def parse_request(model_cls: type[_SamplingRequest], body: bytes) -> Any:
     except ValidationError as exc:
         raise from_validation_error(exc) from None
     request.check()  # type: ignore[attr-defined]
+    _log_ignored(model_cls.__name__, request.model_extra)
     return request
+
+
+def _log_ignored(kind: str, extra: dict[str, Any] | None) -> None:
+    """Name, once per process, each request field this server does not know and ignores (a
+    client may rely on it: vLLM's extensions not implemented here, or a misspelt parameter)."""
+    new = sorted(name[:64] for name in extra or () if name[:64] not in _warned_extra)
+    if not new or len(_warned_extra) >= _MAX_WARNED_EXTRA:
+        return
+    _warned_extra.update(new)
+    logger.warning("%s: ignored request field(s) this server does not implement: %s", kind, ", ".join(new))
 
 
 __all__ = [
