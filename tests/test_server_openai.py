@@ -433,6 +433,44 @@ def test_echo_prompt_logprobs_lm_eval_shape(client, reference):  # type: ignore[
     assert resp["usage"]["completion_tokens"] == 0
 
 
+def _check_prompt_logprobs(answer, ids: list[int], k: int, reference) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's prompt_logprobs against transformers: null first, then the prompt token's logprob
+    and rank and the k best, keyed by token id."""
+    assert answer[0] is None and len(answer) == len(ids)
+    ref = reference.logprobs(ids)
+    for i in range(1, len(ids)):
+        row, entry = ref[i - 1], answer[i]
+        mine = entry[str(ids[i])]
+        assert mine["logprob"] == pytest.approx(float(row[ids[i]]), abs=1e-4)
+        # 1-based rank, by the reference (within its rounding: a vocabulary holds near-ties)
+        value = float(row[ids[i]])
+        assert 1 + int((row > value + 1e-4).sum()) <= mine["rank"] <= 1 + int((row > value - 1e-4).sum())
+        best = torch.topk(row, k)
+        for tid, value in zip(best.indices.tolist(), best.values.tolist(), strict=True):
+            assert entry[str(tid)]["logprob"] == pytest.approx(value, abs=1e-4)
+        assert set(entry) <= {str(t) for t in best.indices.tolist()} | {str(ids[i])}
+        assert all(isinstance(e["decoded_token"], str) for e in entry.values())
+
+
+def test_vllm_prompt_logprobs_match_reference(client, llm, reference):  # type: ignore[no-untyped-def]
+    # vLLM's prompt_logprobs extension (scoring a prompt through chat, or without echo's
+    # legacy lists): per choice on completions, once per response on chat.
+    ids = prompt_ids(llm, PROMPTS[2])
+    resp = client.completions.create(
+        model=MODEL, prompt=PROMPTS[2], max_tokens=2, n=2, temperature=0, extra_body={"prompt_logprobs": 3}
+    )
+    for choice in resp.choices:
+        _check_prompt_logprobs(choice.model_extra["prompt_logprobs"], ids, 3, reference)
+    messages = [{"role": "user", "content": "Count to three."}]
+    resp = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 0}
+    )
+    _check_prompt_logprobs(resp.model_extra["prompt_logprobs"], chat_ids(llm, messages), 0, reference)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="x", stream=True, extra_body={"prompt_logprobs": 1})
+    assert err.value.body["param"] == "prompt_logprobs"
+
+
 def test_echo_of_a_text_prompt(client, llm):  # type: ignore[no-untyped-def]
     expected = llm.generate([PROMPTS[0]], greedy(5))[0]
     resp = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0, echo=True)

@@ -112,6 +112,9 @@ class _SamplingRequest(RequestModel):
     structured_outputs: StructuredOutputs | None = None
     # token id (a string of digits, as JSON keys are) -> a bias in [-100, 100] added to its logit
     logit_bias: dict[str, float] | None = None
+    # vLLM's: every prompt position's logprob and the k best there (the first position: null),
+    # answered as `prompt_logprobs`, on each choice of a completion and on a chat response.
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # vLLM's: keep only the prompt's last k tokens (-1: as many as the context holds), so a long
     # document can be sent as it is; usage counts the tokens kept.
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
@@ -163,6 +166,8 @@ class _SamplingRequest(RequestModel):
             raise invalid_request("`stream_options` is only allowed when `stream` is true.", "stream_options")
         if self.priority != 0:
             raise unsupported("priority", "requests are scheduled first come, first served; leave it at 0")
+        if self.prompt_logprobs is not None and self.stream:
+            raise invalid_request("`prompt_logprobs` are not available when `stream` is true.", "prompt_logprobs")
 
     @property
     def include_usage(self) -> bool:
@@ -335,7 +340,8 @@ class CompletionRequest(_SamplingRequest):
         return self.prompt  # type: ignore[no-any-return]
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        wanted = [self.logprobs if self.echo else None, self.prompt_logprobs]  # echo's, vLLM's
+        prompt_logprobs = max((k for k in wanted if k is not None), default=None)
         return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs, {})
 
 
@@ -425,7 +431,7 @@ class ChatCompletionRequest(_SamplingRequest):
     def to_sampling_params(self, max_tokens: int | None, forced: StructuredOutput | None = None) -> SamplingParams:
         """``forced``: the grammar of a forced tool call (tool_choice required or named)."""
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs, None, {"logprobs": "top_logprobs"}, forced)
+        return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs, {"logprobs": "top_logprobs"}, forced)
 
     @property
     def requested_max_tokens(self) -> int | None:

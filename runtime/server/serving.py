@@ -482,6 +482,27 @@ def raw_token_bytes(piece: Any) -> bytes | None:
     return None
 
 
+def vllm_prompt_logprobs(out: RequestOutput, k: int, texts: TokenTexts) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt position, null for the first (it has no context),
+    then token id (a string, as JSON keys are) -> ``{logprob, rank, decoded_token}`` for the
+    prompt's token there and the k best."""
+    positions = out.prompt_logprobs
+    ids = out.prompt_token_ids
+    if positions is None or len(positions) != len(ids):
+        raise errors.internal_error("the engine returned no prompt logprobs")
+    answer: list[dict[str, dict[str, Any]] | None] = [None]
+    for i in range(1, len(ids)):
+        position = positions[i]
+        if position is None or ids[i] not in position:
+            raise errors.internal_error(f"the engine returned no logprob for prompt position {i}")
+        answer.append({
+            str(tid): {"logprob": clamp_logprob(lp.logprob), "rank": lp.rank, "decoded_token": texts(tid, lp.decoded_token)}
+            for tid, lp in sorted(position.items(), key=lambda item: item[1].rank)
+            if lp.rank <= k or tid == ids[i]
+        })  # fmt: skip
+    return answer
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt_tokens,

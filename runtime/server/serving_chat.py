@@ -31,6 +31,7 @@ from pagecast.runtime.server.serving import (
     new_request_id,
     respond,
     usage,
+    vllm_prompt_logprobs,
 )
 from pagecast.runtime.server.sse import DONE, sse_event
 from pagecast.runtime.server.tool_calls import ToolPlan, plan_tools
@@ -174,6 +175,8 @@ def _response(
     }
     if req.return_token_ids:
         body["prompt_token_ids"] = out.prompt_token_ids
+    if req.prompt_logprobs is not None:
+        body["prompt_logprobs"] = vllm_prompt_logprobs(out, req.prompt_logprobs, texts)
     return body
 
 

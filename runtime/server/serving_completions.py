@@ -34,6 +34,7 @@ from pagecast.runtime.server.serving import (
     new_request_id,
     respond,
     usage,
+    vllm_prompt_logprobs,
 )
 from pagecast.runtime.server.sse import DONE, sse_event
 
@@ -207,6 +208,7 @@ def _response(
     for i, out in enumerate(finals):
         num_prompt_tokens += len(out.prompt_token_ids)
         echo = _echo_text(out, prompt_texts[i], texts) if req.echo else ""
+        prompt_logprobs = None if req.prompt_logprobs is None else vllm_prompt_logprobs(out, req.prompt_logprobs, texts)
         for o in sorted(out.outputs, key=lambda o: o.index):
             if o.finish_reason == "error":
                 raise errors.internal_error("the engine failed while generating")
@@ -224,6 +226,8 @@ def _response(
                 "logprobs": None if logprobs is None else logprobs.as_dict(),
                 "finish_reason": o.finish_reason,
             }
+            if prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs
             if req.return_token_ids:
                 choice["prompt_token_ids"] = out.prompt_token_ids
                 choice["token_ids"] = token_ids
