@@ -31,8 +31,10 @@ class FamilyParts:
     # "projection" (over the whole q / k projection output).
     qk_norm_kind: str = "head"
     # Where sliding windows come from: "layer" (each attention module's own window, honoured by the
-    # kernels), "config" (config.sliding_window on every layer, honoured), or "cap" (the context is
-    # capped to the window, within which sliding-window attention equals full attention).
+    # kernels), "config" (config.sliding_window on every layer, honoured), "layer_types"
+    # (config.sliding_window on the layers config.layer_types calls "sliding_attention", honoured),
+    # or "cap" (the context is capped to the window, within which sliding-window attention equals
+    # full attention).
     window_source: str = "cap"
     # Per-layer modules that are identities at inference (dropout), claimed without a role.
     identities: tuple[str, ...] = ()
@@ -100,6 +102,25 @@ FAMILIES: dict[str, FamilyParts] = {
         not_supported="--tp > 1 (q/k norms over the whole projection)",
     ),  # fmt: skip
     "SmolLM3ForCausalLM": FamilyParts("smollm3", window_source="layer"),
+    "GemmaForCausalLM": FamilyParts("gemma"),
+    "Olmo3ForCausalLM": FamilyParts(
+        "olmo3",
+        attn_in_norm=None,
+        attn_out_norm="post_attention_layernorm",
+        mlp_in_norm=None,
+        mlp_out_norm="post_feedforward_layernorm",
+        qk_norm_kind="projection",
+        window_source="layer",
+        not_supported="--tp > 1 (q/k norms over the whole projection)",
+    ),
+    "Exaone4ForCausalLM": FamilyParts(
+        "exaone4",
+        attn_in_norm=None,
+        attn_out_norm="post_attention_layernorm",
+        mlp_in_norm=None,
+        mlp_out_norm="post_feedforward_layernorm",
+        window_source="layer_types",  # its attention keeps config.sliding_window on every layer
+    ),
     "GptOssForCausalLM": FamilyParts(
         "gpt_oss", moe_block="mlp", moe_router="router", window_source="layer",
         not_supported="MXFP4 checkpoints (build the bf16 checkpoint)",

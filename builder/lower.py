@@ -123,8 +123,14 @@ def _number_list(v: Any) -> bool:
 
 def _rope(config: Any, head_dim: int, layer_type: str | None = None) -> RopeSpec:
     params = dict(getattr(config, "rope_parameters", None) or {})
-    if layer_type is not None and isinstance(params.get(layer_type), dict):
-        params = dict(params[layer_type])  # Gemma 3: one set of parameters per layer type
+    per_type = {k: v for k, v in params.items() if isinstance(v, dict)}
+    if per_type:  # Gemma 3, OLMo 3: one set of parameters per layer type
+        if layer_type not in per_type:
+            raise BuildError(
+                f"rope_parameters has one set per layer type ({', '.join(sorted(per_type))}) and the layer's type "
+                f"{layer_type!r} is not among them; not supported"
+            )
+        params = dict(per_type[layer_type])
     if "rope_theta" not in params:
         params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -329,9 +335,17 @@ def _layer(
         window = core.attributes.get("sliding_window")
     elif parts.window_source == "config":
         window = getattr(config, "sliding_window", None)
+    elif parts.window_source == "layer_types":
+        types = getattr(config, "layer_types", None)
+        if not isinstance(types, (list, tuple)) or len(types) <= i:
+            raise BuildError(f"{attn}: the family's windows come from config.layer_types, which has no entry for layer {i}")
+        window = getattr(config, "sliding_window", None) if types[i] == "sliding_attention" else None
     softcap = core.attributes.get("attn_logit_softcapping")
     layer_type = core.attributes.get("layer_type")
-    rope = _rope(config, head_dim, layer_type if isinstance(layer_type, str) else None) if rotates else None
+    if not isinstance(layer_type, str):  # OLMo 3's attention keeps it as attention_type: the config has it
+        types = getattr(config, "layer_types", None)
+        layer_type = types[i] if isinstance(types, (list, tuple)) and i < len(types) else None
+    rope = _rope(config, head_dim, layer_type) if rotates else None
 
     mlp_path = f"{p}.mlp"
     if m.trace.get(f"{mlp_path}.experts") is not None:

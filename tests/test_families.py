@@ -37,6 +37,12 @@ NEUTRALISED = {
     "olmo2": [],  # post-norms and whole-projection q/k norms: the logits check covers them
     "granite": [{"residual_multiplier": 1.0}, {"embedding_multiplier": 1.0}, {"logits_scaling": 1.0}],
     "smollm3": [{"no_rope_layers": [1, 1, 1, 1]}],
+    "gemma": [{"hidden_act": "silu"}],
+    "olmo3": [
+        {"sliding_window": 4096},
+        {"rope_parameters": {t: {"rope_type": "default", "rope_theta": 10000.0} for t in ("sliding_attention", "full_attention")}},
+    ],
+    "exaone4": [{"sliding_window": 4096}],
 }
 
 

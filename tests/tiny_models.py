@@ -13,7 +13,7 @@ from pagecast.builder.load import resolve_model_path
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 # The families built from parts (tests/test_families.py): hidden 64, 4 layers, each configured so
 # that the part it adds changes the greedy tokens (see tiny_config).
-PART_FAMILIES = ("gemma2", "gemma3", "phi3", "olmo2", "granite", "smollm3")
+PART_FAMILIES = ("gemma2", "gemma3", "phi3", "olmo2", "granite", "smollm3", "gemma", "olmo3", "exaone4")
 # Mixture-of-experts families (tests/test_moe_families.py): hidden 64, 3 layers, 4-8 experts.
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss")
 
@@ -71,10 +71,13 @@ def tiny_config(family: str, **overrides):  # type: ignore[no-untyped-def]
 
 def _part_family_config(family: str, common: dict, overrides: dict):  # type: ignore[no-untyped-def,type-arg]
     from transformers import (
+        Exaone4Config,
         Gemma2Config,
         Gemma3TextConfig,
+        GemmaConfig,
         GraniteConfig,
         Olmo2Config,
+        Olmo3Config,
         Phi3Config,
         SmolLM3Config,
     )
@@ -130,6 +133,26 @@ def _part_family_config(family: str, common: dict, overrides: dict):  # type: ig
         small.update(no_rope_layer_interval=2)  # layers 1 and 3 skip RoPE
         small.update(overrides)
         return SmolLM3Config(architectures=["SmolLM3ForCausalLM"], **small)
+    if family == "gemma":
+        small.update(hidden_act="gelu_pytorch_tanh")  # Gemma 1: (1 + w) norms, sqrt(hidden) embedding scale
+        small.update(overrides)
+        return GemmaConfig(architectures=["GemmaForCausalLM"], **small)
+    if family == "olmo3":
+        # OLMo 2's post-norms with windows of 8 tokens on alternate layers and a RoPE base per layer type
+        small.update(
+            sliding_window=8, layer_types=window_layers,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 500000.0},
+            },
+        )  # fmt: skip
+        small.update(overrides)
+        return Olmo3Config(architectures=["Olmo3ForCausalLM"], **small)
+    if family == "exaone4":
+        # post-norms, q/k norms per head, windows of 8 tokens on alternate layers, no RoPE on the others
+        small.update(sliding_window=8, layer_types=window_layers)
+        small.update(overrides)
+        return Exaone4Config(architectures=["Exaone4ForCausalLM"], **small)
     raise ValueError(family)
 
 
