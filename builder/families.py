@@ -113,6 +113,18 @@ FAMILIES: dict[str, FamilyParts] = {
         window_source="layer",
         not_supported="--tp > 1 (q/k norms over the whole projection)",
     ),
+    # RoPE on adjacent pairs of dims (lower sets RopeSpec.interleaved; the build reorders q/k rows).
+    "GlmForCausalLM": FamilyParts("glm", gate_up=("gate_up_proj",), activation_module="activation_fn"),
+    "Glm4ForCausalLM": FamilyParts(
+        "glm4",
+        attn_out_norm="post_self_attn_layernorm",
+        mlp_out_norm="post_mlp_layernorm",
+        gate_up=("gate_up_proj",),
+        activation_module="activation_fn",
+        not_supported="AWQ/GPTQ (fused gate_up in the checkpoint)",
+    ),
+    "HeliumForCausalLM": FamilyParts("helium"),
+    "Ernie4_5ForCausalLM": FamilyParts("ernie4_5"),
     "Exaone4ForCausalLM": FamilyParts(
         "exaone4",
         attn_in_norm=None,

@@ -92,6 +92,10 @@ class RopeSpec:
     rope_type: str  # "default", "linear", "llama3", "yarn", "longrope" (kernels.rope)
     params: dict[str, Any]  # rope_theta and the variant's own keys, as kernels.rope expects them
     rotary_dim: int
+    # The checkpoint rotates pairs of adjacent dims (GLM, Helium, ERNIE 4.5: GPT-J style) where the
+    # kernels rotate dim i with dim i + rotary_dim / 2. The build reorders each head's q and k rows
+    # (weights, biases, norms) to the kernels' order, which leaves every q.k product unchanged.
+    interleaved: bool = False
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ _RMSNORM_OPS = {"to", "pow", "mean", "add", "rsqrt", "mul", "type_as"}
 _ATTENTION_CORE_OPS = {
     "view", "transpose", "unsqueeze", "mul", "slice", "neg", "cat", "add", "expand", "reshape",
     "scaled_dot_product_attention", "contiguous", "to", "clamp_",
+    "repeat_interleave", "stack", "flatten",  # RoPE on adjacent pairs (GLM, Helium, ERNIE 4.5)
 }  # fmt: skip
 # gpt-oss's eager attention with sinks: scores by matmul, the per-head sink logit concatenated as
 # one more column, softmax, the sink column dropped; its rotary splits halves with chunk.
@@ -346,6 +347,11 @@ def _layer(
         types = getattr(config, "layer_types", None)
         layer_type = types[i] if isinstance(types, (list, tuple)) and i < len(types) else None
     rope = _rope(config, head_dim, layer_type) if rotates else None
+    if rope is not None and "repeat_interleave" in core.ops:
+        # cos/sin repeated per adjacent pair: the GPT-J rotation, built by reordering q and k rows
+        if not {"stack", "flatten"} <= set(core.ops):
+            raise BuildError(f"{attn} ({core.type_name}) repeats its rotary table but is not the adjacent-pair rotation")
+        rope = dataclasses.replace(rope, interleaved=True)
 
     mlp_path = f"{p}.mlp"
     if m.trace.get(f"{mlp_path}.experts") is not None:

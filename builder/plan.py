@@ -107,12 +107,20 @@ def tensor_layout(model: ModelIR) -> list[TensorPlan]:
         p, o = layer.hf_prefix, f"layers.{layer.index}"
         attn = f"{p}.self_attn"
         qkv_fused = f"{attn}.{a.fused_qkv_name}.weight" if a.fused_qkv_name else None
+        rope = layer.attention.rope
+
+        def qk(sources: tuple[str, ...], rope: Any = rope) -> tuple[str, ...]:
+            """q and k rows (the first sources) in the kernels' rotary order."""
+            if rope is None or not rope.interleaved:
+                return sources
+            reorder = [shard.deinterleaved(src, a.head_dim, rope.rotary_dim) for src in sources[:2]]
+            return (*reorder, *sources[2:])
         if layer.attn_in_norm is not None:
             tensors.append(_norm(f"{o}.input_norm.weight", layer.attn_in_norm, (h,)))
         tensors.append(
             TensorPlan(
                 f"{o}.qkv_proj.weight",
-                _sections(qkv_fused, [f"{attn}.{x}_proj.weight" for x in "qkv"], [q_out, kv_out, kv_out]),
+                qk(_sections(qkv_fused, [f"{attn}.{x}_proj.weight" for x in "qkv"], [q_out, kv_out, kv_out])),
                 (q_out + 2 * kv_out, h),
             )
         )
@@ -120,19 +128,22 @@ def tensor_layout(model: ModelIR) -> list[TensorPlan]:
             tensors.append(
                 TensorPlan(
                     f"{o}.qkv_proj.bias",
-                    _sections(
-                        qkv_fused and qkv_fused.replace(".weight", ".bias"),
-                        [f"{attn}.{x}_proj.bias" for x in "qkv"],
-                        [q_out, kv_out, kv_out],
+                    qk(
+                        _sections(
+                            qkv_fused and qkv_fused.replace(".weight", ".bias"),
+                            [f"{attn}.{x}_proj.bias" for x in "qkv"],
+                            [q_out, kv_out, kv_out],
+                        )
                     ),
                     (q_out + 2 * kv_out,),
                 )
             )
         if a.qk_norm:
             q_shape, k_shape = ((a.head_dim,), (a.head_dim,)) if a.qk_norm_kind == "head" else ((q_out,), (kv_out,))
+            q_norm, k_norm = qk((f"{attn}.q_norm.weight", f"{attn}.k_norm.weight"))
             tensors += [
-                TensorPlan(f"{o}.q_norm.weight", (f"{attn}.q_norm.weight",), q_shape, offset=a.qk_norm_offset),
-                TensorPlan(f"{o}.k_norm.weight", (f"{attn}.k_norm.weight",), k_shape, offset=a.qk_norm_offset),
+                TensorPlan(f"{o}.q_norm.weight", (q_norm,), q_shape, offset=a.qk_norm_offset),
+                TensorPlan(f"{o}.k_norm.weight", (k_norm,), k_shape, offset=a.qk_norm_offset),
             ]
         tensors.append(TensorPlan(f"{o}.o_proj.weight", (f"{attn}.o_proj.weight",), (h, q_out)))
         if a.o_bias:
@@ -225,7 +236,7 @@ def check_shapes(tensors: list[TensorPlan], shapes: dict[str, tuple[int, ...]]) 
         if t.stack:  # each group of sources is one expert's [rows, ...] slice of the stacked tensor
             t = dataclasses.replace(t, shape=(t.shape[0] * t.shape[1], *t.shape[2:]), stack=0)
         rows = 0
-        for src in t.sources:
+        for src in map(shard.without_deinterleave, t.sources):
             base, rows_of = shard.parse_source(src)
             if base not in shapes:
                 raise BuildError(f"checkpoint is missing tensor {base!r} (needed for {t.name}); is it complete?")
@@ -437,6 +448,12 @@ def run(state: BuildState) -> BuildState:
             f"{model.architecture}: {ckpt.quant.method.upper()} builds of this mixture-of-experts model are not "
             f"supported (int4 AWQ/GPTQ experts are, one module per expert, SiLU experts without biases); build the "
             f"half-type checkpoint"
+        )
+    if ckpt.quant is not None and any(x.attention.rope and x.attention.rope.interleaved for x in model.layers):
+        raise BuildError(
+            f"{model.architecture} rotates adjacent pairs of dims (interleaved RoPE), which pagecast builds by "
+            f"reordering the q and k rows of float weights; {ckpt.quant.method.upper()} builds of it are not supported "
+            f"(build the bf16 checkpoint)"
         )
     if ckpt.quant is not None and (model.attention.fused_qkv_name or model.mlp.fused_gate_up_name):
         raise BuildError(

@@ -197,8 +197,34 @@ def row_range(name: str, start: int, stop: int) -> str:
     return f"{name}{_ROWS}{start}:{stop}"
 
 
+_DEINTERLEAVE = "#deinterleave="
+
+
+def deinterleaved(source: str, head_dim: int, rotary_dim: int) -> str:
+    """``source`` (q or k rows, or their bias or norm) read with each head's rotary dims reordered
+    from adjacent pairs (0, 1), (2, 3), ... to halves (0, r/2), (1, r/2 + 1), ... (RopeSpec.interleaved)."""
+    return f"{source}{_DEINTERLEAVE}{head_dim}:{rotary_dim}"
+
+
+def deinterleave_rows(tensor: torch.Tensor, head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """Rows (dim 0) of whole heads of ``head_dim``: in each, the first ``rotary_dim`` rows from pair
+    order to half order (even rows first, then odd); the rest stay where they are."""
+    if tensor.shape[0] % head_dim or rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise BuildError(
+            f"cannot reorder {tensor.shape[0]} rows as heads of {head_dim} with {rotary_dim} rotary dims"
+        )
+    order = list(range(0, rotary_dim, 2)) + list(range(1, rotary_dim, 2)) + list(range(rotary_dim, head_dim))
+    index = torch.tensor(order) + torch.arange(0, tensor.shape[0], head_dim)[:, None]
+    return tensor.index_select(0, index.reshape(-1))
+
+
+def without_deinterleave(source: str) -> str:
+    return source.split(_DEINTERLEAVE, 1)[0]
+
+
 def parse_source(source: str) -> tuple[str, tuple[int, int] | None]:
     """A TensorPlan source -> (checkpoint tensor name, its row range or None for all of it)."""
+    source = without_deinterleave(source)
     if _EXPERT in source:
         return source.split(_EXPERT, 1)[0], None
     if _ROWS not in source:
@@ -237,6 +263,10 @@ _last_read: dict[str, torch.Tensor] = {}
 
 
 def read_source(read: Any, source: str) -> torch.Tensor:
+    if _DEINTERLEAVE in source:
+        base, dims = source.split(_DEINTERLEAVE, 1)
+        head_dim, rotary_dim = (int(x) for x in dims.split(":"))
+        return deinterleave_rows(read_source(read, base), head_dim, rotary_dim)
     if _EXPERT in source:
         name, rest = source.split(_EXPERT, 1)
         expert, part = rest.split(":", 1)

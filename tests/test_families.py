@@ -43,6 +43,10 @@ NEUTRALISED = {
         {"rope_parameters": {t: {"rope_type": "default", "rope_theta": 10000.0} for t in ("sliding_attention", "full_attention")}},
     ],
     "exaone4": [{"sliding_window": 4096}],
+    "glm": [{"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}}],
+    "glm4": [{"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}}],
+    "helium": [],  # Llama's parts, RoPE on adjacent pairs: the logits check covers it
+    "ernie4_5": [],
 }
 
 
@@ -183,6 +187,8 @@ TP_CASES = {
     # per-head q/k norms stay whole on each rank, its windows and RoPE tables apply per rank.
     "phi3": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
     "gemma3": {},
+    # GLM-4's q and k rows reordered for its adjacent-pair RoPE over half of each head, then cut by heads
+    "glm4": {},
 }
 
 
@@ -228,6 +234,13 @@ def test_unknown_architecture_lists_the_supported_ones(tmp_path):  # type: ignor
     (ckpt / "config.json").write_text(json.dumps(config))
     with pytest.raises(BuildError, match="Gemma3ForCausalLM.*supported architectures: .*SmolLM3ForCausalLM"):
         _build(ckpt, tmp_path)
+
+
+def test_interleaved_rope_refuses_quantised_builds(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    # The reorder of q/k rows is done on float weights; a quantised build would need it on packed
+    # or scaled ones, so it is refused with what to do, not built wrong.
+    with pytest.raises(BuildError, match="interleaved RoPE.*build the bf16 checkpoint"):
+        _build(tiny_checkpoint_factory("helium"), tmp_path, quant="fp8")
 
 
 def test_olmo2_refuses_tensor_parallel(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]

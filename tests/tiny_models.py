@@ -13,7 +13,10 @@ from pagecast.builder.load import resolve_model_path
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 # The families built from parts (tests/test_families.py): hidden 64, 4 layers, each configured so
 # that the part it adds changes the greedy tokens (see tiny_config).
-PART_FAMILIES = ("gemma2", "gemma3", "phi3", "olmo2", "granite", "smollm3", "gemma", "olmo3", "exaone4")
+PART_FAMILIES = (
+    "gemma2", "gemma3", "phi3", "olmo2", "granite", "smollm3", "gemma", "olmo3", "exaone4", "glm", "glm4", "helium",
+    "ernie4_5",
+)  # fmt: skip
 # Mixture-of-experts families (tests/test_moe_families.py): hidden 64, 3 layers, 4-8 experts.
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss")
 
@@ -71,11 +74,15 @@ def tiny_config(family: str, **overrides):  # type: ignore[no-untyped-def]
 
 def _part_family_config(family: str, common: dict, overrides: dict):  # type: ignore[no-untyped-def,type-arg]
     from transformers import (
+        Ernie4_5Config,
         Exaone4Config,
         Gemma2Config,
         Gemma3TextConfig,
         GemmaConfig,
+        Glm4Config,
+        GlmConfig,
         GraniteConfig,
+        HeliumConfig,
         Olmo2Config,
         Olmo3Config,
         Phi3Config,
@@ -153,6 +160,20 @@ def _part_family_config(family: str, common: dict, overrides: dict):  # type: ig
         small.update(sliding_window=8, layer_types=window_layers)
         small.update(overrides)
         return Exaone4Config(architectures=["Exaone4ForCausalLM"], **small)
+    # RoPE on adjacent pairs of dims (the build reorders q and k rows): GLM's over half of each head
+    # (partial_rotary_factor 0.5) with q/k/v biases and a fused gate_up; GLM-4 adds post-norms.
+    if family in ("glm", "glm4"):
+        small.update(pad_token_id=2, partial_rotary_factor=0.5, attention_bias=True)
+        small.update(overrides)
+        if family == "glm":
+            return GlmConfig(architectures=["GlmForCausalLM"], **small)
+        return Glm4Config(architectures=["Glm4ForCausalLM"], **small)
+    if family == "helium":
+        small.update(overrides)
+        return HeliumConfig(architectures=["HeliumForCausalLM"], **small)
+    if family == "ernie4_5":
+        small.update(overrides)
+        return Ernie4_5Config(architectures=["Ernie4_5ForCausalLM"], **small)
     raise ValueError(family)
 
 
