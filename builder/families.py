@@ -125,6 +125,7 @@ FAMILIES: dict[str, FamilyParts] = {
     ),
     "HeliumForCausalLM": FamilyParts("helium"),
     "Ernie4_5ForCausalLM": FamilyParts("ernie4_5"),
+    "SeedOssForCausalLM": FamilyParts("seed_oss"),
     "Exaone4ForCausalLM": FamilyParts(
         "exaone4",
         attn_in_norm=None,

@@ -34,6 +34,7 @@ _ATTENTION_CORE_OPS = {
     "view", "transpose", "unsqueeze", "mul", "slice", "neg", "cat", "add", "expand", "reshape",
     "scaled_dot_product_attention", "contiguous", "to", "clamp_",
     "repeat_interleave", "stack", "flatten",  # RoPE on adjacent pairs (GLM, Helium, ERNIE 4.5)
+    "dropout",  # Seed-OSS's residual dropout: the trace runs in eval mode, where it is the identity
 }  # fmt: skip
 # gpt-oss's eager attention with sinks: scores by matmul, the per-head sink logit concatenated as
 # one more column, softmax, the sink column dropped; its rotary splits halves with chunk.
@@ -405,7 +406,8 @@ def _dense_mlp(m: _Matcher, config: Any, parts: FamilyParts, mlp_path: str) -> M
         raise BuildError(f"{mlp_path}: gate/up/down projections disagree on bias; not supported")
     mlp = m.take(mlp_path, "gated MLP")
     assert mlp is not None
-    m.only(mlp, {"mul", "chunk"} if len(parts.gate_up) == 1 else {"mul"}, "gated MLP")
+    # dropout: Seed-OSS's on the MLP's output, the identity in the eval-mode trace
+    m.only(mlp, {"mul", "chunk", "dropout"} if len(parts.gate_up) == 1 else {"mul", "dropout"}, "gated MLP")
     act = m.take(f"{mlp_path}.{parts.activation_module}", "MLP activation")
     assert act is not None
     activation = None

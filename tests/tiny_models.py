@@ -15,7 +15,7 @@ FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 # that the part it adds changes the greedy tokens (see tiny_config).
 PART_FAMILIES = (
     "gemma2", "gemma3", "phi3", "olmo2", "granite", "smollm3", "gemma", "olmo3", "exaone4", "glm", "glm4", "helium",
-    "ernie4_5",
+    "ernie4_5", "seed_oss",
 )  # fmt: skip
 # Mixture-of-experts families (tests/test_moe_families.py): hidden 64, 3 layers, 4-8 experts.
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss")
@@ -86,6 +86,7 @@ def _part_family_config(family: str, common: dict, overrides: dict):  # type: ig
         Olmo2Config,
         Olmo3Config,
         Phi3Config,
+        SeedOssConfig,
         SmolLM3Config,
     )
 
@@ -174,6 +175,11 @@ def _part_family_config(family: str, common: dict, overrides: dict):  # type: ig
     if family == "ernie4_5":
         small.update(overrides)
         return Ernie4_5Config(architectures=["Ernie4_5ForCausalLM"], **small)
+    if family == "seed_oss":
+        # q/k/v and o biases; residual dropout, which is the identity at inference
+        small.update(attention_bias=True, attention_out_bias=True, residual_dropout=0.1, attention_dropout=0.1)
+        small.update(overrides)
+        return SeedOssConfig(architectures=["SeedOssForCausalLM"], **small)
     raise ValueError(family)
 
 
@@ -231,11 +237,13 @@ def make_checkpoint(path: Path, family: str = "llama", seed: int = 0, tokenizer:
     torch.manual_seed(seed)
     config = tiny_config(family, **overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if family == "qwen2":  # make the qkv biases matter
+    if family in ("qwen2", "glm", "glm4", "seed_oss"):  # make the biases matter (they are made zero)
         with torch.no_grad():
             for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0, 0.5)
+                a = layer.self_attn
+                for proj in (a.q_proj, a.k_proj, a.v_proj, a.o_proj):
+                    if proj.bias is not None:
+                        proj.bias.normal_(0, 0.5)
     if family == "gpt_oss":  # gate/up values past the SwiGLU's limit of 7, and biases and sinks that matter
         with torch.no_grad():
             for layer in model.model.layers:
