@@ -2,27 +2,34 @@
 bf16 on the embedded SmolLM2-135M): transformers runs the model in fp32 on the CPU with chosen
 projections replaced by pagecast's exact FP8 emulation (the build's per-channel e4m3 weights,
 builder/fp8.quantise_weight, and the W8A8 linear with per-token activations,
-kernels/reference.fp8_linear), and scores text from benchmarks/perplexity.py's source. Each row
-keeps some projections in float; rows are relative to the float model on the same windows.
+kernels/reference.fp8_linear), and scores the documents benchmarks/perplexity.py scores (its
+``corpus()``: the same topics, cut the same way, about ``--tokens`` tokens) in lm-eval's rolling
+windows (each document after the end-of-text token, ``--window`` tokens predicted a window), word
+perplexity over the same word count. Each row keeps some projections in float; rows are relative
+to the float model on the same windows. With ``--tokens 6000`` (the served measurement's text) the
+float row is within 0.05% of transformers' figure in that measurement.
 
-    python benchmarks/fp8_sensitivity.py [--tokens 12288] [--window 1024] [--scan down_proj]
+    python benchmarks/fp8_sensitivity.py [--tokens 12000] [--window 1024] [--max-chars 6000] [--scan down_proj]
 
 ``--scan KIND`` adds a row per layer with that layer's KIND projection kept in float. This is an
-analysis on the CPU, not the served figure: benchmarks/perplexity.py measures that through
-engine-serve (its windows and scoring differ, so the percentages do too).
+analysis on the CPU in fp32 transformers, not the served figure: benchmarks/perplexity.py measures
+that through engine-serve and lm-eval, against transformers' float model.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).parent))  # perplexity.corpus
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -53,23 +60,32 @@ class Fp8Linear(torch.nn.Module):
         return torch.nn.functional.linear(x, w, self.linear.bias)
 
 
-def text_ids(tokenizer, tokens: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    """The Python language reference's topics (benchmarks/perplexity.py's source, joined whole
-    here rather than cut per document), the first ``tokens`` tokens."""
-    from pydoc_data import topics
+def documents(tokenizer, tokenizer_dir: Path, tokens: int, max_chars: int) -> tuple[list[torch.Tensor], int]:  # type: ignore[no-untyped-def]
+    """perplexity.py's scored documents as token ids, each after the end-of-text token (lm-eval's
+    rolling prefix), and their word count (lm-eval's word perplexity divides by it)."""
+    from perplexity import corpus
 
-    text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
-    return tokenizer(text, return_tensors="pt").input_ids[0][:tokens]
+    with tempfile.TemporaryDirectory() as work:
+        path, _, info = corpus(Path(work), tokenizer_dir, tokens, max_chars)
+        texts = [json.loads(line)["text"] for line in path.read_text().splitlines()]
+    eot = tokenizer.eos_token_id
+    ids = [torch.tensor([eot, *tokenizer.encode(t, add_special_tokens=False)]) for t in texts]
+    return ids, int(info["words"])
 
 
-def total_nll(model, ids: torch.Tensor, window: int) -> float:  # type: ignore[no-untyped-def]
-    """Summed negative log-likelihood of ids[1:] over disjoint windows."""
+def total_nll(model, docs: list[torch.Tensor], window: int) -> float:  # type: ignore[no-untyped-def]
+    """Summed negative log-likelihood of every document's tokens (all but the prefix) in lm-eval's
+    rolling windows: ``window`` predictions a window, each window's input the ``window`` tokens
+    before its last prediction (a document's last, shorter window so sees the tokens before it)."""
     total = 0.0
     with torch.no_grad():
-        for start in range(0, len(ids) - 1, window):
-            chunk = ids[start : start + window + 1]
-            logprobs = torch.log_softmax(model(chunk[None, :-1]).logits[0].float(), dim=-1)
-            total -= logprobs.gather(1, chunk[1:, None]).sum().item()
+        for ids in docs:
+            for first in range(1, len(ids), window):  # ids[first:last] predicted
+                last = min(first + window, len(ids))
+                start = max(0, last - 1 - window)
+                logits = model(ids[None, start : last - 1]).logits[0, first - 1 - start :]
+                logprobs = torch.log_softmax(logits.float(), dim=-1)
+                total -= logprobs.gather(1, ids[first:last, None]).sum().item()
     return total
 
 
@@ -78,16 +94,17 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=12288)
-    ap.add_argument("--window", type=int, default=1024)
+    ap.add_argument("--tokens", type=int, default=12000, help="perplexity.py's --tokens")
+    ap.add_argument("--window", type=int, default=1024, help="perplexity.py's --max-length")
+    ap.add_argument("--max-chars", type=int, default=6000, help="perplexity.py's --max-chars")
     ap.add_argument("--scan", choices=PROJECTIONS, default=None, help="a row per layer with this projection kept in float")
     args = ap.parse_args()
 
     path = smollm2_dir()
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = text_ids(tokenizer, args.tokens)
-    words = len(tokenizer.decode(ids).split())
+    docs, words = documents(tokenizer, Path(path), args.tokens, args.max_chars)
+    predicted = sum(len(d) - 1 for d in docs)
     fp8: dict[tuple[int, str], Fp8Linear] = {}
     for i, layer in enumerate(model.model.layers):
         for parent in (layer.self_attn, layer.mlp):
@@ -115,18 +132,18 @@ def main() -> None:
     ]
     if args.scan:
         rows += [(f"float {args.scan} of layer {i}", {"float_at": (i, args.scan)}) for i in range(num_layers)]
-    print(f"SmolLM2-135M, {len(ids) - 1} tokens predicted ({words} words), windows of {args.window}")
+    print(f"SmolLM2-135M, {len(docs)} documents, {predicted} tokens predicted ({words} words), windows of {args.window}")
     print("| row | token ppl | token ppl vs float | word ppl vs float |")
     print("| --- | --- | --- | --- |")
     base = None
     for label, options in rows:
         t0 = time.perf_counter()
         configure(**options)
-        nll = total_nll(model, ids, args.window)
+        nll = total_nll(model, docs, args.window)
         base = nll if base is None else base
-        token = math.exp((nll - base) / (len(ids) - 1)) - 1
+        token = math.exp((nll - base) / predicted) - 1
         word = math.exp((nll - base) / words) - 1
-        print(f"| {label} | {math.exp(nll / (len(ids) - 1)):.4f} | {token:+.2%} | {word:+.2%} |"
+        print(f"| {label} | {math.exp(nll / predicted):.4f} | {token:+.2%} | {word:+.2%} |"
               f"  <!-- {time.perf_counter() - t0:.0f} s -->", flush=True)  # fmt: skip
 
 
