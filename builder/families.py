@@ -54,6 +54,14 @@ _GEMMA_NORMS = {
     "mlp_out_norm": "post_feedforward_layernorm",
 }
 
+# OLMo 2 / 3 and EXAONE 4: norms on each branch's output only (no input norms)
+_POST_NORMS = {
+    "attn_in_norm": None,
+    "attn_out_norm": "post_attention_layernorm",
+    "mlp_in_norm": None,
+    "mlp_out_norm": "post_feedforward_layernorm",
+}
+
 FAMILIES: dict[str, FamilyParts] = {
     "LlamaForCausalLM": FamilyParts("llama"),
     "MistralForCausalLM": FamilyParts(
@@ -81,12 +89,9 @@ FAMILIES: dict[str, FamilyParts] = {
     ),
     "Olmo2ForCausalLM": FamilyParts(
         "olmo2",
-        attn_in_norm=None,
-        attn_out_norm="post_attention_layernorm",
-        mlp_in_norm=None,
-        mlp_out_norm="post_feedforward_layernorm",
         qk_norm_kind="projection",
         not_supported="--tp > 1 (q/k norms over the whole projection)",
+        **_POST_NORMS,  # type: ignore[arg-type]
     ),
     "GraniteForCausalLM": FamilyParts("granite"),
     "MixtralForCausalLM": FamilyParts(
@@ -105,13 +110,10 @@ FAMILIES: dict[str, FamilyParts] = {
     "GemmaForCausalLM": FamilyParts("gemma"),
     "Olmo3ForCausalLM": FamilyParts(
         "olmo3",
-        attn_in_norm=None,
-        attn_out_norm="post_attention_layernorm",
-        mlp_in_norm=None,
-        mlp_out_norm="post_feedforward_layernorm",
         qk_norm_kind="projection",
         window_source="layer",
         not_supported="--tp > 1 (q/k norms over the whole projection)",
+        **_POST_NORMS,  # type: ignore[arg-type]
     ),
     # RoPE on adjacent pairs of dims (lower sets RopeSpec.interleaved; the build reorders q/k rows).
     "GlmForCausalLM": FamilyParts("glm", gate_up=("gate_up_proj",), activation_module="activation_fn"),
@@ -128,11 +130,8 @@ FAMILIES: dict[str, FamilyParts] = {
     "SeedOssForCausalLM": FamilyParts("seed_oss"),
     "Exaone4ForCausalLM": FamilyParts(
         "exaone4",
-        attn_in_norm=None,
-        attn_out_norm="post_attention_layernorm",
-        mlp_in_norm=None,
-        mlp_out_norm="post_feedforward_layernorm",
         window_source="layer_types",  # its attention keeps config.sliding_window on every layer
+        **_POST_NORMS,  # type: ignore[arg-type]
     ),
     "GptOssForCausalLM": FamilyParts(
         "gpt_oss", moe_block="mlp", moe_router="router", window_source="layer",
