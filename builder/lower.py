@@ -123,6 +123,12 @@ def _number_list(v: Any) -> bool:
     return isinstance(v, (list, tuple)) and all(isinstance(x, (int, float)) for x in v)
 
 
+def _config_layer_type(config: Any, i: int) -> str | None:
+    """config.layer_types[i] ("sliding_attention", "full_attention", ...), None where the config has none."""
+    types = getattr(config, "layer_types", None)
+    return str(types[i]) if isinstance(types, (list, tuple)) and i < len(types) else None
+
+
 def _rope(config: Any, head_dim: int, layer_type: str | None = None) -> RopeSpec:
     params = dict(getattr(config, "rope_parameters", None) or {})
     per_type = {k: v for k, v in params.items() if isinstance(v, dict)}
@@ -338,15 +344,14 @@ def _layer(
     elif parts.window_source == "config":
         window = getattr(config, "sliding_window", None)
     elif parts.window_source == "layer_types":
-        types = getattr(config, "layer_types", None)
-        if not isinstance(types, (list, tuple)) or len(types) <= i:
+        configured = _config_layer_type(config, i)
+        if configured is None:
             raise BuildError(f"{attn}: the family's windows come from config.layer_types, which has no entry for layer {i}")
-        window = getattr(config, "sliding_window", None) if types[i] == "sliding_attention" else None
+        window = getattr(config, "sliding_window", None) if configured == "sliding_attention" else None
     softcap = core.attributes.get("attn_logit_softcapping")
     layer_type = core.attributes.get("layer_type")
     if not isinstance(layer_type, str):  # OLMo 3's attention keeps it as attention_type: the config has it
-        types = getattr(config, "layer_types", None)
-        layer_type = types[i] if isinstance(types, (list, tuple)) and i < len(types) else None
+        layer_type = _config_layer_type(config, i)
     rope = _rope(config, head_dim, layer_type) if rotates else None
     if rope is not None and "repeat_interleave" in core.ops:
         # cos/sin repeated per adjacent pair: the GPT-J rotation, built by reordering q and k rows
