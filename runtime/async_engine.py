@@ -27,7 +27,7 @@ from typing import Any
 from pagecast.runtime import generation_config
 from pagecast.runtime.artifact import load_manifest
 from pagecast.runtime.core_process import CoreClient, position_logprobs
-from pagecast.runtime.engine import tokenize_prompt
+from pagecast.runtime.engine import tokenize_prompt, truncate_prompt
 from pagecast.runtime.engine_core import EngineOptions, check_prompt, new_sequences
 from pagecast.runtime.errors import ArtifactError, EngineDeadError, PagecastError
 from pagecast.runtime.loader import load_artifact_tokenizer
@@ -137,6 +137,7 @@ class AsyncEngine:
 
     def validate(self, prompt: str | list[int], params: SamplingParams) -> tuple[str | None, list[int], int]:
         text, ids = tokenize_prompt(self._tokenizer, prompt)
+        ids = truncate_prompt(ids, params, self.max_model_len)
         return text, ids, check_prompt(ids, params, self.vocab_size, self.max_model_len)
 
     def start(self) -> None:

@@ -21,10 +21,19 @@ from pagecast.runtime.messages import EngineStats
 from pagecast.runtime.output_processor import OutputProcessor, ParentRequest
 from pagecast.runtime.outputs import RequestOutput
 from pagecast.runtime.request import RequestStatus
-from pagecast.runtime.sampling_params import SamplingParams
+from pagecast.runtime.sampling_params import SamplingParams, truncated_prompt
 from pagecast.runtime.tokenization import encode_text
 
-__all__ = ["EngineOptions", "EngineStats", "LLMEngine", "parse_size", "tokenize_prompt"]
+__all__ = ["EngineOptions", "EngineStats", "LLMEngine", "parse_size", "tokenize_prompt", "truncate_prompt"]
+
+
+def truncate_prompt(ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
+    """The prompt tokens a request keeps under its ``truncate_prompt_tokens`` (a bad value is an
+    ``InvalidRequestError`` naming the field)."""
+    try:
+        return truncated_prompt(ids, params, max_model_len)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), param="truncate_prompt_tokens") from None
 
 
 def tokenize_prompt(tokenizer: Any | None, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -91,6 +100,7 @@ class LLMEngine:
 
         Returns (prompt text, prompt token ids, resolved max_tokens)."""
         text, ids = self.tokenize(prompt)
+        ids = truncate_prompt(ids, params, self.max_model_len)
         return text, ids, self.core.check_prompt(ids, params)
 
     def add_request(

@@ -129,6 +129,10 @@ class SamplingParams:
     # OpenAI's logit_bias: token id -> a value in [-100, 100] added to that token's logit before the
     # penalties, temperature and truncation (logprobs still describe the model's own distribution).
     logit_bias: dict[int, float] | None = None
+    # vLLM's: keep only the prompt's last k tokens (-1: as many as the context holds); the front
+    # end truncates when it tokenizes (``truncated_prompt``), so the output's prompt_token_ids are
+    # the tokens kept, while its prompt text stays the one given, as in vLLM.
+    truncate_prompt_tokens: int | None = None
     # What the request's outputs hold (the front end's business; the engine core ignores it).
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
@@ -165,6 +169,11 @@ class SamplingParams:
             value = getattr(self, name)
             _check(value is None or (isinstance(value, int) and 0 <= value <= 20), name, "must be in [0, 20]")
         _check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+        k = self.truncate_prompt_tokens
+        _check(
+            k is None or (isinstance(k, int) and not isinstance(k, bool) and (k >= 1 or k == -1)),
+            "truncate_prompt_tokens", "must be a positive integer (the tokens kept), or -1 for as many as the context holds",
+        )  # fmt: skip
         if self.logit_bias is not None:
             _check(isinstance(self.logit_bias, dict), "logit_bias", "must map token ids to numbers")
             _check(
@@ -198,6 +207,21 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def truncated_prompt(ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
+    """The prompt's token ids that ``params.truncate_prompt_tokens`` keeps: its last k (all of
+    them when it has fewer; k = -1: ``max_model_len``). A k past the context is a ``ValueError``
+    naming the field, as it could never be served."""
+    k = params.truncate_prompt_tokens
+    if k is None:
+        return ids
+    _check(
+        k <= max_model_len, "truncate_prompt_tokens",
+        f"is {k}, more than this model's maximum context length ({max_model_len} tokens)",
+    )  # fmt: skip
+    keep = max_model_len if k == -1 else k
+    return ids[-keep:] if len(ids) > keep else ids
 
 
 def _check(ok: bool, name: str, message: str) -> None:

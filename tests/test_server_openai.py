@@ -15,6 +15,7 @@ from server_support import ReferenceModel, make_engine, metric, metric_samples, 
 from transformers import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
 
 from pagecast.runtime import LLM, SamplingParams
+from pagecast.runtime.errors import InvalidRequestError
 from pagecast.runtime.server.sse import DONE
 
 MODEL = "tiny"
@@ -28,6 +29,7 @@ def server(tiny_llama_artifact, request):  # type: ignore[no-untyped-def]
     # also with asynchronous scheduling (the GPU default).
     engine = make_engine(tiny_llama_artifact, max_num_seqs=32, max_num_batched_tokens=32, async_scheduling=request.param)
     with serve({MODEL: engine}) as srv:
+        srv.engine = engine  # for the tests of its Python API
         yield srv
 
 
@@ -519,6 +521,39 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, llm):  # t
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model=MODEL, prompt=text, max_tokens=2, extra_body={"truncate_prompt_tokens": bad})
         assert err.value.body["param"] == "truncate_prompt_tokens"
+
+
+def test_sampling_params_truncate_prompt_tokens(server, llm):  # type: ignore[no-untyped-def]
+    # The same option for Python API users (vLLM's SamplingParams.truncate_prompt_tokens): LLM
+    # and AsyncEngine see only the prompt's last k tokens; the output's prompt_token_ids are the
+    # tokens kept, its prompt the text given.
+    max_model_len = int(llm.engine.max_model_len)
+    text = " ".join(PROMPTS) + " and the lazy dog slept"
+    ids = prompt_ids(llm, text)
+    k = 6
+    expected = llm.generate([ids[-k:]], greedy(8))[0]
+    for prompt in (text, ids):
+        out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, truncate_prompt_tokens=k))[0]
+        assert out.prompt_token_ids == ids[-k:]
+        assert out.outputs[0].token_ids == expected.outputs[0].token_ids
+        assert out.prompt == (text if prompt is text else None)
+    # -1 keeps as many as the context holds: a prompt that fits is unchanged.
+    out = llm.generate([text], SamplingParams(max_tokens=8, temperature=0.0, truncate_prompt_tokens=-1))[0]
+    assert out.prompt_token_ids == ids
+    long_text = "the quick brown fox " * (max_model_len // 2)
+    out = llm.generate([long_text], SamplingParams(max_tokens=2, temperature=0.0, truncate_prompt_tokens=k))[0]
+    assert out.prompt_token_ids == prompt_ids(llm, long_text)[-k:]
+    # The server's engine (AsyncEngine) checks a request the same way before it is queued.
+    _, kept, _ = server.engine.validate(text, SamplingParams(max_tokens=8, truncate_prompt_tokens=k))
+    assert kept == ids[-k:]
+    for bad in (0, -2, True):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)
+    too_long = SamplingParams(max_tokens=2, truncate_prompt_tokens=max_model_len + 1)
+    for validate in (llm.engine.validate, server.engine.validate):
+        with pytest.raises(InvalidRequestError) as err:
+            validate(text, too_long)
+        assert err.value.param == "truncate_prompt_tokens"
 
 
 def test_echo_logprobs_of_a_long_prompt_streamed_and_not(client):  # type: ignore[no-untyped-def]
