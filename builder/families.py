@@ -46,6 +46,15 @@ class FamilyParts:
     moe_block: str | None = None
     moe_router: str = "gate"
     moe_expert_projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    # Where transformers 5 has the sparse block in the trace (Granite-MoE keeps "block_sparse_moe").
+    moe_module: str = "mlp"
+    # The router's weight in the checkpoint, under moe_block, where it is not moe_router's own
+    # (Granite-MoE: "router.layer.weight").
+    moe_router_weight: str | None = None
+    # Experts stacked in two tensors under moe_block in kernels/moe_routing.py's own layout,
+    # [E, 2I, H] (gate rows, then up rows) and [E, H, I] (Granite-MoE's input_linear and
+    # output_linear), instead of one module per expert; () where they are not.
+    moe_stacked: tuple[str, ...] = ()
 
 
 _GEMMA_NORMS = {
@@ -94,6 +103,11 @@ FAMILIES: dict[str, FamilyParts] = {
         **_POST_NORMS,  # type: ignore[arg-type]
     ),
     "GraniteForCausalLM": FamilyParts("granite"),
+    "GraniteMoeForCausalLM": FamilyParts(
+        "granitemoe", moe_block="block_sparse_moe", moe_module="block_sparse_moe", moe_router="router",
+        moe_router_weight="router.layer", moe_stacked=("input_linear", "output_linear"),
+        not_supported="AWQ/GPTQ and FP8 checkpoints (experts stacked in one tensor); --quant fp8 builds from bf16 are",
+    ),
     "MixtralForCausalLM": FamilyParts(
         "mixtral", moe_block="block_sparse_moe", moe_expert_projections=("w1", "w3", "w2"),
         not_supported="contexts beyond a configured sliding window (capped to it)",

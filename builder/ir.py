@@ -159,7 +159,8 @@ class MoeSpec:
     ``renormalize`` and ``weights_in_x_dtype`` route), run by ops.moe. Checkpoint names are
     relative to the layer's prefix; experts are stored one module per expert
     (``{experts_name}.{e}.{gate|up|down}.weight``) or, where ``stacked``, as gpt-oss's three
-    tensors ([E, H, 2I] gate/up interleaved by column, [E, I, H] down, their biases)."""
+    tensors ([E, H, 2I] gate/up interleaved by column, [E, I, H] down, their biases) or Granite-MoE's
+    two (``stacked_names``)."""
 
     num_experts: int
     top_k: int
@@ -179,6 +180,10 @@ class MoeSpec:
     expert_projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     shared_expert_name: str = "mlp.shared_expert"
     stacked: bool = False
+    # Where ``stacked`` names two tensors under the block already in moe_routing's layout ([E, 2I, H]
+    # gate rows then up rows, [E, H, I]: Granite-MoE's input_linear, output_linear), their names;
+    # () for gpt-oss's three.
+    stacked_names: tuple[str, ...] = ()
     kind: str = "moe"
 
 

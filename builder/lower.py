@@ -46,7 +46,7 @@ _SINK_ATTENTION_OPS = {
 # it; the router scores, takes the top k and may renormalise; the experts module sorts the
 # (token, expert) pairs, runs a grouped GEMM per projection and sums each token's rows.
 _MOE_BLOCK_OPS = {"view", "reshape", "sigmoid", "mul", "add"}
-_MOE_ROUTER_OPS = {"reshape", "view", "linear", "to", "softmax", "topk", "sum", "div", "div_"}
+_MOE_ROUTER_OPS = {"reshape", "view", "linear", "to", "type_as", "softmax", "topk", "sum", "div", "div_"}
 _MOE_EXPERTS_OPS = {
     "reshape", "view", "sort", "floor_divide", "index", "to", "histc", "cumsum", "ge", "unsqueeze", "clamp_",
     "masked_fill_", "masked_fill", "transpose", "grouped_mm_fallback", "_grouped_mm", "chunk", "mul", "empty_like",
@@ -359,7 +359,9 @@ def _layer(
             raise BuildError(f"{attn} ({core.type_name}) repeats its rotary table but is not the adjacent-pair rotation")
         rope = dataclasses.replace(rope, interleaved=True)
 
-    mlp_path = f"{p}.mlp"
+    mlp_path = f"{p}.{parts.moe_module}" if parts.moe_block is not None else f"{p}.mlp"
+    if m.trace.get(mlp_path) is None:
+        mlp_path = f"{p}.mlp"
     if m.trace.get(f"{mlp_path}.experts") is not None:
         mlp_spec: MlpSpec | MoeSpec = _moe(m, config, parts, mlp_path)
     else:
@@ -453,7 +455,7 @@ def _moe(m: _Matcher, config: Any, parts: FamilyParts, mlp_path: str) -> MoeSpec
                 f"{mlp_path}.{parts.moe_router} ({router.type_name}, ops {router.ops}) does not route as "
                 f"{arch} is expected to (softmax, top-{routing.top_k}, renormalise={routing.renormalize}); not supported"
             )
-    elif router.ops != ["linear", "topk", "softmax"]:
+    elif [op for op in router.ops if op not in ("to", "type_as")] != ["linear", "topk", "softmax"]:
         raise BuildError(
             f"{mlp_path}.{parts.moe_router} ({router.type_name}, ops {router.ops}) does not route as {arch} is "
             f"expected to (top-{routing.top_k} of the logits, then softmax); not supported"
@@ -509,10 +511,11 @@ def _moe(m: _Matcher, config: Any, parts: FamilyParts, mlp_path: str) -> MoeSpec
         limit=act.limit,
         router_bias=router_bias,
         expert_bias=expert_bias,
-        stacked=stacked,
+        stacked=stacked or bool(parts.moe_stacked),
+        stacked_names=tuple(f"{parts.moe_block}.{name}" for name in parts.moe_stacked),
         shared_expert_size=shared_size,
         shared_expert_gate=shared_gate,
-        router_name=f"{parts.moe_block}.{parts.moe_router}",
+        router_name=f"{parts.moe_block}.{parts.moe_router_weight or parts.moe_router}",
         experts_name=f"{parts.moe_block}.experts",
         expert_projections=parts.moe_expert_projections,
         shared_expert_name=f"{parts.moe_block}.shared_expert",

@@ -202,6 +202,16 @@ def moe_tensors(layer: LayerSpec, moe: MoeSpec, h: int) -> list[TensorPlan]:
     tensors = [TensorPlan(f"{o}.router.weight", (f"{p}.{moe.router_name}.weight",), (e, h))]
     if moe.router_bias:
         tensors.append(TensorPlan(f"{o}.router.bias", (f"{p}.{moe.router_name}.bias",), (e,)))
+    if moe.stacked_names:  # Granite-MoE: our layout already, [E, 2I, H] and [E, H, I]
+        x, (gate_up_name, down_name) = shard.expert_source, moe.stacked_names
+        gu = f"{p}.{gate_up_name}.weight"
+        tensors += [
+            TensorPlan(f"{o}.experts.gate_up", tuple(x(gu, i, g) for i in range(e) for g in ("rows0", "rows1")),
+                       (e, 2 * inter, h), stack=2),
+            TensorPlan(f"{o}.experts.down", tuple(x(f"{p}.{down_name}.weight", i) for i in range(e)),
+                       (e, h, inter), stack=1),
+        ]  # fmt: skip
+        return tensors
     if moe.stacked:  # gpt-oss: [E, H, 2I] gate/up interleaved by column, [E, I, H] down, their biases
         x = shard.expert_source
         tensors += [

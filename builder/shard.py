@@ -240,6 +240,9 @@ _EXPERT_PARTS = {
     "gate": lambda x: x[..., 0::2].transpose(-1, -2) if x.dim() == 2 else x[0::2],  # [H, 2I] -> [I, H]; bias [2I] -> [I]
     "up": lambda x: x[..., 1::2].transpose(-1, -2) if x.dim() == 2 else x[1::2],
     "t": lambda x: x.transpose(-1, -2),  # down [I, H] -> [H, I]
+    # Granite-MoE's [2I, H]: the first half of the rows (gate) and the second (up)
+    "rows0": lambda x: x[: x.shape[0] // 2],
+    "rows1": lambda x: x[x.shape[0] // 2 :],
     "": lambda x: x,
 }
 
@@ -256,6 +259,8 @@ def expert_source_shape(source: str, base_shape: tuple[int, ...]) -> tuple[int, 
     shape = base_shape[1:]
     if part in ("gate", "up"):
         return (shape[1] // 2, shape[0]) if len(shape) == 2 else (shape[0] // 2,)
+    if part in ("rows0", "rows1"):
+        return (shape[0] // 2, *shape[1:])
     return tuple(reversed(shape)) if part == "t" else shape
 
 

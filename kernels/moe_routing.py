@@ -13,9 +13,10 @@ see moe_route_kernel's docstring) and by a few fp32 ulps in sums added in anothe
         renormalised to sum 1 where ``renormalize`` (Mixtral always; the Qwens and OLMoE by
         ``norm_topk_prob``); the weights stay fp32 (Mixtral) or are rounded to x's dtype (the
         Qwens and OLMoE: ``weights_in_x_dtype``).
-    scoring "topk_softmax"  (gpt-oss)
+    scoring "topk_softmax"  (gpt-oss, Granite-MoE)
         logits = x @ router.T + router_bias in x's dtype; top-k of the logits; softmax over the k
-        in x's dtype.
+        in x's dtype (Granite-MoE casts the logits to fp32 first and rounds the softmax to x's
+        dtype: the same values, since a softmax of x's dtype computes in fp32 and rounds).
 
 Expert weights, one layout for every family (nn.Linear's, per expert):
 
@@ -97,6 +98,8 @@ def moe_spec(architecture: str, config: dict[str, Any]) -> tuple[MoeRouting, Moe
         return MoeRouting(
             k, renormalize=bool(config.get("norm_topk_prob", False)), weights_in_x_dtype=True
         ), SILU
+    if architecture == "GraniteMoeForCausalLM":  # softmax over the top-k logits in fp32, rounded to x's dtype
+        return MoeRouting(k, scoring="topk_softmax"), SILU
     if architecture == "GptOssForCausalLM":
         return MoeRouting(k, scoring="topk_softmax"), MoeActivation(
             "swiglu_oai", limit=float(config.get("swiglu_limit", 7.0))

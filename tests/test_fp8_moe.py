@@ -72,6 +72,10 @@ def per_block(w: torch.Tensor) -> torch.Tensor:
     return fp8_quantise(w, "fp8-block")[1]
 
 
+# Granite-MoE's stacked experts, as the checkpoint names them -> as transformers' model does
+GRANITE_STACKED = {"input_linear.weight": "experts.gate_up_proj", "output_linear.weight": "experts.down_proj"}
+
+
 def quantised_modules(ckpt: Path, quantise=per_channel) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
     """--quant fp8 on a float checkpoint: every projection and expert module, dequantised. gpt-oss
     stacks its experts as [E, in, out] (gate/up interleaved by column): each output column its own."""
@@ -83,6 +87,10 @@ def quantised_modules(ckpt: Path, quantise=per_channel) -> dict[str, torch.Tenso
                 out[name] = quantise(f.get_tensor(name))
             elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
                 out[name] = torch.stack([quantise(w.t()).t() for w in f.get_tensor(name)])
+            elif name.endswith(tuple(GRANITE_STACKED)):  # [E, out, in]: under transformers' experts' names
+                for suffix, param in GRANITE_STACKED.items():
+                    name = name.replace(suffix, param)
+                out[name] = torch.stack([quantise(w) for w in f.get_tensor(module + ".weight")])
     return out
 
 
@@ -174,7 +182,7 @@ def _assert_greedy_parity(artifact: Path, hf: torch.nn.Module, logits_atol: floa
 # ---------------------------------------------------------------------------- --quant fp8 on float MoE checkpoints
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "granitemoe"])
 def test_quant_fp8_moe_greedy_tokens_equal_transformers_with_fp8_experts(family, tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
     ckpt = tiny_checkpoint_factory(family)
     artifact = build_artifact(ckpt, tmp_path / "engine", gpu="cpu", quant="fp8")

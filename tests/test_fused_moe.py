@@ -66,6 +66,11 @@ def hf_block(family: str, seed: int = 0, **overrides):  # type: ignore[no-untype
         from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock as Block
 
         cfg = OlmoeConfig(**{**common, "intermediate_size": I, "num_experts": E, **overrides})
+    elif family == "granitemoe":
+        from transformers import GraniteMoeConfig
+        from transformers.models.granitemoe.modeling_granitemoe import GraniteMoeMoE as Block
+
+        cfg = GraniteMoeConfig(**{**common, "intermediate_size": I, "num_local_experts": E, **overrides})
     else:
         from transformers import GptOssConfig
         from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP as Block
@@ -82,6 +87,7 @@ ARCH = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "granitemoe": "GraniteMoeForCausalLM",
 }
 
 
@@ -98,7 +104,7 @@ def op_arguments(family: str, block, cfg) -> dict:  # type: ignore[no-untyped-de
             "b_gate_up": b_gu, "b_down": b_d, "routing": routing, "activation": activation,
         }  # fmt: skip
     args = {
-        "router_weight": block.gate.weight, "router_bias": None, "w_gate_up": block.experts.gate_up_proj,
+        "router_weight": (block.router if family == "granitemoe" else block.gate).weight, "router_bias": None, "w_gate_up": block.experts.gate_up_proj,
         "w_down": block.experts.down_proj, "routing": routing, "activation": activation,
     }  # fmt: skip
     if family == "qwen2_moe":
@@ -117,6 +123,9 @@ def hf_forward(family: str, block, x: torch.Tensor) -> torch.Tensor:  # type: ig
 
 
 def hf_router(family: str, block, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
+    if family == "granitemoe":  # (ids, weights, logits)
+        ids, weights, _ = block.router(x)
+        return weights, ids
     router = block.router if family == "gpt_oss" else block.gate
     _, weights, ids = router(x)
     return weights, ids
@@ -129,6 +138,7 @@ FAMILIES = [
     pytest.param("qwen3_moe", {"norm_topk_prob": False}, id="qwen3-moe-no-norm"),
     pytest.param("olmoe", {"norm_topk_prob": False, "num_experts_per_tok": 8}, id="olmoe-top8"),
     pytest.param("gpt_oss", {"num_experts_per_tok": 4}, id="gpt-oss"),
+    pytest.param("granitemoe", {"num_experts_per_tok": 3}, id="granite-moe"),
 ]
 
 
@@ -146,12 +156,12 @@ def test_routing_matches_transformers_router(family, overrides):
     torch.testing.assert_close(weights, hf_weights, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss", "granitemoe"])
 def test_routing_breaks_ties_as_transformers(family):
     """Experts with equal router rows score equally for every token: the same ones are kept."""
     block, cfg = hf_block(family, num_experts_per_tok=3)
     with torch.no_grad():
-        router = block.router if family == "gpt_oss" else block.gate
+        router = block.router if family in ("gpt_oss", "granitemoe") else block.gate
         router.weight[5] = router.weight[2]
         router.weight[6] = router.weight[2]
         router.weight[1] = router.weight[7]

@@ -40,6 +40,7 @@ CASES = {
     "qwen2_moe-shared-dense0": ("qwen2_moe", {}, ["no_shared_expert"]),
     "olmoe-clip": ("olmoe", {}, [{"clip_qkv": None}]),
     "gpt_oss": ("gpt_oss", {}, ["no_sinks", {"sliding_window": 4096}]),
+    "granitemoe": ("granitemoe", {}, [{"num_experts_per_tok": 1}, {"residual_multiplier": 1.0}]),
 }
 
 
@@ -133,20 +134,27 @@ def test_family_through_engine_serve(family, tmp_path, tiny_artifact_factory, ti
     )
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss", "granitemoe"])
 def test_moe_tp2_matches_transformers(family, tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
     """TP=2 on gloo: every rank holds every expert and half of each expert's (and the shared
     expert's and the dense layer's) intermediate columns; gpt-oss's down bias on rank 0 only,
-    its sinks cut with the heads."""
+    its sinks cut with the heads; Granite-MoE's stacked [E, 2I, H] cut in its gate and its up
+    halves alike."""
     from conftest import build_artifact
     from safetensors import safe_open
 
     ckpt = tiny_checkpoint_factory(family)
     art = build_artifact(ckpt, tmp_path / "tp2", tp=2)
     with safe_open(str(art / "weights" / "rank1.safetensors"), "pt") as f:
-        assert tuple(f.get_slice("layers.1.experts.gate_up").get_shape()) == (8, 32, 64)
-        assert tuple(f.get_slice("layers.1.experts.down").get_shape()) == (8, 64, 16)
-        if family == "qwen2_moe":
+        inter = 16  # half of each tiny expert's 32 intermediate columns
+        assert tuple(f.get_slice("layers.1.experts.gate_up").get_shape()) == (8, 2 * inter, 64)
+        assert tuple(f.get_slice("layers.1.experts.down").get_shape()) == (8, 64, inter)
+        if family == "granitemoe":  # rank 1's gate rows are the second quarter of the checkpoint's [2I, H]
+            with safe_open(str(ckpt / "model.safetensors"), "pt") as c:
+                stacked = c.get_tensor("model.layers.1.block_sparse_moe.input_linear.weight")
+            torch.testing.assert_close(f.get_tensor("layers.1.experts.gate_up")[:, :inter], stacked[:, inter : 2 * inter])
+            torch.testing.assert_close(f.get_tensor("layers.1.experts.gate_up")[:, inter:], stacked[:, 3 * inter :])
+        elif family == "qwen2_moe":
             assert tuple(f.get_slice("layers.1.shared_expert.down_proj.weight").get_shape()) == (64, 24)
         else:
             assert tuple(f.get_slice("layers.1.sinks").get_shape()) == (2,)

@@ -328,11 +328,12 @@ def test_the_tune_process_compiles_the_models_routing_kernel(monkeypatch: pytest
 
 # ---------------------------------------------------------------------------- the fused router (GEMV + routing)
 
-FAMILY_ROUTERS = {  # (experts, top_k, routing fields, router bias): Qwen3-MoE, Mixtral, gpt-oss, Qwen2-MoE
+FAMILY_ROUTERS = {  # (experts, top_k, routing fields, router bias): Qwen3-MoE, Mixtral, gpt-oss, Qwen2-MoE, Granite-MoE
     "qwen3": (128, 8, {"scoring": "softmax_topk", "renormalize": True, "weights_in_x_dtype": True}, False),
     "mixtral": (8, 2, {"scoring": "softmax_topk", "renormalize": True, "weights_in_x_dtype": False}, False),
     "gpt-oss": (32, 4, {"scoring": "topk_softmax", "renormalize": False, "weights_in_x_dtype": False}, True),
     "qwen2-moe": (60, 4, {"scoring": "softmax_topk", "renormalize": False, "weights_in_x_dtype": True}, False),
+    "granite-moe": (40, 8, {"scoring": "topk_softmax", "renormalize": False, "weights_in_x_dtype": False}, False),
 }
 
 

@@ -18,7 +18,7 @@ PART_FAMILIES = (
     "ernie4_5", "seed_oss",
 )  # fmt: skip
 # Mixture-of-experts families (tests/test_moe_families.py): hidden 64, 3 layers, 4-8 experts.
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "granitemoe")
 
 
 def smollm2_dir() -> Path:
@@ -184,7 +184,14 @@ def _part_family_config(family: str, common: dict, overrides: dict):  # type: ig
 
 
 def _moe_family_config(family: str, common: dict, overrides: dict):  # type: ignore[no-untyped-def,type-arg]
-    from transformers import GptOssConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import (
+        GptOssConfig,
+        GraniteMoeConfig,
+        MixtralConfig,
+        OlmoeConfig,
+        Qwen2MoeConfig,
+        Qwen3MoeConfig,
+    )
 
     small = dict(
         common, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -226,6 +233,16 @@ def _moe_family_config(family: str, common: dict, overrides: dict):  # type: ign
         )  # fmt: skip
         small.update(overrides)
         return GptOssConfig(architectures=["GptOssForCausalLM"], **small)
+    if family == "granitemoe":
+        # experts stacked in two tensors (input_linear [E, 2I, H], output_linear), the router's
+        # softmax over its top-k logits, and Granite's four multipliers
+        small.pop("head_dim")
+        small.update(
+            intermediate_size=32, num_local_experts=8, embedding_multiplier=3.0, residual_multiplier=0.5,
+            attention_multiplier=0.2, logits_scaling=2.0,
+        )  # fmt: skip
+        small.update(overrides)
+        return GraniteMoeConfig(architectures=["GraniteMoeForCausalLM"], **small)
     raise ValueError(family)
 
 
