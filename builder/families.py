@@ -55,6 +55,8 @@ class FamilyParts:
     # [E, 2I, H] (gate rows, then up rows) and [E, H, I] (Granite-MoE's input_linear and
     # output_linear), instead of one module per expert; () where they are not.
     moe_stacked: tuple[str, ...] = ()
+    # The shared expert's module under the sparse block (GLM-4.5: "shared_experts").
+    moe_shared_expert: str = "shared_expert"
 
 
 _GEMMA_NORMS = {
@@ -103,6 +105,13 @@ FAMILIES: dict[str, FamilyParts] = {
         **_POST_NORMS,  # type: ignore[arg-type]
     ),
     "GraniteForCausalLM": FamilyParts("granite"),
+    # DeepSeek-V3's routing (sigmoid scores, a score bias for the choice, expert groups) with
+    # GLM-4's attention (q/k/v biases, half-rotary on split halves, optional q/k norms per head)
+    "Glm4MoeForCausalLM": FamilyParts(
+        "glm4_moe", moe_block="mlp", moe_shared_expert="shared_experts",
+        not_supported="AWQ/GPTQ and FP8 builds (the experts' kernels are built and tuned for the other routings' "
+        "families; not tried on this one); its multi-token-prediction layer (not read)",
+    ),
     "GraniteMoeForCausalLM": FamilyParts(
         "granitemoe", moe_block="block_sparse_moe", moe_module="block_sparse_moe", moe_router="router",
         moe_router_weight="router.layer", moe_stacked=("input_linear", "output_linear"),

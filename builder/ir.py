@@ -165,20 +165,26 @@ class MoeSpec:
     num_experts: int
     top_k: int
     intermediate_size: int  # each expert's
-    scoring: str  # "softmax_topk" or "topk_softmax" (moe_routing.SCORINGS)
+    scoring: str  # "softmax_topk", "topk_softmax" or "sigmoid_group" (moe_routing.SCORINGS)
     renormalize: bool
     weights_in_x_dtype: bool
     activation: str = "silu"  # "silu" or "swiglu_oai" (moe_routing.ACTIVATIONS)
     alpha: float = 1.702  # swiglu_oai only
     limit: float = 7.0  # swiglu_oai only
     router_bias: bool = False
+    # sigmoid_group (GLM-4.5): expert groups, groups kept, the weights' factor, and the router's
+    # per-expert score bias for the choice (e_score_correction_bias)
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scale: float = 1.0
+    score_bias: bool = False
     expert_bias: bool = False
     shared_expert_size: int = 0  # Qwen2-MoE: the shared expert's intermediate size; 0 = none
     shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(x @ gate.T)
     router_name: str = "mlp.gate"
     experts_name: str = "mlp.experts"
     expert_projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
-    shared_expert_name: str = "mlp.shared_expert"
+    shared_expert_name: str = "mlp.shared_expert"  # GLM-4.5: "mlp.shared_experts"
     stacked: bool = False
     # Where ``stacked`` names two tensors under the block already in moe_routing's layout ([E, 2I, H]
     # gate rows then up rows, [E, H, I]: Granite-MoE's input_linear, output_linear), their names;

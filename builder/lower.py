@@ -47,6 +47,17 @@ _SINK_ATTENTION_OPS = {
 # (token, expert) pairs, runs a grouped GEMM per projection and sums each token's rows.
 _MOE_BLOCK_OPS = {"view", "reshape", "sigmoid", "mul", "add"}
 _MOE_ROUTER_OPS = {"reshape", "view", "linear", "to", "type_as", "softmax", "topk", "sum", "div", "div_"}
+# DeepSeek-V3's routing (GLM-4.5), in transformers' order, reshapes and casts aside: fp32 logits,
+# sigmoid scores, the biased scores' best two per group summed, the best groups kept (a mask),
+# the top-k of the rest, the unbiased scores gathered, renormalised or not, scaled.
+_SHAPE_OPS = ("view", "reshape", "to", "unsqueeze", "expand")
+_SIGMOID_CHOICE = ["linear", "sigmoid", "add", "topk", "sum", "topk", "zeros_like", "scatter_", "bitwise_not",
+                   "masked_fill", "topk", "gather"]  # fmt: skip
+_MOE_SIGMOID_ROUTER_OPS = (*_SHAPE_OPS, *_SIGMOID_CHOICE, "div_", "mul")
+
+
+def _sigmoid_router_ops(renormalize: bool) -> list[str]:
+    return [*_SIGMOID_CHOICE, *(["sum", "add", "div_"] if renormalize else []), "mul"]
 _MOE_EXPERTS_OPS = {
     "reshape", "view", "sort", "floor_divide", "index", "to", "histc", "cumsum", "ge", "unsqueeze", "clamp_",
     "masked_fill_", "masked_fill", "transpose", "grouped_mm_fallback", "_grouped_mm", "chunk", "mul", "empty_like",
@@ -436,7 +447,7 @@ def _dense_mlp(m: _Matcher, config: Any, parts: FamilyParts, mlp_path: str) -> M
 def _moe(m: _Matcher, config: Any, parts: FamilyParts, mlp_path: str) -> MoeSpec:
     """A sparse-MoE block: routing and activation as kernels/moe_routing.py has them for the family
     (checked against what the router's trace does), the experts' and the shared expert's shapes."""
-    from pagecast.kernels.moe_routing import moe_spec, num_experts
+    from pagecast.kernels.moe_routing import moe_spec, num_experts, shared_expert_size
 
     if parts.moe_block is None:
         raise BuildError(f"{mlp_path} is a mixture-of-experts block, which pagecast does not build for this family")
@@ -447,7 +458,17 @@ def _moe(m: _Matcher, config: Any, parts: FamilyParts, mlp_path: str) -> MoeSpec
     routing, act = moe_spec(arch, config.to_dict())
     router = m.take(f"{mlp_path}.{parts.moe_router}", "MoE router")
     assert router is not None
-    m.only(router, _MOE_ROUTER_OPS, "MoE router (softmax, top-k, renormalisation)")
+    if routing.scoring == "sigmoid_group":
+        m.only(router, set(_MOE_SIGMOID_ROUTER_OPS), "MoE router (sigmoid scores, expert groups, top-k)")
+        expected = _sigmoid_router_ops(routing.renormalize)
+        if [op for op in router.ops if op not in _SHAPE_OPS] != expected:
+            raise BuildError(
+                f"{mlp_path}.{parts.moe_router} ({router.type_name}, ops {router.ops}) does not route as {arch} is "
+                f"expected to (sigmoid scores, a biased choice among expert groups, top-{routing.top_k}, "
+                f"renormalise={routing.renormalize}: ops {expected}); not supported"
+            )
+    else:
+        m.only(router, _MOE_ROUTER_OPS, "MoE router (softmax, top-k, renormalisation)")
     if routing.scoring == "softmax_topk":
         renormalises = "sum" in router.ops and any(op in router.ops for op in ("div", "div_"))
         if "softmax" not in router.ops or router.ops.index("softmax") > router.ops.index("topk") or renormalises != routing.renormalize:
@@ -455,7 +476,9 @@ def _moe(m: _Matcher, config: Any, parts: FamilyParts, mlp_path: str) -> MoeSpec
                 f"{mlp_path}.{parts.moe_router} ({router.type_name}, ops {router.ops}) does not route as "
                 f"{arch} is expected to (softmax, top-{routing.top_k}, renormalise={routing.renormalize}); not supported"
             )
-    elif [op for op in router.ops if op not in ("to", "type_as")] != ["linear", "topk", "softmax"]:
+    elif routing.scoring == "topk_softmax" and [op for op in router.ops if op not in ("to", "type_as")] != [
+        "linear", "topk", "softmax"
+    ]:
         raise BuildError(
             f"{mlp_path}.{parts.moe_router} ({router.type_name}, ops {router.ops}) does not route as {arch} is "
             f"expected to (top-{routing.top_k} of the logits, then softmax); not supported"
@@ -485,11 +508,12 @@ def _moe(m: _Matcher, config: Any, parts: FamilyParts, mlp_path: str) -> MoeSpec
         act = dataclasses.replace(act, alpha=experts.scalar_muls[0], limit=limits.pop())
         stacked = expert_bias = True
     shared_size, shared_gate = 0, False
-    if m.trace.get(f"{mlp_path}.shared_expert") is not None:
-        shared = _dense_mlp(m, config, parts, f"{mlp_path}.shared_expert")
+    shared_path = f"{mlp_path}.{parts.moe_shared_expert}"
+    if m.trace.get(shared_path) is not None:
+        shared = _dense_mlp(m, config, parts, shared_path)
         if shared.bias or shared.activation != "silu":
-            raise BuildError(f"{mlp_path}.shared_expert has biases or a non-SiLU activation; not supported")
-        shared_size = int(config.shared_expert_intermediate_size)
+            raise BuildError(f"{shared_path} has biases or a non-SiLU activation; not supported")
+        shared_size = shared_expert_size(arch, config.to_dict())
         if m.trace.get(f"{mlp_path}.shared_expert_gate") is not None:
             if m.linear(f"{mlp_path}.shared_expert_gate"):
                 raise BuildError(f"{mlp_path}.shared_expert_gate has a bias; not supported")
@@ -510,6 +534,10 @@ def _moe(m: _Matcher, config: Any, parts: FamilyParts, mlp_path: str) -> MoeSpec
         alpha=act.alpha,
         limit=act.limit,
         router_bias=router_bias,
+        n_group=routing.n_group,
+        topk_group=routing.topk_group,
+        routed_scale=routing.scale,
+        score_bias=routing.scoring == "sigmoid_group",
         expert_bias=expert_bias,
         stacked=stacked or bool(parts.moe_stacked),
         stacked_names=tuple(f"{parts.moe_block}.{name}" for name in parts.moe_stacked),
@@ -518,7 +546,7 @@ def _moe(m: _Matcher, config: Any, parts: FamilyParts, mlp_path: str) -> MoeSpec
         router_name=f"{parts.moe_block}.{parts.moe_router_weight or parts.moe_router}",
         experts_name=f"{parts.moe_block}.experts",
         expert_projections=parts.moe_expert_projections,
-        shared_expert_name=f"{parts.moe_block}.shared_expert",
+        shared_expert_name=f"{parts.moe_block}.{parts.moe_shared_expert}",
     )
 
 

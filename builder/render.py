@@ -97,6 +97,7 @@ def render_model(state: BuildState, rank: int = 0) -> str:
         moe_top_k=moe.top_k if moe else 0,
         moe_intermediate_size=per_rank.moe_intermediate_size,
         router_bias=bool(moe and moe.router_bias),
+        score_bias=bool(moe and moe.score_bias),
         expert_bias=bool(moe and moe.expert_bias),
         shared_expert=bool(moe and moe.shared_expert_size),
         shared_expert_gate=bool(moe and moe.shared_expert_gate),
@@ -114,9 +115,14 @@ def render_model(state: BuildState, rank: int = 0) -> str:
 def _moe_routing(moe: MoeSpec | None) -> str:
     if moe is None:
         return ""
+    groups = (
+        f", n_group={moe.n_group}, topk_group={moe.topk_group}, scale={moe.routed_scale!r}"
+        if moe.scoring == "sigmoid_group"
+        else ""
+    )
     return (
         f"MoeRouting(top_k={moe.top_k}, scoring={moe.scoring!r}, renormalize={moe.renormalize}, "
-        f"weights_in_x_dtype={moe.weights_in_x_dtype})"
+        f"weights_in_x_dtype={moe.weights_in_x_dtype}{groups})"
     )
 
 

@@ -314,7 +314,7 @@ def compile_route_kernel(
     from pagecast.kernels import moe_route_kernel
     from pagecast.kernels.moe_routing import MoeRouting, route
 
-    if not moe_route_kernel.supported(num_experts, top_k):
+    if not moe_route_kernel.supported(num_experts, top_k) or routing.get("scoring") not in moe_route_kernel.SCORINGS:
         return
     spec = MoeRouting(top_k, **routing)
     generator = torch.Generator(device).manual_seed(0)

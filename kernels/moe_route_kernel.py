@@ -71,7 +71,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from pagecast.kernels import pdl, split_k
-from pagecast.kernels.moe_routing import SCORINGS
+from pagecast.kernels.moe_routing import KERNEL_SCORINGS as SCORINGS
 from pagecast.kernels.sampling import torch_exp
 from pagecast.kernels.tuning import KernelConfig
 

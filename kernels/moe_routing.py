@@ -13,6 +13,15 @@ see moe_route_kernel's docstring) and by a few fp32 ulps in sums added in anothe
         renormalised to sum 1 where ``renormalize`` (Mixtral always; the Qwens and OLMoE by
         ``norm_topk_prob``); the weights stay fp32 (Mixtral) or are rounded to x's dtype (the
         Qwens and OLMoE: ``weights_in_x_dtype``).
+    scoring "sigmoid_group"  (GLM-4.5 / 4.6, DeepSeek-V3's routing without its attention)
+        logits = x @ router.T in fp32 (x and the router's weight cast up); scores = sigmoid(logits);
+        the choice adds a per-expert bias to the scores (``e_score_correction_bias``, passed as
+        the router bias, which here never touches the logits) and keeps, of ``n_group`` equal
+        groups of experts, the ``topk_group`` whose two best biased scores sum highest, then the
+        top-k biased scores among them; the weights are the unbiased scores of those experts,
+        renormalised to sum 1 where ``renormalize`` (``norm_topk_prob``; + 1e-20), times
+        ``scale`` (``routed_scaling_factor``), fp32. Not in the fused kernel: torch ops on
+        every device (a few small launches a layer; CUDA graphs hold them).
     scoring "topk_softmax"  (gpt-oss, Granite-MoE)
         logits = x @ router.T + router_bias in x's dtype; top-k of the logits; softmax over the k
         in x's dtype (Granite-MoE casts the logits to fp32 first and rounds the softmax to x's
@@ -37,7 +46,8 @@ from typing import Any
 
 import torch
 
-SCORINGS = ("softmax_topk", "topk_softmax")
+SCORINGS = ("softmax_topk", "topk_softmax", "sigmoid_group")
+KERNEL_SCORINGS = ("softmax_topk", "topk_softmax")  # what kernels/moe_route_kernel.py routes
 ACTIVATIONS = ("silu", "swiglu_oai")
 
 
@@ -49,12 +59,20 @@ class MoeRouting:
     scoring: str = "softmax_topk"
     renormalize: bool = False  # divide the top-k probabilities by their sum (softmax_topk only)
     weights_in_x_dtype: bool = False  # round the weights to x's dtype (the Qwens, OLMoE) or keep fp32
+    # sigmoid_group only: expert groups, the groups kept, and the weights' factor
+    n_group: int = 1
+    topk_group: int = 1
+    scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.top_k < 1:
             raise ValueError(f"top_k must be at least 1, got {self.top_k}")
         if self.scoring not in SCORINGS:
             raise ValueError(f"scoring must be one of {SCORINGS}, got {self.scoring!r}")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group must be in [1, n_group={self.n_group}], got {self.topk_group}")
+        if self.scoring != "sigmoid_group" and (self.n_group, self.topk_group, self.scale) != (1, 1, 1.0):
+            raise ValueError(f"n_group, topk_group and scale are sigmoid_group's, not {self.scoring}'s")
 
 
 @dataclass(frozen=True)
@@ -98,6 +116,12 @@ def moe_spec(architecture: str, config: dict[str, Any]) -> tuple[MoeRouting, Moe
         return MoeRouting(
             k, renormalize=bool(config.get("norm_topk_prob", False)), weights_in_x_dtype=True
         ), SILU
+    if architecture == "Glm4MoeForCausalLM":
+        return MoeRouting(
+            k, scoring="sigmoid_group", renormalize=bool(config.get("norm_topk_prob", True)),
+            n_group=int(config.get("n_group") or 1), topk_group=int(config.get("topk_group") or 1),
+            scale=float(config.get("routed_scaling_factor", 1.0)),
+        ), SILU  # fmt: skip
     if architecture == "GraniteMoeForCausalLM":  # softmax over the top-k logits in fp32, rounded to x's dtype
         return MoeRouting(k, scoring="topk_softmax"), SILU
     if architecture == "GptOssForCausalLM":
@@ -110,7 +134,15 @@ def moe_spec(architecture: str, config: dict[str, Any]) -> tuple[MoeRouting, Moe
 def num_experts(config: dict[str, Any]) -> int:
     """Experts per MoE layer: ``num_experts`` or ``num_local_experts`` (checkpoints and
     transformers' configs use either name for the same count)."""
-    return int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    return int(config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 0)
+
+
+def shared_expert_size(architecture: str, config: dict[str, Any]) -> int:
+    """The shared expert's intermediate size (0: none): Qwen2-MoE's own field; GLM-4.5's
+    ``n_shared_experts`` experts' worth, run as one MLP."""
+    if architecture == "Glm4MoeForCausalLM":
+        return int(config.get("moe_intermediate_size") or 0) * int(config.get("n_shared_experts") or 0)
+    return int(config.get("shared_expert_intermediate_size") or 0)
 
 
 def is_moe_layer(architecture: str, config: dict[str, Any], layer: int) -> bool:
@@ -121,6 +153,8 @@ def is_moe_layer(architecture: str, config: dict[str, Any], layer: int) -> bool:
         step = int(config.get("decoder_sparse_step", 1))
         dense = layer in (config.get("mlp_only_layers") or []) or num_experts(config) <= 0
         return not dense and (layer + 1) % step == 0
+    if architecture == "Glm4MoeForCausalLM":  # dense MLPs in the first first_k_dense_replace layers
+        return layer >= int(config.get("first_k_dense_replace") or 0)
     moe_spec(architecture, config)  # refuses other architectures
     return True
 
@@ -149,6 +183,9 @@ def route(
     fused config runs the router GEMV and the routing as one launch
     (moe_route_kernel.router_route) where it takes the batch; None or the unfused one keeps
     F.linear and the routing kernel."""
+    if routing.scoring == "sigmoid_group":  # fp32 logits; router_bias is the choice's score bias
+        logits = torch.nn.functional.linear(x.float(), router_weight.float())
+        return route_torch(logits, routing, router_bias)
     if use_kernel is None:
         use_kernel = x.is_cuda
     if use_kernel:
@@ -172,14 +209,21 @@ def route(
 
 def weights_dtype(routing: MoeRouting, x_dtype: torch.dtype) -> torch.dtype:
     """The dtype of ``route``'s topk_weights for activations of ``x_dtype``."""
+    if routing.scoring == "sigmoid_group":
+        return torch.float32
     if routing.scoring == "topk_softmax" or routing.weights_in_x_dtype:
         return x_dtype
     return torch.float32
 
 
-def route_torch(logits: torch.Tensor, routing: MoeRouting) -> tuple[torch.Tensor, torch.Tensor]:
-    """``route`` from the logits [T, E] (x's dtype) in torch ops, as transformers routes: the CPU
-    path and the fused kernel's reference."""
+def route_torch(
+    logits: torch.Tensor, routing: MoeRouting, score_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``route`` from the logits [T, E] (x's dtype; fp32 for sigmoid_group, whose ``score_bias``
+    [E] biases the choice) in torch ops, as transformers routes: the CPU path and the fused
+    kernel's reference."""
+    if routing.scoring == "sigmoid_group":
+        return _route_sigmoid_group(logits, routing, score_bias)
     if routing.scoring == "topk_softmax":
         top, ids = torch.topk(logits, routing.top_k, dim=-1)
         return torch.softmax(top, dim=-1, dtype=top.dtype), ids
@@ -190,6 +234,26 @@ def route_torch(logits: torch.Tensor, routing: MoeRouting) -> tuple[torch.Tensor
     if routing.weights_in_x_dtype:
         top = top.to(logits.dtype)
     return top, ids
+
+
+def _route_sigmoid_group(
+    logits: torch.Tensor, routing: MoeRouting, score_bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """sigmoid_group (the module docstring), in transformers' order of operations."""
+    scores = logits.sigmoid()
+    choice = scores if score_bias is None else scores + score_bias.float()
+    t, e = choice.shape
+    if routing.n_group > 1:
+        per_group = choice.view(t, routing.n_group, e // routing.n_group)
+        group_scores = per_group.topk(2, dim=-1)[0].sum(dim=-1)  # [T, groups]
+        keep = torch.topk(group_scores, k=routing.topk_group, dim=-1, sorted=False)[1]
+        mask = torch.zeros_like(group_scores).scatter_(1, keep, 1.0).bool()
+        choice = choice.masked_fill(~mask.repeat_interleave(e // routing.n_group, dim=1), float("-inf"))
+    ids = torch.topk(choice, k=routing.top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if routing.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routing.scale, ids
 
 
 def gpt_oss_experts(

@@ -569,7 +569,15 @@ def lm_head(
 
 # -- mixture of experts ------------------------------------------------------------------------
 
-from pagecast.kernels.moe_routing import SILU, MoeActivation, MoeRouting, SharedExpert, route, weights_dtype
+from pagecast.kernels.moe_routing import (
+    KERNEL_SCORINGS,
+    SILU,
+    MoeActivation,
+    MoeRouting,
+    SharedExpert,
+    route,
+    weights_dtype,
+)
 from pagecast.kernels.tuning import moe_bucket
 
 
@@ -629,6 +637,8 @@ def add_norm_moe(
         from pagecast.kernels import moe_route_kernel as mrk
 
         router_cfg = _config("moe_router", moe_bucket(hidden.shape[0]))
+        if routing.scoring not in KERNEL_SCORINGS:  # routed in torch ops (moe_routing.route)
+            router_cfg = None
         if mrk.runs_fused(router_cfg, hidden.shape[0], router_weight.shape[0], routing.top_k) and mrk.norm_fusable(
             hidden, residual, norm_weight, router_weight
         ):

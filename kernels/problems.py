@@ -163,6 +163,8 @@ def buckets(kernel: str, shapes: ModelShapes) -> list[tuple[str, dict[str, int]]
     if kernel == "moe_router":  # decode buckets the fused router takes (up to max_num_seqs)
         if not (shapes.num_experts and moe_route_kernel.fused_supported(1, shapes.num_experts, shapes.top_k)):
             return []
+        if shapes.moe_scoring not in moe_route_kernel.SCORINGS:  # routed in torch ops (moe_routing.route)
+            return []
         sizes = upto(tuple(t for t in MOE_TOKEN_BUCKETS if t <= moe_route_kernel.FUSED_MAX_TOKENS), shapes.max_num_seqs)
         return [(f"t{t}", {"num_tokens": t}) for t in sizes]
     if kernel in EXPERT_KERNELS:  # one of them runs a build's experts: FP8, int4 (AWQ/GPTQ) or half-type

@@ -66,6 +66,16 @@ def hf_block(family: str, seed: int = 0, **overrides):  # type: ignore[no-untype
         from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock as Block
 
         cfg = OlmoeConfig(**{**common, "intermediate_size": I, "num_experts": E, **overrides})
+    elif family == "glm4_moe":
+        from transformers import Glm4MoeConfig
+        from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE as Block
+
+        cfg = Glm4MoeConfig(
+            **{
+                **common, "moe_intermediate_size": I, "n_routed_experts": E, "n_shared_experts": 1, "n_group": 2,
+                "topk_group": 1, "routed_scaling_factor": 2.5, **overrides,
+            }
+        )  # fmt: skip
     elif family == "granitemoe":
         from transformers import GraniteMoeConfig
         from transformers.models.granitemoe.modeling_granitemoe import GraniteMoeMoE as Block
@@ -78,6 +88,8 @@ def hf_block(family: str, seed: int = 0, **overrides):  # type: ignore[no-untype
         cfg = GptOssConfig(**{**common, "intermediate_size": I, "num_local_experts": E, **overrides})
     block = Block(cfg).float().eval()
     _randomize(block, seed)
+    if family == "glm4_moe":  # a buffer, not a parameter: the choice's score bias
+        block.gate.e_score_correction_bias.copy_(torch.randn(E, generator=torch.Generator().manual_seed(seed)) * 0.1)
     return block, cfg
 
 
@@ -88,6 +100,7 @@ ARCH = {
     "olmoe": "OlmoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "granitemoe": "GraniteMoeForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
 
 
@@ -114,6 +127,10 @@ def op_arguments(family: str, block, cfg) -> dict:  # type: ignore[no-untyped-de
             mlp.down_proj.weight,
             block.shared_expert_gate.weight,
         )
+    if family == "glm4_moe":  # the score bias goes where a router bias would; a shared expert without a gate
+        mlp = block.shared_experts
+        args["router_bias"] = block.gate.e_score_correction_bias
+        args["shared_expert"] = SharedExpert(torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight)), mlp.down_proj.weight)
     return args
 
 
@@ -139,6 +156,11 @@ FAMILIES = [
     pytest.param("olmoe", {"norm_topk_prob": False, "num_experts_per_tok": 8}, id="olmoe-top8"),
     pytest.param("gpt_oss", {"num_experts_per_tok": 4}, id="gpt-oss"),
     pytest.param("granitemoe", {"num_experts_per_tok": 3}, id="granite-moe"),
+    pytest.param("glm4_moe", {"num_experts_per_tok": 3}, id="glm4-moe-groups"),
+    pytest.param(
+        "glm4_moe", {"n_group": 4, "topk_group": 2, "norm_topk_prob": False, "routed_scaling_factor": 1.0},
+        id="glm4-moe-no-norm",
+    ),
 ]
 
 

@@ -41,6 +41,7 @@ CASES = {
     "olmoe-clip": ("olmoe", {}, [{"clip_qkv": None}]),
     "gpt_oss": ("gpt_oss", {}, ["no_sinks", {"sliding_window": 4096}]),
     "granitemoe": ("granitemoe", {}, [{"num_experts_per_tok": 1}, {"residual_multiplier": 1.0}]),
+    "glm4_moe": ("glm4_moe", {}, ["no_score_bias", {"n_group": 1, "topk_group": 1}, {"routed_scaling_factor": 1.0}]),
 }
 
 
@@ -55,6 +56,9 @@ def hf_model(checkpoint: Path, neutralised: dict | str | None = None):  # type: 
         if neutralised == "no_shared_expert":  # Qwen2-MoE without its shared expert's contribution
             for layer in model.model.layers[1:]:
                 layer.mlp.shared_expert.down_proj.weight.zero_()
+        if neutralised == "no_score_bias":  # GLM-4.5 choosing its experts by the scores alone
+            for layer in model.model.layers[1:]:
+                layer.mlp.gate.e_score_correction_bias.zero_()
         if neutralised == "no_sinks":  # gpt-oss with sinks that take no probability
             for layer in model.model.layers:
                 layer.self_attn.sinks.fill_(-1e9)
@@ -134,12 +138,12 @@ def test_family_through_engine_serve(family, tmp_path, tiny_artifact_factory, ti
     )
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss", "granitemoe"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss", "granitemoe", "glm4_moe"])
 def test_moe_tp2_matches_transformers(family, tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
     """TP=2 on gloo: every rank holds every expert and half of each expert's (and the shared
     expert's and the dense layer's) intermediate columns; gpt-oss's down bias on rank 0 only,
     its sinks cut with the heads; Granite-MoE's stacked [E, 2I, H] cut in its gate and its up
-    halves alike."""
+    halves alike; GLM-4.5's score bias on every rank, in fp32."""
     from conftest import build_artifact
     from safetensors import safe_open
 
@@ -154,6 +158,11 @@ def test_moe_tp2_matches_transformers(family, tiny_checkpoint_factory, tmp_path)
                 stacked = c.get_tensor("model.layers.1.block_sparse_moe.input_linear.weight")
             torch.testing.assert_close(f.get_tensor("layers.1.experts.gate_up")[:, :inter], stacked[:, inter : 2 * inter])
             torch.testing.assert_close(f.get_tensor("layers.1.experts.gate_up")[:, inter:], stacked[:, 3 * inter :])
+        elif family == "glm4_moe":
+            assert tuple(f.get_slice("layers.1.shared_expert.down_proj.weight").get_shape()) == (64, 16)
+            with safe_open(str(ckpt / "model.safetensors"), "pt") as c:
+                bias = c.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias")
+            assert torch.equal(f.get_tensor("layers.1.router.score_bias"), bias) and bias.dtype == torch.float32
         elif family == "qwen2_moe":
             assert tuple(f.get_slice("layers.1.shared_expert.down_proj.weight").get_shape()) == (64, 24)
         else:

@@ -18,7 +18,7 @@ PART_FAMILIES = (
     "ernie4_5", "seed_oss",
 )  # fmt: skip
 # Mixture-of-experts families (tests/test_moe_families.py): hidden 64, 3 layers, 4-8 experts.
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "granitemoe")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "granitemoe", "glm4_moe")
 
 
 def smollm2_dir() -> Path:
@@ -243,6 +243,19 @@ def _moe_family_config(family: str, common: dict, overrides: dict):  # type: ign
         )  # fmt: skip
         small.update(overrides)
         return GraniteMoeConfig(architectures=["GraniteMoeForCausalLM"], **small)
+    if family == "glm4_moe":
+        # GLM-4.5: a dense first layer, then sigmoid routing among 2 groups of 4 experts (1 kept) with a
+        # score bias (make_checkpoint draws it), renormalised and scaled, a shared expert, q/k/v
+        # biases, half-rotary heads and q/k norms
+        from transformers import Glm4MoeConfig
+
+        small.update(
+            moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
+            topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True,
+            partial_rotary_factor=0.5, use_qk_norm=True,
+        )  # fmt: skip
+        small.update(overrides)
+        return Glm4MoeConfig(architectures=["Glm4MoeForCausalLM"], **small)
     raise ValueError(family)
 
 
@@ -254,13 +267,18 @@ def make_checkpoint(path: Path, family: str = "llama", seed: int = 0, tokenizer:
     torch.manual_seed(seed)
     config = tiny_config(family, **overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if family in ("qwen2", "glm", "glm4", "seed_oss"):  # make the biases matter (they are made zero)
+    if family in ("qwen2", "glm", "glm4", "seed_oss", "glm4_moe"):  # make the biases matter (they are made zero)
         with torch.no_grad():
             for layer in model.model.layers:
                 a = layer.self_attn
                 for proj in (a.q_proj, a.k_proj, a.v_proj, a.o_proj):
                     if proj.bias is not None:
                         proj.bias.normal_(0, 0.5)
+    if family == "glm4_moe":  # a score bias (zeros as made) and router rows that make the choice matter
+        with torch.no_grad():
+            for layer in model.model.layers[config.first_k_dense_replace :]:
+                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+                layer.mlp.gate.weight.normal_(0, 0.5)
     if family == "gpt_oss":  # gate/up values past the SwiGLU's limit of 7, and biases and sinks that matter
         with torch.no_grad():
             for layer in model.model.layers:
