@@ -109,8 +109,7 @@ FAMILIES: dict[str, FamilyParts] = {
     # GLM-4's attention (q/k/v biases, half-rotary on split halves, optional q/k norms per head)
     "Glm4MoeForCausalLM": FamilyParts(
         "glm4_moe", moe_block="mlp", moe_shared_expert="shared_experts",
-        not_supported="AWQ/GPTQ and FP8 builds (the experts' kernels are built and tuned for the other routings' "
-        "families; not tried on this one); its multi-token-prediction layer (not read)",
+        not_supported="AWQ/GPTQ and FP8 checkpoints (not tested); its multi-token-prediction layer (not read)",
     ),
     "GraniteMoeForCausalLM": FamilyParts(
         "granitemoe", moe_block="block_sparse_moe", moe_module="block_sparse_moe", moe_router="router",
