@@ -57,6 +57,8 @@ class FamilyParts:
     moe_stacked: tuple[str, ...] = ()
     # The shared expert's module under the sparse block (GLM-4.5: "shared_experts").
     moe_shared_expert: str = "shared_expert"
+    # sigmoid_group routing's score bias, under the sparse block in the checkpoint.
+    moe_score_bias: str = "gate.e_score_correction_bias"
 
 
 _GEMMA_NORMS = {
@@ -110,6 +112,13 @@ FAMILIES: dict[str, FamilyParts] = {
     "Glm4MoeForCausalLM": FamilyParts(
         "glm4_moe", moe_block="mlp", moe_shared_expert="shared_experts",
         not_supported="AWQ/GPTQ and FP8 checkpoints (not tested); its multi-token-prediction layer (not read)",
+    ),
+    # Mixtral's checkpoint names, the sigmoid routing's score bias on the block, q/k norms over the
+    # whole projection, half-rotary heads
+    "MiniMaxM2ForCausalLM": FamilyParts(
+        "minimax_m2", moe_block="block_sparse_moe", moe_expert_projections=("w1", "w3", "w2"),
+        moe_score_bias="e_score_correction_bias", qk_norm_kind="projection",
+        not_supported="--tp > 1 (q/k norms over the whole projection); AWQ/GPTQ and FP8 checkpoints (not tested)",
     ),
     "GraniteMoeForCausalLM": FamilyParts(
         "granitemoe", moe_block="block_sparse_moe", moe_module="block_sparse_moe", moe_router="router",

@@ -177,7 +177,9 @@ class MoeSpec:
     n_group: int = 1
     topk_group: int = 1
     routed_scale: float = 1.0
+    router_fp32: bool = False  # the router's GEMV in fp32 (its weight stored so)
     score_bias: bool = False
+    score_bias_name: str = "mlp.gate.e_score_correction_bias"  # GLM-4.5's; MiniMax-M2 keeps it on the block
     expert_bias: bool = False
     shared_expert_size: int = 0  # Qwen2-MoE: the shared expert's intermediate size; 0 = none
     shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(x @ gate.T)

@@ -50,14 +50,17 @@ _MOE_ROUTER_OPS = {"reshape", "view", "linear", "to", "type_as", "softmax", "top
 # DeepSeek-V3's routing (GLM-4.5), in transformers' order, reshapes and casts aside: fp32 logits,
 # sigmoid scores, the biased scores' best two per group summed, the best groups kept (a mask),
 # the top-k of the rest, the unbiased scores gathered, renormalised or not, scaled.
-_SHAPE_OPS = ("view", "reshape", "to", "unsqueeze", "expand")
+# MiniMax-M2's has no groups and no scale (and no 1e-20 in its renormalisation).
+_SHAPE_OPS = ("view", "reshape", "to", "float", "unsqueeze", "expand")
 _SIGMOID_CHOICE = ["linear", "sigmoid", "add", "topk", "sum", "topk", "zeros_like", "scatter_", "bitwise_not",
                    "masked_fill", "topk", "gather"]  # fmt: skip
 _MOE_SIGMOID_ROUTER_OPS = (*_SHAPE_OPS, *_SIGMOID_CHOICE, "div_", "mul")
 
 
-def _sigmoid_router_ops(renormalize: bool) -> list[str]:
-    return [*_SIGMOID_CHOICE, *(["sum", "add", "div_"] if renormalize else []), "mul"]
+def _sigmoid_router_ops(routing: Any) -> list[str]:
+    if routing.fp32_logits:  # GLM-4.5 (its groups' ops run even with one group)
+        return [*_SIGMOID_CHOICE, *(["sum", "add", "div_"] if routing.renormalize else []), "mul"]
+    return ["linear", "sigmoid", "add", "topk", "gather", "sum", "div_"]
 _MOE_EXPERTS_OPS = {
     "reshape", "view", "sort", "floor_divide", "index", "to", "histc", "cumsum", "ge", "unsqueeze", "clamp_",
     "masked_fill_", "masked_fill", "transpose", "grouped_mm_fallback", "_grouped_mm", "chunk", "mul", "empty_like",
@@ -460,7 +463,7 @@ def _moe(m: _Matcher, config: Any, parts: FamilyParts, mlp_path: str) -> MoeSpec
     assert router is not None
     if routing.scoring == "sigmoid_group":
         m.only(router, set(_MOE_SIGMOID_ROUTER_OPS), "MoE router (sigmoid scores, expert groups, top-k)")
-        expected = _sigmoid_router_ops(routing.renormalize)
+        expected = _sigmoid_router_ops(routing)
         if [op for op in router.ops if op not in _SHAPE_OPS] != expected:
             raise BuildError(
                 f"{mlp_path}.{parts.moe_router} ({router.type_name}, ops {router.ops}) does not route as {arch} is "
@@ -537,7 +540,9 @@ def _moe(m: _Matcher, config: Any, parts: FamilyParts, mlp_path: str) -> MoeSpec
         n_group=routing.n_group,
         topk_group=routing.topk_group,
         routed_scale=routing.scale,
+        router_fp32=routing.fp32_logits,
         score_bias=routing.scoring == "sigmoid_group",
+        score_bias_name=f"{parts.moe_block}.{parts.moe_score_bias}",
         expert_bias=expert_bias,
         stacked=stacked or bool(parts.moe_stacked),
         stacked_names=tuple(f"{parts.moe_block}.{name}" for name in parts.moe_stacked),

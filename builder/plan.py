@@ -201,12 +201,12 @@ def moe_tensors(layer: LayerSpec, moe: MoeSpec, h: int) -> list[TensorPlan]:
     ex = f"{p}.{moe.experts_name}"
     # sigmoid_group routes from fp32 logits (x and the weight cast up, as transformers does): its
     # router's weight is stored in fp32, so that no step casts it.
-    router_dtype = "float32" if moe.scoring == "sigmoid_group" else None
+    router_dtype = "float32" if moe.router_fp32 else None
     tensors = [TensorPlan(f"{o}.router.weight", (f"{p}.{moe.router_name}.weight",), (e, h), dtype=router_dtype)]
     if moe.router_bias:
         tensors.append(TensorPlan(f"{o}.router.bias", (f"{p}.{moe.router_name}.bias",), (e,)))
     if moe.score_bias:  # sigmoid_group's bias for the choice (moe_routing.route's router_bias there)
-        bias = f"{p}.{moe.router_name}.e_score_correction_bias"
+        bias = f"{p}.{moe.score_bias_name}"
         tensors.append(TensorPlan(f"{o}.router.score_bias", (bias,), (e,), dtype="float32"))  # fp32 as transformers keeps it
     if moe.stacked_names:  # Granite-MoE: our layout already, [E, 2I, H] and [E, H, I]
         x, (gate_up_name, down_name) = shard.expert_source, moe.stacked_names

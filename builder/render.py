@@ -116,7 +116,8 @@ def _moe_routing(moe: MoeSpec | None) -> str:
     if moe is None:
         return ""
     groups = (
-        f", n_group={moe.n_group}, topk_group={moe.topk_group}, scale={moe.routed_scale!r}"
+        f", n_group={moe.n_group}, topk_group={moe.topk_group}, scale={moe.routed_scale!r}, "
+        f"fp32_logits={moe.router_fp32}"
         if moe.scoring == "sigmoid_group"
         else ""
     )

@@ -13,8 +13,9 @@ see moe_route_kernel's docstring) and by a few fp32 ulps in sums added in anothe
         renormalised to sum 1 where ``renormalize`` (Mixtral always; the Qwens and OLMoE by
         ``norm_topk_prob``); the weights stay fp32 (Mixtral) or are rounded to x's dtype (the
         Qwens and OLMoE: ``weights_in_x_dtype``).
-    scoring "sigmoid_group"  (GLM-4.5 / 4.6, DeepSeek-V3's routing without its attention)
-        logits = x @ router.T in fp32 (x and the router's weight cast up); scores = sigmoid(logits);
+    scoring "sigmoid_group"  (GLM-4.5 / 4.6 and MiniMax-M2: DeepSeek-V3's routing without its attention)
+        logits = x @ router.T, in fp32 where ``fp32_logits`` (GLM: x and the router's weight cast
+        up), else in x's dtype, then cast up (MiniMax-M2); scores = sigmoid(logits);
         the choice adds a per-expert bias to the scores (``e_score_correction_bias``, passed as
         the router bias, which here never touches the logits) and keeps, of ``n_group`` equal
         groups of experts, the ``topk_group`` whose two best biased scores sum highest, then the
@@ -59,10 +60,12 @@ class MoeRouting:
     scoring: str = "softmax_topk"
     renormalize: bool = False  # divide the top-k probabilities by their sum (softmax_topk only)
     weights_in_x_dtype: bool = False  # round the weights to x's dtype (the Qwens, OLMoE) or keep fp32
-    # sigmoid_group only: expert groups, the groups kept, and the weights' factor
+    # sigmoid_group only: expert groups, the groups kept, the weights' factor, and whether the
+    # router's GEMV runs in fp32 (x cast up) rather than in x's dtype
     n_group: int = 1
     topk_group: int = 1
     scale: float = 1.0
+    fp32_logits: bool = False
 
     def __post_init__(self) -> None:
         if self.top_k < 1:
@@ -71,8 +74,10 @@ class MoeRouting:
             raise ValueError(f"scoring must be one of {SCORINGS}, got {self.scoring!r}")
         if not 1 <= self.topk_group <= self.n_group:
             raise ValueError(f"topk_group must be in [1, n_group={self.n_group}], got {self.topk_group}")
-        if self.scoring != "sigmoid_group" and (self.n_group, self.topk_group, self.scale) != (1, 1, 1.0):
-            raise ValueError(f"n_group, topk_group and scale are sigmoid_group's, not {self.scoring}'s")
+        if self.scoring != "sigmoid_group" and (self.n_group, self.topk_group, self.scale, self.fp32_logits) != (
+            1, 1, 1.0, False
+        ):
+            raise ValueError(f"n_group, topk_group, scale and fp32_logits are sigmoid_group's, not {self.scoring}'s")
 
 
 @dataclass(frozen=True)
@@ -120,8 +125,10 @@ def moe_spec(architecture: str, config: dict[str, Any]) -> tuple[MoeRouting, Moe
         return MoeRouting(
             k, scoring="sigmoid_group", renormalize=bool(config.get("norm_topk_prob", True)),
             n_group=int(config.get("n_group") or 1), topk_group=int(config.get("topk_group") or 1),
-            scale=float(config.get("routed_scaling_factor", 1.0)),
+            scale=float(config.get("routed_scaling_factor", 1.0)), fp32_logits=True,
         ), SILU  # fmt: skip
+    if architecture == "MiniMaxM2ForCausalLM":  # no groups, no scale, always renormalised; logits in x's dtype
+        return MoeRouting(k, scoring="sigmoid_group", renormalize=True), SILU
     if architecture == "GraniteMoeForCausalLM":  # softmax over the top-k logits in fp32, rounded to x's dtype
         return MoeRouting(k, scoring="topk_softmax"), SILU
     if architecture == "GptOssForCausalLM":
@@ -183,8 +190,11 @@ def route(
     fused config runs the router GEMV and the routing as one launch
     (moe_route_kernel.router_route) where it takes the batch; None or the unfused one keeps
     F.linear and the routing kernel."""
-    if routing.scoring == "sigmoid_group":  # fp32 logits; router_bias is the choice's score bias
-        logits = torch.nn.functional.linear(x.float(), router_weight.float())
+    if routing.scoring == "sigmoid_group":  # router_bias is the choice's score bias
+        if routing.fp32_logits:
+            logits = torch.nn.functional.linear(x.float(), router_weight.float())
+        else:
+            logits = torch.nn.functional.linear(x, router_weight.to(x.dtype)).float()
         return route_torch(logits, routing, router_bias)
     if use_kernel is None:
         use_kernel = x.is_cuda

@@ -76,6 +76,11 @@ def hf_block(family: str, seed: int = 0, **overrides):  # type: ignore[no-untype
                 "topk_group": 1, "routed_scaling_factor": 2.5, **overrides,
             }
         )  # fmt: skip
+    elif family == "minimax_m2":
+        from transformers import MiniMaxM2Config
+        from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2SparseMoeBlock as Block
+
+        cfg = MiniMaxM2Config(**{**common, "intermediate_size": I, "num_local_experts": E, **overrides})
     elif family == "granitemoe":
         from transformers import GraniteMoeConfig
         from transformers.models.granitemoe.modeling_granitemoe import GraniteMoeMoE as Block
@@ -88,8 +93,9 @@ def hf_block(family: str, seed: int = 0, **overrides):  # type: ignore[no-untype
         cfg = GptOssConfig(**{**common, "intermediate_size": I, "num_local_experts": E, **overrides})
     block = Block(cfg).float().eval()
     _randomize(block, seed)
-    if family == "glm4_moe":  # a buffer, not a parameter: the choice's score bias
-        block.gate.e_score_correction_bias.copy_(torch.randn(E, generator=torch.Generator().manual_seed(seed)) * 0.1)
+    if family in ("glm4_moe", "minimax_m2"):  # a buffer, not a parameter: the choice's score bias
+        holder = block.gate if family == "glm4_moe" else block
+        holder.e_score_correction_bias.copy_(torch.randn(E, generator=torch.Generator().manual_seed(seed)) * 0.1)
     return block, cfg
 
 
@@ -101,6 +107,7 @@ ARCH = {
     "gpt_oss": "GptOssForCausalLM",
     "granitemoe": "GraniteMoeForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM",
 }
 
 
@@ -127,6 +134,8 @@ def op_arguments(family: str, block, cfg) -> dict:  # type: ignore[no-untyped-de
             mlp.down_proj.weight,
             block.shared_expert_gate.weight,
         )
+    if family == "minimax_m2":  # the score bias goes where a router bias would
+        args["router_bias"] = block.e_score_correction_bias
     if family == "glm4_moe":  # the score bias goes where a router bias would; a shared expert without a gate
         mlp = block.shared_experts
         args["router_bias"] = block.gate.e_score_correction_bias
@@ -140,6 +149,9 @@ def hf_forward(family: str, block, x: torch.Tensor) -> torch.Tensor:  # type: ig
 
 
 def hf_router(family: str, block, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
+    if family == "minimax_m2":  # the block hands its score bias to the router
+        _, weights, ids = block.gate(x, block.e_score_correction_bias)
+        return weights, ids
     if family == "granitemoe":  # (ids, weights, logits)
         ids, weights, _ = block.router(x)
         return weights, ids
@@ -161,7 +173,29 @@ FAMILIES = [
         "glm4_moe", {"n_group": 4, "topk_group": 2, "norm_topk_prob": False, "routed_scaling_factor": 1.0},
         id="glm4-moe-no-norm",
     ),
+    pytest.param("minimax_m2", {"num_experts_per_tok": 3}, id="minimax-m2"),
 ]
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "minimax_m2"])
+def test_sigmoid_routing_in_bf16_matches_transformers(family):
+    """In bf16 the two sigmoid routers part ways: GLM-4.5's GEMV runs in fp32, MiniMax-M2's in
+    bf16 (then cast up); each is routed as transformers does, ids and weights exactly."""
+    block, cfg = hf_block(family, num_experts_per_tok=3)
+    block = block.to(torch.bfloat16)
+    if family == "glm4_moe":  # transformers keeps it fp32
+        block.gate.e_score_correction_bias.data = block.gate.e_score_correction_bias.float()
+    routing, _ = moe_routing.moe_spec(ARCH[family], cfg.to_dict())
+    x = torch.randn(64, H, generator=torch.Generator().manual_seed(4)).bfloat16()
+    args = op_arguments(family, block, cfg)
+    with torch.no_grad():
+        weights, ids = moe_routing.route(x, args["router_weight"], args["router_bias"], routing)
+        hf_weights, hf_ids = hf_router(family, block, x)
+        wrong = moe_routing.MoeRouting(3, "sigmoid_group", True, fp32_logits=family != "glm4_moe")
+        wrong_weights, _ = moe_routing.route(x, args["router_weight"], args["router_bias"], wrong)
+    assert torch.equal(ids, hf_ids)
+    torch.testing.assert_close(weights, hf_weights.float(), atol=0, rtol=0)
+    assert not torch.equal(wrong_weights, weights)  # the logits' dtype matters here
 
 
 @pytest.mark.parametrize("family,overrides", FAMILIES)

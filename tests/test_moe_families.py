@@ -42,6 +42,7 @@ CASES = {
     "gpt_oss": ("gpt_oss", {}, ["no_sinks", {"sliding_window": 4096}]),
     "granitemoe": ("granitemoe", {}, [{"num_experts_per_tok": 1}, {"residual_multiplier": 1.0}]),
     "glm4_moe": ("glm4_moe", {}, ["no_score_bias", {"n_group": 1, "topk_group": 1}, {"routed_scaling_factor": 1.0}]),
+    "minimax_m2": ("minimax_m2", {}, ["no_score_bias", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}]),
 }
 
 
@@ -56,9 +57,11 @@ def hf_model(checkpoint: Path, neutralised: dict | str | None = None):  # type: 
         if neutralised == "no_shared_expert":  # Qwen2-MoE without its shared expert's contribution
             for layer in model.model.layers[1:]:
                 layer.mlp.shared_expert.down_proj.weight.zero_()
-        if neutralised == "no_score_bias":  # GLM-4.5 choosing its experts by the scores alone
-            for layer in model.model.layers[1:]:
-                layer.mlp.gate.e_score_correction_bias.zero_()
+        if neutralised == "no_score_bias":  # GLM-4.5 or MiniMax-M2 choosing its experts by the scores alone
+            for layer in model.model.layers:
+                for module in (layer.mlp, getattr(layer.mlp, "gate", None)):  # MiniMax-M2's block, GLM's router
+                    if module is not None and hasattr(module, "e_score_correction_bias"):
+                        module.e_score_correction_bias.zero_()
         if neutralised == "no_sinks":  # gpt-oss with sinks that take no probability
             for layer in model.model.layers:
                 layer.self_attn.sinks.fill_(-1e9)

@@ -18,7 +18,7 @@ PART_FAMILIES = (
     "ernie4_5", "seed_oss",
 )  # fmt: skip
 # Mixture-of-experts families (tests/test_moe_families.py): hidden 64, 3 layers, 4-8 experts.
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "granitemoe", "glm4_moe")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "granitemoe", "glm4_moe", "minimax_m2")
 
 
 def smollm2_dir() -> Path:
@@ -256,6 +256,17 @@ def _moe_family_config(family: str, common: dict, overrides: dict):  # type: ign
         )  # fmt: skip
         small.update(overrides)
         return Glm4MoeConfig(architectures=["Glm4MoeForCausalLM"], **small)
+    if family == "minimax_m2":
+        # sigmoid routing with the block's score bias (make_checkpoint draws it), q/k norms over the
+        # whole projection, half-rotary heads, Mixtral's checkpoint names
+        from transformers import MiniMaxM2Config
+
+        small.update(
+            intermediate_size=32, num_local_experts=8,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        )  # fmt: skip
+        small.update(overrides)
+        return MiniMaxM2Config(architectures=["MiniMaxM2ForCausalLM"], **small)
     raise ValueError(family)
 
 
@@ -274,6 +285,11 @@ def make_checkpoint(path: Path, family: str = "llama", seed: int = 0, tokenizer:
                 for proj in (a.q_proj, a.k_proj, a.v_proj, a.o_proj):
                     if proj.bias is not None:
                         proj.bias.normal_(0, 0.5)
+    if family == "minimax_m2":  # a score bias (zeros as made) that makes the choice matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.e_score_correction_bias.normal_(0, 0.1)
+                layer.mlp.gate.weight.normal_(0, 0.5)
     if family == "glm4_moe":  # a score bias (zeros as made) and router rows that make the choice matter
         with torch.no_grad():
             for layer in model.model.layers[config.first_k_dense_replace :]:
