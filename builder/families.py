@@ -103,7 +103,6 @@ FAMILIES: dict[str, FamilyParts] = {
     "Olmo2ForCausalLM": FamilyParts(
         "olmo2",
         qk_norm_kind="projection",
-        not_supported="--tp > 1 (q/k norms over the whole projection)",
         **_POST_NORMS,  # type: ignore[arg-type]
     ),
     "GraniteForCausalLM": FamilyParts("granite"),
@@ -118,7 +117,7 @@ FAMILIES: dict[str, FamilyParts] = {
     "MiniMaxM2ForCausalLM": FamilyParts(
         "minimax_m2", moe_block="block_sparse_moe", moe_expert_projections=("w1", "w3", "w2"),
         moe_score_bias="e_score_correction_bias", qk_norm_kind="projection",
-        not_supported="--tp > 1 (q/k norms over the whole projection); AWQ/GPTQ and FP8 checkpoints (not tested)",
+        not_supported="AWQ/GPTQ and FP8 checkpoints (not tested)",
     ),
     "GraniteMoeForCausalLM": FamilyParts(
         "granitemoe", moe_block="block_sparse_moe", moe_module="block_sparse_moe", moe_router="router",
@@ -135,7 +134,6 @@ FAMILIES: dict[str, FamilyParts] = {
     "Qwen3MoeForCausalLM": FamilyParts("qwen3_moe", moe_block="mlp"),
     "OlmoeForCausalLM": FamilyParts(
         "olmoe", moe_block="mlp", qk_norm_kind="projection",
-        not_supported="--tp > 1 (q/k norms over the whole projection)",
     ),  # fmt: skip
     "SmolLM3ForCausalLM": FamilyParts("smollm3", window_source="layer"),
     "GemmaForCausalLM": FamilyParts("gemma"),
@@ -143,7 +141,6 @@ FAMILIES: dict[str, FamilyParts] = {
         "olmo3",
         qk_norm_kind="projection",
         window_source="layer",
-        not_supported="--tp > 1 (q/k norms over the whole projection)",
         **_POST_NORMS,  # type: ignore[arg-type]
     ),
     # RoPE on adjacent pairs of dims (lower sets RopeSpec.interleaved; the build reorders q/k rows).

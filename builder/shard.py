@@ -72,11 +72,6 @@ def plan_layout(model: ModelIR, tp: int) -> ShardLayout:
     a, inter = model.attention, model.mlp.intermediate_size
     if tp < 1:
         raise BuildError(f"--tp {tp}: the tensor-parallel degree must be at least 1")
-    if tp > 1 and a.qk_norm_kind == "projection":
-        raise BuildError(
-            f"--tp {tp}: {model.architecture} normalises q and k over the whole projection, which needs every "
-            f"head on one rank; build it with --tp 1"
-        )
     if a.num_heads % tp:
         raise BuildError(
             f"--tp {tp} cannot split this model's {a.num_heads} query heads ({a.num_kv_heads} KV heads): "
@@ -109,16 +104,23 @@ def plan_layout(model: ModelIR, tp: int) -> ShardLayout:
     )
 
 
-def _source_cuts(name: str, t: TensorPlan, rank: int, layout: ShardLayout, num_kv_heads: int) -> tuple[Cut, ...]:
-    """One cut per source of tensor ``name`` for ``rank``."""
+def _source_cuts(
+    name: str, t: TensorPlan, rank: int, layout: ShardLayout, num_kv_heads: int, projection_norms: bool = False
+) -> tuple[Cut, ...]:
+    """One cut per source of tensor ``name`` for ``rank``. ``projection_norms``: the q/k norms'
+    weights span the whole projections (OLMo 2, MiniMax-M2), so they are cut with the heads."""
     tp = layout.tp
     whole: tuple[Cut, ...] = (None,) * len(t.sources)
     if tp == 1:
         return whole
     leaf = name.split(".", 2)[-1] if name.startswith("layers.") else name
+    kv: Cut = (0, rank, tp) if layout.kv_head_replicas == 1 else (0, rank // layout.kv_head_replicas, num_kv_heads)
     if leaf in ("qkv_proj.weight", "qkv_proj.bias"):
-        kv: Cut = (0, rank, tp) if layout.kv_head_replicas == 1 else (0, rank // layout.kv_head_replicas, num_kv_heads)
         return ((0, rank, tp), kv, kv)
+    if projection_norms and leaf == "q_norm.weight":
+        return ((0, rank, tp),)
+    if projection_norms and leaf == "k_norm.weight":
+        return (kv,)
     if leaf in ("gate_up_proj.weight", "gate_up_proj.bias", "shared_expert.gate_up_proj.weight", "experts.gate_up"):
         return ((0, rank, tp),) * len(t.sources)  # each (expert's) gate and up rows
     if leaf == "experts.down":
@@ -150,6 +152,8 @@ def _shard_shape(t: TensorPlan, cuts: tuple[Cut, ...], layout: ShardLayout, mode
         return (t.shape[0], t.shape[1] // layout.tp)
     if t.name.split(".", 2)[-1].startswith("qkv_proj"):
         return ((layout.num_heads + 2 * layout.num_kv_heads) * model.attention.head_dim, *t.shape[1:])
+    if t.name.split(".", 2)[-1] == "k_norm.weight":  # a projection's: its rank's (possibly replicated) heads
+        return (layout.num_kv_heads * model.attention.head_dim,)
     return (t.shape[0] // layout.tp, *t.shape[1:])  # gate_up: both halves split alike
 
 
@@ -158,9 +162,11 @@ def shard_tensors(tensors: list[TensorPlan], model: ModelIR, layout: ShardLayout
     if layout.tp == 1:
         return list(tensors)
     out = []
+    a = model.attention
+    projection_norms = bool(a.qk_norm and a.qk_norm_kind == "projection")
     for rank in range(layout.tp):
         for t in tensors:
-            cuts = _source_cuts(t.name, t, rank, layout, model.attention.num_kv_heads)
+            cuts = _source_cuts(t.name, t, rank, layout, a.num_kv_heads, projection_norms)
             out.append(dataclasses.replace(t, rank=rank, shape=_shard_shape(t, cuts, layout, model), source_cuts=cuts))
     return out
 

@@ -189,6 +189,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out.view(x.shape)  # type: ignore[no-any-return]
 
 
+def sharded_projection_norms(
+    q: torch.Tensor, k: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float,
+    q_width: int, k_width: int, kv_head_replicas: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``rms_norm`` of q and of k over their whole projections (``q_width`` and ``k_width`` wide)
+    when this rank holds only its heads' columns (q [T, q_width / tp], k [T, its KV heads], norm
+    weights cut alike): each row's sums of squares are summed over the ranks in one all-reduce,
+    a KV head held by ``kv_head_replicas`` ranks counted once. Torch ops on every device: two
+    small row-wise passes and a [T, 2] all-reduce a layer."""
+    qf, kf = q.float(), k.float()
+    sums = torch.stack((qf.pow(2).sum(-1), kf.pow(2).sum(-1) / kv_head_replicas), dim=-1)
+    all_reduce(sums)
+    q = q_norm * (qf * torch.rsqrt(sums[:, :1] / q_width + eps)).to(q.dtype)
+    k = k_norm * (kf * torch.rsqrt(sums[:, 1:] / k_width + eps)).to(k.dtype)
+    return q, k
+
+
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
