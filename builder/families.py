@@ -112,6 +112,24 @@ FAMILIES: dict[str, FamilyParts] = {
         "glm4_moe", moe_block="mlp", moe_shared_expert="shared_experts",
         not_supported="AWQ/GPTQ and FP8 checkpoints (not tested); its multi-token-prediction layer (not read)",
     ),
+    # DeepSeek-V3's routing, as GLM-4.5's, with Qwen3's attention (per-head q/k norms, windows on the
+    # layers layer_types names)
+    "Dots1ForCausalLM": FamilyParts(
+        "dots1", moe_block="mlp", moe_shared_expert="shared_experts", window_source="layer",
+        not_supported="AWQ/GPTQ and FP8 checkpoints (not tested)",
+    ),
+    # EXAONE 4.0's attention (per-head q/k norms, windows on the layers layer_types names and no RoPE
+    # on the others) in pre-norm layers, DeepSeek-V3's routing (the score bias on the block in the
+    # checkpoint), dense and sparse layers by mlp_layer_types
+    "ExaoneMoeForCausalLM": FamilyParts(
+        "exaone_moe", moe_block="mlp", moe_shared_expert="shared_experts", moe_score_bias="e_score_correction_bias",
+        window_source="layer_types", not_supported="AWQ/GPTQ and FP8 checkpoints (not tested)",
+    ),
+    # Llama's attention, DeepSeek-V3's routing
+    "SolarOpenForCausalLM": FamilyParts(
+        "solar_open", moe_block="mlp", moe_shared_expert="shared_experts",
+        not_supported="AWQ/GPTQ and FP8 checkpoints (not tested)",
+    ),
     # Mixtral's checkpoint names, the sigmoid routing's score bias on the block, q/k norms over the
     # whole projection, half-rotary heads
     "MiniMaxM2ForCausalLM": FamilyParts(

@@ -48,6 +48,8 @@ from typing import Any
 import torch
 
 SCORINGS = ("softmax_topk", "topk_softmax", "sigmoid_group")
+# Families whose router is DeepSeek-V3's (sigmoid_group with fp32 logits), attention aside
+DEEPSEEK_ROUTED = ("Glm4MoeForCausalLM", "Dots1ForCausalLM", "ExaoneMoeForCausalLM", "SolarOpenForCausalLM")
 KERNEL_SCORINGS = ("softmax_topk", "topk_softmax")  # what kernels/moe_route_kernel.py routes
 ACTIVATIONS = ("silu", "swiglu_oai")
 
@@ -121,7 +123,7 @@ def moe_spec(architecture: str, config: dict[str, Any]) -> tuple[MoeRouting, Moe
         return MoeRouting(
             k, renormalize=bool(config.get("norm_topk_prob", False)), weights_in_x_dtype=True
         ), SILU
-    if architecture == "Glm4MoeForCausalLM":
+    if architecture in DEEPSEEK_ROUTED:
         return MoeRouting(
             k, scoring="sigmoid_group", renormalize=bool(config.get("norm_topk_prob", True)),
             n_group=int(config.get("n_group") or 1), topk_group=int(config.get("topk_group") or 1),
@@ -145,10 +147,11 @@ def num_experts(config: dict[str, Any]) -> int:
 
 
 def shared_expert_size(architecture: str, config: dict[str, Any]) -> int:
-    """The shared expert's intermediate size (0: none): Qwen2-MoE's own field; GLM-4.5's
-    ``n_shared_experts`` experts' worth, run as one MLP."""
-    if architecture == "Glm4MoeForCausalLM":
-        return int(config.get("moe_intermediate_size") or 0) * int(config.get("n_shared_experts") or 0)
+    """The shared expert's intermediate size (0: none): Qwen2-MoE's own field; the DeepSeek-routed
+    families' ``n_shared_experts`` (EXAONE-MoE: ``num_shared_experts``) experts' worth, run as one MLP."""
+    if architecture in DEEPSEEK_ROUTED:
+        shared = config.get("n_shared_experts") or config.get("num_shared_experts") or 0
+        return int(config.get("moe_intermediate_size") or 0) * int(shared)
     return int(config.get("shared_expert_intermediate_size") or 0)
 
 
@@ -160,7 +163,9 @@ def is_moe_layer(architecture: str, config: dict[str, Any], layer: int) -> bool:
         step = int(config.get("decoder_sparse_step", 1))
         dense = layer in (config.get("mlp_only_layers") or []) or num_experts(config) <= 0
         return not dense and (layer + 1) % step == 0
-    if architecture == "Glm4MoeForCausalLM":  # dense MLPs in the first first_k_dense_replace layers
+    if architecture in DEEPSEEK_ROUTED:  # dense MLPs in the first first_k_dense_replace layers
+        if config.get("mlp_layer_types"):  # EXAONE-MoE names each layer's
+            return config["mlp_layer_types"][layer] == "sparse"
         return layer >= int(config.get("first_k_dense_replace") or 0)
     moe_spec(architecture, config)  # refuses other architectures
     return True

@@ -42,6 +42,10 @@ CASES = {
     "gpt_oss": ("gpt_oss", {}, ["no_sinks", {"sliding_window": 4096}]),
     "granitemoe": ("granitemoe", {}, [{"num_experts_per_tok": 1}, {"residual_multiplier": 1.0}]),
     "glm4_moe": ("glm4_moe", {}, ["no_score_bias", {"n_group": 1, "topk_group": 1}, {"routed_scaling_factor": 1.0}]),
+    # DeepSeek-V3's routing with other families' attention (the windows and dense first layers too)
+    "dots1": ("dots1", {}, ["no_score_bias", {"sliding_window": 4096}]),
+    "exaone_moe": ("exaone_moe", {}, ["no_score_bias", {"sliding_window": 4096}]),
+    "solar_open": ("solar_open", {}, ["no_score_bias", {"n_group": 1, "topk_group": 1}]),
     "minimax_m2": ("minimax_m2", {}, ["no_score_bias", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}]),
 }
 

@@ -19,6 +19,9 @@ PART_FAMILIES = (
 )  # fmt: skip
 # Mixture-of-experts families (tests/test_moe_families.py): hidden 64, 3 layers, 4-8 experts.
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "granitemoe", "glm4_moe", "minimax_m2")
+# GLM-4.5's routing with other families' attention: checked against transformers through LLM only
+# (test_moe_families.py's CASES), as the serving path is GLM-4.5's
+DEEPSEEK_ROUTED_FAMILIES = ("dots1", "exaone_moe", "solar_open")
 
 
 def smollm2_dir() -> Path:
@@ -58,7 +61,7 @@ def tiny_config(family: str, **overrides):  # type: ignore[no-untyped-def]
     )
     if family in PART_FAMILIES:
         return _part_family_config(family, common, overrides)
-    if family in MOE_FAMILIES:
+    if family in MOE_FAMILIES + DEEPSEEK_ROUTED_FAMILIES:
         return _moe_family_config(family, common, overrides)
     common.update(overrides)
     if family == "llama":
@@ -256,6 +259,27 @@ def _moe_family_config(family: str, common: dict, overrides: dict):  # type: ign
         )  # fmt: skip
         small.update(overrides)
         return Glm4MoeConfig(architectures=["Glm4MoeForCausalLM"], **small)
+    if family in ("dots1", "exaone_moe", "solar_open"):
+        # DeepSeek-V3's routing in GLM-4.5's settings (2 groups of 4 experts, 1 kept, score bias,
+        # renormalised and scaled), a shared expert; dots.llm1 and EXAONE-MoE with a dense first layer
+        # and 8-token windows on alternate layers (EXAONE-MoE: no RoPE on its full-attention layer)
+        import transformers
+
+        small.update(
+            moe_intermediate_size=32, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        )  # fmt: skip
+        if family == "exaone_moe":
+            small.update(num_experts=8, num_shared_experts=1, mlp_layer_types=["dense", "sparse", "sparse"])
+        else:
+            small.update(n_routed_experts=8, n_shared_experts=1)
+        if family != "solar_open":
+            small.update(
+                first_k_dense_replace=1, sliding_window=8,
+                layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            )  # fmt: skip
+        small.update(overrides)
+        name = {"dots1": "Dots1", "exaone_moe": "ExaoneMoe", "solar_open": "SolarOpen"}[family]
+        return getattr(transformers, f"{name}Config")(architectures=[f"{name}ForCausalLM"], **small)
     if family == "minimax_m2":
         # sigmoid routing with the block's score bias (make_checkpoint draws it), q/k norms over the
         # whole projection, half-rotary heads, Mixtral's checkpoint names
@@ -290,11 +314,12 @@ def make_checkpoint(path: Path, family: str = "llama", seed: int = 0, tokenizer:
             for layer in model.model.layers:
                 layer.mlp.e_score_correction_bias.normal_(0, 0.1)
                 layer.mlp.gate.weight.normal_(0, 0.5)
-    if family == "glm4_moe":  # a score bias (zeros as made) and router rows that make the choice matter
-        with torch.no_grad():
-            for layer in model.model.layers[config.first_k_dense_replace :]:
-                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
-                layer.mlp.gate.weight.normal_(0, 0.5)
+    if family in ("glm4_moe", "dots1", "exaone_moe", "solar_open"):  # a score bias (zeros as made) and
+        with torch.no_grad():  # router rows that make the choice matter
+            for layer in model.model.layers:
+                if hasattr(layer.mlp, "gate") and hasattr(layer.mlp.gate, "e_score_correction_bias"):
+                    layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+                    layer.mlp.gate.weight.normal_(0, 0.5)
     if family == "gpt_oss":  # gate/up values past the SwiGLU's limit of 7, and biases and sinks that matter
         with torch.no_grad():
             for layer in model.model.layers:
