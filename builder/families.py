@@ -130,6 +130,13 @@ FAMILIES: dict[str, FamilyParts] = {
         "solar_open", moe_block="mlp", moe_shared_expert="shared_experts",
         not_supported="AWQ/GPTQ and FP8 checkpoints (not tested)",
     ),
+    # ERNIE 4.5's dense parts (RoPE on adjacent pairs) with MoE layers from moe_layer_start_index,
+    # routed by softmax with a score bias for the choice (moe_statics), and shared experts
+    "Ernie4_5_MoeForCausalLM": FamilyParts(
+        "ernie4_5_moe", moe_block="mlp", moe_shared_expert="shared_experts",
+        moe_score_bias="moe_statics.e_score_correction_bias",
+        not_supported="AWQ/GPTQ/FP8 (RoPE on adjacent pairs); the vision-language model (Ernie4_5_VLMoe)",
+    ),
     # Mixtral's checkpoint names, the sigmoid routing's score bias on the block, q/k norms over the
     # whole projection, half-rotary heads
     "MiniMaxM2ForCausalLM": FamilyParts(

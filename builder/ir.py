@@ -178,6 +178,7 @@ class MoeSpec:
     topk_group: int = 1
     routed_scale: float = 1.0
     router_fp32: bool = False  # the router's GEMV in fp32 (its weight stored so)
+    norm_min: float = 0.0  # softmax_bias (ERNIE 4.5): the renormalisation's least denominator
     score_bias: bool = False
     score_bias_name: str = "mlp.gate.e_score_correction_bias"  # GLM-4.5's; MiniMax-M2 keeps it on the block
     expert_bias: bool = False

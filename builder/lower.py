@@ -45,7 +45,7 @@ _SINK_ATTENTION_OPS = {
 # A sparse-MoE block (transformers 5): the block reshapes and, with a shared expert, gates and adds
 # it; the router scores, takes the top k and may renormalise; the experts module sorts the
 # (token, expert) pairs, runs a grouped GEMM per projection and sums each token's rows.
-_MOE_BLOCK_OPS = {"view", "reshape", "sigmoid", "mul", "add"}
+_MOE_BLOCK_OPS = {"view", "reshape", "to", "sigmoid", "mul", "add"}  # to: ERNIE 4.5's cast back to x's dtype
 _MOE_ROUTER_OPS = {"reshape", "view", "linear", "to", "type_as", "softmax", "topk", "sum", "div", "div_"}
 # DeepSeek-V3's routing (GLM-4.5), in transformers' order, reshapes and casts aside: fp32 logits,
 # sigmoid scores, the biased scores' best two per group summed, the best groups kept (a mask),
@@ -55,6 +55,11 @@ _SHAPE_OPS = ("view", "reshape", "to", "float", "unsqueeze", "expand")
 _SIGMOID_CHOICE = ["linear", "sigmoid", "add", "topk", "sum", "topk", "zeros_like", "scatter_", "bitwise_not",
                    "masked_fill", "topk", "gather"]  # fmt: skip
 _MOE_SIGMOID_ROUTER_OPS = (*_SHAPE_OPS, *_SIGMOID_CHOICE, "div_", "mul")
+
+
+# ERNIE 4.5's: fp32 logits, softmax, the top-k of the biased probabilities (moe_statics adds the
+# bias), the unbiased ones gathered and renormalised (the sum clamped below).
+_SOFTMAX_BIAS_ROUTER_OPS = ["linear", "softmax", "topk", "gather", "sum", "clamp", "div"]
 
 
 def _sigmoid_router_ops(routing: Any) -> list[str]:
@@ -461,7 +466,16 @@ def _moe(m: _Matcher, config: Any, parts: FamilyParts, mlp_path: str) -> MoeSpec
     routing, act = moe_spec(arch, config.to_dict())
     router = m.take(f"{mlp_path}.{parts.moe_router}", "MoE router")
     assert router is not None
-    if routing.scoring == "sigmoid_group":
+    if routing.scoring == "softmax_bias":  # ERNIE 4.5: its score bias added in a child module
+        statics = m.take(f"{mlp_path}.{parts.moe_router}.moe_statics", "MoE router's score bias")
+        core = [op for op in router.ops if op not in _SHAPE_OPS]
+        if statics is None or statics.ops != ["squeeze", "add"] or core != _SOFTMAX_BIAS_ROUTER_OPS:
+            raise BuildError(
+                f"{mlp_path}.{parts.moe_router} ({router.type_name}, ops {router.ops}) does not route as {arch} is "
+                f"expected to (fp32 softmax, a biased top-{routing.top_k} choice, renormalised: ops "
+                f"{_SOFTMAX_BIAS_ROUTER_OPS} and a moe_statics module adding the bias); not supported"
+            )
+    elif routing.scoring == "sigmoid_group":
         m.only(router, set(_MOE_SIGMOID_ROUTER_OPS), "MoE router (sigmoid scores, expert groups, top-k)")
         expected = _sigmoid_router_ops(routing)
         if [op for op in router.ops if op not in _SHAPE_OPS] != expected:
@@ -523,8 +537,8 @@ def _moe(m: _Matcher, config: Any, parts: FamilyParts, mlp_path: str) -> MoeSpec
             shared_gate = True
         if block.ops.count("add") != 1 or block.ops.count("sigmoid") != int(shared_gate):
             raise _unsupported(block, "add", "MoE block (experts plus an optionally gated shared expert)")
-    elif set(block.ops) - {"view", "reshape"}:
-        raise _unsupported(block, next(op for op in block.ops if op not in ("view", "reshape")), "MoE block")
+    elif set(block.ops) - {"view", "reshape", "to"}:
+        raise _unsupported(block, next(op for op in block.ops if op not in ("view", "reshape", "to")), "MoE block")
     inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
     return MoeSpec(
         num_experts=num_experts(config.to_dict()),
@@ -541,7 +555,8 @@ def _moe(m: _Matcher, config: Any, parts: FamilyParts, mlp_path: str) -> MoeSpec
         topk_group=routing.topk_group,
         routed_scale=routing.scale,
         router_fp32=routing.fp32_logits,
-        score_bias=routing.scoring == "sigmoid_group",
+        norm_min=routing.norm_min,
+        score_bias=routing.scoring in ("sigmoid_group", "softmax_bias"),
         score_bias_name=f"{parts.moe_block}.{parts.moe_score_bias}",
         expert_bias=expert_bias,
         stacked=stacked or bool(parts.moe_stacked),

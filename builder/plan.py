@@ -207,7 +207,8 @@ def moe_tensors(layer: LayerSpec, moe: MoeSpec, h: int) -> list[TensorPlan]:
         tensors.append(TensorPlan(f"{o}.router.bias", (f"{p}.{moe.router_name}.bias",), (e,)))
     if moe.score_bias:  # sigmoid_group's bias for the choice (moe_routing.route's router_bias there)
         bias = f"{p}.{moe.score_bias_name}"
-        tensors.append(TensorPlan(f"{o}.router.score_bias", (bias,), (e,), dtype="float32"))  # fp32 as transformers keeps it
+        shape = (1, e) if moe.scoring == "softmax_bias" else (e,)  # ERNIE 4.5 keeps it [1, E]
+        tensors.append(TensorPlan(f"{o}.router.score_bias", (bias,), shape, dtype="float32"))  # fp32 as transformers keeps it
     if moe.stacked_names:  # Granite-MoE: our layout already, [E, 2I, H] and [E, H, I]
         x, (gate_up_name, down_name) = shard.expert_source, moe.stacked_names
         gu = f"{p}.{gate_up_name}.weight"

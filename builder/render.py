@@ -118,12 +118,14 @@ def render_model(state: BuildState, rank: int = 0) -> str:
 def _moe_routing(moe: MoeSpec | None) -> str:
     if moe is None:
         return ""
-    groups = (
-        f", n_group={moe.n_group}, topk_group={moe.topk_group}, scale={moe.routed_scale!r}, "
-        f"fp32_logits={moe.router_fp32}"
-        if moe.scoring == "sigmoid_group"
-        else ""
-    )
+    groups = ""
+    if moe.scoring == "sigmoid_group":
+        groups = (
+            f", n_group={moe.n_group}, topk_group={moe.topk_group}, scale={moe.routed_scale!r}, "
+            f"fp32_logits={moe.router_fp32}"
+        )
+    elif moe.scoring == "softmax_bias":
+        groups = f", fp32_logits={moe.router_fp32}, norm_min={moe.norm_min!r}"
     return (
         f"MoeRouting(top_k={moe.top_k}, scoring={moe.scoring!r}, renormalize={moe.renormalize}, "
         f"weights_in_x_dtype={moe.weights_in_x_dtype}{groups})"

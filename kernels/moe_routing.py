@@ -23,6 +23,11 @@ see moe_route_kernel's docstring) and by a few fp32 ulps in sums added in anothe
         renormalised to sum 1 where ``renormalize`` (``norm_topk_prob``; + 1e-20), times
         ``scale`` (``routed_scaling_factor``), fp32. Not in the fused kernel: torch ops on
         every device (a few small launches a layer; CUDA graphs hold them).
+    scoring "softmax_bias"  (ERNIE 4.5 MoE)
+        logits = x @ router.T in fp32 (x and the weight cast up); probs = softmax(logits); the
+        choice is the top-k of probs + a per-expert bias (``e_score_correction_bias``, passed as
+        the router bias); the weights are those experts' probs over their sum (clamped below at
+        ``norm_min``), rounded to x's dtype. Torch ops on every device, as sigmoid_group.
     scoring "topk_softmax"  (gpt-oss, Granite-MoE)
         logits = x @ router.T + router_bias in x's dtype; top-k of the logits; softmax over the k
         in x's dtype (Granite-MoE casts the logits to fp32 first and rounds the softmax to x's
@@ -47,7 +52,7 @@ from typing import Any
 
 import torch
 
-SCORINGS = ("softmax_topk", "topk_softmax", "sigmoid_group")
+SCORINGS = ("softmax_topk", "topk_softmax", "sigmoid_group", "softmax_bias")
 # Families whose router is DeepSeek-V3's (sigmoid_group with fp32 logits), attention aside
 DEEPSEEK_ROUTED = ("Glm4MoeForCausalLM", "Dots1ForCausalLM", "ExaoneMoeForCausalLM", "SolarOpenForCausalLM")
 KERNEL_SCORINGS = ("softmax_topk", "topk_softmax")  # what kernels/moe_route_kernel.py routes
@@ -68,6 +73,7 @@ class MoeRouting:
     topk_group: int = 1
     scale: float = 1.0
     fp32_logits: bool = False
+    norm_min: float = 0.0  # softmax_bias: the renormalisation's least denominator
 
     def __post_init__(self) -> None:
         if self.top_k < 1:
@@ -76,10 +82,10 @@ class MoeRouting:
             raise ValueError(f"scoring must be one of {SCORINGS}, got {self.scoring!r}")
         if not 1 <= self.topk_group <= self.n_group:
             raise ValueError(f"topk_group must be in [1, n_group={self.n_group}], got {self.topk_group}")
-        if self.scoring != "sigmoid_group" and (self.n_group, self.topk_group, self.scale, self.fp32_logits) != (
-            1, 1, 1.0, False
-        ):
-            raise ValueError(f"n_group, topk_group, scale and fp32_logits are sigmoid_group's, not {self.scoring}'s")
+        if self.scoring != "sigmoid_group" and (self.n_group, self.topk_group, self.scale) != (1, 1, 1.0):
+            raise ValueError(f"n_group, topk_group and scale are sigmoid_group's, not {self.scoring}'s")
+        if self.scoring not in ("sigmoid_group", "softmax_bias") and self.fp32_logits:
+            raise ValueError(f"fp32_logits is sigmoid_group's and softmax_bias's, not {self.scoring}'s")
 
 
 @dataclass(frozen=True)
@@ -116,7 +122,7 @@ class SharedExpert:
 
 def moe_spec(architecture: str, config: dict[str, Any]) -> tuple[MoeRouting, MoeActivation]:
     """The routing and activation of a MoE family's sparse blocks, from its HF config."""
-    k = int(config["num_experts_per_tok"])
+    k = int(config.get("num_experts_per_tok") or config.get("moe_k") or 0)
     if architecture == "MixtralForCausalLM":
         return MoeRouting(k, renormalize=True), SILU
     if architecture in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"):
@@ -128,6 +134,11 @@ def moe_spec(architecture: str, config: dict[str, Any]) -> tuple[MoeRouting, Moe
             k, scoring="sigmoid_group", renormalize=bool(config.get("norm_topk_prob", True)),
             n_group=int(config.get("n_group") or 1), topk_group=int(config.get("topk_group") or 1),
             scale=float(config.get("routed_scaling_factor", 1.0)), fp32_logits=True,
+        ), SILU  # fmt: skip
+    if architecture == "Ernie4_5_MoeForCausalLM":
+        return MoeRouting(
+            k, scoring="softmax_bias", renormalize=True, weights_in_x_dtype=True, fp32_logits=True,
+            norm_min=float(config.get("moe_norm_min", 1e-12)),
         ), SILU  # fmt: skip
     if architecture == "MiniMaxM2ForCausalLM":  # no groups, no scale, always renormalised; logits in x's dtype
         return MoeRouting(k, scoring="sigmoid_group", renormalize=True), SILU
@@ -143,14 +154,17 @@ def moe_spec(architecture: str, config: dict[str, Any]) -> tuple[MoeRouting, Moe
 def num_experts(config: dict[str, Any]) -> int:
     """Experts per MoE layer: ``num_experts`` or ``num_local_experts`` (checkpoints and
     transformers' configs use either name for the same count)."""
-    return int(config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 0)
+    for key in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"):
+        if config.get(key):
+            return int(config[key])
+    return 0
 
 
 def shared_expert_size(architecture: str, config: dict[str, Any]) -> int:
     """The shared expert's intermediate size (0: none): Qwen2-MoE's own field; the DeepSeek-routed
     families' ``n_shared_experts`` (EXAONE-MoE: ``num_shared_experts``) experts' worth, run as one MLP."""
-    if architecture in DEEPSEEK_ROUTED:
-        shared = config.get("n_shared_experts") or config.get("num_shared_experts") or 0
+    if architecture in DEEPSEEK_ROUTED or architecture == "Ernie4_5_MoeForCausalLM":
+        shared = config.get("n_shared_experts") or config.get("num_shared_experts") or config.get("moe_num_shared_experts") or 0
         return int(config.get("moe_intermediate_size") or 0) * int(shared)
     return int(config.get("shared_expert_intermediate_size") or 0)
 
@@ -163,6 +177,10 @@ def is_moe_layer(architecture: str, config: dict[str, Any], layer: int) -> bool:
         step = int(config.get("decoder_sparse_step", 1))
         dense = layer in (config.get("mlp_only_layers") or []) or num_experts(config) <= 0
         return not dense and (layer + 1) % step == 0
+    if architecture == "Ernie4_5_MoeForCausalLM":  # every interval-th layer in [start, end]
+        start, end = int(config.get("moe_layer_start_index", 0)), int(config.get("moe_layer_end_index", -1))
+        end = end if end >= 0 else int(config["num_hidden_layers"]) - 1
+        return (layer + 1) % int(config.get("moe_layer_interval", 1)) == 0 and start <= layer <= end
     if architecture in DEEPSEEK_ROUTED:  # dense MLPs in the first first_k_dense_replace layers
         if config.get("mlp_layer_types"):  # EXAONE-MoE names each layer's
             return config["mlp_layer_types"][layer] == "sparse"
@@ -195,12 +213,14 @@ def route(
     fused config runs the router GEMV and the routing as one launch
     (moe_route_kernel.router_route) where it takes the batch; None or the unfused one keeps
     F.linear and the routing kernel."""
-    if routing.scoring == "sigmoid_group":  # router_bias is the choice's score bias
+    if routing.scoring in ("sigmoid_group", "softmax_bias"):  # router_bias is the choice's score bias
         if routing.fp32_logits:
             logits = torch.nn.functional.linear(x.float(), router_weight.float())
         else:
             logits = torch.nn.functional.linear(x, router_weight.to(x.dtype)).float()
-        return route_torch(logits, routing, router_bias)
+        weights, ids = route_torch(logits, routing, router_bias)
+        weights = weights.to(weights_dtype(routing, x.dtype))
+        return (weights.float() if widen else weights), ids
     if use_kernel is None:
         use_kernel = x.is_cuda
     if use_kernel:
@@ -226,7 +246,7 @@ def weights_dtype(routing: MoeRouting, x_dtype: torch.dtype) -> torch.dtype:
     """The dtype of ``route``'s topk_weights for activations of ``x_dtype``."""
     if routing.scoring == "sigmoid_group":
         return torch.float32
-    if routing.scoring == "topk_softmax" or routing.weights_in_x_dtype:
+    if routing.scoring in ("topk_softmax", "softmax_bias") or routing.weights_in_x_dtype:
         return x_dtype
     return torch.float32
 
@@ -234,11 +254,18 @@ def weights_dtype(routing: MoeRouting, x_dtype: torch.dtype) -> torch.dtype:
 def route_torch(
     logits: torch.Tensor, routing: MoeRouting, score_bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``route`` from the logits [T, E] (x's dtype; fp32 for sigmoid_group, whose ``score_bias``
-    [E] biases the choice) in torch ops, as transformers routes: the CPU path and the fused
-    kernel's reference."""
+    """``route`` from the logits [T, E] (x's dtype; fp32 for sigmoid_group and softmax_bias, whose
+    ``score_bias`` [E] biases the choice, and whose weights come back fp32) in torch ops, as
+    transformers routes: the CPU path and the fused kernel's reference."""
     if routing.scoring == "sigmoid_group":
         return _route_sigmoid_group(logits, routing, score_bias)
+    if routing.scoring == "softmax_bias":
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        choice = probs if score_bias is None else probs + score_bias.float().reshape(-1)
+        ids = torch.topk(choice, routing.top_k, dim=-1)[1]
+        top = probs.gather(-1, ids)
+        top = top / torch.clamp(top.sum(dim=-1, keepdim=True), min=routing.norm_min)
+        return top, ids  # fp32: route rounds them to x's dtype
     if routing.scoring == "topk_softmax":
         top, ids = torch.topk(logits, routing.top_k, dim=-1)
         return torch.softmax(top, dim=-1, dtype=top.dtype), ids

@@ -76,6 +76,15 @@ def hf_block(family: str, seed: int = 0, **overrides):  # type: ignore[no-untype
                 "topk_group": 1, "routed_scaling_factor": 2.5, **overrides,
             }
         )  # fmt: skip
+    elif family == "ernie4_5_moe":
+        from transformers import Ernie4_5_MoeConfig
+        from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import Ernie4_5_MoeSparseMoeBlock as Block
+
+        k = common.pop("num_experts_per_tok")
+        cfg = Ernie4_5_MoeConfig(
+            **{**common, "moe_k": k, "moe_intermediate_size": I, "moe_num_experts": E, "moe_num_shared_experts": 1,
+               **overrides}
+        )  # fmt: skip
     elif family == "minimax_m2":
         from transformers import MiniMaxM2Config
         from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2SparseMoeBlock as Block
@@ -96,6 +105,9 @@ def hf_block(family: str, seed: int = 0, **overrides):  # type: ignore[no-untype
     if family in ("glm4_moe", "minimax_m2"):  # a buffer, not a parameter: the choice's score bias
         holder = block.gate if family == "glm4_moe" else block
         holder.e_score_correction_bias.copy_(torch.randn(E, generator=torch.Generator().manual_seed(seed)) * 0.1)
+    if family == "ernie4_5_moe":  # randomised above, but a bias on softmax probabilities wants their scale
+        with torch.no_grad():
+            block.gate.moe_statics.e_score_correction_bias.mul_(0.1)
     return block, cfg
 
 
@@ -108,6 +120,7 @@ ARCH = {
     "granitemoe": "GraniteMoeForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
+    "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
 }
 
 
@@ -136,6 +149,10 @@ def op_arguments(family: str, block, cfg) -> dict:  # type: ignore[no-untyped-de
         )
     if family == "minimax_m2":  # the score bias goes where a router bias would
         args["router_bias"] = block.e_score_correction_bias
+    if family == "ernie4_5_moe":  # the score bias goes where a router bias would; a shared expert without a gate
+        mlp = block.shared_experts
+        args["router_bias"] = block.gate.moe_statics.e_score_correction_bias
+        args["shared_expert"] = SharedExpert(torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight)), mlp.down_proj.weight)
     if family == "glm4_moe":  # the score bias goes where a router bias would; a shared expert without a gate
         mlp = block.shared_experts
         args["router_bias"] = block.gate.e_score_correction_bias
@@ -174,6 +191,7 @@ FAMILIES = [
         id="glm4-moe-no-norm",
     ),
     pytest.param("minimax_m2", {"num_experts_per_tok": 3}, id="minimax-m2"),
+    pytest.param("ernie4_5_moe", {"num_experts_per_tok": 3}, id="ernie4.5-moe"),
 ]
 
 

@@ -46,6 +46,8 @@ CASES = {
     "dots1": ("dots1", {}, ["no_score_bias", {"sliding_window": 4096}]),
     "exaone_moe": ("exaone_moe", {}, ["no_score_bias", {"sliding_window": 4096}]),
     "solar_open": ("solar_open", {}, ["no_score_bias", {"n_group": 1, "topk_group": 1}]),
+    # ERNIE 4.5's softmax routing with a score bias for the choice, its first layer dense
+    "ernie4_5_moe": ("ernie4_5_moe", {}, ["no_score_bias", {"moe_layer_start_index": 2}]),
     "minimax_m2": ("minimax_m2", {}, ["no_score_bias", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}]),
 }
 
@@ -63,7 +65,8 @@ def hf_model(checkpoint: Path, neutralised: dict | str | None = None):  # type: 
                 layer.mlp.shared_expert.down_proj.weight.zero_()
         if neutralised == "no_score_bias":  # GLM-4.5 or MiniMax-M2 choosing its experts by the scores alone
             for layer in model.model.layers:
-                for module in (layer.mlp, getattr(layer.mlp, "gate", None)):  # MiniMax-M2's block, GLM's router
+                gate = getattr(layer.mlp, "gate", None)  # MiniMax-M2's block, GLM's router, ERNIE's statics
+                for module in (layer.mlp, gate, getattr(gate, "moe_statics", None)):
                     if module is not None and hasattr(module, "e_score_correction_bias"):
                         module.e_score_correction_bias.zero_()
         if neutralised == "no_sinks":  # gpt-oss with sinks that take no probability

@@ -21,7 +21,7 @@ PART_FAMILIES = (
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "granitemoe", "glm4_moe", "minimax_m2")
 # GLM-4.5's routing with other families' attention: checked against transformers through LLM only
 # (test_moe_families.py's CASES), as the serving path is GLM-4.5's
-DEEPSEEK_ROUTED_FAMILIES = ("dots1", "exaone_moe", "solar_open")
+DEEPSEEK_ROUTED_FAMILIES = ("dots1", "exaone_moe", "solar_open", "ernie4_5_moe")
 
 
 def smollm2_dir() -> Path:
@@ -280,6 +280,18 @@ def _moe_family_config(family: str, common: dict, overrides: dict):  # type: ign
         small.update(overrides)
         name = {"dots1": "Dots1", "exaone_moe": "ExaoneMoe", "solar_open": "SolarOpen"}[family]
         return getattr(transformers, f"{name}Config")(architectures=[f"{name}ForCausalLM"], **small)
+    if family == "ernie4_5_moe":
+        # a dense first layer, then softmax routing with a score bias for the choice (make_checkpoint
+        # draws it), a shared expert, RoPE on adjacent pairs
+        from transformers import Ernie4_5_MoeConfig
+
+        small.update(
+            moe_intermediate_size=32, moe_k=2, moe_num_experts=8, moe_num_shared_experts=1, moe_layer_start_index=1,
+            moe_layer_end_index=2,
+        )  # fmt: skip
+        small.pop("num_experts_per_tok")
+        small.update(overrides)
+        return Ernie4_5_MoeConfig(architectures=["Ernie4_5_MoeForCausalLM"], **small)
     if family == "minimax_m2":
         # sigmoid routing with the block's score bias (make_checkpoint draws it), q/k norms over the
         # whole projection, half-rotary heads, Mixtral's checkpoint names
@@ -309,6 +321,10 @@ def make_checkpoint(path: Path, family: str = "llama", seed: int = 0, tokenizer:
                 for proj in (a.q_proj, a.k_proj, a.v_proj, a.o_proj):
                     if proj.bias is not None:
                         proj.bias.normal_(0, 0.5)
+    if family == "ernie4_5_moe":  # a score bias (zeros as made) that makes the choice matter
+        with torch.no_grad():
+            for layer in model.model.layers[1:]:
+                layer.mlp.gate.moe_statics.e_score_correction_bias.normal_(0, 0.1)
     if family == "minimax_m2":  # a score bias (zeros as made) that makes the choice matter
         with torch.no_grad():
             for layer in model.model.layers:
