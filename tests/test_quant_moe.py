@@ -41,6 +41,8 @@ CASES = {
     # the shared expert (48 wide) and the dense layer take the dense int4 path; per-channel groups
     "qwen2_moe-gptq-perchannel-actorder": ("qwen2_moe", {}, Format("gptq", -1, desc_act=True)),
     "olmoe-awq-g32": ("olmoe", {}, Format("awq", 32)),
+    # GLM-4.5: sigmoid routing from its float router (fp32) and score bias, the shared expert int4
+    "glm4_moe-awq-g32": ("glm4_moe", {}, Format("awq", 32)),
 }
 
 
