@@ -110,7 +110,7 @@ FAMILIES: dict[str, FamilyParts] = {
     # GLM-4's attention (q/k/v biases, half-rotary on split halves, optional q/k norms per head)
     "Glm4MoeForCausalLM": FamilyParts(
         "glm4_moe", moe_block="mlp", moe_shared_expert="shared_experts",
-        not_supported="GPTQ and FP8 checkpoints (not tested); its multi-token-prediction layer (not read)",
+        not_supported="GPTQ checkpoints (not tested); its multi-token-prediction layer (not read)",
     ),
     # DeepSeek-V3's routing, as GLM-4.5's, with Qwen3's attention (per-head q/k norms, windows on the
     # layers layer_types names)

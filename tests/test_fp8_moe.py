@@ -339,6 +339,18 @@ def test_fp8_moe_checkpoint_greedy_tokens_equal_transformers_dequantised(fmt, ac
     _assert_greedy_parity(artifact, reference_model(src, deq, activations, ckpt))
 
 
+def test_glm4_moe_fp8_block_checkpoint_greedy_tokens_equal_transformers_dequantised(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    """GLM-4.5's FP8 release format (128x128 weight blocks): its float router (fp32 here) and score
+    bias read beside the FP8 experts, shared expert and dense first layer."""
+    src = tiny_checkpoint_factory("glm4_moe", hidden_size=160, moe_intermediate_size=144, num_hidden_layers=2)
+    ckpt, deq = _written(src, tmp_path / "fp8-block", "fp8-block")
+    artifact = build_artifact(ckpt, tmp_path / "engine", gpu="cpu")
+    with safe_open(str(artifact / "weights" / "rank0.safetensors"), "pt") as f:
+        assert f.get_tensor("layers.1.experts.gate_up").dtype == torch.float8_e4m3fn
+        assert f.get_tensor("layers.1.router.weight").dtype == f.get_tensor("layers.1.router.score_bias").dtype == torch.float32
+    _assert_greedy_parity(artifact, reference_model(src, deq, "group", ckpt))
+
+
 # ---------------------------------------------------------------------------- the kernels (interpreter)
 
 
