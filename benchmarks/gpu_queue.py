@@ -76,12 +76,13 @@ def steps(out: Path) -> list[Step]:
         ),
         Step(
             "new_families_gpu",
-            _pytest("tests/test_families_gpu.py", "-k", "gemma] or olmo3 or exaone4 or glm or helium or ernie4_5 or seed_oss",
-                    stop_at_first=False),
+            _pytest("tests/test_families_gpu.py", "-k",
+                    "gemma] or olmo3 or exaone4 or glm or helium or ernie4_5 or seed_oss or hunyuan", stop_at_first=False),
             300,
             "the families added in the thirty-seventh session (Gemma 1, OLMo 3, EXAONE 4.0, GLM, GLM-4, Helium, "
-            "ERNIE 4.5, Seed-OSS) in fp32 on the GPU against transformers: Triton kernels (partial rotary on "
-            "reordered q/k rows, windows from layer_types, no-RoPE layers) and CUDA graphs; CPU parity only so far",
+            "ERNIE 4.5, Seed-OSS) and the thirty-eighth's HunYuan dense in fp32 on the GPU against transformers: "
+            "Triton kernels (partial rotary on reordered q/k rows, windows from layer_types, no-RoPE layers, q/k norms "
+            "on the rotated heads) and CUDA graphs; CPU parity only so far",
         ),
         Step(
             "qwen3_w4",

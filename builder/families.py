@@ -30,6 +30,10 @@ class FamilyParts:
     # What q_norm / k_norm normalise when a layer has them: "head" (over head_dim, per head) or
     # "projection" (over the whole q / k projection output).
     qk_norm_kind: str = "head"
+    # The q/k norms' modules under self_attn, and whether they apply to the rotated heads (HunYuan:
+    # "query_layernorm" / "key_layernorm", after RoPE) rather than before it.
+    qk_norm_names: tuple[str, str] = ("q_norm", "k_norm")
+    qk_norm_after_rope: bool = False
     # Where sliding windows come from: "layer" (each attention module's own window, honoured by the
     # kernels), "config" (config.sliding_window on every layer, honoured), "layer_types"
     # (config.sliding_window on the layers config.layer_types calls "sliding_attention", honoured),
@@ -181,6 +185,10 @@ FAMILIES: dict[str, FamilyParts] = {
     "HeliumForCausalLM": FamilyParts("helium"),
     "Ernie4_5ForCausalLM": FamilyParts("ernie4_5"),
     "SeedOssForCausalLM": FamilyParts("seed_oss"),
+    # Llama's parts with per-head q/k norms on the rotated heads and an NTK-alpha RoPE base
+    "HunYuanDenseV1ForCausalLM": FamilyParts(
+        "hunyuan_dense", qk_norm_names=("query_layernorm", "key_layernorm"), qk_norm_after_rope=True
+    ),
     "Exaone4ForCausalLM": FamilyParts(
         "exaone4",
         window_source="layer_types",  # its attention keeps config.sliding_window on every layer

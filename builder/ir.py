@@ -126,6 +126,8 @@ class AttentionSpec:
     # projection output (OLMo 2), which needs every head on one rank.
     qk_norm_kind: str | None = None
     qk_norm_offset: float = 0.0  # Gemma 3's q/k norms multiply by (1 + w), as NormSpec.weight_offset
+    qk_norm_after_rope: bool = False  # HunYuan: the per-head q/k norms apply to the rotated heads
+    qk_norm_names: tuple[str, str] = ("q_norm", "k_norm")  # their modules under self_attn
     sliding_window: int | None = None  # a query at p sees keys p - window < k <= p (Gemma 2/3)
     logit_softcap: float | None = None  # scores soft-capped: cap * tanh(s / cap) (Gemma 2)
     # The checkpoint holds q/k/v as one module under self_attn (Phi-3's "qkv_proj"): the plan reads
@@ -137,7 +139,8 @@ class AttentionSpec:
     def shape_key(self) -> tuple[Any, ...]:
         """What every layer must share: one model.py and one weight layout serve all layers."""
         return (self.num_heads, self.num_kv_heads, self.head_dim, self.qkv_bias, self.o_bias, self.qk_norm,
-                self.qk_norm_kind, self.qk_norm_eps, self.qk_norm_offset, self.fused_qkv_name is not None, self.clip_qkv, self.sinks)  # fmt: skip
+                self.qk_norm_kind, self.qk_norm_eps, self.qk_norm_offset, self.fused_qkv_name is not None, self.clip_qkv, self.sinks,
+                self.qk_norm_after_rope)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -161,6 +161,14 @@ def _rope(config: Any, head_dim: int, layer_type: str | None = None) -> RopeSpec
     if "rope_theta" not in params:
         params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
     rope_type = params.get("rope_type", params.get("type", "default"))
+    arch = (getattr(config, "architectures", None) or [""])[0]
+    if rope_type == "dynamic" and params.get("alpha") and arch.startswith("HunYuan"):
+        # HunYuan's "dynamic" with alpha is a fixed NTK-alpha base (its rotary module computes it once):
+        # theta * alpha ** (head_dim / (head_dim - 2)), the default rotation otherwise
+        alpha = float(params["alpha"])
+        params = {k: v for k, v in params.items() if k not in ("alpha", "factor", "type")}
+        params["rope_theta"] = float(params["rope_theta"]) * alpha ** (head_dim / (head_dim - 2))
+        rope_type = "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise BuildError(f"rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     params["rope_type"] = rope_type
@@ -330,8 +338,8 @@ def _layer(
     o_bias = m.linear(f"{attn}.o_proj")
     if len(set(biases)) != 1:
         raise BuildError(f"{attn}: q/k/v projections disagree on bias; not supported")
-    q_norm = m.rmsnorm(f"{attn}.q_norm", required=False)
-    k_norm = m.rmsnorm(f"{attn}.k_norm", required=False)
+    q_norm = m.rmsnorm(f"{attn}.{parts.qk_norm_names[0]}", required=False)
+    k_norm = m.rmsnorm(f"{attn}.{parts.qk_norm_names[1]}", required=False)
     if (q_norm is None) != (k_norm is None):
         raise BuildError(f"{attn} has a norm on only one of q and k; not supported")
     if q_norm is not None and k_norm is not None and (q_norm.eps, q_norm.weight_offset) != (k_norm.eps, k_norm.weight_offset):
@@ -400,6 +408,8 @@ def _layer(
             rope=rope,
             qk_norm_kind=parts.qk_norm_kind if q_norm is not None else None,
             qk_norm_offset=q_norm.weight_offset if q_norm is not None else 0.0,
+            qk_norm_after_rope=q_norm is not None and parts.qk_norm_after_rope,
+            qk_norm_names=parts.qk_norm_names,
             sliding_window=int(window) if window else None,
             logit_softcap=float(softcap) if softcap else None,
             fused_qkv_name=parts.qkv[0] if len(parts.qkv) == 1 else None,

@@ -140,7 +140,7 @@ def tensor_layout(model: ModelIR) -> list[TensorPlan]:
             )
         if a.qk_norm:
             q_shape, k_shape = ((a.head_dim,), (a.head_dim,)) if a.qk_norm_kind == "head" else ((q_out,), (kv_out,))
-            q_norm, k_norm = qk((f"{attn}.q_norm.weight", f"{attn}.k_norm.weight"))
+            q_norm, k_norm = qk(tuple(f"{attn}.{name}.weight" for name in a.qk_norm_names))
             tensors += [
                 TensorPlan(f"{o}.q_norm.weight", (q_norm,), q_shape, offset=a.qk_norm_offset),
                 TensorPlan(f"{o}.k_norm.weight", (k_norm,), k_shape, offset=a.qk_norm_offset),

@@ -88,6 +88,7 @@ def render_model(state: BuildState, rank: int = 0) -> str:
         final_logit_softcap=model.final_logit_softcap or 0.0,
         qk_norm=a.qk_norm,
         qk_norm_kind=a.qk_norm_kind,
+        qk_norm_after_rope=a.qk_norm_after_rope,
         qk_norm_eps=repr(a.qk_norm_eps),
         clip_qkv=repr(a.clip_qkv) if a.clip_qkv else None,
         has_moe=moe is not None,

@@ -69,10 +69,11 @@ def trace_model(config: Any) -> TraceSummary:
     config = type(config).from_dict(config.to_dict())
     config._attn_implementation = "sdpa"
     rope = getattr(config, "rope_parameters", None)
-    if isinstance(rope, dict) and rope.get("rope_type") == "longrope":
-        # LongRoPE picks its factors from the longest position in the call, a data-dependent branch
-        # that export cannot trace; the rotary table is built from the config anyway (lower._rope),
-        # so the trace takes the default table instead.
+    if isinstance(rope, dict) and rope.get("rope_type") in ("longrope", "dynamic"):
+        # LongRoPE picks its factors from the longest position in the call (and "dynamic" rescales
+        # past the cached length: HunYuan's NTK-alpha), a data-dependent branch that export cannot
+        # trace; the rotary table is built from the config anyway (lower._rope, which refuses a
+        # dynamic NTK rope other than HunYuan's fixed one), so the trace takes the default table.
         config.rope_parameters = {"rope_type": "default", "rope_theta": rope.get("rope_theta", 10000.0),
                                   "partial_rotary_factor": rope.get("partial_rotary_factor", 1.0)}
     with torch.device("meta"):

@@ -20,5 +20,6 @@
 # quantised in the norm's launch).
 # 8: ops.lm_head takes widen= (False: the logits in the model's dtype, not an fp32 copy; the
 # default keeps older model code's fp32 logits).
-KERNEL_ABI = 8
+# 9: ops.rotary_and_write_kv takes qk_norm_after= (the per-head q/k norms applied once rotated: HunYuan).
+KERNEL_ABI = 9
 KERNEL_ABI_OLDEST = 1

@@ -281,11 +281,18 @@ def rotary_and_write_kv(
     q_norm: torch.Tensor | None = None,
     k_norm: torch.Tensor | None = None,
     qk_norm_eps: float = 0.0,
+    qk_norm_after: bool = False,
 ) -> torch.Tensor:
     """Rotary on q and k, this step's K/V written to the cache (fp8 caches: x / scale, saturated).
     With ``q_norm`` / ``k_norm`` ([head_dim]), each q and k head is RMS-normalised first (Qwen3's
-    and Gemma 3's per-head norms), in the same launch on a GPU (kernel ABI 2)."""
+    and Gemma 3's per-head norms), in the same launch on a GPU (kernel ABI 2); with
+    ``qk_norm_after`` once rotated instead (HunYuan's; kernel ABI 9)."""
     if not _triton(q):
+        if q_norm is not None and qk_norm_after:
+            q, k = reference.rotary_embedding(positions, q, k, cos_sin_cache)
+            q, k = reference.rms_norm(q, q_norm, qk_norm_eps), reference.rms_norm(k, k_norm, qk_norm_eps)
+            reference.write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+            return q
         if q_norm is not None:
             q, k = reference.rms_norm(q, q_norm, qk_norm_eps), reference.rms_norm(k, k_norm, qk_norm_eps)
         return reference.rotary_and_write_kv(
@@ -294,7 +301,7 @@ def rotary_and_write_kv(
     cfg = _config("rotary_kv", token_bucket(q.shape[0]))
     return _kernels().rotary(  # type: ignore[no-any-return]
         positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, cfg, k_scale=k_scale, v_scale=v_scale,
-        q_norm=q_norm, k_norm=k_norm, qk_norm_eps=qk_norm_eps,
+        q_norm=q_norm, k_norm=k_norm, qk_norm_eps=qk_norm_eps, qk_norm_after=qk_norm_after,
     )  # fmt: skip
 
 

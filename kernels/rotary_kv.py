@@ -29,7 +29,8 @@ FP8_MAX: tl.constexpr = tl.constexpr(448.0)  # largest finite e4m3fn value (refe
 
 @triton.jit
 def _rotate(
-    x_ptr, heads, offs_d, partner, cos, sin, num_heads, norm_ptr, eps, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr
+    x_ptr, heads, offs_d, partner, cos, sin, num_heads, norm_ptr, eps, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr,
+    QK_NORM_AFTER: tl.constexpr = False,
 ):  # fmt: skip
     # x_ptr points at one token's [num_heads, head_dim] rows (head stride applied by caller).
     mask = (heads < num_heads)[:, None] & (offs_d < HEAD_DIM)[None, :]
@@ -46,7 +47,16 @@ def _rotate(
         w_partner = tl.load(norm_ptr + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :]
         x = (w * (x * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         x_partner = (w_partner * (x_partner * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    return x * cos[None, :] + x_partner * sin[None, :], mask
+    rotated = x * cos[None, :] + x_partner * sin[None, :]
+    if QK_NORM_AFTER:
+        # HunYuan: each rotated head RMS-normalised, as rms_norm on the rotary's output (in the
+        # input's dtype) computes it, before it is stored or cached
+        dtype = x_ptr.dtype.element_ty
+        rotated = rotated.to(dtype).to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(rotated * rotated, 1) / HEAD_DIM + eps)[:, None]
+        w = tl.load(norm_ptr + offs_d, mask=offs_d < HEAD_DIM, other=0.0).to(tl.float32)[None, :]
+        rotated = (w * (rotated * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    return rotated, mask
 
 
 @triton.jit
@@ -90,6 +100,7 @@ def _rotary_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
     KV_FP8: tl.constexpr,  # the caches are float8e4nv: scale and saturate before the cast
     QK_NORM: tl.constexpr = False,  # RMSNorm each q and k head before rotating it (Qwen3, Gemma 3)
+    QK_NORM_AFTER: tl.constexpr = False,  # RMSNorm each rotated q and k head (HunYuan)
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     if PDL:
@@ -112,7 +123,9 @@ def _rotary_kv_kernel(
 
     heads = tl.arange(0, HEADS_PAD)
     q_rows = q_ptr + token * stride_qt + heads[:, None] * stride_qh
-    q_rot, q_mask = _rotate(q_rows, heads, offs_d, partner, cos, sin, NUM_HEADS, q_norm_ptr, norm_eps, HEAD_DIM, QK_NORM)
+    q_rot, q_mask = _rotate(
+        q_rows, heads, offs_d, partner, cos, sin, NUM_HEADS, q_norm_ptr, norm_eps, HEAD_DIM, QK_NORM, QK_NORM_AFTER
+    )
     tl.store(
         q_out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
         q_rot.to(dtype),
@@ -126,7 +139,8 @@ def _rotary_kv_kernel(
         kv_heads = tl.arange(0, KV_HEADS_PAD)
         k_rows = k_ptr + token * stride_kt + kv_heads[:, None] * stride_kh
         k_rot, kv_mask = _rotate(
-            k_rows, kv_heads, offs_d, partner, cos, sin, NUM_KV_HEADS, k_norm_ptr, norm_eps, HEAD_DIM, QK_NORM
+            k_rows, kv_heads, offs_d, partner, cos, sin, NUM_KV_HEADS, k_norm_ptr, norm_eps, HEAD_DIM, QK_NORM,
+            QK_NORM_AFTER,
         )
         kc = (
             k_cache_ptr
@@ -178,6 +192,7 @@ def rotary_and_write_kv(
     q_norm: torch.Tensor | None = None,
     k_norm: torch.Tensor | None = None,
     qk_norm_eps: float = 0.0,
+    qk_norm_after: bool = False,
 ) -> torch.Tensor:
     """Rotate q and k, write rotated k and v into the cache at slot_mapping; returns the rotated q.
 
@@ -185,7 +200,8 @@ def rotary_and_write_kv(
     With ``q_norm`` and ``k_norm`` ([head_dim] weights) each q and k head is RMS-normalised
     (``qk_norm_eps``) before it is rotated, in this launch: what ``rms_norm`` on each head and
     then this kernel compute, without the norms' launches or the copies of the strided q and k
-    views they needed (four launches a layer)."""
+    views they needed (four launches a layer). ``qk_norm_after``: the norms apply to each head once
+    rotated instead (HunYuan), before k is cached."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     rotary_dim = cos_sin_cache.shape[-1]
@@ -228,7 +244,8 @@ def rotary_and_write_kv(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         HEADS_PAD=triton.next_power_of_2(num_heads), KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        ROTARY_DIM=rotary_dim, BLOCK_SIZE=k_cache.shape[2], KV_FP8=kv_fp8, QK_NORM=q_norm is not None,
+        ROTARY_DIM=rotary_dim, BLOCK_SIZE=k_cache.shape[2], KV_FP8=kv_fp8,
+        QK_NORM=q_norm is not None and not qk_norm_after, QK_NORM_AFTER=q_norm is not None and qk_norm_after,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(),
     )  # fmt: skip
     return q_out

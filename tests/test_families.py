@@ -48,6 +48,8 @@ NEUTRALISED = {
     "helium": [],  # Llama's parts, RoPE on adjacent pairs: the logits check covers it
     "ernie4_5": [],
     "seed_oss": [],  # Llama's parts with q/k/v and o biases: the logits check covers them
+    # the NTK-alpha base (the norms on the rotated heads: a norm before RoPE fails the logits check)
+    "hunyuan_dense": [{"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}],
 }
 
 

@@ -154,11 +154,13 @@ def test_prefill_attention_empty_query_and_default_config():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rotary_dim,rope_type,qk_norm", [(16, "default", False), (8, "llama3", False),
-                                                          (16, "default", True), (8, "llama3", True)])  # fmt: skip
+                                                          (16, "default", True), (8, "llama3", True),
+                                                          (16, "default", "after"), (8, "llama3", "after")])  # fmt: skip
 def test_rotary_and_write_kv(dtype, rotary_dim, rope_type, qk_norm):
     """Rotary on q and k and the K/V write, against the reference; with q/k norms (Qwen3's and
     Gemma 3's per-head RMSNorm, fused into the same launch) against rms_norm on each head first,
-    partial rotary included (the unrotated features are normalised too)."""
+    partial rotary included (the unrotated features are normalised too); "after": HunYuan's, on
+    each head once rotated, the cached k normalised too."""
     num_tokens, num_heads, num_kv_heads, head_dim, block_size = 7, 6, 2, 16, 8
     g = torch.Generator().manual_seed(1)
     params = {"rope_type": rope_type, "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -181,11 +183,18 @@ def test_rotary_and_write_kv(dtype, rotary_dim, rope_type, qk_norm):
     if qk_norm:
         norms = {"q_norm": (1 + 0.3 * torch.randn(head_dim, generator=g)).to(dtype),
                  "k_norm": (1 + 0.3 * torch.randn(head_dim, generator=g)).to(dtype), "qk_norm_eps": 1e-6}  # fmt: skip
-        q_in = reference.rms_norm(q, norms["q_norm"], 1e-6)
-        k_in = reference.rms_norm(k, norms["k_norm"], 1e-6)
+        if qk_norm != "after":
+            q_in = reference.rms_norm(q, norms["q_norm"], 1e-6)
+            k_in = reference.rms_norm(k, norms["k_norm"], 1e-6)
         # the scale must matter: rows far from unit RMS
         assert (q.float().pow(2).mean(-1) - 1).abs().max() > 0.2
-    q_ref = reference.rotary_and_write_kv(positions, q_in, k_in, v, cos_sin, k_ref, v_ref, slots)
+    if qk_norm == "after":
+        norms["qk_norm_after"] = True
+        q_rot, k_rot = reference.rotary_embedding(positions, q, k, cos_sin)
+        q_ref = reference.rms_norm(q_rot, norms["q_norm"], 1e-6)
+        reference.write_kv(reference.rms_norm(k_rot, norms["k_norm"], 1e-6), v, k_ref, v_ref, slots)
+    else:
+        q_ref = reference.rotary_and_write_kv(positions, q_in, k_in, v, cos_sin, k_ref, v_ref, slots)
     q_out = rotary_and_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slots, **norms)
     close(q_out, q_ref, dtype)
     close(k_cache, k_ref, dtype)  # slot -1 rows untouched: the random cache contents must still match

@@ -536,8 +536,11 @@ def test_paged_prefill_fp8_cache_streams_k_and_v_in_16_byte_copies() -> None:
     assert lines[-1] == "byte shared loads 0", lines[-1]
 
 
-@pytest.mark.parametrize("cache,fp8,qk_norm", [("*fp8e4nv", True, False), ("*bf16", False, False), ("*bf16", False, True)])
-def test_rotary_kv_kernel_compiles_for_sm90(cache: str, fp8: bool, qk_norm: bool) -> None:
+@pytest.mark.parametrize(
+    "cache,fp8,qk_norm",
+    [("*fp8e4nv", True, False), ("*bf16", False, False), ("*bf16", False, True), ("*bf16", False, "after")],
+)
+def test_rotary_kv_kernel_compiles_for_sm90(cache: str, fp8: bool, qk_norm: bool | str) -> None:
     strides = ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_cos",
                "stride_kcb", "stride_kch", "stride_kct", "stride_vcb", "stride_vch", "stride_vct", "stride_ot",
                "stride_oh")  # fmt: skip
@@ -550,7 +553,8 @@ def test_rotary_kv_kernel_compiles_for_sm90(cache: str, fp8: bool, qk_norm: bool
     asm = compile_sm90(
         "rotary_kv", sig,
         {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HEADS_PAD": 32, "KV_HEADS_PAD": 8, "HEAD_DIM": 128,
-         "HEAD_DIM_PAD": 128, "ROTARY_DIM": 128, "BLOCK_SIZE": 16, "KV_FP8": fp8, "QK_NORM": qk_norm},
+         "HEAD_DIM_PAD": 128, "ROTARY_DIM": 128, "BLOCK_SIZE": 16, "KV_FP8": fp8, "QK_NORM": qk_norm is True,
+         "QK_NORM_AFTER": qk_norm == "after"},
     )  # fmt: skip
     assert "cubin" in asm
     assert ("ptx converts e4m3" in asm) == fp8

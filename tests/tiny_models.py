@@ -15,7 +15,7 @@ FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 # that the part it adds changes the greedy tokens (see tiny_config).
 PART_FAMILIES = (
     "gemma2", "gemma3", "phi3", "olmo2", "granite", "smollm3", "gemma", "olmo3", "exaone4", "glm", "glm4", "helium",
-    "ernie4_5", "seed_oss",
+    "ernie4_5", "seed_oss", "hunyuan_dense",
 )  # fmt: skip
 # Mixture-of-experts families (tests/test_moe_families.py): hidden 64, 3 layers, 4-8 experts.
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "granitemoe", "glm4_moe", "minimax_m2")
@@ -183,6 +183,14 @@ def _part_family_config(family: str, common: dict, overrides: dict):  # type: ig
         small.update(attention_bias=True, attention_out_bias=True, residual_dropout=0.1, attention_dropout=0.1)
         small.update(overrides)
         return SeedOssConfig(architectures=["SeedOssForCausalLM"], **small)
+    if family == "hunyuan_dense":
+        # per-head q/k norms on the rotated heads (make_checkpoint draws their weights) and the
+        # NTK-alpha RoPE base ("dynamic" with alpha)
+        from transformers import HunYuanDenseV1Config
+
+        small.update(rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0})
+        small.update(overrides)
+        return HunYuanDenseV1Config(architectures=["HunYuanDenseV1ForCausalLM"], **small)
     raise ValueError(family)
 
 
@@ -321,6 +329,11 @@ def make_checkpoint(path: Path, family: str = "llama", seed: int = 0, tokenizer:
                 for proj in (a.q_proj, a.k_proj, a.v_proj, a.o_proj):
                     if proj.bias is not None:
                         proj.bias.normal_(0, 0.5)
+    if family == "hunyuan_dense":  # q/k norm weights (ones as made) whose place in the head matters
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for norm in (layer.self_attn.query_layernorm, layer.self_attn.key_layernorm):
+                    norm.weight.normal_(1.0, 0.5)
     if family == "ernie4_5_moe":  # a score bias (zeros as made) that makes the choice matter
         with torch.no_grad():
             for layer in model.model.layers[1:]:
