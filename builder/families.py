@@ -148,6 +148,12 @@ FAMILIES: dict[str, FamilyParts] = {
         moe_score_bias="e_score_correction_bias", qk_norm_kind="projection",
         not_supported="AWQ/GPTQ and FP8 checkpoints (not tested)",
     ),
+    # HunYuan dense's attention; MoE blocks with a shared MLP and an fp32 router (its child wg)
+    "HunYuanMoEV1ForCausalLM": FamilyParts(
+        "hunyuan_moe", moe_block="mlp", moe_router_weight="gate.wg", moe_shared_expert="shared_mlp",
+        qk_norm_names=("query_layernorm", "key_layernorm"), qk_norm_after_rope=True,
+        not_supported="a top-k or expert count that differs between layers; AWQ/GPTQ and FP8 checkpoints (not tested)",
+    ),
     "GraniteMoeForCausalLM": FamilyParts(
         "granitemoe", moe_block="block_sparse_moe", moe_module="block_sparse_moe", moe_router="router",
         moe_router_weight="router.layer", moe_stacked=("input_linear", "output_linear"),

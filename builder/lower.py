@@ -476,6 +476,13 @@ def _moe(m: _Matcher, config: Any, parts: FamilyParts, mlp_path: str) -> MoeSpec
     routing, act = moe_spec(arch, config.to_dict())
     router = m.take(f"{mlp_path}.{parts.moe_router}", "MoE router")
     assert router is not None
+    child = parts.moe_router_weight
+    if child is not None and child.startswith(f"{parts.moe_router}.") and m.trace.get(f"{mlp_path}.{child}") is not None:
+        # the router's GEMV in a child module (HunYuan's gate.wg): a bias-free linear, its logits the router's
+        gemv = m.take(f"{mlp_path}.{child}", "MoE router's linear")
+        assert gemv is not None
+        if gemv.ops != ["linear"] or gemv.linear_has_bias or "linear" in router.ops:
+            raise BuildError(f"{mlp_path}.{child} ({gemv.type_name}, ops {gemv.ops}) is not the router's bias-free linear")
     if routing.scoring == "softmax_bias":  # ERNIE 4.5: its score bias added in a child module
         statics = m.take(f"{mlp_path}.{parts.moe_router}.moe_statics", "MoE router's score bias")
         core = [op for op in router.ops if op not in _SHAPE_OPS]

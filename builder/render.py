@@ -127,6 +127,8 @@ def _moe_routing(moe: MoeSpec | None) -> str:
         )
     elif moe.scoring == "softmax_bias":
         groups = f", fp32_logits={moe.router_fp32}, norm_min={moe.norm_min!r}"
+    elif moe.router_fp32:  # HunYuan's fp32 router
+        groups = ", fp32_logits=True"
     return (
         f"MoeRouting(top_k={moe.top_k}, scoring={moe.scoring!r}, renormalize={moe.renormalize}, "
         f"weights_in_x_dtype={moe.weights_in_x_dtype}{groups})"

@@ -118,7 +118,10 @@ def moe_routing_fields(moe: Any) -> dict[str, Any] | None:
     if moe is None:
         return None
     fields = ("scoring", "renormalize", "weights_in_x_dtype")
-    return {name: getattr(moe, name) for name in fields}
+    out = {name: getattr(moe, name) for name in fields}
+    if moe.router_fp32 and moe.scoring == "softmax_topk":  # HunYuan: the kernel routes fp32 logits
+        out["fp32_logits"] = True
+    return out
 
 
 def moe_variant(moe: Any) -> dict[str, Any]:

@@ -84,8 +84,8 @@ class MoeRouting:
             raise ValueError(f"topk_group must be in [1, n_group={self.n_group}], got {self.topk_group}")
         if self.scoring != "sigmoid_group" and (self.n_group, self.topk_group, self.scale) != (1, 1, 1.0):
             raise ValueError(f"n_group, topk_group and scale are sigmoid_group's, not {self.scoring}'s")
-        if self.scoring not in ("sigmoid_group", "softmax_bias") and self.fp32_logits:
-            raise ValueError(f"fp32_logits is sigmoid_group's and softmax_bias's, not {self.scoring}'s")
+        if self.scoring == "topk_softmax" and self.fp32_logits:
+            raise ValueError("fp32_logits is not topk_softmax's")
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ class SharedExpert:
 
 def moe_spec(architecture: str, config: dict[str, Any]) -> tuple[MoeRouting, MoeActivation]:
     """The routing and activation of a MoE family's sparse blocks, from its HF config."""
-    k = int(config.get("num_experts_per_tok") or config.get("moe_k") or 0)
+    k = _uniform(config.get("num_experts_per_tok") or config.get("moe_k") or config.get("moe_topk") or 0, "top-k")
     if architecture == "MixtralForCausalLM":
         return MoeRouting(k, renormalize=True), SILU
     if architecture in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"):
@@ -135,6 +135,8 @@ def moe_spec(architecture: str, config: dict[str, Any]) -> tuple[MoeRouting, Moe
             n_group=int(config.get("n_group") or 1), topk_group=int(config.get("topk_group") or 1),
             scale=float(config.get("routed_scaling_factor", 1.0)), fp32_logits=True,
         ), SILU  # fmt: skip
+    if architecture == "HunYuanMoEV1ForCausalLM":  # fp32 router (its wg is fp32), fp32 weights
+        return MoeRouting(k, renormalize=True, fp32_logits=True), SILU
     if architecture == "Ernie4_5_MoeForCausalLM":
         return MoeRouting(
             k, scoring="softmax_bias", renormalize=True, weights_in_x_dtype=True, fp32_logits=True,
@@ -151,18 +153,29 @@ def moe_spec(architecture: str, config: dict[str, Any]) -> tuple[MoeRouting, Moe
     raise ValueError(f"no MoE routing for {architecture}")
 
 
+def _uniform(value: Any, what: str) -> int:
+    """A per-layer setting as one number: HunYuan's configs may list one per layer."""
+    if isinstance(value, (list, tuple)):
+        if len(set(value)) != 1:
+            raise ValueError(f"a {what} per layer ({value}) is not supported: every MoE layer must have the same")
+        value = value[0]
+    return int(value)
+
+
 def num_experts(config: dict[str, Any]) -> int:
     """Experts per MoE layer: ``num_experts`` or ``num_local_experts`` (checkpoints and
     transformers' configs use either name for the same count)."""
     for key in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"):
         if config.get(key):
-            return int(config[key])
+            return _uniform(config[key], "number of experts")
     return 0
 
 
 def shared_expert_size(architecture: str, config: dict[str, Any]) -> int:
     """The shared expert's intermediate size (0: none): Qwen2-MoE's own field; the DeepSeek-routed
     families' ``n_shared_experts`` (EXAONE-MoE: ``num_shared_experts``) experts' worth, run as one MLP."""
+    if architecture == "HunYuanMoEV1ForCausalLM":  # its shared MLP is as wide as each expert
+        return int(config["intermediate_size"])
     if architecture in DEEPSEEK_ROUTED or architecture == "Ernie4_5_MoeForCausalLM":
         shared = config.get("n_shared_experts") or config.get("num_shared_experts") or config.get("moe_num_shared_experts") or 0
         return int(config.get("moe_intermediate_size") or 0) * int(shared)
@@ -223,6 +236,10 @@ def route(
         return (weights.float() if widen else weights), ids
     if use_kernel is None:
         use_kernel = x.is_cuda
+    if routing.fp32_logits:  # HunYuan's fp32 router: the logits in fp32, routed as they would be
+        x, router_weight = x.float(), router_weight.float()
+        router_bias = None if router_bias is None else router_bias.float()
+        config = None  # the fused router computes its GEMV in x's dtype
     if use_kernel:
         from pagecast.kernels import moe_route_kernel
 

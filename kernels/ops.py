@@ -661,7 +661,7 @@ def add_norm_moe(
         from pagecast.kernels import moe_route_kernel as mrk
 
         router_cfg = _config("moe_router", moe_bucket(hidden.shape[0]))
-        if routing.scoring not in KERNEL_SCORINGS:  # routed in torch ops (moe_routing.route)
+        if routing.scoring not in KERNEL_SCORINGS or routing.fp32_logits:  # not the fused router's GEMV
             router_cfg = None
         if mrk.runs_fused(router_cfg, hidden.shape[0], router_weight.shape[0], routing.top_k) and mrk.norm_fusable(
             hidden, residual, norm_weight, router_weight

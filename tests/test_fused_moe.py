@@ -76,6 +76,12 @@ def hf_block(family: str, seed: int = 0, **overrides):  # type: ignore[no-untype
                 "topk_group": 1, "routed_scaling_factor": 2.5, **overrides,
             }
         )  # fmt: skip
+    elif family == "hunyuan_moe":
+        from transformers import HunYuanMoEV1Config
+        from transformers.models.hunyuan_v1_moe.modeling_hunyuan_v1_moe import HunYuanMoEV1Moe as Block
+
+        k = common.pop("num_experts_per_tok")
+        cfg = HunYuanMoEV1Config(**{**common, "moe_topk": k, "intermediate_size": I, "num_experts": E, **overrides})
     elif family == "ernie4_5_moe":
         from transformers import Ernie4_5_MoeConfig
         from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import Ernie4_5_MoeSparseMoeBlock as Block
@@ -121,6 +127,7 @@ ARCH = {
     "glm4_moe": "Glm4MoeForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
+    "hunyuan_moe": "HunYuanMoEV1ForCausalLM",
 }
 
 
@@ -136,8 +143,9 @@ def op_arguments(family: str, block, cfg) -> dict:  # type: ignore[no-untyped-de
             "router_weight": block.router.weight, "router_bias": block.router.bias, "w_gate_up": w_gu, "w_down": w_d,
             "b_gate_up": b_gu, "b_down": b_d, "routing": routing, "activation": activation,
         }  # fmt: skip
+    router = block.router if family == "granitemoe" else block.gate.wg if family == "hunyuan_moe" else block.gate
     args = {
-        "router_weight": (block.router if family == "granitemoe" else block.gate).weight, "router_bias": None, "w_gate_up": block.experts.gate_up_proj,
+        "router_weight": router.weight, "router_bias": None, "w_gate_up": block.experts.gate_up_proj,
         "w_down": block.experts.down_proj, "routing": routing, "activation": activation,
     }  # fmt: skip
     if family == "qwen2_moe":
@@ -149,6 +157,9 @@ def op_arguments(family: str, block, cfg) -> dict:  # type: ignore[no-untyped-de
         )
     if family == "minimax_m2":  # the score bias goes where a router bias would
         args["router_bias"] = block.e_score_correction_bias
+    if family == "hunyuan_moe":  # its shared MLP, without a gate
+        mlp = block.shared_mlp
+        args["shared_expert"] = SharedExpert(torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight)), mlp.down_proj.weight)
     if family == "ernie4_5_moe":  # the score bias goes where a router bias would; a shared expert without a gate
         mlp = block.shared_experts
         args["router_bias"] = block.gate.moe_statics.e_score_correction_bias
@@ -192,7 +203,26 @@ FAMILIES = [
     ),
     pytest.param("minimax_m2", {"num_experts_per_tok": 3}, id="minimax-m2"),
     pytest.param("ernie4_5_moe", {"num_experts_per_tok": 3}, id="ernie4.5-moe"),
+    pytest.param("hunyuan_moe", {"num_experts_per_tok": 3}, id="hunyuan-moe"),
 ]
+
+
+def test_hunyuan_fp32_router_in_bf16_matches_transformers():
+    """HunYuan's router keeps its weight in fp32 and routes a bf16 model's tokens in fp32 (its
+    weights come back fp32): ids and weights exactly as transformers', and not as a bf16 GEMV's."""
+    block, cfg = hf_block("hunyuan_moe", num_experts_per_tok=3)
+    block = block.to(torch.bfloat16)
+    block.gate.wg.float()  # transformers builds it in fp32
+    routing, _ = moe_routing.moe_spec(ARCH["hunyuan_moe"], cfg.to_dict())
+    x = torch.randn(64, H, generator=torch.Generator().manual_seed(5)).bfloat16()
+    with torch.no_grad():
+        weights, ids = moe_routing.route(x, block.gate.wg.weight, None, routing)
+        hf_weights, hf_ids = hf_router("hunyuan_moe", block, x)
+        bf16 = moe_routing.route(x, block.gate.wg.weight.bfloat16(), None, moe_routing.MoeRouting(3, renormalize=True))[0]
+    assert torch.equal(ids, hf_ids)
+    assert weights.dtype == hf_weights.dtype == torch.float32
+    torch.testing.assert_close(weights, hf_weights, atol=0, rtol=0)
+    assert not torch.equal(bf16.float(), weights)
 
 
 @pytest.mark.parametrize("family", ["glm4_moe", "minimax_m2"])

@@ -46,6 +46,8 @@ CASES = {
     "dots1": ("dots1", {}, ["no_score_bias", {"sliding_window": 4096}]),
     "exaone_moe": ("exaone_moe", {}, ["no_score_bias", {"sliding_window": 4096}]),
     "solar_open": ("solar_open", {}, ["no_score_bias", {"n_group": 1, "topk_group": 1}]),
+    # HunYuan's MoE: an fp32 router, a shared MLP, q/k norms on the rotated heads, the NTK-alpha base
+    "hunyuan_moe": ("hunyuan_moe", {}, [{"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}]),
     # ERNIE 4.5's softmax routing with a score bias for the choice, its first layer dense
     "ernie4_5_moe": ("ernie4_5_moe", {}, ["no_score_bias", {"moe_layer_start_index": 2}]),
     "minimax_m2": ("minimax_m2", {}, ["no_score_bias", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}]),

@@ -19,9 +19,9 @@ PART_FAMILIES = (
 )  # fmt: skip
 # Mixture-of-experts families (tests/test_moe_families.py): hidden 64, 3 layers, 4-8 experts.
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "granitemoe", "glm4_moe", "minimax_m2")
-# GLM-4.5's routing with other families' attention: checked against transformers through LLM only
-# (test_moe_families.py's CASES), as the serving path is GLM-4.5's
-DEEPSEEK_ROUTED_FAMILIES = ("dots1", "exaone_moe", "solar_open", "ernie4_5_moe")
+# Checked against transformers through LLM only (test_moe_families.py's CASES): the serving path is
+# the others' (GLM-4.5's routing with other families' attention, ERNIE 4.5's and HunYuan's MoE)
+MOE_FAMILIES_LLM_ONLY = ("dots1", "exaone_moe", "solar_open", "ernie4_5_moe", "hunyuan_moe")
 
 
 def smollm2_dir() -> Path:
@@ -61,7 +61,7 @@ def tiny_config(family: str, **overrides):  # type: ignore[no-untyped-def]
     )
     if family in PART_FAMILIES:
         return _part_family_config(family, common, overrides)
-    if family in MOE_FAMILIES + DEEPSEEK_ROUTED_FAMILIES:
+    if family in MOE_FAMILIES + MOE_FAMILIES_LLM_ONLY:
         return _moe_family_config(family, common, overrides)
     common.update(overrides)
     if family == "llama":
@@ -300,6 +300,19 @@ def _moe_family_config(family: str, common: dict, overrides: dict):  # type: ign
         small.pop("num_experts_per_tok")
         small.update(overrides)
         return Ernie4_5_MoeConfig(architectures=["Ernie4_5_MoeForCausalLM"], **small)
+    if family == "hunyuan_moe":
+        # HunYuan dense's attention (q/k norms on the rotated heads, NTK-alpha base), a shared MLP as
+        # wide as each expert, an fp32 router (gate.wg)
+        from transformers import HunYuanMoEV1Config
+
+        small.pop("head_dim")
+        small.update(
+            intermediate_size=32, num_experts=8, moe_topk=2,
+            rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0},
+        )  # fmt: skip
+        small.pop("num_experts_per_tok")
+        small.update(overrides)
+        return HunYuanMoEV1Config(architectures=["HunYuanMoEV1ForCausalLM"], head_dim=16, **small)
     if family == "minimax_m2":
         # sigmoid routing with the block's score bias (make_checkpoint draws it), q/k norms over the
         # whole projection, half-rotary heads, Mixtral's checkpoint names
@@ -329,7 +342,7 @@ def make_checkpoint(path: Path, family: str = "llama", seed: int = 0, tokenizer:
                 for proj in (a.q_proj, a.k_proj, a.v_proj, a.o_proj):
                     if proj.bias is not None:
                         proj.bias.normal_(0, 0.5)
-    if family == "hunyuan_dense":  # q/k norm weights (ones as made) whose place in the head matters
+    if family in ("hunyuan_dense", "hunyuan_moe"):  # q/k norm weights (ones as made) whose place in the head matters
         with torch.no_grad():
             for layer in model.model.layers:
                 for norm in (layer.self_attn.query_layernorm, layer.self_attn.key_layernorm):
