@@ -202,7 +202,7 @@ FAMILIES: dict[str, FamilyParts] = {
     ),
     "GptOssForCausalLM": FamilyParts(
         "gpt_oss", moe_block="mlp", moe_router="router", window_source="layer",
-        not_supported="MXFP4 checkpoints (build the bf16 checkpoint)",
+        not_supported="MXFP4 kernels (its MXFP4 checkpoints are dequantised to bf16 at build, or to FP8 with --quant fp8)",
     ),  # fmt: skip
 }
 

@@ -56,11 +56,16 @@ class Checkpoint:
     quant: Any = None  # builder.quant.QuantConfig when the build is AWQ/GPTQ (from quantization_config)
     tensor_files: dict[str, Path] = field(default_factory=dict)  # tensor name -> safetensors file
     tensor_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # MXFP4 tensors (gpt-oss's experts), read dequantised: name -> (its _blocks, its _scales)
+    mxfp4: dict[str, tuple[str, str]] = field(default_factory=dict)
     _handles: dict[Path, Any] = field(default_factory=dict, repr=False)
 
     def tensor(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
 
+        if name in self.mxfp4:
+            blocks, scales = self.mxfp4[name]
+            return dequantize_mxfp4(self.tensor(blocks), self.tensor(scales))
         file = self.tensor_files.get(name)
         if file is None:
             raise BuildError(f"checkpoint {self.path} has no tensor {name!r}; is the checkpoint complete?")
@@ -252,6 +257,36 @@ def open_checkpoint(path: Path, dummy: bool) -> Checkpoint:
     return ckpt
 
 
+# FP4 (e2m1) values by their 4-bit code: sign, two exponent bits, one mantissa bit
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """An MXFP4 tensor as gpt-oss's checkpoints store it, in bf16 and in transformers' layout for
+    its experts: ``blocks`` [E, rows, G, 16] uint8 (two FP4 codes a byte, the low nibble first, so
+    32 values a group along the input), ``scales`` [E, rows, G] uint8 (each group's power of two,
+    biased by 127) -> [E, G * 32, rows]. Exact: every FP4 value times a power of two is a bf16."""
+    lut = torch.tensor(_E2M1, dtype=torch.bfloat16)
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2).long()  # [E, rows, G, 32]
+    values = torch.ldexp(lut[codes], (scales.to(torch.int32) - 127).unsqueeze(-1).to(torch.bfloat16))
+    return values.flatten(-2).transpose(1, 2).contiguous()
+
+
+def _index_mxfp4(ckpt: Checkpoint) -> None:
+    """gpt-oss's MXFP4 checkpoints (``quantization_config.quant_method: mxfp4``): each expert
+    projection stored as ``X_blocks`` and ``X_scales`` is read as ``X``, dequantised to bf16 at
+    build (issue 27: MXFP4 kernels are not built; the artifact holds bf16 experts, or FP8 ones with
+    ``--quant fp8``)."""
+    for name in list(ckpt.tensor_shapes):
+        if not name.endswith("_blocks") or f"{name[:-7]}_scales" not in ckpt.tensor_shapes:
+            continue
+        base, shape = name[:-7], ckpt.tensor_shapes[name]
+        if len(shape) != 4 or shape[-1] != 16 or ckpt.tensor_shapes[f"{base}_scales"] != shape[:3]:
+            raise BuildError(f"MXFP4 tensor {base!r}: blocks {list(shape)} and scales do not make [E, rows, G, 16] and [E, rows, G]")
+        ckpt.mxfp4[base] = (name, f"{base}_scales")
+        ckpt.tensor_shapes[base] = (shape[0], shape[2] * 32, shape[1])
+
+
 def _index_weights(ckpt: Checkpoint) -> None:
     from safetensors import safe_open
 
@@ -279,6 +314,10 @@ def _index_weights(ckpt: Checkpoint) -> None:
             raise BuildError(
                 f"weights file {file} cannot be read ({e}): it is corrupt or truncated; re-download or re-save it"
             ) from e
+    qc = getattr(ckpt.config, "quantization_config", None) or {}
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    if str(qc.get("quant_method")).lower() == "mxfp4":
+        _index_mxfp4(ckpt)
 
 
 def run(state: BuildState) -> BuildState:

@@ -890,6 +890,8 @@ def read_checkpoint_config(path: Any, requested: str | None, dummy: bool) -> Qua
 
     if kv_cache.is_kv_cache_only(qc) or fp8.is_modelopt_kv_cache_only(qc):
         qc = None  # float weights; the KV scales are read by --kv-cache-dtype fp8
+    if str((qc or {}).get("quant_method", "")).lower() == "mxfp4":
+        qc = None  # gpt-oss's MXFP4 experts: the loader dequantises them to bf16 (load._index_mxfp4)
     if requested == "fp8" or str((qc or {}).get("quant_method", "")).lower() in fp8.FP8_METHODS:
         return fp8.read_config(qc, requested)
     return read_config(qc, requested, dummy)

@@ -279,3 +279,53 @@ def quantised_artifacts(tiny_checkpoint_factory, tmp_path_factory, spec):  # typ
         return made[case]
 
     return make
+
+
+# FP4 (e2m1) magnitudes by the low three bits of a code; bit 3 is the sign
+_E2M1_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def mxfp4_quantise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert stack in transformers' gpt-oss layout [E, in, out] as its MXFP4 checkpoints store it:
+    blocks [E, out, in / 32, 16] uint8 (each byte two FP4 codes, the first value in the low nibble)
+    and scales [E, out, in / 32] uint8 (a power of two per group of 32 inputs, biased by 127). Each
+    group's scale is the least power of two that brings its largest magnitude within 6; values
+    round to the nearest FP4 magnitude."""
+    rows = w.float().transpose(1, 2)  # [E, out, in]
+    e, out, k = rows.shape
+    groups = rows.reshape(e, out, k // 32, 32)
+    amax = groups.abs().amax(-1).clamp_min(2.0**-100)
+    exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-126, 127)
+    scaled = groups / torch.pow(2.0, exponent).unsqueeze(-1)
+    magnitude = (scaled.abs().unsqueeze(-1) - _E2M1_MAGNITUDES).abs().argmin(-1)
+    codes = (magnitude | ((scaled < 0).long() << 3)).to(torch.uint8)  # [E, out, G, 32]
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.contiguous(), (exponent + 127).to(torch.uint8)
+
+
+def write_mxfp4(src: Path, dst: Path) -> Path:
+    """The float gpt-oss checkpoint ``src`` as its MXFP4 releases are: each expert stack
+    (``experts.gate_up_proj``, ``experts.down_proj``) as ``_blocks`` and ``_scales``, the rest in
+    bf16, ``quantization_config.quant_method: mxfp4``."""
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        f.unlink()
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    out = {}
+    for name, t in sorted(tensors.items()):
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            out[f"{name}_blocks"], out[f"{name}_scales"] = mxfp4_quantise(t)
+        else:
+            out[name] = t.to(torch.bfloat16) if t.is_floating_point() else t
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+    }
+    config["torch_dtype"] = config["dtype"] = "bfloat16"
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst

@@ -195,6 +195,47 @@ def test_moe_tp2_matches_transformers(family, tiny_checkpoint_factory, tmp_path)
         assert out.token_ids == hf_greedy(hf, ids, 8), prompt
 
 
+def test_gpt_oss_mxfp4_checkpoint_is_dequantised_at_build(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    """gpt-oss as published: its experts in MXFP4 (_blocks and _scales), read dequantised to bf16 at
+    build. The reference is transformers' own dequantisation of the same blocks put into the float
+    model (with the checkpoint's other tensors, bf16): greedy tokens and last logits equal, and the
+    MXFP4 rounding moves the float model's."""
+    from conftest import build_artifact
+    from quant_writer import write_mxfp4
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    src = tiny_checkpoint_factory("gpt_oss")
+    ckpt = write_mxfp4(src, tmp_path / "mxfp4")
+    art = build_artifact(ckpt, tmp_path / "engine", gpu="cpu", dtype="float32")
+    with safe_open(str(art / "weights" / "rank0.safetensors"), "pt") as f:
+        assert f.get_tensor("layers.0.experts.gate_up").dtype == torch.float32  # built float, not MXFP4
+    hf = hf_model(src)
+    ids = list(range(100, 140))
+    with torch.no_grad():
+        float_logits = hf(torch.tensor([ids])).logits[0, -1]
+    written = load_file(str(ckpt / "model.safetensors"))
+    with torch.no_grad():
+        state = hf.state_dict()
+        for name, t in written.items():  # the rest as written: bf16, as the releases hold it
+            if name in state:
+                state[name].copy_(t.float())
+        for i, layer in enumerate(hf.model.layers):
+            for name in ("gate_up_proj", "down_proj"):
+                stem = f"model.layers.{i}.mlp.experts.{name}"
+                deq = convert_moe_packed_tensors(written[f"{stem}_blocks"], written[f"{stem}_scales"])
+                getattr(layer.mlp.experts, name).copy_(deq.float())
+    llm = LLM(art, max_num_batched_tokens=64, max_num_seqs=4)
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outputs, strict=True):
+        assert out.token_ids == hf_greedy(hf, llm.tokenizer.encode(prompt, add_special_tokens=False), MAX_TOKENS)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0, -1]
+    assert (ref - float_logits).abs().max() > 1e-2  # the MXFP4 rounding matters
+    torch.testing.assert_close(engine_last_logits(llm.engine, ids), ref, atol=1e-4, rtol=0)
+
+
 # -- refusals ---------------------------------------------------------------------------------
 
 
