@@ -265,11 +265,17 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     """An MXFP4 tensor as gpt-oss's checkpoints store it, in bf16 and in transformers' layout for
     its experts: ``blocks`` [E, rows, G, 16] uint8 (two FP4 codes a byte, the low nibble first, so
     32 values a group along the input), ``scales`` [E, rows, G] uint8 (each group's power of two,
-    biased by 127) -> [E, G * 32, rows]. Exact: every FP4 value times a power of two is a bf16."""
+    biased by 127) -> [E, G * 32, rows]. Exact: every FP4 value times a power of two is a bf16.
+    One expert at a time, so the working memory is an expert's, not the stack's (gpt-oss-120b's
+    gate_up stack is 4 GiB in bf16)."""
     lut = torch.tensor(_E2M1, dtype=torch.bfloat16)
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2).long()  # [E, rows, G, 32]
-    values = torch.ldexp(lut[codes], (scales.to(torch.int32) - 127).unsqueeze(-1).to(torch.bfloat16))
-    return values.flatten(-2).transpose(1, 2).contiguous()
+    e, rows, groups, _ = blocks.shape
+    out = torch.empty((e, groups * 32, rows), dtype=torch.bfloat16)
+    for i in range(e):
+        codes = torch.stack((blocks[i] & 0x0F, blocks[i] >> 4), dim=-1).flatten(-2).int()  # [rows, G, 32]
+        values = torch.ldexp(lut[codes], (scales[i].to(torch.int32) - 127).unsqueeze(-1).to(torch.bfloat16))
+        out[i] = values.flatten(-2).t()
+    return out
 
 
 def _index_mxfp4(ckpt: Checkpoint) -> None:
