@@ -165,20 +165,17 @@ def steps(out: Path) -> list[Step]:
             200,
             "issue 33's bf16 W6 without decode halves: the baseline of halves_w6_c32 and halves_w6_c48 (same artifact)",
         ),
-        Step(
-            "halves_w6_c32",
-            [PY, str(bench / "serving.py"), "--artifact", str(out / "halves" / "llama3-8b-dummy"), "--out",
-             str(out / "halves_c32"), "--phases", "W6", "--decode-halves-from", "256", "--decode-halves-carveout", "32"],
-            90,
-            "W6 with decode graphs of 256 rows and more as two halves on two streams, their GEMMs leaving 32 SMs to the "
-            "other half's attention",
-        ),
-        Step(
-            "halves_w6_c48",
-            [PY, str(bench / "serving.py"), "--artifact", str(out / "halves" / "llama3-8b-dummy"), "--out",
-             str(out / "halves_c48"), "--phases", "W6", "--decode-halves-from", "256", "--decode-halves-carveout", "48"],
-            90,
-            "the same with 48 SMs left",
+        *(
+            Step(
+                f"halves_w6_c{sms}",
+                [PY, str(bench / "serving.py"), "--artifact", str(out / "halves" / "llama3-8b-dummy"), "--out",
+                 str(out / f"halves_c{sms}"), "--phases", "W6", "--decode-halves-from", "256",
+                 "--decode-halves-carveout", str(sms)],
+                90,
+                f"W6 with decode graphs of 256 rows and more as two halves on two streams, their GEMMs leaving {sms} "
+                "SMs to the other half's attention",
+            )
+            for sms in (32, 48)
         ),
         Step(
             "bf16_w1_w6_16k",

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -92,17 +91,7 @@ class Half:
 
 def eager_us(fn: Callable[[], None], reps: int) -> float:
     """Median microseconds of ``fn()`` launched eagerly (stream priorities as the streams have them)."""
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(samples)
+    return tuning._median_event_seconds(fn, reps) * 1e6
 
 
 def main() -> None:

@@ -214,6 +214,18 @@ def fp8_quantization_config(fmt: str, lm_head: bool = False) -> dict[str, object
             "modules_to_not_convert": head}  # fmt: skip
 
 
+def _copy_without_weights(src: Path, dst: Path) -> dict[str, torch.Tensor]:
+    """``dst`` a fresh copy of checkpoint ``src`` but for its weights files; returns ``src``'s tensors."""
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        f.unlink()
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    return tensors
+
+
 def write_fp8(
     src: Path, dst: Path, fmt: str, input_scales: dict[str, float] | None = None, *, lm_head: bool = False,
     hf_quant_config: bool = False,
@@ -227,13 +239,7 @@ def write_fp8(
     ``lm_head``: the LM head (an untied one) quantised in ``fmt`` too, without an input scale (as
     a checkpoint whose ignore list leaves lm_head out). ``hf_quant_config`` (ModelOpt only): the
     config in hf_quant_config.json, as ModelOpt's export writes it, and none in config.json."""
-    shutil.rmtree(dst, ignore_errors=True)
-    shutil.copytree(src, dst)
-    for f in dst.glob("*.safetensors"):
-        f.unlink()
-    tensors = {}
-    for f in sorted(src.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
+    tensors = _copy_without_weights(src, dst)
     out, deq = {}, {}
     scales = input_scales or {}
     for name, t in sorted(tensors.items()):
@@ -307,15 +313,8 @@ def write_mxfp4(src: Path, dst: Path) -> Path:
     """The float gpt-oss checkpoint ``src`` as its MXFP4 releases are: each expert stack
     (``experts.gate_up_proj``, ``experts.down_proj``) as ``_blocks`` and ``_scales``, the rest in
     bf16, ``quantization_config.quant_method: mxfp4``."""
-    shutil.rmtree(dst, ignore_errors=True)
-    shutil.copytree(src, dst)
-    for f in dst.glob("*.safetensors"):
-        f.unlink()
-    tensors = {}
-    for f in sorted(src.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
     out = {}
-    for name, t in sorted(tensors.items()):
+    for name, t in sorted(_copy_without_weights(src, dst).items()):
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             out[f"{name}_blocks"], out[f"{name}_scales"] = mxfp4_quantise(t)
         else:
