@@ -66,6 +66,8 @@ def _sigmoid_router_ops(routing: Any) -> list[str]:
     if routing.fp32_logits:  # GLM-4.5 (its groups' ops run even with one group)
         return [*_SIGMOID_CHOICE, *(["sum", "add", "div_"] if routing.renormalize else []), "mul"]
     return ["linear", "sigmoid", "add", "topk", "gather", "sum", "div_"]
+
+
 _MOE_EXPERTS_OPS = {
     "reshape", "view", "sort", "floor_divide", "index", "to", "histc", "cumsum", "ge", "unsqueeze", "clamp_",
     "masked_fill_", "masked_fill", "transpose", "grouped_mm_fallback", "_grouped_mm", "chunk", "mul", "empty_like",

@@ -137,7 +137,8 @@ def test_moe_ir_and_plan(tiny_artifact_factory):  # type: ignore[no-untyped-def]
     assert workspace["t1"] > 0 and workspace["t2048"] > workspace["t16"] > workspace["t1"]
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES)
+# Granite-MoE's and MiniMax-M2's serving path is Mixtral's and GLM-4.5's: checked through LLM only
+@pytest.mark.parametrize("family", [f for f in MOE_FAMILIES if f not in ("granitemoe", "minimax_m2")])
 def test_family_through_engine_serve(family, tmp_path, tiny_artifact_factory, tiny_checkpoint_factory):  # type: ignore[no-untyped-def]
     from server_support import assert_served_greedy_matches
 
@@ -150,13 +151,13 @@ def test_family_through_engine_serve(family, tmp_path, tiny_artifact_factory, ti
     )
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss", "granitemoe", "glm4_moe", "minimax_m2"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss", "granitemoe", "glm4_moe"])
 def test_moe_tp2_matches_transformers(family, tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
     """TP=2 on gloo: every rank holds every expert and half of each expert's (and the shared
     expert's and the dense layer's) intermediate columns; gpt-oss's down bias on rank 0 only,
     its sinks cut with the heads; Granite-MoE's stacked [E, 2I, H] cut in its gate and its up
-    halves alike; GLM-4.5's score bias on every rank, in fp32; MiniMax-M2's q/k norms over the whole
-    projection cut with the heads."""
+    halves alike; GLM-4.5's score bias on every rank, in fp32. (Whole-projection q/k norms at TP=2:
+    test_families.py's OLMo 2 case, the path MiniMax-M2 takes.)"""
     from conftest import build_artifact
     from safetensors import safe_open
 
@@ -171,9 +172,6 @@ def test_moe_tp2_matches_transformers(family, tiny_checkpoint_factory, tmp_path)
                 stacked = c.get_tensor("model.layers.1.block_sparse_moe.input_linear.weight")
             torch.testing.assert_close(f.get_tensor("layers.1.experts.gate_up")[:, :inter], stacked[:, inter : 2 * inter])
             torch.testing.assert_close(f.get_tensor("layers.1.experts.gate_up")[:, inter:], stacked[:, 3 * inter :])
-        elif family == "minimax_m2":  # 4 query heads and 2 KV heads of 16: two and one a rank
-            assert tuple(f.get_slice("layers.1.q_norm.weight").get_shape()) == (32,)
-            assert tuple(f.get_slice("layers.1.k_norm.weight").get_shape()) == (16,)
         elif family == "glm4_moe":
             assert tuple(f.get_slice("layers.1.shared_expert.down_proj.weight").get_shape()) == (64, 16)
             with safe_open(str(ckpt / "model.safetensors"), "pt") as c:
