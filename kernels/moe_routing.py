@@ -12,7 +12,8 @@ see moe_route_kernel's docstring) and by a few fp32 ulps in sums added in anothe
         logits = x @ router.T in x's dtype; probs = softmax(logits) in fp32; top-k of probs;
         renormalised to sum 1 where ``renormalize`` (Mixtral always; the Qwens and OLMoE by
         ``norm_topk_prob``); the weights stay fp32 (Mixtral) or are rounded to x's dtype (the
-        Qwens and OLMoE: ``weights_in_x_dtype``).
+        Qwens and OLMoE: ``weights_in_x_dtype``). HunYuan's from fp32 logits (``fp32_logits``: x
+        and its fp32 router weight), its weights fp32.
     scoring "sigmoid_group"  (GLM-4.5 / 4.6 and MiniMax-M2: DeepSeek-V3's routing without its attention)
         logits = x @ router.T, in fp32 where ``fp32_logits`` (GLM: x and the router's weight cast
         up), else in x's dtype, then cast up (MiniMax-M2); scores = sigmoid(logits);
@@ -67,8 +68,9 @@ class MoeRouting:
     scoring: str = "softmax_topk"
     renormalize: bool = False  # divide the top-k probabilities by their sum (softmax_topk only)
     weights_in_x_dtype: bool = False  # round the weights to x's dtype (the Qwens, OLMoE) or keep fp32
-    # sigmoid_group only: expert groups, the groups kept, the weights' factor, and whether the
-    # router's GEMV runs in fp32 (x cast up) rather than in x's dtype
+    # sigmoid_group only: expert groups, the groups kept and the weights' factor; and whether the
+    # router's GEMV runs in fp32 (x cast up) rather than in x's dtype (GLM-4.5's and ERNIE 4.5's
+    # routings, and HunYuan's softmax_topk, whose weights then stay fp32)
     n_group: int = 1
     topk_group: int = 1
     scale: float = 1.0
