@@ -199,13 +199,13 @@ def moe_tensors(layer: LayerSpec, moe: MoeSpec, h: int) -> list[TensorPlan]:
     e, inter = moe.num_experts, moe.intermediate_size
     gate, up, down = moe.expert_projections
     ex = f"{p}.{moe.experts_name}"
-    # sigmoid_group routes from fp32 logits (x and the weight cast up, as transformers does): its
-    # router's weight is stored in fp32, so that no step casts it.
+    # A router whose logits are fp32 (GLM-4.5's, ERNIE 4.5's, HunYuan's: x and the weight cast up, as
+    # transformers does) has its weight stored in fp32, so that no step casts it.
     router_dtype = "float32" if moe.router_fp32 else None
     tensors = [TensorPlan(f"{o}.router.weight", (f"{p}.{moe.router_name}.weight",), (e, h), dtype=router_dtype)]
     if moe.router_bias:
         tensors.append(TensorPlan(f"{o}.router.bias", (f"{p}.{moe.router_name}.bias",), (e,)))
-    if moe.score_bias:  # sigmoid_group's bias for the choice (moe_routing.route's router_bias there)
+    if moe.score_bias:  # sigmoid_group's and softmax_bias's bias for the choice (route's router_bias there)
         bias = f"{p}.{moe.score_bias_name}"
         shape = (1, e) if moe.scoring == "softmax_bias" else (e,)  # ERNIE 4.5 keeps it [1, E]
         tensors.append(TensorPlan(f"{o}.router.score_bias", (bias,), shape, dtype="float32"))  # fp32 as transformers keeps it
