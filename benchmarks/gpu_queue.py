@@ -85,6 +85,16 @@ def steps(out: Path) -> list[Step]:
             "on the rotated heads) and CUDA graphs; CPU parity only so far",
         ),
         Step(
+            "new_moe_families_gpu",
+            _pytest("tests/test_moe_families_gpu.py", "-k",
+                    "minimax_m2 or dots1 or exaone_moe or solar_open or ernie4_5_moe or hunyuan_moe", stop_at_first=False),
+            300,
+            "the thirty-eighth session's MoE families (MiniMax-M2, dots1, EXAONE-MoE, Solar Open, ERNIE 4.5 MoE, "
+            "HunYuan MoE) in fp32 on the GPU against transformers: their routings (sigmoid with groups or a score "
+            "bias, softmax with a score bias, fp32 logits) in the decode graphs beside the fused-MoE kernels; CPU "
+            "parity only so far",
+        ),
+        Step(
             "qwen3_w4",
             [*qwen3_w4, str(out / "new")],
             300,

@@ -24,8 +24,14 @@ if not torch.cuda.is_available():
 PROMPTS = [[1 + (i * 37 + j * 11) % 4000 for j in range(n)] for i, n in enumerate([5, 17, 33, 64, 100, 3, 200, 9])]
 
 
-# glm4_moe: its sigmoid routing runs in torch ops on the GPU too, inside the decode graphs
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "glm4_moe", "granitemoe"])
+# glm4_moe: its sigmoid routing runs in torch ops on the GPU too, inside the decode graphs; the
+# rest: MiniMax-M2's bf16-logit sigmoid routing, GLM-4.5's routing under other attentions (dots1,
+# EXAONE-MoE, Solar Open), ERNIE 4.5's softmax with a score bias, HunYuan's fp32-logit softmax
+@pytest.mark.parametrize(
+    "family",
+    ["qwen3_moe", "qwen2_moe", "glm4_moe", "granitemoe", "minimax_m2", "dots1", "exaone_moe", "solar_open",
+     "ernie4_5_moe", "hunyuan_moe"],
+)
 def test_moe_fp32_greedy_matches_transformers_on_gpu(tmp_path, family):  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM
 
