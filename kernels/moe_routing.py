@@ -228,20 +228,18 @@ def route(
     fused config runs the router GEMV and the routing as one launch
     (moe_route_kernel.router_route) where it takes the batch; None or the unfused one keeps
     F.linear and the routing kernel."""
-    if routing.scoring in ("sigmoid_group", "softmax_bias"):  # router_bias is the choice's score bias
-        if routing.fp32_logits:
-            logits = torch.nn.functional.linear(x.float(), router_weight.float())
-        else:
-            logits = torch.nn.functional.linear(x, router_weight.to(x.dtype)).float()
-        weights, ids = route_torch(logits, routing, router_bias)
-        weights = weights.to(weights_dtype(routing, x.dtype))
-        return (weights.float() if widen else weights), ids
-    if use_kernel is None:
-        use_kernel = x.is_cuda
-    if routing.fp32_logits:  # HunYuan's fp32 router: the logits in fp32, routed as they would be
+    x_dtype = x.dtype
+    if routing.fp32_logits:  # an fp32 router (GLM-4.5's, ERNIE 4.5's, HunYuan's): the logits in fp32
         x, router_weight = x.float(), router_weight.float()
         router_bias = None if router_bias is None else router_bias.float()
         config = None  # the fused router computes its GEMV in x's dtype
+    if routing.scoring in ("sigmoid_group", "softmax_bias"):  # router_bias is the choice's score bias
+        logits = torch.nn.functional.linear(x, router_weight.to(x.dtype)).float()
+        weights, ids = route_torch(logits, routing, router_bias)
+        weights = weights.to(weights_dtype(routing, x_dtype))
+        return (weights.float() if widen else weights), ids
+    if use_kernel is None:
+        use_kernel = x.is_cuda
     if use_kernel:
         from pagecast.kernels import moe_route_kernel
 

@@ -209,19 +209,24 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
-def truncated_prompt(ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
-    """The prompt's token ids that ``params.truncate_prompt_tokens`` keeps: its last k (all of
-    them when it has fewer; k = -1: ``max_model_len``). A k past the context is a ``ValueError``
-    naming the field, as it could never be served."""
-    k = params.truncate_prompt_tokens
+def kept_tokens(k: int | None, max_model_len: int) -> int | None:
+    """How many of a prompt's last tokens ``truncate_prompt_tokens`` = ``k`` keeps (None: all;
+    -1: ``max_model_len``). A k past the context is a ``ValueError`` naming the field, as it
+    could never be served."""
     if k is None:
-        return ids
+        return None
     _check(
         k <= max_model_len, "truncate_prompt_tokens",
         f"is {k}, more than this model's maximum context length ({max_model_len} tokens)",
     )  # fmt: skip
-    keep = max_model_len if k == -1 else k
-    return ids[-keep:] if len(ids) > keep else ids
+    return max_model_len if k == -1 else k
+
+
+def truncated_prompt(ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
+    """The prompt's token ids that ``params.truncate_prompt_tokens`` keeps: its last k (all of
+    them when it has fewer; see ``kept_tokens``)."""
+    keep = kept_tokens(params.truncate_prompt_tokens, max_model_len)
+    return ids[-keep:] if keep is not None and len(ids) > keep else ids
 
 
 def _check(ok: bool, name: str, message: str) -> None:

@@ -159,12 +159,16 @@ def test_int4_moe_artifact_matches_transformers_on_gpu(family, fmt, tiny_checkpo
     fmt_ = Format("gptq", 32, sym=True, desc_act=True) if fmt == "gptq-actorder" else Format("awq", 32)
     ckpt, deq = write(src, tmp_path / "q", fmt_)
     art = build_artifact(ckpt, tmp_path / "art", gpu="auto", dtype="float32", tune_budget_s=60.0)
-    llm = LLM(art, max_num_seqs=4, max_num_batched_tokens=64)
+    # A small KV cache, freed at the end: the next case's tuner (a process of its own) measures
+    # copy bandwidth with 2 GiB buffers, which an H100 run found held by this engine's default cache.
+    llm = LLM(art, max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory="256MiB")
     prompts = [[1, 504, 3458, 22, 333, 17], [5, 6, 7], list(range(100, 140))]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     hf = AutoModelForCausalLM.from_pretrained(str(deq), dtype=torch.float32).eval()
     for ids, out in zip(prompts, outputs, strict=True):
         assert out.token_ids == hf_greedy(hf, ids, 8)
+    del llm, hf
+    torch.cuda.empty_cache()
 
 
 def test_int4_moe_bf16_engine_matches_its_dequantization_on_gpu(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]

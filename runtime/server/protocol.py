@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 
-from pagecast.runtime.sampling_params import SamplingParams, StructuredOutput
+from pagecast.runtime.sampling_params import SamplingParams, StructuredOutput, kept_tokens
 from pagecast.runtime.server.errors import (
     APIError,
     from_sampling_value_error,
@@ -143,16 +143,10 @@ class _SamplingRequest(RequestModel):
 
     def kept_prompt_tokens(self, max_model_len: int) -> int | None:
         """How many of the prompt's last tokens ``truncate_prompt_tokens`` keeps (None: all)."""
-        k = self.truncate_prompt_tokens
-        if k is None:
-            return None
-        if k > max_model_len:
-            raise invalid_request(
-                f"`truncate_prompt_tokens` is {k}, more than this model's maximum context length "
-                f"({max_model_len} tokens).",
-                "truncate_prompt_tokens",
-            )
-        return max_model_len if k == -1 else k
+        try:
+            return kept_tokens(self.truncate_prompt_tokens, max_model_len)
+        except ValueError as exc:
+            raise invalid_request(f"{exc}.", "truncate_prompt_tokens") from None
 
     @field_validator("stop_token_ids")
     @classmethod
