@@ -302,9 +302,15 @@ def _cpu_counters() -> torch.Tensor:
     return split_k.COUNTERS[torch.device("cpu")]
 
 
-@pytest.mark.parametrize("activations", ["token", "group", "static"])
-@pytest.mark.parametrize("m", [1, 3, 8, 16])
-@pytest.mark.parametrize(("k", "splits"), [(1300, {2: 2, 3: 3, 4: 4}), (1024, {2: 2, 3: 3, 4: 4}), (384, {2: 2, 3: 3, 4: 3})])
+SCHEMES = ("token", "group", "static")
+_SPLIT_KS = [(1300, {2: 2, 3: 3, 4: 4}), (1024, {2: 2, 3: 3, 4: 4}), (384, {2: 2, 3: 3, 4: 3})]
+
+
+# Every row count with every K, the activation schemes in turn: each pair of the three meets.
+@pytest.mark.parametrize(
+    ("activations", "m", "k", "splits"),
+    [(SCHEMES[(i + j) % 3], m, k, splits) for i, m in enumerate([1, 3, 8, 16]) for j, (k, splits) in enumerate(_SPLIT_KS)],
+)
 def test_split_fused_decode_kernel_matches_the_unsplit_one_in_the_interpreter(activations, m, k, splits, launches):  # type: ignore[no-untyped-def]
     """SPLIT_K 2, 3 and 4 against SPLIT_K 1 (and the reference, on activations the interpreter
     quantises right): the same products and scales, the splits' fp32 partials added in another
@@ -1334,9 +1340,12 @@ def _norm_rows(m: int, k: int, activations: str, residual: bool, seed: int):  # 
     return stream - r, r, g, stream, normed
 
 
-@pytest.mark.parametrize("activations", ["token", "group", "static"])
-@pytest.mark.parametrize(("m", "k"), [(1, 300), (1, 2176), (3, 1024), (8, 384), (16, 300)])
-@pytest.mark.parametrize("residual", [False, True])
+# Every shape with every scheme, with and without the residual in turn: each pair of the three meets.
+@pytest.mark.parametrize(
+    ("activations", "m", "k", "residual"),
+    [(scheme, m, k, (i + a) % 2 == 1) for i, (m, k) in enumerate([(1, 300), (1, 2176), (3, 1024), (8, 384), (16, 300)])
+     for a, scheme in enumerate(SCHEMES)],
+)
 def test_norm_inside_the_fused_decode_kernel_is_the_reference_on_exact_rows(activations, m, k, residual, launches):  # type: ignore[no-untyped-def]
     """fp8_gemm.fp8_skinny_norm_linear (the RMSNorm, with the residual add or without, inside the
     fused decode kernel) on rows whose normalisation is exact: the projection of the normalised
@@ -1394,9 +1403,12 @@ def test_norm_inside_the_fused_decode_kernel_takes_eps_and_half_rows_and_refuses
         fp8_gemm.fp8_skinny_norm_linear(x, r, g, 1e-5, w, None, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 1})
 
 
-@pytest.mark.parametrize("activations", ["token", "group", "static"])
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize(("m", "d"), [(1, 300), (16, 384)])
+# Every scheme with both activations, the two shapes in turn: each pair of the three meets.
+@pytest.mark.parametrize(
+    ("activations", "activation", "m", "d"),
+    [(scheme, activation, *[(1, 300), (16, 384)][(a + b) % 2]) for a, scheme in enumerate(SCHEMES)
+     for b, activation in enumerate(["silu", "gelu_tanh"])],
+)
 def test_activation_inside_the_fused_decode_kernel_gives_the_two_launches_bits(activations, activation, m, d, launches):  # type: ignore[no-untyped-def]
     """fp8_gemm.fp8_act_and_mul_linear up to 16 rows under a SKINNY config (down at decode): the
     fused decode kernel applies act(gate) * up to its input on the way in, with the bits of the

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 from engine_utils import engine_last_logits, hf_greedy
-from tiny_models import MOE_FAMILIES
 
 from pagecast.builder.ir import BuildOptions
 from pagecast.builder.pipeline import build
@@ -137,8 +136,10 @@ def test_moe_ir_and_plan(tiny_artifact_factory):  # type: ignore[no-untyped-def]
     assert workspace["t1"] > 0 and workspace["t2048"] > workspace["t16"] > workspace["t1"]
 
 
-# Granite-MoE's and MiniMax-M2's serving path is Mixtral's and GLM-4.5's: checked through LLM only
-@pytest.mark.parametrize("family", [f for f in MOE_FAMILIES if f not in ("granitemoe", "minimax_m2")])
+# engine-serve runs the rendered model LLM runs (test_moe_family_matches_transformers checks every
+# family there): Qwen3-MoE's softmax routing, gpt-oss's sinks, windows and biased experts, GLM-4.5's
+# sigmoid routing with a shared expert and dense layers. The others passed it when they were added.
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "glm4_moe"])
 def test_family_through_engine_serve(family, tmp_path, tiny_artifact_factory, tiny_checkpoint_factory):  # type: ignore[no-untyped-def]
     from server_support import assert_served_greedy_matches
 
