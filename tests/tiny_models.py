@@ -327,6 +327,51 @@ def _moe_family_config(family: str, common: dict, overrides: dict):  # type: ign
     raise ValueError(family)
 
 
+# Image-text checkpoints whose language model pagecast builds (builder/families.IMAGE_TEXT): the
+# language model's family here -> the image-text architecture
+IMAGE_TEXT_FAMILIES = {"gemma3": "Gemma3ForConditionalGeneration", "mistral": "Mistral3ForConditionalGeneration"}
+
+
+def make_image_text_checkpoint(path: Path, family: str, seed: int = 0) -> Path:
+    """Save a tiny random image-text checkpoint (IMAGE_TEXT_FAMILIES) whose language model is
+    ``tiny_config(family)``'s, with a small vision tower and projector, as transformers saves it
+    (the hub's layout: language_model.model.*, vision_tower.*, multi_modal_projector.*), and the
+    SmolLM2 tokenizer."""
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Mistral3Config,
+        Mistral3ForConditionalGeneration,
+    )
+
+    torch.manual_seed(seed)
+    text = tiny_config(family).to_dict()
+    for key in ("architectures", "transformers_version", "dtype", "torch_dtype"):
+        text.pop(key, None)
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28,
+              "patch_size": 14}  # fmt: skip
+    if family == "gemma3":
+        config = Gemma3Config(
+            text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=49151,
+            boi_token_index=49149, eoi_token_index=49150, tie_word_embeddings=text["tie_word_embeddings"],
+        )  # fmt: skip
+        model = Gemma3ForConditionalGeneration(config)
+    else:  # an LM head of its own, as Mistral Small 3.x's (language_model.lm_head.weight)
+        text["tie_word_embeddings"] = False
+        vision.update(model_type="pixtral", head_dim=16)
+        config = Mistral3Config(
+            text_config=text, vision_config=vision, image_token_index=49151, spatial_merge_size=2,
+            tie_word_embeddings=False,
+        )  # fmt: skip
+        model = Mistral3ForConditionalGeneration(config)
+    model.save_pretrained(str(path))
+    src = tokenizer_dir()
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy(src / name, path / name)
+    return path
+
+
 def make_checkpoint(path: Path, family: str = "llama", seed: int = 0, tokenizer: bool = True, **overrides) -> Path:  # type: ignore[no-untyped-def]
     """Save a tiny random checkpoint of ``family`` (weights, config and, unless ``tokenizer`` is
     False, the SmolLM2 tokenizer) to ``path``."""
