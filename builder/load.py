@@ -276,8 +276,22 @@ def language_model_config(path: Path, raw: dict[str, Any], config: Any, image_te
             f"unquantised image-text checkpoints only; build from the bf16 checkpoint (--quant fp8 quantises "
             f"it at build)"
         )
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    arch = IMAGE_TEXT[image_text]
     text = config.get_text_config()
-    text.architectures = [IMAGE_TEXT[image_text]]
+    if text.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:  # Qwen-VL's text configs: as the text model's
+        values = {k: v for k, v in text.to_dict().items() if k not in ("model_type", "architectures")}
+        rope = dict(values.get("rope_parameters") or {})
+        for key in ("mrope_section", "mrope_interleaved"):  # one position a text token in every section
+            rope.pop(key, None)
+        if rope.get("type") == "mrope":
+            rope.pop("type")
+        values["rope_parameters"] = rope
+        values.pop("rope_scaling", None)
+        text = AutoConfig.for_model(FAMILIES[arch].family, **values)
+    text.architectures = [arch]
     if "tie_word_embeddings" in raw:
         text.tie_word_embeddings = bool(raw["tie_word_embeddings"])
     if getattr(text, "dtype", None) is None:
@@ -290,15 +304,19 @@ def language_model_config(path: Path, raw: dict[str, Any], config: Any, image_te
 _LANGUAGE_MODEL_PREFIXES = (
     ("language_model.model.", "model."),  # as published (and as transformers saves them)
     ("language_model.lm_head.", "lm_head."),
-    ("model.language_model.", "model."),  # as transformers names them in memory
+    ("model.language_model.", "model."),  # as transformers names them in memory (Qwen3-VL's as published)
     ("lm_head.", "lm_head."),
 )
+_TEXT_MODEL_CHILDREN = ("embed_tokens", "layers", "norm")  # Qwen2.5-VL's language model: model.* itself
 
 
 def _language_model_name(name: str) -> str | None:
     for stored, text in _LANGUAGE_MODEL_PREFIXES:
         if name.startswith(stored):
             return text + name[len(stored) :]
+    parts = name.split(".")
+    if parts[0] == "model" and len(parts) > 2 and parts[1] in _TEXT_MODEL_CHILDREN:
+        return name
     return None
 
 
@@ -373,7 +391,7 @@ def _index_weights(ckpt: Checkpoint) -> None:
     if ckpt.image_text is not None and not any(name.startswith("model.") for name in ckpt.tensor_files):
         raise BuildError(
             f"{path} is a {ckpt.image_text} checkpoint without its language model's tensors (looked for "
-            f"{', '.join(p for p, _ in _LANGUAGE_MODEL_PREFIXES)}*); is the checkpoint complete?"
+            f"language_model.model.*, model.language_model.* and model.layers.*); is the checkpoint complete?"
         )
     qc = getattr(ckpt.config, "quantization_config", None) or {}
     qc = qc if isinstance(qc, dict) else qc.to_dict()

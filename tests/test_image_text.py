@@ -1,7 +1,8 @@
 """Image-text checkpoints whose language model pagecast builds (builder/families.IMAGE_TEXT:
-Gemma 3 4B-27B, Mistral Small 3.x): tiny random checkpoints saved by transformers in the hub's
-layout build as their text-only architecture and give the image-text model's own greedy tokens
-and last-position logits for text prompts, fp32 on the CPU; the vision tower is not read."""
+Gemma 3 4B-27B, Mistral Small 3.x, Qwen2.5-VL, Qwen3-VL): tiny random checkpoints saved by
+transformers in the hub's layout build as their text-only architecture and give the image-text
+model's own greedy tokens and last-position logits for text prompts (Qwen's M-RoPE included),
+fp32 on the CPU; the vision tower is not read."""
 
 from __future__ import annotations
 
@@ -48,11 +49,12 @@ def test_image_text_language_model_matches_transformers(family, tmp_path):  # ty
         renamed = tmp_path / "renamed"
         _rename_tensors(ckpt, renamed, lambda k: f"model.{k.replace('.model.', '.', 1)}" if k.startswith("language_model.") else f"model.{k}")
         build_from = renamed
-    else:  # as published, with an LM head of its own (language_model.lm_head.weight)
+    else:  # as published (Mistral 3 with an LM head of its own: language_model.lm_head.weight)
         build_from = ckpt
     art = build_artifact(build_from, tmp_path / "art")
     manifest = json.loads((art / "manifest.json").read_text())
-    text_arch = {"gemma3": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM"}[family]
+    text_arch = {"gemma3": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}[family]  # fmt: skip
     assert manifest["architecture"] == text_arch
     assert f"the language model of a {IMAGE_TEXT_FAMILIES[family]} checkpoint" in (art / "report.md").read_text()
 
