@@ -162,32 +162,6 @@ def steps(out: Path) -> list[Step]:
             "baseline of bf16_w1_w6_16k",
         ),
         Step(
-            "overlap_carveout",
-            [PY, str(bench / "overlap.py"), "--out", str(out / "overlap"), "--carveouts", "0,16,32,48,64"],
-            100,
-            "one half-batch's decode attention beside the other's GEMMs, the GEMMs on all but C SMs (cuBLASLt's SM "
-            "count target), against one batch on one stream, at W6's batch 512 and mean context 640 (twenty-third "
-            "session, no carve-out: two streams 0.912x one)",
-        ),
-        Step(
-            "halves_w6",
-            [PY, str(bench / "serving.py"), "--out", str(out / "halves"), "--phases", "W6", "--tune-budget", "60"],
-            200,
-            "issue 33's bf16 W6 without decode halves: the baseline of halves_w6_c32 and halves_w6_c48 (same artifact)",
-        ),
-        *(
-            Step(
-                f"halves_w6_c{sms}",
-                [PY, str(bench / "serving.py"), "--artifact", str(out / "halves" / "llama3-8b-dummy"), "--out",
-                 str(out / f"halves_c{sms}"), "--phases", "W6", "--decode-halves-from", "256",
-                 "--decode-halves-carveout", str(sms)],
-                90,
-                f"W6 with decode graphs of 256 rows and more as two halves on two streams, their GEMMs leaving {sms} "
-                "SMs to the other half's attention",
-            )
-            for sms in (32, 48)
-        ),
-        Step(
             "bf16_w1_w6_16k",
             [PY, str(bench / "serving.py"), "--artifact", str(out / "bf16" / "llama3-8b-dummy"), "--out",
              str(out / "bf16_16k"), "--phases", "W1,W6", "--max-num-batched-tokens", "16384"],

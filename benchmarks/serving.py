@@ -272,7 +272,7 @@ def run_engine(engine, prompts, params_list, sample_kv: bool = False, only_finis
 
 def phase_ours(
     out: Path, artifact: Path, phases: set[str], scale: float = 1.0, llama_targets: bool = True, mixed_graphs: bool = False,
-    max_num_batched_tokens: int = 8192, decode_halves_from: int = 0, decode_halves_carveout: int = 0,
+    max_num_batched_tokens: int = 8192,
 ) -> None:  # fmt: skip
     """The in-process engine's phases. Each row also says how many Triton kernels compiled during
     it (``triton_compiles``, the artifact's cache missed them; a compile takes seconds, so a
@@ -280,9 +280,7 @@ def phase_ours(
     lengths and the engine's batch (a CPU dry run); ``llama_targets``: the rows carry
     PERFORMANCE.md's Llama-3-8B targets and roofline (off for another model); ``mixed_graphs``: the
     engine replays steps with prompt tokens from CUDA graphs too (EngineOptions.mixed_graphs);
-    ``max_num_batched_tokens``: the engine's token budget a step; ``decode_halves_from`` and
-    ``decode_halves_carveout``: EngineOptions' (two half-batches on two streams, the GEMMs leaving
-    that many SMs to the other half's attention)."""
+    ``max_num_batched_tokens``: the engine's token budget a step."""
     from pagecast.runtime.artifact import load_manifest
     from pagecast.runtime.engine import LLMEngine
     from pagecast.runtime.kernel_cache import process_compiles
@@ -300,13 +298,11 @@ def phase_ours(
     start = time.perf_counter()
     engine = LLMEngine(
         artifact, max_num_seqs=sized(1024), max_num_batched_tokens=sized(max_num_batched_tokens),
-        gpu_memory_utilization=0.92, mixed_graphs=mixed_graphs, decode_halves_from=decode_halves_from,
-        decode_halves_carveout=decode_halves_carveout,
+        gpu_memory_utilization=0.92, mixed_graphs=mixed_graphs,
     )  # fmt: skip
     emit(out, figure="engine_init_seconds", value=round(time.perf_counter() - start, 1),
          kv_blocks=engine.block_pool.num_blocks, kv_tokens=engine.block_pool.num_blocks * engine.block_size,
-         triton_compiles=compiles.count, mixed_graphs=mixed_graphs, max_num_batched_tokens=sized(max_num_batched_tokens),
-         decode_halves_from=decode_halves_from, decode_halves_carveout=decode_halves_carveout)  # fmt: skip
+         triton_compiles=compiles.count, mixed_graphs=mixed_graphs, max_num_batched_tokens=sized(max_num_batched_tokens))  # fmt: skip
     run_engine(engine, prompts(8, 64, 5), [SamplingParams(max_tokens=8, ignore_eos=True)] * 8)  # warm-up
     seen = compiles.count
 
@@ -359,10 +355,6 @@ def main() -> None:
                     help="random: dummy artifact (weights drawn at load); files: built from a random checkpoint")
     ap.add_argument("--mixed-graphs", action="store_true", help="the engine phases with mixed-step CUDA graphs on")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the engine phases' token budget a step")
-    ap.add_argument("--decode-halves-from", type=int, default=0,
-                    help="the engine phases with decode graphs of at least this many rows as two half-batches on two streams")
-    ap.add_argument("--decode-halves-carveout", type=int, default=0,
-                    help="with --decode-halves-from: SMs the halves' GEMMs leave to the other half's attention")
     ap.add_argument("--tuning-from", type=Path, default=None,
                     help="build with another artifact's kernel configs (enginebuild --tuning-from): an A/B of a build option")
     args = ap.parse_args()
@@ -381,9 +373,8 @@ def main() -> None:
     if phases & {"W1", "W2", "W4", "W6"}:
         try:
             phase_ours(
-                args.out, artifact, phases, mixed_graphs=args.mixed_graphs, max_num_batched_tokens=args.max_num_batched_tokens,
-                decode_halves_from=args.decode_halves_from, decode_halves_carveout=args.decode_halves_carveout,
-            )  # fmt: skip
+                args.out, artifact, phases, mixed_graphs=args.mixed_graphs, max_num_batched_tokens=args.max_num_batched_tokens
+            )
         except Exception as e:
             import traceback
 

@@ -98,10 +98,12 @@ def render_report(state: BuildState, manifest: Manifest) -> str:
     plan = state.plan
     assert plan is not None
     mem: dict[str, Any] = plan.memory
+    image_text = getattr(state.checkpoint, "image_text", None)
     lines = [
         f"# {manifest.name}: pagecast engine report",
         "",
-        f"- model: {manifest.architecture} ({manifest.family}), {mem['num_parameters']:,} parameters, {plan.dtype}",
+        f"- model: {manifest.architecture} ({manifest.family}), {mem['num_parameters']:,} parameters, {plan.dtype}"
+        + (f"; the language model of a {image_text} checkpoint (text only)" if image_text else ""),
         f"- dims: {manifest.dims}",
         f"- target: {plan.device} / {plan.gpu_name}, compute capability {plan.compute_capability}, "
         f"tuned: {manifest.target.tuned}",

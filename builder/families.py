@@ -206,12 +206,21 @@ FAMILIES: dict[str, FamilyParts] = {
     ),  # fmt: skip
 }
 
+# Image-text checkpoints whose language model builds alone (text in, text out; the vision tower
+# and projector are not read): the architecture -> its language model's. Their config.json nests
+# the language model's config under text_config, their weights its tensors under
+# language_model.model.* / language_model.lm_head.* (or model.language_model.*, as transformers
+# names them in memory; Qwen2.5-VL's at the top, model.*, beside visual.*). Qwen's M-RoPE gives
+# each of its three sections a text token's one position, so text alone is rotated by plain RoPE.
+IMAGE_TEXT: dict[str, str] = {
+    "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",  # Gemma 3 4B-27B
+    "Mistral3ForConditionalGeneration": "MistralForCausalLM",  # Mistral Small 3.1 / 3.2
+    "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",  # Qwen2.5-VL
+    "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",  # Qwen3-VL (dense)
+}
+
 # Architectures refused with a pointer to what can be built instead.
 REFUSED: dict[str, str] = {
-    "Gemma3ForConditionalGeneration": (
-        "Gemma 3's image-text model is not supported; its language model alone builds as Gemma3ForCausalLM "
-        "(a text-only checkpoint such as gemma-3-1b)"
-    ),
     "DeepseekV3ForCausalLM": (
         "DeepSeek-V3's multi-head latent attention (MLA: compressed KV with a decoupled RoPE key) has no "
         "lowering or kernels in pagecast, nor its grouped top-k routing with expert bias correction"
@@ -224,4 +233,4 @@ REFUSED: dict[str, str] = {
 
 
 def supported_list() -> str:
-    return ", ".join(sorted(FAMILIES))
+    return ", ".join(sorted([*FAMILIES, *IMAGE_TEXT]))

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from pagecast.builder import quant
-from pagecast.builder.families import FAMILIES, REFUSED
+from pagecast.builder.families import FAMILIES, IMAGE_TEXT, REFUSED
 from pagecast.builder.ir import BuildState
 from pagecast.runtime.errors import BuildError
 
@@ -58,6 +58,10 @@ class Checkpoint:
     tensor_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # MXFP4 tensors (gpt-oss's experts), read dequantised: name -> (its _blocks, its _scales)
     mxfp4: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # An image-text checkpoint's language model (families.IMAGE_TEXT): its tensors are known by
+    # their text-only names (model.*, lm_head.*); name -> the name in the file
+    stored_names: dict[str, str] = field(default_factory=dict)
+    image_text: str | None = None  # the image-text architecture whose language model this is
     _handles: dict[Path, Any] = field(default_factory=dict, repr=False)
 
     def tensor(self, name: str) -> torch.Tensor:
@@ -72,7 +76,7 @@ class Checkpoint:
         if file not in self._handles:
             self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
         try:
-            return self._handles[file].get_tensor(name)
+            return self._handles[file].get_tensor(self.stored_names.get(name, name))
         except Exception as e:  # safetensors raises its own error types for truncated data
             raise BuildError(f"cannot read tensor {name!r} from {file}: {e}; the file is corrupt, re-download it") from e
 
@@ -220,13 +224,17 @@ def open_checkpoint(path: Path, dummy: bool) -> Checkpoint:
         raise BuildError(f"{config_path} is not valid JSON: {e}") from e
     architectures = raw.get("architectures") or []
     arch = architectures[0] if architectures else raw.get("model_type", "<none>")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in SUPPORTED_ARCHITECTURES and arch not in IMAGE_TEXT:
         reason = f"{REFUSED[arch]}; " if arch in REFUSED else ""
         raise BuildError(
             f"architecture {arch!r} is not supported; {reason}supported architectures: "
-            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            f"{', '.join(sorted([*SUPPORTED_ARCHITECTURES, *IMAGE_TEXT]))}"
         )
     config = AutoConfig.from_pretrained(str(path))
+    image_text = arch if arch in IMAGE_TEXT else None
+    if image_text is not None:
+        config = language_model_config(path, raw, config, image_text)
+        arch = IMAGE_TEXT[image_text]
     if hasattr(config, "standardize_rope_params"):
         config.standardize_rope_params()
 
@@ -251,10 +259,65 @@ def open_checkpoint(path: Path, dummy: bool) -> Checkpoint:
         bos_token_id=getattr(config, "bos_token_id", None),
         has_tokenizer=has_tokenizer,
         dummy=dummy,
+        image_text=image_text,
     )
     if not dummy:
         _index_weights(ckpt)
     return ckpt
+
+
+def language_model_config(path: Path, raw: dict[str, Any], config: Any, image_text: str) -> Any:
+    """An image-text checkpoint's language model config (its ``text_config``), named as the
+    text-only architecture it is (families.IMAGE_TEXT), with what the outer config decides for the
+    whole model: tied embeddings, the weights' dtype."""
+    if raw.get("quantization_config") or (path / "hf_quant_config.json").is_file():
+        raise BuildError(
+            f"{path} is a quantised {image_text} checkpoint: pagecast builds the language model of "
+            f"unquantised image-text checkpoints only; build from the bf16 checkpoint (--quant fp8 quantises "
+            f"it at build)"
+        )
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    arch = IMAGE_TEXT[image_text]
+    text = config.get_text_config()
+    if text.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:  # Qwen-VL's text configs: as the text model's
+        values = {k: v for k, v in text.to_dict().items() if k not in ("model_type", "architectures")}
+        rope = dict(values.get("rope_parameters") or {})
+        for key in ("mrope_section", "mrope_interleaved"):  # one position a text token in every section
+            rope.pop(key, None)
+        if rope.get("type") == "mrope":
+            rope.pop("type")
+        values["rope_parameters"] = rope
+        values.pop("rope_scaling", None)
+        text = AutoConfig.for_model(FAMILIES[arch].family, **values)
+    text.architectures = [arch]
+    if "tie_word_embeddings" in raw:
+        text.tie_word_embeddings = bool(raw["tie_word_embeddings"])
+    if getattr(text, "dtype", None) is None:
+        text.dtype = getattr(config, "dtype", None)
+    return text
+
+
+# The tensors of an image-text checkpoint's language model, by the prefixes it is stored under,
+# and their text-only names. The vision tower's and the projector's tensors are not read.
+_LANGUAGE_MODEL_PREFIXES = (
+    ("language_model.model.", "model."),  # as published (and as transformers saves them)
+    ("language_model.lm_head.", "lm_head."),
+    ("model.language_model.", "model."),  # as transformers names them in memory (Qwen3-VL's as published)
+    ("lm_head.", "lm_head."),
+)
+_TEXT_MODEL_CHILDREN = ("embed_tokens", "layers", "norm")  # Qwen2.5-VL's language model: model.* itself
+
+
+def _language_model_name(name: str) -> str | None:
+    for stored, text in _LANGUAGE_MODEL_PREFIXES:
+        if name.startswith(stored):
+            return text + name[len(stored) :]
+    parts = name.split(".")
+    if parts[0] == "model" and len(parts) > 2 and parts[1] in _TEXT_MODEL_CHILDREN:
+        return name
+    return None
 
 
 # FP4 (e2m1) values by their 4-bit code: sign, two exponent bits, one mantissa bit
@@ -313,13 +376,23 @@ def _index_weights(ckpt: Checkpoint) -> None:
             raise BuildError(f"weights file {file.name} listed in {index.name} is missing from {path}")
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():
+                for stored in f.keys():
+                    name = stored if ckpt.image_text is None else _language_model_name(stored)
+                    if name is None:
+                        continue
+                    if name != stored:
+                        ckpt.stored_names[name] = stored
                     ckpt.tensor_files[name] = file
-                    ckpt.tensor_shapes[name] = tuple(f.get_slice(name).get_shape())
+                    ckpt.tensor_shapes[name] = tuple(f.get_slice(stored).get_shape())
         except Exception as e:
             raise BuildError(
                 f"weights file {file} cannot be read ({e}): it is corrupt or truncated; re-download or re-save it"
             ) from e
+    if ckpt.image_text is not None and not any(name.startswith("model.") for name in ckpt.tensor_files):
+        raise BuildError(
+            f"{path} is a {ckpt.image_text} checkpoint without its language model's tensors (looked for "
+            f"language_model.model.*, model.language_model.* and model.layers.*); is the checkpoint complete?"
+        )
     qc = getattr(ckpt.config, "quantization_config", None) or {}
     qc = qc if isinstance(qc, dict) else qc.to_dict()
     if str(qc.get("quant_method")).lower() == "mxfp4":

@@ -27,9 +27,6 @@ from pagecast.runtime.server.options import DEFAULT_MAX_REQUEST_BYTES
 
 logger = logging.getLogger("pagecast.server")
 
-# cuda_graphs.MIN_HALF_ROWS twice (that module imports torch, which the command line does not yet).
-_MIN_DECODE_HALVES = 64
-
 # Left unset, an engine option takes the engine's own default (EngineOptions).
 _ENGINE_OPTIONS = (
     "max_num_seqs",
@@ -42,8 +39,6 @@ _ENGINE_OPTIONS = (
     "cuda_graphs",
     "lazy_graphs",
     "mixed_graphs",
-    "decode_halves_from",
-    "decode_halves_carveout",
     "speculative_config",
 )
 
@@ -123,21 +118,6 @@ _ENGINE_OPTIONS = (
     default=None,
     help="Replay steps with prompt tokens (up to 512 tokens) from CUDA graphs too, attention eagerly between "
     "the layers' graphs; one GPU, no tensor parallelism [default: off].",
-)
-@click.option(
-    "--decode-halves-from",
-    type=click.IntRange(min=0),
-    default=None,
-    help="Replay decode batches of at least this many rows as two half-batches on two CUDA streams, so that "
-    "one half's attention may run beside the other's matmuls; 0 is off, else at least 64; one GPU, no tensor "
-    "parallelism [default: 0].",
-)
-@click.option(
-    "--decode-halves-carveout",
-    type=click.IntRange(min=0),
-    default=None,
-    help="With --decode-halves-from: SMs the halves' matmuls leave free for the other half's attention "
-    "[default: 0, none].",
 )
 @click.option(
     "--speculative-config",
@@ -259,9 +239,6 @@ def main(
             SpeculativeConfig.parse(spec)
         except ValueError as exc:
             _fail(f"--speculative-config: {exc}")
-    halves = engine_kwargs.get("decode_halves_from")
-    if halves and halves < _MIN_DECODE_HALVES:
-        _fail(f"--decode-halves-from must be 0 (off) or at least {_MIN_DECODE_HALVES}: each half needs {_MIN_DECODE_HALVES // 2} rows")
     try:  # before any engine loads: a refused combination fails in a second
         check_cors(_split_list(allowed_origins), allow_credentials)
     except ValueError as exc:

@@ -10,26 +10,13 @@ to the next captured size: padding rows write no KV (slot -1) and attend to noth
 
 Steps with prompt tokens (MixedGraphs, opt-in: ``engine-serve --mixed-graphs``) replay the layers
 between attention calls as graphs per token bucket, and run each attention eagerly between them.
-
-Decode halves (opt-in: ``engine-serve --decode-halves-from N``): a decode graph of at least N rows
-is captured as two half-batches, each its own forward pass on its own stream (a fork and a join
-in the graph), so the GPU may run one half's attention (bound by the KV it reads) beside the
-other half's matmuls (bound by the tensor cores) instead of one after the other. Rows are
-independent in a decode step, so the halves compute what the whole batch does. With a carve-out
-(``engine-serve --decode-halves-carveout C``) the halves' matmuls target all but C SMs, which the
-other half's attention then has to itself (NanoFlow's idea: the two kinds of work side by side on
-disjoint SMs). Each half has at
-least MIN_HALF_ROWS rows: the split-K kernels that share one counter buffer a device
-(kernels/split_k.py) serve 16 rows at most, so no two of their launches run at once.
 """
 
 from __future__ import annotations
 
 import bisect
-import contextlib
 import logging
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -95,43 +82,10 @@ class _GraphSet:
         return graph, out
 
 
-@contextlib.contextmanager
-def gemms_leave_sms(count: int) -> Iterator[None]:
-    """Within: torch's cuBLAS matmuls target all but ``count`` of the GPU's SMs (cuBLASLt's SM
-    count target, torch's experimental carve-out; the library is cuBLASLt meanwhile, whose
-    descriptor holds it), so that a kernel on another stream (the other half-batch's attention,
-    bound by memory, not by its SMs) has SMs of its own beside them. A captured graph keeps the
-    launches as they were made. 0: nothing changes."""
-    if not count:
-        yield
-        return
-    carveout = torch._C._get_sm_carveout_experimental()
-    library = torch.backends.cuda.preferred_blas_library()
-    torch._C._set_sm_carveout_experimental(count)
-    torch.backends.cuda.preferred_blas_library("cublaslt")
-    try:
-        yield
-    finally:
-        torch._C._set_sm_carveout_experimental(carveout)
-        torch.backends.cuda.preferred_blas_library(library)
-
-
-MIN_HALF_ROWS = 32  # decode halves: rows of each half at least (the module docstring)
-
-
 class DecodeGraphs(_GraphSet):
-    """Captured decode graphs over persistent input buffers; ``run`` fills the buffers and replays.
-    ``halves_from`` > 0: batches of at least that many rows as two half-batches on two streams."""
+    """Captured decode graphs over persistent input buffers; ``run`` fills the buffers and replays."""
 
-    def __init__(
-        self, model: Any, device: torch.device, batch_sizes: list[int], max_model_len: int, block_size: int,
-        halves_from: int = 0, carveout: int = 0,
-    ):  # fmt: skip
-        if halves_from and halves_from < 2 * MIN_HALF_ROWS:
-            raise ValueError(f"decode halves need at least {2 * MIN_HALF_ROWS} rows a batch (got {halves_from})")
-        self.halves_from = halves_from
-        self.carveout = carveout  # SMs the halves' GEMMs leave free (gemms_leave_sms)
-        self._side: torch.cuda.Stream | None = None  # the second half's stream
+    def __init__(self, model: Any, device: torch.device, batch_sizes: list[int], max_model_len: int, block_size: int):
         self.model = model
         self.device = device
         self.batch_sizes = sorted(batch_sizes) or [1]
@@ -158,43 +112,20 @@ class DecodeGraphs(_GraphSet):
         # warm_up_sync: of the warm-up forwards, the time spent waiting for the device.
         self.timings = {"warm_up_forwards": 0.0, "warm_up_sync": 0.0, "captures": 0.0}
 
-    def half(self, batch: int) -> int:
-        """Rows of a ``batch``-row graph's first half; 0 where the batch runs whole."""
-        return batch // 2 if self.halves_from and batch >= self.halves_from else 0
-
-    def _rows(self, lo: int, hi: int, context: int) -> torch.Tensor:
-        """The forward pass of buffer rows [lo, hi): their own context, whose query offsets start at 0."""
-        n = hi - lo
-        ctx = ForwardContext(
-            slot_mapping=self.slot_mapping[lo:hi],
-            block_tables=self.block_tables[lo:hi],
-            seq_lens=self.seq_lens[lo:hi],
-            query_start_loc=self.query_start_loc[: n + 1],
-            max_query_len=1,
-            max_seq_len=context,
-            logits_indices=self.logits_indices[:n],
-        )
-        return self.model.forward(self.input_ids[lo:hi], self.positions[lo:hi], ctx)
-
     def _forward(self, batch: int, context: int) -> torch.Tensor:
+        """The forward pass of the buffers' first ``batch`` rows for ``context``."""
         # The LM head stays outside the graph: one large GEMM gains nothing from replay, and a
         # [batch, vocab] fp32 output per captured graph would cost gigabytes.
-        h = self.half(batch)
-        if not h:
-            return self._rows(0, batch, context)
-        if self.device.type != "cuda":  # no streams: one half after the other
-            return torch.cat([self._rows(0, h, context), self._rows(h, batch, context)])
-        main = torch.cuda.current_stream(self.device)
-        if self._side is None:
-            self._side = torch.cuda.Stream(self.device)
-        self._side.wait_stream(main)  # fork: the second half starts after what came before
-        with gemms_leave_sms(self.carveout):
-            first = self._rows(0, h, context)
-            with torch.cuda.stream(self._side):
-                second = self._rows(h, batch, context)
-        main.wait_stream(self._side)  # join
-        second.record_stream(main)  # read on main below, allocated on the side stream
-        return torch.cat([first, second])
+        ctx = ForwardContext(
+            slot_mapping=self.slot_mapping[:batch],
+            block_tables=self.block_tables[:batch],
+            seq_lens=self.seq_lens[:batch],
+            query_start_loc=self.query_start_loc[: batch + 1],
+            max_query_len=1,
+            max_seq_len=context,
+            logits_indices=self.logits_indices[:batch],
+        )
+        return self.model.forward(self.input_ids[:batch], self.positions[:batch], ctx)
 
     def _log_capture(self, elapsed: float) -> None:
         t = self.timings
@@ -206,10 +137,8 @@ class DecodeGraphs(_GraphSet):
 
     def _config_key(self, batch: int, context: int) -> tuple[int, str]:
         """What a decode graph of this bucket depends on besides its batch: the attention kernel's
-        launch configs (each half's, for a batch that runs as halves)."""
-        h = self.half(batch)
-        parts = [h, batch - h] if h else [batch]
-        return batch, repr([ops.decode_attention_config(n, context) for n in parts])
+        launch config."""
+        return batch, repr(ops.decode_attention_config(batch, context))
 
     @property
     def pending(self) -> int:

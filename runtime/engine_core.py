@@ -27,7 +27,7 @@ import torch
 
 from pagecast.runtime.artifact import DEFAULT_MAX_NUM_SEQS, DEFAULT_STEP_TOKENS
 from pagecast.runtime.block_pool import BlockPool
-from pagecast.runtime.cuda_graphs import MIN_HALF_ROWS, mixed_graph_sizes
+from pagecast.runtime.cuda_graphs import mixed_graph_sizes
 from pagecast.runtime.errors import InvalidRequestError
 from pagecast.runtime.kernel_cache import process_compiles
 from pagecast.runtime.loader import LoadedArtifact, load_artifact, zeros_kv_cache
@@ -206,14 +206,6 @@ class EngineOptions:
     # layers between attention calls replay per token bucket (up to 512 tokens), attention runs
     # eagerly. Off by default until it has been measured on a GPU. Not with tensor parallelism.
     mixed_graphs: bool = False
-    # Decode graphs of at least this many rows replay as two half-batches on two CUDA streams, so
-    # that one half's attention may run beside the other half's matmuls (runtime/cuda_graphs.py).
-    # 0: off, the default until it has been measured on a GPU; else at least 64. Not with tensor
-    # parallelism.
-    decode_halves_from: int = 0
-    # With decode halves: SMs the halves' GEMMs leave free (cuda_graphs.gemms_leave_sms), for the
-    # other half's attention; 0: none (each kernel may take every SM).
-    decode_halves_carveout: int = 0
     # Plan step N+1 while step N runs on the device (default: on for GPUs), for every request:
     # logprobs, prompt logprobs and penalties are computed on the device too.
     async_scheduling: bool | None = None
@@ -244,13 +236,6 @@ class EngineOptions:
             raise ValueError("kv_cache_memory must be positive")
         if self.speculative_config != "off":
             SpeculativeConfig.parse(self.speculative_config)  # a bad config fails here, with its reason
-        if self.decode_halves_from and self.decode_halves_from < 2 * MIN_HALF_ROWS:
-            raise ValueError(
-                f"decode_halves_from must be 0 (off) or at least {2 * MIN_HALF_ROWS} (got {self.decode_halves_from}): "
-                f"each half needs {MIN_HALF_ROWS} rows"
-            )
-        if self.decode_halves_carveout < 0 or (self.decode_halves_carveout and not self.decode_halves_from):
-            raise ValueError("decode_halves_carveout must be >= 0, and needs decode_halves_from")
 
     @staticmethod
     def _check_step_fits(max_num_seqs: int, max_num_batched_tokens: int) -> None:
@@ -438,8 +423,7 @@ class EngineCore:
             sizes = [b for b in planned if b <= options.max_num_seqs]
             mixed = mixed_graph_sizes(options.max_num_batched_tokens) if options.mixed_graphs else []
             self.startup_s["cuda_graphs"] = self.runner.capture_cuda_graphs(
-                sizes, self.max_model_len, options.lazy_graphs_on, mixed_sizes=mixed,
-                halves_from=options.decode_halves_from, carveout=options.decode_halves_carveout,
+                sizes, self.max_model_len, options.lazy_graphs_on, mixed_sizes=mixed
             )
             graphs = getattr(self.runner, "graphs", None)
             self.startup_s.update({f"cuda_graphs.{k}": v for k, v in getattr(graphs, "timings", {}).items()})

@@ -146,26 +146,19 @@ class ModelRunner:
             ops.activate(self.kernels)
 
     def capture_cuda_graphs(
-        self, batch_sizes: list[int], max_model_len: int, lazy: bool = False, mixed_sizes: list[int] | None = None,
-        halves_from: int = 0, carveout: int = 0,
-    ) -> float:  # fmt: skip
+        self, batch_sizes: list[int], max_model_len: int, lazy: bool = False, mixed_sizes: list[int] | None = None
+    ) -> float:
         """Capture decode graphs (GPU only); returns the seconds it took. ``lazy``: capture none
         now, but once ``start_lazy_capture`` is called (see ``capture_lazily``; the engine serves
         meanwhile, decode batches eagerly until their graph is there); tensor-parallel
         engines capture at once (their ranks capture in lockstep). ``mixed_sizes``: token buckets
         of graphs for steps with prompt tokens too (MixedGraphs; after the decode graphs, and not
-        with tensor parallelism or a model without graph pieces, which run those steps eagerly).
-        ``halves_from``: decode graphs of at least that many rows as two half-batches on two
-        streams (DecodeGraphs; not with tensor parallelism, whose collectives run on one stream),
-        their GEMMs leaving ``carveout`` SMs to the other half."""
+        with tensor parallelism or a model without graph pieces, which run those steps eagerly)."""
         if self.device.type != "cuda" or not batch_sizes:
             return 0.0
         self._activate_kernels()
         workers = self._sync_workers()
-        if halves_from and workers is not None:
-            logger.info("decode halves are not used: tensor parallelism")
-            halves_from = 0
-        graphs = DecodeGraphs(self.model, self.device, batch_sizes, max_model_len, self.block_size, halves_from, carveout)
+        graphs = DecodeGraphs(self.model, self.device, batch_sizes, max_model_len, self.block_size)
         if mixed_sizes and workers is None and MixedGraphs.supports(self.model):
             fitting = MixedGraphs.sizes_for(self.model, mixed_sizes)
             if len(fitting) < len(mixed_sizes):

@@ -327,6 +327,65 @@ def _moe_family_config(family: str, common: dict, overrides: dict):  # type: ign
     raise ValueError(family)
 
 
+# Image-text checkpoints whose language model pagecast builds (builder/families.IMAGE_TEXT): the
+# language model's family here -> the image-text architecture
+IMAGE_TEXT_FAMILIES = {
+    "gemma3": "Gemma3ForConditionalGeneration",
+    "mistral": "Mistral3ForConditionalGeneration",
+    "qwen2": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3": "Qwen3VLForConditionalGeneration",
+}
+
+
+def make_image_text_checkpoint(path: Path, family: str, seed: int = 0) -> Path:
+    """Save a tiny random image-text checkpoint (IMAGE_TEXT_FAMILIES) whose language model is
+    ``tiny_config(family)``'s, with a small vision tower and projector, as transformers saves it
+    (each family's hub layout: Gemma 3's and Mistral 3's language_model.model.*, Qwen2.5-VL's
+    model.*, Qwen3-VL's model.language_model.*), and the SmolLM2 tokenizer."""
+    import transformers
+
+    torch.manual_seed(seed)
+    text = tiny_config(family).to_dict()
+    for key in ("architectures", "transformers_version", "dtype", "torch_dtype"):
+        text.pop(key, None)
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28,
+              "patch_size": 14}  # fmt: skip
+    if family == "gemma3":
+        config = transformers.Gemma3Config(
+            text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=49151,
+            boi_token_index=49149, eoi_token_index=49150, tie_word_embeddings=text["tie_word_embeddings"],
+        )  # fmt: skip
+    elif family == "mistral":  # an LM head of its own, as Mistral Small 3.x's (language_model.lm_head.weight)
+        text["tie_word_embeddings"] = False
+        vision.update(model_type="pixtral", head_dim=16)
+        config = transformers.Mistral3Config(
+            text_config=text, vision_config=vision, image_token_index=49151, spatial_merge_size=2,
+            tie_word_embeddings=False,
+        )  # fmt: skip
+    else:  # Qwen2.5-VL / Qwen3-VL: M-RoPE sections as published (16/24/24 of 64 pairs there)
+        text["tie_word_embeddings"] = False
+        qwen3 = family == "qwen3"
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3],
+                                   **({"mrope_interleaved": True} if qwen3 else {"type": "mrope"})}  # fmt: skip
+        vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": text["hidden_size"],
+                  **({"deepstack_visual_indexes": [0]} if qwen3 else {"fullatt_block_indexes": [0]})}  # fmt: skip
+        make = transformers.Qwen3VLConfig if qwen3 else transformers.Qwen2_5_VLConfig
+        ids = {"image_token_id": 49151, "video_token_id": 49150, "vision_start_token_id": 49148, "vision_end_token_id": 49149}
+        config = make(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+    model = getattr(transformers, IMAGE_TEXT_FAMILIES[family])(config)
+    if family == "qwen2":  # q/k/v biases that matter (they are made zero)
+        with torch.no_grad():
+            for layer in model.model.language_model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    model.save_pretrained(str(path))
+    src = tokenizer_dir()
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy(src / name, path / name)
+    return path
+
+
 def make_checkpoint(path: Path, family: str = "llama", seed: int = 0, tokenizer: bool = True, **overrides) -> Path:  # type: ignore[no-untyped-def]
     """Save a tiny random checkpoint of ``family`` (weights, config and, unless ``tokenizer`` is
     False, the SmolLM2 tokenizer) to ``path``."""

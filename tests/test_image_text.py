@@ -1,0 +1,90 @@
+"""Image-text checkpoints whose language model pagecast builds (builder/families.IMAGE_TEXT:
+Gemma 3 4B-27B, Mistral Small 3.x, Qwen2.5-VL, Qwen3-VL): tiny random checkpoints saved by
+transformers in the hub's layout build as their text-only architecture and give the image-text
+model's own greedy tokens and last-position logits for text prompts (Qwen's M-RoPE included),
+fp32 on the CPU; the vision tower is not read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import build_artifact
+from engine_utils import engine_last_logits, hf_greedy
+from tiny_models import IMAGE_TEXT_FAMILIES, make_image_text_checkpoint
+
+from pagecast.runtime import LLM, SamplingParams
+from pagecast.runtime.errors import BuildError
+
+PROMPTS = ["Hello, my name is", " ".join(str(i) for i in range(40))]  # the second is past Gemma's 8-token windows
+MAX_TOKENS = 12
+
+
+def _image_text_model(checkpoint: Path):  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(
+        str(checkpoint), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+def _rename_tensors(src: Path, dst: Path, rename) -> None:  # type: ignore[no-untyped-def]
+    """A copy of checkpoint ``src`` whose weights file names each tensor ``rename(name)``."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(src / "model.safetensors"))
+    save_file({rename(k): v for k, v in tensors.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("family", list(IMAGE_TEXT_FAMILIES))
+def test_image_text_language_model_matches_transformers(family, tmp_path):  # type: ignore[no-untyped-def]
+    ckpt = make_image_text_checkpoint(tmp_path / "ckpt", family)
+    if family == "gemma3":  # the tensors as transformers names them in memory (model.language_model.*)
+        renamed = tmp_path / "renamed"
+        _rename_tensors(ckpt, renamed, lambda k: f"model.{k.replace('.model.', '.', 1)}" if k.startswith("language_model.") else f"model.{k}")
+        build_from = renamed
+    else:  # as published (Mistral 3 with an LM head of its own: language_model.lm_head.weight)
+        build_from = ckpt
+    art = build_artifact(build_from, tmp_path / "art")
+    manifest = json.loads((art / "manifest.json").read_text())
+    text_arch = {"gemma3": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}[family]  # fmt: skip
+    assert manifest["architecture"] == text_arch
+    assert f"the language model of a {IMAGE_TEXT_FAMILIES[family]} checkpoint" in (art / "report.md").read_text()
+
+    llm = LLM(art, max_num_batched_tokens=64, max_num_seqs=4)
+    tok = llm.tokenizer
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    hf = _image_text_model(ckpt)
+    for prompt, out in zip(PROMPTS, outputs, strict=True):
+        ids = tok.encode(prompt, add_special_tokens=False)
+        assert out.token_ids == hf_greedy(hf, ids, MAX_TOKENS), prompt
+        with torch.no_grad():
+            ref = hf(input_ids=torch.tensor([ids])).logits[0, -1]
+        torch.testing.assert_close(engine_last_logits(llm.engine, ids), ref, atol=1e-4, rtol=0)
+
+
+def test_image_text_checkpoints_that_cannot_build_say_why(tmp_path):  # type: ignore[no-untyped-def]
+    ckpt = make_image_text_checkpoint(tmp_path / "ckpt", "mistral")
+    # Only the vision tower's tensors: no language model to build
+    vision_only = tmp_path / "vision_only"
+    vision_only.mkdir()
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if k.startswith("vision_tower.")}, str(vision_only / "model.safetensors"))
+    (vision_only / "config.json").write_text((ckpt / "config.json").read_text())
+    with pytest.raises(BuildError, match="without its language model's tensors"):
+        build_artifact(vision_only, tmp_path / "a1")
+    # A quantised image-text checkpoint: refused, pointing at the bf16 one
+    config = json.loads((ckpt / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(BuildError, match="quantised Mistral3ForConditionalGeneration checkpoint.*--quant fp8"):
+        build_artifact(ckpt, tmp_path / "a2")
