@@ -270,6 +270,11 @@ def language_model_config(path: Path, raw: dict[str, Any], config: Any, image_te
     """An image-text checkpoint's language model config (its ``text_config``), named as the
     text-only architecture it is (families.IMAGE_TEXT), with what the outer config decides for the
     whole model: tied embeddings, the weights' dtype."""
+    if not isinstance(raw.get("text_config"), dict):
+        raise BuildError(
+            f"{path}/config.json names {image_text} but has no text_config (the language model's config); "
+            f"it is not that model's config.json"
+        )
     if raw.get("quantization_config") or (path / "hf_quant_config.json").is_file():
         raise BuildError(
             f"{path} is a quantised {image_text} checkpoint: pagecast builds the language model of "

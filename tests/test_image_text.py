@@ -82,8 +82,12 @@ def test_image_text_checkpoints_that_cannot_build_say_why(tmp_path):  # type: ig
     (vision_only / "config.json").write_text((ckpt / "config.json").read_text())
     with pytest.raises(BuildError, match="without its language model's tensors"):
         build_artifact(vision_only, tmp_path / "a1")
-    # A quantised image-text checkpoint: refused, pointing at the bf16 one
+    # A text model's config under an image-text architecture
     config = json.loads((ckpt / "config.json").read_text())
+    (vision_only / "config.json").write_text(json.dumps({**config["text_config"], "architectures": config["architectures"]}))
+    with pytest.raises(BuildError, match="names Mistral3ForConditionalGeneration but has no text_config"):
+        build_artifact(vision_only, tmp_path / "a3")
+    # A quantised image-text checkpoint: refused, pointing at the bf16 one
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     (ckpt / "config.json").write_text(json.dumps(config))
     with pytest.raises(BuildError, match="quantised Mistral3ForConditionalGeneration checkpoint.*--quant fp8"):
