@@ -91,6 +91,14 @@ def write_tokenizer(state: BuildState, out_dir: Path) -> bool:
         tokenizer = AutoTokenizer.from_pretrained(str(state.checkpoint.path))
     except Exception as e:  # tokenizer loading raises many error types
         raise BuildError(f"cannot load the tokenizer from {state.checkpoint.path}: {e}") from e
+    processor_template = state.checkpoint.path / "chat_template.json"
+    if getattr(tokenizer, "chat_template", None) is None and processor_template.is_file():
+        # An image-text checkpoint may keep its chat template with its processor's files only
+        # (chat_template.json), which the tokenizer does not read: the artifact's tokenizer takes it.
+        try:
+            tokenizer.chat_template = json.loads(processor_template.read_text())["chat_template"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise BuildError(f"{processor_template} holds no chat template ({e!r}); fix or delete it") from e
     tokenizer.save_pretrained(str(out_dir / "tokenizer"))
     return True
 

@@ -51,6 +51,10 @@ def test_image_text_language_model_matches_transformers(family, tmp_path):  # ty
         build_from = renamed
     else:  # as published (Mistral 3 with an LM head of its own: language_model.lm_head.weight)
         build_from = ckpt
+    if family == "mistral":  # its chat template with the processor's files only, as some releases keep it
+        template = (ckpt / "chat_template.jinja").read_text()
+        (ckpt / "chat_template.jinja").unlink()
+        (ckpt / "chat_template.json").write_text(json.dumps({"chat_template": template}))
     art = build_artifact(build_from, tmp_path / "art")
     manifest = json.loads((art / "manifest.json").read_text())
     text_arch = {"gemma3": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -60,6 +64,12 @@ def test_image_text_language_model_matches_transformers(family, tmp_path):  # ty
 
     llm = LLM(art, max_num_batched_tokens=64, max_num_seqs=4)
     tok = llm.tokenizer
+    if family == "mistral":
+        assert tok.chat_template == template
+        messages = [{"role": "user", "content": "Hi"}]
+        chat = llm.chat(messages, SamplingParams(temperature=0, max_tokens=2))[0]
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert chat.prompt_token_ids == tok.encode(text, add_special_tokens=False)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
     hf = _image_text_model(ckpt)
     for prompt, out in zip(PROMPTS, outputs, strict=True):
