@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from pagecast.runtime.outputs import RequestOutput
+from pagecast.runtime.outputs import Logprob, PositionLogprobs, RequestOutput
 from pagecast.runtime.sampling_params import RequestOutputKind, SamplingParams
 from pagecast.runtime.server import errors
 from pagecast.runtime.server.errors import APIError
@@ -482,6 +482,12 @@ def raw_token_bytes(piece: Any) -> bytes | None:
     return None
 
 
+def ranked_logprobs(position: PositionLogprobs, k: int, also: int | None = None) -> list[tuple[int, Logprob]]:
+    """A position's (token id, logprob) pairs of rank k or better, best first, and token ``also``
+    wherever it ranks (the token chosen or given there, as vLLM reports it)."""
+    return [(tid, lp) for tid, lp in sorted(position.items(), key=lambda item: item[1].rank) if lp.rank <= k or tid == also]
+
+
 def vllm_prompt_logprobs(out: RequestOutput, k: int, texts: TokenTexts) -> list[dict[str, dict[str, Any]] | None]:
     """vLLM's ``prompt_logprobs``: per prompt position, null for the first (it has no context),
     then token id (a string, as JSON keys are) -> ``{logprob, rank, decoded_token}`` for the
@@ -497,8 +503,7 @@ def vllm_prompt_logprobs(out: RequestOutput, k: int, texts: TokenTexts) -> list[
             raise errors.internal_error(f"the engine returned no logprob for prompt position {i}")
         answer.append({
             str(tid): {"logprob": clamp_logprob(lp.logprob), "rank": lp.rank, "decoded_token": texts(tid, lp.decoded_token)}
-            for tid, lp in sorted(position.items(), key=lambda item: item[1].rank)
-            if lp.rank <= k or tid == ids[i]
+            for tid, lp in ranked_logprobs(position, k, ids[i])
         })  # fmt: skip
     return answer
 

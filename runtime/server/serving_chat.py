@@ -29,6 +29,7 @@ from pagecast.runtime.server.serving import (
     check_prompt_fits,
     clamp_logprob,
     new_request_id,
+    ranked_logprobs,
     respond,
     usage,
     vllm_prompt_logprobs,
@@ -109,11 +110,7 @@ def _logprob_entries(
         chosen = position.get(token_id)
         if chosen is None:
             raise errors.internal_error(f"the engine returned no logprob for token {token_id}")
-        top = [
-            _token_logprob(texts, tid, lp.decoded_token, lp.logprob)
-            for tid, lp in sorted(position.items(), key=lambda item: item[1].rank)
-            if lp.rank <= k
-        ]
+        top = [_token_logprob(texts, tid, lp.decoded_token, lp.logprob) for tid, lp in ranked_logprobs(position, k)]
         entries.append({**_token_logprob(texts, token_id, chosen.decoded_token, chosen.logprob), "top_logprobs": top[:k]})
     return entries
 

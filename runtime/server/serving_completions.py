@@ -32,6 +32,7 @@ from pagecast.runtime.server.serving import (
     check_prompt_fits,
     clamp_logprob,
     new_request_id,
+    ranked_logprobs,
     respond,
     usage,
     vllm_prompt_logprobs,
@@ -147,9 +148,8 @@ class _LegacyLogprobs:
         # The top k by rank plus the chosen token (as vLLM does), so a client can always
         # compare the chosen logprob with the best one (lm-eval's is_greedy check).
         top: dict[str, float] = {}
-        for tid, lp in sorted(position.items(), key=lambda item: item[1].rank):
-            if lp.rank <= k or tid == token_id:
-                top.setdefault(texts(tid, lp.decoded_token), clamp_logprob(lp.logprob))
+        for tid, lp in ranked_logprobs(position, k, token_id):
+            top.setdefault(texts(tid, lp.decoded_token), clamp_logprob(lp.logprob))
         self.top_logprobs.append(top)
         self.text_offset.append(offset)
         return offset + len(text)
