@@ -244,7 +244,8 @@ def open_checkpoint(path: Path, dummy: bool) -> Checkpoint:
         gen_eos = gen.eos_token_id
     except OSError:
         gen_eos = None
-    for value in (gen_eos, getattr(config, "eos_token_id", None)):
+    # config.json's own (an image-text checkpoint's outer config may name more than its text_config)
+    for value in (gen_eos, raw.get("eos_token_id"), getattr(config, "eos_token_id", None)):
         for token in value if isinstance(value, list) else [value]:
             if isinstance(token, int) and token not in eos:
                 eos.append(token)
@@ -270,10 +271,10 @@ def language_model_config(path: Path, raw: dict[str, Any], config: Any, image_te
     """An image-text checkpoint's language model config (its ``text_config``), named as the
     text-only architecture it is (families.IMAGE_TEXT), with what the outer config decides for the
     whole model: tied embeddings, the weights' dtype."""
-    if not isinstance(raw.get("text_config"), dict):
+    if getattr(config, "text_config", None) is None:  # (Qwen2.5-VL's flat config.json has one, made by transformers)
         raise BuildError(
-            f"{path}/config.json names {image_text} but has no text_config (the language model's config); "
-            f"it is not that model's config.json"
+            f"{path}/config.json names {image_text} but is a {type(config).__name__}, with no language model config "
+            f"(text_config); it is not that model's config.json"
         )
     if raw.get("quantization_config") or (path / "hf_quant_config.json").is_file():
         raise BuildError(

@@ -48,7 +48,20 @@ def test_image_text_language_model_matches_transformers(family, tmp_path):  # ty
     if family == "gemma3":  # the tensors as transformers names them in memory (model.language_model.*)
         renamed = tmp_path / "renamed"
         _rename_tensors(ckpt, renamed, lambda k: f"model.{k.replace('.model.', '.', 1)}" if k.startswith("language_model.") else f"model.{k}")
+        # Stop tokens named by the outer config only (Gemma 3's [1, 106]), no generation_config.json
+        config = json.loads((renamed / "config.json").read_text())
+        (renamed / "config.json").write_text(json.dumps({**config, "eos_token_id": [2, 49150]}))
+        (renamed / "generation_config.json").unlink(missing_ok=True)
         build_from = renamed
+    elif family == "qwen2":  # config.json as Qwen2.5-VL's releases have it: flat, no text_config
+        build_from = tmp_path / "flat"
+        _rename_tensors(ckpt, build_from, lambda k: k)
+        config = json.loads((ckpt / "config.json").read_text())
+        text = config.pop("text_config")
+        rope = text.pop("rope_parameters")
+        flat = {**text, **config, "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]},
+                "rope_theta": rope["rope_theta"]}  # fmt: skip
+        (build_from / "config.json").write_text(json.dumps(flat))
     else:  # as published (Mistral 3 with an LM head of its own: language_model.lm_head.weight)
         build_from = ckpt
     if family == "mistral":  # its chat template with the processor's files only, as some releases keep it
@@ -60,6 +73,8 @@ def test_image_text_language_model_matches_transformers(family, tmp_path):  # ty
     text_arch = {"gemma3": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM"}[family]  # fmt: skip
     assert manifest["architecture"] == text_arch
+    if family == "gemma3":
+        assert 49150 in manifest["eos_token_ids"]
     assert f"the language model of a {IMAGE_TEXT_FAMILIES[family]} checkpoint" in (art / "report.md").read_text()
 
     llm = LLM(art, max_num_batched_tokens=64, max_num_seqs=4)
@@ -95,7 +110,7 @@ def test_image_text_checkpoints_that_cannot_build_say_why(tmp_path):  # type: ig
     # A text model's config under an image-text architecture
     config = json.loads((ckpt / "config.json").read_text())
     (vision_only / "config.json").write_text(json.dumps({**config["text_config"], "architectures": config["architectures"]}))
-    with pytest.raises(BuildError, match="names Mistral3ForConditionalGeneration but has no text_config"):
+    with pytest.raises(BuildError, match="names Mistral3ForConditionalGeneration but is a MistralConfig, with no language"):
         build_artifact(vision_only, tmp_path / "a3")
     # A quantised image-text checkpoint: refused, pointing at the bf16 one
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
