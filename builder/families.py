@@ -92,7 +92,7 @@ FAMILIES: dict[str, FamilyParts] = {
     "Gemma3ForCausalLM": FamilyParts(
         "gemma3",
         window_source="layer",
-        not_supported="images (Gemma3ForConditionalGeneration)",
+        not_supported="images (Gemma3ForConditionalGeneration builds its language model alone)",
         **_GEMMA_NORMS,  # type: ignore[arg-type]
     ),
     "Phi3ForCausalLM": FamilyParts(
