@@ -217,6 +217,7 @@ IMAGE_TEXT: dict[str, str] = {
     "Mistral3ForConditionalGeneration": "MistralForCausalLM",  # Mistral Small 3.1 / 3.2
     "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",  # Qwen2.5-VL
     "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",  # Qwen3-VL (dense)
+    "Qwen3VLMoeForConditionalGeneration": "Qwen3MoeForCausalLM",  # Qwen3-VL-MoE (experts stacked a projection)
 }
 
 # Architectures refused with a pointer to what can be built instead.

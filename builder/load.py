@@ -62,7 +62,11 @@ class Checkpoint:
     # their text-only names (model.*, lm_head.*); name -> the name in the file
     stored_names: dict[str, str] = field(default_factory=dict)
     image_text: str | None = None  # the image-text architecture whose language model this is
+    # Experts stacked in one tensor a projection (Qwen3-VL-MoE's), read as the per-expert Linear
+    # weights the plan names: name -> (the stack's name, expert, piece of _EXPERT_PIECES)
+    expert_views: dict[str, tuple[str, int, str]] = field(default_factory=dict)
     _handles: dict[Path, Any] = field(default_factory=dict, repr=False)
+    _stack: tuple[str, torch.Tensor] | None = field(default=None, repr=False)  # the last stack read
 
     def tensor(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
@@ -70,6 +74,12 @@ class Checkpoint:
         if name in self.mxfp4:
             blocks, scales = self.mxfp4[name]
             return dequantize_mxfp4(self.tensor(blocks), self.tensor(scales))
+        if name in self.expert_views:  # a stack is read once for all its experts' pieces
+            stack, expert, piece = self.expert_views[name]
+            if self._stack is None or self._stack[0] != stack:
+                self._stack = None  # the last stack freed before the next is read
+                self._stack = (stack, self.tensor(stack))
+            return _EXPERT_PIECES[piece](self._stack[1][expert]).contiguous()
         file = self.tensor_files.get(name)
         if file is None:
             raise BuildError(f"checkpoint {self.path} has no tensor {name!r}; is the checkpoint complete?")
@@ -82,6 +92,45 @@ class Checkpoint:
 
     def close(self) -> None:
         self._handles.clear()
+        self._stack = None
+
+
+# One expert's Linear weight [out, in] from its slice of a stack: as published (gate_up [H, 2I],
+# down [I, H]: inputs first) or as transformers holds it (gate_up [2I, H], down [H, I])
+_EXPERT_PIECES = {
+    "gate_t": lambda x: x[:, : x.shape[1] // 2].t(),
+    "up_t": lambda x: x[:, x.shape[1] // 2 :].t(),
+    "down_t": lambda x: x.t(),
+    "gate": lambda x: x[: x.shape[0] // 2],
+    "up": lambda x: x[x.shape[0] // 2 :],
+    "down": lambda x: x,
+}
+
+
+def _index_expert_stacks(ckpt: Checkpoint) -> None:
+    """An image-text checkpoint's experts stacked a projection (Qwen3-VL-MoE:
+    ``mlp.experts.gate_up_proj`` and ``.down_proj``) read as per-expert ``gate_proj``, ``up_proj``
+    and ``down_proj`` weights (Qwen3-MoE's names). Published stacks hold inputs first ([E, H, 2I],
+    [E, I, H]; transformers transposes them at load), ones transformers saves outputs first
+    ([E, 2I, H], [E, H, I]); which is which is read from the hidden size, and where 2I equals it,
+    taken as published."""
+    hidden = int(ckpt.config.hidden_size)
+    for name in [n for n in ckpt.tensor_shapes if n.endswith(".experts.gate_up_proj")]:
+        base = name.removesuffix(".gate_up_proj")
+        gate_up, down = ckpt.tensor_shapes[name], ckpt.tensor_shapes.get(f"{base}.down_proj")
+        if len(gate_up) != 3 or down is None or len(down) != 3:
+            raise BuildError(f"{name} {list(gate_up)} and {base}.down_proj are not an [E, ., .] expert stack pair")
+        published = gate_up[1] == hidden
+        e, inter = gate_up[0], (gate_up[2] if published else gate_up[1]) // 2
+        if (published and tuple(down) != (e, inter, hidden)) or (not published and tuple(down) != (e, hidden, inter)):
+            raise BuildError(f"{base}: gate_up_proj {list(gate_up)} and down_proj {list(down)} do not fit hidden size {hidden}")
+        pieces = {"gate_proj": ("gate", inter, hidden), "up_proj": ("up", inter, hidden), "down_proj": ("down", hidden, inter)}
+        for i in range(e):
+            for proj, (piece, rows, cols) in pieces.items():
+                stack = name if piece != "down" else f"{base}.down_proj"
+                ckpt.expert_views[f"{base}.{i}.{proj}.weight"] = (stack, i, f"{piece}_t" if published else piece)
+                ckpt.tensor_shapes[f"{base}.{i}.{proj}.weight"] = (rows, cols)
+        del ckpt.tensor_shapes[name], ckpt.tensor_shapes[f"{base}.down_proj"]
 
 
 def resolve_model_path(model: str) -> Path:
@@ -296,6 +345,7 @@ def language_model_config(path: Path, raw: dict[str, Any], config: Any, image_te
             rope.pop("type")
         values["rope_parameters"] = rope
         values.pop("rope_scaling", None)
+        values.update(_TEXT_CONFIG_FIXED.get(image_text, {}))
         text = AutoConfig.for_model(FAMILIES[arch].family, **values)
     text.architectures = [arch]
     if "tie_word_embeddings" in raw:
@@ -303,6 +353,11 @@ def language_model_config(path: Path, raw: dict[str, Any], config: Any, image_te
     if getattr(text, "dtype", None) is None:
         text.dtype = getattr(config, "dtype", None)
     return text
+
+
+# What an image-text model's language model does that its text config does not say: Qwen3-VL-MoE's
+# router always renormalises the top-k weights (Qwen3-MoE's does where norm_topk_prob says so)
+_TEXT_CONFIG_FIXED: dict[str, dict[str, Any]] = {"Qwen3VLMoeForConditionalGeneration": {"norm_topk_prob": True}}
 
 
 # The tensors of an image-text checkpoint's language model, by the prefixes it is stored under,
@@ -399,6 +454,8 @@ def _index_weights(ckpt: Checkpoint) -> None:
             f"{path} is a {ckpt.image_text} checkpoint without its language model's tensors (looked for "
             f"language_model.model.*, model.language_model.* and model.layers.*); is the checkpoint complete?"
         )
+    if ckpt.image_text is not None:
+        _index_expert_stacks(ckpt)
     qc = getattr(ckpt.config, "quantization_config", None) or {}
     qc = qc if isinstance(qc, dict) else qc.to_dict()
     if str(qc.get("quant_method")).lower() == "mxfp4":

@@ -334,6 +334,7 @@ IMAGE_TEXT_FAMILIES = {
     "mistral": "Mistral3ForConditionalGeneration",
     "qwen2": "Qwen2_5_VLForConditionalGeneration",
     "qwen3": "Qwen3VLForConditionalGeneration",
+    "qwen3_moe": "Qwen3VLMoeForConditionalGeneration",
 }
 
 
@@ -345,7 +346,8 @@ def make_image_text_checkpoint(path: Path, family: str, seed: int = 0) -> Path:
     import transformers
 
     torch.manual_seed(seed)
-    text = tiny_config(family).to_dict()
+    # Qwen3-VL-MoE: experts 2 x 48 wide against hidden 64, so the stacks' two layouts differ in shape
+    text = tiny_config(family, **({"moe_intermediate_size": 48} if family == "qwen3_moe" else {})).to_dict()
     for key in ("architectures", "transformers_version", "dtype", "torch_dtype"):
         text.pop(key, None)
     vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28,
@@ -362,14 +364,15 @@ def make_image_text_checkpoint(path: Path, family: str, seed: int = 0) -> Path:
             text_config=text, vision_config=vision, image_token_index=49151, spatial_merge_size=2,
             tie_word_embeddings=False,
         )  # fmt: skip
-    else:  # Qwen2.5-VL / Qwen3-VL: M-RoPE sections as published (16/24/24 of 64 pairs there)
+    else:  # Qwen2.5-VL / Qwen3-VL (-MoE): M-RoPE sections as published (16/24/24 of 64 pairs there)
         text["tie_word_embeddings"] = False
-        qwen3 = family == "qwen3"
+        qwen3 = family in ("qwen3", "qwen3_moe")
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3],
                                    **({"mrope_interleaved": True} if qwen3 else {"type": "mrope"})}  # fmt: skip
         vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": text["hidden_size"],
                   **({"deepstack_visual_indexes": [0]} if qwen3 else {"fullatt_block_indexes": [0]})}  # fmt: skip
-        make = transformers.Qwen3VLConfig if qwen3 else transformers.Qwen2_5_VLConfig
+        make = {"qwen2": transformers.Qwen2_5_VLConfig, "qwen3": transformers.Qwen3VLConfig,
+                "qwen3_moe": transformers.Qwen3VLMoeConfig}[family]  # fmt: skip
         ids = {"image_token_id": 49151, "video_token_id": 49150, "vision_start_token_id": 49148, "vision_end_token_id": 49149}
         config = make(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
     model = getattr(transformers, IMAGE_TEXT_FAMILIES[family])(config)
@@ -378,7 +381,17 @@ def make_image_text_checkpoint(path: Path, family: str, seed: int = 0) -> Path:
             for layer in model.model.language_model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
-    model.save_pretrained(str(path))
+    if family == "qwen3_moe":  # transformers 5.17's save fails on these stacks (its reverse transpose): as published
+        from safetensors.torch import save_file
+
+        path.mkdir(parents=True, exist_ok=True)
+        state = {k: (v.transpose(1, 2) if ".experts." in k else v).contiguous() for k, v in model.state_dict().items()}
+        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+        model.config.architectures = [IMAGE_TEXT_FAMILIES[family]]
+        model.config.save_pretrained(str(path))
+        model.generation_config.save_pretrained(str(path))
+    else:
+        model.save_pretrained(str(path))
     src = tokenizer_dir()
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
