@@ -212,12 +212,13 @@ FAMILIES: dict[str, FamilyParts] = {
 # language_model.model.* / language_model.lm_head.* (or model.language_model.*, as transformers
 # names them in memory; Qwen2.5-VL's at the top, model.*, beside visual.*). Qwen's M-RoPE gives
 # each of its three sections a text token's one position, so text alone is rotated by plain RoPE.
-IMAGE_TEXT: dict[str, str] = {
+IMAGE_TEXT: dict[str, str | None] = {
     "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",  # Gemma 3 4B-27B
     "Mistral3ForConditionalGeneration": "MistralForCausalLM",  # Mistral Small 3.1 / 3.2
     "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",  # Qwen2.5-VL
     "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",  # Qwen3-VL (dense)
     "Qwen3VLMoeForConditionalGeneration": "Qwen3MoeForCausalLM",  # Qwen3-VL-MoE (experts stacked a projection)
+    "LlavaForConditionalGeneration": None,  # its text_config's own (LLaVA 1.5: Llama; Pixtral 12B: Mistral)
 }
 
 # Architectures refused with a pointer to what can be built instead.

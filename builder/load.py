@@ -283,7 +283,7 @@ def open_checkpoint(path: Path, dummy: bool) -> Checkpoint:
     image_text = arch if arch in IMAGE_TEXT else None
     if image_text is not None:
         config = language_model_config(path, raw, config, image_text)
-        arch = IMAGE_TEXT[image_text]
+        arch = config.architectures[0]
     if hasattr(config, "standardize_rope_params"):
         config.standardize_rope_params()
 
@@ -334,8 +334,13 @@ def language_model_config(path: Path, raw: dict[str, Any], config: Any, image_te
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    arch = IMAGE_TEXT[image_text]
     text = config.get_text_config()
+    arch = IMAGE_TEXT[image_text] or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(text.model_type)
+    if arch not in FAMILIES:
+        raise BuildError(
+            f"{image_text}'s language model is a {text.model_type!r} model ({arch}), which pagecast does not build; "
+            f"supported architectures: {', '.join(sorted(FAMILIES))}"
+        )
     if text.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:  # Qwen-VL's text configs: as the text model's
         values = {k: v for k, v in text.to_dict().items() if k not in ("model_type", "architectures")}
         rope = dict(values.get("rope_parameters") or {})

@@ -1,6 +1,6 @@
 """Image-text checkpoints whose language model pagecast builds (builder/families.IMAGE_TEXT:
-Gemma 3 4B-27B, Mistral Small 3.x, Qwen2.5-VL, Qwen3-VL): tiny random checkpoints saved by
-transformers in the hub's layout build as their text-only architecture and give the image-text
+Gemma 3 4B-27B, Mistral Small 3.x, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, LLaVA): tiny random
+checkpoints in the hub's layout build as their text-only architecture and give the image-text
 model's own greedy tokens and last-position logits for text prompts (Qwen's M-RoPE included),
 fp32 on the CPU; the vision tower is not read."""
 
@@ -73,7 +73,7 @@ def test_image_text_language_model_matches_transformers(family, tmp_path):  # ty
     art = build_artifact(build_from, tmp_path / "art")
     manifest = json.loads((art / "manifest.json").read_text())
     text_arch = {"gemma3": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[family]  # fmt: skip
+                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM"}[family]  # fmt: skip
     assert manifest["architecture"] == text_arch
     if family == "gemma3":
         assert 49150 in manifest["eos_token_ids"]
@@ -119,6 +119,11 @@ def test_image_text_checkpoints_that_cannot_build_say_why(tmp_path):  # type: ig
     (vision_only / "config.json").write_text(json.dumps({**config["text_config"], "architectures": config["architectures"]}))
     with pytest.raises(BuildError, match="names Mistral3ForConditionalGeneration but is a MistralConfig, with no language"):
         build_artifact(vision_only, tmp_path / "a3")
+    # A LLaVA whose language model pagecast does not build
+    llava = {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava", "text_config": {"model_type": "gpt_neox"}}
+    (vision_only / "config.json").write_text(json.dumps(llava))
+    with pytest.raises(BuildError, match="language model is a 'gpt_neox' model .GPTNeoXForCausalLM., which pagecast does not build"):
+        build_artifact(vision_only, tmp_path / "a4")
     # A quantised image-text checkpoint: refused, pointing at the bf16 one
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     (ckpt / "config.json").write_text(json.dumps(config))

@@ -335,6 +335,7 @@ IMAGE_TEXT_FAMILIES = {
     "qwen2": "Qwen2_5_VLForConditionalGeneration",
     "qwen3": "Qwen3VLForConditionalGeneration",
     "qwen3_moe": "Qwen3VLMoeForConditionalGeneration",
+    "llama": "LlavaForConditionalGeneration",  # LLaVA 1.5's language model
 }
 
 
@@ -357,6 +358,9 @@ def make_image_text_checkpoint(path: Path, family: str, seed: int = 0) -> Path:
             text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=49151,
             boi_token_index=49149, eoi_token_index=49150, tie_word_embeddings=text["tie_word_embeddings"],
         )  # fmt: skip
+    elif family == "llama":
+        config = transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=49151,
+                                          tie_word_embeddings=text["tie_word_embeddings"])  # fmt: skip
     elif family == "mistral":  # an LM head of its own, as Mistral Small 3.x's (language_model.lm_head.weight)
         text["tie_word_embeddings"] = False
         vision.update(model_type="pixtral", head_dim=16)
