@@ -112,18 +112,21 @@ def _index_expert_stacks(ckpt: Checkpoint) -> None:
     ``mlp.experts.gate_up_proj`` and ``.down_proj``) read as per-expert ``gate_proj``, ``up_proj``
     and ``down_proj`` weights (Qwen3-MoE's names). Published stacks hold inputs first ([E, H, 2I],
     [E, I, H]; transformers transposes them at load), ones transformers saves outputs first
-    ([E, 2I, H], [E, H, I]); which is which is read from the hidden size, and where 2I equals it,
-    taken as published."""
+    ([E, 2I, H], [E, H, I]); the pair's shapes and the hidden size say which (both would need
+    I = H = 2I)."""
     hidden = int(ckpt.config.hidden_size)
     for name in [n for n in ckpt.tensor_shapes if n.endswith(".experts.gate_up_proj")]:
         base = name.removesuffix(".gate_up_proj")
-        gate_up, down = ckpt.tensor_shapes[name], ckpt.tensor_shapes.get(f"{base}.down_proj")
-        if len(gate_up) != 3 or down is None or len(down) != 3:
-            raise BuildError(f"{name} {list(gate_up)} and {base}.down_proj are not an [E, ., .] expert stack pair")
-        published = gate_up[1] == hidden
-        e, inter = gate_up[0], (gate_up[2] if published else gate_up[1]) // 2
-        if (published and tuple(down) != (e, inter, hidden)) or (not published and tuple(down) != (e, hidden, inter)):
-            raise BuildError(f"{base}: gate_up_proj {list(gate_up)} and down_proj {list(down)} do not fit hidden size {hidden}")
+        gate_up, down = tuple(ckpt.tensor_shapes[name]), tuple(ckpt.tensor_shapes.get(f"{base}.down_proj", ()))
+        e = gate_up[0] if len(gate_up) == 3 else 0
+        published = len(down) == 3 and gate_up[1] == hidden and down == (e, gate_up[2] // 2, hidden)
+        held = len(down) == 3 and gate_up[2] == hidden and down == (e, hidden, gate_up[1] // 2)
+        if published == held:
+            raise BuildError(
+                f"{base}: gate_up_proj {list(gate_up)} and down_proj {list(down)} are not a pair of expert stacks "
+                f"for hidden size {hidden} ([E, H, 2I] and [E, I, H], or [E, 2I, H] and [E, H, I])"
+            )
+        inter = down[1] if published else down[2]
         pieces = {"gate_proj": ("gate", inter, hidden), "up_proj": ("up", inter, hidden), "down_proj": ("down", hidden, inter)}
         for i in range(e):
             for proj, (piece, rows, cols) in pieces.items():

@@ -124,6 +124,11 @@ def test_image_text_checkpoints_that_cannot_build_say_why(tmp_path):  # type: ig
     (vision_only / "config.json").write_text(json.dumps(llava))
     with pytest.raises(BuildError, match="language model is a 'gpt_neox' model .GPTNeoXForCausalLM., which pagecast does not build"):
         build_artifact(vision_only, tmp_path / "a4")
+    # Qwen3-VL-MoE expert stacks of two layouts at once
+    moe = make_image_text_checkpoint(tmp_path / "moe", "qwen3_moe")
+    _rename_tensors(moe, tmp_path / "mixed", lambda k: k, lambda k, v: v.transpose(1, 2) if k.endswith("down_proj") else v)
+    with pytest.raises(BuildError, match="are not a pair of expert stacks for hidden size 64"):
+        build_artifact(tmp_path / "mixed", tmp_path / "a5")
     # A quantised image-text checkpoint: refused, pointing at the bf16 one
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     (ckpt / "config.json").write_text(json.dumps(config))
