@@ -328,10 +328,11 @@ def language_model_config(path: Path, raw: dict[str, Any], config: Any, image_te
             f"{path}/config.json names {image_text} but is a {type(config).__name__}, with no language model config "
             f"(text_config); it is not that model's config.json"
         )
-    if raw.get("quantization_config") or (path / "hf_quant_config.json").is_file():
+    method = str((raw.get("quantization_config") or {}).get("quant_method", "")).lower()
+    if method and method not in quant.fp8.FP8_METHODS:
         raise BuildError(
-            f"{path} is a quantised {image_text} checkpoint: pagecast builds the language model of "
-            f"unquantised image-text checkpoints only; build from the bf16 checkpoint (--quant fp8 quantises "
+            f"{path} is a {method}-quantised {image_text} checkpoint: pagecast builds the language model of "
+            f"bf16 and FP8 image-text checkpoints only; build from the bf16 checkpoint (--quant fp8 quantises "
             f"it at build)"
         )
     from transformers import AutoConfig
@@ -387,6 +388,12 @@ def _language_model_name(name: str) -> str | None:
     if parts[0] == "model" and len(parts) > 2 and parts[1] in _TEXT_MODEL_CHILDREN:
         return name
     return None
+
+
+def _in_language_model(module: str) -> bool:
+    """Whether an image-text checkpoint's quantisation config entry (a module name, or a "re:"
+    pattern, kept as it is) may name a module of its language model."""
+    return module.startswith("re:") or module == "lm_head" or _language_model_name(f"{module}.") is not None
 
 
 # FP4 (e2m1) values by their 4-bit code: sign, two exponent bits, one mantissa bit
@@ -473,7 +480,10 @@ def _index_weights(ckpt: Checkpoint) -> None:
 def run(state: BuildState) -> BuildState:
     path = resolve_model_path(state.options.model)
     ckpt = open_checkpoint(path, dummy=state.options.load_format == "dummy")
-    ckpt.quant = quant.read_checkpoint_config(path, state.options.quant, ckpt.dummy)
+    # An image-text checkpoint's lists of modules left unquantised name its vision tower's too: only
+    # the language model's are its own (the vision tower's are never read)
+    in_language_model = None if ckpt.image_text is None else _in_language_model
+    ckpt.quant = quant.read_checkpoint_config(path, state.options.quant, ckpt.dummy, in_language_model)
     if state.options.model in ALIASES:
         ckpt.name = state.options.model
     elif state.options.model.endswith(".gguf"):

@@ -866,11 +866,14 @@ def weight_bytes(tensors: list[Any], dtype_bytes: int) -> int:
     return total
 
 
-def read_checkpoint_config(path: Any, requested: str | None, dummy: bool) -> QuantConfig | None:
+def read_checkpoint_config(
+    path: Any, requested: str | None, dummy: bool, keep_module: Any = None
+) -> QuantConfig | None:
     """``read_config`` on the checkpoint directory: ``quantization_config`` in config.json, or the
     separate quantize_config.json / quant_config.json older AutoGPTQ / AutoAWQ releases wrote, or
     ModelOpt's hf_quant_config.json (``{"producer": ..., "quantization": {"quant_algo": ...}}``,
-    read as ``quant_method: modelopt``)."""
+    read as ``quant_method: modelopt``). ``keep_module`` (an image-text checkpoint's): the entries
+    of its lists of unquantised modules it keeps, the rest naming modules never built."""
     import json
     from pathlib import Path
 
@@ -886,6 +889,8 @@ def read_checkpoint_config(path: Any, requested: str | None, dummy: bool) -> Qua
                 default = {"quant_config.json": "awq", "quantize_config.json": "gptq"}.get(name, "modelopt")
                 qc.setdefault("quant_method", default)
                 break
+    if qc and keep_module is not None:
+        qc = _modules_kept(qc, keep_module)
     from pagecast.builder import kv_cache
 
     if kv_cache.is_kv_cache_only(qc) or fp8.is_modelopt_kv_cache_only(qc):
@@ -895,6 +900,17 @@ def read_checkpoint_config(path: Any, requested: str | None, dummy: bool) -> Qua
     if requested == "fp8" or str((qc or {}).get("quant_method", "")).lower() in fp8.FP8_METHODS:
         return fp8.read_config(qc, requested)
     return read_config(qc, requested, dummy)
+
+
+_MODULE_LISTS = ("ignore", "modules_to_not_convert", "ignored_layers", "exclude_modules")
+
+
+def _modules_kept(qc: dict[str, Any], keep: Any) -> dict[str, Any]:
+    """``qc`` with its module lists (ModelOpt's under ``quantization`` too) holding what ``keep`` keeps."""
+    out = {k: [m for m in v if keep(str(m))] if k in _MODULE_LISTS and isinstance(v, list) else v for k, v in qc.items()}
+    if isinstance(qc.get("quantization"), dict):
+        out["quantization"] = _modules_kept(qc["quantization"], keep)
+    return out
 
 
 def linear_method_source(cfg: QuantConfig | None) -> str:

@@ -129,8 +129,49 @@ def test_image_text_checkpoints_that_cannot_build_say_why(tmp_path):  # type: ig
     _rename_tensors(moe, tmp_path / "mixed", lambda k: k, lambda k, v: v.transpose(1, 2) if k.endswith("down_proj") else v)
     with pytest.raises(BuildError, match="are not a pair of expert stacks for hidden size 64"):
         build_artifact(tmp_path / "mixed", tmp_path / "a5")
-    # A quantised image-text checkpoint: refused, pointing at the bf16 one
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    # An int4 image-text checkpoint: refused, pointing at the bf16 one
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}
     (ckpt / "config.json").write_text(json.dumps(config))
-    with pytest.raises(BuildError, match="quantised Mistral3ForConditionalGeneration checkpoint.*--quant fp8"):
+    with pytest.raises(BuildError, match="awq-quantised Mistral3ForConditionalGeneration checkpoint.*bf16 and FP8.*--quant fp8"):
         build_artifact(ckpt, tmp_path / "a2")
+
+
+def test_fp8_image_text_checkpoint_builds_as_its_fp8_language_model(tmp_path):  # type: ignore[no-untyped-def]
+    """An FP8 (compressed-tensors FP8_DYNAMIC) Mistral 3 checkpoint, vision tower in bf16 and named
+    in its ignore list (one of its projections by name, as some releases list them), builds as the
+    FP8 language model it holds: the same logits, to the bit, as the text-only FP8 checkpoint of the
+    same tensors."""
+    from quant_writer import write_fp8
+    from safetensors.torch import load_file, save_file
+
+    ckpt = make_image_text_checkpoint(tmp_path / "ckpt", "mistral")
+    config = json.loads((ckpt / "config.json").read_text())
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    # The language model alone, as a text checkpoint, quantised by the test writer
+    text = tmp_path / "text"
+    text.mkdir()
+    save_file({k.removeprefix("language_model."): v for k, v in tensors.items() if k.startswith("language_model.")},
+              str(text / "model.safetensors"), metadata={"format": "pt"})  # fmt: skip
+    (text / "config.json").write_text(json.dumps({**config["text_config"], "architectures": ["MistralForCausalLM"]}))
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (ckpt / f).is_file():
+            (text / f).write_bytes((ckpt / f).read_bytes())
+    text_fp8, _ = write_fp8(text, tmp_path / "text_fp8", "ct-channel")
+    # The same tensors under the image-text names, beside the bf16 vision tower
+    image_text = tmp_path / "image_text_fp8"
+    _rename_tensors(ckpt, image_text, lambda k: k)
+    quantised = load_file(str(text_fp8 / "model.safetensors"))
+    vision = {k: v.to(torch.bfloat16) for k, v in tensors.items() if not k.startswith("language_model.")}
+    save_file({**vision, **{f"language_model.{k}": v for k, v in quantised.items()}}, str(image_text / "model.safetensors"),
+              metadata={"format": "pt"})  # fmt: skip
+    qc = json.loads((text_fp8 / "config.json").read_text())["quantization_config"]
+    qc["ignore"] += ["re:vision_tower.*", "vision_tower.transformer.layers.0.attention.q_proj", "multi_modal_projector.linear_1"]
+    (image_text / "config.json").write_text(json.dumps({**config, "quantization_config": qc, "dtype": "bfloat16"}))
+
+    prompts = [[1, 504, 3458, 22, 333, 17], list(range(100, 140))]
+    engines = [LLM(build_artifact(c, tmp_path / f"art{i}"), max_num_seqs=2).engine for i, c in enumerate((text_fp8, image_text))]
+    for ids in prompts:
+        ours, theirs = (engine_last_logits(e, ids) for e in engines)
+        assert torch.equal(ours, theirs)
+    manifest = json.loads((tmp_path / "art1" / "manifest.json").read_text())
+    assert manifest["architecture"] == "MistralForCausalLM" and "fp8" in json.dumps(manifest).lower()
