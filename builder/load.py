@@ -464,12 +464,12 @@ def _index_weights(ckpt: Checkpoint) -> None:
             raise BuildError(
                 f"weights file {file} cannot be read ({e}): it is corrupt or truncated; re-download or re-save it"
             ) from e
-    if ckpt.image_text is not None and not any(name.startswith("model.") for name in ckpt.tensor_files):
-        raise BuildError(
-            f"{path} is a {ckpt.image_text} checkpoint without its language model's tensors (looked for "
-            f"language_model.model.*, model.language_model.* and model.layers.*); is the checkpoint complete?"
-        )
     if ckpt.image_text is not None:
+        if not any(name.startswith("model.") for name in ckpt.tensor_files):
+            raise BuildError(
+                f"{path} is a {ckpt.image_text} checkpoint without its language model's tensors (looked for "
+                f"language_model.model.*, model.language_model.* and model.layers.*); is the checkpoint complete?"
+            )
         _index_expert_stacks(ckpt)
     qc = getattr(ckpt.config, "quantization_config", None) or {}
     qc = qc if isinstance(qc, dict) else qc.to_dict()

@@ -32,6 +32,7 @@ Every format rule lives here, beside its reference dequantizer:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -867,7 +868,7 @@ def weight_bytes(tensors: list[Any], dtype_bytes: int) -> int:
 
 
 def read_checkpoint_config(
-    path: Any, requested: str | None, dummy: bool, keep_module: Any = None
+    path: Any, requested: str | None, dummy: bool, keep_module: Callable[[str], bool] | None = None
 ) -> QuantConfig | None:
     """``read_config`` on the checkpoint directory: ``quantization_config`` in config.json, or the
     separate quantize_config.json / quant_config.json older AutoGPTQ / AutoAWQ releases wrote, or
@@ -905,7 +906,7 @@ def read_checkpoint_config(
 _MODULE_LISTS = ("ignore", "modules_to_not_convert", "ignored_layers", "exclude_modules")
 
 
-def _modules_kept(qc: dict[str, Any], keep: Any) -> dict[str, Any]:
+def _modules_kept(qc: dict[str, Any], keep: Callable[[str], bool]) -> dict[str, Any]:
     """``qc`` with its module lists (ModelOpt's under ``quantization`` too) holding what ``keep`` keeps."""
     out = {k: [m for m in v if keep(str(m))] if k in _MODULE_LISTS and isinstance(v, list) else v for k, v in qc.items()}
     if isinstance(qc.get("quantization"), dict):

@@ -214,7 +214,7 @@ def fp8_quantization_config(fmt: str, lm_head: bool = False) -> dict[str, object
             "modules_to_not_convert": head}  # fmt: skip
 
 
-def _copy_without_weights(src: Path, dst: Path) -> dict[str, torch.Tensor]:
+def copy_without_weights(src: Path, dst: Path) -> dict[str, torch.Tensor]:
     """``dst`` a fresh copy of checkpoint ``src`` but for its weights files; returns ``src``'s tensors."""
     shutil.rmtree(dst, ignore_errors=True)
     shutil.copytree(src, dst)
@@ -239,7 +239,7 @@ def write_fp8(
     ``lm_head``: the LM head (an untied one) quantised in ``fmt`` too, without an input scale (as
     a checkpoint whose ignore list leaves lm_head out). ``hf_quant_config`` (ModelOpt only): the
     config in hf_quant_config.json, as ModelOpt's export writes it, and none in config.json."""
-    tensors = _copy_without_weights(src, dst)
+    tensors = copy_without_weights(src, dst)
     out, deq = {}, {}
     scales = input_scales or {}
     for name, t in sorted(tensors.items()):
@@ -314,7 +314,7 @@ def write_mxfp4(src: Path, dst: Path) -> Path:
     (``experts.gate_up_proj``, ``experts.down_proj``) as ``_blocks`` and ``_scales``, the rest in
     bf16, ``quantization_config.quant_method: mxfp4``."""
     out = {}
-    for name, t in sorted(_copy_without_weights(src, dst).items()):
+    for name, t in sorted(copy_without_weights(src, dst).items()):
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             out[f"{name}_blocks"], out[f"{name}_scales"] = mxfp4_quantise(t)
         else:

