@@ -66,6 +66,15 @@ def steps(out: Path) -> list[Step]:
                 "--phases", "W4", "--tune-budget", "120", "--out"]  # fmt: skip
     return [
         Step(
+            "llama4_gpu",
+            _pytest("tests/test_kernels_chunked_gpu.py", "tests/test_moe_families_gpu.py", "-k", "chunked or llama4",
+                    stop_at_first=False),
+            240,
+            "the thirty-ninth session's Llama 4: chunked attention in both kernels in bf16 against the reference, and "
+            "a tiny fp32 Llama 4 engine tuned on the GPU (chunked layers, the attention temperature, top-1 sigmoid "
+            "routing on the experts' input, CUDA graphs) against transformers; CPU parity only so far",
+        ),
+        Step(
             "spec_draft_tests",
             _pytest("tests/test_spec_draft_gpu.py", "-vv", stop_at_first=False),
             240,

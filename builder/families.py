@@ -34,6 +34,10 @@ class FamilyParts:
     # "query_layernorm" / "key_layernorm", after RoPE) rather than before it.
     qk_norm_names: tuple[str, str] = ("q_norm", "k_norm")
     qk_norm_after_rope: bool = False
+    # Llama 4: one module without a weight normalises q and k (an L2 norm), on some layers only
+    qk_norm_weightless: bool = False
+    # Llama 4: RoPE on adjacent pairs computed as complex multiplies (lower reads it as interleaved)
+    complex_rope: bool = False
     # Where sliding windows come from: "layer" (each attention module's own window, honoured by the
     # kernels), "config" (config.sliding_window on every layer, honoured), "layer_types"
     # (config.sliding_window on the layers config.layer_types calls "sliding_attention", honoured),
@@ -59,6 +63,10 @@ class FamilyParts:
     # [E, 2I, H] (gate rows, then up rows) and [E, H, I] (Granite-MoE's input_linear and
     # output_linear), instead of one module per expert; () where they are not.
     moe_stacked: tuple[str, ...] = ()
+    # Experts stacked one tensor a projection, gate columns then up columns (Llama 4's gate_up_proj
+    # [E, H, 2I] and down_proj [E, I, H]): read per expert (builder/load.py, expert_views) as
+    # ``{experts}.{e}.gate_proj`` / ``up_proj`` / ``down_proj``.
+    moe_stacked_halves: bool = False
     # The shared expert's module under the sparse block (GLM-4.5: "shared_experts").
     moe_shared_expert: str = "shared_expert"
     # sigmoid_group routing's score bias, under the sparse block in the checkpoint.
@@ -200,6 +208,16 @@ FAMILIES: dict[str, FamilyParts] = {
         window_source="layer_types",  # its attention keeps config.sliding_window on every layer
         **_POST_NORMS,  # type: ignore[arg-type]
     ),
+    # Llama 4 (Scout, Maverick): RoPE on adjacent pairs with chunked attention and weightless q/k norms
+    # on three layers in four, no RoPE and a position-dependent query temperature on the fourth;
+    # top-1 sigmoid routing whose weight scales the expert's input, a shared expert, MoE and dense
+    # layers interleaved (interleave_moe_layer_step), its experts stacked [E, H, 2I] / [E, I, H]
+    "Llama4ForCausalLM": FamilyParts(
+        "llama4", moe_block="feed_forward", moe_module="feed_forward", moe_router="router",
+        qk_norm_names=("qk_norm", "qk_norm"), qk_norm_after_rope=True, qk_norm_weightless=True, complex_rope=True,
+        moe_stacked_halves=True, activation_module="activation_fn",
+        not_supported="images (Llama4ForConditionalGeneration builds its language model alone); AWQ/GPTQ and FP8 checkpoints (not tested)",
+    ),
     "GptOssForCausalLM": FamilyParts(
         "gpt_oss", moe_block="mlp", moe_router="router", window_source="layer",
         not_supported="MXFP4 kernels (its MXFP4 checkpoints are dequantised to bf16 at build, or to FP8 with --quant fp8)",
@@ -218,6 +236,7 @@ IMAGE_TEXT: dict[str, str | None] = {
     "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",  # Qwen2.5-VL
     "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",  # Qwen3-VL (dense)
     "Qwen3VLMoeForConditionalGeneration": "Qwen3MoeForCausalLM",  # Qwen3-VL-MoE (experts stacked a projection)
+    "Llama4ForConditionalGeneration": "Llama4ForCausalLM",  # Llama 4 Scout / Maverick
     "LlavaForConditionalGeneration": None,  # its text_config's own (LLaVA 1.5: Llama; Pixtral 12B: Mistral)
 }
 

@@ -135,12 +135,27 @@ class AttentionSpec:
     fused_qkv_name: str | None = None
     clip_qkv: float | None = None  # q, k and v clamped to [-c, c] after the q/k norms (OLMoE)
     sinks: bool = False  # a learned per-head logit in each softmax's denominator (gpt-oss's attention sinks)
+    # Llama 4: the q/k norms have no weight (an L2 norm: x * rsqrt(mean(x^2) + eps)), and some layers
+    # have none (its no-RoPE layers); the layers that have them share everything else (qk_norm_key).
+    qk_norm_weight: bool = True
+    # Chunked attention (Llama 4's RoPE layers): a query at p sees keys p // chunk * chunk..p only.
+    attention_chunk: int | None = None
+    # Llama 4's attention temperature on its no-RoPE layers: each query scaled by
+    # log1p(floor((p + 1) / floor_scale)) * attn_scale + 1 at position p; (floor_scale, attn_scale).
+    temperature_tuning: tuple[float, float] | None = None
 
     def shape_key(self) -> tuple[Any, ...]:
-        """What every layer must share: one model.py and one weight layout serve all layers."""
-        return (self.num_heads, self.num_kv_heads, self.head_dim, self.qkv_bias, self.o_bias, self.qk_norm,
-                self.qk_norm_kind, self.qk_norm_eps, self.qk_norm_offset, self.fused_qkv_name is not None, self.clip_qkv, self.sinks,
-                self.qk_norm_after_rope)  # fmt: skip
+        """What every layer must share: one model.py and one weight layout serve all layers (a
+        layer may lack the q/k norms the others have: ``qk_norm_key``)."""
+        return (self.num_heads, self.num_kv_heads, self.head_dim, self.qkv_bias, self.o_bias,
+                self.fused_qkv_name is not None, self.clip_qkv, self.sinks)  # fmt: skip
+
+    def qk_norm_key(self) -> tuple[Any, ...] | None:
+        """What every layer with q/k norms must share (None: this layer has none)."""
+        if not self.qk_norm:
+            return None
+        return (self.qk_norm_kind, self.qk_norm_eps, self.qk_norm_offset, self.qk_norm_after_rope, self.qk_norm_weight,
+                self.qk_norm_names)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -153,6 +168,7 @@ class MlpSpec:
     bias: bool
     kind: str = "dense"
     fused_gate_up_name: str | None = None  # gate/up as one module under mlp (Phi-3's "gate_up_proj")
+    module: str = "mlp"  # the module under the layer that holds it in the checkpoint (Llama 4: "feed_forward")
 
 
 @dataclass(frozen=True)
@@ -168,7 +184,7 @@ class MoeSpec:
     num_experts: int
     top_k: int
     intermediate_size: int  # each expert's
-    scoring: str  # "softmax_topk", "topk_softmax" or "sigmoid_group" (moe_routing.SCORINGS)
+    scoring: str  # "softmax_topk", "topk_softmax", "sigmoid_group", ... (moe_routing.SCORINGS)
     renormalize: bool
     weights_in_x_dtype: bool
     activation: str = "silu"  # "silu" or "swiglu_oai" (moe_routing.ACTIVATIONS)
@@ -181,6 +197,7 @@ class MoeSpec:
     topk_group: int = 1
     routed_scale: float = 1.0
     router_fp32: bool = False  # the router's GEMV in fp32 (its weight stored so)
+    weights_on_input: bool = False  # Llama 4: the routing weight scales the expert's input (top-1)
     norm_min: float = 0.0  # softmax_bias (ERNIE 4.5): the renormalisation's least denominator
     score_bias: bool = False
     score_bias_name: str = "mlp.gate.e_score_correction_bias"  # GLM-4.5's; MiniMax-M2 keeps it on the block
@@ -268,6 +285,17 @@ class ModelIR:
         """Layer 0's attention: every layer shares its shapes (lower checks AttentionSpec.shape_key);
         windows, soft-caps, scales and RoPE may differ per layer."""
         return self.layers[0].attention
+
+    @property
+    def qk_norms(self) -> AttentionSpec:
+        """The attention of the first layer with q/k norms (layer 0's where none has them): its
+        qk_norm_* fields are every such layer's (lower checks AttentionSpec.qk_norm_key)."""
+        return next((layer.attention for layer in self.layers if layer.attention.qk_norm), self.layers[0].attention)
+
+    @property
+    def qk_norm_layers(self) -> list[bool]:
+        """Per layer: whether it has q/k norms (Llama 4: its RoPE layers only)."""
+        return [layer.attention.qk_norm for layer in self.layers]
 
     @property
     def mlp(self) -> MlpSpec:

@@ -108,9 +108,9 @@ _EXPERT_PIECES = {
 
 
 def _index_expert_stacks(ckpt: Checkpoint) -> None:
-    """An image-text checkpoint's experts stacked a projection (Qwen3-VL-MoE:
-    ``mlp.experts.gate_up_proj`` and ``.down_proj``) read as per-expert ``gate_proj``, ``up_proj``
-    and ``down_proj`` weights (Qwen3-MoE's names). Published stacks hold inputs first ([E, H, 2I],
+    """Experts stacked a projection (Qwen3-VL-MoE's ``mlp.experts.gate_up_proj`` and ``.down_proj``,
+    Llama 4's under ``feed_forward``) read as per-expert ``gate_proj``, ``up_proj`` and ``down_proj``
+    weights (Qwen3-MoE's names). Published stacks hold inputs first ([E, H, 2I],
     [E, I, H]; transformers transposes them at load), ones transformers saves outputs first
     ([E, 2I, H], [E, H, I]); the pair's shapes and the hidden size say which (both would need
     I = H = 2I)."""
@@ -464,12 +464,12 @@ def _index_weights(ckpt: Checkpoint) -> None:
             raise BuildError(
                 f"weights file {file} cannot be read ({e}): it is corrupt or truncated; re-download or re-save it"
             ) from e
-    if ckpt.image_text is not None:
-        if not any(name.startswith("model.") for name in ckpt.tensor_files):
-            raise BuildError(
-                f"{path} is a {ckpt.image_text} checkpoint without its language model's tensors (looked for "
-                f"language_model.model.*, model.language_model.* and model.layers.*); is the checkpoint complete?"
-            )
+    if ckpt.image_text is not None and not any(name.startswith("model.") for name in ckpt.tensor_files):
+        raise BuildError(
+            f"{path} is a {ckpt.image_text} checkpoint without its language model's tensors (looked for "
+            f"language_model.model.*, model.language_model.* and model.layers.*); is the checkpoint complete?"
+        )
+    if ckpt.image_text is not None or FAMILIES[ckpt.config.architectures[0]].moe_stacked_halves:
         _index_expert_stacks(ckpt)
     qc = getattr(ckpt.config, "quantization_config", None) or {}
     qc = qc if isinstance(qc, dict) else qc.to_dict()

@@ -36,6 +36,10 @@ _ATTENTION_CORE_OPS = {
     "repeat_interleave", "stack", "flatten",  # RoPE on adjacent pairs (GLM, Helium, ERNIE 4.5)
     "dropout",  # Seed-OSS's residual dropout: the trace runs in eval mode, where it is the identity
 }  # fmt: skip
+# Llama 4's attention: RoPE on adjacent pairs as complex multiplies; on its no-RoPE layers the
+# queries scaled by log1p(floor((p + 1) / floor_scale)) * attn_scale + 1 (attention temperature).
+_COMPLEX_ROPE_OPS = {"view_as_complex", "view_as_real", "type_as"}
+_TEMPERATURE_OPS = {"arange", "div", "floor", "log1p"}
 # gpt-oss's eager attention with sinks: scores by matmul, the per-head sink logit concatenated as
 # one more column, softmax, the sink column dropped; its rotary splits halves with chunk.
 _SINK_ATTENTION_OPS = {
@@ -46,6 +50,11 @@ _SINK_ATTENTION_OPS = {
 # it; the router scores, takes the top k and may renormalise; the experts module sorts the
 # (token, expert) pairs, runs a grouped GEMM per projection and sums each token's rows.
 _MOE_BLOCK_OPS = {"view", "reshape", "to", "sigmoid", "mul", "add"}  # to: ERNIE 4.5's cast back to x's dtype
+# Llama 4's: x repeated once a top-k slot, scaled by the routing weights (every expert's, zero but the
+# chosen one's), its experts' outputs summed and the shared expert's added
+_WEIGHTS_ON_INPUT_BLOCK_OPS = ["reshape", "repeat", "transpose", "reshape", "mul", "reshape", "sum", "add_"]
+_TOPK_SIGMOID_ROUTER_OPS = ["linear", "topk", "full_like", "scatter_", "sigmoid"]
+_BATCHED_EXPERTS_OPS = ["view", "bmm", "chunk", "mul", "bmm", "view"]  # Llama 4's: every expert on its rows
 _MOE_ROUTER_OPS = {"reshape", "view", "linear", "to", "type_as", "softmax", "topk", "sum", "div", "div_"}
 # DeepSeek-V3's routing (GLM-4.5), in transformers' order, reshapes and casts aside: fp32 logits,
 # sigmoid scores, the biased scores' best two per group summed, the best groups kept (a mask),
@@ -81,6 +90,7 @@ _MOE_EXPERTS_OPS_OAI = _MOE_EXPERTS_OPS | {"add_", "slice", "clamp", "sigmoid", 
 _DECODER_STACK_OPS = {
     "arange", "add", "sub", "unsqueeze", "slice", "diff", "ne", "eq", "le", "lt", "ge", "gt", "cumsum",
     "new_ones", "to", "__and__", "__or__", "index", "expand", "mul", "where",
+    "zeros", "floor_divide",  # chunked-attention masks (Llama 4)
 }  # fmt: skip
 # The HF rotary module only builds its cos/sin table (the engine builds its own from the config);
 # depending on the transformers version those ops are traced inside a no_grad region or inline.
@@ -132,6 +142,18 @@ class _Matcher:
                 f"variant (ops {mod.ops}); this norm variant is not supported"
             )
         return NormSpec(hf_name=f"{path}.weight", eps=adds[0], weight_offset=1.0 if offset else 0.0)
+
+    def l2norm(self, path: str) -> NormSpec | None:
+        """Llama 4's weightless q/k norm, x * rsqrt(mean(x^2) + eps), one module called on q and on
+        k; None where the layer has none."""
+        mod = self.take(path, "L2 norm", required=False)
+        if mod is None:
+            return None
+        once = ["to", "pow", "mean", "add", "rsqrt", "mul", "type_as"]
+        calls = len(mod.ops) // len(once)
+        if calls not in (1, 2) or mod.ops != once * calls or len(set(mod.scalar_adds)) != 1:
+            raise BuildError(f"module {path} ({mod.type_name}) is not x * rsqrt(mean(x^2) + eps) (ops {mod.ops}); not supported")
+        return NormSpec(hf_name="", eps=mod.scalar_adds[0])
 
     def linear(self, path: str) -> bool:
         mod = self.take(path, "linear projection")
@@ -286,6 +308,8 @@ def lower(trace: TraceSummary, config: Any, family: str, architecture: str) -> M
             raise BuildError(
                 f"layer {layer.index} differs in shape, norms or MLP from layer 0; heterogeneous layers are not supported"
             )
+    if len({layer.attention.qk_norm_key() for layer in layers} - {None}) > 1:
+        raise BuildError("the layers' q/k norms differ in kind, eps or placement; not supported")
     rotary_dims = {layer.attention.rope.rotary_dim for layer in layers if layer.attention.rope is not None}
     if len(rotary_dims) > 1:
         raise BuildError(f"layers rotate different numbers of dimensions ({sorted(rotary_dims)}); not supported")
@@ -317,7 +341,7 @@ def _layer(
     residual_multiplier = 1.0
     if layer.ops == ["mul", "add", "mul", "add"] and len(set(layer.scalar_muls)) == 1 and len(layer.scalar_muls) == 2:
         residual_multiplier = layer.scalar_muls[0]  # Granite: residual + branch * multiplier
-    elif layer.ops != ["add", "add"]:
+    elif [op for op in layer.ops if op != "view"] != ["add", "add"]:  # (Llama 4 views the MLP's output)
         raise BuildError(
             f"decoder layer {p} ({layer.type_name}) is not two residual branches (ops {layer.ops}); not supported"
         )
@@ -340,8 +364,11 @@ def _layer(
     o_bias = m.linear(f"{attn}.o_proj")
     if len(set(biases)) != 1:
         raise BuildError(f"{attn}: q/k/v projections disagree on bias; not supported")
-    q_norm = m.rmsnorm(f"{attn}.{parts.qk_norm_names[0]}", required=False)
-    k_norm = m.rmsnorm(f"{attn}.{parts.qk_norm_names[1]}", required=False)
+    if parts.qk_norm_weightless:  # Llama 4: one weightless module normalises q and k
+        q_norm = k_norm = m.l2norm(f"{attn}.{parts.qk_norm_names[0]}")
+    else:
+        q_norm = m.rmsnorm(f"{attn}.{parts.qk_norm_names[0]}", required=False)
+        k_norm = m.rmsnorm(f"{attn}.{parts.qk_norm_names[1]}", required=False)
     if (q_norm is None) != (k_norm is None):
         raise BuildError(f"{attn} has a norm on only one of q and k; not supported")
     if q_norm is not None and k_norm is not None and (q_norm.eps, q_norm.weight_offset) != (k_norm.eps, k_norm.weight_offset):
@@ -357,12 +384,18 @@ def _layer(
         rotates = "chunk" in core.ops  # gpt-oss rotates halves split by chunk (the same rotation as rotate_half)
         scale = float(core.attributes["scaling"])
     else:
-        m.only(core, _ATTENTION_CORE_OPS, "attention")
+        temperature = _temperature(core, config)
+        extra = (_COMPLEX_ROPE_OPS if parts.complex_rope else set()) | (_TEMPERATURE_OPS if temperature else set())
+        m.only(core, _ATTENTION_CORE_OPS | extra, "attention")
         clip_qkv = _clip_qkv(core, parts)
         if "scaled_dot_product_attention" not in core.ops:
             raise BuildError(f"{attn} ({core.type_name}) is not scaled-dot-product attention")
-        rotates = "neg" in core.ops
+        rotates = "neg" in core.ops or "view_as_complex" in core.ops
         scale = float(core.sdpa_kwargs.get("scale", head_dim**-0.5))
+    if sinks:
+        temperature = None
+    if temperature is not None and rotates:
+        raise BuildError(f"{attn}: attention temperature on a RoPE layer; not supported (Llama 4 has it on its no-RoPE layers)")
     if core.attributes.get("is_causal") is False:
         raise BuildError(f"{attn} ({core.type_name}) is bidirectional attention; only causal decoders are supported")
     if "use_rope" in core.attributes and bool(core.attributes["use_rope"]) != rotates:
@@ -381,7 +414,14 @@ def _layer(
     layer_type = core.attributes.get("layer_type")
     if not isinstance(layer_type, str):  # OLMo 3's attention keeps it as attention_type: the config has it
         layer_type = _config_layer_type(config, i)
+    chunk = None
+    if _config_layer_type(config, i) == "chunked_attention":  # Llama 4: its RoPE layers
+        chunk = getattr(config, "attention_chunk_size", None)
+        if not chunk or window:
+            raise BuildError(f"{attn}: a chunked-attention layer without attention_chunk_size, or with a window; not supported")
     rope = _rope(config, head_dim, layer_type) if rotates else None
+    if rope is not None and "view_as_complex" in core.ops:  # Llama 4: pairs of adjacent dims as complex numbers
+        rope = dataclasses.replace(rope, interleaved=True)
     if rope is not None and "repeat_interleave" in core.ops:
         # cos/sin repeated per adjacent pair: the GPT-J rotation, built by reordering q and k rows
         if not {"stack", "flatten"} <= set(core.ops):
@@ -417,11 +457,32 @@ def _layer(
             fused_qkv_name=parts.qkv[0] if len(parts.qkv) == 1 else None,
             clip_qkv=clip_qkv,
             sinks=sinks,
+            qk_norm_weight=not parts.qk_norm_weightless,
+            attention_chunk=int(chunk) if chunk else None,
+            temperature_tuning=temperature,
         ),
         mlp=mlp_spec,
         residual_multiplier=residual_multiplier,
         **norms,  # type: ignore[arg-type]
     )
+
+
+def _temperature(core: ModuleTrace, config: Any) -> tuple[float, float] | None:
+    """Llama 4's attention temperature on a no-RoPE layer, (floor_scale, attn_scale): the queries
+    scaled by log1p(floor((p + 1) / floor_scale)) * attn_scale + 1; None where the layer has none."""
+    if "log1p" not in core.ops:
+        return None
+    floor_scale, attn_scale = getattr(config, "floor_scale", None), getattr(config, "attn_scale", None)
+    if (
+        not getattr(config, "attn_temperature_tuning", False) or floor_scale is None or attn_scale is None
+        or core.scalar_divs != [float(floor_scale)] or core.scalar_muls != [float(attn_scale)]
+    ):  # fmt: skip
+        raise BuildError(
+            f"{core.path} ({core.type_name}) scales its queries by position (ops {core.ops}, divides by "
+            f"{core.scalar_divs}, multiplies by {core.scalar_muls}) other than as Llama 4's attention temperature "
+            f"(floor_scale {floor_scale}, attn_scale {attn_scale}); not supported"
+        )
+    return float(floor_scale), float(attn_scale)
 
 
 def _clip_qkv(core: ModuleTrace, parts: FamilyParts) -> float | None:
@@ -455,12 +516,14 @@ def _dense_mlp(m: _Matcher, config: Any, parts: FamilyParts, mlp_path: str) -> M
         activation = "gelu_tanh" if act.gelu_approximate == "tanh" else "gelu"
     if activation is None:
         raise _unsupported(act, act.ops[0] if act.ops else "<none>", "MLP activation (SiLU, GELU, GELU-tanh)")
-    dense_size = getattr(config, "intermediate_size", None)
+    # Llama 4's dense layers: intermediate_size_mlp (its intermediate_size is each expert's)
+    dense_size = getattr(config, "intermediate_size_mlp", None) or getattr(config, "intermediate_size", None)
     return MlpSpec(
         intermediate_size=int(dense_size),
         activation=activation,
         bias=down_bias,
         fused_gate_up_name=parts.gate_up[0] if len(parts.gate_up) == 1 else None,
+        module=mlp_path.rsplit(".", 1)[-1],
     )
 
 
@@ -473,9 +536,19 @@ def _moe(m: _Matcher, config: Any, parts: FamilyParts, mlp_path: str) -> MoeSpec
         raise BuildError(f"{mlp_path} is a mixture-of-experts block, which pagecast does not build for this family")
     block = m.take(mlp_path, "MoE block")
     assert block is not None
-    m.only(block, _MOE_BLOCK_OPS, "MoE block")
     arch = (config.architectures or [""])[0]
-    routing, act = moe_spec(arch, config.to_dict())
+    try:
+        routing, act = moe_spec(arch, config.to_dict())
+    except ValueError as e:  # a routing the kernels do not take (Llama 4's with top_k > 1)
+        raise BuildError(f"{mlp_path}: {e}; not supported") from e
+    if routing.weights_on_input:
+        if block.ops != _WEIGHTS_ON_INPUT_BLOCK_OPS:
+            raise BuildError(
+                f"{mlp_path} ({block.type_name}, ops {block.ops}) does not weigh its experts' inputs and add a shared "
+                f"expert as {arch} is expected to (ops {_WEIGHTS_ON_INPUT_BLOCK_OPS}); not supported"
+            )
+    else:
+        m.only(block, _MOE_BLOCK_OPS, "MoE block")
     router = m.take(f"{mlp_path}.{parts.moe_router}", "MoE router")
     assert router is not None
     child = parts.moe_router_weight
@@ -503,7 +576,7 @@ def _moe(m: _Matcher, config: Any, parts: FamilyParts, mlp_path: str) -> MoeSpec
                 f"expected to (sigmoid scores, a biased choice among expert groups, top-{routing.top_k}, "
                 f"renormalise={routing.renormalize}: ops {expected}); not supported"
             )
-    else:
+    elif routing.scoring != "topk_sigmoid":
         m.only(router, _MOE_ROUTER_OPS, "MoE router (softmax, top-k, renormalisation)")
     if routing.scoring == "softmax_topk":
         renormalises = "sum" in router.ops and any(op in router.ops for op in ("div", "div_"))
@@ -511,6 +584,12 @@ def _moe(m: _Matcher, config: Any, parts: FamilyParts, mlp_path: str) -> MoeSpec
             raise BuildError(
                 f"{mlp_path}.{parts.moe_router} ({router.type_name}, ops {router.ops}) does not route as "
                 f"{arch} is expected to (softmax, top-{routing.top_k}, renormalise={routing.renormalize}); not supported"
+            )
+    elif routing.scoring == "topk_sigmoid":
+        if [op for op in router.ops if op != "to"] != _TOPK_SIGMOID_ROUTER_OPS:
+            raise BuildError(
+                f"{mlp_path}.{parts.moe_router} ({router.type_name}, ops {router.ops}) does not route as {arch} is "
+                f"expected to (the top-{routing.top_k} logits, their sigmoid: ops {_TOPK_SIGMOID_ROUTER_OPS}); not supported"
             )
     elif routing.scoring == "topk_softmax" and [op for op in router.ops if op not in ("to", "type_as")] != [
         "linear", "topk", "softmax"
@@ -524,7 +603,8 @@ def _moe(m: _Matcher, config: Any, parts: FamilyParts, mlp_path: str) -> MoeSpec
     assert experts is not None
     stacked = expert_bias = False
     if act.kind == "silu":
-        m.only(experts, _MOE_EXPERTS_OPS, "MoE experts (grouped gated MLPs)")
+        if experts.ops != _BATCHED_EXPERTS_OPS:  # (Llama 4's: every expert run on its rows by bmm)
+            m.only(experts, _MOE_EXPERTS_OPS, "MoE experts (grouped gated MLPs)")
         expert_act = m.take(f"{mlp_path}.experts.act_fn", "MoE experts' activation")
         assert expert_act is not None
         if expert_act.ops != ["silu"]:
@@ -554,8 +634,12 @@ def _moe(m: _Matcher, config: Any, parts: FamilyParts, mlp_path: str) -> MoeSpec
             if m.linear(f"{mlp_path}.shared_expert_gate"):
                 raise BuildError(f"{mlp_path}.shared_expert_gate has a bias; not supported")
             shared_gate = True
-        if block.ops.count("add") != 1 or block.ops.count("sigmoid") != int(shared_gate):
+        if routing.weights_on_input:
+            pass  # the block's ops are the pattern's, checked above
+        elif block.ops.count("add") != 1 or block.ops.count("sigmoid") != int(shared_gate):
             raise _unsupported(block, "add", "MoE block (experts plus an optionally gated shared expert)")
+    elif routing.weights_on_input:
+        raise BuildError(f"{mlp_path} ({block.type_name}) has no shared expert at {shared_path}; not supported")
     elif set(block.ops) - {"view", "reshape", "to"}:
         raise _unsupported(block, next(op for op in block.ops if op not in ("view", "reshape", "to")), "MoE block")
     inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
@@ -574,6 +658,7 @@ def _moe(m: _Matcher, config: Any, parts: FamilyParts, mlp_path: str) -> MoeSpec
         topk_group=routing.topk_group,
         routed_scale=routing.scale,
         router_fp32=routing.fp32_logits,
+        weights_on_input=routing.weights_on_input,
         norm_min=routing.norm_min,
         score_bias=routing.scoring in ("sigmoid_group", "softmax_bias"),
         score_bias_name=f"{parts.moe_block}.{parts.moe_score_bias}",

@@ -138,12 +138,13 @@ def tensor_layout(model: ModelIR) -> list[TensorPlan]:
                     (q_out + 2 * kv_out,),
                 )
             )
-        if a.qk_norm:
-            q_shape, k_shape = ((a.head_dim,), (a.head_dim,)) if a.qk_norm_kind == "head" else ((q_out,), (kv_out,))
-            q_norm, k_norm = qk(tuple(f"{attn}.{name}.weight" for name in a.qk_norm_names))
+        la = layer.attention
+        if la.qk_norm and la.qk_norm_weight:  # (Llama 4's weightless norms: the model code's ones)
+            q_shape, k_shape = ((a.head_dim,), (a.head_dim,)) if la.qk_norm_kind == "head" else ((q_out,), (kv_out,))
+            q_norm, k_norm = qk(tuple(f"{attn}.{name}.weight" for name in la.qk_norm_names))
             tensors += [
-                TensorPlan(f"{o}.q_norm.weight", (q_norm,), q_shape, offset=a.qk_norm_offset),
-                TensorPlan(f"{o}.k_norm.weight", (k_norm,), k_shape, offset=a.qk_norm_offset),
+                TensorPlan(f"{o}.q_norm.weight", (q_norm,), q_shape, offset=la.qk_norm_offset),
+                TensorPlan(f"{o}.k_norm.weight", (k_norm,), k_shape, offset=la.qk_norm_offset),
             ]
         tensors.append(TensorPlan(f"{o}.o_proj.weight", (f"{attn}.o_proj.weight",), (h, q_out)))
         if a.o_bias:
@@ -160,15 +161,15 @@ def tensor_layout(model: ModelIR) -> list[TensorPlan]:
                 tensors.append(_norm(f"{o}.mlp_out_norm.weight", layer.mlp_out_norm, (h,)))
             continue
         mlp = layer.mlp
-        inter = mlp.intermediate_size
-        gu_fused = f"{p}.mlp.{mlp.fused_gate_up_name}.weight" if mlp.fused_gate_up_name else None
+        inter, m = mlp.intermediate_size, f"{p}.{mlp.module}"
+        gu_fused = f"{m}.{mlp.fused_gate_up_name}.weight" if mlp.fused_gate_up_name else None
         tensors += [
             TensorPlan(
                 f"{o}.gate_up_proj.weight",
-                _sections(gu_fused, [f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"], [inter, inter]),
+                _sections(gu_fused, [f"{m}.gate_proj.weight", f"{m}.up_proj.weight"], [inter, inter]),
                 (2 * inter, h),
             ),
-            TensorPlan(f"{o}.down_proj.weight", (f"{p}.mlp.down_proj.weight",), (h, inter)),
+            TensorPlan(f"{o}.down_proj.weight", (f"{m}.down_proj.weight",), (h, inter)),
         ]
         if mlp.bias:
             tensors += [
@@ -176,12 +177,12 @@ def tensor_layout(model: ModelIR) -> list[TensorPlan]:
                     f"{o}.gate_up_proj.bias",
                     _sections(
                         gu_fused and gu_fused.replace(".weight", ".bias"),
-                        [f"{p}.mlp.gate_proj.bias", f"{p}.mlp.up_proj.bias"],
+                        [f"{m}.gate_proj.bias", f"{m}.up_proj.bias"],
                         [inter, inter],
                     ),
                     (2 * inter,),
                 ),
-                TensorPlan(f"{o}.down_proj.bias", (f"{p}.mlp.down_proj.bias",), (h,)),
+                TensorPlan(f"{o}.down_proj.bias", (f"{m}.down_proj.bias",), (h,)),
             ]
         if layer.mlp_out_norm is not None:
             tensors.append(_norm(f"{o}.mlp_out_norm.weight", layer.mlp_out_norm, (h,)))

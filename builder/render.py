@@ -36,8 +36,13 @@ def render_model(state: BuildState, rank: int = 0) -> str:
     longrope = [r for r in ropes if r is not None and r.get("rope_type") == "longrope"]
     if longrope and len(ropes) > 1:
         raise BuildError("LongRoPE beside another rotary variant in one model is not supported")
-    attention = [(s.attention.scale, s.attention.sliding_window or 0, s.attention.logit_softcap or 0.0) for s in model.layers]
-    uniform = all(x == (a.scale, 0, 0.0) for x in attention)
+    attention = [
+        (s.attention.scale, s.attention.sliding_window or 0, s.attention.logit_softcap or 0.0, s.attention.attention_chunk or 0)
+        for s in model.layers
+    ]
+    uniform = all(x == (a.scale, 0, 0.0, 0) for x in attention)
+    norms = model.qk_norms  # the q/k norms of every layer that has them
+    temperature = next((s.attention.temperature_tuning for s in model.layers if s.attention.temperature_tuning), None)
     source = resources.files("pagecast.templates").joinpath(TEMPLATE).read_text()
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
     return env.from_string(source).render(
@@ -64,6 +69,10 @@ def render_model(state: BuildState, rank: int = 0) -> str:
         scales=repr([x[0] for x in attention]),
         windows=repr([x[1] for x in attention]),
         softcaps=repr([x[2] for x in attention]),
+        chunked=any(x[3] for x in attention),
+        chunks=repr([x[3] for x in attention]),
+        temperature=repr(temperature) if temperature else None,
+        temperature_layers=repr([s.attention.temperature_tuning is not None for s in model.layers]),
         single_rope=len(ropes) == 1 and ropes[0] is not None,
         rope_params=repr(ropes[0]),
         ropes=repr(ropes),
@@ -86,10 +95,13 @@ def render_model(state: BuildState, rank: int = 0) -> str:
         embedding_multiplier_in_dtype=model.embedding_multiplier_in_dtype,
         logits_divisor=model.logits_divisor,
         final_logit_softcap=model.final_logit_softcap or 0.0,
-        qk_norm=a.qk_norm,
-        qk_norm_kind=a.qk_norm_kind,
-        qk_norm_after_rope=a.qk_norm_after_rope,
-        qk_norm_eps=repr(a.qk_norm_eps),
+        qk_norm=norms.qk_norm,
+        qk_norm_kind=norms.qk_norm_kind,
+        qk_norm_after_rope=norms.qk_norm_after_rope,
+        qk_norm_eps=repr(norms.qk_norm_eps),
+        qk_norm_weight=norms.qk_norm_weight,
+        qk_norm_per_layer=not all(model.qk_norm_layers) and norms.qk_norm,
+        qk_norm_layers=repr(model.qk_norm_layers),
         clip_qkv=repr(a.clip_qkv) if a.clip_qkv else None,
         has_moe=moe is not None,
         sinks=a.sinks,
@@ -129,6 +141,8 @@ def _moe_routing(moe: MoeSpec | None) -> str:
         groups = f", fp32_logits={moe.router_fp32}, norm_min={moe.norm_min!r}"
     elif moe.router_fp32:  # HunYuan's fp32 router
         groups = ", fp32_logits=True"
+    if moe.weights_on_input:  # Llama 4
+        groups += ", weights_on_input=True"
     return (
         f"MoeRouting(top_k={moe.top_k}, scoring={moe.scoring!r}, renormalize={moe.renormalize}, "
         f"weights_in_x_dtype={moe.weights_in_x_dtype}{groups})"

@@ -162,8 +162,8 @@ def shard_tensors(tensors: list[TensorPlan], model: ModelIR, layout: ShardLayout
     if layout.tp == 1:
         return list(tensors)
     out = []
-    a = model.attention
-    projection_norms = bool(a.qk_norm and a.qk_norm_kind == "projection")
+    a, norms = model.attention, model.qk_norms
+    projection_norms = bool(norms.qk_norm and norms.qk_norm_kind == "projection")
     for rank in range(layout.tp):
         for t in tensors:
             cuts = _source_cuts(t.name, t, rank, layout, a.num_kv_heads, projection_norms)

@@ -60,11 +60,13 @@ def model_shapes(state: BuildState) -> dict[str, Any]:
         "attn_sinks": any(layer.attention.sinks for layer in model.layers),  # gpt-oss: HAS_SINKS variants
         # sliding layers: their SLIDING variants are compiled too (tuning.compile_window_variants)
         "attn_window": max((layer.attention.sliding_window or 0) for layer in model.layers),
+        # chunked layers (Llama 4): their CHUNKED variants likewise
+        "attn_chunk": max((layer.attention.attention_chunk or 0) for layer in model.layers),
         "activation": model.dense_mlp.activation if model.dense_mlp is not None else "silu",  # MoE-only: no dense MLP
         "biased": biased_projections(model, plan.tp),
         "normed": normed_projections(model),
-        "qk_norm_widths": qk_norm_widths(a, per_rank),
-        "head_qk_norm": bool(a.qk_norm and a.qk_norm_kind != "projection"),
+        "qk_norm_widths": qk_norm_widths(model.qk_norms, per_rank),
+        "head_qk_norm": bool(model.qk_norms.qk_norm and model.qk_norms.qk_norm_kind != "projection"),
         "rotary_dim": next((s.attention.rope.rotary_dim for s in model.layers if s.attention.rope is not None), 0),
         "int4_act_order": bool(plan.quantization is not None and getattr(plan.quantization, "desc_act", False)),
         # MoE blocks: the fused-MoE kernel is tuned per token bucket at one rank's expert width.

@@ -21,5 +21,6 @@
 # 8: ops.lm_head takes widen= (False: the logits in the model's dtype, not an fp32 copy; the
 # default keeps older model code's fp32 logits).
 # 9: ops.rotary_and_write_kv takes qk_norm_after= (the per-head q/k norms applied once rotated: HunYuan).
-KERNEL_ABI = 9
+# 10: ops.paged_attention takes chunk= (a layer's attention chunk: Llama 4's chunked attention).
+KERNEL_ABI = 10
 KERNEL_ABI_OLDEST = 1

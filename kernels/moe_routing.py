@@ -29,6 +29,11 @@ see moe_route_kernel's docstring) and by a few fp32 ulps in sums added in anothe
         choice is the top-k of probs + a per-expert bias (``e_score_correction_bias``, passed as
         the router bias); the weights are those experts' probs over their sum (clamped below at
         ``norm_min``), rounded to x's dtype. Torch ops on every device, as sigmoid_group.
+    scoring "topk_sigmoid"  (Llama 4)
+        logits = x @ router.T in x's dtype; the top-k logits; weights = sigmoid of those (in fp32,
+        rounded to x's dtype). Llama 4 (top-1) applies the weight to the expert's input, not its
+        output (``weights_on_input``: ops.moe scales the routed rows and weighs the outputs by 1).
+        Torch ops on every device, as sigmoid_group.
     scoring "topk_softmax"  (gpt-oss, Granite-MoE)
         logits = x @ router.T + router_bias in x's dtype; top-k of the logits; softmax over the k
         in x's dtype (Granite-MoE casts the logits to fp32 first and rounds the softmax to x's
@@ -53,7 +58,7 @@ from typing import Any
 
 import torch
 
-SCORINGS = ("softmax_topk", "topk_softmax", "sigmoid_group", "softmax_bias")
+SCORINGS = ("softmax_topk", "topk_softmax", "sigmoid_group", "softmax_bias", "topk_sigmoid")
 # Families whose router is DeepSeek-V3's (sigmoid_group with fp32 logits), attention aside
 DEEPSEEK_ROUTED = ("Glm4MoeForCausalLM", "Dots1ForCausalLM", "ExaoneMoeForCausalLM", "SolarOpenForCausalLM")
 KERNEL_SCORINGS = ("softmax_topk", "topk_softmax")  # what kernels/moe_route_kernel.py routes
@@ -76,6 +81,9 @@ class MoeRouting:
     scale: float = 1.0
     fp32_logits: bool = False
     norm_min: float = 0.0  # softmax_bias: the renormalisation's least denominator
+    # Llama 4: each expert's input is x times its weight (the expert's output is not weighed); top-1
+    # only, where that is one scaled copy of x a token
+    weights_on_input: bool = False
 
     def __post_init__(self) -> None:
         if self.top_k < 1:
@@ -88,6 +96,8 @@ class MoeRouting:
             raise ValueError(f"n_group, topk_group and scale are sigmoid_group's, not {self.scoring}'s")
         if self.scoring == "topk_softmax" and self.fp32_logits:
             raise ValueError("fp32_logits is not topk_softmax's")
+        if self.weights_on_input and self.top_k != 1:
+            raise ValueError(f"weights on the experts' input need top_k 1 (one scaled input a token), got {self.top_k}")
 
 
 @dataclass(frozen=True)
@@ -148,6 +158,8 @@ def moe_spec(architecture: str, config: dict[str, Any]) -> tuple[MoeRouting, Moe
         return MoeRouting(k, scoring="sigmoid_group", renormalize=True), SILU
     if architecture == "GraniteMoeForCausalLM":  # softmax over the top-k logits in fp32, rounded to x's dtype
         return MoeRouting(k, scoring="topk_softmax"), SILU
+    if architecture == "Llama4ForCausalLM":  # sigmoid of the top logit, on the expert's input
+        return MoeRouting(k, scoring="topk_sigmoid", weights_in_x_dtype=True, weights_on_input=True), SILU
     if architecture == "GptOssForCausalLM":
         return MoeRouting(k, scoring="topk_softmax"), MoeActivation(
             "swiglu_oai", limit=float(config.get("swiglu_limit", 7.0))
@@ -176,7 +188,7 @@ def num_experts(config: dict[str, Any]) -> int:
 def shared_expert_size(architecture: str, config: dict[str, Any]) -> int:
     """The shared expert's intermediate size (0: none): Qwen2-MoE's own field; the DeepSeek-routed
     families' ``n_shared_experts`` (EXAONE-MoE: ``num_shared_experts``) experts' worth, run as one MLP."""
-    if architecture == "HunYuanMoEV1ForCausalLM":  # its shared MLP is as wide as each expert
+    if architecture in ("HunYuanMoEV1ForCausalLM", "Llama4ForCausalLM"):  # a shared MLP as wide as each expert
         return int(config["intermediate_size"])
     if architecture in DEEPSEEK_ROUTED or architecture == "Ernie4_5_MoeForCausalLM":
         shared = config.get("n_shared_experts") or config.get("num_shared_experts") or config.get("moe_num_shared_experts") or 0
@@ -200,6 +212,10 @@ def is_moe_layer(architecture: str, config: dict[str, Any], layer: int) -> bool:
         if config.get("mlp_layer_types"):  # EXAONE-MoE names each layer's
             return config["mlp_layer_types"][layer] == "sparse"
         return layer >= int(config.get("first_k_dense_replace") or 0)
+    if architecture == "Llama4ForCausalLM":  # moe_layers (from interleave_moe_layer_step)
+        step = int(config.get("interleave_moe_layer_step") or 1)
+        layers = config.get("moe_layers")
+        return layer in layers if layers is not None else (layer + 1) % step == 0
     moe_spec(architecture, config)  # refuses other architectures
     return True
 
@@ -233,6 +249,9 @@ def route(
         x, router_weight = x.float(), router_weight.float()
         router_bias = None if router_bias is None else router_bias.float()
         config = None  # the fused router computes its GEMV in x's dtype
+    if routing.scoring == "topk_sigmoid":  # torch ops on every device: the logits in x's dtype
+        weights, ids = route_torch(torch.nn.functional.linear(x, router_weight, router_bias), routing)
+        return (weights.float() if widen else weights), ids
     if routing.scoring in ("sigmoid_group", "softmax_bias"):  # router_bias is the choice's score bias
         logits = torch.nn.functional.linear(x, router_weight.to(x.dtype)).float()
         weights, ids = route_torch(logits, routing, router_bias)
@@ -263,7 +282,7 @@ def weights_dtype(routing: MoeRouting, x_dtype: torch.dtype) -> torch.dtype:
     """The dtype of ``route``'s topk_weights for activations of ``x_dtype``."""
     if routing.scoring == "sigmoid_group":
         return torch.float32
-    if routing.scoring in ("topk_softmax", "softmax_bias") or routing.weights_in_x_dtype:
+    if routing.scoring in ("topk_softmax", "softmax_bias", "topk_sigmoid") or routing.weights_in_x_dtype:
         return x_dtype
     return torch.float32
 
@@ -286,6 +305,9 @@ def route_torch(
     if routing.scoring == "topk_softmax":
         top, ids = torch.topk(logits, routing.top_k, dim=-1)
         return torch.softmax(top, dim=-1, dtype=top.dtype), ids
+    if routing.scoring == "topk_sigmoid":
+        top, ids = torch.topk(logits, routing.top_k, dim=-1)
+        return torch.sigmoid(top.float()).to(logits.dtype), ids
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     top, ids = torch.topk(probs, routing.top_k, dim=-1)
     if routing.renormalize:

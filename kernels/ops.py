@@ -331,6 +331,7 @@ def paged_attention(
     window: int = 0,
     sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    chunk: int = 0,
 ) -> torch.Tensor:
     """Decode batches (max_query_len == 1) take the split-context decode kernel; prefill and
     chunked prefill the prefill kernel. A mixed batch whose first ``num_decodes`` sequences have
@@ -340,29 +341,31 @@ def paged_attention(
     (Gemma 2), ``window`` > 0 is the layer's sliding window, ``sinks`` [num_heads] gpt-oss's
     per-head sink logits (each adds exp(sink) to its head's softmax denominator): both kernels
     take them on a GPU (the decode kernel adds each once, in its merge of the splits), the
-    reference on the CPU. ``out`` (q's shape and dtype): written instead of a new tensor."""
+    reference on the CPU. ``out`` (q's shape and dtype): written instead of a new tensor.
+    ``chunk`` > 0 (kernel ABI 10) is the layer's attention chunk (Llama 4): a query at position p
+    sees the keys p // chunk * chunk..p, its own chunk's, only."""
     if not _triton(q):
         result = reference.paged_attention(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale, softcap, window,
-            sinks,
+            sinks, chunk,
         )  # fmt: skip
         return result if out is None else out.copy_(result)
     split = num_decodes - num_decodes % SPLIT_ALIGN
     if max_query_len > 1 and MIN_SPLIT_DECODES is not None and MIN_SPLIT_DECODES <= split < seq_lens.shape[0]:
         return decodes_then_prefill(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len, split,
-            k_scale, v_scale, softcap, window, sinks, out,
+            k_scale, v_scale, softcap, window, sinks, out, chunk,
         )  # fmt: skip
     if max_query_len == 1:
         cfg = _config("paged_decode_attention", decode_bucket(seq_lens.shape[0], max_seq_len))
         return _kernels().decode(  # type: ignore[no-any-return]
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len, cfg, out=out,
-            k_scale=k_scale, v_scale=v_scale, softcap=softcap, window=window, sinks=sinks,
+            k_scale=k_scale, v_scale=v_scale, softcap=softcap, window=window, sinks=sinks, chunk=chunk,
         )  # fmt: skip
     cfg = _config("paged_prefill_attention", prefill_bucket(q.shape[0], max_seq_len))
     return _kernels().prefill(  # type: ignore[no-any-return]
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, cfg, out=out, k_scale=k_scale,
-        v_scale=v_scale, softcap=softcap, window=window, sinks=sinks,
+        v_scale=v_scale, softcap=softcap, window=window, sinks=sinks, chunk=chunk,
     )
 
 
@@ -402,6 +405,7 @@ def decodes_then_prefill(
     window: int = 0,
     sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    chunk: int = 0,
 ) -> torch.Tensor:
     """Attention of a mixed batch whose first ``num_decodes`` sequences have one query token each
     (query rows 0..num_decodes - 1): the decode kernel over those, the prefill kernel over the
@@ -412,12 +416,12 @@ def decodes_then_prefill(
     kernels.decode(
         q[:d], k_cache, v_cache, block_tables[:d], seq_lens[:d], query_start_loc[: d + 1], scale, max_seq_len,
         _config("paged_decode_attention", decode_bucket(d, max_seq_len)), out=out[:d],
-        k_scale=k_scale, v_scale=v_scale, softcap=softcap, window=window, sinks=sinks,
+        k_scale=k_scale, v_scale=v_scale, softcap=softcap, window=window, sinks=sinks, chunk=chunk,
     )  # fmt: skip
     kernels.prefill(
         q[d:], k_cache, v_cache, block_tables[d:], seq_lens[d:], query_start_loc[d:] - d, scale,
         _config("paged_prefill_attention", prefill_bucket(q.shape[0] - d, max_seq_len)), out=out[d:],
-        k_scale=k_scale, v_scale=v_scale, softcap=softcap, window=window, sinks=sinks,
+        k_scale=k_scale, v_scale=v_scale, softcap=softcap, window=window, sinks=sinks, chunk=chunk,
     )  # fmt: skip
     return out
 
@@ -633,7 +637,13 @@ def moe(
     topk_weights, topk_ids = route(
         x, router_weight, router_bias, routing, use_kernel=kernels, widen=kernels, config=router_cfg
     )
-    return _moe_experts(x, topk_weights, topk_ids, w_gate_up, w_down, b_gate_up, b_down, activation, shared_expert)
+    routed_x = None
+    if routing.weights_on_input:  # Llama 4 (top-1): the expert's input is x times the weight, in x's dtype
+        routed_x = x * topk_weights.to(x.dtype)
+        topk_weights = torch.ones_like(topk_weights)
+    return _moe_experts(
+        x, topk_weights, topk_ids, w_gate_up, w_down, b_gate_up, b_down, activation, shared_expert, routed_x
+    )
 
 
 def add_norm_moe(
@@ -692,9 +702,12 @@ def _moe_experts(
     b_down: torch.Tensor | None,
     activation: MoeActivation,
     shared_expert: SharedExpert | None,
+    routed_x: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``moe`` from its routing: the routed experts, the shared expert, the all-reduce."""
+    """``moe`` from its routing: the routed experts (on ``routed_x`` where given: Llama 4's inputs
+    scaled by their weights), the shared expert (on x), the all-reduce."""
     act = activation
+    shared_x, x = x, (x if routed_x is None else routed_x)
     # A bucket past the decode graphs' batches may run the naive loop (it syncs with the host);
     # the tuner offers it nowhere else (kernels/problems.py).
     if isinstance(w_gate_up, Int4ExpertsWeight):  # AWQ/GPTQ experts (kernels/fused_moe_w4a16.py)
@@ -711,10 +724,10 @@ def _moe_experts(
             x, topk_weights, topk_ids, w_gate_up, w_down, b_gate_up, b_down, act.kind, act.alpha, act.limit
         )
     if shared_expert is not None:
-        gate_up = linear(x, shared_expert.w_gate_up, None, "shared_gate_up")  # column-parallel
+        gate_up = linear(shared_x, shared_expert.w_gate_up, None, "shared_gate_up")  # column-parallel
         shared = linear(silu_and_mul(gate_up), shared_expert.w_down, None, "shared_down")  # row-parallel, summed below
         if shared_expert.gate is not None:
-            shared = torch.sigmoid(torch.nn.functional.linear(x, shared_expert.gate)) * shared
+            shared = torch.sigmoid(torch.nn.functional.linear(shared_x, shared_expert.gate)) * shared
         out = out + shared
     return all_reduce(out)
 

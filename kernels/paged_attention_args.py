@@ -57,3 +57,14 @@ def check_sinks(sinks: torch.Tensor | None, num_heads: int, device: torch.device
         raise ValueError(f"sinks must be float32, bfloat16 or float16, got {sinks.dtype}")
     if sinks.device != device:
         raise ValueError(f"sinks are on {sinks.device}, q on {device}")
+
+
+def check_window(window: int, chunk: int) -> int:
+    """The kernels' one ``window`` argument for a layer's sliding ``window`` or attention ``chunk``
+    (Llama 4's chunked layers; the kernel's CHUNKED constexpr tells them apart): at most one of
+    them, neither negative."""
+    if window < 0 or chunk < 0:
+        raise ValueError(f"window and chunk must not be negative, got {window} and {chunk}")
+    if window and chunk:
+        raise ValueError(f"a layer has a sliding window ({window}) or attention chunks ({chunk}), not both")
+    return window or chunk

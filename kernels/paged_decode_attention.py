@@ -59,7 +59,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from pagecast.kernels import pdl, split_k
-from pagecast.kernels.paged_attention_args import check_paged_attention_args, check_sinks
+from pagecast.kernels.paged_attention_args import check_paged_attention_args, check_sinks, check_window
 from pagecast.kernels.tuning import KernelConfig, num_sms
 
 _LOG2E = 1.4426950408889634
@@ -204,7 +204,8 @@ def _paged_decode_kernel(
     qk_scale,  # softmax scale * k_scale * log2(e)
     v_scale,  # V's dequantisation scale (fp8 cache; 1.0 otherwise)
     softcap,  # logit soft-cap * log2(e) (SOFTCAP): scores -> cap * tanh(scores / cap)
-    window,  # sliding window (SLIDING): the query at seq_len - 1 sees keys >= seq_len - window
+    window,  # sliding window (SLIDING): the query at seq_len - 1 sees keys >= seq_len - window;
+    #          CHUNKED: the attention chunk's size, the query sees keys of its own chunk only
     num_splits,
     stride_qt,
     stride_qh,
@@ -234,6 +235,7 @@ def _paged_decode_kernel(
     MERGE: tl.constexpr = 0,  # > 0 (num_splits rounded up to a power of two): the last split of a
     #                            (sequence, KV head) merges the splits here
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
+    CHUNKED: tl.constexpr = False,  # with SLIDING: ``window`` is an attention chunk (Llama 4)
 ):
     if PDL:
         gdc_wait()  # before any memory access: the kernel before may still be running
@@ -249,7 +251,10 @@ def _paged_decode_kernel(
         seq_len = tl.load(seq_lens_ptr + seq)
         if SLIDING:
             # only the tiles that hold the window's keys are read (and split among the programs)
-            first_key = tl.maximum(seq_len - window, 0)
+            if CHUNKED:  # the query's chunk starts at the last multiple of the chunk size
+                first_key = ((seq_len - 1) // window) * window
+            else:
+                first_key = tl.maximum(seq_len - window, 0)
             first_tile = first_key // BLOCK_N
         else:
             first_key = 0
@@ -420,6 +425,7 @@ def _decode_merge_kernel(
     SPLIT_CHUNK: tl.constexpr,
     HAS_SINKS: tl.constexpr = False,
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
+    CHUNKED: tl.constexpr = False,  # with SLIDING: ``window`` is an attention chunk (Llama 4)
 ):
     if PDL:
         gdc_wait()  # before any memory access: the kernel before may still be running
@@ -606,6 +612,7 @@ def paged_decode_attention(
     softcap: float = 0.0,
     window: int = 0,
     sinks: torch.Tensor | None = None,
+    chunk: int = 0,
 ) -> torch.Tensor:
     """Attention of each sequence's single new token over its paged context.
 
@@ -614,7 +621,9 @@ def paged_decode_attention(
     seq_lens, known on the host) only sizes the split count. Capture-safe: no host syncs,
     allocations depend on shapes only. The caches are in q's dtype, or fp8 e4m3fn read as
     fp8 * k_scale / v_scale. ``softcap`` > 0 soft-caps the scores (Gemma 2); ``window`` > 0 sees
-    only the last ``window`` keys (sliding-window layers), reading only their tiles. ``sinks``
+    only the last ``window`` keys (sliding-window layers), reading only their tiles; ``chunk`` > 0
+    only the keys of the query's own ``chunk``-token chunk (Llama 4's chunked layers: positions
+    p // chunk * chunk..p), likewise. ``sinks``
     [num_heads] (fp32 or bf16; gpt-oss) adds exp(sinks[h]) to head h's softmax denominator, once
     per sequence: in the merge of a split context, in the one program's output otherwise. Returns
     [num_tokens, num_heads, head_dim] in q's dtype.
@@ -626,6 +635,7 @@ def paged_decode_attention(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, k_scale, v_scale
     )
     check_sinks(sinks, num_heads, q.device)
+    window = check_window(window, chunk)
     if num_seqs == 0 or num_tokens == 0:
         return out
 
@@ -677,7 +687,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=direct, FP8_WORDS=fp8_words,
         USE_ASM=q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        SOFTCAP=softcap > 0, SLIDING=window > 0, HAS_SINKS=has_sinks,
+        SOFTCAP=softcap > 0, SLIDING=window > 0, HAS_SINKS=has_sinks, CHUNKED=chunk > 0,
         MERGE=triton.next_power_of_2(num_splits) if merge else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(),
     )  # fmt: skip

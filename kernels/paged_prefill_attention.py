@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagecast.kernels.paged_attention_args import check_paged_attention_args, check_sinks
+from pagecast.kernels.paged_attention_args import check_paged_attention_args, check_sinks, check_window
 from pagecast.kernels.tuning import KernelConfig
 
 _LOG2E = 1.4426950408889634
@@ -86,10 +86,11 @@ def _attend_tile(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, SLIDING: tl.constexpr,
     FOLD_SCALE: tl.constexpr = False, LAZY_RESCALE: tl.constexpr = False, POLY_EXP2: tl.constexpr = False,
-    blocks=None,
+    blocks=None, CHUNKED: tl.constexpr = False,
 ):  # fmt: skip
     # One BLOCK_N tile of keys for all rows of the query tile; CAUSAL masks keys past each
-    # row's position (and past kv_end) and, SLIDING, those at or before q_pos - window; otherwise
+    # row's position (and past kv_end) and, SLIDING, those at or before q_pos - window (CHUNKED:
+    # those before the row's chunk, which starts at q_pos // window * window); otherwise
     # every key of the tile is visible to every row. m_i is in scaled (log2) units either way.
     # FOLD_SCALE (without SOFTCAP, which needs the scaled scores): the raw scores' row max is
     # scaled once per row, and each score's scale and max subtraction are one FMA (the tile's
@@ -142,7 +143,9 @@ def _attend_tile(
         s = _soft_cap(s, softcap)
     if CAUSAL:
         visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n < kv_end)[None, :]
-        if SLIDING:
+        if CHUNKED:
+            visible = visible & (offs_n[None, :] >= (q_pos // window * window)[:, None])
+        elif SLIDING:
             visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
     if FOLD:
@@ -191,7 +194,8 @@ def _paged_prefill_kernel(
     qk_scale,  # softmax scale * k_scale * log2(e)
     v_scale,  # V's dequantisation scale (fp8 cache; 1.0 otherwise)
     softcap,  # logit soft-cap * log2(e) (SOFTCAP)
-    window,  # sliding window (SLIDING): a row at q_pos sees keys q_pos - window < k <= q_pos
+    window,  # sliding window (SLIDING): a row at q_pos sees keys q_pos - window < k <= q_pos;
+    #          CHUNKED: the attention chunk, keys q_pos // window * window <= k <= q_pos
     num_seqs,
     stride_qt,
     stride_qh,
@@ -220,6 +224,7 @@ def _paged_prefill_kernel(
     PREFETCH_BLOCKS: tl.constexpr = False,  # the full-tile loop reads the next tile's block ids a tile ahead
     LAZY_RESCALE: tl.constexpr = False,  # see _attend_tile (off under SLIDING)
     POLY_EXP2: tl.constexpr = False,  # one exp2 in four on the FMA pipe (_POLY_EXP2_ASM; CUDA half types)
+    CHUNKED: tl.constexpr = False,  # with SLIDING: ``window`` is an attention chunk (Llama 4)
 ):
     LAZY: tl.constexpr = LAZY_RESCALE and not SLIDING
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
@@ -282,9 +287,16 @@ def _paged_prefill_kernel(
         if SLIDING:
             # Keys from the last row's window start on are seen by every row (up to kv_full);
             # below that, down to the first row's window start, each row masks its own.
+            # (CHUNKED: each row's chunk start, as monotone in the row as a window's start.)
             first_q = prefix + tile * BLOCK_Q
-            lo_start = (tl.maximum(first_q - window + 1, 0) // BLOCK_N) * BLOCK_N
-            full_lo = tl.minimum(tl.cdiv(tl.maximum(prefix + last_tok - window + 1, 0), BLOCK_N) * BLOCK_N, full_end)
+            if CHUNKED:
+                first_start = first_q // window * window
+                last_start = (prefix + last_tok) // window * window
+            else:
+                first_start = tl.maximum(first_q - window + 1, 0)
+                last_start = tl.maximum(prefix + last_tok - window + 1, 0)
+            lo_start = (first_start // BLOCK_N) * BLOCK_N
+            full_lo = tl.minimum(tl.cdiv(last_start, BLOCK_N) * BLOCK_N, full_end)
         else:
             lo_start = 0
             full_lo = 0
@@ -301,7 +313,7 @@ def _paged_prefill_kernel(
                     q, m_i, l_i, acc, q_pos, start, kv_end, block_row, k_base, v_base,
                     stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window,
                     HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, CAUSAL=True, DOT_PRECISION=DOT_PRECISION,
-                    SOFTCAP=SOFTCAP, SLIDING=SLIDING, FOLD_SCALE=FOLD_SCALE, LAZY_RESCALE=LAZY, POLY_EXP2=POLY_EXP2,
+                    SOFTCAP=SOFTCAP, SLIDING=SLIDING, FOLD_SCALE=FOLD_SCALE, LAZY_RESCALE=LAZY, POLY_EXP2=POLY_EXP2, CHUNKED=CHUNKED,
                 )  # fmt: skip
         if PREFETCH_BLOCKS:
             # The K/V addresses of a tile then come from a loop-carried register, not from a load
@@ -320,7 +332,7 @@ def _paged_prefill_kernel(
                     q, m_i, l_i, acc, q_pos, start, kv_end, block_row, k_base, v_base,
                     stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window,
                     HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, CAUSAL=False, DOT_PRECISION=DOT_PRECISION,
-                    SOFTCAP=SOFTCAP, SLIDING=SLIDING, FOLD_SCALE=FOLD_SCALE, LAZY_RESCALE=LAZY, POLY_EXP2=POLY_EXP2, blocks=blocks,
+                    SOFTCAP=SOFTCAP, SLIDING=SLIDING, FOLD_SCALE=FOLD_SCALE, LAZY_RESCALE=LAZY, POLY_EXP2=POLY_EXP2, CHUNKED=CHUNKED, blocks=blocks,
                 )  # fmt: skip
                 blocks = blocks_next
         else:
@@ -329,14 +341,14 @@ def _paged_prefill_kernel(
                     q, m_i, l_i, acc, q_pos, start, kv_end, block_row, k_base, v_base,
                     stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window,
                     HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, CAUSAL=False, DOT_PRECISION=DOT_PRECISION,
-                    SOFTCAP=SOFTCAP, SLIDING=SLIDING, FOLD_SCALE=FOLD_SCALE, LAZY_RESCALE=LAZY, POLY_EXP2=POLY_EXP2,
+                    SOFTCAP=SOFTCAP, SLIDING=SLIDING, FOLD_SCALE=FOLD_SCALE, LAZY_RESCALE=LAZY, POLY_EXP2=POLY_EXP2, CHUNKED=CHUNKED,
                 )  # fmt: skip
         for start in range(full_end, kv_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, q_pos, start, kv_end, block_row, k_base, v_base,
                 stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window,
                 HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, CAUSAL=True, DOT_PRECISION=DOT_PRECISION,
-                SOFTCAP=SOFTCAP, SLIDING=SLIDING, FOLD_SCALE=FOLD_SCALE, LAZY_RESCALE=LAZY, POLY_EXP2=POLY_EXP2,
+                SOFTCAP=SOFTCAP, SLIDING=SLIDING, FOLD_SCALE=FOLD_SCALE, LAZY_RESCALE=LAZY, POLY_EXP2=POLY_EXP2, CHUNKED=CHUNKED,
             )  # fmt: skip
 
         if HAS_SINKS:
@@ -540,12 +552,14 @@ def paged_prefill_attention(
     softcap: float = 0.0,
     window: int = 0,
     sinks: torch.Tensor | None = None,
+    chunk: int = 0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens (rows query_start_loc[i]:[i+1] of q) over
     its whole paged context of seq_lens[i] tokens, whose K/V are already in the cache (in q's
     dtype, or fp8 e4m3fn read as fp8 * k_scale / v_scale). ``softcap`` > 0 soft-caps the scores;
     ``window`` > 0 lets a row at position p see keys p - window < k <= p only (the tiles wholly
-    below every row's window are not read). ``sinks`` [num_heads] (fp32 or bf16; gpt-oss) adds
+    below every row's window are not read); ``chunk`` > 0 lets it see keys p // chunk * chunk <= k
+    <= p only (Llama 4's chunked layers), likewise. ``sinks`` [num_heads] (fp32 or bf16; gpt-oss) adds
     exp(sinks[h]) to head h's softmax denominator: a logit that takes probability, gives no value.
 
     Capture-safe (no host syncs; the grid depends on shapes only). Returns
@@ -558,6 +572,7 @@ def paged_prefill_attention(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, k_scale, v_scale
     )
     check_sinks(sinks, num_heads, q.device)
+    window = check_window(window, chunk)
     if num_seqs == 0 or num_tokens == 0:
         return out
 
@@ -581,7 +596,7 @@ def paged_prefill_attention(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        SOFTCAP=softcap > 0, SLIDING=window > 0, HAS_SINKS=sinks is not None,
+        SOFTCAP=softcap > 0, SLIDING=window > 0, HAS_SINKS=sinks is not None, CHUNKED=chunk > 0,
         HEAVY_FIRST=bool(cfg.params.get("HEAVY_FIRST", 0)), FOLD_SCALE=bool(cfg.params.get("FOLD_SCALE", 0)),
         PREFETCH_BLOCKS=bool(cfg.params.get("PREFETCH_BLOCKS", 0)),
         LAZY_RESCALE=bool(cfg.params.get("LAZY_RESCALE", 0)),

@@ -465,10 +465,11 @@ def attn_sinks(shapes: ModelShapes, device: torch.device, seed: int = 0) -> torc
 
 def make_problem(
     kernel: str, shapes: ModelShapes, dims: dict[str, int], device: torch.device | str, seed: int = 0,
-    window: int = 0,
+    window: int = 0, chunk: int = 0,
 ) -> Problem:  # fmt: skip
     """Random inputs on ``device`` for one kernel at one bucket, and how to launch it. ``window``
-    > 0 launches the attention kernels as a sliding layer runs them (tuning.compile_window_variants)."""
+    (``chunk``) > 0 launches the attention kernels as a sliding (chunked) layer runs them
+    (tuning.compile_window_variants)."""
     device = torch.device(device)
     dtype = shapes.torch_dtype
     nbytes, flops = problem_size(kernel, shapes, dims)
@@ -488,7 +489,7 @@ def make_problem(
             return paged_decode_attention.paged_decode_attention(
                 x["q"], x["k_cache"], x["v_cache"], tables[i % len(tables)], x["seq_lens"],  # type: ignore[arg-type]
                 x["query_start_loc"], x["scale"], x["max_seq_len"], config=cfg, out=x["out"],  # type: ignore[arg-type]
-                softcap=shapes.attn_softcap, window=window, sinks=sinks,
+                softcap=shapes.attn_softcap, window=window, sinks=sinks, chunk=chunk,
             )  # fmt: skip
 
         return Problem(kernel, bucket, decode, len(tables), nbytes, flops)
@@ -547,7 +548,7 @@ def make_problem(
         def prefill(cfg: KernelConfig | None, i: int) -> object:
             return paged_prefill_attention.paged_prefill_attention(
                 q, k_cache, v_cache, table, seq_lens, qsl, d**-0.5, config=cfg, out=out, softcap=shapes.attn_softcap,
-                window=window, sinks=sinks,
+                window=window, sinks=sinks, chunk=chunk,
             )
 
         return Problem(kernel, bucket, prefill, 1, nbytes, flops)

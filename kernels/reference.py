@@ -170,6 +170,7 @@ def paged_attention(
     softcap: float = 0.0,
     window: int = 0,
     sinks: torch.Tensor | None = None,
+    chunk: int = 0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context.
 
@@ -181,7 +182,8 @@ def paged_attention(
     scale the output (as the kernels fold them). ``softcap`` > 0 soft-caps the scaled scores
     (cap * tanh(s / cap), before the causal mask); ``window`` > 0 lets a query at position p see
     only keys at positions p - window < k <= p (sliding-window attention, as transformers masks
-    it). ``sinks`` [num_heads] (gpt-oss) adds exp(sink) of each head to its softmax's denominator:
+    it); ``chunk`` > 0 only keys of its own chunk, p // chunk * chunk <= k <= p (Llama 4's chunked
+    attention, as transformers masks it). ``sinks`` [num_heads] (gpt-oss) adds exp(sink) of each head to its softmax's denominator:
     a column of logits that takes probability and gives no value. Returns [num_tokens, num_heads,
     head_dim] in q's dtype.
     """
@@ -189,7 +191,7 @@ def paged_attention(
     group = num_heads // num_kv_heads
     if q.shape[0] == seq_lens.shape[0]:  # one query per sequence: decode, batched over sequences
         return paged_decode_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, softcap, window, sinks
+            q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, softcap, window, sinks, chunk
         )
     out = torch.empty_like(q)
     head_dim = q.shape[2]
@@ -213,6 +215,8 @@ def paged_attention(
         hidden = k_pos > q_pos
         if window:
             hidden |= k_pos <= q_pos - window
+        if chunk:
+            hidden |= k_pos < q_pos // chunk * chunk
         scores.masked_fill_(hidden, float("-inf"))
         probs = _softmax_with_sinks(scores, None if sinks is None else sinks.float().view(num_kv_heads, group, 1, 1))
         o = torch.matmul(probs.view(num_kv_heads, group * q_len, seq_len), v) * v_scale
@@ -232,6 +236,7 @@ def paged_decode_attention(
     softcap: float = 0.0,
     window: int = 0,
     sinks: torch.Tensor | None = None,
+    chunk: int = 0,
 ) -> torch.Tensor:
     """paged_attention for one query token per sequence (the last of its context), all sequences
     in one batched gather and matmul instead of a loop: this is the CPU engine's decode path."""
@@ -254,6 +259,8 @@ def paged_decode_attention(
     valid = k_pos < seq_lens[:, None]
     if window:  # the query sits at seq_len - 1
         valid &= k_pos >= seq_lens[:, None] - window
+    if chunk:  # the query's chunk
+        valid &= k_pos >= (seq_lens[:, None] - 1) // chunk * chunk
     scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
     probs = _softmax_with_sinks(scores, None if sinks is None else sinks.float().view(1, num_kv_heads, group, 1))
     return (torch.matmul(probs, v) * v_scale).view(num_seqs, num_heads, head_dim).to(q.dtype)

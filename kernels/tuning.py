@@ -156,6 +156,9 @@ class ModelShapes:
     # compile_window_variants launches every attention config the table holds with it, so that the
     # SLIDING variants are in the artifact too.
     attn_window: int = 0
+    # The attention chunk of the model's chunked layers (Llama 4; 0: none): their CHUNKED variants
+    # are compiled as the SLIDING ones are (compile_window_variants), not timed.
+    attn_chunk: int = 0
     activation: str = "silu"  # the gated MLP's activation: "gelu_tanh" times that kernel instead
     # FP8 (W8A8) projections: "<weights>-<activations>" of builder/fp8.py ("channel-token",
     # "channel-static", "block-group"); "" = not FP8.
@@ -202,6 +205,8 @@ class ModelShapes:
             )
         if self.attn_window < 0:
             raise ValueError(f"attn_window must be 0 (no sliding layers) or a window, got {self.attn_window}")
+        if self.attn_chunk < 0:
+            raise ValueError(f"attn_chunk must be 0 (no chunked layers) or a chunk size, got {self.attn_chunk}")
         for name in ("head_dim", "hidden", "intermediate", "block_size", "max_model_len", "max_num_seqs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -884,27 +889,28 @@ def _servable_configs(
 
 
 def compile_window_variants(table: Mapping[str, Any], shapes: ModelShapes, device: torch.device | str) -> int:
-    """Launch both attention kernels with ``shapes.attn_window`` at every config a layer can run
-    them with (each in the tuning table for them, and each bucket's launcher default), once, so
-    that their SLIDING variants (a constexpr) are compiled into TRITON_CACHE_DIR beside the timed
-    full-attention ones. The window is not a specialised argument, so one window covers every
-    window. Returns the number of launches (0 for a model without sliding layers)."""
+    """Launch both attention kernels with ``shapes.attn_window`` (and with ``shapes.attn_chunk``)
+    at every config a layer can run them with (each in the tuning table for them, and each
+    bucket's launcher default), once, so that their SLIDING (CHUNKED) variants (constexprs) are
+    compiled into TRITON_CACHE_DIR beside the timed full-attention ones. The window is not a
+    specialised argument, so one window covers every window. Returns the number of launches (0 for
+    a model without sliding or chunked layers)."""
     from pagecast.kernels import problems
 
-    if not shapes.attn_window:
-        return 0
+    masks = [m for m in ({"window": shapes.attn_window}, {"chunk": shapes.attn_chunk}) if next(iter(m.values()))]
     launches = 0
     for kernel in ("paged_decode_attention", "paged_prefill_attention"):
         buckets = problems.buckets(kernel, shapes)
-        if not buckets:
+        if not buckets or not masks:
             continue
         defaults = [problems.default_config(kernel, shapes, dims) for _, dims in buckets]
         configs = _servable_configs(table, kernel, defaults)
-        # the smallest bucket's inputs: every config's variant, at the least cost
-        problem = problems.make_problem(kernel, shapes, buckets[0][1], device, seed=0, window=shapes.attn_window)
-        for cfg in configs:
-            problem.launch(cfg, 0)
-            launches += 1
+        for mask in masks:
+            # the smallest bucket's inputs: every config's variant, at the least cost
+            problem = problems.make_problem(kernel, shapes, buckets[0][1], device, seed=0, **mask)
+            for cfg in configs:
+                problem.launch(cfg, 0)
+                launches += 1
     return launches
 
 

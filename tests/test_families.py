@@ -243,9 +243,9 @@ def test_unknown_architecture_lists_the_supported_ones(tmp_path):  # type: ignor
 
     ckpt = make_checkpoint(tmp_path / "mm", "llama", tokenizer=False)
     config = json.loads((ckpt / "config.json").read_text())
-    config["architectures"] = ["Llama4ForConditionalGeneration"]
+    config["architectures"] = ["Qwen3NextForCausalLM"]
     (ckpt / "config.json").write_text(json.dumps(config))
-    with pytest.raises(BuildError, match="'Llama4ForConditionalGeneration' is not supported; supported architectures: .*SmolLM3ForCausalLM"):
+    with pytest.raises(BuildError, match="'Qwen3NextForCausalLM' is not supported; supported architectures: .*SmolLM3ForCausalLM"):
         _build(ckpt, tmp_path)
     config["architectures"] = ["DeepseekV3ForCausalLM"]  # refused with its reason
     (ckpt / "config.json").write_text(json.dumps(config))

@@ -1,5 +1,5 @@
 """Image-text checkpoints whose language model pagecast builds (builder/families.IMAGE_TEXT:
-Gemma 3 4B-27B, Mistral Small 3.x, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, LLaVA): tiny random
+Gemma 3 4B-27B, Mistral Small 3.x, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, LLaVA, Llama 4): tiny random
 checkpoints in the hub's layout build as their text-only architecture and give the image-text
 model's own greedy tokens and last-position logits for text prompts (Qwen's M-RoPE included),
 fp32 on the CPU; the vision tower is not read."""
@@ -70,7 +70,8 @@ def test_image_text_language_model_matches_transformers(family, tmp_path):  # ty
     art = build_artifact(build_from, tmp_path / "art")
     manifest = json.loads((art / "manifest.json").read_text())
     text_arch = {"gemma3": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM"}[family]  # fmt: skip
+                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM",
+                 "llama4": "Llama4ForCausalLM"}[family]  # fmt: skip
     assert manifest["architecture"] == text_arch
     if family == "gemma3":
         assert 49150 in manifest["eos_token_ids"]

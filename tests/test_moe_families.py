@@ -50,6 +50,10 @@ CASES = {
     # ERNIE 4.5's softmax routing with a score bias for the choice, its first layer dense
     "ernie4_5_moe": ("ernie4_5_moe", {}, ["no_score_bias", {"moe_layer_start_index": 2}]),
     "minimax_m2": ("minimax_m2", {}, ["no_score_bias", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}]),
+    # Llama 4: chunked attention, weightless q/k norms after RoPE on adjacent pairs, the attention
+    # temperature of its no-RoPE layer, top-1 sigmoid routing on the experts' input, dense layers between
+    "llama4": ("llama4", {}, [{"attention_chunk_size": 4096}, {"attn_temperature_tuning": False}, {"use_qk_norm": False},
+                              {"no_rope_layers": [1, 1, 1, 1]}]),
 }
 
 

@@ -26,11 +26,13 @@ PROMPTS = [[1 + (i * 37 + j * 11) % 4000 for j in range(n)] for i, n in enumerat
 
 # glm4_moe: its sigmoid routing runs in torch ops on the GPU too, inside the decode graphs; the
 # rest: MiniMax-M2's bf16-logit sigmoid routing, GLM-4.5's routing under other attentions (dots1,
-# EXAONE-MoE, Solar Open), ERNIE 4.5's softmax with a score bias, HunYuan's fp32-logit softmax
+# EXAONE-MoE, Solar Open), ERNIE 4.5's softmax with a score bias, HunYuan's fp32-logit softmax;
+# Llama 4's top-1 sigmoid routing on the experts' input, chunked attention (16-token chunks: the
+# prompts cross them in both kernels) and the attention temperature (from position 7 on)
 @pytest.mark.parametrize(
     "family",
     ["qwen3_moe", "qwen2_moe", "glm4_moe", "granitemoe", "minimax_m2", "dots1", "exaone_moe", "solar_open",
-     "ernie4_5_moe", "hunyuan_moe"],
+     "ernie4_5_moe", "hunyuan_moe", "llama4"],
 )
 def test_moe_fp32_greedy_matches_transformers_on_gpu(tmp_path, family):  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM

@@ -21,7 +21,7 @@ PART_FAMILIES = (
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "granitemoe", "glm4_moe", "minimax_m2")
 # Checked against transformers through LLM only (test_moe_families.py's CASES): the serving path is
 # the others' (GLM-4.5's routing with other families' attention, ERNIE 4.5's and HunYuan's MoE)
-MOE_FAMILIES_LLM_ONLY = ("dots1", "exaone_moe", "solar_open", "ernie4_5_moe", "hunyuan_moe")
+MOE_FAMILIES_LLM_ONLY = ("dots1", "exaone_moe", "solar_open", "ernie4_5_moe", "hunyuan_moe", "llama4")
 
 
 def smollm2_dir() -> Path:
@@ -322,6 +322,21 @@ def _moe_family_config(family: str, common: dict, overrides: dict):  # type: ign
         small.pop("num_experts_per_tok")
         small.update(overrides)
         return HunYuanMoEV1Config(architectures=["HunYuanMoEV1ForCausalLM"], head_dim=16, **small)
+    if family == "llama4":
+        # 4 layers: RoPE (llama3-scaled) on adjacent pairs, 16-token attention chunks and weightless q/k norms
+        # on layers 0-2, no RoPE and the attention temperature (from position 7 on, floor_scale 8) on
+        # layer 3; dense layers 0 and 2 (intermediate_size_mlp), MoE layers 1 and 3 (top-1 of 4 experts,
+        # the weight on the expert's input, a shared expert)
+        from transformers import Llama4TextConfig
+
+        small.update(
+            num_hidden_layers=4, intermediate_size=32, intermediate_size_mlp=96, num_local_experts=4, num_experts_per_tok=1,
+            interleave_moe_layer_step=2, attention_chunk_size=16, floor_scale=8, attn_scale=0.5,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+        )  # fmt: skip
+        small.update(overrides)
+        return Llama4TextConfig(architectures=["Llama4ForCausalLM"], **small)
     if family == "minimax_m2":
         # sigmoid routing with the block's score bias (make_checkpoint draws it), q/k norms over the
         # whole projection, half-rotary heads, Mixtral's checkpoint names
@@ -345,6 +360,7 @@ IMAGE_TEXT_FAMILIES = {
     "qwen3": "Qwen3VLForConditionalGeneration",
     "qwen3_moe": "Qwen3VLMoeForConditionalGeneration",
     "llama": "LlavaForConditionalGeneration",  # LLaVA 1.5's language model
+    "llama4": "Llama4ForConditionalGeneration",  # Llama 4 Scout / Maverick
 }
 
 
@@ -370,6 +386,13 @@ def make_image_text_checkpoint(path: Path, family: str, seed: int = 0) -> Path:
     elif family == "llama":
         config = transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=49151,
                                           tie_word_embeddings=text["tie_word_embeddings"])  # fmt: skip
+    elif family == "llama4":  # an LM head of its own (language_model.lm_head.weight), as Scout's
+        text["tie_word_embeddings"] = False
+        vision.update(vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+        config = transformers.Llama4Config(
+            text_config=text, vision_config=vision, image_token_index=49151, boi_token_index=49149,
+            eoi_token_index=49150, tie_word_embeddings=False,
+        )  # fmt: skip
     elif family == "mistral":  # an LM head of its own, as Mistral Small 3.x's (language_model.lm_head.weight)
         text["tie_word_embeddings"] = False
         vision.update(model_type="pixtral", head_dim=16)
