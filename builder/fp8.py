@@ -544,6 +544,7 @@ def check_tensors(tensors: list[Any], cfg: Fp8Config, shapes: dict[str, tuple[in
         n_total, k = t.shape
         n_sum = 0
         for source in t.sources:
+            source = shard.without_deinterleave(source)  # (interleaved RoPE's q/k rows, reordered: same shape)
             module = source.removesuffix(".weight")
             shape = shapes.get(source)
             if shape is None:
@@ -655,6 +656,11 @@ class Materialiser:
             if w.dtype == torch.float8_e4m3fn:
                 return [read_module(head_config(self.cfg), base, lambda n: w if n == "lm_head.weight" else self.read(n))]
             return [read_module(cfg, base, lambda n: w if n == "lm_head.weight" else self.read(n))]
+        if cfg.source == "build":  # rows read as planned (interleaved RoPE's q/k rows reordered), then quantised
+            return [
+                read_module(cfg, s.removesuffix(".weight"), lambda _, s=s: shard.read_source(self.read, s))
+                for s in t.sources
+            ]
         modules = [s.removesuffix(".weight") for s in t.sources]
         return [read_module(cfg, m, self.read) for m in modules]
 

@@ -253,9 +253,13 @@ def test_unknown_architecture_lists_the_supported_ones(tmp_path):  # type: ignor
         _build(ckpt, tmp_path)
 
 
-def test_interleaved_rope_refuses_quantised_builds(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
-    # The reorder of q/k rows is done on float weights; a quantised build would need it on packed
-    # or scaled ones, so it is refused with what to do, not built wrong.
-    with pytest.raises(BuildError, match="interleaved RoPE.*build the bf16 checkpoint"):
-        _build(tiny_checkpoint_factory("helium"), tmp_path, quant="fp8")
+def test_interleaved_rope_refuses_quantised_checkpoints(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    # The reorder of q/k rows is done on float weights (before --quant fp8 quantises them: see
+    # test_fp8_build.py); a quantised checkpoint would need it on packed or scaled ones, so it is
+    # refused with what to do, not built wrong.
+    from quant_writer import write_fp8
+
+    ckpt, _ = write_fp8(tiny_checkpoint_factory("helium"), tmp_path / "fp8", "ct-tensor-token")
+    with pytest.raises(BuildError, match="interleaved RoPE.*build the bf16 checkpoint, with --quant fp8"):
+        _build(ckpt, tmp_path, quant="fp8")
 

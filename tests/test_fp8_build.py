@@ -267,14 +267,11 @@ def test_written_checkpoint_greedy_tokens_equal_transformers_dequantised(fmt, ti
     _assert_greedy_parity(artifact, ckpt, WRITTEN[fmt][1])
 
 
-def test_quant_fp8_on_a_float_checkpoint_equals_per_channel_rounding(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
-    src = tiny_checkpoint_factory("qwen2", **SHAPE)  # q/k/v biases stay in the half type
-    artifact = build_artifact(src, tmp_path / "engine", gpu="cpu", quant="fp8")
-    # The expected checkpoint: each projection per output channel, amax / 448, written as
-    # compressed-tensors would, then read by the reference like the others.
+def _per_channel_checkpoint(src: Path, expected: Path) -> dict[str, torch.Tensor]:
+    """``src`` with each projection rounded per output channel (amax / 448) as compressed-tensors
+    would write it, into ``expected``, for the reference to read like the others; its tensors."""
     from safetensors.torch import load_file, save_file
 
-    expected = tmp_path / "expected"
     expected.mkdir()
     tensors = load_file(str(src / "model.safetensors"))
     out = {}
@@ -287,6 +284,14 @@ def test_quant_fp8_on_a_float_checkpoint_equals_per_channel_rounding(tiny_checkp
             out[name] = t
     save_file(out, str(expected / "model.safetensors"))
     (expected / "config.json").write_text((src / "config.json").read_text())
+    return out
+
+
+def test_quant_fp8_on_a_float_checkpoint_equals_per_channel_rounding(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    src = tiny_checkpoint_factory("qwen2", **SHAPE)  # q/k/v biases stay in the half type
+    artifact = build_artifact(src, tmp_path / "engine", gpu="cpu", quant="fp8")
+    expected = tmp_path / "expected"
+    out = _per_channel_checkpoint(src, expected)
     _assert_greedy_parity(artifact, expected, "token")
     with safe_open(str(artifact / "weights" / "rank0.safetensors"), "pt") as f:
         got = f.get_tensor("layers.1.gate_up_proj.weight")
@@ -306,6 +311,23 @@ def test_quant_fp8_on_a_float_checkpoint_equals_per_channel_rounding(tiny_checkp
     header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
     header.pop("__metadata__", None)
     assert plan["weight_bytes"] == sum(v["data_offsets"][1] - v["data_offsets"][0] for v in header.values())
+
+
+def test_quant_fp8_of_interleaved_rope_reorders_rows_before_rounding(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    """Helium rotates adjacent pairs (Llama 4, GLM and ERNIE 4.5 too): the build reorders each head's
+    q and k rows to the kernels' rotary order before it quantises them, so per-channel rounding
+    gives each row the scale it has in the checkpoint: the engine equals transformers on the
+    per-channel rounded checkpoint, in the checkpoint's own row order."""
+    src = tiny_checkpoint_factory("helium", **SHAPE)
+    artifact = build_artifact(src, tmp_path / "engine", gpu="cpu", quant="fp8")
+    expected = tmp_path / "expected"
+    out = _per_channel_checkpoint(src, expected)
+    _assert_greedy_parity(artifact, expected, "token")
+    with safe_open(str(artifact / "weights" / "rank0.safetensors"), "pt") as f:
+        q_rows = f.get_tensor("layers.0.qkv_proj.weight")[: 6 * 32].view(torch.uint8)
+    checkpoint_q = out["model.layers.0.self_attn.q_proj.weight"].view(torch.uint8).view(6, 32, -1)
+    reordered = torch.cat((checkpoint_q[:, 0::2], checkpoint_q[:, 1::2]), dim=1).reshape(6 * 32, -1)
+    assert torch.equal(q_rows, reordered) and not torch.equal(q_rows, checkpoint_q.reshape(6 * 32, -1))
 
 
 def test_quant_fp8_block_scheme_on_a_float_checkpoint_is_the_block_format(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
