@@ -53,8 +53,22 @@ MIXTRAL_8X7B: dict[str, Any] = {
     "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False, "bos_token_id": 1,
     "eos_token_id": 2, "torch_dtype": "bfloat16",
 }  # fmt: skip
+# meta-llama/Llama-4-Scout-17B-16E-Instruct's text_config, as its language model alone, with 8 of its 48
+# layers (every one MoE: 16 experts, top-1, a shared expert) so that the bf16 weights (about 39 GB) fit
+# an 80 GB card beside the KV cache; the W4 roofline counts this depth's active weights.
+LLAMA4_SCOUT_8L: dict[str, Any] = {
+    "architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text", "hidden_size": 5120, "intermediate_size": 8192,
+    "intermediate_size_mlp": 16384, "num_hidden_layers": 8, "num_attention_heads": 40, "num_key_value_heads": 8,
+    "head_dim": 128, "num_local_experts": 16, "num_experts_per_tok": 1, "interleave_moe_layer_step": 1,
+    "vocab_size": 202048, "max_position_embeddings": 10485760, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192},
+    "attention_chunk_size": 8192, "use_qk_norm": True, "attn_temperature_tuning": True, "floor_scale": 8192,
+    "attn_scale": 0.1, "no_rope_layer_interval": 4, "attention_bias": False, "tie_word_embeddings": False,
+    "bos_token_id": 200000, "eos_token_id": [200001, 200007, 200008], "pad_token_id": 200018, "torch_dtype": "bfloat16",
+}  # fmt: skip
 MODELS = {"gemma2-9b": GEMMA2_9B, "llama3-8b": LLAMA3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B,
-          "mixtral-8x7b": MIXTRAL_8X7B}  # fmt: skip
+          "mixtral-8x7b": MIXTRAL_8X7B, "llama4-scout-8l": LLAMA4_SCOUT_8L}  # fmt: skip
 # The dry run's: the same families, tiny (the vocabulary stays above serving.random_prompts' ids;
 # Gemma's window is shorter than a W4 request, so its sliding layers slide).
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -64,6 +78,11 @@ DRY_RUN = {
     "llama3-8b": {**LLAMA3_8B, **TINY},
     "qwen3-30b-a3b": {**QWEN3_30B_A3B, **TINY, "moe_intermediate_size": 32, "num_experts": 16},
     "mixtral-8x7b": {**MIXTRAL_8X7B, **TINY},
+    # 4 layers: the fourth without RoPE; 4-token chunks, so that the dry run's prompts cross them
+    "llama4-scout-8l": {**LLAMA4_SCOUT_8L, **TINY, "num_hidden_layers": 4, "intermediate_size_mlp": 128, "bos_token_id": 1,
+                        "eos_token_id": [2], "pad_token_id": 0,
+                        "attention_chunk_size": 4, "rope_scaling": {**LLAMA4_SCOUT_8L["rope_scaling"],
+                                                                    "original_max_position_embeddings": 64}},
 }  # fmt: skip
 DRY_RUN_SCALE = 1 / 32  # W1: 32 requests, prompt 16, output 8; W4: prompt 4, output 16
 
