@@ -302,7 +302,8 @@ def phase_ours(
     )  # fmt: skip
     emit(out, figure="engine_init_seconds", value=round(time.perf_counter() - start, 1),
          kv_blocks=engine.block_pool.num_blocks, kv_tokens=engine.block_pool.num_blocks * engine.block_size,
-         triton_compiles=compiles.count, mixed_graphs=mixed_graphs, max_num_batched_tokens=sized(max_num_batched_tokens))  # fmt: skip
+         triton_compiles=compiles.count, mixed_graphs=mixed_graphs, max_num_batched_tokens=sized(max_num_batched_tokens),
+         **({"compiled": sorted(set(compiles.names))} if compiles.count else {}))  # fmt: skip
     run_engine(engine, prompts(8, 64, 5), [SamplingParams(max_tokens=8, ignore_eos=True)] * 8)  # warm-up
     seen = compiles.count
 

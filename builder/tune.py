@@ -67,6 +67,9 @@ def model_shapes(state: BuildState) -> dict[str, Any]:
         "normed": normed_projections(model),
         "qk_norm_widths": qk_norm_widths(model.qk_norms, per_rank),
         "head_qk_norm": bool(model.qk_norms.qk_norm and model.qk_norms.qk_norm_kind != "projection"),
+        "head_qk_norm_after": bool(model.qk_norms.qk_norm and model.qk_norms.qk_norm_after_rope),
+        "rotary_without_norm": bool(model.qk_norms.qk_norm and model.qk_norms.qk_norm_kind != "projection")
+        and not all(model.qk_norm_layers),
         "rotary_dim": next((s.attention.rope.rotary_dim for s in model.layers if s.attention.rope is not None), 0),
         "int4_act_order": bool(plan.quantization is not None and getattr(plan.quantization, "desc_act", False)),
         # MoE blocks: the fused-MoE kernel is tuned per token bucket at one rank's expert width.

@@ -569,16 +569,20 @@ def make_problem(
         positions = torch.randint(0, max_pos, (t,), generator=dg, device=device)
         slots = torch.randperm(num_blocks * shapes.block_size, generator=dg, device=device)[:t]
 
-        norms = {}
-        if shapes.head_qk_norm:  # the QK_NORM variant the model launches
-            norms = {"q_norm": 1.0 + 0.1 * randn(d), "k_norm": 1.0 + 0.1 * randn(d), "qk_norm_eps": 1e-6}
+        norms: dict[str, object] = {}
+        if shapes.head_qk_norm:  # the QK_NORM (QK_NORM_AFTER) variant the model launches
+            norms = {"q_norm": 1.0 + 0.1 * randn(d), "k_norm": 1.0 + 0.1 * randn(d), "qk_norm_eps": 1e-6,
+                     "qk_norm_after": shapes.head_qk_norm_after}  # fmt: skip
 
         def rotary(cfg: KernelConfig | None, i: int) -> object:
             return rotary_kv.rotary_and_write_kv(
                 positions, q, k, v, cos_sin, k_cache, v_cache, slots, config=cfg, **norms
             )
 
-        return Problem(kernel, bucket, rotary, 1, nbytes, flops)
+        def plain(cfg: KernelConfig | None) -> object:  # the layers without q/k norms (Llama 4's no-RoPE ones)
+            return rotary_kv.rotary_and_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slots, config=cfg)
+
+        return Problem(kernel, bucket, rotary, 1, nbytes, flops, variants=plain if shapes.rotary_without_norm else None)
 
     if kernel in ("rms_norm", "fused_add_rms_norm"):
         x, res, w = randn(t, shapes.hidden), randn(t, shapes.hidden), randn(shapes.hidden)

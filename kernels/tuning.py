@@ -188,6 +188,11 @@ class ModelShapes:
     # Each q and k head RMS-normalised inside the rotary kernel (Qwen3, Gemma 3: the QK_NORM variant
     # serving launches, so it is the one timed and compiled into the artifact).
     head_qk_norm: bool = False
+    # ... applied to the rotated heads (HunYuan's, Llama 4's: the QK_NORM_AFTER variant), and some
+    # layers without q/k norms (Llama 4's no-RoPE layers: the rotary kernel's plain variant is
+    # compiled beside the timed one, Problem.variants).
+    head_qk_norm_after: bool = False
+    rotary_without_norm: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "biased", tuple(self.biased))  # JSON lists from the tune subprocess

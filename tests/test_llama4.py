@@ -119,3 +119,30 @@ def test_top2_routing_on_the_input_is_refused(tmp_path):
     ckpt = make_checkpoint(tmp_path / "ckpt", "llama4", tokenizer=False, num_experts_per_tok=2)
     with pytest.raises(BuildError, match="top_k 1"):
         build_artifact(ckpt, tmp_path / "art")
+
+
+def test_tuner_compiles_the_rotary_variants_the_layers_launch(tiny_checkpoint_factory, tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    """Llama 4's RoPE layers launch the rotary kernel with their q/k norms after the rotation
+    (QK_NORM_AFTER), its no-RoPE layer without norms: the build tells the tuner both, its rotary
+    problems time the first and compile the second (Problem.variants), and the chunked attention
+    variants are compiled at the model's chunk, so serving compiles none of them."""
+    from test_tuned_variants import _build
+
+    from pagecast.builder import tune
+    from pagecast.kernels import problems, rotary_kv
+
+    _, shapes = _build(tiny_checkpoint_factory("llama4"), tmp_path / "art", monkeypatch)
+    assert (shapes["head_qk_norm"], shapes["head_qk_norm_after"], shapes["rotary_without_norm"]) == (True, True, True)
+    assert shapes["attn_chunk"] == 16 and shapes["attn_window"] == 0
+    seen: list[tuple[bool, bool]] = []
+    monkeypatch.setattr(
+        rotary_kv, "rotary_and_write_kv",
+        lambda *a, q_norm=None, qk_norm_after=False, **k: seen.append((q_norm is not None, qk_norm_after)),
+    )  # fmt: skip
+    kernel_shapes = tune.kernel_shapes(shapes)
+    for _, dims in problems.buckets("rotary_kv", kernel_shapes)[:2]:
+        problem = problems.make_problem("rotary_kv", kernel_shapes, dims, "cpu")
+        problem.launch(None, 0)
+        assert problem.variants is not None
+        problem.variants(None)
+    assert seen == [(True, True), (False, False)] * 2
