@@ -3,7 +3,7 @@ reference (the Triton interpreter without a GPU).
 
 A query at position p sees the keys of its own chunk only: p // chunk * chunk <= k <= p, as
 transformers' chunked causal mask has it. The reference is checked against that definition written
-out here; the cases put chunk boundaries inside a query tile, between the kernels' key tiles, in a
+out (test_kernels_window_softcap.dense); the cases put chunk boundaries inside a query tile, between the kernels' key tiles, in a
 cached prefix, and at a query that starts a chunk (it sees itself alone).
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_kernels import close, paged_inputs
+from test_kernels_window_softcap import dense
 
 from pagecast.kernels import ops, reference
 from pagecast.kernels.paged_decode_attention import paged_decode_attention
@@ -25,30 +26,12 @@ def ref(x: dict, scale: float, chunk: int) -> torch.Tensor:
     )  # fmt: skip
 
 
-def dense(x: dict, scale: float, chunk: int) -> torch.Tensor:
-    """The definition, one row and head at a time, from the gathered cache."""
-    out = torch.empty_like(x["q"], dtype=torch.float32)
-    qsl, lens = x["query_start_loc"].tolist(), x["seq_lens"].tolist()
-    group = x["q"].shape[1] // x["k_cache"].shape[1]
-    for i, seq_len in enumerate(lens):
-        k = reference.gather_kv(x["k_cache"], x["block_tables"][i], seq_len).float()
-        v = reference.gather_kv(x["v_cache"], x["block_tables"][i], seq_len).float()
-        pos = torch.arange(seq_len)
-        for t in range(qsl[i], qsl[i + 1]):
-            p = seq_len - (qsl[i + 1] - t)
-            for h in range(x["q"].shape[1]):
-                s = k[h // group] @ x["q"][t, h].float() * scale
-                s[(pos > p) | (pos // chunk != p // chunk)] = float("-inf")
-                out[t, h] = torch.softmax(s, 0) @ v[h // group]
-    return out
-
-
 @pytest.mark.parametrize("chunk", [4, 16, 23])
 def test_reference_is_the_definition(chunk):
     x = paged_inputs([9, 41, 30], [9, 13, 1], 4, 2, 16, 8, torch.float32)
-    torch.testing.assert_close(ref(x, 0.3, chunk), dense(x, 0.3, chunk), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ref(x, 0.3, chunk), dense(x, 0.3, 0.0, 0, chunk), atol=1e-5, rtol=1e-5)
     decode = paged_inputs([9, 41, 32, 33], [1, 1, 1, 1], 4, 2, 16, 8, torch.float32)
-    torch.testing.assert_close(ref(decode, 0.3, chunk), dense(decode, 0.3, chunk), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ref(decode, 0.3, chunk), dense(decode, 0.3, 0.0, 0, chunk), atol=1e-5, rtol=1e-5)
     # the chunks change the result, so the kernel checks below cannot pass without them
     assert (ref(x, 0.3, chunk) - ref(x, 0.3, 0)).abs().max() > 1e-2
 

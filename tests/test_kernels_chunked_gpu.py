@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 from test_kernels import paged_inputs
+from test_kernels_chunked import ref
 
-from pagecast.kernels import reference
 from pagecast.kernels.paged_decode_attention import paged_decode_attention
 from pagecast.kernels.paged_prefill_attention import paged_prefill_attention
 
@@ -22,20 +22,13 @@ def _cuda(x: dict) -> dict:
     return {k: v.cuda() for k, v in x.items()}
 
 
-def _ref(x: dict, scale: float, chunk: int) -> torch.Tensor:
-    return reference.paged_attention(
-        x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["seq_lens"], x["query_start_loc"], scale,
-        chunk=chunk,
-    )  # fmt: skip
-
-
 @pytest.mark.parametrize("chunk", [16, 100, 8192])
 @pytest.mark.parametrize("config", [None, {"BLOCK_N": 64, "num_splits": 8}])
 def test_decode_chunked_bf16(chunk, config):  # type: ignore[no-untyped-def]
     seq_lens = [1, 16, 17, 100, 101, 777, 8192, 8193, 9000]
     x = _cuda(paged_inputs(seq_lens, [1] * len(seq_lens), 32, 8, 128, 16, torch.bfloat16))
     out = paged_decode_attention(**x, scale=128**-0.5, max_seq_len=max(seq_lens), config=config, chunk=chunk)
-    torch.testing.assert_close(out.float(), _ref(x, 128**-0.5, chunk).float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), ref(x, 128**-0.5, chunk).float(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("chunk", [16, 100, 1024])
@@ -43,4 +36,4 @@ def test_prefill_chunked_bf16(chunk):  # type: ignore[no-untyped-def]
     seq_lens, q_lens = [300, 2100, 17, 1500], [300, 700, 17, 1]
     x = _cuda(paged_inputs(seq_lens, q_lens, 32, 8, 128, 16, torch.bfloat16))
     out = paged_prefill_attention(**x, scale=128**-0.5, chunk=chunk)
-    torch.testing.assert_close(out.float(), _ref(x, 128**-0.5, chunk).float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), ref(x, 128**-0.5, chunk).float(), atol=2e-2, rtol=2e-2)

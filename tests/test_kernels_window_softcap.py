@@ -25,8 +25,9 @@ def ref(x: dict, scale: float, softcap: float, window: int) -> torch.Tensor:
     )  # fmt: skip
 
 
-def dense(x: dict, scale: float, softcap: float, window: int) -> torch.Tensor:
-    """The definition, one sequence and head at a time, from the gathered cache."""
+def dense(x: dict, scale: float, softcap: float, window: int, chunk: int = 0) -> torch.Tensor:
+    """The definition, one sequence and head at a time, from the gathered cache: a row at p sees
+    keys p - window < k <= p (``window``) or those of its own ``chunk`` (tests/test_kernels_chunked.py)."""
     out = torch.empty_like(x["q"], dtype=torch.float32)
     qsl, lens = x["query_start_loc"].tolist(), x["seq_lens"].tolist()
     group = x["q"].shape[1] // x["k_cache"].shape[1]
@@ -40,9 +41,12 @@ def dense(x: dict, scale: float, softcap: float, window: int) -> torch.Tensor:
                 if softcap:
                     s = softcap * torch.tanh(s / softcap)
                 pos = torch.arange(seq_len)
-                s[
-                    (pos > p) | ((pos <= p - window) if window else torch.zeros_like(pos, dtype=torch.bool))
-                ] = float("-inf")
+                hidden = pos > p
+                if window:
+                    hidden |= pos <= p - window
+                if chunk:
+                    hidden |= pos // chunk != p // chunk
+                s[hidden] = float("-inf")
                 out[t, h] = torch.softmax(s, 0) @ v[h // group]
     return out
 

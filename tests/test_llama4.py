@@ -10,12 +10,10 @@ import json
 import pytest
 import torch
 from conftest import build_artifact
-from engine_utils import hf_greedy
 from tiny_models import make_checkpoint, tiny_config
 
 from pagecast.kernels import ops
 from pagecast.kernels.moe_routing import MoeRouting, moe_spec, route_torch
-from pagecast.runtime import LLM, SamplingParams
 from pagecast.runtime.errors import BuildError
 
 
@@ -100,19 +98,10 @@ def test_rendered_model_and_artifact(tiny_artifact_factory, tiny_checkpoint_fact
 def test_tp2_matches_transformers(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
     """TP=2 on gloo: each rank two of the four query heads (and one KV head), half of every expert's,
     the shared expert's and the dense layers' intermediate columns."""
-    from test_moe_families import PROMPTS, hf_model
+    from test_moe_families import assert_tp_greedy_matches
 
     ckpt = tiny_checkpoint_factory("llama4")
-    art = build_artifact(ckpt, tmp_path / "tp2", tp=2)
-    llm = LLM(art, max_num_batched_tokens=32, max_num_seqs=4, kv_cache_memory="4MiB")
-    try:
-        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    finally:
-        llm.engine.runner.close()
-    hf = hf_model(ckpt)
-    for prompt, out in zip(PROMPTS, outputs, strict=True):
-        ids = llm.tokenizer.encode(prompt, add_special_tokens=False)
-        assert out.token_ids == hf_greedy(hf, ids, 8), prompt
+    assert_tp_greedy_matches(build_artifact(ckpt, tmp_path / "tp2", tp=2), ckpt)
 
 
 def test_top2_routing_on_the_input_is_refused(tmp_path):

@@ -187,6 +187,12 @@ def test_moe_tp2_matches_transformers(family, tiny_checkpoint_factory, tmp_path)
         else:
             assert tuple(f.get_slice("layers.1.sinks").get_shape()) == (2,)
             assert not f.get_tensor("layers.1.experts.down_bias").any()  # rank 0 adds it
+    assert_tp_greedy_matches(art, ckpt)
+
+
+def assert_tp_greedy_matches(art: Path, ckpt: Path) -> None:
+    """A tensor-parallel artifact's greedy tokens for PROMPTS through LLM (gloo workers) are
+    transformers' on its checkpoint."""
     llm = LLM(art, max_num_batched_tokens=32, max_num_seqs=4, kv_cache_memory="4MiB")
     try:
         outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
