@@ -282,7 +282,16 @@ def open_checkpoint(path: Path, dummy: bool) -> Checkpoint:
             f"architecture {arch!r} is not supported; {reason}supported architectures: "
             f"{', '.join(sorted([*SUPPORTED_ARCHITECTURES, *IMAGE_TEXT]))}"
         )
-    config = AutoConfig.from_pretrained(str(path))
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except Exception as e:  # transformers' validation raises many types (strict dataclass fields, ValueError)
+        import transformers
+
+        raise BuildError(
+            f"transformers {transformers.__version__} cannot read {config_path} as a {arch} config: "
+            f"{type(e).__name__}: {str(e).strip()[:400]}; fix that field in config.json (or use the checkpoint "
+            f"revision made for this transformers version)"
+        ) from e
     image_text = arch if arch in IMAGE_TEXT else None
     if image_text is not None:
         config = language_model_config(path, raw, config, image_text)

@@ -135,3 +135,13 @@ def test_tuner_compiles_the_rotary_variants_the_layers_launch(tiny_checkpoint_fa
         assert problem.variants is not None
         problem.variants(None)
     assert seen == [(True, True), (False, False)] * 2
+
+
+def test_a_config_transformers_rejects_is_a_build_error_naming_the_field(tmp_path):
+    """A config.json field of the wrong type (Llama 4's attn_temperature_tuning as a number, as
+    early Llama 4 configs had it) is a BuildError naming the field, not a traceback."""
+    ckpt = make_checkpoint(tmp_path / "ckpt", "llama4", tokenizer=False)
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "attn_temperature_tuning": 4}))
+    with pytest.raises(BuildError, match="cannot read .*config.json as a Llama4ForCausalLM config.*attn_temperature_tuning"):
+        build_artifact(ckpt, tmp_path / "art")
