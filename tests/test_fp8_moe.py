@@ -1,5 +1,5 @@
-"""FP8 (W8A8) mixture-of-experts on the CPU, in fp32: ``--quant fp8`` on tiny Qwen3-MoE, Mixtral
-and Qwen2-MoE checkpoints, and FP8 MoE checkpoints as published (the Qwen3 fine-grained block
+"""FP8 (W8A8) mixture-of-experts on the CPU, in fp32: ``--quant fp8`` on tiny Qwen3-MoE, Mixtral,
+Qwen2-MoE, OLMoE, gpt-oss, Granite-MoE, GLM-4.5 and Llama 4 (its routing weight on the experts' input) checkpoints, and FP8 MoE checkpoints as published (the Qwen3 fine-grained block
 format, compressed-tensors FP8_DYNAMIC per channel and FP8_BLOCK, written by tests/quant_writer.py), through
 LLM against transformers; the fused FP8 MoE kernels (kernels/fused_moe_fp8.py) in Triton's
 interpreter against the reference; the memory plan and the refusals.
@@ -124,6 +124,21 @@ def _gpt_oss_experts_forward(experts: torch.nn.Module, activations: str):  # typ
     return forward
 
 
+def _llama4_experts_forward(experts: torch.nn.Module, activations: str):  # type: ignore[no-untyped-def]
+    """Llama4TextExperts' batched experts (each expert's rows: every token's input scaled by its
+    routing weight, zero where the expert was not chosen) with each expert's inputs fake-quantised."""
+
+    def forward(hidden):  # type: ignore[no-untyped-def]
+        rows = hidden.view(experts.num_experts, -1, experts.hidden_size)
+        out = []
+        for e in range(experts.num_experts):
+            gate, up = (fake_quant(rows[e], activations) @ experts.gate_up_proj[e]).chunk(2, -1)
+            out.append(fake_quant(experts.act_fn(gate) * up, activations) @ experts.down_proj[e])
+        return torch.cat(out)
+
+    return forward
+
+
 def reference_model(
     ckpt: Path, weights: dict[str, torch.Tensor], activations: str, written: Path | None = None
 ) -> torch.nn.Module:
@@ -157,6 +172,9 @@ def reference_model(
         if name.rpartition(".")[2] in LINEARS and ".experts." not in name:
             module.register_forward_pre_hook(lambda mod, args: (fake_quant(args[0], activations),))
     for module in experts.values():
+        if type(module).__name__ == "Llama4TextExperts":
+            module.forward = _llama4_experts_forward(module, activations)
+            continue
         gpt_oss = hasattr(module, "gate_up_proj_bias")
         module.forward = (_gpt_oss_experts_forward if gpt_oss else _experts_forward)(module, activations)
     return hf
@@ -183,7 +201,7 @@ def _assert_greedy_parity(artifact: Path, hf: torch.nn.Module, logits_atol: floa
 
 
 @pytest.mark.parametrize(
-    "family", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "granitemoe", "glm4_moe"]
+    "family", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "granitemoe", "glm4_moe", "llama4"]
 )
 def test_quant_fp8_moe_greedy_tokens_equal_transformers_with_fp8_experts(family, tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
     ckpt = tiny_checkpoint_factory(family)
