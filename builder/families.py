@@ -147,7 +147,7 @@ FAMILIES: dict[str, FamilyParts] = {
     "Ernie4_5_MoeForCausalLM": FamilyParts(
         "ernie4_5_moe", moe_block="mlp", moe_shared_expert="shared_experts",
         moe_score_bias="moe_statics.e_score_correction_bias",
-        not_supported="AWQ/GPTQ/FP8 (RoPE on adjacent pairs); the vision-language model (Ernie4_5_VLMoe)",
+        not_supported="AWQ/GPTQ (RoPE on adjacent pairs); the vision-language model (Ernie4_5_VLMoe)",
     ),
     # Mixtral's checkpoint names, the sigmoid routing's score bias on the block, q/k norms over the
     # whole projection, half-rotary heads
@@ -216,7 +216,7 @@ FAMILIES: dict[str, FamilyParts] = {
         "llama4", moe_block="feed_forward", moe_module="feed_forward", moe_router="router",
         qk_norm_names=("qk_norm", "qk_norm"), qk_norm_after_rope=True, qk_norm_weightless=True, complex_rope=True,
         moe_stacked_halves=True, activation_module="activation_fn",
-        not_supported="images (Llama4ForConditionalGeneration builds its language model alone); AWQ/GPTQ and FP8 checkpoints (not tested)",
+        not_supported="images (Llama4ForConditionalGeneration builds its language model alone); AWQ/GPTQ (RoPE on adjacent pairs); Meta's fbgemm_fp8 checkpoints",
     ),
     "GptOssForCausalLM": FamilyParts(
         "gpt_oss", moe_block="mlp", moe_router="router", window_source="layer",

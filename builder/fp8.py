@@ -508,7 +508,10 @@ def plan_tensors(tensors: list[Any], cfg: Fp8Config, read: Any = None) -> tuple[
             continue
         base = t.name.rpartition(".")[0]
         if cfg.activations == "static" and read is not None and len(t.sources) > 1 and t.rank == 0:
-            statics = [float(read(s.removesuffix(".weight") + ".input_scale").float().reshape(-1)[0]) for s in t.sources]
+            statics = [
+                float(read(shard.without_deinterleave(s).removesuffix(".weight") + ".input_scale").float().reshape(-1)[0])
+                for s in t.sources
+            ]
             if max(statics) != min(statics):
                 notes.append(
                     f"{base}: the fused modules' static input scales differ "
@@ -661,8 +664,18 @@ class Materialiser:
                 read_module(cfg, s.removesuffix(".weight"), lambda _, s=s: shard.read_source(self.read, s))
                 for s in t.sources
             ]
-        modules = [s.removesuffix(".weight") for s in t.sources]
-        return [read_module(cfg, m, self.read) for m in modules]
+        return [_checkpoint_module(cfg, s, self.read) for s in t.sources]
+
+
+def _checkpoint_module(cfg: Fp8Config, source: str, read: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """read_module of an FP8 checkpoint's module named by a plan source: interleaved RoPE's q/k rows
+    (shard.deinterleaved) reordered to the kernels' rotary order with their per-row scales (the
+    artifact's channel and block scales are per row; a per-tensor input scale is unchanged)."""
+    q, scale, input_scale = read_module(cfg, shard.without_deinterleave(source).removesuffix(".weight"), read)
+    if (dims := shard.deinterleave_dims(source)) is not None:
+        q = shard.deinterleave_rows(q.view(torch.uint8), *dims).view(q.dtype)
+        scale = shard.deinterleave_rows(scale, *dims)
+    return q, scale, input_scale
 
 
 def _projection_dims(model: Any) -> dict[str, tuple[tuple[int, ...], int]]:

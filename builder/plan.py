@@ -467,12 +467,12 @@ def run(state: BuildState) -> BuildState:
             f"supported (int4 AWQ/GPTQ experts are, one module per expert, SiLU experts without biases); build the "
             f"half-type checkpoint"
         )
-    from_float = fp8.is_fp8(ckpt.quant) and ckpt.quant.source == "build"  # (rows reordered before quantising)
-    if ckpt.quant is not None and not from_float and any(x.attention.rope and x.attention.rope.interleaved for x in model.layers):
+    # FP8 rows (from a float checkpoint, or an FP8 one's with their per-row scales) reorder as float ones do
+    if ckpt.quant is not None and not fp8.is_fp8(ckpt.quant) and any(x.attention.rope and x.attention.rope.interleaved for x in model.layers):
         raise BuildError(
             f"{model.architecture} rotates adjacent pairs of dims (interleaved RoPE), which pagecast builds by "
-            f"reordering the q and k rows of float weights; {ckpt.quant.method.upper()} checkpoints of it are not "
-            f"supported (build the bf16 checkpoint, with --quant fp8 for FP8 weights)"
+            f"reordering the q and k rows of float or FP8 weights; {ckpt.quant.method.upper()} checkpoints of it "
+            f"are not supported (build the bf16 checkpoint, with --quant fp8 for FP8 weights)"
         )
     if ckpt.quant is not None and (model.attention.fused_qkv_name or model.mlp.fused_gate_up_name):
         raise BuildError(

@@ -228,6 +228,14 @@ def without_deinterleave(source: str) -> str:
     return source.split(_DEINTERLEAVE, 1)[0]
 
 
+def deinterleave_dims(source: str) -> tuple[int, int] | None:
+    """(head_dim, rotary_dim) of a ``deinterleaved`` source, None for any other."""
+    if _DEINTERLEAVE not in source:
+        return None
+    head_dim, rotary_dim = source.split(_DEINTERLEAVE, 1)[1].split(":")
+    return int(head_dim), int(rotary_dim)
+
+
 def parse_source(source: str) -> tuple[str, tuple[int, int] | None]:
     """A TensorPlan source -> (checkpoint tensor name, its row range or None for all of it)."""
     source = without_deinterleave(source)
@@ -274,10 +282,8 @@ _last_read: dict[str, torch.Tensor] = {}
 
 
 def read_source(read: Any, source: str) -> torch.Tensor:
-    if _DEINTERLEAVE in source:
-        base, dims = source.split(_DEINTERLEAVE, 1)
-        head_dim, rotary_dim = (int(x) for x in dims.split(":"))
-        return deinterleave_rows(read_source(read, base), head_dim, rotary_dim)
+    if (dims := deinterleave_dims(source)) is not None:
+        return deinterleave_rows(read_source(read, without_deinterleave(source)), *dims)
     if _EXPERT in source:
         name, rest = source.split(_EXPERT, 1)
         expert, part = rest.split(":", 1)

@@ -253,13 +253,12 @@ def test_unknown_architecture_lists_the_supported_ones(tmp_path):  # type: ignor
         _build(ckpt, tmp_path)
 
 
-def test_interleaved_rope_refuses_quantised_checkpoints(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
-    # The reorder of q/k rows is done on float weights (before --quant fp8 quantises them: see
-    # test_fp8_build.py); a quantised checkpoint would need it on packed or scaled ones, so it is
-    # refused with what to do, not built wrong.
-    from quant_writer import write_fp8
+def test_interleaved_rope_refuses_int4_checkpoints(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    # The reorder of q/k rows is done on float and FP8 weights (see test_fp8_build.py); an AWQ/GPTQ
+    # checkpoint would need it on packed int4 columns, so it is refused with what to do, not built wrong.
+    from quant_writer import Format, write
 
-    ckpt, _ = write_fp8(tiny_checkpoint_factory("helium"), tmp_path / "fp8", "ct-tensor-token")
-    with pytest.raises(BuildError, match="interleaved RoPE.*build the bf16 checkpoint, with --quant fp8"):
-        _build(ckpt, tmp_path, quant="fp8")
+    ckpt, _ = write(tiny_checkpoint_factory("helium"), tmp_path / "awq", Format("awq", 32))
+    with pytest.raises(BuildError, match="interleaved RoPE.*AWQ checkpoints of it are not supported.*--quant fp8"):
+        _build(ckpt, tmp_path, quant="awq")
 

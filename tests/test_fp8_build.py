@@ -313,6 +313,19 @@ def test_quant_fp8_on_a_float_checkpoint_equals_per_channel_rounding(tiny_checkp
     assert plan["weight_bytes"] == sum(v["data_offsets"][1] - v["data_offsets"][0] for v in header.values())
 
 
+@pytest.mark.parametrize("fmt", ["ct-channel-static", "fp8-block"])
+def test_fp8_checkpoint_of_interleaved_rope_reorders_rows_and_scales(fmt, tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    """An FP8 checkpoint of a model that rotates adjacent pairs (Helium; Llama 4's FP8 releases):
+    its q and k rows are reordered to the kernels' rotary order with their per-row scales (per
+    channel; a block checkpoint's, which the artifact holds per row), so the engine equals
+    transformers on the dequantised checkpoint."""
+    src = tiny_checkpoint_factory("helium", **SHAPE)
+    ckpt, _ = write_fp8(src, tmp_path / fmt, fmt)
+    artifact = build_artifact(ckpt, tmp_path / "engine", gpu="cpu", quant="fp8")
+    assert json.loads((artifact / "manifest.json").read_text())["quantization"]["source"] == WRITTEN[fmt][0]
+    _assert_greedy_parity(artifact, ckpt, WRITTEN[fmt][1])
+
+
 def test_quant_fp8_of_interleaved_rope_reorders_rows_before_rounding(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
     """Helium rotates adjacent pairs (Llama 4, GLM and ERNIE 4.5 too): the build reorders each head's
     q and k rows to the kernels' rotary order before it quantises them, so per-channel rounding

@@ -164,6 +164,8 @@ def reference_model(
                 layer, e, proj = int(found.group(1)), int(found.group(2)), found.group(3)
                 param, half = EXPERT_PARTS[proj]
                 target = getattr(experts[layer], param)[e]
+                if type(experts[layer]).__name__ == "Llama4TextExperts":  # stacked inputs first: [H, 2I], [I, H]
+                    target = target.t()
                 target = target if half is None else target.chunk(2, 0)[half]
                 target.copy_(w)
             else:
@@ -355,6 +357,39 @@ def test_fp8_moe_checkpoint_greedy_tokens_equal_transformers_dequantised(fmt, ac
         # block scales: [E, 2I, ceil(H/128)] (the 288 rows of gate and up, 160 columns: 2 blocks)
         assert f.get_tensor("layers.0.experts.gate_up_scale").shape == ((8, 288) if fmt == "ct-channel" else (8, 288, 2))
     _assert_greedy_parity(artifact, reference_model(src, deq, activations, ckpt))
+
+
+def test_llama4_fp8_dynamic_checkpoint_greedy_tokens_equal_transformers_dequantised(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
+    """Llama 4 as llm-compressor's FP8_DYNAMIC releases of Scout hold it: every projection and each
+    expert (one module per expert, its stacks unpacked) per output channel, activations per token,
+    the routers in bf16; its interleaved-RoPE q/k rows reordered with their scales at build."""
+    from quant_writer import copy_without_weights
+    from safetensors.torch import save_file
+
+    src = tiny_checkpoint_factory("llama4")
+    per_expert = tmp_path / "per-expert"
+    tensors = copy_without_weights(src, per_expert)
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("experts.gate_up_proj"):  # [E, H, 2I] -> each expert's gate and up Linear weights
+            for e, w in enumerate(t):
+                gate, up = w.t().chunk(2, 0)
+                out[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = gate.contiguous()
+                out[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = up.contiguous()
+        elif name.endswith("experts.down_proj"):  # [E, I, H] -> [H, I] each
+            for e, w in enumerate(t):
+                out[name.replace("down_proj", f"{e}.down_proj.weight")] = w.t().contiguous()
+        else:
+            out[name] = t
+    save_file(out, str(per_expert / "model.safetensors"), metadata={"format": "pt"})
+    ckpt, deq = write_fp8(per_expert, tmp_path / "ct-channel", "ct-channel")
+    artifact = build_artifact(ckpt, tmp_path / "engine", gpu="cpu")
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["quantization"]["source"] == "compressed-tensors" and manifest["quantization"]["activations"] == "token"
+    with safe_open(str(artifact / "weights" / "rank0.safetensors"), "pt") as f:
+        assert f.get_tensor("layers.1.experts.gate_up").dtype == torch.float8_e4m3fn
+        assert f.get_tensor("layers.0.qkv_proj.weight").dtype == torch.float8_e4m3fn
+    _assert_greedy_parity(artifact, reference_model(src, deq, "token", ckpt))
 
 
 def test_glm4_moe_fp8_block_checkpoint_greedy_tokens_equal_transformers_dequantised(tiny_checkpoint_factory, tmp_path):  # type: ignore[no-untyped-def]
