@@ -325,7 +325,7 @@ def test_mixed_step_split_keeps_every_kernel_argument_aligned(monkeypatch):
 
     def recorder(name):  # type: ignore[no-untyped-def]
         def launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, *rest, out=None,
-                   k_scale=1.0, v_scale=1.0, softcap=0.0, window=0, sinks=None):  # type: ignore[no-untyped-def]
+                   k_scale=1.0, v_scale=1.0, softcap=0.0, window=0, sinks=None, chunk=0):  # type: ignore[no-untyped-def]
             tensors = (q, block_tables, seq_lens, query_start_loc, out)
             launches.append((name, seq_lens.shape[0], [t.data_ptr() % 16 for t in tensors if t is not None]))
             y = reference.paged_attention(
