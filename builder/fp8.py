@@ -626,13 +626,8 @@ class Materialiser:
             if self.gen is not None:
                 e, n, k = self.dims[base]
                 modules = [random_module(self.cfg, n // t.stack, k, self.gen) for _ in range(e * t.stack)]
-            elif self.cfg.source == "build":  # each expert's piece (gpt-oss: of the stacked tensor), quantised
-                modules = [
-                    read_module(self.cfg, s.removesuffix(".weight"), lambda _, s=s: shard.read_source(self.read, s))
-                    for s in t.sources
-                ]
-            else:
-                modules = [read_module(self.cfg, s.removesuffix(".weight"), self.read) for s in t.sources]
+            else:  # each expert's module (gpt-oss, quantised here: its piece of the stacked tensor)
+                modules = [_source_module(self.cfg, s, self.read) for s in t.sources]
             self._base, self._modules = base, modules
         cuts = tuple(t.source_cuts) or (None,) * len(self._modules)
         pieces = [_cut(m[1] if scale else m[0], c, "weight_scale" if scale else "weight") for m, c in zip(self._modules, cuts, strict=True)]
@@ -659,19 +654,19 @@ class Materialiser:
             if w.dtype == torch.float8_e4m3fn:
                 return [read_module(head_config(self.cfg), base, lambda n: w if n == "lm_head.weight" else self.read(n))]
             return [read_module(cfg, base, lambda n: w if n == "lm_head.weight" else self.read(n))]
-        if cfg.source == "build":  # rows read as planned (interleaved RoPE's q/k rows reordered), then quantised
-            return [
-                read_module(cfg, s.removesuffix(".weight"), lambda _, s=s: shard.read_source(self.read, s))
-                for s in t.sources
-            ]
-        return [_checkpoint_module(cfg, s, self.read) for s in t.sources]
+        return [_source_module(cfg, s, self.read) for s in t.sources]
 
 
-def _checkpoint_module(cfg: Fp8Config, source: str, read: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """read_module of an FP8 checkpoint's module named by a plan source: interleaved RoPE's q/k rows
-    (shard.deinterleaved) reordered to the kernels' rotary order with their per-row scales (the
-    artifact's channel and block scales are per row; a per-tensor input scale is unchanged)."""
-    q, scale, input_scale = read_module(cfg, shard.without_deinterleave(source).removesuffix(".weight"), read)
+def _source_module(cfg: Fp8Config, source: str, read: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """read_module of the module a plan source names. Quantised here (``cfg.source`` "build"): its
+    weight read as planned (interleaved RoPE's q/k rows reordered, an expert's piece of a stack),
+    then rounded. From an FP8 checkpoint: interleaved RoPE's q/k rows (shard.deinterleaved) reordered
+    with their per-row scales (the artifact's channel and block scales are per row; a per-tensor
+    input scale is unchanged)."""
+    module = shard.without_deinterleave(source).removesuffix(".weight")
+    if cfg.source == "build":
+        return read_module(cfg, module, lambda _: shard.read_source(read, source))
+    q, scale, input_scale = read_module(cfg, module, read)
     if (dims := shard.deinterleave_dims(source)) is not None:
         q = shard.deinterleave_rows(q.view(torch.uint8), *dims).view(q.dtype)
         scale = shard.deinterleave_rows(scale, *dims)

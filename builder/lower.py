@@ -376,6 +376,7 @@ def _layer(
     core = m.take(attn, "attention core")
     assert core is not None
     sinks = bool(core.attributes.get("sinks"))
+    temperature = None  # Llama 4's no-RoPE layers' (lower._temperature)
     if sinks:
         m.only(core, _SINK_ATTENTION_OPS, "attention with sinks")
         if not {"matmul", "cat", "softmax", "max"} <= set(core.ops) or "scaling" not in core.attributes:
@@ -392,8 +393,6 @@ def _layer(
             raise BuildError(f"{attn} ({core.type_name}) is not scaled-dot-product attention")
         rotates = "neg" in core.ops or "view_as_complex" in core.ops
         scale = float(core.sdpa_kwargs.get("scale", head_dim**-0.5))
-    if sinks:
-        temperature = None
     if temperature is not None and rotates:
         raise BuildError(f"{attn}: attention temperature on a RoPE layer; not supported (Llama 4 has it on its no-RoPE layers)")
     if core.attributes.get("is_causal") is False:
@@ -576,7 +575,13 @@ def _moe(m: _Matcher, config: Any, parts: FamilyParts, mlp_path: str) -> MoeSpec
                 f"expected to (sigmoid scores, a biased choice among expert groups, top-{routing.top_k}, "
                 f"renormalise={routing.renormalize}: ops {expected}); not supported"
             )
-    elif routing.scoring != "topk_sigmoid":
+    elif routing.scoring == "topk_sigmoid":
+        if [op for op in router.ops if op != "to"] != _TOPK_SIGMOID_ROUTER_OPS:
+            raise BuildError(
+                f"{mlp_path}.{parts.moe_router} ({router.type_name}, ops {router.ops}) does not route as {arch} is "
+                f"expected to (the top-{routing.top_k} logits, their sigmoid: ops {_TOPK_SIGMOID_ROUTER_OPS}); not supported"
+            )
+    else:
         m.only(router, _MOE_ROUTER_OPS, "MoE router (softmax, top-k, renormalisation)")
     if routing.scoring == "softmax_topk":
         renormalises = "sum" in router.ops and any(op in router.ops for op in ("div", "div_"))
@@ -584,12 +589,6 @@ def _moe(m: _Matcher, config: Any, parts: FamilyParts, mlp_path: str) -> MoeSpec
             raise BuildError(
                 f"{mlp_path}.{parts.moe_router} ({router.type_name}, ops {router.ops}) does not route as "
                 f"{arch} is expected to (softmax, top-{routing.top_k}, renormalise={routing.renormalize}); not supported"
-            )
-    elif routing.scoring == "topk_sigmoid":
-        if [op for op in router.ops if op != "to"] != _TOPK_SIGMOID_ROUTER_OPS:
-            raise BuildError(
-                f"{mlp_path}.{parts.moe_router} ({router.type_name}, ops {router.ops}) does not route as {arch} is "
-                f"expected to (the top-{routing.top_k} logits, their sigmoid: ops {_TOPK_SIGMOID_ROUTER_OPS}); not supported"
             )
     elif routing.scoring == "topk_softmax" and [op for op in router.ops if op not in ("to", "type_as")] != [
         "linear", "topk", "softmax"
@@ -634,9 +633,8 @@ def _moe(m: _Matcher, config: Any, parts: FamilyParts, mlp_path: str) -> MoeSpec
             if m.linear(f"{mlp_path}.shared_expert_gate"):
                 raise BuildError(f"{mlp_path}.shared_expert_gate has a bias; not supported")
             shared_gate = True
-        if routing.weights_on_input:
-            pass  # the block's ops are the pattern's, checked above
-        elif block.ops.count("add") != 1 or block.ops.count("sigmoid") != int(shared_gate):
+        # (a block weighing its experts' inputs is one fixed pattern, checked above)
+        if not routing.weights_on_input and (block.ops.count("add") != 1 or block.ops.count("sigmoid") != int(shared_gate)):
             raise _unsupported(block, "add", "MoE block (experts plus an optionally gated shared expert)")
     elif routing.weights_on_input:
         raise BuildError(f"{mlp_path} ({block.type_name}) has no shared expert at {shared_path}; not supported")

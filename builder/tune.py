@@ -32,7 +32,8 @@ TRITON_CACHE_SUBDIR = "triton_cache"
 def model_shapes(state: BuildState) -> dict[str, Any]:
     model, plan = state.model, state.plan
     assert model is not None and plan is not None
-    a = model.attention
+    a, norms = model.attention, model.qk_norms
+    head_norms = bool(norms.qk_norm and norms.qk_norm_kind != "projection")  # in the rotary kernel's launch
     per_rank = shard.plan_layout(model, plan.tp)  # kernels run one rank's share
     return {
         "num_heads": per_rank.num_heads,
@@ -65,11 +66,10 @@ def model_shapes(state: BuildState) -> dict[str, Any]:
         "activation": model.dense_mlp.activation if model.dense_mlp is not None else "silu",  # MoE-only: no dense MLP
         "biased": biased_projections(model, plan.tp),
         "normed": normed_projections(model),
-        "qk_norm_widths": qk_norm_widths(model.qk_norms, per_rank),
-        "head_qk_norm": bool(model.qk_norms.qk_norm and model.qk_norms.qk_norm_kind != "projection"),
-        "head_qk_norm_after": bool(model.qk_norms.qk_norm and model.qk_norms.qk_norm_after_rope),
-        "rotary_without_norm": bool(model.qk_norms.qk_norm and model.qk_norms.qk_norm_kind != "projection")
-        and not all(model.qk_norm_layers),
+        "qk_norm_widths": qk_norm_widths(norms, per_rank),
+        "head_qk_norm": head_norms,
+        "head_qk_norm_after": head_norms and norms.qk_norm_after_rope,
+        "rotary_without_norm": head_norms and not all(model.qk_norm_layers),
         "rotary_dim": next((s.attention.rope.rotary_dim for s in model.layers if s.attention.rope is not None), 0),
         "int4_act_order": bool(plan.quantization is not None and getattr(plan.quantization, "desc_act", False)),
         # MoE blocks: the fused-MoE kernel is tuned per token bucket at one rank's expert width.

@@ -425,7 +425,6 @@ def _decode_merge_kernel(
     SPLIT_CHUNK: tl.constexpr,
     HAS_SINKS: tl.constexpr = False,
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/pdl.py)
-    CHUNKED: tl.constexpr = False,  # with SLIDING: ``window`` is an attention chunk (Llama 4)
 ):
     if PDL:
         gdc_wait()  # before any memory access: the kernel before may still be running
