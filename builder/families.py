@@ -96,6 +96,11 @@ FAMILIES: dict[str, FamilyParts] = {
         "qwen2", not_supported="use_sliding_window (context capped to the window)"
     ),
     "Qwen3ForCausalLM": FamilyParts("qwen3"),
+    # Mistral's parts (YaRN RoPE as published) with each rotated query scaled by
+    # 1 + beta * log(1 + floor(p / original context)) (rope_parameters.llama_4_scaling_beta)
+    "Ministral3ForCausalLM": FamilyParts(
+        "ministral3", not_supported="contexts beyond a configured sliding window (capped to it)"
+    ),
     "Gemma2ForCausalLM": FamilyParts("gemma2", window_source="layer", **_GEMMA_NORMS),  # type: ignore[arg-type]
     "Gemma3ForCausalLM": FamilyParts(
         "gemma3",
@@ -232,7 +237,8 @@ FAMILIES: dict[str, FamilyParts] = {
 # each of its three sections a text token's one position, so text alone is rotated by plain RoPE.
 IMAGE_TEXT: dict[str, str | None] = {
     "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",  # Gemma 3 4B-27B
-    "Mistral3ForConditionalGeneration": "MistralForCausalLM",  # Mistral Small 3.1 / 3.2
+    # its text_config's own: Mistral Small 3.1 / 3.2 (Mistral), Ministral 3 and Devstral Small 2 (Ministral 3)
+    "Mistral3ForConditionalGeneration": None,
     "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",  # Qwen2.5-VL
     "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",  # Qwen3-VL (dense)
     "Qwen3VLMoeForConditionalGeneration": "Qwen3MoeForCausalLM",  # Qwen3-VL-MoE (experts stacked a projection)

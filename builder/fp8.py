@@ -12,7 +12,9 @@ Formats read (``read_config``; anything else is refused by name):
   per-tensor input scales; its settings from config.json or, where that has none, ModelOpt's
   hf_quant_config.json (``{"producer": ..., "quantization": {"quant_algo": ..., "exclude_modules": ...}}``).
 - the fine-grained block format of the Qwen3 / DeepSeek FP8 releases (``quant_method: fp8``,
-  ``weight_block_size: [128, 128]``, ``weight_scale_inv``, dynamic 1x128 activation groups).
+  ``weight_block_size: [128, 128]``, ``weight_scale_inv``, dynamic 1x128 activation groups), and
+  its per-tensor form in Mistral's FP8 releases (Ministral 3: no ``weight_block_size``,
+  ``activation_scheme: static``, one ``weight_scale_inv`` and one ``activation_scale`` a module).
 
 Artifact layout, per projection ``P`` (qkv_proj, o_proj, gate_up_proj, down_proj):
 
@@ -74,7 +76,7 @@ class Fp8Config:
     """An FP8 (W8A8) build as the builder understands it; recorded in the manifest.
 
     ``source``: "build" (quantised here from half-type weights), "compressed-tensors", "modelopt"
-    or "fp8" (block format with ``weight_scale_inv``). ``weights``: "channel" or "block" (the
+    or "fp8" (transformers' fine-grained format: ``weight_scale_inv``, blocks or per tensor). ``weights``: "channel" or "block" (the
     artifact's scale layout; per-tensor checkpoints are held per channel). ``activations``:
     "token" (dynamic per token), "group" (dynamic per 1x128 group) or "static" (``input_scale``).
     """
@@ -96,6 +98,18 @@ class Fp8Config:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def scale_name(self) -> str:
+        """A checkpoint module's weight scale: the fine-grained format's ``weight_scale_inv``
+        (a multiplier despite its name, as transformers reads it), the others' ``weight_scale``."""
+        return "weight_scale_inv" if self.source == "fp8" else "weight_scale"
+
+    @property
+    def input_scale_name(self) -> str:
+        """A checkpoint module's static activation scale: the fine-grained format's
+        ``activation_scale`` (Mistral's per-tensor releases), the others' ``input_scale``."""
+        return "activation_scale" if self.source == "fp8" else "input_scale"
 
     def describe(self) -> str:
         acts = {
@@ -189,9 +203,8 @@ def stores_fp8_head(cfg: Fp8Config, read: Any) -> bool:
     exclude_modules / modules_to_not_convert left lm_head out of their list)."""
     if cfg.source == "build":
         return False
-    name = "lm_head.weight_scale_inv" if cfg.source == "fp8" else "lm_head.weight_scale"
     try:
-        read(name)
+        read(f"lm_head.{cfg.scale_name}")
     except BuildError:
         return False
     return True
@@ -299,13 +312,18 @@ def _fine_grained(qc: dict[str, Any]) -> Fp8Config:
     fmt = str(qc.get("fmt", "e4m3")).lower()
     if fmt != "e4m3":
         raise BuildError(f"quant_method fp8 with fmt {fmt!r} is not supported (only e4m3)")
-    if block != [BLOCK, BLOCK] or scheme != "dynamic":
+    if block == [BLOCK, BLOCK] and scheme == "dynamic":
+        cfg = Fp8Config("fp8", "block", "group", "block", block_size=BLOCK)
+    elif not block and scheme == "static":  # Mistral's FP8 releases (Ministral 3): one weight and one input scale a module
+        cfg = Fp8Config("fp8", "channel", "static", "tensor")
+    else:
         raise BuildError(
             f"quant_method fp8 with weight_block_size {block or None} and activation_scheme {scheme!r} is not "
-            f"supported: pagecast reads the [128, 128] block format with dynamic activations (weight_scale_inv)"
+            f"supported: pagecast reads the [128, 128] block format with dynamic activations, and per-tensor "
+            f"weights (no weight_block_size) with static activations (weight_scale_inv, activation_scale)"
         )
     _check_ignored([str(m) for m in qc.get("modules_to_not_convert") or []], "modules_to_not_convert")
-    return Fp8Config("fp8", "block", "group", "block", block_size=BLOCK)
+    return cfg
 
 
 FP8_METHODS = ("compressed-tensors", "modelopt", "fp8")
@@ -387,13 +405,13 @@ def read_module(cfg: Fp8Config, module: str, read: Any) -> tuple[torch.Tensor, t
         )
     n, k = w.shape
     if cfg.checkpoint_weights == "block":
-        s = _scale_tensor(module, "weight_scale_inv" if cfg.source == "fp8" else "weight_scale", read)
+        s = _scale_tensor(module, cfg.scale_name, read)
         nb, kb = -(-n // BLOCK), -(-k // BLOCK)
         if tuple(s.shape) != (nb, kb):
             raise BuildError(f"{module} block scales have shape {tuple(s.shape)}, expected {(nb, kb)} for [{n}, {k}]")
         scale = s.repeat_interleave(BLOCK, dim=0)[:n].contiguous()
     else:
-        s = _scale_tensor(module, "weight_scale", read)
+        s = _scale_tensor(module, cfg.scale_name, read)
         if s.numel() == 1:
             scale = s.reshape(()).expand(n).contiguous()
         elif s.numel() == n:
@@ -402,11 +420,12 @@ def read_module(cfg: Fp8Config, module: str, read: Any) -> tuple[torch.Tensor, t
             raise BuildError(f"{module}.weight_scale has shape {tuple(s.shape)}; expected one scale or {n} (per channel)")
     input_scale = None
     if cfg.activations == "static":
-        input_scale = _scale_tensor(module, "input_scale", read).reshape(-1)
+        name = cfg.input_scale_name
+        input_scale = _scale_tensor(module, name, read).reshape(-1)
         if input_scale.numel() != 1:
-            raise BuildError(f"{module}.input_scale has {input_scale.numel()} values; a static per-tensor scale is one")
+            raise BuildError(f"{module}.{name} has {input_scale.numel()} values; a static per-tensor scale is one")
         if float(input_scale) <= 0:
-            raise BuildError(f"{module}.input_scale is {float(input_scale)}; the checkpoint is corrupt")
+            raise BuildError(f"{module}.{name} is {float(input_scale)}; the checkpoint is corrupt")
     return w, scale, input_scale
 
 
@@ -509,7 +528,7 @@ def plan_tensors(tensors: list[Any], cfg: Fp8Config, read: Any = None) -> tuple[
         base = t.name.rpartition(".")[0]
         if cfg.activations == "static" and read is not None and len(t.sources) > 1 and t.rank == 0:
             statics = [
-                float(read(shard.without_deinterleave(s).removesuffix(".weight") + ".input_scale").float().reshape(-1)[0])
+                float(read(f"{shard.without_deinterleave(s).removesuffix('.weight')}.{cfg.input_scale_name}").float().reshape(-1)[0])
                 for s in t.sources
             ]
             if max(statics) != min(statics):
@@ -538,7 +557,7 @@ def check_tensors(tensors: list[Any], cfg: Fp8Config, shapes: dict[str, tuple[in
     checkpoint, their scales)."""
     for t in tensors:
         if is_experts(t) and cfg.source != "build":  # shapes: plan.check_shapes; here the scales
-            name = "weight_scale_inv" if cfg.source == "fp8" else "weight_scale"
+            name = cfg.scale_name
             for source in t.sources:
                 if f"{source.removesuffix('.weight')}.{name}" not in shapes:
                     raise BuildError(f"the FP8 ({cfg.source}) checkpoint has no tensor '{source.removesuffix('.weight')}.{name}'")
@@ -555,12 +574,11 @@ def check_tensors(tensors: list[Any], cfg: Fp8Config, shapes: dict[str, tuple[in
             if len(shape) != 2 or shape[1] != k:
                 raise BuildError(f"{source} has shape {tuple(shape)}, expected [*, {k}]")
             if cfg.source != "build":
-                name = "weight_scale_inv" if cfg.source == "fp8" else "weight_scale"
-                if f"{module}.{name}" not in shapes:
-                    raise BuildError(f"the FP8 ({cfg.source}) checkpoint has no tensor '{module}.{name}'")
-                if cfg.activations == "static" and f"{module}.input_scale" not in shapes:
+                if f"{module}.{cfg.scale_name}" not in shapes:
+                    raise BuildError(f"the FP8 ({cfg.source}) checkpoint has no tensor '{module}.{cfg.scale_name}'")
+                if cfg.activations == "static" and f"{module}.{cfg.input_scale_name}" not in shapes:
                     raise BuildError(
-                        f"the FP8 ({cfg.source}) checkpoint has static activations but no '{module}.input_scale'"
+                        f"the FP8 ({cfg.source}) checkpoint has static activations but no '{module}.{cfg.input_scale_name}'"
                     )
             n_sum += shape[0]
         if n_sum != n_total:

@@ -112,6 +112,22 @@ class NormSpec:
 
 
 @dataclass(frozen=True)
+class QueryTemperature:
+    """A query scale that grows with position, 1 + multiplier * log(1 + floor((p + offset) / divisor))
+    at position p, as two families write it (kernels/rope.query_temperature_table computes each):
+
+    - "llama4": Llama 4's attention temperature on its no-RoPE layers (offset 1, divisor floor_scale,
+      multiplier attn_scale), the product taken in fp32;
+    - "llama_4_scaling": Ministral 3's on every layer after RoPE (offset 0, divisor the original
+      context, multiplier rope_parameters.llama_4_scaling_beta), the scale rounded to the query's
+      dtype before the product."""
+
+    kind: str
+    divisor: float
+    multiplier: float
+
+
+@dataclass(frozen=True)
 class AttentionSpec:
     num_heads: int
     num_kv_heads: int
@@ -140,9 +156,8 @@ class AttentionSpec:
     qk_norm_weight: bool = True
     # Chunked attention (Llama 4's RoPE layers): a query at p sees keys p // chunk * chunk..p only.
     attention_chunk: int | None = None
-    # Llama 4's attention temperature on its no-RoPE layers: each query scaled by
-    # log1p(floor((p + 1) / floor_scale)) * attn_scale + 1 at position p; (floor_scale, attn_scale).
-    temperature_tuning: tuple[float, float] | None = None
+    # A position-dependent query scale (Llama 4's no-RoPE layers, Ministral 3's every layer).
+    query_temperature: QueryTemperature | None = None
 
     def shape_key(self) -> tuple[Any, ...]:
         """What every layer must share: one model.py and one weight layout serve all layers (a

@@ -23,6 +23,7 @@ from pagecast.builder.ir import (
     ModelIR,
     MoeSpec,
     NormSpec,
+    QueryTemperature,
     RopeSpec,
 )
 from pagecast.builder.trace import ModuleTrace, TraceSummary
@@ -37,9 +38,10 @@ _ATTENTION_CORE_OPS = {
     "dropout",  # Seed-OSS's residual dropout: the trace runs in eval mode, where it is the identity
 }  # fmt: skip
 # Llama 4's attention: RoPE on adjacent pairs as complex multiplies; on its no-RoPE layers the
-# queries scaled by log1p(floor((p + 1) / floor_scale)) * attn_scale + 1 (attention temperature).
+# queries scaled by log1p(floor((p + 1) / floor_scale)) * attn_scale + 1 (attention temperature),
+# on Ministral 3's every layer by 1 + beta * log(1 + floor(p / original_context)) (ir.QueryTemperature).
 _COMPLEX_ROPE_OPS = {"view_as_complex", "view_as_real", "type_as"}
-_TEMPERATURE_OPS = {"arange", "div", "floor", "log1p"}
+_TEMPERATURE_OPS = {"arange", "div", "floor", "log1p", "log"}
 # gpt-oss's eager attention with sinks: scores by matmul, the per-head sink logit concatenated as
 # one more column, softmax, the sink column dropped; its rotary splits halves with chunk.
 _SINK_ATTENTION_OPS = {
@@ -376,7 +378,7 @@ def _layer(
     core = m.take(attn, "attention core")
     assert core is not None
     sinks = bool(core.attributes.get("sinks"))
-    temperature = None  # Llama 4's no-RoPE layers' (lower._temperature)
+    temperature = None  # Llama 4's no-RoPE layers', Ministral 3's (lower._temperature)
     if sinks:
         m.only(core, _SINK_ATTENTION_OPS, "attention with sinks")
         if not {"matmul", "cat", "softmax", "max"} <= set(core.ops) or "scaling" not in core.attributes:
@@ -393,8 +395,11 @@ def _layer(
             raise BuildError(f"{attn} ({core.type_name}) is not scaled-dot-product attention")
         rotates = "neg" in core.ops or "view_as_complex" in core.ops
         scale = float(core.sdpa_kwargs.get("scale", head_dim**-0.5))
-    if temperature is not None and rotates:
-        raise BuildError(f"{attn}: attention temperature on a RoPE layer; not supported (Llama 4 has it on its no-RoPE layers)")
+    if temperature is not None and (temperature.kind == "llama4") == rotates:
+        raise BuildError(
+            f"{attn}: a {temperature.kind} query temperature on a {'RoPE' if rotates else 'no-RoPE'} layer; not supported "
+            f"(Llama 4 has it on its no-RoPE layers, Ministral 3 after RoPE)"
+        )
     if core.attributes.get("is_causal") is False:
         raise BuildError(f"{attn} ({core.type_name}) is bidirectional attention; only causal decoders are supported")
     if "use_rope" in core.attributes and bool(core.attributes["use_rope"]) != rotates:
@@ -458,7 +463,7 @@ def _layer(
             sinks=sinks,
             qk_norm_weight=not parts.qk_norm_weightless,
             attention_chunk=int(chunk) if chunk else None,
-            temperature_tuning=temperature,
+            query_temperature=temperature,
         ),
         mlp=mlp_spec,
         residual_multiplier=residual_multiplier,
@@ -466,22 +471,34 @@ def _layer(
     )
 
 
-def _temperature(core: ModuleTrace, config: Any) -> tuple[float, float] | None:
-    """Llama 4's attention temperature on a no-RoPE layer, (floor_scale, attn_scale): the queries
-    scaled by log1p(floor((p + 1) / floor_scale)) * attn_scale + 1; None where the layer has none."""
-    if "log1p" not in core.ops:
+def _temperature(core: ModuleTrace, config: Any) -> QueryTemperature | None:
+    """The queries' position-dependent scale, None where the layer has none: Llama 4's attention
+    temperature (log1p(floor((p + 1) / floor_scale)) * attn_scale + 1, its no-RoPE layers) or
+    Ministral 3's llama_4_scaling (1 + beta * log(1 + floor(p / original_max_position_embeddings)),
+    after RoPE). Anything else that scales queries by position is refused, with what the trace saw."""
+    if "log1p" in core.ops:
+        kind = "llama4"
+        divisor, multiplier = getattr(config, "floor_scale", None), getattr(config, "attn_scale", None)
+        settings = f"floor_scale {divisor}, attn_scale {multiplier}"
+        enabled = bool(getattr(config, "attn_temperature_tuning", False))
+    elif "log" in core.ops and "floor" in core.ops:
+        kind = "llama_4_scaling"
+        rope = getattr(config, "rope_parameters", None) or {}
+        divisor, multiplier = rope.get("original_max_position_embeddings"), rope.get("llama_4_scaling_beta")
+        settings = f"rope_parameters original_max_position_embeddings {divisor}, llama_4_scaling_beta {multiplier}"
+        enabled = True
+    else:
         return None
-    floor_scale, attn_scale = getattr(config, "floor_scale", None), getattr(config, "attn_scale", None)
     if (
-        not getattr(config, "attn_temperature_tuning", False) or floor_scale is None or attn_scale is None
-        or core.scalar_divs != [float(floor_scale)] or core.scalar_muls != [float(attn_scale)]
+        not enabled or divisor is None or multiplier is None or not float(divisor) > 0
+        or core.scalar_divs != [float(divisor)] or core.scalar_muls != [float(multiplier)]
     ):  # fmt: skip
         raise BuildError(
             f"{core.path} ({core.type_name}) scales its queries by position (ops {core.ops}, divides by "
-            f"{core.scalar_divs}, multiplies by {core.scalar_muls}) other than as Llama 4's attention temperature "
-            f"(floor_scale {floor_scale}, attn_scale {attn_scale}); not supported"
+            f"{core.scalar_divs}, multiplies by {core.scalar_muls}) other than as the {kind} query temperature "
+            f"({settings}); not supported"
         )
-    return float(floor_scale), float(attn_scale)
+    return QueryTemperature(kind, float(divisor), float(multiplier))
 
 
 def _clip_qkv(core: ModuleTrace, parts: FamilyParts) -> float | None:

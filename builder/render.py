@@ -42,7 +42,10 @@ def render_model(state: BuildState, rank: int = 0) -> str:
     ]
     uniform = all(x == (a.scale, 0, 0.0, 0) for x in attention)
     norms = model.qk_norms  # the q/k norms of every layer that has them
-    temperature = next((s.attention.temperature_tuning for s in model.layers if s.attention.temperature_tuning), None)
+    temperatures = {s.attention.query_temperature for s in model.layers} - {None}
+    if len(temperatures) > 1:
+        raise BuildError(f"layers with different query temperatures ({sorted(map(str, temperatures))}) are not supported")
+    temperature = temperatures.pop() if temperatures else None
     source = resources.files("pagecast.templates").joinpath(TEMPLATE).read_text()
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
     return env.from_string(source).render(
@@ -71,8 +74,8 @@ def render_model(state: BuildState, rank: int = 0) -> str:
         softcaps=repr([x[2] for x in attention]),
         chunked=any(x[3] for x in attention),
         chunks=repr([x[3] for x in attention]),
-        temperature=repr(temperature) if temperature else None,
-        temperature_layers=repr([s.attention.temperature_tuning is not None for s in model.layers]),
+        temperature=temperature,
+        temperature_layers=repr([s.attention.query_temperature is not None for s in model.layers]),
         single_rope=len(ropes) == 1 and ropes[0] is not None,
         rope_params=repr(ropes[0]),
         ropes=repr(ropes),

@@ -130,6 +130,21 @@ def cos_sin_cache(rope: dict[str, Any] | None, rotary_dim: int, max_positions: i
     return _table(inv_frequencies(rope, rotary_dim), max_positions, scale)
 
 
+def query_temperature_table(kind: str, divisor: float, multiplier: float, max_positions: int) -> torch.Tensor:
+    """[max_positions] fp32: the query scale at each position (builder/ir.QueryTemperature), each
+    kind computed as transformers computes it, so the values are its bits:
+
+    - "llama4": log1p(floor((p + 1) / divisor)) * multiplier + 1, from float positions;
+    - "llama_4_scaling": 1 + multiplier * log(1 + floor(p / divisor)), from integer positions."""
+    if kind == "llama4":
+        p = torch.arange(max_positions, dtype=torch.float32)
+        return torch.log1p(torch.floor((p + 1.0) / divisor)) * multiplier + 1.0
+    if kind == "llama_4_scaling":
+        p = torch.arange(max_positions, dtype=torch.int64)
+        return 1 + multiplier * torch.log(1 + torch.floor(p / divisor))
+    raise ValueError(f"unknown query temperature {kind!r}")
+
+
 def longrope_positions(
     positions: torch.Tensor,
     seq_lens: torch.Tensor,

@@ -152,7 +152,8 @@ E4M3_MAX = 448.0
 # ct-channel-static: compressed-tensors channel weights with static per-tensor activations;
 # ct-tensor-token: per-tensor weights with dynamic per-token activations (both accepted by the reader).
 FP8_FORMATS = ("modelopt", "fp8-block", "ct-channel", "ct-block", "ct-channel-static", "ct-tensor-token")
-STATIC_FP8_FORMATS = ("modelopt", "ct-channel-static")  # with an input_scale per module
+# with a static input scale per module (Mistral's fine-grained per-tensor format names it activation_scale)
+STATIC_FP8_FORMATS = ("modelopt", "ct-channel-static", "fp8-tensor-static")
 
 
 def _e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -167,6 +168,10 @@ def fp8_quantise(w: torch.Tensor, fmt: str) -> tuple[dict[str, torch.Tensor], to
         scale = (w.abs().max().clamp_min(1e-12) / E4M3_MAX).reshape(())
         q = _e4m3(w, scale)
         return {"weight": q, "weight_scale": scale}, q.float() * scale
+    if fmt == "fp8-tensor-static":  # Mistral's FP8 releases: one fp32 weight_scale_inv (a multiplier), shape []
+        scale = (w.abs().max().clamp_min(1e-12) / E4M3_MAX).reshape(())
+        q = _e4m3(w, scale)
+        return {"weight": q, "weight_scale_inv": scale}, q.float() * scale
     if fmt == "ct-tensor-token":  # compressed-tensors per-tensor weights: one fp32 scale, shape [1]
         scale = (w.abs().max().clamp_min(1e-12) / E4M3_MAX).reshape(1)
         q = _e4m3(w, scale)
@@ -210,6 +215,9 @@ def fp8_quantization_config(fmt: str, lm_head: bool = False) -> dict[str, object
         return {"quant_method": "compressed-tensors", "format": "float-quantized",
                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}},
                 "ignore": [*head, "re:.*mlp.gate$"]}  # fmt: skip
+    if fmt == "fp8-tensor-static":  # as Ministral 3's config.json has it
+        return {"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": None, "dequantize": False,
+                "modules_to_not_convert": head}  # fmt: skip
     return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
             "modules_to_not_convert": head}  # fmt: skip
 
@@ -249,7 +257,8 @@ def write_fp8(
             parts, d = fp8_quantise(t, fmt)
             out.update({f"{module}.{p}": v for p, v in parts.items()})
             if fmt in STATIC_FP8_FORMATS and projection:
-                out[f"{module}.input_scale"] = torch.tensor(scales.get(module, scales.get(_input_key(module), 0.02)))
+                leaf = "activation_scale" if fmt == "fp8-tensor-static" else "input_scale"
+                out[f"{module}.{leaf}"] = torch.tensor(scales.get(module, scales.get(_input_key(module), 0.02)))
             deq[name] = d
         else:
             out[name] = t.to(torch.bfloat16) if t.is_floating_point() else t

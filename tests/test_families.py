@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine_utils import engine_last_logits, hf_greedy
-from tiny_models import PART_FAMILIES
+from tiny_models import MINISTRAL3_ROPE, PART_FAMILIES
 
 from pagecast.builder.ir import BuildOptions
 from pagecast.builder.pipeline import build
@@ -50,6 +50,11 @@ NEUTRALISED = {
     "seed_oss": [],  # Llama's parts with q/k/v and o biases: the logits check covers them
     # the NTK-alpha base (the norms on the rotated heads: a norm before RoPE fails the logits check)
     "hunyuan_dense": [{"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}],
+    # the queries' position scale (llama_4_scaling_beta), then YaRN itself
+    "ministral3": [
+        {"rope_parameters": dict(MINISTRAL3_ROPE, llama_4_scaling_beta=0.0)},
+        {"rope_parameters": dict(MINISTRAL3_ROPE, rope_type="default")},
+    ],
 }
 
 

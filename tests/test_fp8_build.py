@@ -1,6 +1,7 @@
 """FP8 (W8A8) builds end to end on the CPU, in fp32: checkpoints written by llm-compressor
 (committed under tests/fixtures/fp8/, made by its make_fixtures.py), ModelOpt and fine-grained
-block checkpoints written by tests/quant_writer.py, and ``--quant fp8`` on a float checkpoint.
+checkpoints (128x128 blocks; Mistral's per-tensor static form) written by tests/quant_writer.py,
+and ``--quant fp8`` on a float checkpoint.
 
 The reference is transformers running the float model with every projection's weight replaced by
 its dequantised value (fp8 x scale, computed here from the checkpoint's tensors as the format
@@ -60,8 +61,8 @@ def dequantised(ckpt: Path) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         names = set(f.keys())
         for name in names:
             module, _, leaf = name.rpartition(".")
-            if leaf in ("weight_scale", "weight_scale_inv", "input_scale", "k_scale", "v_scale"):
-                if leaf == "input_scale":
+            if leaf in ("weight_scale", "weight_scale_inv", "input_scale", "activation_scale", "k_scale", "v_scale"):
+                if leaf in ("input_scale", "activation_scale"):
                     inputs[module] = float(f.get_tensor(name).float().reshape(-1)[0])
                 continue
             t = f.get_tensor(name)
@@ -251,6 +252,7 @@ SHAPE = {"vocab_size": 512, "num_hidden_layers": 2, "hidden_size": 192, "interme
 WRITTEN = {  # writer format -> (source, activations, checkpoint weights) in the manifest
     "modelopt": ("modelopt", "static", "tensor"),
     "fp8-block": ("fp8", "group", "block"),
+    "fp8-tensor-static": ("fp8", "static", "tensor"),  # Mistral's releases (Ministral 3)
     # compressed-tensors schemes llm-compressor's presets do not produce, which the reader accepts:
     "ct-channel-static": ("compressed-tensors", "static", "channel"),
     "ct-tensor-token": ("compressed-tensors", "token", "tensor"),

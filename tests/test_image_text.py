@@ -71,7 +71,7 @@ def test_image_text_language_model_matches_transformers(family, tmp_path):  # ty
     manifest = json.loads((art / "manifest.json").read_text())
     text_arch = {"gemma3": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM",
-                 "llama4": "Llama4ForCausalLM"}[family]  # fmt: skip
+                 "llama4": "Llama4ForCausalLM", "ministral3": "Ministral3ForCausalLM"}[family]  # fmt: skip
     assert manifest["architecture"] == text_arch
     if family == "gemma3":
         assert 49150 in manifest["eos_token_ids"]
@@ -134,15 +134,20 @@ def test_image_text_checkpoints_that_cannot_build_say_why(tmp_path):  # type: ig
         build_artifact(ckpt, tmp_path / "a2")
 
 
-def test_fp8_image_text_checkpoint_builds_as_its_fp8_language_model(tmp_path):  # type: ignore[no-untyped-def]
-    """An FP8 (compressed-tensors FP8_DYNAMIC) Mistral 3 checkpoint, vision tower in bf16 and named
-    in its ignore list (one of its projections by name, as some releases list them), builds as the
-    FP8 language model it holds: the same logits, to the bit, as the text-only FP8 checkpoint of the
-    same tensors."""
+@pytest.mark.parametrize(
+    ("family", "fmt", "arch"),
+    [("mistral", "ct-channel", "MistralForCausalLM"),  # compressed-tensors FP8_DYNAMIC
+     ("ministral3", "fp8-tensor-static", "Ministral3ForCausalLM")],  # Ministral 3's releases
+)  # fmt: skip
+def test_fp8_image_text_checkpoint_builds_as_its_fp8_language_model(family, fmt, arch, tmp_path):  # type: ignore[no-untyped-def]
+    """An FP8 Mistral 3 checkpoint (compressed-tensors FP8_DYNAMIC; Ministral 3's per-tensor
+    static format), vision tower in bf16 and named in its list of unquantised modules (one of its
+    projections by name, as some releases list them), builds as the FP8 language model it holds: the
+    same logits, to the bit, as the text-only FP8 checkpoint of the same tensors."""
     from quant_writer import write_fp8
     from safetensors.torch import load_file, save_file
 
-    ckpt = make_image_text_checkpoint(tmp_path / "ckpt", "mistral")
+    ckpt = make_image_text_checkpoint(tmp_path / "ckpt", family)
     config = json.loads((ckpt / "config.json").read_text())
     tensors = load_file(str(ckpt / "model.safetensors"))
     # The language model alone, as a text checkpoint, quantised by the test writer
@@ -150,9 +155,9 @@ def test_fp8_image_text_checkpoint_builds_as_its_fp8_language_model(tmp_path):  
     text.mkdir()
     save_file({k.removeprefix("language_model."): v for k, v in tensors.items() if k.startswith("language_model.")},
               str(text / "model.safetensors"), metadata={"format": "pt"})  # fmt: skip
-    (text / "config.json").write_text(json.dumps({**config["text_config"], "architectures": ["MistralForCausalLM"]}))
+    (text / "config.json").write_text(json.dumps({**config["text_config"], "architectures": [arch]}))
     copy_tokenizer(text)
-    text_fp8, _ = write_fp8(text, tmp_path / "text_fp8", "ct-channel")
+    text_fp8, _ = write_fp8(text, tmp_path / "text_fp8", fmt)
     # The same tensors under the image-text names, beside the bf16 vision tower
     image_text = tmp_path / "image_text_fp8"
     _rename_tensors(ckpt, image_text, lambda k: k)
@@ -161,7 +166,10 @@ def test_fp8_image_text_checkpoint_builds_as_its_fp8_language_model(tmp_path):  
     save_file({**vision, **{f"language_model.{k}": v for k, v in quantised.items()}}, str(image_text / "model.safetensors"),
               metadata={"format": "pt"})  # fmt: skip
     qc = json.loads((text_fp8 / "config.json").read_text())["quantization_config"]
-    qc["ignore"] += ["re:vision_tower.*", "vision_tower.transformer.layers.0.attention.q_proj", "multi_modal_projector.linear_1"]
+    if fmt == "ct-channel":
+        qc["ignore"] += ["re:vision_tower.*", "vision_tower.transformer.layers.0.attention.q_proj", "multi_modal_projector.linear_1"]
+    else:
+        qc["modules_to_not_convert"] += ["vision_tower", "vision_tower.transformer.layers.0.attention.q_proj", "multi_modal_projector"]
     (image_text / "config.json").write_text(json.dumps({**config, "quantization_config": qc, "dtype": "bfloat16"}))
 
     prompts = [[1, 504, 3458, 22, 333, 17], list(range(100, 140))]
@@ -170,4 +178,4 @@ def test_fp8_image_text_checkpoint_builds_as_its_fp8_language_model(tmp_path):  
         ours, theirs = (engine_last_logits(e, ids) for e in engines)
         assert torch.equal(ours, theirs)
     manifest = json.loads((tmp_path / "art1" / "manifest.json").read_text())
-    assert manifest["architecture"] == "MistralForCausalLM" and "fp8" in json.dumps(manifest).lower()
+    assert manifest["architecture"] == arch and manifest["quantization"]["source"] == fmt.split("-")[0].replace("ct", "compressed-tensors")

@@ -48,7 +48,8 @@ def test_moe_block_weighs_the_experts_input_as_transformers_does():
     assert routing == MoeRouting(1, scoring="topk_sigmoid", weights_in_x_dtype=True, weights_on_input=True)
     router, gate_up, down, shared = _engine_weights(block)
     out = ops.moe(x, router, None, gate_up, down, routing=routing, activation=act, shared_expert=shared)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    # (2.3e-5 at most, with two BLAS threads; the weights on the outputs move it by over 1e-2)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
     # the same weights applied to the experts' outputs instead give another block
     on_output = MoeRouting(1, scoring="topk_sigmoid", weights_in_x_dtype=True)
     moved = ops.moe(x, router, None, gate_up, down, routing=on_output, activation=act, shared_expert=shared)
@@ -73,7 +74,7 @@ def test_rendered_model_and_artifact(tiny_artifact_factory, tiny_checkpoint_fact
     model_py = (art / "model.py").read_text()
     for line in (
         "CHUNKS = [16, 16, 16, 0]",
-        "TEMPERATURE = (8.0, 0.5)",
+        "TEMPERATURE = ('llama4', 8.0, 0.5)",
         "TEMPERATURE_LAYERS = [False, False, False, True]",
         "QK_NORM_LAYERS = [True, True, True, False]",
         "MOE_LAYERS = [False, True, False, True]",

@@ -15,7 +15,7 @@ FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 # that the part it adds changes the greedy tokens (see tiny_config).
 PART_FAMILIES = (
     "gemma2", "gemma3", "phi3", "olmo2", "granite", "smollm3", "gemma", "olmo3", "exaone4", "glm", "glm4", "helium",
-    "ernie4_5", "seed_oss", "hunyuan_dense",
+    "ernie4_5", "seed_oss", "hunyuan_dense", "ministral3",
 )  # fmt: skip
 # Mixture-of-experts families (tests/test_moe_families.py): hidden 64, 3 layers, 4-8 experts.
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "granitemoe", "glm4_moe", "minimax_m2")
@@ -200,7 +200,21 @@ def _part_family_config(family: str, common: dict, overrides: dict):  # type: ig
         small.update(rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0})
         small.update(overrides)
         return HunYuanDenseV1Config(architectures=["HunYuanDenseV1ForCausalLM"], **small)
+    if family == "ministral3":
+        # YaRN as published, from an original context of 16 so that the queries' scale,
+        # 1 + beta * log(1 + floor(p / 16)), steps every 16 positions of a test prompt
+        from transformers import Ministral3Config
+
+        small.update(rope_parameters=MINISTRAL3_ROPE)
+        small.update(overrides)
+        return Ministral3Config(architectures=["Ministral3ForCausalLM"], **small)
     raise ValueError(family)
+
+
+MINISTRAL3_ROPE = {
+    "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0, "original_max_position_embeddings": 16,
+    "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.5,
+}  # fmt: skip
 
 
 def _moe_family_config(family: str, common: dict, overrides: dict):  # type: ignore[no-untyped-def,type-arg]
@@ -361,6 +375,7 @@ IMAGE_TEXT_FAMILIES = {
     "qwen3_moe": "Qwen3VLMoeForConditionalGeneration",
     "llama": "LlavaForConditionalGeneration",  # LLaVA 1.5's language model
     "llama4": "Llama4ForConditionalGeneration",  # Llama 4 Scout / Maverick
+    "ministral3": "Mistral3ForConditionalGeneration",  # Ministral 3, Devstral Small 2
 }
 
 
@@ -393,7 +408,7 @@ def make_image_text_checkpoint(path: Path, family: str, seed: int = 0) -> Path:
             text_config=text, vision_config=vision, image_token_index=49151, boi_token_index=49149,
             eoi_token_index=49150, tie_word_embeddings=False,
         )  # fmt: skip
-    elif family == "mistral":  # an LM head of its own, as Mistral Small 3.x's (language_model.lm_head.weight)
+    elif family in ("mistral", "ministral3"):  # an LM head of its own, as Mistral Small 3.x's (language_model.lm_head.weight)
         text["tie_word_embeddings"] = False
         vision.update(model_type="pixtral", head_dim=16)
         config = transformers.Mistral3Config(
