@@ -78,3 +78,20 @@ def test_longrope_positions_pick_the_half_by_sequence_length():
 def test_no_rope_table_is_the_identity():
     table = rope.cos_sin_cache(None, 16, 10)
     assert torch.equal(table[:, :8], torch.ones(10, 8)) and torch.equal(table[:, 8:], torch.zeros(10, 8))
+
+
+def test_query_temperature_tables_are_transformers_scales_to_the_bit():
+    """Both query temperatures (builder/ir.QueryTemperature) at every position of a 64k context:
+    Llama 4's, as its attention computes it (fp32 positions), and Ministral 3's llama_4_scaling,
+    its function of integer positions; each kind's formula on the other's settings differs."""
+    from transformers.models.ministral3.modeling_ministral3 import get_llama_4_attn_scale
+
+    n = 65536
+    positions = torch.arange(n)
+    llama4 = torch.log1p(torch.floor((positions.float() + 1.0) / 8192)) * 0.1 + 1.0  # Llama4TextAttention's
+    ministral = get_llama_4_attn_scale(positions[None], 0.1, 16384).reshape(n)
+    assert torch.equal(rope.query_temperature_table("llama4", 8192.0, 0.1, n), llama4)
+    assert torch.equal(rope.query_temperature_table("llama_4_scaling", 16384.0, 0.1, n), ministral)
+    assert not torch.equal(rope.query_temperature_table("llama4", 16384.0, 0.1, n), ministral)
+    with pytest.raises(ValueError, match="unknown query temperature 'other'"):
+        rope.query_temperature_table("other", 1.0, 0.1, n)
