@@ -75,6 +75,15 @@ def steps(out: Path) -> list[Step]:
             "routing on the experts' input, CUDA graphs) against transformers; passed on an H100 (fortieth session)",
         ),
         Step(
+            "query_temperature_gpu",
+            _pytest("tests/test_families_gpu.py", "tests/test_moe_families_gpu.py", "-k", "ministral3 or llama4",
+                    stop_at_first=False),
+            240,
+            "the forty-first session's query temperature as a per-position table gathered in the model code: "
+            "Ministral 3 (llama_4_scaling after YaRN RoPE, every layer) and Llama 4 (its no-RoPE layers) in fp32 "
+            "engines tuned on the GPU, with CUDA graphs, against transformers; CPU parity only so far",
+        ),
+        Step(
             "llama4_scout",
             [PY, str(bench / "families.py"), "--out", str(out / "llama4"), "--models", "llama4-scout-8l", "--phases",
              "W4,W1", "--tune-budget", "60"],
