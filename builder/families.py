@@ -237,7 +237,7 @@ FAMILIES: dict[str, FamilyParts] = {
 # each of its three sections a text token's one position, so text alone is rotated by plain RoPE.
 IMAGE_TEXT: dict[str, str | None] = {
     "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",  # Gemma 3 4B-27B
-    # its text_config's own: Mistral Small 3.1 / 3.2 (Mistral), Ministral 3 and Devstral Small 2 (Ministral 3)
+    # its text_config's own: Mistral Small 3.1 / 3.2 (Mistral), Ministral 3 (a ministral3 text_config)
     "Mistral3ForConditionalGeneration": None,
     "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",  # Qwen2.5-VL
     "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",  # Qwen3-VL (dense)

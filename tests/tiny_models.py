@@ -375,7 +375,7 @@ IMAGE_TEXT_FAMILIES = {
     "qwen3_moe": "Qwen3VLMoeForConditionalGeneration",
     "llama": "LlavaForConditionalGeneration",  # LLaVA 1.5's language model
     "llama4": "Llama4ForConditionalGeneration",  # Llama 4 Scout / Maverick
-    "ministral3": "Mistral3ForConditionalGeneration",  # Ministral 3, Devstral Small 2
+    "ministral3": "Mistral3ForConditionalGeneration",  # Ministral 3 (a ministral3 text_config)
 }
 
 
