@@ -438,7 +438,7 @@ KERNEL_CASES = [
     pytest.param(9, 60, 4, 32, 24, "silu", False, {"grouped": 1}, id="t9-e60-top4-grouped"),
     pytest.param(1, 8, 2, 32, 24, "silu", False, {"grouped": 1}, id="t1-e8-top2-grouped"),
     pytest.param(41, 8, 2, 48, 40, "swiglu_oai", True, {"grouped": 1}, id="t41-gptoss-bias-grouped"),
-    pytest.param(300, 8, 8, 32, 16, "silu", True, {"grouped": 1}, id="t300-e8-top8-bias-grouped"),
+    pytest.param(100, 8, 8, 32, 16, "silu", True, {"grouped": 1}, id="t100-e8-top8-bias-grouped"),
 ]
 
 
@@ -628,6 +628,8 @@ def test_gemv_down_ticket_and_down_tiles_give_the_serial_launchs_bits(monkeypatc
             assert torch.equal(out, serial), extra
         assert launched == []  # no top-k sum launch
         assert int(split_k.counters(x.device, 1, "test").abs().sum()) == 0
+    if tokens != fused_moe.TICKET_MAX_TOKENS:  # past the limit once a dtype, from the case at it
+        return
     x, weights, ids, *_ = moe_inputs(fused_moe.TICKET_MAX_TOKENS + 1, 8, top_k, 64, 40, dtype, True, seed=6)
     big = fused_moe.fused_moe(x, weights, ids, w_gu, w_d, b_gu, b_d, config={**GEMV_PER_PAIR, "TOPK_TICKET": 1})
     assert len(launched) == 1
