@@ -76,8 +76,9 @@ class Fp8Config:
     """An FP8 (W8A8) build as the builder understands it; recorded in the manifest.
 
     ``source``: "build" (quantised here from half-type weights), "compressed-tensors", "modelopt"
-    or "fp8" (transformers' fine-grained format: ``weight_scale_inv``, blocks or per tensor). ``weights``: "channel" or "block" (the
-    artifact's scale layout; per-tensor checkpoints are held per channel). ``activations``:
+    or "fp8" (transformers' fine-grained format: ``weight_scale_inv``, blocks or per tensor).
+    ``weights``: "channel" or "block" (the artifact's scale layout; per-tensor checkpoints are held
+    per channel). ``activations``:
     "token" (dynamic per token), "group" (dynamic per 1x128 group) or "static" (``input_scale``).
     """
 
@@ -314,7 +315,7 @@ def _fine_grained(qc: dict[str, Any]) -> Fp8Config:
         raise BuildError(f"quant_method fp8 with fmt {fmt!r} is not supported (only e4m3)")
     if block == [BLOCK, BLOCK] and scheme == "dynamic":
         cfg = Fp8Config("fp8", "block", "group", "block", block_size=BLOCK)
-    elif not block and scheme == "static":  # Mistral's FP8 releases (Ministral 3): one weight and one input scale a module
+    elif not block and scheme == "static":  # Mistral's FP8 releases (Ministral 3): a weight and an input scale a module
         cfg = Fp8Config("fp8", "channel", "static", "tensor")
     else:
         raise BuildError(
