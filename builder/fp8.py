@@ -418,7 +418,7 @@ def read_module(cfg: Fp8Config, module: str, read: Any) -> tuple[torch.Tensor, t
         elif s.numel() == n:
             scale = s.reshape(n).contiguous()
         else:
-            raise BuildError(f"{module}.weight_scale has shape {tuple(s.shape)}; expected one scale or {n} (per channel)")
+            raise BuildError(f"{module}.{cfg.scale_name} has shape {tuple(s.shape)}; expected one scale or {n} (per channel)")
     input_scale = None
     if cfg.activations == "static":
         name = cfg.input_scale_name

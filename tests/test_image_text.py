@@ -135,11 +135,11 @@ def test_image_text_checkpoints_that_cannot_build_say_why(tmp_path):  # type: ig
 
 
 @pytest.mark.parametrize(
-    ("family", "fmt", "arch"),
-    [("mistral", "ct-channel", "MistralForCausalLM"),  # compressed-tensors FP8_DYNAMIC
-     ("ministral3", "fp8-tensor-static", "Ministral3ForCausalLM")],  # Ministral 3's releases
+    ("family", "fmt", "source", "arch"),
+    [("mistral", "ct-channel", "compressed-tensors", "MistralForCausalLM"),  # FP8_DYNAMIC
+     ("ministral3", "fp8-tensor-static", "fp8", "Ministral3ForCausalLM")],  # Ministral 3's releases
 )  # fmt: skip
-def test_fp8_image_text_checkpoint_builds_as_its_fp8_language_model(family, fmt, arch, tmp_path):  # type: ignore[no-untyped-def]
+def test_fp8_image_text_checkpoint_builds_as_its_fp8_language_model(family, fmt, source, arch, tmp_path):  # type: ignore[no-untyped-def]
     """An FP8 Mistral 3 checkpoint (compressed-tensors FP8_DYNAMIC; Ministral 3's per-tensor
     static format), vision tower in bf16 and named in its list of unquantised modules (one of its
     projections by name, as some releases list them), builds as the FP8 language model it holds: the
@@ -178,4 +178,4 @@ def test_fp8_image_text_checkpoint_builds_as_its_fp8_language_model(family, fmt,
         ours, theirs = (engine_last_logits(e, ids) for e in engines)
         assert torch.equal(ours, theirs)
     manifest = json.loads((tmp_path / "art1" / "manifest.json").read_text())
-    assert manifest["architecture"] == arch and manifest["quantization"]["source"] == fmt.split("-")[0].replace("ct", "compressed-tensors")
+    assert manifest["architecture"] == arch and manifest["quantization"]["source"] == source
