@@ -163,6 +163,14 @@ _ENGINE_OPTIONS = (
     help="Sequences that may wait for a slot, per model, beyond --max-num-seqs; more get 429.",
 )
 @click.option(
+    "--responses-store-size",
+    default=1024,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Responses (/v1/responses with store) kept in memory for GET and previous_response_id (at most 256 MiB "
+    "of them); 0 keeps none.",
+)
+@click.option(
     "--max-request-bytes",
     default=DEFAULT_MAX_REQUEST_BYTES,
     show_default=True,
@@ -194,6 +202,7 @@ def main(
     served_model_names: tuple[str, ...],
     no_prefix_caching: bool,
     max_queue: int,
+    responses_store_size: int,
     max_request_bytes: int,
     shutdown_timeout: float,
     log_format: str,
@@ -283,6 +292,7 @@ def main(
         max_queue=max_queue,
         max_request_bytes=max_request_bytes,
         reasoning_parser=reasoning_parser,
+        responses_store_size=responses_store_size,
     )
     origins = _split_list(allowed_origins)
     if origins:
@@ -503,7 +513,7 @@ def _warm_templates(engine: Any) -> None:
         return
     try:
         tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
-    except Exception:  # noqa: BLE001 - a template that fails here fails its requests with their own message
+    except Exception:  # a template that fails here fails its requests with their own message
         logger.debug("the chat template of %s failed to render at start", engine.model_name, exc_info=True)
 
 

@@ -51,6 +51,7 @@ def test_bad_option_values_are_usage_errors(tmp_path):  # type: ignore[no-untype
         ["--log-format", "xml"],
         ["--max-request-bytes", "0"],
         ["--reasoning-parser", "r1"],
+        ["--responses-store-size", "-1"],
     ):
         result = CliRunner().invoke(main, [str(tmp_path), *args])
         assert result.exit_code == 2, args
@@ -284,9 +285,9 @@ def test_the_reasoning_parser_reaches_the_app(tmp_path, monkeypatch):  # type: i
 
     monkeypatch.setattr(cli, "_load_engines", lambda *a: Starting())
     monkeypatch.setattr(app, "create_app", create)
-    result = CliRunner().invoke(main, [str(tmp_path), "--reasoning-parser", "deepseek_r1"])
+    result = CliRunner().invoke(main, [str(tmp_path), "--reasoning-parser", "deepseek_r1", "--responses-store-size", "7"])
     assert result.exit_code == 3, result.output
-    assert seen["reasoning_parser"] == "deepseek_r1"
+    assert seen["reasoning_parser"] == "deepseek_r1" and seen["responses_store_size"] == 7
 
 
 def test_the_step_budget_in_effect_is_logged_at_start(tiny_artifact_factory, tmp_path):  # type: ignore[no-untyped-def]

@@ -32,9 +32,16 @@ from pagecast.runtime.server import errors
 from pagecast.runtime.server.errors import APIError
 from pagecast.runtime.server.limits import BodyLimitMiddleware
 from pagecast.runtime.server.options import DEFAULT_MAX_REQUEST_BYTES, check_cors
+from pagecast.runtime.server.responses_store import DEFAULT_STORE_SIZE
 from pagecast.runtime.server.serving import ServerState
 from pagecast.runtime.server.serving_chat import create_chat_completion
 from pagecast.runtime.server.serving_completions import create_completion
+from pagecast.runtime.server.serving_responses import (
+    create_response,
+    delete_response,
+    get_response,
+    list_input_items,
+)
 from pagecast.runtime.server.serving_tokenize import detokenize, tokenize
 
 logger = logging.getLogger("pagecast.server")
@@ -50,6 +57,7 @@ def create_app(
     manage_engines: bool = True,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     reasoning_parser: str | None = None,
+    responses_store_size: int = DEFAULT_STORE_SIZE,
 ) -> Starlette:
     """An app serving ``engines`` (served model name -> AsyncEngine).
 
@@ -62,8 +70,10 @@ def create_app(
     ``max_request_bytes``: larger request bodies get 413 before they are parsed.
     ``reasoning_parser``: report a thinking model's ``<think>`` text as ``reasoning_content``
     (runtime/server/reasoning.py's styles: "qwen3", "deepseek_r1").
+    ``responses_store_size``: /v1/responses kept in memory for GET /v1/responses/{id} and
+    ``previous_response_id`` (the newest; 0 keeps none).
     """
-    state = ServerState(engines, api_key, max_queue, reasoning_parser)
+    state = ServerState(engines, api_key, max_queue, reasoning_parser, responses_store_size)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -81,6 +91,10 @@ def create_app(
     routes = [
         Route("/v1/completions", _api(state, create_completion), methods=["POST"]),
         Route("/v1/chat/completions", _api(state, create_chat_completion), methods=["POST"]),
+        Route("/v1/responses", _api(state, create_response), methods=["POST"]),
+        Route("/v1/responses/{response_id}", _api(state, get_response), methods=["GET"]),
+        Route("/v1/responses/{response_id}", _api(state, delete_response), methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", _api(state, list_input_items), methods=["GET"]),
         Route("/v1/models", _api(state, _list_models), methods=["GET"]),
         Route("/v1/models/{model:path}", _api(state, _get_model), methods=["GET"]),
         Route("/tokenize", _api(state, tokenize), methods=["POST"]),

@@ -439,27 +439,39 @@ def structured_output(response_format: dict[str, Any] | None) -> StructuredOutpu
     schema check compiles a grammar (cached per schema)."""
     if response_format is None:
         return None
-    kind = response_format.get("type", "text")
+    spec = response_format.get("json_schema")
+    return output_format(
+        response_format.get("type", "text"),
+        spec.get("schema") if isinstance(spec, dict) else None,
+        "response_format",
+        ("response_format", "response_format.json_schema.schema", "response_format"),
+        '{"type": "json_schema", "json_schema": {"name": "...", "schema": {...}}}',
+    )
+
+
+def output_format(
+    kind: Any, schema: Any, where: str, params: tuple[str, str, str], example: str
+) -> StructuredOutput | None:
+    """An output format (``type`` ``kind``: "text", "json_object" or "json_schema" with
+    ``schema``) as a ``StructuredOutput``; ``where`` names it in messages, ``params`` are the
+    parameters a 400 names for the type, the schema's shape and its compilation (chat's
+    ``response_format``, the Responses API's ``text.format``), ``example`` the right shape."""
+    type_param, schema_name, schema_param = params
     if kind == "text":
         return None
     if kind == "json_object":
         return StructuredOutput("json_object")
     if kind != "json_schema":
-        raise unsupported("response_format", f"type {kind!r}; use 'text', 'json_object' or 'json_schema'")
-    spec = response_format.get("json_schema")
-    schema = spec.get("schema") if isinstance(spec, dict) else None
+        raise unsupported(type_param, f"type {kind!r}; use 'text', 'json_object' or 'json_schema'")
     if not isinstance(schema, dict):
         raise invalid_request(
-            "`response_format.json_schema.schema` must be a JSON schema (an object), as in "
-            '{"type": "json_schema", "json_schema": {"name": "...", "schema": {...}}}.',
-            "response_format",
-            code="invalid_json_schema",
+            f"`{schema_name}` must be a JSON schema (an object), as in {example}.", schema_param, code="invalid_json_schema"
         )
     try:
         return StructuredOutput("json_schema", schema)
     except ValueError as exc:
         reason = str(exc).removeprefix("structured_output ")
-        raise invalid_request(f"Invalid `response_format`: {reason}", "response_format", code="invalid_json_schema") from None
+        raise invalid_request(f"Invalid `{where}`: {reason}", schema_param, code="invalid_json_schema") from None
 
 
 def parse_request(model_cls: type[_SamplingRequest], body: bytes) -> Any:

@@ -116,7 +116,13 @@ def constraint_start(tokenizer: Any, prompt_ids: list[int]) -> int | None:
     the prompt already holds one (thinking was closed by the template, as Qwen3's does with
     ``enable_thinking: false``; templates drop earlier turns' reasoning, so an end tag in the prompt
     is this turn's)."""
+    end = end_token(tokenizer)
+    return None if end is None or end in prompt_ids else end
+
+
+def end_token(tokenizer: Any) -> int | None:
+    """The vocabulary's single ``</think>`` token; None where the tag is spelt by several."""
     end = tokenizer.convert_tokens_to_ids(END)
     if not isinstance(end, int) or end < 0 or tokenizer.convert_ids_to_tokens(end) != END:
         return None
-    return None if end in prompt_ids else end
+    return end

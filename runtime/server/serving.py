@@ -26,6 +26,7 @@ from pagecast.runtime.server.errors import APIError
 from pagecast.runtime.server.logs import log_request
 from pagecast.runtime.server.metrics import RequestRecorder, ServerMetrics
 from pagecast.runtime.server.reasoning import check_style as check_reasoning_style
+from pagecast.runtime.server.responses_store import DEFAULT_STORE_SIZE, ResponseStore
 from pagecast.runtime.server.sse import SSEResponse
 
 T = TypeVar("T")
@@ -61,7 +62,12 @@ class ServerState:
     needs no locks."""
 
     def __init__(
-        self, engines: Mapping[str, Any], api_key: str | None, max_queue: int, reasoning_parser: str | None = None
+        self,
+        engines: Mapping[str, Any],
+        api_key: str | None,
+        max_queue: int,
+        reasoning_parser: str | None = None,
+        responses_store_size: int = DEFAULT_STORE_SIZE,
     ):
         if not engines:
             raise ValueError("engines must name at least one engine")
@@ -79,6 +85,7 @@ class ServerState:
         self._in_flight: dict[str, int] = dict.fromkeys(engines, 0)
         self.runs: set[GenerationRun] = set()
         self.metrics = ServerMetrics(engines, lambda: dict(self._in_flight))
+        self.responses = ResponseStore(responses_store_size)  # /v1/responses kept (store)
 
     def resolve(self, model: str | None) -> ServedModel:
         if model is None:
@@ -516,15 +523,18 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def check_prompt_fits(model: ServedModel, prompt_ids: list[int], max_tokens: int | None, param: str) -> None:
-    """400 ``context_length_exceeded`` before the engine is involved, with the numbers."""
+def check_prompt_fits(
+    model: ServedModel, prompt_ids: list[int], max_tokens: int | None, param: str, max_tokens_param: str = "max_tokens"
+) -> None:
+    """400 ``context_length_exceeded`` before the engine is involved, with the numbers
+    (``max_tokens_param``: the endpoint's name for the length asked for)."""
     if not prompt_ids:
         raise errors.invalid_request("The prompt is empty (it has no tokens).", param)
     max_model_len = int(model.engine.max_model_len)
     needed = len(prompt_ids) + (max_tokens if max_tokens is not None else 1)
     if needed > max_model_len:
         if max_tokens is not None and len(prompt_ids) < max_model_len:
-            param = "max_tokens"  # the prompt fits; the completion asked for is what does not
+            param = max_tokens_param  # the prompt fits; the completion asked for is what does not
         wanted = f"{len(prompt_ids)} in the prompt" + (
             f", {max_tokens} for the completion"
             if max_tokens is not None
@@ -532,7 +542,7 @@ def check_prompt_fits(model: ServedModel, prompt_ids: list[int], max_tokens: int
         )
         raise errors.invalid_request(
             f"This model's maximum context length is {max_model_len} tokens; this request needs {needed} "
-            f"({wanted}). Shorten the prompt or reduce max_tokens.",
+            f"({wanted}). Shorten the prompt or reduce {max_tokens_param}.",
             param,
             "context_length_exceeded",
         )

@@ -86,6 +86,16 @@ def _prepare(
     max_tokens = req.requested_max_tokens
     check_prompt_fits(model, prompt_ids, max_tokens, "messages")
     params = req.to_sampling_params(max_tokens, tools.structured_output if tools else None)
+    return req, model, prompt_ids, served_params(params, req, state, model, prompt_ids), tools
+
+
+def served_params(
+    params: SamplingParams, req: Any, state: ServerState, model: ServedModel, prompt_ids: list[int]
+) -> SamplingParams:
+    """A chat-style request's sampling parameters as the engine gets them: a constraint on the
+    answer only (after ``</think>``) with a reasoning parser, the checkpoint's defaults for what
+    the request left out, and deltas for a stream."""
+    tokenizer = model.engine.tokenizer
     if state.reasoning_parser is not None and params.structured_output is not None and tokenizer is not None:
         # The answer is constrained, not the thinking before it (as vLLM does with a reasoning parser).
         after = constraint_start(tokenizer, prompt_ids)
@@ -93,11 +103,25 @@ def _prepare(
             params = dataclasses.replace(params, structured_output_after=after)
     params = generation_config.for_request(params, req, model.engine, [len(prompt_ids)])  # checkpoint defaults
     # A stream sends what is new at each step; an answer is built once, at the end.
-    params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY)
-    return req, model, prompt_ids, params, tools
+    return dataclasses.replace(params, output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY)
 
 
-def _logprob_entries(
+def answer_deltas(
+    text: str, finished: bool, thinker: ReasoningParser | None, parser: ToolCallParser | None
+) -> list[dict[str, Any]]:
+    """A choice's new text as deltas in order: ``reasoning_content`` (with a reasoning parser),
+    ``content`` and ``tool_calls`` (with tools: calls are read from the answer only)."""
+    deltas = [{"content": text}] if text else []
+    if thinker is not None:
+        deltas = thinker.feed(text) + (thinker.finish() if finished else [])
+    if parser is not None:
+        answer = "".join(d.get("content", "") for d in deltas)
+        deltas = [d for d in deltas if "reasoning_content" in d] + parser.feed(answer)
+        deltas += parser.finish() if finished else []
+    return deltas
+
+
+def logprob_entries(
     o: CompletionOutput, start: int, stop: int, k: int, texts: TokenTexts
 ) -> list[dict[str, Any]]:
     """Chat logprobs of tokens ``start:stop``: each with its ``top_logprobs`` (the k best)."""
@@ -139,7 +163,7 @@ def _response(
         logprobs = None
         if req.logprobs:
             logprobs = {
-                "content": _logprob_entries(o, 0, len(o.token_ids), req.top_logprobs or 0, texts),
+                "content": logprob_entries(o, 0, len(o.token_ids), req.top_logprobs or 0, texts),
                 "refusal": None,
             }
         message: dict[str, Any] = {"role": "assistant", "content": o.text, "refusal": None}
@@ -241,19 +265,15 @@ async def _stream(
                 delta = o.text
                 logprobs = None
                 if req.logprobs and o.token_ids:
-                    logprobs = {"content": _logprob_entries(o, 0, len(o.token_ids), k, texts), "refusal": None}
+                    logprobs = {"content": logprob_entries(o, 0, len(o.token_ids), k, texts), "refusal": None}
                 new_ids = o.token_ids
                 num_tokens[index] += len(new_ids)
-                deltas = [{"content": delta}] if delta else []
+                thinker = parser = None
                 if state.reasoning_parser is not None:
                     thinker = thinking.setdefault(index, ReasoningParser(state.reasoning_parser))
-                    deltas = thinker.feed(delta) + (thinker.finish() if o.finished else [])
                 if tools is not None:
-                    # Calls are read from the answer only; reasoning deltas pass through.
                     parser = parsers.setdefault(index, ToolCallParser(tools.format, tools.max_calls))
-                    answer = "".join(d.get("content", "") for d in deltas)
-                    deltas = [d for d in deltas if "reasoning_content" in d] + parser.feed(answer)
-                    deltas += parser.finish() if o.finished else []
+                deltas = answer_deltas(delta, o.finished, thinker, parser)
                 if not deltas and (logprobs is not None or (new_ids and req.return_token_ids)):
                     deltas = [{"content": ""}]
                 for j, d in enumerate(deltas):

@@ -1,5 +1,6 @@
 """Server-Sent Events, framed exactly as OpenAI frames them: one ``data: <json>\\n\\n`` event
-per chunk, compact JSON, and a final ``data: [DONE]\\n\\n``. This module is the only place
+per chunk, compact JSON, and a final ``data: [DONE]\\n\\n`` (the Responses API names each event on an ``event:``
+line too, and ends with its ``response.completed`` event, no ``[DONE]``). This module is the only place
 that knows the framing, and the only place that knows how to stop a stream whose client left.
 """
 
@@ -20,6 +21,12 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 def sse_event(payload: dict[str, Any]) -> bytes:
     """One SSE event carrying ``payload`` as compact JSON (the separators OpenAI uses)."""
     return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def sse_named_event(name: str, payload: dict[str, Any]) -> bytes:
+    """An SSE event with an ``event:`` line, as the Responses API frames its events (the
+    payload's ``type`` repeats the name; clients read either)."""
+    return b"event: " + name.encode() + b"\n" + sse_event(payload)
 
 
 class SSEResponse(StreamingResponse):

@@ -1,0 +1,515 @@
+"""POST /v1/responses (OpenAI's Responses API), and GET / DELETE /v1/responses/{id} and its input_items.
+
+The request becomes a chat conversation (responses_protocol.py) rendered by the artifact's chat
+template and generated as one prompt, so tools, ``text.format``, reasoning and sampling behave as
+on /v1/chat/completions. The answer is a ``response`` object whose ``output`` holds items in the
+order the model wrote them: a ``reasoning`` item (with a ``--reasoning-parser``), a ``message``
+with one ``output_text`` part, and a ``function_call`` item per tool call. A response cut by
+``max_output_tokens`` has status ``incomplete`` (``incomplete_details.reason``
+"max_output_tokens").
+
+Streamed, it is OpenAI's event sequence (``event:`` and ``data:`` lines, numbered by
+``sequence_number``): ``response.created``, ``response.in_progress``, then per item
+``response.output_item.added``, its content part's ``added``, the deltas
+(``response.output_text.delta``, ``response.reasoning_text.delta``,
+``response.function_call_arguments.delta``), their ``done`` events and
+``response.output_item.done``, and last ``response.completed`` (or ``response.incomplete``) with
+the whole response. An error after the stream has started is an ``error`` event followed by
+``response.failed``.
+
+``store`` (true unless the client says otherwise, as OpenAI's default) keeps the response in this
+process's memory, the last ``ResponseStore.capacity`` of them: GET returns it, DELETE forgets it,
+and ``previous_response_id`` continues its conversation (the earlier turns' input and output,
+without their ``instructions``, as OpenAI does). A server restart or another replica does not
+know it; clients that send the whole conversation as ``input`` (``store: false``) need nothing
+kept.
+
+Logprobs (``include: ["message.output_text.logprobs"]``, ``top_logprobs``) are those of every
+generated token, on the message's text: with a reasoning parser or tool calls the message's text
+is only part of what those tokens spell.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from pagecast.runtime.outputs import CompletionOutput, RequestOutput
+from pagecast.runtime.sampling_params import SamplingParams
+from pagecast.runtime.server import errors
+from pagecast.runtime.server.chat import render_chat_prompt
+from pagecast.runtime.server.errors import APIError
+from pagecast.runtime.server.limits import check_text_size
+from pagecast.runtime.server.protocol import ChatMessage, parse_request
+from pagecast.runtime.server.reasoning import END as THINK_END
+from pagecast.runtime.server.reasoning import ReasoningParser, end_token, split_reasoning
+from pagecast.runtime.server.responses_protocol import ResponsesRequest, input_messages
+from pagecast.runtime.server.serving import (
+    GenerationRun,
+    ServedModel,
+    ServerState,
+    TokenTexts,
+    check_prompt_fits,
+    respond,
+)
+from pagecast.runtime.server.serving_chat import answer_deltas, logprob_entries, served_params
+from pagecast.runtime.server.sse import sse_named_event
+from pagecast.runtime.server.tool_calls import ToolPlan, plan_tools
+from pagecast.runtime.server.tool_parsers import ToolCallParser, parse_tool_calls
+
+ENDPOINT = "/v1/responses"
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+# -- the request ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Prepared:
+    req: ResponsesRequest
+    model: ServedModel
+    response_id: str
+    created_at: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    tools: ToolPlan | None
+    own_input: list[ChatMessage]  # this request's input as messages (kept with the response)
+
+
+async def create_response(request: Request, state: ServerState) -> Response:
+    body = await request.body()
+    # Parsing, templating and tokenizing cost time proportional to the request: off the event loop.
+    prep = await anyio.to_thread.run_sync(_prepare, body, state)
+    run = GenerationRun(state, prep.model, prep.response_id, ENDPOINT, [prep.prompt_ids], prep.params)
+    texts = TokenTexts(prep.model.engine.tokenizer)
+    return await respond(
+        request,
+        run,
+        prep.req.stream,
+        lambda: _stream(prep, run, texts, state),
+        lambda finals: _answer(prep, finals[0], texts, state),
+    )
+
+
+def _prepare(body: bytes, state: ServerState) -> _Prepared:
+    req: ResponsesRequest = parse_request(ResponsesRequest, body)
+    model = state.resolve(req.model)
+    tokenizer = model.engine.tokenizer
+    max_model_len = int(model.engine.max_model_len)
+    history: list[ChatMessage] = []
+    if req.previous_response_id is not None:
+        found = state.responses.conversation(req.previous_response_id)
+        if found is None:
+            raise errors.invalid_request(
+                f"Previous response with id '{req.previous_response_id}' not found (this server keeps its newest "
+                f"stored responses in memory: at most {state.responses.capacity}, {state.responses.max_bytes >> 20} MiB). "
+                "Send the whole conversation as `input`.",
+                "previous_response_id",
+                code="previous_response_not_found",
+            )
+        history = found
+    own = input_messages(req.input)
+    system = [ChatMessage(role="system", content=req.instructions)] if req.instructions is not None else []
+    messages = system + history + own
+    keep = req.kept_prompt_tokens(max_model_len)
+    if tokenizer is not None and keep is None:
+        chars = sum(len(m.text(i)) for i, m in enumerate(messages))
+        check_text_size(chars, tokenizer, max_model_len, "input")
+    chat_template = getattr(tokenizer, "chat_template", None)
+    tools = plan_tools(req.chat_tools(), req.chat_tool_choice(), req.parallel_tool_calls, chat_template)
+    if tools is not None and tools.max_calls is None and req.max_tool_calls is not None:
+        tools = dataclasses.replace(tools, max_calls=req.max_tool_calls)  # the plan's 1 stays where it says 1
+    prompt_ids = render_chat_prompt(
+        tokenizer, messages, True, tools.tools if tools else None, False, req.template_kwargs()
+    )
+    if keep is not None:
+        prompt_ids = prompt_ids[-keep:]
+    max_tokens = req.max_output_tokens
+    check_prompt_fits(model, prompt_ids, max_tokens, "input", "max_output_tokens")
+    logprobs = (req.top_logprobs or 0) if req.wants_logprobs else None
+    rename = {"logprobs": "top_logprobs", "max_tokens": "max_output_tokens"}
+    params = req._sampling_params(max_tokens, logprobs, None, rename, tools.structured_output if tools else None)
+    params = served_params(params, req, state, model, prompt_ids)
+    return _Prepared(req, model, _new_id("resp"), int(time.time()), prompt_ids, params, tools, own)
+
+
+# -- the response ---------------------------------------------------------------------------
+
+
+def _body(
+    prep: _Prepared,
+    status: str,
+    output: list[dict[str, Any]],
+    usage: dict[str, Any] | None,
+    incomplete: bool = False,
+    error: APIError | None = None,
+) -> dict[str, Any]:
+    req, params = prep.req, prep.params
+    return {
+        "id": prep.response_id,
+        "object": "response",
+        "created_at": prep.created_at,
+        "status": status,
+        "completed_at": int(time.time()) if status == "completed" else None,
+        "background": False,
+        "error": None if error is None else {"code": error.code, "message": error.message},
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "max_tool_calls": req.max_tool_calls,
+        "metadata": req.metadata or {},
+        "model": prep.model.name,
+        "output": output,
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "previous_response_id": req.previous_response_id,
+        "prompt_cache_key": req.prompt_cache_key,
+        "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None},
+        "safety_identifier": req.safety_identifier,
+        "service_tier": "default",
+        "store": req.store,
+        "temperature": params.temperature,
+        "text": req.text_config(),
+        "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+        "tools": req.tools or [],
+        "top_logprobs": req.top_logprobs or 0,
+        "top_p": params.top_p,
+        "truncation": "disabled",
+        "usage": usage,
+        "user": req.user,
+    }
+
+
+def _usage(prep: _Prepared, out: RequestOutput | None, output_ids: list[int], reasoning: bool) -> dict[str, Any]:
+    cached = out.metrics.num_cached_tokens if out is not None and out.metrics is not None else 0
+    n = len(output_ids)
+    thinking = _thinking_tokens(prep, output_ids) if reasoning else 0
+    return {
+        "input_tokens": len(prep.prompt_ids),
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": n,
+        "output_tokens_details": {"reasoning_tokens": thinking},
+        "total_tokens": len(prep.prompt_ids) + n,
+    }
+
+
+def _thinking_tokens(prep: _Prepared, output_ids: list[int]) -> int:
+    """The output's tokens up to and including the one that completes "</think>"; all of them
+    if the output stopped while thinking."""
+    tokenizer = prep.model.engine.tokenizer
+    if tokenizer is None:
+        return len(output_ids)
+    end = end_token(tokenizer)
+    if end is not None:
+        return output_ids.index(end) + 1 if end in output_ids else len(output_ids)
+    # No single token for the tag: the shortest prefix whose text holds it (prefixes only grow).
+    lo, hi = 1, len(output_ids)
+    if THINK_END not in tokenizer.decode(output_ids, skip_special_tokens=False):
+        return len(output_ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if THINK_END in tokenizer.decode(output_ids[:mid], skip_special_tokens=False):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _reasoning_item(text: str, status: str, item_id: str | None = None) -> dict[str, Any]:
+    content = [{"type": "reasoning_text", "text": text}] if text else []
+    return {"id": item_id or _new_id("rs"), "type": "reasoning", "summary": [], "content": content, "status": status}
+
+
+def _message_item(text: str, status: str, logprobs: list[dict[str, Any]] | None, item_id: str | None = None) -> dict[str, Any]:
+    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
+    if logprobs is not None:
+        part["logprobs"] = logprobs
+    return {"id": item_id or _new_id("msg"), "type": "message", "role": "assistant", "status": status, "content": [part]}
+
+
+def _call_item(call_id: str, name: str, arguments: str, status: str, item_id: str | None = None) -> dict[str, Any]:
+    return {
+        "id": item_id or _new_id("fc"),
+        "type": "function_call",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+def _assistant_turn(output: list[dict[str, Any]]) -> ChatMessage:
+    """A response's output as the assistant message a later turn's prompt holds (its reasoning
+    left out, as chat templates leave out earlier turns' thinking)."""
+    text = "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])
+    calls = [
+        {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+        for item in output
+        if item["type"] == "function_call"
+    ]
+    return ChatMessage.model_validate({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})})
+
+
+def _keep(prep: _Prepared, state: ServerState, body: dict[str, Any]) -> None:
+    if prep.req.store:
+        turn = [*prep.own_input, _assistant_turn(body["output"])]
+        state.responses.put(prep.response_id, body, prep.req.previous_response_id, turn, _input_items(prep.req.input))
+
+
+_ITEM_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def _input_items(given: str | list[Any]) -> list[dict[str, Any]]:
+    """A request's ``input`` as the items GET /v1/responses/{id}/input_items lists: each with its
+    ``type`` and an ``id`` (the client's, else a new one), message contents as lists of parts."""
+    if isinstance(given, str):
+        given = [{"role": "user", "content": given}]
+    items = []
+    for raw in given:
+        item = {"type": "message", **raw}
+        if item["type"] == "message":
+            if isinstance(item.get("content"), str):
+                part = "output_text" if item.get("role") == "assistant" else "input_text"
+                item["content"] = [{"type": part, "text": item["content"]}]
+            item.setdefault("status", "completed")
+        item.setdefault("id", _new_id(_ITEM_PREFIXES.get(item["type"], "item")))
+        items.append(item)
+    return items
+
+
+def _answer(prep: _Prepared, out: RequestOutput, texts: TokenTexts, state: ServerState) -> dict[str, Any]:
+    if state.cutting:
+        raise errors.cut_by_shutdown()
+    o: CompletionOutput = out.outputs[0]
+    if o.finish_reason == "error":
+        raise errors.internal_error("the engine failed while generating")
+    reasoning, answer = None, o.text
+    if state.reasoning_parser is not None:
+        reasoning, answer = split_reasoning(o.text, state.reasoning_parser)
+    calls: list[dict[str, Any]] = []
+    if prep.tools is not None and answer is not None:
+        answer, calls = parse_tool_calls(answer, prep.tools.format, prep.tools.max_calls)
+    incomplete = o.finish_reason == "length"
+    status = "incomplete" if incomplete else "completed"
+    logprobs = None
+    if prep.req.wants_logprobs:
+        logprobs = logprob_entries(o, 0, len(o.token_ids), prep.req.top_logprobs or 0, texts)
+    output: list[dict[str, Any]] = []
+    if reasoning:
+        output.append(_reasoning_item(reasoning, "completed"))
+    if answer or (not calls and not reasoning):
+        output.append(_message_item(answer or "", "completed", logprobs))
+    output += [_call_item(c["id"], c["function"]["name"], c["function"]["arguments"], "completed") for c in calls]
+    output[-1]["status"] = status  # the item being written when the output ended (as a stream closes it)
+    body = _body(prep, status, output, _usage(prep, out, o.token_ids, reasoning is not None), incomplete)
+    _keep(prep, state, body)
+    return body
+
+
+class _Events:
+    """A stream's events in order: numbered, with the output items they open and close."""
+
+    def __init__(self, prep: _Prepared):
+        self.prep = prep
+        self.seq = 0
+        self.output: list[dict[str, Any]] = []  # items closed so far
+        self.kind: str | None = None  # the open item's: "reasoning", "message", "function_call"
+        self.item: dict[str, Any] = {}
+        self.text = ""  # the open item's text, or its call's arguments
+        self.logprobs: list[dict[str, Any]] = []  # every token's, for the message
+        self.unsent: list[dict[str, Any]] = []  # not yet carried by a text delta
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        payload = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return sse_named_event(kind, payload)
+
+    @property
+    def index(self) -> int:
+        return len(self.output)
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self.item["id"], "output_index": self.index}
+
+    def open(self, kind: str, call: dict[str, Any] | None = None) -> list[bytes]:
+        events = self.close("completed")
+        self.kind, self.text = kind, ""
+        if kind == "reasoning":
+            self.item = _reasoning_item("", "in_progress")
+            part = {"type": "reasoning_text", "text": ""}
+        elif kind == "message":
+            self.item = _message_item("", "in_progress", None)
+            self.item["content"] = []
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        else:
+            assert call is not None
+            self.item = _call_item(call["id"], call["function"]["name"], "", "in_progress")
+        events.append(self.event("response.output_item.added", output_index=self.index, item=dict(self.item)))
+        if kind != "function_call":
+            events.append(self.event("response.content_part.added", **self._where(), content_index=0, part=part))
+        return events
+
+    def reasoning(self, delta: str) -> list[bytes]:
+        events = self.open("reasoning") if self.kind != "reasoning" else []
+        self.text += delta
+        return [*events, self.event("response.reasoning_text.delta", **self._where(), content_index=0, delta=delta)]
+
+    def content(self, delta: str) -> list[bytes]:
+        events = self.open("message") if self.kind != "message" else []
+        self.text += delta
+        logprobs, self.unsent = self.unsent, []
+        return [*events, self.event("response.output_text.delta", **self._where(), content_index=0, delta=delta, logprobs=logprobs)]
+
+    def call(self, delta: dict[str, Any]) -> list[bytes]:
+        events = self.open("function_call", delta) if "id" in delta else []
+        fragment = delta["function"].get("arguments") or ""
+        if fragment and self.kind == "function_call":
+            self.text += fragment
+            events.append(self.event("response.function_call_arguments.delta", **self._where(), delta=fragment))
+        return events
+
+    def close(self, status: str) -> list[bytes]:
+        if self.kind is None:
+            return []
+        where, text, events = self._where(), self.text, []
+        if self.kind == "reasoning":
+            item = _reasoning_item(text, status, self.item["id"])
+            events.append(self.event("response.reasoning_text.done", **where, content_index=0, text=text))
+            events.append(self.event("response.content_part.done", **where, content_index=0, part=item["content"][0] if text else {"type": "reasoning_text", "text": ""}))
+        elif self.kind == "message":
+            logprobs = self.logprobs if self.prep.req.wants_logprobs else None
+            item = _message_item(text, status, logprobs, self.item["id"])
+            events.append(self.event("response.output_text.done", **where, content_index=0, text=text, logprobs=logprobs or []))
+            events.append(self.event("response.content_part.done", **where, content_index=0, part=item["content"][0]))
+        else:
+            item = _call_item(self.item["call_id"], self.item["name"], text, status, self.item["id"])
+            events.append(self.event("response.function_call_arguments.done", **where, arguments=text, name=self.item["name"]))
+        events.append(self.event("response.output_item.done", output_index=self.index, item=item))
+        self.output.append(item)
+        self.kind, self.item, self.text = None, {}, ""
+        return events
+
+
+async def _stream(prep: _Prepared, run: GenerationRun, texts: TokenTexts, state: ServerState) -> AsyncIterator[bytes]:
+    ev = _Events(prep)
+    start = _body(prep, "in_progress", [], None)
+    yield ev.event("response.created", response=start)
+    yield ev.event("response.in_progress", response=start)
+    thinker = ReasoningParser(state.reasoning_parser) if state.reasoning_parser is not None else None
+    parser = ToolCallParser(prep.tools.format, prep.tools.max_calls) if prep.tools is not None else None
+    output_ids: list[int] = []
+    last: RequestOutput | None = None
+    finish: str | None = None
+    thought = False
+    k = prep.req.top_logprobs or 0
+    try:
+        async for _, out in run.outputs():
+            if state.cutting:
+                raise errors.cut_by_shutdown()
+            last = out
+            for o in out.outputs:  # one choice; a delta of what is new
+                if o.finish_reason == "error":
+                    raise errors.internal_error("the engine failed while generating")
+                output_ids += o.token_ids
+                if prep.req.wants_logprobs and o.token_ids:
+                    entries = logprob_entries(o, 0, len(o.token_ids), k, texts)
+                    ev.logprobs += entries
+                    ev.unsent += entries
+                for d in answer_deltas(o.text, o.finished, thinker, parser):
+                    if "reasoning_content" in d:
+                        thought = True
+                        for chunk in ev.reasoning(d["reasoning_content"]):
+                            yield chunk
+                    elif "content" in d:
+                        for chunk in ev.content(d["content"]):
+                            yield chunk
+                    else:
+                        for call in d["tool_calls"]:
+                            for chunk in ev.call(call):
+                                yield chunk
+                if o.finished:
+                    finish = o.finish_reason
+        incomplete = finish == "length"
+        status = "incomplete" if incomplete else "completed"
+        for chunk in ev.close(status):
+            yield chunk
+        if not ev.output:  # nothing was written: an empty message, as an answer has
+            for chunk in [*ev.open("message"), *ev.close(status)]:
+                yield chunk
+        body = _body(prep, status, ev.output, _usage(prep, last, output_ids, thought), incomplete)
+        _keep(prep, state, body)
+        yield ev.event("response.incomplete" if incomplete else "response.completed", response=body)
+    except APIError as exc:
+        run.status = exc.status_code
+        yield ev.event("error", code=exc.code, message=exc.message, param=exc.param)
+        yield ev.event("response.failed", response=_body(prep, "failed", ev.output, None, error=exc))
+    except Exception as exc:  # noqa: BLE001 - a bug of ours: still end the stream with a message
+        error = errors.internal_error(f"{type(exc).__name__}: {exc}")
+        run.status = error.status_code
+        yield ev.event("error", code=error.code, message=error.message, param=None)
+        yield ev.event("response.failed", response=_body(prep, "failed", ev.output, None, error=error))
+
+
+# -- GET and DELETE -------------------------------------------------------------------------
+
+
+def _not_found(response_id: str) -> APIError:
+    return APIError(404, f"Response with id '{response_id}' not found.", param="response_id", code="not_found")
+
+
+async def get_response(request: Request, state: ServerState) -> Response:
+    response_id = request.path_params["response_id"]
+    body = state.responses.get(response_id)
+    if body is None:
+        raise _not_found(response_id)
+    return JSONResponse(body)
+
+
+async def list_input_items(request: Request, state: ServerState) -> Response:
+    """The stored response's input items, newest first unless ``order=asc``, ``limit`` (1-100,
+    default 20) a page, ``after`` an item id to continue from."""
+    response_id = request.path_params["response_id"]
+    items = state.responses.input_items(response_id)
+    if items is None:
+        raise _not_found(response_id)
+    query = request.query_params
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise errors.invalid_request(f"`order` must be 'asc' or 'desc', got {order!r}.", "order")
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise errors.invalid_request("`limit` must be an integer from 1 to 100.", "limit")
+    ordered = items if order == "asc" else items[::-1]
+    after = query.get("after")
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            raise errors.invalid_request(f"`after` names no input item of this response ({after!r}).", "after")
+        ordered = ordered[ids.index(after) + 1 :]
+    page = ordered[:limit]
+    return JSONResponse({
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(ordered) > limit,
+    })  # fmt: skip
+
+
+async def delete_response(request: Request, state: ServerState) -> Response:
+    response_id = request.path_params["response_id"]
+    if not state.responses.delete(response_id):
+        raise _not_found(response_id)
+    return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
