@@ -739,7 +739,7 @@ def report_lines(tuning: dict[str, Any] | None, cfg: Fp8Config, tp: int = 1) -> 
     block = cfg.weights == "block"
     lines += [
         "",
-        "Reference: torch._scaled_mm (rowwise scales) where it runs"
+        "Reference: torch._scaled_mm (rowwise scales, fp32 promotion) where it runs"
         + (", else (block scales) the half-type F.linear of the same shape" if block else "")
         + ". Roofline fraction: the larger of the weight-and-rows bytes at the measured copy bandwidth and"
         " the FLOPs at the GPU's dense FP8 peak, over the chosen time. Best Triton tile: the fastest Triton"
@@ -753,7 +753,9 @@ def report_lines(tuning: dict[str, Any] | None, cfg: Fp8Config, tp: int = 1) -> 
     ]
     for bucket, entry in entries.items():
         config = entry.get("config") or {}
-        chosen = "torch._scaled_mm" if config.get("scaled_mm") else ", ".join(f"{k}={v}" for k, v in config.items())
+        chosen = ", ".join(f"{k}={v}" for k, v in config.items())
+        if config.get("scaled_mm"):
+            chosen = "torch._scaled_mm" + (", fast accumulation" if config.get("fast_accum") else "")
         t, ref = entry.get("time_us"), entry.get("reference_us")
         frac = roofline_fraction(tuning or {}, bucket, t)
         tile = best_triton_us(entry)

@@ -71,6 +71,7 @@ fastest. ``reference.fp8_linear`` is the definition the kernels are tested again
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -86,6 +87,17 @@ from pagecast.kernels.tuning import KernelConfig
 FP8_MAX = reference.FP8_MAX
 GROUP = reference.FP8_GROUP
 SCALED_MM = KernelConfig({"scaled_mm": 1}, num_warps=0, num_stages=0)  # torch._scaled_mm (cuBLASLt)
+# The same with cuBLASLt's FP8 fast accumulation: Hopper's tensor cores accumulate the whole K in
+# their own reduced precision instead of promoting to fp32 every few steps, as the leading engine's
+# sm90 FP8 GEMMs do. On an H100 (forty-second session, benchmarks/fp8_fast_accum.py) it took
+# 0.85-0.98x the time at Llama-3-8B's projections from 512 rows (1.07x at down's 8,192) for
+# 2.1e-3 (K 4,096) and 3.3e-3 (K 14,336) relative error against the exact fp32 sum, where the
+# default's is bf16's rounding alone (1.7e-3): a tenth of what the e4m3 rounding of the weights
+# and activations costs. The untuned choice from 64 rows; the tuner keeps whichever is faster.
+SCALED_MM_FAST = KernelConfig({"scaled_mm": 1, "fast_accum": 1}, num_warps=0, num_stages=0)
+# PAGECAST_FP8_FAST_ACCUM=0 in a serving process runs every torch._scaled_mm config with the
+# promoted accumulation, for the same-artifact comparison.
+FAST_ACCUM = os.environ.get("PAGECAST_FP8_FAST_ACCUM", "1") != "0"
 
 
 # ---------------------------------------------------------------------------- activation quantisation
@@ -558,7 +570,7 @@ _SKINNY_SPLIT_TILES = (
 )
 SKINNY_MAX_ROWS = 16  # one 16-row dot holds every row: beyond that the tiles above take over
 CONFIG_SPACE: list[KernelConfig] = (
-    [SCALED_MM]
+    [SCALED_MM_FAST, SCALED_MM]
     + [
         KernelConfig({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": sk}, num_warps=w, num_stages=st)
         for (m, n, k, sk, w, st) in _TILES
@@ -611,11 +623,11 @@ def prune_configs(configs: list[KernelConfig], m: int, n: int, k: int, block: bo
 
 
 def default_config(m: int, n: int, k: int, block: bool, dtype: torch.dtype, num_sms: int = 132) -> KernelConfig:
-    """Untuned choice: torch._scaled_mm where it runs from 64 rows (prefill is compute-bound and
-    cuBLASLt's fp8 kernels are the known-good ones there), the fused decode kernel up to 16 rows,
+    """Untuned choice: torch._scaled_mm with fast accumulation where it runs from 64 rows (prefill
+    is compute-bound and cuBLASLt's fp8 kernels are the known-good ones there), the fused decode kernel up to 16 rows,
     else a tile with enough K splits to give about two programs per multiprocessor."""
     if m >= 64 and scaled_mm_supported(m, n, k, block, dtype):
-        return SCALED_MM
+        return SCALED_MM_FAST
     if 0 < m <= SKINNY_MAX_ROWS:
         # One launch instead of the quantisation, the split-K GEMM and its sum (+ bias, cast): at
         # decode those launches were an estimated 0.5-1 ms of the step (issue 29). Every program
@@ -670,7 +682,10 @@ def fp8_gemm(
         if sa.shape[0] != m:
             sa = sa.expand(m, 1).contiguous()
         # weight.t() is the column-major [K, N] operand torch._scaled_mm wants, as a view.
-        return torch._scaled_mm(qx, weight.t(), scale_a=sa, scale_b=w_scale.reshape(1, n), bias=bias, out_dtype=out_dtype)
+        return torch._scaled_mm(
+            qx, weight.t(), scale_a=sa, scale_b=w_scale.reshape(1, n), bias=bias, out_dtype=out_dtype,
+            use_fast_accum=FAST_ACCUM and bool(cfg.params.get("fast_accum")),
+        )  # fmt: skip
     bm, bn, bk, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     if block and GROUP % bk:
         raise ValueError(f"block-scaled fp8_gemm needs BLOCK_K dividing {GROUP}, got {bk}")
