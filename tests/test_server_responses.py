@@ -221,7 +221,8 @@ def test_output_items_sent_back_as_input_continue_the_conversation(client):  # t
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
         ({"input": []}, "input"),
         ({"max_output_tokens": 10**6}, "max_output_tokens"),
-        ({"background": True}, "background"),
+        ({"background": True, "store": False}, "store"),
+        ({"background": True, "stream": True}, "stream"),
         ({"truncation": "auto"}, "truncation"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
         ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
@@ -275,3 +276,58 @@ def test_the_store_is_bounded_by_bytes_as_well_as_by_count():  # type: ignore[no
     before = store.nbytes
     assert store.delete("r4") and store.nbytes < before
     assert store.conversation("r3") is not None and store.conversation("r0") is None
+
+
+def _kv_blocks_used(server) -> float:  # type: ignore[no-untyped-def]
+    return metric(metric_samples(server.url), "pagecast_kv_cache_blocks_used", model_name=MODEL)
+
+
+def test_a_background_response_is_queued_then_polled_to_the_answer_in_place(client):  # type: ignore[no-untyped-def]
+    kwargs = {"model": MODEL, "input": "Name a city.", "max_output_tokens": 7, "temperature": 0}
+    queued = client.responses.create(**kwargs, background=True)
+    assert queued.background and queued.status == "queued" and queued.output == [] and queued.usage is None
+    wait_for(lambda: client.responses.retrieve(queued.id).status not in ("queued", "in_progress"))
+    done = client.responses.retrieve(queued.id)
+    in_place = client.responses.create(**kwargs)
+    assert done.background and not in_place.background
+    assert (done.status, done.output_text, done.usage.output_tokens) == (
+        in_place.status, in_place.output_text, in_place.usage.output_tokens
+    )  # fmt: skip
+    # Finished, it is a conversation to continue; cancelling it changes nothing.
+    assert client.responses.cancel(done.id).status == done.status
+    follow = client.responses.create(model=MODEL, previous_response_id=done.id, input="Again.", max_output_tokens=2)
+    assert follow.usage.input_tokens > done.usage.input_tokens + done.usage.output_tokens
+
+
+def test_cancelling_a_background_response_stops_it_and_frees_its_blocks(server, client):  # type: ignore[no-untyped-def]
+    long = {"model": MODEL, "input": "Go on.", "max_output_tokens": 490, "background": True, "extra_body": {"ignore_eos": True}}
+    running = client.responses.create(**long)
+    wait_for(lambda: _kv_blocks_used(server) > 0)
+    assert client.responses.retrieve(running.id).status in ("queued", "in_progress")
+    # It cannot be continued before it has an answer.
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=MODEL, previous_response_id=running.id, input="And?", max_output_tokens=2)
+    assert info.value.body["param"] == "previous_response_id"
+    cancelled = client.responses.cancel(running.id)
+    assert cancelled.id == running.id and cancelled.status == "cancelled"
+    wait_for(lambda: _kv_blocks_used(server) == 0, timeout=10)  # aborted long before 490 tokens
+    assert client.responses.retrieve(running.id).status == "cancelled"
+    with pytest.raises(openai.BadRequestError) as info:  # nor after: it has none
+        client.responses.create(model=MODEL, previous_response_id=running.id, input="And?", max_output_tokens=2)
+    assert "cancelled" in info.value.body["message"]
+    # DELETE stops one that is still generating, too.
+    doomed = client.responses.create(**long)
+    wait_for(lambda: _kv_blocks_used(server) > 0)
+    assert client.responses.delete(doomed.id) is None
+    wait_for(lambda: _kv_blocks_used(server) == 0, timeout=10)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(doomed.id)
+
+
+def test_only_background_responses_can_be_cancelled(client):  # type: ignore[no-untyped-def]
+    answered = client.responses.create(model=MODEL, input="Hi.", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.cancel(answered.id)
+    assert "background" in info.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_nothing")

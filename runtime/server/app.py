@@ -37,6 +37,7 @@ from pagecast.runtime.server.serving import ServerState
 from pagecast.runtime.server.serving_chat import create_chat_completion
 from pagecast.runtime.server.serving_completions import create_completion
 from pagecast.runtime.server.serving_responses import (
+    cancel_response,
     create_response,
     delete_response,
     get_response,
@@ -95,6 +96,7 @@ def create_app(
         Route("/v1/responses/{response_id}", _api(state, get_response), methods=["GET"]),
         Route("/v1/responses/{response_id}", _api(state, delete_response), methods=["DELETE"]),
         Route("/v1/responses/{response_id}/input_items", _api(state, list_input_items), methods=["GET"]),
+        Route("/v1/responses/{response_id}/cancel", _api(state, cancel_response), methods=["POST"]),
         Route("/v1/models", _api(state, _list_models), methods=["GET"]),
         Route("/v1/models/{model:path}", _api(state, _get_model), methods=["GET"]),
         Route("/tokenize", _api(state, tokenize), methods=["POST"]),

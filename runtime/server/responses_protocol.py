@@ -11,8 +11,8 @@ prompt, the tool-call grammar and the parsing are the chat endpoint's own. Error
 parameter as a Responses client spelled it (``input[2].content[0].type``).
 
 What is refused with a 400 that says so: tools other than functions (web search, file search,
-MCP, ...), images, files and audio in the input, ``item_reference`` items, ``background``,
-``conversation``, ``prompt`` templates and ``truncation: "auto"``.
+MCP, ...), images, files and audio in the input, ``item_reference`` items, ``background`` with
+``stream`` or without ``store``, ``conversation``, ``prompt`` templates and ``truncation: "auto"``.
 """
 
 from __future__ import annotations
@@ -63,8 +63,9 @@ class ResponsesRequest(_SamplingRequest):
     prompt_cache_key: str | None = None
     # vLLM's extension, as on chat: more chat-template variables.
     chat_template_kwargs: dict[str, Any] | None = None
-    # Not implemented: refused with a 400 that says so.
+    # Answer at once (status "queued") and generate after; GET polls it, POST .../cancel stops it.
     background: bool | None = None
+    # Not implemented: refused with a 400 that says so.
     conversation: Any = None
     prompt: Any = None
 
@@ -72,8 +73,11 @@ class ResponsesRequest(_SamplingRequest):
         self.check_common()
         if self.n != 1:
             raise unsupported("n", "a response has one output; send several requests for several answers")
-        if self.background:
-            raise unsupported("background", "responses are answered in the request (or streamed)")
+        if self.background and not self.store:
+            # OpenAI's rule too: a background response is only ever read back from the store.
+            raise invalid_request("`background` responses must be stored: leave `store` true.", "store")
+        if self.background and self.stream:
+            raise unsupported("stream", "a `background` response is not streamed; poll GET /v1/responses/{id}")
         for name in ("conversation", "prompt"):
             if getattr(self, name) is not None:
                 raise unsupported(name, "send the conversation as `input` (or chain with `previous_response_id`)")

@@ -86,6 +86,7 @@ class ServerState:
         self.runs: set[GenerationRun] = set()
         self.metrics = ServerMetrics(engines, lambda: dict(self._in_flight))
         self.responses = ResponseStore(responses_store_size)  # /v1/responses kept (store)
+        self.background: dict[str, asyncio.Task[Any]] = {}  # /v1/responses generating in the background
 
     def resolve(self, model: str | None) -> ServedModel:
         if model is None:
@@ -252,10 +253,17 @@ class GenerationRun:
     def last_outputs(self) -> list[RequestOutput | None]:
         return [r.last for r in self.recorders]
 
-    async def start(self) -> None:
+    def admit(self) -> None:
+        """Reserve the run's sequences (429 when the queue is full, 503 while draining); ``start``
+        does it if it has not been done. A run admitted is one the drain waits for."""
+        if self._admitted:
+            return
         self.state.admit(self.model, self.num_seqs)
         self._admitted = True
         self.state.runs.add(self)
+
+    async def start(self) -> None:
+        self.admit()
         engine = self.model.engine
         self._streams = [
             engine.generate(ids, self.params, request_id=rid)

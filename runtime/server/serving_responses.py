@@ -24,6 +24,14 @@ without their ``instructions``, as OpenAI does). A server restart or another rep
 know it; clients that send the whole conversation as ``input`` (``store: false``) need nothing
 kept.
 
+``background`` (with ``store``): the answer is the response at once, status ``queued``; it is
+generated after, as a request answered in place would be (admitted, or a 429, before that
+answer), and becomes ``in_progress`` once its prompt is computed, then ``completed``,
+``incomplete`` or ``failed`` (with its error). GET polls it; POST /v1/responses/{id}/cancel
+aborts it (status ``cancelled``, its KV blocks freed), as does DELETE. A shutdown drains it as
+any other request. It is not streamed (OpenAI's resumable background streams are not
+implemented: a 400).
+
 Logprobs (``include: ["message.output_text.logprobs"]``, ``top_logprobs``) are those of every
 generated token, on the message's text: with a reasoning parser or tool calls the message's text
 is only part of what those tokens spell.
@@ -31,7 +39,10 @@ is only part of what those tokens spell.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -65,6 +76,9 @@ from pagecast.runtime.server.tool_calls import ToolPlan, plan_tools
 from pagecast.runtime.server.tool_parsers import ToolCallParser, parse_tool_calls
 
 ENDPOINT = "/v1/responses"
+_UNFINISHED = ("queued", "in_progress")
+
+logger = logging.getLogger("pagecast.server")
 
 
 def _new_id(prefix: str) -> str:
@@ -92,6 +106,8 @@ async def create_response(request: Request, state: ServerState) -> Response:
     prep = await anyio.to_thread.run_sync(_prepare, body, state)
     run = GenerationRun(state, prep.model, prep.response_id, ENDPOINT, [prep.prompt_ids], prep.params)
     texts = TokenTexts(prep.model.engine.tokenizer)
+    if prep.req.background:
+        return await _start_in_background(prep, run, texts, state)
     return await respond(
         request,
         run,
@@ -116,6 +132,15 @@ def _prepare(body: bytes, state: ServerState) -> _Prepared:
                 "Send the whole conversation as `input`.",
                 "previous_response_id",
                 code="previous_response_not_found",
+            )
+        previous = state.responses.get(req.previous_response_id)
+        if previous is not None and previous.get("status") not in ("completed", "incomplete"):
+            # a background response still generating, or one that failed or was cancelled: no answer to continue
+            wait = " (poll GET /v1/responses/{id} until it has finished)" if previous.get("status") in _UNFINISHED else ""
+            raise errors.invalid_request(
+                f"Previous response with id '{req.previous_response_id}' is {previous.get('status')}: it has no "
+                f"answer to continue{wait}.",
+                "previous_response_id",
             )
         history = found
     own = input_messages(req.input)
@@ -161,7 +186,7 @@ def _body(
         "created_at": prep.created_at,
         "status": status,
         "completed_at": int(time.time()) if status == "completed" else None,
-        "background": False,
+        "background": bool(req.background),
         "error": None if error is None else {"code": error.code, "message": error.message},
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
         "instructions": req.instructions,
@@ -459,6 +484,95 @@ async def _stream(prep: _Prepared, run: GenerationRun, texts: TokenTexts, state:
         yield ev.event("response.failed", response=_body(prep, "failed", ev.output, None, error=error))
 
 
+# -- background ----------------------------------------------------------------------------
+
+
+async def _start_in_background(prep: _Prepared, run: GenerationRun, texts: TokenTexts, state: ServerState) -> Response:
+    """Admit the run (a 429 or 503 now, as for a request answered in place), keep the response as
+    ``queued`` and generate it in a task of its own; the answer is the queued response."""
+    try:
+        run.admit()
+    except BaseException as exc:
+        await run.close(exc.status_code if isinstance(exc, APIError) else 500)
+        raise
+    queued = _body(prep, "queued", [], None)
+    _keep_unfinished(prep, state, queued)
+    task = asyncio.ensure_future(_generate_in_background(prep, run, texts, state))
+    state.background[prep.response_id] = task
+
+    def done(task: asyncio.Task[Any]) -> None:
+        state.background.pop(prep.response_id, None)
+        if task.cancelled():  # cancelled before its first step: none of its code ran to end it
+            _keep_unfinished(prep, state, _body(prep, "cancelled", [], None))
+            asyncio.ensure_future(run.close(499))  # releases the admission before its first await
+
+    task.add_done_callback(done)
+    return JSONResponse(queued, headers={"X-Request-Id": prep.response_id})
+
+
+def _keep_unfinished(prep: _Prepared, state: ServerState, body: dict[str, Any]) -> None:
+    """A background response not (yet) answered: its input, and no turn a later one could continue."""
+    state.responses.put(prep.response_id, body, prep.req.previous_response_id, [], _input_items(prep.req.input))
+
+
+async def _generate_in_background(
+    prep: _Prepared, run: GenerationRun, texts: TokenTexts, state: ServerState
+) -> dict[str, Any]:
+    """Run a background response to its end and keep each status it passes through; the last
+    kept body. Cancelled (POST .../cancel, DELETE), it aborts its engine request and ends
+    ``cancelled`` instead of raising."""
+    status = 500
+    try:
+        await run.start()
+        _keep_unfinished(prep, state, _body(prep, "in_progress", [], None))
+        finals = await run.collect()
+        body = _answer(prep, finals[0], texts, state)  # kept by _answer
+        status = 200
+    except asyncio.CancelledError:
+        status = 499
+        body = _body(prep, "cancelled", [], None)
+        _keep_unfinished(prep, state, body)
+    except APIError as exc:
+        status = exc.status_code
+        body = _body(prep, "failed", [], None, error=exc)
+        _keep_unfinished(prep, state, body)
+    except Exception as exc:  # noqa: BLE001 - a bug of ours: the response still ends, failed
+        error = errors.internal_error(f"{type(exc).__name__}: {exc}")
+        body = _body(prep, "failed", [], None, error=error)
+        _keep_unfinished(prep, state, body)
+    finally:
+        await run.close(status)
+    return body
+
+
+async def _stop_background(response_id: str, state: ServerState) -> dict[str, Any] | None:
+    """Cancel a background response still generating; its final body (None if none runs)."""
+    task = state.background.get(response_id)
+    if task is None:
+        return None
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        return await task
+    return state.responses.get(response_id)  # it never ran: its done callback kept it cancelled
+
+
+async def cancel_response(request: Request, state: ServerState) -> Response:
+    """POST /v1/responses/{id}/cancel: stop a background response (status ``cancelled``). One
+    that has already finished is answered as it is; one not made in the background is a 400."""
+    response_id = request.path_params["response_id"]
+    body = state.responses.get(response_id)
+    if body is None and response_id not in state.background:
+        raise _not_found(response_id)
+    if body is not None and not body.get("background"):
+        raise errors.invalid_request(
+            f"Response '{response_id}' was not created with `background`: only background responses can be cancelled.",
+            "response_id",
+        )
+    stopped = await _stop_background(response_id, state)
+    body = state.responses.get(response_id) or stopped or body
+    return JSONResponse(body)
+
+
 # -- GET and DELETE -------------------------------------------------------------------------
 
 
@@ -510,6 +624,7 @@ async def list_input_items(request: Request, state: ServerState) -> Response:
 
 async def delete_response(request: Request, state: ServerState) -> Response:
     response_id = request.path_params["response_id"]
-    if not state.responses.delete(response_id):
+    stopped = await _stop_background(response_id, state)  # a background response still generating ends first
+    if not state.responses.delete(response_id) and stopped is None:
         raise _not_found(response_id)
     return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
