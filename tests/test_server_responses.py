@@ -223,7 +223,6 @@ def test_output_items_sent_back_as_input_continue_the_conversation(client):  # t
         ({"max_output_tokens": 10**6}, "max_output_tokens"),
         ({"background": True, "store": False}, "store"),
         ({"background": True, "stream": True}, "stream"),
-        ({"truncation": "auto"}, "truncation"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
         ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
         ({"extra_body": {"n": 2}}, "n"),
@@ -331,3 +330,35 @@ def test_only_background_responses_can_be_cancelled(client):  # type: ignore[no-
     assert "background" in info.value.body["message"]
     with pytest.raises(openai.NotFoundError):
         client.responses.cancel("resp_nothing")
+
+
+def test_truncation_auto_drops_the_oldest_turns_that_do_not_fit(server, client):  # type: ignore[no-untyped-def]
+    """The prompt that does not fit the 512-token context loses its oldest whole turns, no more:
+    the answer is the chat answer to the instructions and the turns kept."""
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau"
+    turns = [[{"role": "user", "content": f"Turn {i}: {words}."}, {"role": "assistant", "content": f"Noted {i}: {words}."}]
+             for i in range(8)]  # fmt: skip
+    last = {"role": "user", "content": "Which turn came last?"}
+    items = [m for turn in turns for m in turn] + [last]
+    kwargs = {"model": MODEL, "instructions": "Be brief.", "input": items, "max_output_tokens": 20, "temperature": 0}
+    with pytest.raises(openai.BadRequestError) as info:  # as it is, the conversation does not fit
+        client.responses.create(**kwargs)
+    assert info.value.body["code"] == "context_length_exceeded"
+    resp = client.responses.create(**kwargs, truncation="auto")
+    assert resp.truncation == "auto" and resp.status in ("completed", "incomplete")
+
+    def prompt_tokens(messages: list[dict]) -> int:  # type: ignore[type-arg]
+        body = {"model": MODEL, "messages": messages, "add_generation_prompt": True}
+        return httpx.post(f"{server.url}/tokenize", json=body, timeout=30).json()["count"]
+
+    system = [{"role": "system", "content": "Be brief."}]
+    dropped = next(k for k in range(len(turns) + 1)
+                   if prompt_tokens(system + [m for turn in turns[k:] for m in turn] + [last]) + 20 <= 512)  # fmt: skip
+    assert 0 < dropped < len(turns)
+    kept = system + [m for turn in turns[dropped:] for m in turn] + [last]
+    chat = client.chat.completions.create(model=MODEL, messages=kept, max_tokens=20, temperature=0)
+    assert (resp.usage.input_tokens, resp.output_text) == (chat.usage.prompt_tokens, chat.choices[0].message.content)
+    # Its own last turn is never dropped: one that cannot fit alone is still a 400.
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(**dict(kwargs, input=f"{words} " * 60), truncation="auto")
+    assert info.value.body["code"] == "context_length_exceeded"

@@ -12,7 +12,7 @@ parameter as a Responses client spelled it (``input[2].content[0].type``).
 
 What is refused with a 400 that says so: tools other than functions (web search, file search,
 MCP, ...), images, files and audio in the input, ``item_reference`` items, ``background`` with
-``stream`` or without ``store``, ``conversation``, ``prompt`` templates and ``truncation: "auto"``.
+``stream`` or without ``store``, ``conversation`` and ``prompt`` templates.
 """
 
 from __future__ import annotations
@@ -81,8 +81,6 @@ class ResponsesRequest(_SamplingRequest):
         for name in ("conversation", "prompt"):
             if getattr(self, name) is not None:
                 raise unsupported(name, "send the conversation as `input` (or chain with `previous_response_id`)")
-        if self.truncation == "auto":
-            raise unsupported("truncation", "'auto' is not implemented; a prompt that does not fit is refused")
         for name in ("prompt_logprobs", "return_token_ids"):
             if getattr(self, name):
                 raise unsupported(name, "not answered on /v1/responses; use /v1/chat/completions")

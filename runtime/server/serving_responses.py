@@ -147,25 +147,61 @@ def _prepare(body: bytes, state: ServerState) -> _Prepared:
     system = [ChatMessage(role="system", content=req.instructions)] if req.instructions is not None else []
     messages = system + history + own
     keep = req.kept_prompt_tokens(max_model_len)
+    auto = req.truncation == "auto" and keep is None
     if tokenizer is not None and keep is None:
-        chars = sum(len(m.text(i)) for i, m in enumerate(messages))
+        # With truncation "auto" what is kept of the earlier turns is what fits: the size bound is on
+        # this request's own input (the earlier turns come from the store, which bounds them).
+        sized = system + own if auto else messages
+        chars = sum(len(m.text(i)) for i, m in enumerate(sized))
         check_text_size(chars, tokenizer, max_model_len, "input")
     chat_template = getattr(tokenizer, "chat_template", None)
     tools = plan_tools(req.chat_tools(), req.chat_tool_choice(), req.parallel_tool_calls, chat_template)
     if tools is not None and tools.max_calls is None and req.max_tool_calls is not None:
         tools = dataclasses.replace(tools, max_calls=req.max_tool_calls)  # the plan's 1 stays where it says 1
-    prompt_ids = render_chat_prompt(
-        tokenizer, messages, True, tools.tools if tools else None, False, req.template_kwargs()
-    )
+    max_tokens = req.max_output_tokens
+
+    def render(conversation: list[ChatMessage]) -> list[int]:
+        return render_chat_prompt(tokenizer, system + conversation, True, tools.tools if tools else None, False, req.template_kwargs())
+
+    if auto:
+        prompt_ids = _fitting_prompt(history + own, render, max_model_len - (max_tokens or 1))
+    else:
+        prompt_ids = render(history + own)
     if keep is not None:
         prompt_ids = prompt_ids[-keep:]
-    max_tokens = req.max_output_tokens
     check_prompt_fits(model, prompt_ids, max_tokens, "input", "max_output_tokens")
     logprobs = (req.top_logprobs or 0) if req.wants_logprobs else None
     rename = {"logprobs": "top_logprobs", "max_tokens": "max_output_tokens"}
     params = req._sampling_params(max_tokens, logprobs, None, rename, tools.structured_output if tools else None)
     params = served_params(params, req, state, model, prompt_ids)
     return _Prepared(req, model, _new_id("resp"), int(time.time()), prompt_ids, params, tools, own)
+
+
+def _fitting_prompt(conversation: list[ChatMessage], render: Any, budget: int) -> list[int]:
+    """``truncation: "auto"``: the prompt of ``conversation`` less as few of its oldest turns as
+    make it at most ``budget`` tokens (a turn: a user message and what follows it up to the next;
+    the instructions and the last turn are always kept, so a prompt that cannot fit even so is
+    the usual 400). The prompt's length falls as turns are dropped: a binary search renders
+    O(log turns) prompts."""
+    starts = [i for i, m in enumerate(conversation) if m.role == "user"]
+    cuts = [0] + [i for i in starts if i > 0]  # where the kept conversation may begin; the last: the last turn
+    lo, hi = 0, len(cuts) - 1
+    prompts: dict[int, list[int]] = {}
+
+    def prompt(j: int) -> list[int]:
+        if j not in prompts:
+            prompts[j] = render(conversation[cuts[j] :])
+        return prompts[j]
+
+    if len(prompt(lo)) <= budget:
+        return prompt(lo)
+    while lo < hi:  # the fewest turns dropped that fit (hi: every earlier turn dropped)
+        mid = (lo + hi) // 2
+        if len(prompt(mid)) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return prompt(hi)
 
 
 # -- the response ---------------------------------------------------------------------------
@@ -208,7 +244,7 @@ def _body(
         "tools": req.tools or [],
         "top_logprobs": req.top_logprobs or 0,
         "top_p": params.top_p,
-        "truncation": "disabled",
+        "truncation": req.truncation or "disabled",
         "usage": usage,
         "user": req.user,
     }
