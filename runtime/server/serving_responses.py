@@ -42,7 +42,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -77,8 +76,6 @@ from pagecast.runtime.server.tool_parsers import ToolCallParser, parse_tool_call
 
 ENDPOINT = "/v1/responses"
 _UNFINISHED = ("queued", "in_progress")
-
-logger = logging.getLogger("pagecast.server")
 
 
 def _new_id(prefix: str) -> str:
