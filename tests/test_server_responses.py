@@ -260,10 +260,10 @@ def test_the_store_is_bounded_by_bytes_as_well_as_by_count():  # type: ignore[no
     from pagecast.runtime.server.protocol import ChatMessage
     from pagecast.runtime.server.responses_store import ResponseStore
 
-    def put(store: ResponseStore, rid: str, chars: int) -> None:
+    def put(store: ResponseStore, rid: str, chars: int, status: str = "completed") -> None:
         text = "x" * chars
         items = [{"type": "message", "role": "user", "content": text}]
-        store.put(rid, {"id": rid, "output": []}, None, [ChatMessage(role="user", content=text)], items)
+        store.put(rid, {"id": rid, "status": status, "output": []}, None, [ChatMessage(role="user", content=text)], items)
 
     store = ResponseStore(capacity=100, max_bytes=10_000)
     for i in range(5):
@@ -275,6 +275,12 @@ def test_the_store_is_bounded_by_bytes_as_well_as_by_count():  # type: ignore[no
     before = store.nbytes
     assert store.delete("r4") and store.nbytes < before
     assert store.conversation("r3") is not None and store.conversation("r0") is None
+    # A background response still generating is forgotten after every finished one older than it.
+    store = ResponseStore(capacity=3)
+    put(store, "running", 10, status="in_progress")
+    for i in range(3):
+        put(store, f"done{i}", 10)
+    assert store.get("running") is not None and store.get("done0") is None and store.get("done2") is not None
 
 
 def _kv_blocks_used(server) -> float:  # type: ignore[no-untyped-def]

@@ -17,6 +17,7 @@ DEFAULT_STORE_SIZE = 1024  # engine-serve --responses-store-size
 # JSON): a request body may be 8 MiB, so the count alone would let clients that store long inputs
 # grow the server's memory by gigabytes. The oldest go first past either bound.
 DEFAULT_STORE_BYTES = 256 << 20
+UNFINISHED = ("queued", "in_progress")  # a background response's statuses while it generates
 
 logger = logging.getLogger("pagecast.server")
 
@@ -32,7 +33,7 @@ class _Stored:
 
 class ResponseStore:
     """The last ``capacity`` stored responses of this process, holding at most ``max_bytes`` in
-    all (as JSON), oldest forgotten first. Written on the event loop, read by request threads: a
+    all (as JSON), oldest forgotten first (background responses still generating last). Written on the event loop, read by request threads: a
     lock guards it."""
 
     def __init__(self, capacity: int = DEFAULT_STORE_SIZE, max_bytes: int = DEFAULT_STORE_BYTES):
@@ -65,7 +66,10 @@ class ResponseStore:
             self._items[response_id] = _Stored(body, previous, turn, input_items, nbytes)
             self.nbytes += nbytes
             while len(self._items) > self.capacity or self.nbytes > self.max_bytes:
-                self.nbytes -= self._items.popitem(last=False)[1].nbytes
+                # The oldest finished response goes first: a background response still generating
+                # can be read back nowhere else (there are at most as many as the server admits).
+                victim = next((k for k, v in self._items.items() if v.body.get("status") not in UNFINISHED), None)
+                self.nbytes -= self._items.pop(victim if victim is not None else next(iter(self._items))).nbytes
 
     def get(self, response_id: str) -> dict[str, Any] | None:
         with self._lock:

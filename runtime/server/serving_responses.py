@@ -61,6 +61,7 @@ from pagecast.runtime.server.protocol import ChatMessage, parse_request
 from pagecast.runtime.server.reasoning import END as THINK_END
 from pagecast.runtime.server.reasoning import ReasoningParser, end_token, split_reasoning
 from pagecast.runtime.server.responses_protocol import ResponsesRequest, input_messages
+from pagecast.runtime.server.responses_store import UNFINISHED
 from pagecast.runtime.server.serving import (
     GenerationRun,
     ServedModel,
@@ -75,7 +76,6 @@ from pagecast.runtime.server.tool_calls import ToolPlan, plan_tools
 from pagecast.runtime.server.tool_parsers import ToolCallParser, parse_tool_calls
 
 ENDPOINT = "/v1/responses"
-_UNFINISHED = ("queued", "in_progress")
 
 
 def _new_id(prefix: str) -> str:
@@ -133,7 +133,7 @@ def _prepare(body: bytes, state: ServerState) -> _Prepared:
         previous = state.responses.get(req.previous_response_id)
         if previous is not None and previous.get("status") not in ("completed", "incomplete"):
             # a background response still generating, or one that failed or was cancelled: no answer to continue
-            wait = " (poll GET /v1/responses/{id} until it has finished)" if previous.get("status") in _UNFINISHED else ""
+            wait = " (poll GET /v1/responses/{id} until it has finished)" if previous.get("status") in UNFINISHED else ""
             raise errors.invalid_request(
                 f"Previous response with id '{req.previous_response_id}' is {previous.get('status')}: it has no "
                 f"answer to continue{wait}.",
