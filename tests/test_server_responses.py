@@ -222,7 +222,6 @@ def test_output_items_sent_back_as_input_continue_the_conversation(client):  # t
         ({"input": []}, "input"),
         ({"max_output_tokens": 10**6}, "max_output_tokens"),
         ({"background": True, "store": False}, "store"),
-        ({"background": True, "stream": True}, "stream"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
         ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
         ({"extra_body": {"n": 2}}, "n"),
@@ -336,6 +335,35 @@ def test_only_background_responses_can_be_cancelled(client):  # type: ignore[no-
     assert "background" in info.value.body["message"]
     with pytest.raises(openai.NotFoundError):
         client.responses.cancel("resp_nothing")
+    with pytest.raises(openai.BadRequestError) as info:  # nor have events to stream again
+        client.responses.retrieve(answered.id, stream=True)
+    assert info.value.body["param"] == "stream"
+
+
+def test_a_background_stream_left_by_its_client_goes_on_and_can_be_followed_again(client):  # type: ignore[no-untyped-def]
+    kwargs = {"model": MODEL, "input": "Go on.", "max_output_tokens": 300, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    first = []
+    stream = client.responses.create(**kwargs, background=True, stream=True)
+    for event in stream:
+        first.append(event)
+        if event.type == "response.output_text.delta" and len(first) >= 8:
+            break
+    stream.close()  # the client leaves
+    created = first[0]
+    assert created.type == "response.created" and created.response.status == "queued" and created.response.background
+    response_id = created.response.id
+    # Followed again from where it was left (live, most likely: 300 tokens take a while here).
+    rest = list(client.responses.retrieve(response_id, stream=True, starting_after=first[-1].sequence_number))
+    events = first + rest
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].type == "response.incomplete"  # it ran to its 300 tokens with nobody reading
+    done = client.responses.retrieve(response_id)
+    assert done.status == "incomplete" and done.usage.output_tokens == 300
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == done.output_text == client.responses.create(**kwargs).output_text
+    # Finished, its events are replayed from the store.
+    replay = list(client.responses.retrieve(response_id, stream=True, starting_after=2))
+    assert [e.model_dump() for e in replay] == [e.model_dump() for e in events[3:]]
 
 
 def test_truncation_auto_drops_the_oldest_turns_that_do_not_fit(server, client):  # type: ignore[no-untyped-def]

@@ -11,8 +11,8 @@ prompt, the tool-call grammar and the parsing are the chat endpoint's own. Error
 parameter as a Responses client spelled it (``input[2].content[0].type``).
 
 What is refused with a 400 that says so: tools other than functions (web search, file search,
-MCP, ...), images, files and audio in the input, ``item_reference`` items, ``background`` with
-``stream`` or without ``store``, ``conversation`` and ``prompt`` templates.
+MCP, ...), images, files and audio in the input, ``item_reference`` items, ``background`` without
+``store``, ``conversation`` and ``prompt`` templates.
 """
 
 from __future__ import annotations
@@ -76,8 +76,6 @@ class ResponsesRequest(_SamplingRequest):
         if self.background and not self.store:
             # OpenAI's rule too: a background response is only ever read back from the store.
             raise invalid_request("`background` responses must be stored: leave `store` true.", "store")
-        if self.background and self.stream:
-            raise unsupported("stream", "a `background` response is not streamed; poll GET /v1/responses/{id}")
         for name in ("conversation", "prompt"):
             if getattr(self, name) is not None:
                 raise unsupported(name, "send the conversation as `input` (or chain with `previous_response_id`)")

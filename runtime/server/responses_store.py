@@ -28,7 +28,8 @@ class _Stored:
     previous: str | None  # the response this one continued
     turn: list[ChatMessage]  # this request's input messages, then its answer as an assistant message
     input_items: list[dict[str, Any]]  # the request's input as items with ids (GET .../input_items)
-    nbytes: int  # its size as JSON, for the store's byte bound
+    nbytes: int  # its size as JSON (and its events'), for the store's byte bound
+    events: list[bytes] | None = None  # a background stream's SSE frames, for GET ?stream=true
 
 
 class ResponseStore:
@@ -65,11 +66,34 @@ class ResponseStore:
             self.nbytes -= old.nbytes if old is not None else 0
             self._items[response_id] = _Stored(body, previous, turn, input_items, nbytes)
             self.nbytes += nbytes
-            while len(self._items) > self.capacity or self.nbytes > self.max_bytes:
-                # The oldest finished response goes first: a background response still generating
-                # can be read back nowhere else (there are at most as many as the server admits).
-                victim = next((k for k, v in self._items.items() if v.body.get("status") not in UNFINISHED), None)
-                self.nbytes -= self._items.pop(victim if victim is not None else next(iter(self._items))).nbytes
+            self._evict()
+
+    def _evict(self) -> None:
+        while len(self._items) > self.capacity or self.nbytes > self.max_bytes:
+            # The oldest finished response goes first: a background response still generating
+            # can be read back nowhere else (there are at most as many as the server admits).
+            victim = next((k for k, v in self._items.items() if v.body.get("status") not in UNFINISHED), None)
+            self.nbytes -= self._items.pop(victim if victim is not None else next(iter(self._items))).nbytes
+
+    def keep_events(self, response_id: str, frames: list[bytes]) -> None:
+        """Keep a finished background stream's events with its response (if it is kept and they fit)."""
+        size = sum(len(f) for f in frames)
+        with self._lock:
+            item = self._items.get(response_id)
+            if item is None:
+                return
+            if item.nbytes + size > self.max_bytes:
+                logger.warning("the events of response %s not kept: %d bytes, over the store's %d", response_id,
+                               item.nbytes + size, self.max_bytes)  # fmt: skip
+                return
+            self._items[response_id] = dataclasses.replace(item, events=list(frames), nbytes=item.nbytes + size)
+            self.nbytes += size
+            self._evict()
+
+    def events(self, response_id: str) -> list[bytes] | None:
+        with self._lock:
+            item = self._items.get(response_id)
+        return None if item is None else item.events
 
     def get(self, response_id: str) -> dict[str, Any] | None:
         with self._lock:

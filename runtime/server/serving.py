@@ -87,6 +87,7 @@ class ServerState:
         self.metrics = ServerMetrics(engines, lambda: dict(self._in_flight))
         self.responses = ResponseStore(responses_store_size)  # /v1/responses kept (store)
         self.background: dict[str, asyncio.Task[Any]] = {}  # /v1/responses generating in the background
+        self.background_streams: dict[str, Any] = {}  # their event logs, for those streamed (serving_responses.EventLog)
 
     def resolve(self, model: str | None) -> ServedModel:
         if model is None:

@@ -71,7 +71,7 @@ from pagecast.runtime.server.serving import (
     respond,
 )
 from pagecast.runtime.server.serving_chat import answer_deltas, logprob_entries, served_params
-from pagecast.runtime.server.sse import sse_named_event
+from pagecast.runtime.server.sse import SSEResponse, sse_named_event
 from pagecast.runtime.server.tool_calls import ToolPlan, plan_tools
 from pagecast.runtime.server.tool_parsers import ToolCallParser, parse_tool_calls
 
@@ -457,11 +457,14 @@ class _Events:
         return events
 
 
-async def _stream(prep: _Prepared, run: GenerationRun, texts: TokenTexts, state: ServerState) -> AsyncIterator[bytes]:
+async def _stream(
+    prep: _Prepared, run: GenerationRun, texts: TokenTexts, state: ServerState, start: bool = False
+) -> AsyncIterator[bytes]:
+    """The response's events. ``start``: the run is started here (a background stream: its
+    ``response.created`` says ``queued``, and an error starting it is an ``error`` event); a
+    background response's failure is kept as well."""
     ev = _Events(prep)
-    start = _body(prep, "in_progress", [], None)
-    yield ev.event("response.created", response=start)
-    yield ev.event("response.in_progress", response=start)
+    yield ev.event("response.created", response=_body(prep, "queued" if start else "in_progress", [], None))
     thinker = ReasoningParser(state.reasoning_parser) if state.reasoning_parser is not None else None
     parser = ToolCallParser(prep.tools.format, prep.tools.max_calls) if prep.tools is not None else None
     output_ids: list[int] = []
@@ -470,6 +473,10 @@ async def _stream(prep: _Prepared, run: GenerationRun, texts: TokenTexts, state:
     thought = False
     k = prep.req.top_logprobs or 0
     try:
+        if start:
+            await run.start()
+            _keep_without_turn(prep, state, _body(prep, "in_progress", [], None))
+        yield ev.event("response.in_progress", response=_body(prep, "in_progress", [], None))
         async for _, out in run.outputs():
             if state.cutting:
                 raise errors.cut_by_shutdown()
@@ -506,74 +513,125 @@ async def _stream(prep: _Prepared, run: GenerationRun, texts: TokenTexts, state:
         body = _body(prep, status, ev.output, _usage(prep, last, output_ids, thought), incomplete)
         _keep(prep, state, body)
         yield ev.event("response.incomplete" if incomplete else "response.completed", response=body)
-    except APIError as exc:
-        run.status = exc.status_code
-        yield ev.event("error", code=exc.code, message=exc.message, param=exc.param)
-        yield ev.event("response.failed", response=_body(prep, "failed", ev.output, None, error=exc))
-    except Exception as exc:  # noqa: BLE001 - a bug of ours: still end the stream with a message
-        error = errors.internal_error(f"{type(exc).__name__}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - an APIError, or a bug of ours: still end the stream with a message
+        error = exc if isinstance(exc, APIError) else errors.internal_error(f"{type(exc).__name__}: {exc}")
         run.status = error.status_code
-        yield ev.event("error", code=error.code, message=error.message, param=None)
-        yield ev.event("response.failed", response=_body(prep, "failed", ev.output, None, error=error))
+        yield ev.event("error", code=error.code, message=error.message, param=error.param)
+        failed = _body(prep, "failed", ev.output, None, error=error)
+        if prep.req.background:
+            _keep_without_turn(prep, state, failed)
+        yield ev.event("response.failed", response=failed)
 
 
 # -- background ----------------------------------------------------------------------------
 
 
+class EventLog:
+    """A background stream's events (SSE frames, the i-th with ``sequence_number`` i) as they are
+    made; readers start anywhere and follow it to its end."""
+
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+        self.done = False
+        self._changed = asyncio.Event()
+
+    def append(self, frame: bytes) -> None:
+        self.frames.append(frame)
+        self._wake()
+
+    def close(self) -> None:
+        self.done = True
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def follow(self, first: int) -> AsyncIterator[bytes]:
+        i = first
+        while True:
+            while i < len(self.frames):
+                yield self.frames[i]
+                i += 1
+            if self.done:
+                return
+            await self._changed.wait()  # only the event loop appends: nothing lands between the check and here
+
+
 async def _start_in_background(prep: _Prepared, run: GenerationRun, texts: TokenTexts, state: ServerState) -> Response:
     """Admit the run (a 429 or 503 now, as for a request answered in place), keep the response as
-    ``queued`` and generate it in a task of its own; the answer is the queued response."""
+    ``queued`` and generate it in a task of its own. The answer is the queued response, or with
+    ``stream`` its events as they come; a client that leaves the stream leaves the generation
+    running (GET ``?stream=true&starting_after=N`` follows it again)."""
     try:
         run.admit()
     except BaseException as exc:
         await run.close(exc.status_code if isinstance(exc, APIError) else 500)
         raise
     queued = _body(prep, "queued", [], None)
-    _keep_unfinished(prep, state, queued)
-    task = asyncio.ensure_future(_generate_in_background(prep, run, texts, state))
+    _keep_without_turn(prep, state, queued)
+    log = EventLog() if prep.req.stream else None
+    task = asyncio.ensure_future(_generate_in_background(prep, run, texts, state, log))
     state.background[prep.response_id] = task
+    if log is not None:
+        state.background_streams[prep.response_id] = log
 
     def done(task: asyncio.Task[Any]) -> None:
         state.background.pop(prep.response_id, None)
+        state.background_streams.pop(prep.response_id, None)
         if task.cancelled():  # cancelled before its first step: none of its code ran to end it
-            _keep_unfinished(prep, state, _body(prep, "cancelled", [], None))
+            _keep_without_turn(prep, state, _body(prep, "cancelled", [], None))
+            if log is not None:
+                log.close()
             asyncio.ensure_future(run.close(499))  # releases the admission before its first await
 
     task.add_done_callback(done)
-    return JSONResponse(queued, headers={"X-Request-Id": prep.response_id})
+    headers = {"X-Request-Id": prep.response_id}
+    if log is not None:
+        return SSEResponse(log.follow(0), headers=headers)
+    return JSONResponse(queued, headers=headers)
 
 
-def _keep_unfinished(prep: _Prepared, state: ServerState, body: dict[str, Any]) -> None:
+def _keep_without_turn(prep: _Prepared, state: ServerState, body: dict[str, Any]) -> None:
     """A background response not (yet) answered: its input, and no turn a later one could continue."""
     state.responses.put(prep.response_id, body, prep.req.previous_response_id, [], _input_items(prep.req.input))
 
 
 async def _generate_in_background(
-    prep: _Prepared, run: GenerationRun, texts: TokenTexts, state: ServerState
-) -> dict[str, Any]:
-    """Run a background response to its end and keep each status it passes through; the last
-    kept body. Cancelled (POST .../cancel, DELETE), it aborts its engine request and ends
-    ``cancelled`` instead of raising."""
+    prep: _Prepared, run: GenerationRun, texts: TokenTexts, state: ServerState, log: EventLog | None
+) -> dict[str, Any] | None:
+    """Run a background response to its end and keep each status it passes through (and, into
+    ``log``, its events); the last kept body. Cancelled (POST .../cancel, DELETE), it aborts its
+    engine request and ends ``cancelled`` instead of raising."""
     status = 500
+    body: dict[str, Any] | None
     try:
-        await run.start()
-        _keep_unfinished(prep, state, _body(prep, "in_progress", [], None))
-        finals = await run.collect()
-        body = _answer(prep, finals[0], texts, state)  # kept by _answer
-        status = 200
+        if log is None:
+            await run.start()
+            _keep_without_turn(prep, state, _body(prep, "in_progress", [], None))
+            finals = await run.collect()
+            body = _answer(prep, finals[0], texts, state)  # kept by _answer
+        else:
+            async for frame in _stream(prep, run, texts, state, start=True):  # keeps what it ends with
+                log.append(frame)
+            body = state.responses.get(prep.response_id)
+        status = run.status if log is not None else 200
     except asyncio.CancelledError:
         status = 499
         body = _body(prep, "cancelled", [], None)
-        _keep_unfinished(prep, state, body)
+        _keep_without_turn(prep, state, body)
     except APIError as exc:
         status = exc.status_code
         body = _body(prep, "failed", [], None, error=exc)
-        _keep_unfinished(prep, state, body)
+        _keep_without_turn(prep, state, body)
     except Exception as exc:  # noqa: BLE001 - a bug of ours: the response still ends, failed
         error = errors.internal_error(f"{type(exc).__name__}: {exc}")
         body = _body(prep, "failed", [], None, error=error)
-        _keep_unfinished(prep, state, body)
+        _keep_without_turn(prep, state, body)
     finally:
+        if log is not None:
+            log.close()
+            state.responses.keep_events(prep.response_id, log.frames)
         await run.close(status)
     return body
 
@@ -614,11 +672,41 @@ def _not_found(response_id: str) -> APIError:
 
 
 async def get_response(request: Request, state: ServerState) -> Response:
+    """The stored response; with ``stream=true`` a background stream's events after
+    ``starting_after`` (a sequence number; from the first without it), followed live while it is
+    generating."""
     response_id = request.path_params["response_id"]
-    body = state.responses.get(response_id)
-    if body is None:
-        raise _not_found(response_id)
-    return JSONResponse(body)
+    query = request.query_params
+    if query.get("stream", "false").lower() not in ("true", "1"):
+        body = state.responses.get(response_id)
+        if body is None:
+            raise _not_found(response_id)
+        return JSONResponse(body)
+    try:
+        first = int(query.get("starting_after", "-1")) + 1
+    except ValueError:
+        first = -1
+    if first < 0:
+        raise errors.invalid_request("`starting_after` must be a sequence number (an integer >= 0).", "starting_after")
+    log = state.background_streams.get(response_id)
+    if log is not None:
+        frames = log.follow(first)
+    else:
+        kept = state.responses.events(response_id)
+        if kept is None:
+            if state.responses.get(response_id) is None:
+                raise _not_found(response_id)
+            raise errors.invalid_request(
+                f"Response '{response_id}' was not created with `background` and `stream`: GET it without `stream`.",
+                "stream",
+            )
+        frames = _replay(kept[first:])
+    return SSEResponse(frames, headers={"X-Request-Id": response_id})
+
+
+async def _replay(frames: list[bytes]) -> AsyncIterator[bytes]:
+    for frame in frames:
+        yield frame
 
 
 async def list_input_items(request: Request, state: ServerState) -> Response:
