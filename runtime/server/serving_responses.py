@@ -29,8 +29,9 @@ generated after, as a request answered in place would be (admitted, or a 429, be
 answer), and becomes ``in_progress`` once its prompt is computed, then ``completed``,
 ``incomplete`` or ``failed`` (with its error). GET polls it; POST /v1/responses/{id}/cancel
 aborts it (status ``cancelled``, its KV blocks freed), as does DELETE. A shutdown drains it as
-any other request. It is not streamed (OpenAI's resumable background streams are not
-implemented: a 400).
+any other request. With ``stream`` its events go into a log (``EventLog``) that the POST's
+stream follows; a client that leaves it leaves the generation running, and GET
+``?stream=true&starting_after=N`` follows the log again (from the store once it has ended).
 
 Logprobs (``include: ["message.output_text.logprobs"]``, ``top_logprobs``) are those of every
 generated token, on the message's text: with a reasoning parser or tool calls the message's text
