@@ -698,7 +698,8 @@ async def get_response(request: Request, state: ServerState) -> Response:
             if state.responses.get(response_id) is None:
                 raise _not_found(response_id)
             raise errors.invalid_request(
-                f"Response '{response_id}' was not created with `background` and `stream`: GET it without `stream`.",
+                f"Response '{response_id}' has no stream to follow: only a response created with `background` and "
+                "`stream` has one, while the store keeps its events. GET it without `stream`.",
                 "stream",
             )
         frames = _replay(kept[first:])
