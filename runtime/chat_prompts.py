@@ -132,8 +132,10 @@ def render(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     template_kwargs: Mapping[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Token ids of ``conversation`` rendered by ``chat_template`` or the tokenizer's own."""
+    """Token ids of ``conversation`` rendered by ``chat_template`` or the tokenizer's own
+    (``tools``: OpenAI function tools, passed to it as transformers passes them)."""
     if tokenizer is None:
         raise ValueError("this artifact has no tokenizer, so it cannot render a conversation")
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
@@ -146,6 +148,7 @@ def render(
         chat_template=chat_template,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
+        tools=tools,
         template_kwargs=template_kwargs,
     )
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -22,6 +22,23 @@ from pagecast.runtime.outputs import RequestOutput
 from pagecast.runtime.progress import GenerateProgress
 from pagecast.runtime.sampling_params import SamplingParams
 
+Prompt = str | list[int] | Mapping[str, Any]  # a text, token ids, {"prompt": ...} or {"prompt_token_ids": ...}
+
+
+def _prompt_of(prompt: Prompt, index: int) -> str | list[int]:
+    """A prompt as the engine takes it: vLLM's prompt dicts unwrapped."""
+    if not isinstance(prompt, Mapping):
+        return prompt
+    keys = set(prompt)
+    if keys == {"prompt"}:
+        return prompt["prompt"]
+    if keys == {"prompt_token_ids"}:
+        return list(prompt["prompt_token_ids"])
+    raise ValueError(
+        f"prompt {index}: a prompt dict holds either 'prompt' (a string) or 'prompt_token_ids' (token ids), "
+        f"and nothing else; got keys {sorted(keys)}"
+    )
+
 
 class LLM:
     """Loads an artifact once; ``generate`` runs a batch through continuous batching and
@@ -48,6 +65,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or to
@@ -57,11 +75,14 @@ class LLM:
         ``continue_final_message``: the final message (an assistant's opening words) is left
         open and the reply continues it (``add_generation_prompt=False`` with it);
         ``chat_template_kwargs``: more variables for the template, e.g. ``{"enable_thinking":
-        False}`` for Qwen3's."""
+        False}`` for Qwen3's; ``tools``: OpenAI function tools (``{"type": "function", "function":
+        {...}}``) for templates that offer them to the model (the reply's calls are in its text, in
+        the template's format)."""
         conversations = chat_prompts.as_conversations(messages)
         prompts = [
             chat_prompts.render(
-                self.tokenizer, c, chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs
+                self.tokenizer, c, chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs,
+                [dict(t) for t in tools] if tools else None,
             )
             for c in conversations
         ]
@@ -69,16 +90,18 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | list[int] | Sequence[str | list[int]],
+        prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in prompt order. ``use_tqdm``: show a progress bar
-        (prompts finished, tokens per second) on stderr while the batch runs."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        """One RequestOutput per prompt, in prompt order. A prompt is a string, a list of token
+        ids, or (as vLLM's TextPrompt and TokensPrompt) ``{"prompt": str}`` or
+        ``{"prompt_token_ids": [int, ...]}``. ``use_tqdm``: show a progress bar (prompts
+        finished, tokens per second) on stderr while the batch runs."""
+        if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = [_prompt_of(p, i) for i, p in enumerate(prompts)]  # type: ignore[union-attr]
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = (

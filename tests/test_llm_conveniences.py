@@ -143,3 +143,30 @@ def test_artifacts_without_recorded_defaults_keep_pagecast_defaults(llm: LLM, ti
     recorded = json.loads((tiny_llama_artifact / "generation_config.json").read_text())
     assert recorded["sampling_defaults"] == {}  # tiny_models' checkpoint ships no sampling keys
     assert llm.get_default_sampling_params() == SamplingParams()
+
+
+def test_generate_takes_vllm_prompt_dicts(llm: LLM) -> None:
+    """vLLM's TextPrompt and TokensPrompt shapes, alone or mixed with plain prompts: the same
+    outputs as the string and the token ids they hold."""
+    ids = llm.tokenizer("The capital of France is", add_special_tokens=False)["input_ids"]
+    plain = llm.generate(["Hello there", ids], GREEDY, use_tqdm=False)
+    dicts = llm.generate([{"prompt": "Hello there"}, {"prompt_token_ids": ids}], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
+    assert dicts[1].prompt_token_ids == list(ids)
+    (one,) = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)
+    assert one.outputs[0].token_ids == plain[1].outputs[0].token_ids
+    with pytest.raises(ValueError, match="prompt 1: a prompt dict holds either"):
+        llm.generate(["a", {"prompt": "b", "multi_modal_data": {}}], GREEDY, use_tqdm=False)
+
+
+def test_chat_offers_tools_to_the_template(llm: LLM) -> None:
+    template = (
+        "{% if tools %}{% for t in tools %}[tool {{ t.function.name }}]{% endfor %}\n{% endif %}"
+        "{% for m in messages %}{{ m.content }}\n{% endfor %}"
+    )
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}]
+    conversation = [{"role": "user", "content": "Weather?"}]
+    (out,) = llm.chat(conversation, GREEDY, chat_template=template, tools=tools, use_tqdm=False)
+    assert llm.tokenizer.decode(out.prompt_token_ids) == "[tool get_weather]Weather?\n"  # transformers renders with trim_blocks
+    (plain,) = llm.chat(conversation, GREEDY, chat_template=template, use_tqdm=False)
+    assert llm.tokenizer.decode(plain.prompt_token_ids) == "Weather?\n"
