@@ -71,7 +71,7 @@ def steps(out: Path) -> list[Step]:
                     "or fp8_linear_is_capture_safe", stop_at_first=False),
             240,
             "the forty-second session's fast accumulation (torch._scaled_mm's use_fast_accum, the untuned choice from 64 "
-            "rows since c84aa86) against the FP8 GEMM reference at the tolerance derived from its H100 measurement; "
+            "rows since 9e827f3) against the FP8 GEMM reference at the tolerance derived from its H100 measurement; "
             "never run",
         ),
         Step(
