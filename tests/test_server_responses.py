@@ -351,6 +351,7 @@ def test_a_background_stream_left_by_its_client_goes_on_and_can_be_followed_agai
     stream.close()  # the client leaves
     created = first[0]
     assert created.type == "response.created" and created.response.status == "queued" and created.response.background
+    assert [e.type for e in first[1:3]] == ["response.queued", "response.in_progress"]
     response_id = created.response.id
     # Followed again from where it was left (live, most likely: 300 tokens take a while here).
     rest = list(client.responses.retrieve(response_id, stream=True, starting_after=first[-1].sequence_number))

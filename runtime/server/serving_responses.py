@@ -462,10 +462,12 @@ async def _stream(
     prep: _Prepared, run: GenerationRun, texts: TokenTexts, state: ServerState, start: bool = False
 ) -> AsyncIterator[bytes]:
     """The response's events. ``start``: the run is started here (a background stream: its
-    ``response.created`` says ``queued``, and an error starting it is an ``error`` event); a
-    background response's failure is kept as well."""
+    ``response.created`` says ``queued`` and ``response.queued`` follows; an error starting it
+    is an ``error`` event); a background response's failure is kept as well."""
     ev = _Events(prep)
     yield ev.event("response.created", response=_body(prep, "queued" if start else "in_progress", [], None))
+    if start:  # a background stream: waiting for its turn until run.start() returns
+        yield ev.event("response.queued", response=_body(prep, "queued", [], None))
     thinker = ReasoningParser(state.reasoning_parser) if state.reasoning_parser is not None else None
     parser = ToolCallParser(prep.tools.format, prep.tools.max_calls) if prep.tools is not None else None
     output_ids: list[int] = []
