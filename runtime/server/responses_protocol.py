@@ -224,6 +224,8 @@ def input_messages(items: str | list[Any]) -> list[ChatMessage]:
             continue  # earlier turns' thinking: chat templates leave it out of the prompt
         else:
             raise unsupported(f"{where}.type", f"input item type {kind!r} (messages, function_call and function_call_output are served)")
+    if not messages:
+        raise invalid_request("`input` holds no message, function call or call output (reasoning items are left out).", "input")
     return messages
 
 
