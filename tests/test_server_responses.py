@@ -221,6 +221,7 @@ def test_output_items_sent_back_as_input_continue_the_conversation(client):  # t
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
         ({"input": []}, "input"),
         ({"input": [{"type": "reasoning", "summary": []}]}, "input"),  # nothing left to render: was a 500
+        ({"input": [{"role": "user", "content": "x", "id": 5}]}, "input[0].id"),
         ({"max_output_tokens": 10**6}, "max_output_tokens"),
         ({"background": True, "store": False}, "store"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),

@@ -199,6 +199,8 @@ def input_messages(items: str | list[Any]) -> list[ChatMessage]:
         where = f"input[{i}]"
         if not isinstance(item, dict):
             raise invalid_request(f"`{where}` must be an object (a message or an item).", where)
+        if "id" in item and not isinstance(item["id"], str):  # listed back by GET .../input_items
+            raise invalid_request(f"`{where}.id` must be a string.", f"{where}.id")
         kind = item.get("type", "message")
         if kind == "message":
             messages.append(_message(item, where))
