@@ -292,7 +292,10 @@ def test_a_background_response_is_queued_then_polled_to_the_answer_in_place(clie
     kwargs = {"model": MODEL, "input": "Name a city.", "max_output_tokens": 7, "temperature": 0}
     queued = client.responses.create(**kwargs, background=True)
     assert queued.background and queued.status == "queued" and queued.output == [] and queued.usage is None
+    items = client.responses.input_items.list(queued.id).data
     wait_for(lambda: client.responses.retrieve(queued.id).status not in ("queued", "in_progress"))
+    # Its input items keep their ids through every status it was kept with.
+    assert [item.id for item in client.responses.input_items.list(queued.id).data] == [item.id for item in items]
     done = client.responses.retrieve(queued.id)
     in_place = client.responses.create(**kwargs)
     assert done.background and not in_place.background

@@ -86,8 +86,7 @@ class ServerState:
         self.runs: set[GenerationRun] = set()
         self.metrics = ServerMetrics(engines, lambda: dict(self._in_flight))
         self.responses = ResponseStore(responses_store_size)  # /v1/responses kept (store)
-        self.background: dict[str, asyncio.Task[Any]] = {}  # /v1/responses generating in the background
-        self.background_streams: dict[str, Any] = {}  # their event logs, for those streamed (serving_responses.EventLog)
+        self.background: dict[str, Any] = {}  # /v1/responses generating in the background (serving_responses.Background)
 
     def resolve(self, model: str | None) -> ServedModel:
         if model is None:

@@ -96,6 +96,7 @@ class _Prepared:
     params: SamplingParams
     tools: ToolPlan | None
     own_input: list[ChatMessage]  # this request's input as messages (kept with the response)
+    input_items: list[dict[str, Any]]  # and as items with ids, made once (GET .../input_items lists them)
 
 
 async def create_response(request: Request, state: ServerState) -> Response:
@@ -172,7 +173,8 @@ def _prepare(body: bytes, state: ServerState) -> _Prepared:
     rename = {"logprobs": "top_logprobs", "max_tokens": "max_output_tokens"}
     params = req._sampling_params(max_tokens, logprobs, None, rename, tools.structured_output if tools else None)
     params = served_params(params, req, state, model, prompt_ids)
-    return _Prepared(req, model, _new_id("resp"), int(time.time()), prompt_ids, params, tools, own)
+    items = _input_items(req.input)
+    return _Prepared(req, model, _new_id("resp"), int(time.time()), prompt_ids, params, tools, own, items)
 
 
 def _fitting_prompt(conversation: list[ChatMessage], render: Any, budget: int) -> list[int]:
@@ -321,7 +323,7 @@ def _assistant_turn(output: list[dict[str, Any]]) -> ChatMessage:
 def _keep(prep: _Prepared, state: ServerState, body: dict[str, Any]) -> None:
     if prep.req.store:
         turn = [*prep.own_input, _assistant_turn(body["output"])]
-        state.responses.put(prep.response_id, body, prep.req.previous_response_id, turn, _input_items(prep.req.input))
+        state.responses.put(prep.response_id, body, prep.req.previous_response_id, turn, prep.input_items)
 
 
 _ITEM_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
@@ -561,6 +563,14 @@ class EventLog:
             await self._changed.wait()  # only the event loop appends: nothing lands between the check and here
 
 
+@dataclasses.dataclass(frozen=True)
+class Background:
+    """A background response generating: its task, and its event log if it is streamed."""
+
+    task: asyncio.Task[Any]
+    log: EventLog | None
+
+
 async def _start_in_background(prep: _Prepared, run: GenerationRun, texts: TokenTexts, state: ServerState) -> Response:
     """Admit the run (a 429 or 503 now, as for a request answered in place), keep the response as
     ``queued`` and generate it in a task of its own. The answer is the queued response, or with
@@ -575,13 +585,10 @@ async def _start_in_background(prep: _Prepared, run: GenerationRun, texts: Token
     _keep_without_turn(prep, state, queued)
     log = EventLog() if prep.req.stream else None
     task = asyncio.ensure_future(_generate_in_background(prep, run, texts, state, log))
-    state.background[prep.response_id] = task
-    if log is not None:
-        state.background_streams[prep.response_id] = log
+    state.background[prep.response_id] = Background(task, log)
 
     def done(task: asyncio.Task[Any]) -> None:
         state.background.pop(prep.response_id, None)
-        state.background_streams.pop(prep.response_id, None)
         if task.cancelled():  # cancelled before its first step: none of its code ran to end it
             _keep_without_turn(prep, state, _body(prep, "cancelled", [], None))
             if log is not None:
@@ -597,7 +604,7 @@ async def _start_in_background(prep: _Prepared, run: GenerationRun, texts: Token
 
 def _keep_without_turn(prep: _Prepared, state: ServerState, body: dict[str, Any]) -> None:
     """A background response not (yet) answered: its input, and no turn a later one could continue."""
-    state.responses.put(prep.response_id, body, prep.req.previous_response_id, [], _input_items(prep.req.input))
+    state.responses.put(prep.response_id, body, prep.req.previous_response_id, [], prep.input_items)
 
 
 async def _generate_in_background(
@@ -620,16 +627,11 @@ async def _generate_in_background(
             body = state.responses.get(prep.response_id)
         status = run.status if log is not None else 200
     except asyncio.CancelledError:
-        status = 499
-        body = _body(prep, "cancelled", [], None)
+        status, body = 499, _body(prep, "cancelled", [], None)
         _keep_without_turn(prep, state, body)
-    except APIError as exc:
-        status = exc.status_code
-        body = _body(prep, "failed", [], None, error=exc)
-        _keep_without_turn(prep, state, body)
-    except Exception as exc:  # noqa: BLE001 - a bug of ours: the response still ends, failed
-        error = errors.internal_error(f"{type(exc).__name__}: {exc}")
-        body = _body(prep, "failed", [], None, error=error)
+    except Exception as exc:  # noqa: BLE001 - an APIError, or a bug of ours: the response still ends, failed
+        error = exc if isinstance(exc, APIError) else errors.internal_error(f"{type(exc).__name__}: {exc}")
+        status, body = error.status_code, _body(prep, "failed", [], None, error=error)
         _keep_without_turn(prep, state, body)
     finally:
         if log is not None:
@@ -641,12 +643,12 @@ async def _generate_in_background(
 
 async def _stop_background(response_id: str, state: ServerState) -> dict[str, Any] | None:
     """Cancel a background response still generating; its final body (None if none runs)."""
-    task = state.background.get(response_id)
-    if task is None:
+    running = state.background.get(response_id)
+    if running is None:
         return None
-    task.cancel()
+    running.task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
-        return await task
+        return await running.task
     return state.responses.get(response_id)  # it never ran: its done callback kept it cancelled
 
 
@@ -691,7 +693,8 @@ async def get_response(request: Request, state: ServerState) -> Response:
         first = -1
     if first < 0:
         raise errors.invalid_request("`starting_after` must be a sequence number (an integer >= 0).", "starting_after")
-    log = state.background_streams.get(response_id)
+    running = state.background.get(response_id)
+    log = running.log if running is not None else None
     if log is not None:
         frames = log.follow(first)
     else:
