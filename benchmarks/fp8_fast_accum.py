@@ -15,27 +15,10 @@ import argparse
 import torch
 
 from pagecast.kernels import reference
+from pagecast.kernels.tuning import time_launches
 
 # Llama-3-8B: qkv, o, gate_up, down as (N, K).
 PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-
-
-def _graph_time(fn, reps: int = 20) -> float:  # type: ignore[no-untyped-def]
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    return sorted(times)[2]
 
 
 def main() -> None:
@@ -61,7 +44,8 @@ def main() -> None:
             for fast in (False, True):
                 y = run(fast).float()
                 errors.append(((y - exact).norm() / exact.norm()).item())
-            t_default, t_fast = _graph_time(lambda: run(False)), _graph_time(lambda: run(True))
+            # the tuner's timing: 20 launches captured in a CUDA graph, median of 5 replays, us a launch
+            t_default, t_fast = (time_launches(lambda _, fast=fast: run(fast), 20, reps=5) for fast in (False, True))
             flops = 2.0 * m * n * k
             print(
                 f"| {name} | {m} | {t_default:.1f} | {t_fast:.1f} | {t_fast / t_default:.3f} | "
