@@ -242,17 +242,18 @@ def test_an_unknown_response_is_a_404(client):  # type: ignore[no-untyped-def]
     assert "resp_nothing" in info.value.body["message"]
 
 
-def test_a_client_leaving_a_stream_frees_its_blocks(server):  # type: ignore[no-untyped-def]
-    def used() -> float:
-        return metric(metric_samples(server.url), "pagecast_kv_cache_blocks_used", model_name=MODEL)
+def _kv_blocks_used(server) -> float:  # type: ignore[no-untyped-def]
+    return metric(metric_samples(server.url), "pagecast_kv_cache_blocks_used", model_name=MODEL)
 
+
+def test_a_client_leaving_a_stream_frees_its_blocks(server):  # type: ignore[no-untyped-def]
     body = {"model": MODEL, "input": "Go on.", "max_output_tokens": 400, "stream": True}
     with httpx.Client(timeout=30) as c, c.stream("POST", f"{server.url}/v1/responses", json={**body, "ignore_eos": True}) as r:
         lines = r.iter_lines()
         while "response.output_text.delta" not in next(lines):
             pass
-        assert used() > 0  # mid-stream
-    wait_for(lambda: used() == 0, timeout=10)  # aborted when the connection closed, long before 400 tokens
+        assert _kv_blocks_used(server) > 0  # mid-stream
+    wait_for(lambda: _kv_blocks_used(server) == 0, timeout=10)  # aborted when the connection closed, long before 400 tokens
 
 
 def test_the_store_is_bounded_by_bytes_as_well_as_by_count():  # type: ignore[no-untyped-def]
@@ -282,10 +283,6 @@ def test_the_store_is_bounded_by_bytes_as_well_as_by_count():  # type: ignore[no
     for i in range(3):
         put(store, f"done{i}", 10)
     assert store.get("running") is not None and store.get("done0") is None and store.get("done2") is not None
-
-
-def _kv_blocks_used(server) -> float:  # type: ignore[no-untyped-def]
-    return metric(metric_samples(server.url), "pagecast_kv_cache_blocks_used", model_name=MODEL)
 
 
 def test_a_background_response_is_queued_then_polled_to_the_answer_in_place(client):  # type: ignore[no-untyped-def]
