@@ -28,7 +28,7 @@ from pagecast.runtime import generation_config
 from pagecast.runtime.artifact import load_manifest
 from pagecast.runtime.core_process import CoreClient, position_logprobs
 from pagecast.runtime.engine import tokenize_prompt, truncate_prompt
-from pagecast.runtime.engine_core import EngineOptions, check_prompt, new_sequences
+from pagecast.runtime.engine_core import EngineOptions, check_priority, check_prompt, new_sequences
 from pagecast.runtime.errors import ArtifactError, EngineDeadError, PagecastError
 from pagecast.runtime.loader import load_artifact_tokenizer
 from pagecast.runtime.messages import (
@@ -68,7 +68,8 @@ class AsyncEngine:
     """
 
     def __init__(self, artifact: str | os.PathLike[str], client: CoreClient | None = None, **options: Any):
-        EngineOptions(**options)  # a bad option fails here, not in the child process
+        # A bad option fails here, not in the child process.
+        self.scheduling_policy = EngineOptions(**options).scheduling_policy
         self.artifact_path = Path(artifact)
         manifest = load_manifest(self.artifact_path)  # raises ArtifactError for a bad artifact
         self._model_name = manifest.name
@@ -170,16 +171,18 @@ class AsyncEngine:
         self._deliver(output)
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as ``params.output_kind`` asks (cumulative by default; deltas
-        that a slow consumer missed arrive merged into one); the last has ``finished`` set."""
+        that a slow consumer missed arrive merged into one); the last has ``finished`` set.
+        ``priority``: under the "priority" scheduling policy, lower is served first."""
         if not self.is_alive():
             raise EngineDeadError(
                 f"the engine for {self.model_name} is not running" + (f" (it failed: {self._error})" if self._error else ""),
                 getattr(self._error, "error_id", None),
             )
         text, ids, max_tokens = self.validate(prompt, params)  # raises InvalidRequestError before anything is queued
+        check_priority(priority, self.scheduling_policy)
         request_id = request_id or f"cmpl-{uuid.uuid4().hex}"
         if request_id in self._streams:
             raise PagecastError(f"request id {request_id} is already in use")
@@ -187,10 +190,10 @@ class AsyncEngine:
         self._loop = loop
         stream = _Stream(loop)
         arrival = time.monotonic()
-        children = new_sequences(request_id, ids, params, self.eos_token_ids, max_tokens, arrival)
+        children = new_sequences(request_id, ids, params, self.eos_token_ids, max_tokens, arrival, priority)
         self._streams[request_id] = stream
         self.output_processor.add(ParentRequest(request_id, text, ids, children))
-        self._client.send(AddRequest(request_id, ids, params, max_tokens, arrival))
+        self._client.send(AddRequest(request_id, ids, params, max_tokens, arrival, priority))
         delta = params.output_kind == RequestOutputKind.DELTA
         finished = False
         try:

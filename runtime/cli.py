@@ -40,6 +40,7 @@ _ENGINE_OPTIONS = (
     "lazy_graphs",
     "mixed_graphs",
     "speculative_config",
+    "scheduling_policy",
 )
 
 
@@ -124,6 +125,13 @@ _ENGINE_OPTIONS = (
     default=None,
     help='Speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
     '(methods: ngram, draft_model, eagle3); "off" disables the one built into the artifact [default: the artifact\'s].',
+)
+@click.option(
+    "--scheduling-policy",
+    type=click.Choice(["fcfs", "priority"]),
+    default=None,
+    help="The order requests are served in: fcfs (first come, first served) or priority (a request's "
+    "`priority`, lower first, then arrival; the lowest is preempted first when KV blocks run out) [default: fcfs].",
 )
 @click.option(
     "--chat-template",

@@ -353,7 +353,8 @@ def _loop(channel: CoreChannel, core: Any, decoder: Any, compiles: Any) -> int:
                 if isinstance(msg, AddRequest):
                     try:
                         core.add_request(
-                            msg.request_id, msg.prompt_token_ids, msg.params, msg.max_tokens, msg.arrival_time
+                            msg.request_id, msg.prompt_token_ids, msg.params, msg.max_tokens, msg.arrival_time,
+                            msg.priority,
                         )
                     except Exception as exc:  # noqa: BLE001 - the request fails, the engine goes on
                         failed[msg.request_id] = RequestFailure.of(exc)

@@ -110,12 +110,15 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         validated: tuple[str | None, list[int], int] | None = None,
+        priority: int = 0,
     ) -> str:
+        """Queue a request; returns its id. ``priority``: under the "priority" scheduling policy
+        (EngineOptions.scheduling_policy), lower is served first; under "fcfs" only 0."""
         text, ids, max_tokens = validated or self.validate(prompt, params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.output_processor.parents:
             raise InvalidRequestError(f"request id {request_id!r} is already running", param="request_id")
-        children = self.core.add_request(request_id, ids, params, max_tokens, arrival_time)
+        children = self.core.add_request(request_id, ids, params, max_tokens, arrival_time, priority)
         self.output_processor.add(ParentRequest(request_id, text, ids, children))
         return request_id
 

@@ -34,9 +34,9 @@ from pagecast.runtime.loader import LoadedArtifact, load_artifact, zeros_kv_cach
 from pagecast.runtime.messages import EngineStats
 from pagecast.runtime.model_runner import LaunchedStep, ModelRunner, RunnerOutput
 from pagecast.runtime.outputs import PositionLogprobs
-from pagecast.runtime.request import Request, RequestStatus
+from pagecast.runtime.request import PRIORITY_LIMIT, Request, RequestStatus
 from pagecast.runtime.sampling_params import SamplingParams
-from pagecast.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagecast.runtime.scheduler import POLICIES, Scheduler, SchedulerConfig, SchedulerOutput
 from pagecast.runtime.speculative import SpeculativeConfig, make_proposer
 from pagecast.runtime.structured_output import GrammarKey, GrammarState, tokenizer_loader
 
@@ -216,6 +216,10 @@ class EngineOptions:
     # takes the artifact's. Anything else must name the artifact's ("fp8" for an fp8 build), else
     # the engine refuses to start and says how to rebuild.
     kv_cache_dtype: str | None = None
+    # The order requests are served in (runtime/scheduler.py): "fcfs", first come first served, or
+    # "priority", by each request's ``priority`` (lower first), then arrival. Under "fcfs" a
+    # request with a priority other than 0 is refused, as vLLM refuses it.
+    scheduling_policy: str = "fcfs"
     # Speculative decoding (runtime/speculative.py): a dict or JSON text such as {"method":
     # "ngram", "num_speculative_tokens": 4}; None takes the artifact's (enginebuild
     # --speculative-config), "off" turns the artifact's off.
@@ -234,6 +238,8 @@ class EngineOptions:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
         if self.kv_cache_memory is not None and parse_size(self.kv_cache_memory) <= 0:
             raise ValueError("kv_cache_memory must be positive")
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)} (got {self.scheduling_policy!r})")
         if self.speculative_config != "off":
             SpeculativeConfig.parse(self.speculative_config)  # a bad config fails here, with its reason
 
@@ -401,6 +407,7 @@ class EngineCore:
                 max_num_prefill_tokens=self.max_num_prefill_tokens,
                 max_model_len=self.max_model_len,
                 prefill_context_weight=CPU_PREFILL_CONTEXT_WEIGHT if cpu_default else 0.0,
+                policy=options.scheduling_policy,  # type: ignore[arg-type]
             ),
             self.block_pool,
         )
@@ -487,11 +494,15 @@ class EngineCore:
         params: SamplingParams,
         max_tokens: int,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> list[Request]:
         """Queue a checked request as its n sequences; returns them."""
         if request_id in self._parents:
             raise InvalidRequestError(f"request id {request_id!r} is already running", param="request_id")
-        children = new_sequences(request_id, prompt_token_ids, params, self.eos_token_ids, max_tokens, arrival_time)
+        check_priority(priority, self.options.scheduling_policy)
+        children = new_sequences(
+            request_id, prompt_token_ids, params, self.eos_token_ids, max_tokens, arrival_time, priority
+        )
         if self.options.enable_prefix_caching and params.prompt_logprobs is None:
             for child in children[1:]:  # the siblings share the first one's prompt blocks
                 child.prefill_after = children[0]
@@ -902,6 +913,7 @@ def new_sequences(
     eos_token_ids: frozenset[int],
     max_tokens: int,
     arrival_time: float | None,
+    priority: int = 0,
 ) -> list[Request]:
     """The n sequences of a request, named ``id`` (n == 1) or ``id#i``; the server's output side
     makes the same ones to mirror the core's."""
@@ -915,9 +927,25 @@ def new_sequences(
             parent_id=request_id,
             index=i,
             arrival_time=arrival_time,
+            priority=priority,
         )
         for i in range(params.n)
     ]
+
+
+def check_priority(priority: int, policy: str) -> None:
+    """Refuse a priority the engine's scheduling policy cannot honour (InvalidRequestError,
+    param "priority"): any but 0 under "fcfs", as vLLM does, and any past 64 bits."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidRequestError(f"priority must be an integer, got {priority!r}", param="priority")
+    if priority != 0 and policy != "priority":
+        raise InvalidRequestError(
+            f"priority {priority} needs priority scheduling; this engine serves first come, first served "
+            "(start it with --scheduling-policy priority, or leave priority at 0)",
+            param="priority",
+        )
+    if not -PRIORITY_LIMIT <= priority <= PRIORITY_LIMIT:
+        raise InvalidRequestError(f"priority must be within +-(2**63 - 1), got {priority}", param="priority")
 
 
 def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> int:

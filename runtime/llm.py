@@ -18,6 +18,7 @@ from typing import Any
 
 from pagecast.runtime import chat_prompts, generation_config
 from pagecast.runtime.engine import LLMEngine
+from pagecast.runtime.engine_core import check_priority
 from pagecast.runtime.outputs import RequestOutput
 from pagecast.runtime.progress import GenerateProgress
 from pagecast.runtime.sampling_params import SamplingParams
@@ -94,11 +95,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in prompt order. A prompt is a string, a list of token
         ids, or (as vLLM's TextPrompt and TokensPrompt) ``{"prompt": str}`` or
         ``{"prompt_token_ids": [int, ...]}``. ``use_tqdm``: show a progress bar (prompts
-        finished, tokens per second) on stderr while the batch runs."""
+        finished, tokens per second) on stderr while the batch runs. ``priority``: one per
+        prompt, for an engine made with ``scheduling_policy="priority"`` (lower is served first)."""
         if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = [_prompt_of(p, i) for i, p in enumerate(prompts)]  # type: ignore[union-attr]
@@ -109,10 +112,16 @@ class LLM:
         )
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priorities)} priorities")
         # Validate everything first, so a bad prompt fails the call before any work starts.
+        for p in priorities:
+            check_priority(p, self.engine.options.scheduling_policy)
         validated = [self.engine.validate(p, sp) for p, sp in zip(prompts, params)]
         ids = [
-            self.engine.add_request(None, p, sp, validated=v) for p, sp, v in zip(prompts, params, validated)
+            self.engine.add_request(None, p, sp, validated=v, priority=pr)
+            for p, sp, v, pr in zip(prompts, params, validated, priorities)
         ]
         finished: dict[str, RequestOutput] = {}
         progress = GenerateProgress(len(ids), enabled=use_tqdm)

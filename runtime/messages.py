@@ -56,6 +56,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     params: SamplingParams
     max_tokens: int
     arrival_time: float  # time.monotonic() in the front end (the clock is shared by processes)
+    priority: int = 0  # the "priority" scheduling policy's (lower first); checked by the front end
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):

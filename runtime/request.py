@@ -37,6 +37,8 @@ _FINISH_REASONS = {
 }
 
 
+PRIORITY_LIMIT = 2**63 - 1  # a priority travels to the engine core as a signed 64-bit integer
+
 class Request:
     """One sequence being generated.
 
@@ -56,6 +58,7 @@ class Request:
         parent_id: str | None = None,
         index: int = 0,
         arrival_time: float | None = None,
+        priority: int = 0,
     ):
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
@@ -77,6 +80,10 @@ class Request:
         # Chained hashes of this request's full blocks, filled by the block pool.
         self.block_hashes: list[int] = []
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
+        # The "priority" scheduling policy's order: lower first, then arrival (scheduler._order);
+        # arrival_order is set by the scheduler when it queues the request.
+        self.priority = priority
+        self.arrival_order = 0
         self.num_cached_tokens = 0
         # For the 2nd..nth choice of an n > 1 request: the first choice, whose prompt blocks this
         # one reuses from the prefix cache; it is admitted once that prompt is computed.

@@ -6,17 +6,30 @@ and ``num_computed_tokens`` (tokens whose K/V are cached); each step hands every
 prefill chunk is a request many tokens behind, and both share one batch. When KV blocks run out
 the newest running request is preempted: its blocks are freed and it later recomputes all its
 tokens (prefix cache hits make that cheap). The scheduler never looks at the model or the device.
+
+Two policies order the queues (``SchedulerConfig.policy``, vLLM's ``--scheduling-policy``):
+"fcfs" serves requests in arrival order; "priority" in order of ``Request.priority`` (lower
+first), then arrival. Under "priority" the waiting queue is kept in that order and the running
+one is put in it at the start of every step, so the request preempted when blocks run out is the
+one of the lowest priority (the newest of those), and the one admitted next the one of the
+highest. As in vLLM, a waiting request never preempts a running one to get in: it is admitted
+first once blocks or a batch slot are free.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from pagecast.runtime.block_pool import BlockPool
 from pagecast.runtime.request import Request, RequestStatus
+
+POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)
@@ -32,6 +45,7 @@ class SchedulerConfig:
     ``prefill_context_weight`` (w, 0: none) makes that bound one of cost: a prompt token after c
     tokens of context counts as 1 + c * w of it, so a chunk at the end of a long prompt, where
     each token attends to all before it, is smaller than one at its start (the CPU's).
+    ``policy``: "fcfs" or "priority" (the module's docstring).
     """
 
     max_num_seqs: int = 256
@@ -39,6 +53,7 @@ class SchedulerConfig:
     max_model_len: int = 4096
     max_num_prefill_tokens: int | None = None
     prefill_context_weight: float = 0.0
+    policy: Literal["fcfs", "priority"] = "fcfs"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_num_prefill_tokens"):
@@ -47,6 +62,8 @@ class SchedulerConfig:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if not self.prefill_context_weight >= 0.0:
             raise ValueError(f"prefill_context_weight must be >= 0, got {self.prefill_context_weight!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -88,9 +105,10 @@ class Scheduler:
     """Decides each step's batch and keeps the running and waiting queues.
 
     Call ``schedule()``, run the model on its output, then ``update_from_output()`` with the
-    sampled tokens, in that order, once per step. ``running`` is in admission order (the newest
-    last, which is the one preempted first); ``waiting`` is first-come first-served, with
-    preempted requests put back at the front.
+    sampled tokens, in that order, once per step. Under "fcfs" ``running`` is in admission order
+    (the newest last, which is the one preempted first) and ``waiting`` in arrival order, with
+    preempted requests put back at the front. Under "priority" both are in ``_order`` (highest
+    priority first); a preempted request goes back to its place in it.
     """
 
     def __init__(self, config: SchedulerConfig, block_pool: BlockPool):
@@ -102,6 +120,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._finished_request_ids: set[str] = set()
+        self._by_priority = config.policy == "priority"
+        self._arrivals = itertools.count()  # ties of priority and arrival time go to the first added
 
     @property
     def num_running(self) -> int:
@@ -126,8 +146,12 @@ class Scheduler:
                 f"max_model_len ({self.config.max_model_len})"
             )
         request.status = RequestStatus.WAITING
+        request.arrival_order = next(self._arrivals)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if self._by_priority:
+            bisect.insort(self.waiting, request, key=_order)
+        else:
+            self.waiting.append(request)
 
     def _prefill_tokens(self, prefill_budget: float, context: int) -> int:
         """How many prompt tokens after ``context`` tokens the rest of a step's prefill budget
@@ -154,6 +178,8 @@ class Scheduler:
         preempted: list[Request] = []
         spec: dict[str, list[int]] = {}
         running = self.running
+        if self._by_priority:
+            running.sort(key=_order)  # in order already but for last step's admissions
 
         i = 0
         while i < len(running) and budget > 0:
@@ -183,7 +209,9 @@ class Scheduler:
                 i += 1
                 continue
             while not pool.allocate_slots(request, num_new):
-                victim = running.pop()  # the newest; never one already scheduled (index >= i)
+                # the newest (fcfs) or the last in priority order; never one already scheduled
+                # (index >= i), all of which come before it in that order
+                victim = running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -218,7 +246,7 @@ class Scheduler:
                 if num_new <= 0:
                     break  # no prompt tokens left for this step
                 if not pool.allocate_slots(request, num_new, computed_blocks):
-                    break  # FCFS: nobody overtakes the head of the queue
+                    break  # nobody overtakes the head of the queue (the first come, or the highest priority)
                 waiting.popleft()
                 self._admit(request, num_cached)
                 running.append(request)
@@ -385,7 +413,15 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        if self._by_priority:
+            bisect.insort(self.waiting, request, key=_order)
+        else:
+            self.waiting.appendleft(request)
+
+
+def _order(request: Request) -> tuple[int, float, int]:
+    """The "priority" policy's order: priority (lower first), then arrival."""
+    return (request.priority, request.metrics.arrival_time, request.arrival_order)
 
 
 def _needs_prompt_logprobs(request: Request) -> bool:

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 
+from pagecast.runtime.request import PRIORITY_LIMIT
 from pagecast.runtime.sampling_params import SamplingParams, StructuredOutput, kept_tokens
 from pagecast.runtime.server.errors import (
     APIError,
@@ -118,9 +119,10 @@ class _SamplingRequest(RequestModel):
     # vLLM's: keep only the prompt's last k tokens (-1: as many as the context holds), so a long
     # document can be sent as it is; usage counts the tokens kept.
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
-    # vLLM's: a scheduling priority, where priority scheduling is on. This server schedules first
-    # come, first served, so only the default is accepted (as vLLM does under its default policy).
-    priority: int = 0
+    # vLLM's: a scheduling priority (lower is served first) for an engine started with
+    # --scheduling-policy priority; under the default policy (first come, first served) only 0 is
+    # accepted, as vLLM does (GenerationRun checks it against the model's engine).
+    priority: int = Field(0, ge=-PRIORITY_LIMIT, le=PRIORITY_LIMIT)
 
     @field_validator("stop")
     @classmethod
@@ -158,8 +160,6 @@ class _SamplingRequest(RequestModel):
     def check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise invalid_request("`stream_options` is only allowed when `stream` is true.", "stream_options")
-        if self.priority != 0:
-            raise unsupported("priority", "requests are scheduled first come, first served; leave it at 0")
         if self.prompt_logprobs is not None and self.stream:
             raise invalid_request("`prompt_logprobs` are not available when `stream` is true.", "prompt_logprobs")
 

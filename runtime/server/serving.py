@@ -227,9 +227,17 @@ class GenerationRun:
         endpoint: str,
         prompts: list[list[int]],
         params: SamplingParams,
+        priority: int = 0,
     ):
+        if priority != 0 and getattr(model.engine, "scheduling_policy", "fcfs") != "priority":
+            raise errors.unsupported(
+                "priority",
+                f"model {model.name!r} serves requests first come, first served; leave priority at 0, or start "
+                "engine-serve with --scheduling-policy priority",
+            )
         self.state = state
         self.model = model
+        self.priority = priority
         self.request_id = request_id
         self.endpoint = endpoint
         self.prompts = prompts
@@ -266,7 +274,7 @@ class GenerationRun:
         self.admit()
         engine = self.model.engine
         self._streams = [
-            engine.generate(ids, self.params, request_id=rid)
+            engine.generate(ids, self.params, request_id=rid, priority=self.priority)
             for ids, rid in zip(self.prompts, self.engine_ids, strict=True)
         ]
         try:

@@ -46,7 +46,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     # Parsing, templating and tokenizing cost time proportional to the request: off the event
     # loop, so /health and running streams keep their pace whatever one request sends.
     req, model, prompt_ids, params, tools = await anyio.to_thread.run_sync(_prepare, body, state)
-    run = GenerationRun(state, model, new_request_id("chatcmpl"), ENDPOINT, [prompt_ids], params)
+    run = GenerationRun(state, model, new_request_id("chatcmpl"), ENDPOINT, [prompt_ids], params, req.priority)
     created = int(time.time())
     texts = TokenTexts(model.engine.tokenizer)
     return await respond(

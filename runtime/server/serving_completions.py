@@ -49,7 +49,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     req, model, prompt_ids, prompt_texts, score_only, params = await anyio.to_thread.run_sync(
         _prepare, body, state
     )
-    run = GenerationRun(state, model, new_request_id("cmpl"), ENDPOINT, prompt_ids, params)
+    run = GenerationRun(state, model, new_request_id("cmpl"), ENDPOINT, prompt_ids, params, req.priority)
     created = int(time.time())
     texts = TokenTexts(model.engine.tokenizer)
     return await respond(
