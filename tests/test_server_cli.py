@@ -259,11 +259,13 @@ def test_engine_options_reach_the_engines(tmp_path, monkeypatch):  # type: ignor
         raise SystemExit(3)
 
     monkeypatch.setattr(cli, "_load_engines", load)
-    args = [str(tmp_path), "--max-num-prefill-tokens", "512", "--max-num-batched-tokens", "4096"]
+    args = [str(tmp_path), "--max-num-prefill-tokens", "512", "--max-num-batched-tokens", "4096",
+            "--scheduling-policy", "priority"]  # fmt: skip
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 3, result.output
-    assert seen == {"max_num_prefill_tokens": 512, "max_num_batched_tokens": 4096}
+    assert seen == {"max_num_prefill_tokens": 512, "max_num_batched_tokens": 4096, "scheduling_policy": "priority"}
     assert CliRunner().invoke(main, [str(tmp_path), "--max-num-prefill-tokens", "0"]).exit_code == 2
+    assert CliRunner().invoke(main, [str(tmp_path), "--scheduling-policy", "lifo"]).exit_code == 2
 
 
 def test_the_reasoning_parser_reaches_the_app(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
