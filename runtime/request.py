@@ -39,6 +39,7 @@ _FINISH_REASONS = {
 
 PRIORITY_LIMIT = 2**63 - 1  # a priority travels to the engine core as a signed 64-bit integer
 
+
 class Request:
     """One sequence being generated.
 
