@@ -68,7 +68,7 @@ def main() -> None:
             if not (torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)):
                 cells.append("DIFFERS")
                 continue
-            us = time_launches(lambda i, q=q, s=s, b=block, w=warps: launch(x, q, s, b, w), 20)
+            us = time_launches(lambda i, x=x, q=q, s=s, b=block, w=warps: launch(x, q, s, b, w), 20)
             cells.append(f"{us:.1f} us ({moved / us / 1e3 / bw:.0%})")
         print(f"| {m} | " + " | ".join(cells) + " |", flush=True)
 
