@@ -12,8 +12,9 @@ Two policies order the queues (``SchedulerConfig.policy``, vLLM's ``--scheduling
 first), then arrival. Under "priority" the waiting queue is kept in that order and the running
 one is put in it at the start of every step, so the request preempted when blocks run out is the
 one of the lowest priority (the newest of those), and the one admitted next the one of the
-highest. As in vLLM, a waiting request never preempts a running one to get in: it is admitted
-first once blocks or a batch slot are free.
+highest. A waiting request never preempts a running one to get in, whatever their priorities
+(decided: a preemption throws away the victim's computed K/V, and the running requests finish
+or grow into a preemption soon enough); it is admitted first once blocks or a batch slot are free.
 """
 
 from __future__ import annotations
