@@ -164,6 +164,7 @@ class _QueuedEngine(AsyncEngine):
 
     def __init__(self) -> None:  # noqa: D107 - no core: the attributes generate() reads
         self._model_name, self._error, self._streams, self.eos_token_ids = "m", None, {}, frozenset()
+        self.scheduling_policy = "fcfs"
         self.output_processor = types.SimpleNamespace(add=lambda parent: None)
         self._client = types.SimpleNamespace(send=lambda message: None)
         self.aborted: list[str] = []
